@@ -1,0 +1,62 @@
+//! The HTTP surface: the agent REST and WebSocket API (`/v1`), operations endpoints
+//! (`/healthz`, `/metrics`), and the API document (`/openapi.json`).
+//!
+//! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
+//! shapes; it holds the session [`Registry`] and never names a sandbox backend.
+
+pub mod auth;
+pub mod error;
+mod ops;
+mod sessions;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+
+use crate::config::User;
+use crate::session::Registry;
+
+/// Limits the API enforces on requests.
+#[derive(Debug, Clone)]
+pub struct ApiLimits {
+    pub max_code_bytes: usize,
+    pub max_file_bytes: usize,
+    pub execution_timeout: Duration,
+    pub max_execution_timeout: Duration,
+}
+
+/// Shared state of every handler. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub registry: Registry,
+    pub users: Arc<Vec<Arc<User>>>,
+    pub limits: Arc<ApiLimits>,
+    pub started: std::time::Instant,
+}
+
+impl AppState {
+    /// The execution timeout for a request's value, capped by the configured maximum.
+    pub fn execution_timeout(&self, requested: Option<f64>) -> Result<Duration, error::ApiError> {
+        match requested {
+            None => Ok(self.limits.execution_timeout),
+            Some(s) if s.is_finite() && s > 0.0 => {
+                Ok(Duration::from_secs_f64(s.min(self.limits.max_execution_timeout.as_secs_f64())))
+            }
+            Some(_) => Err(error::ApiError::bad_request(
+                "timeout_seconds must be a positive number",
+            )),
+        }
+    }
+}
+
+/// The whole router (tests call it without a socket).
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .merge(sessions::routes())
+        .merge(stream::routes())
+        .merge(ops::routes())
+        .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
+        .with_state(state)
+}

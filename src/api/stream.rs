@@ -1,0 +1,223 @@
+//! The agent stream: `GET /v1/sessions/{id}/stream`, a WebSocket of JSON text frames.
+//!
+//! Each connection has one writer task fed by a bounded queue; each execution gets a
+//! forwarding task that turns the session's output events into frames tagged with the
+//! client's execution id. Session state changes reach every attached client. The session
+//! never waits on a client: when a client falls behind, streamed copies are dropped and the
+//! final `done` frame still carries the whole (limited) Execution.
+
+use std::sync::Arc;
+
+use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::response::Response;
+use axum::routing::get;
+use axum::Router;
+use futures::{SinkExt, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+use super::auth::Caller;
+use super::error::ApiResult;
+use super::sessions::session_of;
+use super::AppState;
+use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/v1/sessions/{id}/stream", get(upgrade))
+}
+
+async fn upgrade(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ws: WebSocketUpgrade,
+) -> ApiResult<Response> {
+    let session = session_of(&state, &caller, &id)?;
+    let max_frame = state.limits.max_code_bytes * 2 + 4096;
+    Ok(ws
+        .max_message_size(max_frame)
+        .on_upgrade(move |socket| serve(socket, session, state)))
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ClientFrame {
+    Execute {
+        id: Value,
+        code: String,
+        #[serde(default)]
+        timeout_seconds: Option<f64>,
+    },
+    InputReply { value: String },
+    Interrupt {},
+}
+
+/// Frames to the client are queued here; the writer task drains it.
+const OUT_QUEUE: usize = 1024;
+
+async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
+    let _guard = session.connect_client();
+    let (mut sink, mut source) = socket.split();
+    let (out, mut out_rx) = mpsc::channel::<String>(OUT_QUEUE);
+
+    let writer = tokio::spawn(async move {
+        while let Some(text) = out_rx.recv().await {
+            if sink.send(WsMessage::Text(text.into())).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+
+    // Session state changes for this client.
+    let status_task = {
+        let out = out.clone();
+        let mut events = session.subscribe();
+        let initial = session.state();
+        tokio::spawn(async move {
+            let _ = out.send(status_frame(initial)).await;
+            loop {
+                match events.recv().await {
+                    Ok(SessionEvent::State(s)) => {
+                        if matches!(s, SessionState::Starting) {
+                            continue;
+                        }
+                        if out.send(status_frame(s)).await.is_err() {
+                            return;
+                        }
+                        if matches!(s, SessionState::Expired | SessionState::Closed) {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        })
+    };
+
+    while let Some(frame) = source.next().await {
+        let text = match frame {
+            Ok(WsMessage::Text(t)) => t,
+            Ok(WsMessage::Binary(_)) => {
+                send_protocol_error(&out, "binary frames are not accepted; send JSON text frames").await;
+                continue;
+            }
+            Ok(WsMessage::Close(_)) => break,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::debug!(session = %session.id, error = %e, "websocket read ended");
+                break;
+            }
+        };
+        let frame: ClientFrame = match serde_json::from_str(text.as_str()) {
+            Ok(f) => f,
+            Err(e) => {
+                send_protocol_error(&out, &format!("cannot take this frame: {e}")).await;
+                continue;
+            }
+        };
+        match frame {
+            ClientFrame::Execute { id, code, timeout_seconds } => {
+                start_execution(&state, &session, &out, id, code, timeout_seconds).await;
+            }
+            ClientFrame::InputReply { value } => {
+                if let Err(e) = session.input_reply(value) {
+                    send_protocol_error(&out, &e.to_string()).await;
+                }
+            }
+            ClientFrame::Interrupt {} => {
+                if let Err(e) = session.interrupt().await {
+                    send_protocol_error(&out, &e.to_string()).await;
+                }
+            }
+        }
+        if matches!(session.state(), SessionState::Expired | SessionState::Closed) {
+            break;
+        }
+    }
+    status_task.abort();
+    drop(out);
+    let _ = writer.await;
+}
+
+fn status_frame(s: SessionState) -> String {
+    json!({"type": "status", "state": s.as_str()}).to_string()
+}
+
+async fn send_protocol_error(out: &mpsc::Sender<String>, message: &str) {
+    let _ = out
+        .send(json!({"type": "protocol_error", "message": message}).to_string())
+        .await;
+}
+
+async fn start_execution(
+    state: &AppState,
+    session: &Arc<Session>,
+    out: &mpsc::Sender<String>,
+    id: Value,
+    code: String,
+    timeout_seconds: Option<f64>,
+) {
+    let fail = |message: String| json!({"type": "protocol_error", "id": id, "message": message}).to_string();
+    if let Err(e) = super::sessions::check_code(state, &code) {
+        let _ = out.send(fail(e.message)).await;
+        return;
+    }
+    let timeout = match state.execution_timeout(timeout_seconds) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = out.send(fail(e.message)).await;
+            return;
+        }
+    };
+    let (stream_tx, mut stream_rx) = mpsc::channel(OUT_QUEUE);
+    let (done_tx, done_rx) = oneshot::channel();
+    if let Err(e) = session.execute(ExecRequest {
+        code,
+        timeout,
+        allow_stdin: true,
+        stream: Some(stream_tx),
+        done: done_tx,
+    }) {
+        let _ = out.send(fail(e.to_string())).await;
+        return;
+    }
+    let out = out.clone();
+    tokio::spawn(async move {
+        while let Some(ev) = stream_rx.recv().await {
+            if out.send(event_frame(&id, ev)).await.is_err() {
+                return;
+            }
+        }
+        // The stream closes when the execution is finished; then the result is there.
+        if let Ok(execution) = done_rx.await {
+            let _ = out
+                .send(json!({"type": "done", "id": id, "execution": execution}).to_string())
+                .await;
+        }
+    });
+}
+
+fn event_frame(id: &Value, ev: OutputEvent) -> String {
+    match ev {
+        OutputEvent::Stdout(text) => json!({"type": "stdout", "id": id, "text": text}),
+        OutputEvent::Stderr(text) => json!({"type": "stderr", "id": id, "text": text}),
+        OutputEvent::Display { data, metadata } => {
+            json!({"type": "display", "id": id, "data": data, "metadata": metadata})
+        }
+        OutputEvent::Result { data, metadata } => {
+            json!({"type": "result", "id": id, "data": data, "metadata": metadata})
+        }
+        OutputEvent::Error(e) => json!({
+            "type": "error", "id": id, "ename": e.ename, "evalue": e.evalue, "traceback": e.traceback
+        }),
+        OutputEvent::InputRequest { prompt, password } => {
+            json!({"type": "input_request", "id": id, "prompt": prompt, "password": password})
+        }
+    }
+    .to_string()
+}

@@ -1,0 +1,432 @@
+//! Settings: command-line flags, then `KERNEL_BROKER_<NAME>` environment variables, then the
+//! TOML config file, then defaults (strongest first). Also the users file and tokens.
+//!
+//! Every setting is a flag of `kernel-broker serve` (so `serve --help` lists all of them),
+//! an environment variable, and a key of the config file with the same name in snake case.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Deserialize;
+
+use crate::sandbox::UserLimits;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("could not read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid TOML for kernel-broker: {reason}")]
+    Parse { path: PathBuf, reason: String },
+    #[error("invalid setting: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Parser)]
+#[command(name = "kernel-broker", version, about = "Long-lived, sandboxed IPython sessions for agents and notebook frontends")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the broker.
+    Serve(Box<ServeArgs>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxKind {
+    Local,
+    Docker,
+}
+
+/// Flags of `serve`. Each is optional so the config file can supply it; each can also come
+/// from `KERNEL_BROKER_<NAME>`.
+#[derive(Debug, Clone, Default, clap::Args, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeArgs {
+    /// Address to listen on [default: 127.0.0.1:8888]
+    #[arg(long, env = "KERNEL_BROKER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// TOML config file (keys as these flags, in snake case)
+    #[arg(long, env = "KERNEL_BROKER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// TOML users file: [[user]] tables with name, token and optional limits
+    #[arg(long, env = "KERNEL_BROKER_USERS_FILE")]
+    pub users_file: Option<PathBuf>,
+    /// Where kernels run [default: local]
+    #[arg(long, env = "KERNEL_BROKER_SANDBOX")]
+    pub sandbox: Option<SandboxKind>,
+    /// Directory for workspaces, runtime sockets and recordings [default: ./.data]
+    #[arg(long, env = "KERNEL_BROKER_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Seconds without activity before a session expires; 0 never [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
+    pub idle_timeout: Option<u64>,
+    /// Largest idle timeout a request may ask for, seconds [default: 86400]
+    #[arg(long, env = "KERNEL_BROKER_MAX_IDLE_TIMEOUT")]
+    pub max_idle_timeout: Option<u64>,
+    /// A session busy this many seconds without a break may expire anyway [default: 3600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_BUSY")]
+    pub max_busy: Option<u64>,
+    /// Execution timeout when the request gives none, seconds [default: 60]
+    #[arg(long, env = "KERNEL_BROKER_EXECUTION_TIMEOUT")]
+    pub execution_timeout: Option<f64>,
+    /// Largest execution timeout a request may ask for, seconds [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_EXECUTION_TIMEOUT")]
+    pub max_execution_timeout: Option<f64>,
+    /// After a timeout's interrupt, seconds to wait before restarting the kernel [default: 5]
+    #[arg(long, env = "KERNEL_BROKER_INTERRUPT_GRACE")]
+    pub interrupt_grace: Option<f64>,
+    /// stdout and stderr are each cut at this many characters [default: 10000]
+    #[arg(long, env = "KERNEL_BROKER_OUTPUT_LIMIT")]
+    pub output_limit: Option<usize>,
+    /// Results (displays and the main result) of one execution above this many bytes are refused [default: 16777216]
+    #[arg(long, env = "KERNEL_BROKER_RESULT_LIMIT")]
+    pub result_limit: Option<usize>,
+    /// Largest code of one execution, bytes [default: 1048576]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CODE_BYTES")]
+    pub max_code_bytes: Option<usize>,
+    /// Largest uploaded file, bytes [default: 104857600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_FILE_BYTES")]
+    pub max_file_bytes: Option<usize>,
+    /// Live sessions one user may hold [default: 20]
+    #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
+    pub max_sessions_per_user: Option<usize>,
+    /// Executions waiting on one session [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_QUEUE")]
+    pub max_queue: Option<usize>,
+    /// Default memory limit per user, bytes [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_MEMORY_LIMIT")]
+    pub memory_limit: Option<u64>,
+    /// Default CPU limit per user, cores [default: 1]
+    #[arg(long, env = "KERNEL_BROKER_CPU_LIMIT")]
+    pub cpu_limit: Option<f64>,
+    /// Default process limit per user [default: 256]
+    #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
+    pub pids_limit: Option<u64>,
+    /// Directory of kernel specs and their Python environment [default: ./kernels]
+    #[arg(long, env = "KERNEL_BROKER_KERNELS_DIR")]
+    pub kernels_dir: Option<PathBuf>,
+    /// Python interpreter that runs kernels [default: <kernels-dir>/.venv/bin/python]
+    #[arg(long, env = "KERNEL_BROKER_PYTHON")]
+    pub python: Option<PathBuf>,
+    /// First host uid for kernels of the local sandbox (user N runs as base+N+1) [default: 200000]
+    #[arg(long, env = "KERNEL_BROKER_UID_BASE")]
+    pub uid_base: Option<u32>,
+    /// Name of the broker's cgroup (everything below it is the broker's) [default: kernel-broker]
+    #[arg(long, env = "KERNEL_BROKER_CGROUP_NAME")]
+    pub cgroup_name: Option<String>,
+    /// Refuse to start when cgroup limits cannot be enforced [default: true]
+    #[arg(long, env = "KERNEL_BROKER_REQUIRE_LIMITS")]
+    pub require_limits: Option<bool>,
+    /// Docker Engine socket [default: /var/run/docker.sock]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_SOCKET")]
+    pub docker_socket: Option<String>,
+    /// Kernel image for the docker sandbox [default: kernel-broker/python-kernel:latest]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_IMAGE")]
+    pub docker_image: Option<String>,
+    /// Seconds a user's container lives on with no session [default: 300]
+    #[arg(long, env = "KERNEL_BROKER_CONTAINER_IDLE")]
+    pub container_idle: Option<u64>,
+}
+
+/// One user: a name, its token, and its limits.
+#[derive(Debug, Clone)]
+pub struct User {
+    pub name: String,
+    pub token: String,
+    pub index: u32,
+    pub limits: UserLimits,
+    pub max_sessions: usize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsersFile {
+    #[serde(default)]
+    user: Vec<UserEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UserEntry {
+    name: String,
+    token: String,
+    memory_bytes: Option<u64>,
+    cpus: Option<f64>,
+    pids: Option<u64>,
+    max_sessions: Option<usize>,
+}
+
+/// Where the users came from, for the start-up message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenSource {
+    UsersFile(PathBuf),
+    Environment,
+    /// Generated at start: print it once.
+    Generated,
+}
+
+/// The resolved settings the broker runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: SocketAddr,
+    pub sandbox: SandboxKind,
+    pub data_dir: PathBuf,
+    pub idle_timeout: Duration,
+    pub max_idle_timeout: Duration,
+    pub max_busy: Duration,
+    pub execution_timeout: Duration,
+    pub max_execution_timeout: Duration,
+    pub interrupt_grace: Duration,
+    pub output_limit: usize,
+    pub result_limit: usize,
+    pub max_code_bytes: usize,
+    pub max_file_bytes: usize,
+    pub max_queue: usize,
+    pub kernels_dir: PathBuf,
+    pub python: PathBuf,
+    pub uid_base: u32,
+    pub require_limits: bool,
+    pub cgroup_name: String,
+    pub docker_socket: String,
+    pub docker_image: String,
+    pub container_idle: Duration,
+    pub users: Vec<User>,
+    pub token_source: TokenSource,
+}
+
+fn read_toml<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+fn secs(v: f64, name: &str) -> Result<Duration, ConfigError> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| ConfigError::Invalid(format!("{name} must be a non-negative number of seconds")))
+}
+
+fn valid_user_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+impl Settings {
+    /// Merge flags/environment (already in `args`), the config file, and defaults.
+    /// `env_token` is `KERNEL_BROKER_TOKEN`.
+    pub fn resolve(args: ServeArgs, env_token: Option<String>) -> Result<Self, ConfigError> {
+        let file: ServeArgs = match &args.config {
+            Some(path) => read_toml(path)?,
+            None => ServeArgs::default(),
+        };
+        macro_rules! pick {
+            ($field:ident, $default:expr) => {
+                args.$field.clone().or(file.$field.clone()).unwrap_or_else(|| $default)
+            };
+        }
+        let kernels_dir = pick!(kernels_dir, PathBuf::from("kernels"));
+        let python = pick!(python, kernels_dir.join(".venv/bin/python"));
+        let defaults = UserLimits {
+            memory_bytes: pick!(memory_limit, 1 << 30),
+            cpus: pick!(cpu_limit, 1.0),
+            pids: pick!(pids_limit, 256),
+        };
+        if defaults.cpus <= 0.0 || defaults.pids == 0 || defaults.memory_bytes < (16 << 20) {
+            return Err(ConfigError::Invalid(
+                "limits: cpu must be > 0, pids > 0, memory at least 16 MiB".into(),
+            ));
+        }
+        let max_sessions = pick!(max_sessions_per_user, 20);
+        let users_file = args.users_file.clone().or(file.users_file.clone());
+        let (users, token_source) = match (users_file, env_token.filter(|t| !t.is_empty())) {
+            (Some(path), _) => {
+                let parsed: UsersFile = read_toml(&path)?;
+                let mut users = Vec::new();
+                let mut seen_tokens = HashMap::new();
+                for (i, u) in parsed.user.into_iter().enumerate() {
+                    if !valid_user_name(&u.name) {
+                        return Err(ConfigError::Invalid(format!(
+                            "user name {:?} in {}: use letters, digits, '_', '-', '.'",
+                            u.name,
+                            path.display()
+                        )));
+                    }
+                    if u.token.len() < 8 {
+                        return Err(ConfigError::Invalid(format!(
+                            "the token of user {} is shorter than 8 characters",
+                            u.name
+                        )));
+                    }
+                    if seen_tokens.insert(u.token.clone(), u.name.clone()).is_some() {
+                        return Err(ConfigError::Invalid(format!(
+                            "two users share the token of user {}",
+                            u.name
+                        )));
+                    }
+                    users.push(User {
+                        index: i as u32,
+                        limits: UserLimits {
+                            memory_bytes: u.memory_bytes.unwrap_or(defaults.memory_bytes),
+                            cpus: u.cpus.unwrap_or(defaults.cpus),
+                            pids: u.pids.unwrap_or(defaults.pids),
+                        },
+                        max_sessions: u.max_sessions.unwrap_or(max_sessions),
+                        name: u.name,
+                        token: u.token,
+                    });
+                }
+                if users.is_empty() {
+                    return Err(ConfigError::Invalid(format!(
+                        "{} defines no [[user]]",
+                        path.display()
+                    )));
+                }
+                (users, TokenSource::UsersFile(path))
+            }
+            (None, Some(token)) => (
+                vec![User {
+                    name: "default".into(),
+                    token,
+                    index: 0,
+                    limits: defaults.clone(),
+                    max_sessions,
+                }],
+                TokenSource::Environment,
+            ),
+            (None, None) => {
+                let token = hex::encode(rand::random::<[u8; 24]>());
+                (
+                    vec![User {
+                        name: "default".into(),
+                        token,
+                        index: 0,
+                        limits: defaults.clone(),
+                        max_sessions,
+                    }],
+                    TokenSource::Generated,
+                )
+            }
+        };
+        let execution_timeout = secs(pick!(execution_timeout, 60.0), "execution_timeout")?;
+        let max_execution_timeout =
+            secs(pick!(max_execution_timeout, 600.0), "max_execution_timeout")?;
+        Ok(Settings {
+            listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
+            sandbox: pick!(sandbox, SandboxKind::Local),
+            data_dir: pick!(data_dir, PathBuf::from(".data")),
+            idle_timeout: Duration::from_secs(pick!(idle_timeout, 600)),
+            max_idle_timeout: Duration::from_secs(pick!(max_idle_timeout, 86_400)),
+            max_busy: Duration::from_secs(pick!(max_busy, 3600)),
+            execution_timeout: execution_timeout.min(max_execution_timeout),
+            max_execution_timeout,
+            interrupt_grace: secs(pick!(interrupt_grace, 5.0), "interrupt_grace")?,
+            output_limit: pick!(output_limit, 10_000),
+            result_limit: pick!(result_limit, 16 << 20),
+            max_code_bytes: pick!(max_code_bytes, 1 << 20),
+            max_file_bytes: pick!(max_file_bytes, 100 << 20),
+            max_queue: pick!(max_queue, 64),
+            kernels_dir,
+            python,
+            uid_base: pick!(uid_base, 200_000),
+            require_limits: pick!(require_limits, true),
+            cgroup_name: pick!(cgroup_name, "kernel-broker".into()),
+            docker_socket: pick!(docker_socket, "/var/run/docker.sock".into()),
+            docker_image: pick!(docker_image, "kernel-broker/python-kernel:latest".into()),
+            container_idle: Duration::from_secs(pick!(container_idle, 300)),
+            users,
+            token_source,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn flags_beat_file_beat_defaults() {
+        let cfg = write("idle_timeout = 30\noutput_limit = 5\nlisten = \"127.0.0.1:9999\"\n");
+        let args = ServeArgs {
+            config: Some(cfg.path().to_path_buf()),
+            idle_timeout: Some(7),
+            ..Default::default()
+        };
+        let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+        assert_eq!(s.idle_timeout, Duration::from_secs(7));
+        assert_eq!(s.output_limit, 5);
+        assert_eq!(s.listen.port(), 9999);
+        assert_eq!(s.execution_timeout, Duration::from_secs(60));
+        assert_eq!(s.users.len(), 1);
+        assert_eq!(s.users[0].name, "default");
+        assert_eq!(s.token_source, TokenSource::Environment);
+    }
+
+    #[test]
+    fn users_file_with_limits() {
+        let users = write(
+            "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 536870912\n\n[[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
+        );
+        let args = ServeArgs {
+            users_file: Some(users.path().to_path_buf()),
+            ..Default::default()
+        };
+        let s = Settings::resolve(args, Some("ignored-token".into())).unwrap();
+        assert_eq!(s.users.len(), 2);
+        assert_eq!(s.users[0].limits.memory_bytes, 512 << 20);
+        assert_eq!(s.users[1].limits.memory_bytes, 1 << 30);
+        assert_eq!(s.users[1].index, 1);
+    }
+
+    #[test]
+    fn bad_users_are_refused() {
+        for bad in [
+            "[[user]]\nname = \"../x\"\ntoken = \"long-enough\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"short\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"same-token\"\n[[user]]\nname = \"b\"\ntoken = \"same-token\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"long-enough\"\nshoe_size = 3\n",
+            "",
+        ] {
+            let f = write(bad);
+            let args = ServeArgs {
+                users_file: Some(f.path().to_path_buf()),
+                ..Default::default()
+            };
+            assert!(Settings::resolve(args, None).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_token_generates_one() {
+        let s = Settings::resolve(ServeArgs::default(), None).unwrap();
+        assert_eq!(s.token_source, TokenSource::Generated);
+        assert_eq!(s.users[0].token.len(), 48);
+    }
+}

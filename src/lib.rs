@@ -1,0 +1,24 @@
+//! kernel-broker: long-lived, sandboxed IPython sessions for AI agents and notebook frontends.
+//!
+//! # Layout
+//!
+//! Layers, bottom up; a module uses only those below it (see `ARCHITECTURE.md`):
+//!
+//! - [`wire`]: Jupyter messages as data; the multipart codec, HMAC signing, connection files. No I/O.
+//! - [`kernel`]: a client for one kernel over ZeroMQ: the five channels, heartbeat, replies
+//!   matched to requests, iopub read in its own task.
+//! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
+//!   cgroups, Docker).
+//! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry.
+//! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
+//!   layer knows HTTP and the external JSON shapes.
+//! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
+//!   and drains them on shutdown.
+
+pub mod api;
+pub mod config;
+pub mod kernel;
+pub mod sandbox;
+pub mod server;
+pub mod session;
+pub mod wire;

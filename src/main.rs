@@ -1,0 +1,41 @@
+//! The `kernel-broker` binary: parses arguments, sets up logging, runs the server until
+//! SIGINT or SIGTERM.
+
+use anyhow::Context;
+use clap::Parser;
+use kernel_broker::config::{Cli, Command, Settings};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KERNEL_BROKER_LOG")
+                .unwrap_or_else(|_| "info,kernel_broker=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            let settings = Settings::resolve(*args, std::env::var("KERNEL_BROKER_TOKEN").ok())
+                .context("invalid configuration")?;
+            kernel_broker::server::run(settings, shutdown_signal())
+                .await
+                .context("kernel-broker stopped with an error")?;
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("signal received");
+}

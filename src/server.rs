@@ -1,0 +1,156 @@
+//! Wires the layers together: builds the sandbox from the settings, the session registry,
+//! the HTTP router, and serves until the shutdown signal; then drains every session.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::api::{self, ApiLimits, AppState};
+use crate::config::{SandboxKind, Settings, TokenSource};
+use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
+use crate::sandbox::Sandbox;
+use crate::session::{Registry, SessionConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Sandbox(#[from] crate::sandbox::SandboxError),
+    #[error("could not listen on {addr}: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the server failed: {0}")]
+    Serve(#[source] std::io::Error),
+    #[error("could not create the data directory {path}: {source}")]
+    DataDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Kernel spec names found in the kernels directory (`<dir>/<name>/kernel.json`),
+/// `python3` first.
+pub fn kernel_names(settings: &Settings) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(&settings.kernels_dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().join("kernel.json").is_file())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort_by_key(|n| (n != "python3", n.clone()));
+    if names.is_empty() {
+        names.push("python3".into());
+    }
+    names
+}
+
+pub async fn build_sandbox(settings: &Settings) -> Result<Arc<dyn Sandbox>, ServerError> {
+    let sandbox: Arc<dyn Sandbox> = match settings.sandbox {
+        SandboxKind::Local => Arc::new(LocalSandbox::new(LocalSandboxConfig {
+            python: settings.python.clone(),
+            uid_base: settings.uid_base,
+            require_limits: settings.require_limits,
+            cgroup_name: settings.cgroup_name.clone(),
+            ..LocalSandboxConfig::new(&settings.data_dir, &settings.kernels_dir)
+        })?),
+        SandboxKind::Docker => {
+            return Err(ServerError::Sandbox(crate::sandbox::SandboxError::Unavailable {
+                backend: "docker",
+                reason: "not built into this version".into(),
+            }))
+        }
+    };
+    sandbox.check().await?;
+    Ok(sandbox)
+}
+
+pub fn session_config(settings: &Settings) -> SessionConfig {
+    SessionConfig {
+        idle_timeout: settings.idle_timeout,
+        max_idle_timeout: settings.max_idle_timeout,
+        max_busy: settings.max_busy,
+        execution_timeout: settings.execution_timeout,
+        max_execution_timeout: settings.max_execution_timeout,
+        interrupt_grace: settings.interrupt_grace,
+        output_limit: settings.output_limit,
+        result_limit: settings.result_limit,
+        max_queue: settings.max_queue,
+        ..SessionConfig::default()
+    }
+}
+
+/// Run the broker on `settings.listen` until `shutdown` resolves, then shut every session down.
+pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+    let listener = TcpListener::bind(settings.listen)
+        .await
+        .map_err(|source| ServerError::Listen {
+            addr: settings.listen,
+            source,
+        })?;
+    serve(settings, listener, shutdown).await
+}
+
+/// Run the broker on a bound listener (tests bind port 0).
+pub async fn serve(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    std::fs::create_dir_all(&settings.data_dir).map_err(|source| ServerError::DataDir {
+        path: settings.data_dir.clone(),
+        source,
+    })?;
+    let sandbox = build_sandbox(&settings).await?;
+    let registry = Registry::new(sandbox, session_config(&settings), kernel_names(&settings));
+    let state = AppState {
+        registry: registry.clone(),
+        users: Arc::new(settings.users.iter().cloned().map(Arc::new).collect()),
+        limits: Arc::new(ApiLimits {
+            max_code_bytes: settings.max_code_bytes,
+            max_file_bytes: settings.max_file_bytes,
+            execution_timeout: settings.execution_timeout,
+            max_execution_timeout: settings.max_execution_timeout,
+        }),
+        started: std::time::Instant::now(),
+    };
+    let addr = listener.local_addr().map_err(ServerError::Serve)?;
+    if settings.token_source == TokenSource::Generated {
+        // Printed once, as Jupyter does, so the operator can connect.
+        eprintln!(
+            "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; generated token for user 'default':\n    {}\n    e.g. curl -H 'Authorization: Bearer {}' http://{}/v1/sessions",
+            settings.users[0].token, settings.users[0].token, addr
+        );
+    }
+    tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(), "kernel-broker ready on http://{addr}");
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        // Without TCP_NODELAY small WebSocket frames meet delayed ACKs (~40 ms each).
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
+    let app = api::router(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(ServerError::Serve)?;
+    tracing::info!("shutting down: closing sessions");
+    registry.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+impl Settings {
+    pub fn sandbox_name(&self) -> &'static str {
+        match self.sandbox {
+            SandboxKind::Local => "local",
+            SandboxKind::Docker => "docker",
+        }
+    }
+}

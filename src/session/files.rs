@@ -1,0 +1,259 @@
+//! Files in a user's workspace, read and written by the broker on the API's behalf.
+//!
+//! The workspace is writable by the user's kernels, which may plant symlinks pointing
+//! anywhere on the host. The broker may run as root, so every path is resolved with
+//! `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`: nothing outside the workspace can be
+//! read or written through it, whatever the kernel did.
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
+
+use serde::Serialize;
+
+use super::SessionError;
+
+/// One file of a listing.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FileEntry {
+    pub path: String,
+    pub size: u64,
+    pub modified: chrono::DateTime<chrono::Utc>,
+}
+
+/// Validate a client's relative path: no absolute paths, no `..`, no NUL, not empty.
+pub fn clean_relative(path: &str) -> Result<PathBuf, SessionError> {
+    let bad = |why: &str| SessionError::BadRequest(format!("invalid file path {path:?}: {why}"));
+    if path.is_empty() || path.len() > 4096 || path.contains('\0') {
+        return Err(bad("empty, too long, or contains NUL"));
+    }
+    let mut out = PathBuf::new();
+    for c in Path::new(path).components() {
+        match c {
+            Component::Normal(part) => out.push(part),
+            Component::CurDir => {}
+            _ => return Err(bad("must be relative to the workspace and must not contain '..'")),
+        }
+    }
+    if out.as_os_str().is_empty() {
+        return Err(bad("names no file"));
+    }
+    Ok(out)
+}
+
+fn io_err(what: &str, path: &Path, e: std::io::Error) -> SessionError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            SessionError::NotFoundFile(format!("no file {} in the workspace", path.display()))
+        }
+        _ if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::EXDEV) => {
+            SessionError::BadRequest(format!(
+                "{} leads through a symbolic link; the files API does not follow links",
+                path.display()
+            ))
+        }
+        _ if e.raw_os_error() == Some(libc::EISDIR) => {
+            SessionError::BadRequest(format!("{} is a directory", path.display()))
+        }
+        _ => SessionError::Io(format!("could not {what} {}: {e}", path.display())),
+    }
+}
+
+/// `openat2` beneath `root` with no symlinks anywhere on the way.
+fn open_beneath(root: &OwnedFd, rel: &Path, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let c = CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open_how is plain integers; all-zero is its documented default.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.mode = mode as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: valid dirfd, NUL-terminated path, and an open_how of the size we pass.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn open_root(workspace: &Path) -> Result<OwnedFd, SessionError> {
+    let f = std::fs::File::open(workspace).map_err(|e| io_err("open", workspace, e))?;
+    Ok(OwnedFd::from(f))
+}
+
+fn chown_fd(fd: &OwnedFd, owner: Option<(u32, u32)>) {
+    use std::os::fd::AsRawFd;
+    if let Some((uid, gid)) = owner {
+        // SAFETY: plain syscall on a descriptor we own.
+        unsafe {
+            libc::fchown(fd.as_raw_fd(), uid, gid);
+        }
+    }
+}
+
+/// Write `data` to `rel` in the workspace, creating parent directories.
+pub fn write(
+    workspace: &Path,
+    rel: &str,
+    data: &[u8],
+    owner: Option<(u32, u32)>,
+) -> Result<(), SessionError> {
+    let rel = clean_relative(rel)?;
+    let root = open_root(workspace)?;
+    let mut dir = PathBuf::new();
+    let parents: Vec<_> = rel.parent().map(|p| p.components().collect()).unwrap_or_default();
+    for part in parents {
+        dir.push(part);
+        match open_beneath(&root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let parent_fd = match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+                        .map_err(|e| io_err("open", p, e))?,
+                    None => root.try_clone().map_err(|e| io_err("open", workspace, e))?,
+                };
+                let name = CString::new(dir.file_name().unwrap_or_default().as_bytes())
+                    .map_err(|_| SessionError::BadRequest("bad path".into()))?;
+                use std::os::fd::AsRawFd;
+                // SAFETY: valid dirfd and NUL-terminated name.
+                let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
+                if rc != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::AlreadyExists {
+                        return Err(io_err("create directory", &dir, e));
+                    }
+                }
+                let made = open_beneath(&root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+                    .map_err(|e| io_err("open", &dir, e))?;
+                chown_fd(&made, owner);
+            }
+            Err(e) => return Err(io_err("open", &dir, e)),
+        }
+    }
+    let fd = open_beneath(
+        &root,
+        &rel,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+        0o644,
+    )
+    .map_err(|e| io_err("write", &rel, e))?;
+    chown_fd(&fd, owner);
+    let mut f = std::fs::File::from(fd);
+    f.write_all(data).map_err(|e| io_err("write", &rel, e))?;
+    Ok(())
+}
+
+/// Read `rel` from the workspace, refusing files larger than `max`.
+pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionError> {
+    let rel = clean_relative(rel)?;
+    let root = open_root(workspace)?;
+    let fd = open_beneath(&root, &rel, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+        .map_err(|e| io_err("read", &rel, e))?;
+    let f = std::fs::File::from(fd);
+    let meta = f.metadata().map_err(|e| io_err("read", &rel, e))?;
+    if meta.is_dir() {
+        return Err(SessionError::BadRequest(format!("{} is a directory", rel.display())));
+    }
+    if !meta.is_file() {
+        return Err(SessionError::BadRequest(format!("{} is not a regular file", rel.display())));
+    }
+    if meta.size() > max as u64 {
+        return Err(SessionError::TooLarge(format!(
+            "{} has {} bytes, more than the {} the files API serves",
+            rel.display(),
+            meta.size(),
+            max
+        )));
+    }
+    let mut buf = Vec::with_capacity(meta.size() as usize);
+    f.take(max as u64 + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| io_err("read", &rel, e))?;
+    Ok(buf)
+}
+
+/// Every regular file under the workspace (symlinks are not followed), at most `limit`.
+pub fn list(workspace: &Path, limit: usize) -> Result<Vec<FileEntry>, SessionError> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = workspace.join(&rel);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if rel.as_os_str().is_empty() => return Err(io_err("list", &dir, e)),
+            Err(_) => continue,
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.path().symlink_metadata() else { continue };
+            let child = rel.join(entry.file_name());
+            if meta.is_dir() {
+                stack.push(child);
+            } else if meta.is_file() {
+                let modified = meta
+                    .modified()
+                    .map(chrono::DateTime::<chrono::Utc>::from)
+                    .unwrap_or_default();
+                out.push(FileEntry {
+                    path: child.to_string_lossy().into_owned(),
+                    size: meta.size(),
+                    modified,
+                });
+                if out.len() >= limit {
+                    return Ok(out);
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_cleaned() {
+        assert_eq!(clean_relative("a/b.csv").unwrap(), PathBuf::from("a/b.csv"));
+        assert_eq!(clean_relative("./a").unwrap(), PathBuf::from("a"));
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\0b", "."] {
+            assert!(clean_relative(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn write_read_list_and_symlinks_refused() {
+        let ws = tempfile::tempdir().unwrap();
+        write(ws.path(), "data/in.csv", b"a,b\n1,2\n", None).unwrap();
+        assert_eq!(read(ws.path(), "data/in.csv", 100).unwrap(), b"a,b\n1,2\n");
+        assert!(matches!(read(ws.path(), "data/in.csv", 3), Err(SessionError::TooLarge(_))));
+        assert!(matches!(read(ws.path(), "nope", 3), Err(SessionError::NotFoundFile(_))));
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"s").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), ws.path().join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), ws.path().join("dirlink")).unwrap();
+        assert!(read(ws.path(), "link", 100).is_err());
+        assert!(read(ws.path(), "dirlink/secret", 100).is_err());
+        assert!(write(ws.path(), "dirlink/new", b"x", None).is_err());
+        assert!(write(ws.path(), "link", b"x", None).is_err());
+        assert!(!outside.path().join("new").exists());
+        assert_eq!(std::fs::read(outside.path().join("secret")).unwrap(), b"s");
+        let listed = list(ws.path(), 100).unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].path, "data/in.csv");
+        assert_eq!(listed[0].size, 8);
+    }
+}

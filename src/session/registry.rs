@@ -1,0 +1,610 @@
+//! The registry of sessions: creation (with per-user quotas), lookup with ownership,
+//! deletion, idle expiry and shutdown. Also the [`Session`] handle itself.
+//!
+//! Idle expiry follows mini-redis's purge task: one background task sleeps until the
+//! earliest expiry deadline, or until woken by a change, and expires what is due.
+//!
+//! What counts as activity (and so postpones expiry): creating the session, an execute
+//! request being received and an execution finishing, an `input_reply`, interrupt,
+//! restart, a file read or written through the API, and any message a client sends to the
+//! kernel over a WebSocket. What does not: reading the session (GET, list), opening or
+//! closing a WebSocket, and output the kernel produces on its own. A busy session (an
+//! execution running) is never expired unless it has been busy for longer than `max_busy`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::actor::{start_kernel, Actor};
+use super::execution::Execution;
+use super::{
+    Command, ExecRequest, ReplyRoute, SessionConfig, SessionError, SessionEvent, SessionInfo,
+    SessionState,
+};
+use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
+use crate::wire::{Channel, Message, Signer};
+
+struct Status {
+    state: SessionState,
+    last_activity: DateTime<Utc>,
+    last_activity_at: Instant,
+    busy_since: Option<Instant>,
+    kernel_busy: bool,
+    execution_count: u64,
+    dead_reason: Option<String>,
+}
+
+/// A handle to one session. Cheap to share; the kernel itself lives in the session's task.
+pub struct Session {
+    pub id: Uuid,
+    pub user: SandboxUser,
+    pub kernel_name: String,
+    pub created_at: DateTime<Utc>,
+    /// `None`: never expires.
+    pub idle_timeout: Option<Duration>,
+    status: Mutex<Status>,
+    commands: mpsc::Sender<Command>,
+    events: broadcast::Sender<SessionEvent>,
+    pending: AtomicUsize,
+    connections: AtomicUsize,
+    max_queue: usize,
+    notify_registry: Arc<Notify>,
+}
+
+// A std Mutex: the critical sections are a few field updates and never cross an await.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Session {
+    fn status(&self) -> MutexGuard<'_, Status> {
+        lock(&self.status)
+    }
+
+    pub fn info(&self) -> SessionInfo {
+        let s = self.status();
+        let expires_at = match (self.idle_timeout, s.state) {
+            (Some(t), SessionState::Idle | SessionState::Busy | SessionState::Starting | SessionState::Dead) => {
+                chrono::Duration::from_std(t).ok().map(|t| s.last_activity + t)
+            }
+            _ => None,
+        };
+        SessionInfo {
+            id: self.id,
+            user: self.user.name.clone(),
+            kernel: self.kernel_name.clone(),
+            state: s.state,
+            created_at: self.created_at,
+            last_activity: s.last_activity,
+            expires_at,
+            execution_count: s.execution_count,
+            connections: self.connections.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn state(&self) -> SessionState {
+        self.status().state
+    }
+
+    /// Why the kernel died, when the session is dead.
+    pub fn dead_reason(&self) -> Option<String> {
+        self.status().dead_reason.clone()
+    }
+
+    /// Record activity now.
+    pub fn touch(&self) {
+        let mut s = self.status();
+        s.last_activity = Utc::now();
+        s.last_activity_at = Instant::now();
+        drop(s);
+        self.notify_registry.notify_one();
+    }
+
+    pub(crate) fn set_state(&self, state: SessionState) {
+        let mut s = self.status();
+        if s.state == state {
+            return;
+        }
+        s.state = state;
+        if state != SessionState::Dead {
+            s.dead_reason = None;
+        }
+        drop(s);
+        self.publish(SessionEvent::State(state));
+    }
+
+    pub(crate) fn set_busy(&self, busy: bool) {
+        {
+            let mut s = self.status();
+            s.busy_since = if busy { Some(Instant::now()) } else { None };
+        }
+        self.refresh_state();
+    }
+
+    pub(crate) fn set_kernel_busy(&self, busy: bool) {
+        self.status().kernel_busy = busy;
+        self.refresh_state();
+    }
+
+    fn refresh_state(&self) {
+        let next = {
+            let s = self.status();
+            if !matches!(s.state, SessionState::Idle | SessionState::Busy) {
+                return;
+            }
+            if s.busy_since.is_some() || s.kernel_busy {
+                SessionState::Busy
+            } else {
+                SessionState::Idle
+            }
+        };
+        self.set_state(next);
+    }
+
+    pub(crate) fn set_dead(&self, reason: String) {
+        {
+            let mut s = self.status();
+            s.busy_since = None;
+            s.kernel_busy = false;
+        }
+        self.set_state(SessionState::Dead);
+        self.status().dead_reason = Some(reason);
+    }
+
+    pub(crate) fn set_execution_count(&self, n: u64) {
+        self.status().execution_count = n;
+    }
+
+    pub(crate) fn reset_execution_count(&self) {
+        let mut s = self.status();
+        s.execution_count = 0;
+        s.kernel_busy = false;
+        s.busy_since = None;
+    }
+
+    pub(crate) fn pending_dec(&self) {
+        let _ = self
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    pub(crate) fn publish(&self, ev: SessionEvent) {
+        // No receivers is fine: nobody is attached.
+        let _ = self.events.send(ev);
+    }
+
+    pub(crate) fn launch_spec(&self, key: String) -> LaunchSpec {
+        LaunchSpec {
+            session_id: self.id,
+            user: self.user.clone(),
+            kernel_name: self.kernel_name.clone(),
+            key,
+            env: Vec::new(),
+        }
+    }
+
+    /// Attach to the session's events (state changes, iopub).
+    pub fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
+        self.events.subscribe()
+    }
+
+    /// Count a WebSocket client while the guard lives.
+    pub fn connect_client(self: &Arc<Self>) -> ConnectionGuard {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        ConnectionGuard(self.clone())
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), SessionError> {
+        self.commands.try_send(cmd).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SessionError::Quota(format!(
+                "session {} has too many requests waiting; wait for some to finish",
+                self.id
+            )),
+            mpsc::error::TrySendError::Closed(_) => SessionError::Closed(self.id),
+        })
+    }
+
+    /// Queue an execution. Fails at once when the queue is full.
+    pub fn execute(&self, req: ExecRequest) -> Result<(), SessionError> {
+        let queued = self.pending.fetch_add(1, Ordering::AcqRel);
+        if queued >= self.max_queue {
+            self.pending_dec();
+            return Err(SessionError::Quota(format!(
+                "session {} already has {} executions waiting (the limit); wait for some to finish",
+                self.id, queued
+            )));
+        }
+        self.touch();
+        self.send(Command::Execute(req)).inspect_err(|_| self.pending_dec())
+    }
+
+    /// Queue an execution and wait for its result.
+    pub async fn execute_wait(
+        &self,
+        code: String,
+        timeout: Duration,
+    ) -> Result<Execution, SessionError> {
+        let (done, rx) = oneshot::channel();
+        self.execute(ExecRequest {
+            code,
+            timeout,
+            allow_stdin: false,
+            stream: None,
+            done,
+        })?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))
+    }
+
+    pub fn input_reply(&self, value: String) -> Result<(), SessionError> {
+        self.send(Command::InputReply(value))
+    }
+
+    pub async fn interrupt(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Interrupt(tx))?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))?
+    }
+
+    pub async fn restart(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Restart(tx))?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))?
+    }
+
+    /// Send a client's message to the kernel; replies to it go to `route`.
+    pub fn forward(&self, channel: Channel, msg: Message, route: ReplyRoute) -> Result<(), SessionError> {
+        self.send(Command::Forward { channel, msg, route })
+    }
+
+    async fn shutdown(&self, state: SessionState) {
+        let (tx, rx) = oneshot::channel();
+        // Shutdown must get through even when the queue is full.
+        if self
+            .commands
+            .send(Command::Shutdown { state, done: tx })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
+        self.set_state(state);
+    }
+
+    /// When this session expires if nothing happens, or `None` if it cannot expire now.
+    fn expiry_deadline(&self, max_busy: Duration) -> Option<Instant> {
+        let t = self.idle_timeout?;
+        let s = self.status();
+        match s.state {
+            SessionState::Expired | SessionState::Closed => None,
+            SessionState::Busy => s.busy_since.map(|b| b + max_busy),
+            _ => Some(s.last_activity_at + t),
+        }
+    }
+}
+
+/// Decrements the session's connection count when dropped.
+pub struct ConnectionGuard(Arc<Session>);
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+struct Tombstone {
+    user: String,
+    expired_at: DateTime<Utc>,
+    idle_secs: u64,
+    forget_at: Instant,
+}
+
+#[derive(Default)]
+struct Table {
+    sessions: HashMap<Uuid, Arc<Session>>,
+    tombstones: HashMap<Uuid, Tombstone>,
+    /// Sessions being created, per user (counted against the quota).
+    creating: HashMap<String, usize>,
+}
+
+struct Inner {
+    table: Mutex<Table>,
+    sandbox: Arc<dyn Sandbox>,
+    config: SessionConfig,
+    kernels: Vec<String>,
+    notify: Arc<Notify>,
+    shutdown: CancellationToken,
+}
+
+/// All sessions of the broker. Cheap to clone.
+#[derive(Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+/// What a new session asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateOptions {
+    pub kernel: Option<String>,
+    /// Seconds; 0 means never (capped by the configured maximum).
+    pub idle_timeout_seconds: Option<u64>,
+    /// Use this id (the Jupyter API lets clients propose one).
+    pub id: Option<Uuid>,
+}
+
+impl Registry {
+    /// `kernels` lists the kernel spec names the sandbox can launch; the first is the default.
+    pub fn new(sandbox: Arc<dyn Sandbox>, config: SessionConfig, kernels: Vec<String>) -> Self {
+        let inner = Arc::new(Inner {
+            table: Mutex::new(Table::default()),
+            sandbox,
+            config,
+            kernels,
+            notify: Arc::new(Notify::new()),
+            shutdown: CancellationToken::new(),
+        });
+        let registry = Registry { inner };
+        tokio::spawn(registry.clone().expiry_task());
+        registry
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.inner.config
+    }
+
+    pub fn sandbox(&self) -> &Arc<dyn Sandbox> {
+        &self.inner.sandbox
+    }
+
+    pub fn kernel_names(&self) -> &[String] {
+        &self.inner.kernels
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        lock(&self.inner.table)
+    }
+
+    /// Start a new session for `user` and wait until its kernel is ready.
+    pub async fn create(
+        &self,
+        user: &SandboxUser,
+        max_sessions: usize,
+        opts: CreateOptions,
+    ) -> Result<Arc<Session>, SessionError> {
+        if self.inner.shutdown.is_cancelled() {
+            return Err(SessionError::KernelUnavailable("the broker is shutting down".into()));
+        }
+        let kernel_name = match opts.kernel {
+            Some(k) if !self.inner.kernels.contains(&k) => return Err(SessionError::UnknownKernel(k)),
+            Some(k) => k,
+            None => self
+                .inner
+                .kernels
+                .first()
+                .cloned()
+                .unwrap_or_else(|| "python3".into()),
+        };
+        let cfg = &self.inner.config;
+        let idle_timeout = match opts.idle_timeout_seconds {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s).min(cfg.max_idle_timeout)),
+            None if cfg.idle_timeout.is_zero() => None,
+            None => Some(cfg.idle_timeout),
+        };
+        let id = opts.id.unwrap_or_else(Uuid::new_v4);
+        {
+            let mut t = self.table();
+            if t.sessions.contains_key(&id) || t.tombstones.contains_key(&id) {
+                return Err(SessionError::BadRequest(format!("session id {id} is taken")));
+            }
+            let live = t.sessions.values().filter(|s| s.user.name == user.name).count();
+            let creating = t.creating.get(&user.name).copied().unwrap_or(0);
+            if live + creating >= max_sessions {
+                return Err(SessionError::Quota(format!(
+                    "user {} already has {} sessions (the limit); delete one first",
+                    user.name,
+                    live + creating
+                )));
+            }
+            *t.creating.entry(user.name.clone()).or_default() += 1;
+        }
+        let result = self.launch(id, user, kernel_name, idle_timeout).await;
+        {
+            let mut t = self.table();
+            if let Some(n) = t.creating.get_mut(&user.name) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    t.creating.remove(&user.name);
+                }
+            }
+            if let Ok(s) = &result {
+                t.sessions.insert(s.id, s.clone());
+            }
+        }
+        self.inner.notify.notify_one();
+        result
+    }
+
+    async fn launch(
+        &self,
+        id: Uuid,
+        user: &SandboxUser,
+        kernel_name: String,
+        idle_timeout: Option<Duration>,
+    ) -> Result<Arc<Session>, SessionError> {
+        let cfg = &self.inner.config;
+        let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
+        let (events, _) = broadcast::channel(1024);
+        let now = Utc::now();
+        let session = Arc::new(Session {
+            id,
+            user: user.clone(),
+            kernel_name,
+            created_at: now,
+            idle_timeout,
+            status: Mutex::new(Status {
+                state: SessionState::Starting,
+                last_activity: now,
+                last_activity_at: Instant::now(),
+                busy_since: None,
+                kernel_busy: false,
+                execution_count: 0,
+                dead_reason: None,
+            }),
+            commands: commands_tx,
+            events,
+            pending: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
+            max_queue: cfg.max_queue,
+            notify_registry: self.inner.notify.clone(),
+        });
+        let live = start_kernel(
+            &self.inner.sandbox,
+            session.launch_spec(Signer::random_key()),
+            cfg.heartbeat,
+        )
+        .await?;
+        session.touch();
+        let actor = Actor::new(
+            session.clone(),
+            self.inner.sandbox.clone(),
+            cfg.clone(),
+            commands_rx,
+            live,
+        );
+        session.set_state(SessionState::Idle);
+        tokio::spawn(actor.run());
+        tracing::info!(session = %id, user = %user.name, "session started");
+        Ok(session)
+    }
+
+    /// The caller's session `id`. Another user's session answers as a missing one.
+    pub fn get(&self, user: &str, id: Uuid) -> Result<Arc<Session>, SessionError> {
+        let t = self.table();
+        if let Some(s) = t.sessions.get(&id) {
+            if s.user.name == user {
+                return Ok(s.clone());
+            }
+            return Err(SessionError::NotFound(id));
+        }
+        match t.tombstones.get(&id) {
+            Some(ts) if ts.user == user => Err(SessionError::Expired {
+                id,
+                at: ts.expired_at,
+                idle_secs: ts.idle_secs,
+            }),
+            _ => Err(SessionError::NotFound(id)),
+        }
+    }
+
+    /// The caller's live sessions, oldest first.
+    pub fn list(&self, user: &str) -> Vec<Arc<Session>> {
+        let mut v: Vec<_> = self
+            .table()
+            .sessions
+            .values()
+            .filter(|s| s.user.name == user)
+            .cloned()
+            .collect();
+        v.sort_by_key(|s| s.created_at);
+        v
+    }
+
+    /// Every live session (for metrics).
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        self.table().sessions.values().cloned().collect()
+    }
+
+    /// Shut a session down and forget it.
+    pub async fn delete(&self, user: &str, id: Uuid) -> Result<(), SessionError> {
+        let session = self.get(user, id)?;
+        self.table().sessions.remove(&id);
+        session.shutdown(SessionState::Closed).await;
+        self.after_removal(&session).await;
+        tracing::info!(session = %id, user, "session deleted");
+        Ok(())
+    }
+
+    async fn after_removal(&self, session: &Session) {
+        let user_has_more = self
+            .table()
+            .sessions
+            .values()
+            .any(|s| s.user.name == session.user.name);
+        if !user_has_more {
+            self.inner.sandbox.user_idle(&session.user).await;
+        }
+    }
+
+    async fn expire(&self, session: Arc<Session>) {
+        let idle_secs = session.idle_timeout.map(|t| t.as_secs()).unwrap_or(0);
+        {
+            let mut t = self.table();
+            if t.sessions.remove(&session.id).is_none() {
+                return;
+            }
+            t.tombstones.insert(
+                session.id,
+                Tombstone {
+                    user: session.user.name.clone(),
+                    expired_at: Utc::now(),
+                    idle_secs,
+                    forget_at: Instant::now() + self.inner.config.tombstone_ttl,
+                },
+            );
+        }
+        tracing::info!(session = %session.id, user = %session.user.name, "session expired");
+        session.shutdown(SessionState::Expired).await;
+        self.after_removal(&session).await;
+    }
+
+    /// Sleep until the next expiry deadline (or a change), expire what is due.
+    async fn expiry_task(self) {
+        let max_busy = self.inner.config.max_busy;
+        loop {
+            let now = Instant::now();
+            let (due, next) = {
+                let mut t = self.table();
+                t.tombstones.retain(|_, ts| ts.forget_at > now);
+                let mut due = Vec::new();
+                let mut next: Option<Instant> = None;
+                for s in t.sessions.values() {
+                    if let Some(d) = s.expiry_deadline(max_busy) {
+                        if d <= now {
+                            due.push(s.clone());
+                        } else {
+                            next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                        }
+                    }
+                }
+                (due, next)
+            };
+            for s in due {
+                let registry = self.clone();
+                tokio::spawn(async move { registry.expire(s).await });
+            }
+            let wake = next.unwrap_or(now + Duration::from_secs(3600));
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake) => {}
+                _ = self.inner.notify.notified() => {}
+                _ = self.inner.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Shut every session down and release the sandbox.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
+        let n = sessions.len();
+        futures::future::join_all(sessions.iter().map(|s| s.shutdown(SessionState::Closed))).await;
+        self.inner.sandbox.shutdown().await;
+        tracing::info!(sessions = n, "all sessions shut down");
+    }
+}

@@ -1,0 +1,223 @@
+//! The shared harness of the integration tests: a real broker (real sandbox, real
+//! ipykernel) on 127.0.0.1:0 with two users, and small HTTP and WebSocket clients.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use kernel_broker::config::{ServeArgs, Settings};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+pub const ALICE: &str = "alice-token-0001";
+pub const BOB: &str = "bob-token-0002";
+
+/// Fail instead of hanging.
+pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {secs} s: {what}"),
+    }
+}
+
+pub struct Broker {
+    pub addr: std::net::SocketAddr,
+    pub data_dir: PathBuf,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<tokio::task::JoinHandle<()>>,
+    _tmp: tempfile::TempDir,
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+impl Broker {
+    /// Start a broker; `tweak` adjusts the settings (limits, timeouts) for one test.
+    pub async fn start(tweak: impl FnOnce(&mut ServeArgs)) -> Broker {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("KERNEL_BROKER_LOG")
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            .with_test_writer()
+            .try_init();
+        let tmp = tempfile::Builder::new().prefix("kb-test-").tempdir().unwrap();
+        let users = tmp.path().join("users.toml");
+        std::fs::write(
+            &users,
+            format!(
+                "[[user]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n\n[[user]]\nname = \"bob\"\ntoken = \"{BOB}\"\n"
+            ),
+        )
+        .unwrap();
+        let mut args = ServeArgs {
+            users_file: Some(users),
+            data_dir: Some(tmp.path().join("data")),
+            kernels_dir: Some(repo().join("kernels")),
+            cgroup_name: Some(format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple())),
+            ..Default::default()
+        };
+        tweak(&mut args);
+        let settings = Settings::resolve(args, None).unwrap();
+        let data_dir = settings.data_dir.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            kernel_broker::server::serve(settings, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .expect("broker failed");
+        });
+        // Wait for /healthz.
+        let http = reqwest::Client::new();
+        within(30, "broker start", async {
+            loop {
+                if let Ok(r) = http.get(format!("http://{addr}/healthz")).send().await {
+                    if r.status().is_success() {
+                        break;
+                    }
+                }
+                if handle.is_finished() {
+                    panic!("the broker stopped during start-up");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        Broker {
+            addr,
+            data_dir,
+            shutdown: Some(tx),
+            handle: Some(handle),
+            _tmp: tmp,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn api(&self, token: &str) -> Api {
+        Api {
+            http: reqwest::Client::new(),
+            base: format!("http://{}", self.addr),
+            token: token.to_string(),
+        }
+    }
+
+    /// Stop the broker cleanly and wait for it.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(h) = self.handle.take() {
+            within(60, "broker shutdown", h).await.unwrap();
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+pub struct Api {
+    pub http: reqwest::Client,
+    pub base: String,
+    pub token: String,
+}
+
+impl Api {
+    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{}", self.base, path))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = within(120, path, req.send()).await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        let v = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or(Value::String(text))
+        };
+        (status, v)
+    }
+
+    pub async fn create(&self) -> String {
+        let (status, s) = self.call(reqwest::Method::POST, "/v1/sessions", Some(json!({}))).await;
+        assert_eq!(status, 201, "{s}");
+        s["id"].as_str().unwrap().to_string()
+    }
+
+    pub async fn execute(&self, id: &str, code: &str) -> Value {
+        self.execute_with(id, json!({"code": code})).await
+    }
+
+    pub async fn execute_with(&self, id: &str, body: Value) -> Value {
+        let (status, v) = self
+            .call(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"), Some(body))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::DELETE, path, None).await
+    }
+}
+
+pub type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+pub async fn ws_connect(broker: &Broker, id: &str, token: &str) -> Ws {
+    let url = format!("ws://{}/v1/sessions/{id}/stream?token={token}", broker.addr);
+    let (ws, _) = within(30, "ws connect", tokio_tungstenite::connect_async(url)).await.unwrap();
+    ws
+}
+
+pub async fn ws_send(ws: &mut Ws, v: Value) {
+    ws.send(WsMessage::Text(v.to_string().into())).await.unwrap();
+}
+
+/// Next JSON frame (skipping pings).
+pub async fn ws_next(ws: &mut Ws) -> Value {
+    loop {
+        let m = within(120, "ws frame", ws.next()).await.expect("ws closed").unwrap();
+        if let WsMessage::Text(t) = m {
+            return serde_json::from_str(t.as_str()).unwrap();
+        }
+    }
+}
+
+/// Frames until the `done` of `id` (inclusive).
+pub async fn ws_until_done(ws: &mut Ws, id: &str) -> Vec<Value> {
+    let mut frames = Vec::new();
+    loop {
+        let f = ws_next(ws).await;
+        let done = f["type"] == "done" && f["id"] == id;
+        frames.push(f);
+        if done {
+            return frames;
+        }
+    }
+}

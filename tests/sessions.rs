@@ -1,0 +1,595 @@
+//! The session API against real kernels in the real local sandbox: persistence, outputs,
+//! charts, input(), interrupt, timeouts, restart, death, limits, isolation, expiry, bad input.
+
+mod common;
+
+use std::time::Duration;
+
+use base64::Engine;
+use futures::SinkExt;
+use common::*;
+use serde_json::{json, Value};
+
+fn main_result(exec: &Value) -> &Value {
+    exec["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["is_main_result"] == true)
+        .unwrap_or_else(|| panic!("no main result in {exec}"))
+}
+
+#[tokio::test]
+async fn state_persists_and_outputs_are_returned() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+
+    let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s["state"], "idle");
+    assert_eq!(s["user"], "alice");
+    assert_eq!(s["kernel"], "python3");
+    assert!(s["expires_at"].is_string());
+
+    let x = api.execute(&id, "import pandas as pd\ndf = pd.DataFrame({'price': [1, 2, 3]})\nx = 41").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let x = api.execute(&id, "print('out'); import sys; print('err', file=sys.stderr); x + 1").await;
+    assert_eq!(x["status"], "ok");
+    assert_eq!(x["stdout"], "out\n");
+    assert_eq!(x["stderr"], "err\n");
+    assert_eq!(main_result(&x)["data"]["text/plain"], "42");
+    assert_eq!(x["execution_count"], 2);
+    assert!(x["error"].is_null());
+    assert_eq!(x["truncated"], false);
+    assert!(x["duration_ms"].as_f64().unwrap() > 0.0);
+
+    let x = api.execute(&id, "df['prices'].sum()").await;
+    assert_eq!(x["status"], "error");
+    assert_eq!(x["error"]["ename"], "KeyError");
+    assert_eq!(x["error"]["evalue"], "'prices'");
+    let tb = x["error"]["traceback"].as_array().unwrap();
+    assert!(!tb.is_empty());
+    assert!(tb.iter().all(|l| !l.as_str().unwrap().contains('\u{1b}')), "ANSI left in {tb:?}");
+
+    // The fix in the next step sees the earlier state.
+    let x = api.execute(&id, "df['price'].sum()").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "6");
+    let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s["execution_count"], 4);
+
+    let (status, _) = api.delete(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 204);
+    let (status, e) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 404);
+    assert_eq!(e["error"]["code"], "session_not_found");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn matplotlib_charts_arrive_as_png() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let code = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('shown')\nplt.show()\nfig = plt.figure()\nplt.bar(['a', 'b'], [1, 2])";
+    let x = api.execute(&id, code).await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let pngs: Vec<_> = x["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["data"]["image/png"].as_str())
+        .collect();
+    assert_eq!(pngs.len(), 2, "one shown figure and one left open: {x}");
+    for png in pngs {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(png.trim())
+            .unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(bytes.len() > 1000);
+    }
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn websocket_streams_output_input_and_errors() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let mut ws = ws_connect(&broker, &id, ALICE).await;
+    let first = ws_next(&mut ws).await;
+    assert_eq!(first, json!({"type": "status", "state": "idle"}));
+
+    ws_send(
+        &mut ws,
+        json!({"type": "execute", "id": "c1", "code": "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.05)\nname = input('name? ')\nprint('hello', name)\n7*6"}),
+    )
+    .await;
+    let mut frames = Vec::new();
+    loop {
+        let f = ws_next(&mut ws).await;
+        if f["type"] == "input_request" {
+            assert_eq!(f["id"], "c1");
+            assert_eq!(f["prompt"], "name? ");
+            assert_eq!(f["password"], false);
+            ws_send(&mut ws, json!({"type": "input_reply", "id": "c1", "value": "ada"})).await;
+        }
+        let done = f["type"] == "done";
+        frames.push(f);
+        if done {
+            break;
+        }
+    }
+    let stdout: Vec<_> = frames.iter().filter(|f| f["type"] == "stdout").collect();
+    assert!(stdout.len() >= 2, "output streamed in pieces: {frames:?}");
+    assert!(frames.iter().any(|f| f["type"] == "result" && f["data"]["text/plain"] == "42"));
+    let done = frames.last().unwrap();
+    assert_eq!(done["execution"]["status"], "ok");
+    assert!(done["execution"]["stdout"].as_str().unwrap().contains("hello ada"));
+    assert!(frames.iter().any(|f| f["type"] == "status" && f["state"] == "busy"));
+
+    // Errors stream too.
+    ws_send(&mut ws, json!({"type": "execute", "id": 2, "code": "1/0"})).await;
+    let frames = ws_until_done_any(&mut ws, json!(2)).await;
+    let err = frames.iter().find(|f| f["type"] == "error").expect("error frame");
+    assert_eq!(err["ename"], "ZeroDivisionError");
+    assert_eq!(frames.last().unwrap()["execution"]["status"], "error");
+
+    // Bad frames get a protocol_error and the connection stays usable.
+    ws.send(tokio_tungstenite::tungstenite::Message::Text("{not json".into()))
+        .await
+        .unwrap();
+    assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
+    ws_send(&mut ws, json!({"type": "launch_rockets"})).await;
+    assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
+    ws.send(tokio_tungstenite::tungstenite::Message::Binary(vec![1, 2, 3].into()))
+        .await
+        .unwrap();
+    assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
+    ws_send(&mut ws, json!({"type": "execute", "id": "c3", "code": "'still here'"})).await;
+    let frames = ws_until_done(&mut ws, "c3").await;
+    assert_eq!(frames.last().unwrap()["execution"]["status"], "ok");
+    broker.stop().await;
+}
+
+async fn next_non_status(ws: &mut Ws) -> Value {
+    loop {
+        let f = ws_next(ws).await;
+        if f["type"] != "status" {
+            return f;
+        }
+    }
+}
+
+async fn ws_until_done_any(ws: &mut Ws, id: Value) -> Vec<Value> {
+    let mut frames = Vec::new();
+    loop {
+        let f = ws_next(ws).await;
+        let done = f["type"] == "done" && f["id"] == id;
+        frames.push(f);
+        if done {
+            return frames;
+        }
+    }
+}
+
+#[tokio::test]
+async fn interrupt_stops_running_code_and_keeps_state() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    api.execute(&id, "kept = 'yes'").await;
+    let mut ws = ws_connect(&broker, &id, ALICE).await;
+    ws_send(&mut ws, json!({"type": "execute", "id": "long", "code": "import time\nprint('start', flush=True)\ntime.sleep(60)"})).await;
+    loop {
+        let f = ws_next(&mut ws).await;
+        if f["type"] == "stdout" {
+            break;
+        }
+    }
+    let (status, _) = api.post(&format!("/v1/sessions/{id}/interrupt"), json!({})).await;
+    assert_eq!(status, 204);
+    let frames = ws_until_done(&mut ws, "long").await;
+    let exec = &frames.last().unwrap()["execution"];
+    assert_eq!(exec["status"], "interrupted", "{exec}");
+    assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0);
+    let x = api.execute(&id, "kept").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "'yes'");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn timeout_interrupts_then_restarts_a_stubborn_kernel() {
+    let broker = Broker::start(|a| a.interrupt_grace = Some(1.0)).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    api.execute(&id, "kept = 1").await;
+
+    // An ordinary loop stops at the interrupt: state survives.
+    let x = api
+        .execute_with(&id, json!({"code": "import time\nwhile True: time.sleep(0.1)", "timeout_seconds": 1}))
+        .await;
+    assert_eq!(x["status"], "timeout", "{x}");
+    assert!(x["error"]["evalue"].as_str().unwrap().contains("interrupted"), "{x}");
+    let x = api.execute(&id, "kept").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "1");
+
+    // Code that swallows KeyboardInterrupt: the kernel is restarted after the grace period.
+    let stubborn = "import time\nwhile True:\n    try:\n        time.sleep(0.1)\n    except KeyboardInterrupt:\n        pass";
+    let x = api
+        .execute_with(&id, json!({"code": stubborn, "timeout_seconds": 1}))
+        .await;
+    assert_eq!(x["status"], "timeout", "{x}");
+    assert!(x["error"]["evalue"].as_str().unwrap().contains("restarted"), "{x}");
+    let x = api.execute(&id, "'kept' in globals()").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "False");
+    let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s["state"], "idle");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn restart_clears_state() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    api.execute(&id, "secret = 5").await;
+    let (status, s) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["execution_count"], 0);
+    assert_eq!(s["state"], "idle");
+    let x = api.execute(&id, "secret").await;
+    assert_eq!(x["status"], "error");
+    assert_eq!(x["error"]["ename"], "NameError");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn kernel_death_marks_the_session_dead_until_restart() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let x = api.execute(&id, "import os\nos._exit(3)").await;
+    assert_eq!(x["status"], "dead", "{x}");
+    assert!(x["error"]["evalue"].as_str().unwrap().contains("code 3"), "{x}");
+    let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s["state"], "dead");
+    let x = api.execute(&id, "1").await;
+    assert_eq!(x["status"], "dead");
+    assert!(x["error"]["evalue"].as_str().unwrap().contains("restart"), "{x}");
+    let (status, _) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+    assert_eq!(status, 200);
+    let x = api.execute(&id, "2+2").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "4");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn memory_limit_kills_the_kernel_with_a_clear_error() {
+    let broker = Broker::start(|a| a.memory_limit = Some(256 << 20)).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let x = api
+        .execute_with(&id, json!({"code": "blocks = []\nwhile True: blocks.append(b'x' * (32 << 20))", "timeout_seconds": 60}))
+        .await;
+    assert!(
+        x["status"] == "dead" || (x["status"] == "error" && x["error"]["ename"] == "MemoryError"),
+        "{x}"
+    );
+    if x["status"] == "dead" {
+        assert!(x["error"]["evalue"].as_str().unwrap().contains("memory"), "{x}");
+    }
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn the_sandbox_has_no_network_and_no_host_files() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let port = broker.addr.port();
+    let code = format!(
+        r#"import socket, os
+names = [n for _, n in socket.if_nameindex()]
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2)
+    reached = True
+except OSError:
+    reached = False
+try:
+    socket.getaddrinfo("deb.debian.org", 80)
+    resolved = True
+except OSError:
+    resolved = False
+def readable(p):
+    try:
+        open(p, "rb").read(1)
+        return True
+    except OSError:
+        return False
+print(names, reached, resolved, readable("/etc/shadow"), os.path.exists("/root/.ssh"), os.path.exists("{repo}/src"), os.getuid() != 0)"#,
+        repo = repo().display()
+    );
+    let x = api.execute(&id, &code).await;
+    assert_eq!(x["stdout"], "['lo'] False False False False False True\n", "{x}");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn users_cannot_see_or_touch_each_others_sessions() {
+    let broker = Broker::start(|_| {}).await;
+    let alice = broker.api(ALICE);
+    let bob = broker.api(BOB);
+    let id = alice.create().await;
+    alice.execute(&id, "open('alice.txt', 'w').write('private')").await;
+
+    for (method, path) in [
+        (reqwest::Method::GET, format!("/v1/sessions/{id}")),
+        (reqwest::Method::POST, format!("/v1/sessions/{id}/execute")),
+        (reqwest::Method::POST, format!("/v1/sessions/{id}/interrupt")),
+        (reqwest::Method::POST, format!("/v1/sessions/{id}/restart")),
+        (reqwest::Method::DELETE, format!("/v1/sessions/{id}")),
+        (reqwest::Method::GET, format!("/v1/sessions/{id}/files")),
+        (reqwest::Method::GET, format!("/v1/sessions/{id}/files/alice.txt")),
+    ] {
+        let (status, e) = bob.call(method, &path, Some(json!({"code": "1"}))).await;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(e["error"]["code"], "session_not_found");
+    }
+    let (_, list) = bob.get("/v1/sessions").await;
+    assert_eq!(list, json!([]));
+    let ws = tokio_tungstenite::connect_async(format!(
+        "ws://{}/v1/sessions/{id}/stream?token={BOB}",
+        broker.addr
+    ))
+    .await;
+    assert!(ws.is_err(), "bob must not attach to alice's stream");
+
+    // Bob's own kernel cannot see alice's workspace.
+    let bid = bob.create().await;
+    let x = bob
+        .execute(&bid, "import os\nprint(os.path.exists('alice.txt'), os.getcwd(), sorted(os.listdir('/')))")
+        .await;
+    assert!(x["stdout"].as_str().unwrap().starts_with("False /workspace"), "{x}");
+    let x = alice.execute(&id, "print(open('alice.txt').read())").await;
+    assert_eq!(x["stdout"], "private\n");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn idle_sessions_expire_and_release_everything() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let (status, s) = api
+        .post("/v1/sessions", json!({"idle_timeout_seconds": 2}))
+        .await;
+    assert_eq!(status, 201);
+    let id = s["id"].as_str().unwrap().to_string();
+    api.execute(&id, "x = 1").await;
+    let pid_code = "import os; print(os.getpid())";
+    let _ = api.execute(&id, pid_code).await;
+    let run_dirs = |d: &std::path::Path| std::fs::read_dir(d).map(|r| r.count()).unwrap_or(0);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (status, e) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 410, "{e}");
+    assert_eq!(e["error"]["code"], "session_expired");
+    let (status, _) = api.post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"})).await;
+    assert_eq!(status, 410);
+    let (_, list) = api.get("/v1/sessions").await;
+    assert_eq!(list, json!([]));
+    assert_eq!(run_dirs(&broker.data_dir.join("run")), 0, "runtime dirs reclaimed");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn activity_postpones_expiry() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let (_, s) = api.post("/v1/sessions", json!({"idle_timeout_seconds": 3})).await;
+    let id = s["id"].as_str().unwrap().to_string();
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let x = api.execute(&id, "1").await;
+        assert_eq!(x["status"], "ok");
+    }
+    // A long execution is not expired mid-way.
+    let x = api
+        .execute_with(&id, json!({"code": "import time; time.sleep(5); 'done'", "timeout_seconds": 20}))
+        .await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "'done'");
+    let (status, _) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 200);
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_clear_errors() {
+    let broker = Broker::start(|a| a.max_code_bytes = Some(1000)).await;
+    let api = broker.api(ALICE);
+    let http = reqwest::Client::new();
+
+    let r = http.get(broker.url("/healthz")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    for auth in [None, Some("Bearer nope-nope"), Some("Basic abc"), Some("token")] {
+        let mut req = http.get(broker.url("/v1/sessions"));
+        if let Some(a) = auth {
+            req = req.header("Authorization", a);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{auth:?}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["code"], "unauthorized");
+    }
+    for form in [format!("token {ALICE}"), format!("Bearer {ALICE}")] {
+        let r = http.get(broker.url("/v1/sessions")).header("Authorization", form).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let r = http.get(broker.url(&format!("/v1/sessions?token={ALICE}"))).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    let r = http
+        .post(broker.url("/v1/sessions"))
+        .bearer_auth(ALICE)
+        .header("content-type", "application/json")
+        .body("{\"kernel\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "bad_request");
+    let (status, _) = api.post("/v1/sessions", json!({"kernel": "cobol"})).await;
+    assert_eq!(status, 400);
+    let (status, _) = api.post("/v1/sessions", json!({"kernal": "python3"})).await;
+    assert_eq!(status, 400);
+
+    let (status, e) = api.get("/v1/sessions/00000000-0000-0000-0000-000000000000").await;
+    assert_eq!((status, e["error"]["code"].as_str()), (404, Some("session_not_found")));
+    let (status, _) = api.get("/v1/sessions/not-a-uuid").await;
+    assert_eq!(status, 404);
+
+    let id = api.create().await;
+    let (status, e) = api
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x = '".to_string() + &"a".repeat(5000) + "'"}))
+        .await;
+    assert_eq!(status, 413, "{e}");
+    assert_eq!(e["error"]["code"], "payload_too_large");
+    let (status, _) = api.post(&format!("/v1/sessions/{id}/execute"), json!({"cod": "1"})).await;
+    assert_eq!(status, 400);
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1", "timeout_seconds": -1}))
+        .await;
+    assert_eq!(status, 400);
+    let r = http
+        .post(broker.url(&format!("/v1/sessions/{id}/execute")))
+        .bearer_auth(ALICE)
+        .body(vec![0xffu8; 10])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // Nothing was lost: the session still works.
+    let x = api.execute(&id, "1+1").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "2");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn long_output_is_cut_and_endless_output_is_bounded() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let x = api.execute(&id, "print('a' * 50000)").await;
+    assert_eq!(x["stdout"].as_str().unwrap().chars().count(), 10_000);
+    assert_eq!(x["truncated"], true);
+
+    let rss = || {
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with("VmRSS"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .unwrap()
+    };
+    let before = rss();
+    let x = api
+        .execute_with(&id, json!({"code": "while True: print('y' * 1000)", "timeout_seconds": 5}))
+        .await;
+    assert_eq!(x["status"], "timeout", "{}", x["status"]);
+    assert_eq!(x["stdout"].as_str().unwrap().chars().count(), 10_000);
+    let grown_kib = rss().saturating_sub(before);
+    assert!(grown_kib < 200 * 1024, "broker grew by {grown_kib} KiB on endless output");
+    let x = api.execute(&id, "'alive'").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "'alive'");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn files_move_between_api_and_kernel() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let r = api
+        .http
+        .put(broker.url(&format!("/v1/sessions/{id}/files/data/sales.csv")))
+        .bearer_auth(ALICE)
+        .body("region,price\nnorth,3\nsouth,4\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let x = api
+        .execute(&id, "import pandas as pd\ndf = pd.read_csv('data/sales.csv')\ndf.to_csv('out.csv', index=False)\nint(df.price.sum())")
+        .await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "7", "{x}");
+    let r = api
+        .http
+        .get(broker.url(&format!("/v1/sessions/{id}/files/out.csv")))
+        .bearer_auth(ALICE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "region,price\nnorth,3\nsouth,4\n");
+    let (_, list) = api.get(&format!("/v1/sessions/{id}/files")).await;
+    let paths: Vec<_> = list.as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
+    assert!(paths.contains(&"data/sales.csv") && paths.contains(&"out.csv"), "{list}");
+    // A symlink the kernel plants does not lead the broker out of the workspace.
+    api.execute(&id, "import os\nos.symlink('/etc/hostname', 'escape')").await;
+    let (status, _) = api.get(&format!("/v1/sessions/{id}/files/escape")).await;
+    assert_eq!(status, 400);
+    let (status, _) = api.get(&format!("/v1/sessions/{id}/files/..%2F..%2Fetc%2Fpasswd")).await;
+    assert!(status == 400 || status == 404, "{status}");
+    let (status, _) = api.get(&format!("/v1/sessions/{id}/files/missing.txt")).await;
+    assert_eq!(status, 404);
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn executions_run_one_at_a_time_in_order() {
+    let broker = Broker::start(|_| {}).await;
+    let api = std::sync::Arc::new(broker.api(ALICE));
+    let id = api.create().await;
+    api.execute(&id, "log = []").await;
+    let mut handles = Vec::new();
+    for i in 0..5 {
+        let api = api.clone();
+        let id = id.clone();
+        handles.push(tokio::spawn(async move {
+            api.execute(&id, &format!("import time; time.sleep(0.05); log.append({i})")).await
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for h in handles {
+        assert_eq!(h.await.unwrap()["status"], "ok");
+    }
+    let x = api.execute(&id, "log").await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "[0, 1, 2, 3, 4]");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn quotas_are_enforced() {
+    let broker = Broker::start(|a| a.max_sessions_per_user = Some(1)).await;
+    let api = broker.api(ALICE);
+    let _id = api.create().await;
+    let (status, e) = api.post("/v1/sessions", json!({})).await;
+    assert_eq!(status, 429);
+    assert_eq!(e["error"]["code"], "quota_exceeded");
+    // Bob has his own quota.
+    let _ = broker.api(BOB).create().await;
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_every_kernel() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let x = api.execute(&id, "import os; print(os.getpid())").await;
+    assert_eq!(x["status"], "ok");
+    let run = broker.data_dir.join("run");
+    assert!(std::fs::read_dir(&run).unwrap().count() >= 1);
+    let data_dir = broker.data_dir.clone();
+    broker.stop().await;
+    assert_eq!(std::fs::read_dir(data_dir.join("run")).map(|r| r.count()).unwrap_or(0), 0);
+}
