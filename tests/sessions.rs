@@ -52,7 +52,7 @@ async fn state_persists_and_outputs_are_returned() {
     assert!(tb.iter().all(|l| !l.as_str().unwrap().contains('\u{1b}')), "ANSI left in {tb:?}");
 
     // The fix in the next step sees the earlier state.
-    let x = api.execute(&id, "df['price'].sum()").await;
+    let x = api.execute(&id, "int(df['price'].sum())").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "6");
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(s["execution_count"], 4);

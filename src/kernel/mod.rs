@@ -99,8 +99,11 @@ impl Drop for TaskSet {
 }
 
 /// Capacity of the event queue from the socket readers to the consumer. The consumer (the
-/// session task) never awaits anything slow, so this is only a burst buffer.
-const EVENT_CAPACITY: usize = 4096;
+/// session task) never awaits anything slow, so this is only a burst buffer; kept small
+/// because one message can be megabytes: when the consumer falls behind, the readers wait,
+/// and the kernel's PUB socket drops iopub at its high-water mark instead of the broker
+/// buffering without bound.
+const EVENT_CAPACITY: usize = 256;
 
 fn to_zmq(frames: Vec<Bytes>) -> Option<ZmqMessage> {
     ZmqMessage::try_from(frames).ok()

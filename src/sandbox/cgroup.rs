@@ -105,8 +105,8 @@ impl Cgroups {
 
         // v2 when the unified hierarchy carries all three controllers.
         if let Some(m) = mounts.iter().find(|m| m.fs_type == "cgroup2") {
-            let controllers = read_trimmed(&m.mount_point.join("cgroup.controllers"))
-                .unwrap_or_default();
+            let controllers =
+                read_trimmed(&m.mount_point.join("cgroup.controllers")).unwrap_or_default();
             let have: HashSet<&str> = controllers.split_whitespace().collect();
             if ["memory", "cpu", "pids"].iter().all(|c| have.contains(c)) {
                 let parent = if privileged {
@@ -139,8 +139,7 @@ impl Cgroups {
                 tree_lock: Mutex::new(()),
             }),
             (Some(_), Some(_), Some(_)) => Err(
-                "the host uses cgroup v1, which cannot be delegated to an unprivileged broker; \
-                 run the broker as root or on a cgroup v2 host"
+                "the host uses cgroup v1, which cannot be delegated to an unprivileged broker"
                     .to_string(),
             ),
             _ => Err(
@@ -219,7 +218,10 @@ impl Cgroups {
             }
             dirs.push((user_dir.clone(), user_dir.join(&session)));
         }
-        self.apply_limits(&dirs.iter().map(|(u, _)| u.clone()).collect::<Vec<_>>(), limits)?;
+        self.apply_limits(
+            &dirs.iter().map(|(u, _)| u.clone()).collect::<Vec<_>>(),
+            limits,
+        )?;
         let mut leaf = Leaf {
             version: self.version,
             dirs: Vec::with_capacity(dirs.len()),
@@ -326,7 +328,11 @@ impl Cgroups {
                     .collect(),
                 procs_files: Vec::new(),
             };
-            tracing::info!(user, session, "removing a kernel cgroup left by an earlier run");
+            tracing::info!(
+                user,
+                session,
+                "removing a kernel cgroup left by an earlier run"
+            );
             self.remove_leaf(&leaf).await;
             removed += 1;
         }
@@ -340,7 +346,9 @@ impl Cgroups {
 
     fn lock_tree(&self) -> std::sync::MutexGuard<'_, ()> {
         // The guarded data is `()`, so a panic elsewhere cannot have left it inconsistent.
-        self.tree_lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.tree_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -443,7 +451,8 @@ fn mkdir(dir: &Path) -> Result<(), SandboxError> {
 }
 
 fn write_file(path: &Path, value: &str) -> Result<(), SandboxError> {
-    std::fs::write(path, value).map_err(|e| cgroup_err(path, format!("cannot write {value:?}: {e}")))
+    std::fs::write(path, value)
+        .map_err(|e| cgroup_err(path, format!("cannot write {value:?}: {e}")))
 }
 
 fn write_limit(path: &Path, value: &str) -> Result<(), SandboxError> {
@@ -631,7 +640,12 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
             let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -657,18 +671,27 @@ mod tests {
 ";
         let mounts = parse_mountinfo(text);
         assert_eq!(mounts.len(), 3);
-        assert_eq!(mounts[0].mount_point, PathBuf::from("/sys/fs/cgroup/memory"));
+        assert_eq!(
+            mounts[0].mount_point,
+            PathBuf::from("/sys/fs/cgroup/memory")
+        );
         assert_eq!(mounts[0].super_options, vec!["rw", "memory"]);
         assert!(mounts[1].super_options.iter().any(|o| o == "cpu"));
         assert_eq!(mounts[2].fs_type, "cgroup2");
         assert_eq!(mounts[2].root, "/sub");
-        assert_eq!(mounts[2].mount_point, PathBuf::from("/sys/fs/cgroup/unified x"));
+        assert_eq!(
+            mounts[2].mount_point,
+            PathBuf::from("/sys/fs/cgroup/unified x")
+        );
     }
 
     #[test]
     fn joins_own_cgroup_under_the_mount() {
         let m = Path::new("/sys/fs/cgroup");
-        assert_eq!(join_cgroup_path(m, "/", "/"), PathBuf::from("/sys/fs/cgroup"));
+        assert_eq!(
+            join_cgroup_path(m, "/", "/"),
+            PathBuf::from("/sys/fs/cgroup")
+        );
         assert_eq!(
             join_cgroup_path(m, "/", "/user.slice/app.service"),
             PathBuf::from("/sys/fs/cgroup/user.slice/app.service")
@@ -686,7 +709,10 @@ mod tests {
         let v2 = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n";
         assert_eq!(parse_keyed_counter(v2, "oom_kill"), Some(1));
         assert_eq!(parse_keyed_counter(v2, "oom"), Some(2));
-        assert_eq!(parse_keyed_counter("oom_kill_disable 0\n", "oom_kill"), None);
+        assert_eq!(
+            parse_keyed_counter("oom_kill_disable 0\n", "oom_kill"),
+            None
+        );
     }
 
     #[test]

@@ -36,7 +36,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -354,7 +354,10 @@ impl LocalSandbox {
         if !is_safe_component(&user.name) {
             return Err(launch_err(
                 user,
-                format!("the user name {:?} is not usable as a directory name", user.name),
+                format!(
+                    "the user name {:?} is not usable as a directory name",
+                    user.name
+                ),
             ));
         }
         Ok(self.workspaces.join(&user.name))
@@ -390,12 +393,20 @@ impl LocalSandbox {
         cgroups: Option<Arc<Cgroups>>,
     ) -> Result<Launched, SandboxError> {
         let user = spec.user.clone();
+        let session = spec.session_id;
+        if self.lock_kernels().contains_key(&session) {
+            return Err(launch_err(
+                &user,
+                format!("session {session} already has a kernel"),
+            ));
+        }
         let workspace = self.workspace_path(&user)?;
         let ids = self.kernel_ids(&user)?;
-        let rundir = self.run_base.join(spec.session_id.to_string());
+        let rundir = self.run_base.join(session.to_string());
         let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(&user, e))?;
 
-        // Workspace, runtime directory, connection file, /etc files.
+        // Workspace, runtime directory, connection file, /etc files. On failure `write`
+        // removes what it created; from then on the guard does, until the reaper takes over.
         let files = LaunchFiles {
             workspace: workspace.clone(),
             rundir: rundir.clone(),
@@ -403,49 +414,51 @@ impl LocalSandbox {
             login: login_name(&user.name),
             connection: connection_file(&spec),
         };
-        let prepared = tokio::task::spawn_blocking(move || files.write())
+        tokio::task::spawn_blocking(move || files.write())
             .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))?;
-        if let Err(e) = prepared {
-            remove_dir_logged(rundir).await;
-            return Err(e);
+            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+        let mut guard = LaunchGuard {
+            rundir: Some(rundir.clone()),
+            leaf: None,
+        };
+
+        if let Some(cg) = &cgroups {
+            let (cg2, name, limits) = (cg.clone(), user.name.clone(), user.limits.clone());
+            let leaf =
+                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, session))
+                    .await
+                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
+            guard.leaf = Some((cg.clone(), leaf));
         }
 
-        let leaf = match &cgroups {
-            Some(cg) => match cg.create_leaf(&user.name, &user.limits, spec.session_id) {
-                Ok(leaf) => Some(leaf),
-                Err(e) => {
-                    remove_dir_logged(rundir).await;
-                    return Err(e);
-                }
-            },
-            None => None,
-        };
+        let (child, info, stderr_task, tail) = self.spawn(
+            &spec,
+            &argv,
+            spec_env,
+            resource_dir.as_deref(),
+            &rundir,
+            &workspace,
+            ids,
+            guard.leaf.as_ref().map(|(_, leaf)| leaf),
+        )?;
 
-        let spawned = self.spawn(&spec, &argv, spec_env, resource_dir.as_deref(), &rundir, &workspace, ids, leaf.as_ref());
-        let (child, info, stderr_task, tail) = match spawned {
-            Ok(s) => s,
-            Err(e) => {
-                if let (Some(cg), Some(leaf)) = (&cgroups, &leaf) {
-                    cg.remove_leaf(leaf).await;
-                }
-                remove_dir_logged(rundir).await;
-                return Err(e);
-            }
-        };
-        let bwrap_pid = child.id().and_then(|p| i32::try_from(p).ok());
-
+        // From here the reaper owns the leaf and the runtime directory, and the handle's
+        // drop (also when this future is dropped half-way) kills the kernel.
         let (exit_tx, exit_rx) = watch::channel(None);
-        let init_pid = read_init_pid(info).await;
         let shared = Arc::new(KernelShared {
-            session_id: spec.session_id,
+            session_id: session,
             user: user.name.clone(),
-            init_pid: init_pid.as_ref().ok().copied(),
-            bwrap_pid,
+            init_pid: OnceLock::new(),
+            bwrap_pid: child.id().and_then(|p| i32::try_from(p).ok()),
             terminating: AtomicBool::new(false),
             kill: CancellationToken::new(),
             exit: exit_rx,
         });
+        let (cgroups, leaf) = guard
+            .leaf
+            .take()
+            .map_or((None, None), |(c, l)| (Some(c), Some(l)));
+        guard.rundir = None;
         let reaper = Reaper {
             child,
             shared: shared.clone(),
@@ -457,26 +470,30 @@ impl LocalSandbox {
             registry: self.kernels.clone(),
             tail: tail.clone(),
         };
-        self.lock_kernels().insert(spec.session_id, shared.clone());
+        self.lock_kernels().insert(session, shared.clone());
         tokio::spawn(reaper.run());
         let kernel = LocalKernel { shared };
 
-        if let Err(why) = init_pid {
-            // bwrap failed before the sandbox existed; the reaper cleans up. Explain with
-            // what it wrote to stderr.
-            kernel.terminate().await;
-            let _ = timeout(Duration::from_secs(2), stderr_task).await;
-            let tail: Vec<String> = lock_tail(&tail).iter().cloned().collect();
-            return Err(launch_err(
-                &user,
-                format!("the sandbox did not start ({why}): {}", tail.join(" | ")),
-            ));
+        match read_init_pid(info).await {
+            Ok(pid) => {
+                let _ = kernel.shared.init_pid.set(pid);
+            }
+            Err(why) => {
+                // bwrap failed before the sandbox existed; explain with what it wrote.
+                kernel.terminate().await;
+                let _ = timeout(Duration::from_secs(2), stderr_task).await;
+                let tail: Vec<String> = lock_tail(&tail).iter().cloned().collect();
+                return Err(launch_err(
+                    &user,
+                    format!("the sandbox did not start ({why}): {}", tail.join(" | ")),
+                ));
+            }
         }
         tracing::info!(
-            session = %spec.session_id,
+            %session,
             user = %user.name,
             kernel = %spec.kernel_name,
-            pid = ?kernel.shared.init_pid,
+            pid = ?kernel.shared.init_pid.get(),
             "kernel launched"
         );
         Ok(Launched {
@@ -552,7 +569,12 @@ impl LocalSandbox {
 
         let tail: Tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(stdout) = child.stdout.take() {
-            tokio::spawn(forward_output(stdout, spec.session_id, Stream::Stdout, None));
+            tokio::spawn(forward_output(
+                stdout,
+                spec.session_id,
+                Stream::Stdout,
+                None,
+            ));
         }
         let stderr_task = match child.stderr.take() {
             Some(stderr) => tokio::spawn(forward_output(
@@ -619,6 +641,17 @@ impl LocalSandbox {
                 Err(_) => {}
             }
         }
+        // The private mounts come before the binds, so that a bind below /tmp (a venv
+        // there, say) lands on the tmpfs instead of being hidden by it.
+        fs.push(["--proc", "/proc", "--dev", "/dev"]);
+        fs.push(["--perms", "1777"]);
+        if let (Some(size), true) = (req.tmp_size, self.bwrap_has_size) {
+            // tmpfs pages count against the memory cgroup anyway; the cap keeps /tmp from
+            // claiming more than the user may use at all.
+            fs.push(["--size".to_string(), size.to_string()]);
+        }
+        fs.push(["--tmpfs", "/tmp"]);
+        fs.dirs.insert(PathBuf::from("/tmp"));
         for dir in &self.python_dirs {
             fs.ro_bind(dir, dir);
         }
@@ -641,15 +674,6 @@ impl LocalSandbox {
             fs.ro_bind(&req.rundir.join(name), &Path::new("/etc").join(name));
         }
 
-        fs.push(["--proc", "/proc", "--dev", "/dev"]);
-        fs.push(["--perms", "1777"]);
-        if let (Some(size), true) = (req.tmp_size, self.bwrap_has_size) {
-            // tmpfs pages count against the memory cgroup anyway; the cap keeps /tmp from
-            // claiming more than the user may use at all.
-            fs.push(["--size".to_string(), size.to_string()]);
-        }
-        fs.push(["--tmpfs", "/tmp"]);
-        fs.dirs.insert(PathBuf::from("/tmp"));
         fs.bind(req.rundir, Path::new(RUN_DIR_INSIDE));
         fs.bind(req.workspace, Path::new(WORKSPACE_INSIDE));
         fs.push(["--chdir", WORKSPACE_INSIDE]);
@@ -679,7 +703,9 @@ impl LocalSandbox {
     async fn smoke_test(&self) -> Result<(), SandboxError> {
         let rundir = self.run_base.join(format!("check-{}", Uuid::new_v4()));
         let workspace = rundir.join("workspace");
-        let ids = self.privileged.then_some((self.cfg.uid_base, self.cfg.uid_base));
+        let ids = self
+            .privileged
+            .then_some((self.cfg.uid_base, self.cfg.uid_base));
         let files = LaunchFiles {
             workspace: workspace.clone(),
             rundir: rundir.clone(),
@@ -705,7 +731,11 @@ impl LocalSandbox {
         ids: Option<(u32, u32)>,
     ) -> Result<(), SandboxError> {
         let argv = self.substitute_argv(
-            &["python".to_string(), "-c".to_string(), "import ipykernel".to_string()],
+            &[
+                "python".to_string(),
+                "-c".to_string(),
+                "import ipykernel".to_string(),
+            ],
             None,
         );
         let args = self.bwrap_args(&BwrapRequest {
@@ -824,8 +854,9 @@ impl Sandbox for LocalSandbox {
 struct KernelShared {
     session_id: Uuid,
     user: String,
-    /// Host pid of the sandbox's init (pid 1 inside), from bwrap's `--info-fd`.
-    init_pid: Option<i32>,
+    /// Host pid of the sandbox's init (pid 1 inside), from bwrap's `--info-fd`; set once
+    /// bwrap reports it, shortly after the spawn.
+    init_pid: OnceLock<i32>,
     /// Host pid of bwrap itself.
     bwrap_pid: Option<i32>,
     /// Set before a requested kill, so the exit reads as [`ExitReason::Terminated`].
@@ -865,15 +896,19 @@ impl KernelProcess for LocalKernel {
     async fn interrupt(&self) -> Result<(), SandboxError> {
         let no_process = |why: &str| SandboxError::Io {
             what: "cannot interrupt the kernel",
-            path: PathBuf::from(format!("/proc/{}", self.shared.init_pid.unwrap_or(0))),
+            path: PathBuf::from(format!(
+                "/proc/{}",
+                self.shared.init_pid.get().copied().unwrap_or(0)
+            )),
             source: io::Error::new(io::ErrorKind::NotFound, why.to_string()),
         };
         if self.shared.has_exited() {
             return Err(no_process("the kernel process has exited"));
         }
-        let init = self
+        let init = *self
             .shared
             .init_pid
+            .get()
             .ok_or_else(|| no_process("the sandbox's init pid is unknown"))?;
         let pid = sandbox_command_pid(init)
             .ok_or_else(|| no_process("the kernel process is not running"))?;
@@ -901,7 +936,10 @@ impl KernelProcess for LocalKernel {
         }
         self.shared.terminating.store(true, Ordering::SeqCst);
         self.shared.kill.cancel();
-        if timeout(TERMINATE_TIMEOUT, self.shared.wait()).await.is_err() {
+        if timeout(TERMINATE_TIMEOUT, self.shared.wait())
+            .await
+            .is_err()
+        {
             tracing::error!(
                 session = %self.shared.session_id,
                 user = %self.shared.user,
@@ -936,7 +974,7 @@ impl Reaper {
         let status = tokio::select! {
             status = self.child.wait() => status,
             () = self.shared.kill.cancelled() => {
-                kill_sandbox(self.leaf.as_ref(), self.shared.init_pid, self.shared.bwrap_pid).await;
+                kill_sandbox(self.leaf.as_ref(), self.shared.init_pid.get().copied(), self.shared.bwrap_pid).await;
                 self.child.wait().await
             }
         };
@@ -950,7 +988,11 @@ impl Reaper {
             }
             _ => {
                 let tail: Vec<String> = lock_tail(&self.tail).iter().cloned().collect();
-                tracing::warn!(%session, %reason, stderr = %tail.join(" | "), "kernel process ended");
+                if tail.is_empty() {
+                    tracing::warn!(%session, %reason, "kernel process ended");
+                } else {
+                    tracing::warn!(%session, %reason, last_stderr = %tail.join(" | "), "kernel process ended");
+                }
             }
         }
 
@@ -1189,7 +1231,9 @@ fn lock_registry(
 ) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<KernelShared>>> {
     // Every critical section is a single insert, remove or clone; none can leave the map
     // half-updated.
-    registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    registry
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// What bwrap should build for one run.
@@ -1279,6 +1323,40 @@ impl MountPlan {
     }
 }
 
+/// Removes a launch's runtime directory and cgroup leaf if the launch does not get as far
+/// as handing them to its reaper (an error, or the launch future dropped). Nothing runs in
+/// them yet, so plain `rmdir`s do; they are quick enough for `drop`.
+struct LaunchGuard {
+    rundir: Option<PathBuf>,
+    leaf: Option<(Arc<Cgroups>, Leaf)>,
+}
+
+impl Drop for LaunchGuard {
+    fn drop(&mut self) {
+        if let Some((cgroups, leaf)) = self.leaf.take() {
+            for dir in leaf.dirs() {
+                if let Err(e) = std::fs::remove_dir(dir) {
+                    tracing::warn!(cgroup = %dir.display(), error = %e, "cannot remove the cgroup of a failed launch");
+                }
+            }
+            if let Some(user) = leaf
+                .dirs()
+                .first()
+                .and_then(|d| d.parent())
+                .and_then(|p| p.file_name())
+                .and_then(|n| n.to_str())
+            {
+                cgroups.remove_user_if_unused(user);
+            }
+        }
+        if let Some(dir) = self.rundir.take() {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot remove the runtime directory of a failed launch");
+            }
+        }
+    }
+}
+
 /// The files a launch writes on the host before bwrap starts.
 struct LaunchFiles {
     workspace: PathBuf,
@@ -1290,20 +1368,34 @@ struct LaunchFiles {
 }
 
 impl LaunchFiles {
+    /// Writes everything; on failure removes the runtime directory if it created it.
     fn write(&self) -> Result<(), SandboxError> {
-        prepare_workspace(&self.workspace, self.ids)?;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&self.rundir)
+            .map_err(|source| SandboxError::Io {
+                what: "cannot create the runtime directory",
+                path: self.rundir.clone(),
+                source,
+            })?;
+        let result = self.write_in_rundir();
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&self.rundir);
+        }
+        result
+    }
+
+    fn write_in_rundir(&self) -> Result<(), SandboxError> {
         let io_err = |what: &'static str, path: &Path| {
             let path = path.to_path_buf();
             move |source| SandboxError::Io { what, path, source }
         };
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&self.rundir)
-            .map_err(io_err("cannot create the runtime directory", &self.rundir))?;
         if let Some((uid, gid)) = self.ids {
             std::os::unix::fs::chown(&self.rundir, Some(uid), Some(gid))
                 .map_err(io_err("cannot chown the runtime directory", &self.rundir))?;
         }
+        // After the runtime directory: `check` puts its scratch workspace inside it.
+        prepare_workspace(&self.workspace, self.ids)?;
         let (uid, gid) = self.ids.unwrap_or_else(current_ids);
         let login = &self.login;
         let passwd = format!(
@@ -1312,7 +1404,8 @@ impl LaunchFiles {
              nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
         );
         let group = format!("root:x:0:\n{login}:x:{gid}:\nnogroup:x:65534:\n");
-        let hosts = format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
+        let hosts =
+            format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
         for (name, text) in [("passwd", passwd), ("group", group), ("hosts", hosts)] {
             let path = self.rundir.join(name);
             write_new_file(&path, text.as_bytes(), 0o644, None)
@@ -1320,11 +1413,12 @@ impl LaunchFiles {
         }
         if !self.connection.is_null() {
             let path = self.rundir.join("connection.json");
-            let text = serde_json::to_vec_pretty(&self.connection).map_err(|e| SandboxError::Io {
-                what: "cannot encode the connection file",
-                path: path.clone(),
-                source: io::Error::other(e),
-            })?;
+            let text =
+                serde_json::to_vec_pretty(&self.connection).map_err(|e| SandboxError::Io {
+                    what: "cannot encode the connection file",
+                    path: path.clone(),
+                    source: io::Error::other(e),
+                })?;
             write_new_file(&path, &text, 0o600, self.ids)
                 .map_err(io_err("cannot write the connection file", &path))?;
         }
@@ -1451,7 +1545,9 @@ fn create_private_dir(dir: &Path, mode: Option<u32>) -> Result<(), SandboxError>
     if let Some(mode) = mode {
         builder.mode(mode);
     }
-    builder.create(dir).map_err(err("cannot create directory"))?;
+    builder
+        .create(dir)
+        .map_err(err("cannot create directory"))?;
     let Some(mode) = mode else { return Ok(()) };
     let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect directory"))?;
     let (euid, _) = current_ids();
@@ -1489,7 +1585,9 @@ fn sweep_run_base(run_base: &Path) -> Result<usize, SandboxError> {
         }
         match std::fs::remove_dir_all(entry.path()) {
             Ok(()) => removed += 1,
-            Err(e) => tracing::warn!(path = %entry.path().display(), error = %e, "cannot remove a stale runtime directory"),
+            Err(e) => {
+                tracing::warn!(path = %entry.path().display(), error = %e, "cannot remove a stale runtime directory")
+            }
         }
     }
     Ok(removed)
@@ -1646,7 +1744,10 @@ fn load_kernel_specs(kernels_dir: &Path) -> Result<HashMap<String, KernelSpec>, 
             source,
         })?;
         let mut spec: KernelSpec = serde_json::from_slice(&text).map_err(|e| {
-            unavailable(format!("the kernel spec {} is invalid: {e}", file.display()))
+            unavailable(format!(
+                "the kernel spec {} is invalid: {e}",
+                file.display()
+            ))
         })?;
         if spec.argv.is_empty() {
             return Err(unavailable(format!(
@@ -1732,19 +1833,44 @@ mod tests {
     fn mount_plan_creates_every_parent_once_with_0755() {
         let mut fs = MountPlan::default();
         fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
-        fs.ro_bind(Path::new("/root/.pyenv/v/3.11"), Path::new("/root/.pyenv/v/3.11"));
-        fs.ro_bind(Path::new("/root/.pyenv/v/other"), Path::new("/root/.pyenv/v/other"));
+        fs.ro_bind(
+            Path::new("/root/.pyenv/v/3.11"),
+            Path::new("/root/.pyenv/v/3.11"),
+        );
+        fs.ro_bind(
+            Path::new("/root/.pyenv/v/other"),
+            Path::new("/root/.pyenv/v/other"),
+        );
         fs.ro_bind(Path::new("/usr/lib/python3"), Path::new("/usr/lib/python3"));
-        let args: Vec<String> = fs.args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+        let args: Vec<String> = fs
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
         assert_eq!(
             args,
             [
-                "--ro-bind", "/usr", "/usr",
-                "--perms", "0755", "--dir", "/root",
-                "--perms", "0755", "--dir", "/root/.pyenv",
-                "--perms", "0755", "--dir", "/root/.pyenv/v",
-                "--ro-bind", "/root/.pyenv/v/3.11", "/root/.pyenv/v/3.11",
-                "--ro-bind", "/root/.pyenv/v/other", "/root/.pyenv/v/other",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root/.pyenv",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root/.pyenv/v",
+                "--ro-bind",
+                "/root/.pyenv/v/3.11",
+                "/root/.pyenv/v/3.11",
+                "--ro-bind",
+                "/root/.pyenv/v/other",
+                "/root/.pyenv/v/other",
             ]
         );
     }
@@ -1771,7 +1897,9 @@ mod tests {
         );
         let long = LocalSandboxConfig::new(format!("/srv/{}", "d".repeat(80)), "/k");
         let base = choose_run_base(&long, true, 0).unwrap();
-        assert!(base.starts_with("/run") && base.to_str().unwrap().starts_with("/run/kernel-broker-"));
+        assert!(
+            base.starts_with("/run") && base.to_str().unwrap().starts_with("/run/kernel-broker-")
+        );
         let mut explicit = long.clone();
         explicit.run_dir = Some(PathBuf::from(format!("/{}", "r".repeat(70))));
         assert!(choose_run_base(&explicit, true, 0).is_err());
@@ -1784,17 +1912,28 @@ mod tests {
         assert_eq!(classify_exit(exited(0), false, 0, 1), ExitReason::Exited(0));
         assert_eq!(classify_exit(exited(3), false, 0, 1), ExitReason::Exited(3));
         // bwrap's 128 + N convention.
-        assert_eq!(classify_exit(exited(137), false, 0, 1), ExitReason::Signaled(9));
-        assert_eq!(classify_exit(exited(130), false, 0, 1), ExitReason::Signaled(2));
+        assert_eq!(
+            classify_exit(exited(137), false, 0, 1),
+            ExitReason::Signaled(9)
+        );
+        assert_eq!(
+            classify_exit(exited(130), false, 0, 1),
+            ExitReason::Signaled(2)
+        );
         assert_eq!(
             classify_exit(exited(137), false, 1, 64 << 20),
-            ExitReason::OutOfMemory { limit_bytes: 64 << 20 }
+            ExitReason::OutOfMemory {
+                limit_bytes: 64 << 20
+            }
         );
         assert_eq!(
             classify_exit(killed(9), false, 2, 5),
             ExitReason::OutOfMemory { limit_bytes: 5 }
         );
-        assert_eq!(classify_exit(killed(15), false, 2, 5), ExitReason::Signaled(15));
+        assert_eq!(
+            classify_exit(killed(15), false, 2, 5),
+            ExitReason::Signaled(15)
+        );
         assert_eq!(classify_exit(killed(9), true, 2, 5), ExitReason::Terminated);
         assert!(matches!(
             classify_exit(Err(io::Error::other("x")), false, 0, 0),
@@ -1842,8 +1981,18 @@ mod tests {
         // still walks the tree).
         let (uid, gid) = if me == 0 { (4242, 4242) } else { current_ids() };
         chown_tree(dir.path(), uid, gid).unwrap();
-        assert_eq!(std::fs::symlink_metadata(dir.path().join("sub/f")).unwrap().uid(), uid);
-        assert_eq!(std::fs::symlink_metadata(dir.path().join("sub/link")).unwrap().uid(), uid);
+        assert_eq!(
+            std::fs::symlink_metadata(dir.path().join("sub/f"))
+                .unwrap()
+                .uid(),
+            uid
+        );
+        assert_eq!(
+            std::fs::symlink_metadata(dir.path().join("sub/link"))
+                .unwrap()
+                .uid(),
+            uid
+        );
         assert_eq!(std::fs::metadata(outside.path()).unwrap().uid(), me);
     }
 }

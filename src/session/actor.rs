@@ -103,8 +103,9 @@ pub(crate) struct Actor {
     dead_reason: Option<String>,
 }
 
-/// How long to wait for the closing idle status after the execute_reply arrived.
-const IDLE_AFTER_REPLY: Duration = Duration::from_secs(2);
+/// How long to wait for the closing idle status after the execute_reply arrived. Output
+/// travels on iopub and can lag the reply by seconds after a flood of output.
+const IDLE_AFTER_REPLY: Duration = Duration::from_secs(10);
 
 enum FromKernel {
     Event(Option<KernelEvent>),

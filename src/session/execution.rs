@@ -183,6 +183,11 @@ impl Collector {
     pub fn on_iopub(&mut self, msg_type: &str, content: &[u8]) -> Option<OutputEvent> {
         match msg_type {
             "stream" => {
+                if self.stdout_chars >= self.output_limit && self.stderr_chars >= self.output_limit {
+                    // Both are full: skip parsing what would be thrown away.
+                    self.truncated = true;
+                    return None;
+                }
                 let c: StreamContent = serde_json::from_slice(content).ok()?;
                 let (buf, used) = if c.name == "stderr" {
                     (&mut self.stderr, &mut self.stderr_chars)

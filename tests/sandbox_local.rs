@@ -1,0 +1,923 @@
+//! The local sandbox against the real thing: bubblewrap, cgroups, the kernels' Python.
+//!
+//! Each test gets its own data directory and its own cgroup name, so tests run in parallel
+//! without sweeping each other's kernels. They need root (uid switching and cgroups),
+//! `bwrap`, and `kernels/.venv` (made by `kernels/setup.sh`); otherwise each test prints
+//! why it is skipped and passes. Every wait has a timeout, and a guard removes the test's
+//! cgroups and processes even when an assertion fails.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kernel_broker::sandbox::local::{LocalSandbox, LocalSandboxConfig};
+use kernel_broker::sandbox::{
+    ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser, UserLimits,
+};
+use serde_json::Value;
+use tokio::time::{sleep, timeout, Instant};
+use uuid::Uuid;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+const UID_BASE: u32 = 200_000;
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn venv_python() -> PathBuf {
+    repo().join("kernels/.venv/bin/python")
+}
+
+/// Why this machine cannot run these tests, if it cannot.
+fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid(2) cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not running as root (kernels switch uid and use cgroups)".into());
+    }
+    if !Path::new("/usr/bin/bwrap").exists()
+        && std::process::Command::new("bwrap")
+            .arg("--version")
+            .output()
+            .is_err()
+    {
+        return Some("bwrap is not installed".into());
+    }
+    if !venv_python().exists() {
+        return Some("kernels/.venv is missing (run kernels/setup.sh)".into());
+    }
+    None
+}
+
+/// A sandbox with its own data directory and cgroup tree; cleans both up when dropped.
+struct Harness {
+    sandbox: LocalSandbox,
+    dir: tempfile::TempDir,
+    cgroup_name: String,
+}
+
+impl Harness {
+    fn new() -> Option<Self> {
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "kernel_broker=debug".into()),
+            )
+            .try_init();
+        if let Some(reason) = skip_reason() {
+            eprintln!("SKIPPED: {reason}");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cgroup_name = format!("kb-test-{}", &Uuid::new_v4().simple().to_string()[..12]);
+        Some(Self::with(dir, cgroup_name))
+    }
+
+    fn with(dir: tempfile::TempDir, cgroup_name: String) -> Self {
+        let mut cfg = LocalSandboxConfig::new(dir.path().join("data"), repo().join("kernels"));
+        cfg.python = venv_python();
+        cfg.uid_base = UID_BASE;
+        cfg.cgroup_name = cgroup_name.clone();
+        let sandbox = LocalSandbox::new(cfg).expect("LocalSandbox::new");
+        Self {
+            sandbox,
+            dir,
+            cgroup_name,
+        }
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// The kernel's leaf directories in every hierarchy.
+    fn leaf_dirs(&self, user: &str, session: Uuid) -> Vec<PathBuf> {
+        cgroup_bases(&self.cgroup_name)
+            .into_iter()
+            .map(|b| b.join(user).join(session.to_string()))
+            .collect()
+    }
+
+    fn user_dir(&self, ctrl_file: &str, user: &str) -> Option<PathBuf> {
+        cgroup_bases(&self.cgroup_name)
+            .into_iter()
+            .map(|b| b.join(user))
+            .find(|d| d.join(ctrl_file).exists())
+    }
+
+    fn rundir(&self, session: Uuid) -> PathBuf {
+        self.sandbox.run_base().join(session.to_string())
+    }
+
+    /// Processes (host pids) whose cgroup is the kernel's leaf.
+    fn processes_in_leaf(&self, user: &str, session: Uuid) -> Vec<i32> {
+        let suffix = format!("/{}/{user}/{session}", self.cgroup_name);
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
+                if text.lines().any(|l| l.ends_with(&suffix)) {
+                    pids.push(pid);
+                }
+            }
+        }
+        pids
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        // Whatever the test left (it may have failed half-way): kill and remove, bottom up.
+        for base in cgroup_bases(&self.cgroup_name) {
+            for user in subdirs(&base) {
+                for leaf in subdirs(&user) {
+                    kill_and_rmdir(&leaf);
+                }
+                kill_and_rmdir(&user);
+            }
+            kill_and_rmdir(&base);
+        }
+    }
+}
+
+fn kill_and_rmdir(dir: &Path) {
+    for _ in 0..200 {
+        let pids = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        for pid in pids.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .map(|e| e.path())
+        .collect()
+}
+
+/// The test's cgroup base in every hierarchy the sandbox uses (v1: memory, cpu, pids; v2: one).
+fn cgroup_bases(name: &str) -> Vec<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut v1 = Vec::new();
+    let mut v2 = None;
+    for line in mounts.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 {
+            continue;
+        }
+        let opts: BTreeSet<&str> = f[3].split(',').collect();
+        if f[2] == "cgroup" && ["memory", "cpu", "pids"].iter().any(|c| opts.contains(c)) {
+            v1.push(PathBuf::from(f[1]).join(name));
+        }
+        if f[2] == "cgroup2" {
+            let controllers = std::fs::read_to_string(Path::new(f[1]).join("cgroup.controllers"))
+                .unwrap_or_default();
+            if controllers.contains("memory") {
+                v2 = Some(PathBuf::from(f[1]).join(name));
+            }
+        }
+    }
+    match v2 {
+        Some(v2) => vec![v2],
+        None => v1,
+    }
+}
+
+fn user(name: &str, index: u32, limits: UserLimits) -> SandboxUser {
+    SandboxUser {
+        name: name.into(),
+        index,
+        limits,
+    }
+}
+
+fn limits(memory_mib: u64, pids: u64) -> UserLimits {
+    UserLimits {
+        memory_bytes: memory_mib << 20,
+        cpus: 1.0,
+        pids,
+    }
+}
+
+fn spec(user: &SandboxUser) -> LaunchSpec {
+    LaunchSpec {
+        session_id: Uuid::new_v4(),
+        user: user.clone(),
+        kernel_name: "python3".into(),
+        key: Uuid::new_v4().simple().to_string(),
+        env: vec![("KB_TEST".into(), "1".into())],
+    }
+}
+
+/// Runs a test body under [`TEST_TIMEOUT`].
+async fn bounded<F: Future<Output = ()>>(body: F) {
+    timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test took longer than its timeout");
+}
+
+/// Polls `cond` every 50 ms until it holds or `limit` passes.
+async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_exit(process: &dyn KernelProcess, limit: Duration) -> ExitReason {
+    timeout(limit, process.wait())
+        .await
+        .expect("the process did not end in time")
+}
+
+/// Runs a Python snippet in the sandbox (argv: `python -c <code> <args...>`).
+async fn run_python(h: &Harness, spec: LaunchSpec, code: &str, args: &[&str]) -> Launched {
+    let mut argv = vec!["python".to_string(), "-c".to_string(), code.to_string()];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    h.sandbox
+        .launch_command(spec, argv)
+        .await
+        .expect("launch_command")
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).expect("read report")).expect("report is JSON")
+}
+
+fn status_field(pid: i32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+async fn heartbeat(endpoint: &str) -> bool {
+    let ping = async {
+        let mut socket = zeromq::ReqSocket::new();
+        socket.connect(endpoint).await.ok()?;
+        socket.send("ping".into()).await.ok()?;
+        let reply = socket.recv().await.ok()?;
+        Some(reply.get(0).map(|f| f.as_ref() == b"ping").unwrap_or(false))
+    };
+    matches!(timeout(Duration::from_secs(10), ping).await, Ok(Some(true)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_runs_as_its_uid_in_its_cgroup_and_answers_heartbeats() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        h.sandbox.check().await.expect("check");
+        let alice = user("alice", 0, limits(512, 64));
+        let spec = spec(&alice);
+        let session = spec.session_id;
+        let launched = h.sandbox.launch(spec).await.expect("launch");
+        let rundir = h.rundir(session);
+        assert_eq!(
+            launched.endpoints.shell,
+            format!("ipc://{}/k-1", rundir.display())
+        );
+        assert_eq!(
+            launched.endpoints.hb,
+            format!("ipc://{}/k-5", rundir.display())
+        );
+
+        eventually(Duration::from_secs(30), "the kernel's five sockets", || {
+            (1..=5).all(|port| rundir.join(format!("k-{port}")).exists())
+        })
+        .await;
+        assert!(
+            heartbeat(&launched.endpoints.hb).await,
+            "no heartbeat reply"
+        );
+
+        // The kernel process: its uid, no privileges, in the leaf of every hierarchy.
+        let pids = h.processes_in_leaf("alice", session);
+        let kernel = pids
+            .iter()
+            .copied()
+            .find(|pid| {
+                // bwrap's own command line names ipykernel_launcher too; skip bwrap.
+                let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                comm.trim() != "bwrap"
+                    && std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .map(|c| String::from_utf8_lossy(&c).contains("ipykernel_launcher"))
+                        .unwrap_or(false)
+            })
+            .expect("the kernel process is in the leaf cgroup");
+        let uid = (UID_BASE + 1).to_string();
+        assert_eq!(status_field(kernel, "Uid"), [uid.as_str(); 4].join(" "));
+        assert_eq!(status_field(kernel, "Gid"), [uid.as_str(); 4].join(" "));
+        assert_eq!(status_field(kernel, "Groups"), "");
+        assert_eq!(status_field(kernel, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(kernel, "CapBnd"), "0000000000000000");
+        assert_eq!(status_field(kernel, "NoNewPrivs"), "1");
+        let cgroups = std::fs::read_to_string(format!("/proc/{kernel}/cgroup")).unwrap();
+        let leaf = format!("/{}/alice/{session}", h.cgroup_name);
+        for leaf_dir in h.leaf_dirs("alice", session) {
+            assert!(leaf_dir.is_dir(), "{} exists", leaf_dir.display());
+        }
+        let in_leaf = cgroups.lines().filter(|l| l.ends_with(&leaf)).count();
+        assert!(in_leaf >= 1, "{cgroups}");
+        if cgroup_bases(&h.cgroup_name).len() == 3 {
+            for ctrl in ["memory", "cpu", "pids"] {
+                assert!(
+                    cgroups.lines().any(|l| l
+                        .split(':')
+                        .nth(1)
+                        .is_some_and(|c| c.split(',').any(|x| x == ctrl))
+                        && l.ends_with(&leaf)),
+                    "{ctrl} not in leaf: {cgroups}"
+                );
+            }
+        }
+
+        // The user's limits.
+        let read = |dir: Option<PathBuf>, file: &str| {
+            std::fs::read_to_string(dir.expect("user cgroup").join(file))
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        if let Some(dir) = h.user_dir("memory.limit_in_bytes", "alice") {
+            assert_eq!(
+                read(Some(dir.clone()), "memory.limit_in_bytes"),
+                (512u64 << 20).to_string()
+            );
+            if dir.join("memory.memsw.limit_in_bytes").exists() {
+                assert_eq!(
+                    read(Some(dir), "memory.memsw.limit_in_bytes"),
+                    (512u64 << 20).to_string()
+                );
+            }
+            assert_eq!(
+                read(h.user_dir("cpu.cfs_quota_us", "alice"), "cpu.cfs_quota_us"),
+                "100000"
+            );
+            assert_eq!(read(h.user_dir("pids.max", "alice"), "pids.max"), "64");
+        } else {
+            assert_eq!(
+                read(h.user_dir("memory.max", "alice"), "memory.max"),
+                (512u64 << 20).to_string()
+            );
+            assert_eq!(
+                read(h.user_dir("cpu.max", "alice"), "cpu.max"),
+                "100000 100000"
+            );
+            assert_eq!(read(h.user_dir("pids.max", "alice"), "pids.max"), "64");
+        }
+
+        // SIGINT reaches the kernel, which survives it (ipykernel treats it as an interrupt).
+        launched.process.interrupt().await.expect("interrupt");
+        sleep(Duration::from_millis(300)).await;
+        assert!(
+            heartbeat(&launched.endpoints.hb).await,
+            "kernel died of SIGINT"
+        );
+
+        launched.process.terminate().await;
+        assert_eq!(
+            wait_exit(&*launched.process, Duration::from_secs(5)).await,
+            ExitReason::Terminated
+        );
+        assert!(!rundir.exists(), "runtime directory removed");
+        for leaf_dir in h.leaf_dirs("alice", session) {
+            assert!(!leaf_dir.exists(), "{} removed", leaf_dir.display());
+        }
+        assert!(h.processes_in_leaf("alice", session).is_empty());
+        // The user had no other kernel: the user's cgroup went too.
+        assert!(
+            h.user_dir("pids.max", "alice").is_none(),
+            "user cgroup removed"
+        );
+        // terminate is idempotent.
+        launched.process.terminate().await;
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupt_delivers_sigint_to_the_command() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let bob = user("bob", 1, limits(256, 64));
+        let ws = h.sandbox.workspace(&bob).expect("workspace");
+        const CODE: &str = r#"
+import pathlib, signal, time
+got = []
+signal.signal(signal.SIGINT, lambda *a: got.append(1))
+pathlib.Path('/workspace/ready').write_text('1')
+deadline = time.time() + 30
+while not got and time.time() < deadline:
+    time.sleep(0.02)
+raise SystemExit(0 if got else 7)
+"#;
+        let launched = run_python(&h, spec(&bob), CODE, &[]).await;
+        eventually(Duration::from_secs(20), "the script to be ready", || {
+            ws.join("ready").exists()
+        })
+        .await;
+        launched.process.interrupt().await.expect("interrupt");
+        assert_eq!(
+            wait_exit(&*launched.process, Duration::from_secs(20)).await,
+            ExitReason::Exited(0)
+        );
+        // Interrupting an ended kernel is an error, not a signal to a reused pid.
+        assert!(launched.process.interrupt().await.is_err());
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_limit_ends_in_out_of_memory() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let carol = user("carol", 2, limits(64, 64));
+        const CODE: &str = r#"
+chunks = []
+while True:
+    chunks.append(b'\x01' * (8 << 20))
+"#;
+        let spec = spec(&carol);
+        let session = spec.session_id;
+        let launched = run_python(&h, spec, CODE, &[]).await;
+        let reason = wait_exit(&*launched.process, Duration::from_secs(60)).await;
+        assert_eq!(
+            reason,
+            ExitReason::OutOfMemory {
+                limit_bytes: 64 << 20
+            }
+        );
+        assert!(reason.to_string().contains("64 MiB"), "{reason}");
+        for leaf_dir in h.leaf_dirs("carol", session) {
+            assert!(
+                !leaf_dir.exists(),
+                "{} removed after the kernel died",
+                leaf_dir.display()
+            );
+        }
+        assert!(!h.rundir(session).exists());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pids_limit_stops_a_fork_bomb() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let dave = user("dave", 3, limits(256, 32));
+        let ws = h.sandbox.workspace(&dave).expect("workspace");
+        const CODE: &str = r#"
+import json, os, time
+ok, err = 0, None
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        err = e.errno
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    ok += 1
+with open('/workspace/forks.json', 'w') as f:
+    json.dump({'ok': ok, 'errno': err}, f)
+time.sleep(60)
+"#;
+        let spec = spec(&dave);
+        let session = spec.session_id;
+        let launched = run_python(&h, spec, CODE, &[]).await;
+        let report = ws.join("forks.json");
+        eventually(Duration::from_secs(30), "the fork report", || {
+            report.exists()
+        })
+        .await;
+        sleep(Duration::from_millis(100)).await;
+        let report = read_json(&report);
+        assert_eq!(report["errno"], libc::EAGAIN, "{report}");
+        assert!(report["ok"].as_u64().unwrap() < 32, "{report}");
+        assert!(h.processes_in_leaf("dave", session).len() <= 32);
+
+        launched.process.terminate().await;
+        assert_eq!(
+            wait_exit(&*launched.process, Duration::from_secs(5)).await,
+            ExitReason::Terminated
+        );
+        assert!(
+            h.processes_in_leaf("dave", session).is_empty(),
+            "every forked process was killed"
+        );
+        for leaf_dir in h.leaf_dirs("dave", session) {
+            assert!(!leaf_dir.exists());
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_has_only_loopback_and_hides_the_host() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let erin = user("erin", 4, limits(256, 64));
+        let ws = h.sandbox.workspace(&erin).expect("workspace");
+        const CODE: &str = r#"
+import json, os, socket, sys
+repo, data_dir, venv = sys.argv[1:4]
+def readable(p):
+    try:
+        open(p, 'rb').read(1)
+        return True
+    except Exception:
+        return False
+def writable(p):
+    try:
+        with open(p, 'w') as f:
+            f.write('x')
+        return True
+    except Exception:
+        return False
+def listing(p):
+    try:
+        return sorted(os.listdir(p))
+    except Exception:
+        return None
+def connects():
+    try:
+        socket.create_connection(('1.1.1.1', 53), timeout=2).close()
+        return True
+    except Exception:
+        return False
+report = {
+    'ifaces': [name for _, name in socket.if_nameindex()],
+    'connects': connects(),
+    'uid': os.getuid(),
+    'user': os.environ.get('USER'),
+    'home': os.environ.get('HOME'),
+    'env_test': os.environ.get('KB_TEST'),
+    'hostname': socket.gethostname(),
+    'root': listing('/'),
+    'root_home': listing('/root'),
+    'root_ssh': os.path.lexists('/root/.ssh'),
+    'shadow': readable('/etc/shadow'),
+    'passwd': open('/etc/passwd').read(),
+    'etc': listing('/etc'),
+    'work': listing('/work'),
+    'repo': listing(repo),
+    'repo_src': os.path.lexists(os.path.join(repo, 'src')),
+    'cargo_toml': readable(os.path.join(repo, 'Cargo.toml')),
+    'data_dir': os.path.lexists(data_dir),
+    'home_dir': os.path.lexists('/home'),
+    'var': os.path.lexists('/var'),
+    'srv': os.path.lexists('/srv'),
+    'write_usr': writable('/usr/kb-test'),
+    'write_venv': writable(os.path.join(venv, 'kb-test')),
+    'write_tmp': writable('/tmp/kb-test'),
+    'write_workspace': writable('/workspace/kb-test'),
+    'write_run': writable('/run/kernel/kb-test'),
+}
+with open('/workspace/report.json', 'w') as f:
+    json.dump(report, f)
+"#;
+        let repo = repo();
+        let venv = repo.join("kernels/.venv");
+        let launched = run_python(
+            &h,
+            spec(&erin),
+            CODE,
+            &[
+                repo.to_str().unwrap(),
+                h.data_dir().to_str().unwrap(),
+                venv.to_str().unwrap(),
+            ],
+        )
+        .await;
+        assert_eq!(
+            wait_exit(&*launched.process, Duration::from_secs(30)).await,
+            ExitReason::Exited(0)
+        );
+        let r = read_json(&ws.join("report.json"));
+        assert_eq!(r["ifaces"], serde_json::json!(["lo"]), "{r}");
+        assert_eq!(r["connects"], false);
+        assert_eq!(r["uid"], UID_BASE + 5);
+        assert_eq!(r["user"], "erin");
+        assert_eq!(r["home"], "/workspace");
+        assert_eq!(r["env_test"], "1");
+        assert_eq!(r["hostname"], "kernel");
+        assert!(
+            r["passwd"]
+                .as_str()
+                .unwrap()
+                .contains("erin:x:200005:200005:"),
+            "{r}"
+        );
+        assert_eq!(r["root_ssh"], false);
+        assert_eq!(r["shadow"], false);
+        assert_eq!(r["repo_src"], false, "{r}");
+        assert_eq!(r["cargo_toml"], false);
+        assert_eq!(
+            r["repo"],
+            serde_json::json!(["kernels"]),
+            "only the venv's path: {r}"
+        );
+        assert_eq!(r["data_dir"], false);
+        assert_eq!(r["home_dir"], false);
+        assert_eq!(r["var"], false);
+        assert_eq!(r["srv"], false);
+        assert_eq!(r["write_usr"], false);
+        assert_eq!(r["write_venv"], false);
+        assert_eq!(r["write_tmp"], true);
+        assert_eq!(r["write_workspace"], true);
+        assert_eq!(r["write_run"], true);
+        // /root holds at most the path to the Python installation (pyenv on this host).
+        let host_root: BTreeSet<String> = std::fs::read_dir("/root")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect();
+        for name in r["root_home"].as_array().cloned().unwrap_or_default() {
+            let name = name.as_str().unwrap().to_string();
+            assert!(
+                !matches!(
+                    name.as_str(),
+                    ".ssh" | ".cargo" | ".bash_history" | ".bashrc"
+                ),
+                "/root/{name} visible: {r}"
+            );
+            assert!(host_root.contains(&name));
+        }
+        let etc: BTreeSet<String> = serde_json::from_value(r["etc"].clone()).unwrap();
+        let allowed: BTreeSet<&str> = [
+            "passwd",
+            "group",
+            "hosts",
+            "ld.so.cache",
+            "localtime",
+            "fonts",
+            "ssl",
+            "alternatives",
+            "mime.types",
+        ]
+        .into();
+        assert!(etc.iter().all(|e| allowed.contains(e.as_str())), "{etc:?}");
+        let top: BTreeSet<String> = serde_json::from_value(r["root"].clone()).unwrap();
+        for hidden in ["home", "var", "srv", "opt", "mnt", "boot", "sys"] {
+            assert!(!top.contains(hidden), "/{hidden} visible: {top:?}");
+        }
+        // A workspace file written by the kernel belongs to the kernel's uid on the host.
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(
+            std::fs::metadata(ws.join("kb-test")).unwrap().uid(),
+            UID_BASE + 5
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspaces_are_per_user_and_persist() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let frank = user("frank", 5, limits(256, 64));
+        let grace = user("grace", 6, limits(256, 64));
+        let frank_ws = h.sandbox.workspace(&frank).unwrap();
+        let grace_ws = h.sandbox.workspace(&grace).unwrap();
+        assert_ne!(frank_ws, grace_ws);
+        for (ws, uid) in [(&frank_ws, UID_BASE + 6), (&grace_ws, UID_BASE + 7)] {
+            let meta = std::fs::metadata(ws).unwrap();
+            assert_eq!(meta.uid(), uid);
+            assert_eq!(meta.permissions().mode() & 0o7777, 0o700);
+        }
+
+        const WRITE: &str = "open('/workspace/secret.txt', 'w').write('frank only')";
+        let l = run_python(&h, spec(&frank), WRITE, &[]).await;
+        assert_eq!(wait_exit(&*l.process, Duration::from_secs(30)).await, ExitReason::Exited(0));
+
+        const LOOK: &str = r#"
+import json, os, sys
+json.dump({'files': sorted(os.listdir('/workspace')), 'other': os.path.lexists(sys.argv[1])},
+          open('/workspace/look.json', 'w'))
+"#;
+        let l = run_python(&h, spec(&grace), LOOK, &[frank_ws.to_str().unwrap()]).await;
+        assert_eq!(wait_exit(&*l.process, Duration::from_secs(30)).await, ExitReason::Exited(0));
+        let look = read_json(&grace_ws.join("look.json"));
+        assert_eq!(look["files"], serde_json::json!([]), "{look}");
+        assert_eq!(look["other"], false);
+
+        // A later session of the same user finds the file.
+        const READ: &str = "import sys; sys.exit(0 if open('/workspace/secret.txt').read() == 'frank only' else 5)";
+        let l = run_python(&h, spec(&frank), READ, &[]).await;
+        assert_eq!(wait_exit(&*l.process, Duration::from_secs(30)).await, ExitReason::Exited(0));
+
+        // If the user's uid changes (say uid_base was changed), ownership is repaired.
+        std::os::unix::fs::chown(&frank_ws, Some(12345), Some(12345)).unwrap();
+        std::os::unix::fs::chown(frank_ws.join("secret.txt"), Some(12345), Some(12345)).unwrap();
+        h.sandbox.workspace(&frank).unwrap();
+        assert_eq!(std::fs::metadata(frank_ws.join("secret.txt")).unwrap().uid(), UID_BASE + 6);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exits_are_reported_to_every_waiter() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let heidi = user("heidi", 7, limits(256, 64));
+        let l = run_python(
+            &h,
+            spec(&heidi),
+            "import time; time.sleep(0.5); raise SystemExit(3)",
+            &[],
+        )
+        .await;
+        let (a, b) = tokio::join!(l.process.wait(), l.process.wait());
+        assert_eq!(a, ExitReason::Exited(3));
+        assert_eq!(b, ExitReason::Exited(3));
+        // Again, at once; and terminate after the end changes nothing.
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_millis(100)).await,
+            ExitReason::Exited(3)
+        );
+        timeout(Duration::from_secs(1), l.process.terminate())
+            .await
+            .unwrap();
+        assert_eq!(l.process.wait().await, ExitReason::Exited(3));
+
+        let l = run_python(
+            &h,
+            spec(&heidi),
+            "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+            &[],
+        )
+        .await;
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_secs(30)).await,
+            ExitReason::Signaled(libc::SIGTERM)
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_handle_kills_the_kernel() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let ivan = user("ivan", 8, limits(256, 64));
+        let ws = h.sandbox.workspace(&ivan).unwrap();
+        let spec = spec(&ivan);
+        let session = spec.session_id;
+        let code = "import pathlib, time; pathlib.Path('/workspace/up').touch(); time.sleep(600)";
+        let l = run_python(&h, spec, code, &[]).await;
+        eventually(Duration::from_secs(20), "the script to start", || {
+            ws.join("up").exists()
+        })
+        .await;
+        assert!(!h.processes_in_leaf("ivan", session).is_empty());
+        drop(l);
+        eventually(
+            Duration::from_secs(10),
+            "the dropped kernel's cleanup",
+            || {
+                h.processes_in_leaf("ivan", session).is_empty()
+                    && h.leaf_dirs("ivan", session).iter().all(|d| !d.exists())
+                    && !h.rundir(session).exists()
+            },
+        )
+        .await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_terminates_every_kernel() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let judy = user("judy", 9, limits(256, 64));
+        let ken = user("ken", 10, limits(256, 64));
+        let a = run_python(&h, spec(&judy), "import time; time.sleep(600)", &[]).await;
+        let b = run_python(&h, spec(&ken), "import time; time.sleep(600)", &[]).await;
+        h.sandbox.shutdown().await;
+        assert_eq!(
+            wait_exit(&*a.process, Duration::from_secs(1)).await,
+            ExitReason::Terminated
+        );
+        assert_eq!(
+            wait_exit(&*b.process, Duration::from_secs(1)).await,
+            ExitReason::Terminated
+        );
+        for base in cgroup_bases(&h.cgroup_name) {
+            assert!(!base.exists(), "{} removed on shutdown", base.display());
+        }
+        let left: Vec<_> = std::fs::read_dir(h.sandbox.run_base()).unwrap().collect();
+        assert!(left.is_empty(), "runtime directories left: {left:?}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_sweeps_what_an_earlier_run_left() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        // What a crashed broker leaves: a runtime directory and a leaf with a live process.
+        let stale = Uuid::new_v4();
+        let run_base = h.sandbox.run_base().to_path_buf();
+        std::fs::create_dir_all(run_base.join(stale.to_string())).unwrap();
+        std::fs::write(run_base.join(stale.to_string()).join("k-1"), b"").unwrap();
+        std::fs::write(run_base.join("not-ours"), b"").unwrap();
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
+        for base in cgroup_bases(&h.cgroup_name) {
+            let leaf = base.join("old-user").join(stale.to_string());
+            std::fs::create_dir_all(&leaf).unwrap();
+            std::fs::write(leaf.join("cgroup.procs"), sleeper.id().to_string()).unwrap();
+        }
+
+        h.sandbox.check().await.expect("check");
+
+        let waited = tokio::task::spawn_blocking(move || sleeper.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(!waited.success(), "the stale process was killed");
+        assert!(!run_base.join(stale.to_string()).exists());
+        assert!(
+            run_base.join("not-ours").exists(),
+            "only runtime directories are swept"
+        );
+        for base in cgroup_bases(&h.cgroup_name) {
+            assert!(!base.join("old-user").exists(), "stale cgroups removed");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_kernels_and_bad_user_names_are_refused() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let leo = user("leo", 11, limits(256, 64));
+        let mut s = spec(&leo);
+        s.kernel_name = "julia".into();
+        match h.sandbox.launch(s).await {
+            Err(SandboxError::Launch { reason, .. }) => {
+                assert!(reason.contains("python3"), "{reason}")
+            }
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("launched an unknown kernel"),
+        }
+        let evil = user("../evil", 12, limits(256, 64));
+        assert!(h.sandbox.workspace(&evil).is_err());
+        assert!(h.sandbox.launch(spec(&evil)).await.is_err());
+        assert_eq!(h.sandbox.kernel_names(), vec!["python3".to_string()]);
+
+        // A second launch for a live session is refused and leaves the first kernel alone.
+        let first = spec(&leo);
+        let session = first.session_id;
+        let running = run_python(&h, first.clone(), "import time; time.sleep(600)", &[]).await;
+        assert!(h.sandbox.launch(first).await.is_err());
+        assert!(h.rundir(session).join("connection.json").exists());
+        assert!(h.leaf_dirs("leo", session).iter().all(|d| d.exists()));
+
+        // A command that cannot be executed ends as a failed exit (setpriv says 127), and what
+        // it wrote to stderr reaches the log.
+        let broken = h
+            .sandbox
+            .launch_command(spec(&leo), vec!["/nonexistent/program".into()])
+            .await
+            .expect("bwrap itself starts");
+        let reason = wait_exit(&*broken.process, Duration::from_secs(10)).await;
+        assert!(
+            matches!(reason, ExitReason::Exited(c) if c != 0),
+            "{reason:?}"
+        );
+
+        running.process.terminate().await;
+        assert!(!h.rundir(session).exists());
+    })
+    .await;
+}
