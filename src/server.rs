@@ -107,7 +107,12 @@ pub async fn serve(
         source,
     })?;
     let sandbox = build_sandbox(&settings).await?;
-    let registry = Registry::new(sandbox, session_config(&settings), kernel_names(&settings));
+    let registry = Registry::new(
+        sandbox,
+        session_config(&settings),
+        kernel_names(&settings),
+        Arc::new(crate::session::NoRecorder),
+    );
     let state = AppState {
         registry: registry.clone(),
         users: Arc::new(settings.users.iter().cloned().map(Arc::new).collect()),

@@ -563,6 +563,13 @@ def listing(p):
         return sorted(os.listdir(p))
     except Exception:
         return None
+def pool():
+    import multiprocessing
+    try:
+        with multiprocessing.Pool(2) as p:
+            return p.map(abs, [-1, -2]) == [1, 2]
+    except Exception as e:
+        return repr(e)
 def connects():
     try:
         socket.create_connection(('1.1.1.1', 53), timeout=2).close()
@@ -596,6 +603,8 @@ report = {
     'write_tmp': writable('/tmp/kb-test'),
     'write_workspace': writable('/workspace/kb-test'),
     'write_run': writable('/run/kernel/kb-test'),
+    'write_shm': writable('/dev/shm/kb-test'),
+    'multiprocessing': pool(),
 }
 with open('/workspace/report.json', 'w') as f:
     json.dump(report, f)
@@ -650,6 +659,8 @@ with open('/workspace/report.json', 'w') as f:
         assert_eq!(r["write_tmp"], true);
         assert_eq!(r["write_workspace"], true);
         assert_eq!(r["write_run"], true);
+        assert_eq!(r["write_shm"], true);
+        assert_eq!(r["multiprocessing"], true, "{r}");
         // /root holds at most the path to the Python installation (pyenv on this host).
         let host_root: BTreeSet<String> = std::fs::read_dir("/root")
             .into_iter()

@@ -644,14 +644,18 @@ impl LocalSandbox {
         // The private mounts come before the binds, so that a bind below /tmp (a venv
         // there, say) lands on the tmpfs instead of being hidden by it.
         fs.push(["--proc", "/proc", "--dev", "/dev"]);
-        fs.push(["--perms", "1777"]);
-        if let (Some(size), true) = (req.tmp_size, self.bwrap_has_size) {
-            // tmpfs pages count against the memory cgroup anyway; the cap keeps /tmp from
-            // claiming more than the user may use at all.
-            fs.push(["--size".to_string(), size.to_string()]);
+        fs.dirs.insert(PathBuf::from("/dev"));
+        // /tmp, and /dev/shm for POSIX semaphores and shared memory (multiprocessing).
+        for tmp in ["/tmp", "/dev/shm"] {
+            fs.push(["--perms", "1777"]);
+            if let (Some(size), true) = (req.tmp_size, self.bwrap_has_size) {
+                // tmpfs pages count against the memory cgroup anyway; the cap keeps a
+                // tmpfs from claiming more than the user may use at all.
+                fs.push(["--size".to_string(), size.to_string()]);
+            }
+            fs.push(["--tmpfs", tmp]);
+            fs.dirs.insert(PathBuf::from(tmp));
         }
-        fs.push(["--tmpfs", "/tmp"]);
-        fs.dirs.insert(PathBuf::from("/tmp"));
         for dir in &self.python_dirs {
             fs.ro_bind(dir, dir);
         }

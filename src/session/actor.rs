@@ -12,7 +12,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
 
 use super::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
-use super::{Command, ExecRequest, ReplyRoute, Session, SessionError, SessionEvent, SessionState};
+use super::{
+    Command, Direction, ExecRequest, Recorder, ReplyRoute, Session, SessionError, SessionEvent,
+    SessionState,
+};
 use crate::kernel::{KernelClient, KernelEvent};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
 use crate::wire::{Channel, Message, Signer};
@@ -101,6 +104,19 @@ pub(crate) struct Actor {
     running: Option<Running>,
     routes: HashMap<String, ReplyRoute>,
     dead_reason: Option<String>,
+    recorder: Arc<dyn Recorder>,
+}
+
+/// Record a message, then send it.
+async fn record_send(
+    recorder: &dyn Recorder,
+    session: &Session,
+    client: &KernelClient,
+    channel: Channel,
+    msg: &Message,
+) -> Result<(), crate::kernel::KernelError> {
+    recorder.message(session, Direction::ToKernel, channel, msg);
+    client.send(channel, msg).await
 }
 
 /// How long to wait for the closing idle status after the execute_reply arrived. Output
@@ -132,6 +148,7 @@ impl Actor {
         config: super::SessionConfig,
         commands: mpsc::Receiver<Command>,
         kernel: Live,
+        recorder: Arc<dyn Recorder>,
     ) -> Self {
         Self {
             session,
@@ -143,6 +160,7 @@ impl Actor {
             running: None,
             routes: HashMap::new(),
             dead_reason: None,
+            recorder,
         }
     }
 
@@ -211,13 +229,14 @@ impl Actor {
                 let Some(parent) = r.input_parent.take() else { return };
                 if let Some(k) = &self.kernel {
                     let m = k.client.reply_to("input_reply", &serde_json::json!({"value": value}), &parent);
-                    if let Err(e) = k.client.send(Channel::Stdin, &m).await {
+                    if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, Channel::Stdin, &m).await {
                         tracing::warn!(session = %self.session.id, error = %e, "input_reply not sent");
                     }
                 }
             }
             Command::Interrupt(done) => {
                 self.session.touch();
+                self.recorder.event(&self.session, "interrupt", serde_json::json!({}));
                 let result = self.interrupt().await;
                 if let Some(r) = self.running.as_mut() {
                     r.user_interrupted = true;
@@ -242,7 +261,7 @@ impl Actor {
                     }
                 }
                 self.routes.insert(msg.msg_id.clone(), route);
-                if let Err(e) = k.client.send(channel, &msg).await {
+                if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, channel, &msg).await {
                     tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
                 }
             }
@@ -255,7 +274,7 @@ impl Actor {
             return Err(SessionError::KernelUnavailable("the kernel is not running".into()));
         };
         let m = k.client.request("interrupt_request", &serde_json::json!({}));
-        if k.client.send(Channel::Control, &m).await.is_err() {
+        if record_send(&*self.recorder, &self.session, &k.client, Channel::Control, &m).await.is_err() {
             // The control channel is gone; fall back to the signal.
             k.process
                 .interrupt()
@@ -277,6 +296,7 @@ impl Actor {
             let _ = req.done.send(failed(ExecutionStatus::Dead, "KernelDied", reason));
             return;
         };
+        let req_code = req.code.clone();
         let content = serde_json::json!({
             "code": req.code,
             "silent": false,
@@ -302,7 +322,7 @@ impl Actor {
             stream: req.stream,
             done: req.done,
         };
-        if let Err(e) = k.client.send(Channel::Shell, &m).await {
+        if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, Channel::Shell, &m).await {
             let _ = running.done.send(failed(
                 ExecutionStatus::Dead,
                 "KernelDied",
@@ -310,6 +330,11 @@ impl Actor {
             ));
             return;
         }
+        self.recorder.event(
+            &self.session,
+            "execution_started",
+            serde_json::json!({"msg_id": running.msg_id, "code": req_code, "timeout_seconds": running.timeout.as_secs_f64()}),
+        );
         self.session.set_busy(true);
         self.running = Some(running);
     }
@@ -323,10 +348,23 @@ impl Actor {
         }
         self.session.set_busy(false);
         self.session.touch();
-        let _ = r.done.send(exec);
+        self.recorder.event(
+            &self.session,
+            "execution_done",
+            serde_json::json!({"msg_id": r.msg_id, "execution": &exec}),
+        );
+        // Acknowledge only once the recording holds everything up to here.
+        let barrier = self.recorder.barrier();
+        tokio::spawn(async move {
+            barrier.await;
+            let _ = r.done.send(exec);
+        });
     }
 
     async fn on_kernel_event(&mut self, ev: KernelEvent) {
+        if let KernelEvent::Message(channel, m) = &ev {
+            self.recorder.message(&self.session, Direction::FromKernel, *channel, m);
+        }
         match ev {
             KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
             KernelEvent::Message(channel, m) => self.on_reply(channel, m),
@@ -483,6 +521,11 @@ impl Actor {
                     restart_at: now + self.config.interrupt_grace,
                 };
                 tracing::info!(session = %self.session.id, "execution timed out; interrupting");
+                self.recorder.event(
+                    &self.session,
+                    "execution_timeout",
+                    serde_json::json!({"msg_id": r.msg_id, "timeout_seconds": r.timeout.as_secs_f64()}),
+                );
                 if let Err(e) = self.interrupt().await {
                     tracing::warn!(session = %self.session.id, error = %e, "interrupt failed");
                 }
@@ -513,6 +556,7 @@ impl Actor {
                 traceback: Vec::new(),
             }),
         );
+        self.recorder.event(&self.session, "kernel_restarted", serde_json::json!({"reason": why}));
         self.session.set_state(SessionState::Starting);
         self.session.publish(SessionEvent::Restarted);
         if let Some(old) = self.kernel.take() {
@@ -538,6 +582,7 @@ impl Actor {
 
     fn mark_dead(&mut self, reason: String) {
         tracing::warn!(session = %self.session.id, %reason, "session is dead");
+        self.recorder.event(&self.session, "kernel_died", serde_json::json!({"reason": reason}));
         self.dead_reason = Some(reason.clone());
         self.session.set_dead(reason.clone());
         for req in self.queue.drain(..) {
@@ -582,11 +627,13 @@ impl Actor {
         if let Some(k) = self.kernel.take() {
             // Ask politely first so the kernel can clean up, then make sure.
             let m = k.client.request("shutdown_request", &serde_json::json!({"restart": false}));
-            let _ = k.client.send(Channel::Control, &m).await;
+            let _ = record_send(&*self.recorder, &self.session, &k.client, Channel::Control, &m).await;
             let _ = timeout(Duration::from_millis(500), k.process.wait()).await;
             k.process.terminate().await;
         }
         self.session.set_state(state);
+        let kind = if state == SessionState::Expired { "session_expired" } else { "session_closed" };
+        self.recorder.event(&self.session, kind, serde_json::json!({}));
     }
 }
 

@@ -176,3 +176,38 @@ pub(crate) enum Command {
 }
 
 pub use registry::{CreateOptions, Session};
+
+/// Which way a recorded message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// From a client (or the broker on a client's behalf) to the kernel.
+    ToKernel,
+    /// From the kernel.
+    FromKernel,
+}
+
+/// Where the session layer reports every message and lifecycle event, for the recording.
+/// Implementations must not block: they queue and return.
+pub trait Recorder: Send + Sync + 'static {
+    /// A message on a kernel channel.
+    fn message(&self, session: &Session, direction: Direction, channel: Channel, msg: &Message);
+    /// A lifecycle event of the broker: `session_created`, `execution_started` (detail:
+    /// code, msg_id), `execution_done` (detail: the Execution), `execution_timeout`,
+    /// `interrupt`, `kernel_restarted`, `kernel_died`, `session_expired`, `session_closed`.
+    fn event(&self, session: &Session, kind: &str, detail: serde_json::Value);
+    /// Resolves once everything reported before the call is stored durably. Results are
+    /// acknowledged to clients only after it.
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()>;
+}
+
+/// Records nothing.
+pub struct NoRecorder;
+
+impl Recorder for NoRecorder {
+    fn message(&self, _: &Session, _: Direction, _: Channel, _: &Message) {}
+    fn event(&self, _: &Session, _: &str, _: serde_json::Value) {}
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
+}

@@ -25,7 +25,7 @@ use uuid::Uuid;
 use super::actor::{start_kernel, Actor};
 use super::execution::Execution;
 use super::{
-    Command, ExecRequest, ReplyRoute, SessionConfig, SessionError, SessionEvent, SessionInfo,
+    Command, ExecRequest, Recorder, ReplyRoute, SessionConfig, SessionError, SessionEvent, SessionInfo,
     SessionState,
 };
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
@@ -320,6 +320,7 @@ struct Inner {
     kernels: Vec<String>,
     notify: Arc<Notify>,
     shutdown: CancellationToken,
+    recorder: Arc<dyn Recorder>,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -340,7 +341,12 @@ pub struct CreateOptions {
 
 impl Registry {
     /// `kernels` lists the kernel spec names the sandbox can launch; the first is the default.
-    pub fn new(sandbox: Arc<dyn Sandbox>, config: SessionConfig, kernels: Vec<String>) -> Self {
+    pub fn new(
+        sandbox: Arc<dyn Sandbox>,
+        config: SessionConfig,
+        kernels: Vec<String>,
+        recorder: Arc<dyn Recorder>,
+    ) -> Self {
         let inner = Arc::new(Inner {
             table: Mutex::new(Table::default()),
             sandbox,
@@ -348,6 +354,7 @@ impl Registry {
             kernels,
             notify: Arc::new(Notify::new()),
             shutdown: CancellationToken::new(),
+            recorder,
         });
         let registry = Registry { inner };
         tokio::spawn(registry.clone().expiry_task());
@@ -477,6 +484,12 @@ impl Registry {
             cfg.clone(),
             commands_rx,
             live,
+            self.inner.recorder.clone(),
+        );
+        self.inner.recorder.event(
+            &session,
+            "session_created",
+            serde_json::json!({"kernel": session.kernel_name, "idle_timeout_seconds": idle_timeout.map(|t| t.as_secs())}),
         );
         session.set_state(SessionState::Idle);
         tokio::spawn(actor.run());
