@@ -29,7 +29,11 @@ pub enum ConfigError {
 }
 
 #[derive(Debug, Parser)]
-#[command(name = "kernel-broker", version, about = "Long-lived, sandboxed IPython sessions for agents and notebook frontends")]
+#[command(
+    name = "kernel-broker",
+    version,
+    about = "Long-lived, sandboxed IPython sessions for agents and notebook frontends"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -218,8 +222,9 @@ fn read_toml<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError
 }
 
 fn secs(v: f64, name: &str) -> Result<Duration, ConfigError> {
-    Duration::try_from_secs_f64(v)
-        .map_err(|_| ConfigError::Invalid(format!("{name} must be a non-negative number of seconds")))
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        ConfigError::Invalid(format!("{name} must be a non-negative number of seconds"))
+    })
 }
 
 fn valid_user_name(name: &str) -> bool {
@@ -242,7 +247,10 @@ impl Settings {
         };
         macro_rules! pick {
             ($field:ident, $default:expr) => {
-                args.$field.clone().or(file.$field.clone()).unwrap_or_else(|| $default)
+                args.$field
+                    .clone()
+                    .or(file.$field.clone())
+                    .unwrap_or_else(|| $default)
             };
         }
         let kernels_dir = pick!(kernels_dir, PathBuf::from("kernels"));
@@ -278,7 +286,10 @@ impl Settings {
                             u.name
                         )));
                     }
-                    if seen_tokens.insert(u.token.clone(), u.name.clone()).is_some() {
+                    if seen_tokens
+                        .insert(u.token.clone(), u.name.clone())
+                        .is_some()
+                    {
                         return Err(ConfigError::Invalid(format!(
                             "two users share the token of user {}",
                             u.name

@@ -59,12 +59,13 @@ pub async fn build_sandbox(settings: &Settings) -> Result<Arc<dyn Sandbox>, Serv
             cgroup_name: settings.cgroup_name.clone(),
             ..LocalSandboxConfig::new(&settings.data_dir, &settings.kernels_dir)
         })?),
-        SandboxKind::Docker => {
-            return Err(ServerError::Sandbox(crate::sandbox::SandboxError::Unavailable {
-                backend: "docker",
-                reason: "not built into this version".into(),
-            }))
-        }
+        SandboxKind::Docker => Arc::new(crate::sandbox::docker::DockerSandbox::new(
+            crate::sandbox::docker::DockerSandboxConfig {
+                socket: settings.docker_socket.clone(),
+                image: settings.docker_image.clone(),
+                ..crate::sandbox::docker::DockerSandboxConfig::new(&settings.data_dir)
+            },
+        )?),
     };
     sandbox.check().await?;
     Ok(sandbox)
@@ -86,13 +87,17 @@ pub fn session_config(settings: &Settings) -> SessionConfig {
 }
 
 /// Run the broker on `settings.listen` until `shutdown` resolves, then shut every session down.
-pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
-    let listener = TcpListener::bind(settings.listen)
-        .await
-        .map_err(|source| ServerError::Listen {
-            addr: settings.listen,
-            source,
-        })?;
+pub async fn run(
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let listener =
+        TcpListener::bind(settings.listen)
+            .await
+            .map_err(|source| ServerError::Listen {
+                addr: settings.listen,
+                source,
+            })?;
     serve(settings, listener, shutdown).await
 }
 
@@ -107,10 +112,12 @@ pub async fn serve(
         source,
     })?;
     let sandbox = build_sandbox(&settings).await?;
+    let kernels = kernel_names(&settings);
+    let kernelspecs = api::jupyter::KernelSpecs::load(&settings.kernels_dir, &kernels);
     let registry = Registry::new(
         sandbox,
         session_config(&settings),
-        kernel_names(&settings),
+        kernels,
         Arc::new(crate::session::NoRecorder),
     );
     let state = AppState {
@@ -123,6 +130,8 @@ pub async fn serve(
             max_execution_timeout: settings.max_execution_timeout,
         }),
         started: std::time::Instant::now(),
+        kernelspecs: Arc::new(kernelspecs),
+        jupyter_clients: Default::default(),
     };
     let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {

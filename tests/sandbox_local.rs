@@ -932,3 +932,32 @@ async fn unknown_kernels_and_bad_user_names_are_refused() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scientific_stack_works_in_the_sandbox() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let mia = user("mia", 13, limits(1024, 128));
+        let ws = h.sandbox.workspace(&mia).unwrap();
+        const CODE: &str = r#"
+import json, warnings
+warnings.simplefilter('error')  # a font or config warning fails the test
+import numpy as np, pandas as pd
+import matplotlib.pyplot as plt
+plt.plot(np.arange(10), np.arange(10) ** 2)
+plt.savefig('/workspace/plot.png')
+df = pd.DataFrame({'a': [1, 2, 3]})
+json.dump({'sum': int(df.a.sum()), 'backend': plt.get_backend()}, open('/workspace/sci.json', 'w'))
+"#;
+        let l = run_python(&h, spec(&mia), CODE, &[]).await;
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_secs(60)).await,
+            ExitReason::Exited(0)
+        );
+        let r = read_json(&ws.join("sci.json"));
+        assert_eq!(r["sum"], 6);
+        assert!(r["backend"].as_str().unwrap().contains("inline"), "{r}");
+        assert!(std::fs::metadata(ws.join("plot.png")).unwrap().len() > 1000);
+    })
+    .await;
+}

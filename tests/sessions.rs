@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use base64::Engine;
-use futures::SinkExt;
 use common::*;
+use futures::SinkExt;
 use serde_json::{json, Value};
 
 fn main_result(exec: &Value) -> &Value {
@@ -31,9 +31,19 @@ async fn state_persists_and_outputs_are_returned() {
     assert_eq!(s["kernel"], "python3");
     assert!(s["expires_at"].is_string());
 
-    let x = api.execute(&id, "import pandas as pd\ndf = pd.DataFrame({'price': [1, 2, 3]})\nx = 41").await;
+    let x = api
+        .execute(
+            &id,
+            "import pandas as pd\ndf = pd.DataFrame({'price': [1, 2, 3]})\nx = 41",
+        )
+        .await;
     assert_eq!(x["status"], "ok", "{x}");
-    let x = api.execute(&id, "print('out'); import sys; print('err', file=sys.stderr); x + 1").await;
+    let x = api
+        .execute(
+            &id,
+            "print('out'); import sys; print('err', file=sys.stderr); x + 1",
+        )
+        .await;
     assert_eq!(x["status"], "ok");
     assert_eq!(x["stdout"], "out\n");
     assert_eq!(x["stderr"], "err\n");
@@ -49,7 +59,10 @@ async fn state_persists_and_outputs_are_returned() {
     assert_eq!(x["error"]["evalue"], "'prices'");
     let tb = x["error"]["traceback"].as_array().unwrap();
     assert!(!tb.is_empty());
-    assert!(tb.iter().all(|l| !l.as_str().unwrap().contains('\u{1b}')), "ANSI left in {tb:?}");
+    assert!(
+        tb.iter().all(|l| !l.as_str().unwrap().contains('\u{1b}')),
+        "ANSI left in {tb:?}"
+    );
 
     // The fix in the next step sees the earlier state.
     let x = api.execute(&id, "int(df['price'].sum())").await;
@@ -111,7 +124,11 @@ async fn websocket_streams_output_input_and_errors() {
             assert_eq!(f["id"], "c1");
             assert_eq!(f["prompt"], "name? ");
             assert_eq!(f["password"], false);
-            ws_send(&mut ws, json!({"type": "input_reply", "id": "c1", "value": "ada"})).await;
+            ws_send(
+                &mut ws,
+                json!({"type": "input_reply", "id": "c1", "value": "ada"}),
+            )
+            .await;
         }
         let done = f["type"] == "done";
         frames.push(f);
@@ -121,31 +138,49 @@ async fn websocket_streams_output_input_and_errors() {
     }
     let stdout: Vec<_> = frames.iter().filter(|f| f["type"] == "stdout").collect();
     assert!(stdout.len() >= 2, "output streamed in pieces: {frames:?}");
-    assert!(frames.iter().any(|f| f["type"] == "result" && f["data"]["text/plain"] == "42"));
+    assert!(frames
+        .iter()
+        .any(|f| f["type"] == "result" && f["data"]["text/plain"] == "42"));
     let done = frames.last().unwrap();
     assert_eq!(done["execution"]["status"], "ok");
-    assert!(done["execution"]["stdout"].as_str().unwrap().contains("hello ada"));
-    assert!(frames.iter().any(|f| f["type"] == "status" && f["state"] == "busy"));
+    assert!(done["execution"]["stdout"]
+        .as_str()
+        .unwrap()
+        .contains("hello ada"));
+    assert!(frames
+        .iter()
+        .any(|f| f["type"] == "status" && f["state"] == "busy"));
 
     // Errors stream too.
     ws_send(&mut ws, json!({"type": "execute", "id": 2, "code": "1/0"})).await;
     let frames = ws_until_done_any(&mut ws, json!(2)).await;
-    let err = frames.iter().find(|f| f["type"] == "error").expect("error frame");
+    let err = frames
+        .iter()
+        .find(|f| f["type"] == "error")
+        .expect("error frame");
     assert_eq!(err["ename"], "ZeroDivisionError");
     assert_eq!(frames.last().unwrap()["execution"]["status"], "error");
 
     // Bad frames get a protocol_error and the connection stays usable.
-    ws.send(tokio_tungstenite::tungstenite::Message::Text("{not json".into()))
-        .await
-        .unwrap();
+    ws.send(tokio_tungstenite::tungstenite::Message::Text(
+        "{not json".into(),
+    ))
+    .await
+    .unwrap();
     assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
     ws_send(&mut ws, json!({"type": "launch_rockets"})).await;
     assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
-    ws.send(tokio_tungstenite::tungstenite::Message::Binary(vec![1, 2, 3].into()))
-        .await
-        .unwrap();
+    ws.send(tokio_tungstenite::tungstenite::Message::Binary(
+        vec![1, 2, 3].into(),
+    ))
+    .await
+    .unwrap();
     assert_eq!(next_non_status(&mut ws).await["type"], "protocol_error");
-    ws_send(&mut ws, json!({"type": "execute", "id": "c3", "code": "'still here'"})).await;
+    ws_send(
+        &mut ws,
+        json!({"type": "execute", "id": "c3", "code": "'still here'"}),
+    )
+    .await;
     let frames = ws_until_done(&mut ws, "c3").await;
     assert_eq!(frames.last().unwrap()["execution"]["status"], "ok");
     broker.stop().await;
@@ -186,7 +221,9 @@ async fn interrupt_stops_running_code_and_keeps_state() {
             break;
         }
     }
-    let (status, _) = api.post(&format!("/v1/sessions/{id}/interrupt"), json!({})).await;
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+        .await;
     assert_eq!(status, 204);
     let frames = ws_until_done(&mut ws, "long").await;
     let exec = &frames.last().unwrap()["execution"];
@@ -206,10 +243,19 @@ async fn timeout_interrupts_then_restarts_a_stubborn_kernel() {
 
     // An ordinary loop stops at the interrupt: state survives.
     let x = api
-        .execute_with(&id, json!({"code": "import time\nwhile True: time.sleep(0.1)", "timeout_seconds": 1}))
+        .execute_with(
+            &id,
+            json!({"code": "import time\nwhile True: time.sleep(0.1)", "timeout_seconds": 1}),
+        )
         .await;
     assert_eq!(x["status"], "timeout", "{x}");
-    assert!(x["error"]["evalue"].as_str().unwrap().contains("interrupted"), "{x}");
+    assert!(
+        x["error"]["evalue"]
+            .as_str()
+            .unwrap()
+            .contains("interrupted"),
+        "{x}"
+    );
     let x = api.execute(&id, "kept").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "1");
 
@@ -219,7 +265,10 @@ async fn timeout_interrupts_then_restarts_a_stubborn_kernel() {
         .execute_with(&id, json!({"code": stubborn, "timeout_seconds": 1}))
         .await;
     assert_eq!(x["status"], "timeout", "{x}");
-    assert!(x["error"]["evalue"].as_str().unwrap().contains("restarted"), "{x}");
+    assert!(
+        x["error"]["evalue"].as_str().unwrap().contains("restarted"),
+        "{x}"
+    );
     let x = api.execute(&id, "'kept' in globals()").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "False");
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
@@ -233,7 +282,9 @@ async fn restart_clears_state() {
     let api = broker.api(ALICE);
     let id = api.create().await;
     api.execute(&id, "secret = 5").await;
-    let (status, s) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+    let (status, s) = api
+        .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+        .await;
     assert_eq!(status, 200, "{s}");
     assert_eq!(s["execution_count"], 0);
     assert_eq!(s["state"], "idle");
@@ -250,13 +301,21 @@ async fn kernel_death_marks_the_session_dead_until_restart() {
     let id = api.create().await;
     let x = api.execute(&id, "import os\nos._exit(3)").await;
     assert_eq!(x["status"], "dead", "{x}");
-    assert!(x["error"]["evalue"].as_str().unwrap().contains("code 3"), "{x}");
+    assert!(
+        x["error"]["evalue"].as_str().unwrap().contains("code 3"),
+        "{x}"
+    );
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(s["state"], "dead");
     let x = api.execute(&id, "1").await;
     assert_eq!(x["status"], "dead");
-    assert!(x["error"]["evalue"].as_str().unwrap().contains("restart"), "{x}");
-    let (status, _) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+    assert!(
+        x["error"]["evalue"].as_str().unwrap().contains("restart"),
+        "{x}"
+    );
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+        .await;
     assert_eq!(status, 200);
     let x = api.execute(&id, "2+2").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "4");
@@ -276,7 +335,10 @@ async fn memory_limit_kills_the_kernel_with_a_clear_error() {
         "{x}"
     );
     if x["status"] == "dead" {
-        assert!(x["error"]["evalue"].as_str().unwrap().contains("memory"), "{x}");
+        assert!(
+            x["error"]["evalue"].as_str().unwrap().contains("memory"),
+            "{x}"
+        );
     }
     broker.stop().await;
 }
@@ -310,7 +372,10 @@ print(names, reached, resolved, readable("/etc/shadow"), os.path.exists("/root/.
         repo = repo().display()
     );
     let x = api.execute(&id, &code).await;
-    assert_eq!(x["stdout"], "['lo'] False False False False False True\n", "{x}");
+    assert_eq!(
+        x["stdout"], "['lo'] False False False False False True\n",
+        "{x}"
+    );
     broker.stop().await;
 }
 
@@ -320,16 +385,24 @@ async fn users_cannot_see_or_touch_each_others_sessions() {
     let alice = broker.api(ALICE);
     let bob = broker.api(BOB);
     let id = alice.create().await;
-    alice.execute(&id, "open('alice.txt', 'w').write('private')").await;
+    alice
+        .execute(&id, "open('alice.txt', 'w').write('private')")
+        .await;
 
     for (method, path) in [
         (reqwest::Method::GET, format!("/v1/sessions/{id}")),
         (reqwest::Method::POST, format!("/v1/sessions/{id}/execute")),
-        (reqwest::Method::POST, format!("/v1/sessions/{id}/interrupt")),
+        (
+            reqwest::Method::POST,
+            format!("/v1/sessions/{id}/interrupt"),
+        ),
         (reqwest::Method::POST, format!("/v1/sessions/{id}/restart")),
         (reqwest::Method::DELETE, format!("/v1/sessions/{id}")),
         (reqwest::Method::GET, format!("/v1/sessions/{id}/files")),
-        (reqwest::Method::GET, format!("/v1/sessions/{id}/files/alice.txt")),
+        (
+            reqwest::Method::GET,
+            format!("/v1/sessions/{id}/files/alice.txt"),
+        ),
     ] {
         let (status, e) = bob.call(method, &path, Some(json!({"code": "1"}))).await;
         assert_eq!(status, 404, "{path}");
@@ -347,9 +420,18 @@ async fn users_cannot_see_or_touch_each_others_sessions() {
     // Bob's own kernel cannot see alice's workspace.
     let bid = bob.create().await;
     let x = bob
-        .execute(&bid, "import os\nprint(os.path.exists('alice.txt'), os.getcwd(), sorted(os.listdir('/')))")
+        .execute(
+            &bid,
+            "import os\nprint(os.path.exists('alice.txt'), os.getcwd(), sorted(os.listdir('/')))",
+        )
         .await;
-    assert!(x["stdout"].as_str().unwrap().starts_with("False /workspace"), "{x}");
+    assert!(
+        x["stdout"]
+            .as_str()
+            .unwrap()
+            .starts_with("False /workspace"),
+        "{x}"
+    );
     let x = alice.execute(&id, "print(open('alice.txt').read())").await;
     assert_eq!(x["stdout"], "private\n");
     broker.stop().await;
@@ -372,11 +454,17 @@ async fn idle_sessions_expire_and_release_everything() {
     let (status, e) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(status, 410, "{e}");
     assert_eq!(e["error"]["code"], "session_expired");
-    let (status, _) = api.post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"})).await;
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"}))
+        .await;
     assert_eq!(status, 410);
     let (_, list) = api.get("/v1/sessions").await;
     assert_eq!(list, json!([]));
-    assert_eq!(run_dirs(&broker.data_dir.join("run")), 0, "runtime dirs reclaimed");
+    assert_eq!(
+        run_dirs(&broker.data_dir.join("run")),
+        0,
+        "runtime dirs reclaimed"
+    );
     broker.stop().await;
 }
 
@@ -384,7 +472,9 @@ async fn idle_sessions_expire_and_release_everything() {
 async fn activity_postpones_expiry() {
     let broker = Broker::start(|_| {}).await;
     let api = broker.api(ALICE);
-    let (_, s) = api.post("/v1/sessions", json!({"idle_timeout_seconds": 3})).await;
+    let (_, s) = api
+        .post("/v1/sessions", json!({"idle_timeout_seconds": 3}))
+        .await;
     let id = s["id"].as_str().unwrap().to_string();
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -393,7 +483,10 @@ async fn activity_postpones_expiry() {
     }
     // A long execution is not expired mid-way.
     let x = api
-        .execute_with(&id, json!({"code": "import time; time.sleep(5); 'done'", "timeout_seconds": 20}))
+        .execute_with(
+            &id,
+            json!({"code": "import time; time.sleep(5); 'done'", "timeout_seconds": 20}),
+        )
         .await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "'done'");
     let (status, _) = api.get(&format!("/v1/sessions/{id}")).await;
@@ -409,7 +502,12 @@ async fn bad_input_gets_clear_errors() {
 
     let r = http.get(broker.url("/healthz")).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    for auth in [None, Some("Bearer nope-nope"), Some("Basic abc"), Some("token")] {
+    for auth in [
+        None,
+        Some("Bearer nope-nope"),
+        Some("Basic abc"),
+        Some("token"),
+    ] {
         let mut req = http.get(broker.url("/v1/sessions"));
         if let Some(a) = auth {
             req = req.header("Authorization", a);
@@ -420,10 +518,19 @@ async fn bad_input_gets_clear_errors() {
         assert_eq!(e["error"]["code"], "unauthorized");
     }
     for form in [format!("token {ALICE}"), format!("Bearer {ALICE}")] {
-        let r = http.get(broker.url("/v1/sessions")).header("Authorization", form).send().await.unwrap();
+        let r = http
+            .get(broker.url("/v1/sessions"))
+            .header("Authorization", form)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
     }
-    let r = http.get(broker.url(&format!("/v1/sessions?token={ALICE}"))).send().await.unwrap();
+    let r = http
+        .get(broker.url(&format!("/v1/sessions?token={ALICE}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
 
     let r = http
@@ -442,21 +549,34 @@ async fn bad_input_gets_clear_errors() {
     let (status, _) = api.post("/v1/sessions", json!({"kernal": "python3"})).await;
     assert_eq!(status, 400);
 
-    let (status, e) = api.get("/v1/sessions/00000000-0000-0000-0000-000000000000").await;
-    assert_eq!((status, e["error"]["code"].as_str()), (404, Some("session_not_found")));
+    let (status, e) = api
+        .get("/v1/sessions/00000000-0000-0000-0000-000000000000")
+        .await;
+    assert_eq!(
+        (status, e["error"]["code"].as_str()),
+        (404, Some("session_not_found"))
+    );
     let (status, _) = api.get("/v1/sessions/not-a-uuid").await;
     assert_eq!(status, 404);
 
     let id = api.create().await;
     let (status, e) = api
-        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x = '".to_string() + &"a".repeat(5000) + "'"}))
+        .post(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "x = '".to_string() + &"a".repeat(5000) + "'"}),
+        )
         .await;
     assert_eq!(status, 413, "{e}");
     assert_eq!(e["error"]["code"], "payload_too_large");
-    let (status, _) = api.post(&format!("/v1/sessions/{id}/execute"), json!({"cod": "1"})).await;
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"cod": "1"}))
+        .await;
     assert_eq!(status, 400);
     let (status, _) = api
-        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1", "timeout_seconds": -1}))
+        .post(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "1", "timeout_seconds": -1}),
+        )
         .await;
     assert_eq!(status, 400);
     let r = http
@@ -492,12 +612,18 @@ async fn long_output_is_cut_and_endless_output_is_bounded() {
     };
     let before = rss();
     let x = api
-        .execute_with(&id, json!({"code": "while True: print('y' * 1000)", "timeout_seconds": 5}))
+        .execute_with(
+            &id,
+            json!({"code": "while True: print('y' * 1000)", "timeout_seconds": 5}),
+        )
         .await;
     assert_eq!(x["status"], "timeout", "{}", x["status"]);
     assert_eq!(x["stdout"].as_str().unwrap().chars().count(), 10_000);
     let grown_kib = rss().saturating_sub(before);
-    assert!(grown_kib < 200 * 1024, "broker grew by {grown_kib} KiB on endless output");
+    assert!(
+        grown_kib < 200 * 1024,
+        "broker grew by {grown_kib} KiB on endless output"
+    );
     let x = api.execute(&id, "'alive'").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "'alive'");
     broker.stop().await;
@@ -531,15 +657,28 @@ async fn files_move_between_api_and_kernel() {
     assert_eq!(r.status(), 200);
     assert_eq!(r.text().await.unwrap(), "region,price\nnorth,3\nsouth,4\n");
     let (_, list) = api.get(&format!("/v1/sessions/{id}/files")).await;
-    let paths: Vec<_> = list.as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
-    assert!(paths.contains(&"data/sales.csv") && paths.contains(&"out.csv"), "{list}");
+    let paths: Vec<_> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"data/sales.csv") && paths.contains(&"out.csv"),
+        "{list}"
+    );
     // A symlink the kernel plants does not lead the broker out of the workspace.
-    api.execute(&id, "import os\nos.symlink('/etc/hostname', 'escape')").await;
+    api.execute(&id, "import os\nos.symlink('/etc/hostname', 'escape')")
+        .await;
     let (status, _) = api.get(&format!("/v1/sessions/{id}/files/escape")).await;
     assert_eq!(status, 400);
-    let (status, _) = api.get(&format!("/v1/sessions/{id}/files/..%2F..%2Fetc%2Fpasswd")).await;
+    let (status, _) = api
+        .get(&format!("/v1/sessions/{id}/files/..%2F..%2Fetc%2Fpasswd"))
+        .await;
     assert!(status == 400 || status == 404, "{status}");
-    let (status, _) = api.get(&format!("/v1/sessions/{id}/files/missing.txt")).await;
+    let (status, _) = api
+        .get(&format!("/v1/sessions/{id}/files/missing.txt"))
+        .await;
     assert_eq!(status, 404);
     broker.stop().await;
 }
@@ -555,7 +694,11 @@ async fn executions_run_one_at_a_time_in_order() {
         let api = api.clone();
         let id = id.clone();
         handles.push(tokio::spawn(async move {
-            api.execute(&id, &format!("import time; time.sleep(0.05); log.append({i})")).await
+            api.execute(
+                &id,
+                &format!("import time; time.sleep(0.05); log.append({i})"),
+            )
+            .await
         }));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -591,5 +734,10 @@ async fn shutdown_closes_every_kernel() {
     assert!(std::fs::read_dir(&run).unwrap().count() >= 1);
     let data_dir = broker.data_dir.clone();
     broker.stop().await;
-    assert_eq!(std::fs::read_dir(data_dir.join("run")).map(|r| r.count()).unwrap_or(0), 0);
+    assert_eq!(
+        std::fs::read_dir(data_dir.join("run"))
+            .map(|r| r.count())
+            .unwrap_or(0),
+        0
+    );
 }

@@ -90,7 +90,10 @@ mod tests {
 
     #[test]
     fn query_decoding() {
-        assert_eq!(url_query("a=1&token=ab%2Fc", "token").as_deref(), Some("ab/c"));
+        assert_eq!(
+            url_query("a=1&token=ab%2Fc", "token").as_deref(),
+            Some("ab/c")
+        );
         assert_eq!(url_query("token=x+y", "token").as_deref(), Some("x y"));
         assert_eq!(url_query("tok=1", "token"), None);
         assert_eq!(url_query("token=%zz%", "token").as_deref(), Some("%zz%"));

@@ -65,14 +65,24 @@ impl From<SessionError> for ApiError {
     fn from(e: SessionError) -> Self {
         let message = e.to_string();
         match e {
-            SessionError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, "session_not_found", message),
-            SessionError::Expired { .. } => Self::new(StatusCode::GONE, "session_expired", message),
-            SessionError::Quota(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message),
-            SessionError::KernelUnavailable(_) | SessionError::Closed(_) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, "kernel_unavailable", message)
+            SessionError::NotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, "session_not_found", message)
             }
-            SessionError::UnknownKernel(_) | SessionError::BadRequest(_) => Self::bad_request(message),
-            SessionError::NotFoundFile(_) => Self::new(StatusCode::NOT_FOUND, "file_not_found", message),
+            SessionError::Expired { .. } => Self::new(StatusCode::GONE, "session_expired", message),
+            SessionError::Quota(_) => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
+            }
+            SessionError::KernelUnavailable(_) | SessionError::Closed(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kernel_unavailable",
+                message,
+            ),
+            SessionError::UnknownKernel(_) | SessionError::BadRequest(_) => {
+                Self::bad_request(message)
+            }
+            SessionError::NotFoundFile(_) => {
+                Self::new(StatusCode::NOT_FOUND, "file_not_found", message)
+            }
             SessionError::TooLarge(_) => Self::too_large(message),
             SessionError::Io(_) => Self::internal("file access", message),
         }

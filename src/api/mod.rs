@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod jupyter;
 mod ops;
 mod sessions;
 mod stream;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub users: Arc<Vec<Arc<User>>>,
     pub limits: Arc<ApiLimits>,
     pub started: std::time::Instant,
+    pub kernelspecs: Arc<jupyter::KernelSpecs>,
+    pub jupyter_clients: Arc<jupyter::JupyterClients>,
 }
 
 impl AppState {
@@ -41,9 +44,9 @@ impl AppState {
     pub fn execution_timeout(&self, requested: Option<f64>) -> Result<Duration, error::ApiError> {
         match requested {
             None => Ok(self.limits.execution_timeout),
-            Some(s) if s.is_finite() && s > 0.0 => {
-                Ok(Duration::from_secs_f64(s.min(self.limits.max_execution_timeout.as_secs_f64())))
-            }
+            Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(
+                s.min(self.limits.max_execution_timeout.as_secs_f64()),
+            )),
             Some(_) => Err(error::ApiError::bad_request(
                 "timeout_seconds must be a positive number",
             )),
@@ -57,6 +60,7 @@ pub fn router(state: AppState) -> Router {
         .merge(sessions::routes())
         .merge(stream::routes())
         .merge(ops::routes())
+        .merge(jupyter::routes())
         .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
         .with_state(state)
 }

@@ -34,7 +34,12 @@ async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoRes
     let count = |st: SessionState| sessions.iter().filter(|s| s.state() == st).count();
     let mut out = String::new();
     out.push_str("# HELP kernel_broker_sessions Live sessions by state.\n# TYPE kernel_broker_sessions gauge\n");
-    for st in [SessionState::Starting, SessionState::Idle, SessionState::Busy, SessionState::Dead] {
+    for st in [
+        SessionState::Starting,
+        SessionState::Idle,
+        SessionState::Busy,
+        SessionState::Dead,
+    ] {
         out.push_str(&format!(
             "kernel_broker_sessions{{state=\"{}\"}} {}\n",
             st.as_str(),

@@ -25,7 +25,10 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/interrupt", post(interrupt))
         .route("/v1/sessions/{id}/restart", post(restart))
         .route("/v1/sessions/{id}/files", get(list_files))
-        .route("/v1/sessions/{id}/files/{*path}", get(get_file).put(put_file))
+        .route(
+            "/v1/sessions/{id}/files/{*path}",
+            get(get_file).put(put_file),
+        )
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
@@ -66,16 +69,20 @@ impl From<SessionInfo> for SessionJson {
 /// Read a whole body, refusing more than `limit` bytes with 413.
 pub async fn read_body(body: Body, limit: usize, what: &str) -> ApiResult<Bytes> {
     axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::too_large(format!("the {what} is larger than the limit of {limit} bytes"))
+        ApiError::too_large(format!(
+            "the {what} is larger than the limit of {limit} bytes"
+        ))
     })
 }
 
 /// Parse JSON, answering 400 with serde's explanation.
 pub fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &str) -> ApiResult<T> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
-        return serde_json::from_slice(b"{}").map_err(|e| ApiError::bad_request(format!("{what}: {e}")));
+        return serde_json::from_slice(b"{}")
+            .map_err(|e| ApiError::bad_request(format!("{what}: {e}")));
     }
-    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("invalid JSON in the {what}: {e}")))
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON in the {what}: {e}")))
 }
 
 pub fn sandbox_user(caller: &Caller) -> SandboxUser {
@@ -96,7 +103,11 @@ fn parse_id(id: &str) -> ApiResult<Uuid> {
     })
 }
 
-pub fn session_of(state: &AppState, caller: &Caller, id: &str) -> ApiResult<std::sync::Arc<Session>> {
+pub fn session_of(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> ApiResult<std::sync::Arc<Session>> {
     Ok(state.registry.get(&caller.0.name, parse_id(id)?)?)
 }
 
@@ -142,12 +153,23 @@ async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Session
     )
 }
 
-async fn get_one(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<Json<SessionJson>> {
+async fn get_one(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SessionJson>> {
     Ok(Json(session_of(&state, &caller, &id)?.info().into()))
 }
 
-async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
-    state.registry.delete(&caller.0.name, parse_id(&id)?).await?;
+async fn delete(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    state
+        .registry
+        .delete(&caller.0.name, parse_id(&id)?)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -186,26 +208,38 @@ pub fn check_code(state: &AppState, code: &str) -> ApiResult<()> {
     Ok(())
 }
 
-async fn interrupt(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
+async fn interrupt(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     session_of(&state, &caller, &id)?.interrupt().await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn restart(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<Json<SessionJson>> {
+async fn restart(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SessionJson>> {
     let session = session_of(&state, &caller, &id)?;
     session.restart().await?;
     Ok(Json(session.info().into()))
 }
 
 async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::path::PathBuf> {
-    Ok(state
+    state
         .registry
         .sandbox()
         .workspace(&session.user)
-        .map_err(|e| ApiError::internal("workspace", e))?)
+        .map_err(|e| ApiError::internal("workspace", e))
 }
 
-async fn list_files(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<Json<Vec<files::FileEntry>>> {
+async fn list_files(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Vec<files::FileEntry>>> {
     let session = session_of(&state, &caller, &id)?;
     session.touch();
     let ws = workspace_of(&state, &session).await?;

@@ -50,7 +50,9 @@ enum ClientFrame {
         #[serde(default)]
         timeout_seconds: Option<f64>,
     },
-    InputReply { value: String },
+    InputReply {
+        value: String,
+    },
     Interrupt {},
 }
 
@@ -103,7 +105,11 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
         let text = match frame {
             Ok(WsMessage::Text(t)) => t,
             Ok(WsMessage::Binary(_)) => {
-                send_protocol_error(&out, "binary frames are not accepted; send JSON text frames").await;
+                send_protocol_error(
+                    &out,
+                    "binary frames are not accepted; send JSON text frames",
+                )
+                .await;
                 continue;
             }
             Ok(WsMessage::Close(_)) => break,
@@ -121,7 +127,11 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
             }
         };
         match frame {
-            ClientFrame::Execute { id, code, timeout_seconds } => {
+            ClientFrame::Execute {
+                id,
+                code,
+                timeout_seconds,
+            } => {
                 start_execution(&state, &session, &out, id, code, timeout_seconds).await;
             }
             ClientFrame::InputReply { value } => {
@@ -135,7 +145,10 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
                 }
             }
         }
-        if matches!(session.state(), SessionState::Expired | SessionState::Closed) {
+        if matches!(
+            session.state(),
+            SessionState::Expired | SessionState::Closed
+        ) {
             break;
         }
     }
@@ -162,7 +175,9 @@ async fn start_execution(
     code: String,
     timeout_seconds: Option<f64>,
 ) {
-    let fail = |message: String| json!({"type": "protocol_error", "id": id, "message": message}).to_string();
+    let fail = |message: String| {
+        json!({"type": "protocol_error", "id": id, "message": message}).to_string()
+    };
     if let Err(e) = super::sessions::check_code(state, &code) {
         let _ = out.send(fail(e.message)).await;
         return;

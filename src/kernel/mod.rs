@@ -34,11 +34,15 @@ pub struct KernelEndpoints {
 }
 
 /// What the kernel sent, or what happened to the connection.
+// Messages are nearly every event: boxing them would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum KernelEvent {
     Message(Channel, Message),
     /// The heartbeat went unanswered `misses` times in a row.
-    HeartbeatLost { misses: u32 },
+    HeartbeatLost {
+        misses: u32,
+    },
     /// A socket failed for good.
     ChannelFailed(Channel, String),
 }
@@ -160,7 +164,8 @@ impl KernelClient {
                 reason: e.to_string(),
             })?;
             let iopub = connect_socket(sub, "iopub", &endpoints.iopub).await?;
-            let shell = connect_socket(dealer(Some(identity.clone())), "shell", &endpoints.shell).await?;
+            let shell =
+                connect_socket(dealer(Some(identity.clone())), "shell", &endpoints.shell).await?;
             let stdin = connect_socket(dealer(Some(identity)), "stdin", &endpoints.stdin).await?;
             let control = connect_socket(dealer(None), "control", &endpoints.control).await?;
             Ok::<_, KernelError>((iopub, shell, stdin, control))
@@ -262,8 +267,19 @@ impl KernelClient {
     }
 
     /// A new message in reply to `parent` (e.g. an `input_reply`).
-    pub fn reply_to(&self, msg_type: &str, content: &impl serde::Serialize, parent: &Bytes) -> Message {
-        Message::new(msg_type, content, Some(parent), &self.session, &self.username)
+    pub fn reply_to(
+        &self,
+        msg_type: &str,
+        content: &impl serde::Serialize,
+        parent: &Bytes,
+    ) -> Message {
+        Message::new(
+            msg_type,
+            content,
+            Some(parent),
+            &self.session,
+            &self.username,
+        )
     }
 
     /// Sign and send a message on shell, stdin or control.
@@ -360,7 +376,9 @@ async fn heartbeat_loop(endpoint: String, hb: Heartbeat, events: mpsc::Sender<Ke
                 socket = Some(s);
             }
             let s = socket.as_mut()?;
-            s.send(ZmqMessage::from(Bytes::from_static(b"ping"))).await.ok()?;
+            s.send(ZmqMessage::from(Bytes::from_static(b"ping")))
+                .await
+                .ok()?;
             s.recv().await.ok()
         };
         let answered = matches!(timeout(hb.interval, ok).await, Ok(Some(_)));

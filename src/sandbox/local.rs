@@ -431,16 +431,16 @@ impl LocalSandbox {
             guard.leaf = Some((cg.clone(), leaf));
         }
 
-        let (child, info, stderr_task, tail) = self.spawn(
-            &spec,
-            &argv,
-            spec_env,
-            resource_dir.as_deref(),
-            &rundir,
-            &workspace,
+        let request = BwrapRequest {
+            workspace: &workspace,
+            rundir: &rundir,
             ids,
-            guard.leaf.as_ref().map(|(_, leaf)| leaf),
-        )?;
+            tmp_size: Some(user.limits.memory_bytes).filter(|b| *b > 0),
+            resource_dir: resource_dir.as_deref(),
+            argv: &argv,
+        };
+        let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
+        let (child, info, stderr_task, tail) = self.spawn(&spec, &request, spec_env, leaf)?;
 
         // From here the reaper owns the leaf and the runtime directory, and the handle's
         // drop (also when this future is dropped half-way) kills the kernel.
@@ -504,16 +504,11 @@ impl LocalSandbox {
 
     /// Builds and spawns the bwrap command; returns the child, the read end of its info
     /// pipe, the stderr forwarding task and the stderr tail.
-    #[allow(clippy::too_many_arguments)]
     fn spawn(
         &self,
         spec: &LaunchSpec,
-        argv: &[String],
+        request: &BwrapRequest<'_>,
         spec_env: HashMap<String, String>,
-        resource_dir: Option<&Path>,
-        rundir: &Path,
-        workspace: &Path,
-        ids: Option<(u32, u32)>,
         leaf: Option<&Leaf>,
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
@@ -522,14 +517,7 @@ impl LocalSandbox {
         let info_fd = info_write.as_raw_fd();
 
         let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
-        args.extend(self.bwrap_args(&BwrapRequest {
-            workspace,
-            rundir,
-            ids,
-            tmp_size: Some(user.limits.memory_bytes).filter(|b| *b > 0),
-            resource_dir,
-            argv,
-        }));
+        args.extend(self.bwrap_args(request));
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()

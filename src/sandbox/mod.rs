@@ -11,6 +11,7 @@
 //! holds an `Arc<dyn Sandbox>` and never names a backend.
 
 pub mod cgroup;
+pub mod docker;
 pub mod local;
 
 use std::path::PathBuf;
@@ -152,7 +153,10 @@ pub trait Sandbox: Send + Sync {
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error("the {backend} sandbox is not usable: {reason}")]
-    Unavailable { backend: &'static str, reason: String },
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
     #[error("could not launch the kernel for user {user}: {reason}")]
     Launch { user: String, reason: String },
     #[error("{what} at {path}: {source}")]

@@ -40,7 +40,11 @@ pub(crate) async fn start_kernel(
     let limit = sandbox.launch_timeout();
     let launched = timeout(limit, sandbox.launch(spec))
         .await
-        .map_err(|_| SessionError::KernelUnavailable(format!("the sandbox did not start the kernel within {limit:?}")))?
+        .map_err(|_| {
+            SessionError::KernelUnavailable(format!(
+                "the sandbox did not start the kernel within {limit:?}"
+            ))
+        })?
         .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
     let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
     let connect = KernelClient::connect(&launched.endpoints, &key, &user, heartbeat, limit);
@@ -74,7 +78,9 @@ pub(crate) async fn start_kernel(
 enum Phase {
     Running,
     /// Past the deadline: interrupted at `since`, restart at `restart_at`.
-    TimedOut { restart_at: Instant },
+    TimedOut {
+        restart_at: Instant,
+    },
 }
 
 struct Running {
@@ -123,6 +129,8 @@ async fn record_send(
 /// travels on iopub and can lag the reply by seconds after a flood of output.
 const IDLE_AFTER_REPLY: Duration = Duration::from_secs(10);
 
+// Kernel events are nearly every value; boxing them would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
 enum FromKernel {
     Event(Option<KernelEvent>),
     Exited(ExitReason),
@@ -225,18 +233,35 @@ impl Actor {
             }
             Command::InputReply(value) => {
                 self.session.touch();
-                let Some(r) = self.running.as_mut() else { return };
-                let Some(parent) = r.input_parent.take() else { return };
+                let Some(r) = self.running.as_mut() else {
+                    return;
+                };
+                let Some(parent) = r.input_parent.take() else {
+                    return;
+                };
                 if let Some(k) = &self.kernel {
-                    let m = k.client.reply_to("input_reply", &serde_json::json!({"value": value}), &parent);
-                    if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, Channel::Stdin, &m).await {
+                    let m = k.client.reply_to(
+                        "input_reply",
+                        &serde_json::json!({"value": value}),
+                        &parent,
+                    );
+                    if let Err(e) = record_send(
+                        &*self.recorder,
+                        &self.session,
+                        &k.client,
+                        Channel::Stdin,
+                        &m,
+                    )
+                    .await
+                    {
                         tracing::warn!(session = %self.session.id, error = %e, "input_reply not sent");
                     }
                 }
             }
             Command::Interrupt(done) => {
                 self.session.touch();
-                self.recorder.event(&self.session, "interrupt", serde_json::json!({}));
+                self.recorder
+                    .event(&self.session, "interrupt", serde_json::json!({}));
                 let result = self.interrupt().await;
                 if let Some(r) = self.running.as_mut() {
                     r.user_interrupted = true;
@@ -246,11 +271,18 @@ impl Actor {
             Command::Restart(done) => {
                 self.session.touch();
                 let result = self
-                    .restart(ExecutionStatus::Interrupted, "the kernel was restarted by request")
+                    .restart(
+                        ExecutionStatus::Interrupted,
+                        "the kernel was restarted by request",
+                    )
                     .await;
                 let _ = done.send(result);
             }
-            Command::Forward { channel, msg, route } => {
+            Command::Forward {
+                channel,
+                msg,
+                route,
+            } => {
                 self.session.touch();
                 let Some(k) = &self.kernel else { return };
                 if self.routes.len() > 10_000 {
@@ -261,7 +293,9 @@ impl Actor {
                     }
                 }
                 self.routes.insert(msg.msg_id.clone(), route);
-                if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, channel, &msg).await {
+                if let Err(e) =
+                    record_send(&*self.recorder, &self.session, &k.client, channel, &msg).await
+                {
                     tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
                 }
             }
@@ -271,10 +305,23 @@ impl Actor {
 
     async fn interrupt(&mut self) -> Result<(), SessionError> {
         let Some(k) = &self.kernel else {
-            return Err(SessionError::KernelUnavailable("the kernel is not running".into()));
+            return Err(SessionError::KernelUnavailable(
+                "the kernel is not running".into(),
+            ));
         };
-        let m = k.client.request("interrupt_request", &serde_json::json!({}));
-        if record_send(&*self.recorder, &self.session, &k.client, Channel::Control, &m).await.is_err() {
+        let m = k
+            .client
+            .request("interrupt_request", &serde_json::json!({}));
+        if record_send(
+            &*self.recorder,
+            &self.session,
+            &k.client,
+            Channel::Control,
+            &m,
+        )
+        .await
+        .is_err()
+        {
             // The control channel is gone; fall back to the signal.
             k.process
                 .interrupt()
@@ -289,11 +336,18 @@ impl Actor {
         if self.running.is_some() {
             return;
         }
-        let Some(req) = self.queue.pop_front() else { return };
+        let Some(req) = self.queue.pop_front() else {
+            return;
+        };
         self.session.pending_dec();
         let Some(k) = &self.kernel else {
-            let reason = self.dead_reason.clone().unwrap_or_else(|| "no kernel".into());
-            let _ = req.done.send(failed(ExecutionStatus::Dead, "KernelDied", reason));
+            let reason = self
+                .dead_reason
+                .clone()
+                .unwrap_or_else(|| "no kernel".into());
+            let _ = req
+                .done
+                .send(failed(ExecutionStatus::Dead, "KernelDied", reason));
             return;
         };
         let req_code = req.code.clone();
@@ -322,7 +376,15 @@ impl Actor {
             stream: req.stream,
             done: req.done,
         };
-        if let Err(e) = record_send(&*self.recorder, &self.session, &k.client, Channel::Shell, &m).await {
+        if let Err(e) = record_send(
+            &*self.recorder,
+            &self.session,
+            &k.client,
+            Channel::Shell,
+            &m,
+        )
+        .await
+        {
             let _ = running.done.send(failed(
                 ExecutionStatus::Dead,
                 "KernelDied",
@@ -363,18 +425,24 @@ impl Actor {
 
     async fn on_kernel_event(&mut self, ev: KernelEvent) {
         if let KernelEvent::Message(channel, m) = &ev {
-            self.recorder.message(&self.session, Direction::FromKernel, *channel, m);
+            self.recorder
+                .message(&self.session, Direction::FromKernel, *channel, m);
         }
         match ev {
             KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
             KernelEvent::Message(channel, m) => self.on_reply(channel, m),
             KernelEvent::HeartbeatLost { misses } => {
-                self.on_death(format!("the kernel stopped answering its heartbeat ({misses} misses)"))
-                    .await
+                self.on_death(format!(
+                    "the kernel stopped answering its heartbeat ({misses} misses)"
+                ))
+                .await
             }
             KernelEvent::ChannelFailed(ch, why) => {
-                self.on_death(format!("the kernel's {} channel failed: {why}", ch.as_str()))
-                    .await
+                self.on_death(format!(
+                    "the kernel's {} channel failed: {why}",
+                    ch.as_str()
+                ))
+                .await
             }
         }
     }
@@ -387,7 +455,10 @@ impl Actor {
                 execution_state: &'a str,
             }
             if let Ok(s) = serde_json::from_slice::<Status>(&m.content) {
-                let ours = self.running.as_ref().is_some_and(|r| m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()));
+                let ours = self
+                    .running
+                    .as_ref()
+                    .is_some_and(|r| m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()));
                 if ours && s.execution_state == "idle" {
                     if let Some(r) = self.running.as_mut() {
                         r.idle_seen = true;
@@ -461,8 +532,12 @@ impl Actor {
 
     /// An execution is complete when its reply and its idle status have arrived.
     fn check_complete(&mut self) {
-        let Some(r) = self.running.as_ref() else { return };
-        let Some(status) = r.reply_status.clone() else { return };
+        let Some(r) = self.running.as_ref() else {
+            return;
+        };
+        let Some(status) = r.reply_status.clone() else {
+            return;
+        };
         if !r.idle_seen {
             return;
         }
@@ -470,7 +545,9 @@ impl Actor {
     }
 
     fn complete(&mut self, reply_status: String) {
-        let Some(r) = self.running.as_ref() else { return };
+        let Some(r) = self.running.as_ref() else {
+            return;
+        };
         let (status, note) = match r.phase {
             Phase::TimedOut { .. } => (
                 ExecutionStatus::Timeout,
@@ -506,7 +583,9 @@ impl Actor {
 
     async fn on_deadline(&mut self) {
         let now = Instant::now();
-        let Some(r) = self.running.as_mut() else { return };
+        let Some(r) = self.running.as_mut() else {
+            return;
+        };
         if let Some(idle_by) = r.idle_by {
             if now >= idle_by {
                 // The reply came but the idle status was lost; finish with what we have.
@@ -547,7 +626,11 @@ impl Actor {
 
     /// Replace the kernel with a fresh one; the running execution ends with `status`.
     async fn restart(&mut self, status: ExecutionStatus, why: &str) -> Result<(), SessionError> {
-        let ename = if status == ExecutionStatus::Timeout { "TimeoutError" } else { "KernelRestarted" };
+        let ename = if status == ExecutionStatus::Timeout {
+            "TimeoutError"
+        } else {
+            "KernelRestarted"
+        };
         self.finish(
             status,
             Some(ExecutionError {
@@ -556,7 +639,11 @@ impl Actor {
                 traceback: Vec::new(),
             }),
         );
-        self.recorder.event(&self.session, "kernel_restarted", serde_json::json!({"reason": why}));
+        self.recorder.event(
+            &self.session,
+            "kernel_restarted",
+            serde_json::json!({"reason": why}),
+        );
         self.session.set_state(SessionState::Starting);
         self.session.publish(SessionEvent::Restarted);
         if let Some(old) = self.kernel.take() {
@@ -582,7 +669,11 @@ impl Actor {
 
     fn mark_dead(&mut self, reason: String) {
         tracing::warn!(session = %self.session.id, %reason, "session is dead");
-        self.recorder.event(&self.session, "kernel_died", serde_json::json!({"reason": reason}));
+        self.recorder.event(
+            &self.session,
+            "kernel_died",
+            serde_json::json!({"reason": reason}),
+        );
         self.dead_reason = Some(reason.clone());
         self.session.set_dead(reason.clone());
         for req in self.queue.drain(..) {
@@ -622,18 +713,34 @@ impl Actor {
         self.finish(ExecutionStatus::Dead, Some(note));
         for req in self.queue.drain(..) {
             self.session.pending_dec();
-            let _ = req.done.send(failed(ExecutionStatus::Dead, "SessionClosed", why.into()));
+            let _ = req
+                .done
+                .send(failed(ExecutionStatus::Dead, "SessionClosed", why.into()));
         }
         if let Some(k) = self.kernel.take() {
             // Ask politely first so the kernel can clean up, then make sure.
-            let m = k.client.request("shutdown_request", &serde_json::json!({"restart": false}));
-            let _ = record_send(&*self.recorder, &self.session, &k.client, Channel::Control, &m).await;
+            let m = k
+                .client
+                .request("shutdown_request", &serde_json::json!({"restart": false}));
+            let _ = record_send(
+                &*self.recorder,
+                &self.session,
+                &k.client,
+                Channel::Control,
+                &m,
+            )
+            .await;
             let _ = timeout(Duration::from_millis(500), k.process.wait()).await;
             k.process.terminate().await;
         }
         self.session.set_state(state);
-        let kind = if state == SessionState::Expired { "session_expired" } else { "session_closed" };
-        self.recorder.event(&self.session, kind, serde_json::json!({}));
+        let kind = if state == SessionState::Expired {
+            "session_expired"
+        } else {
+            "session_closed"
+        };
+        self.recorder
+            .event(&self.session, kind, serde_json::json!({}));
     }
 }
 

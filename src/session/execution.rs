@@ -99,7 +99,12 @@ pub fn strip_ansi(s: &str) -> String {
 
 /// Append at most `room` characters of `text` to `buf`; returns the part appended and
 /// whether anything was cut.
-fn append_capped<'a>(buf: &mut String, used: &mut usize, limit: usize, text: &'a str) -> (&'a str, bool) {
+fn append_capped<'a>(
+    buf: &mut String,
+    used: &mut usize,
+    limit: usize,
+    text: &'a str,
+) -> (&'a str, bool) {
     let room = limit.saturating_sub(*used);
     if room == 0 {
         return ("", !text.is_empty());
@@ -183,7 +188,8 @@ impl Collector {
     pub fn on_iopub(&mut self, msg_type: &str, content: &[u8]) -> Option<OutputEvent> {
         match msg_type {
             "stream" => {
-                if self.stdout_chars >= self.output_limit && self.stderr_chars >= self.output_limit {
+                if self.stdout_chars >= self.output_limit && self.stderr_chars >= self.output_limit
+                {
                     // Both are full: skip parsing what would be thrown away.
                     self.truncated = true;
                     return None;
@@ -348,7 +354,10 @@ mod tests {
         let mut c = Collector::new(5, 1000);
         let e = c.on_iopub("stream", br#"{"name":"stdout","text":"h\u00e9llo world"}"#);
         assert_eq!(e, Some(OutputEvent::Stdout("héllo".into())));
-        assert_eq!(c.on_iopub("stream", br#"{"name":"stdout","text":"more"}"#), None);
+        assert_eq!(
+            c.on_iopub("stream", br#"{"name":"stdout","text":"more"}"#),
+            None
+        );
         let e = c.on_iopub("stream", br#"{"name":"stderr","text":"warn"}"#);
         assert_eq!(e, Some(OutputEvent::Stderr("warn".into())));
         let x = c.finish(ExecutionStatus::Ok, None, 1.0);

@@ -35,7 +35,11 @@ pub fn clean_relative(path: &str) -> Result<PathBuf, SessionError> {
         match c {
             Component::Normal(part) => out.push(part),
             Component::CurDir => {}
-            _ => return Err(bad("must be relative to the workspace and must not contain '..'")),
+            _ => {
+                return Err(bad(
+                    "must be relative to the workspace and must not contain '..'",
+                ))
+            }
         }
     }
     if out.as_os_str().is_empty() {
@@ -114,7 +118,10 @@ pub fn write(
     let rel = clean_relative(rel)?;
     let root = open_root(workspace)?;
     let mut dir = PathBuf::new();
-    let parents: Vec<_> = rel.parent().map(|p| p.components().collect()).unwrap_or_default();
+    let parents: Vec<_> = rel
+        .parent()
+        .map(|p| p.components().collect())
+        .unwrap_or_default();
     for part in parents {
         dir.push(part);
         match open_beneath(&root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0) {
@@ -165,10 +172,16 @@ pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionE
     let f = std::fs::File::from(fd);
     let meta = f.metadata().map_err(|e| io_err("read", &rel, e))?;
     if meta.is_dir() {
-        return Err(SessionError::BadRequest(format!("{} is a directory", rel.display())));
+        return Err(SessionError::BadRequest(format!(
+            "{} is a directory",
+            rel.display()
+        )));
     }
     if !meta.is_file() {
-        return Err(SessionError::BadRequest(format!("{} is not a regular file", rel.display())));
+        return Err(SessionError::BadRequest(format!(
+            "{} is not a regular file",
+            rel.display()
+        )));
     }
     if meta.size() > max as u64 {
         return Err(SessionError::TooLarge(format!(
@@ -197,7 +210,9 @@ pub fn list(workspace: &Path, limit: usize) -> Result<Vec<FileEntry>, SessionErr
             Err(_) => continue,
         };
         for entry in entries.flatten() {
-            let Ok(meta) = entry.path().symlink_metadata() else { continue };
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
             let child = rel.join(entry.file_name());
             if meta.is_dir() {
                 stack.push(child);
@@ -239,8 +254,14 @@ mod tests {
         let ws = tempfile::tempdir().unwrap();
         write(ws.path(), "data/in.csv", b"a,b\n1,2\n", None).unwrap();
         assert_eq!(read(ws.path(), "data/in.csv", 100).unwrap(), b"a,b\n1,2\n");
-        assert!(matches!(read(ws.path(), "data/in.csv", 3), Err(SessionError::TooLarge(_))));
-        assert!(matches!(read(ws.path(), "nope", 3), Err(SessionError::NotFoundFile(_))));
+        assert!(matches!(
+            read(ws.path(), "data/in.csv", 3),
+            Err(SessionError::TooLarge(_))
+        ));
+        assert!(matches!(
+            read(ws.path(), "nope", 3),
+            Err(SessionError::NotFoundFile(_))
+        ));
         let outside = tempfile::tempdir().unwrap();
         std::fs::write(outside.path().join("secret"), b"s").unwrap();
         std::os::unix::fs::symlink(outside.path().join("secret"), ws.path().join("link")).unwrap();

@@ -93,7 +93,9 @@ impl Default for SessionConfig {
 pub enum SessionError {
     #[error("no session {0}")]
     NotFound(Uuid),
-    #[error("session {id} expired at {at} after {idle_secs} s without activity; create a new session")]
+    #[error(
+        "session {id} expired at {at} after {idle_secs} s without activity; create a new session"
+    )]
     Expired {
         id: Uuid,
         at: DateTime<Utc>,

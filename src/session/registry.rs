@@ -25,8 +25,8 @@ use uuid::Uuid;
 use super::actor::{start_kernel, Actor};
 use super::execution::Execution;
 use super::{
-    Command, ExecRequest, Recorder, ReplyRoute, SessionConfig, SessionError, SessionEvent, SessionInfo,
-    SessionState,
+    Command, ExecRequest, Recorder, ReplyRoute, SessionConfig, SessionError, SessionEvent,
+    SessionInfo, SessionState,
 };
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::{Channel, Message, Signer};
@@ -71,9 +71,15 @@ impl Session {
     pub fn info(&self) -> SessionInfo {
         let s = self.status();
         let expires_at = match (self.idle_timeout, s.state) {
-            (Some(t), SessionState::Idle | SessionState::Busy | SessionState::Starting | SessionState::Dead) => {
-                chrono::Duration::from_std(t).ok().map(|t| s.last_activity + t)
-            }
+            (
+                Some(t),
+                SessionState::Idle
+                | SessionState::Busy
+                | SessionState::Starting
+                | SessionState::Dead,
+            ) => chrono::Duration::from_std(t)
+                .ok()
+                .map(|t| s.last_activity + t),
             _ => None,
         };
         SessionInfo {
@@ -222,7 +228,8 @@ impl Session {
             )));
         }
         self.touch();
-        self.send(Command::Execute(req)).inspect_err(|_| self.pending_dec())
+        self.send(Command::Execute(req))
+            .inspect_err(|_| self.pending_dec())
     }
 
     /// Queue an execution and wait for its result.
@@ -259,8 +266,17 @@ impl Session {
     }
 
     /// Send a client's message to the kernel; replies to it go to `route`.
-    pub fn forward(&self, channel: Channel, msg: Message, route: ReplyRoute) -> Result<(), SessionError> {
-        self.send(Command::Forward { channel, msg, route })
+    pub fn forward(
+        &self,
+        channel: Channel,
+        msg: Message,
+        route: ReplyRoute,
+    ) -> Result<(), SessionError> {
+        self.send(Command::Forward {
+            channel,
+            msg,
+            route,
+        })
     }
 
     async fn shutdown(&self, state: SessionState) {
@@ -385,10 +401,14 @@ impl Registry {
         opts: CreateOptions,
     ) -> Result<Arc<Session>, SessionError> {
         if self.inner.shutdown.is_cancelled() {
-            return Err(SessionError::KernelUnavailable("the broker is shutting down".into()));
+            return Err(SessionError::KernelUnavailable(
+                "the broker is shutting down".into(),
+            ));
         }
         let kernel_name = match opts.kernel {
-            Some(k) if !self.inner.kernels.contains(&k) => return Err(SessionError::UnknownKernel(k)),
+            Some(k) if !self.inner.kernels.contains(&k) => {
+                return Err(SessionError::UnknownKernel(k))
+            }
             Some(k) => k,
             None => self
                 .inner
@@ -408,9 +428,15 @@ impl Registry {
         {
             let mut t = self.table();
             if t.sessions.contains_key(&id) || t.tombstones.contains_key(&id) {
-                return Err(SessionError::BadRequest(format!("session id {id} is taken")));
+                return Err(SessionError::BadRequest(format!(
+                    "session id {id} is taken"
+                )));
             }
-            let live = t.sessions.values().filter(|s| s.user.name == user.name).count();
+            let live = t
+                .sessions
+                .values()
+                .filter(|s| s.user.name == user.name)
+                .count();
             let creating = t.creating.get(&user.name).copied().unwrap_or(0);
             if live + creating >= max_sessions {
                 return Err(SessionError::Quota(format!(

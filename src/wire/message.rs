@@ -87,10 +87,11 @@ impl Message {
         content: Bytes,
         buffers: Vec<Bytes>,
     ) -> Result<Self, WireError> {
-        let h: HeaderFields = serde_json::from_slice(&header).map_err(|e| WireError::Malformed {
-            part: "header",
-            reason: e.to_string(),
-        })?;
+        let h: HeaderFields =
+            serde_json::from_slice(&header).map_err(|e| WireError::Malformed {
+                part: "header",
+                reason: e.to_string(),
+            })?;
         let parent_msg_id = if parent_header.is_empty() {
             None
         } else {
@@ -135,7 +136,9 @@ impl Message {
         // Serialising a `Value` or a plain derive(Serialize) struct cannot fail.
         let header = Bytes::from(serde_json::to_vec(&header).unwrap_or_default());
         let content = Bytes::from(serde_json::to_vec(content).unwrap_or_else(|_| b"{}".to_vec()));
-        let parent_header = parent_header.cloned().unwrap_or_else(|| Bytes::from_static(b"{}"));
+        let parent_header = parent_header
+            .cloned()
+            .unwrap_or_else(|| Bytes::from_static(b"{}"));
         let parent_msg_id = serde_json::from_slice::<ParentFields>(&parent_header)
             .ok()
             .and_then(|p| p.msg_id)
@@ -190,7 +193,13 @@ mod tests {
     #[test]
     fn parent_is_parsed() {
         let parent = Message::new("execute_request", &serde_json::json!({}), None, "s", "u");
-        let child = Message::new("status", &serde_json::json!({}), Some(&parent.header), "s", "u");
+        let child = Message::new(
+            "status",
+            &serde_json::json!({}),
+            Some(&parent.header),
+            "s",
+            "u",
+        );
         assert_eq!(child.parent_msg_id.as_deref(), Some(parent.msg_id.as_str()));
     }
 

@@ -45,7 +45,10 @@ impl Broker {
             )
             .with_test_writer()
             .try_init();
-        let tmp = tempfile::Builder::new().prefix("kb-test-").tempdir().unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("kb-test-")
+            .tempdir()
+            .unwrap();
         let users = tmp.path().join("users.toml");
         std::fs::write(
             &users,
@@ -58,7 +61,10 @@ impl Broker {
             users_file: Some(users),
             data_dir: Some(tmp.path().join("data")),
             kernels_dir: Some(repo().join("kernels")),
-            cgroup_name: Some(format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple())),
+            cgroup_name: Some(format!(
+                "kernel-broker-test-{}",
+                uuid::Uuid::new_v4().simple()
+            )),
             ..Default::default()
         };
         tweak(&mut args);
@@ -137,7 +143,12 @@ pub struct Api {
 }
 
 impl Api {
-    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let mut req = self
             .http
             .request(method, format!("{}{}", self.base, path))
@@ -157,7 +168,9 @@ impl Api {
     }
 
     pub async fn create(&self) -> String {
-        let (status, s) = self.call(reqwest::Method::POST, "/v1/sessions", Some(json!({}))).await;
+        let (status, s) = self
+            .call(reqwest::Method::POST, "/v1/sessions", Some(json!({})))
+            .await;
         assert_eq!(status, 201, "{s}");
         s["id"].as_str().unwrap().to_string()
     }
@@ -168,7 +181,11 @@ impl Api {
 
     pub async fn execute_with(&self, id: &str, body: Value) -> Value {
         let (status, v) = self
-            .call(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"), Some(body))
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{id}/execute"),
+                Some(body),
+            )
             .await;
         assert_eq!(status, 200, "{v}");
         v
@@ -187,22 +204,30 @@ impl Api {
     }
 }
 
-pub type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+pub type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 pub async fn ws_connect(broker: &Broker, id: &str, token: &str) -> Ws {
     let url = format!("ws://{}/v1/sessions/{id}/stream?token={token}", broker.addr);
-    let (ws, _) = within(30, "ws connect", tokio_tungstenite::connect_async(url)).await.unwrap();
+    let (ws, _) = within(30, "ws connect", tokio_tungstenite::connect_async(url))
+        .await
+        .unwrap();
     ws
 }
 
 pub async fn ws_send(ws: &mut Ws, v: Value) {
-    ws.send(WsMessage::Text(v.to_string().into())).await.unwrap();
+    ws.send(WsMessage::Text(v.to_string().into()))
+        .await
+        .unwrap();
 }
 
 /// Next JSON frame (skipping pings).
 pub async fn ws_next(ws: &mut Ws) -> Value {
     loop {
-        let m = within(120, "ws frame", ws.next()).await.expect("ws closed").unwrap();
+        let m = within(120, "ws frame", ws.next())
+            .await
+            .expect("ws closed")
+            .unwrap();
         if let WsMessage::Text(t) = m {
             return serde_json::from_str(t.as_str()).unwrap();
         }

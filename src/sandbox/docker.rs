@@ -1,0 +1,1662 @@
+//! The docker sandbox: kernels in one long-lived container per user, through the Docker
+//! Engine API (also Podman's compatible API).
+//!
+//! This module owns a user's container (created on the user's first launch, removed after
+//! [`DockerSandboxConfig::container_idle`] without sessions), the host directories it
+//! mounts (the persistent workspace `<data_dir>/workspaces-docker/<user>` at `/workspace`
+//! and the user's runtime directory at `/run/kernel`), and each kernel's life inside it.
+//!
+//! Why one container per user and `docker exec` per kernel, not a container per kernel: a
+//! user's kernels share one workspace and one set of limits (the [`UserLimits`] are
+//! per user, as in the local backend), so the container *is* the user's limit boundary;
+//! a warm launch is an exec (~0.1 s) instead of a container start; and one container per
+//! user keeps the daemon's load and the idle memory low. The price: a user's kernels see
+//! each other's processes and runtime files (same uid, same trust domain), and memory,
+//! process and CPU limits are shared by all of them.
+//!
+//! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
+//! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
+//! default seccomp profile stays), uid/gid 1000:1000, memory = swap limit (no swap), CPU
+//! and pids limits from [`UserLimits`]. Containers carry the labels
+//! [`LABEL_MANAGED`]`=true` and [`LABEL_DATA_DIR_HASH`]`=<hash of the data dir>`, and are
+//! named `kernel-broker-<hash>-<user>`, so two brokers on one daemon never touch each
+//! other's containers.
+//!
+//! A kernel: `docker exec -d` of
+//! `sh -c 'echo $$ > /run/kernel/<dir>/pid; exec python -m ipykernel_launcher -f ...'`
+//! with an `ipc` connection file in `/run/kernel/<dir>/`; the broker connects to the
+//! sockets on the host side of the bind mount. A watcher task per kernel polls the exec
+//! (`inspect_exec`, every 500 ms) and classifies its end; see [`ExitReason`] mapping in
+//! `classify_exec_end`. Interrupts and kills are small execs (`kill -INT` / `kill -KILL`
+//! of the recorded pid, after checking that pid still runs this kernel).
+//!
+//! Out of memory: with a memory limit on the container, the kernel's OOM killer kills the
+//! biggest process in it, normally the python kernel that allocated the memory, and the
+//! container survives. Docker does not report that per exec, so a kernel whose exec ended
+//! by SIGKILL (137) is reported as [`ExitReason::OutOfMemory`] only if the container's
+//! cgroup counter `oom_kill` (`memory.events` on cgroup v2, `memory.oom_control` on v1,
+//! read from inside the container) went up by a kill no other kernel has claimed yet;
+//! otherwise it is [`ExitReason::Signaled`]`(9)`. An OOM kill of some other process (a
+//! subprocess the kernel started) can thus be attributed to a kernel killed later by
+//! `kill -9`; rare, and said here to stay honest. If the OOM killer hits tini instead, the
+//! container dies and every kernel in it ends with OutOfMemory (`State.OOMKilled`).
+//!
+//! Startup and shutdown: before the first check or launch, containers with this broker's
+//! labels left by an earlier run are *removed*, not adopted (sessions do not survive a
+//! broker restart, so nothing in them is reachable any more), and the runtime directory
+//! is emptied. [`Sandbox::shutdown`] removes every container of this broker.
+//!
+//! The broker is expected to run as root (it chowns the workspace to 1000:1000 and
+//! connects to sockets the kernel creates). As another user, the session directory is
+//! made world-writable inside the broker's private (0700) runtime directory and the
+//! kernel runs with `umask 000`, so the broker can connect; the workspace is made 0777
+//! if it cannot be given to uid 1000. Rootless Docker/Podman (uid remapping) is untested.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bollard::errors::Error as DockerError;
+use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType};
+use bollard::query_parameters::{
+    CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+};
+use bollard::Docker;
+use futures::StreamExt;
+use sha2::{Digest, Sha256};
+use tokio::sync::{oneshot, watch, OnceCell};
+use tokio::time::{sleep, timeout};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{
+    ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
+    SandboxUser, UserLimits,
+};
+
+const BACKEND: &str = "docker";
+/// The Docker Engine socket when none is configured.
+pub const DEFAULT_SOCKET: &str = "/var/run/docker.sock";
+/// The kernel image when none is configured (see `docker/README.md`).
+pub const DEFAULT_IMAGE: &str = "kernel-broker/python-kernel:latest";
+/// Label on every container a broker creates (`true`).
+pub const LABEL_MANAGED: &str = "org.kernel-broker.managed";
+/// Label holding the hash of the creating broker's data directory.
+pub const LABEL_DATA_DIR_HASH: &str = "org.kernel-broker.data-dir-hash";
+/// Label holding the broker user a container belongs to.
+pub const LABEL_USER: &str = "org.kernel-broker.user";
+/// Label holding the creating broker's data directory (for humans).
+pub const LABEL_DATA_DIR: &str = "org.kernel-broker.data-dir";
+
+/// uid and gid of the image's `kernel` user.
+const KERNEL_UID: u32 = 1000;
+const KERNEL_GID: u32 = 1000;
+const PYTHON_INSIDE: &str = "/opt/kernel-venv/bin/python";
+const RUN_DIR_INSIDE: &str = "/run/kernel";
+const WORKSPACE_INSIDE: &str = "/workspace";
+const HOSTNAME: &str = "kernel";
+/// Options of the container's `/tmp` tmpfs (its pages count against the memory limit).
+const TMPFS_OPTIONS: &str = "rw,nosuid,nodev,size=256m,mode=1777";
+/// `sun_path` holds 108 bytes including the NUL.
+const MAX_SOCKET_PATH: usize = 107;
+/// User-name length the default runtime directory must leave room for.
+const USER_NAME_BUDGET: usize = 32;
+/// Hex digits of the session id naming its runtime directory (`/run/kernel/<dir>`).
+const SESSION_DIR_LEN: usize = 12;
+/// Ports of the five channels (`k-1` .. `k-5`).
+const SHELL_PORT: u16 = 1;
+const IOPUB_PORT: u16 = 2;
+const STDIN_PORT: u16 = 3;
+const CONTROL_PORT: u16 = 4;
+const HB_PORT: u16 = 5;
+/// How often a kernel's watcher asks the daemon whether the kernel still runs.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Per-request timeout of the Docker client, in seconds.
+const API_TIMEOUT_SECS: u64 = 60;
+/// How long connecting to the daemon (version negotiation) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a helper exec (kill, reading a counter) may take.
+const EXEC_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long `terminate` waits for the kernel to be gone.
+const TERMINATE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a watcher tolerates a daemon that does not answer before giving the kernel up.
+const DAEMON_GRACE: Duration = Duration::from_secs(30);
+/// Bytes of a helper exec's output kept, and of a dead kernel's log shown.
+const MAX_EXEC_OUTPUT: usize = 16 * 1024;
+const LOG_TAIL_BYTES: usize = 2000;
+
+/// Settings of the docker sandbox.
+#[derive(Debug, Clone)]
+pub struct DockerSandboxConfig {
+    /// The broker's state directory; workspaces live in `<data_dir>/workspaces-docker`.
+    pub data_dir: PathBuf,
+    /// The daemon's unix socket, as a path or `unix://` URL (Podman:
+    /// `unix:///run/podman/podman.sock`).
+    pub socket: String,
+    /// The kernel image.
+    pub image: String,
+    /// How long a user's container outlives the user's last session.
+    pub container_idle: Duration,
+    /// Where per-user runtime directories go. Default `<data_dir>/run-docker`, unless socket
+    /// paths there would be too long; then `/run/kernel-broker-docker-<hash>` (root) or
+    /// `$XDG_RUNTIME_DIR/...` or `/tmp/kernel-broker-docker-<uid>-<hash>`.
+    pub run_dir: Option<PathBuf>,
+}
+
+impl DockerSandboxConfig {
+    /// The defaults for a data directory.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            socket: DEFAULT_SOCKET.to_string(),
+            image: DEFAULT_IMAGE.to_string(),
+            container_idle: Duration::from_secs(300),
+            run_dir: None,
+        }
+    }
+}
+
+/// The docker sandbox backend. Cheap handle over shared state, which its background tasks
+/// (kernel watchers, idle timers) hold too.
+pub struct DockerSandbox {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: DockerSandboxConfig,
+    /// The socket's file path (without `unix://`).
+    socket_path: String,
+    /// Short hash of the data directory: tells this broker's containers apart.
+    hash: String,
+    privileged: bool,
+    workspaces: PathBuf,
+    run_base: PathBuf,
+    /// Connected (and version-negotiated) on first use; retried until it works.
+    client: OnceCell<Docker>,
+    /// Startup work (directories, sweeping an earlier run's containers), once.
+    started: OnceCell<()>,
+    users: Mutex<HashMap<String, Arc<UserSlot>>>,
+    kernels: Mutex<HashMap<Uuid, Arc<KernelShared>>>,
+    /// Cancelled by `shutdown`: stops idle timers.
+    shutdown: CancellationToken,
+}
+
+/// Per-user state.
+#[derive(Default)]
+struct UserSlot {
+    /// The user's container. An async mutex on purpose: it is held across the Docker calls
+    /// that create the container and start a kernel in it, so that two concurrent launches
+    /// do not both create a container, and an idle removal cannot remove the container
+    /// under a launch.
+    container: tokio::sync::Mutex<Option<Arc<ContainerInfo>>>,
+    /// The pending idle removal, cancelled by the next launch.
+    idle: Mutex<Option<CancellationToken>>,
+}
+
+/// A running user container.
+struct ContainerInfo {
+    id: String,
+    name: String,
+    memory_limit: u64,
+    /// OOM kills in this container already attributed to a kernel.
+    oom_claimed: Mutex<u64>,
+}
+
+impl DockerSandbox {
+    /// Validates the settings; does not contact the daemon (`check` does).
+    pub fn new(cfg: DockerSandboxConfig) -> Result<Self, SandboxError> {
+        let mut cfg = cfg;
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        let socket_path = socket_path(&cfg.socket)?;
+        let hash = hex::encode(&Sha256::digest(cfg.data_dir.as_os_str().as_encoded_bytes())[..4]);
+        let (euid, _) = current_ids();
+        let privileged = euid == 0;
+        let run_base = choose_run_base(&cfg, &hash, privileged, euid)?;
+        let workspaces = cfg.data_dir.join("workspaces-docker");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                cfg,
+                socket_path,
+                hash,
+                privileged,
+                workspaces,
+                run_base,
+                client: OnceCell::new(),
+                started: OnceCell::new(),
+                users: Mutex::new(HashMap::new()),
+                kernels: Mutex::new(HashMap::new()),
+                shutdown: CancellationToken::new(),
+            }),
+        })
+    }
+
+    /// The container name of a user: `kernel-broker-<hash>-<user>`.
+    pub fn container_name(&self, user: &str) -> String {
+        self.inner.container_name(user)
+    }
+
+    /// The value of [`LABEL_DATA_DIR_HASH`] on this broker's containers.
+    pub fn data_dir_hash(&self) -> &str {
+        &self.inner.hash
+    }
+
+    /// The directory holding the per-user runtime directories.
+    pub fn run_base(&self) -> &Path {
+        &self.inner.run_base
+    }
+}
+
+#[async_trait]
+impl Sandbox for DockerSandbox {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn check(&self) -> Result<(), SandboxError> {
+        let inner = &self.inner;
+        let docker = inner.client().await?;
+        timeout(CONNECT_TIMEOUT, docker.ping())
+            .await
+            .map_err(|_| inner.unreachable("the daemon did not answer a ping within 10 s"))?
+            .map_err(|e| inner.unreachable(error_text(&e)))?;
+        match docker.inspect_image(&inner.cfg.image).await {
+            Ok(_) => {}
+            Err(e) if status_of(&e) == Some(404) => {
+                return Err(unavailable(format!(
+                    "the kernel image {} is not present; build it with docker/build-offline.sh \
+                     or `docker build -f docker/Dockerfile -t {} .`",
+                    inner.cfg.image, inner.cfg.image
+                )))
+            }
+            Err(e) => {
+                return Err(unavailable(format!(
+                    "cannot inspect the kernel image {}: {}",
+                    inner.cfg.image,
+                    inner.advice(&e)
+                )))
+            }
+        }
+        inner.startup().await
+    }
+
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        // Run the launch in its own task: if the caller gives up (its timeout drops this
+        // future), the launch still completes consistently and the kernel it started is
+        // terminated instead of leaking.
+        let inner = self.inner.clone();
+        let user = spec.user.clone();
+        let (tx, rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let result = inner.launch(spec).await;
+            if let Err(Ok(launched)) = tx.send(result) {
+                tracing::info!("launch abandoned by the caller; terminating its kernel");
+                launched.process.terminate().await;
+            }
+        });
+        rx.await
+            .map_err(|_| launch_err(&user, "the launch task failed"))?
+    }
+
+    fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        let path = self.inner.workspace_path(user)?;
+        prepare_workspace(&path, self.inner.privileged)?;
+        Ok(path)
+    }
+
+    fn workspace_owner(&self, _user: &SandboxUser) -> Option<(u32, u32)> {
+        Some((KERNEL_UID, KERNEL_GID))
+    }
+
+    async fn user_idle(&self, user: &SandboxUser) {
+        let inner = &self.inner;
+        if inner.shutdown.is_cancelled() {
+            return;
+        }
+        let slot = inner.slot(&user.name);
+        let token = CancellationToken::new();
+        if let Some(old) = lock(&slot.idle).replace(token.clone()) {
+            old.cancel();
+        }
+        let inner = inner.clone();
+        let name = user.name.clone();
+        let delay = inner.cfg.container_idle;
+        tokio::spawn(async move {
+            tokio::select! {
+                () = sleep(delay) => {}
+                () = token.cancelled() => return,
+                () = inner.shutdown.cancelled() => return,
+            }
+            inner.remove_idle_container(&name, &slot, &token).await;
+        });
+    }
+
+    async fn shutdown(&self) {
+        self.inner.shutdown().await;
+    }
+
+    fn launch_timeout(&self) -> Duration {
+        // A cold launch creates and starts a container first.
+        Duration::from_secs(60)
+    }
+}
+
+impl Inner {
+    fn container_name(&self, user: &str) -> String {
+        format!("kernel-broker-{}-{user}", self.hash)
+    }
+
+    fn unreachable(&self, why: impl std::fmt::Display) -> SandboxError {
+        unavailable(format!(
+            "cannot reach the Docker daemon at {} ({why}); start dockerd (or Podman's API \
+             service), or check --docker-socket",
+            self.cfg.socket
+        ))
+    }
+
+    /// The connected client; connects (and negotiates the API version) on first use.
+    async fn client(&self) -> Result<Docker, SandboxError> {
+        self.client
+            .get_or_try_init(|| async {
+                let docker = Docker::connect_with_unix(
+                    &self.socket_path,
+                    API_TIMEOUT_SECS,
+                    bollard::API_DEFAULT_VERSION,
+                )
+                .map_err(|e| self.unreachable(error_text(&e)))?;
+                let docker = timeout(CONNECT_TIMEOUT, docker.negotiate_version())
+                    .await
+                    .map_err(|_| self.unreachable("no answer within 10 s"))?
+                    .map_err(|e| self.unreachable(error_text(&e)))?;
+                let version = docker.client_version();
+                tracing::debug!(socket = %self.cfg.socket, api = %format!("{}.{}", version.major_version, version.minor_version), "connected to the Docker daemon");
+                Ok(docker)
+            })
+            .await
+            .cloned()
+    }
+
+    /// A Docker error as text that tells the operator what to do.
+    fn advice(&self, e: &DockerError) -> String {
+        match e {
+            DockerError::DockerResponseServerError {
+                status_code,
+                message,
+            } => {
+                if *status_code == 404 && message.contains("image") {
+                    format!(
+                        "{message}; build the image with docker/build-offline.sh or \
+                         `docker build -f docker/Dockerfile -t {} .`",
+                        self.cfg.image
+                    )
+                } else {
+                    format!("the Docker daemon refused ({status_code}): {message}")
+                }
+            }
+            DockerError::RequestTimeoutError => format!(
+                "the Docker daemon at {} did not answer within {API_TIMEOUT_SECS} s",
+                self.cfg.socket
+            ),
+            _ => format!(
+                "cannot talk to the Docker daemon at {} ({}); is dockerd running? \
+                 (check --docker-socket)",
+                self.cfg.socket,
+                error_text(e)
+            ),
+        }
+    }
+
+    /// Creates the directories and removes what an earlier run left; once.
+    async fn startup(&self) -> Result<(), SandboxError> {
+        self.started
+            .get_or_try_init(|| async {
+                let docker = self.client().await?;
+                let dirs = [
+                    (self.cfg.data_dir.clone(), None),
+                    (self.workspaces.clone(), Some(0o700)),
+                    (self.run_base.clone(), Some(0o700)),
+                ];
+                let run_base = self.run_base.clone();
+                let swept = tokio::task::spawn_blocking(move || {
+                    for (dir, mode) in &dirs {
+                        create_private_dir(dir, *mode)?;
+                    }
+                    empty_dir(&run_base)
+                })
+                .await
+                .map_err(|e| unavailable(format!("startup task failed: {e}")))??;
+                if swept > 0 {
+                    tracing::info!(count = swept, dir = %self.run_base.display(), "removed runtime directories left by an earlier run");
+                }
+                let stale = self
+                    .our_containers(&docker)
+                    .await
+                    .map_err(|e| unavailable(self.advice(&e)))?;
+                for id in &stale {
+                    self.remove_container(&docker, id).await;
+                }
+                if !stale.is_empty() {
+                    tracing::info!(count = stale.len(), "removed kernel containers left by an earlier run");
+                }
+                Ok(())
+            })
+            .await
+            .copied()
+    }
+
+    /// Ids of every container (running or not) with this broker's labels.
+    async fn our_containers(&self, docker: &Docker) -> Result<Vec<String>, DockerError> {
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![
+                format!("{LABEL_MANAGED}=true"),
+                format!("{LABEL_DATA_DIR_HASH}={}", self.hash),
+            ],
+        )]);
+        let list = docker
+            .list_containers(Some(ListContainersOptions {
+                all: true,
+                filters: Some(filters),
+                ..Default::default()
+            }))
+            .await?;
+        Ok(list.into_iter().filter_map(|c| c.id).collect())
+    }
+
+    /// Force-removes a container; a missing one is fine, other errors are logged.
+    async fn remove_container(&self, docker: &Docker, id: &str) {
+        let opts = RemoveContainerOptions {
+            force: true,
+            ..Default::default()
+        };
+        match docker.remove_container(id, Some(opts)).await {
+            Ok(()) => tracing::debug!(container = %id, "container removed"),
+            Err(e) if status_of(&e) == Some(404) => {}
+            // 409: removal already in progress.
+            Err(e) if status_of(&e) == Some(409) => {}
+            Err(e) => {
+                tracing::warn!(container = %id, error = %self.advice(&e), "cannot remove a kernel container")
+            }
+        }
+    }
+
+    fn slot(&self, user: &str) -> Arc<UserSlot> {
+        lock(&self.users)
+            .entry(user.to_string())
+            .or_default()
+            .clone()
+    }
+
+    fn workspace_path(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        if !is_container_safe(&user.name) {
+            return Err(launch_err(
+                user,
+                format!(
+                    "the user name {:?} is not usable in a container name (letters, digits, \
+                     `_`, `.`, `-`; not starting with `.` or `-`)",
+                    user.name
+                ),
+            ));
+        }
+        Ok(self.workspaces.join(&user.name))
+    }
+
+    fn user_run_dir(&self, user: &str) -> PathBuf {
+        self.run_base.join(user)
+    }
+
+    async fn launch(self: &Arc<Self>, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        let user = spec.user.clone();
+        if spec.kernel_name != "python3" {
+            return Err(launch_err(
+                &user,
+                format!(
+                    "the docker image provides only the python3 kernel, not {:?}",
+                    spec.kernel_name
+                ),
+            ));
+        }
+        let workspace = self.workspace_path(&user)?;
+        self.startup().await?;
+        let docker = self.client().await?;
+        let slot = self.slot(&user.name);
+        if let Some(idle) = lock(&slot.idle).take() {
+            idle.cancel();
+        }
+
+        let started = Instant::now();
+        let mut guard = slot.container.lock().await;
+        let (container, cold) = match self.running_container(&docker, &mut guard).await? {
+            Some(c) => (c, false),
+            None => {
+                let c = self.create_container(&docker, &user, &workspace).await?;
+                *guard = Some(c.clone());
+                (c, true)
+            }
+        };
+        let container_ready = started.elapsed();
+
+        let dir = spec.session_id.simple().to_string()[..SESSION_DIR_LEN].to_string();
+        let host_dir = self.user_run_dir(&user.name).join(&dir);
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
+        let files = SessionFiles {
+            dir: host_dir.clone(),
+            privileged: self.privileged,
+            connection: connection_file(&spec, &dir),
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+
+        let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
+            Ok(id) => id,
+            Err(e) => {
+                remove_dir_logged(host_dir).await;
+                return Err(launch_err(&user, e));
+            }
+        };
+
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let shared = Arc::new(KernelShared {
+            docker: docker.clone(),
+            session_id: spec.session_id,
+            user: user.name.clone(),
+            container,
+            dir,
+            host_dir,
+            exec_id,
+            terminating: AtomicBool::new(false),
+            kill: CancellationToken::new(),
+            exit: exit_rx,
+        });
+        lock(&self.kernels).insert(spec.session_id, shared.clone());
+        tokio::spawn(watch_kernel(self.clone(), shared.clone(), exit_tx));
+        // Registered: an idle removal waiting for the lock will now see a live kernel.
+        drop(guard);
+        tracing::info!(
+            session = %spec.session_id,
+            user = %user.name,
+            container = %shared.container.name,
+            cold,
+            container_ms = container_ready.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            "kernel launched"
+        );
+        Ok(Launched {
+            endpoints,
+            process: Box::new(DockerKernel { shared }),
+        })
+    }
+
+    /// The user's container if it runs; forgets (and removes) it if it does not.
+    async fn running_container(
+        &self,
+        docker: &Docker,
+        slot: &mut Option<Arc<ContainerInfo>>,
+    ) -> Result<Option<Arc<ContainerInfo>>, SandboxError> {
+        let Some(c) = slot.clone() else {
+            return Ok(None);
+        };
+        match docker.inspect_container(&c.id, None).await {
+            Ok(info) if info.state.as_ref().and_then(|s| s.running) == Some(true) => Ok(Some(c)),
+            Ok(info) => {
+                tracing::warn!(container = %c.name, state = %describe_state(&info), "the user's container stopped; replacing it");
+                self.remove_container(docker, &c.id).await;
+                *slot = None;
+                Ok(None)
+            }
+            Err(e) if status_of(&e) == Some(404) => {
+                tracing::warn!(container = %c.name, "the user's container disappeared; replacing it");
+                *slot = None;
+                Ok(None)
+            }
+            Err(e) => Err(unavailable(self.advice(&e))),
+        }
+    }
+
+    /// Creates and starts the user's container.
+    async fn create_container(
+        &self,
+        docker: &Docker,
+        user: &SandboxUser,
+        workspace: &Path,
+    ) -> Result<Arc<ContainerInfo>, SandboxError> {
+        let run_dir = self.user_run_dir(&user.name);
+        {
+            let workspace = workspace.to_path_buf();
+            let run_dir = run_dir.clone();
+            let privileged = self.privileged;
+            tokio::task::spawn_blocking(move || {
+                prepare_workspace(&workspace, privileged)?;
+                prepare_user_run_dir(&run_dir)
+            })
+            .await
+            .map_err(|e| launch_err(user, format!("preparing directories failed: {e}")))??;
+        }
+        let name = self.container_name(&user.name);
+        // A container of that name can only be left from a crash in the middle of a launch.
+        self.remove_container(docker, &name).await;
+        let body = self.container_body(user, workspace, &run_dir);
+        let created = docker
+            .create_container(
+                Some(CreateContainerOptions {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }),
+                body,
+            )
+            .await
+            .map_err(|e| {
+                launch_err(
+                    user,
+                    format!("cannot create the container {name}: {}", self.advice(&e)),
+                )
+            })?;
+        for warning in &created.warnings {
+            tracing::warn!(container = %name, "docker: {warning}");
+        }
+        if let Err(e) = docker.start_container(&created.id, None).await {
+            self.remove_container(docker, &created.id).await;
+            return Err(launch_err(
+                user,
+                format!("cannot start the container {name}: {}", self.advice(&e)),
+            ));
+        }
+        tracing::info!(container = %name, user = %user.name, "user container started");
+        Ok(Arc::new(ContainerInfo {
+            id: created.id,
+            name,
+            memory_limit: user.limits.memory_bytes,
+            oom_claimed: Mutex::new(0),
+        }))
+    }
+
+    fn container_body(
+        &self,
+        user: &SandboxUser,
+        workspace: &Path,
+        run_dir: &Path,
+    ) -> ContainerCreateBody {
+        let labels = HashMap::from([
+            (LABEL_MANAGED.to_string(), "true".to_string()),
+            (LABEL_DATA_DIR_HASH.to_string(), self.hash.clone()),
+            (LABEL_USER.to_string(), user.name.clone()),
+            (
+                LABEL_DATA_DIR.to_string(),
+                self.cfg.data_dir.to_string_lossy().into_owned(),
+            ),
+        ]);
+        let bind = |source: &Path, target: &str| Mount {
+            target: Some(target.to_string()),
+            source: Some(source.to_string_lossy().into_owned()),
+            typ: Some(MountType::BIND),
+            read_only: Some(false),
+            ..Default::default()
+        };
+        let limits = resource_limits(&user.limits);
+        ContainerCreateBody {
+            image: Some(self.cfg.image.clone()),
+            hostname: Some(HOSTNAME.to_string()),
+            user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
+            working_dir: Some(WORKSPACE_INSIDE.to_string()),
+            labels: Some(labels),
+            // The image's tini is PID 1 and runs `sleep infinity` (its CMD).
+            host_config: Some(HostConfig {
+                network_mode: Some("none".to_string()),
+                readonly_rootfs: Some(true),
+                tmpfs: Some(HashMap::from([(
+                    "/tmp".to_string(),
+                    TMPFS_OPTIONS.to_string(),
+                )])),
+                cap_drop: Some(vec!["ALL".to_string()]),
+                security_opt: Some(vec!["no-new-privileges".to_string()]),
+                ipc_mode: Some("private".to_string()),
+                memory: limits.memory,
+                memory_swap: limits.memory,
+                nano_cpus: limits.nano_cpus,
+                pids_limit: limits.pids,
+                mounts: Some(vec![
+                    bind(workspace, WORKSPACE_INSIDE),
+                    bind(run_dir, RUN_DIR_INSIDE),
+                ]),
+                auto_remove: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Starts the kernel with a detached exec; returns the exec id.
+    async fn start_kernel(
+        &self,
+        docker: &Docker,
+        container: &ContainerInfo,
+        spec: &LaunchSpec,
+        dir: &str,
+    ) -> Result<String, String> {
+        let mut env: Vec<String> = vec!["PYDEVD_DISABLE_FILE_VALIDATION=1".to_string()];
+        env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
+        let exec = docker
+            .create_exec(
+                &container.id,
+                CreateExecOptions {
+                    cmd: Some(kernel_command(dir, self.privileged)),
+                    env: Some(env),
+                    working_dir: Some(WORKSPACE_INSIDE.to_string()),
+                    attach_stdin: Some(false),
+                    attach_stdout: Some(false),
+                    attach_stderr: Some(false),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot create the kernel's exec in {}: {}",
+                    container.name,
+                    self.advice(&e)
+                )
+            })?;
+        docker
+            .start_exec(
+                &exec.id,
+                Some(StartExecOptions {
+                    detach: true,
+                    ..Default::default()
+                }),
+            )
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot start the kernel in {}: {}",
+                    container.name,
+                    self.advice(&e)
+                )
+            })?;
+        Ok(exec.id)
+    }
+
+    /// After `container_idle` without sessions: removes the user's container, unless a
+    /// launch came meanwhile.
+    async fn remove_idle_container(&self, user: &str, slot: &UserSlot, token: &CancellationToken) {
+        let mut guard = slot.container.lock().await;
+        if token.is_cancelled() {
+            return;
+        }
+        let live = lock(&self.kernels).values().any(|k| k.user == user);
+        if live {
+            return;
+        }
+        lock(&slot.idle).take();
+        let Some(container) = guard.take() else {
+            return;
+        };
+        let Ok(docker) = self.client().await else {
+            return;
+        };
+        self.remove_container(&docker, &container.id).await;
+        tracing::info!(container = %container.name, user, "removed the idle user container");
+    }
+
+    async fn shutdown(&self) {
+        self.shutdown.cancel();
+        let kernels: Vec<Arc<KernelShared>> = lock(&self.kernels).values().cloned().collect();
+        if !kernels.is_empty() {
+            tracing::info!(count = kernels.len(), "terminating kernels");
+        }
+        for kernel in &kernels {
+            kernel.terminating.store(true, Ordering::SeqCst);
+            kernel.kill.cancel();
+        }
+        if let Some(docker) = self.client.get() {
+            match self.our_containers(docker).await {
+                Ok(ids) => {
+                    futures::future::join_all(
+                        ids.iter().map(|id| self.remove_container(docker, id)),
+                    )
+                    .await;
+                    if !ids.is_empty() {
+                        tracing::info!(count = ids.len(), "removed the user containers");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %self.advice(&e), "cannot list the kernel containers to remove them")
+                }
+            }
+        }
+        let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
+        for slot in slots {
+            slot.container.lock().await.take();
+        }
+        let waits = kernels.iter().map(|k| async move {
+            if timeout(TERMINATE_TIMEOUT, k.wait()).await.is_err() {
+                tracing::error!(session = %k.session_id, "kernel watcher did not finish on shutdown");
+            }
+        });
+        futures::future::join_all(waits).await;
+    }
+}
+
+/// Docker's resource settings for a user's limits (0 means unlimited).
+struct ResourceLimits {
+    memory: Option<i64>,
+    nano_cpus: Option<i64>,
+    pids: Option<i64>,
+}
+
+fn resource_limits(limits: &UserLimits) -> ResourceLimits {
+    let positive = |v: i64| (v > 0).then_some(v);
+    ResourceLimits {
+        memory: positive(i64::try_from(limits.memory_bytes).unwrap_or(i64::MAX)),
+        nano_cpus: positive((limits.cpus * 1e9).round() as i64),
+        pids: positive(i64::try_from(limits.pids).unwrap_or(i64::MAX)),
+    }
+}
+
+/// The kernel's command: records its pid (`$$`, kept by `exec`) so interrupts can find it,
+/// and sends its stderr and stdout to `/tmp` (the container's tmpfs: bounded, private to
+/// the user) to explain a crash.
+fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
+    // Without root, the broker connects to the kernel's sockets as "other".
+    let umask = if privileged { "" } else { "umask 000; " };
+    let script = format!(
+        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; exec {PYTHON_INSIDE} -m ipykernel_launcher \
+         -f {RUN_DIR_INSIDE}/{dir}/connection.json >{log} 2>&1",
+        log = kernel_log(dir)
+    );
+    vec!["sh".to_string(), "-c".to_string(), script]
+}
+
+fn kernel_log(dir: &str) -> String {
+    format!("/tmp/kernel-{dir}.log")
+}
+
+/// The connection file (`ipc` transport; sockets `/run/kernel/<dir>/k-<port>`).
+fn connection_file(spec: &LaunchSpec, dir: &str) -> serde_json::Value {
+    serde_json::json!({
+        "transport": "ipc",
+        "ip": format!("{RUN_DIR_INSIDE}/{dir}/k"),
+        "shell_port": SHELL_PORT,
+        "iopub_port": IOPUB_PORT,
+        "stdin_port": STDIN_PORT,
+        "control_port": CONTROL_PORT,
+        "hb_port": HB_PORT,
+        "key": spec.key,
+        "signature_scheme": "hmac-sha256",
+        "kernel_name": spec.kernel_name,
+    })
+}
+
+/// The host-side endpoints of a session directory; fails if a socket path is too long.
+fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, String> {
+    let dir = host_dir
+        .to_str()
+        .ok_or_else(|| format!("the runtime directory {} is not UTF-8", host_dir.display()))?;
+    let longest = format!("{dir}/k-{HB_PORT}");
+    if longest.len() >= MAX_SOCKET_PATH {
+        return Err(format!(
+            "the socket path {longest} is too long ({} bytes; unix sockets allow {}); \
+             configure a shorter run_dir or use a shorter user name",
+            longest.len(),
+            MAX_SOCKET_PATH - 1
+        ));
+    }
+    let ep = |port: u16| format!("ipc://{dir}/k-{port}");
+    Ok(KernelEndpoints {
+        shell: ep(SHELL_PORT),
+        iopub: ep(IOPUB_PORT),
+        stdin: ep(STDIN_PORT),
+        control: ep(CONTROL_PORT),
+        hb: ep(HB_PORT),
+    })
+}
+
+/// What a launch writes on the host: the session directory and the connection file.
+struct SessionFiles {
+    dir: PathBuf,
+    privileged: bool,
+    connection: serde_json::Value,
+}
+
+impl SessionFiles {
+    fn write(&self) -> Result<(), SandboxError> {
+        let err = |what: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| SandboxError::Io { what, path, source }
+        };
+        // As root: the kernel's own directory. Otherwise world-writable, so the kernel can
+        // create its sockets; the broker's 0700 runtime base keeps other host users out.
+        let (mode, owner) = if self.privileged {
+            (0o700, Some((KERNEL_UID, KERNEL_GID)))
+        } else {
+            (0o777, None)
+        };
+        std::fs::DirBuilder::new()
+            .mode(mode)
+            .create(&self.dir)
+            .map_err(err(
+                "cannot create the session's runtime directory",
+                &self.dir,
+            ))?;
+        // The umask may have narrowed the mode.
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(mode)).map_err(err(
+            "cannot set the runtime directory's permissions",
+            &self.dir,
+        ))?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::chown(&self.dir, Some(uid), Some(gid))
+                .map_err(err("cannot chown the runtime directory", &self.dir))?;
+        }
+        let path = self.dir.join("connection.json");
+        let text = serde_json::to_vec_pretty(&self.connection).map_err(|e| SandboxError::Io {
+            what: "cannot encode the connection file",
+            path: path.clone(),
+            source: io::Error::other(e),
+        })?;
+        let file_mode = if self.privileged { 0o600 } else { 0o644 };
+        write_new_file(&path, &text, file_mode, owner)
+            .map_err(err("cannot write the connection file", &path))
+    }
+}
+
+/// What a kernel's handle and its watcher share.
+struct KernelShared {
+    docker: Docker,
+    session_id: Uuid,
+    user: String,
+    container: Arc<ContainerInfo>,
+    /// The session directory's name (`/run/kernel/<dir>`).
+    dir: String,
+    host_dir: PathBuf,
+    exec_id: String,
+    /// Set before a requested kill, so the end reads as [`ExitReason::Terminated`].
+    terminating: AtomicBool,
+    /// Tells the watcher to kill the kernel.
+    kill: CancellationToken,
+    /// Set once by the watcher, after cleanup.
+    exit: watch::Receiver<Option<ExitReason>>,
+}
+
+impl KernelShared {
+    async fn wait(&self) -> ExitReason {
+        let mut rx = self.exit.clone();
+        let reason = match rx.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone(),
+            Err(_) => None,
+        };
+        reason.unwrap_or_else(|| {
+            ExitReason::Lost(
+                "the broker stopped watching the kernel (runtime shut down)".to_string(),
+            )
+        })
+    }
+
+    fn has_exited(&self) -> bool {
+        self.exit.borrow().is_some()
+    }
+
+    /// A shell snippet that sends `signal` to the kernel, only if the recorded pid still
+    /// runs this kernel (pids are reused within the container).
+    fn signal_script(&self, signal: &str) -> String {
+        let dir = &self.dir;
+        format!(
+            "p=$(cat {RUN_DIR_INSIDE}/{dir}/pid 2>/dev/null) && [ -n \"$p\" ] && \
+             grep -aqF {RUN_DIR_INSIDE}/{dir}/connection.json /proc/$p/cmdline 2>/dev/null && \
+             kill -{signal} $p"
+        )
+    }
+}
+
+/// The handle the session layer holds. Dropping it kills the kernel.
+struct DockerKernel {
+    shared: Arc<KernelShared>,
+}
+
+#[async_trait]
+impl KernelProcess for DockerKernel {
+    async fn interrupt(&self) -> Result<(), SandboxError> {
+        let shared = &self.shared;
+        let fail = |why: String| SandboxError::Io {
+            what: "cannot interrupt the kernel",
+            path: shared.host_dir.join("pid"),
+            source: io::Error::other(why),
+        };
+        if shared.has_exited() {
+            return Err(fail("the kernel has exited".to_string()));
+        }
+        let script = shared.signal_script("INT");
+        match timeout(
+            EXEC_TIMEOUT,
+            exec_output(&shared.docker, &shared.container.id, &["sh", "-c", &script]),
+        )
+        .await
+        {
+            Ok(Ok((0, _))) => {
+                tracing::debug!(session = %shared.session_id, "sent SIGINT to the kernel");
+                Ok(())
+            }
+            Ok(Ok((code, out))) => Err(fail(format!(
+                "the kernel process is not running (kill exited with {code}: {})",
+                out.trim()
+            ))),
+            Ok(Err(e)) => Err(fail(format!("docker exec failed: {}", error_text(&e)))),
+            Err(_) => Err(fail(format!(
+                "docker exec took longer than {EXEC_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    async fn wait(&self) -> ExitReason {
+        self.shared.wait().await
+    }
+
+    async fn terminate(&self) {
+        if self.shared.has_exited() {
+            return;
+        }
+        self.shared.terminating.store(true, Ordering::SeqCst);
+        self.shared.kill.cancel();
+        if timeout(TERMINATE_TIMEOUT + EXEC_TIMEOUT, self.shared.wait())
+            .await
+            .is_err()
+        {
+            tracing::error!(
+                session = %self.shared.session_id,
+                user = %self.shared.user,
+                "the kernel was not confirmed gone within {TERMINATE_TIMEOUT:?} of being killed"
+            );
+        }
+    }
+}
+
+impl Drop for DockerKernel {
+    fn drop(&mut self) {
+        // Last resort: the watcher kills and cleans up; a no-op if the kernel has ended.
+        self.shared.kill.cancel();
+    }
+}
+
+/// Watches one kernel until it ends or is killed; then cleans up and publishes the reason.
+async fn watch_kernel(
+    inner: Arc<Inner>,
+    shared: Arc<KernelShared>,
+    exit_tx: watch::Sender<Option<ExitReason>>,
+) {
+    let docker = shared.docker.clone();
+    let reason = loop {
+        tokio::select! {
+            () = sleep(POLL_INTERVAL) => {}
+            () = shared.kill.cancelled() => {
+                kill_kernel(&docker, &shared).await;
+                break ExitReason::Terminated;
+            }
+        }
+        match poll_exec(&docker, &shared).await {
+            Poll::Running => continue,
+            Poll::Ended(reason) => break reason,
+        }
+    };
+    let reason = if shared.terminating.load(Ordering::SeqCst) {
+        ExitReason::Terminated
+    } else {
+        reason
+    };
+    let session = shared.session_id;
+    match &reason {
+        ExitReason::Terminated | ExitReason::Exited(0) => {
+            tracing::info!(%session, user = %shared.user, %reason, "kernel ended");
+        }
+        _ => {
+            let tail = kernel_log_tail(&docker, &shared).await;
+            tracing::warn!(%session, user = %shared.user, %reason, last_output = %tail, "kernel ended");
+        }
+    }
+    remove_dir_logged(shared.host_dir.clone()).await;
+    lock(&inner.kernels).remove(&session);
+    exit_tx.send_replace(Some(reason));
+}
+
+enum Poll {
+    Running,
+    Ended(ExitReason),
+}
+
+/// Asks the daemon about the kernel's exec; tolerates a silent daemon for [`DAEMON_GRACE`].
+async fn poll_exec(docker: &Docker, shared: &KernelShared) -> Poll {
+    let since = Instant::now();
+    loop {
+        match docker.inspect_exec(&shared.exec_id).await {
+            Ok(exec) if exec.running == Some(true) => return Poll::Running,
+            Ok(exec) => {
+                return Poll::Ended(classify_exec_end(docker, shared, exec.exit_code).await)
+            }
+            // The exec is gone: the container was removed.
+            Err(e) if status_of(&e) == Some(404) => {
+                return Poll::Ended(
+                    container_reason(docker, &shared.container)
+                        .await
+                        .unwrap_or_else(|| {
+                            ExitReason::Lost("the user's container was removed".to_string())
+                        }),
+                )
+            }
+            Err(e) => {
+                if since.elapsed() >= DAEMON_GRACE {
+                    return Poll::Ended(ExitReason::Lost(format!(
+                        "lost contact with the Docker daemon: {}",
+                        error_text(&e)
+                    )));
+                }
+                tracing::debug!(session = %shared.session_id, error = %error_text(&e), "cannot inspect the kernel's exec; retrying");
+                tokio::select! {
+                    () = sleep(Duration::from_secs(1)) => {}
+                    () = shared.kill.cancelled() => return Poll::Running,
+                }
+            }
+        }
+    }
+}
+
+/// Why a kernel's exec ended: the container's end if the container stopped, else the
+/// exec's exit code (see the module comment for how SIGKILL becomes OutOfMemory).
+async fn classify_exec_end(
+    docker: &Docker,
+    shared: &KernelShared,
+    exit_code: Option<i64>,
+) -> ExitReason {
+    if let Some(reason) = container_reason(docker, &shared.container).await {
+        return reason;
+    }
+    let code = exit_code.unwrap_or(-1);
+    if code == 128 + i64::from(libc::SIGKILL) {
+        match oom_kills(docker, &shared.container.id).await {
+            Some(count) => {
+                if claim_oom(&shared.container, count) {
+                    return ExitReason::OutOfMemory {
+                        limit_bytes: shared.container.memory_limit,
+                    };
+                }
+            }
+            None => {
+                // The counter is unreadable: maybe the container is going away right now.
+                if let Some(reason) = container_reason(docker, &shared.container).await {
+                    return reason;
+                }
+            }
+        }
+    }
+    exit_reason_from_code(code)
+}
+
+/// Exit code of an exec'd process as a reason (Docker reports signal N as 128 + N).
+fn exit_reason_from_code(code: i64) -> ExitReason {
+    match code {
+        129..=192 => ExitReason::Signaled((code - 128) as i32),
+        c => ExitReason::Exited(i32::try_from(c).unwrap_or(-1)),
+    }
+}
+
+/// Takes one not yet attributed OOM kill of the container, if there is one.
+fn claim_oom(container: &ContainerInfo, count: u64) -> bool {
+    let mut claimed = lock(&container.oom_claimed);
+    if count > *claimed {
+        *claimed += 1;
+        true
+    } else {
+        false
+    }
+}
+
+/// `Some(reason)` if the container no longer runs.
+async fn container_reason(docker: &Docker, container: &ContainerInfo) -> Option<ExitReason> {
+    match docker.inspect_container(&container.id, None).await {
+        Ok(info) => {
+            let state = info.state.as_ref()?;
+            if state.running == Some(true) {
+                return None;
+            }
+            if state.oom_killed == Some(true) {
+                return Some(ExitReason::OutOfMemory {
+                    limit_bytes: container.memory_limit,
+                });
+            }
+            Some(ExitReason::Lost(format!(
+                "the user's container stopped: {}",
+                describe_state(&info)
+            )))
+        }
+        Err(e) if status_of(&e) == Some(404) => Some(ExitReason::Lost(
+            "the user's container was removed".to_string(),
+        )),
+        Err(_) => None,
+    }
+}
+
+fn describe_state(info: &bollard::models::ContainerInspectResponse) -> String {
+    let Some(state) = &info.state else {
+        return "state unknown".to_string();
+    };
+    let mut text = state
+        .status
+        .map(|s| s.to_string())
+        .unwrap_or_else(|| "unknown".to_string());
+    if let Some(code) = state.exit_code {
+        text.push_str(&format!(", exit code {code}"));
+    }
+    if state.oom_killed == Some(true) {
+        text.push_str(", out of memory");
+    }
+    if let Some(err) = state.error.as_deref().filter(|e| !e.is_empty()) {
+        text.push_str(&format!(", {err}"));
+    }
+    text
+}
+
+/// The container's OOM-kill counter, read from its own cgroup (v2, then v1).
+async fn oom_kills(docker: &Docker, container: &str) -> Option<u64> {
+    let script = "cat /sys/fs/cgroup/memory.events 2>/dev/null || \
+                  cat /sys/fs/cgroup/memory/memory.oom_control";
+    let (code, out) = timeout(
+        EXEC_TIMEOUT,
+        exec_output(docker, container, &["sh", "-c", script]),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    if code != 0 {
+        return None;
+    }
+    parse_oom_kill(&out)
+}
+
+/// The `oom_kill N` line of `memory.events` (v2) or `memory.oom_control` (v1).
+fn parse_oom_kill(text: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        (words.next() == Some("oom_kill"))
+            .then(|| words.next()?.parse().ok())
+            .flatten()
+    })
+}
+
+/// SIGKILLs the kernel (if its pid still runs it), removes its log, and waits until Docker
+/// reports the exec ended (or the container gone). Errors only logged: the container may
+/// be going away at the same time.
+async fn kill_kernel(docker: &Docker, shared: &KernelShared) {
+    let script = format!(
+        "{}; rm -f {}",
+        shared.signal_script("KILL"),
+        kernel_log(&shared.dir)
+    );
+    if let Err(e) = timeout(
+        EXEC_TIMEOUT,
+        exec_output(docker, &shared.container.id, &["sh", "-c", &script]),
+    )
+    .await
+    .map_err(|_| "timed out".to_string())
+    .and_then(|r| r.map_err(|e| error_text(&e)))
+    {
+        tracing::debug!(session = %shared.session_id, error = %e, "kill exec failed");
+    }
+    let deadline = Instant::now() + TERMINATE_TIMEOUT;
+    while Instant::now() < deadline {
+        match docker.inspect_exec(&shared.exec_id).await {
+            Ok(exec) if exec.running == Some(true) => {}
+            Ok(_) => return,
+            Err(e) if status_of(&e) == Some(404) => return,
+            Err(e) => tracing::debug!(error = %error_text(&e), "inspecting a killed kernel failed"),
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!(session = %shared.session_id, "the kernel's exec still runs after SIGKILL");
+}
+
+/// The end of a dead kernel's stdout/stderr (from the container's `/tmp`), then removes it.
+async fn kernel_log_tail(docker: &Docker, shared: &KernelShared) -> String {
+    let log = kernel_log(&shared.dir);
+    let script = format!("tail -c {LOG_TAIL_BYTES} {log} 2>/dev/null; rm -f {log}");
+    match timeout(
+        EXEC_TIMEOUT,
+        exec_output(docker, &shared.container.id, &["sh", "-c", &script]),
+    )
+    .await
+    {
+        Ok(Ok((_, out))) => out.trim().replace('\n', " | "),
+        _ => String::new(),
+    }
+}
+
+/// Runs a command in the container and collects its output (cut at [`MAX_EXEC_OUTPUT`])
+/// and exit code.
+async fn exec_output(
+    docker: &Docker,
+    container: &str,
+    cmd: &[&str],
+) -> Result<(i64, String), DockerError> {
+    let exec = docker
+        .create_exec(
+            container,
+            CreateExecOptions {
+                cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let mut text = Vec::new();
+    if let StartExecResults::Attached { mut output, .. } = docker.start_exec(&exec.id, None).await?
+    {
+        while let Some(chunk) = output.next().await {
+            let bytes = chunk?.into_bytes();
+            let room = MAX_EXEC_OUTPUT.saturating_sub(text.len());
+            text.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        }
+    }
+    let code = docker.inspect_exec(&exec.id).await?.exit_code.unwrap_or(-1);
+    Ok((code, String::from_utf8_lossy(&text).into_owned()))
+}
+
+/// The HTTP status of a daemon's error answer.
+fn status_of(e: &DockerError) -> Option<u16> {
+    match e {
+        DockerError::DockerResponseServerError { status_code, .. } => Some(*status_code),
+        _ => None,
+    }
+}
+
+/// An error with its chain of causes (hyper's errors say little at the top).
+fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The socket's file path from a path or `unix://` URL.
+fn socket_path(socket: &str) -> Result<String, SandboxError> {
+    let path = socket.strip_prefix("unix://").unwrap_or(socket);
+    if path.contains("://") || !path.starts_with('/') {
+        return Err(unavailable(format!(
+            "the Docker socket {socket:?} is not a unix socket path; use e.g. \
+             /var/run/docker.sock or unix:///run/podman/podman.sock"
+        )));
+    }
+    Ok(path.to_string())
+}
+
+/// Picks the runtime base directory (see [`DockerSandboxConfig::run_dir`]).
+fn choose_run_base(
+    cfg: &DockerSandboxConfig,
+    hash: &str,
+    privileged: bool,
+    euid: u32,
+) -> Result<PathBuf, SandboxError> {
+    // `<base>/<user>/<dir>/k-5`
+    let room = 1 + USER_NAME_BUDGET + 1 + SESSION_DIR_LEN + 4;
+    let fits = |base: &Path| {
+        base.to_str()
+            .is_some_and(|b| b.len() + room < MAX_SOCKET_PATH)
+    };
+    if let Some(dir) = &cfg.run_dir {
+        return if fits(dir) {
+            Ok(dir.clone())
+        } else {
+            Err(unavailable(format!(
+                "run_dir {} is too long (or not UTF-8) for the kernels' socket paths; \
+                 use a path of at most {} bytes",
+                dir.display(),
+                MAX_SOCKET_PATH - room - 1
+            )))
+        };
+    }
+    let default = cfg.data_dir.join("run-docker");
+    if fits(&default) {
+        return Ok(default);
+    }
+    let mut candidates = Vec::new();
+    if privileged {
+        candidates.push(PathBuf::from(format!("/run/kernel-broker-docker-{hash}")));
+    } else {
+        if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
+            candidates.push(PathBuf::from(xdg).join(format!("kernel-broker-docker-{hash}")));
+        }
+        candidates.push(PathBuf::from(format!(
+            "/tmp/kernel-broker-docker-{euid}-{hash}"
+        )));
+    }
+    let chosen = candidates.into_iter().find(|c| fits(c)).ok_or_else(|| {
+        unavailable("no short enough directory for the kernels' sockets; set run_dir")
+    })?;
+    tracing::info!(
+        data_dir = %cfg.data_dir.display(),
+        run_dir = %chosen.display(),
+        "socket paths under the data directory would be too long; using a shorter runtime directory"
+    );
+    Ok(chosen)
+}
+
+/// Creates `dir` (and parents) if missing; with `mode`, also makes sure it is a real
+/// directory owned by the broker with that mode (it may live in a shared place like /tmp).
+fn create_private_dir(dir: &Path, mode: Option<u32>) -> Result<(), SandboxError> {
+    let err = |what: &'static str| {
+        let path = dir.to_path_buf();
+        move |source| SandboxError::Io { what, path, source }
+    };
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    if let Some(mode) = mode {
+        builder.mode(mode);
+    }
+    builder
+        .create(dir)
+        .map_err(err("cannot create directory"))?;
+    let Some(mode) = mode else { return Ok(()) };
+    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect directory"))?;
+    let (euid, _) = current_ids();
+    if !meta.is_dir() || meta.uid() != euid {
+        return Err(SandboxError::Io {
+            what: "refusing to use a directory not owned by the broker",
+            path: dir.to_path_buf(),
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        });
+    }
+    if meta.mode() & 0o7777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(err("cannot set the directory's permissions"))?;
+    }
+    Ok(())
+}
+
+/// Removes everything inside `dir` (an earlier run's per-user runtime directories).
+fn empty_dir(dir: &Path) -> Result<usize, SandboxError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| SandboxError::Io {
+        what: "cannot list the runtime directory",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut removed = 0;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let result = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        match result {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a stale runtime entry")
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// The user's runtime directory, mounted at `/run/kernel`: the kernel needs to reach (not
+/// list or write) it; session directories inside it are the kernel's.
+fn prepare_user_run_dir(dir: &Path) -> Result<(), SandboxError> {
+    let err = |what: &'static str| {
+        let path = dir.to_path_buf();
+        move |source| SandboxError::Io { what, path, source }
+    };
+    match std::fs::DirBuilder::new().mode(0o711).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("cannot create the user's runtime directory")(e)),
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+        .map_err(err("cannot set the runtime directory's permissions"))
+}
+
+/// Creates the workspace (0700) and gives it to the kernel's uid 1000 (recursively when the
+/// top directory's owner is wrong, never following symlinks). Without root the ownership
+/// cannot change: the directory is made 0777 instead (inside the broker's 0700 parent).
+fn prepare_workspace(dir: &Path, privileged: bool) -> Result<(), SandboxError> {
+    let err = |what: &'static str| {
+        let path = dir.to_path_buf();
+        move |source| SandboxError::Io { what, path, source }
+    };
+    if let Some(parent) = dir.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
+            .map_err(err("cannot create the workspaces directory"))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("cannot create the workspace")(e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
+    if !meta.is_dir() {
+        return Err(err("the workspace is not a directory")(io::Error::from(
+            io::ErrorKind::InvalidInput,
+        )));
+    }
+    let owned = meta.uid() == KERNEL_UID && meta.gid() == KERNEL_GID;
+    let mode = if privileged {
+        if !owned {
+            tracing::info!(workspace = %dir.display(), "giving the workspace to the kernel uid 1000");
+            chown_tree(dir, KERNEL_UID, KERNEL_GID).map_err(err("cannot chown the workspace"))?;
+        }
+        0o700
+    } else if owned {
+        0o700
+    } else {
+        0o777
+    };
+    if meta.mode() & 0o7777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(err("cannot set the workspace's permissions"))?;
+    }
+    Ok(())
+}
+
+/// `chown -R` without following symlinks.
+fn chown_tree(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let entry = entry?;
+            let path = entry.path();
+            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+            if entry.file_type()?.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_new_file(
+    path: &Path,
+    contents: &[u8],
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)?;
+    file.write_all(contents)?;
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+    }
+    // The umask may have narrowed the mode.
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+}
+
+async fn remove_dir_logged(dir: PathBuf) {
+    let result = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err((dir, e)),
+    })
+    .await;
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err((dir, e))) => {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot remove the runtime directory");
+        }
+        Err(e) => tracing::warn!(error = %e, "removing a runtime directory failed"),
+    }
+}
+
+fn absolute(path: &Path) -> Result<PathBuf, SandboxError> {
+    std::path::absolute(path).map_err(|source| SandboxError::Io {
+        what: "cannot make the path absolute",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn current_ids() -> (u32, u32) {
+    // SAFETY: geteuid(2) and getegid(2) cannot fail and have no preconditions.
+    unsafe { (libc::geteuid(), libc::getegid()) }
+}
+
+/// Usable in a container name (`[a-zA-Z0-9][a-zA-Z0-9_.-]*`) and as a path component.
+fn is_container_safe(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section is a single insert, remove, take or clone; none can leave
+    // the data half-updated.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn unavailable(reason: impl Into<String>) -> SandboxError {
+    SandboxError::Unavailable {
+        backend: BACKEND,
+        reason: reason.into(),
+    }
+}
+
+fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
+    SandboxError::Launch {
+        user: user.name.clone(),
+        reason: reason.into(),
+    }
+}
