@@ -52,6 +52,14 @@ pub enum SandboxKind {
     Docker,
 }
 
+/// How hard a recording commit tries to reach the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecordSynchronous {
+    Normal,
+    Full,
+}
+
 /// Flags of `serve`. Each is optional so the config file can supply it; each can also come
 /// from `KERNEL_BROKER_<NAME>`.
 #[derive(Debug, Clone, Default, clap::Args, Deserialize)]
@@ -142,6 +150,18 @@ pub struct ServeArgs {
     /// Seconds a user's container lives on with no session [default: 300]
     #[arg(long, env = "KERNEL_BROKER_CONTAINER_IDLE")]
     pub container_idle: Option<u64>,
+    /// Record every message of every session (for /events, /notebook, /replay, /ui/) [default: true]
+    #[arg(long, env = "KERNEL_BROKER_RECORD")]
+    pub record: Option<bool>,
+    /// Days to keep the recording of a session after it ended; 0 keeps them forever [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_RETENTION_DAYS")]
+    pub retention_days: Option<u64>,
+    /// SQLite file of the recordings [default: <data-dir>/recordings.sqlite3]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_DB")]
+    pub record_db: Option<PathBuf>,
+    /// normal: a commit survives a killed broker; full: also a machine crash (an fsync per commit) [default: normal]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_SYNCHRONOUS")]
+    pub record_synchronous: Option<RecordSynchronous>,
 }
 
 /// One user: a name, its token, and its limits.
@@ -206,6 +226,11 @@ pub struct Settings {
     pub docker_socket: String,
     pub docker_image: String,
     pub container_idle: Duration,
+    pub record: bool,
+    /// `None`: keep recordings forever.
+    pub retention: Option<Duration>,
+    pub record_db: PathBuf,
+    pub record_synchronous: RecordSynchronous,
     pub users: Vec<User>,
     pub token_source: TokenSource,
 }
@@ -340,12 +365,14 @@ impl Settings {
             }
         };
         let execution_timeout = secs(pick!(execution_timeout, 60.0), "execution_timeout")?;
+        let data_dir = pick!(data_dir, PathBuf::from(".data"));
+        let record_db = pick!(record_db, data_dir.join("recordings.sqlite3"));
         let max_execution_timeout =
             secs(pick!(max_execution_timeout, 600.0), "max_execution_timeout")?;
         Ok(Settings {
             listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
             sandbox: pick!(sandbox, SandboxKind::Local),
-            data_dir: pick!(data_dir, PathBuf::from(".data")),
+            data_dir,
             idle_timeout: Duration::from_secs(pick!(idle_timeout, 600)),
             max_idle_timeout: Duration::from_secs(pick!(max_idle_timeout, 86_400)),
             max_busy: Duration::from_secs(pick!(max_busy, 3600)),
@@ -365,6 +392,13 @@ impl Settings {
             docker_socket: pick!(docker_socket, "/var/run/docker.sock".into()),
             docker_image: pick!(docker_image, "kernel-broker/python-kernel:latest".into()),
             container_idle: Duration::from_secs(pick!(container_idle, 300)),
+            record: pick!(record, true),
+            retention: match pick!(retention_days, 30) {
+                0 => None,
+                days => Some(Duration::from_secs(days.saturating_mul(86_400))),
+            },
+            record_db,
+            record_synchronous: pick!(record_synchronous, RecordSynchronous::Normal),
             users,
             token_source,
         })
@@ -432,6 +466,26 @@ mod tests {
             };
             assert!(Settings::resolve(args, None).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn recording_settings() {
+        let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
+        assert!(s.record);
+        assert_eq!(s.record_db, PathBuf::from(".data/recordings.sqlite3"));
+        assert_eq!(s.retention, Some(Duration::from_secs(30 * 86_400)));
+        assert_eq!(s.record_synchronous, RecordSynchronous::Normal);
+        let cfg = write("retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n");
+        let args = ServeArgs {
+            config: Some(cfg.path().to_path_buf()),
+            record: Some(false),
+            ..Default::default()
+        };
+        let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+        assert!(!s.record);
+        assert_eq!(s.retention, None);
+        assert_eq!(s.record_db, PathBuf::from("/x/recordings.sqlite3"));
+        assert_eq!(s.record_synchronous, RecordSynchronous::Full);
     }
 
     #[test]

@@ -10,6 +10,8 @@
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry.
+//! - [`recording`]: every message and lifecycle event of every session in a SQLite file;
+//!   notebook export and replay.
 //! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
 //!   layer knows HTTP and the external JSON shapes.
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
@@ -18,6 +20,7 @@
 pub mod api;
 pub mod config;
 pub mod kernel;
+pub mod recording;
 pub mod sandbox;
 pub mod server;
 pub mod session;

@@ -22,6 +22,8 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Recording(#[from] crate::recording::RecordingError),
     #[error("the server failed: {0}")]
     Serve(#[source] std::io::Error),
     #[error("could not create the data directory {path}: {source}")]
@@ -86,6 +88,25 @@ pub fn session_config(settings: &Settings) -> SessionConfig {
     }
 }
 
+/// The recording store, unless recording is off.
+pub fn open_recording(
+    settings: &Settings,
+) -> Result<Option<Arc<crate::recording::RecordingStore>>, ServerError> {
+    if !settings.record {
+        tracing::info!("recording is off");
+        return Ok(None);
+    }
+    let config = crate::recording::RecordingConfig {
+        retention: settings.retention,
+        synchronous: match settings.record_synchronous {
+            crate::config::RecordSynchronous::Normal => crate::recording::Synchronous::Normal,
+            crate::config::RecordSynchronous::Full => crate::recording::Synchronous::Full,
+        },
+        ..crate::recording::RecordingConfig::new(&settings.record_db)
+    };
+    Ok(Some(crate::recording::RecordingStore::open(config)?))
+}
+
 /// Run the broker on `settings.listen` until `shutdown` resolves, then shut every session down.
 pub async fn run(
     settings: Settings,
@@ -114,11 +135,16 @@ pub async fn serve(
     let sandbox = build_sandbox(&settings).await?;
     let kernels = kernel_names(&settings);
     let kernelspecs = api::jupyter::KernelSpecs::load(&settings.kernels_dir, &kernels);
+    let recording = open_recording(&settings)?;
+    let recorder: Arc<dyn crate::session::Recorder> = match &recording {
+        Some(store) => store.clone(),
+        None => Arc::new(crate::session::NoRecorder),
+    };
     let registry = Registry::new(
         sandbox,
         session_config(&settings),
         kernels,
-        Arc::new(crate::session::NoRecorder),
+        recorder.clone(),
     );
     let state = AppState {
         registry: registry.clone(),
@@ -132,6 +158,7 @@ pub async fn serve(
         started: std::time::Instant::now(),
         kernelspecs: Arc::new(kernelspecs),
         jupyter_clients: Default::default(),
+        recording: recording.clone(),
     };
     let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {
@@ -156,6 +183,10 @@ pub async fn serve(
         .map_err(ServerError::Serve)?;
     tracing::info!("shutting down: closing sessions");
     registry.shutdown().await;
+    if let Some(store) = &recording {
+        // Commits what the sessions reported while closing, then stops the writer.
+        store.close().await;
+    }
     tracing::info!("stopped");
     Ok(())
 }

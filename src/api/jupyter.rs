@@ -13,7 +13,7 @@
 //! for [`PARK_FOR`]); a reconnect with the same `session_id` takes them back and first
 //! receives everything it missed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,7 @@ use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::auth::{url_query, Caller};
@@ -321,39 +322,73 @@ async fn restart_kernel(
 // ---------------------------------------------------------------------------------------
 // Channels
 
+/// What a client's connection holds: its subscription to the kernel's iopub, its reply
+/// queue, and messages taken from those but not yet written to its socket.
+struct Held {
+    events: broadcast::Receiver<SessionEvent>,
+    replies: mpsc::Receiver<(Channel, Arc<Message>)>,
+    unsent: VecDeque<(Channel, Arc<Message>)>,
+}
+
 /// What a client left behind when its socket closed.
 struct Parked {
-    events: broadcast::Receiver<SessionEvent>,
+    held: Held,
     replies_tx: mpsc::Sender<(Channel, Arc<Message>)>,
-    replies: mpsc::Receiver<(Channel, Arc<Message>)>,
     since: Instant,
 }
 
-/// Parked clients, by (kernel id, client session_id).
+type ClientKey = (Uuid, String);
+
+#[derive(Default)]
+struct ClientTable {
+    parked: HashMap<ClientKey, Parked>,
+    /// The newest connection of each (kernel, session_id) that is open now.
+    current: HashMap<ClientKey, u64>,
+    next_generation: u64,
+}
+
+/// Jupyter clients by (kernel id, client session_id): the open ones and the parked ones.
 #[derive(Default)]
 pub struct JupyterClients {
-    parked: Mutex<HashMap<(Uuid, String), Parked>>,
+    table: Mutex<ClientTable>,
 }
 
 impl JupyterClients {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Uuid, String), Parked>> {
-        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, ClientTable> {
+        let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        t.parked.retain(|_, p| p.since.elapsed() < PARK_FOR);
+        t
     }
 
-    fn take(&self, kernel: Uuid, client: &str) -> Option<Parked> {
-        let mut map = self.lock();
-        map.retain(|_, p| p.since.elapsed() < PARK_FOR);
-        map.remove(&(kernel, client.to_string()))
+    /// A connection opens: it becomes the current one for its key and takes what a
+    /// previous connection with the same session_id parked.
+    fn attach(&self, kernel: Uuid, client: &str) -> (u64, Option<Parked>) {
+        let mut t = self.lock();
+        t.next_generation += 1;
+        let generation = t.next_generation;
+        let key = (kernel, client.to_string());
+        t.current.insert(key.clone(), generation);
+        (generation, t.parked.remove(&key))
     }
 
-    fn park(&self, kernel: Uuid, client: String, parked: Parked) {
-        let mut map = self.lock();
-        map.retain(|_, p| p.since.elapsed() < PARK_FOR);
-        map.insert((kernel, client), parked);
+    /// A connection closed. Only the current one parks what it held: when a newer
+    /// connection with the same session_id is already open (a client that reconnected
+    /// before the broker saw its old socket close), that one has its own subscription and
+    /// what the old one held would be replayed twice.
+    fn detach(&self, kernel: Uuid, client: String, generation: u64, parked: Option<Parked>) {
+        let mut t = self.lock();
+        let key = (kernel, client);
+        if t.current.get(&key) != Some(&generation) {
+            return;
+        }
+        t.current.remove(&key);
+        if let Some(p) = parked {
+            t.parked.insert(key, p);
+        }
     }
 
     fn forget_kernel(&self, kernel: Uuid) {
-        self.lock().retain(|(k, _), _| *k != kernel);
+        self.lock().parked.retain(|(k, _), _| *k != kernel);
     }
 }
 
@@ -392,6 +427,9 @@ enum Framing {
     V1,
 }
 
+/// How long a closing connection waits for its writer to hand back what it holds.
+const WRITER_STOP: Duration = Duration::from_secs(5);
+
 async fn serve_channels(
     socket: WebSocket,
     session: Arc<Session>,
@@ -401,63 +439,34 @@ async fn serve_channels(
 ) {
     let framing = if v1 { Framing::V1 } else { Framing::Legacy };
     let _guard = session.connect_client();
-    let parked = client_id
-        .as_deref()
-        .and_then(|c| state.jupyter_clients.take(session.id, c));
-    let (mut events, replies_tx, mut replies) = match parked {
-        Some(p) => (p.events, p.replies_tx, p.replies),
+    let (generation, parked) = match client_id.as_deref() {
+        Some(c) => {
+            let (g, p) = state.jupyter_clients.attach(session.id, c);
+            (Some(g), p)
+        }
+        None => (None, None),
+    };
+    let (held, replies_tx) = match parked {
+        Some(p) => (p.held, p.replies_tx),
         None => {
             let (tx, rx) = mpsc::channel(REPLY_QUEUE);
-            (session.subscribe(), tx, rx)
+            let held = Held {
+                events: session.subscribe(),
+                replies: rx,
+                unsent: VecDeque::new(),
+            };
+            (held, tx)
         }
     };
-    let (mut sink, mut source) = socket.split();
-    let (out_tx, mut out_rx) = mpsc::channel::<WsMessage>(256);
-
-    // Everything the kernel sends to this client, in one task: iopub for all, replies for it.
-    let pump_out = out_tx.clone();
-    let session_for_pump = session.clone();
-    let pump = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                ev = events.recv() => match ev {
-                    Ok(SessionEvent::Iopub(m)) => {
-                        if pump_out.send(encode_frame(framing, Channel::Iopub, &m)).await.is_err() { break; }
-                    }
-                    Ok(SessionEvent::Restarted) => {
-                        let m = synthetic_status(&session_for_pump, "restarting");
-                        if pump_out.send(encode_frame(framing, Channel::Iopub, &m)).await.is_err() { break; }
-                    }
-                    Ok(SessionEvent::State(SessionState::Dead | SessionState::Expired | SessionState::Closed)) => {
-                        let m = synthetic_status(&session_for_pump, "dead");
-                        if pump_out.send(encode_frame(framing, Channel::Iopub, &m)).await.is_err() { break; }
-                    }
-                    Ok(SessionEvent::State(_)) => {}
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tracing::warn!(session = %session_for_pump.id, missed = n, "a Jupyter client fell behind; iopub messages dropped");
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                },
-                r = replies.recv() => match r {
-                    Some((channel, m)) => {
-                        if pump_out.send(encode_frame(framing, channel, &m)).await.is_err() { break; }
-                    }
-                    None => break,
-                },
-            }
-        }
-        (events, replies)
-    });
-    drop(out_tx);
-
-    let writer = tokio::spawn(async move {
-        while let Some(frame) = out_rx.recv().await {
-            if sink.send(frame).await.is_err() {
-                break;
-            }
-        }
-        let _ = sink.close().await;
-    });
+    let (sink, mut source) = socket.split();
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(write_to_client(
+        sink,
+        held,
+        framing,
+        session.clone(),
+        stop.clone(),
+    ));
 
     while let Some(frame) = source.next().await {
         let decoded = match frame {
@@ -485,23 +494,74 @@ async fn serve_channels(
         }
     }
 
-    // Stop the pump and park what it held, so a reconnect misses nothing.
-    pump.abort();
-    if let Ok((events, replies)) = pump.await.map_err(|_| ()).or(Err(())) {
-        if let Some(c) = client_id {
-            state.jupyter_clients.park(
-                session.id,
-                c,
-                Parked {
-                    events,
-                    replies_tx,
-                    replies,
-                    since: Instant::now(),
+    // Stop the writer and park what it held (including what it took but could not write),
+    // so a reconnect with the same session_id misses nothing.
+    stop.cancel();
+    let held = match tokio::time::timeout(WRITER_STOP, writer).await {
+        Ok(Ok(held)) => Some(held),
+        _ => None,
+    };
+    if let (Some(c), Some(g)) = (client_id, generation) {
+        let parked = held.map(|held| Parked {
+            held,
+            replies_tx,
+            since: Instant::now(),
+        });
+        state.jupyter_clients.detach(session.id, c, g, parked);
+    }
+}
+
+/// Everything the kernel sends to one client, in one task: first what it missed while
+/// away, then iopub (for every client) and the replies to its own requests. Returns what
+/// it holds when stopped or when the socket fails; a message is only consumed once written.
+async fn write_to_client(
+    mut sink: futures::stream::SplitSink<WebSocket, WsMessage>,
+    mut held: Held,
+    framing: Framing,
+    session: Arc<Session>,
+    stop: CancellationToken,
+) -> Held {
+    loop {
+        let next = match held.unsent.pop_front() {
+            Some(m) => Some(m),
+            None => tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                ev = held.events.recv() => match ev {
+                    Ok(SessionEvent::Iopub(m)) => Some((Channel::Iopub, m)),
+                    Ok(SessionEvent::Restarted) => {
+                        Some((Channel::Iopub, synthetic_status(&session, "restarting")))
+                    }
+                    Ok(SessionEvent::State(
+                        SessionState::Dead | SessionState::Expired | SessionState::Closed,
+                    )) => Some((Channel::Iopub, synthetic_status(&session, "dead"))),
+                    Ok(SessionEvent::State(_)) => None,
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(session = %session.id, missed = n, "a Jupyter client fell behind; iopub messages dropped");
+                        None
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
                 },
-            );
+                r = held.replies.recv() => match r {
+                    Some(m) => Some(m),
+                    None => break,
+                },
+            },
+        };
+        let Some((channel, m)) = next else { continue };
+        let frame = encode_frame(framing, channel, &m);
+        let sent = tokio::select! {
+            r = sink.send(frame) => r.is_ok(),
+            _ = stop.cancelled() => false,
+        };
+        if !sent {
+            // Perhaps written, perhaps not: keep it for a reconnect (at least once).
+            held.unsent.push_front((channel, m));
+            break;
         }
     }
-    writer.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
+    held
 }
 
 /// An iopub status message made by the broker (restart and death announcements).

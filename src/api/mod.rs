@@ -8,8 +8,10 @@ pub mod auth;
 pub mod error;
 pub mod jupyter;
 mod ops;
+mod recording;
 mod sessions;
 mod stream;
+mod ui;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +39,8 @@ pub struct AppState {
     pub started: std::time::Instant,
     pub kernelspecs: Arc<jupyter::KernelSpecs>,
     pub jupyter_clients: Arc<jupyter::JupyterClients>,
+    /// The recordings; `None` when recording is off.
+    pub recording: Option<Arc<crate::recording::RecordingStore>>,
 }
 
 impl AppState {
@@ -61,6 +65,8 @@ pub fn router(state: AppState) -> Router {
         .merge(stream::routes())
         .merge(ops::routes())
         .merge(jupyter::routes())
+        .merge(recording::routes())
+        .merge(ui::routes())
         .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
         .with_state(state)
 }

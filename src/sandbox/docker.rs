@@ -357,7 +357,8 @@ impl Inner {
     fn unreachable(&self, why: impl std::fmt::Display) -> SandboxError {
         unavailable(format!(
             "cannot reach the Docker daemon at {} ({why}); start dockerd (or Podman's API \
-             service), or check --docker-socket",
+             service), or check --docker-socket and that the broker may use it (root or the \
+             docker group)",
             self.cfg.socket
         ))
     }
@@ -501,7 +502,7 @@ impl Inner {
                 user,
                 format!(
                     "the user name {:?} is not usable in a container name (letters, digits, \
-                     `_`, `.`, `-`; not starting with `.` or `-`)",
+                     `_`, `.`, `-`)",
                     user.name
                 ),
             ));
@@ -534,6 +535,9 @@ impl Inner {
 
         let started = Instant::now();
         let mut guard = slot.container.lock().await;
+        if self.shutdown.is_cancelled() {
+            return Err(launch_err(&user, "the broker is shutting down"));
+        }
         let (container, cold) = match self.running_container(&docker, &mut guard).await? {
             Some(c) => (c, false),
             None => {
@@ -808,6 +812,12 @@ impl Inner {
 
     async fn shutdown(&self) {
         self.shutdown.cancel();
+        // Wait for launches in flight (they hold their user's lock, and give up once they
+        // get it after this point), so no container is created behind our back.
+        let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
+        for slot in slots {
+            slot.container.lock().await.take();
+        }
         let kernels: Vec<Arc<KernelShared>> = lock(&self.kernels).values().cloned().collect();
         if !kernels.is_empty() {
             tracing::info!(count = kernels.len(), "terminating kernels");
@@ -832,12 +842,8 @@ impl Inner {
                 }
             }
         }
-        let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
-        for slot in slots {
-            slot.container.lock().await.take();
-        }
         let waits = kernels.iter().map(|k| async move {
-            if timeout(TERMINATE_TIMEOUT, k.wait()).await.is_err() {
+            if timeout(TERMINATE_TIMEOUT + EXEC_TIMEOUT, k.wait()).await.is_err() {
                 tracing::error!(session = %k.session_id, "kernel watcher did not finish on shutdown");
             }
         });
@@ -862,14 +868,15 @@ fn resource_limits(limits: &UserLimits) -> ResourceLimits {
 }
 
 /// The kernel's command: records its pid (`$$`, kept by `exec`) so interrupts can find it,
-/// and sends its stderr and stdout to `/tmp` (the container's tmpfs: bounded, private to
-/// the user) to explain a crash.
+/// and sends its stderr to `/tmp` (the container's tmpfs: bounded, private to the user) to
+/// explain a crash. Its stdout only carries ipykernel's connection banner (user output goes
+/// to iopub), so it is dropped.
 fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
     let script = format!(
         "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; exec {PYTHON_INSIDE} -m ipykernel_launcher \
-         -f {RUN_DIR_INSIDE}/{dir}/connection.json >{log} 2>&1",
+         -f {RUN_DIR_INSIDE}/{dir}/connection.json >/dev/null 2>{log}",
         log = kernel_log(dir)
     );
     vec!["sh".to_string(), "-c".to_string(), script]
@@ -1634,11 +1641,15 @@ fn current_ids() -> (u32, u32) {
     unsafe { (libc::geteuid(), libc::getegid()) }
 }
 
-/// Usable in a container name (`[a-zA-Z0-9][a-zA-Z0-9_.-]*`) and as a path component.
+/// Usable after `kernel-broker-<hash>-` in a container name (`[a-zA-Z0-9_.-]`) and as a
+/// path component.
 fn is_container_safe(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1658,5 +1669,142 @@ fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
     SandboxError::Launch {
         user: user.name.clone(),
         reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_kill_counters_parse_for_both_cgroup_versions() {
+        let v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kill(v2), Some(2));
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n";
+        assert_eq!(parse_oom_kill(v1), Some(5));
+        // Kernels before 4.13 have no counter in memory.oom_control.
+        assert_eq!(parse_oom_kill("oom_kill_disable 0\nunder_oom 0\n"), None);
+        assert_eq!(parse_oom_kill(""), None);
+    }
+
+    #[test]
+    fn exec_exit_codes_map_to_reasons() {
+        assert_eq!(exit_reason_from_code(0), ExitReason::Exited(0));
+        assert_eq!(exit_reason_from_code(3), ExitReason::Exited(3));
+        assert_eq!(exit_reason_from_code(128), ExitReason::Exited(128));
+        assert_eq!(exit_reason_from_code(130), ExitReason::Signaled(2));
+        assert_eq!(exit_reason_from_code(137), ExitReason::Signaled(9));
+        assert_eq!(exit_reason_from_code(255), ExitReason::Exited(255));
+        assert_eq!(exit_reason_from_code(-1), ExitReason::Exited(-1));
+    }
+
+    #[test]
+    fn each_oom_kill_is_claimed_once() {
+        let c = ContainerInfo {
+            id: "x".into(),
+            name: "x".into(),
+            memory_limit: 1,
+            oom_claimed: Mutex::new(0),
+        };
+        assert!(!claim_oom(&c, 0));
+        assert!(claim_oom(&c, 2));
+        assert!(claim_oom(&c, 2));
+        assert!(!claim_oom(&c, 2));
+        assert!(claim_oom(&c, 3));
+    }
+
+    #[test]
+    fn sockets_are_paths_or_unix_urls() {
+        assert_eq!(
+            socket_path("/var/run/docker.sock").unwrap(),
+            "/var/run/docker.sock"
+        );
+        assert_eq!(
+            socket_path("unix:///run/podman/podman.sock").unwrap(),
+            "/run/podman/podman.sock"
+        );
+        assert!(socket_path("tcp://127.0.0.1:2375").is_err());
+        assert!(socket_path("docker.sock").is_err());
+    }
+
+    #[test]
+    fn endpoints_are_host_paths_and_bounded() {
+        let ep = endpoints_for(Path::new("/var/lib/kb/run-docker/alice/0123456789ab")).unwrap();
+        assert_eq!(
+            ep.shell,
+            "ipc:///var/lib/kb/run-docker/alice/0123456789ab/k-1"
+        );
+        assert_eq!(ep.hb, "ipc:///var/lib/kb/run-docker/alice/0123456789ab/k-5");
+        let long = Path::new("/").join("x".repeat(90)).join("0123456789ab");
+        assert!(endpoints_for(&long).unwrap_err().contains("too long"));
+    }
+
+    #[test]
+    fn connection_files_point_into_the_session_directory() {
+        let spec = LaunchSpec {
+            session_id: Uuid::nil(),
+            user: SandboxUser {
+                name: "u".into(),
+                index: 0,
+                limits: Default::default(),
+            },
+            kernel_name: "python3".into(),
+            key: "abc".into(),
+            env: vec![],
+        };
+        let c = connection_file(&spec, "0123456789ab");
+        assert_eq!(c["transport"], "ipc");
+        assert_eq!(c["ip"], "/run/kernel/0123456789ab/k");
+        assert_eq!(c["key"], "abc");
+        assert_eq!(c["signature_scheme"], "hmac-sha256");
+        let cmd = kernel_command("0123456789ab", true);
+        assert_eq!(cmd[..2], ["sh", "-c"]);
+        assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; exec "));
+        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
+    }
+
+    #[test]
+    fn limits_map_to_docker_settings() {
+        let l = resource_limits(&UserLimits {
+            memory_bytes: 1 << 30,
+            cpus: 1.5,
+            pids: 256,
+        });
+        assert_eq!(l.memory, Some(1 << 30));
+        assert_eq!(l.nano_cpus, Some(1_500_000_000));
+        assert_eq!(l.pids, Some(256));
+        let none = resource_limits(&UserLimits {
+            memory_bytes: 0,
+            cpus: 0.0,
+            pids: 0,
+        });
+        assert_eq!((none.memory, none.nano_cpus, none.pids), (None, None, None));
+    }
+
+    #[test]
+    fn run_base_falls_back_when_socket_paths_would_be_too_long() {
+        let short = DockerSandboxConfig::new("/var/lib/kernel-broker");
+        assert_eq!(
+            choose_run_base(&short, "abcd1234", true, 0).unwrap(),
+            PathBuf::from("/var/lib/kernel-broker/run-docker")
+        );
+        let long = DockerSandboxConfig::new(format!("/srv/{}", "d".repeat(60)));
+        assert_eq!(
+            choose_run_base(&long, "abcd1234", true, 0).unwrap(),
+            PathBuf::from("/run/kernel-broker-docker-abcd1234")
+        );
+        let mut explicit = long.clone();
+        explicit.run_dir = Some(PathBuf::from(format!("/{}", "r".repeat(70))));
+        assert!(choose_run_base(&explicit, "abcd1234", true, 0).is_err());
+    }
+
+    #[test]
+    fn user_names_must_fit_container_names_and_paths() {
+        for ok in ["alice", "bob-2", "a.b_c", "_bot", "-x"] {
+            assert!(is_container_safe(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", "é"] {
+            assert!(!is_container_safe(bad), "{bad}");
+        }
     }
 }

@@ -1,0 +1,388 @@
+//! The recording endpoints: a session's events (`GET`, `DELETE /v1/sessions/{id}/events`),
+//! its notebook (`/notebook`), its replay (`POST /replay`), and the caller's recordings
+//! (`GET /v1/recordings`). They read the recording store, not the registry, so they keep
+//! answering after a session expired or was deleted. A recording of another user answers
+//! exactly as a missing one (404 `session_not_found`).
+
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use serde::Serialize;
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+use super::auth::{url_query, Caller};
+use super::error::{ApiError, ApiResult};
+use super::sessions::{iso, sandbox_user, SessionJson};
+use super::AppState;
+use crate::recording::{
+    notebook, replay, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,
+    RecordingStore,
+};
+use crate::session::Direction;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route(
+            "/v1/sessions/{id}/events",
+            get(events).delete(delete_events),
+        )
+        .route("/v1/sessions/{id}/notebook", get(notebook_of))
+        .route("/v1/sessions/{id}/replay", post(replay_of))
+        .route("/v1/recordings", get(list))
+}
+
+impl From<RecordingError> for ApiError {
+    fn from(e: RecordingError) -> Self {
+        match e {
+            RecordingError::NotFound(id) => not_found(id),
+            RecordingError::Session(e) => e.into(),
+            other => ApiError::internal("recording", other),
+        }
+    }
+}
+
+fn not_found(id: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "session_not_found",
+        format!("no session {id}"),
+    )
+}
+
+fn store(state: &AppState) -> ApiResult<&Arc<RecordingStore>> {
+    state.recording.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "recording_disabled",
+            "this broker does not record sessions (it runs with --record false)",
+        )
+    })
+}
+
+/// The caller's recording `id`, with the store. A live session whose first reports are
+/// still queued is waited for, so a session is readable as soon as it exists.
+async fn owned(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> ApiResult<(Arc<RecordingStore>, RecordingInfo)> {
+    let store = store(state)?.clone();
+    let id =
+        Uuid::parse_str(id).map_err(|_| not_found(format!("{id:?} (session ids are UUIDs)")))?;
+    let mine =
+        |info: &Option<RecordingInfo>| info.as_ref().is_some_and(|i| i.user == caller.0.name);
+    let mut info = store.info(id).await?;
+    if !mine(&info) && state.registry.get(&caller.0.name, id).is_ok() {
+        store.flush().await;
+        info = store.info(id).await?;
+    }
+    match info {
+        Some(i) if i.user == caller.0.name => Ok((store, i)),
+        _ => Err(not_found(id)),
+    }
+}
+
+/// Whether the session is live now (so its recording may still grow).
+fn live(state: &AppState, caller: &Caller, id: Uuid) -> bool {
+    state.registry.get(&caller.0.name, id).is_ok()
+}
+
+fn list_param(query: &str, name: &str) -> Vec<String> {
+    url_query(query, name)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn number_param<T: std::str::FromStr>(query: &str, name: &str) -> ApiResult<Option<T>> {
+    match url_query(query, name) {
+        None => Ok(None),
+        Some(v) if v.is_empty() => Ok(None),
+        Some(v) => v.parse().map(Some).map_err(|_| {
+            ApiError::bad_request(format!("{name} must be a non-negative integer, not {v:?}"))
+        }),
+    }
+}
+
+/// One event as the API shows it.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum EventJson {
+    Message {
+        seq: i64,
+        time: String,
+        direction: &'static str,
+        channel: String,
+        msg_type: String,
+        msg_id: String,
+        parent_msg_id: Option<String>,
+        header: Box<RawValue>,
+        parent_header: Box<RawValue>,
+        metadata: Box<RawValue>,
+        content: Box<RawValue>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        buffers: Vec<String>,
+    },
+    Broker {
+        seq: i64,
+        time: String,
+        direction: &'static str,
+        kind: String,
+        detail: Box<RawValue>,
+    },
+}
+
+/// Stored JSON text as a raw JSON value (it is valid JSON; anything else becomes a string).
+fn raw(text: String) -> Box<RawValue> {
+    RawValue::from_string(text).unwrap_or_else(|e| {
+        serde_json::value::to_raw_value(&format!("[unreadable: {e}]")).unwrap_or_default()
+    })
+}
+
+impl From<RecordedEvent> for EventJson {
+    fn from(e: RecordedEvent) -> Self {
+        let time = iso(e.time);
+        match e.kind {
+            RecordedKind::Message {
+                direction,
+                channel,
+                msg_type,
+                msg_id,
+                parent_msg_id,
+                header,
+                parent_header,
+                metadata,
+                content,
+                buffers,
+            } => EventJson::Message {
+                seq: e.seq,
+                time,
+                direction: match direction {
+                    Direction::ToKernel => "to_kernel",
+                    Direction::FromKernel => "from_kernel",
+                },
+                channel,
+                msg_type,
+                msg_id,
+                parent_msg_id,
+                header: raw(header),
+                parent_header: raw(parent_header),
+                metadata: raw(metadata),
+                content: raw(content),
+                buffers: buffers
+                    .iter()
+                    .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
+                    .collect(),
+            },
+            RecordedKind::Broker { kind, detail } => EventJson::Broker {
+                seq: e.seq,
+                time,
+                direction: "broker",
+                kind,
+                detail: raw(detail),
+            },
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct EventsJson {
+    events: Vec<EventJson>,
+    next_after: Option<i64>,
+}
+
+const DEFAULT_LIMIT: usize = 1000;
+const MAX_LIMIT: usize = 10_000;
+
+async fn events(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    RawQuery(query): RawQuery,
+) -> ApiResult<Json<EventsJson>> {
+    let query = query.unwrap_or_default();
+    let (store, info) = owned(&state, &caller, &id).await?;
+    let q = EventQuery {
+        after: number_param::<u64>(&query, "after")?
+            .unwrap_or(0)
+            .min(i64::MAX as u64) as i64,
+        limit: number_param::<usize>(&query, "limit")?
+            .unwrap_or(DEFAULT_LIMIT)
+            .clamp(1, MAX_LIMIT),
+        types: list_param(&query, "type"),
+        channels: list_param(&query, "channel"),
+    };
+    let page = store.events(info.id, q).await?;
+    let next_after = if page.more {
+        page.events.last().map(|e| e.seq)
+    } else {
+        None
+    };
+    Ok(Json(EventsJson {
+        events: page.events.into_iter().map(EventJson::from).collect(),
+        next_after,
+    }))
+}
+
+async fn delete_events(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let (store, info) = owned(&state, &caller, &id).await?;
+    store.delete(info.id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn notebook_of(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let (store, info) = owned(&state, &caller, &id).await?;
+    if live(&state, &caller, info.id) {
+        store.flush().await;
+    }
+    let events = store.all_events(info.id).await?;
+    let filename = format!("session-{}.ipynb", info.id);
+    let body = tokio::task::spawn_blocking(move || notebook::notebook(&info, &events).to_string())
+        .await
+        .map_err(|e| ApiError::internal("build a notebook", e))?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/x-ipynb+json".to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("inline; filename=\"{filename}\""),
+            ),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+#[derive(Serialize)]
+struct ReplayCellJson {
+    index: usize,
+    status: crate::session::ExecutionStatus,
+    recorded_status: Option<crate::session::ExecutionStatus>,
+    same_output: bool,
+    diff: String,
+    code: String,
+}
+
+#[derive(Serialize)]
+struct ReplayJson {
+    session: SessionJson,
+    /// The recorded session that was replayed.
+    source: Uuid,
+    cells: Vec<ReplayCellJson>,
+}
+
+async fn replay_of(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let (store, info) = owned(&state, &caller, &id).await?;
+    if live(&state, &caller, info.id) {
+        store.flush().await;
+    }
+    let outcome = replay::replay(
+        &store,
+        &state.registry,
+        &sandbox_user(&caller),
+        caller.0.max_sessions,
+        info.id,
+    )
+    .await?;
+    let location = format!("/v1/sessions/{}", outcome.session.id);
+    let body = ReplayJson {
+        session: outcome.session.info().into(),
+        source: info.id,
+        cells: outcome
+            .cells
+            .into_iter()
+            .map(|c| ReplayCellJson {
+                index: c.index,
+                status: c.status,
+                recorded_status: c.recorded_status,
+                same_output: c.same_output,
+                diff: c.diff,
+                code: c.code,
+            })
+            .collect(),
+    };
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(body),
+    )
+        .into_response())
+}
+
+/// A recorded session, as `/v1/recordings` lists it.
+#[derive(Serialize)]
+struct RecordingJson {
+    id: Uuid,
+    kernel: String,
+    /// The live session's state, or `closed` / `expired` once it ended.
+    state: &'static str,
+    live: bool,
+    created_at: String,
+    ended_at: Option<String>,
+    end_reason: Option<String>,
+    last_event_at: Option<String>,
+    cells: u64,
+    events: u64,
+}
+
+async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+    RawQuery(query): RawQuery,
+) -> ApiResult<Json<Vec<RecordingJson>>> {
+    let query = query.unwrap_or_default();
+    let limit = number_param::<usize>(&query, "limit")?
+        .unwrap_or(200)
+        .clamp(1, 10_000);
+    let store = store(&state)?.clone();
+    // Sessions created a moment ago may still be queued for the writer.
+    store.flush().await;
+    let rows = store.list(&caller.0.name, limit).await?;
+    Ok(Json(
+        rows.into_iter()
+            .map(|r| {
+                let session = state.registry.get(&caller.0.name, r.id).ok();
+                let state = match (&session, r.end_reason.as_deref()) {
+                    (Some(s), _) => s.state().as_str(),
+                    (None, Some("expired")) => "expired",
+                    (None, _) => "closed",
+                };
+                RecordingJson {
+                    id: r.id,
+                    kernel: r.kernel,
+                    state,
+                    live: session.is_some(),
+                    created_at: iso(r.created_at),
+                    ended_at: r.ended_at.map(iso),
+                    end_reason: r.end_reason,
+                    last_event_at: r.last_event_at.map(iso),
+                    cells: r.cells,
+                    events: r.events,
+                }
+            })
+            .collect(),
+    ))
+}

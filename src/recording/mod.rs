@@ -1,0 +1,132 @@
+//! Recording: every message of every session, and the broker's lifecycle events, kept in a
+//! SQLite file so a session can be read back, exported as a notebook, replayed and browsed
+//! after it has ended.
+//!
+//! The session layer reports through [`crate::session::Recorder`]; [`RecordingStore`]
+//! implements it. Reporting never blocks the session: a report is queued (its bytes are
+//! shared, not copied) to one writer thread that stores whole batches in one transaction.
+//! `barrier()` resolves once everything queued before it is committed, and the session layer
+//! acknowledges an execution only after it, so an acknowledged execution is in the file.
+//!
+//! Durability: the file is in WAL mode with `synchronous=NORMAL` by default. A commit then
+//! writes the WAL but does not fsync it; the pages are in the operating system's cache, so a
+//! killed broker (`kill -9`, a panic, OOM) loses nothing it committed. Only a crash of the
+//! machine itself (power loss, kernel panic) can lose the last commits before a checkpoint.
+//! `--record-synchronous full` fsyncs every commit and closes that gap too, at the price of
+//! one fsync per batch.
+//!
+//! What is kept small: base64 images in `display_data` / `execute_result` and in the
+//! Execution of `execution_done` are stored once per distinct image in `blobs` (by SHA-256)
+//! and put back on read ([`blobs`]). Memory is bounded: when more than
+//! [`RecordingConfig::max_queue_bytes`] wait for the writer, reports are dropped and counted,
+//! and the recording gets a `recording_gap` marker; one execution's stream output is kept up
+//! to [`RecordingConfig::max_stream_bytes`], then a `recording_truncated` marker is written.
+//!
+//! Architecture invariant: this layer knows sessions and Jupyter messages, not HTTP; the API
+//! layer shapes what it returns as JSON. Notebook export ([`notebook`]) and replay
+//! ([`replay`]) live here because they interpret recordings.
+
+pub mod blobs;
+pub mod notebook;
+pub mod replay;
+mod store;
+mod writer;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+pub use store::{
+    EventQuery, EventsPage, RecordedEvent, RecordedKind, RecordingInfo, RecordingStats,
+    RecordingStore,
+};
+
+/// How hard a commit tries to reach the disk (SQLite's `synchronous` pragma).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// Survives a killed process; a machine crash may lose the last commits.
+    #[default]
+    Normal,
+    /// fsync on every commit: survives a machine crash too.
+    Full,
+}
+
+/// Settings of the recording.
+#[derive(Debug, Clone)]
+pub struct RecordingConfig {
+    /// The SQLite file.
+    pub path: PathBuf,
+    /// Ended sessions older than this are deleted; `None` keeps them forever.
+    pub retention: Option<Duration>,
+    pub synchronous: Synchronous,
+    /// Bytes allowed to wait for the writer before reports are dropped.
+    pub max_queue_bytes: usize,
+    /// Stream output (stdout + stderr) kept per execution.
+    pub max_stream_bytes: usize,
+    /// Base64 image strings at least this long are stored as blobs.
+    pub blob_threshold: usize,
+}
+
+impl RecordingConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            retention: Some(Duration::from_secs(30 * 86_400)),
+            synchronous: Synchronous::Normal,
+            max_queue_bytes: 256 << 20,
+            max_stream_bytes: 50 << 20,
+            blob_threshold: 1024,
+        }
+    }
+}
+
+/// Errors of the recording layer.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordingError {
+    #[error("no recording of session {0}")]
+    NotFound(Uuid),
+    #[error("the recordings file {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("could not create the directory of the recordings file {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the recordings file {path} has schema version {found}; this broker knows up to {known}"
+    )]
+    SchemaTooNew {
+        path: PathBuf,
+        found: i64,
+        known: i64,
+    },
+    #[error("recording store, {context}: {source}")]
+    Sqlite {
+        context: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("the recording writer has stopped")]
+    WriterGone,
+    #[error("a recording task failed: {0}")]
+    Task(String),
+    #[error(transparent)]
+    Session(#[from] crate::session::SessionError),
+}
+
+/// Microseconds since the Unix epoch, as stored.
+pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+/// The inverse of [`micros`]; out-of-range values become the epoch.
+pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or_default()
+}

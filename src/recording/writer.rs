@@ -1,0 +1,740 @@
+//! The writer thread: the one connection that writes the recordings file. It takes the
+//! queued reports in batches (as many as are waiting, up to a bound) and stores each batch in
+//! one transaction, then answers the barriers of the batch. rusqlite is blocking, so this is
+//! a plain thread, not a task; it also runs the retention once at start and then daily.
+//!
+//! The schema (version 1):
+//! - `sessions`: one row per recorded session: `id`, `user`, `kernel`, `created_at`,
+//!   `ended_at`, `end_reason` (`closed`, `expired`, `broker_stopped`), counters.
+//! - `events`: one row per message or broker event, `(sid, seq)` in order; `time` in
+//!   microseconds since the epoch; the four JSON parts of a message as text (for a broker
+//!   event, `content` holds its detail and `kind` its name).
+//! - `blobs`: images taken out of events (see [`super::blobs`]) and binary buffers, once
+//!   per SHA-256; `blob_refs` says which sessions use which, so deletion can collect them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use super::blobs::{self, Blob};
+use super::{micros, RecordingConfig, RecordingError, Synchronous};
+use crate::session::Direction;
+use crate::wire::{Channel, Message};
+
+pub(super) const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE sessions (
+    sid INTEGER PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    user TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    ended_at INTEGER,
+    end_reason TEXT,
+    cells INTEGER NOT NULL DEFAULT 0,
+    events INTEGER NOT NULL DEFAULT 0,
+    last_event_at INTEGER
+);
+CREATE INDEX sessions_by_user ON sessions(user, created_at);
+CREATE INDEX sessions_by_end ON sessions(ended_at) WHERE ended_at IS NOT NULL;
+CREATE TABLE events (
+    sid INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    time INTEGER NOT NULL,
+    direction TEXT NOT NULL,
+    channel TEXT,
+    msg_type TEXT,
+    msg_id TEXT,
+    parent_msg_id TEXT,
+    header TEXT,
+    parent_header TEXT,
+    metadata TEXT,
+    content TEXT,
+    kind TEXT,
+    has_blobs INTEGER NOT NULL DEFAULT 0,
+    buffers TEXT,
+    PRIMARY KEY (sid, seq)
+);
+CREATE TABLE blobs (
+    sha256 TEXT PRIMARY KEY,
+    base64 INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE TABLE blob_refs (
+    sha256 TEXT NOT NULL,
+    sid INTEGER NOT NULL,
+    PRIMARY KEY (sha256, sid)
+) WITHOUT ROWID;
+CREATE INDEX blob_refs_by_session ON blob_refs(sid);
+";
+
+/// Who a report belongs to (enough to create the session's row on first sight).
+#[derive(Debug, Clone)]
+pub(super) struct SessionKey {
+    pub id: Uuid,
+    pub user: String,
+    pub kernel: String,
+    pub created_at: i64,
+}
+
+#[derive(Debug)]
+pub(super) enum Item {
+    Message {
+        direction: Direction,
+        channel: Channel,
+        msg: Message,
+    },
+    Event {
+        kind: String,
+        detail: Value,
+    },
+}
+
+// Records are nearly every op: boxing them would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Op {
+    Record {
+        key: SessionKey,
+        time: i64,
+        item: Item,
+        /// What this report counts against the queue bound.
+        size: usize,
+    },
+    Barrier(oneshot::Sender<()>),
+    Delete {
+        id: Uuid,
+        done: oneshot::Sender<Result<bool, RecordingError>>,
+    },
+    Stop(oneshot::Sender<()>),
+}
+
+/// Counters shared with the store handle (and shown as metrics).
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub queued_bytes: AtomicUsize,
+    pub dropped: AtomicU64,
+    pub truncated: AtomicU64,
+    pub errors: AtomicU64,
+    pub batches: AtomicU64,
+    pub events: AtomicU64,
+}
+
+fn sqlite(context: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordingError {
+    move |source| RecordingError::Sqlite { context, source }
+}
+
+/// Open (creating if needed) the recordings file for writing and bring its schema up to date.
+pub(super) fn open(config: &RecordingConfig) -> Result<Connection, RecordingError> {
+    let path = &config.path;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| RecordingError::Dir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let open_err = |source| RecordingError::Open {
+        path: path.clone(),
+        source,
+    };
+    let conn = Connection::open(path).map_err(open_err)?;
+    conn.busy_timeout(Duration::from_secs(10))
+        .map_err(open_err)?;
+    // auto_vacuum must be chosen before the first table exists; a no-op afterwards.
+    conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL;")
+        .map_err(open_err)?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .map_err(open_err)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        tracing::warn!(path = %path.display(), %mode, "the recordings file is not in WAL mode");
+    }
+    let sync = match config.synchronous {
+        Synchronous::Normal => "NORMAL",
+        Synchronous::Full => "FULL",
+    };
+    conn.execute_batch(&format!(
+        "PRAGMA synchronous = {sync}; PRAGMA temp_store = MEMORY;"
+    ))
+    .map_err(open_err)?;
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(open_err)?;
+    if version > SCHEMA_VERSION {
+        return Err(RecordingError::SchemaTooNew {
+            path: path.clone(),
+            found: version,
+            known: SCHEMA_VERSION,
+        });
+    }
+    if version == 0 {
+        conn.execute_batch(&format!(
+            "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+        ))
+        .map_err(open_err)?;
+    }
+    Ok(conn)
+}
+
+/// A session the writer has seen: its row and the next sequence number.
+struct Known {
+    sid: i64,
+    next_seq: i64,
+}
+
+/// Per-session changes of one batch, applied to `sessions` once per batch.
+#[derive(Default)]
+struct Touched {
+    events: i64,
+    cells: i64,
+    last: i64,
+    ended: Option<(i64, &'static str)>,
+}
+
+pub(super) struct Writer {
+    conn: Connection,
+    path: PathBuf,
+    known: HashMap<Uuid, Known>,
+    retention: Option<Duration>,
+    blob_threshold: usize,
+    counters: Arc<Counters>,
+}
+
+const DAY: Duration = Duration::from_secs(86_400);
+const BATCH_OPS: usize = 4096;
+const BATCH_BYTES: usize = 64 << 20;
+
+impl Writer {
+    pub fn new(conn: Connection, config: &RecordingConfig, counters: Arc<Counters>) -> Self {
+        Self {
+            conn,
+            path: config.path.clone(),
+            known: HashMap::new(),
+            retention: config.retention,
+            blob_threshold: config.blob_threshold,
+            counters,
+        }
+    }
+
+    /// Run until a `Stop` arrives or every sender is gone.
+    pub fn run(mut self, rx: mpsc::Receiver<Op>) {
+        self.close_stale_sessions();
+        self.retention_pass();
+        let mut next_retention = Instant::now() + DAY;
+        loop {
+            let wait = next_retention.saturating_duration_since(Instant::now());
+            let first = match rx.recv_timeout(wait) {
+                Ok(op) => op,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.retention_pass();
+                    next_retention = Instant::now() + DAY;
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            let mut batch = vec![first];
+            let mut bytes = 0;
+            while batch.len() < BATCH_OPS && bytes < BATCH_BYTES {
+                match rx.try_recv() {
+                    Ok(op) => {
+                        if let Op::Record { size, .. } = &op {
+                            bytes += size;
+                        }
+                        batch.push(op)
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !self.apply(batch) {
+                break;
+            }
+        }
+        tracing::debug!(path = %self.path.display(), "recording writer stopped");
+    }
+
+    /// Store one batch in one transaction; false once told to stop.
+    fn apply(&mut self, batch: Vec<Op>) -> bool {
+        let mut bytes = 0;
+        let mut events = 0;
+        let mut barriers = Vec::new();
+        let mut deletions = Vec::new();
+        let mut stop = None;
+        let mut touched: HashMap<i64, Touched> = HashMap::new();
+        let began = self.conn.execute_batch("BEGIN IMMEDIATE");
+        if let Err(e) = &began {
+            tracing::error!(error = %e, "recording: could not begin a transaction");
+        }
+        for op in batch {
+            match op {
+                Op::Record {
+                    key,
+                    time,
+                    item,
+                    size,
+                } => {
+                    bytes += size;
+                    match self.insert(&key, time, item) {
+                        Ok((sid, t)) => {
+                            events += 1;
+                            let e = touched.entry(sid).or_default();
+                            e.events += 1;
+                            e.cells += t.cells;
+                            e.last = e.last.max(time);
+                            if t.ended.is_some() {
+                                e.ended = t.ended;
+                            }
+                        }
+                        Err(e) => {
+                            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(session = %key.id, error = %e, "recording: an event was not stored");
+                        }
+                    }
+                }
+                Op::Barrier(tx) => barriers.push(tx),
+                Op::Delete { id, done } => {
+                    let r = self.delete(id);
+                    deletions.push((done, r));
+                }
+                Op::Stop(tx) => {
+                    stop = Some(tx);
+                    break;
+                }
+            }
+        }
+        let mut ended = Vec::new();
+        for (sid, t) in &touched {
+            let r = self.conn.prepare_cached(
+                "UPDATE sessions SET events = events + ?2, cells = cells + ?3,
+                   last_event_at = max(coalesce(last_event_at, 0), ?4),
+                   ended_at = coalesce(?5, ended_at), end_reason = coalesce(?6, end_reason)
+                 WHERE sid = ?1",
+            );
+            let r = r.and_then(|mut st| {
+                st.execute(params![
+                    sid,
+                    t.events,
+                    t.cells,
+                    t.last,
+                    t.ended.map(|e| e.0),
+                    t.ended.map(|e| e.1)
+                ])
+            });
+            if let Err(e) = r {
+                tracing::error!(error = %e, "recording: session counters not updated");
+            }
+            if t.ended.is_some() {
+                ended.push(*sid);
+            }
+        }
+        if began.is_ok() {
+            if let Err(e) = self.conn.execute_batch("COMMIT") {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(error = %e, "recording: a batch could not be committed; its events are lost");
+                let _ = self.conn.execute_batch("ROLLBACK");
+                // Sequence numbers handed out in the lost batch are free again.
+                self.known.clear();
+            }
+        }
+        // Ended sessions get no more events; forget them (a late one re-reads the row).
+        self.known.retain(|_, k| !ended.contains(&k.sid));
+        self.counters
+            .queued_bytes
+            .fetch_sub(bytes, Ordering::AcqRel);
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.events.fetch_add(events, Ordering::Relaxed);
+        for tx in barriers {
+            let _ = tx.send(());
+        }
+        for (done, r) in deletions {
+            let _ = done.send(r);
+        }
+        match stop {
+            Some(tx) => {
+                let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
+                let _ = tx.send(());
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// The row and next sequence number of `key`'s session, creating the row if needed.
+    fn next_seq(&mut self, key: &SessionKey) -> rusqlite::Result<(i64, i64)> {
+        if let Some(k) = self.known.get_mut(&key.id) {
+            let seq = k.next_seq;
+            k.next_seq += 1;
+            return Ok((k.sid, seq));
+        }
+        let id = key.id.to_string();
+        self.conn
+            .prepare_cached(
+                "INSERT INTO sessions (id, user, kernel, created_at) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (id) DO NOTHING",
+            )?
+            .execute(params![id, key.user, key.kernel, key.created_at])?;
+        let sid: i64 = self
+            .conn
+            .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")?
+            .query_row([&id], |r| r.get(0))?;
+        let last: i64 = self
+            .conn
+            .prepare_cached("SELECT coalesce(max(seq), 0) FROM events WHERE sid = ?1")?
+            .query_row([sid], |r| r.get(0))?;
+        self.known.insert(
+            key.id,
+            Known {
+                sid,
+                next_seq: last + 2,
+            },
+        );
+        Ok((sid, last + 1))
+    }
+
+    fn insert(
+        &mut self,
+        key: &SessionKey,
+        time: i64,
+        item: Item,
+    ) -> rusqlite::Result<(i64, Touched)> {
+        let (sid, seq) = self.next_seq(key)?;
+        let mut touched = Touched::default();
+        match item {
+            Item::Message {
+                direction,
+                channel,
+                msg,
+            } => {
+                let mut content = json_text(&msg.content);
+                let mut has_blobs = false;
+                if direction == Direction::FromKernel
+                    && channel == Channel::Iopub
+                    && matches!(
+                        msg.msg_type.as_str(),
+                        "display_data" | "execute_result" | "update_display_data"
+                    )
+                    && content.len() >= self.blob_threshold
+                {
+                    if let Some((text, found)) = self.take_blobs(sid, &content)? {
+                        content = text;
+                        has_blobs = found;
+                    }
+                }
+                if direction == Direction::ToKernel
+                    && channel == Channel::Shell
+                    && msg.msg_type == "execute_request"
+                    && !is_silent(&msg.content)
+                {
+                    touched.cells = 1;
+                }
+                let buffers = if msg.buffers.is_empty() {
+                    None
+                } else {
+                    let mut hashes = Vec::with_capacity(msg.buffers.len());
+                    for b in &msg.buffers {
+                        let sha = hex::encode(Sha256::digest(b));
+                        self.put_blob(sid, &sha, false, b, b.len())?;
+                        hashes.push(Value::String(sha));
+                    }
+                    Some(Value::Array(hashes).to_string())
+                };
+                let direction = match direction {
+                    Direction::ToKernel => "to_kernel",
+                    Direction::FromKernel => "from_kernel",
+                };
+                self.conn
+                    .prepare_cached(
+                        "INSERT INTO events (sid, seq, time, direction, channel, msg_type, msg_id,
+                           parent_msg_id, header, parent_header, metadata, content, has_blobs, buffers)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                    )?
+                    .execute(params![
+                        sid,
+                        seq,
+                        time,
+                        direction,
+                        channel.as_str(),
+                        msg.msg_type,
+                        msg.msg_id,
+                        msg.parent_msg_id,
+                        json_text(&msg.header),
+                        json_text(&msg.parent_header),
+                        json_text(&msg.metadata),
+                        content,
+                        has_blobs,
+                        buffers,
+                    ])?;
+            }
+            Item::Event { kind, mut detail } => {
+                let found = blobs::extract(&mut detail, self.blob_threshold);
+                for b in &found {
+                    let size = b.text().len();
+                    self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+                }
+                touched.ended = match kind.as_str() {
+                    "session_closed" => Some((time, "closed")),
+                    "session_expired" => Some((time, "expired")),
+                    _ => None,
+                };
+                self.conn
+                    .prepare_cached(
+                        "INSERT INTO events (sid, seq, time, direction, kind, content, has_blobs)
+                         VALUES (?1, ?2, ?3, 'broker', ?4, ?5, ?6)",
+                    )?
+                    .execute(params![
+                        sid,
+                        seq,
+                        time,
+                        kind,
+                        detail.to_string(),
+                        !found.is_empty()
+                    ])?;
+            }
+        }
+        Ok((sid, touched))
+    }
+
+    /// Take the images out of a message's content; `None` when it is not JSON.
+    fn take_blobs(&mut self, sid: i64, content: &str) -> rusqlite::Result<Option<(String, bool)>> {
+        let Ok(mut v) = serde_json::from_str::<Value>(content) else {
+            return Ok(None);
+        };
+        let found = blobs::extract(&mut v, self.blob_threshold);
+        if found.is_empty() {
+            return Ok(None);
+        }
+        for b in &found {
+            let size = b.text().len();
+            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+        }
+        Ok(Some((v.to_string(), true)))
+    }
+
+    fn put_blob(
+        &mut self,
+        sid: i64,
+        sha: &str,
+        base64: bool,
+        data: &[u8],
+        size: usize,
+    ) -> rusqlite::Result<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO blobs (sha256, base64, size, data) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (sha256) DO NOTHING",
+            )?
+            .execute(params![sha, base64, size as i64, data])?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO blob_refs (sha256, sid) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![sha, sid])?;
+        Ok(())
+    }
+
+    /// Delete the recording of session `id` (inside the caller's transaction).
+    fn delete(&mut self, id: Uuid) -> Result<bool, RecordingError> {
+        self.known.remove(&id);
+        let sid: Option<i64> = self
+            .conn
+            .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")
+            .and_then(|mut st| st.query_row([id.to_string()], |r| r.get(0)).optional())
+            .map_err(sqlite("find a session to delete"))?;
+        let Some(sid) = sid else { return Ok(false) };
+        delete_sid(&self.conn, sid).map_err(sqlite("delete a recording"))?;
+        Ok(true)
+    }
+
+    /// Sessions left open by a broker that did not stop cleanly cannot be live any more.
+    fn close_stale_sessions(&mut self) {
+        let now = micros(chrono::Utc::now());
+        let r = (|| -> rusqlite::Result<usize> {
+            let tx = self.conn.transaction()?;
+            let stale: Vec<i64> = {
+                let mut st = tx.prepare("SELECT sid FROM sessions WHERE ended_at IS NULL")?;
+                let rows = st.query_map([], |r| r.get(0))?;
+                rows.collect::<Result<_, _>>()?
+            };
+            for sid in &stale {
+                let seq: i64 = tx.query_row(
+                    "SELECT coalesce(max(seq), 0) + 1 FROM events WHERE sid = ?1",
+                    [sid],
+                    |r| r.get(0),
+                )?;
+                let detail = serde_json::json!({
+                    "reason": "the broker stopped without closing this session (it was killed or crashed); the session ended with it",
+                });
+                tx.execute(
+                    "INSERT INTO events (sid, seq, time, direction, kind, content)
+                     VALUES (?1, ?2, ?3, 'broker', 'broker_stopped', ?4)",
+                    params![sid, seq, now, detail.to_string()],
+                )?;
+                tx.execute(
+                    "UPDATE sessions SET ended_at = ?2, end_reason = 'broker_stopped', events = events + 1
+                     WHERE sid = ?1",
+                    params![sid, now],
+                )?;
+            }
+            tx.commit()?;
+            Ok(stale.len())
+        })();
+        match r {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                sessions = n,
+                "recording: closed sessions left open by the previous run"
+            ),
+            Err(e) => tracing::error!(error = %e, "recording: could not close stale sessions"),
+        }
+    }
+
+    /// Delete sessions that ended longer ago than the retention.
+    fn retention_pass(&mut self) {
+        let Some(keep) = self.retention else { return };
+        let Ok(keep) = chrono::Duration::from_std(keep) else {
+            return;
+        };
+        let cutoff = micros(chrono::Utc::now() - keep);
+        let r = retention(&mut self.conn, cutoff);
+        match r {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                sessions = n,
+                "recording: deleted recordings past the retention"
+            ),
+            Err(e) => tracing::error!(error = %e, "recording: the retention pass failed"),
+        }
+        self.known.clear();
+    }
+}
+
+/// Delete every session that ended before `cutoff` (microseconds); one transaction each.
+pub(super) fn retention(conn: &mut Connection, cutoff: i64) -> rusqlite::Result<usize> {
+    let old: Vec<i64> = {
+        let mut st =
+            conn.prepare("SELECT sid FROM sessions WHERE ended_at IS NOT NULL AND ended_at < ?1")?;
+        let rows = st.query_map([cutoff], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for sid in &old {
+        let tx = conn.transaction()?;
+        delete_sid(&tx, *sid)?;
+        tx.commit()?;
+    }
+    if !old.is_empty() {
+        conn.execute_batch("PRAGMA incremental_vacuum")?;
+    }
+    Ok(old.len())
+}
+
+fn delete_sid(conn: &Connection, sid: i64) -> rusqlite::Result<()> {
+    let hashes: Vec<String> = {
+        let mut st = conn.prepare_cached("SELECT sha256 FROM blob_refs WHERE sid = ?1")?;
+        let rows = st.query_map([sid], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    conn.prepare_cached("DELETE FROM events WHERE sid = ?1")?
+        .execute([sid])?;
+    conn.prepare_cached("DELETE FROM blob_refs WHERE sid = ?1")?
+        .execute([sid])?;
+    for h in &hashes {
+        conn.prepare_cached(
+            "DELETE FROM blobs WHERE sha256 = ?1 AND NOT EXISTS (SELECT 1 FROM blob_refs WHERE sha256 = ?1)",
+        )?
+        .execute([h])?;
+    }
+    conn.prepare_cached("DELETE FROM sessions WHERE sid = ?1")?
+        .execute([sid])?;
+    Ok(())
+}
+
+/// A message part as JSON text: as received when it is JSON, else as a JSON string.
+fn json_text(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return "{}".into();
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) if serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok() => s.to_string(),
+        _ => Value::String(String::from_utf8_lossy(bytes).into_owned()).to_string(),
+    }
+}
+
+fn is_silent(content: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        #[serde(default)]
+        silent: bool,
+    }
+    serde_json::from_slice::<Req>(content)
+        .map(|r| r.silent)
+        .unwrap_or(false)
+}
+
+/// A blob's original string by SHA-256 (for readers).
+pub(super) fn blob_text(conn: &Connection, sha: &str) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached("SELECT base64, data FROM blobs WHERE sha256 = ?1")?
+        .query_row([sha], |r| {
+            let b64: bool = r.get(0)?;
+            let data: Vec<u8> = r.get(1)?;
+            Ok(Blob::text_of(&data, b64))
+        })
+        .optional()
+}
+
+/// A blob's raw bytes (binary buffers).
+pub(super) fn blob_bytes(conn: &Connection, sha: &str) -> rusqlite::Result<Option<Vec<u8>>> {
+    conn.prepare_cached("SELECT data FROM blobs WHERE sha256 = ?1")?
+        .query_row([sha], |r| r.get(0))
+        .optional()
+}
+
+/// Open a read-only connection to the recordings file.
+pub(super) fn open_reader(path: &Path) -> Result<Connection, RecordingError> {
+    use rusqlite::OpenFlags;
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI,
+    )
+    .map_err(|source| RecordingError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    conn.busy_timeout(Duration::from_secs(10))
+        .map_err(sqlite("set the busy timeout"))?;
+    Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_parts_are_kept_or_quoted() {
+        let cases: [(&[u8], &str); 4] = [
+            (b"", "{}"),
+            (br#"{"a": 1}"#, r#"{"a": 1}"#),
+            (b"not json", r#""not json""#),
+            (b"\xff{", "\"\u{fffd}{\""),
+        ];
+        for (input, want) in cases {
+            assert_eq!(json_text(input), want);
+        }
+    }
+
+    #[test]
+    fn silent_requests_are_no_cells() {
+        assert!(is_silent(br#"{"code": "x", "silent": true}"#));
+        assert!(!is_silent(br#"{"code": "x"}"#));
+        assert!(!is_silent(b"garbage"));
+    }
+}

@@ -1,0 +1,473 @@
+// kernel-broker's session browser. Plain JavaScript, no build step.
+//
+// Reads GET /v1/recordings (the list) and GET /v1/sessions/{id}/events (one session),
+// rebuilds the cells from the recorded messages the way the notebook export does, and
+// polls for new events every second while the session is live. Every piece of kernel
+// output is inserted as text; images only as data: URLs.
+'use strict';
+
+(function () {
+  const TOKEN_KEY = 'kernel-broker-token';
+  const POLL_MS = 1000;
+  const LIST_MS = 3000;
+  const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped']);
+  const MARKERS = {
+    session_created: 'session created',
+    interrupt: 'interrupt requested',
+    execution_timeout: 'execution timed out',
+    kernel_restarted: 'kernel restarted',
+    kernel_died: 'kernel died',
+    session_expired: 'session expired',
+    session_closed: 'session closed',
+    broker_stopped: 'broker stopped (session lost)',
+    recording_gap: 'gap in the recording',
+    recording_truncated: 'output cut in the recording',
+  };
+
+  // ---- login page ---------------------------------------------------------------------
+  if (document.body.dataset.page === 'login') {
+    const params = new URLSearchParams(location.search);
+    const stored = sessionStorage.getItem(TOKEN_KEY);
+    if (params.has('token')) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      document.getElementById('login-message').textContent = 'That token was not accepted; try again.';
+    } else if (stored) {
+      location.replace('./?token=' + encodeURIComponent(stored) + location.hash);
+    }
+    return;
+  }
+
+  // ---- token ----------------------------------------------------------------------------
+  const params = new URLSearchParams(location.search);
+  if (params.has('token')) {
+    sessionStorage.setItem(TOKEN_KEY, params.get('token'));
+    params.delete('token');
+    const rest = params.toString();
+    history.replaceState(null, '', location.pathname + (rest ? '?' + rest : '') + location.hash);
+  }
+  const token = sessionStorage.getItem(TOKEN_KEY) || '';
+
+  // ---- helpers --------------------------------------------------------------------------
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === 'class') e.className = v;
+      else if (k === 'text') e.textContent = v;
+      else if (k.startsWith('on')) e.addEventListener(k.slice(2), v);
+      else e.setAttribute(k, v === true ? '' : String(v));
+    }
+    for (const c of children) {
+      if (c === null || c === undefined || c === false) continue;
+      e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return e;
+  }
+
+  function status(text, isError) {
+    const s = document.getElementById('status');
+    s.textContent = text || '';
+    s.classList.toggle('error', !!isError);
+  }
+
+  class ApiError extends Error {}
+
+  async function api(path, opts) {
+    opts = opts || {};
+    const r = await fetch('../' + path, {
+      ...opts,
+      headers: { ...(opts.headers || {}), Authorization: 'Bearer ' + token },
+    });
+    if (r.status === 401) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      throw new ApiError('the token is no longer accepted: reload the page with ?token=…');
+    }
+    if (!r.ok) {
+      let msg = r.status + ' ' + r.statusText;
+      try {
+        const body = await r.json();
+        if (body && body.error) msg = body.error.message;
+      } catch (_) { /* not JSON */ }
+      throw new ApiError(msg);
+    }
+    return r;
+  }
+
+  const getJSON = async (path) => (await api(path)).json();
+
+  const stripAnsi = (s) => String(s).replace(/\u001b\[[0-9;?]*[ -/]*[@-~]/g, '').replace(/\u001b\][^\u0007]*(\u0007|\u001b\\)/g, '');
+
+  function clock(t) {
+    if (!t) return '';
+    const d = new Date(t);
+    return d.toLocaleTimeString([], { hour12: false }) + '.' + String(d.getMilliseconds()).padStart(3, '0');
+  }
+
+  function when(t) {
+    return t ? new Date(t).toLocaleString([], { hour12: false }) : '';
+  }
+
+  function duration(ms) {
+    if (ms === null || ms === undefined || isNaN(ms)) return '';
+    if (ms < 1000) return ms.toFixed(ms < 10 ? 1 : 0) + ' ms';
+    if (ms < 60000) return (ms / 1000).toFixed(2) + ' s';
+    return Math.floor(ms / 60000) + ' min ' + Math.round((ms % 60000) / 1000) + ' s';
+  }
+
+  const joinText = (v) => (Array.isArray(v) ? v.join('') : typeof v === 'string' ? v : JSON.stringify(v, null, 1));
+
+  // ---- the session list -------------------------------------------------------------------
+  let recordings = [];
+
+  async function loadList() {
+    try {
+      recordings = await getJSON('v1/recordings');
+      renderList();
+      if (current) {
+        const r = recordings.find((x) => x.id === current.id);
+        if (r) updateHeader(r);
+      }
+    } catch (e) {
+      status(e.message, true);
+    }
+  }
+
+  function renderList() {
+    const ul = document.getElementById('session-list');
+    ul.replaceChildren(...recordings.map((r) => el('li', {
+      class: 'session' + (current && current.id === r.id ? ' selected' : ''),
+      'data-id': r.id,
+      title: r.id,
+      onclick: () => { location.hash = r.id; },
+    },
+    el('span', { class: 'state state-' + r.state, text: r.state }),
+    el('span', { class: 'created', text: when(r.created_at) }),
+    el('span', { class: 'count', text: r.cells + (r.cells === 1 ? ' cell' : ' cells') }),
+    el('code', { class: 'sid', text: r.id.slice(0, 8) }))));
+    if (!recordings.length) ul.append(el('li', { class: 'empty', text: 'No recorded sessions yet.' }));
+  }
+
+  // ---- one session --------------------------------------------------------------------------
+  let current = null;
+
+  function newModel() {
+    return { entries: [], byMsg: new Map(), cells: [], dirty: new Set(), ended: false, clearPending: new Set() };
+  }
+
+  function ensureCell(m, msgId, code, time) {
+    let c = m.byMsg.get(msgId);
+    if (c) return c;
+    c = {
+      kind: 'cell', index: m.cells.length, msgId, code: code || '', start: time, end: null,
+      count: null, outputs: [], status: null, durationMs: null, timedOut: false, done: false,
+      note: null, replay: null,
+    };
+    m.byMsg.set(msgId, c);
+    m.cells.push(c);
+    m.entries.push(c);
+    m.dirty.add(c);
+    return c;
+  }
+
+  function addMarker(m, ev) {
+    const mk = { kind: 'marker', name: ev.kind, time: ev.time, detail: ev.detail || {} };
+    m.entries.push(mk);
+    m.dirty.add(mk);
+  }
+
+  function pushOutput(c, o) {
+    const last = c.outputs[c.outputs.length - 1];
+    if (o.type === 'stream' && last && last.type === 'stream' && last.name === o.name) {
+      last.text += o.text;
+    } else {
+      c.outputs.push(o);
+    }
+  }
+
+  function apply(m, ev) {
+    if (ev.direction === 'broker') {
+      const d = ev.detail || {};
+      if (ev.kind === 'execution_started') {
+        const c = ensureCell(m, d.msg_id, d.code, ev.time);
+        c.timeout = d.timeout_seconds;
+        return;
+      }
+      if (ev.kind === 'execution_done') {
+        const c = m.byMsg.get(d.msg_id);
+        const x = d.execution;
+        if (c && x) {
+          c.status = x.status;
+          c.durationMs = x.duration_ms;
+          c.end = ev.time;
+          c.done = true;
+          if (x.execution_count !== null && x.execution_count !== undefined) c.count = x.execution_count;
+          if (x.status !== 'ok' && x.error && !c.outputs.some((o) => o.type === 'error')) c.note = x.error;
+          m.dirty.add(c);
+        }
+        return;
+      }
+      if (ev.kind === 'execution_timeout') {
+        const c = m.byMsg.get(d.msg_id);
+        if (c) { c.timedOut = true; m.dirty.add(c); }
+      }
+      if (MARKERS[ev.kind]) addMarker(m, ev);
+      if (ENDED.has(ev.kind)) m.ended = true;
+      return;
+    }
+    const content = ev.content || {};
+    if (ev.direction === 'to_kernel') {
+      if (ev.channel === 'shell' && ev.msg_type === 'execute_request' && !content.silent) {
+        ensureCell(m, ev.msg_id, content.code, ev.time);
+      }
+      return;
+    }
+    const c = ev.parent_msg_id && m.byMsg.get(ev.parent_msg_id);
+    if (!c) return;
+    m.dirty.add(c);
+    if (ev.channel === 'shell' && ev.msg_type === 'execute_reply') {
+      if (content.execution_count !== undefined) c.count = content.execution_count;
+      c.replyStatus = content.status;
+      if (!c.end) c.end = ev.time;
+      return;
+    }
+    if (ev.channel !== 'iopub') return;
+    switch (ev.msg_type) {
+      case 'execute_input':
+        c.count = content.execution_count;
+        c.inputAt = ev.time;
+        return;
+      case 'status':
+        if (content.execution_state === 'idle' && c.replyStatus && !c.status) c.status = c.replyStatus;
+        return;
+      case 'clear_output':
+        if (content.wait) m.clearPending.add(c); else c.outputs = [];
+        return;
+      case 'stream':
+      case 'display_data':
+      case 'execute_result':
+      case 'error':
+        if (m.clearPending.delete(c)) c.outputs = [];
+        if (ev.msg_type === 'stream') pushOutput(c, { type: 'stream', name: content.name === 'stderr' ? 'stderr' : 'stdout', text: content.text || '' });
+        else if (ev.msg_type === 'error') pushOutput(c, { type: 'error', ename: content.ename, evalue: content.evalue, traceback: content.traceback || [] });
+        else pushOutput(c, { type: ev.msg_type === 'execute_result' ? 'result' : 'display', data: content.data || {} });
+        return;
+      default:
+    }
+  }
+
+  function renderData(data) {
+    const box = el('div', { class: 'data' });
+    for (const mime of ['image/png', 'image/jpeg', 'image/gif']) {
+      const v = data[mime];
+      if (typeof v === 'string' && /^[A-Za-z0-9+/=\s]+$/.test(v)) {
+        box.append(el('img', { class: 'output-image', alt: joinText(data['text/plain'] || mime), src: 'data:' + mime + ';base64,' + v.replace(/\s/g, '') }));
+        return box;
+      }
+    }
+    if (typeof data['image/svg+xml'] === 'string' || Array.isArray(data['image/svg+xml'])) {
+      box.append(el('img', { class: 'output-image', alt: 'SVG image', src: 'data:image/svg+xml;charset=utf-8,' + encodeURIComponent(joinText(data['image/svg+xml'])) }));
+      return box;
+    }
+    if (data['text/plain'] !== undefined) {
+      box.append(el('pre', { class: 'text', text: joinText(data['text/plain']) }));
+    } else {
+      box.append(el('pre', { class: 'text muted', text: '[' + Object.keys(data).join(', ') + ']' }));
+    }
+    return box;
+  }
+
+  function renderCell(c) {
+    const running = !c.done && !c.end;
+    const st = c.status || (running ? 'running' : (c.replyStatus || ''));
+    const dur = c.durationMs !== null ? c.durationMs
+      : (c.end ? new Date(c.end) - new Date(c.start) : null);
+    const outs = el('div', { class: 'outputs' });
+    for (const o of c.outputs) {
+      if (o.type === 'stream') outs.append(el('pre', { class: 'stream ' + o.name, text: o.text }));
+      else if (o.type === 'error') {
+        outs.append(el('div', { class: 'error' },
+          el('div', { class: 'ename', text: o.ename + ': ' + o.evalue }),
+          o.traceback.length ? el('pre', { class: 'traceback', text: stripAnsi(o.traceback.join('\n')) }) : null));
+      } else {
+        const d = renderData(o.data);
+        d.classList.add(o.type);
+        outs.append(d);
+      }
+    }
+    if (c.note) outs.append(el('div', { class: 'error note' }, el('div', { class: 'ename', text: c.note.ename + ': ' + c.note.evalue })));
+    const sec = el('section', { class: 'cell' + (running ? ' running' : ''), 'data-index': c.index, 'data-status': st, id: 'cell-' + c.index },
+      el('header', {},
+        el('span', { class: 'prompt', text: 'In [' + (c.count === null || c.count === undefined ? ' ' : c.count) + ']' }),
+        el('span', { class: 'time', text: clock(c.start) }),
+        el('span', { class: 'duration', text: running ? 'running…' : duration(dur) }),
+        el('span', { class: 'badge status-' + st, text: st }),
+        c.timedOut ? el('span', { class: 'badge status-timeout', text: 'timed out' }) : null,
+        c.replay ? el('span', { class: 'badge replay ' + (c.replay.same_output ? 'same' : 'different'), text: c.replay.same_output ? 'replay: same' : 'replay: different' }) : null),
+      el('pre', { class: 'code', text: c.code }),
+      outs,
+      c.replay && c.replay.diff ? el('details', { class: 'diff' }, el('summary', { text: 'replay diff (' + c.replay.status + ')' }), el('pre', { text: c.replay.diff })) : null);
+    if (current && current.cursor === c.index) sec.classList.add('current');
+    return sec;
+  }
+
+  function renderMarker(mk) {
+    const reason = mk.detail && (mk.detail.reason || (mk.detail.timeout_seconds ? 'limit ' + mk.detail.timeout_seconds + ' s' : ''));
+    return el('div', { class: 'marker marker-' + mk.name },
+      el('span', { class: 'time', text: clock(mk.time) }),
+      el('span', { class: 'what', text: MARKERS[mk.name] || mk.name }),
+      reason ? el('span', { class: 'reason', text: reason }) : null);
+  }
+
+  function renderDirty() {
+    if (!current) return;
+    const m = current.model;
+    const timeline = current.timeline;
+    let added = false;
+    for (const entry of m.entries) {
+      if (!m.dirty.has(entry)) continue;
+      const node = entry.kind === 'cell' ? renderCell(entry) : renderMarker(entry);
+      const old = current.nodes.get(entry);
+      if (old) old.replaceWith(node); else { timeline.append(node); added = true; }
+      current.nodes.set(entry, node);
+    }
+    m.dirty.clear();
+    current.cellCount.textContent = m.cells.length + (m.cells.length === 1 ? ' cell' : ' cells');
+    if (added && current.follow.checked && !m.ended) {
+      timeline.lastElementChild && timeline.lastElementChild.scrollIntoView({ block: 'end' });
+    }
+    current.liveBadge.hidden = m.ended;
+  }
+
+  function updateHeader(r) {
+    if (!current) return;
+    current.stateEl.textContent = r.state;
+    current.stateEl.className = 'state state-' + r.state;
+    current.live = r.live;
+  }
+
+  function move(delta) {
+    if (!current || !current.model.cells.length) return;
+    const n = current.model.cells.length;
+    const prev = current.cursor;
+    current.cursor = Math.max(0, Math.min(n - 1, (prev < 0 ? (delta > 0 ? -1 : n) : prev) + delta));
+    const before = document.getElementById('cell-' + prev);
+    if (before) before.classList.remove('current');
+    const now = document.getElementById('cell-' + current.cursor);
+    if (now) { now.classList.add('current'); now.scrollIntoView({ block: 'nearest' }); }
+    current.position.textContent = 'cell ' + (current.cursor + 1) + ' of ' + n;
+  }
+
+  async function downloadNotebook() {
+    try {
+      const r = await api('v1/sessions/' + current.id + '/notebook');
+      const blob = new Blob([await r.text()], { type: 'application/x-ipynb+json' });
+      const a = el('a', { href: URL.createObjectURL(blob), download: 'session-' + current.id + '.ipynb' });
+      document.body.append(a);
+      a.click();
+      a.remove();
+    } catch (e) {
+      status(e.message, true);
+    }
+  }
+
+  async function replay() {
+    const id = current.id;
+    status('replaying ' + current.model.cells.length + ' cells in a new session…');
+    try {
+      const r = await (await api('v1/sessions/' + id + '/replay', { method: 'POST' })).json();
+      if (!current || current.id !== id) return;
+      for (const cell of r.cells) {
+        const c = current.model.cells[cell.index];
+        if (c) { c.replay = cell; current.model.dirty.add(c); }
+      }
+      renderDirty();
+      const same = r.cells.filter((c) => c.same_output).length;
+      status('replayed in session ' + r.session.id.slice(0, 8) + ': ' + same + ' of ' + r.cells.length + ' cells gave the same output');
+      loadList();
+    } catch (e) {
+      status('replay failed: ' + e.message, true);
+    }
+  }
+
+  function stopFollowing() {
+    if (current && current.timer) clearTimeout(current.timer);
+  }
+
+  async function poll(session) {
+    if (current !== session) return;
+    try {
+      for (;;) {
+        const page = await getJSON('v1/sessions/' + session.id + '/events?after=' + session.after + '&limit=1000');
+        if (current !== session) return;
+        for (const ev of page.events) {
+          apply(session.model, ev);
+          session.after = ev.seq;
+        }
+        renderDirty();
+        if (page.next_after === null) break;
+      }
+      session.loaded = true;
+      session.detail.dataset.loaded = 'true';
+    } catch (e) {
+      status(e.message, true);
+    }
+    if (current === session && !session.model.ended) {
+      session.timer = setTimeout(() => poll(session), POLL_MS);
+    }
+  }
+
+  function open(id) {
+    stopFollowing();
+    const detail = document.getElementById('detail');
+    const r = recordings.find((x) => x.id === id) || { id, state: '', kernel: '', created_at: null };
+    const session = {
+      id, after: 0, model: newModel(), nodes: new Map(), cursor: -1, timer: null, detail,
+    };
+    current = session;
+    session.stateEl = el('span', { class: 'state state-' + r.state, text: r.state });
+    session.cellCount = el('span', { class: 'count' });
+    session.position = el('span', { class: 'position' });
+    session.follow = el('input', { type: 'checkbox', checked: true, id: 'follow' });
+    session.liveBadge = el('span', { class: 'live', text: '● live' });
+    session.timeline = el('div', { id: 'timeline' });
+    detail.dataset.loaded = 'false';
+    detail.dataset.session = id;
+    detail.replaceChildren(
+      el('div', { class: 'session-head' },
+        el('h2', {}, 'Session ', el('code', { text: id })),
+        el('div', { class: 'facts' },
+          session.stateEl, session.liveBadge,
+          el('span', { text: r.kernel || '' }),
+          el('span', { text: r.created_at ? 'created ' + when(r.created_at) : '' }),
+          session.cellCount)),
+      el('div', { class: 'toolbar' },
+        el('button', { type: 'button', title: 'Previous cell (k)', onclick: () => move(-1), text: '◀' }),
+        el('button', { type: 'button', title: 'Next cell (j)', onclick: () => move(1), text: '▶' }),
+        session.position,
+        el('label', {}, session.follow, ' follow'),
+        el('button', { type: 'button', onclick: downloadNotebook, text: 'Download .ipynb' }),
+        el('button', { type: 'button', onclick: replay, text: 'Replay in a new session' })),
+      session.timeline);
+    renderList();
+    poll(session);
+  }
+
+  function route() {
+    const id = decodeURIComponent(location.hash.replace(/^#/, ''));
+    if (id) open(id);
+  }
+
+  document.getElementById('forget').addEventListener('click', () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    location.replace('./');
+  });
+  document.addEventListener('keydown', (e) => {
+    if (e.target instanceof HTMLInputElement || e.target instanceof HTMLTextAreaElement) return;
+    if (e.key === 'j') move(1);
+    if (e.key === 'k') move(-1);
+  });
+  window.addEventListener('hashchange', route);
+
+  loadList().then(route);
+  setInterval(loadList, LIST_MS);
+})();
