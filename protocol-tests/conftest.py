@@ -22,7 +22,7 @@ BOB = "bob-token-0002"
 
 
 class Broker:
-    def __init__(self, extra_args=(), env=None):
+    def __init__(self, extra_args=(), env=None, data_dir=None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kb-proto-")
         tmp = Path(self.tmp.name)
         users = tmp / "users.toml"
@@ -30,7 +30,8 @@ class Broker:
             f'[[user]]\nname = "alice"\ntoken = "{ALICE}"\n\n'
             f'[[user]]\nname = "bob"\ntoken = "{BOB}"\n'
         )
-        self.data_dir = tmp / "data"
+        # data_dir: reuse another broker's directory (a restart on the same data).
+        self.data_dir = Path(data_dir) if data_dir is not None else tmp / "data"
         binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
         args = [
             binary, "serve",
@@ -73,6 +74,11 @@ class Broker:
         kw.setdefault("timeout", 60)
         return requests.request(method, self.url + path, headers=self.headers(token), **kw)
 
+    def kill9(self):
+        """SIGKILL the broker: no shutdown, no flush (its data directory is kept)."""
+        self.proc.kill()
+        self.proc.wait(10)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -102,7 +108,8 @@ def fresh_broker():
         return b
 
     yield make
-    for b in brokers:
+    # Newest first: a later broker may use an earlier one's data directory.
+    for b in reversed(brokers):
         b.stop()
 
 

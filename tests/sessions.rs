@@ -741,3 +741,19 @@ async fn shutdown_closes_every_kernel() {
         0
     );
 }
+
+#[tokio::test]
+async fn a_frozen_kernel_is_declared_dead_by_its_heartbeat() {
+    let broker = Broker::start(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    // SIGSTOP freezes the whole kernel, heartbeat thread included; the process still exists.
+    let x = api
+        .execute_with(&id, json!({"code": "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", "timeout_seconds": 120}))
+        .await;
+    assert_eq!(x["status"], "dead", "{x}");
+    assert!(x["error"]["evalue"].as_str().unwrap().contains("heartbeat"), "{x}");
+    let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s["state"], "dead");
+    broker.stop().await;
+}

@@ -788,6 +788,39 @@ mod tests {
         m
     }
 
+    fn parked() -> Parked {
+        let (_events_tx, events) = broadcast::channel(4);
+        let (replies_tx, replies) = mpsc::channel(4);
+        Parked {
+            held: Held {
+                events,
+                replies,
+                unsent: VecDeque::new(),
+            },
+            replies_tx,
+            since: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn only_the_newest_connection_of_a_client_parks() {
+        let clients = JupyterClients::default();
+        let k = Uuid::new_v4();
+        let (old, p) = clients.attach(k, "c");
+        assert!(p.is_none());
+        // The client reconnects before its old socket is seen closing.
+        let (new, p) = clients.attach(k, "c");
+        assert!(p.is_none());
+        clients.detach(k, "c".into(), old, Some(parked()));
+        assert!(clients.lock().parked.is_empty(), "a superseded connection must not park");
+        clients.detach(k, "c".into(), new, Some(parked()));
+        let (_, p) = clients.attach(k, "c");
+        assert!(p.is_some(), "the newest connection parks for the next one");
+        // Another client id or kernel takes nothing.
+        assert!(clients.attach(k, "d").1.is_none());
+        assert!(clients.attach(Uuid::new_v4(), "c").1.is_none());
+    }
+
     #[test]
     fn v1_round_trip() {
         let m = sample();
