@@ -65,6 +65,7 @@ pub async fn build_sandbox(settings: &Settings) -> Result<Arc<dyn Sandbox>, Serv
             crate::sandbox::docker::DockerSandboxConfig {
                 socket: settings.docker_socket.clone(),
                 image: settings.docker_image.clone(),
+                container_idle: settings.container_idle,
                 ..crate::sandbox::docker::DockerSandboxConfig::new(&settings.data_dir)
             },
         )?),

@@ -17,14 +17,17 @@ async fn events(api: &Api, id: &str, query: &str) -> Vec<Value> {
 }
 
 fn position(evs: &[Value], pred: impl Fn(&Value) -> bool, what: &str) -> usize {
-    evs.iter()
-        .position(pred)
-        .unwrap_or_else(|| panic!("no {what} in {}", serde_json::to_string_pretty(evs).unwrap()))
+    evs.iter().position(pred).unwrap_or_else(|| {
+        panic!(
+            "no {what} in {}",
+            serde_json::to_string_pretty(evs).unwrap()
+        )
+    })
 }
 
 #[tokio::test]
 async fn every_message_is_recorded_in_order() {
-    let broker = Broker::start(|_| {}).await;
+    let broker = Broker::start("local", |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api.execute(&id, "print('hi')\n1+1").await;
@@ -38,26 +41,39 @@ async fn every_message_is_recorded_in_order() {
         .iter()
         .map(|e| e["time"].as_str().unwrap().parse().unwrap())
         .collect();
-    assert!(times.windows(2).all(|w| w[0] <= w[1]), "times go back: {times:?}");
+    assert!(
+        times.windows(2).all(|w| w[0] <= w[1]),
+        "times go back: {times:?}"
+    );
     assert!(evs[0]["time"].as_str().unwrap().ends_with('Z'));
 
     assert_eq!(evs[0]["direction"], "broker");
     assert_eq!(evs[0]["kind"], "session_created");
     let req = position(
         &evs,
-        |e| e["direction"] == "to_kernel" && e["channel"] == "shell" && e["msg_type"] == "execute_request",
+        |e| {
+            e["direction"] == "to_kernel"
+                && e["channel"] == "shell"
+                && e["msg_type"] == "execute_request"
+        },
         "execute_request",
     );
     let msg_id = evs[req]["msg_id"].as_str().unwrap().to_string();
     assert_eq!(evs[req]["content"]["code"], "print('hi')\n1+1");
     assert_eq!(evs[req]["header"]["msg_id"], msg_id.as_str());
-    let started = position(&evs, |e| e["kind"] == "execution_started", "execution_started");
+    let started = position(
+        &evs,
+        |e| e["kind"] == "execution_started",
+        "execution_started",
+    );
     assert_eq!(evs[started]["detail"]["msg_id"], msg_id.as_str());
     assert_eq!(evs[started]["detail"]["code"], "print('hi')\n1+1");
     let child = |t: &'static str| {
         let m = msg_id.clone();
         move |e: &Value| {
-            e["direction"] == "from_kernel" && e["msg_type"] == t && e["parent_msg_id"] == m.as_str()
+            e["direction"] == "from_kernel"
+                && e["msg_type"] == t
+                && e["parent_msg_id"] == m.as_str()
         }
     };
     let busy = position(
@@ -94,7 +110,12 @@ async fn every_message_is_recorded_in_order() {
     let broker_events = events(&api, &id, "channel=broker").await;
     assert!(broker_events.iter().all(|e| e["direction"] == "broker"));
     assert_eq!(broker_events.len(), 3, "{broker_events:?}");
-    let shell = events(&api, &id, "channel=shell&type=execute_request,execute_reply").await;
+    let shell = events(
+        &api,
+        &id,
+        "channel=shell&type=execute_request,execute_reply",
+    )
+    .await;
     assert_eq!(shell.len(), 2);
 
     // Paging: pages of 3 add up to the whole.
@@ -114,14 +135,16 @@ async fn every_message_is_recorded_in_order() {
         }
     }
     assert_eq!(paged, evs);
-    let (status, e) = api.get(&format!("/v1/sessions/{id}/events?after=abc")).await;
+    let (status, e) = api
+        .get(&format!("/v1/sessions/{id}/events?after=abc"))
+        .await;
     assert_eq!(status, 400, "{e}");
     broker.stop().await;
 }
 
 #[tokio::test]
 async fn recordings_outlive_deletion_and_stay_private() {
-    let broker = Broker::start(|_| {}).await;
+    let broker = Broker::start("local", |_| {}).await;
     let alice = broker.api(ALICE);
     let bob = broker.api(BOB);
     let id = alice.create().await;
@@ -129,7 +152,12 @@ async fn recordings_outlive_deletion_and_stay_private() {
     alice.execute(&id, "x + 1").await;
 
     let (_, list) = alice.get("/v1/recordings").await;
-    let mine = list.as_array().unwrap().iter().find(|r| r["id"] == id.as_str()).unwrap();
+    let mine = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == id.as_str())
+        .unwrap();
     assert_eq!(mine["live"], true);
     assert_eq!(mine["state"], "idle");
     assert_eq!(mine["cells"], 2);
@@ -143,12 +171,20 @@ async fn recordings_outlive_deletion_and_stay_private() {
         .filter(|e| e["direction"] == "to_kernel")
         .map(|e| e["msg_type"].as_str().unwrap())
         .collect::<Vec<_>>();
-    assert_eq!(to_kernel, ["execute_request", "execute_request", "shutdown_request"]);
+    assert_eq!(
+        to_kernel,
+        ["execute_request", "execute_request", "shutdown_request"]
+    );
     let (status, nb) = alice.get(&format!("/v1/sessions/{id}/notebook")).await;
     assert_eq!(status, 200);
     assert_eq!(nb["cells"].as_array().unwrap().len(), 2);
     let (_, list) = alice.get("/v1/recordings").await;
-    let mine = list.as_array().unwrap().iter().find(|r| r["id"] == id.as_str()).unwrap();
+    let mine = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == id.as_str())
+        .unwrap();
     assert_eq!(mine["live"], false);
     assert_eq!(mine["state"], "closed");
     assert_eq!(mine["end_reason"], "closed");
@@ -165,7 +201,11 @@ async fn recordings_outlive_deletion_and_stay_private() {
             (reqwest::Method::POST, "replay"),
         ] {
             let (status, e) = bob
-                .call(method.clone(), &format!("/v1/sessions/{target}/{path}"), None)
+                .call(
+                    method.clone(),
+                    &format!("/v1/sessions/{target}/{path}"),
+                    None,
+                )
                 .await;
             assert_eq!(status, 404, "{method} {path}: {e}");
             assert_eq!(e["error"]["code"], "session_not_found");
@@ -188,7 +228,7 @@ async fn recordings_outlive_deletion_and_stay_private() {
 
 #[tokio::test]
 async fn recordings_outlive_expiry() {
-    let broker = Broker::start(|a| a.idle_timeout = Some(2)).await;
+    let broker = Broker::start("local", |a| a.idle_timeout = Some(2)).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     api.execute(&id, "print('before expiry')").await;
@@ -212,48 +252,75 @@ async fn recordings_outlive_expiry() {
         }
     })
     .await;
-    assert!(evs.iter().any(|e| e["content"]["text"] == "before expiry\n"));
+    assert!(evs
+        .iter()
+        .any(|e| e["content"]["text"] == "before expiry\n"));
     let (_, list) = api.get("/v1/recordings").await;
-    let r = list.as_array().unwrap().iter().find(|r| r["id"] == id.as_str()).unwrap();
+    let r = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == id.as_str())
+        .unwrap();
     assert_eq!(r["state"], "expired");
     broker.stop().await;
 }
 
 #[tokio::test]
 async fn chart_images_are_stored_once_and_put_back() {
-    let broker = Broker::start(|_| {}).await;
+    let broker = Broker::start("local", |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api
-        .execute(&id, "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
+        .execute(
+            &id,
+            "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()",
+        )
         .await;
     assert_eq!(x["status"], "ok", "{x}");
-    let png = x["results"][0]["data"]["image/png"].as_str().unwrap().to_string();
-    let bytes = base64::engine::general_purpose::STANDARD.decode(&png).unwrap();
+    let png = x["results"][0]["data"]["image/png"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(&png)
+        .unwrap();
     assert!(bytes.starts_with(b"\x89PNG"));
 
     let evs = events(&api, &id, "type=display_data,execution_done").await;
     assert_eq!(evs.len(), 2);
     assert_eq!(evs[0]["content"]["data"]["image/png"], png.as_str());
-    assert_eq!(evs[1]["detail"]["execution"]["results"][0]["data"]["image/png"], png.as_str());
+    assert_eq!(
+        evs[1]["detail"]["execution"]["results"][0]["data"]["image/png"],
+        png.as_str()
+    );
 
     let db = broker.data_dir.join("recordings.sqlite3");
-    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let conn =
+        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
     let (blobs, size): (i64, i64) = conn
-        .query_row("SELECT count(*), coalesce(sum(size), 0) FROM blobs", [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row(
+            "SELECT count(*), coalesce(sum(size), 0) FROM blobs",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
         .unwrap();
     assert_eq!(blobs, 1, "one image, stored once");
     assert_eq!(size as usize, png.len());
     let largest: i64 = conn
         .query_row("SELECT max(length(content)) FROM events", [], |r| r.get(0))
         .unwrap();
-    assert!((largest as usize) < png.len() / 4, "an event still holds the image: {largest} bytes");
+    assert!(
+        (largest as usize) < png.len() / 4,
+        "an event still holds the image: {largest} bytes"
+    );
     broker.stop().await;
 }
 
 #[tokio::test]
 async fn replay_compares_normalised_outputs() {
-    let broker = Broker::start(|_| {}).await;
+    let broker = Broker::start("local", |_| {}).await;
     let api = broker.api(ALICE);
 
     let steady = api.create().await;
@@ -272,7 +339,9 @@ async fn replay_compares_normalised_outputs() {
     for c in cells {
         api.execute(&steady, c).await;
     }
-    let (status, r) = api.post(&format!("/v1/sessions/{steady}/replay"), json!({})).await;
+    let (status, r) = api
+        .post(&format!("/v1/sessions/{steady}/replay"), json!({}))
+        .await;
     assert_eq!(status, 201, "{r}");
     let new_id = r["session"]["id"].as_str().unwrap();
     assert_ne!(new_id, steady);
@@ -284,7 +353,12 @@ async fn replay_compares_normalised_outputs() {
     assert_eq!(replayed.len(), cells.len());
     for (i, c) in replayed.iter().enumerate() {
         assert_eq!(c["index"], i);
-        assert_eq!(c["same_output"], true, "cell {i} differs:\n{}", c["diff"].as_str().unwrap());
+        assert_eq!(
+            c["same_output"],
+            true,
+            "cell {i} differs:\n{}",
+            c["diff"].as_str().unwrap()
+        );
         assert_eq!(c["diff"], "");
     }
     assert_eq!(replayed[8]["status"], "error");
@@ -293,13 +367,18 @@ async fn replay_compares_normalised_outputs() {
     let random = api.create().await;
     api.execute(&random, "import random").await;
     api.execute(&random, "random.random()").await;
-    let (status, r) = api.post(&format!("/v1/sessions/{random}/replay"), json!({})).await;
+    let (status, r) = api
+        .post(&format!("/v1/sessions/{random}/replay"), json!({}))
+        .await;
     assert_eq!(status, 201, "{r}");
     let replayed = r["cells"].as_array().unwrap();
     assert_eq!(replayed[0]["same_output"], true);
     assert_eq!(replayed[1]["same_output"], false);
     let diff = replayed[1]["diff"].as_str().unwrap();
-    assert!(diff.contains("--- recorded") && diff.contains("+++ replayed"), "{diff}");
+    assert!(
+        diff.contains("--- recorded") && diff.contains("+++ replayed"),
+        "{diff}"
+    );
     assert!(diff.lines().any(|l| l.starts_with("-0.")), "{diff}");
     assert!(diff.lines().any(|l| l.starts_with("+0.")), "{diff}");
     broker.stop().await;
@@ -307,7 +386,7 @@ async fn replay_compares_normalised_outputs() {
 
 #[tokio::test]
 async fn recording_can_be_turned_off() {
-    let broker = Broker::start(|a| a.record = Some(false)).await;
+    let broker = Broker::start("local", |a| a.record = Some(false)).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api.execute(&id, "1+1").await;
@@ -321,18 +400,28 @@ async fn recording_can_be_turned_off() {
 
 #[tokio::test]
 async fn the_ui_needs_a_token() {
-    let broker = Broker::start(|_| {}).await;
+    let broker = Broker::start("local", |_| {}).await;
     let http = reqwest::Client::new();
     let r = http.get(broker.url("/ui/")).send().await.unwrap();
     assert_eq!(r.status(), 401);
     assert!(r.text().await.unwrap().contains("needs your API token"));
-    let r = http.get(broker.url(&format!("/ui/?token={ALICE}"))).send().await.unwrap();
+    let r = http
+        .get(broker.url(&format!("/ui/?token={ALICE}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    let csp = r.headers()["content-security-policy"].to_str().unwrap().to_string();
+    let csp = r.headers()["content-security-policy"]
+        .to_str()
+        .unwrap()
+        .to_string();
     assert!(csp.contains("script-src 'self'"), "{csp}");
     assert!(r.text().await.unwrap().contains("session-list"));
     let r = http.get(broker.url("/ui/app.js")).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/javascript"));
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/javascript"));
     broker.stop().await;
 }

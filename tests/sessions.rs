@@ -3,6 +3,28 @@
 
 mod common;
 
+on_both_backends!(
+    state_persists_and_outputs_are_returned,
+    matplotlib_charts_arrive_as_png,
+    websocket_streams_output_input_and_errors,
+    interrupt_stops_running_code_and_keeps_state,
+    timeout_interrupts_then_restarts_a_stubborn_kernel,
+    restart_clears_state,
+    kernel_death_marks_the_session_dead_until_restart,
+    memory_limit_kills_the_kernel_with_a_clear_error,
+    the_sandbox_has_no_network_and_no_host_files,
+    users_cannot_see_or_touch_each_others_sessions,
+    idle_sessions_expire_and_release_everything,
+    activity_postpones_expiry,
+    bad_input_gets_clear_errors,
+    long_output_is_cut_and_endless_output_is_bounded,
+    files_move_between_api_and_kernel,
+    executions_run_one_at_a_time_in_order,
+    quotas_are_enforced,
+    shutdown_closes_every_kernel,
+    a_frozen_kernel_is_declared_dead_by_its_heartbeat,
+);
+
 use std::time::Duration;
 
 use base64::Engine;
@@ -19,9 +41,8 @@ fn main_result(exec: &Value) -> &Value {
         .unwrap_or_else(|| panic!("no main result in {exec}"))
 }
 
-#[tokio::test]
-async fn state_persists_and_outputs_are_returned() {
-    let broker = Broker::start(|_| {}).await;
+async fn state_persists_and_outputs_are_returned(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
 
@@ -78,9 +99,8 @@ async fn state_persists_and_outputs_are_returned() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn matplotlib_charts_arrive_as_png() {
-    let broker = Broker::start(|_| {}).await;
+async fn matplotlib_charts_arrive_as_png(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let code = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('shown')\nplt.show()\nfig = plt.figure()\nplt.bar(['a', 'b'], [1, 2])";
@@ -103,9 +123,8 @@ async fn matplotlib_charts_arrive_as_png() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn websocket_streams_output_input_and_errors() {
-    let broker = Broker::start(|_| {}).await;
+async fn websocket_streams_output_input_and_errors(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let mut ws = ws_connect(&broker, &id, ALICE).await;
@@ -207,9 +226,8 @@ async fn ws_until_done_any(ws: &mut Ws, id: Value) -> Vec<Value> {
     }
 }
 
-#[tokio::test]
-async fn interrupt_stops_running_code_and_keeps_state() {
-    let broker = Broker::start(|_| {}).await;
+async fn interrupt_stops_running_code_and_keeps_state(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     api.execute(&id, "kept = 'yes'").await;
@@ -234,9 +252,8 @@ async fn interrupt_stops_running_code_and_keeps_state() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn timeout_interrupts_then_restarts_a_stubborn_kernel() {
-    let broker = Broker::start(|a| a.interrupt_grace = Some(1.0)).await;
+async fn timeout_interrupts_then_restarts_a_stubborn_kernel(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.interrupt_grace = Some(1.0)).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     api.execute(&id, "kept = 1").await;
@@ -276,9 +293,8 @@ async fn timeout_interrupts_then_restarts_a_stubborn_kernel() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn restart_clears_state() {
-    let broker = Broker::start(|_| {}).await;
+async fn restart_clears_state(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     api.execute(&id, "secret = 5").await;
@@ -294,9 +310,8 @@ async fn restart_clears_state() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn kernel_death_marks_the_session_dead_until_restart() {
-    let broker = Broker::start(|_| {}).await;
+async fn kernel_death_marks_the_session_dead_until_restart(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api.execute(&id, "import os\nos._exit(3)").await;
@@ -322,9 +337,8 @@ async fn kernel_death_marks_the_session_dead_until_restart() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn memory_limit_kills_the_kernel_with_a_clear_error() {
-    let broker = Broker::start(|a| a.memory_limit = Some(256 << 20)).await;
+async fn memory_limit_kills_the_kernel_with_a_clear_error(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.memory_limit = Some(256 << 20)).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api
@@ -343,9 +357,8 @@ async fn memory_limit_kills_the_kernel_with_a_clear_error() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn the_sandbox_has_no_network_and_no_host_files() {
-    let broker = Broker::start(|_| {}).await;
+async fn the_sandbox_has_no_network_and_no_host_files(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let port = broker.addr.port();
@@ -379,9 +392,8 @@ print(names, reached, resolved, readable("/etc/shadow"), os.path.exists("/root/.
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn users_cannot_see_or_touch_each_others_sessions() {
-    let broker = Broker::start(|_| {}).await;
+async fn users_cannot_see_or_touch_each_others_sessions(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let alice = broker.api(ALICE);
     let bob = broker.api(BOB);
     let id = alice.create().await;
@@ -437,9 +449,8 @@ async fn users_cannot_see_or_touch_each_others_sessions() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn idle_sessions_expire_and_release_everything() {
-    let broker = Broker::start(|_| {}).await;
+async fn idle_sessions_expire_and_release_everything(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let (status, s) = api
         .post("/v1/sessions", json!({"idle_timeout_seconds": 2}))
@@ -449,7 +460,6 @@ async fn idle_sessions_expire_and_release_everything() {
     api.execute(&id, "x = 1").await;
     let pid_code = "import os; print(os.getpid())";
     let _ = api.execute(&id, pid_code).await;
-    let run_dirs = |d: &std::path::Path| std::fs::read_dir(d).map(|r| r.count()).unwrap_or(0);
     tokio::time::sleep(Duration::from_secs(4)).await;
     let (status, e) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(status, 410, "{e}");
@@ -460,17 +470,12 @@ async fn idle_sessions_expire_and_release_everything() {
     assert_eq!(status, 410);
     let (_, list) = api.get("/v1/sessions").await;
     assert_eq!(list, json!([]));
-    assert_eq!(
-        run_dirs(&broker.data_dir.join("run")),
-        0,
-        "runtime dirs reclaimed"
-    );
+    assert_eq!(broker.runtime_dirs(), 0, "runtime dirs reclaimed");
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn activity_postpones_expiry() {
-    let broker = Broker::start(|_| {}).await;
+async fn activity_postpones_expiry(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let (_, s) = api
         .post("/v1/sessions", json!({"idle_timeout_seconds": 3}))
@@ -494,9 +499,8 @@ async fn activity_postpones_expiry() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn bad_input_gets_clear_errors() {
-    let broker = Broker::start(|a| a.max_code_bytes = Some(1000)).await;
+async fn bad_input_gets_clear_errors(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.max_code_bytes = Some(1000)).await;
     let api = broker.api(ALICE);
     let http = reqwest::Client::new();
 
@@ -593,9 +597,8 @@ async fn bad_input_gets_clear_errors() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn long_output_is_cut_and_endless_output_is_bounded() {
-    let broker = Broker::start(|_| {}).await;
+async fn long_output_is_cut_and_endless_output_is_bounded(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api.execute(&id, "print('a' * 50000)").await;
@@ -629,9 +632,8 @@ async fn long_output_is_cut_and_endless_output_is_bounded() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn files_move_between_api_and_kernel() {
-    let broker = Broker::start(|_| {}).await;
+async fn files_move_between_api_and_kernel(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let r = api
@@ -683,9 +685,8 @@ async fn files_move_between_api_and_kernel() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn executions_run_one_at_a_time_in_order() {
-    let broker = Broker::start(|_| {}).await;
+async fn executions_run_one_at_a_time_in_order(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = std::sync::Arc::new(broker.api(ALICE));
     let id = api.create().await;
     api.execute(&id, "log = []").await;
@@ -710,9 +711,8 @@ async fn executions_run_one_at_a_time_in_order() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn quotas_are_enforced() {
-    let broker = Broker::start(|a| a.max_sessions_per_user = Some(1)).await;
+async fn quotas_are_enforced(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.max_sessions_per_user = Some(1)).await;
     let api = broker.api(ALICE);
     let _id = api.create().await;
     let (status, e) = api.post("/v1/sessions", json!({})).await;
@@ -723,28 +723,20 @@ async fn quotas_are_enforced() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn shutdown_closes_every_kernel() {
-    let broker = Broker::start(|_| {}).await;
+async fn shutdown_closes_every_kernel(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     let x = api.execute(&id, "import os; print(os.getpid())").await;
     assert_eq!(x["status"], "ok");
-    let run = broker.data_dir.join("run");
-    assert!(std::fs::read_dir(&run).unwrap().count() >= 1);
+    assert!(broker.runtime_dirs() >= 1);
     let data_dir = broker.data_dir.clone();
     broker.stop().await;
-    assert_eq!(
-        std::fs::read_dir(data_dir.join("run"))
-            .map(|r| r.count())
-            .unwrap_or(0),
-        0
-    );
+    assert_eq!(runtime_dirs(sb, &data_dir), 0);
 }
 
-#[tokio::test]
-async fn a_frozen_kernel_is_declared_dead_by_its_heartbeat() {
-    let broker = Broker::start(|_| {}).await;
+async fn a_frozen_kernel_is_declared_dead_by_its_heartbeat(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
     // SIGSTOP freezes the whole kernel, heartbeat thread included; the process still exists.
@@ -752,7 +744,10 @@ async fn a_frozen_kernel_is_declared_dead_by_its_heartbeat() {
         .execute_with(&id, json!({"code": "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", "timeout_seconds": 120}))
         .await;
     assert_eq!(x["status"], "dead", "{x}");
-    assert!(x["error"]["evalue"].as_str().unwrap().contains("heartbeat"), "{x}");
+    assert!(
+        x["error"]["evalue"].as_str().unwrap().contains("heartbeat"),
+        "{x}"
+    );
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(s["state"], "dead");
     broker.stop().await;

@@ -322,18 +322,19 @@
     if (!current) return;
     const m = current.model;
     const timeline = current.timeline;
-    let added = false;
+    const changed = m.dirty.size > 0;
     for (const entry of m.entries) {
       if (!m.dirty.has(entry)) continue;
       const node = entry.kind === 'cell' ? renderCell(entry) : renderMarker(entry);
       const old = current.nodes.get(entry);
-      if (old) old.replaceWith(node); else { timeline.append(node); added = true; }
+      if (old) old.replaceWith(node); else timeline.append(node);
       current.nodes.set(entry, node);
     }
     m.dirty.clear();
     current.cellCount.textContent = m.cells.length + (m.cells.length === 1 ? ' cell' : ' cells');
-    if (added && current.follow.checked && !m.ended) {
-      timeline.lastElementChild && timeline.lastElementChild.scrollIntoView({ block: 'end' });
+    // Following a live session: keep its newest output in view.
+    if (changed && current.follow.checked && !m.ended) {
+      current.detail.scrollTop = current.detail.scrollHeight;
     }
     current.liveBadge.hidden = m.ended;
   }

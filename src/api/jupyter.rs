@@ -812,7 +812,10 @@ mod tests {
         let (new, p) = clients.attach(k, "c");
         assert!(p.is_none());
         clients.detach(k, "c".into(), old, Some(parked()));
-        assert!(clients.lock().parked.is_empty(), "a superseded connection must not park");
+        assert!(
+            clients.lock().parked.is_empty(),
+            "a superseded connection must not park"
+        );
         clients.detach(k, "c".into(), new, Some(parked()));
         let (_, p) = clients.attach(k, "c");
         assert!(p.is_some(), "the newest connection parks for the next one");

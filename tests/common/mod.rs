@@ -26,6 +26,7 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T
 pub struct Broker {
     pub addr: std::net::SocketAddr,
     pub data_dir: PathBuf,
+    pub sandbox: &'static str,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<tokio::task::JoinHandle<()>>,
     _tmp: tempfile::TempDir,
@@ -36,8 +37,9 @@ pub fn repo() -> PathBuf {
 }
 
 impl Broker {
-    /// Start a broker; `tweak` adjusts the settings (limits, timeouts) for one test.
-    pub async fn start(tweak: impl FnOnce(&mut ServeArgs)) -> Broker {
+    /// Start a broker with the `sandbox` backend (`local` or `docker`); `tweak` adjusts the
+    /// settings (limits, timeouts) for one test.
+    pub async fn start(sandbox: &'static str, tweak: impl FnOnce(&mut ServeArgs)) -> Broker {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_env("KERNEL_BROKER_LOG")
@@ -65,6 +67,10 @@ impl Broker {
                 "kernel-broker-test-{}",
                 uuid::Uuid::new_v4().simple()
             )),
+            sandbox: Some(match sandbox {
+                "docker" => kernel_broker::config::SandboxKind::Docker,
+                _ => kernel_broker::config::SandboxKind::Local,
+            }),
             ..Default::default()
         };
         tweak(&mut args);
@@ -99,10 +105,16 @@ impl Broker {
         Broker {
             addr,
             data_dir,
+            sandbox,
             shutdown: Some(tx),
             handle: Some(handle),
             _tmp: tmp,
         }
+    }
+
+    /// Kernel runtime directories (sockets, connection file) that exist now.
+    pub fn runtime_dirs(&self) -> usize {
+        runtime_dirs(self.sandbox, &self.data_dir)
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -245,4 +257,54 @@ pub async fn ws_until_done(ws: &mut Ws, id: &str) -> Vec<Value> {
             return frames;
         }
     }
+}
+
+/// Kernel runtime directories under a data directory for a backend.
+pub fn runtime_dirs(sandbox: &str, data_dir: &std::path::Path) -> usize {
+    let count = |d: PathBuf| {
+        std::fs::read_dir(d)
+            .map(|r| r.flatten().count())
+            .unwrap_or(0)
+    };
+    match sandbox {
+        "docker" => std::fs::read_dir(data_dir.join("run-docker"))
+            .map(|r| r.flatten().map(|user| count(user.path())).sum())
+            .unwrap_or(0),
+        _ => count(data_dir.join("run")),
+    }
+}
+
+/// Whether the Docker backend can run here (a daemon answers and the kernel image exists).
+/// Where CI sets `KB_REQUIRE_DOCKER=1`, its absence fails the test instead of skipping it.
+pub fn docker_ready() -> bool {
+    let ok = std::process::Command::new("docker")
+        .args(["image", "inspect", "kernel-broker/python-kernel:latest"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok && std::env::var("KB_REQUIRE_DOCKER").as_deref() == Ok("1") {
+        panic!("KB_REQUIRE_DOCKER=1 but no Docker daemon with the kernel image answers");
+    }
+    ok
+}
+
+/// One test per backend for each named `async fn name(sandbox: &'static str)`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod local {
+            $(#[tokio::test] async fn $name() { super::$name("local").await })*
+        }
+        mod docker {
+            $(#[tokio::test] async fn $name() {
+                if !super::common::docker_ready() {
+                    eprintln!("skipping: no Docker daemon with the kernel image");
+                    return;
+                }
+                super::$name("docker").await
+            })*
+        }
+    };
 }
