@@ -64,6 +64,10 @@ impl Harness {
             )
             .try_init();
         if let Some(reason) = skip_reason() {
+            // CI sets up Docker and sets KB_REQUIRE_DOCKER=1: there, skipping is a failure.
+            if std::env::var("KB_REQUIRE_DOCKER").as_deref() == Ok("1") {
+                panic!("KB_REQUIRE_DOCKER=1 but {reason}");
+            }
             eprintln!("skipping: {reason}");
             return None;
         }
