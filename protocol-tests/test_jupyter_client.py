@@ -54,8 +54,9 @@ class KernelWS:
     """
 
     def __init__(self, broker, kernel_id, token=ALICE, session_id=None, v1=False,
-                 auth="header", connect_timeout=RECV_TIMEOUT):
-        self.broker = broker
+                 auth="header", connect_timeout=RECV_TIMEOUT, base=None):
+        """`base` (e.g. ws://127.0.0.1:PORT) connects to another server than the broker,
+        such as a jupyter server in gateway mode."""
         self.kernel_id = kernel_id
         self.session = Session(key=b"", username="protocol-test",
                                **({"session": session_id} if session_id else {}))
@@ -64,7 +65,8 @@ class KernelWS:
             # second client object with the same session_id must not repeat them.
             self.session.message_count = int.from_bytes(os.urandom(4), "big")
         self.v1 = v1
-        url = (f"ws://{broker.host}/api/kernels/{kernel_id}/channels"
+        base = base or f"ws://{broker.host}"
+        url = (f"{base}/api/kernels/{kernel_id}/channels"
                f"?session_id={quote(self.session.session)}")
         headers = []
         if auth == "header":

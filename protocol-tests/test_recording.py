@@ -163,3 +163,58 @@ def test_notebook_is_valid_nbformat(fresh_broker):
     assert r.status_code == 200
     nbformat.validate(nbformat.reads(r.text, as_version=4))
     assert b.api("GET", f"/v1/sessions/{sid}/notebook", token=BOB).status_code == 404
+
+
+def test_a_notebook_frontends_cells_are_recorded(fresh_broker):
+    """Code run from a Jupyter client over /api/kernels/{id}/channels is recorded too, and
+    shows up in the notebook and in the replay."""
+    import json
+    import time
+
+    import websocket
+    from jupyter_client.session import Session
+
+    b = fresh_broker()
+    r = b.api("POST", "/api/kernels", json={"name": "python3"})
+    assert r.status_code == 201, r.text
+    kid = r.json()["id"]
+    session = Session(key=b"", username="notebook")
+    ws = websocket.create_connection(
+        f"ws://{b.host}/api/kernels/{kid}/channels?session_id={session.session}",
+        header=[f"Authorization: token {ALICE}"], timeout=30)
+    try:
+        msg = session.msg("execute_request", {"code": "print('from a notebook')\n6 * 7", "silent": False,
+                                              "store_history": True, "user_expressions": {},
+                                              "allow_stdin": False, "stop_on_error": True})
+        ws.send(session.pack(dict(msg, channel="shell")).decode())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = json.loads(ws.recv())
+            if m["msg_type"] == "execute_reply" and m["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                break
+        else:
+            raise AssertionError("no execute_reply")
+    finally:
+        ws.close()
+
+    def recorded():
+        events = all_events(b, kid)
+        return any(e.get("msg_type") == "execute_reply" for e in events) and events
+    events = wait_for(recorded, timeout=10, what="the execute_reply in the recording")
+    req = [e for e in events if e["direction"] == "to_kernel" and e.get("msg_type") == "execute_request"]
+    assert [e["msg_id"] for e in req] == [msg["header"]["msg_id"]]
+    assert req[0]["channel"] == "shell"
+    assert req[0]["header"]["username"] == "notebook"
+
+    nb = nbformat.reads(b.api("GET", f"/v1/sessions/{kid}/notebook").text, as_version=4)
+    nbformat.validate(nb)
+    (cell,) = [c for c in nb.cells if c.cell_type == "code"]
+    assert cell.source == "print('from a notebook')\n6 * 7"
+    assert [o.output_type for o in cell.outputs] == ["stream", "execute_result"]
+    assert cell.outputs[1].data["text/plain"] == "42"
+
+    r = b.api("POST", f"/v1/sessions/{kid}/replay", timeout=120)
+    assert r.status_code == 201, r.text
+    (replayed,) = r.json()["cells"]
+    assert replayed["same_output"] is True, replayed["diff"]
+    assert replayed["recorded_status"] is None  # no agent Execution was recorded for it

@@ -114,6 +114,12 @@ pub struct ServeArgs {
     /// Live sessions one user may hold [default: 20]
     #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
     pub max_sessions_per_user: Option<usize>,
+    /// Ready kernels kept per user (and kernel spec) once the user has created a session; 0 disables the warm pool [default: 1]
+    #[arg(long, env = "KERNEL_BROKER_POOL_SIZE")]
+    pub pool_size: Option<usize>,
+    /// Seconds a user's pooled kernels wait unused before they are shut down [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_POOL_IDLE")]
+    pub pool_idle: Option<u64>,
     /// Executions waiting on one session [default: 64]
     #[arg(long, env = "KERNEL_BROKER_MAX_QUEUE")]
     pub max_queue: Option<usize>,
@@ -218,6 +224,8 @@ pub struct Settings {
     pub max_code_bytes: usize,
     pub max_file_bytes: usize,
     pub max_queue: usize,
+    pub pool_size: usize,
+    pub pool_idle: Duration,
     pub kernels_dir: PathBuf,
     pub python: PathBuf,
     pub uid_base: u32,
@@ -384,6 +392,8 @@ impl Settings {
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
             max_queue: pick!(max_queue, 64),
+            pool_size: pick!(pool_size, 1),
+            pool_idle: Duration::from_secs(pick!(pool_idle, 600)),
             kernels_dir,
             python,
             uid_base: pick!(uid_base, 200_000),

@@ -85,6 +85,10 @@ pub fn session_config(settings: &Settings) -> SessionConfig {
         output_limit: settings.output_limit,
         result_limit: settings.result_limit,
         max_queue: settings.max_queue,
+        pool: crate::session::PoolConfig {
+            size: settings.pool_size,
+            idle: settings.pool_idle,
+        },
         ..SessionConfig::default()
     }
 }

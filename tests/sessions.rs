@@ -4,6 +4,7 @@
 mod common;
 
 on_both_backends!(
+    warm_pool_hands_over_prestarted_kernels,
     state_persists_and_outputs_are_returned,
     matplotlib_charts_arrive_as_png,
     websocket_streams_output_input_and_errors,
@@ -750,5 +751,60 @@ async fn a_frozen_kernel_is_declared_dead_by_its_heartbeat(sb: &'static str) {
     );
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(s["state"], "dead");
+    broker.stop().await;
+}
+
+/// The warm pool hands over kernels started ahead of demand, for the right user only.
+async fn warm_pool_hands_over_prestarted_kernels(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.pool_size = Some(1)).await;
+    let api = broker.api(ALICE);
+    let first = api.create().await;
+    api.execute(&first, "open('mine.txt', 'w').write('alice')")
+        .await;
+    // The first create is cold and starts filling alice's pool.
+    let pooled = || async {
+        let (_, h) = api.get("/healthz").await;
+        h["pooled_kernels"].as_u64().unwrap()
+    };
+    within(60, "pool refill", async {
+        while pooled().await < 1 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = api.create().await;
+    let age = "import psutil, time, os\nprint(round(time.time() - psutil.Process().create_time()), os.getuid(), open('mine.txt').read())";
+    let x = api.execute(&second, age).await;
+    let out = x["stdout"].as_str().unwrap().trim().to_string();
+    let fields: Vec<_> = out.split(' ').collect();
+    assert!(
+        fields[0].parse::<u64>().unwrap() >= 2,
+        "the kernel was started before the request: {out}"
+    );
+    assert_eq!(
+        fields[2], "alice",
+        "the pooled kernel sees its user's workspace: {out}"
+    );
+    let x = api.execute(&first, "import os; print(os.getuid())").await;
+    assert_eq!(
+        x["stdout"].as_str().unwrap().trim(),
+        fields[1],
+        "same uid as a cold kernel of alice"
+    );
+    // Bob gets nothing of alice's pool.
+    let bid = broker.api(BOB).create().await;
+    let x = broker
+        .api(BOB)
+        .execute(&bid, "import os; print(os.path.exists('mine.txt'))")
+        .await;
+    assert_eq!(x["stdout"], "False\n");
+    // A pooled kernel is never reused: the pool refills with a new one.
+    within(60, "pool refill", async {
+        while pooled().await < 2 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
     broker.stop().await;
 }

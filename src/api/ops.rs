@@ -25,6 +25,7 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
             "status": "ok",
             "sandbox": state.registry.sandbox().name(),
             "sessions": sessions,
+            "pooled_kernels": state.registry.pooled(),
         })),
     )
 }
@@ -49,6 +50,11 @@ async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoRes
     let conns: usize = sessions.iter().map(|s| s.info().connections).sum();
     out.push_str("# HELP kernel_broker_connections WebSocket clients attached.\n# TYPE kernel_broker_connections gauge\n");
     out.push_str(&format!("kernel_broker_connections {conns}\n"));
+    out.push_str("# HELP kernel_broker_pooled_kernels Ready kernels in the warm pool.\n# TYPE kernel_broker_pooled_kernels gauge\n");
+    out.push_str(&format!(
+        "kernel_broker_pooled_kernels {}\n",
+        state.registry.pooled()
+    ));
     out.push_str("# HELP kernel_broker_uptime_seconds Seconds since start.\n# TYPE kernel_broker_uptime_seconds counter\n");
     out.push_str(&format!(
         "kernel_broker_uptime_seconds {:.3}\n",

@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
 
 use super::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
+use super::pool::Pool;
 use super::{
     Command, Direction, ExecRequest, Recorder, ReplyRoute, Session, SessionError, SessionEvent,
     SessionState,
@@ -27,6 +28,16 @@ pub(crate) struct Live {
     pub process: Arc<dyn KernelProcess>,
     /// Resolves when the process ends (fed by a watcher task, so `Live` stays `Sync`).
     exit: oneshot::Receiver<ExitReason>,
+}
+
+impl Live {
+    /// Whether the kernel process has already ended.
+    pub fn exited(&mut self) -> bool {
+        !matches!(
+            self.exit.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        )
+    }
 }
 
 /// Launch a kernel in the sandbox and connect to it.
@@ -111,6 +122,7 @@ pub(crate) struct Actor {
     routes: HashMap<String, ReplyRoute>,
     dead_reason: Option<String>,
     recorder: Arc<dyn Recorder>,
+    pool: Arc<Pool>,
 }
 
 /// Record a message, then send it.
@@ -157,6 +169,7 @@ impl Actor {
         commands: mpsc::Receiver<Command>,
         kernel: Live,
         recorder: Arc<dyn Recorder>,
+        pool: Arc<Pool>,
     ) -> Self {
         Self {
             session,
@@ -169,6 +182,7 @@ impl Actor {
             routes: HashMap::new(),
             dead_reason: None,
             recorder,
+            pool,
         }
     }
 
@@ -650,8 +664,17 @@ impl Actor {
             old.process.terminate().await;
         }
         self.routes.clear();
-        let spec = self.session.launch_spec(Signer::random_key());
-        match start_kernel(&self.sandbox, spec, self.config.heartbeat).await {
+        let started = match self
+            .pool
+            .take(&self.session.user, &self.session.kernel_name)
+        {
+            Some((_, live)) => Ok(live),
+            None => {
+                let spec = self.session.launch_spec(Signer::random_key());
+                start_kernel(&self.sandbox, spec, self.config.heartbeat).await
+            }
+        };
+        match started {
             Ok(live) => {
                 self.kernel = Some(live);
                 self.dead_reason = None;

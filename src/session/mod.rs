@@ -13,6 +13,7 @@
 mod actor;
 pub mod execution;
 pub mod files;
+mod pool;
 mod registry;
 
 use std::sync::Arc;
@@ -68,6 +69,7 @@ pub struct SessionConfig {
     pub heartbeat: crate::kernel::Heartbeat,
     /// How long an expired session still answers 410 before it is forgotten (404).
     pub tombstone_ttl: Duration,
+    pub pool: PoolConfig,
 }
 
 impl Default for SessionConfig {
@@ -84,6 +86,7 @@ impl Default for SessionConfig {
             max_queue: 64,
             heartbeat: Default::default(),
             tombstone_ttl: Duration::from_secs(86_400),
+            pool: PoolConfig::default(),
         }
     }
 }
@@ -177,6 +180,7 @@ pub(crate) enum Command {
     },
 }
 
+pub use pool::PoolConfig;
 pub use registry::{CreateOptions, Session};
 
 /// Which way a recorded message went.

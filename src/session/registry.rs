@@ -24,6 +24,7 @@ use uuid::Uuid;
 
 use super::actor::{start_kernel, Actor};
 use super::execution::Execution;
+use super::pool::Pool;
 use super::{
     Command, ExecRequest, Recorder, ReplyRoute, SessionConfig, SessionError, SessionEvent,
     SessionInfo, SessionState,
@@ -337,6 +338,7 @@ struct Inner {
     notify: Arc<Notify>,
     shutdown: CancellationToken,
     recorder: Arc<dyn Recorder>,
+    pool: Arc<Pool>,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -363,6 +365,7 @@ impl Registry {
         kernels: Vec<String>,
         recorder: Arc<dyn Recorder>,
     ) -> Self {
+        let pool = Pool::new(config.pool, sandbox.clone(), config.heartbeat);
         let inner = Arc::new(Inner {
             table: Mutex::new(Table::default()),
             sandbox,
@@ -371,6 +374,7 @@ impl Registry {
             notify: Arc::new(Notify::new()),
             shutdown: CancellationToken::new(),
             recorder,
+            pool,
         });
         let registry = Registry { inner };
         tokio::spawn(registry.clone().expiry_task());
@@ -383,6 +387,11 @@ impl Registry {
 
     pub fn sandbox(&self) -> &Arc<dyn Sandbox> {
         &self.inner.sandbox
+    }
+
+    /// Kernels waiting in the warm pool.
+    pub fn pooled(&self) -> usize {
+        self.inner.pool.ready()
     }
 
     pub fn kernel_names(&self) -> &[String] {
@@ -447,7 +456,21 @@ impl Registry {
             }
             *t.creating.entry(user.name.clone()).or_default() += 1;
         }
-        let result = self.launch(id, user, kernel_name, idle_timeout).await;
+        // A ready kernel from the warm pool, unless the client chose the id.
+        let pooled = match opts.id {
+            None => self.inner.pool.take(user, &kernel_name),
+            Some(_) => {
+                self.inner.pool.refill(user, &kernel_name);
+                None
+            }
+        };
+        let (id, pooled) = match pooled {
+            Some((pooled_id, live)) => (pooled_id, Some(live)),
+            None => (id, None),
+        };
+        let result = self
+            .launch(id, user, kernel_name, idle_timeout, pooled)
+            .await;
         {
             let mut t = self.table();
             if let Some(n) = t.creating.get_mut(&user.name) {
@@ -470,6 +493,7 @@ impl Registry {
         user: &SandboxUser,
         kernel_name: String,
         idle_timeout: Option<Duration>,
+        pooled: Option<super::actor::Live>,
     ) -> Result<Arc<Session>, SessionError> {
         let cfg = &self.inner.config;
         let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
@@ -497,12 +521,17 @@ impl Registry {
             max_queue: cfg.max_queue,
             notify_registry: self.inner.notify.clone(),
         });
-        let live = start_kernel(
-            &self.inner.sandbox,
-            session.launch_spec(Signer::random_key()),
-            cfg.heartbeat,
-        )
-        .await?;
+        let live = match pooled {
+            Some(live) => live,
+            None => {
+                start_kernel(
+                    &self.inner.sandbox,
+                    session.launch_spec(Signer::random_key()),
+                    cfg.heartbeat,
+                )
+                .await?
+            }
+        };
         session.touch();
         let actor = Actor::new(
             session.clone(),
@@ -511,6 +540,7 @@ impl Registry {
             commands_rx,
             live,
             self.inner.recorder.clone(),
+            self.inner.pool.clone(),
         );
         self.inner.recorder.event(
             &session,
@@ -643,6 +673,7 @@ impl Registry {
         let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
         let n = sessions.len();
         futures::future::join_all(sessions.iter().map(|s| s.shutdown(SessionState::Closed))).await;
+        self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;
         tracing::info!(sessions = n, "all sessions shut down");
     }

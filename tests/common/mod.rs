@@ -67,6 +67,8 @@ impl Broker {
                 "kernel-broker-test-{}",
                 uuid::Uuid::new_v4().simple()
             )),
+            // Tests count kernels and runtime directories; the pool is tested on its own.
+            pool_size: Some(0),
             sandbox: Some(match sandbox {
                 "docker" => kernel_broker::config::SandboxKind::Docker,
                 _ => kernel_broker::config::SandboxKind::Local,

@@ -1,0 +1,219 @@
+//! The warm pool: kernels started ahead of demand, so that creating a session (or restarting
+//! one) takes a ready kernel instead of waiting a second or more for Python to start.
+//!
+//! Pooled kernels are launched *for a user*: in that user's sandbox, under that user's
+//! uid, cgroup limits and workspace, exactly as a cold start would. So isolation and quotas
+//! hold from the moment of hand-over (before it, in fact), and a kernel never changes hands:
+//! it is given to one session and never returned. The pool is filled lazily, for a user and
+//! kernel spec once that user has created a session, refilled in the background after every
+//! take, and a user's pooled kernels are shut down after `idle` without a take, so a user
+//! who stopped working holds nothing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::actor::{start_kernel, Live};
+use crate::kernel::Heartbeat;
+use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
+use crate::wire::Signer;
+
+/// Pool settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolConfig {
+    /// Ready kernels kept per user and kernel spec; 0 disables the pool.
+    pub size: usize,
+    /// A user's pooled kernels are shut down after this long without a take.
+    pub idle: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            size: 1,
+            idle: Duration::from_secs(600),
+        }
+    }
+}
+
+struct Pooled {
+    id: Uuid,
+    live: Live,
+}
+
+#[derive(Default)]
+struct Slot {
+    ready: Vec<Pooled>,
+    launching: usize,
+    last_take: Option<Instant>,
+}
+
+type Key = (String, String);
+
+pub(crate) struct Pool {
+    config: PoolConfig,
+    sandbox: Arc<dyn Sandbox>,
+    heartbeat: Heartbeat,
+    slots: Mutex<HashMap<Key, Slot>>,
+    shutdown: CancellationToken,
+}
+
+impl Pool {
+    pub fn new(config: PoolConfig, sandbox: Arc<dyn Sandbox>, heartbeat: Heartbeat) -> Arc<Self> {
+        let pool = Arc::new(Self {
+            config,
+            sandbox,
+            heartbeat,
+            slots: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+        });
+        if config.size > 0 {
+            tokio::spawn(pool.clone().idle_task());
+        }
+        pool
+    }
+
+    fn slots(&self) -> MutexGuard<'_, HashMap<Key, Slot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A ready kernel for `user` running `kernel`, if the pool has one. Starts a refill.
+    pub fn take(self: &Arc<Self>, user: &SandboxUser, kernel: &str) -> Option<(Uuid, Live)> {
+        if self.config.size == 0 || self.shutdown.is_cancelled() {
+            return None;
+        }
+        let key = (user.name.clone(), kernel.to_string());
+        let mut dead = Vec::new();
+        let taken = {
+            let mut slots = self.slots();
+            let slot = slots.entry(key).or_default();
+            slot.last_take = Some(Instant::now());
+            let mut taken = None;
+            while let Some(mut p) = slot.ready.pop() {
+                // A kernel that died while waiting is not handed out.
+                if p.live.exited() {
+                    dead.push(p);
+                    continue;
+                }
+                taken = Some((p.id, p.live));
+                break;
+            }
+            taken
+        };
+        for p in dead {
+            tokio::spawn(async move { p.live.process.terminate().await });
+        }
+        self.refill(user, kernel);
+        taken
+    }
+
+    /// Launch kernels in the background until the pool holds `size` for this user.
+    pub fn refill(self: &Arc<Self>, user: &SandboxUser, kernel: &str) {
+        if self.config.size == 0 || self.shutdown.is_cancelled() {
+            return;
+        }
+        let key = (user.name.clone(), kernel.to_string());
+        let missing = {
+            let mut slots = self.slots();
+            let slot = slots.entry(key.clone()).or_default();
+            slot.last_take.get_or_insert_with(Instant::now);
+            let missing = self
+                .config
+                .size
+                .saturating_sub(slot.ready.len() + slot.launching);
+            slot.launching += missing;
+            missing
+        };
+        for _ in 0..missing {
+            let pool = self.clone();
+            let user = user.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let id = Uuid::new_v4();
+                let spec = LaunchSpec {
+                    session_id: id,
+                    user: user.clone(),
+                    kernel_name: key.1.clone(),
+                    key: Signer::random_key(),
+                    env: Vec::new(),
+                };
+                let started = tokio::select! {
+                    r = start_kernel(&pool.sandbox, spec, pool.heartbeat) => r,
+                    _ = pool.shutdown.cancelled() => return,
+                };
+                let leftover = {
+                    let mut slots = pool.slots();
+                    let slot = slots.entry(key).or_default();
+                    slot.launching = slot.launching.saturating_sub(1);
+                    match started {
+                        Ok(live) if !pool.shutdown.is_cancelled() => {
+                            slot.ready.push(Pooled { id, live });
+                            None
+                        }
+                        Ok(live) => Some(live),
+                        Err(e) => {
+                            tracing::warn!(user = %user.name, error = %e, "warm pool: could not start a kernel");
+                            None
+                        }
+                    }
+                };
+                if let Some(live) = leftover {
+                    live.process.terminate().await;
+                }
+            });
+        }
+    }
+
+    /// Kernels ready now (for metrics).
+    pub fn ready(&self) -> usize {
+        self.slots().values().map(|s| s.ready.len()).sum()
+    }
+
+    /// Shut down the pooled kernels of users who have not taken one for `idle`.
+    async fn idle_task(self: Arc<Self>) {
+        let period = (self.config.idle / 4).max(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(period) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let stale: Vec<Pooled> = {
+                let mut slots = self.slots();
+                let mut stale = Vec::new();
+                for slot in slots.values_mut() {
+                    if slot
+                        .last_take
+                        .is_some_and(|t| t.elapsed() >= self.config.idle)
+                    {
+                        stale.append(&mut slot.ready);
+                    }
+                }
+                slots.retain(|_, s| {
+                    !s.ready.is_empty()
+                        || s.launching > 0
+                        || s.last_take.is_some_and(|t| t.elapsed() < self.config.idle)
+                });
+                stale
+            };
+            for p in stale {
+                tracing::debug!(kernel = %p.id, "warm pool: shutting down an unused kernel");
+                p.live.process.terminate().await;
+            }
+        }
+    }
+
+    /// Shut every pooled kernel down; the pool takes no more.
+    pub async fn drain(&self) {
+        self.shutdown.cancel();
+        let all: Vec<Pooled> = self.slots().drain().flat_map(|(_, s)| s.ready).collect();
+        futures::future::join_all(
+            all.into_iter()
+                .map(|p| async move { p.live.process.terminate().await }),
+        )
+        .await;
+    }
+}
