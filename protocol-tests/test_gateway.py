@@ -311,9 +311,12 @@ def test_reconnect_through_the_gateway_gets_missed_output(jupyter, clients):
 
 
 def test_comm_buffers_do_not_break_the_gateway_connection(jupyter, clients):
-    """jupyter server's gateway proxy decodes every frame from the gateway as UTF-8 text.
-    A kernel message with binary buffers (ipywidgets, bqplot...) must not kill the
-    notebook's connection: what follows it still arrives."""
+    """jupyter server's gateway proxy decodes every frame from the gateway as UTF-8 text, so
+    one binary frame kills its read loop and the notebook silently stops receiving. The
+    broker sends that proxy text frames only: a kernel message with binary buffers
+    (ipywidgets, bqplot...) arrives without its buffers, and the connection lives on.
+    Buffers from the browser to the kernel (binary frames the proxy passes on) do arrive."""
+    from test_jupyter_client import ECHO_TARGET
     kid = start_through_gateway(jupyter)["id"]
     try:
         c = clients(jupyter.ws(kid))
@@ -322,6 +325,20 @@ def test_comm_buffers_do_not_break_the_gateway_connection(jupyter, clients):
                    "kc.send({'y': 2}, buffers=[b'\\xff\\xfe\\x00'])\n"
                    "'after buffers'", timeout=30)
         assert ex.result == "'after buffers'"
+        opens = ex.of_type("comm_open")
+        assert opens and opens[0]["content"]["data"] == {"x": 1}
+        assert ex.of_type("comm_msg")[0]["content"]["data"] == {"y": 2}
         assert c.run("'still alive'", timeout=30).result == "'still alive'"
+        # Browser to kernel: a legacy binary frame through the proxy.
+        assert c.run(ECHO_TARGET).reply["content"]["status"] == "ok"
+        comm_id = uuid.uuid4().hex
+        c.send("shell", "comm_open", {"comm_id": comm_id, "target_name": "echo", "data": {}})
+        c.send("shell", "comm_msg", {"comm_id": comm_id, "data": {"n": 1}},
+               buffers=[b"\x00\x01\x02\xff", b"abc"])
+        got = c.recv_until(lambda m: m["msg_type"] == "comm_msg"
+                           and m["content"].get("comm_id") == comm_id
+                           and "echo" in m["content"]["data"], what="the echo")
+        assert got[-1]["content"]["data"]["sizes"] == [4, 3]
+        assert c.run("'alive after the echo'").result == "'alive after the echo'"
     finally:
         jupyter.api("DELETE", f"/api/kernels/{kid}")

@@ -4,6 +4,7 @@
 mod common;
 
 on_both_backends!(
+    notebook_and_agent_share_a_kernel,
     warm_pool_hands_over_prestarted_kernels,
     state_persists_and_outputs_are_returned,
     matplotlib_charts_arrive_as_png,
@@ -30,7 +31,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use common::*;
-use futures::SinkExt;
+use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 
 fn main_result(exec: &Value) -> &Value {
@@ -803,6 +804,91 @@ async fn warm_pool_hands_over_prestarted_kernels(sb: &'static str) {
     within(60, "pool refill", async {
         while pooled().await < 2 {
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    broker.stop().await;
+}
+
+/// A notebook client on `/api/kernels/{id}/channels` and an agent on the stream share one
+/// kernel: the agent sees the notebook's output (as external frames), the notebook gets its
+/// reply and sees the agent's output on iopub.
+async fn notebook_and_agent_share_a_kernel(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let mut agent = ws_connect(&broker, &id, ALICE).await;
+    assert_eq!(ws_next(&mut agent).await["type"], "status");
+    let url = format!(
+        "ws://{}/api/kernels/{id}/channels?session_id=nb-1&token={ALICE}",
+        broker.addr
+    );
+    let (mut nb, _) = within(
+        30,
+        "channels connect",
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    .unwrap();
+    let msg_id = uuid::Uuid::new_v4().to_string();
+    let request = json!({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": "nb-1",
+                   "username": "alice", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3"},
+        "parent_header": {}, "metadata": {}, "buffers": [], "channel": "shell",
+        "content": {"code": "shared = 7\nprint('from the notebook')", "silent": false,
+                    "store_history": true, "user_expressions": {}, "allow_stdin": false}
+    });
+    nb.send(tokio_tungstenite::tungstenite::Message::Text(
+        request.to_string().into(),
+    ))
+    .await
+    .unwrap();
+    // The notebook gets its execute_reply.
+    within(30, "execute_reply", async {
+        loop {
+            let m = nb.next().await.unwrap().unwrap();
+            if let tokio_tungstenite::tungstenite::Message::Text(t) = m {
+                let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                if v["msg_type"] == "execute_reply" {
+                    assert_eq!(v["channel"], "shell");
+                    assert_eq!(v["parent_header"]["msg_id"], msg_id.as_str());
+                    assert_eq!(v["content"]["status"], "ok");
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    // The agent saw the notebook's output.
+    let seen = within(30, "external stdout", async {
+        loop {
+            let f = ws_next(&mut agent).await;
+            if f["type"] == "stdout" {
+                return f;
+            }
+        }
+    })
+    .await;
+    assert_eq!(seen["text"], "from the notebook\n");
+    assert_eq!(seen["external"], true);
+    assert!(seen["id"].is_null());
+    // And the agent's next step sees the notebook's variable; the notebook sees its output.
+    ws_send(
+        &mut agent,
+        json!({"type": "execute", "id": "a1", "code": "print(shared * 6)"}),
+    )
+    .await;
+    let frames = ws_until_done(&mut agent, "a1").await;
+    assert_eq!(frames.last().unwrap()["execution"]["stdout"], "42\n");
+    within(30, "agent output on the notebook's iopub", async {
+        loop {
+            let m = nb.next().await.unwrap().unwrap();
+            if let tokio_tungstenite::tungstenite::Message::Text(t) = m {
+                let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                if v["msg_type"] == "stream" && v["content"]["text"] == "42\n" {
+                    return;
+                }
+            }
         }
     })
     .await;

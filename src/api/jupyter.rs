@@ -418,12 +418,35 @@ async fn channels(
     } else {
         ws
     };
-    Ok(ws.on_upgrade(move |socket| serve_channels(socket, session, state, client_id, offers_v1)))
+    let framing = if offers_v1 {
+        Framing::V1
+    } else if is_gateway_proxy(&headers) {
+        Framing::LegacyTextOnly
+    } else {
+        Framing::Legacy
+    };
+    Ok(ws.on_upgrade(move |socket| serve_channels(socket, session, state, client_id, framing)))
 }
 
-#[derive(Clone, Copy, PartialEq)]
+/// jupyter_server's gateway proxy (`jupyter server --gateway-url`, GatewayWebSocketConnection)
+/// opens its socket with Tornado's client and decodes every frame it receives as UTF-8: one
+/// binary frame kills its read loop and the notebook stops getting anything, silently. It
+/// is recognised by Tornado's default User-Agent and gets text frames only.
+fn is_gateway_proxy(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("Tornado/"))
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Framing {
+    /// JSON text frames; a message with buffers goes as a binary frame with the offsets header.
     Legacy,
+    /// JSON text frames only: a message's binary buffers are left out (`"buffers": []`),
+    /// for clients that cannot take binary frames (jupyter_server's gateway proxy).
+    LegacyTextOnly,
+    /// `v1.kernel.websocket.jupyter.org`: every message a binary frame.
     V1,
 }
 
@@ -435,9 +458,8 @@ async fn serve_channels(
     session: Arc<Session>,
     state: AppState,
     client_id: Option<String>,
-    v1: bool,
+    framing: Framing,
 ) {
-    let framing = if v1 { Framing::V1 } else { Framing::Legacy };
     let _guard = session.connect_client();
     let (generation, parked) = match client_id.as_deref() {
         Some(c) => {
@@ -473,7 +495,7 @@ async fn serve_channels(
             Ok(WsMessage::Text(t)) => decode_legacy_json(t.as_bytes(), Vec::new()),
             Ok(WsMessage::Binary(b)) => match framing {
                 Framing::V1 => decode_v1(&b),
-                Framing::Legacy => decode_legacy_binary(&b),
+                Framing::Legacy | Framing::LegacyTextOnly => decode_legacy_binary(&b),
             },
             Ok(WsMessage::Close(_)) => break,
             Ok(_) => continue,
@@ -528,7 +550,7 @@ async fn write_to_client(
                 biased;
                 _ = stop.cancelled() => break,
                 ev = held.events.recv() => match ev {
-                    Ok(SessionEvent::Iopub(m)) => Some((Channel::Iopub, m)),
+                    Ok(SessionEvent::Iopub { msg, .. }) => Some((Channel::Iopub, msg)),
                     Ok(SessionEvent::Restarted) => {
                         Some((Channel::Iopub, synthetic_status(&session, "restarting")))
                     }
@@ -589,7 +611,7 @@ fn json_part(b: &Bytes) -> &str {
 fn encode_frame(framing: Framing, channel: Channel, m: &Message) -> WsMessage {
     match framing {
         Framing::V1 => WsMessage::Binary(encode_v1(channel, m).into()),
-        Framing::Legacy => {
+        Framing::Legacy | Framing::LegacyTextOnly => {
             let text = format!(
                 "{{\"header\":{},\"parent_header\":{},\"metadata\":{},\"content\":{},\"buffers\":[],\"channel\":{},\"msg_id\":{},\"msg_type\":{}}}",
                 json_part(&m.header),
@@ -600,7 +622,7 @@ fn encode_frame(framing: Framing, channel: Channel, m: &Message) -> WsMessage {
                 json!(m.msg_id),
                 json!(m.msg_type),
             );
-            if m.buffers.is_empty() {
+            if m.buffers.is_empty() || framing == Framing::LegacyTextOnly {
                 WsMessage::Text(text.into())
             } else {
                 WsMessage::Binary(encode_legacy_binary(text.as_bytes(), &m.buffers).into())
@@ -850,6 +872,23 @@ mod tests {
         assert_eq!(ch, Channel::Iopub);
         assert_eq!(back.msg_id, m.msg_id);
         assert_eq!(back.buffers, m.buffers);
+    }
+
+    #[test]
+    fn text_only_clients_get_text_without_buffers() {
+        let m = sample();
+        let WsMessage::Text(t) = encode_frame(Framing::LegacyTextOnly, Channel::Iopub, &m) else {
+            panic!("a text-only client must never get a binary frame")
+        };
+        let v: Value = serde_json::from_str(t.as_str()).unwrap();
+        assert_eq!(v["buffers"], json!([]));
+        assert_eq!(v["content"]["data"]["x"], 1);
+        let mut h = HeaderMap::new();
+        h.insert(header::USER_AGENT, "Tornado/6.5.2".parse().unwrap());
+        assert!(is_gateway_proxy(&h));
+        h.insert(header::USER_AGENT, "Mozilla/5.0".parse().unwrap());
+        assert!(!is_gateway_proxy(&h));
+        assert!(!is_gateway_proxy(&HeaderMap::new()));
     }
 
     #[test]

@@ -93,6 +93,19 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
                             return;
                         }
                     }
+                    // Output of executions other clients started (a notebook on the same
+                    // kernel): streamed with a null id and `external: true`.
+                    Ok(SessionEvent::Iopub { msg, agent: false }) => {
+                        if let Some(ev) =
+                            crate::session::execution::output_event(&msg.msg_type, &msg.content)
+                        {
+                            let mut frame = event_value(&Value::Null, ev);
+                            frame["external"] = Value::Bool(true);
+                            if out.send(frame.to_string()).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
                     Ok(_) => {}
                     Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return,
@@ -218,6 +231,10 @@ async fn start_execution(
 }
 
 fn event_frame(id: &Value, ev: OutputEvent) -> String {
+    event_value(id, ev).to_string()
+}
+
+fn event_value(id: &Value, ev: OutputEvent) -> Value {
     match ev {
         OutputEvent::Stdout(text) => json!({"type": "stdout", "id": id, "text": text}),
         OutputEvent::Stderr(text) => json!({"type": "stderr", "id": id, "text": text}),
@@ -234,5 +251,4 @@ fn event_frame(id: &Value, ev: OutputEvent) -> String {
             json!({"type": "input_request", "id": id, "prompt": prompt, "password": password})
         }
     }
-    .to_string()
 }

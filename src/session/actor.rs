@@ -123,6 +123,8 @@ pub(crate) struct Actor {
     dead_reason: Option<String>,
     recorder: Arc<dyn Recorder>,
     pool: Arc<Pool>,
+    /// The last few agent executions' msg_ids: their late iopub is still theirs.
+    recent_agent_ids: VecDeque<String>,
 }
 
 /// Record a message, then send it.
@@ -183,6 +185,7 @@ impl Actor {
             dead_reason: None,
             recorder,
             pool,
+            recent_agent_ids: VecDeque::new(),
         }
     }
 
@@ -417,6 +420,10 @@ impl Actor {
 
     fn finish(&mut self, status: ExecutionStatus, note: Option<ExecutionError>) {
         let Some(r) = self.running.take() else { return };
+        if self.recent_agent_ids.len() >= 16 {
+            self.recent_agent_ids.pop_front();
+        }
+        self.recent_agent_ids.push_back(r.msg_id.clone());
         let ms = r.started.elapsed().as_secs_f64() * 1000.0;
         let exec = r.collector.finish(status, note, ms);
         if let Some(n) = exec.execution_count {
@@ -496,7 +503,11 @@ impl Actor {
                 }
             }
         }
-        self.session.publish(SessionEvent::Iopub(m));
+        let agent = m.parent_msg_id.as_deref().is_some_and(|p| {
+            self.running.as_ref().is_some_and(|r| r.msg_id == p)
+                || self.recent_agent_ids.iter().any(|id| id == p)
+        });
+        self.session.publish(SessionEvent::Iopub { msg: m, agent });
         self.check_complete();
     }
 

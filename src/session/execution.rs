@@ -318,6 +318,12 @@ impl Collector {
     }
 }
 
+/// The output event of one iopub message on its own (for output of executions that other
+/// clients started), or `None` when it carries no output.
+pub fn output_event(msg_type: &str, content: &[u8]) -> Option<OutputEvent> {
+    Collector::new(usize::MAX, usize::MAX).on_iopub(msg_type, content)
+}
+
 /// An execution that never reached the kernel (dead or expired session, queue refused).
 pub fn failed(status: ExecutionStatus, ename: &str, evalue: String) -> Execution {
     Collector::new(0, 0).finish(

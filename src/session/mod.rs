@@ -142,8 +142,9 @@ pub struct SessionInfo {
 pub enum SessionEvent {
     /// The session's state changed.
     State(SessionState),
-    /// A message the kernel published on iopub, as received.
-    Iopub(Arc<Message>),
+    /// A message the kernel published on iopub, as received. `agent` is true when it
+    /// belongs to an execution of the agent API (whose clients get it as their own frames).
+    Iopub { msg: Arc<Message>, agent: bool },
     /// The kernel was restarted (by request or after a timeout).
     Restarted,
 }
