@@ -260,6 +260,25 @@ fn secs(v: f64, name: &str) -> Result<Duration, ConfigError> {
     })
 }
 
+/// `./kernels` when it exists, else the repository's `kernels/` next to the binary
+/// (`target/<profile>/kernel-broker` → `kernels/`), so the broker runs from any directory.
+fn default_kernels_dir() -> PathBuf {
+    let here = PathBuf::from("kernels");
+    if here.join("python3").is_dir() {
+        return here;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| {
+            exe.ancestors()
+                .skip(1)
+                .take(4)
+                .map(|d| d.join("kernels"))
+                .find(|k| k.join("python3").is_dir())
+        })
+        .unwrap_or(here)
+}
+
 fn valid_user_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
@@ -286,7 +305,7 @@ impl Settings {
                     .unwrap_or_else(|| $default)
             };
         }
-        let kernels_dir = pick!(kernels_dir, PathBuf::from("kernels"));
+        let kernels_dir = pick!(kernels_dir, default_kernels_dir());
         let python = pick!(python, kernels_dir.join(".venv/bin/python"));
         let defaults = UserLimits {
             memory_bytes: pick!(memory_limit, 1 << 30),
