@@ -54,7 +54,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,12 +69,15 @@ use bollard::query_parameters::{
 };
 use bollard::Docker;
 use futures::StreamExt;
-use sha2::{Digest, Sha256};
 use tokio::sync::{oneshot, watch, OnceCell};
 use tokio::time::{sleep, timeout};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::fsutil::{
+    self, absolute, current_ids, io_err, launch_err, prepare_workspace, remove_dir_logged,
+    FileMode, WorkspaceOwner,
+};
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser, UserLimits,
@@ -109,12 +112,6 @@ const MAX_SOCKET_PATH: usize = 107;
 const USER_NAME_BUDGET: usize = 32;
 /// Hex digits of the session id naming its runtime directory (`/run/kernel/<dir>`).
 const SESSION_DIR_LEN: usize = 12;
-/// Ports of the five channels (`k-1` .. `k-5`).
-const SHELL_PORT: u16 = 1;
-const IOPUB_PORT: u16 = 2;
-const STDIN_PORT: u16 = 3;
-const CONTROL_PORT: u16 = 4;
-const HB_PORT: u16 = 5;
 /// How often a kernel's watcher asks the daemon whether the kernel still runs.
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// Per-request timeout of the Docker client, in seconds.
@@ -217,7 +214,7 @@ impl DockerSandbox {
             cfg.run_dir = Some(absolute(dir)?);
         }
         let socket_path = socket_path(&cfg.socket)?;
-        let hash = hex::encode(&Sha256::digest(cfg.data_dir.as_os_str().as_encoded_bytes())[..4]);
+        let hash = fsutil::data_dir_hash(&cfg.data_dir);
         let (euid, _) = current_ids();
         let privileged = euid == 0;
         let run_base = choose_run_base(&cfg, &hash, privileged, euid)?;
@@ -308,7 +305,7 @@ impl Sandbox for DockerSandbox {
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
         let path = self.inner.workspace_path(user)?;
-        prepare_workspace(&path, self.inner.privileged)?;
+        prepare_workspace(&path, workspace_owner(self.inner.privileged))?;
         Ok(path)
     }
 
@@ -420,23 +417,14 @@ impl Inner {
         self.started
             .get_or_try_init(|| async {
                 let docker = self.client().await?;
-                let dirs = [
-                    (self.cfg.data_dir.clone(), None),
-                    (self.workspaces.clone(), Some(0o700)),
-                    (self.run_base.clone(), Some(0o700)),
-                ];
-                let run_base = self.run_base.clone();
-                let swept = tokio::task::spawn_blocking(move || {
-                    for (dir, mode) in &dirs {
-                        create_private_dir(dir, *mode)?;
-                    }
-                    empty_dir(&run_base)
-                })
-                .await
-                .map_err(|e| unavailable(format!("startup task failed: {e}")))??;
-                if swept > 0 {
-                    tracing::info!(count = swept, dir = %self.run_base.display(), "removed runtime directories left by an earlier run");
-                }
+                fsutil::prepare_state_dirs(
+                    BACKEND,
+                    &self.cfg.data_dir,
+                    &self.workspaces,
+                    &self.run_base,
+                    empty_dir,
+                )
+                .await?;
                 let stale = self
                     .our_containers(&docker)
                     .await
@@ -445,7 +433,10 @@ impl Inner {
                     self.remove_container(&docker, id).await;
                 }
                 if !stale.is_empty() {
-                    tracing::info!(count = stale.len(), "removed kernel containers left by an earlier run");
+                    tracing::info!(
+                        count = stale.len(),
+                        "removed kernel containers left by an earlier run"
+                    );
                 }
                 Ok(())
             })
@@ -639,7 +630,7 @@ impl Inner {
             let run_dir = run_dir.clone();
             let privileged = self.privileged;
             tokio::task::spawn_blocking(move || {
-                prepare_workspace(&workspace, privileged)?;
+                prepare_workspace(&workspace, workspace_owner(privileged))?;
                 prepare_user_run_dir(&run_dir)
             })
             .await
@@ -888,41 +879,18 @@ fn kernel_log(dir: &str) -> String {
 
 /// The connection file (`ipc` transport; sockets `/run/kernel/<dir>/k-<port>`).
 fn connection_file(spec: &LaunchSpec, dir: &str) -> serde_json::Value {
-    serde_json::json!({
-        "transport": "ipc",
-        "ip": format!("{RUN_DIR_INSIDE}/{dir}/k"),
-        "shell_port": SHELL_PORT,
-        "iopub_port": IOPUB_PORT,
-        "stdin_port": STDIN_PORT,
-        "control_port": CONTROL_PORT,
-        "hb_port": HB_PORT,
-        "key": spec.key,
-        "signature_scheme": "hmac-sha256",
-        "kernel_name": spec.kernel_name,
-    })
+    fsutil::connection_file(spec, &format!("{RUN_DIR_INSIDE}/{dir}/k"))
 }
 
 /// The host-side endpoints of a session directory; fails if a socket path is too long.
 fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, String> {
-    let dir = host_dir
-        .to_str()
-        .ok_or_else(|| format!("the runtime directory {} is not UTF-8", host_dir.display()))?;
-    let longest = format!("{dir}/k-{HB_PORT}");
-    if longest.len() >= MAX_SOCKET_PATH {
-        return Err(format!(
+    fsutil::ipc_endpoints(host_dir, MAX_SOCKET_PATH, |longest| {
+        format!(
             "the socket path {longest} is too long ({} bytes; unix sockets allow {}); \
              configure a shorter run_dir or use a shorter user name",
             longest.len(),
             MAX_SOCKET_PATH - 1
-        ));
-    }
-    let ep = |port: u16| format!("ipc://{dir}/k-{port}");
-    Ok(KernelEndpoints {
-        shell: ep(SHELL_PORT),
-        iopub: ep(IOPUB_PORT),
-        stdin: ep(STDIN_PORT),
-        control: ep(CONTROL_PORT),
-        hb: ep(HB_PORT),
+        )
     })
 }
 
@@ -935,10 +903,6 @@ struct SessionFiles {
 
 impl SessionFiles {
     fn write(&self) -> Result<(), SandboxError> {
-        let err = |what: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| SandboxError::Io { what, path, source }
-        };
         // As root: the kernel's own directory. Otherwise world-writable, so the kernel can
         // create its sockets; the broker's 0700 runtime base keeps other host users out.
         let (mode, owner) = if self.privileged {
@@ -949,28 +913,25 @@ impl SessionFiles {
         std::fs::DirBuilder::new()
             .mode(mode)
             .create(&self.dir)
-            .map_err(err(
+            .map_err(io_err(
                 "cannot create the session's runtime directory",
                 &self.dir,
             ))?;
         // The umask may have narrowed the mode.
-        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(mode)).map_err(err(
-            "cannot set the runtime directory's permissions",
-            &self.dir,
-        ))?;
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(mode)).map_err(
+            io_err("cannot set the runtime directory's permissions", &self.dir),
+        )?;
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::chown(&self.dir, Some(uid), Some(gid))
-                .map_err(err("cannot chown the runtime directory", &self.dir))?;
+                .map_err(io_err("cannot chown the runtime directory", &self.dir))?;
         }
-        let path = self.dir.join("connection.json");
-        let text = serde_json::to_vec_pretty(&self.connection).map_err(|e| SandboxError::Io {
-            what: "cannot encode the connection file",
-            path: path.clone(),
-            source: io::Error::other(e),
-        })?;
         let file_mode = if self.privileged { 0o600 } else { 0o644 };
-        write_new_file(&path, &text, file_mode, owner)
-            .map_err(err("cannot write the connection file", &path))
+        fsutil::write_connection_file(
+            &self.dir,
+            &self.connection,
+            FileMode::Exact(file_mode),
+            owner,
+        )
     }
 }
 
@@ -1414,80 +1375,17 @@ fn choose_run_base(
     privileged: bool,
     euid: u32,
 ) -> Result<PathBuf, SandboxError> {
-    // `<base>/<user>/<dir>/k-5`
-    let room = 1 + USER_NAME_BUDGET + 1 + SESSION_DIR_LEN + 4;
-    let fits = |base: &Path| {
-        base.to_str()
-            .is_some_and(|b| b.len() + room < MAX_SOCKET_PATH)
+    let layout = fsutil::RunBaseLayout {
+        backend: BACKEND,
+        data_dir: &cfg.data_dir,
+        run_dir: cfg.run_dir.as_deref(),
+        default_name: "run-docker",
+        fallback_name: "kernel-broker-docker",
+        // `/<user>/<dir>/k-5`
+        room: 1 + USER_NAME_BUDGET + 1 + SESSION_DIR_LEN + 4,
+        max_socket_path: MAX_SOCKET_PATH,
     };
-    if let Some(dir) = &cfg.run_dir {
-        return if fits(dir) {
-            Ok(dir.clone())
-        } else {
-            Err(unavailable(format!(
-                "run_dir {} is too long (or not UTF-8) for the kernels' socket paths; \
-                 use a path of at most {} bytes",
-                dir.display(),
-                MAX_SOCKET_PATH - room - 1
-            )))
-        };
-    }
-    let default = cfg.data_dir.join("run-docker");
-    if fits(&default) {
-        return Ok(default);
-    }
-    let mut candidates = Vec::new();
-    if privileged {
-        candidates.push(PathBuf::from(format!("/run/kernel-broker-docker-{hash}")));
-    } else {
-        if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
-            candidates.push(PathBuf::from(xdg).join(format!("kernel-broker-docker-{hash}")));
-        }
-        candidates.push(PathBuf::from(format!(
-            "/tmp/kernel-broker-docker-{euid}-{hash}"
-        )));
-    }
-    let chosen = candidates.into_iter().find(|c| fits(c)).ok_or_else(|| {
-        unavailable("no short enough directory for the kernels' sockets; set run_dir")
-    })?;
-    tracing::info!(
-        data_dir = %cfg.data_dir.display(),
-        run_dir = %chosen.display(),
-        "socket paths under the data directory would be too long; using a shorter runtime directory"
-    );
-    Ok(chosen)
-}
-
-/// Creates `dir` (and parents) if missing; with `mode`, also makes sure it is a real
-/// directory owned by the broker with that mode (it may live in a shared place like /tmp).
-fn create_private_dir(dir: &Path, mode: Option<u32>) -> Result<(), SandboxError> {
-    let err = |what: &'static str| {
-        let path = dir.to_path_buf();
-        move |source| SandboxError::Io { what, path, source }
-    };
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    if let Some(mode) = mode {
-        builder.mode(mode);
-    }
-    builder
-        .create(dir)
-        .map_err(err("cannot create directory"))?;
-    let Some(mode) = mode else { return Ok(()) };
-    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect directory"))?;
-    let (euid, _) = current_ids();
-    if !meta.is_dir() || meta.uid() != euid {
-        return Err(SandboxError::Io {
-            what: "refusing to use a directory not owned by the broker",
-            path: dir.to_path_buf(),
-            source: io::Error::from(io::ErrorKind::PermissionDenied),
-        });
-    }
-    if meta.mode() & 0o7777 != mode {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(err("cannot set the directory's permissions"))?;
-    }
-    Ok(())
+    fsutil::choose_run_base(&layout, hash, privileged, euid)
 }
 
 /// Removes everything inside `dir` (an earlier run's per-user runtime directories).
@@ -1517,10 +1415,7 @@ fn empty_dir(dir: &Path) -> Result<usize, SandboxError> {
 /// The user's runtime directory, mounted at `/run/kernel`: the kernel needs to reach (not
 /// list or write) it; session directories inside it are the kernel's.
 fn prepare_user_run_dir(dir: &Path) -> Result<(), SandboxError> {
-    let err = |what: &'static str| {
-        let path = dir.to_path_buf();
-        move |source| SandboxError::Io { what, path, source }
-    };
+    let err = |what: &'static str| io_err(what, dir);
     match std::fs::DirBuilder::new().mode(0o711).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -1528,117 +1423,6 @@ fn prepare_user_run_dir(dir: &Path) -> Result<(), SandboxError> {
     }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .map_err(err("cannot set the runtime directory's permissions"))
-}
-
-/// Creates the workspace (0700) and gives it to the kernel's uid 1000 (recursively when the
-/// top directory's owner is wrong, never following symlinks). Without root the ownership
-/// cannot change: the directory is made 0777 instead (inside the broker's 0700 parent).
-fn prepare_workspace(dir: &Path, privileged: bool) -> Result<(), SandboxError> {
-    let err = |what: &'static str| {
-        let path = dir.to_path_buf();
-        move |source| SandboxError::Io { what, path, source }
-    };
-    if let Some(parent) = dir.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(parent)
-            .map_err(err("cannot create the workspaces directory"))?;
-    }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(err("cannot create the workspace")(e)),
-    }
-    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
-    if !meta.is_dir() {
-        return Err(err("the workspace is not a directory")(io::Error::from(
-            io::ErrorKind::InvalidInput,
-        )));
-    }
-    let owned = meta.uid() == KERNEL_UID && meta.gid() == KERNEL_GID;
-    let mode = if privileged {
-        if !owned {
-            tracing::info!(workspace = %dir.display(), "giving the workspace to the kernel uid 1000");
-            chown_tree(dir, KERNEL_UID, KERNEL_GID).map_err(err("cannot chown the workspace"))?;
-        }
-        0o700
-    } else if owned {
-        0o700
-    } else {
-        0o777
-    };
-    if meta.mode() & 0o7777 != mode {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(err("cannot set the workspace's permissions"))?;
-    }
-    Ok(())
-}
-
-/// `chown -R` without following symlinks.
-fn chown_tree(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
-    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d)? {
-            let entry = entry?;
-            let path = entry.path();
-            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
-            if entry.file_type()?.is_dir() {
-                stack.push(path);
-            }
-        }
-    }
-    Ok(())
-}
-
-fn write_new_file(
-    path: &Path,
-    contents: &[u8],
-    mode: u32,
-    owner: Option<(u32, u32)>,
-) -> io::Result<()> {
-    use std::io::Write;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(path)?;
-    file.write_all(contents)?;
-    if let Some((uid, gid)) = owner {
-        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
-    }
-    // The umask may have narrowed the mode.
-    file.set_permissions(std::fs::Permissions::from_mode(mode))
-}
-
-async fn remove_dir_logged(dir: PathBuf) {
-    let result = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err((dir, e)),
-    })
-    .await;
-    match result {
-        Ok(Ok(())) => {}
-        Ok(Err((dir, e))) => {
-            tracing::warn!(path = %dir.display(), error = %e, "cannot remove the runtime directory");
-        }
-        Err(e) => tracing::warn!(error = %e, "removing a runtime directory failed"),
-    }
-}
-
-fn absolute(path: &Path) -> Result<PathBuf, SandboxError> {
-    std::path::absolute(path).map_err(|source| SandboxError::Io {
-        what: "cannot make the path absolute",
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-fn current_ids() -> (u32, u32) {
-    // SAFETY: geteuid(2) and getegid(2) cannot fail and have no preconditions.
-    unsafe { (libc::geteuid(), libc::getegid()) }
 }
 
 /// Usable after `kernel-broker-<hash>-` in a container name (`[a-zA-Z0-9_.-]`) and as a
@@ -1659,16 +1443,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
-    SandboxError::Unavailable {
-        backend: BACKEND,
-        reason: reason.into(),
-    }
+    fsutil::unavailable(BACKEND, reason)
 }
 
-fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
-    SandboxError::Launch {
-        user: user.name.clone(),
-        reason: reason.into(),
+/// The workspace belongs to the image's `kernel` user; only root can give it away.
+fn workspace_owner(privileged: bool) -> WorkspaceOwner {
+    let (uid, gid) = (KERNEL_UID, KERNEL_GID);
+    if privileged {
+        WorkspaceOwner::Kernel { uid, gid }
+    } else {
+        WorkspaceOwner::KernelUnchowned { uid, gid }
     }
 }
 

@@ -31,7 +31,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ffi::{CString, OsString};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -41,7 +41,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{watch, OnceCell};
@@ -51,6 +50,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::cgroup::{Cgroups, Leaf};
+use super::fsutil::{
+    self, absolute, current_ids, io_err, launch_err, prepare_workspace, remove_dir_logged,
+    write_new_file, FileMode, WorkspaceOwner,
+};
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser,
@@ -70,12 +73,6 @@ const HOSTNAME: &str = "kernel";
 /// Longest socket path we create; `sun_path` holds 108 bytes including the NUL, and some
 /// libraries are stricter.
 const MAX_SOCKET_PATH: usize = 100;
-/// Ports of the five channels (`k-1` .. `k-5`).
-const SHELL_PORT: u16 = 1;
-const IOPUB_PORT: u16 = 2;
-const STDIN_PORT: u16 = 3;
-const CONTROL_PORT: u16 = 4;
-const HB_PORT: u16 = 5;
 /// How long bwrap may take to report the sandbox's init pid.
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `terminate` waits for the kill and the cleanup.
@@ -284,23 +281,14 @@ impl LocalSandbox {
     async fn startup(&self) -> Result<Option<Arc<Cgroups>>, SandboxError> {
         self.started
             .get_or_try_init(|| async {
-                let dirs = [
-                    (self.cfg.data_dir.clone(), None),
-                    (self.workspaces.clone(), Some(0o700)),
-                    (self.run_base.clone(), Some(0o700)),
-                ];
-                let run_base = self.run_base.clone();
-                let swept = tokio::task::spawn_blocking(move || {
-                    for (dir, mode) in &dirs {
-                        create_private_dir(dir, *mode)?;
-                    }
-                    sweep_run_base(&run_base)
-                })
-                .await
-                .map_err(|e| unavailable(format!("startup task failed: {e}")))??;
-                if swept > 0 {
-                    tracing::info!(count = swept, dir = %self.run_base.display(), "removed runtime directories left by an earlier run");
-                }
+                fsutil::prepare_state_dirs(
+                    BACKEND,
+                    &self.cfg.data_dir,
+                    &self.workspaces,
+                    &self.run_base,
+                    sweep_run_base,
+                )
+                .await?;
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {
@@ -811,7 +799,7 @@ impl Sandbox for LocalSandbox {
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
         let path = self.workspace_path(user)?;
-        prepare_workspace(&path, self.kernel_ids(user)?)?;
+        prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?))?;
         Ok(path)
     }
 
@@ -1378,16 +1366,12 @@ impl LaunchFiles {
     }
 
     fn write_in_rundir(&self) -> Result<(), SandboxError> {
-        let io_err = |what: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| SandboxError::Io { what, path, source }
-        };
         if let Some((uid, gid)) = self.ids {
             std::os::unix::fs::chown(&self.rundir, Some(uid), Some(gid))
                 .map_err(io_err("cannot chown the runtime directory", &self.rundir))?;
         }
         // After the runtime directory: `check` puts its scratch workspace inside it.
-        prepare_workspace(&self.workspace, self.ids)?;
+        prepare_workspace(&self.workspace, workspace_owner(self.ids))?;
         let (uid, gid) = self.ids.unwrap_or_else(current_ids);
         let login = &self.login;
         let passwd = format!(
@@ -1400,79 +1384,34 @@ impl LaunchFiles {
             format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
         for (name, text) in [("passwd", passwd), ("group", group), ("hosts", hosts)] {
             let path = self.rundir.join(name);
-            write_new_file(&path, text.as_bytes(), 0o644, None)
+            write_new_file(&path, text.as_bytes(), FileMode::Masked(0o644), None)
                 .map_err(io_err("cannot write a sandbox /etc file", &path))?;
         }
         if !self.connection.is_null() {
-            let path = self.rundir.join("connection.json");
-            let text =
-                serde_json::to_vec_pretty(&self.connection).map_err(|e| SandboxError::Io {
-                    what: "cannot encode the connection file",
-                    path: path.clone(),
-                    source: io::Error::other(e),
-                })?;
-            write_new_file(&path, &text, 0o600, self.ids)
-                .map_err(io_err("cannot write the connection file", &path))?;
+            fsutil::write_connection_file(
+                &self.rundir,
+                &self.connection,
+                FileMode::Masked(0o600),
+                self.ids,
+            )?;
         }
         Ok(())
     }
 }
 
-fn write_new_file(
-    path: &Path,
-    contents: &[u8],
-    mode: u32,
-    owner: Option<(u32, u32)>,
-) -> io::Result<()> {
-    use std::io::Write;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(path)?;
-    file.write_all(contents)?;
-    if let Some((uid, gid)) = owner {
-        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
-    }
-    Ok(())
-}
-
 /// The connection file the kernel reads (`ipc` transport; sockets `/run/kernel/k-<port>`).
 fn connection_file(spec: &LaunchSpec) -> serde_json::Value {
-    serde_json::json!({
-        "transport": "ipc",
-        "ip": IPC_BASE_INSIDE,
-        "shell_port": SHELL_PORT,
-        "iopub_port": IOPUB_PORT,
-        "stdin_port": STDIN_PORT,
-        "control_port": CONTROL_PORT,
-        "hb_port": HB_PORT,
-        "key": spec.key,
-        "signature_scheme": "hmac-sha256",
-        "kernel_name": spec.kernel_name,
-    })
+    fsutil::connection_file(spec, IPC_BASE_INSIDE)
 }
 
 /// The host-side endpoints for a runtime directory; fails if a socket path would be too long.
 fn endpoints_for(rundir: &Path) -> Result<KernelEndpoints, String> {
-    let dir = rundir
-        .to_str()
-        .ok_or_else(|| format!("the runtime directory {} is not UTF-8", rundir.display()))?;
-    let longest = format!("{dir}/k-{HB_PORT}");
-    if longest.len() >= MAX_SOCKET_PATH {
-        return Err(format!(
+    fsutil::ipc_endpoints(rundir, MAX_SOCKET_PATH, |longest| {
+        format!(
             "the socket path {longest} is too long ({} bytes, the limit is {MAX_SOCKET_PATH}); \
              configure a shorter run_dir",
             longest.len()
-        ));
-    }
-    let ep = |port: u16| format!("ipc://{dir}/k-{port}");
-    Ok(KernelEndpoints {
-        shell: ep(SHELL_PORT),
-        iopub: ep(IOPUB_PORT),
-        stdin: ep(STDIN_PORT),
-        control: ep(CONTROL_PORT),
-        hb: ep(HB_PORT),
+        )
     })
 }
 
@@ -1482,79 +1421,19 @@ fn choose_run_base(
     privileged: bool,
     euid: u32,
 ) -> Result<PathBuf, SandboxError> {
-    // `<base>/<uuid>/k-5`
-    let fits = |base: &Path| {
-        base.to_str()
-            .is_some_and(|b| b.len() + 1 + 36 + 4 < MAX_SOCKET_PATH)
+    let layout = fsutil::RunBaseLayout {
+        backend: BACKEND,
+        data_dir: &cfg.data_dir,
+        run_dir: cfg.run_dir.as_deref(),
+        default_name: "run",
+        fallback_name: "kernel-broker",
+        // `/<uuid>/k-5`
+        room: 1 + 36 + 4,
+        max_socket_path: MAX_SOCKET_PATH,
     };
-    if let Some(dir) = &cfg.run_dir {
-        return if fits(dir) {
-            Ok(dir.clone())
-        } else {
-            Err(unavailable(format!(
-                "run_dir {} is too long (or not UTF-8) for the kernels' socket paths; \
-                 use a path of at most {} bytes",
-                dir.display(),
-                MAX_SOCKET_PATH - 42
-            )))
-        };
-    }
-    let default = cfg.data_dir.join("run");
-    if fits(&default) {
-        return Ok(default);
-    }
     // Several brokers may fall back on one host: tell them apart by their data directory.
-    let hash = hex::encode(&Sha256::digest(cfg.data_dir.as_os_str().as_encoded_bytes())[..4]);
-    let mut candidates = Vec::new();
-    if privileged {
-        candidates.push(PathBuf::from(format!("/run/kernel-broker-{hash}")));
-    } else {
-        if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
-            candidates.push(PathBuf::from(xdg).join(format!("kernel-broker-{hash}")));
-        }
-        candidates.push(PathBuf::from(format!("/tmp/kernel-broker-{euid}-{hash}")));
-    }
-    let chosen = candidates.into_iter().find(|c| fits(c)).ok_or_else(|| {
-        unavailable("no short enough directory for the kernels' sockets; set run_dir")
-    })?;
-    tracing::info!(
-        data_dir = %cfg.data_dir.display(),
-        run_dir = %chosen.display(),
-        "socket paths under the data directory would be too long; using a shorter runtime directory"
-    );
-    Ok(chosen)
-}
-
-/// Creates `dir` (and parents) if missing; with `mode`, also makes sure it is a real
-/// directory owned by the broker with that mode (it may live in a shared place like /tmp).
-fn create_private_dir(dir: &Path, mode: Option<u32>) -> Result<(), SandboxError> {
-    let err = |what: &'static str| {
-        let path = dir.to_path_buf();
-        move |source| SandboxError::Io { what, path, source }
-    };
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    if let Some(mode) = mode {
-        builder.mode(mode);
-    }
-    builder
-        .create(dir)
-        .map_err(err("cannot create directory"))?;
-    let Some(mode) = mode else { return Ok(()) };
-    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect directory"))?;
-    let (euid, _) = current_ids();
-    if !meta.is_dir() || meta.uid() != euid {
-        return Err(SandboxError::Io {
-            what: "refusing to use a directory not owned by the broker",
-            path: dir.to_path_buf(),
-            source: io::Error::from(io::ErrorKind::PermissionDenied),
-        });
-    }
-    if meta.mode() & 0o7777 != mode {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(err("cannot set the directory's permissions"))?;
-    }
-    Ok(())
+    let hash = fsutil::data_dir_hash(&cfg.data_dir);
+    fsutil::choose_run_base(&layout, &hash, privileged, euid)
 }
 
 /// Removes runtime directories an earlier run left (named by session id, or `check-...`).
@@ -1583,78 +1462,6 @@ fn sweep_run_base(run_base: &Path) -> Result<usize, SandboxError> {
         }
     }
     Ok(removed)
-}
-
-/// Creates the workspace (0700) and, as root, makes it the kernel uid's. Ownership is fixed
-/// recursively only when the top directory's owner is wrong (uid_base or the user's index
-/// changed), never following symlinks the kernel may have planted.
-fn prepare_workspace(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), SandboxError> {
-    let err = |what: &'static str| {
-        let path = dir.to_path_buf();
-        move |source| SandboxError::Io { what, path, source }
-    };
-    if let Some(parent) = dir.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(parent)
-            .map_err(err("cannot create the workspaces directory"))?;
-    }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(err("cannot create the workspace")(e)),
-    }
-    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
-    if !meta.is_dir() {
-        return Err(err("the workspace is not a directory")(io::Error::from(
-            io::ErrorKind::InvalidInput,
-        )));
-    }
-    if let Some((uid, gid)) = owner {
-        if meta.uid() != uid || meta.gid() != gid {
-            tracing::info!(workspace = %dir.display(), uid, gid, "giving the workspace to the kernel uid");
-            chown_tree(dir, uid, gid).map_err(err("cannot chown the workspace"))?;
-        }
-    }
-    if meta.mode() & 0o7777 != 0o700 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(err("cannot set the workspace's permissions"))?;
-    }
-    Ok(())
-}
-
-/// `chown -R` without following symlinks.
-fn chown_tree(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
-    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d)? {
-            let entry = entry?;
-            let path = entry.path();
-            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
-            if entry.file_type()?.is_dir() {
-                stack.push(path);
-            }
-        }
-    }
-    Ok(())
-}
-
-async fn remove_dir_logged(dir: PathBuf) {
-    let result = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err((dir, e)),
-    })
-    .await;
-    match result {
-        Ok(Ok(())) => {}
-        Ok(Err((dir, e))) => {
-            tracing::warn!(path = %dir.display(), error = %e, "cannot remove the runtime directory");
-        }
-        Err(e) => tracing::warn!(error = %e, "removing a runtime directory failed"),
-    }
 }
 
 /// Runs the interpreter once to learn its venv and installation directories, which the
@@ -1767,19 +1574,6 @@ fn find_program(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn absolute(path: &Path) -> Result<PathBuf, SandboxError> {
-    std::path::absolute(path).map_err(|source| SandboxError::Io {
-        what: "cannot make the path absolute",
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-fn current_ids() -> (u32, u32) {
-    // SAFETY: geteuid(2) and getegid(2) cannot fail and have no preconditions.
-    unsafe { (libc::geteuid(), libc::getegid()) }
-}
-
 /// A user name as a login name in the sandbox's /etc/passwd.
 fn login_name(user: &str) -> String {
     let name: String = user
@@ -1804,17 +1598,14 @@ fn is_safe_component(name: &str) -> bool {
 }
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
-    SandboxError::Unavailable {
-        backend: BACKEND,
-        reason: reason.into(),
-    }
+    fsutil::unavailable(BACKEND, reason)
 }
 
-fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
-    SandboxError::Launch {
-        user: user.name.clone(),
-        reason: reason.into(),
-    }
+/// Who owns a workspace: the kernel's uid as root, else the broker.
+fn workspace_owner(ids: Option<(u32, u32)>) -> WorkspaceOwner {
+    ids.map_or(WorkspaceOwner::Broker, |(uid, gid)| {
+        WorkspaceOwner::Kernel { uid, gid }
+    })
 }
 
 #[cfg(test)]
@@ -1959,32 +1750,5 @@ mod tests {
         assert_eq!(c["hb_port"], 5);
         assert_eq!(c["key"], "abc");
         assert_eq!(c["signature_scheme"], "hmac-sha256");
-    }
-
-    #[test]
-    fn chown_tree_does_not_follow_symlinks() {
-        let dir = tempfile::tempdir().unwrap();
-        let outside = tempfile::NamedTempFile::new().unwrap();
-        std::fs::create_dir(dir.path().join("sub")).unwrap();
-        std::fs::write(dir.path().join("sub/f"), b"x").unwrap();
-        std::os::unix::fs::symlink(outside.path(), dir.path().join("sub/link")).unwrap();
-        let (me, _) = current_ids();
-        // As root, give the tree away for real; otherwise chown to ourselves (a no-op that
-        // still walks the tree).
-        let (uid, gid) = if me == 0 { (4242, 4242) } else { current_ids() };
-        chown_tree(dir.path(), uid, gid).unwrap();
-        assert_eq!(
-            std::fs::symlink_metadata(dir.path().join("sub/f"))
-                .unwrap()
-                .uid(),
-            uid
-        );
-        assert_eq!(
-            std::fs::symlink_metadata(dir.path().join("sub/link"))
-                .unwrap()
-                .uid(),
-            uid
-        );
-        assert_eq!(std::fs::metadata(outside.path()).unwrap().uid(), me);
     }
 }

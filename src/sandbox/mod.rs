@@ -12,6 +12,7 @@
 
 pub mod cgroup;
 pub mod docker;
+pub(crate) mod fsutil;
 pub mod local;
 
 use std::path::PathBuf;

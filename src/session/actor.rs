@@ -484,7 +484,9 @@ impl Actor {
                     if let Some(r) = self.running.as_mut() {
                         r.idle_seen = true;
                     }
-                } else if self.running.is_none() {
+                } else if self.running.is_none() && parent_is_execution(&m) {
+                    // Only executions (a notebook's, on the same kernel) make the session
+                    // busy: not kernel_info, completion or inspection requests.
                     match s.execution_state {
                         "busy" => self.session.set_kernel_busy(true),
                         "idle" => self.session.set_kernel_busy(false),
@@ -776,6 +778,17 @@ impl Actor {
         self.recorder
             .event(&self.session, kind, serde_json::json!({}));
     }
+}
+
+/// Whether a message answers an `execute_request`.
+fn parent_is_execution(m: &Message) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Parent<'a> {
+        #[serde(borrow, default)]
+        msg_type: &'a str,
+    }
+    serde_json::from_slice::<Parent>(&m.parent_header)
+        .is_ok_and(|p| p.msg_type == "execute_request")
 }
 
 fn secs(d: Duration) -> String {

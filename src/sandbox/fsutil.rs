@@ -1,0 +1,423 @@
+//! Host-side file system helpers both sandbox backends share, and the error constructors
+//! they use.
+//!
+//! This module owns the parts of a backend's host directories that do not depend on how the
+//! kernel is isolated: the broker's private state directories (created, checked to be the
+//! broker's own, swept on startup), the choice of a runtime base short enough for unix
+//! socket paths, a user's workspace and who owns it, files created exactly once, and the
+//! kernel's `ipc://` socket layout and connection file. [`super::local`] and
+//! [`super::docker`] call these with their own names, limits and owners; what differs
+//! between them is a parameter here, so each keeps its behaviour exactly.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::{KernelEndpoints, LaunchSpec, SandboxError, SandboxUser};
+
+/// Ports of the kernel's five channels; their sockets are `k-1` .. `k-5`.
+pub(crate) const SHELL_PORT: u16 = 1;
+pub(crate) const IOPUB_PORT: u16 = 2;
+pub(crate) const STDIN_PORT: u16 = 3;
+pub(crate) const CONTROL_PORT: u16 = 4;
+pub(crate) const HB_PORT: u16 = 5;
+
+/// The backend cannot work here; `reason` tells the operator what to do.
+pub(crate) fn unavailable(backend: &'static str, reason: impl Into<String>) -> SandboxError {
+    SandboxError::Unavailable {
+        backend,
+        reason: reason.into(),
+    }
+}
+
+/// A launch for `user` failed.
+pub(crate) fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
+    SandboxError::Launch {
+        user: user.name.clone(),
+        reason: reason.into(),
+    }
+}
+
+/// Wraps an I/O error as [`SandboxError::Io`] saying what failed where (for `map_err`).
+pub(crate) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> SandboxError {
+    let path = path.to_path_buf();
+    move |source| SandboxError::Io { what, path, source }
+}
+
+/// The broker's effective uid and gid.
+pub(crate) fn current_ids() -> (u32, u32) {
+    // SAFETY: geteuid(2) and getegid(2) cannot fail and have no preconditions.
+    unsafe { (libc::geteuid(), libc::getegid()) }
+}
+
+/// `path` made absolute against the current directory (not resolving symlinks).
+pub(crate) fn absolute(path: &Path) -> Result<PathBuf, SandboxError> {
+    std::path::absolute(path).map_err(io_err("cannot make the path absolute", path))
+}
+
+/// Short hash of a data directory: tells brokers on one host (and their containers and
+/// fallback runtime directories) apart.
+pub(crate) fn data_dir_hash(data_dir: &Path) -> String {
+    hex::encode(&Sha256::digest(data_dir.as_os_str().as_encoded_bytes())[..4])
+}
+
+/// Creates `dir` (and parents) if missing; with `mode`, also makes sure it is a real
+/// directory owned by the broker with that mode (it may live in a shared place like /tmp).
+pub(crate) fn create_private_dir(dir: &Path, mode: Option<u32>) -> Result<(), SandboxError> {
+    let err = |what: &'static str| io_err(what, dir);
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    if let Some(mode) = mode {
+        builder.mode(mode);
+    }
+    builder
+        .create(dir)
+        .map_err(err("cannot create directory"))?;
+    let Some(mode) = mode else { return Ok(()) };
+    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect directory"))?;
+    let (euid, _) = current_ids();
+    if !meta.is_dir() || meta.uid() != euid {
+        return Err(SandboxError::Io {
+            what: "refusing to use a directory not owned by the broker",
+            path: dir.to_path_buf(),
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        });
+    }
+    if meta.mode() & 0o7777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(err("cannot set the directory's permissions"))?;
+    }
+    Ok(())
+}
+
+/// The startup work on the host, once per broker: creates the data directory, and the
+/// workspaces directory and the runtime base as private (0700) directories; then `sweep`
+/// removes what an earlier run left in the runtime base (it returns how many it removed).
+/// Runs off the async runtime.
+pub(crate) async fn prepare_state_dirs(
+    backend: &'static str,
+    data_dir: &Path,
+    workspaces: &Path,
+    run_base: &Path,
+    sweep: fn(&Path) -> Result<usize, SandboxError>,
+) -> Result<(), SandboxError> {
+    let dirs = [
+        (data_dir.to_path_buf(), None),
+        (workspaces.to_path_buf(), Some(0o700)),
+        (run_base.to_path_buf(), Some(0o700)),
+    ];
+    let base = run_base.to_path_buf();
+    let swept = tokio::task::spawn_blocking(move || {
+        for (dir, mode) in &dirs {
+            create_private_dir(dir, *mode)?;
+        }
+        sweep(&base)
+    })
+    .await
+    .map_err(|e| unavailable(backend, format!("startup task failed: {e}")))??;
+    if swept > 0 {
+        tracing::info!(count = swept, dir = %run_base.display(), "removed runtime directories left by an earlier run");
+    }
+    Ok(())
+}
+
+/// How a backend lays out its runtime base, for [`choose_run_base`].
+pub(crate) struct RunBaseLayout<'a> {
+    pub backend: &'static str,
+    pub data_dir: &'a Path,
+    /// The configured `run_dir`: used if short enough, refused otherwise.
+    pub run_dir: Option<&'a Path>,
+    /// The default base's name inside `data_dir` (`run`).
+    pub default_name: &'static str,
+    /// The fallback bases' name (`kernel-broker`): `/run/<name>-<hash>` as root, else
+    /// `$XDG_RUNTIME_DIR/<name>-<hash>` or `/tmp/<name>-<euid>-<hash>`.
+    pub fallback_name: &'static str,
+    /// Bytes the longest socket path adds to the base (`/<uuid>/k-5`: 41).
+    pub room: usize,
+    /// Socket paths must be shorter than this.
+    pub max_socket_path: usize,
+}
+
+/// Picks the runtime base directory: the configured one, else the default inside the data
+/// directory, else (when socket paths there would be too long) the first short enough
+/// fallback. `hash` (of the data directory) tells several brokers' fallbacks apart.
+pub(crate) fn choose_run_base(
+    layout: &RunBaseLayout<'_>,
+    hash: &str,
+    privileged: bool,
+    euid: u32,
+) -> Result<PathBuf, SandboxError> {
+    let RunBaseLayout {
+        backend,
+        data_dir,
+        run_dir,
+        default_name,
+        fallback_name,
+        room,
+        max_socket_path,
+    } = *layout;
+    let fits = |base: &Path| {
+        base.to_str()
+            .is_some_and(|b| b.len() + room < max_socket_path)
+    };
+    if let Some(dir) = run_dir {
+        return if fits(dir) {
+            Ok(dir.to_path_buf())
+        } else {
+            Err(unavailable(
+                backend,
+                format!(
+                    "run_dir {} is too long (or not UTF-8) for the kernels' socket paths; \
+                     use a path of at most {} bytes",
+                    dir.display(),
+                    max_socket_path - room - 1
+                ),
+            ))
+        };
+    }
+    let default = data_dir.join(default_name);
+    if fits(&default) {
+        return Ok(default);
+    }
+    let mut candidates = Vec::new();
+    if privileged {
+        candidates.push(PathBuf::from(format!("/run/{fallback_name}-{hash}")));
+    } else {
+        if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
+            candidates.push(PathBuf::from(xdg).join(format!("{fallback_name}-{hash}")));
+        }
+        candidates.push(PathBuf::from(format!("/tmp/{fallback_name}-{euid}-{hash}")));
+    }
+    let chosen = candidates.into_iter().find(|c| fits(c)).ok_or_else(|| {
+        unavailable(
+            backend,
+            "no short enough directory for the kernels' sockets; set run_dir",
+        )
+    })?;
+    tracing::info!(
+        data_dir = %data_dir.display(),
+        run_dir = %chosen.display(),
+        "socket paths under the data directory would be too long; using a shorter runtime directory"
+    );
+    Ok(chosen)
+}
+
+/// Who owns a workspace, and so which mode it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WorkspaceOwner {
+    /// The broker (kernels run as the broker's uid): 0700, ownership left alone.
+    Broker,
+    /// The kernel's uid and gid: given to them (recursively, when the top directory's owner
+    /// is wrong), 0700. Needs root.
+    Kernel { uid: u32, gid: u32 },
+    /// Meant for the kernel's uid and gid, but the broker cannot chown: 0700 if they own it
+    /// already, else 0777 (the broker's 0700 parent keeps other host users out).
+    KernelUnchowned { uid: u32, gid: u32 },
+}
+
+/// Creates the workspace (0700; parents 0700 too) and settles its owner and mode as
+/// `owner` says. Ownership is fixed recursively only when the top directory's owner is
+/// wrong (say, the local backend's uid_base or the user's index changed), never following
+/// symlinks the kernel may have planted.
+pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(), SandboxError> {
+    let err = |what: &'static str| io_err(what, dir);
+    if let Some(parent) = dir.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
+            .map_err(err("cannot create the workspaces directory"))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("cannot create the workspace")(e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
+    if !meta.is_dir() {
+        return Err(err("the workspace is not a directory")(io::Error::from(
+            io::ErrorKind::InvalidInput,
+        )));
+    }
+    let owned_by = |uid: u32, gid: u32| meta.uid() == uid && meta.gid() == gid;
+    let mode = match owner {
+        WorkspaceOwner::Broker => 0o700,
+        WorkspaceOwner::Kernel { uid, gid } => {
+            if !owned_by(uid, gid) {
+                tracing::info!(workspace = %dir.display(), uid, gid, "giving the workspace to the kernel uid");
+                chown_tree(dir, uid, gid).map_err(err("cannot chown the workspace"))?;
+            }
+            0o700
+        }
+        WorkspaceOwner::KernelUnchowned { uid, gid } if owned_by(uid, gid) => 0o700,
+        WorkspaceOwner::KernelUnchowned { .. } => 0o777,
+    };
+    if meta.mode() & 0o7777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(err("cannot set the workspace's permissions"))?;
+    }
+    Ok(())
+}
+
+/// `chown -R` without following symlinks.
+pub(crate) fn chown_tree(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let entry = entry?;
+            let path = entry.path();
+            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+            if entry.file_type()?.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The permissions [`write_new_file`] gives a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FileMode {
+    /// This mode as the process umask narrows it.
+    Masked(u32),
+    /// Exactly this mode, whatever the umask.
+    Exact(u32),
+}
+
+/// Creates `path` (it must not exist), writes `contents` and, with `owner`, gives it to
+/// that uid and gid.
+pub(crate) fn write_new_file(
+    path: &Path,
+    contents: &[u8],
+    mode: FileMode,
+    owner: Option<(u32, u32)>,
+) -> io::Result<()> {
+    use std::io::Write;
+    let (FileMode::Masked(bits) | FileMode::Exact(bits)) = mode;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(bits)
+        .open(path)?;
+    file.write_all(contents)?;
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+    }
+    if let FileMode::Exact(bits) = mode {
+        // The umask may have narrowed the mode.
+        file.set_permissions(std::fs::Permissions::from_mode(bits))?;
+    }
+    Ok(())
+}
+
+/// Removes a runtime directory off the async runtime; a missing one is fine, failures are
+/// logged.
+pub(crate) async fn remove_dir_logged(dir: PathBuf) {
+    let result = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err((dir, e)),
+    })
+    .await;
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err((dir, e))) => {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot remove the runtime directory");
+        }
+        Err(e) => tracing::warn!(error = %e, "removing a runtime directory failed"),
+    }
+}
+
+/// The connection file the kernel reads: `ipc` transport, sockets `<ip>-<port>` (ipykernel
+/// binds `ipc://{ip}-{port}`), HMAC-SHA256 with the launch's key.
+pub(crate) fn connection_file(spec: &LaunchSpec, ip: &str) -> serde_json::Value {
+    serde_json::json!({
+        "transport": "ipc",
+        "ip": ip,
+        "shell_port": SHELL_PORT,
+        "iopub_port": IOPUB_PORT,
+        "stdin_port": STDIN_PORT,
+        "control_port": CONTROL_PORT,
+        "hb_port": HB_PORT,
+        "key": spec.key,
+        "signature_scheme": "hmac-sha256",
+        "kernel_name": spec.kernel_name,
+    })
+}
+
+/// Writes `connection` as `<dir>/connection.json` (a new file).
+pub(crate) fn write_connection_file(
+    dir: &Path,
+    connection: &serde_json::Value,
+    mode: FileMode,
+    owner: Option<(u32, u32)>,
+) -> Result<(), SandboxError> {
+    let path = dir.join("connection.json");
+    let text = serde_json::to_vec_pretty(connection).map_err(|e| SandboxError::Io {
+        what: "cannot encode the connection file",
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    write_new_file(&path, &text, mode, owner)
+        .map_err(io_err("cannot write the connection file", &path))
+}
+
+/// The host-side endpoints of the sockets `<rundir>/k-<port>`. Fails if `rundir` is not
+/// UTF-8, or with `too_long(<the longest socket path>)` if that path is not shorter than
+/// `max_socket_path`.
+pub(crate) fn ipc_endpoints(
+    rundir: &Path,
+    max_socket_path: usize,
+    too_long: impl FnOnce(&str) -> String,
+) -> Result<KernelEndpoints, String> {
+    let dir = rundir
+        .to_str()
+        .ok_or_else(|| format!("the runtime directory {} is not UTF-8", rundir.display()))?;
+    let longest = format!("{dir}/k-{HB_PORT}");
+    if longest.len() >= max_socket_path {
+        return Err(too_long(&longest));
+    }
+    let ep = |port: u16| format!("ipc://{dir}/k-{port}");
+    Ok(KernelEndpoints {
+        shell: ep(SHELL_PORT),
+        iopub: ep(IOPUB_PORT),
+        stdin: ep(STDIN_PORT),
+        control: ep(CONTROL_PORT),
+        hb: ep(HB_PORT),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chown_tree_does_not_follow_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::NamedTempFile::new().unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/f"), b"x").unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("sub/link")).unwrap();
+        let (me, _) = current_ids();
+        // As root, give the tree away for real; otherwise chown to ourselves (a no-op that
+        // still walks the tree).
+        let (uid, gid) = if me == 0 { (4242, 4242) } else { current_ids() };
+        chown_tree(dir.path(), uid, gid).unwrap();
+        assert_eq!(
+            std::fs::symlink_metadata(dir.path().join("sub/f"))
+                .unwrap()
+                .uid(),
+            uid
+        );
+        assert_eq!(
+            std::fs::symlink_metadata(dir.path().join("sub/link"))
+                .unwrap()
+                .uid(),
+            uid
+        );
+        assert_eq!(std::fs::metadata(outside.path()).unwrap().uid(), me);
+    }
+}
