@@ -580,6 +580,11 @@ def test_restart_over_rest_announces_restarting_and_clears_state(broker, kernel,
     got = c.recv_until(lambda m: is_status(m, "restarting"), timeout=30,
                        what="iopub status restarting")
     assert got[-1]["header"]["msg_type"] == "status"
+    # Then, without the client asking, a status that ends "restarting" in the frontend's
+    # indicator (JupyterLab shows "Restarting" until a new state arrives).
+    c.recv_until(lambda m: m["msg_type"] == "status"
+                 and m["content"]["execution_state"] in ("idle", "starting"),
+                 timeout=30, what="a status after restarting")
     # The same WebSocket keeps working with the new kernel, as JupyterLab expects.
     reply, _ = c.request("kernel_info_request")
     assert reply["content"]["status"] == "ok"
@@ -588,6 +593,12 @@ def test_restart_over_rest_announces_restarting_and_clears_state(broker, kernel,
     assert ex.reply["content"]["ename"] == "NameError"
     assert ex.reply["content"]["execution_count"] == 1
     assert broker.api("GET", f"/api/kernels/{kernel}").json()["execution_state"] in {"idle", "busy"}
+    # A restart someone else asks for (the agent API) is announced the same way.
+    assert c.run("again = 1").reply["content"]["status"] == "ok"
+    assert broker.api("POST", f"/v1/sessions/{kernel}/restart").status_code == 200
+    c.recv_until(lambda m: is_status(m, "restarting"), what="restarting (agent's restart)")
+    c.recv_until(lambda m: is_status(m, "idle"), what="idle after the agent's restart")
+    assert c.run("again").reply["content"]["ename"] == "NameError"
 
 
 def test_complete_and_inspect(broker, kernel, clients):
@@ -834,10 +845,15 @@ def test_notebook_and_agent_share_a_kernel(broker, kernel, clients):
         seen += other.drain(1.5)
         assert not [m for m in seen if m["channel"] != "iopub" and parent_id(m) == msg_id], \
             "a reply went to a client that did not ask"
-        agent.until(lambda f: f == {"type": "status", "state": "busy"}, timeout=10,
-                    what="the agent to see the kernel busy")
+        # The agent stream gets the notebook's output as external frames (id null).
+        frames = agent.until(lambda f: f.get("external") and f.get("type") == "stdout",
+                             timeout=10, what="the notebook's output on the agent stream")
+        assert frames[-1] == {"type": "stdout", "id": None, "text": "notebook output\n",
+                              "external": True}
+        assert {"type": "status", "state": "busy"} in agent.frames
         agent.until(lambda f: f == {"type": "status", "state": "idle"}, timeout=10,
                     what="the agent to see the kernel idle")
+        assert not [f for f in agent.frames if f.get("type") == "done" and f.get("id") is None]
         agent.send({"type": "execute", "id": "c2", "code": "from_nb"})
         frames = agent.until(lambda f: f.get("type") == "done" and f.get("id") == "c2",
                              what="c2 done")

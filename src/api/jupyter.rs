@@ -328,6 +328,8 @@ struct Held {
     events: broadcast::Receiver<SessionEvent>,
     replies: mpsc::Receiver<(Channel, Arc<Message>)>,
     unsent: VecDeque<(Channel, Arc<Message>)>,
+    /// A restart was announced and the new kernel has not been reported ready yet.
+    restarting: bool,
 }
 
 /// What a client left behind when its socket closed.
@@ -476,6 +478,7 @@ async fn serve_channels(
                 events: session.subscribe(),
                 replies: rx,
                 unsent: VecDeque::new(),
+                restarting: false,
             };
             (held, tx)
         }
@@ -499,7 +502,10 @@ async fn serve_channels(
             },
             Ok(WsMessage::Close(_)) => break,
             Ok(_) => continue,
-            Err(_) => break,
+            Err(e) => {
+                tracing::debug!(session = %session.id, error = %e, "Jupyter client socket read ended");
+                break;
+            }
         };
         match decoded {
             Ok((channel, msg)) => {
@@ -552,11 +558,26 @@ async fn write_to_client(
                 ev = held.events.recv() => match ev {
                     Ok(SessionEvent::Iopub { msg, .. }) => Some((Channel::Iopub, msg)),
                     Ok(SessionEvent::Restarted) => {
+                        held.restarting = true;
                         Some((Channel::Iopub, synthetic_status(&session, "restarting")))
                     }
                     Ok(SessionEvent::State(
                         SessionState::Dead | SessionState::Expired | SessionState::Closed,
-                    )) => Some((Channel::Iopub, synthetic_status(&session, "dead"))),
+                    )) => {
+                        held.restarting = false;
+                        Some((Channel::Iopub, synthetic_status(&session, "dead")))
+                    }
+                    // The new kernel is ready. Its own first statuses may have gone to the
+                    // broker's readiness check, so the frontend (which shows "restarting"
+                    // until told otherwise) hears it from the broker.
+                    Ok(SessionEvent::State(SessionState::Idle)) if held.restarting => {
+                        held.restarting = false;
+                        Some((Channel::Iopub, synthetic_status(&session, "idle")))
+                    }
+                    Ok(SessionEvent::State(SessionState::Busy)) => {
+                        held.restarting = false;
+                        None
+                    }
                     Ok(SessionEvent::State(_)) => None,
                     Err(broadcast::error::RecvError::Lagged(n)) => {
                         tracing::warn!(session = %session.id, missed = n, "a Jupyter client fell behind; iopub messages dropped");
@@ -586,7 +607,7 @@ async fn write_to_client(
     held
 }
 
-/// An iopub status message made by the broker (restart and death announcements).
+/// An iopub status message made by the broker (restart, readiness and death announcements).
 fn synthetic_status(session: &Session, state: &str) -> Arc<Message> {
     let mut m = Message::new(
         "status",
@@ -818,6 +839,7 @@ mod tests {
                 events,
                 replies,
                 unsent: VecDeque::new(),
+                restarting: false,
             },
             replies_tx,
             since: Instant::now(),

@@ -250,8 +250,8 @@ impl KernelClient {
                 Ok(Some(KernelEvent::HeartbeatLost { .. })) => {}
             }
         }
-        // Drain the idle statuses of the remaining probes so they do not reach the consumer
-        // as stray output; anything else is fine to pass on.
+        // Replies and statuses of the other probes may still follow; consumers ignore
+        // messages that answer requests they did not make.
         let info = info.ok_or(KernelError::Closed)?;
         Ok((client, events, info))
     }
