@@ -3,12 +3,12 @@ jupyter_server's own REST and WebSocket API the way JupyterLab drives it. Every 
 operation here goes through jupyter_server's GatewayClient / GatewayKernelManager /
 GatewayWebSocketConnection, the canonical client of a kernel gateway.
 """
+import base64
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -192,7 +192,6 @@ def test_notebook_kernel_through_the_gateway(jupyter, broker, clients):
                    timeout=120)
         pngs = [m for m in ex.of_type("display_data") if "image/png" in m["content"]["data"]]
         assert pngs, [summary(m) for m in ex.iopub]
-        import base64
         assert base64.b64decode(pngs[0]["content"]["data"]["image/png"]).startswith(PNG_MAGIC)
 
         ex = c.run("1 / 0")

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import struct
-import threading
 import time
 import uuid
 from urllib.parse import quote
@@ -462,7 +461,9 @@ def test_sessions_and_kernels_are_the_same_thing(broker, clients):
 
 def test_kernel_info(broker, kernel, clients):
     c = clients(broker, kernel)
-    reply, got = c.request("kernel_info_request")
+    req = c.send("shell", "kernel_info_request")
+    got = c.recv_until(lambda m: is_reply_to(m, req), what="kernel_info_reply")
+    reply = got[-1]
     content = reply["content"]
     assert content["status"] == "ok"
     assert content["protocol_version"].startswith("5.")
@@ -470,10 +471,14 @@ def test_kernel_info(broker, kernel, clients):
     assert content["implementation"] == "ipython"
     assert reply["channel"] == "shell"
     # Legacy frames carry msg_id and msg_type at the top level too, and a parseable date.
-    raw = [m for m in got if m is reply][0]
-    assert raw["msg_id"] == raw["header"]["msg_id"]
-    assert raw["parent_header"]["msg_id"] == raw["parent_header"]["msg_id"]
-    assert isinstance(extract_dates(dict(raw["header"]))["date"], datetime.datetime)
+    assert reply["msg_id"] == reply["header"]["msg_id"]
+    assert reply["msg_type"] == reply["header"]["msg_type"] == "kernel_info_reply"
+    assert reply["parent_header"]["msg_id"] == req["header"]["msg_id"]
+    assert reply["parent_header"]["session"] == c.session.session
+    assert isinstance(extract_dates(dict(reply["header"]))["date"], datetime.datetime)
+    # The kernel's busy/idle around it, on iopub, with the request as parent.
+    rest = got + c.recv_until(lambda m: is_status(m, "idle", req), what="idle")
+    assert any(is_status(m, "busy", req) for m in rest)
     # kernel_info also works on the control channel, as JupyterLab's debugger uses it.
     reply, _ = c.request("kernel_info_request", channel="control")
     assert reply["channel"] == "control" and reply["content"]["status"] == "ok"
@@ -864,10 +869,10 @@ def test_notebook_and_agent_share_a_kernel(broker, kernel, clients):
         r2 = other.send("shell", "kernel_info_request")
         nb.recv_until(lambda m: is_reply_to(m, r1), what="nb's reply")
         other.recv_until(lambda m: is_reply_to(m, r2), what="other's reply")
-        leftovers = nb.drain(1.0) + other.drain(0.2)
+        nb.drain(1.0)
+        other.drain(0.2)
         assert not [m for m in nb.seen if is_reply_to(m, r2)]
         assert not [m for m in other.seen if is_reply_to(m, r1)]
-        del leftovers
     finally:
         agent.close()
 

@@ -218,3 +218,17 @@ def test_a_notebook_frontends_cells_are_recorded(fresh_broker):
     (replayed,) = r.json()["cells"]
     assert replayed["same_output"] is True, replayed["diff"]
     assert replayed["recorded_status"] is None  # no agent Execution was recorded for it
+
+
+def test_a_clean_stop_closes_every_recording(fresh_broker):
+    b = fresh_broker()
+    sid = create(b)
+    execute(b, sid, "x = 1")
+    b.proc.terminate()  # SIGTERM: sessions shut down, recordings flushed
+    assert b.proc.wait(30) == 0
+    b2 = fresh_broker(data_dir=b.data_dir)
+    events = all_events(b2, sid)
+    assert events[-1]["kind"] == "session_closed"
+    assert [e["msg_type"] for e in events if e["direction"] == "to_kernel"][-1] == "shutdown_request"
+    (r,) = [r for r in b2.api("GET", "/v1/recordings").json() if r["id"] == sid]
+    assert r["end_reason"] == "closed"

@@ -121,3 +121,20 @@ def test_ui_shows_a_session_and_follows_it_live(broker, browser, tmp_path):
     assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".marker-session_closed"), timeout=15,
          what="the session_closed marker")
+
+
+def test_ui_replays_a_session_and_shows_the_differences(broker, browser):
+    sid = create(broker)
+    execute(broker, sid, "import random")
+    execute(broker, sid, "random.random()")
+    browser.get(f"{broker.url}/ui/?token={ALICE}#{sid}")
+    wait(browser, lambda d: len(cells(d)) == 2, what="two cells")
+    browser.find_element(By.XPATH, "//button[contains(., 'Replay')]").click()
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".badge.replay")) == 2, timeout=60,
+         what="replay badges")
+    same, different = cells(browser)
+    assert "same" in same.find_element(By.CSS_SELECTOR, ".badge.replay").get_attribute("class")
+    assert "different" in different.find_element(By.CSS_SELECTOR, ".badge.replay").get_attribute("class")
+    diff = different.find_element(By.CSS_SELECTOR, "details.diff pre")
+    assert "--- recorded" in diff.get_attribute("textContent")
+    assert "1 of 2 cells gave the same output" in browser.find_element(By.ID, "status").text

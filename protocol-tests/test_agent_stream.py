@@ -1,0 +1,168 @@
+"""The agent stream, `/v1/sessions/{id}/stream`, driven with websocket-client: JSON text
+frames in, per-execution frames out, `done` always last for its id."""
+import base64
+import json
+import re
+import time
+import uuid
+
+import pytest
+import websocket
+
+from conftest import ALICE, BOB
+from test_jupyter_client import PNG_MAGIC, RECV_TIMEOUT, AgentStream
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@pytest.fixture
+def session(broker):
+    r = broker.api("POST", "/v1/sessions", json={})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    yield sid
+    broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
+@pytest.fixture
+def stream(broker, session):
+    s = AgentStream(broker, session)
+    yield s
+    s.close()
+
+
+def run(stream, code, cid=None, timeout=60, **extra):
+    cid = cid or uuid.uuid4().hex[:8]
+    stream.send({"type": "execute", "id": cid, "code": code, **extra})
+    frames = stream.until(lambda f: f.get("type") == "done" and f.get("id") == cid,
+                          timeout=timeout, what=f"done for {cid}")
+    return [f for f in frames if f.get("id") == cid]
+
+
+def test_first_frame_is_status_and_execute_streams_then_done(stream):
+    first = stream.recv()
+    assert first["type"] == "status" and first["state"] in {"idle", "busy"}
+    frames = run(stream, "import sys\nprint('out')\nprint('err', file=sys.stderr)\n6 * 7", "c1")
+    types = [f["type"] for f in frames]
+    assert types[-1] == "done"
+    assert types.count("done") == 1
+    assert {"type": "stdout", "id": "c1", "text": "out\n"} in frames
+    assert {"type": "stderr", "id": "c1", "text": "err\n"} in frames
+    result = [f for f in frames if f["type"] == "result"]
+    assert result and result[0]["data"]["text/plain"] == "42"
+    ex = frames[-1]["execution"]
+    assert ex["status"] == "ok"
+    assert ex["stdout"] == "out\n" and ex["stderr"] == "err\n"
+    assert ex["results"][-1]["is_main_result"] is True
+    assert ex["error"] is None and ex["truncated"] is False
+    assert isinstance(ex["execution_count"], int) and ex["duration_ms"] >= 0
+    # State persists; ids can be any JSON value.
+    frames = run(stream, "x = 1", cid=7)
+    assert frames[-1]["id"] == 7 and frames[-1]["execution"]["status"] == "ok"
+
+
+def test_error_frame_then_done(stream):
+    frames = run(stream, "{}['price']")
+    err = [f for f in frames if f["type"] == "error"]
+    assert len(err) == 1
+    assert err[0]["ename"] == "KeyError" and err[0]["evalue"] == "'price'"
+    assert err[0]["traceback"]
+    ex = frames[-1]["execution"]
+    assert ex["status"] == "error" and ex["error"]["ename"] == "KeyError"
+    assert not any(ANSI.search(line) for line in ex["error"]["traceback"])
+
+
+def test_display_frame_with_png(stream):
+    frames = run(stream, "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()",
+                 timeout=120)
+    displays = [f for f in frames if f["type"] == "display"]
+    assert displays
+    assert base64.b64decode(displays[0]["data"]["image/png"]).startswith(PNG_MAGIC)
+    assert any("image/png" in r["data"] for r in frames[-1]["execution"]["results"])
+
+
+def test_input_request_and_reply(stream):
+    stream.send({"type": "execute", "id": "in1", "code": "v = input('name? ')\nprint('hi', v)"})
+    frames = stream.until(lambda f: f.get("type") == "input_request", what="input_request")
+    assert frames[-1] == {"type": "input_request", "id": "in1", "prompt": "name? ",
+                          "password": False}
+    stream.send({"type": "input_reply", "id": "in1", "value": "Grace"})
+    frames = stream.until(lambda f: f.get("type") == "done" and f.get("id") == "in1",
+                          what="done")
+    assert frames[-1]["execution"]["status"] == "ok"
+    assert "hi Grace" in frames[-1]["execution"]["stdout"]
+
+
+def test_interrupt_frame(stream):
+    stream.send({"type": "execute", "id": "long",
+                 "code": "import time\nprint('go', flush=True)\ntime.sleep(30)"})
+    stream.until(lambda f: f.get("type") == "stdout" and f.get("id") == "long", what="go")
+    t0 = time.monotonic()
+    stream.send({"type": "interrupt"})
+    frames = stream.until(lambda f: f.get("type") == "done" and f.get("id") == "long",
+                          timeout=20, what="done after interrupt")
+    assert time.monotonic() - t0 < 15
+    assert frames[-1]["execution"]["status"] == "interrupted"
+    assert run(stream, "1 + 1")[-1]["execution"]["status"] == "ok"
+
+
+def test_executions_run_in_order(stream):
+    stream.send({"type": "execute", "id": "a",
+                 "code": "import time\ntime.sleep(0.5)\nprint('a')"})
+    stream.send({"type": "execute", "id": "b", "code": "print('b')"})
+    frames = stream.until(lambda f: f.get("type") == "done" and f.get("id") == "b",
+                          what="done b")
+    order = [(f["type"], f.get("id")) for f in frames if f.get("id") in ("a", "b")]
+    assert order.index(("done", "a")) < order.index(("stdout", "b"))
+
+
+def test_bad_frames_get_protocol_error_and_the_stream_lives(stream):
+    stream.ws.send("not json")
+    stream.ws.send(json.dumps({"type": "teleport"}))
+    stream.ws.send(json.dumps({"type": "execute", "id": "x"}))  # no code
+    stream.ws.send_binary(b"\x00\x01")
+    errors = []
+    deadline = time.monotonic() + RECV_TIMEOUT
+    while len(errors) < 4 and time.monotonic() < deadline:
+        f = stream.recv(RECV_TIMEOUT)
+        if f["type"] == "protocol_error":
+            errors.append(f)
+    assert len(errors) == 4, errors
+    assert all(isinstance(e["message"], str) and e["message"] for e in errors)
+    assert run(stream, "'still here'")[-1]["execution"]["status"] == "ok"
+
+
+def test_stream_auth(broker, session):
+    ws = websocket.create_connection(
+        f"ws://{broker.host}/v1/sessions/{session}/stream?token={ALICE}", timeout=RECV_TIMEOUT)
+    try:
+        assert json.loads(ws.recv())["type"] == "status"
+    finally:
+        ws.close()
+    with pytest.raises(websocket.WebSocketBadStatusException) as e:
+        websocket.create_connection(f"ws://{broker.host}/v1/sessions/{session}/stream",
+                                    timeout=RECV_TIMEOUT)
+    assert e.value.status_code == 401
+    with pytest.raises(websocket.WebSocketBadStatusException) as e:
+        AgentStream(broker, session, token=BOB)
+    assert e.value.status_code == 404
+
+
+def test_two_agent_streams_do_not_get_each_others_frames(broker, session):
+    a = AgentStream(broker, session)
+    b = AgentStream(broker, session)
+    try:
+        frames = run(a, "print('for a only')", "only-a")
+        assert frames[-1]["execution"]["status"] == "ok"
+        time.sleep(1)
+        b.ws.settimeout(0.5)
+        seen = []
+        try:
+            while True:
+                seen.append(json.loads(b.ws.recv()))
+        except websocket.WebSocketTimeoutException:
+            pass
+        assert not [f for f in seen if f.get("id") == "only-a"], seen
+    finally:
+        a.close()
+        b.close()
