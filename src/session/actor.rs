@@ -494,6 +494,18 @@ impl Actor {
                     }
                 }
             }
+        } else if m.msg_type == "execute_input" {
+            // Every execution (a notebook's too) announces its count here.
+            #[derive(serde::Deserialize)]
+            struct Input {
+                execution_count: Option<u64>,
+            }
+            if let Ok(Input {
+                execution_count: Some(n),
+            }) = serde_json::from_slice(&m.content)
+            {
+                self.session.set_execution_count(n);
+            }
         } else if let Some(r) = self.running.as_mut() {
             if m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()) {
                 if let Some(out) = r.collector.on_iopub(&m.msg_type, &m.content) {

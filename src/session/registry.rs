@@ -328,6 +328,8 @@ struct Table {
     tombstones: HashMap<Uuid, Tombstone>,
     /// Sessions being created, per user (counted against the quota).
     creating: HashMap<String, usize>,
+    /// Ids of sessions being created.
+    creating_ids: std::collections::HashSet<Uuid>,
 }
 
 struct Inner {
@@ -433,13 +435,18 @@ impl Registry {
             None if cfg.idle_timeout.is_zero() => None,
             None => Some(cfg.idle_timeout),
         };
-        let id = opts.id.unwrap_or_else(Uuid::new_v4);
+        let mut id = opts.id.unwrap_or_else(Uuid::new_v4);
+        let mut proposed = opts.id;
         {
             let mut t = self.table();
-            if t.sessions.contains_key(&id) || t.tombstones.contains_key(&id) {
-                return Err(SessionError::BadRequest(format!(
-                    "session id {id} is taken"
-                )));
+            if t.sessions.contains_key(&id)
+                || t.tombstones.contains_key(&id)
+                || t.creating_ids.contains(&id)
+            {
+                // A proposed id that is taken (perhaps by another user: saying so would tell
+                // that it exists) is ignored; the session gets a fresh one.
+                id = Uuid::new_v4();
+                proposed = None;
             }
             let live = t
                 .sessions
@@ -455,9 +462,11 @@ impl Registry {
                 )));
             }
             *t.creating.entry(user.name.clone()).or_default() += 1;
+            t.creating_ids.insert(id);
         }
+        let reserved = id;
         // A ready kernel from the warm pool, unless the client chose the id.
-        let pooled = match opts.id {
+        let pooled = match proposed {
             None => self.inner.pool.take(user, &kernel_name),
             Some(_) => {
                 self.inner.pool.refill(user, &kernel_name);
@@ -473,6 +482,7 @@ impl Registry {
             .await;
         {
             let mut t = self.table();
+            t.creating_ids.remove(&reserved);
             if let Some(n) = t.creating.get_mut(&user.name) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
