@@ -4,6 +4,7 @@
 mod common;
 
 on_both_backends!(
+    proposed_kernel_ids_do_not_reveal_other_sessions,
     notebook_and_agent_share_a_kernel,
     warm_pool_hands_over_prestarted_kernels,
     state_persists_and_outputs_are_returned,
@@ -871,6 +872,11 @@ async fn notebook_and_agent_share_a_kernel(sb: &'static str) {
     .await;
     assert_eq!(seen["text"], "from the notebook\n");
     assert_eq!(seen["external"], true);
+    let (_, info) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(
+        info["execution_count"], 1,
+        "the notebook's execution counts: {info}"
+    );
     assert!(seen["id"].is_null());
     // And the agent's next step sees the notebook's variable; the notebook sees its output.
     ws_send(
@@ -892,5 +898,33 @@ async fn notebook_and_agent_share_a_kernel(sb: &'static str) {
         }
     })
     .await;
+    broker.stop().await;
+}
+
+/// A kernel id proposed through the Jupyter API that another user's session holds is ignored:
+/// the answer must not reveal that the session exists.
+async fn proposed_kernel_ids_do_not_reveal_other_sessions(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
+    let alice_id = broker.api(ALICE).create().await;
+    let bob = broker.api(BOB);
+    let (status, k) = bob
+        .post(
+            "/api/kernels",
+            json!({"name": "python3", "env": {"KERNEL_ID": alice_id}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{k}");
+    assert_ne!(k["id"], alice_id.as_str());
+    let (status, _) = bob.get(&format!("/api/kernels/{alice_id}")).await;
+    assert_eq!(status, 404);
+    let fresh = uuid::Uuid::new_v4().to_string();
+    let (status, k) = bob
+        .post(
+            "/api/kernels",
+            json!({"name": "python3", "env": {"KERNEL_ID": fresh}}),
+        )
+        .await;
+    assert_eq!(status, 201);
+    assert_eq!(k["id"], fresh.as_str(), "a free proposed id is used");
     broker.stop().await;
 }
