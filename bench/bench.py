@@ -54,7 +54,7 @@ import websocket
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_PYTHON = REPO / "kernels/.venv/bin/python"
 DOCKER_IMAGE = "kernel-broker/python-kernel:latest"
-USERS = 4  # concurrency sessions are spread over this many broker users
+USERS = 4  # concurrency sessions are spread over this many broker users (--broker-users)
 TIMEOUT = 120  # seconds: the bound on any single wait below
 
 STREAM_LINES = 100_000
@@ -601,7 +601,7 @@ class KernelGateway:
         port = free_port()
         env = dict(os.environ, JUPYTER_PATH=f"{self.tmp}/jupyter", JUPYTER_DATA_DIR=f"{self.tmp}/data",
                    JUPYTER_RUNTIME_DIR=f"{self.tmp}/runtime", JUPYTER_CONFIG_DIR=f"{self.tmp}/config",
-                   JUPYTER_PLATFORM_DIRS="1", HOME=f"{self.tmp}/home")
+                   JUPYTER_PLATFORM_DIRS="1", HOME=f"{self.tmp}/home", KG_ENV_WHITELIST="HOME")
         os.makedirs(f"{self.tmp}/home")
         exe = Path(sys.executable).parent / "jupyter-kernelgateway"
         self.proc = subprocess.Popen(
@@ -630,7 +630,12 @@ class KernelGateway:
         return {"Authorization": f"token {self.token}"}
 
     def create(self, path="jupyter", user=0):
-        r = requests.post(self.url + "/api/kernels", json={"name": "python3"}, headers=self.h(), timeout=TIMEOUT)
+        # Each kernel gets a HOME of its own, as the floor's do: kernels sharing one HOME share
+        # one IPython history database, whose SQLite locking stalls executions for up to
+        # seconds under concurrency. That is IPython's cost, not the gateway's.
+        home = tempfile.mkdtemp(prefix="home-", dir=self.tmp)
+        r = requests.post(self.url + "/api/kernels", json={"name": "python3", "env": {"HOME": home}},
+                          headers=self.h(), timeout=TIMEOUT)
         if r.status_code != 201:
             raise RuntimeError(f"create: {r.status_code} {r.text}")
         return Sess(r.json()["id"], 0)
@@ -879,6 +884,8 @@ def run_load(system, sessions, path, duration, code="1+1"):
     total = sum(ok)
     res = {"sessions": n, "duration_s": round(elapsed, 2), "executes_ok": total, "failures": sum(failed) + stuck,
            "executes_per_s": round(total / elapsed, 1), "latency": summary([x for l in lat for x in l]),
+           # fairness: executions completed by the least and most served session
+           "per_session_ok_min_median_max": [min(ok), int(statistics.median(ok)), max(ok)],
            "errors": dict(errors.most_common(5))}
     if cpu is not None:
         res["server_cpu_s"] = round(cpu, 2)
@@ -1131,14 +1138,18 @@ def docker_image_ok():
 
 
 def main():
+    global USERS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="few iterations, 3 sessions, no 100-session run (smoke test)")
     p.add_argument("--json", default=str(REPO / "bench-results/latest.json"), help="write the results here")
     p.add_argument("--systems", default="floor,local,docker,kg", help="comma list of floor, local, docker, kg")
     p.add_argument("--sessions", help="concurrency levels, comma list (default 10,100; --quick: 3)")
     p.add_argument("--duration", type=float, help="seconds of load per concurrency run (default 15; --quick: 2)")
+    p.add_argument("--broker-users", type=int, default=4,
+                   help="broker users the concurrency sessions are spread over (default 4)")
     p.add_argument("--broker-bin", default=os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/release/kernel-broker")))
     cfg = p.parse_args()
+    USERS = cfg.broker_users
     cfg.n_rt = 30 if cfg.quick else 500
     cfg.n_cold = 2 if cfg.quick else 10
     cfg.n_pooled = 3 if cfg.quick else 30
@@ -1159,7 +1170,7 @@ def main():
                    "bulk_reps": cfg.reps, "concurrency_levels": cfg.levels, "load_seconds": cfg.duration,
                    "stream_lines": STREAM_LINES, "stream_bytes": STREAM_BYTES, "broker_bin": cfg.broker_bin,
                    "broker_flags": "--pool-size 1 (0 for cold starts) --memory-limit 17179869184 --pids-limit 8192 "
-                                   "--cpu-limit 2 --max-sessions-per-user 200, 4 users"},
+                                   f"--cpu-limit 2 --max-sessions-per-user 200, {USERS} users"},
         "systems": {},
     }
     wanted = [x.strip() for x in cfg.systems.split(",") if x.strip()]
@@ -1175,6 +1186,7 @@ def main():
             continue
         log(f"== {name}")
         t0 = time.perf_counter()
+        load0 = os.getloadavg()
         try:
             results["systems"][name] = runners[name](cfg)
         except Exception as e:  # noqa: BLE001 - record and go on with the next system
@@ -1183,6 +1195,7 @@ def main():
             results["systems"][name] = {"error": repr(e)}
             failed = True
         results["systems"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+        results["systems"][name]["loadavg_before_after"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
         run_cleanups()
 
     results["table_markdown"] = table(results, cfg.levels)

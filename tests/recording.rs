@@ -98,6 +98,9 @@ async fn every_message_is_recorded_in_order() {
     }
     assert_eq!(evs[reply]["channel"], "shell");
     assert_eq!(evs[reply]["parent_header"]["msg_id"], msg_id.as_str());
+    // Kernel messages carry the request's header as their parent header.
+    assert_eq!(evs[result]["parent_header"], evs[req]["header"]);
+    assert_eq!(evs[reply]["parent_header"], evs[req]["header"]);
     assert_eq!(evs[stream]["content"]["text"], "hi\n");
     assert_eq!(evs[result]["content"]["data"]["text/plain"], "2");
     assert_eq!(evs[done]["detail"]["execution"]["stdout"], "hi\n");

@@ -201,7 +201,8 @@
           c.end = ev.time;
           c.done = true;
           if (x.execution_count !== null && x.execution_count !== undefined) c.count = x.execution_count;
-          if (x.status !== 'ok' && x.error && !c.outputs.some((o) => o.type === 'error')) c.note = x.error;
+          // The broker's own word (a timeout, a death) when the kernel's error does not say it.
+          if (x.status !== 'ok' && x.error && !c.outputs.some((o) => o.type === 'error' && o.ename === x.error.ename)) c.note = x.error;
           m.dirty.add(c);
         }
         return;

@@ -1,5 +1,7 @@
-//! The HTTP surface: the agent REST and WebSocket API (`/v1`), operations endpoints
-//! (`/healthz`, `/metrics`), and the API document (`/openapi.json`).
+//! The HTTP surface: the agent REST and WebSocket API (`/v1`), the recordings
+//! (`/v1/sessions/{id}/events`, `/notebook`, `/replay`, `/v1/recordings`), the session
+//! browser (`/ui/`), operations endpoints (`/healthz`, `/metrics`), and the API document
+//! (`/openapi.json`).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.

@@ -6,7 +6,9 @@
 //! implements it. Reporting never blocks the session: a report is queued (its bytes are
 //! shared, not copied) to one writer thread that stores whole batches in one transaction.
 //! `barrier()` resolves once everything queued before it is committed, and the session layer
-//! acknowledges an execution only after it, so an acknowledged execution is in the file.
+//! acknowledges an execution only after it, so an acknowledged execution is in the file
+//! (unless the writer is stuck for 30 s, on a failing disk say: then the acknowledgement goes
+//! out anyway and the error is logged and counted, rather than every client hanging).
 //!
 //! Durability: the file is in WAL mode with `synchronous=NORMAL` by default. A commit then
 //! writes the WAL but does not fsync it; the pages are in the operating system's cache, so a

@@ -473,11 +473,23 @@ impl Recorder for RecordingStore {
         if self.tx.send(Op::Barrier(tx)).is_err() {
             return Box::pin(std::future::ready(()));
         }
+        let stalled = self.counters.clone();
         Box::pin(async move {
-            let _ = rx.await;
+            // A writer stuck on a failing disk must not hold every acknowledgement forever:
+            // past the limit the execution is acknowledged anyway, and that is logged.
+            if tokio::time::timeout(BARRIER_LIMIT, rx).await.is_err() {
+                stalled.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    limit = ?BARRIER_LIMIT,
+                    "recording: the writer did not commit in time; acknowledging without it"
+                );
+            }
         })
     }
 }
+
+/// The longest an acknowledgement waits for the recording.
+const BARRIER_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Approximate bytes a report holds in memory.
 fn item_size(item: &Item) -> usize {
@@ -535,6 +547,7 @@ struct Row {
     parent_msg_id: Option<String>,
     header: Option<String>,
     parent_header: Option<String>,
+    parent_seq: Option<i64>,
     metadata: Option<String>,
     content: Option<String>,
     kind: Option<String>,
@@ -553,7 +566,7 @@ fn read_events(conn: &Connection, id: Uuid, q: &EventQuery) -> Result<EventsPage
     };
     let mut sql = String::from(
         "SELECT seq, time, direction, channel, msg_type, msg_id, parent_msg_id, header, parent_header,
-                metadata, content, kind, has_blobs, buffers
+                metadata, content, kind, has_blobs, buffers, parent_seq
          FROM events WHERE sid = ? AND seq > ?",
     );
     let mut args: Vec<Sql> = vec![Sql::Integer(sid), Sql::Integer(q.after)];
@@ -601,6 +614,7 @@ fn read_events(conn: &Connection, id: Uuid, q: &EventQuery) -> Result<EventsPage
                 kind: r.get(11)?,
                 has_blobs: r.get(12)?,
                 buffers: r.get(13)?,
+                parent_seq: r.get(14)?,
             })
         })
         .map_err(sqlite("read events"))?;
@@ -610,13 +624,39 @@ fn read_events(conn: &Connection, id: Uuid, q: &EventQuery) -> Result<EventsPage
     let more = rows.len() > limit;
     rows.truncate(limit);
     let mut events = Vec::with_capacity(rows.len());
+    let mut parents = HashMap::new();
     for row in rows {
-        events.push(to_event(conn, row)?);
+        events.push(to_event(conn, sid, row, &mut parents)?);
     }
     Ok(EventsPage { events, more })
 }
 
-fn to_event(conn: &Connection, row: Row) -> Result<RecordedEvent, RecordingError> {
+/// The header of event `seq` (the request a parent header refers to), cached per page.
+fn request_header(
+    conn: &Connection,
+    sid: i64,
+    seq: i64,
+    cache: &mut HashMap<i64, String>,
+) -> Result<String, RecordingError> {
+    if let Some(h) = cache.get(&seq) {
+        return Ok(h.clone());
+    }
+    let h: Option<String> = conn
+        .prepare_cached("SELECT header FROM events WHERE sid = ?1 AND seq = ?2")
+        .and_then(|mut st| st.query_row(params![sid, seq], |r| r.get(0)).optional())
+        .map_err(sqlite("read a parent header"))?
+        .flatten();
+    let h = h.unwrap_or_else(|| "{}".into());
+    cache.insert(seq, h.clone());
+    Ok(h)
+}
+
+fn to_event(
+    conn: &Connection,
+    sid: i64,
+    row: Row,
+    parents: &mut HashMap<i64, String>,
+) -> Result<RecordedEvent, RecordingError> {
     let mut content = row.content.unwrap_or_else(|| "{}".into());
     if row.has_blobs {
         if let Ok(mut v) = serde_json::from_str::<Value>(&content) {
@@ -663,7 +703,11 @@ fn to_event(conn: &Connection, row: Row) -> Result<RecordedEvent, RecordingError
             msg_id: row.msg_id.unwrap_or_default(),
             parent_msg_id: row.parent_msg_id,
             header: row.header.unwrap_or_else(|| "{}".into()),
-            parent_header: row.parent_header.unwrap_or_else(|| "{}".into()),
+            parent_header: match (row.parent_header, row.parent_seq) {
+                (Some(h), _) => h,
+                (None, Some(seq)) => request_header(conn, sid, seq, parents)?,
+                (None, None) => "{}".into(),
+            },
             metadata: row.metadata.unwrap_or_else(|| "{}".into()),
             content,
             buffers,
@@ -723,10 +767,15 @@ mod tests {
         );
         let png =
             base64::Engine::encode(&base64::engine::general_purpose::STANDARD, vec![7u8; 5000]);
-        let disp = msg(
+        // As a kernel sends it: the request's header as its parent header (re-serialised).
+        let parent: Value = serde_json::from_slice(&req.header).unwrap();
+        let parent = Bytes::from(serde_json::to_string_pretty(&parent).unwrap());
+        let disp = Message::new(
             "display_data",
-            &req.msg_id,
-            json!({"data": {"image/png": png, "text/plain": "<Figure>"}, "metadata": {}}),
+            &json!({"data": {"image/png": png, "text/plain": "<Figure>"}, "metadata": {}}),
+            Some(&parent),
+            "k",
+            "alice",
         );
         store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &disp);
         store.report_event(
@@ -753,6 +802,27 @@ mod tests {
             all.iter().map(|e| e.seq).collect::<Vec<_>>(),
             [1, 2, 3, 4, 5]
         );
+        // The display's parent header is stored as a reference to the request, and put back.
+        let RecordedKind::Message {
+            header: req_header, ..
+        } = &all[0].kind
+        else {
+            panic!()
+        };
+        let RecordedKind::Message { parent_header, .. } = &all[2].kind else {
+            panic!()
+        };
+        assert_eq!(parent_header, req_header);
+        let conn = writer::open_reader(&store.config.path).unwrap();
+        let stored: (Option<String>, Option<i64>) = conn
+            .query_row(
+                "SELECT parent_header, parent_seq FROM events WHERE seq = 3",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(stored, (None, Some(1)));
+        drop(conn);
         let RecordedKind::Message { content, .. } = &all[2].kind else {
             panic!()
         };
@@ -906,7 +976,17 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "a measurement: cargo test --release --lib recording_cost -- --ignored --nocapture"]
     async fn recording_cost() {
-        let (_dir, store) = open_store(|_| {});
+        for sync in [
+            super::super::Synchronous::Normal,
+            super::super::Synchronous::Full,
+        ] {
+            eprintln!("synchronous = {sync:?}");
+            measure_recording_cost(sync).await;
+        }
+    }
+
+    async fn measure_recording_cost(sync: super::super::Synchronous) {
+        let (_dir, store) = open_store(|c| c.synchronous = sync);
         let k = key(Uuid::new_v4());
         let req = msg(
             "execute_request",

@@ -8,7 +8,10 @@
 //!   `ended_at`, `end_reason` (`closed`, `expired`, `broker_stopped`), counters.
 //! - `events`: one row per message or broker event, `(sid, seq)` in order; `time` in
 //!   microseconds since the epoch; the four JSON parts of a message as text (for a broker
-//!   event, `content` holds its detail and `kind` its name).
+//!   event, `content` holds its detail and `kind` its name). A kernel message whose
+//!   `parent_header` is the header of a request recorded in the same session stores
+//!   `parent_seq` (that request's `seq`) instead of a copy: a third of the file, put back on
+//!   read.
 //! - `blobs`: images taken out of events (see [`super::blobs`]) and binary buffers, once
 //!   per SHA-256; `blob_refs` says which sessions use which, so deletion can collect them.
 
@@ -29,7 +32,7 @@ use super::{micros, RecordingConfig, RecordingError, Synchronous};
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
 
-pub(super) const SCHEMA_VERSION: i64 = 1;
+pub(super) const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE sessions (
@@ -57,6 +60,7 @@ CREATE TABLE events (
     parent_msg_id TEXT,
     header TEXT,
     parent_header TEXT,
+    parent_seq INTEGER,
     metadata TEXT,
     content TEXT,
     kind TEXT,
@@ -182,6 +186,12 @@ pub(super) fn open(config: &RecordingConfig) -> Result<Connection, RecordingErro
         ))
         .map_err(open_err)?;
     }
+    if version == 1 {
+        conn.execute_batch(
+            "BEGIN; ALTER TABLE events ADD COLUMN parent_seq INTEGER; PRAGMA user_version = 2; COMMIT;",
+        )
+        .map_err(open_err)?;
+    }
     Ok(conn)
 }
 
@@ -204,6 +214,9 @@ pub(super) struct Writer {
     conn: Connection,
     path: PathBuf,
     known: HashMap<Uuid, Known>,
+    /// Headers of recent requests to kernels, per session row and msg_id: (seq, header).
+    requests: HashMap<i64, HashMap<String, (i64, Value)>>,
+    requests_len: usize,
     retention: Option<Duration>,
     blob_threshold: usize,
     counters: Arc<Counters>,
@@ -212,6 +225,7 @@ pub(super) struct Writer {
 const DAY: Duration = Duration::from_secs(86_400);
 const BATCH_OPS: usize = 4096;
 const BATCH_BYTES: usize = 64 << 20;
+const MAX_REQUESTS: usize = 20_000;
 
 impl Writer {
     pub fn new(conn: Connection, config: &RecordingConfig, counters: Arc<Counters>) -> Self {
@@ -219,6 +233,8 @@ impl Writer {
             conn,
             path: config.path.clone(),
             known: HashMap::new(),
+            requests: HashMap::new(),
+            requests_len: 0,
             retention: config.retention,
             blob_threshold: config.blob_threshold,
             counters,
@@ -340,12 +356,19 @@ impl Writer {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, "recording: a batch could not be committed; its events are lost");
                 let _ = self.conn.execute_batch("ROLLBACK");
-                // Sequence numbers handed out in the lost batch are free again.
+                // Sequence numbers handed out in the lost batch are free again, and the
+                // requests it recorded are gone.
                 self.known.clear();
+                self.forget_requests();
             }
         }
         // Ended sessions get no more events; forget them (a late one re-reads the row).
         self.known.retain(|_, k| !ended.contains(&k.sid));
+        for sid in &ended {
+            if let Some(m) = self.requests.remove(sid) {
+                self.requests_len -= m.len();
+            }
+        }
         self.counters
             .queued_bytes
             .fetch_sub(bytes, Ordering::AcqRel);
@@ -446,6 +469,13 @@ impl Writer {
                     }
                     Some(Value::Array(hashes).to_string())
                 };
+                let header = json_text(&msg.header);
+                let (parent_header, parent_seq) = self.parent_of(sid, direction, &msg);
+                if direction == Direction::ToKernel {
+                    if let Ok(v) = serde_json::from_str::<Value>(&header) {
+                        self.remember_request(sid, &msg.msg_id, seq, v);
+                    }
+                }
                 let direction = match direction {
                     Direction::ToKernel => "to_kernel",
                     Direction::FromKernel => "from_kernel",
@@ -453,8 +483,9 @@ impl Writer {
                 self.conn
                     .prepare_cached(
                         "INSERT INTO events (sid, seq, time, direction, channel, msg_type, msg_id,
-                           parent_msg_id, header, parent_header, metadata, content, has_blobs, buffers)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                           parent_msg_id, header, parent_header, parent_seq, metadata, content,
+                           has_blobs, buffers)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
                     )?
                     .execute(params![
                         sid,
@@ -465,8 +496,9 @@ impl Writer {
                         msg.msg_type,
                         msg.msg_id,
                         msg.parent_msg_id,
-                        json_text(&msg.header),
-                        json_text(&msg.parent_header),
+                        header,
+                        parent_header,
+                        parent_seq,
                         json_text(&msg.metadata),
                         content,
                         has_blobs,
@@ -500,6 +532,48 @@ impl Writer {
             }
         }
         Ok((sid, touched))
+    }
+
+    /// How to store a message's parent header: a reference to the recorded request it
+    /// equals (as JSON), or the text itself.
+    fn parent_of(
+        &self,
+        sid: i64,
+        direction: Direction,
+        msg: &Message,
+    ) -> (Option<String>, Option<i64>) {
+        if direction == Direction::FromKernel {
+            let request = msg
+                .parent_msg_id
+                .as_deref()
+                .and_then(|p| self.requests.get(&sid)?.get(p));
+            if let Some((seq, header)) = request {
+                if serde_json::from_slice::<Value>(&msg.parent_header)
+                    .ok()
+                    .as_ref()
+                    == Some(header)
+                {
+                    return (None, Some(*seq));
+                }
+            }
+        }
+        (Some(json_text(&msg.parent_header)), None)
+    }
+
+    fn remember_request(&mut self, sid: i64, msg_id: &str, seq: i64, header: Value) {
+        // Replies come within seconds; a bound keeps a flood of requests from piling up.
+        if self.requests_len >= MAX_REQUESTS {
+            self.forget_requests();
+        }
+        let m = self.requests.entry(sid).or_default();
+        if m.insert(msg_id.to_string(), (seq, header)).is_none() {
+            self.requests_len += 1;
+        }
+    }
+
+    fn forget_requests(&mut self) {
+        self.requests.clear();
+        self.requests_len = 0;
     }
 
     /// Take the images out of a message's content; `None` when it is not JSON.
@@ -613,6 +687,7 @@ impl Writer {
             Err(e) => tracing::error!(error = %e, "recording: the retention pass failed"),
         }
         self.known.clear();
+        self.forget_requests();
     }
 }
 
@@ -729,6 +804,32 @@ mod tests {
         for (input, want) in cases {
             assert_eq!(json_text(input), want);
         }
+    }
+
+    #[test]
+    fn a_version_1_file_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
+        let conn = open(&cfg).unwrap();
+        conn.execute_batch("ALTER TABLE events DROP COLUMN parent_seq; PRAGMA user_version = 1;")
+            .unwrap();
+        drop(conn);
+        let conn = open(&cfg).unwrap();
+        let v: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        conn.execute(
+            "INSERT INTO events (sid, seq, time, direction, parent_seq) VALUES (1, 1, 0, 'x', 7)",
+            [],
+        )
+        .unwrap();
+        conn.execute_batch("PRAGMA user_version = 99").unwrap();
+        drop(conn);
+        assert!(matches!(
+            open(&cfg),
+            Err(RecordingError::SchemaTooNew { found: 99, .. })
+        ));
     }
 
     #[test]
