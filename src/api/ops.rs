@@ -55,6 +55,45 @@ async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoRes
         "kernel_broker_pooled_kernels {}\n",
         state.registry.pooled()
     ));
+    if let Some(r) = &state.recording {
+        let s = r.stats();
+        for (name, help, kind, v) in [
+            (
+                "recording_queued_bytes",
+                "Bytes waiting for the recording writer.",
+                "gauge",
+                s.queued_bytes as u64,
+            ),
+            (
+                "recording_dropped_total",
+                "Reports dropped because the writer was behind.",
+                "counter",
+                s.dropped,
+            ),
+            (
+                "recording_truncated_total",
+                "Stream messages not kept past the per-execution cap.",
+                "counter",
+                s.truncated,
+            ),
+            (
+                "recording_errors_total",
+                "Events that could not be stored.",
+                "counter",
+                s.errors,
+            ),
+            (
+                "recording_events_total",
+                "Events stored.",
+                "counter",
+                s.events,
+            ),
+        ] {
+            out.push_str(&format!(
+                "# HELP kernel_broker_{name} {help}\n# TYPE kernel_broker_{name} {kind}\nkernel_broker_{name} {v}\n"
+            ));
+        }
+    }
     out.push_str("# HELP kernel_broker_uptime_seconds Seconds since start.\n# TYPE kernel_broker_uptime_seconds counter\n");
     out.push_str(&format!(
         "kernel_broker_uptime_seconds {:.3}\n",
