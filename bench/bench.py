@@ -1082,6 +1082,14 @@ def table(results, levels):
             (f"{n} sessions: executes/s, REST", {"floor": B("concurrency", str(n), "jupyter_client", "executes_per_s"),
                                                   "kg": B("concurrency", str(n), "jupyter_ws", "executes_per_s"),
                                                   "broker": B("concurrency", str(n), "rest", "executes_per_s")}, 0),
+            (f"{n} sessions: latency under load p50 ms, agent WS", {"floor": B("concurrency", str(n), "jupyter_client", "latency", "p50_ms"),
+                                                                    "kg": B("concurrency", str(n), "jupyter_ws", "latency", "p50_ms"),
+                                                                    "broker": B("concurrency", str(n), "agent_ws", "latency", "p50_ms")}, 0),
+            (f"{n} sessions: latency under load p99 ms, agent WS", {"floor": B("concurrency", str(n), "jupyter_client", "latency", "p99_ms"),
+                                                                    "kg": B("concurrency", str(n), "jupyter_ws", "latency", "p99_ms"),
+                                                                    "broker": B("concurrency", str(n), "agent_ws", "latency", "p99_ms")}, 0),
+            (f"{n} sessions: server CPU ms per execute, agent WS", {"kg": B("concurrency", str(n), "jupyter_ws", "server_cpu_ms_per_execute"),
+                                                                    "broker": B("concurrency", str(n), "agent_ws", "server_cpu_ms_per_execute")}, 2),
             (f"{n} sessions: failed executions (all paths)", {k: ("__failures__", str(n)) for k in ("floor", "kg", "broker")}, 0),
             (f"{n} sessions: server RSS per idle session, KiB", {"kg": B("memory", str(n), "server_rss_per_session_kib"),
                                                                   "broker": B("memory", str(n), "server_rss_per_session_kib")}, 0),
@@ -1123,6 +1131,10 @@ def table(results, levels):
                 a, o = vals[k], vals.get(other)
                 cells.append(f"{a / o:.2f}" if a is not None and o not in (None, 0) and "failed" not in label else "")
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Floor and Kernel Gateway have one client path each (jupyter_client over ZeroMQ; the Jupyter "
+                 "channels WebSocket), shown on every row of that measure. Ratios are broker ÷ other: below 1 is "
+                 "better for times and memory, above 1 for MB/s and executes/s.")
     return "\n".join(lines)
 
 
@@ -1139,7 +1151,7 @@ def docker_image_ok():
 
 def main():
     global USERS
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few iterations, 3 sessions, no 100-session run (smoke test)")
     p.add_argument("--json", default=str(REPO / "bench-results/latest.json"), help="write the results here")
     p.add_argument("--systems", default="floor,local,docker,kg", help="comma list of floor, local, docker, kg")
