@@ -170,6 +170,9 @@ impl KernelClient {
             let control = connect_socket(dealer(None), "control", &endpoints.control).await?;
             Ok::<_, KernelError>((iopub, shell, stdin, control))
         };
+        // The crate retries a missing ipc socket with a growing backoff (up to 800 ms); wait
+        // for the kernel to bind its sockets first, so the first attempt succeeds.
+        wait_for_ipc_sockets(endpoints, deadline).await;
         let (iopub, shell, stdin, control) = timeout(ready_timeout, connect_all)
             .await
             .map_err(|_| KernelError::NotReady(ready_timeout))??;
@@ -296,6 +299,28 @@ impl KernelClient {
         let frames = wire::encode(&msg, &self.signer);
         let zmq = to_zmq(frames).ok_or(KernelError::Closed)?;
         tx.send(zmq).await.map_err(|_| KernelError::Closed)
+    }
+}
+
+/// Poll (every 5 ms) until the unix sockets of `ipc://` endpoints exist, or the deadline.
+async fn wait_for_ipc_sockets(endpoints: &KernelEndpoints, deadline: Instant) {
+    let paths: Vec<&str> = [
+        &endpoints.shell,
+        &endpoints.iopub,
+        &endpoints.stdin,
+        &endpoints.control,
+        &endpoints.hb,
+    ]
+    .into_iter()
+    .filter_map(|e| e.strip_prefix("ipc://"))
+    .collect();
+    for path in paths {
+        while !tokio::fs::try_exists(path).await.unwrap_or(false) {
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }
 

@@ -861,13 +861,15 @@ fn resource_limits(limits: &UserLimits) -> ResourceLimits {
 /// The kernel's command: records its pid (`$$`, kept by `exec`) so interrupts can find it,
 /// and sends its stderr to `/tmp` (the container's tmpfs: bounded, private to the user) to
 /// explain a crash. Its stdout only carries ipykernel's connection banner (user output goes
-/// to iopub), so it is dropped.
+/// to iopub), so it is dropped. IPython's history stays in memory: a file in the shared
+/// workspace would make every kernel of the user queue on one SQLite lock.
 fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
     let script = format!(
         "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; exec {PYTHON_INSIDE} -m ipykernel_launcher \
-         -f {RUN_DIR_INSIDE}/{dir}/connection.json >/dev/null 2>{log}",
+         -f {RUN_DIR_INSIDE}/{dir}/connection.json --HistoryManager.hist_file=:memory: \
+         >/dev/null 2>{log}",
         log = kernel_log(dir)
     );
     vec!["sh".to_string(), "-c".to_string(), script]
