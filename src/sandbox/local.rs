@@ -849,16 +849,11 @@ struct KernelShared {
 
 impl KernelShared {
     async fn wait(&self) -> ExitReason {
-        let mut rx = self.exit.clone();
-        let reason = match rx.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone(),
-            Err(_) => None,
-        };
-        reason.unwrap_or_else(|| {
-            ExitReason::Lost(
-                "the broker stopped watching the kernel process (runtime shut down)".to_string(),
-            )
-        })
+        super::wait_for_exit(
+            &self.exit,
+            "the broker stopped watching the kernel process (runtime shut down)",
+        )
+        .await
     }
 
     fn has_exited(&self) -> bool {
