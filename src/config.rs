@@ -105,6 +105,10 @@ pub struct ServeArgs {
     /// Results (displays and the main result) of one execution above this many bytes are refused [default: 16777216]
     #[arg(long, env = "KERNEL_BROKER_RESULT_LIMIT")]
     pub result_limit: Option<usize>,
+    /// Largest message a kernel may send (all frames together), bytes; a kernel that sends a
+    /// bigger one is cut off and its session turns dead. 1 MiB to 1 GiB [default: 67108864]
+    #[arg(long, env = "KERNEL_BROKER_MAX_KERNEL_MESSAGE")]
+    pub max_kernel_message: Option<u64>,
     /// Largest code of one execution, bytes [default: 1048576]
     #[arg(long, env = "KERNEL_BROKER_MAX_CODE_BYTES")]
     pub max_code_bytes: Option<usize>,
@@ -221,6 +225,7 @@ pub struct Settings {
     pub interrupt_grace: Duration,
     pub output_limit: usize,
     pub result_limit: usize,
+    pub max_kernel_message: u64,
     pub max_code_bytes: usize,
     pub max_file_bytes: usize,
     pub max_queue: usize,
@@ -408,6 +413,15 @@ impl Settings {
             interrupt_grace: secs(pick!(interrupt_grace, 5.0), "interrupt_grace")?,
             output_limit: pick!(output_limit, 10_000),
             result_limit: pick!(result_limit, 16 << 20),
+            max_kernel_message: {
+                let v = pick!(max_kernel_message, 64 << 20);
+                if !(1 << 20..=1 << 30).contains(&v) {
+                    return Err(ConfigError::Invalid(format!(
+                        "max_kernel_message must be between 1 MiB and 1 GiB, not {v}"
+                    )));
+                }
+                v
+            },
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
             max_queue: pick!(max_queue, 64),

@@ -85,6 +85,13 @@ pub fn session_config(settings: &Settings) -> SessionConfig {
         output_limit: settings.output_limit,
         result_limit: settings.result_limit,
         max_queue: settings.max_queue,
+        kernel: crate::kernel::ConnectOptions {
+            limits: crate::kernel::MessageLimits {
+                max_message: settings.max_kernel_message,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
         pool: crate::session::PoolConfig {
             size: settings.pool_size,
             idle: settings.pool_idle,

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kernel_broker::kernel::{Heartbeat, KernelClient, KernelEndpoints, KernelEvent};
+use kernel_broker::kernel::{ConnectOptions, KernelClient, KernelEndpoints, KernelEvent};
 use kernel_broker::wire::{self, Channel, Message, Signer};
 use zeromq::{PubSocket, RepSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -130,7 +130,7 @@ async fn bad_signatures_are_dropped_and_good_messages_delivered() {
             &endpoints,
             KEY,
             "test",
-            Heartbeat::default(),
+            ConnectOptions::default(),
             Duration::from_secs(15),
         ),
     )
@@ -185,7 +185,7 @@ async fn connect_gives_up_cleanly_when_no_kernel_answers() {
         &endpoints,
         KEY,
         "test",
-        Heartbeat::default(),
+        ConnectOptions::default(),
         Duration::from_secs(2),
     )
     .await;

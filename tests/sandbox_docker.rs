@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use kernel_broker::kernel::{Heartbeat, KernelClient, KernelEvent};
+use kernel_broker::kernel::{ConnectOptions, KernelClient, KernelEvent, KernelEvents};
 use kernel_broker::sandbox::docker::{
     DockerSandbox, DockerSandboxConfig, DEFAULT_IMAGE, LABEL_DATA_DIR_HASH, LABEL_MANAGED,
 };
@@ -21,7 +21,6 @@ use kernel_broker::sandbox::{
 };
 use kernel_broker::wire::Channel;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 use uuid::Uuid;
 
@@ -169,7 +168,7 @@ async fn wait_exit(process: &dyn KernelProcess, limit: Duration) -> ExitReason {
 struct Kernel {
     launched: Launched,
     client: KernelClient,
-    events: mpsc::Receiver<KernelEvent>,
+    events: KernelEvents,
 }
 
 /// What one execution produced.
@@ -206,7 +205,7 @@ async fn start_timed(h: &Harness, user: &SandboxUser) -> (Kernel, Duration) {
         &launched.endpoints,
         &key,
         "test",
-        Heartbeat::default(),
+        ConnectOptions::default(),
         Duration::from_secs(60),
     )
     .await

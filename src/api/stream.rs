@@ -95,7 +95,9 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
                     }
                     // Output of executions other clients started (a notebook on the same
                     // kernel): streamed with a null id and `external: true`.
-                    Ok(SessionEvent::Iopub { msg, agent: false }) => {
+                    Ok(SessionEvent::Iopub {
+                        msg, agent: false, ..
+                    }) => {
                         if let Some(ev) =
                             crate::session::execution::output_event(&msg.msg_type, &msg.content)
                         {

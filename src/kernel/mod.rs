@@ -10,17 +10,21 @@
 //! sandboxes or HTTP. A restarted kernel gets a brand-new client: an old DEALER of the
 //! `zeromq` crate silently loses messages to a kernel restarted on the same address.
 
+pub mod zmtp;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
-use zeromq::{
-    DealerSocket, ReqSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
-};
 
 use crate::wire::{self, Channel, Message, Signer};
+use zmtp::{Incoming, SocketType, ZmtpError};
+
+pub use zmtp::Limits as MessageLimits;
 
 /// The five ZeroMQ endpoints of a kernel as the broker reaches them,
 /// e.g. `ipc:///var/lib/kernel-broker/run/<id>/k-1`.
@@ -59,6 +63,8 @@ pub enum KernelError {
     NotReady(Duration),
     #[error("the kernel connection is closed")]
     Closed,
+    #[error("the kernel is not reading its {0} channel ({QUEUE_CAPACITY} messages are waiting)")]
+    Backlogged(&'static str),
 }
 
 /// Heartbeat settings.
@@ -67,6 +73,13 @@ pub struct Heartbeat {
     pub interval: Duration,
     /// Consecutive misses before the kernel is declared lost.
     pub max_misses: u32,
+}
+
+/// How the broker connects to kernels: heartbeat and message limits.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConnectOptions {
+    pub heartbeat: Heartbeat,
+    pub limits: MessageLimits,
 }
 
 impl Default for Heartbeat {
@@ -85,11 +98,11 @@ pub struct KernelClient {
     signer: Signer,
     session: String,
     username: String,
-    shell: mpsc::Sender<ZmqMessage>,
-    stdin: mpsc::Sender<ZmqMessage>,
-    control: mpsc::Sender<ZmqMessage>,
+    shell: mpsc::Sender<Outgoing>,
+    stdin: mpsc::Sender<Outgoing>,
+    control: mpsc::Sender<Outgoing>,
     /// Held so the socket tasks end when the last clone is dropped.
-    _tasks: std::sync::Arc<TaskSet>,
+    _tasks: Arc<TaskSet>,
 }
 
 struct TaskSet(Vec<JoinHandle<()>>);
@@ -102,31 +115,102 @@ impl Drop for TaskSet {
     }
 }
 
-/// Capacity of the event queue from the socket readers to the consumer. The consumer (the
-/// session task) never awaits anything slow, so this is only a burst buffer; kept small
-/// because one message can be megabytes: when the consumer falls behind, the readers wait,
-/// and the kernel's PUB socket drops iopub at its high-water mark instead of the broker
-/// buffering without bound.
-const EVENT_CAPACITY: usize = 256;
-
-fn to_zmq(frames: Vec<Bytes>) -> Option<ZmqMessage> {
-    ZmqMessage::try_from(frames).ok()
+/// What a connection's writer task sends.
+enum Outgoing {
+    Message(Vec<Bytes>),
+    /// The answer to the kernel's ZMTP `PING`.
+    Pong(Bytes),
 }
 
-async fn connect_socket<S: Socket>(
-    mut socket: S,
-    channel: &'static str,
-    endpoint: &str,
-) -> Result<S, KernelError> {
-    socket
-        .connect(endpoint)
-        .await
-        .map_err(|e| KernelError::Connect {
-            channel,
-            endpoint: endpoint.to_string(),
-            reason: e.to_string(),
-        })?;
-    Ok(socket)
+/// Capacity of the event queue from the socket readers to the consumer. The consumer (the
+/// session task) never awaits anything slow, so this is only a burst buffer. What bounds
+/// memory is the byte budget (see [`KernelEvents`]): when the consumer falls behind, the
+/// readers wait, and the kernel's PUB socket drops iopub at its high-water mark instead of
+/// the broker buffering without bound.
+const EVENT_CAPACITY: usize = 256;
+
+/// Messages queued for one channel's writer before [`KernelClient::send`] reports the
+/// kernel as not reading.
+const QUEUE_CAPACITY: usize = 1024;
+
+/// The heartbeat echoes a few bytes; nothing bigger is accepted on it.
+const HEARTBEAT_LIMITS: MessageLimits = MessageLimits {
+    max_message: 64 * 1024,
+    max_frames: 4,
+};
+
+/// The events of one kernel, in arrival order per channel.
+///
+/// Memory bound: every message from the kernel holds permits of a per-kernel byte budget
+/// (twice the message limit) from the moment its first frame is read until the consumer
+/// takes it here, so whatever a kernel sends, at most that many bytes of its messages are
+/// in the broker's hands between its sockets and the session.
+pub struct KernelEvents {
+    rx: mpsc::Receiver<(KernelEvent, Option<OwnedSemaphorePermit>)>,
+}
+
+impl KernelEvents {
+    /// The next event; `None` once every socket task has ended. Cancel-safe.
+    pub async fn recv(&mut self) -> Option<KernelEvent> {
+        self.rx.recv().await.map(|(event, _budget)| event)
+    }
+}
+
+/// Rate limit for the warnings about one kernel's bad messages: a flood of malformed or
+/// forged messages costs a summary line a minute, not a line each.
+struct LogLimit {
+    window_start: Instant,
+    logged: u32,
+    suppressed: u64,
+}
+
+const LOG_WINDOW: Duration = Duration::from_secs(60);
+const LOG_PER_WINDOW: u32 = 10;
+
+impl Drop for LogLimit {
+    fn drop(&mut self) {
+        if self.suppressed > 0 {
+            tracing::warn!(
+                suppressed = self.suppressed,
+                "more messages from the kernel were dropped (not logged each)"
+            );
+        }
+    }
+}
+
+impl LogLimit {
+    fn new() -> Self {
+        Self {
+            window_start: Instant::now(),
+            logged: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether to log this occurrence; when a window with suppressed lines ends, says so
+    /// first.
+    fn allow(&mut self, channel: Channel) -> bool {
+        let now = Instant::now();
+        if now.duration_since(self.window_start) >= LOG_WINDOW {
+            if self.suppressed > 0 {
+                tracing::warn!(
+                    channel = channel.as_str(),
+                    suppressed = self.suppressed,
+                    "more messages from the kernel were dropped in the last minute (not logged each)"
+                );
+            }
+            self.window_start = now;
+            self.logged = 0;
+            self.suppressed = 0;
+        }
+        if self.logged < LOG_PER_WINDOW {
+            self.logged += 1;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
 }
 
 impl KernelClient {
@@ -136,62 +220,62 @@ impl KernelClient {
         endpoints: &KernelEndpoints,
         key: &str,
         username: &str,
-        heartbeat: Heartbeat,
+        options: ConnectOptions,
         ready_timeout: Duration,
-    ) -> Result<(KernelClient, mpsc::Receiver<KernelEvent>, Message), KernelError> {
+    ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
+        let ConnectOptions { heartbeat, limits } = options;
         let deadline = Instant::now() + ready_timeout;
         let signer = Signer::new(key.as_bytes());
-        let identity: [u8; 16] = rand::random();
-        let identity = zeromq::util::PeerIdentity::try_from(hex::encode(identity).into_bytes())
-            .map_err(|e| KernelError::Connect {
-                channel: "shell",
-                endpoint: endpoints.shell.clone(),
-                reason: e.to_string(),
-            })?;
-        let dealer = |id: Option<zeromq::util::PeerIdentity>| {
-            let mut opts = SocketOptions::default();
-            opts.connect_timeout(ready_timeout);
-            if let Some(id) = id {
-                opts.peer_identity(id);
-            }
-            DealerSocket::with_options(opts)
-        };
-        let connect_all = async {
-            let mut sub = SubSocket::new();
-            sub.subscribe("").await.map_err(|e| KernelError::Connect {
-                channel: "iopub",
-                endpoint: endpoints.iopub.clone(),
-                reason: e.to_string(),
-            })?;
-            let iopub = connect_socket(sub, "iopub", &endpoints.iopub).await?;
-            let shell =
-                connect_socket(dealer(Some(identity.clone())), "shell", &endpoints.shell).await?;
-            let stdin = connect_socket(dealer(Some(identity)), "stdin", &endpoints.stdin).await?;
-            let control = connect_socket(dealer(None), "control", &endpoints.control).await?;
-            Ok::<_, KernelError>((iopub, shell, stdin, control))
-        };
-        // The crate retries a missing ipc socket with a growing backoff (up to 800 ms); wait
-        // for the kernel to bind its sockets first, so the first attempt succeeds.
-        wait_for_ipc_sockets(endpoints, deadline).await;
-        let (iopub, shell, stdin, control) = timeout(ready_timeout, connect_all)
-            .await
-            .map_err(|_| KernelError::NotReady(ready_timeout))??;
-
-        let (events_tx, mut events) = mpsc::channel(EVENT_CAPACITY);
+        let identity = hex::encode(rand::random::<[u8; 16]>()).into_bytes();
+        // Twice the largest message, so one whole message always fits while another is
+        // being consumed.
+        let budget = Arc::new(Semaphore::new(
+            usize::try_from(limits.max_message.saturating_mul(2))
+                .unwrap_or(usize::MAX)
+                .min(Semaphore::MAX_PERMITS),
+        ));
+        let log = Arc::new(Mutex::new(LogLimit::new()));
+        let (events_tx, rx) = mpsc::channel(EVENT_CAPACITY);
+        let mut events = KernelEvents { rx };
         let mut tasks = Vec::new();
-        let (shell_tx, t) = spawn_dealer(shell, Channel::Shell, signer.clone(), events_tx.clone());
-        tasks.extend(t);
-        let (stdin_tx, t) = spawn_dealer(stdin, Channel::Stdin, signer.clone(), events_tx.clone());
-        tasks.extend(t);
-        let (control_tx, t) =
-            spawn_dealer(control, Channel::Control, signer.clone(), events_tx.clone());
-        tasks.extend(t);
-        tasks.push(tokio::spawn(read_loop(
-            iopub,
-            Channel::Iopub,
-            signer.clone(),
-            events_tx.clone(),
-        )));
+        let mut open = |channel: Channel,
+                        endpoint: &str,
+                        socket_type: SocketType,
+                        identity: Option<Vec<u8>>| {
+            let link = Link {
+                channel,
+                endpoint: endpoint.to_string(),
+                socket_type,
+                identity,
+                limits,
+                budget: budget.clone(),
+                signer: signer.clone(),
+                events: events_tx.clone(),
+                log: log.clone(),
+            };
+            let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+            tasks.push(tokio::spawn(link.run(deadline, rx, tx.clone())));
+            tx
+        };
+        let _iopub = open(Channel::Iopub, &endpoints.iopub, SocketType::Sub, None);
+        let shell = open(
+            Channel::Shell,
+            &endpoints.shell,
+            SocketType::Dealer,
+            Some(identity.clone()),
+        );
+        let stdin = open(
+            Channel::Stdin,
+            &endpoints.stdin,
+            SocketType::Dealer,
+            Some(identity),
+        );
+        let control = open(
+            Channel::Control,
+            &endpoints.control,
+            SocketType::Dealer,
+            None,
+        );
         tasks.push(tokio::spawn(heartbeat_loop(
             endpoints.hb.clone(),
             heartbeat,
@@ -202,10 +286,10 @@ impl KernelClient {
             signer,
             session: uuid::Uuid::new_v4().to_string(),
             username: username.to_string(),
-            shell: shell_tx,
-            stdin: stdin_tx,
-            control: control_tx,
-            _tasks: std::sync::Arc::new(TaskSet(tasks)),
+            shell,
+            stdin,
+            control,
+            _tasks: Arc::new(TaskSet(tasks)),
         };
 
         // Readiness: a kernel_info_reply on shell, and iopub output for one of our requests
@@ -246,7 +330,7 @@ impl KernelClient {
                 Ok(Some(KernelEvent::ChannelFailed(ch, why))) => {
                     return Err(KernelError::Connect {
                         channel: ch.as_str(),
-                        endpoint: String::new(),
+                        endpoint: endpoint_of(endpoints, ch).to_string(),
                         reason: why,
                     })
                 }
@@ -285,7 +369,9 @@ impl KernelClient {
         )
     }
 
-    /// Sign and send a message on shell, stdin or control.
+    /// Sign and queue a message on shell, stdin or control. Never waits: a kernel that
+    /// stops reading its sockets must not stall the session that sends to it, so a full
+    /// queue is [`KernelError::Backlogged`].
     pub async fn send(&self, channel: Channel, msg: &Message) -> Result<(), KernelError> {
         let tx = match channel {
             Channel::Shell => &self.shell,
@@ -297,125 +383,235 @@ impl KernelClient {
         // Identities belong to the client side of a ROUTER; a DEALER sends none.
         msg.identities.clear();
         let frames = wire::encode(&msg, &self.signer);
-        let zmq = to_zmq(frames).ok_or(KernelError::Closed)?;
-        tx.send(zmq).await.map_err(|_| KernelError::Closed)
+        tx.try_send(Outgoing::Message(frames)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => KernelError::Backlogged(channel.as_str()),
+            mpsc::error::TrySendError::Closed(_) => KernelError::Closed,
+        })
     }
 }
 
-/// Poll (every 5 ms) until the unix sockets of `ipc://` endpoints exist, or the deadline.
-async fn wait_for_ipc_sockets(endpoints: &KernelEndpoints, deadline: Instant) {
-    let paths: Vec<&str> = [
-        &endpoints.shell,
-        &endpoints.iopub,
-        &endpoints.stdin,
-        &endpoints.control,
-        &endpoints.hb,
-    ]
-    .into_iter()
-    .filter_map(|e| e.strip_prefix("ipc://"))
-    .collect();
-    for path in paths {
-        while !tokio::fs::try_exists(path).await.unwrap_or(false) {
-            if Instant::now() >= deadline {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+fn endpoint_of(endpoints: &KernelEndpoints, channel: Channel) -> &str {
+    match channel {
+        Channel::Shell => &endpoints.shell,
+        Channel::Iopub => &endpoints.iopub,
+        Channel::Stdin => &endpoints.stdin,
+        Channel::Control => &endpoints.control,
+        Channel::Heartbeat => &endpoints.hb,
     }
 }
 
-/// Split a dealer into a writer task fed by a channel and a reader task.
-fn spawn_dealer(
-    socket: DealerSocket,
-    channel: Channel,
-    signer: Signer,
-    events: mpsc::Sender<KernelEvent>,
-) -> (mpsc::Sender<ZmqMessage>, [JoinHandle<()>; 2]) {
-    let (mut send_half, recv_half) = socket.split();
-    let (tx, mut rx) = mpsc::channel::<ZmqMessage>(256);
-    let events_w = events.clone();
-    let writer = tokio::spawn(async move {
-        while let Some(m) = rx.recv().await {
-            if let Err(e) = send_half.send(m).await {
-                tracing::warn!(channel = channel.as_str(), error = %e, "send to kernel failed");
-                let _ = events_w
-                    .send(KernelEvent::ChannelFailed(channel, e.to_string()))
-                    .await;
-                break;
-            }
-        }
-    });
-    let reader = tokio::spawn(read_loop(recv_half, channel, signer, events));
-    (tx, [writer, reader])
+/// The unix socket path of an `ipc://` endpoint; the broker reaches kernels through no
+/// other transport.
+fn ipc_path(endpoint: &str) -> Result<&Path, String> {
+    endpoint
+        .strip_prefix("ipc://")
+        .map(Path::new)
+        .ok_or_else(|| format!("{endpoint} is not an ipc:// endpoint"))
 }
 
-/// Read, verify and forward every message of one socket until it closes.
-async fn read_loop<S: SocketRecv + Send>(
-    mut socket: S,
+/// Connects to an `ipc://` endpoint and runs the ZMTP handshake, retrying while the
+/// kernel has not bound the socket yet (missing, or not listening yet) until `deadline`.
+async fn open_connection(
+    endpoint: &str,
+    socket_type: SocketType,
+    identity: Option<&[u8]>,
+    limits: MessageLimits,
+    deadline: Instant,
+) -> Result<(ZmtpReader, ZmtpWriter), String> {
+    let path = ipc_path(endpoint)?;
+    let stream = loop {
+        match zmtp::connect_ipc(path).await {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT) | Some(libc::ECONNREFUSED) | Some(libc::EAGAIN)
+                ) && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => return Err(format!("cannot connect to {}: {e}", path.display())),
+        }
+    };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    zmtp::handshake(stream, socket_type, identity, limits, left)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+type ZmtpReader = zmtp::Reader<tokio::io::ReadHalf<tokio::net::UnixStream>>;
+type ZmtpWriter = zmtp::Writer<tokio::io::WriteHalf<tokio::net::UnixStream>>;
+
+/// One channel's connection: opened, then read by this task and written by a child task.
+struct Link {
     channel: Channel,
+    endpoint: String,
+    socket_type: SocketType,
+    identity: Option<Vec<u8>>,
+    limits: MessageLimits,
+    budget: Arc<Semaphore>,
     signer: Signer,
-    events: mpsc::Sender<KernelEvent>,
-) {
-    loop {
-        match socket.recv().await {
-            Ok(zmsg) => {
-                let frames = zmsg.into_vec();
-                match wire::decode(frames, &signer) {
+    events: mpsc::Sender<(KernelEvent, Option<OwnedSemaphorePermit>)>,
+    log: Arc<Mutex<LogLimit>>,
+}
+
+impl Link {
+    async fn fail(&self, why: String) {
+        let _ = self
+            .events
+            .send((KernelEvent::ChannelFailed(self.channel, why), None))
+            .await;
+    }
+
+    /// Connect, then read, verify and forward every message until the connection ends or
+    /// the kernel breaks the protocol (then the channel is reported failed: a kernel that
+    /// sends what no kernel sends is cut off).
+    async fn run(
+        self,
+        deadline: Instant,
+        outgoing: mpsc::Receiver<Outgoing>,
+        pongs: mpsc::Sender<Outgoing>,
+    ) {
+        let channel = self.channel;
+        let (mut reader, writer) = match open_connection(
+            &self.endpoint,
+            self.socket_type,
+            self.identity.as_deref(),
+            self.limits,
+            deadline,
+        )
+        .await
+        {
+            Ok(c) => c,
+            Err(why) => return self.fail(why).await,
+        };
+        reader.set_budget(self.budget.clone());
+        let events_w = self.events.clone();
+        let _writer = AbortOnDrop(tokio::spawn(write_loop(
+            writer, outgoing, channel, events_w,
+        )));
+        loop {
+            match reader.next().await {
+                Ok(Incoming::Message(frames, permit)) => match wire::decode(frames, &self.signer) {
                     Ok(m) => {
-                        if events.send(KernelEvent::Message(channel, m)).await.is_err() {
+                        if self
+                            .events
+                            .send((KernelEvent::Message(channel, m), permit))
+                            .await
+                            .is_err()
+                        {
                             return;
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(channel = channel.as_str(), error = %e, "dropped a message from the kernel");
+                        if lock(&self.log).allow(channel) {
+                            tracing::warn!(channel = channel.as_str(), error = %e, "dropped a message from the kernel");
+                        }
                     }
+                },
+                Ok(Incoming::Ping(context)) => {
+                    let _ = pongs.try_send(Outgoing::Pong(context));
                 }
-            }
-            Err(e) => {
-                tracing::debug!(channel = channel.as_str(), error = %e, "kernel socket closed");
-                let _ = events
-                    .send(KernelEvent::ChannelFailed(channel, e.to_string()))
-                    .await;
-                return;
+                Err(ZmtpError::Closed) => {
+                    tracing::debug!(channel = channel.as_str(), "kernel socket closed");
+                    return self.fail("the kernel closed the connection".into()).await;
+                }
+                Err(e) => {
+                    if lock(&self.log).allow(channel) {
+                        tracing::warn!(channel = channel.as_str(), error = %e, "cutting off the kernel");
+                    }
+                    return self.fail(e.to_string()).await;
+                }
             }
         }
     }
 }
 
-/// Ping the kernel's heartbeat (REQ/REP echo). A REQ socket that timed out cannot send
-/// again, so each miss rebuilds it.
-async fn heartbeat_loop(endpoint: String, hb: Heartbeat, events: mpsc::Sender<KernelEvent>) {
+/// Poison-tolerant lock: the guarded state stays valid whatever a panicking holder did.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn write_loop(
+    mut writer: ZmtpWriter,
+    mut rx: mpsc::Receiver<Outgoing>,
+    channel: Channel,
+    events: mpsc::Sender<(KernelEvent, Option<OwnedSemaphorePermit>)>,
+) {
+    while let Some(out) = rx.recv().await {
+        let r = match out {
+            Outgoing::Message(frames) => writer.send(&frames).await,
+            Outgoing::Pong(context) => zmtp::pong(&mut writer, &context).await,
+        };
+        if let Err(e) = r {
+            tracing::warn!(channel = channel.as_str(), error = %e, "send to kernel failed");
+            let _ = events
+                .send((KernelEvent::ChannelFailed(channel, e.to_string()), None))
+                .await;
+            break;
+        }
+    }
+}
+
+/// Ping the kernel's heartbeat (an echo behind a ROUTER, reached as REQ). Each ping
+/// carries a fresh payload and only its own echo counts; a connection that timed out is
+/// dropped and made again.
+async fn heartbeat_loop(
+    endpoint: String,
+    hb: Heartbeat,
+    events: mpsc::Sender<(KernelEvent, Option<OwnedSemaphorePermit>)>,
+) {
     let mut misses = 0u32;
-    let mut socket: Option<ReqSocket> = None;
+    let mut conn: Option<(ZmtpReader, ZmtpWriter)> = None;
+    let mut n: u64 = 0;
     loop {
         tokio::time::sleep(hb.interval).await;
         if events.is_closed() {
             return;
         }
+        n += 1;
+        let payload = Bytes::from(format!("ping-{n}"));
         let ok = async {
-            if socket.is_none() {
-                let mut opts = SocketOptions::default();
-                opts.connect_timeout(hb.interval);
-                let mut s = ReqSocket::with_options(opts);
-                s.connect(&endpoint).await.ok()?;
-                socket = Some(s);
+            if conn.is_none() {
+                let deadline = Instant::now() + hb.interval;
+                conn =
+                    open_connection(&endpoint, SocketType::Req, None, HEARTBEAT_LIMITS, deadline)
+                        .await
+                        .ok();
             }
-            let s = socket.as_mut()?;
-            s.send(ZmqMessage::from(Bytes::from_static(b"ping")))
-                .await
-                .ok()?;
-            s.recv().await.ok()
+            let (r, w) = conn.as_mut()?;
+            w.send(&[Bytes::new(), payload.clone()]).await.ok()?;
+            loop {
+                match r.next().await.ok()? {
+                    Incoming::Message(frames, _) => {
+                        if frames.len() == 2 && frames[0].is_empty() && frames[1] == payload {
+                            return Some(());
+                        }
+                    }
+                    Incoming::Ping(ctx) => zmtp::pong(w, &ctx).await.ok()?,
+                }
+            }
         };
-        let answered = matches!(timeout(hb.interval, ok).await, Ok(Some(_)));
+        let answered = matches!(timeout(hb.interval, ok).await, Ok(Some(())));
         if answered {
             misses = 0;
         } else {
-            socket = None;
+            conn = None;
             misses += 1;
             tracing::debug!(misses, "heartbeat missed");
             if misses >= hb.max_misses {
                 if events
-                    .send(KernelEvent::HeartbeatLost { misses })
+                    .send((KernelEvent::HeartbeatLost { misses }, None))
                     .await
                     .is_err()
                 {

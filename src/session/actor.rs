@@ -17,14 +17,14 @@ use super::{
     Command, Direction, ExecRequest, Recorder, ReplyRoute, Session, SessionError, SessionEvent,
     SessionState,
 };
-use crate::kernel::{KernelClient, KernelEvent};
+use crate::kernel::{KernelClient, KernelEvent, KernelEvents};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
 use crate::wire::{Channel, Message, Signer};
 
 /// A connected kernel.
 pub(crate) struct Live {
     pub client: KernelClient,
-    pub events: mpsc::Receiver<KernelEvent>,
+    pub events: KernelEvents,
     pub process: Arc<dyn KernelProcess>,
     /// Resolves when the process ends (fed by a watcher task, so `Live` stays `Sync`).
     exit: oneshot::Receiver<ExitReason>,
@@ -44,7 +44,7 @@ impl Live {
 pub(crate) async fn start_kernel(
     sandbox: &Arc<dyn Sandbox>,
     spec: LaunchSpec,
-    heartbeat: crate::kernel::Heartbeat,
+    options: crate::kernel::ConnectOptions,
 ) -> Result<Live, SessionError> {
     let user = spec.user.name.clone();
     let key = spec.key.clone();
@@ -58,7 +58,7 @@ pub(crate) async fn start_kernel(
         })?
         .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
     let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
-    let connect = KernelClient::connect(&launched.endpoints, &key, &user, heartbeat, limit);
+    let connect = KernelClient::connect(&launched.endpoints, &key, &user, options, limit);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
     let outcome = tokio::select! {
@@ -459,11 +459,19 @@ impl Actor {
                 .await
             }
             KernelEvent::ChannelFailed(ch, why) => {
-                self.on_death(format!(
-                    "the kernel's {} channel failed: {why}",
-                    ch.as_str()
-                ))
-                .await
+                // A kernel that died (out of memory, say) also ends its connections, often
+                // first: give the process a moment so the reason names the cause.
+                let exited = match &self.kernel {
+                    Some(k) => timeout(Duration::from_millis(500), k.process.wait())
+                        .await
+                        .ok(),
+                    None => None,
+                };
+                let reason = match exited {
+                    Some(exit) if exit != ExitReason::Terminated => exit.to_string(),
+                    _ => format!("the kernel's {} channel failed: {why}", ch.as_str()),
+                };
+                self.on_death(reason).await
             }
         }
     }
@@ -521,7 +529,7 @@ impl Actor {
             self.running.as_ref().is_some_and(|r| r.msg_id == p)
                 || self.recent_agent_ids.iter().any(|id| id == p)
         });
-        self.session.publish(SessionEvent::Iopub { msg: m, agent });
+        self.session.publish_iopub(m, agent);
         self.check_complete();
     }
 
@@ -696,7 +704,7 @@ impl Actor {
             Some((_, live)) => Ok(live),
             None => {
                 let spec = self.session.launch_spec(Signer::random_key());
-                start_kernel(&self.sandbox, spec, self.config.heartbeat).await
+                start_kernel(&self.sandbox, spec, self.config.kernel).await
             }
         };
         match started {

@@ -66,7 +66,8 @@ pub struct SessionConfig {
     pub output_limit: usize,
     pub result_limit: usize,
     pub max_queue: usize,
-    pub heartbeat: crate::kernel::Heartbeat,
+    /// Heartbeat and message limits of the broker's kernel connections.
+    pub kernel: crate::kernel::ConnectOptions,
     /// How long an expired session still answers 410 before it is forgotten (404).
     pub tombstone_ttl: Duration,
     pub pool: PoolConfig,
@@ -84,7 +85,7 @@ impl Default for SessionConfig {
             output_limit: 10_000,
             result_limit: 16 << 20,
             max_queue: 64,
-            heartbeat: Default::default(),
+            kernel: Default::default(),
             tombstone_ttl: Duration::from_secs(86_400),
             pool: PoolConfig::default(),
         }
@@ -144,7 +145,12 @@ pub enum SessionEvent {
     State(SessionState),
     /// A message the kernel published on iopub, as received. `agent` is true when it
     /// belongs to an execution of the agent API (whose clients get it as their own frames).
-    Iopub { msg: Arc<Message>, agent: bool },
+    Iopub {
+        msg: Arc<Message>,
+        agent: bool,
+        /// Counts the message against the session's event budget while any copy lives.
+        held: Arc<registry::EventBytes>,
+    },
     /// The kernel was restarted (by request or after a timeout).
     Restarted,
 }

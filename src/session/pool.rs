@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::actor::{start_kernel, Live};
-use crate::kernel::Heartbeat;
+use crate::kernel::ConnectOptions;
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
 
@@ -57,17 +57,17 @@ type Key = (String, String);
 pub(crate) struct Pool {
     config: PoolConfig,
     sandbox: Arc<dyn Sandbox>,
-    heartbeat: Heartbeat,
+    kernel: ConnectOptions,
     slots: Mutex<HashMap<Key, Slot>>,
     shutdown: CancellationToken,
 }
 
 impl Pool {
-    pub fn new(config: PoolConfig, sandbox: Arc<dyn Sandbox>, heartbeat: Heartbeat) -> Arc<Self> {
+    pub fn new(config: PoolConfig, sandbox: Arc<dyn Sandbox>, kernel: ConnectOptions) -> Arc<Self> {
         let pool = Arc::new(Self {
             config,
             sandbox,
-            heartbeat,
+            kernel,
             slots: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
         });
@@ -142,7 +142,7 @@ impl Pool {
                     env: Vec::new(),
                 };
                 let started = tokio::select! {
-                    r = start_kernel(&pool.sandbox, spec, pool.heartbeat) => r,
+                    r = start_kernel(&pool.sandbox, spec, pool.kernel) => r,
                     _ = pool.shutdown.cancelled() => return,
                 };
                 let leftover = {

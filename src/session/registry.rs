@@ -53,10 +53,31 @@ pub struct Session {
     status: Mutex<Status>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
+    /// Bytes of iopub messages in the event ring and its receivers (see [`EventBytes`]).
+    event_bytes: Arc<AtomicUsize>,
+    /// The most `event_bytes` may reach; later messages are not broadcast.
+    event_budget: usize,
+    /// Messages left out of the broadcast for the budget (for one summary log line each
+    /// time the count doubles).
+    events_dropped: AtomicUsize,
     pending: AtomicUsize,
     connections: AtomicUsize,
     max_queue: usize,
     notify_registry: Arc<Notify>,
+}
+
+/// A message's share of its session's event budget, given back when the last copy of the
+/// event is dropped (overwritten in the ring and seen by every receiver).
+#[derive(Debug)]
+pub struct EventBytes {
+    counter: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Drop for EventBytes {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 // A std Mutex: the critical sections are a few field updates and never cross an await.
@@ -185,6 +206,36 @@ impl Session {
     pub(crate) fn publish(&self, ev: SessionEvent) {
         // No receivers is fine: nobody is attached.
         let _ = self.events.send(ev);
+    }
+
+    /// Broadcasts an iopub message to the session's clients, within the byte budget: the
+    /// ring keeps its last 1,024 events for lagging receivers, and a kernel may send
+    /// messages up to the kernel message limit, so the count alone bounds nothing. Past
+    /// the budget the message is left out (clients miss it, as a lagging client would;
+    /// the execution's own result and the recording do not depend on the broadcast).
+    pub(crate) fn publish_iopub(&self, msg: Arc<Message>, agent: bool) {
+        if self.events.receiver_count() == 0 {
+            return;
+        }
+        let size = msg.header.len()
+            + msg.parent_header.len()
+            + msg.metadata.len()
+            + msg.content.len()
+            + msg.buffers.iter().map(|b| b.len()).sum::<usize>();
+        let before = self.event_bytes.fetch_add(size, Ordering::AcqRel);
+        let held = Arc::new(EventBytes {
+            counter: self.event_bytes.clone(),
+            bytes: size,
+        });
+        if before + size > self.event_budget {
+            drop(held);
+            let n = self.events_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                tracing::warn!(session = %self.id, dropped = n, "iopub messages over the session's event budget were not broadcast");
+            }
+            return;
+        }
+        let _ = self.events.send(SessionEvent::Iopub { msg, agent, held });
     }
 
     pub(crate) fn launch_spec(&self, key: String) -> LaunchSpec {
@@ -367,7 +418,7 @@ impl Registry {
         kernels: Vec<String>,
         recorder: Arc<dyn Recorder>,
     ) -> Self {
-        let pool = Pool::new(config.pool, sandbox.clone(), config.heartbeat);
+        let pool = Pool::new(config.pool, sandbox.clone(), config.kernel);
         let inner = Arc::new(Inner {
             table: Mutex::new(Table::default()),
             sandbox,
@@ -526,6 +577,11 @@ impl Registry {
             }),
             commands: commands_tx,
             events,
+            event_bytes: Arc::new(AtomicUsize::new(0)),
+            // Two of the largest messages a kernel may send.
+            event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
+                .unwrap_or(usize::MAX),
+            events_dropped: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
             max_queue: cfg.max_queue,
@@ -537,7 +593,7 @@ impl Registry {
                 start_kernel(
                     &self.inner.sandbox,
                     session.launch_spec(Signer::random_key()),
-                    cfg.heartbeat,
+                    cfg.kernel,
                 )
                 .await?
             }
