@@ -30,7 +30,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ffi::{CString, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -54,6 +54,7 @@ use super::fsutil::{
     self, absolute, current_ids, io_err, launch_err, prepare_workspace, remove_dir_logged,
     write_new_file, FileMode, WorkspaceOwner,
 };
+use super::seccomp::SyscallFilter;
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser,
@@ -162,6 +163,9 @@ pub struct LocalSandbox {
     setpriv: Option<PathBuf>,
     bwrap_has_size: bool,
     bwrap_has_disable_userns: bool,
+    /// The syscall filter bwrap installs on every kernel; `None` on an architecture we
+    /// have no filter for (see [`super::seccomp`]).
+    seccomp: Option<SyscallFilter>,
     /// The venv directory (its `bin` goes first on the kernel's `PATH`).
     venv: PathBuf,
     /// Host directories of the Python installation, shown read-only at the same place.
@@ -230,6 +234,15 @@ impl LocalSandbox {
             }
         }
         let cgroups = Cgroups::detect(&cfg.cgroup_name, privileged).map(Arc::new);
+        let seccomp = SyscallFilter::for_host()
+            .map_err(|e| unavailable(format!("cannot compile the kernels' syscall filter: {e}")))?;
+        if seccomp.is_none() {
+            tracing::warn!(
+                arch = std::env::consts::ARCH,
+                "no syscall filter for this architecture: kernels run WITHOUT one (namespaces, \
+                 mounts, ptrace, bpf, io_uring and the rest stay open to them)"
+            );
+        }
 
         Ok(Self {
             privileged,
@@ -237,6 +250,7 @@ impl LocalSandbox {
             setpriv,
             bwrap_has_size: help.contains("--size"),
             bwrap_has_disable_userns: help.contains("--disable-userns"),
+            seccomp,
             venv,
             python_dirs,
             specs,
@@ -503,9 +517,13 @@ impl LocalSandbox {
         let (info_read, info_write) =
             io::pipe().map_err(|e| launch_err(user, format!("cannot create a pipe: {e}")))?;
         let info_fd = info_write.as_raw_fd();
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
-        args.extend(self.bwrap_args(request));
+        args.extend(self.bwrap_args(request, seccomp_fd));
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()
@@ -530,10 +548,11 @@ impl LocalSandbox {
                 for path in &procs {
                     join_cgroup(path)?;
                 }
-                // Let bwrap inherit the info pipe (created close-on-exec so that no other
-                // child of the broker does).
-                if libc::fcntl(info_fd, libc::F_SETFD, 0) < 0 {
-                    return Err(io::Error::last_os_error());
+                // Let bwrap inherit the info pipe and the filter (created close-on-exec so
+                // that no other child of the broker does).
+                inherit_fd(info_fd)?;
+                if let Some(fd) = seccomp_fd {
+                    inherit_fd(fd)?;
                 }
                 Ok(())
             });
@@ -542,6 +561,8 @@ impl LocalSandbox {
             .spawn()
             .map_err(|e| launch_err(user, format!("cannot start {}: {e}", self.bwrap.display())))?;
         drop(info_write);
+        // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
+        drop(seccomp);
 
         let tail: Tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(stdout) = child.stdout.take() {
@@ -589,8 +610,14 @@ impl LocalSandbox {
         .collect()
     }
 
-    /// The bwrap arguments after `--info-fd`: namespaces, the file system, the command.
-    fn bwrap_args(&self, req: &BwrapRequest<'_>) -> Vec<OsString> {
+    /// A memfd holding the syscall filter for one bwrap run (none without a filter).
+    fn seccomp_memfd(&self) -> io::Result<Option<OwnedFd>> {
+        self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
+    }
+
+    /// The bwrap arguments after `--info-fd`: namespaces, the syscall filter (read from
+    /// `seccomp_fd`, which bwrap must inherit), the file system, the command.
+    fn bwrap_args(&self, req: &BwrapRequest<'_>, seccomp_fd: Option<RawFd>) -> Vec<OsString> {
         let mut fs = MountPlan::default();
         fs.flag("--unshare-pid");
         fs.flag("--unshare-net");
@@ -603,6 +630,12 @@ impl LocalSandbox {
             if self.bwrap_has_disable_userns {
                 fs.flag("--disable-userns");
             }
+        }
+        if let Some(fd) = seccomp_fd {
+            // bwrap installs it last, right before exec'ing the command: after its own
+            // namespace and mount work, before setpriv (whose setresuid, setgroups, capset
+            // and prctl the filter allows).
+            fs.push(["--seccomp".to_string(), fd.to_string()]);
         }
         fs.flag("--die-with-parent");
         fs.flag("--new-session");
@@ -710,22 +743,34 @@ impl LocalSandbox {
         workspace: &Path,
         ids: Option<(u32, u32)>,
     ) -> Result<(), SandboxError> {
+        // With a filter, also prove that it is in force (seccomp mode 2), so that a bwrap
+        // that silently ignored it would stop the broker here.
+        let code = if self.seccomp.is_some() {
+            "import ipykernel, sys\n\
+             status = open('/proc/self/status').read()\n\
+             sys.exit(None if 'Seccomp:\\t2' in status else 'no syscall filter in the sandbox')"
+        } else {
+            "import ipykernel"
+        };
         let argv = self.substitute_argv(
-            &[
-                "python".to_string(),
-                "-c".to_string(),
-                "import ipykernel".to_string(),
-            ],
+            &["python".to_string(), "-c".to_string(), code.to_string()],
             None,
         );
-        let args = self.bwrap_args(&BwrapRequest {
-            workspace,
-            rundir,
-            ids,
-            tmp_size: None,
-            resource_dir: None,
-            argv: &argv,
-        });
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| unavailable(format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
+        let args = self.bwrap_args(
+            &BwrapRequest {
+                workspace,
+                rundir,
+                ids,
+                tmp_size: None,
+                resource_dir: None,
+                argv: &argv,
+            },
+            seccomp_fd,
+        );
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()
@@ -736,6 +781,12 @@ impl LocalSandbox {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(fd) = seccomp_fd {
+            // SAFETY: the closure only calls fcntl, which is async-signal-safe.
+            unsafe {
+                cmd.pre_exec(move || inherit_fd(fd));
+            }
+        }
         let output = match timeout(CHECK_TIMEOUT, cmd.output()).await {
             Ok(Ok(output)) => output,
             Ok(Err(e)) => return Err(unavailable(format!("cannot run {}: {e}", self.bwrap.display()))),
@@ -1040,6 +1091,16 @@ fn join_cgroup(path: &CString) -> io::Result<()> {
         if written != 1 {
             return Err(err);
         }
+    }
+    Ok(())
+}
+
+/// Clears close-on-exec on `fd` so the exec'd program inherits it. Runs between fork and
+/// exec: async-signal-safe calls only.
+fn inherit_fd(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl(2) with F_SETFD has no memory-safety preconditions.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }
