@@ -146,6 +146,9 @@ impl Drop for Harness {
             }
             kill_and_rmdir(&base);
         }
+        // As root the runtime base lives under /run, outside the temporary directory; it
+        // is empty once every kernel is reaped (a no-op if not).
+        let _ = std::fs::remove_dir(self.sandbox.run_base());
     }
 }
 
@@ -1129,6 +1132,43 @@ with open('/workspace/filter.json', 'w') as f:
         assert_eq!(r["subprocess"], "hi\n", "{r}");
         assert_eq!(r["multiprocessing"], true, "{r}");
         assert_eq!(r["numpy"], 3920.0, "{r}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mountinfo_does_not_reveal_the_data_directory() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let olga = user("olga", 15, limits(256, 64));
+        let ws = h.sandbox.workspace(&olga).expect("workspace");
+        const CODE: &str = r#"
+import os
+open('/workspace/mountinfo', 'w').write(open('/proc/self/mountinfo').read())
+open('/workspace/fds', 'w').write(' '.join(os.listdir('/proc/self/fd')))
+"#;
+        let l = run_python(&h, spec(&olga), CODE, &[]).await;
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_secs(30)).await,
+            ExitReason::Exited(0)
+        );
+        let mountinfo = std::fs::read_to_string(ws.join("mountinfo")).expect("mountinfo");
+        assert!(mountinfo.contains(" /run/kernel "), "{mountinfo}");
+        // /proc stays usable for the kernel.
+        assert!(!std::fs::read_to_string(ws.join("fds")).unwrap().is_empty());
+        // Field 4 is the bind source's path inside its file system: for a bind from the data
+        // directory, the host path. The workspace (field 5 `/workspace`) is left out: it
+        // reveals only the user's own workspace directory, and becomes a file system of its
+        // own (root `/`) with the per-user workspace images.
+        let data_dir = h.data_dir();
+        let data_dir = data_dir.to_str().unwrap();
+        for line in mountinfo.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.get(4) == Some(&"/workspace") {
+                continue;
+            }
+            assert!(!line.contains(data_dir), "{line}\n{mountinfo}");
+        }
     })
     .await;
 }

@@ -9,7 +9,11 @@
 //! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
 //! directory at `/run/kernel`. Nothing else of the host: not `/root`, `/home`, `/var`, `/srv`,
 //! nor the broker's own tree (except the kernels' venv). The network namespace is empty
-//! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`.
+//! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`. Every
+//! kernel runs under a seccomp filter ([`super::seccomp`]): no namespaces, mounts, ptrace,
+//! bpf, io_uring and the like. `/proc/self/mountinfo` shows where each bind came from on
+//! the host, so as root the runtime directories live under `/run`, not in the data directory
+//! (see [`LocalSandboxConfig::run_dir`]).
 //!
 //! Two modes, chosen by who runs the broker:
 //!
@@ -111,8 +115,11 @@ pub struct LocalSandboxConfig {
     pub require_limits: bool,
     /// More host paths to show read-only in the sandbox, at the same place.
     pub extra_ro_binds: Vec<PathBuf>,
-    /// Where per-kernel runtime directories go. Default `<data_dir>/run`, unless socket paths
-    /// there would be too long; then `/run/kernel-broker-<hash>` (root), or
+    /// Where per-kernel runtime directories go. Default as root `/run/kernel-broker-<hash>`
+    /// (`<hash>` of the data directory), so that the host path a kernel sees in its
+    /// `/proc/self/mountinfo` for `/run/kernel` and `/etc/passwd` does not tell where the
+    /// data directory (and other users' workspaces) is. Unprivileged: `<data_dir>/run`,
+    /// unless socket paths there would be too long; then
     /// `$XDG_RUNTIME_DIR/kernel-broker-<hash>` or `/tmp/kernel-broker-<uid>-<hash>`.
     pub run_dir: Option<PathBuf>,
     /// The broker's directory in the cgroup hierarchies. Everything below it belongs to the
@@ -1477,18 +1484,25 @@ fn choose_run_base(
     privileged: bool,
     euid: u32,
 ) -> Result<PathBuf, SandboxError> {
+    // Several brokers may share a fallback on one host: tell them apart by their data
+    // directory.
+    let hash = fsutil::data_dir_hash(&cfg.data_dir);
+    // A bind mount's source shows in the sandbox's mountinfo (the `root` field: the path
+    // inside its file system), and /proc cannot be masked per process; a runtime directory
+    // outside the data directory keeps that path from pointing at the workspaces. Root only:
+    // /run is root's.
+    let preferred = (privileged && cfg.run_dir.is_none())
+        .then(|| PathBuf::from(format!("/run/kernel-broker-{hash}")));
     let layout = fsutil::RunBaseLayout {
         backend: BACKEND,
         data_dir: &cfg.data_dir,
-        run_dir: cfg.run_dir.as_deref(),
+        run_dir: cfg.run_dir.as_deref().or(preferred.as_deref()),
         default_name: "run",
         fallback_name: "kernel-broker",
         // `/<uuid>/k-5`
         room: 1 + 36 + 4,
         max_socket_path: MAX_SOCKET_PATH,
     };
-    // Several brokers may fall back on one host: tell them apart by their data directory.
-    let hash = fsutil::data_dir_hash(&cfg.data_dir);
     fsutil::choose_run_base(&layout, &hash, privileged, euid)
 }
 
@@ -1728,10 +1742,15 @@ mod tests {
     }
 
     #[test]
-    fn long_data_dirs_fall_back_to_a_short_run_dir() {
+    fn run_dirs_stay_out_of_the_data_dir_as_root_and_short_unprivileged() {
         let short = LocalSandboxConfig::new("/var/lib/kernel-broker", "/opt/kb/kernels");
+        let hash = fsutil::data_dir_hash(Path::new("/var/lib/kernel-broker"));
         assert_eq!(
             choose_run_base(&short, true, 0).unwrap(),
+            PathBuf::from(format!("/run/kernel-broker-{hash}"))
+        );
+        assert_eq!(
+            choose_run_base(&short, false, 1000).unwrap(),
             PathBuf::from("/var/lib/kernel-broker/run")
         );
         let long = LocalSandboxConfig::new(format!("/srv/{}", "d".repeat(80)), "/k");
@@ -1739,6 +1758,9 @@ mod tests {
         assert!(
             base.starts_with("/run") && base.to_str().unwrap().starts_with("/run/kernel-broker-")
         );
+        assert!(!choose_run_base(&long, false, 1000)
+            .unwrap()
+            .starts_with(&long.data_dir));
         let mut explicit = long.clone();
         explicit.run_dir = Some(PathBuf::from(format!("/{}", "r".repeat(70))));
         assert!(choose_run_base(&explicit, true, 0).is_err());
