@@ -142,6 +142,19 @@ impl LocalSandboxConfig {
             cgroup_name: "kernel-broker".to_string(),
         }
     }
+
+    /// The runtime base directory a sandbox with these settings uses when started by this
+    /// process's user (see [`Self::run_dir`]).
+    pub fn run_base(&self) -> Result<PathBuf, SandboxError> {
+        let mut cfg = self.clone();
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        // SAFETY: geteuid(2) cannot fail and has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        choose_run_base(&cfg, euid == 0, euid)
+    }
 }
 
 /// A kernel spec from `kernels/<name>/kernel.json` (the Jupyter format).
@@ -885,6 +898,9 @@ impl Sandbox for LocalSandbox {
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_base_if_unused();
         }
+        // Under /run (root) the base is outside the data directory: leave nothing behind.
+        // Only an empty directory goes; the next start creates it again.
+        let _ = std::fs::remove_dir(&self.run_base);
     }
 }
 
