@@ -146,6 +146,9 @@ impl Drop for Harness {
             }
             kill_and_rmdir(&base);
         }
+        // As root the runtime base lives under /run, outside the temporary directory; it
+        // is empty once every kernel is reaped (a no-op if not).
+        let _ = std::fs::remove_dir(self.sandbox.run_base());
     }
 }
 
@@ -842,8 +845,12 @@ async fn shutdown_terminates_every_kernel() {
         for base in cgroup_bases(&h.cgroup_name) {
             assert!(!base.exists(), "{} removed on shutdown", base.display());
         }
-        let left: Vec<_> = std::fs::read_dir(h.sandbox.run_base()).unwrap().collect();
-        assert!(left.is_empty(), "runtime directories left: {left:?}");
+        // Every runtime directory is gone, and so is their (then empty) base.
+        assert!(
+            !h.sandbox.run_base().exists(),
+            "left: {:?}",
+            std::fs::read_dir(h.sandbox.run_base()).map(|d| d.flatten().count())
+        );
     })
     .await;
 }
@@ -880,6 +887,8 @@ async fn startup_sweeps_what_an_earlier_run_left() {
             run_base.join("not-ours").exists(),
             "only runtime directories are swept"
         );
+        // The base is under /run as root: leave it empty for the harness to remove.
+        std::fs::remove_file(run_base.join("not-ours")).unwrap();
         for base in cgroup_bases(&h.cgroup_name) {
             assert!(!base.join("old-user").exists(), "stale cgroups removed");
         }
@@ -958,6 +967,214 @@ json.dump({'sum': int(df.a.sum()), 'backend': plt.get_backend()}, open('/workspa
         assert_eq!(r["sum"], 6);
         assert!(r["backend"].as_str().unwrap().contains("inline"), "{r}");
         assert!(std::fs::metadata(ws.join("plot.png")).unwrap().len() > 1000);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn syscall_filter_refuses_namespaces_mounts_and_debugging_but_not_work() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let nina = user("nina", 14, limits(1024, 128));
+        let ws = h.sandbox.workspace(&nina).expect("workspace");
+        // Python 3.11 has no os.unshare: the libc calls go through ctypes.
+        const CODE: &str = r#"
+import ctypes, errno, json, multiprocessing, os, platform, signal, subprocess, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {
+    'x86_64': {'keyctl': 250, 'add_key': 248, 'bpf': 321, 'clone': 56, 'setns': 308},
+    'aarch64': {'keyctl': 219, 'add_key': 217, 'bpf': 280, 'clone': 220, 'setns': 268},
+}[platform.machine()]
+def err(ret):
+    return 'ok' if ret >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+def isolated(probe):
+    # Each probe runs in a child of its own: a call the filter lets through (unshare, say)
+    # changes only that child, so one probe cannot spoil the next.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.write(w, probe().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out or 'probe died'
+def call(name, *args):
+    def probe():
+        ctypes.set_errno(0)
+        return err(getattr(libc, name)(*args))
+    return isolated(probe)
+def sys_call(nr, *args):
+    def probe():
+        ctypes.set_errno(0)
+        return err(libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args]))
+    return isolated(probe)
+def raw_clone(flags):
+    ctypes.set_errno(0)
+    pid = libc.syscall(ctypes.c_long(NR['clone']), ctypes.c_long(flags | signal.SIGCHLD), 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+        return 'ok'
+    return err(pid)
+def ptrace_child():
+    child = subprocess.Popen(['/bin/sleep', '30'])
+    try:
+        ctypes.set_errno(0)
+        return err(libc.ptrace(ctypes.c_long(16), ctypes.c_long(child.pid), None, None))
+    finally:
+        child.kill()
+        child.wait()
+NS = {'NEWNS': 0x20000, 'NEWCGROUP': 0x2000000, 'NEWUTS': 0x4000000, 'NEWIPC': 0x8000000,
+      'NEWUSER': 0x10000000, 'NEWPID': 0x20000000, 'NEWNET': 0x40000000}
+def threads():
+    out = []
+    ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    return sorted(out) == list(range(8))
+def pool():
+    with multiprocessing.get_context('fork').Pool(2) as p:
+        return p.map(abs, [-1, -2]) == [1, 2]
+def numpy():
+    import numpy as np
+    a = np.arange(16.0).reshape(4, 4)
+    return float((a @ a).sum())
+def fds():
+    out = []
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            out.append(os.readlink(f'/proc/self/fd/{fd}'))
+        except OSError:
+            pass  # listdir's own descriptor, closed by now
+    return sorted(out)
+unshare_cmd = subprocess.run(['/usr/bin/unshare', '-Ur', 'id'], capture_output=True, text=True)
+report = {
+    'seccomp': [l for l in open('/proc/self/status') if l.startswith('Seccomp:')][0].strip('\n'),
+    'uid': os.getuid(),
+    'init_seccomp': [l for l in open('/proc/1/status') if l.startswith('Seccomp:')][0].strip('\n'),
+    'fds': fds(),
+    'unshare_cmd_rc': unshare_cmd.returncode,
+    'unshare_cmd_out': unshare_cmd.stdout + unshare_cmd.stderr,
+    'unshare': {k: call('unshare', v) for k, v in NS.items()},
+    'clone': {k: raw_clone(v) for k, v in NS.items()},
+    'clone_plain': raw_clone(0),
+    'setns': sys_call(NR['setns'], os.open('/proc/self/ns/net', os.O_RDONLY), 0),
+    'mount': call('mount', b'none', b'/tmp', b'tmpfs', 0, None),
+    'umount2': call('umount2', b'/tmp', 0),
+    'chroot': call('chroot', b'/tmp'),
+    'keyctl': sys_call(NR['keyctl'], 0, -3, 1),
+    'add_key': sys_call(NR['add_key'], 0, 0, 0, 0, -3),
+    'bpf': sys_call(NR['bpf'], 0, 0, 0),
+    'io_uring_setup': sys_call(425, 1, 0),
+    'clone3': sys_call(435, 0, 0),
+    'personality_query': call('personality', ctypes.c_ulong(0xffffffff)),
+    'personality_no_aslr': call('personality', ctypes.c_ulong(0x0040000)),
+    'ptrace': ptrace_child(),
+    'threads': threads(),
+    'subprocess': subprocess.run(['/bin/echo', 'hi'], capture_output=True, text=True).stdout,
+    'multiprocessing': pool(),
+    'numpy': numpy(),
+}
+with open('/workspace/filter.json', 'w') as f:
+    json.dump(report, f)
+"#;
+        let l = run_python(&h, spec(&nina), CODE, &[]).await;
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_secs(60)).await,
+            ExitReason::Exited(0)
+        );
+        let r = read_json(&ws.join("filter.json"));
+        assert_eq!(r["seccomp"], "Seccomp:\t2", "{r}");
+        eprintln!("sandbox init: {}", r["init_seccomp"]);
+        // setpriv still dropped to the kernel's uid after the filter was installed.
+        assert_eq!(r["uid"], UID_BASE + 15, "{r}");
+        // bwrap closed the filter's memfd after reading it.
+        assert!(!r["fds"].to_string().contains("seccomp"), "{r}");
+        assert_ne!(r["unshare_cmd_rc"], 0, "{r}");
+        assert!(
+            r["unshare_cmd_out"]
+                .as_str()
+                .unwrap()
+                .contains("Operation not permitted"),
+            "{r}"
+        );
+        for flag in [
+            "NEWNS",
+            "NEWCGROUP",
+            "NEWUTS",
+            "NEWIPC",
+            "NEWUSER",
+            "NEWPID",
+            "NEWNET",
+        ] {
+            assert_eq!(r["unshare"][flag], "EPERM", "unshare {flag}: {r}");
+            assert_eq!(r["clone"][flag], "EPERM", "clone {flag}: {r}");
+        }
+        assert_eq!(r["clone_plain"], "ok", "{r}");
+        for call in [
+            "setns",
+            "mount",
+            "umount2",
+            "chroot",
+            "keyctl",
+            "add_key",
+            "bpf",
+            "io_uring_setup",
+            "personality_no_aslr",
+            "ptrace",
+        ] {
+            assert_eq!(r[call], "EPERM", "{call}: {r}");
+        }
+        assert_eq!(r["clone3"], "ENOSYS", "glibc falls back to clone: {r}");
+        assert_eq!(r["personality_query"], "ok", "{r}");
+        assert_eq!(r["threads"], true, "{r}");
+        assert_eq!(r["subprocess"], "hi\n", "{r}");
+        assert_eq!(r["multiprocessing"], true, "{r}");
+        assert_eq!(r["numpy"], 3920.0, "{r}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mountinfo_does_not_reveal_the_data_directory() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let olga = user("olga", 15, limits(256, 64));
+        let ws = h.sandbox.workspace(&olga).expect("workspace");
+        const CODE: &str = r#"
+import os
+open('/workspace/mountinfo', 'w').write(open('/proc/self/mountinfo').read())
+open('/workspace/fds', 'w').write(' '.join(os.listdir('/proc/self/fd')))
+"#;
+        let l = run_python(&h, spec(&olga), CODE, &[]).await;
+        assert_eq!(
+            wait_exit(&*l.process, Duration::from_secs(30)).await,
+            ExitReason::Exited(0)
+        );
+        let mountinfo = std::fs::read_to_string(ws.join("mountinfo")).expect("mountinfo");
+        assert!(mountinfo.contains(" /run/kernel "), "{mountinfo}");
+        // /proc stays usable for the kernel.
+        assert!(!std::fs::read_to_string(ws.join("fds")).unwrap().is_empty());
+        // Field 4 is the bind source's path inside its file system: for a bind from the data
+        // directory, the host path. The workspace (field 5 `/workspace`) is left out: it
+        // reveals only the user's own workspace directory, and becomes a file system of its
+        // own (root `/`) with the per-user workspace images.
+        let data_dir = h.data_dir();
+        let data_dir = data_dir.to_str().unwrap();
+        for line in mountinfo.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.get(4) == Some(&"/workspace") {
+                continue;
+            }
+            assert!(!line.contains(data_dir), "{line}\n{mountinfo}");
+        }
     })
     .await;
 }

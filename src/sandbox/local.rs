@@ -9,7 +9,11 @@
 //! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
 //! directory at `/run/kernel`. Nothing else of the host: not `/root`, `/home`, `/var`, `/srv`,
 //! nor the broker's own tree (except the kernels' venv). The network namespace is empty
-//! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`.
+//! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`. Every
+//! kernel runs under a seccomp filter ([`super::seccomp`]): no namespaces, mounts, ptrace,
+//! bpf, io_uring and the like. `/proc/self/mountinfo` shows where each bind came from on
+//! the host, so as root the runtime directories live under `/run`, not in the data directory
+//! (see [`LocalSandboxConfig::run_dir`]).
 //!
 //! Two modes, chosen by who runs the broker:
 //!
@@ -30,7 +34,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ffi::{CString, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -54,6 +58,7 @@ use super::fsutil::{
     self, absolute, current_ids, io_err, launch_err, prepare_workspace, remove_dir_logged,
     write_new_file, FileMode, WorkspaceOwner,
 };
+use super::seccomp::SyscallFilter;
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser,
@@ -110,8 +115,11 @@ pub struct LocalSandboxConfig {
     pub require_limits: bool,
     /// More host paths to show read-only in the sandbox, at the same place.
     pub extra_ro_binds: Vec<PathBuf>,
-    /// Where per-kernel runtime directories go. Default `<data_dir>/run`, unless socket paths
-    /// there would be too long; then `/run/kernel-broker-<hash>` (root), or
+    /// Where per-kernel runtime directories go. Default as root `/run/kernel-broker-<hash>`
+    /// (`<hash>` of the data directory), so that the host path a kernel sees in its
+    /// `/proc/self/mountinfo` for `/run/kernel` and `/etc/passwd` does not tell where the
+    /// data directory (and other users' workspaces) is. Unprivileged: `<data_dir>/run`,
+    /// unless socket paths there would be too long; then
     /// `$XDG_RUNTIME_DIR/kernel-broker-<hash>` or `/tmp/kernel-broker-<uid>-<hash>`.
     pub run_dir: Option<PathBuf>,
     /// The broker's directory in the cgroup hierarchies. Everything below it belongs to the
@@ -133,6 +141,19 @@ impl LocalSandboxConfig {
             run_dir: None,
             cgroup_name: "kernel-broker".to_string(),
         }
+    }
+
+    /// The runtime base directory a sandbox with these settings uses when started by this
+    /// process's user (see [`Self::run_dir`]).
+    pub fn run_base(&self) -> Result<PathBuf, SandboxError> {
+        let mut cfg = self.clone();
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        // SAFETY: geteuid(2) cannot fail and has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        choose_run_base(&cfg, euid == 0, euid)
     }
 }
 
@@ -162,6 +183,9 @@ pub struct LocalSandbox {
     setpriv: Option<PathBuf>,
     bwrap_has_size: bool,
     bwrap_has_disable_userns: bool,
+    /// The syscall filter bwrap installs on every kernel; `None` on an architecture we
+    /// have no filter for (see [`super::seccomp`]).
+    seccomp: Option<SyscallFilter>,
     /// The venv directory (its `bin` goes first on the kernel's `PATH`).
     venv: PathBuf,
     /// Host directories of the Python installation, shown read-only at the same place.
@@ -230,6 +254,15 @@ impl LocalSandbox {
             }
         }
         let cgroups = Cgroups::detect(&cfg.cgroup_name, privileged).map(Arc::new);
+        let seccomp = SyscallFilter::for_host()
+            .map_err(|e| unavailable(format!("cannot compile the kernels' syscall filter: {e}")))?;
+        if seccomp.is_none() {
+            tracing::warn!(
+                arch = std::env::consts::ARCH,
+                "no syscall filter for this architecture: kernels run WITHOUT one (namespaces, \
+                 mounts, ptrace, bpf, io_uring and the rest stay open to them)"
+            );
+        }
 
         Ok(Self {
             privileged,
@@ -237,6 +270,7 @@ impl LocalSandbox {
             setpriv,
             bwrap_has_size: help.contains("--size"),
             bwrap_has_disable_userns: help.contains("--disable-userns"),
+            seccomp,
             venv,
             python_dirs,
             specs,
@@ -503,9 +537,13 @@ impl LocalSandbox {
         let (info_read, info_write) =
             io::pipe().map_err(|e| launch_err(user, format!("cannot create a pipe: {e}")))?;
         let info_fd = info_write.as_raw_fd();
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
-        args.extend(self.bwrap_args(request));
+        args.extend(self.bwrap_args(request, seccomp_fd));
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()
@@ -530,10 +568,11 @@ impl LocalSandbox {
                 for path in &procs {
                     join_cgroup(path)?;
                 }
-                // Let bwrap inherit the info pipe (created close-on-exec so that no other
-                // child of the broker does).
-                if libc::fcntl(info_fd, libc::F_SETFD, 0) < 0 {
-                    return Err(io::Error::last_os_error());
+                // Let bwrap inherit the info pipe and the filter (created close-on-exec so
+                // that no other child of the broker does).
+                inherit_fd(info_fd)?;
+                if let Some(fd) = seccomp_fd {
+                    inherit_fd(fd)?;
                 }
                 Ok(())
             });
@@ -542,6 +581,8 @@ impl LocalSandbox {
             .spawn()
             .map_err(|e| launch_err(user, format!("cannot start {}: {e}", self.bwrap.display())))?;
         drop(info_write);
+        // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
+        drop(seccomp);
 
         let tail: Tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(stdout) = child.stdout.take() {
@@ -589,8 +630,14 @@ impl LocalSandbox {
         .collect()
     }
 
-    /// The bwrap arguments after `--info-fd`: namespaces, the file system, the command.
-    fn bwrap_args(&self, req: &BwrapRequest<'_>) -> Vec<OsString> {
+    /// A memfd holding the syscall filter for one bwrap run (none without a filter).
+    fn seccomp_memfd(&self) -> io::Result<Option<OwnedFd>> {
+        self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
+    }
+
+    /// The bwrap arguments after `--info-fd`: namespaces, the syscall filter (read from
+    /// `seccomp_fd`, which bwrap must inherit), the file system, the command.
+    fn bwrap_args(&self, req: &BwrapRequest<'_>, seccomp_fd: Option<RawFd>) -> Vec<OsString> {
         let mut fs = MountPlan::default();
         fs.flag("--unshare-pid");
         fs.flag("--unshare-net");
@@ -603,6 +650,12 @@ impl LocalSandbox {
             if self.bwrap_has_disable_userns {
                 fs.flag("--disable-userns");
             }
+        }
+        if let Some(fd) = seccomp_fd {
+            // bwrap installs it last, right before exec'ing the command: after its own
+            // namespace and mount work, before setpriv (whose setresuid, setgroups, capset
+            // and prctl the filter allows).
+            fs.push(["--seccomp".to_string(), fd.to_string()]);
         }
         fs.flag("--die-with-parent");
         fs.flag("--new-session");
@@ -710,22 +763,34 @@ impl LocalSandbox {
         workspace: &Path,
         ids: Option<(u32, u32)>,
     ) -> Result<(), SandboxError> {
+        // With a filter, also prove that it is in force (seccomp mode 2), so that a bwrap
+        // that silently ignored it would stop the broker here.
+        let code = if self.seccomp.is_some() {
+            "import ipykernel, sys\n\
+             status = open('/proc/self/status').read()\n\
+             sys.exit(None if 'Seccomp:\\t2' in status else 'no syscall filter in the sandbox')"
+        } else {
+            "import ipykernel"
+        };
         let argv = self.substitute_argv(
-            &[
-                "python".to_string(),
-                "-c".to_string(),
-                "import ipykernel".to_string(),
-            ],
+            &["python".to_string(), "-c".to_string(), code.to_string()],
             None,
         );
-        let args = self.bwrap_args(&BwrapRequest {
-            workspace,
-            rundir,
-            ids,
-            tmp_size: None,
-            resource_dir: None,
-            argv: &argv,
-        });
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| unavailable(format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
+        let args = self.bwrap_args(
+            &BwrapRequest {
+                workspace,
+                rundir,
+                ids,
+                tmp_size: None,
+                resource_dir: None,
+                argv: &argv,
+            },
+            seccomp_fd,
+        );
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()
@@ -736,6 +801,12 @@ impl LocalSandbox {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(fd) = seccomp_fd {
+            // SAFETY: the closure only calls fcntl, which is async-signal-safe.
+            unsafe {
+                cmd.pre_exec(move || inherit_fd(fd));
+            }
+        }
         let output = match timeout(CHECK_TIMEOUT, cmd.output()).await {
             Ok(Ok(output)) => output,
             Ok(Err(e)) => return Err(unavailable(format!("cannot run {}: {e}", self.bwrap.display()))),
@@ -827,6 +898,9 @@ impl Sandbox for LocalSandbox {
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_base_if_unused();
         }
+        // Under /run (root) the base is outside the data directory: leave nothing behind.
+        // Only an empty directory goes; the next start creates it again.
+        let _ = std::fs::remove_dir(&self.run_base);
     }
 }
 
@@ -1040,6 +1114,16 @@ fn join_cgroup(path: &CString) -> io::Result<()> {
         if written != 1 {
             return Err(err);
         }
+    }
+    Ok(())
+}
+
+/// Clears close-on-exec on `fd` so the exec'd program inherits it. Runs between fork and
+/// exec: async-signal-safe calls only.
+fn inherit_fd(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl(2) with F_SETFD has no memory-safety preconditions.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }
@@ -1416,18 +1500,25 @@ fn choose_run_base(
     privileged: bool,
     euid: u32,
 ) -> Result<PathBuf, SandboxError> {
+    // Several brokers may share a fallback on one host: tell them apart by their data
+    // directory.
+    let hash = fsutil::data_dir_hash(&cfg.data_dir);
+    // A bind mount's source shows in the sandbox's mountinfo (the `root` field: the path
+    // inside its file system), and /proc cannot be masked per process; a runtime directory
+    // outside the data directory keeps that path from pointing at the workspaces. Root only:
+    // /run is root's.
+    let preferred = (privileged && cfg.run_dir.is_none())
+        .then(|| PathBuf::from(format!("/run/kernel-broker-{hash}")));
     let layout = fsutil::RunBaseLayout {
         backend: BACKEND,
         data_dir: &cfg.data_dir,
-        run_dir: cfg.run_dir.as_deref(),
+        run_dir: cfg.run_dir.as_deref().or(preferred.as_deref()),
         default_name: "run",
         fallback_name: "kernel-broker",
         // `/<uuid>/k-5`
         room: 1 + 36 + 4,
         max_socket_path: MAX_SOCKET_PATH,
     };
-    // Several brokers may fall back on one host: tell them apart by their data directory.
-    let hash = fsutil::data_dir_hash(&cfg.data_dir);
     fsutil::choose_run_base(&layout, &hash, privileged, euid)
 }
 
@@ -1667,10 +1758,15 @@ mod tests {
     }
 
     #[test]
-    fn long_data_dirs_fall_back_to_a_short_run_dir() {
+    fn run_dirs_stay_out_of_the_data_dir_as_root_and_short_unprivileged() {
         let short = LocalSandboxConfig::new("/var/lib/kernel-broker", "/opt/kb/kernels");
+        let hash = fsutil::data_dir_hash(Path::new("/var/lib/kernel-broker"));
         assert_eq!(
             choose_run_base(&short, true, 0).unwrap(),
+            PathBuf::from(format!("/run/kernel-broker-{hash}"))
+        );
+        assert_eq!(
+            choose_run_base(&short, false, 1000).unwrap(),
             PathBuf::from("/var/lib/kernel-broker/run")
         );
         let long = LocalSandboxConfig::new(format!("/srv/{}", "d".repeat(80)), "/k");
@@ -1678,6 +1774,9 @@ mod tests {
         assert!(
             base.starts_with("/run") && base.to_str().unwrap().starts_with("/run/kernel-broker-")
         );
+        assert!(!choose_run_base(&long, false, 1000)
+            .unwrap()
+            .starts_with(&long.data_dir));
         let mut explicit = long.clone();
         explicit.run_dir = Some(PathBuf::from(format!("/{}", "r".repeat(70))));
         assert!(choose_run_base(&explicit, true, 0).is_err());

@@ -14,6 +14,7 @@ pub mod cgroup;
 pub mod docker;
 pub(crate) mod fsutil;
 pub mod local;
+pub mod seccomp;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -272,7 +272,10 @@ pub fn runtime_dirs(sandbox: &str, data_dir: &std::path::Path) -> usize {
         "docker" => std::fs::read_dir(data_dir.join("run-docker"))
             .map(|r| r.flatten().map(|user| count(user.path())).sum())
             .unwrap_or(0),
-        _ => count(data_dir.join("run")),
+        _ => kernel_broker::sandbox::local::LocalSandboxConfig::new(data_dir, "kernels")
+            .run_base()
+            .map(count)
+            .unwrap_or(0),
     }
 }
 
