@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use super::workspace_fs::WorkspaceImages;
 use super::{KernelEndpoints, LaunchSpec, SandboxError, SandboxUser};
 
 /// Ports of the kernel's five channels; their sockets are `k-1` .. `k-5`.
@@ -220,11 +221,16 @@ pub(crate) enum WorkspaceOwner {
     KernelUnchowned { uid: u32, gid: u32 },
 }
 
-/// Creates the workspace (0700; parents 0700 too) and settles its owner and mode as
-/// `owner` says. Ownership is fixed recursively only when the top directory's owner is
+/// Creates the workspace (0700; parents 0700 too), mounts its file system when `quota`
+/// gives one (see [`WorkspaceImages`]), and settles the owner and mode of its (mounted) root
+/// as `owner` says. Ownership is fixed recursively only when the top directory's owner is
 /// wrong (say, the local backend's uid_base or the user's index changed), never following
 /// symlinks the kernel may have planted.
-pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(), SandboxError> {
+pub(crate) fn prepare_workspace(
+    dir: &Path,
+    owner: WorkspaceOwner,
+    quota: Option<(&WorkspaceImages, u64)>,
+) -> Result<(), SandboxError> {
     let err = |what: &'static str| io_err(what, dir);
     if let Some(parent) = dir.parent() {
         std::fs::DirBuilder::new()
@@ -237,6 +243,13 @@ pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(),
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(err("cannot create the workspace")(e)),
+    }
+    if let Some((images, bytes)) = quota {
+        let root_owner = match owner {
+            WorkspaceOwner::Kernel { uid, gid } => (uid, gid),
+            WorkspaceOwner::Broker | WorkspaceOwner::KernelUnchowned { .. } => current_ids(),
+        };
+        images.ensure(dir, bytes, root_owner)?;
     }
     let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
     if !meta.is_dir() {

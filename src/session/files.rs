@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use super::SessionError;
 use crate::sandbox::fsutil::{self, WalkLimits};
+use rustix::fs::{Mode, OFlags};
 
 /// One file of a listing.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -57,6 +58,12 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> SessionError {
         _ if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::EXDEV) => {
             SessionError::BadRequest(format!(
                 "{} leads through a symbolic link; the files API does not follow links",
+                path.display()
+            ))
+        }
+        _ if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+            SessionError::TooLarge(format!(
+                "{} does not fit: the workspace is full (its disk quota is used up)",
                 path.display()
             ))
         }
@@ -150,16 +157,39 @@ pub fn write(
             Err(e) => return Err(io_err("open", &dir, e)),
         }
     }
-    let fd = open_beneath(
-        &root,
-        &rel,
-        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
-        0o644,
-    )
-    .map_err(|e| io_err("write", &rel, e))?;
+    // Into a new file beside the target, renamed over it once complete: a write that fails
+    // (the quota is full, say) leaves the old file as it was and no partial file behind.
+    let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+            .map_err(|e| io_err("open", p, e))?,
+        None => root,
+    };
+    let name = rel
+        .file_name()
+        .ok_or_else(|| SessionError::BadRequest("the path names no file".into()))?;
+    // A symlink in the target's place is refused, as everywhere in this API (were one
+    // swapped in after this check, the rename replaces the link itself: still harmless).
+    if let Ok(st) = rustix::fs::statat(&parent, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+            return Err(io_err(
+                "write",
+                &rel,
+                std::io::Error::from_raw_os_error(libc::ELOOP),
+            ));
+        }
+    }
+    let temp = format!(".kb-upload-{}", uuid::Uuid::new_v4().simple());
+    let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let fd = rustix::fs::openat(&parent, temp.as_str(), flags, Mode::from_raw_mode(0o644))
+        .map_err(|e| io_err("write", &rel, e.into()))?;
     chown_fd(&fd, owner);
-    let mut f = std::fs::File::from(fd);
-    f.write_all(data).map_err(|e| io_err("write", &rel, e))?;
+    let written = std::fs::File::from(fd)
+        .write_all(data)
+        .and_then(|()| Ok(rustix::fs::renameat(&parent, temp.as_str(), &parent, name)?));
+    if let Err(e) = written {
+        let _ = rustix::fs::unlinkat(&parent, temp.as_str(), rustix::fs::AtFlags::empty());
+        return Err(io_err("write", &rel, e));
+    }
     Ok(())
 }
 
