@@ -92,6 +92,7 @@ impl WorkspaceImages {
             }
             return Ok(());
         }
+        let started = std::time::Instant::now();
         let mut settled = self.lock();
         if settled.plain.contains(dir) || settled.mounted.iter().any(|m| m == dir) {
             return Ok(());
@@ -138,7 +139,7 @@ impl WorkspaceImages {
             // mkfs's lost+found is root's, not the user's; e2fsck makes it again if needed.
             let _ = std::fs::remove_dir(dir.join("lost+found"));
         }
-        tracing::info!(workspace = %dir.display(), quota_bytes = quota, "workspace file system mounted");
+        tracing::info!(workspace = %dir.display(), quota_bytes = quota, fresh, elapsed_ms = started.elapsed().as_millis() as u64, "workspace file system mounted");
         Ok(())
     }
 
@@ -302,5 +303,51 @@ impl std::fmt::Debug for WorkspaceImages {
             .field("images", &self.images)
             .field("privileged", &self.privileged)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn size_of(dir: &Path) -> u64 {
+        let st = rustix::fs::statvfs(dir).unwrap();
+        st.f_blocks * st.f_frsize
+    }
+
+    /// Needs root (mount); skipped otherwise.
+    #[test]
+    fn images_grow_and_shrink_only_down_to_what_is_used() {
+        if super::super::fsutil::current_ids().0 != 0 {
+            eprintln!("skipping: needs root to mount");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let workspaces = tmp.path().join("workspaces");
+        let ws = workspaces.join("erin");
+        std::fs::create_dir_all(&ws).unwrap();
+        let images = WorkspaceImages::new("local", &workspaces, true);
+        images.ensure(&ws, 32 << 20, (4242, 4242)).unwrap();
+        let small = size_of(&ws);
+        assert!(small <= 32 << 20 && small > 16 << 20, "{small}");
+        assert_eq!(std::fs::metadata(&ws).unwrap().uid(), 4242);
+        assert!(!ws.join("lost+found").exists());
+        std::fs::write(ws.join("kept"), vec![1u8; 20 << 20]).unwrap();
+        images.unmount_all();
+        assert!(!ws.join("kept").exists());
+
+        // Grown at the next mount, content kept.
+        images.ensure(&ws, 64 << 20, (4242, 4242)).unwrap();
+        let grown = size_of(&ws);
+        assert!(grown > 48 << 20, "{grown}");
+        assert_eq!(std::fs::metadata(ws.join("kept")).unwrap().len(), 20 << 20);
+        images.unmount_all();
+
+        // Not shrunk below what is used: it keeps its size.
+        images.ensure(&ws, 16 << 20, (4242, 4242)).unwrap();
+        assert_eq!(size_of(&ws), grown);
+        assert_eq!(std::fs::metadata(ws.join("kept")).unwrap().len(), 20 << 20);
+        drop(images);
+        assert!(!is_mount_point(&ws).unwrap(), "dropping unmounts");
     }
 }
