@@ -136,6 +136,9 @@ pub struct ServeArgs {
     /// Default process limit per user [default: 256]
     #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
     pub pids_limit: Option<u64>,
+    /// Default workspace disk quota per user, bytes; 0 = none [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_WORKSPACE_QUOTA")]
+    pub workspace_quota: Option<u64>,
     /// Directory of kernel specs and their Python environment [default: ./kernels]
     #[arg(long, env = "KERNEL_BROKER_KERNELS_DIR")]
     pub kernels_dir: Option<PathBuf>,
@@ -199,6 +202,7 @@ struct UserEntry {
     memory_bytes: Option<u64>,
     cpus: Option<f64>,
     pids: Option<u64>,
+    workspace_quota_bytes: Option<u64>,
     max_sessions: Option<usize>,
 }
 
@@ -284,6 +288,17 @@ fn default_kernels_dir() -> PathBuf {
         .unwrap_or(here)
 }
 
+/// A workspace quota is 0 (none) or at least 16 MiB: the workspace is an ext4 file system
+/// of that size, and smaller ones leave no room after ext4's own metadata.
+fn check_workspace_quota(bytes: u64, what: &str) -> Result<u64, ConfigError> {
+    if bytes != 0 && bytes < (16 << 20) {
+        return Err(ConfigError::Invalid(format!(
+            "{what}: {bytes} bytes is too small; use 0 (no quota) or at least 16 MiB"
+        )));
+    }
+    Ok(bytes)
+}
+
 fn valid_user_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
@@ -316,12 +331,14 @@ impl Settings {
             memory_bytes: pick!(memory_limit, 1 << 30),
             cpus: pick!(cpu_limit, 1.0),
             pids: pick!(pids_limit, 256),
+            workspace_quota_bytes: pick!(workspace_quota, 1 << 30),
         };
         if defaults.cpus <= 0.0 || defaults.pids == 0 || defaults.memory_bytes < (16 << 20) {
             return Err(ConfigError::Invalid(
                 "limits: cpu must be > 0, pids > 0, memory at least 16 MiB".into(),
             ));
         }
+        check_workspace_quota(defaults.workspace_quota_bytes, "workspace_quota")?;
         let max_sessions = pick!(max_sessions_per_user, 20);
         let users_file = args.users_file.clone().or(file.users_file.clone());
         let (users, token_source) = match (users_file, env_token.filter(|t| !t.is_empty())) {
@@ -358,6 +375,11 @@ impl Settings {
                             memory_bytes: u.memory_bytes.unwrap_or(defaults.memory_bytes),
                             cpus: u.cpus.unwrap_or(defaults.cpus),
                             pids: u.pids.unwrap_or(defaults.pids),
+                            workspace_quota_bytes: check_workspace_quota(
+                                u.workspace_quota_bytes
+                                    .unwrap_or(defaults.workspace_quota_bytes),
+                                &format!("workspace_quota_bytes of user {}", u.name),
+                            )?,
                         },
                         max_sessions: u.max_sessions.unwrap_or(max_sessions),
                         name: u.name,
@@ -480,7 +502,7 @@ mod tests {
     #[test]
     fn users_file_with_limits() {
         let users = write(
-            "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 536870912\n\n[[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
+            "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 536870912\nworkspace_quota_bytes = 67108864\n\n[[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
         );
         let args = ServeArgs {
             users_file: Some(users.path().to_path_buf()),
@@ -490,7 +512,14 @@ mod tests {
         assert_eq!(s.users.len(), 2);
         assert_eq!(s.users[0].limits.memory_bytes, 512 << 20);
         assert_eq!(s.users[1].limits.memory_bytes, 1 << 30);
+        assert_eq!(s.users[0].limits.workspace_quota_bytes, 64 << 20);
+        assert_eq!(s.users[1].limits.workspace_quota_bytes, 1 << 30);
         assert_eq!(s.users[1].index, 1);
+        let small = ServeArgs {
+            workspace_quota: Some(1 << 20),
+            ..Default::default()
+        };
+        assert!(Settings::resolve(small, Some("some-token".into())).is_err());
     }
 
     #[test]

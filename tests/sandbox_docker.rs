@@ -131,6 +131,7 @@ fn limits(memory_mib: u64, pids: u64) -> UserLimits {
         memory_bytes: memory_mib << 20,
         cpus: 1.0,
         pids,
+        ..UserLimits::default()
     }
 }
 

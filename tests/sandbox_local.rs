@@ -217,6 +217,7 @@ fn limits(memory_mib: u64, pids: u64) -> UserLimits {
         memory_bytes: memory_mib << 20,
         cpus: 1.0,
         pids,
+        ..UserLimits::default()
     }
 }
 
@@ -751,6 +752,20 @@ json.dump({'files': sorted(os.listdir('/workspace')), 'other': os.path.lexists(s
         std::os::unix::fs::chown(frank_ws.join("secret.txt"), Some(12345), Some(12345)).unwrap();
         h.sandbox.workspace(&frank).unwrap();
         assert_eq!(std::fs::metadata(frank_ws.join("secret.txt")).unwrap().uid(), UID_BASE + 6);
+
+        // Each workspace is its own file system (the quota), gone on shutdown and mounted
+        // again, content intact, when next needed.
+        let dev = |p: &std::path::Path| std::fs::metadata(p).unwrap().dev();
+        let parent = frank_ws.parent().unwrap();
+        assert_ne!(dev(&frank_ws), dev(parent));
+        assert_ne!(dev(&frank_ws), dev(&grace_ws));
+        h.sandbox.shutdown().await;
+        assert_eq!(dev(&frank_ws), dev(parent));
+        assert!(!frank_ws.join("secret.txt").exists());
+        h.sandbox.workspace(&frank).unwrap();
+        assert_ne!(dev(&frank_ws), dev(parent));
+        assert_eq!(std::fs::read_to_string(frank_ws.join("secret.txt")).unwrap(), "frank only");
+        h.sandbox.shutdown().await;
     })
     .await;
 }

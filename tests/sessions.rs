@@ -22,6 +22,8 @@ on_both_backends!(
     bad_input_gets_clear_errors,
     long_output_is_cut_and_endless_output_is_bounded,
     files_move_between_api_and_kernel,
+    listing_files_never_follows_a_swapped_in_symlink,
+    the_workspace_quota_stops_writes_and_uploads,
     executions_run_one_at_a_time_in_order,
     quotas_are_enforced,
     shutdown_closes_every_kernel,
@@ -926,5 +928,187 @@ async fn proposed_kernel_ids_do_not_reveal_other_sessions(sb: &'static str) {
         .await;
     assert_eq!(status, 201);
     assert_eq!(k["id"], fresh.as_str(), "a free proposed id is used");
+    broker.stop().await;
+}
+
+/// Red-team attack 3: Alice's kernel swaps a directory and a symlink to Bob's workspace
+/// (and one to /etc) with `renameat2(RENAME_EXCHANGE)` in a tight loop while the broker
+/// lists her files; a listing that checks a path and then opens it by path follows the
+/// symlink some of the time. Nothing of Bob's or the host's may ever be listed.
+async fn listing_files_never_follows_a_swapped_in_symlink(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
+    let bob = broker.api(BOB);
+    let bob_id = bob.create().await;
+    let r = bob
+        .http
+        .put(broker.url(&format!("/v1/sessions/{bob_id}/files/bob-secret-plans.txt")))
+        .bearer_auth(BOB)
+        .body("mine")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let workspaces = match sb {
+        "docker" => "workspaces-docker",
+        _ => "workspaces",
+    };
+    let bob_host = broker.data_dir.join(workspaces).join("bob");
+    assert!(bob_host.join("bob-secret-plans.txt").exists());
+
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let swapper = r#"
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_renameat2, AT_FDCWD, RENAME_EXCHANGE = 316, -100, 2
+d, l = sys.argv[1].encode(), sys.argv[2].encode()
+while True:
+    libc.syscall(SYS_renameat2, AT_FDCWD, d, AT_FDCWD, l, RENAME_EXCHANGE)
+"#;
+    let code = format!(
+        r#"
+import os, subprocess, sys
+os.makedirs('attack', exist_ok=True)
+os.chdir('attack')
+procs = []
+for name, target in [('bob', {bob:?}), ('etc', '/etc')]:
+    os.makedirs(name + '-dir', exist_ok=True)
+    open(name + '-dir/alice-own.txt', 'w').write('a')
+    if not os.path.lexists(name + '-link'):
+        os.symlink(target, name + '-link')
+    procs.append(subprocess.Popen([sys.executable, '-c', {swapper:?}, name + '-dir', name + '-link']))
+os.chdir('..')
+len(procs)
+"#,
+        bob = bob_host.to_str().unwrap(),
+    );
+    let x = api.execute(&id, &code).await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "2", "{x}");
+
+    let mut own_seen = 0;
+    for _ in 0..300 {
+        let (status, list) = api.get(&format!("/v1/sessions/{id}/files")).await;
+        assert_eq!(status, 200, "{list}");
+        for f in list.as_array().unwrap() {
+            let path = f["path"].as_str().unwrap();
+            assert!(
+                !path.contains("bob-secret") && !path.contains("passwd"),
+                "the listing showed a file that is not Alice's: {path}"
+            );
+            if path.starts_with("attack/") {
+                assert!(
+                    path.ends_with("/alice-own.txt"),
+                    "the listing showed a file that is not Alice's: {path}"
+                );
+                own_seen += 1;
+            }
+        }
+    }
+    // The swap did run under the listings: Alice's own files were seen through both names.
+    assert!(own_seen > 0);
+    let x = api
+        .execute(
+            &id,
+            "[p.kill() for p in procs]; [p.wait() for p in procs]; 'ok'",
+        )
+        .await;
+    assert_eq!(x["status"], "ok", "{x}");
+    broker.stop().await;
+}
+
+/// Red-team attack 4a: a kernel filled the host disk through its workspace. Each user's
+/// workspace is now a file system of its quota: the kernel's own writes fail with ENOSPC,
+/// another user's workspace is not touched, and an upload past the quota is refused with
+/// 413 without losing the file it would have replaced.
+async fn the_workspace_quota_stops_writes_and_uploads(sb: &'static str) {
+    let broker = Broker::start(sb, |a| a.workspace_quota = Some(64 << 20)).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let put = |path: &str, body: Vec<u8>| {
+        api.http
+            .put(broker.url(&format!("/v1/sessions/{id}/files/{path}")))
+            .bearer_auth(ALICE)
+            .body(body)
+            .send()
+    };
+    assert_eq!(put("keep.txt", b"v1".to_vec()).await.unwrap().status(), 201);
+    let x = api
+        .execute(
+            &id,
+            r#"
+import errno, os
+n, err = 0, None
+chunk = b'x' * (1 << 20)
+try:
+    with open('big.bin', 'wb') as f:
+        while n < (200 << 20):
+            f.write(chunk)
+            f.flush()
+            n += len(chunk)
+        os.fsync(f.fileno())
+except OSError as e:
+    err = e.errno
+st = os.statvfs('.')
+(err in (errno.ENOSPC, errno.EDQUOT), os.path.getsize('big.bin'), st.f_blocks * st.f_frsize)
+"#,
+        )
+        .await;
+    let text = main_result(&x)["data"]["text/plain"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let parts: Vec<&str> = text
+        .trim_matches(|c| c == '(' || c == ')')
+        .split(", ")
+        .collect();
+    assert_eq!(
+        parts[0], "True",
+        "the kernel's writes did not hit ENOSPC: {x}"
+    );
+    let written: u64 = parts[1].parse().unwrap();
+    let size: u64 = parts[2].parse().unwrap();
+    assert!(written < 64 << 20, "{written} bytes written past the quota");
+    assert!(written > 32 << 20, "only {written} bytes fit in 64 MiB");
+    assert!(size <= 64 << 20, "the workspace is {size} bytes");
+
+    // An upload past the quota: 413, and the file it would replace is intact.
+    let r = put("keep.txt", vec![7u8; 8 << 20]).await.unwrap();
+    assert_eq!(r.status(), 413);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "payload_too_large", "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("quota"),
+        "{e}"
+    );
+    let r = api
+        .http
+        .get(broker.url(&format!("/v1/sessions/{id}/files/keep.txt")))
+        .bearer_auth(ALICE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.text().await.unwrap(), "v1");
+    let (_, list) = api.get(&format!("/v1/sessions/{id}/files")).await;
+    assert!(!list.to_string().contains("kb-upload"), "{list}");
+
+    // Bob's workspace is his own file system: Alice's full one does not stop him.
+    let bob = broker.api(BOB);
+    let bob_id = bob.create().await;
+    let x = bob
+        .execute(
+            &bob_id,
+            "with open('b.bin', 'wb') as f:\n    f.write(b'y' * (32 << 20))\nimport os; os.path.getsize('b.bin')",
+        )
+        .await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "33554432", "{x}");
+
+    // Space Alice frees is hers again.
+    let x = api
+        .execute(
+            &id,
+            "os.remove('big.bin')\nopen('small.bin', 'wb').write(b'z' * (8 << 20))",
+        )
+        .await;
+    assert_eq!(main_result(&x)["data"]["text/plain"], "8388608", "{x}");
     broker.stop().await;
 }

@@ -235,18 +235,23 @@ async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::pat
         .map_err(|e| ApiError::internal("workspace", e))
 }
 
+/// Response header of `GET /v1/sessions/{id}/files`: `true` when the listing was cut short.
+const FILES_TRUNCATED: &str = "x-files-truncated";
+
 async fn list_files(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-) -> ApiResult<Json<Vec<files::FileEntry>>> {
+) -> ApiResult<Response> {
     let session = session_of(&state, &caller, &id)?;
     session.touch();
     let ws = workspace_of(&state, &session).await?;
-    let entries = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
+    let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
         .await
         .map_err(|e| ApiError::internal("list files", e))??;
-    Ok(Json(entries))
+    // The body stays a plain array (compatible); a cut-short listing says so in a header.
+    let truncated = if listing.truncated { "true" } else { "false" };
+    Ok(([(FILES_TRUNCATED, truncated)], Json(listing.files)).into_response())
 }
 
 async fn get_file(

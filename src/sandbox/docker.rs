@@ -78,6 +78,7 @@ use super::fsutil::{
     self, absolute, current_ids, io_err, launch_err, prepare_workspace, remove_dir_logged,
     FileMode, WorkspaceOwner,
 };
+use super::workspace_fs::WorkspaceImages;
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser, UserLimits,
@@ -173,6 +174,8 @@ struct Inner {
     hash: String,
     privileged: bool,
     workspaces: PathBuf,
+    /// The workspaces' file systems (the per-user disk quota).
+    workspace_images: Arc<WorkspaceImages>,
     run_base: PathBuf,
     /// Connected (and version-negotiated) on first use; retried until it works.
     client: OnceCell<Docker>,
@@ -225,6 +228,7 @@ impl DockerSandbox {
                 socket_path,
                 hash,
                 privileged,
+                workspace_images: Arc::new(WorkspaceImages::new(BACKEND, &workspaces, privileged)),
                 workspaces,
                 run_base,
                 client: OnceCell::new(),
@@ -305,7 +309,11 @@ impl Sandbox for DockerSandbox {
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
         let path = self.inner.workspace_path(user)?;
-        prepare_workspace(&path, workspace_owner(self.inner.privileged))?;
+        let quota = (
+            &*self.inner.workspace_images,
+            user.limits.workspace_quota_bytes,
+        );
+        prepare_workspace(&path, workspace_owner(self.inner.privileged), Some(quota))?;
         Ok(path)
     }
 
@@ -629,8 +637,11 @@ impl Inner {
             let workspace = workspace.to_path_buf();
             let run_dir = run_dir.clone();
             let privileged = self.privileged;
+            let images = self.workspace_images.clone();
+            let quota = user.limits.workspace_quota_bytes;
             tokio::task::spawn_blocking(move || {
-                prepare_workspace(&workspace, workspace_owner(privileged))?;
+                let quota = Some((&*images, quota));
+                prepare_workspace(&workspace, workspace_owner(privileged), quota)?;
                 prepare_user_run_dir(&run_dir)
             })
             .await
@@ -839,6 +850,11 @@ impl Inner {
             }
         });
         futures::future::join_all(waits).await;
+        // The containers are removed, so nothing holds the workspace file systems.
+        let images = self.workspace_images.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+            tracing::warn!(error = %e, "unmounting the workspaces failed");
+        }
     }
 }
 
@@ -1550,6 +1566,7 @@ mod tests {
             memory_bytes: 1 << 30,
             cpus: 1.5,
             pids: 256,
+            workspace_quota_bytes: 0,
         });
         assert_eq!(l.memory, Some(1 << 30));
         assert_eq!(l.nano_cpus, Some(1_500_000_000));
@@ -1558,6 +1575,7 @@ mod tests {
             memory_bytes: 0,
             cpus: 0.0,
             pids: 0,
+            workspace_quota_bytes: 0,
         });
         assert_eq!((none.memory, none.nano_cpus, none.pids), (None, None, None));
     }

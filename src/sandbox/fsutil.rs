@@ -9,12 +9,16 @@
 //! [`super::docker`] call these with their own names, limits and owners; what differs
 //! between them is a parameter here, so each keeps its behaviour exactly.
 
+use std::ffi::CStr;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use super::workspace_fs::WorkspaceImages;
 use super::{KernelEndpoints, LaunchSpec, SandboxError, SandboxUser};
 
 /// Ports of the kernel's five channels; their sockets are `k-1` .. `k-5`.
@@ -217,11 +221,16 @@ pub(crate) enum WorkspaceOwner {
     KernelUnchowned { uid: u32, gid: u32 },
 }
 
-/// Creates the workspace (0700; parents 0700 too) and settles its owner and mode as
-/// `owner` says. Ownership is fixed recursively only when the top directory's owner is
+/// Creates the workspace (0700; parents 0700 too), mounts its file system when `quota`
+/// gives one (see [`WorkspaceImages`]), and settles the owner and mode of its (mounted) root
+/// as `owner` says. Ownership is fixed recursively only when the top directory's owner is
 /// wrong (say, the local backend's uid_base or the user's index changed), never following
 /// symlinks the kernel may have planted.
-pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(), SandboxError> {
+pub(crate) fn prepare_workspace(
+    dir: &Path,
+    owner: WorkspaceOwner,
+    quota: Option<(&WorkspaceImages, u64)>,
+) -> Result<(), SandboxError> {
     let err = |what: &'static str| io_err(what, dir);
     if let Some(parent) = dir.parent() {
         std::fs::DirBuilder::new()
@@ -234,6 +243,13 @@ pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(),
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(err("cannot create the workspace")(e)),
+    }
+    if let Some((images, bytes)) = quota {
+        let root_owner = match owner {
+            WorkspaceOwner::Kernel { uid, gid } => (uid, gid),
+            WorkspaceOwner::Broker | WorkspaceOwner::KernelUnchowned { .. } => current_ids(),
+        };
+        images.ensure(dir, bytes, root_owner)?;
     }
     let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
     if !meta.is_dir() {
@@ -261,21 +277,182 @@ pub(crate) fn prepare_workspace(dir: &Path, owner: WorkspaceOwner) -> Result<(),
     Ok(())
 }
 
-/// `chown -R` without following symlinks.
+/// How deep [`chown_tree`] goes: one descriptor is open per level, so this also bounds the
+/// descriptors a walk holds.
+const CHOWN_MAX_DEPTH: usize = 256;
+
+/// `chown -R` through directory descriptors: never follows a symlink, whatever the kernel
+/// swaps in while it runs (see [`walk_tree`]). Symlinks and other entries are given away
+/// themselves (`AT_SYMLINK_NOFOLLOW`), directories through the descriptor that was walked.
 pub(crate) fn chown_tree(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
-    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d)? {
-            let entry = entry?;
-            let path = entry.path();
-            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
-            if entry.file_type()?.is_dir() {
-                stack.push(path);
-            }
+    use rustix::fs::{chownat, fchown, AtFlags, Gid, Uid};
+    let (owner, group) = (Uid::from_raw(uid), Gid::from_raw(gid));
+    let root = open_tree_root(dir)?;
+    fchown(&root, Some(owner), Some(group))?;
+    let limits = WalkLimits {
+        max_entries: usize::MAX,
+        max_depth: CHOWN_MAX_DEPTH,
+    };
+    let complete = walk_tree(&root, limits, |entry| {
+        match entry.dir {
+            Some(fd) => fchown(fd, Some(owner), Some(group))?,
+            None => chownat(
+                entry.parent,
+                entry.name,
+                Some(owner),
+                Some(group),
+                AtFlags::SYMLINK_NOFOLLOW,
+            )?,
         }
+        Ok(())
+    })?;
+    if !complete {
+        tracing::warn!(dir = %dir.display(), max_depth = CHOWN_MAX_DEPTH, "workspace deeper than the chown walk goes; deeper entries keep their owner");
     }
     Ok(())
+}
+
+/// Opens the root of a tree the broker walks: a directory, not a symlink.
+pub(crate) fn open_tree_root(path: &Path) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    Ok(rustix::fs::open(path, flags, Mode::empty())?)
+}
+
+/// Opens the directory `name` (one path component) of the open directory `parent`:
+/// `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` with `O_DIRECTORY | O_NOFOLLOW`, so a
+/// symlink swapped in for the directory fails (`ELOOP`) instead of being followed.
+pub(crate) fn open_subdir(parent: BorrowedFd<'_>, name: &CStr) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    Ok(rustix::fs::openat2(
+        parent,
+        name,
+        flags,
+        Mode::empty(),
+        resolve,
+    )?)
+}
+
+/// Bounds of a [`walk_tree`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WalkLimits {
+    /// Entries (of any type) looked at before the walk stops.
+    pub max_entries: usize,
+    /// Directory levels below the root the walk descends; one descriptor is open per level.
+    pub max_depth: usize,
+}
+
+/// One entry a [`walk_tree`] visits.
+pub(crate) struct WalkEntry<'a> {
+    /// Path relative to the root.
+    pub rel: &'a Path,
+    /// The directory holding the entry, as walked (not as named now).
+    pub parent: BorrowedFd<'a>,
+    /// The entry's name in `parent`.
+    pub name: &'a CStr,
+    /// `fstatat(parent, name, AT_SYMLINK_NOFOLLOW)`; for a directory, `fstat` of `dir`.
+    pub stat: &'a rustix::fs::Stat,
+    /// For a directory: the descriptor the walk opened and descends through.
+    pub dir: Option<BorrowedFd<'a>>,
+}
+
+impl WalkEntry<'_> {
+    /// Whether this is a regular file (not a symlink, fifo, socket or device).
+    pub fn is_file(&self) -> bool {
+        rustix::fs::FileType::from_raw_mode(self.stat.st_mode) == rustix::fs::FileType::RegularFile
+    }
+}
+
+/// Walks the tree under the open directory `root` depth-first through directory
+/// descriptors, calling `visit` for every entry (not the root itself).
+///
+/// The tree is written by a kernel that may be hostile and may swap entries while the walk
+/// runs, so nothing here resolves a path: entries are read from the directory's own
+/// descriptor (getdents), looked at with `fstatat(AT_SYMLINK_NOFOLLOW)` relative to it, and
+/// a directory is entered only through [`open_subdir`] relative to its parent's descriptor.
+/// A symlink swapped in for a directory makes that open fail and the entry is skipped;
+/// symlinks and other special files are visited as themselves, never followed. An entry
+/// that vanishes meanwhile is skipped.
+///
+/// Returns `Ok(true)` when the whole tree was walked, `Ok(false)` when `limits` cut it short.
+pub(crate) fn walk_tree(
+    root: &OwnedFd,
+    limits: WalkLimits,
+    mut visit: impl FnMut(&WalkEntry<'_>) -> io::Result<()>,
+) -> io::Result<bool> {
+    use rustix::fs::{fstat, statat, AtFlags, Dir, FileType};
+    use rustix::io::Errno;
+    let mut stack: Vec<(PathBuf, Dir)> = vec![(PathBuf::new(), Dir::read_from(root)?)];
+    let mut seen = 0usize;
+    let mut complete = true;
+    loop {
+        let depth = stack.len();
+        let Some((rel, dir)) = stack.last_mut() else {
+            break;
+        };
+        let Some(entry) = dir.read() else {
+            stack.pop();
+            continue;
+        };
+        let entry = entry?;
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        seen += 1;
+        if seen > limits.max_entries {
+            complete = false;
+            break;
+        }
+        let parent = dir.fd()?;
+        let child_rel = rel.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
+        let stat = match statat(parent, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) => stat,
+            Err(Errno::NOENT) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if FileType::from_raw_mode(stat.st_mode) != FileType::Directory {
+            visit(&WalkEntry {
+                rel: &child_rel,
+                parent,
+                name,
+                stat: &stat,
+                dir: None,
+            })?;
+            continue;
+        }
+        if depth > limits.max_depth {
+            complete = false;
+            continue;
+        }
+        let fd = match open_subdir(parent, name) {
+            Ok(fd) => fd,
+            // Swapped for a symlink or something else, or gone, since the stat: skip.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ELOOP | libc::ENOENT | libc::ENOTDIR | libc::EXDEV)
+                ) =>
+            {
+                continue
+            }
+            Err(e) => return Err(e),
+        };
+        // What was opened may differ from what was stat'ed: describe what is walked.
+        let stat = fstat(&fd)?;
+        visit(&WalkEntry {
+            rel: &child_rel,
+            parent,
+            name,
+            stat: &stat,
+            dir: Some(fd.as_fd()),
+        })?;
+        let sub = Dir::new(fd)?;
+        stack.push((child_rel, sub));
+    }
+    Ok(complete)
 }
 
 /// The permissions [`write_new_file`] gives a file.

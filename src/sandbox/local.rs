@@ -59,6 +59,7 @@ use super::fsutil::{
     write_new_file, FileMode, WorkspaceOwner,
 };
 use super::seccomp::SyscallFilter;
+use super::workspace_fs::WorkspaceImages;
 use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser,
@@ -193,6 +194,8 @@ pub struct LocalSandbox {
     specs: HashMap<String, KernelSpec>,
     run_base: PathBuf,
     workspaces: PathBuf,
+    /// The workspaces' file systems (the per-user disk quota).
+    workspace_images: Arc<WorkspaceImages>,
     cgroups: Result<Arc<Cgroups>, String>,
     /// Startup work (cgroup setup, sweeping what an earlier run left), done once before the
     /// first launch; holds the cgroups to use (none when limits are off).
@@ -275,6 +278,7 @@ impl LocalSandbox {
             python_dirs,
             specs,
             run_base,
+            workspace_images: Arc::new(WorkspaceImages::new(BACKEND, &workspaces, privileged)),
             workspaces,
             cgroups,
             started: OnceCell::new(),
@@ -435,6 +439,10 @@ impl LocalSandbox {
             ids,
             login: login_name(&user.name),
             connection: connection_file(&spec),
+            quota: Some((
+                self.workspace_images.clone(),
+                user.limits.workspace_quota_bytes,
+            )),
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
@@ -745,6 +753,7 @@ impl LocalSandbox {
             ids,
             login: "check".to_string(),
             connection: serde_json::Value::Null,
+            quota: None,
         };
         let prepared = tokio::task::spawn_blocking(move || files.write())
             .await
@@ -870,7 +879,8 @@ impl Sandbox for LocalSandbox {
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
         let path = self.workspace_path(user)?;
-        prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?))?;
+        let quota = (&*self.workspace_images, user.limits.workspace_quota_bytes);
+        prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?), Some(quota))?;
         Ok(path)
     }
 
@@ -901,6 +911,11 @@ impl Sandbox for LocalSandbox {
         // Under /run (root) the base is outside the data directory: leave nothing behind.
         // Only an empty directory goes; the next start creates it again.
         let _ = std::fs::remove_dir(&self.run_base);
+        // The kernels are gone, so nothing holds the workspace file systems.
+        let images = self.workspace_images.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+            tracing::warn!(error = %e, "unmounting the workspaces failed");
+        }
     }
 }
 
@@ -1424,6 +1439,8 @@ struct LaunchFiles {
     login: String,
     /// The connection file's JSON (`Null`: write none).
     connection: serde_json::Value,
+    /// The workspace's file system and its size (`None`: a scratch workspace).
+    quota: Option<(Arc<WorkspaceImages>, u64)>,
 }
 
 impl LaunchFiles {
@@ -1450,7 +1467,8 @@ impl LaunchFiles {
                 .map_err(io_err("cannot chown the runtime directory", &self.rundir))?;
         }
         // After the runtime directory: `check` puts its scratch workspace inside it.
-        prepare_workspace(&self.workspace, workspace_owner(self.ids))?;
+        let quota = self.quota.as_ref().map(|(fs, bytes)| (&**fs, *bytes));
+        prepare_workspace(&self.workspace, workspace_owner(self.ids), quota)?;
         let (uid, gid) = self.ids.unwrap_or_else(current_ids);
         let login = &self.login;
         let passwd = format!(

@@ -15,6 +15,7 @@ pub mod docker;
 pub(crate) mod fsutil;
 pub mod local;
 pub mod seccomp;
+pub(crate) mod workspace_fs;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -33,6 +34,9 @@ pub struct UserLimits {
     pub cpus: f64,
     /// Maximum number of processes and threads.
     pub pids: u64,
+    /// Size of the user's workspace file system in bytes (writes past it fail with
+    /// `ENOSPC`); 0: no quota, a plain directory.
+    pub workspace_quota_bytes: u64,
 }
 
 impl Default for UserLimits {
@@ -41,6 +45,7 @@ impl Default for UserLimits {
             memory_bytes: 1 << 30,
             cpus: 1.0,
             pids: 256,
+            workspace_quota_bytes: 1 << 30,
         }
     }
 }

@@ -15,6 +15,8 @@ use std::path::{Component, Path, PathBuf};
 use serde::Serialize;
 
 use super::SessionError;
+use crate::sandbox::fsutil::{self, WalkLimits};
+use rustix::fs::{Mode, OFlags};
 
 /// One file of a listing.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -59,6 +61,12 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> SessionError {
                 path.display()
             ))
         }
+        _ if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+            SessionError::TooLarge(format!(
+                "{} does not fit: the workspace is full (its disk quota is used up)",
+                path.display()
+            ))
+        }
         _ if e.raw_os_error() == Some(libc::EISDIR) => {
             SessionError::BadRequest(format!("{} is a directory", path.display()))
         }
@@ -94,8 +102,7 @@ fn open_beneath(root: &OwnedFd, rel: &Path, flags: i32, mode: u32) -> std::io::R
 }
 
 fn open_root(workspace: &Path) -> Result<OwnedFd, SessionError> {
-    let f = std::fs::File::open(workspace).map_err(|e| io_err("open", workspace, e))?;
-    Ok(OwnedFd::from(f))
+    fsutil::open_tree_root(workspace).map_err(|e| io_err("open", workspace, e))
 }
 
 fn chown_fd(fd: &OwnedFd, owner: Option<(u32, u32)>) {
@@ -150,16 +157,39 @@ pub fn write(
             Err(e) => return Err(io_err("open", &dir, e)),
         }
     }
-    let fd = open_beneath(
-        &root,
-        &rel,
-        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
-        0o644,
-    )
-    .map_err(|e| io_err("write", &rel, e))?;
+    // Into a new file beside the target, renamed over it once complete: a write that fails
+    // (the quota is full, say) leaves the old file as it was and no partial file behind.
+    let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+            .map_err(|e| io_err("open", p, e))?,
+        None => root,
+    };
+    let name = rel
+        .file_name()
+        .ok_or_else(|| SessionError::BadRequest("the path names no file".into()))?;
+    // A symlink in the target's place is refused, as everywhere in this API (were one
+    // swapped in after this check, the rename replaces the link itself: still harmless).
+    if let Ok(st) = rustix::fs::statat(&parent, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+            return Err(io_err(
+                "write",
+                &rel,
+                std::io::Error::from_raw_os_error(libc::ELOOP),
+            ));
+        }
+    }
+    let temp = format!(".kb-upload-{}", uuid::Uuid::new_v4().simple());
+    let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let fd = rustix::fs::openat(&parent, temp.as_str(), flags, Mode::from_raw_mode(0o644))
+        .map_err(|e| io_err("write", &rel, e.into()))?;
     chown_fd(&fd, owner);
-    let mut f = std::fs::File::from(fd);
-    f.write_all(data).map_err(|e| io_err("write", &rel, e))?;
+    let written = std::fs::File::from(fd)
+        .write_all(data)
+        .and_then(|()| Ok(rustix::fs::renameat(&parent, temp.as_str(), &parent, name)?));
+    if let Err(e) = written {
+        let _ = rustix::fs::unlinkat(&parent, temp.as_str(), rustix::fs::AtFlags::empty());
+        return Err(io_err("write", &rel, e));
+    }
     Ok(())
 }
 
@@ -198,43 +228,74 @@ pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionE
     Ok(buf)
 }
 
-/// Every regular file under the workspace (symlinks are not followed), at most `limit`.
-pub fn list(workspace: &Path, limit: usize) -> Result<Vec<FileEntry>, SessionError> {
-    let mut out = Vec::new();
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = workspace.join(&rel);
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(e) => e,
-            Err(e) if rel.as_os_str().is_empty() => return Err(io_err("list", &dir, e)),
-            Err(_) => continue,
-        };
-        for entry in entries.flatten() {
-            let Ok(meta) = entry.path().symlink_metadata() else {
-                continue;
-            };
-            let child = rel.join(entry.file_name());
-            if meta.is_dir() {
-                stack.push(child);
-            } else if meta.is_file() {
-                let modified = meta
-                    .modified()
-                    .map(chrono::DateTime::<chrono::Utc>::from)
-                    .unwrap_or_default();
-                out.push(FileEntry {
-                    path: child.to_string_lossy().into_owned(),
-                    size: meta.size(),
-                    modified,
-                });
-                if out.len() >= limit {
-                    return Ok(out);
-                }
-            }
-        }
-    }
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(out)
+/// How far a listing looks: entries of any kind examined, and directory levels entered.
+/// A kernel can create millions of files; the broker's work and memory stay bounded.
+pub const LIST_MAX_ENTRIES: usize = 100_000;
+pub const LIST_MAX_DEPTH: usize = 64;
+
+/// A workspace listing, sorted by path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listing {
+    pub files: Vec<FileEntry>,
+    /// Set when a bound (`limit` files, [`LIST_MAX_ENTRIES`] entries examined,
+    /// [`LIST_MAX_DEPTH`] levels) cut the listing short.
+    pub truncated: bool,
 }
+
+/// The regular files under the workspace, at most `limit`.
+///
+/// The walk goes through directory descriptors (see `fsutil::walk_tree`): the kernel may
+/// swap a directory for a symlink to another user's workspace or a host directory while
+/// this runs, and nothing is ever followed. Symlinks, fifos, sockets and devices are not
+/// listed; nor is the root's `lost+found` of a workspace file system.
+pub fn list(workspace: &Path, limit: usize) -> Result<Listing, SessionError> {
+    let root = fsutil::open_tree_root(workspace).map_err(|e| io_err("list", workspace, e))?;
+    let mut files = Vec::new();
+    let limits = WalkLimits {
+        max_entries: LIST_MAX_ENTRIES,
+        max_depth: LIST_MAX_DEPTH,
+    };
+    let mut full = false;
+    let mut mkfs_lost_and_found = false;
+    let complete = fsutil::walk_tree(&root, limits, |entry| {
+        if files.len() >= limit {
+            full = true;
+            return Err(std::io::Error::other("listing limit reached"));
+        }
+        if entry.rel == Path::new(LOST_AND_FOUND) && entry.dir.is_some() {
+            // Only root makes a root-owned directory: that one is mkfs's, not the user's.
+            mkfs_lost_and_found = entry.stat.st_uid == 0;
+        }
+        if !entry.is_file() || (mkfs_lost_and_found && entry.rel.starts_with(LOST_AND_FOUND)) {
+            return Ok(());
+        }
+        let modified = chrono::DateTime::from_timestamp(
+            entry.stat.st_mtime,
+            u32::try_from(entry.stat.st_mtime_nsec).unwrap_or(0),
+        )
+        .unwrap_or_default();
+        files.push(FileEntry {
+            path: entry.rel.to_string_lossy().into_owned(),
+            size: entry.stat.st_size.max(0) as u64,
+            modified,
+        });
+        Ok(())
+    });
+    let complete = match complete {
+        Ok(complete) => complete,
+        Err(_) if full => false,
+        Err(e) => return Err(io_err("list", workspace, e)),
+    };
+    files.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(Listing {
+        files,
+        truncated: !complete,
+    })
+}
+
+/// Where `e2fsck` puts what it recovers, on a workspace that is its own file system; made by
+/// mkfs, owned by root, not the user's.
+const LOST_AND_FOUND: &str = "lost+found";
 
 #[cfg(test)]
 mod tests {
@@ -272,9 +333,47 @@ mod tests {
         assert!(write(ws.path(), "link", b"x", None).is_err());
         assert!(!outside.path().join("new").exists());
         assert_eq!(std::fs::read(outside.path().join("secret")).unwrap(), b"s");
-        let listed = list(ws.path(), 100).unwrap();
+        let listed = list(ws.path(), 100).unwrap().files;
         assert_eq!(listed.len(), 1);
         assert_eq!(listed[0].path, "data/in.csv");
         assert_eq!(listed[0].size, 8);
+    }
+
+    #[test]
+    fn listings_are_bounded_and_say_so() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut deep = ws.path().to_path_buf();
+        for _ in 0..LIST_MAX_DEPTH + 2 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("too-deep.txt"), b"x").unwrap();
+        std::fs::write(ws.path().join("top.txt"), b"x").unwrap();
+        let listing = list(ws.path(), 100).unwrap();
+        assert!(listing.truncated);
+        assert_eq!(listing.files.len(), 1);
+        assert_eq!(listing.files[0].path, "top.txt");
+
+        let ws = tempfile::tempdir().unwrap();
+        for i in 0..5 {
+            std::fs::write(ws.path().join(format!("f{i}")), b"x").unwrap();
+        }
+        let listing = list(ws.path(), 3).unwrap();
+        assert!(listing.truncated);
+        assert_eq!(listing.files.len(), 3);
+        let listing = list(ws.path(), 5).unwrap();
+        assert!(!listing.truncated);
+        assert_eq!(listing.files.len(), 5);
+    }
+
+    #[test]
+    fn a_workspace_file_systems_lost_and_found_is_not_listed() {
+        let ws = tempfile::tempdir().unwrap();
+        std::fs::create_dir(ws.path().join(LOST_AND_FOUND)).unwrap();
+        std::fs::write(ws.path().join("lost+found/#12"), b"x").unwrap();
+        let owned_by_root = fsutil::current_ids().0 == 0;
+        let listing = list(ws.path(), 100).unwrap();
+        // Root made it (as mkfs does): hidden. Anyone else: the user's own directory.
+        assert_eq!(listing.files.is_empty(), owned_by_root);
     }
 }

@@ -1,0 +1,353 @@
+//! The per-user workspace quota: each user's workspace is its own ext4 file system.
+//!
+//! A kernel may write as much as it likes into its workspace, and the workspace outlives it,
+//! so the limit has to be enforced by the kernel (the OS one) at write time: measuring usage
+//! afterwards lets a kernel fill the host disk in seconds. Each workspace directory is the
+//! mount point of a sparse image file `<workspaces>-images/<user>.img` holding an ext4 file
+//! system of the user's `workspace_quota_bytes`, loop-mounted `nosuid,nodev` when the user's
+//! workspace is first needed in a broker run and unmounted on shutdown. Writes past the size
+//! fail with `ENOSPC` in the kernel and in the broker's own file API alike, and a kernel
+//! cannot rename or hard-link anything across the file system's edge. Both backends
+//! bind-mount that directory into the sandbox, so the quota is the same for both.
+//!
+//! The images live beside the workspaces directory, not in it: a user may be called
+//! `alice.img`. Without root the broker cannot mount; it says so once and keeps the plain
+//! directories (no quota). A plain workspace with content from before quotas is kept as it
+//! is, with a warning: copying a tree a kernel wrote is a risk of its own, and the operator
+//! can move its content into the image after one run.
+//!
+//! Quota changes take effect at the next mount (the next broker run): the image grows with
+//! `resize2fs`, and shrinks only down to what is used (refused and logged otherwise).
+
+use std::collections::HashSet;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use super::fsutil::{io_err, unavailable};
+use super::SandboxError;
+
+/// The workspace file systems of one backend.
+pub(crate) struct WorkspaceImages {
+    backend: &'static str,
+    /// Where the images live (`<workspaces>-images`).
+    images: PathBuf,
+    /// Only root can mount.
+    privileged: bool,
+    /// Workspace directories settled in this run (mounted, or kept plain): the fast path.
+    /// Held across the slow set-up, so two first uses of one workspace do not both mount.
+    settled: Mutex<Settled>,
+    warned_unprivileged: AtomicBool,
+}
+
+#[derive(Default)]
+struct Settled {
+    /// Mount points this broker mounted (or found mounted), unmounted on shutdown.
+    mounted: Vec<PathBuf>,
+    /// Workspaces that stay plain directories this run.
+    plain: HashSet<PathBuf>,
+}
+
+impl WorkspaceImages {
+    /// For the workspaces in `workspaces` (`<data_dir>/workspaces`).
+    pub(crate) fn new(backend: &'static str, workspaces: &Path, privileged: bool) -> Self {
+        let mut images = workspaces.as_os_str().to_owned();
+        images.push("-images");
+        Self {
+            backend,
+            images: PathBuf::from(images),
+            privileged,
+            settled: Mutex::new(Settled::default()),
+            warned_unprivileged: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Settled> {
+        // A panic while holding it leaves only the two sets, still consistent enough.
+        self.settled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes `dir` (an existing directory) the mount point of its user's file system of
+    /// `quota` bytes, created with its root owned by `owner`. Blocking (mkfs, mount).
+    pub(crate) fn ensure(
+        &self,
+        dir: &Path,
+        quota: u64,
+        owner: (u32, u32),
+    ) -> Result<(), SandboxError> {
+        if quota == 0 {
+            return Ok(());
+        }
+        if !self.privileged {
+            if !self.warned_unprivileged.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    backend = self.backend,
+                    "workspace quotas are NOT enforced: the broker is not root and cannot \
+                     mount the workspace file systems; kernels can fill the disk"
+                );
+            }
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let mut settled = self.lock();
+        if settled.plain.contains(dir) || settled.mounted.iter().any(|m| m == dir) {
+            return Ok(());
+        }
+        if is_mount_point(dir)? {
+            tracing::info!(workspace = %dir.display(), "workspace file system already mounted (left by an earlier run); using it as it is");
+            settled.mounted.push(dir.to_path_buf());
+            return Ok(());
+        }
+        let name = dir
+            .file_name()
+            .ok_or_else(|| unavailable(self.backend, "a workspace path has no name"))?;
+        let mut file = name.to_owned();
+        file.push(".img");
+        let image = self.images.join(file);
+        let fresh = !image.exists();
+        if fresh {
+            if std::fs::read_dir(dir)
+                .map_err(io_err("cannot read the workspace", dir))?
+                .next()
+                .is_some()
+            {
+                tracing::warn!(workspace = %dir.display(), "this workspace predates workspace quotas and is not empty: kept as a plain directory WITHOUT a quota; move its content out and back in after a restart to put it under the quota");
+                settled.plain.insert(dir.to_path_buf());
+                return Ok(());
+            }
+            self.create_image(&image, quota, owner)?;
+        } else {
+            self.resize_image(&image, quota)?;
+        }
+        let image_str = image.as_os_str().to_owned();
+        run(Command::new("mount")
+            .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
+            .arg(&image_str)
+            .arg(dir))
+        .map_err(|e| {
+            unavailable(
+                self.backend,
+                format!("cannot mount the workspace {}: {e}", dir.display()),
+            )
+        })?;
+        settled.mounted.push(dir.to_path_buf());
+        if fresh {
+            // mkfs's lost+found is root's, not the user's; e2fsck makes it again if needed.
+            let _ = std::fs::remove_dir(dir.join("lost+found"));
+        }
+        tracing::info!(workspace = %dir.display(), quota_bytes = quota, fresh, elapsed_ms = started.elapsed().as_millis() as u64, "workspace file system mounted");
+        Ok(())
+    }
+
+    /// A sparse image of `quota` bytes with an empty ext4 file system, its root owned by
+    /// `owner`; removed again if anything fails.
+    fn create_image(
+        &self,
+        image: &Path,
+        quota: u64,
+        owner: (u32, u32),
+    ) -> Result<(), SandboxError> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.images)
+            .map_err(io_err(
+                "cannot create the workspace images directory",
+                &self.images,
+            ))?;
+        let made = (|| {
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(image)
+                .map_err(|e| e.to_string())?;
+            f.set_len(quota).map_err(|e| e.to_string())?;
+            drop(f);
+            // -m 0: no blocks reserved for root (the kernel never is root); no lazy init, so
+            // the first writes are not slowed by background zeroing.
+            run(Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-m", "0", "-E"])
+                .arg(format!(
+                    "root_owner={}:{},lazy_itable_init=0,lazy_journal_init=0",
+                    owner.0, owner.1
+                ))
+                .arg(image))
+        })();
+        made.map_err(|e| {
+            let _ = std::fs::remove_file(image);
+            unavailable(
+                self.backend,
+                format!(
+                    "cannot create the workspace file system {} (is e2fsprogs installed?): {e}",
+                    image.display()
+                ),
+            )
+        })
+    }
+
+    /// Grows the image to `quota`, or shrinks it when what is used fits (else keeps it and
+    /// logs why).
+    fn resize_image(&self, image: &Path, quota: u64) -> Result<(), SandboxError> {
+        let size = std::fs::metadata(image)
+            .map_err(io_err("cannot inspect the workspace image", image))?
+            .len();
+        if size == quota {
+            return Ok(());
+        }
+        // resize2fs wants a freshly checked file system; -p repairs only what is safe.
+        let check = Command::new("e2fsck")
+            .args(["-f", "-p"])
+            .arg(image)
+            .output();
+        match check {
+            // 0: clean, 1: errors corrected.
+            Ok(out) if matches!(out.status.code(), Some(0 | 1)) => {}
+            Ok(out) => {
+                tracing::warn!(image = %image.display(), status = %out.status, stderr = %String::from_utf8_lossy(&out.stderr), "e2fsck found problems; the workspace keeps its old size");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(image = %image.display(), error = %e, "cannot run e2fsck; the workspace keeps its old size");
+                return Ok(());
+            }
+        }
+        let kib = format!("{}K", quota / 1024);
+        if quota > size {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(image)
+                .and_then(|f| f.set_len(quota))
+                .map_err(io_err("cannot grow the workspace image", image))?;
+            if let Err(e) = run(Command::new("resize2fs").arg(image).arg(&kib)) {
+                tracing::warn!(image = %image.display(), error = %e, "cannot grow the workspace file system; it keeps its old size");
+            } else {
+                tracing::info!(image = %image.display(), from = size, to = quota, "workspace quota grown");
+            }
+        } else if let Err(e) = run(Command::new("resize2fs").arg(image).arg(&kib)) {
+            tracing::warn!(image = %image.display(), from = size, to = quota, error = %e, "cannot shrink the workspace below what it uses; it keeps its old size");
+        } else {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(image)
+                .and_then(|f| f.set_len(quota))
+                .map_err(io_err("cannot shrink the workspace image", image))?;
+            tracing::info!(image = %image.display(), from = size, to = quota, "workspace quota shrunk");
+        }
+        Ok(())
+    }
+
+    /// Unmounts every workspace file system this run mounted (after the kernels are gone).
+    /// Blocking.
+    pub(crate) fn unmount_all(&self) {
+        let mounted = std::mem::take(&mut self.lock().mounted);
+        for dir in mounted {
+            if let Err(e) = run(Command::new("umount").arg(&dir)) {
+                // Still in use (a kernel that would not die): detach it now, and the kernel
+                // frees it when it goes.
+                let lazy = run(Command::new("umount").arg("-l").arg(&dir));
+                tracing::warn!(workspace = %dir.display(), error = %e, detached = lazy.is_ok(), "cannot unmount the workspace file system");
+            }
+        }
+        self.lock().plain.clear();
+    }
+}
+
+impl Drop for WorkspaceImages {
+    /// A backend dropped without `shutdown` (a test, a failed start) still leaves no mounts.
+    fn drop(&mut self) {
+        if !self
+            .settled
+            .get_mut()
+            .map_or(true, |s| s.mounted.is_empty())
+        {
+            self.unmount_all();
+        }
+    }
+}
+
+/// Whether `dir` is a mount point: on another device than its parent.
+fn is_mount_point(dir: &Path) -> Result<bool, SandboxError> {
+    let parent = dir.parent().unwrap_or(dir);
+    let own =
+        std::fs::symlink_metadata(dir).map_err(io_err("cannot inspect the workspace", dir))?;
+    let up = std::fs::symlink_metadata(parent)
+        .map_err(io_err("cannot inspect the workspaces directory", parent))?;
+    Ok(own.dev() != up.dev())
+}
+
+/// Runs a short system command; its stderr in the error.
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{:?} failed ({}): {}",
+            cmd.get_program(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl std::fmt::Debug for WorkspaceImages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkspaceImages")
+            .field("images", &self.images)
+            .field("privileged", &self.privileged)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn size_of(dir: &Path) -> u64 {
+        let st = rustix::fs::statvfs(dir).unwrap();
+        st.f_blocks * st.f_frsize
+    }
+
+    /// Needs root (mount); skipped otherwise.
+    #[test]
+    fn images_grow_and_shrink_only_down_to_what_is_used() {
+        if super::super::fsutil::current_ids().0 != 0 {
+            eprintln!("skipping: needs root to mount");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let workspaces = tmp.path().join("workspaces");
+        let ws = workspaces.join("erin");
+        std::fs::create_dir_all(&ws).unwrap();
+        let images = WorkspaceImages::new("local", &workspaces, true);
+        images.ensure(&ws, 32 << 20, (4242, 4242)).unwrap();
+        let small = size_of(&ws);
+        assert!(small <= 32 << 20 && small > 16 << 20, "{small}");
+        assert_eq!(std::fs::metadata(&ws).unwrap().uid(), 4242);
+        assert!(!ws.join("lost+found").exists());
+        std::fs::write(ws.join("kept"), vec![1u8; 20 << 20]).unwrap();
+        images.unmount_all();
+        assert!(!ws.join("kept").exists());
+
+        // Grown at the next mount, content kept.
+        images.ensure(&ws, 64 << 20, (4242, 4242)).unwrap();
+        let grown = size_of(&ws);
+        assert!(grown > 48 << 20, "{grown}");
+        assert_eq!(std::fs::metadata(ws.join("kept")).unwrap().len(), 20 << 20);
+        images.unmount_all();
+
+        // Not shrunk below what is used: it keeps its size.
+        images.ensure(&ws, 16 << 20, (4242, 4242)).unwrap();
+        assert_eq!(size_of(&ws), grown);
+        assert_eq!(std::fs::metadata(ws.join("kept")).unwrap().len(), 20 << 20);
+        drop(images);
+        assert!(!is_mount_point(&ws).unwrap(), "dropping unmounts");
+    }
+}
