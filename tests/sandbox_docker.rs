@@ -533,6 +533,40 @@ async fn no_process_outlives_its_session_and_other_sessions_keep_theirs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kernel_that_exits_by_itself_leaves_no_process_behind() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let container = h.sandbox.container_name("alice");
+        let mut other = start(&h, &alice).await;
+        assert_eq!(other.run("print(1)").await.out(), "1");
+        let before = live_pids(&container);
+        let mut k = start(&h, &alice).await;
+        let o = k.run(CHILD_AND_DAEMON).await;
+        let escaped: Vec<u32> = o
+            .out()
+            .split(' ')
+            .map(|p| p.parse().unwrap_or_else(|_| panic!("{o:?}")))
+            .collect();
+        // The kernel ends on its own, not through terminate.
+        let _ = k.send("import os; os._exit(3)").await;
+        assert_eq!(
+            wait_exit(k.process(), Duration::from_secs(30)).await,
+            ExitReason::Exited(3)
+        );
+        let after = live_pids(&container);
+        for pid in &escaped {
+            assert!(!after.contains(pid), "{pid} outlived its kernel: {after:?}");
+        }
+        let left: Vec<_> = after.iter().filter(|p| !before.contains(p)).collect();
+        assert!(left.is_empty(), "processes left by the kernel: {left:?}");
+        assert_eq!(other.run("print(2)").await.out(), "2");
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_fork_bomb_hits_the_pids_limit_and_the_kernel_survives() {
     let Some(h) = Harness::new() else { return };
     bounded(async {
@@ -644,7 +678,12 @@ async fn users_get_separate_containers_and_workspaces() {
             vec![h.sandbox.container_name("alice"), h.sandbox.container_name("bob")]
         );
         let o = b
-            .run("import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and 'connection.json' in open(f'/proc/{p}/cmdline').read()))")
+            .run("import os\n\
+                  files = set()\n\
+                  for p in os.listdir('/proc'):\n\
+                  \x20   if p.isdigit():\n\
+                  \x20       files.update(a for a in open(f'/proc/{p}/cmdline').read().split('\\0') if a.endswith('connection.json'))\n\
+                  print(len(files))")
             .await;
         assert_eq!(o.out(), "1", "{o:?}");
         h.sandbox.shutdown().await;

@@ -1410,12 +1410,19 @@ async fn reap(docker: &Docker, shared: &KernelShared) {
             ms = started.elapsed().as_millis() as u64,
             "reaped the kernel's processes"
         ),
-        Ok(Ok((code, out))) => tracing::warn!(
-            session = %shared.session_id,
-            code,
-            output = %out.trim(),
-            "the reaper did not reach a fixed point; processes of the session may be left"
-        ),
+        Ok(Ok((code, out))) => {
+            if container_reason(docker, &shared.container).await.is_some() {
+                // The container is gone (removed under the reaper): nothing is left.
+                tracing::debug!(session = %shared.session_id, code, "reaper ended with its container");
+            } else {
+                tracing::warn!(
+                    session = %shared.session_id,
+                    code,
+                    output = %out.trim(),
+                    "the reaper did not reach a fixed point; processes of the session may be left"
+                );
+            }
+        }
         Ok(Err(e)) => {
             tracing::debug!(session = %shared.session_id, error = %error_text(&e), "reaper exec failed")
         }
