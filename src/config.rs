@@ -175,6 +175,12 @@ pub struct ServeArgs {
     /// normal: a commit survives a killed broker; full: also a machine crash (an fsync per commit) [default: normal]
     #[arg(long, env = "KERNEL_BROKER_RECORD_SYNCHRONOUS")]
     pub record_synchronous: Option<RecordSynchronous>,
+    /// Bytes of messages recorded per execution (from one execute_request to the next), images counted once; past it one recording_truncated marker [default: 52428800]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_EXECUTION_BYTES")]
+    pub record_max_execution_bytes: Option<u64>,
+    /// Bytes of messages recorded per session in all [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_SESSION_BYTES")]
+    pub record_max_session_bytes: Option<u64>,
 }
 
 /// One user: a name, its token, and its limits.
@@ -248,6 +254,8 @@ pub struct Settings {
     pub retention: Option<Duration>,
     pub record_db: PathBuf,
     pub record_synchronous: RecordSynchronous,
+    pub record_max_execution_bytes: u64,
+    pub record_max_session_bytes: u64,
     pub users: Vec<User>,
     pub token_source: TokenSource,
 }
@@ -464,6 +472,8 @@ impl Settings {
             },
             record_db,
             record_synchronous: pick!(record_synchronous, RecordSynchronous::Normal),
+            record_max_execution_bytes: pick!(record_max_execution_bytes, 50 << 20),
+            record_max_session_bytes: pick!(record_max_session_bytes, 1 << 30),
             users,
             token_source,
         })
@@ -547,7 +557,12 @@ mod tests {
         assert_eq!(s.record_db, PathBuf::from(".data/recordings.sqlite3"));
         assert_eq!(s.retention, Some(Duration::from_secs(30 * 86_400)));
         assert_eq!(s.record_synchronous, RecordSynchronous::Normal);
-        let cfg = write("retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n");
+        assert_eq!(s.record_max_execution_bytes, 50 << 20);
+        assert_eq!(s.record_max_session_bytes, 1 << 30);
+        let cfg = write(
+            "retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n\
+             record_max_session_bytes = 1000\n",
+        );
         let args = ServeArgs {
             config: Some(cfg.path().to_path_buf()),
             record: Some(false),
@@ -558,6 +573,7 @@ mod tests {
         assert_eq!(s.retention, None);
         assert_eq!(s.record_db, PathBuf::from("/x/recordings.sqlite3"));
         assert_eq!(s.record_synchronous, RecordSynchronous::Full);
+        assert_eq!(s.record_max_session_bytes, 1000);
     }
 
     #[test]

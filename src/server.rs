@@ -114,6 +114,8 @@ pub fn open_recording(
             crate::config::RecordSynchronous::Normal => crate::recording::Synchronous::Normal,
             crate::config::RecordSynchronous::Full => crate::recording::Synchronous::Full,
         },
+        max_execution_bytes: settings.record_max_execution_bytes,
+        max_session_bytes: settings.record_max_session_bytes,
         ..crate::recording::RecordingConfig::new(&settings.record_db)
     };
     Ok(Some(crate::recording::RecordingStore::open(config)?))

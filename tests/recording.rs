@@ -428,3 +428,130 @@ async fn the_ui_needs_a_token() {
         .starts_with("text/javascript"));
     broker.stop().await;
 }
+
+/// Runs `print(text)` until its output comes back. Right after a flood of large displays
+/// the kernel's iopub socket may still be dropping messages at its high-water mark (the
+/// broker reads slower than the kernel writes), so the first small execution can lose its
+/// output before it reaches the broker, let alone the recording.
+async fn print_until_seen(api: &Api, id: &str, text: &str) {
+    for _ in 0..10 {
+        let x = api.execute(id, &format!("print({text:?})")).await;
+        if x["stdout"] == format!("{text}\n") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    panic!("{text:?} never came back");
+}
+
+/// The recordings file's size once its WAL is checkpointed into it.
+fn recording_file_size(data_dir: &std::path::Path) -> u64 {
+    let path = data_dir.join("recordings.sqlite3");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+    let (busy, _, _): (i64, i64, i64) = conn
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!(busy, 0, "the checkpoint was blocked");
+    std::fs::metadata(&path).unwrap().len()
+}
+
+#[tokio::test]
+async fn large_displays_do_not_grow_the_recording_past_its_caps() {
+    const MIB: u64 = 1 << 20;
+    let (exec_cap, session_cap) = (20 * MIB, 48 * MIB);
+    let broker = Broker::start("local", |a| {
+        a.record_max_execution_bytes = Some(exec_cap);
+        a.record_max_session_bytes = Some(session_cap);
+        a.execution_timeout = Some(300.0);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let before = recording_file_size(&broker.data_dir);
+    // 300 displays of ~1 MB of raw text, each different, in one execution.
+    let displays = |n: usize, tag: &str| {
+        format!(
+            "from IPython.display import display\n\
+             for i in range({n}):\n\
+             \x20   display({{'text/plain': '{tag}%d ' % i + 'x' * 1_000_000}}, raw=True)"
+        )
+    };
+    let t0 = std::time::Instant::now();
+    let mut x = api.execute(&id, &displays(300, "a")).await;
+    x["results"] = json!(x["results"].as_array().map(Vec::len));
+    // The Execution itself is cut at the result limit: its stdout is dropped.
+    assert_eq!(x["status"], "ok", "{x}");
+    eprintln!("300 displays of 1 MB took {:?}", t0.elapsed());
+    let after_one = recording_file_size(&broker.data_dir);
+    eprintln!(
+        "the recording grew by {:.1} MiB for 300 MiB of displays (cap {} MiB)",
+        (after_one - before) as f64 / MIB as f64,
+        exec_cap / MIB
+    );
+    assert!(
+        after_one - before <= exec_cap + 2 * MIB,
+        "the recording grew by {} bytes over an execution cap of {exec_cap}",
+        after_one - before
+    );
+
+    // A new execution has a fresh budget: it is recorded whole.
+    print_until_seen(&api, &id, "small, after the cap").await;
+    let evs = events(&api, &id, "limit=1000").await;
+    let markers: Vec<&Value> = evs
+        .iter()
+        .filter(|e| e["kind"] == "recording_truncated")
+        .collect();
+    assert_eq!(markers.len(), 1, "{markers:?}");
+    let m = &markers[0]["detail"];
+    assert_eq!(m["scope"], "execution", "{m}");
+    assert_eq!(m["limit_bytes"], exec_cap);
+    // ~20 displays fit; the kernel's iopub socket itself drops some of the rest at its
+    // high-water mark, before they reach the broker.
+    let dropped = m["dropped_messages"].as_u64().unwrap();
+    assert!((100..=300).contains(&dropped), "{m}");
+    assert!(
+        m["dropped_bytes"].as_u64().unwrap() >= dropped * 1_000_000,
+        "{m}"
+    );
+    let marker_at = position(&evs, |e| e["kind"] == "recording_truncated", "marker");
+    let small = position(
+        &evs,
+        |e| e["msg_type"] == "stream" && e["content"]["text"] == "small, after the cap\n",
+        "the small execution's output",
+    );
+    assert!(small > marker_at);
+
+    // Two more large executions reach the session cap: one more execution marker, then one
+    // session marker, and nothing of the session is recorded after it.
+    for tag in ["b", "c"] {
+        let x = api.execute(&id, &displays(30, tag)).await;
+        assert_eq!(x["status"], "ok");
+    }
+    print_until_seen(&api, &id, "not recorded").await;
+    let evs = events(&api, &id, "limit=1000").await;
+    let scopes: Vec<&str> = evs
+        .iter()
+        .filter(|e| e["kind"] == "recording_truncated")
+        .map(|e| e["detail"]["scope"].as_str().unwrap())
+        .collect();
+    assert_eq!(scopes, ["execution", "execution", "session"]);
+    assert!(!evs.iter().any(|e| e["content"]["text"] == "not recorded\n"));
+    let after_all = recording_file_size(&broker.data_dir);
+    eprintln!(
+        "after 360 MiB of displays the recording grew by {:.1} MiB (session cap {} MiB)",
+        (after_all - before) as f64 / MIB as f64,
+        session_cap / MIB
+    );
+    assert!(after_all - before <= session_cap + 2 * MIB);
+
+    // The notebook export still works and shows the cut.
+    let (status, nb) = api.get(&format!("/v1/sessions/{id}/notebook")).await;
+    assert_eq!(status, 200, "{nb}");
+    let cells = nb["cells"].as_array().unwrap();
+    assert!(cells.iter().filter(|c| c["cell_type"] == "code").count() >= 4);
+    assert!(cells.iter().any(|c| c["cell_type"] == "markdown"));
+    broker.stop().await;
+}

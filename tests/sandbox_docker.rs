@@ -385,8 +385,12 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory() {
     bounded(async {
         let alice = user("alice", 0, UserLimits::default());
         let mut k = start(&h, &alice).await;
-        let o = k.run("import os; print(os.getpid())").await;
-        let pid = o.out();
+        let o = k.run("import os; print(os.getpid(), os.getppid())").await;
+        let (pid, parent) = o
+            .out()
+            .split_once(' ')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .unwrap();
         let run_dir = h.sandbox.run_base().join("alice");
         let sessions: Vec<_> = std::fs::read_dir(&run_dir).unwrap().flatten().collect();
         assert_eq!(sessions.len(), 1);
@@ -395,7 +399,8 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory() {
             std::fs::read_to_string(session_dir.join("pid"))
                 .unwrap()
                 .trim(),
-            pid
+            parent,
+            "the pid file names the kernel's tini"
         );
 
         k.process().terminate().await;
@@ -415,6 +420,147 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory() {
             .unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gone");
         assert!(k.process().interrupt().await.is_err());
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}
+
+/// Pids of the live (not zombie) processes in a container, except the one listing them.
+fn live_pids(container: &str) -> Vec<u32> {
+    let script = "import os\n\
+                  me = os.getpid()\n\
+                  for d in os.listdir('/proc'):\n\
+                  \x20   if d.isdigit() and int(d) != me:\n\
+                  \x20       try: stat = open('/proc/%s/stat' % d).read()\n\
+                  \x20       except OSError: continue\n\
+                  \x20       if stat[stat.rindex(')') + 2] != 'Z': print(d)";
+    let out = Command::new("docker")
+        .args(["exec", container, "python", "-I", "-S", "-c", script])
+        .output()
+        .expect("docker exec");
+    assert!(out.status.success(), "{out:?}");
+    let mut pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.parse().expect("a pid"))
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Code that starts a child `sleep` and a double-forked daemon, and prints their pids.
+const CHILD_AND_DAEMON: &str = "import subprocess, sys, time\n\
+    child = subprocess.Popen(['sleep', '1000'], start_new_session=True)\n\
+    daemon = 'import os, sys, time\\n\
+    if os.fork(): os._exit(0)\\n\
+    os.setsid()\\n\
+    if os.fork(): os._exit(0)\\n\
+    print(os.getpid(), flush=True)\\n\
+    os.close(1)\\n\
+    time.sleep(1000)'\n\
+    p = subprocess.Popen([sys.executable, '-c', daemon], stdout=subprocess.PIPE, text=True)\n\
+    daemon_pid = p.stdout.readline().strip()\n\
+    p.wait()\n\
+    print(child.pid, daemon_pid)";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_process_outlives_its_session_and_other_sessions_keep_theirs() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let container = h.sandbox.container_name("alice");
+        // The user's other session, started first, with a child and a daemon of its own.
+        let mut other = start(&h, &alice).await;
+        let o = other.run(CHILD_AND_DAEMON).await;
+        let other_pids: Vec<u32> = o
+            .out()
+            .split(' ')
+            .map(|p| p.parse().unwrap_or_else(|_| panic!("{o:?}")))
+            .collect();
+        assert_eq!(other_pids.len(), 2, "{o:?}");
+        let before = live_pids(&container);
+
+        let mut k = start(&h, &alice).await;
+        let o = k.run(CHILD_AND_DAEMON).await;
+        let mut escaped: Vec<u32> = o
+            .out()
+            .split(' ')
+            .map(|p| p.parse().unwrap_or_else(|_| panic!("{o:?}")))
+            .collect();
+        // A process deaf to the polite signals, and one that forks on and on (its pid
+        // changes every few milliseconds; it is caught by the whole-container comparison).
+        let o = k
+            .run(
+                "import subprocess, sys\n\
+                 deaf = 'import os, signal, time\\n\
+                 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)\\n\
+                 print(os.getpid(), flush=True)\\n\
+                 time.sleep(1000)'\n\
+                 p = subprocess.Popen([sys.executable, '-c', deaf], stdout=subprocess.PIPE, text=True)\n\
+                 print(p.stdout.readline().strip())\n\
+                 runner = 'import os, time\\n\
+                 while True:\\n\
+                 \x20   if os.fork(): os._exit(0)\\n\
+                 \x20   time.sleep(0.005)'\n\
+                 subprocess.Popen([sys.executable, '-c', runner], start_new_session=True)",
+            )
+            .await;
+        escaped.push(o.out().parse().unwrap_or_else(|_| panic!("{o:?}")));
+        let during = live_pids(&container);
+        for pid in &escaped {
+            assert!(during.contains(pid), "{pid} is not running: {during:?}");
+        }
+
+        let t0 = Instant::now();
+        k.process().terminate().await;
+        assert_eq!(k.process().wait().await, ExitReason::Terminated);
+        let took = t0.elapsed();
+        eprintln!("terminate with escaped processes took {took:?}");
+        assert!(took < Duration::from_secs(5), "terminate took {took:?}");
+        let after = live_pids(&container);
+        for pid in &escaped {
+            assert!(!after.contains(pid), "{pid} outlived its session: {after:?}");
+        }
+        let left: Vec<_> = after.iter().filter(|p| !before.contains(p)).collect();
+        assert!(left.is_empty(), "processes left by the session: {left:?}");
+        // The other session, its child and its daemon are untouched.
+        for pid in &other_pids {
+            assert!(after.contains(pid), "the other session's {pid} was killed");
+        }
+        assert_eq!(other.run("print(6 * 7)").await.out(), "42");
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kernel_that_exits_by_itself_leaves_no_process_behind() {
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let container = h.sandbox.container_name("alice");
+        let mut other = start(&h, &alice).await;
+        assert_eq!(other.run("print(1)").await.out(), "1");
+        let before = live_pids(&container);
+        let mut k = start(&h, &alice).await;
+        let o = k.run(CHILD_AND_DAEMON).await;
+        let escaped: Vec<u32> = o
+            .out()
+            .split(' ')
+            .map(|p| p.parse().unwrap_or_else(|_| panic!("{o:?}")))
+            .collect();
+        // The kernel ends on its own, not through terminate.
+        let _ = k.send("import os; os._exit(3)").await;
+        assert_eq!(
+            wait_exit(k.process(), Duration::from_secs(30)).await,
+            ExitReason::Exited(3)
+        );
+        let after = live_pids(&container);
+        for pid in &escaped {
+            assert!(!after.contains(pid), "{pid} outlived its kernel: {after:?}");
+        }
+        let left: Vec<_> = after.iter().filter(|p| !before.contains(p)).collect();
+        assert!(left.is_empty(), "processes left by the kernel: {left:?}");
+        assert_eq!(other.run("print(2)").await.out(), "2");
         h.sandbox.shutdown().await;
     })
     .await;
@@ -532,7 +678,12 @@ async fn users_get_separate_containers_and_workspaces() {
             vec![h.sandbox.container_name("alice"), h.sandbox.container_name("bob")]
         );
         let o = b
-            .run("import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and 'connection.json' in open(f'/proc/{p}/cmdline').read()))")
+            .run("import os\n\
+                  files = set()\n\
+                  for p in os.listdir('/proc'):\n\
+                  \x20   if p.isdigit():\n\
+                  \x20       files.update(a for a in open(f'/proc/{p}/cmdline').read().split('\\0') if a.endswith('connection.json'))\n\
+                  print(len(files))")
             .await;
         assert_eq!(o.out(), "1", "{o:?}");
         h.sandbox.shutdown().await;

@@ -21,8 +21,12 @@
 //! Execution of `execution_done` are stored once per distinct image in `blobs` (by SHA-256)
 //! and put back on read ([`blobs`]). Memory is bounded: when more than
 //! [`RecordingConfig::max_queue_bytes`] wait for the writer, reports are dropped and counted,
-//! and the recording gets a `recording_gap` marker; one execution's stream output is kept up
-//! to [`RecordingConfig::max_stream_bytes`], then a `recording_truncated` marker is written.
+//! and the recording gets a `recording_gap` marker. The file is bounded per session: the
+//! writer counts the bytes each session stores (every message type and broker event, each
+//! distinct image once) against [`RecordingConfig::max_execution_bytes`] per execution and
+//! [`RecordingConfig::max_session_bytes`] in all; past a cap, messages are not recorded and
+//! one `recording_truncated` marker says how many and how many bytes were dropped (see
+//! `writer`, "Budgets").
 //!
 //! Architecture invariant: this layer knows sessions and Jupyter messages, not HTTP; the API
 //! layer shapes what it returns as JSON. Notebook export ([`notebook`]) and replay
@@ -65,8 +69,10 @@ pub struct RecordingConfig {
     pub synchronous: Synchronous,
     /// Bytes allowed to wait for the writer before reports are dropped.
     pub max_queue_bytes: usize,
-    /// Stream output (stdout + stderr) kept per execution.
-    pub max_stream_bytes: usize,
+    /// Bytes recorded per execution (see `writer`, "Budgets"), every message type.
+    pub max_execution_bytes: u64,
+    /// Bytes recorded per session.
+    pub max_session_bytes: u64,
     /// Base64 image strings at least this long are stored as blobs.
     pub blob_threshold: usize,
 }
@@ -78,7 +84,8 @@ impl RecordingConfig {
             retention: Some(Duration::from_secs(30 * 86_400)),
             synchronous: Synchronous::Normal,
             max_queue_bytes: 256 << 20,
-            max_stream_bytes: 50 << 20,
+            max_execution_bytes: 50 << 20,
+            max_session_bytes: 1 << 30,
             blob_threshold: 1024,
         }
     }

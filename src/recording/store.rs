@@ -108,25 +108,12 @@ pub struct RecordingStats {
     pub queued_bytes: usize,
     /// Reports dropped because the queue was over its bound.
     pub dropped: u64,
-    /// Stream messages not kept because an execution went over the stream cap.
+    /// Messages not recorded because an execution or session went over its cap.
     pub truncated: u64,
     /// Events that could not be stored.
     pub errors: u64,
     pub batches: u64,
     pub events: u64,
-}
-
-struct StreamBudget {
-    msg_id: String,
-    bytes: usize,
-    capped: bool,
-}
-
-enum StreamVerdict {
-    Keep,
-    Drop,
-    /// Drop, and this is the first one over the cap for this execution.
-    DropFirst,
 }
 
 struct Readers {
@@ -161,7 +148,6 @@ pub struct RecordingStore {
     /// Reports dropped per session since its last `recording_gap` marker.
     gaps: Mutex<HashMap<Uuid, u64>>,
     gaps_pending: AtomicUsize,
-    streams: Mutex<HashMap<Uuid, StreamBudget>>,
     readers: Arc<Readers>,
 }
 
@@ -190,7 +176,6 @@ impl RecordingStore {
             config,
             gaps: Mutex::new(HashMap::new()),
             gaps_pending: AtomicUsize::new(0),
-            streams: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -370,31 +355,6 @@ impl RecordingStore {
         });
     }
 
-    /// Whether a stream message of `len` bytes, child of `parent`, is still kept.
-    fn stream_verdict(&self, session: Uuid, parent: &str, len: usize) -> StreamVerdict {
-        let mut streams = lock(&self.streams);
-        let budget = streams.entry(session).or_insert_with(|| StreamBudget {
-            msg_id: String::new(),
-            bytes: 0,
-            capped: false,
-        });
-        if budget.msg_id != parent {
-            budget.msg_id = parent.to_string();
-            budget.bytes = 0;
-            budget.capped = false;
-        }
-        if budget.bytes + len <= self.config.max_stream_bytes {
-            budget.bytes += len;
-            return StreamVerdict::Keep;
-        }
-        if budget.capped {
-            StreamVerdict::Drop
-        } else {
-            budget.capped = true;
-            StreamVerdict::DropFirst
-        }
-    }
-
     fn report_message(
         &self,
         key: SessionKey,
@@ -402,30 +362,8 @@ impl RecordingStore {
         channel: Channel,
         msg: &Message,
     ) {
-        if direction == Direction::FromKernel
-            && channel == Channel::Iopub
-            && msg.msg_type == "stream"
-        {
-            let parent = msg.parent_msg_id.as_deref().unwrap_or("");
-            match self.stream_verdict(key.id, parent, msg.content.len()) {
-                StreamVerdict::Keep => {}
-                StreamVerdict::Drop => {
-                    self.counters.truncated.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                StreamVerdict::DropFirst => {
-                    self.counters.truncated.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(session = %key.id, msg_id = parent, "recording: stream output over the cap; not recording more of this execution");
-                    let detail = serde_json::json!({
-                        "msg_id": parent,
-                        "limit_bytes": self.config.max_stream_bytes,
-                        "reason": "this execution's stream output went over the recording's cap; the rest is not recorded",
-                    });
-                    self.marker(&key, micros(Utc::now()), "recording_truncated", detail);
-                    return;
-                }
-            }
-        }
+        // Budgets per execution and session are kept by the writer, which knows what a
+        // message costs once its images are stored.
         self.report(
             key,
             Item::Message {
@@ -437,9 +375,6 @@ impl RecordingStore {
     }
 
     fn report_event(&self, key: SessionKey, kind: &str, detail: Value) {
-        if matches!(kind, "session_closed" | "session_expired") {
-            lock(&self.streams).remove(&key.id);
-        }
         self.report(
             key,
             Item::Event {
@@ -723,6 +658,7 @@ fn to_event(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine;
     use bytes::Bytes;
     use serde_json::json;
 
@@ -909,28 +845,176 @@ mod tests {
         store.close().await;
     }
 
+    fn types(all: &[RecordedEvent]) -> Vec<&str> {
+        all.iter().map(|e| e.type_name()).collect()
+    }
+
+    fn detail(e: &RecordedEvent) -> Value {
+        match &e.kind {
+            RecordedKind::Broker { detail, .. } => serde_json::from_str(detail).unwrap(),
+            RecordedKind::Message { .. } => panic!("not a broker event: {e:?}"),
+        }
+    }
+
+    fn display(parent: &str, text: String) -> Message {
+        msg(
+            "display_data",
+            parent,
+            json!({"data": {"text/plain": text}, "metadata": {}, "transient": {}}),
+        )
+    }
+
     #[tokio::test]
-    async fn stream_output_is_capped_with_a_marker() {
-        let (_dir, store) = open_store(|c| c.max_stream_bytes = 1000);
+    async fn every_message_type_is_capped_per_execution_with_one_marker() {
+        let (_dir, store) = open_store(|c| c.max_execution_bytes = 5000);
         let id = Uuid::new_v4();
         let k = key(id);
-        for parent in ["a", "b"] {
-            for _ in 0..5 {
-                let m = msg(
-                    "stream",
-                    parent,
-                    json!({"name": "stdout", "text": "x".repeat(300)}),
-                );
-                store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
+        let mut requests = Vec::new();
+        for (n, kinds) in [
+            (10, ["stream", "display_data", "error"]),
+            (1, ["stream"; 3]),
+        ] {
+            let req = msg("execute_request", "", json!({"code": "x", "silent": false}));
+            store.report_message(k.clone(), Direction::ToKernel, Channel::Shell, &req);
+            for i in 0..n {
+                for kind in kinds {
+                    let m = match kind {
+                        "display_data" => display(&req.msg_id, format!("{i}{}", "d".repeat(300))),
+                        "error" => msg(
+                            kind,
+                            &req.msg_id,
+                            json!({"ename": "E", "evalue": "e".repeat(300), "traceback": []}),
+                        ),
+                        _ => msg(
+                            kind,
+                            &req.msg_id,
+                            json!({"name": "stdout", "text": "s".repeat(300)}),
+                        ),
+                    };
+                    store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
+                }
             }
+            let execution = json!({"stdout": "s".repeat(3000 * n)});
+            store.report_event(
+                k.clone(),
+                "execution_done",
+                json!({"msg_id": req.msg_id, "execution": execution}),
+            );
+            requests.push(req.msg_id);
         }
         store.flush().await;
         let all = store.all_events(id).await.unwrap();
-        let types: Vec<&str> = all.iter().map(|e| e.type_name()).collect();
-        // Each stream message is ~330 bytes of content: 3 fit in 1000.
-        let one = ["stream", "stream", "stream", "recording_truncated"];
-        assert_eq!(types, [one, one].concat());
-        assert_eq!(store.stats().truncated, 4);
+        let t = types(&all);
+        let markers: Vec<_> = all
+            .iter()
+            .filter(|e| e.type_name() == "recording_truncated")
+            .collect();
+        assert_eq!(markers.len(), 1, "{t:?}");
+        let m = detail(markers[0]);
+        assert_eq!(m["scope"], "execution");
+        assert_eq!(m["msg_id"], requests[0].as_str());
+        let first = t.iter().position(|x| *x == "recording_truncated").unwrap();
+        let kept = first - 1;
+        assert!(kept > 3 && kept < 30, "{t:?}");
+        assert_eq!(m["dropped_messages"], 30 - kept as u64 + 1, "{m}");
+        assert!(
+            m["dropped_bytes"].as_u64().unwrap() > 300 * (30 - kept as u64),
+            "{m}"
+        );
+        // The capped execution's end is kept, cut; the next execution is recorded whole.
+        assert_eq!(
+            t[first + 1..],
+            [
+                "execution_done",
+                "execute_request",
+                "stream",
+                "stream",
+                "stream",
+                "execution_done"
+            ]
+        );
+        assert_eq!(
+            detail(&all[first + 1]),
+            json!({"msg_id": requests[0], "recording_truncated": true, "bytes": detail(&all[first + 1])["bytes"]})
+        );
+        assert!(detail(&all[first + 6])["execution"]["stdout"].is_string());
+        assert_eq!(store.stats().truncated, 30 - kept as u64 + 1);
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn an_image_shown_again_costs_only_its_reference() {
+        let (_dir, store) = open_store(|c| c.max_execution_bytes = 20_000);
+        let id = Uuid::new_v4();
+        let k = key(id);
+        let png = base64::engine::general_purpose::STANDARD.encode([7u8; 9000]);
+        let req = msg("execute_request", "", json!({"code": "x", "silent": false}));
+        store.report_message(k.clone(), Direction::ToKernel, Channel::Shell, &req);
+        for _ in 0..20 {
+            let m = msg(
+                "display_data",
+                &req.msg_id,
+                json!({"data": {"image/png": png}, "metadata": {}, "transient": {}}),
+            );
+            store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
+        }
+        // A second, different image does not fit any more.
+        let other = base64::engine::general_purpose::STANDARD.encode([8u8; 9000]);
+        let m = msg(
+            "display_data",
+            &req.msg_id,
+            json!({"data": {"image/png": other}, "metadata": {}, "transient": {}}),
+        );
+        store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
+        store.flush().await;
+        let all = store.all_events(id).await.unwrap();
+        let t = types(&all);
+        assert_eq!(
+            t.iter().filter(|x| **x == "display_data").count(),
+            20,
+            "{t:?}"
+        );
+        assert_eq!(t.last(), Some(&"recording_truncated"));
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_session_cap_holds_across_executions() {
+        let (_dir, store) = open_store(|c| c.max_session_bytes = 6000);
+        let id = Uuid::new_v4();
+        let k = key(id);
+        for _ in 0..10 {
+            let req = msg("execute_request", "", json!({"code": "x", "silent": false}));
+            store.report_message(k.clone(), Direction::ToKernel, Channel::Shell, &req);
+            store.report_event(
+                k.clone(),
+                "execution_started",
+                json!({"msg_id": req.msg_id, "code": "x"}),
+            );
+            let m = display(&req.msg_id, "d".repeat(1000));
+            store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
+            store.report_event(
+                k.clone(),
+                "execution_done",
+                json!({"msg_id": req.msg_id, "execution": {}}),
+            );
+        }
+        store.report_event(k.clone(), "session_closed", json!({}));
+        store.flush().await;
+        let all = store.all_events(id).await.unwrap();
+        let t = types(&all);
+        let markers: Vec<_> = all
+            .iter()
+            .filter(|e| e.type_name() == "recording_truncated")
+            .collect();
+        assert_eq!(markers.len(), 1, "{t:?}");
+        assert_eq!(detail(markers[0])["scope"], "session");
+        let first = t.iter().position(|x| *x == "recording_truncated").unwrap();
+        assert!(first >= 4, "{t:?}");
+        assert_eq!(t[first + 1..], ["session_closed"], "{t:?}");
+        let info = store.info(id).await.unwrap().unwrap();
+        assert_eq!(info.end_reason.as_deref(), Some("closed"));
+        assert_eq!(info.events as usize, all.len());
         store.close().await;
     }
 

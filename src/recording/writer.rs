@@ -14,15 +14,33 @@
 //!   read.
 //! - `blobs`: images taken out of events (see [`super::blobs`]) and binary buffers, once
 //!   per SHA-256; `blob_refs` says which sessions use which, so deletion can collect them.
+//!
+//! Budgets. Every session's recording is bounded, whatever the kernel sends: the writer
+//! counts what each stored event costs (its JSON text, plus an image or buffer the first
+//! time this session stores it: a chart shown again costs its reference only) against
+//! `max_execution_bytes` per execution and `max_session_bytes` in all. An execution is a
+//! client's `execute_request` (a kernel cannot make one); what the kernel sends counts to
+//! the execution its parent id names among the session's last [`MAX_EXECUTIONS`] requests,
+//! and to the latest one otherwise: the late output of a flood counts to its own execution,
+//! not to the next, and a kernel that forges parent ids gains at most the unused budgets of
+//! recent executions, never more than the session cap. Past a cap,
+//! kernel and client messages are not recorded; one `recording_truncated` event, written
+//! where the first one was dropped, says which cap (`scope`: `execution` or `session`),
+//! which request, and counts what was dropped (`dropped_messages`, `dropped_bytes`, kept
+//! up to date at each commit). Broker events are kept (they end sessions and cells), but
+//! past a cap `execution_*` details are cut to `{msg_id, recording_truncated, bytes}`,
+//! others over [`KEPT_DETAIL_BYTES`] likewise; past the session cap `execution_*` events
+//! are dropped too. A new execution has a fresh budget; the session cap stays in force. So
+//! a session stores at most `max_session_bytes` plus ~200 bytes per later lifecycle event.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OptionalExtension};
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -201,7 +219,94 @@ struct Known {
     next_seq: i64,
 }
 
-/// Per-session changes of one batch, applied to `sessions` once per batch.
+/// Broker event details up to this size are kept past a cap.
+const KEPT_DETAIL_BYTES: usize = 1024;
+
+/// Executions whose budgets a session keeps (output of older ones counts to the latest).
+const MAX_EXECUTIONS: usize = 64;
+
+/// What a session may still record (see "Budgets" above).
+#[derive(Default)]
+struct Budget {
+    /// Bytes stored in all.
+    session: u64,
+    /// The session cap's marker, once it is in force.
+    session_open: Option<Truncation>,
+    /// The session's recent executions, oldest first.
+    executions: VecDeque<ExecutionBudget>,
+}
+
+struct ExecutionBudget {
+    /// The `execute_request`'s msg_id.
+    msg_id: String,
+    /// Bytes stored for this execution.
+    bytes: u64,
+    /// Its marker, once its cap is in force.
+    open: Option<Truncation>,
+}
+
+impl Budget {
+    /// The execution a report belongs to: the recent request it names as parent, else the
+    /// latest (there is always one: output before any request counts to an unnamed one).
+    fn execution(&mut self, parent: Option<&str>) -> &mut ExecutionBudget {
+        let found = parent.and_then(|p| self.executions.iter().rposition(|e| e.msg_id == p));
+        if self.executions.is_empty() {
+            self.executions.push_back(ExecutionBudget {
+                msg_id: String::new(),
+                bytes: 0,
+                open: None,
+            });
+        }
+        let i = found.unwrap_or(self.executions.len() - 1);
+        &mut self.executions[i]
+    }
+
+    /// The marker counting what is dropped for a report of `parent`, if a cap is in force.
+    fn open_marker(&mut self, parent: Option<&str>) -> Option<&mut Truncation> {
+        if self.session_open.is_some() {
+            return self.session_open.as_mut();
+        }
+        self.execution(parent).open.as_mut()
+    }
+
+    fn markers(&mut self) -> impl Iterator<Item = &mut Truncation> {
+        self.session_open
+            .iter_mut()
+            .chain(self.executions.iter_mut().filter_map(|e| e.open.as_mut()))
+    }
+}
+
+/// A `recording_truncated` marker being counted.
+struct Truncation {
+    seq: i64,
+    scope: &'static str,
+    msg_id: String,
+    limit: u64,
+    dropped: u64,
+    bytes: u64,
+    /// Counts changed since the row was last written.
+    dirty: bool,
+}
+
+impl Truncation {
+    fn detail(&self) -> Value {
+        let reason = match self.scope {
+            "execution" => "this execution's recording went over its cap; later messages of it are not recorded",
+            _ => "this session's recording went over its cap; later messages are not recorded",
+        };
+        json!({
+            "scope": self.scope,
+            "msg_id": self.msg_id,
+            "limit_bytes": self.limit,
+            "dropped_messages": self.dropped,
+            "dropped_bytes": self.bytes,
+            "reason": reason,
+        })
+    }
+}
+
+/// Per-session changes of one batch, applied to `sessions` once per batch. From one
+/// insert: what it stored (`events` is 0, 1 or 2 with a marker).
 #[derive(Default)]
 struct Touched {
     events: i64,
@@ -220,6 +325,10 @@ pub(super) struct Writer {
     retention: Option<Duration>,
     blob_threshold: usize,
     counters: Arc<Counters>,
+    /// Per session row.
+    budgets: HashMap<i64, Budget>,
+    max_execution_bytes: u64,
+    max_session_bytes: u64,
 }
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -238,6 +347,9 @@ impl Writer {
             retention: config.retention,
             blob_threshold: config.blob_threshold,
             counters,
+            budgets: HashMap::new(),
+            max_execution_bytes: config.max_execution_bytes,
+            max_session_bytes: config.max_session_bytes,
         }
     }
 
@@ -300,9 +412,9 @@ impl Writer {
                     bytes += size;
                     match self.insert(&key, time, item) {
                         Ok((sid, t)) => {
-                            events += 1;
+                            events += t.events as u64;
                             let e = touched.entry(sid).or_default();
-                            e.events += 1;
+                            e.events += t.events;
                             e.cells += t.cells;
                             e.last = e.last.max(time);
                             if t.ended.is_some() {
@@ -326,6 +438,7 @@ impl Writer {
                 }
             }
         }
+        self.write_markers();
         let mut ended = Vec::new();
         for (sid, t) in &touched {
             let r = self.conn.prepare_cached(
@@ -360,11 +473,19 @@ impl Writer {
                 // requests it recorded are gone.
                 self.known.clear();
                 self.forget_requests();
+                // Their markers may be gone too; the byte counts stay (an overestimate).
+                for b in self.budgets.values_mut() {
+                    b.session_open = None;
+                    for e in b.executions.iter_mut() {
+                        e.open = None;
+                    }
+                }
             }
         }
         // Ended sessions get no more events; forget them (a late one re-reads the row).
         self.known.retain(|_, k| !ended.contains(&k.sid));
         for sid in &ended {
+            self.budgets.remove(sid);
             if let Some(m) = self.requests.remove(sid) {
                 self.requests_len -= m.len();
             }
@@ -390,45 +511,162 @@ impl Writer {
         }
     }
 
-    /// The row and next sequence number of `key`'s session, creating the row if needed.
-    fn next_seq(&mut self, key: &SessionKey) -> rusqlite::Result<(i64, i64)> {
-        if let Some(k) = self.known.get_mut(&key.id) {
-            let seq = k.next_seq;
-            k.next_seq += 1;
-            return Ok((k.sid, seq));
+    /// The writer's entry of `key`'s session, creating the row if needed.
+    fn known(&mut self, key: &SessionKey) -> rusqlite::Result<&mut Known> {
+        use std::collections::hash_map::Entry;
+        match self.known.entry(key.id) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(e) => {
+                let id = key.id.to_string();
+                self.conn
+                    .prepare_cached(
+                        "INSERT INTO sessions (id, user, kernel, created_at) VALUES (?1, ?2, ?3, ?4)
+                         ON CONFLICT (id) DO NOTHING",
+                    )?
+                    .execute(params![id, key.user, key.kernel, key.created_at])?;
+                let sid: i64 = self
+                    .conn
+                    .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")?
+                    .query_row([&id], |r| r.get(0))?;
+                let last: i64 = self
+                    .conn
+                    .prepare_cached("SELECT coalesce(max(seq), 0) FROM events WHERE sid = ?1")?
+                    .query_row([sid], |r| r.get(0))?;
+                Ok(e.insert(Known {
+                    sid,
+                    next_seq: last + 1,
+                }))
+            }
         }
-        let id = key.id.to_string();
-        self.conn
-            .prepare_cached(
-                "INSERT INTO sessions (id, user, kernel, created_at) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (id) DO NOTHING",
-            )?
-            .execute(params![id, key.user, key.kernel, key.created_at])?;
-        let sid: i64 = self
-            .conn
-            .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")?
-            .query_row([&id], |r| r.get(0))?;
-        let last: i64 = self
-            .conn
-            .prepare_cached("SELECT coalesce(max(seq), 0) FROM events WHERE sid = ?1")?
-            .query_row([sid], |r| r.get(0))?;
-        self.known.insert(
-            key.id,
-            Known {
-                sid,
-                next_seq: last + 2,
-            },
-        );
-        Ok((sid, last + 1))
     }
 
+    /// The row and next sequence number of `key`'s session, creating the row if needed.
+    fn next_seq(&mut self, key: &SessionKey) -> rusqlite::Result<(i64, i64)> {
+        let k = self.known(key)?;
+        let seq = k.next_seq;
+        k.next_seq += 1;
+        Ok((k.sid, seq))
+    }
+
+    /// Whether session `sid` stores no image or buffer `sha` yet (it would cost its bytes).
+    fn blob_is_new(&self, sid: i64, sha: &str) -> rusqlite::Result<bool> {
+        let found: Option<i64> = self
+            .conn
+            .prepare_cached("SELECT 1 FROM blob_refs WHERE sha256 = ?1 AND sid = ?2")?
+            .query_row(params![sha, sid], |r| r.get(0))
+            .optional()?;
+        Ok(found.is_none())
+    }
+
+    /// A client's `execute_request`: a fresh execution budget. The oldest one is forgotten
+    /// (its marker written a last time).
+    fn new_execution(&mut self, sid: i64, msg_id: &str) -> rusqlite::Result<()> {
+        let b = self.budgets.entry(sid).or_default();
+        b.executions.push_back(ExecutionBudget {
+            msg_id: msg_id.to_string(),
+            bytes: 0,
+            open: None,
+        });
+        if b.executions.len() > MAX_EXECUTIONS {
+            if let Some(t) = b.executions.pop_front().and_then(|e| e.open) {
+                if t.dirty {
+                    write_marker(&self.conn, sid, &t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a cap is in force for a report of `parent`: then it is dropped, counted.
+    fn dropping(&mut self, sid: i64, parent: Option<&str>, raw: u64) -> bool {
+        let Some(t) = self
+            .budgets
+            .get_mut(&sid)
+            .and_then(|b| b.open_marker(parent))
+        else {
+            return false;
+        };
+        t.dropped += 1;
+        t.bytes += raw;
+        t.dirty = true;
+        self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Charges `cost` to session `sid` and the execution of `parent` if it fits both caps.
+    /// If not, opens the cap's marker (stored now, at this place in the session), counts
+    /// this report as its first drop, and returns false.
+    #[allow(clippy::too_many_arguments)]
+    fn charge(
+        &mut self,
+        key: &SessionKey,
+        sid: i64,
+        parent: Option<&str>,
+        time: i64,
+        cost: u64,
+        raw: u64,
+    ) -> rusqlite::Result<bool> {
+        let (max_exec, max_session) = (self.max_execution_bytes, self.max_session_bytes);
+        let b = self.budgets.entry(sid).or_default();
+        let session = b.session;
+        let e = b.execution(parent);
+        let (scope, limit) = if e.bytes + cost > max_exec {
+            ("execution", max_exec)
+        } else if session + cost > max_session {
+            ("session", max_session)
+        } else {
+            e.bytes += cost;
+            b.session += cost;
+            return Ok(true);
+        };
+        let msg_id = e.msg_id.clone();
+        let (_, seq) = self.next_seq(key)?;
+        let t = Truncation {
+            seq,
+            scope,
+            msg_id,
+            limit,
+            dropped: 1,
+            bytes: raw,
+            dirty: false,
+        };
+        self.conn
+            .prepare_cached(
+                "INSERT INTO events (sid, seq, time, direction, kind, content)
+                 VALUES (?1, ?2, ?3, 'broker', 'recording_truncated', ?4)",
+            )?
+            .execute(params![sid, seq, time, t.detail().to_string()])?;
+        tracing::info!(session = %key.id, scope, limit, msg_id = %t.msg_id, "recording: over the cap; not recording more");
+        self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+        let b = self.budgets.entry(sid).or_default();
+        if scope == "session" {
+            b.session_open = Some(t);
+        } else {
+            b.execution(parent).open = Some(t);
+        }
+        Ok(false)
+    }
+
+    /// Brings the open markers' counts up to date (inside the batch's transaction).
+    fn write_markers(&mut self) {
+        for (sid, b) in self.budgets.iter_mut() {
+            for t in b.markers().filter(|t| t.dirty) {
+                t.dirty = false;
+                if let Err(e) = write_marker(&self.conn, *sid, t) {
+                    tracing::error!(error = %e, "recording: a truncation marker was not updated");
+                }
+            }
+        }
+    }
+
+    /// Stores one report within the session's budget (see "Budgets").
     fn insert(
         &mut self,
         key: &SessionKey,
         time: i64,
         item: Item,
     ) -> rusqlite::Result<(i64, Touched)> {
-        let (sid, seq) = self.next_seq(key)?;
+        let sid = self.known(key)?.sid;
         let mut touched = Touched::default();
         match item {
             Item::Message {
@@ -436,8 +674,28 @@ impl Writer {
                 channel,
                 msg,
             } => {
+                if direction == Direction::ToKernel
+                    && channel == Channel::Shell
+                    && msg.msg_type == "execute_request"
+                {
+                    self.new_execution(sid, &msg.msg_id)?;
+                }
+                let raw = (msg.header.len()
+                    + msg.parent_header.len()
+                    + msg.metadata.len()
+                    + msg.content.len()
+                    + msg.buffers.iter().map(|b| b.len()).sum::<usize>())
+                    as u64;
+                let parent = msg.parent_msg_id.clone();
+                let parent = match direction {
+                    Direction::ToKernel => Some(msg.msg_id.as_str()),
+                    Direction::FromKernel => parent.as_deref(),
+                };
+                if self.dropping(sid, parent, raw) {
+                    return Ok((sid, touched));
+                }
                 let mut content = json_text(&msg.content);
-                let mut has_blobs = false;
+                let mut images = Vec::new();
                 if direction == Direction::FromKernel
                     && channel == Channel::Iopub
                     && matches!(
@@ -446,11 +704,51 @@ impl Writer {
                     )
                     && content.len() >= self.blob_threshold
                 {
-                    if let Some((text, found)) = self.take_blobs(sid, &content)? {
+                    if let Some((text, found)) = self.extract_blobs(&content) {
                         content = text;
-                        has_blobs = found;
+                        images = found;
                     }
                 }
+                let header = json_text(&msg.header);
+                let (parent_header, parent_seq) = self.parent_of(sid, direction, &msg);
+                let metadata = json_text(&msg.metadata);
+                let buffer_shas: Vec<String> = msg
+                    .buffers
+                    .iter()
+                    .map(|b| hex::encode(Sha256::digest(b)))
+                    .collect();
+                let mut cost = header.len()
+                    + parent_header.as_ref().map_or(0, String::len)
+                    + metadata.len()
+                    + content.len();
+                for b in &images {
+                    if self.blob_is_new(sid, &b.sha256)? {
+                        cost += b.data.len();
+                    }
+                }
+                for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
+                    if self.blob_is_new(sid, sha)? {
+                        cost += b.len();
+                    }
+                }
+                if !self.charge(key, sid, parent, time, cost as u64, raw)? {
+                    touched.events = 1;
+                    return Ok((sid, touched));
+                }
+                for b in &images {
+                    let size = b.text().len();
+                    self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+                }
+                let buffers = if msg.buffers.is_empty() {
+                    None
+                } else {
+                    for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
+                        self.put_blob(sid, sha, false, b, b.len())?;
+                    }
+                    let hashes = buffer_shas.into_iter().map(Value::String).collect();
+                    Some(Value::Array(hashes).to_string())
+                };
+                let (_, seq) = self.next_seq(key)?;
                 if direction == Direction::ToKernel
                     && channel == Channel::Shell
                     && msg.msg_type == "execute_request"
@@ -458,19 +756,6 @@ impl Writer {
                 {
                     touched.cells = 1;
                 }
-                let buffers = if msg.buffers.is_empty() {
-                    None
-                } else {
-                    let mut hashes = Vec::with_capacity(msg.buffers.len());
-                    for b in &msg.buffers {
-                        let sha = hex::encode(Sha256::digest(b));
-                        self.put_blob(sid, &sha, false, b, b.len())?;
-                        hashes.push(Value::String(sha));
-                    }
-                    Some(Value::Array(hashes).to_string())
-                };
-                let header = json_text(&msg.header);
-                let (parent_header, parent_seq) = self.parent_of(sid, direction, &msg);
                 if direction == Direction::ToKernel {
                     if let Ok(v) = serde_json::from_str::<Value>(&header) {
                         self.remember_request(sid, &msg.msg_id, seq, v);
@@ -499,14 +784,76 @@ impl Writer {
                         header,
                         parent_header,
                         parent_seq,
-                        json_text(&msg.metadata),
+                        metadata,
                         content,
-                        has_blobs,
+                        !images.is_empty(),
                         buffers,
                     ])?;
+                touched.events = 1;
             }
             Item::Event { kind, mut detail } => {
-                let found = blobs::extract(&mut detail, self.blob_threshold);
+                let raw = value_len(&detail);
+                let execution = kind.starts_with("execution_");
+                let mut found = blobs::extract(&mut detail, self.blob_threshold);
+                let mut text = detail.to_string();
+                let mut cost = text.len();
+                for b in &found {
+                    if self.blob_is_new(sid, &b.sha256)? {
+                        cost += b.data.len();
+                    }
+                }
+                let parent = detail
+                    .get("msg_id")
+                    .and_then(Value::as_str)
+                    .map(str::to_string);
+                let parent = parent.as_deref();
+                let open = self
+                    .budgets
+                    .get_mut(&sid)
+                    .and_then(|b| b.open_marker(parent))
+                    .map(|t| t.scope);
+                let kept = match open {
+                    Some(_) => false,
+                    None if self.charge(key, sid, parent, time, cost as u64, raw)? => true,
+                    None => {
+                        // Over a cap now: the marker is stored and counts this event.
+                        touched.events += 1;
+                        false
+                    }
+                };
+                if !kept {
+                    let scope = self
+                        .budgets
+                        .get_mut(&sid)
+                        .and_then(|b| b.open_marker(parent))
+                        .map(|t| t.scope);
+                    let drop = execution && scope == Some("session");
+                    let cut = !drop && (execution || text.len() > KEPT_DETAIL_BYTES);
+                    if open.is_some() && (drop || cut) {
+                        self.dropping(sid, parent, raw);
+                    } else if open.is_none() && !drop && !cut {
+                        // The marker counted this event, but it is stored whole after all.
+                        if let Some(t) = self
+                            .budgets
+                            .get_mut(&sid)
+                            .and_then(|b| b.open_marker(parent))
+                        {
+                            t.dropped -= 1;
+                            t.bytes -= raw;
+                        }
+                    }
+                    if drop {
+                        return Ok((sid, touched));
+                    }
+                    if cut {
+                        let mut short = json!({"recording_truncated": true, "bytes": raw});
+                        if let Some(id) = detail.get("msg_id") {
+                            short["msg_id"] = id.clone();
+                        }
+                        text = short.to_string();
+                        found.clear();
+                    }
+                }
                 for b in &found {
                     let size = b.text().len();
                     self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
@@ -516,19 +863,14 @@ impl Writer {
                     "session_expired" => Some((time, "expired")),
                     _ => None,
                 };
+                let (_, seq) = self.next_seq(key)?;
                 self.conn
                     .prepare_cached(
                         "INSERT INTO events (sid, seq, time, direction, kind, content, has_blobs)
                          VALUES (?1, ?2, ?3, 'broker', ?4, ?5, ?6)",
                     )?
-                    .execute(params![
-                        sid,
-                        seq,
-                        time,
-                        kind,
-                        detail.to_string(),
-                        !found.is_empty()
-                    ])?;
+                    .execute(params![sid, seq, time, kind, text, !found.is_empty()])?;
+                touched.events += 1;
             }
         }
         Ok((sid, touched))
@@ -576,20 +918,15 @@ impl Writer {
         self.requests_len = 0;
     }
 
-    /// Take the images out of a message's content; `None` when it is not JSON.
-    fn take_blobs(&mut self, sid: i64, content: &str) -> rusqlite::Result<Option<(String, bool)>> {
-        let Ok(mut v) = serde_json::from_str::<Value>(content) else {
-            return Ok(None);
-        };
+    /// The images of a message's content, taken out (the text with references, and the
+    /// blobs); `None` when it is not JSON or holds no image.
+    fn extract_blobs(&self, content: &str) -> Option<(String, Vec<Blob>)> {
+        let mut v = serde_json::from_str::<Value>(content).ok()?;
         let found = blobs::extract(&mut v, self.blob_threshold);
         if found.is_empty() {
-            return Ok(None);
+            return None;
         }
-        for b in &found {
-            let size = b.text().len();
-            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
-        }
-        Ok(Some((v.to_string(), true)))
+        Some((v.to_string(), found))
     }
 
     fn put_blob(
@@ -623,6 +960,7 @@ impl Writer {
             .and_then(|mut st| st.query_row([id.to_string()], |r| r.get(0)).optional())
             .map_err(sqlite("find a session to delete"))?;
         let Some(sid) = sid else { return Ok(false) };
+        self.budgets.remove(&sid);
         delete_sid(&self.conn, sid).map_err(sqlite("delete a recording"))?;
         Ok(true)
     }
@@ -732,6 +1070,31 @@ fn delete_sid(conn: &Connection, sid: i64) -> rusqlite::Result<()> {
 }
 
 /// A message part as JSON text: as received when it is JSON, else as a JSON string.
+/// Bytes of a broker event's detail as JSON text.
+fn value_len(v: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    // Writing to a counter cannot fail; a failure would only undercount.
+    let _ = serde_json::to_writer(&mut n, v);
+    n.0
+}
+
+/// Rewrites a marker's row with its current counts.
+fn write_marker(conn: &Connection, sid: i64, t: &Truncation) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE events SET content = ?3 WHERE sid = ?1 AND seq = ?2")?
+        .execute(params![sid, t.seq, t.detail().to_string()])?;
+    Ok(())
+}
+
 fn json_text(bytes: &[u8]) -> String {
     if bytes.is_empty() {
         return "{}".into();
