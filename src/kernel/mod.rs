@@ -488,10 +488,7 @@ impl Link {
             Err(why) => return self.fail(why).await,
         };
         reader.set_budget(self.budget.clone());
-        let events_w = self.events.clone();
-        let _writer = AbortOnDrop(tokio::spawn(write_loop(
-            writer, outgoing, channel, events_w,
-        )));
+        let _writer = AbortOnDrop(tokio::spawn(write_loop(writer, outgoing, channel)));
         loop {
             match reader.next().await {
                 Ok(Incoming::Message(frames, permit)) => match wire::decode(frames, &self.signer) {
@@ -514,9 +511,13 @@ impl Link {
                 Ok(Incoming::Ping(context)) => {
                     let _ = pongs.try_send(Outgoing::Pong(context));
                 }
-                Err(ZmtpError::Closed) => {
+                // A connection that ends is not a death by itself: a kernel that exits or is
+                // killed ends them all, and its sandbox says why (exit code, out of memory);
+                // a live kernel that drops one is caught by its heartbeat or the execution
+                // timeout. Reporting it here would race the real reason.
+                Err(ZmtpError::Closed | ZmtpError::Io(_)) => {
                     tracing::debug!(channel = channel.as_str(), "kernel socket closed");
-                    return self.fail("the kernel closed the connection".into()).await;
+                    return;
                 }
                 Err(e) => {
                     if lock(&self.log).allow(channel) {
@@ -542,22 +543,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn write_loop(
-    mut writer: ZmtpWriter,
-    mut rx: mpsc::Receiver<Outgoing>,
-    channel: Channel,
-    events: mpsc::Sender<(KernelEvent, Option<OwnedSemaphorePermit>)>,
-) {
+async fn write_loop(mut writer: ZmtpWriter, mut rx: mpsc::Receiver<Outgoing>, channel: Channel) {
     while let Some(out) = rx.recv().await {
         let r = match out {
             Outgoing::Message(frames) => writer.send(&frames).await,
             Outgoing::Pong(context) => zmtp::pong(&mut writer, &context).await,
         };
         if let Err(e) = r {
-            tracing::warn!(channel = channel.as_str(), error = %e, "send to kernel failed");
-            let _ = events
-                .send((KernelEvent::ChannelFailed(channel, e.to_string()), None))
-                .await;
+            // As for reads: the sandbox reports the kernel's end; later sends fail as Closed.
+            tracing::debug!(channel = channel.as_str(), error = %e, "send to kernel failed");
             break;
         }
     }
