@@ -87,6 +87,13 @@ class Broker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # A broker killed with SIGKILL leaves its workspace file systems mounted (a later
+        # broker on the same data directory reuses them); unmount what lies below us.
+        top = os.path.realpath(self.tmp.name) + "/"
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split(" ")[4] for line in f]
+        for point in sorted((p for p in points if p.startswith(top)), reverse=True):
+            subprocess.run(["umount", "-l", point], check=False)
         self.tmp.cleanup()
 
 
