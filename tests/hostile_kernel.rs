@@ -20,35 +20,48 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::Value;
 
+/// Python defining `broker_connections()`: the kernel's ends of the broker's connections
+/// (accepted unix sockets named `…/k-N`, not the listeners), as `(socket, name)` pairs.
+/// libzmq's descriptors are non-blocking; a timeout makes Python wait for room to write.
+const BROKER_CONNECTIONS: &str = r#"
+import os, socket, struct, glob, time
+def broker_connections():
+    found = []
+    for fd in [int(f) for f in os.listdir('/proc/self/fd')]:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            name = s.getsockname() if s.family == socket.AF_UNIX else ''
+            if isinstance(name, str) and name[-3:-1] == 'k-' \
+                    and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                s.settimeout(30)
+                found.append((s, name))
+                continue
+        except OSError:
+            pass
+        s.close()
+    return found
+"#;
+
 /// Python that calls `attack(sock)` on the kernel's end of every broker connection to the
-/// socket named `k-{port}` (the accepted sockets, not the listener) and prints how many it
-/// found.
+/// socket `k-{port}` and prints how many it found.
 fn on_connections(port: u32, attack: &str) -> String {
     format!(
-        r#"
-import os, socket, struct
+        r#"{BROKER_CONNECTIONS}
 {attack}
 hits = 0
-seen = []
-for fd in [int(f) for f in os.listdir('/proc/self/fd')]:
+for s, name in broker_connections():
     try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        continue
-    try:
-        name = s.getsockname() if s.family == socket.AF_UNIX else ''
-        seen.append(name)
-        if isinstance(name, str) and name.endswith('k-{port}') \
-                and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            # libzmq's descriptors are non-blocking; a timeout makes Python wait for room.
-            s.settimeout(30)
+        if name.endswith('k-{port}'):
             attack(s)
             hits += 1
     except OSError:
         pass
     finally:
         s.close()
-print('connections attacked:', hits, seen)
+print('connections attacked:', hits)
 "#
     )
 }
@@ -236,32 +249,15 @@ async fn the_broker_never_connects_through_a_planted_symlink(sb: &'static str) {
     // Rename every socket file of this kernel, plant a symlink to the host socket in its
     // place, then drop the broker's connections so that it would reconnect.
     let code = format!(
-        r#"
-import os, socket, glob, time
-conns = []
-seen = []
-for fd in [int(f) for f in os.listdir('/proc/self/fd')]:
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        continue
-    try:
-        name = s.getsockname() if s.family == socket.AF_UNIX else ''
-        if isinstance(name, str) and name[-3:-1] == 'k-' \
-                and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            conns.append((s, name))
-            continue
-        seen.append(name)
-    except OSError as e:
-        seen.append(repr(e))
-    s.close()
+        r#"{BROKER_CONNECTIONS}
+conns = broker_connections()
 for d in {{os.path.dirname(n) for _, n in conns}}:
     for p in glob.glob(d + '/k-[1-5]'):
         os.rename(p, p + '.real')
         os.symlink({target:?}, p)
 for s, _ in conns:
     s.shutdown(socket.SHUT_RDWR)
-print('connections dropped:', len(conns), seen)
+print('connections dropped:', len(conns))
 time.sleep(0.2)
 "#,
         target = target.display().to_string()
