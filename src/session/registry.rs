@@ -53,10 +53,8 @@ pub struct Session {
     status: Mutex<Status>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
-    /// Bytes of iopub messages in the event ring and its receivers (see [`EventBytes`]).
-    event_bytes: Arc<AtomicUsize>,
-    /// The most `event_bytes` may reach; later messages are not broadcast.
-    event_budget: usize,
+    /// Bytes of iopub messages in the event ring and its receivers.
+    event_budget: EventBudget,
     /// Messages left out of the broadcast for the budget (for one summary log line each
     /// time the count doubles).
     events_dropped: AtomicUsize,
@@ -64,6 +62,31 @@ pub struct Session {
     connections: AtomicUsize,
     max_queue: usize,
     notify_registry: Arc<Notify>,
+}
+
+/// Bytes a session's broadcast events may hold at once.
+struct EventBudget {
+    used: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl EventBudget {
+    fn new(limit: usize) -> Self {
+        Self {
+            used: Arc::new(AtomicUsize::new(0)),
+            limit,
+        }
+    }
+
+    /// Takes `bytes` of the budget, or nothing when they do not fit.
+    fn charge(&self, bytes: usize) -> Option<Arc<EventBytes>> {
+        let before = self.used.fetch_add(bytes, Ordering::AcqRel);
+        let held = Arc::new(EventBytes {
+            counter: self.used.clone(),
+            bytes,
+        });
+        (before.saturating_add(bytes) <= self.limit).then_some(held)
+    }
 }
 
 /// A message's share of its session's event budget, given back when the last copy of the
@@ -222,19 +245,13 @@ impl Session {
             + msg.metadata.len()
             + msg.content.len()
             + msg.buffers.iter().map(|b| b.len()).sum::<usize>();
-        let before = self.event_bytes.fetch_add(size, Ordering::AcqRel);
-        let held = Arc::new(EventBytes {
-            counter: self.event_bytes.clone(),
-            bytes: size,
-        });
-        if before + size > self.event_budget {
-            drop(held);
+        let Some(held) = self.event_budget.charge(size) else {
             let n = self.events_dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_power_of_two() {
                 tracing::warn!(session = %self.id, dropped = n, "iopub messages over the session's event budget were not broadcast");
             }
             return;
-        }
+        };
         let _ = self.events.send(SessionEvent::Iopub { msg, agent, held });
     }
 
@@ -577,10 +594,11 @@ impl Registry {
             }),
             commands: commands_tx,
             events,
-            event_bytes: Arc::new(AtomicUsize::new(0)),
             // Two of the largest messages a kernel may send.
-            event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
-                .unwrap_or(usize::MAX),
+            event_budget: EventBudget::new(
+                usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
+                    .unwrap_or(usize::MAX),
+            ),
             events_dropped: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
@@ -742,5 +760,31 @@ impl Registry {
         self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;
         tracing::info!(sessions = n, "all sessions shut down");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_event_budget_refuses_what_does_not_fit_and_frees_on_drop() {
+        let budget = EventBudget::new(100);
+        let a = budget.charge(60).expect("60 of 100 fits");
+        assert!(budget.charge(41).is_none(), "101 of 100 must not fit");
+        // A refused charge leaves nothing behind.
+        let b = budget.charge(40).expect("exactly 100 fits");
+        assert!(budget.charge(1).is_none());
+        // The bytes come back when the last copy of an event goes.
+        let a2 = a.clone();
+        drop(a);
+        assert!(budget.charge(1).is_none(), "a copy still holds the bytes");
+        drop(a2);
+        let c = budget.charge(60).expect("freed room is usable again");
+        drop((b, c));
+        assert_eq!(budget.used.load(Ordering::Acquire), 0);
+        // A single message larger than the whole budget is never broadcast.
+        assert!(budget.charge(101).is_none());
+        assert_eq!(budget.used.load(Ordering::Acquire), 0);
     }
 }
