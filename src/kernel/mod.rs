@@ -169,12 +169,7 @@ const LOG_PER_WINDOW: u32 = 10;
 
 impl Drop for LogLimit {
     fn drop(&mut self) {
-        if self.suppressed > 0 {
-            tracing::warn!(
-                suppressed = self.suppressed,
-                "more messages from the kernel were dropped (not logged each)"
-            );
-        }
+        self.report_suppressed();
     }
 }
 
@@ -187,21 +182,25 @@ impl LogLimit {
         }
     }
 
+    /// The summary line for what was not logged, if anything was not.
+    fn report_suppressed(&mut self) {
+        if self.suppressed > 0 {
+            tracing::warn!(
+                suppressed = self.suppressed,
+                "more messages from the kernel were dropped (not logged each)"
+            );
+            self.suppressed = 0;
+        }
+    }
+
     /// Whether to log this occurrence; when a window with suppressed lines ends, says so
     /// first.
-    fn allow(&mut self, channel: Channel) -> bool {
+    fn allow(&mut self) -> bool {
         let now = Instant::now();
         if now.duration_since(self.window_start) >= LOG_WINDOW {
-            if self.suppressed > 0 {
-                tracing::warn!(
-                    channel = channel.as_str(),
-                    suppressed = self.suppressed,
-                    "more messages from the kernel were dropped in the last minute (not logged each)"
-                );
-            }
+            self.report_suppressed();
             self.window_start = now;
             self.logged = 0;
-            self.suppressed = 0;
         }
         if self.logged < LOG_PER_WINDOW {
             self.logged += 1;
@@ -503,7 +502,7 @@ impl Link {
                         }
                     }
                     Err(e) => {
-                        if lock(&self.log).allow(channel) {
+                        if lock(&self.log).allow() {
                             tracing::warn!(channel = channel.as_str(), error = %e, "dropped a message from the kernel");
                         }
                     }
@@ -520,7 +519,7 @@ impl Link {
                     return;
                 }
                 Err(e) => {
-                    if lock(&self.log).allow(channel) {
+                    if lock(&self.log).allow() {
                         tracing::warn!(channel = channel.as_str(), error = %e, "cutting off the kernel");
                     }
                     return self.fail(e.to_string()).await;
@@ -614,5 +613,23 @@ async fn heartbeat_loop(
                 misses = 0;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn bad_message_warnings_are_rate_limited_per_minute() {
+        let mut limit = LogLimit::new();
+        let allowed = (0..25).filter(|_| limit.allow()).count();
+        assert_eq!(allowed, LOG_PER_WINDOW as usize);
+        assert_eq!(limit.suppressed, 15);
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert!(!limit.allow(), "still the same minute");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(limit.allow(), "a new minute logs again");
+        assert_eq!(limit.suppressed, 0, "the summary was given");
     }
 }
