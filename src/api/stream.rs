@@ -116,6 +116,10 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
         })
     };
 
+    // Executions run one at a time, and their frames go out in that order too: each
+    // execution's frames wait until the previous one's `done` was sent (its result is
+    // released only once recorded, which may come after the next one's first output).
+    let mut previous_done: Option<oneshot::Receiver<()>> = None;
     while let Some(frame) = source.next().await {
         let text = match frame {
             Ok(WsMessage::Text(t)) => t,
@@ -147,7 +151,15 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
                 code,
                 timeout_seconds,
             } => {
-                start_execution(&state, &session, &out, id, code, timeout_seconds).await;
+                let previous = previous_done.take();
+                previous_done = start_execution(
+                    &state,
+                    &session,
+                    &out,
+                    (id, code, timeout_seconds),
+                    previous,
+                )
+                .await;
             }
             ClientFrame::InputReply { value } => {
                 if let Err(e) = session.input_reply(value) {
@@ -182,26 +194,28 @@ async fn send_protocol_error(out: &mpsc::Sender<String>, message: &str) {
         .await;
 }
 
+/// Submits an execution and spawns the task that forwards its frames once `previous` (the
+/// connection's earlier execution) has sent its `done`. Returns what the next execution
+/// waits for (`previous` again when nothing was started).
 async fn start_execution(
     state: &AppState,
     session: &Arc<Session>,
     out: &mpsc::Sender<String>,
-    id: Value,
-    code: String,
-    timeout_seconds: Option<f64>,
-) {
+    (id, code, timeout_seconds): (Value, String, Option<f64>),
+    previous: Option<oneshot::Receiver<()>>,
+) -> Option<oneshot::Receiver<()>> {
     let fail = |message: String| {
         json!({"type": "protocol_error", "id": id, "message": message}).to_string()
     };
     if let Err(e) = super::sessions::check_code(state, &code) {
         let _ = out.send(fail(e.message)).await;
-        return;
+        return previous;
     }
     let timeout = match state.execution_timeout(timeout_seconds) {
         Ok(t) => t,
         Err(e) => {
             let _ = out.send(fail(e.message)).await;
-            return;
+            return previous;
         }
     };
     let (stream_tx, mut stream_rx) = mpsc::channel(OUT_QUEUE);
@@ -214,10 +228,15 @@ async fn start_execution(
         done: done_tx,
     }) {
         let _ = out.send(fail(e.to_string())).await;
-        return;
+        return previous;
     }
     let out = out.clone();
+    let (sent_tx, sent_rx) = oneshot::channel();
     tokio::spawn(async move {
+        if let Some(previous) = previous {
+            // Err: the previous task ended without sending; nothing to wait for.
+            let _ = previous.await;
+        }
         while let Some(ev) = stream_rx.recv().await {
             if out.send(event_frame(&id, ev)).await.is_err() {
                 return;
@@ -229,7 +248,9 @@ async fn start_execution(
                 .send(json!({"type": "done", "id": id, "execution": execution}).to_string())
                 .await;
         }
+        let _ = sent_tx.send(());
     });
+    Some(sent_rx)
 }
 
 fn event_frame(id: &Value, ev: OutputEvent) -> String {
