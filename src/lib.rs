@@ -24,4 +24,5 @@ pub mod recording;
 pub mod sandbox;
 pub mod server;
 pub mod session;
+pub mod sync;
 pub mod wire;

@@ -357,7 +357,7 @@ pub struct JupyterClients {
 
 impl JupyterClients {
     fn lock(&self) -> std::sync::MutexGuard<'_, ClientTable> {
-        let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        let mut t = crate::sync::lock(&self.table);
         t.parked.retain(|_, p| p.since.elapsed() < PARK_FOR);
         t
     }

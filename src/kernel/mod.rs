@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
+use crate::sync::lock;
 use crate::wire::{self, Channel, Message, Signer};
 use zmtp::{Incoming, SocketType, ZmtpError};
 
@@ -527,11 +528,6 @@ impl Link {
             }
         }
     }
-}
-
-/// Poison-tolerant lock: the guarded state stays valid whatever a panicking holder did.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 struct AbortOnDrop(JoinHandle<()>);

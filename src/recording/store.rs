@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex};
 
 use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
@@ -18,12 +18,8 @@ use uuid::Uuid;
 use super::writer::{self, Counters, Item, Op, SessionKey};
 use super::{blobs, from_micros, micros, RecordingConfig, RecordingError};
 use crate::session::{Direction, Recorder, Session};
+use crate::sync::lock;
 use crate::wire::{Channel, Message};
-
-// A std Mutex: critical sections are a map lookup or a Vec push, never across an await.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 fn sqlite(context: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordingError {
     move |source| RecordingError::Sqlite { context, source }

@@ -346,9 +346,7 @@ impl Cgroups {
 
     fn lock_tree(&self) -> std::sync::MutexGuard<'_, ()> {
         // The guarded data is `()`, so a panic elsewhere cannot have left it inconsistent.
-        self.tree_lock
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.tree_lock)
     }
 }
 

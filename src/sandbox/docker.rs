@@ -77,6 +77,7 @@
 //! kernel runs with `umask 000`, so the broker can connect; the workspace is made 0777
 //! if it cannot be given to uid 1000. Rootless Docker/Podman (uid remapping) is untested.
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -1593,12 +1594,6 @@ fn is_container_safe(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section is a single insert, remove, take or clone; none can leave
-    // the data half-updated.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {

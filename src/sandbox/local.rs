@@ -1297,7 +1297,7 @@ fn emit_line(
 
 fn lock_tail(tail: &Tail) -> std::sync::MutexGuard<'_, VecDeque<String>> {
     // Lines of log text: a panic while holding the lock cannot leave them inconsistent.
-    tail.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    crate::sync::lock(tail)
 }
 
 fn lock_registry(
@@ -1305,9 +1305,7 @@ fn lock_registry(
 ) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<KernelShared>>> {
     // Every critical section is a single insert, remove or clone; none can leave the map
     // half-updated.
-    registry
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    crate::sync::lock(registry)
 }
 
 /// What bwrap should build for one run.

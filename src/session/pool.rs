@@ -78,7 +78,7 @@ impl Pool {
     }
 
     fn slots(&self) -> MutexGuard<'_, HashMap<Key, Slot>> {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.slots)
     }
 
     /// A ready kernel for `user` running `kernel`, if the pool has one. Starts a refill.

@@ -30,6 +30,7 @@ use super::{
     SessionInfo, SessionState,
 };
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
+use crate::sync::lock;
 use crate::wire::{Channel, Message, Signer};
 
 struct Status {
@@ -101,11 +102,6 @@ impl Drop for EventBytes {
     fn drop(&mut self) {
         self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
     }
-}
-
-// A std Mutex: the critical sections are a few field updates and never cross an await.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Session {
