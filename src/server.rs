@@ -8,6 +8,7 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, ApiLimits, AppState};
 use crate::config::{SandboxKind, Settings, TokenSource};
+use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
 use crate::session::{Registry, SessionConfig};
@@ -23,6 +24,8 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error(transparent)]
+    KernelSpecs(#[from] crate::kernel::spec::SpecError),
+    #[error(transparent)]
     Recording(#[from] crate::recording::RecordingError),
     #[error("the server failed: {0}")]
     Serve(#[source] std::io::Error),
@@ -34,31 +37,32 @@ pub enum ServerError {
     },
 }
 
-/// Kernel spec names found in the kernels directory (`<dir>/<name>/kernel.json`),
-/// `python3` first.
-pub fn kernel_names(settings: &Settings) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(&settings.kernels_dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.path().join("kernel.json").is_file())
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort_by_key(|n| (n != "python3", n.clone()));
-    if names.is_empty() {
-        names.push("python3".into());
+/// The kernel specs of the kernels directory, read once. The Docker backend brings its own
+/// `python3` kernel, so without a kernels directory it offers that one.
+pub fn load_kernel_specs(settings: &Settings) -> Result<Arc<KernelSpecs>, ServerError> {
+    match KernelSpecs::load(&settings.kernels_dir) {
+        Ok(specs) => Ok(Arc::new(specs)),
+        Err(e) if settings.sandbox == SandboxKind::Docker => {
+            tracing::info!(error = %e, "no kernel specs; offering the image's python3");
+            Ok(Arc::new(KernelSpecs::builtin_python3(
+                &settings.kernels_dir,
+            )))
+        }
+        Err(e) => Err(ServerError::KernelSpecs(e)),
     }
-    names
 }
 
-pub async fn build_sandbox(settings: &Settings) -> Result<Arc<dyn Sandbox>, ServerError> {
+pub async fn build_sandbox(
+    settings: &Settings,
+    specs: Arc<KernelSpecs>,
+) -> Result<Arc<dyn Sandbox>, ServerError> {
     let sandbox: Arc<dyn Sandbox> = match settings.sandbox {
         SandboxKind::Local => Arc::new(LocalSandbox::new(LocalSandboxConfig {
             python: settings.python.clone(),
             uid_base: settings.uid_base,
             require_limits: settings.require_limits,
             cgroup_name: settings.cgroup_name.clone(),
+            kernel_specs: Some(specs),
             ..LocalSandboxConfig::new(&settings.data_dir, &settings.kernels_dir)
         })?),
         SandboxKind::Docker => Arc::new(crate::sandbox::docker::DockerSandbox::new(
@@ -146,9 +150,8 @@ pub async fn serve(
         path: settings.data_dir.clone(),
         source,
     })?;
-    let sandbox = build_sandbox(&settings).await?;
-    let kernels = kernel_names(&settings);
-    let kernelspecs = api::jupyter::KernelSpecs::load(&settings.kernels_dir, &kernels);
+    let kernelspecs = load_kernel_specs(&settings)?;
+    let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
     let recording = open_recording(&settings)?;
     let recorder: Arc<dyn crate::session::Recorder> = match &recording {
         Some(store) => store.clone(),
@@ -157,7 +160,7 @@ pub async fn serve(
     let registry = Registry::new(
         sandbox,
         session_config(&settings),
-        kernels,
+        kernelspecs.names(),
         recorder.clone(),
     );
     let state = AppState {
@@ -170,7 +173,7 @@ pub async fn serve(
             max_execution_timeout: settings.max_execution_timeout,
         }),
         started: std::time::Instant::now(),
-        kernelspecs: Arc::new(kernelspecs),
+        kernelspecs,
         jupyter_clients: Default::default(),
         recording: recording.clone(),
     };

@@ -36,6 +36,7 @@ use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
 use super::sessions::{iso, parse_json, read_body, sandbox_user};
 use super::AppState;
+use crate::kernel::spec::KernelSpec;
 use crate::session::{CreateOptions, Session, SessionEvent, SessionInfo, SessionState};
 use crate::wire::{Channel, Message};
 
@@ -104,50 +105,20 @@ pub fn kernel_model(info: &SessionInfo) -> Value {
     })
 }
 
-/// The kernel specs the broker offers, read from `<kernels-dir>/<name>/kernel.json`.
-#[derive(Debug, Clone, Default)]
-pub struct KernelSpecs {
-    pub specs: Vec<(String, Value)>,
-    pub dir: std::path::PathBuf,
-}
-
-impl KernelSpecs {
-    pub fn load(dir: &std::path::Path, names: &[String]) -> Self {
-        let specs = names
-            .iter()
-            .map(|n| {
-                let spec = std::fs::read(dir.join(n).join("kernel.json"))
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-                    .unwrap_or_else(
-                        || json!({"argv": [], "display_name": n, "language": "python"}),
-                    );
-                (n.clone(), spec)
-            })
-            .collect();
-        Self {
-            specs,
-            dir: dir.to_path_buf(),
-        }
-    }
-
-    fn model(&self, name: &str, spec: &Value) -> Value {
-        let mut resources = serde_json::Map::new();
-        if let Ok(rd) = std::fs::read_dir(self.dir.join(name)) {
-            for e in rd.flatten() {
-                let file = e.file_name().to_string_lossy().into_owned();
-                if file.starts_with("logo-") {
-                    let key = file
-                        .rsplit_once('.')
-                        .map(|(k, _)| k)
-                        .unwrap_or(&file)
-                        .to_string();
-                    resources.insert(key, json!(format!("/kernelspecs/{name}/{file}")));
-                }
-            }
-        }
-        json!({"name": name, "spec": spec, "resources": resources})
-    }
+/// A kernel spec as the Jupyter API shows it: `{name, spec, resources}`.
+fn spec_model(spec: &KernelSpec) -> Value {
+    let resources: serde_json::Map<String, Value> = spec
+        .logos
+        .iter()
+        .map(|file| {
+            let key = file.rsplit_once('.').map(|(k, _)| k).unwrap_or(file);
+            (
+                key.to_string(),
+                json!(format!("/kernelspecs/{}/{file}", spec.name)),
+            )
+        })
+        .collect();
+    json!({"name": spec.name, "spec": spec.raw, "resources": resources})
 }
 
 async fn api_version() -> Json<Value> {
@@ -156,12 +127,9 @@ async fn api_version() -> Json<Value> {
 
 async fn kernelspecs(State(state): State<AppState>, _caller: Caller) -> Json<Value> {
     let ks = &state.kernelspecs;
-    let mut all = serde_json::Map::new();
-    for (name, spec) in &ks.specs {
-        all.insert(name.clone(), ks.model(name, spec));
-    }
-    let default = ks.specs.first().map(|(n, _)| n.clone()).unwrap_or_default();
-    Json(json!({"default": default, "kernelspecs": all}))
+    let all: serde_json::Map<String, Value> =
+        ks.iter().map(|s| (s.name.clone(), spec_model(s))).collect();
+    Json(json!({"default": ks.default_name(), "kernelspecs": all}))
 }
 
 async fn kernelspec(
@@ -169,11 +137,10 @@ async fn kernelspec(
     _caller: Caller,
     Path(name): Path<String>,
 ) -> JResult<Json<Value>> {
-    let ks = &state.kernelspecs;
-    ks.specs
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(n, s)| Json(ks.model(n, s)))
+    state
+        .kernelspecs
+        .get(&name)
+        .map(|s| Json(spec_model(s)))
         .ok_or_else(|| jupyter_error(ApiError::not_found(format!("no kernel spec {name:?}"))))
 }
 
@@ -182,12 +149,13 @@ async fn kernelspec_resource(
     _caller: Caller,
     Path((name, resource)): Path<(String, String)>,
 ) -> JResult<Response> {
-    let ok_name = state.kernelspecs.specs.iter().any(|(n, _)| *n == name);
-    let ok_resource =
-        !resource.contains('/') && resource.starts_with("logo-") && resource.ends_with(".png");
-    if ok_name && ok_resource {
-        if let Ok(bytes) = tokio::fs::read(state.kernelspecs.dir.join(&name).join(&resource)).await
-        {
+    // Only the logos found at start-up are served: no path from the URL reaches the disk.
+    let logo = state
+        .kernelspecs
+        .get(&name)
+        .filter(|s| s.logos.contains(&resource));
+    if let Some(spec) = logo {
+        if let Ok(bytes) = tokio::fs::read(spec.resource_dir.join(&resource)).await {
             return Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response());
         }
     }

@@ -39,7 +39,7 @@ pub struct AppState {
     pub users: Arc<Vec<Arc<User>>>,
     pub limits: Arc<ApiLimits>,
     pub started: std::time::Instant,
-    pub kernelspecs: Arc<jupyter::KernelSpecs>,
+    pub kernelspecs: Arc<crate::kernel::spec::KernelSpecs>,
     pub jupyter_clients: Arc<jupyter::JupyterClients>,
     /// The recordings; `None` when recording is off.
     pub recording: Option<Arc<crate::recording::RecordingStore>>,

@@ -10,6 +10,7 @@
 //! sandboxes or HTTP. A restarted kernel gets a brand-new client: an old DEALER of the
 //! `zeromq` crate silently loses messages to a kernel restarted on the same address.
 
+pub mod spec;
 pub mod zmtp;
 
 use std::path::Path;

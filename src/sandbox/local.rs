@@ -64,6 +64,7 @@ use super::{
     ExitReason, KernelEndpoints, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
     SandboxUser,
 };
+use crate::kernel::spec::KernelSpecs;
 
 const BACKEND: &str = "local";
 /// Where the runtime directory appears inside the sandbox.
@@ -126,6 +127,9 @@ pub struct LocalSandboxConfig {
     /// The broker's directory in the cgroup hierarchies. Everything below it belongs to the
     /// broker and is swept on startup, so two brokers on one host need different names.
     pub cgroup_name: String,
+    /// The kernel specs, when the caller has read them already; otherwise they are read
+    /// from `kernels_dir`.
+    pub kernel_specs: Option<Arc<KernelSpecs>>,
 }
 
 impl LocalSandboxConfig {
@@ -141,6 +145,7 @@ impl LocalSandboxConfig {
             extra_ro_binds: Vec::new(),
             run_dir: None,
             cgroup_name: "kernel-broker".to_string(),
+            kernel_specs: None,
         }
     }
 
@@ -156,18 +161,6 @@ impl LocalSandboxConfig {
         let euid = unsafe { libc::geteuid() };
         choose_run_base(&cfg, euid == 0, euid)
     }
-}
-
-/// A kernel spec from `kernels/<name>/kernel.json` (the Jupyter format).
-#[derive(Debug, Clone, Deserialize)]
-struct KernelSpec {
-    argv: Vec<String>,
-    #[serde(default)]
-    env: HashMap<String, String>,
-    #[serde(default)]
-    interrupt_mode: Option<String>,
-    #[serde(skip)]
-    resource_dir: PathBuf,
 }
 
 /// The kernels this sandbox launched and has not reaped yet.
@@ -191,7 +184,7 @@ pub struct LocalSandbox {
     venv: PathBuf,
     /// Host directories of the Python installation, shown read-only at the same place.
     python_dirs: Vec<PathBuf>,
-    specs: HashMap<String, KernelSpec>,
+    specs: Arc<KernelSpecs>,
     run_base: PathBuf,
     workspaces: PathBuf,
     /// The workspaces' file systems (the per-user disk quota).
@@ -248,7 +241,12 @@ impl LocalSandbox {
         };
 
         let (venv, python_dirs) = discover_python(&cfg.python)?;
-        let specs = load_kernel_specs(&cfg.kernels_dir)?;
+        let specs = match &cfg.kernel_specs {
+            Some(specs) => specs.clone(),
+            None => Arc::new(
+                KernelSpecs::load(&cfg.kernels_dir).map_err(|e| unavailable(e.to_string()))?,
+            ),
+        };
         let run_base = choose_run_base(&cfg, privileged, euid)?;
         let workspaces = cfg.data_dir.join("workspaces");
         for path in &cfg.extra_ro_binds {
@@ -292,11 +290,9 @@ impl LocalSandbox {
         &self.run_base
     }
 
-    /// Names of the kernel specs found in `kernels_dir`.
+    /// Names of the kernel specs found in `kernels_dir`, the default first.
     pub fn kernel_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.specs.keys().cloned().collect();
-        names.sort();
-        names
+        self.specs.names()
     }
 
     /// Launches `argv` in the sandbox instead of the kernel spec's command, with everything
@@ -1621,51 +1617,6 @@ fn discover_python(python: &Path) -> Result<(PathBuf, Vec<PathBuf>), SandboxErro
     }
     tracing::debug!(venv = %venv.display(), ?dirs, "kernels' Python found");
     Ok((venv, dirs))
-}
-
-/// Reads every `<kernels_dir>/<name>/kernel.json`.
-fn load_kernel_specs(kernels_dir: &Path) -> Result<HashMap<String, KernelSpec>, SandboxError> {
-    let entries = std::fs::read_dir(kernels_dir).map_err(|source| SandboxError::Io {
-        what: "cannot list the kernel specs",
-        path: kernels_dir.to_path_buf(),
-        source,
-    })?;
-    let mut specs = HashMap::new();
-    for entry in entries.filter_map(Result::ok) {
-        let file = entry.path().join("kernel.json");
-        if !file.is_file() {
-            continue;
-        }
-        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-            continue;
-        };
-        let text = std::fs::read(&file).map_err(|source| SandboxError::Io {
-            what: "cannot read the kernel spec",
-            path: file.clone(),
-            source,
-        })?;
-        let mut spec: KernelSpec = serde_json::from_slice(&text).map_err(|e| {
-            unavailable(format!(
-                "the kernel spec {} is invalid: {e}",
-                file.display()
-            ))
-        })?;
-        if spec.argv.is_empty() {
-            return Err(unavailable(format!(
-                "the kernel spec {} has an empty argv",
-                file.display()
-            )));
-        }
-        spec.resource_dir = entry.path();
-        specs.insert(name, spec);
-    }
-    if specs.is_empty() {
-        return Err(unavailable(format!(
-            "no kernel specs (<name>/kernel.json) in {}",
-            kernels_dir.display()
-        )));
-    }
-    Ok(specs)
 }
 
 fn find_program(name: &str) -> Option<PathBuf> {
