@@ -33,6 +33,7 @@
 //! ([`replay`]) live here because they interpret recordings.
 
 pub mod blobs;
+pub mod event;
 pub mod notebook;
 pub mod replay;
 mod store;

@@ -13,8 +13,9 @@ use std::collections::{HashMap, HashSet};
 use chrono::{DateTime, Utc};
 use serde_json::{json, Map, Value};
 
+use super::event::BrokerEvent;
 use super::{RecordedEvent, RecordedKind, RecordingInfo};
-use crate::session::{Direction, Execution};
+use crate::session::{Direction, Execution, LifecycleEvent};
 
 /// One code cell of a recording.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,9 +42,11 @@ pub struct RecordedCell {
 /// A broker event worth showing between cells.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Marker {
-    pub kind: String,
+    /// The stored kind (`kernel_restarted`, `recording_gap`, ...).
+    pub kind: &'static str,
     pub time: DateTime<Utc>,
-    pub detail: Value,
+    /// Why, when the event says.
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -53,16 +56,6 @@ pub enum Entry {
     Cell(RecordedCell),
     Marker(Marker),
 }
-
-/// Broker events shown as markers.
-pub const MARKERS: &[&str] = &[
-    "kernel_restarted",
-    "kernel_died",
-    "session_expired",
-    "broker_stopped",
-    "recording_gap",
-    "recording_truncated",
-];
 
 fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or(Value::Null)
@@ -95,49 +88,78 @@ pub fn timeline(events: &[RecordedEvent]) -> Vec<Entry> {
                 entries.push(Entry::Cell(new_cell(cells, msg_id, code, e.time)));
                 cells += 1;
             }
-            RecordedKind::Broker { kind, detail } if kind == "execution_started" => {
-                let d = parse(detail);
-                let msg_id = d["msg_id"].as_str().unwrap_or("").to_string();
-                let idx = match by_msg.get(&msg_id) {
-                    Some(&i) => i,
-                    None => {
-                        let code = d["code"].as_str().unwrap_or("").to_string();
-                        by_msg.insert(msg_id.clone(), entries.len());
-                        entries.push(Entry::Cell(new_cell(cells, &msg_id, code, e.time)));
-                        cells += 1;
-                        entries.len() - 1
-                    }
-                };
-                if let Some(Entry::Cell(c)) = entries.get_mut(idx) {
-                    c.timeout_seconds = d["timeout_seconds"].as_f64();
-                }
-            }
-            RecordedKind::Broker { kind, detail }
-                if kind == "execution_done" || kind == "execution_timeout" =>
-            {
-                let d = parse(detail);
-                let Some(&idx) = d["msg_id"].as_str().and_then(|m| by_msg.get(m)) else {
-                    continue;
-                };
-                if let Some(Entry::Cell(c)) = entries.get_mut(idx) {
-                    if kind == "execution_timeout" {
-                        c.timed_out = true;
-                    } else {
-                        c.execution = serde_json::from_value(d["execution"].clone()).ok();
-                        c.finished_at = Some(e.time);
-                        if c.execution_count.is_none() {
-                            c.execution_count =
-                                c.execution.as_ref().and_then(|x| x.execution_count);
+            RecordedKind::Broker { kind, detail } => {
+                match BrokerEvent::parse(kind, detail) {
+                    BrokerEvent::Session(LifecycleEvent::ExecutionStarted {
+                        msg_id,
+                        code,
+                        timeout_seconds,
+                        ..
+                    }) => {
+                        started_cell(&mut entries, &mut by_msg, &mut cells, &msg_id, code, e.time);
+                        if let Some(c) = cell_of(&mut entries, &by_msg, &msg_id) {
+                            c.timeout_seconds = Some(timeout_seconds);
                         }
                     }
+                    BrokerEvent::Session(LifecycleEvent::ExecutionDone { msg_id, execution }) => {
+                        if let Some(c) = cell_of(&mut entries, &by_msg, &msg_id) {
+                            c.finished_at = Some(e.time);
+                            if c.execution_count.is_none() {
+                                c.execution_count = execution.execution_count;
+                            }
+                            c.execution = Some(execution);
+                        }
+                    }
+                    BrokerEvent::Session(LifecycleEvent::ExecutionTimeout { msg_id, .. }) => {
+                        if let Some(c) = cell_of(&mut entries, &by_msg, &msg_id) {
+                            c.timed_out = true;
+                        }
+                    }
+                    BrokerEvent::Session(
+                        ev @ (LifecycleEvent::KernelRestarted { .. }
+                        | LifecycleEvent::KernelDied { .. }
+                        | LifecycleEvent::SessionExpired),
+                    ) => {
+                        let reason = match &ev {
+                            LifecycleEvent::KernelRestarted { reason }
+                            | LifecycleEvent::KernelDied { reason } => reason.clone(),
+                            _ => String::new(),
+                        };
+                        entries.push(Entry::Marker(Marker {
+                            kind: ev.kind(),
+                            time: e.time,
+                            reason,
+                        }));
+                    }
+                    BrokerEvent::Session(_) => {}
+                    BrokerEvent::Recording(m) => entries.push(Entry::Marker(Marker {
+                        kind: m.kind(),
+                        time: e.time,
+                        reason: m.reason().to_string(),
+                    })),
+                    // An execution's event whose detail the recording's budget cut: the cell
+                    // is still there (with the code unknown) and it still ended.
+                    BrokerEvent::Unreadable {
+                        kind,
+                        msg_id: Some(msg_id),
+                    } => match kind.as_str() {
+                        "execution_started" => started_cell(
+                            &mut entries,
+                            &mut by_msg,
+                            &mut cells,
+                            &msg_id,
+                            String::new(),
+                            e.time,
+                        ),
+                        "execution_done" => {
+                            if let Some(c) = cell_of(&mut entries, &by_msg, &msg_id) {
+                                c.finished_at = Some(e.time);
+                            }
+                        }
+                        _ => {}
+                    },
+                    BrokerEvent::Unreadable { .. } => {}
                 }
-            }
-            RecordedKind::Broker { kind, detail } if MARKERS.contains(&kind.as_str()) => {
-                entries.push(Entry::Marker(Marker {
-                    kind: kind.clone(),
-                    time: e.time,
-                    detail: parse(detail),
-                }));
             }
             RecordedKind::Message {
                 direction: Direction::FromKernel,
@@ -349,9 +371,38 @@ fn iso(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
+/// The cell of an execution, by its `execute_request`'s msg_id.
+fn cell_of<'a>(
+    entries: &'a mut [Entry],
+    by_msg: &HashMap<String, usize>,
+    msg_id: &str,
+) -> Option<&'a mut RecordedCell> {
+    match entries.get_mut(*by_msg.get(msg_id)?) {
+        Some(Entry::Cell(c)) => Some(c),
+        _ => None,
+    }
+}
+
+/// Adds the cell of an agent execution unless its `execute_request` made it already.
+fn started_cell(
+    entries: &mut Vec<Entry>,
+    by_msg: &mut HashMap<String, usize>,
+    cells: &mut usize,
+    msg_id: &str,
+    code: String,
+    time: DateTime<Utc>,
+) {
+    if by_msg.contains_key(msg_id) {
+        return;
+    }
+    by_msg.insert(msg_id.to_string(), entries.len());
+    entries.push(Entry::Cell(new_cell(*cells, msg_id, code, time)));
+    *cells += 1;
+}
+
 fn marker_text(m: &Marker) -> String {
-    let reason = m.detail["reason"].as_str().unwrap_or("");
-    let what = match m.kind.as_str() {
+    let reason = m.reason.as_str();
+    let what = match m.kind {
         "kernel_restarted" => "The kernel was restarted",
         "kernel_died" => "The kernel died",
         "session_expired" => "The session expired",

@@ -15,9 +15,10 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
+use super::event::RecordingMarker;
 use super::writer::{self, Counters, Item, Op, SessionKey};
 use super::{blobs, from_micros, micros, RecordingConfig, RecordingError};
-use crate::session::{Direction, Recorder, Session};
+use crate::session::{Direction, LifecycleEvent, Recorder, Session};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
@@ -319,11 +320,11 @@ impl RecordingStore {
                 self.marker(
                     &key,
                     time,
-                    "recording_gap",
-                    serde_json::json!({
-                        "dropped": n,
-                        "reason": "the recording writer fell behind; these reports were not recorded",
-                    }),
+                    RecordingMarker::RecordingGap {
+                        dropped: n,
+                        reason: "the recording writer fell behind; these reports were not recorded"
+                            .into(),
+                    },
                 );
             }
         }
@@ -336,10 +337,10 @@ impl RecordingStore {
     }
 
     /// Queue a small broker event of the recording itself (not counted against the bound).
-    fn marker(&self, key: &SessionKey, time: i64, kind: &str, detail: Value) {
+    fn marker(&self, key: &SessionKey, time: i64, marker: RecordingMarker) {
         let item = Item::Event {
-            kind: kind.into(),
-            detail,
+            kind: marker.kind().into(),
+            detail: marker.detail(),
         };
         let size = item_size(&item);
         self.counters.queued_bytes.fetch_add(size, Ordering::AcqRel);
@@ -395,8 +396,13 @@ impl Recorder for RecordingStore {
         self.report_message(key_of(session), direction, channel, msg);
     }
 
-    fn event(&self, session: &Session, kind: &str, detail: Value) {
-        self.report_event(key_of(session), kind, detail);
+    fn event(&self, session: &Session, event: &LifecycleEvent) {
+        // How long a kernel took to start is a metric, not part of the session's story:
+        // replay and the notebook have no use for it, and the recording stays as it was.
+        if let LifecycleEvent::KernelStarted { .. } = event {
+            return;
+        }
+        self.report_event(key_of(session), event.kind(), event.detail());
     }
 
     fn barrier(&self) -> BoxFuture<'static, ()> {

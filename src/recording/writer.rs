@@ -46,6 +46,7 @@ use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use super::blobs::{self, Blob};
+use super::event::RecordingMarker;
 use super::{micros, RecordingConfig, RecordingError, Synchronous};
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
@@ -294,14 +295,15 @@ impl Truncation {
             "execution" => "this execution's recording went over its cap; later messages of it are not recorded",
             _ => "this session's recording went over its cap; later messages are not recorded",
         };
-        json!({
-            "scope": self.scope,
-            "msg_id": self.msg_id,
-            "limit_bytes": self.limit,
-            "dropped_messages": self.dropped,
-            "dropped_bytes": self.bytes,
-            "reason": reason,
-        })
+        RecordingMarker::RecordingTruncated {
+            scope: self.scope.to_string(),
+            msg_id: self.msg_id.clone(),
+            limit_bytes: self.limit,
+            dropped_messages: self.dropped,
+            dropped_bytes: self.bytes,
+            reason: reason.to_string(),
+        }
+        .detail()
     }
 }
 
@@ -981,9 +983,10 @@ impl Writer {
                     [sid],
                     |r| r.get(0),
                 )?;
-                let detail = serde_json::json!({
-                    "reason": "the broker stopped without closing this session (it was killed or crashed); the session ended with it",
-                });
+                let detail = RecordingMarker::BrokerStopped {
+                    reason: "the broker stopped without closing this session (it was killed or crashed); the session ended with it".into(),
+                }
+                .detail();
                 tx.execute(
                     "INSERT INTO events (sid, seq, time, direction, kind, content)
                      VALUES (?1, ?2, ?3, 'broker', 'broker_stopped', ?4)",

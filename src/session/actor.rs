@@ -14,8 +14,8 @@ use tokio::time::{sleep_until, timeout, Instant};
 use super::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
 use super::pool::Pool;
 use super::{
-    Command, Direction, ExecRequest, Recorder, ReplyRoute, Session, SessionError, SessionEvent,
-    SessionState,
+    Command, Direction, ExecRequest, LifecycleEvent, Recorder, ReplyRoute, Session, SessionError,
+    SessionEvent, SessionState,
 };
 use crate::kernel::{KernelClient, KernelEvent, KernelEvents};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
@@ -117,7 +117,8 @@ pub(crate) struct Actor {
     pub config: super::SessionConfig,
     pub commands: mpsc::Receiver<Command>,
     pub kernel: Option<Live>,
-    pub queue: VecDeque<ExecRequest>,
+    /// Executions waiting for the kernel, with when each arrived.
+    pub queue: VecDeque<(Instant, ExecRequest)>,
     running: Option<Running>,
     routes: HashMap<String, ReplyRoute>,
     dead_reason: Option<String>,
@@ -245,7 +246,7 @@ impl Actor {
                         format!("the session's kernel is dead ({reason}); restart the session to continue"),
                     ));
                 } else {
-                    self.queue.push_back(req);
+                    self.queue.push_back((Instant::now(), req));
                 }
             }
             Command::InputReply(value) => {
@@ -278,7 +279,7 @@ impl Actor {
             Command::Interrupt(done) => {
                 self.session.touch();
                 self.recorder
-                    .event(&self.session, "interrupt", serde_json::json!({}));
+                    .event(&self.session, &LifecycleEvent::Interrupt);
                 let result = self.interrupt().await;
                 if let Some(r) = self.running.as_mut() {
                     r.user_interrupted = true;
@@ -353,7 +354,7 @@ impl Actor {
         if self.running.is_some() {
             return;
         }
-        let Some(req) = self.queue.pop_front() else {
+        let Some((queued_at, req)) = self.queue.pop_front() else {
             return;
         };
         self.session.pending_dec();
@@ -411,8 +412,12 @@ impl Actor {
         }
         self.recorder.event(
             &self.session,
-            "execution_started",
-            serde_json::json!({"msg_id": running.msg_id, "code": req_code, "timeout_seconds": running.timeout.as_secs_f64()}),
+            &LifecycleEvent::ExecutionStarted {
+                msg_id: running.msg_id.clone(),
+                code: req_code,
+                timeout_seconds: running.timeout.as_secs_f64(),
+                queue_wait_seconds: now.saturating_duration_since(queued_at).as_secs_f64(),
+            },
         );
         self.session.set_busy(true);
         self.running = Some(running);
@@ -433,8 +438,10 @@ impl Actor {
         self.session.touch();
         self.recorder.event(
             &self.session,
-            "execution_done",
-            serde_json::json!({"msg_id": r.msg_id, "execution": &exec}),
+            &LifecycleEvent::ExecutionDone {
+                msg_id: r.msg_id.clone(),
+                execution: exec.clone(),
+            },
         );
         // Acknowledge only once the recording holds everything up to here.
         let barrier = self.recorder.barrier();
@@ -649,8 +656,10 @@ impl Actor {
                 tracing::info!(session = %self.session.id, "execution timed out; interrupting");
                 self.recorder.event(
                     &self.session,
-                    "execution_timeout",
-                    serde_json::json!({"msg_id": r.msg_id, "timeout_seconds": r.timeout.as_secs_f64()}),
+                    &LifecycleEvent::ExecutionTimeout {
+                        msg_id: r.msg_id.clone(),
+                        timeout_seconds: r.timeout.as_secs_f64(),
+                    },
                 );
                 if let Err(e) = self.interrupt().await {
                     tracing::warn!(session = %self.session.id, error = %e, "interrupt failed");
@@ -688,8 +697,9 @@ impl Actor {
         );
         self.recorder.event(
             &self.session,
-            "kernel_restarted",
-            serde_json::json!({"reason": why}),
+            &LifecycleEvent::KernelRestarted {
+                reason: why.to_string(),
+            },
         );
         self.session.set_state(SessionState::Starting);
         self.session.publish(SessionEvent::Restarted);
@@ -697,18 +707,28 @@ impl Actor {
             old.process.terminate().await;
         }
         self.routes.clear();
+        let asked = Instant::now();
         let started = match self
             .pool
             .take(&self.session.user, &self.session.kernel_name)
         {
-            Some((_, live)) => Ok(live),
+            Some((_, live)) => Ok((live, true)),
             None => {
                 let spec = self.session.launch_spec(Signer::random_key());
-                start_kernel(&self.sandbox, spec, self.config.kernel).await
+                start_kernel(&self.sandbox, spec, self.config.kernel)
+                    .await
+                    .map(|live| (live, false))
             }
         };
         match started {
-            Ok(live) => {
+            Ok((live, pooled)) => {
+                self.recorder.event(
+                    &self.session,
+                    &LifecycleEvent::KernelStarted {
+                        startup_seconds: asked.elapsed().as_secs_f64(),
+                        pooled,
+                    },
+                );
                 self.kernel = Some(live);
                 self.dead_reason = None;
                 self.session.reset_execution_count();
@@ -727,12 +747,13 @@ impl Actor {
         tracing::warn!(session = %self.session.id, %reason, "session is dead");
         self.recorder.event(
             &self.session,
-            "kernel_died",
-            serde_json::json!({"reason": reason}),
+            &LifecycleEvent::KernelDied {
+                reason: reason.clone(),
+            },
         );
         self.dead_reason = Some(reason.clone());
         self.session.set_dead(reason.clone());
-        for req in self.queue.drain(..) {
+        for (_, req) in self.queue.drain(..) {
             self.session.pending_dec();
             let _ = req.done.send(failed(
                 ExecutionStatus::Dead,
@@ -767,7 +788,7 @@ impl Actor {
             traceback: Vec::new(),
         };
         self.finish(ExecutionStatus::Dead, Some(note));
-        for req in self.queue.drain(..) {
+        for (_, req) in self.queue.drain(..) {
             self.session.pending_dec();
             let _ = req
                 .done
@@ -791,12 +812,11 @@ impl Actor {
         }
         self.session.set_state(state);
         let kind = if state == SessionState::Expired {
-            "session_expired"
+            LifecycleEvent::SessionExpired
         } else {
-            "session_closed"
+            LifecycleEvent::SessionClosed
         };
-        self.recorder
-            .event(&self.session, kind, serde_json::json!({}));
+        self.recorder.event(&self.session, &kind);
     }
 }
 

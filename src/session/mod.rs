@@ -13,6 +13,7 @@
 mod actor;
 pub mod execution;
 pub mod files;
+pub mod lifecycle;
 mod pool;
 mod registry;
 
@@ -25,6 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
+pub use lifecycle::LifecycleEvent;
 pub use registry::Registry;
 
 use crate::wire::{Channel, Message};
@@ -205,10 +207,8 @@ pub enum Direction {
 pub trait Recorder: Send + Sync + 'static {
     /// A message on a kernel channel.
     fn message(&self, session: &Session, direction: Direction, channel: Channel, msg: &Message);
-    /// A lifecycle event of the broker: `session_created`, `execution_started` (detail:
-    /// code, msg_id), `execution_done` (detail: the Execution), `execution_timeout`,
-    /// `interrupt`, `kernel_restarted`, `kernel_died`, `session_expired`, `session_closed`.
-    fn event(&self, session: &Session, kind: &str, detail: serde_json::Value);
+    /// Something that happened to the session.
+    fn event(&self, session: &Session, event: &LifecycleEvent);
     /// Resolves once everything reported before the call is stored durably. Results are
     /// acknowledged to clients only after it.
     fn barrier(&self) -> futures::future::BoxFuture<'static, ()>;
@@ -219,7 +219,7 @@ pub struct NoRecorder;
 
 impl Recorder for NoRecorder {
     fn message(&self, _: &Session, _: Direction, _: Channel, _: &Message) {}
-    fn event(&self, _: &Session, _: &str, _: serde_json::Value) {}
+    fn event(&self, _: &Session, _: &LifecycleEvent) {}
     fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(std::future::ready(()))
     }

@@ -26,8 +26,8 @@ use super::actor::{start_kernel, Actor};
 use super::execution::Execution;
 use super::pool::Pool;
 use super::{
-    Command, ExecRequest, Recorder, ReplyRoute, SessionConfig, SessionError, SessionEvent,
-    SessionInfo, SessionState,
+    Command, ExecRequest, LifecycleEvent, Recorder, ReplyRoute, SessionConfig, SessionError,
+    SessionEvent, SessionInfo, SessionState,
 };
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::sync::lock;
@@ -569,6 +569,7 @@ impl Registry {
         idle_timeout: Option<Duration>,
         pooled: Option<super::actor::Live>,
     ) -> Result<Arc<Session>, SessionError> {
+        let asked = Instant::now();
         let cfg = &self.inner.config;
         let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
         let (events, _) = broadcast::channel(1024);
@@ -601,6 +602,7 @@ impl Registry {
             max_queue: cfg.max_queue,
             notify_registry: self.inner.notify.clone(),
         });
+        let from_pool = pooled.is_some();
         let live = match pooled {
             Some(live) => live,
             None => {
@@ -624,8 +626,17 @@ impl Registry {
         );
         self.inner.recorder.event(
             &session,
-            "session_created",
-            serde_json::json!({"kernel": session.kernel_name, "idle_timeout_seconds": idle_timeout.map(|t| t.as_secs())}),
+            &LifecycleEvent::SessionCreated {
+                kernel: session.kernel_name.clone(),
+                idle_timeout_seconds: idle_timeout.map(|t| t.as_secs()),
+            },
+        );
+        self.inner.recorder.event(
+            &session,
+            &LifecycleEvent::KernelStarted {
+                startup_seconds: asked.elapsed().as_secs_f64(),
+                pooled: from_pool,
+            },
         );
         session.set_state(SessionState::Idle);
         tokio::spawn(actor.run());

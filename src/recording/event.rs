@@ -1,0 +1,156 @@
+//! Broker events read back from a recording, typed.
+//!
+//! A recording holds two sorts of broker events: what the session layer reported (a
+//! [`LifecycleEvent`]) and the recording's own markers (a gap when the writer fell behind, a
+//! cut when a budget was reached, the broker's stop). Both are stored as a `kind` and a JSON
+//! `detail`; this is where they become types again, for the notebook export and replay.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::session::LifecycleEvent;
+
+/// The recording's own markers, in their stored form (tag = `kind`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RecordingMarker {
+    /// Reports the writer could not keep up with were dropped.
+    RecordingGap { dropped: u64, reason: String },
+    /// An execution's or the session's recording reached its cap.
+    RecordingTruncated {
+        scope: String,
+        #[serde(default)]
+        msg_id: String,
+        limit_bytes: u64,
+        dropped_messages: u64,
+        dropped_bytes: u64,
+        reason: String,
+    },
+    /// The broker stopped (killed or crashed) without closing the session.
+    BrokerStopped { reason: String },
+}
+
+impl RecordingMarker {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RecordingMarker::RecordingGap { .. } => "recording_gap",
+            RecordingMarker::RecordingTruncated { .. } => "recording_truncated",
+            RecordingMarker::BrokerStopped { .. } => "broker_stopped",
+        }
+    }
+
+    pub fn reason(&self) -> &str {
+        match self {
+            RecordingMarker::RecordingGap { reason, .. }
+            | RecordingMarker::RecordingTruncated { reason, .. }
+            | RecordingMarker::BrokerStopped { reason } => reason,
+        }
+    }
+
+    /// The stored `detail`: every field but the tag.
+    pub fn detail(&self) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            o.remove("kind");
+        }
+        v
+    }
+}
+
+/// A stored broker event, typed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BrokerEvent {
+    Session(LifecycleEvent),
+    Recording(RecordingMarker),
+    /// A kind this version does not know (written by a newer broker), or an `execution_*`
+    /// detail the recording's budget cut to `{msg_id, recording_truncated, bytes}`: only
+    /// what every event has is kept.
+    Unreadable {
+        kind: String,
+        msg_id: Option<String>,
+    },
+}
+
+impl BrokerEvent {
+    /// Reads a stored `kind` and its `detail` text.
+    pub fn parse(kind: &str, detail: &str) -> Self {
+        let detail: Value = serde_json::from_str(detail).unwrap_or(Value::Null);
+        let msg_id = detail["msg_id"].as_str().map(str::to_string);
+        if let Some(e) = LifecycleEvent::from_stored(kind, detail.clone()) {
+            return BrokerEvent::Session(e);
+        }
+        let mut object = match detail {
+            Value::Object(o) => o,
+            _ => serde_json::Map::new(),
+        };
+        object.insert("kind".into(), kind.into());
+        match serde_json::from_value(Value::Object(object)) {
+            Ok(m) => BrokerEvent::Recording(m),
+            Err(_) => BrokerEvent::Unreadable {
+                kind: kind.to_string(),
+                msg_id,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn markers_round_trip_through_their_stored_form() {
+        let cases = [
+            RecordingMarker::RecordingGap {
+                dropped: 3,
+                reason: "behind".into(),
+            },
+            RecordingMarker::RecordingTruncated {
+                scope: "execution".into(),
+                msg_id: "m".into(),
+                limit_bytes: 10,
+                dropped_messages: 2,
+                dropped_bytes: 30,
+                reason: "cap".into(),
+            },
+            RecordingMarker::BrokerStopped {
+                reason: "killed".into(),
+            },
+        ];
+        for m in cases {
+            let parsed = BrokerEvent::parse(m.kind(), &m.detail().to_string());
+            assert_eq!(parsed, BrokerEvent::Recording(m));
+        }
+    }
+
+    #[test]
+    fn lifecycle_events_unknown_kinds_and_cut_details() {
+        assert_eq!(
+            BrokerEvent::parse("kernel_died", r#"{"reason": "oom"}"#),
+            BrokerEvent::Session(LifecycleEvent::KernelDied {
+                reason: "oom".into()
+            })
+        );
+        assert_eq!(
+            BrokerEvent::parse("from_the_future", "{}"),
+            BrokerEvent::Unreadable {
+                kind: "from_the_future".into(),
+                msg_id: None
+            }
+        );
+        let cut = json!({"msg_id": "m", "recording_truncated": true, "bytes": 5}).to_string();
+        assert_eq!(
+            BrokerEvent::parse("execution_done", &cut),
+            BrokerEvent::Unreadable {
+                kind: "execution_done".into(),
+                msg_id: Some("m".into())
+            }
+        );
+        assert!(matches!(
+            BrokerEvent::parse("interrupt", "not json"),
+            BrokerEvent::Session(LifecycleEvent::Interrupt)
+        ));
+    }
+}
