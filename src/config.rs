@@ -12,7 +12,9 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
+use crate::recording::{RecordingConfig, Synchronous};
 use crate::sandbox::UserLimits;
+use crate::session::SessionConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -50,14 +52,6 @@ pub enum Command {
 pub enum SandboxKind {
     Local,
     Docker,
-}
-
-/// How hard a recording commit tries to reach the disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RecordSynchronous {
-    Normal,
-    Full,
 }
 
 /// Flags of `serve`. Each is optional so the config file can supply it; each can also come
@@ -174,7 +168,7 @@ pub struct ServeArgs {
     pub record_db: Option<PathBuf>,
     /// normal: a commit survives a killed broker; full: also a machine crash (an fsync per commit) [default: normal]
     #[arg(long, env = "KERNEL_BROKER_RECORD_SYNCHRONOUS")]
-    pub record_synchronous: Option<RecordSynchronous>,
+    pub record_synchronous: Option<Synchronous>,
     /// Bytes of messages recorded per execution (from one execute_request to the next), images counted once; past it one recording_truncated marker [default: 52428800]
     #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_EXECUTION_BYTES")]
     pub record_max_execution_bytes: Option<u64>,
@@ -221,26 +215,17 @@ pub enum TokenSource {
     Generated,
 }
 
-/// The resolved settings the broker runs with.
+/// The resolved settings the broker runs with. Each layer's settings are its own config type
+/// (whose `Default` holds the defaults); this only adds what the binary itself needs.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub listen: SocketAddr,
     pub sandbox: SandboxKind,
     pub data_dir: PathBuf,
-    pub idle_timeout: Duration,
-    pub max_idle_timeout: Duration,
-    pub max_busy: Duration,
-    pub execution_timeout: Duration,
-    pub max_execution_timeout: Duration,
-    pub interrupt_grace: Duration,
-    pub output_limit: usize,
-    pub result_limit: usize,
-    pub max_kernel_message: u64,
+    /// Sessions: timeouts, output limits, queue, kernel connections, warm pool.
+    pub session: SessionConfig,
     pub max_code_bytes: usize,
     pub max_file_bytes: usize,
-    pub max_queue: usize,
-    pub pool_size: usize,
-    pub pool_idle: Duration,
     pub kernels_dir: PathBuf,
     pub python: PathBuf,
     pub uid_base: u32,
@@ -249,13 +234,8 @@ pub struct Settings {
     pub docker_socket: String,
     pub docker_image: String,
     pub container_idle: Duration,
-    pub record: bool,
-    /// `None`: keep recordings forever.
-    pub retention: Option<Duration>,
-    pub record_db: PathBuf,
-    pub record_synchronous: RecordSynchronous,
-    pub record_max_execution_bytes: u64,
-    pub record_max_session_bytes: u64,
+    /// The recording; `None` when recording is off.
+    pub recording: Option<RecordingConfig>,
     pub users: Vec<User>,
     pub token_source: TokenSource,
 }
@@ -317,6 +297,13 @@ fn valid_user_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
+/// `args`' value of a setting, else the config file's.
+macro_rules! either {
+    ($args:ident, $file:ident, $field:ident) => {
+        $args.$field.clone().or($file.$field.clone())
+    };
+}
+
 impl Settings {
     /// Merge flags/environment (already in `args`), the config file, and defaults.
     /// `env_token` is `KERNEL_BROKER_TOKEN`.
@@ -327,19 +314,17 @@ impl Settings {
         };
         macro_rules! pick {
             ($field:ident, $default:expr) => {
-                args.$field
-                    .clone()
-                    .or(file.$field.clone())
-                    .unwrap_or_else(|| $default)
+                either!(args, file, $field).unwrap_or_else(|| $default)
             };
         }
         let kernels_dir = pick!(kernels_dir, default_kernels_dir());
         let python = pick!(python, kernels_dir.join(".venv/bin/python"));
+        let base = UserLimits::default();
         let defaults = UserLimits {
-            memory_bytes: pick!(memory_limit, 1 << 30),
-            cpus: pick!(cpu_limit, 1.0),
-            pids: pick!(pids_limit, 256),
-            workspace_quota_bytes: pick!(workspace_quota, 1 << 30),
+            memory_bytes: pick!(memory_limit, base.memory_bytes),
+            cpus: pick!(cpu_limit, base.cpus),
+            pids: pick!(pids_limit, base.pids),
+            workspace_quota_bytes: pick!(workspace_quota, base.workspace_quota_bytes),
         };
         if defaults.cpus <= 0.0 || defaults.pids == 0 || defaults.memory_bytes < (16 << 20) {
             return Err(ConfigError::Invalid(
@@ -426,37 +411,13 @@ impl Settings {
                 )
             }
         };
-        let execution_timeout = secs(pick!(execution_timeout, 60.0), "execution_timeout")?;
         let data_dir = pick!(data_dir, PathBuf::from(".data"));
-        let record_db = pick!(record_db, data_dir.join("recordings.sqlite3"));
-        let max_execution_timeout =
-            secs(pick!(max_execution_timeout, 600.0), "max_execution_timeout")?;
         Ok(Settings {
             listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
             sandbox: pick!(sandbox, SandboxKind::Local),
-            data_dir,
-            idle_timeout: Duration::from_secs(pick!(idle_timeout, 600)),
-            max_idle_timeout: Duration::from_secs(pick!(max_idle_timeout, 86_400)),
-            max_busy: Duration::from_secs(pick!(max_busy, 3600)),
-            execution_timeout: execution_timeout.min(max_execution_timeout),
-            max_execution_timeout,
-            interrupt_grace: secs(pick!(interrupt_grace, 5.0), "interrupt_grace")?,
-            output_limit: pick!(output_limit, 10_000),
-            result_limit: pick!(result_limit, 16 << 20),
-            max_kernel_message: {
-                let v = pick!(max_kernel_message, 64 << 20);
-                if !(1 << 20..=1 << 30).contains(&v) {
-                    return Err(ConfigError::Invalid(format!(
-                        "max_kernel_message must be between 1 MiB and 1 GiB, not {v}"
-                    )));
-                }
-                v
-            },
+            session: session_config(&args, &file)?,
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
-            max_queue: pick!(max_queue, 64),
-            pool_size: pick!(pool_size, 1),
-            pool_idle: Duration::from_secs(pick!(pool_idle, 600)),
             kernels_dir,
             python,
             uid_base: pick!(uid_base, 200_000),
@@ -465,19 +426,68 @@ impl Settings {
             docker_socket: pick!(docker_socket, "/var/run/docker.sock".into()),
             docker_image: pick!(docker_image, "kernel-broker/python-kernel:latest".into()),
             container_idle: Duration::from_secs(pick!(container_idle, 300)),
-            record: pick!(record, true),
-            retention: match pick!(retention_days, 30) {
-                0 => None,
-                days => Some(Duration::from_secs(days.saturating_mul(86_400))),
-            },
-            record_db,
-            record_synchronous: pick!(record_synchronous, RecordSynchronous::Normal),
-            record_max_execution_bytes: pick!(record_max_execution_bytes, 50 << 20),
-            record_max_session_bytes: pick!(record_max_session_bytes, 1 << 30),
+            recording: recording_config(&args, &file, &data_dir),
+            data_dir,
             users,
             token_source,
         })
     }
+}
+
+/// The session layer's settings: its defaults, overridden by what was given.
+fn session_config(args: &ServeArgs, file: &ServeArgs) -> Result<SessionConfig, ConfigError> {
+    let mut c = SessionConfig::default();
+    let seconds = |v: Option<u64>, d: Duration| v.map(Duration::from_secs).unwrap_or(d);
+    c.idle_timeout = seconds(either!(args, file, idle_timeout), c.idle_timeout);
+    c.max_idle_timeout = seconds(either!(args, file, max_idle_timeout), c.max_idle_timeout);
+    c.max_busy = seconds(either!(args, file, max_busy), c.max_busy);
+    if let Some(v) = either!(args, file, max_execution_timeout) {
+        c.max_execution_timeout = secs(v, "max_execution_timeout")?;
+    }
+    if let Some(v) = either!(args, file, execution_timeout) {
+        c.execution_timeout = secs(v, "execution_timeout")?;
+    }
+    c.execution_timeout = c.execution_timeout.min(c.max_execution_timeout);
+    if let Some(v) = either!(args, file, interrupt_grace) {
+        c.interrupt_grace = secs(v, "interrupt_grace")?;
+    }
+    c.output_limit = either!(args, file, output_limit).unwrap_or(c.output_limit);
+    c.result_limit = either!(args, file, result_limit).unwrap_or(c.result_limit);
+    c.max_queue = either!(args, file, max_queue).unwrap_or(c.max_queue);
+    if let Some(v) = either!(args, file, max_kernel_message) {
+        if !(1 << 20..=1 << 30).contains(&v) {
+            return Err(ConfigError::Invalid(format!(
+                "max_kernel_message must be between 1 MiB and 1 GiB, not {v}"
+            )));
+        }
+        c.kernel.limits.max_message = v;
+    }
+    c.pool.size = either!(args, file, pool_size).unwrap_or(c.pool.size);
+    c.pool.idle = seconds(either!(args, file, pool_idle), c.pool.idle);
+    Ok(c)
+}
+
+/// The recording's settings (its defaults, overridden), or `None` when recording is off.
+fn recording_config(
+    args: &ServeArgs,
+    file: &ServeArgs,
+    data_dir: &Path,
+) -> Option<RecordingConfig> {
+    if !either!(args, file, record).unwrap_or(true) {
+        return None;
+    }
+    let path =
+        either!(args, file, record_db).unwrap_or_else(|| data_dir.join("recordings.sqlite3"));
+    let mut c = RecordingConfig::new(path);
+    if let Some(days) = either!(args, file, retention_days) {
+        c.retention = (days != 0).then(|| Duration::from_secs(days.saturating_mul(86_400)));
+    }
+    c.synchronous = either!(args, file, record_synchronous).unwrap_or(c.synchronous);
+    c.max_execution_bytes =
+        either!(args, file, record_max_execution_bytes).unwrap_or(c.max_execution_bytes);
+    c.max_session_bytes =
+        either!(args, file, record_max_session_bytes).unwrap_or(c.max_session_bytes);
+    Some(c)
 }
 
 #[cfg(test)]
@@ -500,10 +510,10 @@ mod tests {
             ..Default::default()
         };
         let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
-        assert_eq!(s.idle_timeout, Duration::from_secs(7));
-        assert_eq!(s.output_limit, 5);
+        assert_eq!(s.session.idle_timeout, Duration::from_secs(7));
+        assert_eq!(s.session.output_limit, 5);
         assert_eq!(s.listen.port(), 9999);
-        assert_eq!(s.execution_timeout, Duration::from_secs(60));
+        assert_eq!(s.session.execution_timeout, Duration::from_secs(60));
         assert_eq!(s.users.len(), 1);
         assert_eq!(s.users[0].name, "default");
         assert_eq!(s.token_source, TokenSource::Environment);
@@ -553,12 +563,12 @@ mod tests {
     #[test]
     fn recording_settings() {
         let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
-        assert!(s.record);
-        assert_eq!(s.record_db, PathBuf::from(".data/recordings.sqlite3"));
-        assert_eq!(s.retention, Some(Duration::from_secs(30 * 86_400)));
-        assert_eq!(s.record_synchronous, RecordSynchronous::Normal);
-        assert_eq!(s.record_max_execution_bytes, 50 << 20);
-        assert_eq!(s.record_max_session_bytes, 1 << 30);
+        let r = s.recording.expect("recording is on by default");
+        assert_eq!(r.path, PathBuf::from(".data/recordings.sqlite3"));
+        assert_eq!(r.retention, Some(Duration::from_secs(30 * 86_400)));
+        assert_eq!(r.synchronous, Synchronous::Normal);
+        assert_eq!(r.max_execution_bytes, 50 << 20);
+        assert_eq!(r.max_session_bytes, 1 << 30);
         let cfg = write(
             "retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n\
              record_max_session_bytes = 1000\n",
@@ -568,12 +578,18 @@ mod tests {
             record: Some(false),
             ..Default::default()
         };
+        let s = Settings::resolve(args.clone(), Some("tok-123456".into())).unwrap();
+        assert!(s.recording.is_none());
+        let args = ServeArgs {
+            record: None,
+            ..args
+        };
         let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
-        assert!(!s.record);
-        assert_eq!(s.retention, None);
-        assert_eq!(s.record_db, PathBuf::from("/x/recordings.sqlite3"));
-        assert_eq!(s.record_synchronous, RecordSynchronous::Full);
-        assert_eq!(s.record_max_session_bytes, 1000);
+        let r = s.recording.expect("on again");
+        assert_eq!(r.retention, None);
+        assert_eq!(r.path, PathBuf::from("/x/recordings.sqlite3"));
+        assert_eq!(r.synchronous, Synchronous::Full);
+        assert_eq!(r.max_session_bytes, 1000);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::config::{SandboxKind, Settings, TokenSource};
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
-use crate::session::{Registry, SessionConfig};
+use crate::session::Registry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -78,51 +78,19 @@ pub async fn build_sandbox(
     Ok(sandbox)
 }
 
-pub fn session_config(settings: &Settings) -> SessionConfig {
-    SessionConfig {
-        idle_timeout: settings.idle_timeout,
-        max_idle_timeout: settings.max_idle_timeout,
-        max_busy: settings.max_busy,
-        execution_timeout: settings.execution_timeout,
-        max_execution_timeout: settings.max_execution_timeout,
-        interrupt_grace: settings.interrupt_grace,
-        output_limit: settings.output_limit,
-        result_limit: settings.result_limit,
-        max_queue: settings.max_queue,
-        kernel: crate::kernel::ConnectOptions {
-            limits: crate::kernel::MessageLimits {
-                max_message: settings.max_kernel_message,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-        pool: crate::session::PoolConfig {
-            size: settings.pool_size,
-            idle: settings.pool_idle,
-        },
-        ..SessionConfig::default()
-    }
-}
-
 /// The recording store, unless recording is off.
 pub fn open_recording(
     settings: &Settings,
 ) -> Result<Option<Arc<crate::recording::RecordingStore>>, ServerError> {
-    if !settings.record {
-        tracing::info!("recording is off");
-        return Ok(None);
+    match &settings.recording {
+        None => {
+            tracing::info!("recording is off");
+            Ok(None)
+        }
+        Some(config) => Ok(Some(crate::recording::RecordingStore::open(
+            config.clone(),
+        )?)),
     }
-    let config = crate::recording::RecordingConfig {
-        retention: settings.retention,
-        synchronous: match settings.record_synchronous {
-            crate::config::RecordSynchronous::Normal => crate::recording::Synchronous::Normal,
-            crate::config::RecordSynchronous::Full => crate::recording::Synchronous::Full,
-        },
-        max_execution_bytes: settings.record_max_execution_bytes,
-        max_session_bytes: settings.record_max_session_bytes,
-        ..crate::recording::RecordingConfig::new(&settings.record_db)
-    };
-    Ok(Some(crate::recording::RecordingStore::open(config)?))
 }
 
 /// Run the broker on `settings.listen` until `shutdown` resolves, then shut every session down.
@@ -159,7 +127,7 @@ pub async fn serve(
     };
     let registry = Registry::new(
         sandbox,
-        session_config(&settings),
+        settings.session.clone(),
         kernelspecs.names(),
         recorder.clone(),
     );
@@ -169,8 +137,8 @@ pub async fn serve(
         limits: Arc::new(ApiLimits {
             max_code_bytes: settings.max_code_bytes,
             max_file_bytes: settings.max_file_bytes,
-            execution_timeout: settings.execution_timeout,
-            max_execution_timeout: settings.max_execution_timeout,
+            execution_timeout: settings.session.execution_timeout,
+            max_execution_timeout: settings.session.max_execution_timeout,
         }),
         started: std::time::Instant::now(),
         kernelspecs,

@@ -50,8 +50,10 @@ pub use store::{
     RecordingStore,
 };
 
-/// How hard a commit tries to reach the disk (SQLite's `synchronous` pragma).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How hard a commit tries to reach the disk (SQLite's `synchronous` pragma). Also the
+/// `--record-synchronous` flag's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Synchronous {
     /// Survives a killed process; a machine crash may lose the last commits.
     #[default]
