@@ -387,28 +387,22 @@ impl Settings {
                 }
                 (users, TokenSource::UsersFile(path))
             }
-            (None, Some(token)) => (
-                vec![User {
+            (None, token) => {
+                let (token, source) = match token {
+                    Some(token) => (token, TokenSource::Environment),
+                    None => (
+                        hex::encode(rand::random::<[u8; 24]>()),
+                        TokenSource::Generated,
+                    ),
+                };
+                let user = User {
                     name: "default".into(),
                     token,
                     index: 0,
                     limits: defaults.clone(),
                     max_sessions,
-                }],
-                TokenSource::Environment,
-            ),
-            (None, None) => {
-                let token = hex::encode(rand::random::<[u8; 24]>());
-                (
-                    vec![User {
-                        name: "default".into(),
-                        token,
-                        index: 0,
-                        limits: defaults.clone(),
-                        max_sessions,
-                    }],
-                    TokenSource::Generated,
-                )
+                };
+                (vec![user], source)
             }
         };
         let data_dir = pick!(data_dir, PathBuf::from(".data"));

@@ -49,11 +49,7 @@ impl RecordingMarker {
 
     /// The stored `detail`: every field but the tag.
     pub fn detail(&self) -> Value {
-        let mut v = serde_json::to_value(self).unwrap_or_default();
-        if let Some(o) = v.as_object_mut() {
-            o.remove("kind");
-        }
-        v
+        crate::session::lifecycle::stored_detail(self)
     }
 }
 

@@ -74,11 +74,7 @@ impl LifecycleEvent {
 
     /// The stored `detail`: every field but the tag, as a JSON object.
     pub fn detail(&self) -> serde_json::Value {
-        let mut v = serde_json::to_value(self).unwrap_or_default();
-        if let Some(o) = v.as_object_mut() {
-            o.remove("kind");
-        }
-        v
+        stored_detail(self)
     }
 
     /// Reads a stored `kind` and `detail` back. `None` for a kind this version does not know
@@ -92,6 +88,15 @@ impl LifecycleEvent {
         object.insert("kind".into(), kind.into());
         serde_json::from_value(serde_json::Value::Object(object)).ok()
     }
+}
+
+/// A `kind`-tagged enum's fields without the tag: the `detail` a recording stores.
+pub fn stored_detail(tagged: &impl Serialize) -> serde_json::Value {
+    let mut v = serde_json::to_value(tagged).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("kind");
+    }
+    v
 }
 
 #[cfg(test)]
