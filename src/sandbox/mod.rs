@@ -15,6 +15,7 @@ pub mod docker;
 pub(crate) mod fsutil;
 pub mod local;
 pub mod seccomp;
+pub(crate) mod watched;
 pub(crate) mod workspace_fs;
 
 use std::path::PathBuf;
