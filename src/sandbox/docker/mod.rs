@@ -7,7 +7,7 @@
 //! and the user's runtime directory at `/run/kernel`), and each kernel's life inside it.
 //!
 //! Why one container per user and `docker exec` per kernel, not a container per kernel: a
-//! user's kernels share one workspace and one set of limits (the [`UserLimits`] are
+//! user's kernels share one workspace and one set of limits (the [`UserLimits`](super::UserLimits) are
 //! per user, as in the local backend), so the container *is* the user's limit boundary;
 //! a warm launch is an exec (~0.1 s) instead of a container start; and one container per
 //! user keeps the daemon's load and the idle memory low. The price: a user's kernels see
@@ -17,7 +17,7 @@
 //! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
 //! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
 //! default seccomp profile stays), uid/gid 1000:1000, memory = swap limit (no swap), CPU
-//! and pids limits from [`UserLimits`]. Containers carry the labels
+//! and pids limits from [`UserLimits`](super::UserLimits). Containers carry the labels
 //! [`LABEL_MANAGED`]`=true` and [`LABEL_DATA_DIR_HASH`]`=<hash of the data dir>`, and are
 //! named `kernel-broker-<hash>-<user>`, so two brokers on one daemon never touch each
 //! other's containers.
@@ -26,7 +26,7 @@
 //! python -m ipykernel_launcher -f ...'` with an `ipc` connection file in
 //! `/run/kernel/<dir>/`; the broker connects to the sockets on the host side of the bind
 //! mount. A watcher task per kernel polls the exec (`inspect_exec`, every 500 ms) and
-//! classifies its end; see [`ExitReason`] mapping in `classify_exec_end`. Interrupts are a
+//! classifies its end; see [`ExitReason`](super::ExitReason) mapping in `watch.rs`. Interrupts are a
 //! small exec (`kill -INT` of the recorded pid, the kernel's tini, which forwards it to the
 //! kernel, after checking that pid still runs this kernel).
 //!
