@@ -58,6 +58,7 @@ use self::fs::{
 };
 use self::mountinfo::{join_cgroup_path, parse_mountinfo, read_own_cgroup_v2};
 use super::{SandboxError, UserLimits};
+use crate::sync::lock;
 
 /// How long to keep killing a leaf's processes before giving up.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -215,7 +216,7 @@ impl Cgroups {
             ));
         }
         let session = session.to_string();
-        let _tree = self.lock_tree();
+        let _tree = lock(&self.tree_lock);
         let mut dirs = Vec::with_capacity(self.bases.len());
         for base in &self.bases {
             let user_dir = base.join(user);
@@ -253,7 +254,7 @@ impl Cgroups {
         for dir in &leaf.dirs {
             rmdir_retrying(dir).await;
         }
-        let _tree = self.lock_tree();
+        let _tree = lock(&self.tree_lock);
         for dir in &leaf.dirs {
             if let Some(user_dir) = dir.parent() {
                 rmdir_if_unused(user_dir);
@@ -266,7 +267,7 @@ impl Cgroups {
         if !is_path_component(user) {
             return;
         }
-        let _tree = self.lock_tree();
+        let _tree = lock(&self.tree_lock);
         for base in &self.bases {
             rmdir_if_unused(&base.join(user));
         }
@@ -274,7 +275,7 @@ impl Cgroups {
 
     /// Removes the base directories if they are empty (broker shutdown).
     pub fn remove_base_if_unused(&self) {
-        let _tree = self.lock_tree();
+        let _tree = lock(&self.tree_lock);
         for base in &self.bases {
             rmdir_if_unused(base);
         }
@@ -320,10 +321,5 @@ impl Cgroups {
             }
         }
         removed
-    }
-
-    fn lock_tree(&self) -> std::sync::MutexGuard<'_, ()> {
-        // The guarded data is `()`, so a panic elsewhere cannot have left it inconsistent.
-        crate::sync::lock(&self.tree_lock)
     }
 }
