@@ -7,8 +7,9 @@
 //! and the user's runtime directory at `/run/kernel`), and each kernel's life inside it.
 //!
 //! Why one container per user and `docker exec` per kernel, not a container per kernel: a
-//! user's kernels share one workspace and one set of limits (the [`UserLimits`](super::UserLimits) are
-//! per user, as in the local backend), so the container *is* the user's limit boundary;
+//! user's kernels share one workspace and one set of limits (the
+//! [`UserLimits`](super::UserLimits) are per user, as in the local backend), so the
+//! container *is* the user's limit boundary;
 //! a warm launch is an exec (~0.1 s) instead of a container start; and one container per
 //! user keeps the daemon's load and the idle memory low. The price: a user's kernels see
 //! each other's processes and runtime files (same uid, same trust domain), and memory,
@@ -26,8 +27,8 @@
 //! python -m ipykernel_launcher -f ...'` with an `ipc` connection file in
 //! `/run/kernel/<dir>/`; the broker connects to the sockets on the host side of the bind
 //! mount. A watcher task per kernel polls the exec (`inspect_exec`, every 500 ms) and
-//! classifies its end; see [`ExitReason`](super::ExitReason) mapping in `watch.rs`. Interrupts are a
-//! small exec (`kill -INT` of the recorded pid, the kernel's tini, which forwards it to the
+//! classifies its end (the [`ExitReason`](super::ExitReason) mapping is in `watch.rs`).
+//! Interrupts are a small exec (`kill -INT` of the recorded pid, the kernel's tini, which forwards it to the
 //! kernel, after checking that pid still runs this kernel).
 //!
 //! No process outlives its session (see `exec.rs`: each kernel under its own `tini -s`, and
