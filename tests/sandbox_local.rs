@@ -1,257 +1,27 @@
-//! The local sandbox against the real thing: bubblewrap, cgroups, the kernels' Python.
-//!
-//! Each test gets its own data directory and its own cgroup name, so tests run in parallel
-//! without sweeping each other's kernels. They need root (uid switching and cgroups),
-//! `bwrap`, and `kernels/.venv` (made by `kernels/setup.sh`); otherwise each test prints
-//! why it is skipped and passes. Every wait has a timeout, and a guard removes the test's
-//! cgroups and processes even when an assertion fails.
+//! What only the local sandbox does, against the real thing: bubblewrap, cgroups, the
+//! kernels' Python. Host-side checks of its mechanisms (the uid and the cgroup leaf of every
+//! hierarchy, the limits written there, leaves and runtime directories removed, bwrap's
+//! view of the host, the syscall filter, mountinfo, the startup sweep), mostly through
+//! `launch_command` scripts. What both backends promise is in `sandbox_contract.rs`; the
+//! harness (one data directory and cgroup name per test, cleaned up even when an
+//! assertion fails; the skip convention) is `tests/common/sandbox.rs`.
+
+#[path = "common/sandbox.rs"]
+mod common;
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kernel_broker::sandbox::local::{LocalSandbox, LocalSandboxConfig};
-use kernel_broker::sandbox::{
-    ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser, UserLimits,
+use common::{
+    bounded, cgroup_bases, eventually, limits, repo, spec, user, wait_exit,
+    LocalHarness as Harness, UID_BASE,
 };
+use kernel_broker::sandbox::{ExitReason, LaunchSpec, Launched, Sandbox, SandboxError};
 use serde_json::Value;
-use tokio::time::{sleep, timeout, Instant};
+use tokio::time::{sleep, timeout};
 use uuid::Uuid;
 use zeromq::{Socket, SocketRecv, SocketSend};
-
-const UID_BASE: u32 = 200_000;
-const TEST_TIMEOUT: Duration = Duration::from_secs(120);
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn venv_python() -> PathBuf {
-    repo().join("kernels/.venv/bin/python")
-}
-
-/// Why this machine cannot run these tests, if it cannot.
-fn skip_reason() -> Option<String> {
-    // SAFETY: geteuid(2) cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root (kernels switch uid and use cgroups)".into());
-    }
-    if !Path::new("/usr/bin/bwrap").exists()
-        && std::process::Command::new("bwrap")
-            .arg("--version")
-            .output()
-            .is_err()
-    {
-        return Some("bwrap is not installed".into());
-    }
-    if !venv_python().exists() {
-        return Some("kernels/.venv is missing (run kernels/setup.sh)".into());
-    }
-    None
-}
-
-/// A sandbox with its own data directory and cgroup tree; cleans both up when dropped.
-struct Harness {
-    sandbox: LocalSandbox,
-    dir: tempfile::TempDir,
-    cgroup_name: String,
-}
-
-impl Harness {
-    fn new() -> Option<Self> {
-        let _ = tracing_subscriber::fmt()
-            .with_test_writer()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| "kernel_broker=debug".into()),
-            )
-            .try_init();
-        if let Some(reason) = skip_reason() {
-            eprintln!("SKIPPED: {reason}");
-            return None;
-        }
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cgroup_name = format!("kb-test-{}", &Uuid::new_v4().simple().to_string()[..12]);
-        Some(Self::with(dir, cgroup_name))
-    }
-
-    fn with(dir: tempfile::TempDir, cgroup_name: String) -> Self {
-        let mut cfg = LocalSandboxConfig::new(dir.path().join("data"), repo().join("kernels"));
-        cfg.python = venv_python();
-        cfg.uid_base = UID_BASE;
-        cfg.cgroup_name = cgroup_name.clone();
-        let sandbox = LocalSandbox::new(cfg).expect("LocalSandbox::new");
-        Self {
-            sandbox,
-            dir,
-            cgroup_name,
-        }
-    }
-
-    fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    /// The kernel's leaf directories in every hierarchy.
-    fn leaf_dirs(&self, user: &str, session: Uuid) -> Vec<PathBuf> {
-        cgroup_bases(&self.cgroup_name)
-            .into_iter()
-            .map(|b| b.join(user).join(session.to_string()))
-            .collect()
-    }
-
-    fn user_dir(&self, ctrl_file: &str, user: &str) -> Option<PathBuf> {
-        cgroup_bases(&self.cgroup_name)
-            .into_iter()
-            .map(|b| b.join(user))
-            .find(|d| d.join(ctrl_file).exists())
-    }
-
-    fn rundir(&self, session: Uuid) -> PathBuf {
-        self.sandbox.run_base().join(session.to_string())
-    }
-
-    /// Processes (host pids) whose cgroup is the kernel's leaf.
-    fn processes_in_leaf(&self, user: &str, session: Uuid) -> Vec<i32> {
-        let suffix = format!("/{}/{user}/{session}", self.cgroup_name);
-        let mut pids = Vec::new();
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
-                if text.lines().any(|l| l.ends_with(&suffix)) {
-                    pids.push(pid);
-                }
-            }
-        }
-        pids
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        // Whatever the test left (it may have failed half-way): kill and remove, bottom up.
-        for base in cgroup_bases(&self.cgroup_name) {
-            for user in subdirs(&base) {
-                for leaf in subdirs(&user) {
-                    kill_and_rmdir(&leaf);
-                }
-                kill_and_rmdir(&user);
-            }
-            kill_and_rmdir(&base);
-        }
-        // As root the runtime base lives under /run, outside the temporary directory; it
-        // is empty once every kernel is reaped (a no-op if not).
-        let _ = std::fs::remove_dir(self.sandbox.run_base());
-    }
-}
-
-fn kill_and_rmdir(dir: &Path) {
-    for _ in 0..200 {
-        let pids = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-        for pid in pids.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-            // SAFETY: kill(2) has no memory-safety preconditions.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn subdirs(dir: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
-        .map(|e| e.path())
-        .collect()
-}
-
-/// The test's cgroup base in every hierarchy the sandbox uses (v1: memory, cpu, pids; v2: one).
-fn cgroup_bases(name: &str) -> Vec<PathBuf> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut v1 = Vec::new();
-    let mut v2 = None;
-    for line in mounts.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 4 {
-            continue;
-        }
-        let opts: BTreeSet<&str> = f[3].split(',').collect();
-        if f[2] == "cgroup" && ["memory", "cpu", "pids"].iter().any(|c| opts.contains(c)) {
-            v1.push(PathBuf::from(f[1]).join(name));
-        }
-        if f[2] == "cgroup2" {
-            let controllers = std::fs::read_to_string(Path::new(f[1]).join("cgroup.controllers"))
-                .unwrap_or_default();
-            if controllers.contains("memory") {
-                v2 = Some(PathBuf::from(f[1]).join(name));
-            }
-        }
-    }
-    match v2 {
-        Some(v2) => vec![v2],
-        None => v1,
-    }
-}
-
-fn user(name: &str, index: u32, limits: UserLimits) -> SandboxUser {
-    SandboxUser {
-        name: name.into(),
-        index,
-        limits,
-    }
-}
-
-fn limits(memory_mib: u64, pids: u64) -> UserLimits {
-    UserLimits {
-        memory_bytes: memory_mib << 20,
-        cpus: 1.0,
-        pids,
-        ..UserLimits::default()
-    }
-}
-
-fn spec(user: &SandboxUser) -> LaunchSpec {
-    LaunchSpec {
-        session_id: Uuid::new_v4(),
-        user: user.clone(),
-        kernel_name: "python3".into(),
-        key: Uuid::new_v4().simple().to_string(),
-        env: vec![("KB_TEST".into(), "1".into())],
-    }
-}
-
-/// Runs a test body under [`TEST_TIMEOUT`].
-async fn bounded<F: Future<Output = ()>>(body: F) {
-    timeout(TEST_TIMEOUT, body)
-        .await
-        .expect("test took longer than its timeout");
-}
-
-/// Polls `cond` every 50 ms until it holds or `limit` passes.
-async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn wait_exit(process: &dyn KernelProcess, limit: Duration) -> ExitReason {
-    timeout(limit, process.wait())
-        .await
-        .expect("the process did not end in time")
-}
 
 /// Runs a Python snippet in the sandbox (argv: `python -c <code> <args...>`).
 async fn run_python(h: &Harness, spec: LaunchSpec, code: &str, args: &[&str]) -> Launched {

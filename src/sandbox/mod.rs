@@ -15,6 +15,7 @@ pub mod docker;
 pub(crate) mod fsutil;
 pub mod local;
 pub mod seccomp;
+pub(crate) mod watched;
 pub(crate) mod workspace_fs;
 
 use std::path::PathBuf;
@@ -175,18 +176,4 @@ pub enum SandboxError {
     },
     #[error("cgroup error ({path}): {reason}")]
     Cgroup { path: PathBuf, reason: String },
-}
-
-/// Wait until a backend's watcher publishes why its kernel ended; `lost` is the reason given
-/// when the watcher itself went away first.
-pub(crate) async fn wait_for_exit(
-    exit: &tokio::sync::watch::Receiver<Option<ExitReason>>,
-    lost: &str,
-) -> ExitReason {
-    let mut rx = exit.clone();
-    let reason = match rx.wait_for(Option::is_some).await {
-        Ok(reason) => reason.clone(),
-        Err(_) => None,
-    };
-    reason.unwrap_or_else(|| ExitReason::Lost(lost.to_string()))
 }

@@ -28,6 +28,7 @@ use std::sync::Mutex;
 
 use super::fsutil::{io_err, unavailable};
 use super::SandboxError;
+use crate::sync::lock;
 
 /// The workspace file systems of one backend.
 pub(crate) struct WorkspaceImages {
@@ -64,13 +65,6 @@ impl WorkspaceImages {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Settled> {
-        // A panic while holding it leaves only the two sets, still consistent enough.
-        self.settled
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     /// Makes `dir` (an existing directory) the mount point of its user's file system of
     /// `quota` bytes, created with its root owned by `owner`. Blocking (mkfs, mount).
     pub(crate) fn ensure(
@@ -93,7 +87,7 @@ impl WorkspaceImages {
             return Ok(());
         }
         let started = std::time::Instant::now();
-        let mut settled = self.lock();
+        let mut settled = lock(&self.settled);
         if settled.plain.contains(dir) || settled.mounted.iter().any(|m| m == dir) {
             return Ok(());
         }
@@ -244,7 +238,7 @@ impl WorkspaceImages {
     /// Unmounts every workspace file system this run mounted (after the kernels are gone).
     /// Blocking.
     pub(crate) fn unmount_all(&self) {
-        let mounted = std::mem::take(&mut self.lock().mounted);
+        let mounted = std::mem::take(&mut lock(&self.settled).mounted);
         for dir in mounted {
             if let Err(e) = run(Command::new("umount").arg(&dir)) {
                 // Still in use (a kernel that would not die): detach it now, and the kernel
@@ -253,7 +247,7 @@ impl WorkspaceImages {
                 tracing::warn!(workspace = %dir.display(), error = %e, detached = lazy.is_ok(), "cannot unmount the workspace file system");
             }
         }
-        self.lock().plain.clear();
+        lock(&self.settled).plain.clear();
     }
 }
 

@@ -1,0 +1,91 @@
+//! One kernel's leaf cgroup: the `cgroup.procs` files the launcher joins between `fork` and
+//! `exec`, the OOM counter that tells an OOM kill from another SIGKILL, and killing
+//! everything in it.
+
+use std::ffi::CString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::time::{sleep, Instant};
+
+use super::fs::{parse_keyed_counter, write_file};
+use super::{CgroupVersion, Leaf, KILL_TIMEOUT};
+
+impl Leaf {
+    /// The `cgroup.procs` file of every hierarchy's leaf, for the child to write `0` to
+    /// between `fork` and `exec`.
+    pub fn procs_files(&self) -> &[CString] {
+        &self.procs_files
+    }
+
+    /// The leaf's directories (one per hierarchy).
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// How many processes the kernel's OOM killer has killed in this leaf, if the host says.
+    /// v1 counts a kill in the victim's own memory cgroup; v2 counts it hierarchically, so in
+    /// both the leaf's counter covers exactly this kernel.
+    pub fn oom_kills(&self) -> Option<u64> {
+        let dir = self.dirs.first()?;
+        let (file, key) = match self.version {
+            CgroupVersion::V2 => ("memory.events", "oom_kill"),
+            CgroupVersion::V1 => ("memory.oom_control", "oom_kill"),
+        };
+        let text = std::fs::read_to_string(dir.join(file)).ok()?;
+        parse_keyed_counter(&text, key)
+    }
+
+    /// The processes in the leaf (host pids).
+    pub fn pids(&self) -> Vec<i32> {
+        let mut pids = Vec::new();
+        for dir in &self.dirs {
+            if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+                for pid in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    if !pids.contains(&pid) {
+                        pids.push(pid);
+                    }
+                }
+            }
+        }
+        pids
+    }
+
+    /// SIGKILLs every process in the leaf until none is left (or a timeout passes). Uses
+    /// `cgroup.kill` where the kernel has it; otherwise kills the listed processes in rounds,
+    /// which also catches processes forked while a round was running.
+    pub async fn kill_all(&self) {
+        if self.version == CgroupVersion::V2 {
+            if let Some(dir) = self.dirs.first() {
+                let kill = dir.join("cgroup.kill");
+                if kill.exists() {
+                    if let Err(e) = write_file(&kill, "1") {
+                        tracing::warn!(error = %e, "cgroup.kill failed; killing processes one by one");
+                    }
+                }
+            }
+        }
+        let deadline = Instant::now() + KILL_TIMEOUT;
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::error!(
+                    cgroup = %self.dirs.first().map(|d| d.display().to_string()).unwrap_or_default(),
+                    ?pids,
+                    "processes survived SIGKILL for {KILL_TIMEOUT:?}"
+                );
+                return;
+            }
+            for pid in pids {
+                if pid > 0 {
+                    // SAFETY: kill(2) has no memory-safety preconditions.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+            sleep(Duration::from_millis(10)).await;
+        }
+    }
+}

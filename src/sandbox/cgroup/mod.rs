@@ -1,0 +1,325 @@
+//! Control groups for the local sandbox: per-user limits and one leaf per kernel.
+//!
+//! This module owns the broker's subtree of the cgroup hierarchy (named `kernel-broker`
+//! unless configured otherwise) and nothing outside it. Layout, under each hierarchy used:
+//!
+//! ```text
+//! kernel-broker/               created on startup, removed on shutdown when empty
+//!   <user>/                    the user's limits: memory, CPU, processes (all kernels together)
+//!     <session-uuid>/          one leaf per kernel; the kernel's processes live only here
+//! ```
+//!
+//! Both cgroup versions are supported, because hosts still run both:
+//!
+//! - **v1** (separate hierarchies): the `memory`, `cpu` and `pids` controllers are found in
+//!   `/proc/self/mountinfo`; the tree above is created in each of them.
+//! - **v2** (unified): one tree; the controllers are enabled with `cgroup.subtree_control`
+//!   on every level above the leaves. As root the tree hangs off the hierarchy's root; as an
+//!   unprivileged user it hangs off the broker's own (delegated) cgroup, and the broker
+//!   moves itself into a sibling leaf first, since v2 allows no processes in inner nodes.
+//!
+//! A kernel enters its leaf before it can fork: [`Leaf::procs_files`] hands the launcher
+//! the `cgroup.procs` paths as C strings, which the child writes `0` (itself) to between
+//! `fork` and `exec`, so no process of a kernel ever runs outside its limits.
+//!
+//! Everything here is a few small reads and writes on a pseudo file system, which the kernel
+//! answers without blocking on disk, so these calls are made directly on async tasks.
+//!
+//! Layout: this file holds [`Cgroups`] (finding the hierarchies, the broker's tree, users'
+//! directories and leaves); `leaf.rs` a kernel's [`Leaf`] (joining, OOM counter, killing);
+//! `limits.rs` how [`UserLimits`] become v1 and v2 files; `mountinfo.rs` finding the
+//! hierarchies; `fs.rs` the few file operations on the cgroup file system.
+//!
+//! Why hand-written and not the `cgroups-rs` crate (0.5, maintained by the Kata Containers
+//! project; v1 and v2, builders for memory/pids/cpu, `memory.events`): the launch joins a
+//! leaf between `fork` and `exec`, which needs the `cgroup.procs` paths ready as C strings
+//! and async-signal-safe writes, not the crate's allocating `add_task`; the unprivileged
+//! case needs the broker's own delegated v2 cgroup and stepping out of it (EBUSY), which
+//! the crate does not model; and what is used here (three limits, one counter, a kill loop,
+//! a sweep) is a few hundred lines against a dependency of several thousand.
+
+mod fs;
+mod leaf;
+mod limits;
+mod mountinfo;
+
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use self::fs::{
+    cgroup_err, enable_controllers, holds_only_this_process, is_path_component, mkdir,
+    read_trimmed, rmdir_if_unused, rmdir_retrying, subdirs, write_file,
+};
+use self::mountinfo::{join_cgroup_path, parse_mountinfo, read_own_cgroup_v2};
+use super::{SandboxError, UserLimits};
+use crate::sync::lock;
+
+/// How long to keep killing a leaf's processes before giving up.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long to retry `rmdir` of a leaf whose last processes are still exiting.
+const RMDIR_TIMEOUT: Duration = Duration::from_secs(3);
+/// The v2 leaf the broker moves itself into when its own cgroup must become an inner node.
+const SELF_LEAF: &str = "broker";
+
+/// Which cgroup interface the host offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// The broker's part of the cgroup tree, and the operations on it.
+#[derive(Debug)]
+pub struct Cgroups {
+    version: CgroupVersion,
+    /// The broker's base directory in every hierarchy used (v1: memory first, then cpu and
+    /// pids; v2: exactly one). Memory first matters: OOM counters are read there.
+    bases: Vec<PathBuf>,
+    /// v2 only: the directory the base hangs off, where controllers must be enabled.
+    v2_parent: Option<PathBuf>,
+    /// Serialises creating and removing user directories, so a launch never finds the user
+    /// directory removed between creating it and creating its leaf. Held only around a few
+    /// quick syscalls, never across an `.await`, hence a std mutex.
+    tree_lock: Mutex<()>,
+}
+
+/// One kernel's leaf cgroup (one directory per hierarchy).
+#[derive(Debug)]
+pub struct Leaf {
+    version: CgroupVersion,
+    dirs: Vec<PathBuf>,
+    procs_files: Vec<CString>,
+}
+
+impl Cgroups {
+    /// Finds the hierarchies to use, without writing anything. `name` is the directory the
+    /// broker's tree lives in (`kernel-broker`); `privileged` is whether the broker runs as
+    /// root (unprivileged brokers need a delegated v2 cgroup).
+    pub fn detect(name: &str, privileged: bool) -> Result<Self, String> {
+        if !is_path_component(name) {
+            return Err(format!(
+                "the cgroup name {name:?} is not a single directory name"
+            ));
+        }
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        let mounts = parse_mountinfo(&mountinfo);
+
+        // v2 when the unified hierarchy carries all three controllers.
+        if let Some(m) = mounts.iter().find(|m| m.fs_type == "cgroup2") {
+            let controllers =
+                read_trimmed(&m.mount_point.join("cgroup.controllers")).unwrap_or_default();
+            let have: HashSet<&str> = controllers.split_whitespace().collect();
+            if ["memory", "cpu", "pids"].iter().all(|c| have.contains(c)) {
+                let parent = if privileged {
+                    m.mount_point.clone()
+                } else {
+                    let own = read_own_cgroup_v2()
+                        .ok_or("cannot find the broker's own cgroup in /proc/self/cgroup")?;
+                    join_cgroup_path(&m.mount_point, &m.root, &own)
+                };
+                return Ok(Self {
+                    version: CgroupVersion::V2,
+                    bases: vec![parent.join(name)],
+                    v2_parent: Some(parent),
+                    tree_lock: Mutex::new(()),
+                });
+            }
+        }
+
+        let v1 = |ctrl: &str| {
+            mounts
+                .iter()
+                .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == ctrl))
+                .map(|m| m.mount_point.clone())
+        };
+        match (v1("memory"), v1("cpu"), v1("pids")) {
+            (Some(memory), Some(cpu), Some(pids)) if privileged => Ok(Self {
+                version: CgroupVersion::V1,
+                bases: vec![memory.join(name), cpu.join(name), pids.join(name)],
+                v2_parent: None,
+                tree_lock: Mutex::new(()),
+            }),
+            (Some(_), Some(_), Some(_)) => Err(
+                "the host uses cgroup v1, which cannot be delegated to an unprivileged broker"
+                    .to_string(),
+            ),
+            _ => Err(
+                "no cgroup hierarchy offers the memory, cpu and pids controllers \
+                 (neither a cgroup2 mount with all three nor cgroup v1 mounts of each)"
+                    .to_string(),
+            ),
+        }
+    }
+
+    pub fn version(&self) -> CgroupVersion {
+        self.version
+    }
+
+    /// The broker's base directories (one per hierarchy), for logs and messages.
+    pub fn bases(&self) -> &[PathBuf] {
+        &self.bases
+    }
+
+    /// Creates the broker's base directories and, on v2, enables the controllers down to
+    /// them. Safe to call again.
+    pub fn setup(&self) -> Result<(), SandboxError> {
+        if let Some(parent) = &self.v2_parent {
+            if let Err(e) = enable_controllers(parent) {
+                // v2 forbids enabling controllers for children of a cgroup that holds
+                // processes. If the only process there is the broker itself (a delegated
+                // service cgroup), step aside into a leaf and try again.
+                if e.raw_os_error() == Some(libc::EBUSY) && holds_only_this_process(parent) {
+                    let own_leaf = parent.join(SELF_LEAF);
+                    mkdir(&own_leaf)?;
+                    write_file(&own_leaf.join("cgroup.procs"), "0")?;
+                    tracing::info!(cgroup = %own_leaf.display(), "moved the broker into its own leaf cgroup");
+                    enable_controllers(parent).map_err(|e| cgroup_err(parent, e))?;
+                } else {
+                    return Err(cgroup_err(
+                        parent,
+                        format!(
+                            "cannot enable the memory, cpu and pids controllers: {e} \
+                             (the cgroup must be delegated to the broker and hold no other processes)"
+                        ),
+                    ));
+                }
+            }
+        }
+        for base in &self.bases {
+            mkdir(base)?;
+            if self.version == CgroupVersion::V2 {
+                enable_controllers(base).map_err(|e| cgroup_err(base, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates (or updates) the user's directory with `limits` and a leaf for `session`.
+    /// Limits are written on every launch so that configuration changes take effect.
+    pub fn create_leaf(
+        &self,
+        user: &str,
+        limits: &UserLimits,
+        session: Uuid,
+    ) -> Result<Leaf, SandboxError> {
+        if !is_path_component(user) {
+            return Err(cgroup_err(
+                &self.bases[0],
+                format!("the user name {user:?} is not a single directory name"),
+            ));
+        }
+        let session = session.to_string();
+        let _tree = lock(&self.tree_lock);
+        let mut dirs = Vec::with_capacity(self.bases.len());
+        for base in &self.bases {
+            let user_dir = base.join(user);
+            mkdir(&user_dir)?;
+            if self.version == CgroupVersion::V2 {
+                enable_controllers(&user_dir).map_err(|e| cgroup_err(&user_dir, e))?;
+            }
+            dirs.push((user_dir.clone(), user_dir.join(&session)));
+        }
+        limits::apply(
+            self.version,
+            &dirs.iter().map(|(u, _)| u.clone()).collect::<Vec<_>>(),
+            limits,
+        )?;
+        let mut leaf = Leaf {
+            version: self.version,
+            dirs: Vec::with_capacity(dirs.len()),
+            procs_files: Vec::with_capacity(dirs.len()),
+        };
+        for (_, leaf_dir) in dirs {
+            mkdir(&leaf_dir)?;
+            let procs = leaf_dir.join("cgroup.procs");
+            let procs = CString::new(procs.as_os_str().as_bytes())
+                .map_err(|_| cgroup_err(&leaf_dir, "the path contains a NUL byte"))?;
+            leaf.procs_files.push(procs);
+            leaf.dirs.push(leaf_dir);
+        }
+        Ok(leaf)
+    }
+
+    /// Kills what is left in `leaf`, removes it, and removes the user's directory when no
+    /// other leaf is left in it.
+    pub async fn remove_leaf(&self, leaf: &Leaf) {
+        leaf.kill_all().await;
+        for dir in &leaf.dirs {
+            rmdir_retrying(dir).await;
+        }
+        let _tree = lock(&self.tree_lock);
+        for dir in &leaf.dirs {
+            if let Some(user_dir) = dir.parent() {
+                rmdir_if_unused(user_dir);
+            }
+        }
+    }
+
+    /// Removes the user's directory if none of the user's kernels is left.
+    pub fn remove_user_if_unused(&self, user: &str) {
+        if !is_path_component(user) {
+            return;
+        }
+        let _tree = lock(&self.tree_lock);
+        for base in &self.bases {
+            rmdir_if_unused(&base.join(user));
+        }
+    }
+
+    /// Removes the base directories if they are empty (broker shutdown).
+    pub fn remove_base_if_unused(&self) {
+        let _tree = lock(&self.tree_lock);
+        for base in &self.bases {
+            rmdir_if_unused(base);
+        }
+    }
+
+    /// Kills and removes every leaf under the base: what an earlier run of the broker left
+    /// behind. Only for startup, before this run has launched anything.
+    pub async fn sweep_stale(&self) -> usize {
+        let mut removed = 0;
+        // The same leaf appears once per hierarchy on v1; handle it as one leaf.
+        let mut leaves: Vec<(String, String)> = Vec::new();
+        for base in &self.bases {
+            for user in subdirs(base) {
+                for session in subdirs(&base.join(&user)) {
+                    if !leaves.contains(&(user.clone(), session.clone())) {
+                        leaves.push((user.clone(), session));
+                    }
+                }
+            }
+        }
+        for (user, session) in leaves {
+            let leaf = Leaf {
+                version: self.version,
+                dirs: self
+                    .bases
+                    .iter()
+                    .map(|b| b.join(&user).join(&session))
+                    .filter(|d| d.is_dir())
+                    .collect(),
+                procs_files: Vec::new(),
+            };
+            tracing::info!(
+                user,
+                session,
+                "removing a kernel cgroup left by an earlier run"
+            );
+            self.remove_leaf(&leaf).await;
+            removed += 1;
+        }
+        for base in &self.bases {
+            for user in subdirs(base) {
+                rmdir_if_unused(&base.join(user));
+            }
+        }
+        removed
+    }
+}

@@ -1,0 +1,452 @@
+//! A user's container: the pure spec it is created from ([`ContainerSpec`]: image, labels,
+//! limits, mounts, the locked-down host config), and its lifecycle (found running, replaced
+//! when it stopped, created and started, its end read from the daemon).
+//!
+//! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
+//! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
+//! default seccomp profile stays), uid/gid 1000:1000, memory = swap limit (no swap), CPU
+//! and pids limits from [`UserLimits`].
+
+use std::collections::HashMap;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType};
+use bollard::query_parameters::CreateContainerOptions;
+use bollard::Docker;
+
+use super::daemon::status_of;
+use super::{
+    unavailable, workspace_owner, DockerSandboxConfig, Inner, BACKEND, HOSTNAME, KERNEL_GID,
+    KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER, MAX_SOCKET_PATH,
+    RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET, WORKSPACE_INSIDE,
+};
+use crate::sandbox::fsutil::{self, io_err, launch_err, prepare_workspace};
+use crate::sandbox::{ExitReason, SandboxError, SandboxUser, UserLimits};
+
+/// A running user container.
+pub(super) struct ContainerInfo {
+    pub id: String,
+    pub name: String,
+    pub memory_limit: u64,
+    /// OOM kills in this container already attributed to a kernel.
+    pub oom_claimed: Mutex<u64>,
+    /// Held while a reaper runs in this container: two reapers at once would each see the
+    /// other's victims half-dead and race on the fixed point. An async mutex because it is
+    /// held across the reaper's exec.
+    pub reaping: tokio::sync::Mutex<()>,
+}
+
+/// What a user's container is made from; [`Self::body`] is pure.
+pub(super) struct ContainerSpec<'a> {
+    pub image: &'a str,
+    /// [`LABEL_DATA_DIR_HASH`]: tells this broker's containers apart.
+    pub hash: &'a str,
+    pub data_dir: &'a Path,
+    pub user: &'a SandboxUser,
+    /// Host directories mounted at `/workspace` and `/run/kernel`.
+    pub workspace: &'a Path,
+    pub run_dir: &'a Path,
+}
+
+impl ContainerSpec<'_> {
+    /// The container's create options (what `docker create` is told).
+    pub fn body(&self) -> ContainerCreateBody {
+        let (user, workspace, run_dir) = (self.user, self.workspace, self.run_dir);
+        let labels = HashMap::from([
+            (LABEL_MANAGED.to_string(), "true".to_string()),
+            (LABEL_DATA_DIR_HASH.to_string(), self.hash.to_string()),
+            (LABEL_USER.to_string(), user.name.clone()),
+            (
+                LABEL_DATA_DIR.to_string(),
+                self.data_dir.to_string_lossy().into_owned(),
+            ),
+        ]);
+        let bind = |source: &Path, target: &str| Mount {
+            target: Some(target.to_string()),
+            source: Some(source.to_string_lossy().into_owned()),
+            typ: Some(MountType::BIND),
+            read_only: Some(false),
+            ..Default::default()
+        };
+        let limits = resource_limits(&user.limits);
+        ContainerCreateBody {
+            image: Some(self.image.to_string()),
+            hostname: Some(HOSTNAME.to_string()),
+            user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
+            working_dir: Some(WORKSPACE_INSIDE.to_string()),
+            labels: Some(labels),
+            // The image's tini is PID 1 and runs `sleep infinity` (its CMD).
+            host_config: Some(HostConfig {
+                network_mode: Some("none".to_string()),
+                readonly_rootfs: Some(true),
+                tmpfs: Some(HashMap::from([(
+                    "/tmp".to_string(),
+                    TMPFS_OPTIONS.to_string(),
+                )])),
+                cap_drop: Some(vec!["ALL".to_string()]),
+                security_opt: Some(vec!["no-new-privileges".to_string()]),
+                ipc_mode: Some("private".to_string()),
+                memory: limits.memory,
+                memory_swap: limits.memory,
+                nano_cpus: limits.nano_cpus,
+                pids_limit: limits.pids,
+                mounts: Some(vec![
+                    bind(workspace, WORKSPACE_INSIDE),
+                    bind(run_dir, RUN_DIR_INSIDE),
+                ]),
+                auto_remove: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}
+
+impl Inner {
+    /// The user's container if it runs; forgets (and removes) it if it does not.
+    pub(super) async fn running_container(
+        &self,
+        docker: &Docker,
+        slot: &mut Option<Arc<ContainerInfo>>,
+    ) -> Result<Option<Arc<ContainerInfo>>, SandboxError> {
+        let Some(c) = slot.clone() else {
+            return Ok(None);
+        };
+        match docker.inspect_container(&c.id, None).await {
+            Ok(info) if info.state.as_ref().and_then(|s| s.running) == Some(true) => Ok(Some(c)),
+            Ok(info) => {
+                tracing::warn!(container = %c.name, state = %describe_state(&info), "the user's container stopped; replacing it");
+                self.remove_container(docker, &c.id).await;
+                *slot = None;
+                Ok(None)
+            }
+            Err(e) if status_of(&e) == Some(404) => {
+                tracing::warn!(container = %c.name, "the user's container disappeared; replacing it");
+                *slot = None;
+                Ok(None)
+            }
+            Err(e) => Err(unavailable(self.advice(&e))),
+        }
+    }
+
+    /// Creates and starts the user's container.
+    pub(super) async fn create_container(
+        &self,
+        docker: &Docker,
+        user: &SandboxUser,
+        workspace: &Path,
+    ) -> Result<Arc<ContainerInfo>, SandboxError> {
+        let run_dir = self.user_run_dir(&user.name);
+        {
+            let workspace = workspace.to_path_buf();
+            let run_dir = run_dir.clone();
+            let privileged = self.privileged;
+            let images = self.workspace_images.clone();
+            let quota = user.limits.workspace_quota_bytes;
+            tokio::task::spawn_blocking(move || {
+                let quota = Some((&*images, quota));
+                prepare_workspace(&workspace, workspace_owner(privileged), quota)?;
+                prepare_user_run_dir(&run_dir)
+            })
+            .await
+            .map_err(|e| launch_err(user, format!("preparing directories failed: {e}")))??;
+        }
+        let name = self.container_name(&user.name);
+        // A container of that name can only be left from a crash in the middle of a launch.
+        self.remove_container(docker, &name).await;
+        let body = ContainerSpec {
+            image: &self.cfg.image,
+            hash: &self.hash,
+            data_dir: &self.cfg.data_dir,
+            user,
+            workspace,
+            run_dir: &run_dir,
+        }
+        .body();
+        let created = docker
+            .create_container(
+                Some(CreateContainerOptions {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }),
+                body,
+            )
+            .await
+            .map_err(|e| {
+                launch_err(
+                    user,
+                    format!("cannot create the container {name}: {}", self.advice(&e)),
+                )
+            })?;
+        for warning in &created.warnings {
+            tracing::warn!(container = %name, "docker: {warning}");
+        }
+        if let Err(e) = docker.start_container(&created.id, None).await {
+            self.remove_container(docker, &created.id).await;
+            return Err(launch_err(
+                user,
+                format!("cannot start the container {name}: {}", self.advice(&e)),
+            ));
+        }
+        tracing::info!(container = %name, user = %user.name, "user container started");
+        Ok(Arc::new(ContainerInfo {
+            id: created.id,
+            name,
+            memory_limit: user.limits.memory_bytes,
+            oom_claimed: Mutex::new(0),
+            reaping: tokio::sync::Mutex::new(()),
+        }))
+    }
+}
+
+/// Docker's resource settings for a user's limits (0 means unlimited).
+struct ResourceLimits {
+    memory: Option<i64>,
+    nano_cpus: Option<i64>,
+    pids: Option<i64>,
+}
+
+fn resource_limits(limits: &UserLimits) -> ResourceLimits {
+    let positive = |v: i64| (v > 0).then_some(v);
+    ResourceLimits {
+        memory: positive(i64::try_from(limits.memory_bytes).unwrap_or(i64::MAX)),
+        nano_cpus: positive((limits.cpus * 1e9).round() as i64),
+        pids: positive(i64::try_from(limits.pids).unwrap_or(i64::MAX)),
+    }
+}
+
+/// `Some(reason)` if the container no longer runs.
+pub(super) async fn container_reason(
+    docker: &Docker,
+    container: &ContainerInfo,
+) -> Option<ExitReason> {
+    match docker.inspect_container(&container.id, None).await {
+        Ok(info) => {
+            let state = info.state.as_ref()?;
+            if state.running == Some(true) {
+                return None;
+            }
+            if state.oom_killed == Some(true) {
+                return Some(ExitReason::OutOfMemory {
+                    limit_bytes: container.memory_limit,
+                });
+            }
+            Some(ExitReason::Lost(format!(
+                "the user's container stopped: {}",
+                describe_state(&info)
+            )))
+        }
+        Err(e) if status_of(&e) == Some(404) => Some(ExitReason::Lost(
+            "the user's container was removed".to_string(),
+        )),
+        Err(_) => None,
+    }
+}
+
+pub(super) fn describe_state(info: &bollard::models::ContainerInspectResponse) -> String {
+    let Some(state) = &info.state else {
+        return "state unknown".to_string();
+    };
+    let mut text = state
+        .status
+        .map(|s| s.to_string())
+        .unwrap_or_else(|| "unknown".to_string());
+    if let Some(code) = state.exit_code {
+        text.push_str(&format!(", exit code {code}"));
+    }
+    if state.oom_killed == Some(true) {
+        text.push_str(", out of memory");
+    }
+    if let Some(err) = state.error.as_deref().filter(|e| !e.is_empty()) {
+        text.push_str(&format!(", {err}"));
+    }
+    text
+}
+
+/// Picks the runtime base directory (see [`DockerSandboxConfig::run_dir`]).
+pub(super) fn choose_run_base(
+    cfg: &DockerSandboxConfig,
+    hash: &str,
+    privileged: bool,
+    euid: u32,
+) -> Result<PathBuf, SandboxError> {
+    let layout = fsutil::RunBaseLayout {
+        backend: BACKEND,
+        data_dir: &cfg.data_dir,
+        run_dir: cfg.run_dir.as_deref(),
+        default_name: "run-docker",
+        fallback_name: "kernel-broker-docker",
+        // `/<user>/<dir>/k-5`
+        room: 1 + USER_NAME_BUDGET + 1 + SESSION_DIR_LEN + 4,
+        max_socket_path: MAX_SOCKET_PATH,
+    };
+    fsutil::choose_run_base(&layout, hash, privileged, euid)
+}
+
+/// The user's runtime directory, mounted at `/run/kernel`: the kernel needs to reach (not
+/// list or write) it; session directories inside it are the kernel's.
+pub(super) fn prepare_user_run_dir(dir: &Path) -> Result<(), SandboxError> {
+    let err = |what: &'static str| io_err(what, dir);
+    match std::fs::DirBuilder::new().mode(0o711).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("cannot create the user's runtime directory")(e)),
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+        .map_err(err("cannot set the runtime directory's permissions"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_map_to_docker_settings() {
+        let l = resource_limits(&UserLimits {
+            memory_bytes: 1 << 30,
+            cpus: 1.5,
+            pids: 256,
+            workspace_quota_bytes: 0,
+        });
+        assert_eq!(l.memory, Some(1 << 30));
+        assert_eq!(l.nano_cpus, Some(1_500_000_000));
+        assert_eq!(l.pids, Some(256));
+        let none = resource_limits(&UserLimits {
+            memory_bytes: 0,
+            cpus: 0.0,
+            pids: 0,
+            workspace_quota_bytes: 0,
+        });
+        assert_eq!((none.memory, none.nano_cpus, none.pids), (None, None, None));
+    }
+
+    #[test]
+    fn run_base_falls_back_when_socket_paths_would_be_too_long() {
+        let short = DockerSandboxConfig::new("/var/lib/kernel-broker");
+        assert_eq!(
+            choose_run_base(&short, "abcd1234", true, 0).unwrap(),
+            PathBuf::from("/var/lib/kernel-broker/run-docker")
+        );
+        let long = DockerSandboxConfig::new(format!("/srv/{}", "d".repeat(60)));
+        assert_eq!(
+            choose_run_base(&long, "abcd1234", true, 0).unwrap(),
+            PathBuf::from("/run/kernel-broker-docker-abcd1234")
+        );
+        let mut explicit = long.clone();
+        explicit.run_dir = Some(PathBuf::from(format!("/{}", "r".repeat(70))));
+        assert!(choose_run_base(&explicit, "abcd1234", true, 0).is_err());
+    }
+
+    /// The spec of alice's container with these limits.
+    fn body(limits: UserLimits) -> ContainerCreateBody {
+        let user = SandboxUser {
+            name: "alice".into(),
+            index: 0,
+            limits,
+        };
+        ContainerSpec {
+            image: "img:1",
+            hash: "abcd1234",
+            data_dir: Path::new("/var/lib/kb"),
+            user: &user,
+            workspace: Path::new("/var/lib/kb/workspaces-docker/alice"),
+            run_dir: Path::new("/var/lib/kb/run-docker/alice"),
+        }
+        .body()
+    }
+
+    #[test]
+    fn the_container_is_locked_down_and_labelled() {
+        let b = body(UserLimits::default());
+        assert_eq!(b.image.as_deref(), Some("img:1"));
+        assert_eq!(b.user.as_deref(), Some("1000:1000"));
+        assert_eq!(b.hostname.as_deref(), Some("kernel"));
+        assert_eq!(b.working_dir.as_deref(), Some("/workspace"));
+        let labels = b.labels.unwrap();
+        assert_eq!(labels[LABEL_MANAGED], "true");
+        assert_eq!(labels[LABEL_DATA_DIR_HASH], "abcd1234");
+        assert_eq!(labels[LABEL_USER], "alice");
+        assert_eq!(labels[LABEL_DATA_DIR], "/var/lib/kb");
+        let h = b.host_config.unwrap();
+        assert_eq!(h.network_mode.as_deref(), Some("none"));
+        assert_eq!(h.readonly_rootfs, Some(true));
+        assert_eq!(h.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(h.security_opt, Some(vec!["no-new-privileges".to_string()]));
+        assert_eq!(h.ipc_mode.as_deref(), Some("private"));
+        assert_eq!(h.auto_remove, Some(false));
+        assert_eq!(
+            h.tmpfs.unwrap()["/tmp"],
+            "rw,nosuid,nodev,size=256m,mode=1777"
+        );
+        let mounts: Vec<(String, String, bool)> = h
+            .mounts
+            .unwrap()
+            .into_iter()
+            .map(|m| {
+                assert_eq!(m.typ, Some(MountType::BIND));
+                (m.source.unwrap(), m.target.unwrap(), m.read_only.unwrap())
+            })
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                (
+                    "/var/lib/kb/workspaces-docker/alice".to_string(),
+                    "/workspace".to_string(),
+                    false
+                ),
+                (
+                    "/var/lib/kb/run-docker/alice".to_string(),
+                    "/run/kernel".to_string(),
+                    false
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn limits_appear_in_the_host_config() {
+        struct Case {
+            limits: UserLimits,
+            memory: Option<i64>,
+            nano_cpus: Option<i64>,
+            pids: Option<i64>,
+        }
+        let limits = |memory_bytes, cpus, pids| UserLimits {
+            memory_bytes,
+            cpus,
+            pids,
+            workspace_quota_bytes: 0,
+        };
+        for case in [
+            Case {
+                limits: limits(256 << 20, 0.5, 64),
+                memory: Some(256 << 20),
+                nano_cpus: Some(500_000_000),
+                pids: Some(64),
+            },
+            Case {
+                limits: limits(0, 2.0, 0),
+                memory: None,
+                nano_cpus: Some(2_000_000_000),
+                pids: None,
+            },
+            Case {
+                limits: limits(u64::MAX, 0.0, u64::MAX),
+                memory: Some(i64::MAX),
+                nano_cpus: None,
+                pids: Some(i64::MAX),
+            },
+        ] {
+            let h = body(case.limits.clone()).host_config.unwrap();
+            assert_eq!(h.memory, case.memory, "{:?}", case.limits);
+            // No swap on top of the memory limit.
+            assert_eq!(h.memory_swap, case.memory, "{:?}", case.limits);
+            assert_eq!(h.nano_cpus, case.nano_cpus, "{:?}", case.limits);
+            assert_eq!(h.pids_limit, case.pids, "{:?}", case.limits);
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! Talking to the Docker daemon: the client (connected and version-negotiated on first
+//! use), errors turned into advice for the operator, the startup sweep of an earlier run's
+//! containers and runtime entries, and finding and removing this broker's containers.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use bollard::errors::Error as DockerError;
+use bollard::query_parameters::{ListContainersOptions, RemoveContainerOptions};
+use bollard::Docker;
+use tokio::time::timeout;
+
+use super::{
+    unavailable, Inner, API_TIMEOUT_SECS, BACKEND, CONNECT_TIMEOUT, LABEL_DATA_DIR_HASH,
+    LABEL_MANAGED,
+};
+use crate::sandbox::fsutil;
+use crate::sandbox::SandboxError;
+
+impl Inner {
+    pub(super) fn unreachable(&self, why: impl std::fmt::Display) -> SandboxError {
+        unavailable(format!(
+            "cannot reach the Docker daemon at {} ({why}); start dockerd (or Podman's API \
+             service), or check --docker-socket and that the broker may use it (root or the \
+             docker group)",
+            self.cfg.socket
+        ))
+    }
+
+    /// The connected client; connects (and negotiates the API version) on first use.
+    pub(super) async fn client(&self) -> Result<Docker, SandboxError> {
+        self.client
+            .get_or_try_init(|| async {
+                let docker = Docker::connect_with_unix(
+                    &self.socket_path,
+                    API_TIMEOUT_SECS,
+                    bollard::API_DEFAULT_VERSION,
+                )
+                .map_err(|e| self.unreachable(error_text(&e)))?;
+                let docker = timeout(CONNECT_TIMEOUT, docker.negotiate_version())
+                    .await
+                    .map_err(|_| self.unreachable("no answer within 10 s"))?
+                    .map_err(|e| self.unreachable(error_text(&e)))?;
+                let version = docker.client_version();
+                tracing::debug!(socket = %self.cfg.socket, api = %format!("{}.{}", version.major_version, version.minor_version), "connected to the Docker daemon");
+                Ok(docker)
+            })
+            .await
+            .cloned()
+    }
+
+    /// A Docker error as text that tells the operator what to do.
+    pub(super) fn advice(&self, e: &DockerError) -> String {
+        match e {
+            DockerError::DockerResponseServerError {
+                status_code,
+                message,
+            } => {
+                if *status_code == 404 && message.contains("image") {
+                    format!(
+                        "{message}; build the image with docker/build-offline.sh or \
+                         `docker build -f docker/Dockerfile -t {} .`",
+                        self.cfg.image
+                    )
+                } else {
+                    format!("the Docker daemon refused ({status_code}): {message}")
+                }
+            }
+            DockerError::RequestTimeoutError => format!(
+                "the Docker daemon at {} did not answer within {API_TIMEOUT_SECS} s",
+                self.cfg.socket
+            ),
+            _ => format!(
+                "cannot talk to the Docker daemon at {} ({}); is dockerd running? \
+                 (check --docker-socket)",
+                self.cfg.socket,
+                error_text(e)
+            ),
+        }
+    }
+
+    /// Creates the directories and removes what an earlier run left; once.
+    pub(super) async fn startup(&self) -> Result<(), SandboxError> {
+        self.started
+            .get_or_try_init(|| async {
+                let docker = self.client().await?;
+                fsutil::prepare_state_dirs(
+                    BACKEND,
+                    &self.cfg.data_dir,
+                    &self.workspaces,
+                    &self.run_base,
+                    empty_dir,
+                )
+                .await?;
+                let stale = self
+                    .our_containers(&docker)
+                    .await
+                    .map_err(|e| unavailable(self.advice(&e)))?;
+                for id in &stale {
+                    self.remove_container(&docker, id).await;
+                }
+                if !stale.is_empty() {
+                    tracing::info!(
+                        count = stale.len(),
+                        "removed kernel containers left by an earlier run"
+                    );
+                }
+                Ok(())
+            })
+            .await
+            .copied()
+    }
+
+    /// Ids of every container (running or not) with this broker's labels.
+    pub(super) async fn our_containers(&self, docker: &Docker) -> Result<Vec<String>, DockerError> {
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![
+                format!("{LABEL_MANAGED}=true"),
+                format!("{LABEL_DATA_DIR_HASH}={}", self.hash),
+            ],
+        )]);
+        let list = docker
+            .list_containers(Some(ListContainersOptions {
+                all: true,
+                filters: Some(filters),
+                ..Default::default()
+            }))
+            .await?;
+        Ok(list.into_iter().filter_map(|c| c.id).collect())
+    }
+
+    /// Force-removes a container; a missing one is fine, other errors are logged.
+    pub(super) async fn remove_container(&self, docker: &Docker, id: &str) {
+        let opts = RemoveContainerOptions {
+            force: true,
+            ..Default::default()
+        };
+        match docker.remove_container(id, Some(opts)).await {
+            Ok(()) => tracing::debug!(container = %id, "container removed"),
+            Err(e) if status_of(&e) == Some(404) => {}
+            // 409: removal already in progress.
+            Err(e) if status_of(&e) == Some(409) => {}
+            Err(e) => {
+                tracing::warn!(container = %id, error = %self.advice(&e), "cannot remove a kernel container")
+            }
+        }
+    }
+}
+
+/// The HTTP status of a daemon's error answer.
+pub(super) fn status_of(e: &DockerError) -> Option<u16> {
+    match e {
+        DockerError::DockerResponseServerError { status_code, .. } => Some(*status_code),
+        _ => None,
+    }
+}
+
+/// An error with its chain of causes (hyper's errors say little at the top).
+pub(super) fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The socket's file path from a path or `unix://` URL.
+pub(super) fn socket_path(socket: &str) -> Result<String, SandboxError> {
+    let path = socket.strip_prefix("unix://").unwrap_or(socket);
+    if path.contains("://") || !path.starts_with('/') {
+        return Err(unavailable(format!(
+            "the Docker socket {socket:?} is not a unix socket path; use e.g. \
+             /var/run/docker.sock or unix:///run/podman/podman.sock"
+        )));
+    }
+    Ok(path.to_string())
+}
+
+/// Removes everything inside `dir` (an earlier run's per-user runtime directories).
+fn empty_dir(dir: &Path) -> Result<usize, SandboxError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| SandboxError::Io {
+        what: "cannot list the runtime directory",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut removed = 0;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let result = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        match result {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a stale runtime entry")
+            }
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockets_are_paths_or_unix_urls() {
+        assert_eq!(
+            socket_path("/var/run/docker.sock").unwrap(),
+            "/var/run/docker.sock"
+        );
+        assert_eq!(
+            socket_path("unix:///run/podman/podman.sock").unwrap(),
+            "/run/podman/podman.sock"
+        );
+        assert!(socket_path("tcp://127.0.0.1:2375").is_err());
+        assert!(socket_path("docker.sock").is_err());
+    }
+}

@@ -1,0 +1,553 @@
+//! The docker sandbox: kernels in one long-lived container per user, through the Docker
+//! Engine API (also Podman's compatible API).
+//!
+//! This module owns a user's container (created on the user's first launch, removed after
+//! [`DockerSandboxConfig::container_idle`] without sessions), the host directories it
+//! mounts (the persistent workspace `<data_dir>/workspaces-docker/<user>` at `/workspace`
+//! and the user's runtime directory at `/run/kernel`), and each kernel's life inside it.
+//!
+//! Why one container per user and `docker exec` per kernel, not a container per kernel: a
+//! user's kernels share one workspace and one set of limits (the
+//! [`UserLimits`](super::UserLimits) are per user, as in the local backend), so the
+//! container *is* the user's limit boundary;
+//! a warm launch is an exec (~0.1 s) instead of a container start; and one container per
+//! user keeps the daemon's load and the idle memory low. The price: a user's kernels see
+//! each other's processes and runtime files (same uid, same trust domain), and memory,
+//! process and CPU limits are shared by all of them.
+//!
+//! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
+//! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
+//! default seccomp profile stays), uid/gid 1000:1000, memory = swap limit (no swap), CPU
+//! and pids limits from [`UserLimits`](super::UserLimits). Containers carry the labels
+//! [`LABEL_MANAGED`]`=true` and [`LABEL_DATA_DIR_HASH`]`=<hash of the data dir>`, and are
+//! named `kernel-broker-<hash>-<user>`, so two brokers on one daemon never touch each
+//! other's containers.
+//!
+//! A kernel: `docker exec -d` of `sh -c 'echo $$ > /run/kernel/<dir>/pid; exec tini -s --
+//! python -m ipykernel_launcher -f ...'` with an `ipc` connection file in
+//! `/run/kernel/<dir>/`; the broker connects to the sockets on the host side of the bind
+//! mount. A watcher task per kernel polls the exec (`inspect_exec`, every 500 ms) and
+//! classifies its end (the [`ExitReason`](super::ExitReason) mapping is in `watch.rs`).
+//! Interrupts are a small exec (`kill -INT` of the recorded pid, the kernel's tini, which forwards it to the
+//! kernel, after checking that pid still runs this kernel).
+//!
+//! No process outlives its session (see `exec.rs`: each kernel under its own `tini -s`, and
+//! a reaper exec when it ends); an OOM kill is attributed to one kernel (see `watch.rs`).
+//!
+//! Startup and shutdown: before the first check or launch, containers with this broker's
+//! labels left by an earlier run are *removed*, not adopted (sessions do not survive a
+//! broker restart, so nothing in them is reachable any more), and the runtime directory
+//! is emptied. [`Sandbox::shutdown`] removes every container of this broker.
+//!
+//! The broker is expected to run as root (it chowns the workspace to 1000:1000 and
+//! connects to sockets the kernel creates). As another user, the session directory is
+//! made world-writable inside the broker's private (0700) runtime directory and the
+//! kernel runs with `umask 000`, so the broker can connect; the workspace is made 0777
+//! if it cannot be given to uid 1000. Rootless Docker/Podman (uid remapping) is untested.
+//!
+//! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
+//! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
+//! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
+//! kernel's exec, its interrupt and the reaper; `watch.rs` the watcher that classifies a
+//! kernel's end (OOM attribution included).
+
+mod container;
+mod daemon;
+mod exec;
+mod watch;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bollard::Docker;
+use tokio::sync::{oneshot, OnceCell};
+use tokio::time::{sleep, timeout};
+use tokio_util::sync::CancellationToken;
+
+use self::container::{choose_run_base, ContainerInfo};
+use self::daemon::{error_text, socket_path, status_of};
+use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
+use self::watch::watch_kernel;
+use super::fsutil::{
+    self, absolute, current_ids, launch_err, prepare_workspace, remove_dir_logged, WorkspaceOwner,
+};
+use super::watched::{KernelTable, KernelWatch, WatchedKernel};
+use super::workspace_fs::WorkspaceImages;
+use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use crate::sync::lock;
+
+const BACKEND: &str = "docker";
+/// The Docker Engine socket when none is configured.
+pub const DEFAULT_SOCKET: &str = "/var/run/docker.sock";
+/// The kernel image when none is configured (see `docker/README.md`).
+pub const DEFAULT_IMAGE: &str = "kernel-broker/python-kernel:latest";
+/// Label on every container a broker creates (`true`).
+pub const LABEL_MANAGED: &str = "org.kernel-broker.managed";
+/// Label holding the hash of the creating broker's data directory.
+pub const LABEL_DATA_DIR_HASH: &str = "org.kernel-broker.data-dir-hash";
+/// Label holding the broker user a container belongs to.
+pub const LABEL_USER: &str = "org.kernel-broker.user";
+/// Label holding the creating broker's data directory (for humans).
+pub const LABEL_DATA_DIR: &str = "org.kernel-broker.data-dir";
+
+/// uid and gid of the image's `kernel` user.
+const KERNEL_UID: u32 = 1000;
+const KERNEL_GID: u32 = 1000;
+const PYTHON_INSIDE: &str = "/opt/kernel-venv/bin/python";
+/// The image's tini (Debian's package), also the container's PID 1.
+const TINI_INSIDE: &str = "/usr/bin/tini";
+/// How long the reaper inside the container may keep killing before it gives up.
+const REAP_LIMIT_SECS: u32 = 10;
+const RUN_DIR_INSIDE: &str = "/run/kernel";
+const WORKSPACE_INSIDE: &str = "/workspace";
+const HOSTNAME: &str = "kernel";
+/// Options of the container's `/tmp` tmpfs (its pages count against the memory limit).
+const TMPFS_OPTIONS: &str = "rw,nosuid,nodev,size=256m,mode=1777";
+/// `sun_path` holds 108 bytes including the NUL.
+const MAX_SOCKET_PATH: usize = 107;
+/// User-name length the default runtime directory must leave room for.
+const USER_NAME_BUDGET: usize = 32;
+/// Hex digits of the session id naming its runtime directory (`/run/kernel/<dir>`).
+const SESSION_DIR_LEN: usize = 12;
+/// How often a kernel's watcher asks the daemon whether the kernel still runs.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Per-request timeout of the Docker client, in seconds.
+const API_TIMEOUT_SECS: u64 = 60;
+/// How long connecting to the daemon (version negotiation) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a helper exec (kill, reading a counter) may take.
+const EXEC_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long `terminate` waits for the kernel to be gone.
+const TERMINATE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a watcher tolerates a daemon that does not answer before giving the kernel up.
+const DAEMON_GRACE: Duration = Duration::from_secs(30);
+/// Bytes of a helper exec's output kept, and of a dead kernel's log shown.
+const MAX_EXEC_OUTPUT: usize = 16 * 1024;
+const LOG_TAIL_BYTES: usize = 2000;
+
+/// Settings of the docker sandbox.
+#[derive(Debug, Clone)]
+pub struct DockerSandboxConfig {
+    /// The broker's state directory; workspaces live in `<data_dir>/workspaces-docker`.
+    pub data_dir: PathBuf,
+    /// The daemon's unix socket, as a path or `unix://` URL (Podman:
+    /// `unix:///run/podman/podman.sock`).
+    pub socket: String,
+    /// The kernel image.
+    pub image: String,
+    /// How long a user's container outlives the user's last session.
+    pub container_idle: Duration,
+    /// Where per-user runtime directories go. Default `<data_dir>/run-docker`, unless socket
+    /// paths there would be too long; then `/run/kernel-broker-docker-<hash>` (root) or
+    /// `$XDG_RUNTIME_DIR/...` or `/tmp/kernel-broker-docker-<uid>-<hash>`.
+    pub run_dir: Option<PathBuf>,
+}
+
+impl DockerSandboxConfig {
+    /// The defaults for a data directory.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            socket: DEFAULT_SOCKET.to_string(),
+            image: DEFAULT_IMAGE.to_string(),
+            container_idle: Duration::from_secs(300),
+            run_dir: None,
+        }
+    }
+}
+
+/// The docker sandbox backend. Cheap handle over shared state, which its background tasks
+/// (kernel watchers, idle timers) hold too.
+pub struct DockerSandbox {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: DockerSandboxConfig,
+    /// The socket's file path (without `unix://`).
+    socket_path: String,
+    /// Short hash of the data directory: tells this broker's containers apart.
+    hash: String,
+    privileged: bool,
+    workspaces: PathBuf,
+    /// The workspaces' file systems (the per-user disk quota).
+    workspace_images: Arc<WorkspaceImages>,
+    run_base: PathBuf,
+    /// Connected (and version-negotiated) on first use; retried until it works.
+    client: OnceCell<Docker>,
+    /// Startup work (directories, sweeping an earlier run's containers), once.
+    started: OnceCell<()>,
+    users: Mutex<HashMap<String, Arc<UserSlot>>>,
+    kernels: KernelTable<DockerKernel>,
+    /// Cancelled by `shutdown`: stops idle timers.
+    shutdown: CancellationToken,
+}
+
+/// Per-user state.
+#[derive(Default)]
+struct UserSlot {
+    /// The user's container. An async mutex on purpose: it is held across the Docker calls
+    /// that create the container and start a kernel in it, so that two concurrent launches
+    /// do not both create a container, and an idle removal cannot remove the container
+    /// under a launch.
+    container: tokio::sync::Mutex<Option<Arc<ContainerInfo>>>,
+    /// The pending idle removal, cancelled by the next launch.
+    idle: Mutex<Option<CancellationToken>>,
+}
+
+impl DockerSandbox {
+    /// Validates the settings; does not contact the daemon (`check` does).
+    pub fn new(cfg: DockerSandboxConfig) -> Result<Self, SandboxError> {
+        let mut cfg = cfg;
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        let socket_path = socket_path(&cfg.socket)?;
+        let hash = fsutil::data_dir_hash(&cfg.data_dir);
+        let (euid, _) = current_ids();
+        let privileged = euid == 0;
+        let run_base = choose_run_base(&cfg, &hash, privileged, euid)?;
+        let workspaces = cfg.data_dir.join("workspaces-docker");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                cfg,
+                socket_path,
+                hash,
+                privileged,
+                workspace_images: Arc::new(WorkspaceImages::new(BACKEND, &workspaces, privileged)),
+                workspaces,
+                run_base,
+                client: OnceCell::new(),
+                started: OnceCell::new(),
+                users: Mutex::new(HashMap::new()),
+                kernels: KernelTable::default(),
+                shutdown: CancellationToken::new(),
+            }),
+        })
+    }
+
+    /// The container name of a user: `kernel-broker-<hash>-<user>`.
+    pub fn container_name(&self, user: &str) -> String {
+        self.inner.container_name(user)
+    }
+
+    /// The value of [`LABEL_DATA_DIR_HASH`] on this broker's containers.
+    pub fn data_dir_hash(&self) -> &str {
+        &self.inner.hash
+    }
+
+    /// The directory holding the per-user runtime directories.
+    pub fn run_base(&self) -> &Path {
+        &self.inner.run_base
+    }
+}
+
+#[async_trait]
+impl Sandbox for DockerSandbox {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn check(&self) -> Result<(), SandboxError> {
+        let inner = &self.inner;
+        let docker = inner.client().await?;
+        timeout(CONNECT_TIMEOUT, docker.ping())
+            .await
+            .map_err(|_| inner.unreachable("the daemon did not answer a ping within 10 s"))?
+            .map_err(|e| inner.unreachable(error_text(&e)))?;
+        match docker.inspect_image(&inner.cfg.image).await {
+            Ok(_) => {}
+            Err(e) if status_of(&e) == Some(404) => {
+                return Err(unavailable(format!(
+                    "the kernel image {} is not present; build it with docker/build-offline.sh \
+                     or `docker build -f docker/Dockerfile -t {} .`",
+                    inner.cfg.image, inner.cfg.image
+                )))
+            }
+            Err(e) => {
+                return Err(unavailable(format!(
+                    "cannot inspect the kernel image {}: {}",
+                    inner.cfg.image,
+                    inner.advice(&e)
+                )))
+            }
+        }
+        inner.startup().await
+    }
+
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        // Run the launch in its own task: if the caller gives up (its timeout drops this
+        // future), the launch still completes consistently and the kernel it started is
+        // terminated instead of leaking.
+        let inner = self.inner.clone();
+        let user = spec.user.clone();
+        let (tx, rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let result = inner.launch(spec).await;
+            if let Err(Ok(launched)) = tx.send(result) {
+                tracing::info!("launch abandoned by the caller; terminating its kernel");
+                launched.process.terminate().await;
+            }
+        });
+        rx.await
+            .map_err(|_| launch_err(&user, "the launch task failed"))?
+    }
+
+    fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        let path = self.inner.workspace_path(user)?;
+        let quota = (
+            &*self.inner.workspace_images,
+            user.limits.workspace_quota_bytes,
+        );
+        prepare_workspace(&path, workspace_owner(self.inner.privileged), Some(quota))?;
+        Ok(path)
+    }
+
+    fn workspace_owner(&self, _user: &SandboxUser) -> Option<(u32, u32)> {
+        Some((KERNEL_UID, KERNEL_GID))
+    }
+
+    async fn user_idle(&self, user: &SandboxUser) {
+        let inner = &self.inner;
+        if inner.shutdown.is_cancelled() {
+            return;
+        }
+        let slot = inner.slot(&user.name);
+        let token = CancellationToken::new();
+        if let Some(old) = lock(&slot.idle).replace(token.clone()) {
+            old.cancel();
+        }
+        let inner = inner.clone();
+        let name = user.name.clone();
+        let delay = inner.cfg.container_idle;
+        tokio::spawn(async move {
+            tokio::select! {
+                () = sleep(delay) => {}
+                () = token.cancelled() => return,
+                () = inner.shutdown.cancelled() => return,
+            }
+            inner.remove_idle_container(&name, &slot, &token).await;
+        });
+    }
+
+    async fn shutdown(&self) {
+        self.inner.shutdown().await;
+    }
+
+    fn launch_timeout(&self) -> Duration {
+        // A cold launch creates and starts a container first.
+        Duration::from_secs(60)
+    }
+}
+
+impl Inner {
+    fn container_name(&self, user: &str) -> String {
+        format!("kernel-broker-{}-{user}", self.hash)
+    }
+
+    fn slot(&self, user: &str) -> Arc<UserSlot> {
+        lock(&self.users)
+            .entry(user.to_string())
+            .or_default()
+            .clone()
+    }
+
+    fn workspace_path(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        if !is_container_safe(&user.name) {
+            return Err(launch_err(
+                user,
+                format!(
+                    "the user name {:?} is not usable in a container name (letters, digits, \
+                     `_`, `.`, `-`)",
+                    user.name
+                ),
+            ));
+        }
+        Ok(self.workspaces.join(&user.name))
+    }
+
+    fn user_run_dir(&self, user: &str) -> PathBuf {
+        self.run_base.join(user)
+    }
+
+    async fn launch(self: &Arc<Self>, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        let user = spec.user.clone();
+        if spec.kernel_name != "python3" {
+            return Err(launch_err(
+                &user,
+                format!(
+                    "the docker image provides only the python3 kernel, not {:?}",
+                    spec.kernel_name
+                ),
+            ));
+        }
+        let workspace = self.workspace_path(&user)?;
+        self.startup().await?;
+        let docker = self.client().await?;
+        let slot = self.slot(&user.name);
+        if let Some(idle) = lock(&slot.idle).take() {
+            idle.cancel();
+        }
+
+        let started = Instant::now();
+        let mut guard = slot.container.lock().await;
+        if self.shutdown.is_cancelled() {
+            return Err(launch_err(&user, "the broker is shutting down"));
+        }
+        let (container, cold) = match self.running_container(&docker, &mut guard).await? {
+            Some(c) => (c, false),
+            None => {
+                let c = self.create_container(&docker, &user, &workspace).await?;
+                *guard = Some(c.clone());
+                (c, true)
+            }
+        };
+        let container_ready = started.elapsed();
+
+        let dir = spec.session_id.simple().to_string()[..SESSION_DIR_LEN].to_string();
+        let host_dir = self.user_run_dir(&user.name).join(&dir);
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
+        let files = SessionFiles {
+            dir: host_dir.clone(),
+            privileged: self.privileged,
+            connection: connection_file(&spec, &dir),
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+
+        let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
+            Ok(id) => id,
+            Err(e) => {
+                remove_dir_logged(host_dir).await;
+                return Err(launch_err(&user, e));
+            }
+        };
+
+        let (watch, exit) = KernelWatch::new(spec.session_id, user.name.clone(), LOST);
+        let shared = Arc::new(DockerKernel {
+            watch,
+            docker: docker.clone(),
+            container,
+            dir,
+            host_dir,
+            exec_id,
+        });
+        self.kernels.insert(spec.session_id, shared.clone());
+        tokio::spawn(watch_kernel(self.clone(), shared.clone(), exit));
+        // Registered: an idle removal waiting for the lock will now see a live kernel.
+        drop(guard);
+        tracing::info!(
+            session = %spec.session_id,
+            user = %user.name,
+            container = %shared.container.name,
+            cold,
+            container_ms = container_ready.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            "kernel launched"
+        );
+        Ok(Launched {
+            endpoints,
+            process: Box::new(WatchedKernel::new(shared, TERMINATE_TIMEOUT + EXEC_TIMEOUT)),
+        })
+    }
+
+    /// After `container_idle` without sessions: removes the user's container, unless a
+    /// launch came meanwhile.
+    async fn remove_idle_container(&self, user: &str, slot: &UserSlot, token: &CancellationToken) {
+        let mut guard = slot.container.lock().await;
+        if token.is_cancelled() {
+            return;
+        }
+        let live = self.kernels.has_user(user);
+        if live {
+            return;
+        }
+        lock(&slot.idle).take();
+        let Some(container) = guard.take() else {
+            return;
+        };
+        let Ok(docker) = self.client().await else {
+            return;
+        };
+        self.remove_container(&docker, &container.id).await;
+        tracing::info!(container = %container.name, user, "removed the idle user container");
+    }
+
+    async fn shutdown(&self) {
+        self.shutdown.cancel();
+        // Wait for launches in flight (they hold their user's lock, and give up once they
+        // get it after this point), so no container is created behind our back.
+        let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
+        for slot in slots {
+            slot.container.lock().await.take();
+        }
+        let kernels = self.kernels.terminate_all();
+        if let Some(docker) = self.client.get() {
+            match self.our_containers(docker).await {
+                Ok(ids) => {
+                    futures::future::join_all(
+                        ids.iter().map(|id| self.remove_container(docker, id)),
+                    )
+                    .await;
+                    if !ids.is_empty() {
+                        tracing::info!(count = ids.len(), "removed the user containers");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %self.advice(&e), "cannot list the kernel containers to remove them")
+                }
+            }
+        }
+        KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT + EXEC_TIMEOUT).await;
+        // The containers are removed, so nothing holds the workspace file systems.
+        let images = self.workspace_images.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+            tracing::warn!(error = %e, "unmounting the workspaces failed");
+        }
+    }
+}
+
+/// Usable after `kernel-broker-<hash>-` in a container name (`[a-zA-Z0-9_.-]`) and as a
+/// path component.
+fn is_container_safe(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+fn unavailable(reason: impl Into<String>) -> SandboxError {
+    fsutil::unavailable(BACKEND, reason)
+}
+
+/// The workspace belongs to the image's `kernel` user; only root can give it away.
+fn workspace_owner(privileged: bool) -> WorkspaceOwner {
+    let (uid, gid) = (KERNEL_UID, KERNEL_GID);
+    if privileged {
+        WorkspaceOwner::Kernel { uid, gid }
+    } else {
+        WorkspaceOwner::KernelUnchowned { uid, gid }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_names_must_fit_container_names_and_paths() {
+        for ok in ["alice", "bob-2", "a.b_c", "_bot", "-x"] {
+            assert!(is_container_safe(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", "é"] {
+            assert!(!is_container_safe(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! The watcher of one kernel: polls its exec, kills it when asked, classifies its end,
+//! cleans up, and publishes the reason.
+//!
+//! Out of memory: with a memory limit on the container, the kernel's OOM killer kills the
+//! biggest process in it, normally the python kernel that allocated the memory, and the
+//! container survives. Docker does not report that per exec, so a kernel whose exec ended
+//! by SIGKILL (137) is reported as [`ExitReason::OutOfMemory`] only if the container's
+//! cgroup counter `oom_kill` (`memory.events` on cgroup v2, `memory.oom_control` on v1,
+//! read from inside the container) went up by a kill no other kernel has claimed yet;
+//! otherwise it is [`ExitReason::Signaled`]`(9)`. An OOM kill of some other process (a
+//! subprocess the kernel started) can thus be attributed to a kernel killed later by
+//! `kill -9`; rare, and said here to stay honest. If the OOM killer hits tini instead, the
+//! container dies and every kernel in it ends with OutOfMemory (`State.OOMKilled`).
+//!
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bollard::Docker;
+use tokio::time::{sleep, timeout};
+
+use super::container::{container_reason, ContainerInfo};
+use super::daemon::{error_text, status_of};
+use super::exec::{exec_output, kernel_log_tail, reap, DockerKernel};
+use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
+use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::watched::ExitPublisher;
+use crate::sandbox::ExitReason;
+use crate::sync::lock;
+
+/// Watches one kernel until it ends or is killed; then cleans up and publishes the reason.
+pub(super) async fn watch_kernel(
+    inner: Arc<Inner>,
+    shared: Arc<DockerKernel>,
+    exit: ExitPublisher,
+) {
+    let docker = shared.docker.clone();
+    let (reason, reaped) = loop {
+        tokio::select! {
+            () = sleep(POLL_INTERVAL) => {}
+            () = shared.watch.kill_requested() => {
+                // On shutdown the whole container is being removed: nothing to reap one by
+                // one, only the end to wait for.
+                kill_kernel(&docker, &shared, !inner.shutdown.is_cancelled()).await;
+                break (ExitReason::Terminated, true);
+            }
+        }
+        match poll_exec(&docker, &shared).await {
+            Poll::Running => continue,
+            Poll::Ended(reason) => break (reason, false),
+        }
+    };
+    let reason = shared.watch.reason_or_terminated(reason);
+    let session = shared.watch.session_id;
+    match &reason {
+        ExitReason::Terminated | ExitReason::Exited(0) => {
+            tracing::info!(%session, user = %shared.watch.user, %reason, "kernel ended");
+        }
+        _ => {
+            let tail = kernel_log_tail(&docker, &shared).await;
+            tracing::warn!(%session, user = %shared.watch.user, %reason, last_output = %tail, "kernel ended");
+        }
+    }
+    if !reaped && !inner.shutdown.is_cancelled() {
+        // Ended by itself: what it started outlives it, reparented to PID 1.
+        reap(&docker, &shared).await;
+    }
+    remove_dir_logged(shared.host_dir.clone()).await;
+    inner.kernels.remove(&session);
+    exit.publish(reason);
+}
+
+enum Poll {
+    Running,
+    Ended(ExitReason),
+}
+
+/// Asks the daemon about the kernel's exec; tolerates a silent daemon for [`DAEMON_GRACE`].
+async fn poll_exec(docker: &Docker, shared: &DockerKernel) -> Poll {
+    let since = Instant::now();
+    loop {
+        match docker.inspect_exec(&shared.exec_id).await {
+            Ok(exec) if exec.running == Some(true) => return Poll::Running,
+            Ok(exec) => {
+                return Poll::Ended(classify_exec_end(docker, shared, exec.exit_code).await)
+            }
+            // The exec is gone: the container was removed.
+            Err(e) if status_of(&e) == Some(404) => {
+                return Poll::Ended(
+                    container_reason(docker, &shared.container)
+                        .await
+                        .unwrap_or_else(|| {
+                            ExitReason::Lost("the user's container was removed".to_string())
+                        }),
+                )
+            }
+            Err(e) => {
+                if since.elapsed() >= DAEMON_GRACE {
+                    return Poll::Ended(ExitReason::Lost(format!(
+                        "lost contact with the Docker daemon: {}",
+                        error_text(&e)
+                    )));
+                }
+                tracing::debug!(session = %shared.watch.session_id, error = %error_text(&e), "cannot inspect the kernel's exec; retrying");
+                tokio::select! {
+                    () = sleep(Duration::from_secs(1)) => {}
+                    () = shared.watch.kill_requested() => return Poll::Running,
+                }
+            }
+        }
+    }
+}
+
+/// Why a kernel's exec ended: the container's end if the container stopped, else the
+/// exec's exit code (see the module comment for how SIGKILL becomes OutOfMemory).
+async fn classify_exec_end(
+    docker: &Docker,
+    shared: &DockerKernel,
+    exit_code: Option<i64>,
+) -> ExitReason {
+    if let Some(reason) = container_reason(docker, &shared.container).await {
+        return reason;
+    }
+    let code = exit_code.unwrap_or(-1);
+    if code == 128 + i64::from(libc::SIGKILL) {
+        match oom_kills(docker, &shared.container.id).await {
+            Some(count) => {
+                if claim_oom(&shared.container, count) {
+                    return ExitReason::OutOfMemory {
+                        limit_bytes: shared.container.memory_limit,
+                    };
+                }
+            }
+            None => {
+                // The counter is unreadable: maybe the container is going away right now.
+                if let Some(reason) = container_reason(docker, &shared.container).await {
+                    return reason;
+                }
+            }
+        }
+    }
+    exit_reason_from_code(code)
+}
+
+/// Exit code of an exec'd process as a reason (Docker reports signal N as 128 + N).
+fn exit_reason_from_code(code: i64) -> ExitReason {
+    match code {
+        129..=192 => ExitReason::Signaled((code - 128) as i32),
+        c => ExitReason::Exited(i32::try_from(c).unwrap_or(-1)),
+    }
+}
+
+/// Takes one not yet attributed OOM kill of the container, if there is one.
+fn claim_oom(container: &ContainerInfo, count: u64) -> bool {
+    let mut claimed = lock(&container.oom_claimed);
+    if count > *claimed {
+        *claimed += 1;
+        true
+    } else {
+        false
+    }
+}
+
+/// The container's OOM-kill counter, read from its own cgroup (v2, then v1).
+async fn oom_kills(docker: &Docker, container: &str) -> Option<u64> {
+    let script = "cat /sys/fs/cgroup/memory.events 2>/dev/null || \
+                  cat /sys/fs/cgroup/memory/memory.oom_control";
+    let (code, out) = timeout(
+        EXEC_TIMEOUT,
+        exec_output(docker, container, &["sh", "-c", script]),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    if code != 0 {
+        return None;
+    }
+    parse_oom_kill(&out)
+}
+
+/// The `oom_kill N` line of `memory.events` (v2) or `memory.oom_control` (v1).
+fn parse_oom_kill(text: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        (words.next() == Some("oom_kill"))
+            .then(|| words.next()?.parse().ok())
+            .flatten()
+    })
+}
+
+/// Kills the kernel with everything it started (see [`reap`]) unless `reap_first` is false,
+/// and waits until Docker reports the exec ended (or the container gone). Errors only
+/// logged: the container may be going away at the same time.
+async fn kill_kernel(docker: &Docker, shared: &DockerKernel, reap_first: bool) {
+    if reap_first {
+        reap(docker, shared).await;
+    }
+    let deadline = Instant::now() + TERMINATE_TIMEOUT;
+    while Instant::now() < deadline {
+        match docker.inspect_exec(&shared.exec_id).await {
+            Ok(exec) if exec.running == Some(true) => {}
+            Ok(_) => return,
+            Err(e) if status_of(&e) == Some(404) => return,
+            Err(e) => tracing::debug!(error = %error_text(&e), "inspecting a killed kernel failed"),
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!(session = %shared.watch.session_id, "the kernel's exec still runs after SIGKILL");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    #[test]
+    fn oom_kill_counters_parse_for_both_cgroup_versions() {
+        let v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kill(v2), Some(2));
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n";
+        assert_eq!(parse_oom_kill(v1), Some(5));
+        // Kernels before 4.13 have no counter in memory.oom_control.
+        assert_eq!(parse_oom_kill("oom_kill_disable 0\nunder_oom 0\n"), None);
+        assert_eq!(parse_oom_kill(""), None);
+    }
+
+    #[test]
+    fn exec_exit_codes_map_to_reasons() {
+        assert_eq!(exit_reason_from_code(0), ExitReason::Exited(0));
+        assert_eq!(exit_reason_from_code(3), ExitReason::Exited(3));
+        assert_eq!(exit_reason_from_code(128), ExitReason::Exited(128));
+        assert_eq!(exit_reason_from_code(130), ExitReason::Signaled(2));
+        assert_eq!(exit_reason_from_code(137), ExitReason::Signaled(9));
+        assert_eq!(exit_reason_from_code(255), ExitReason::Exited(255));
+        assert_eq!(exit_reason_from_code(-1), ExitReason::Exited(-1));
+    }
+
+    #[test]
+    fn each_oom_kill_is_claimed_once() {
+        let c = ContainerInfo {
+            id: "x".into(),
+            name: "x".into(),
+            memory_limit: 1,
+            oom_claimed: Mutex::new(0),
+            reaping: tokio::sync::Mutex::new(()),
+        };
+        assert!(!claim_oom(&c, 0));
+        assert!(claim_oom(&c, 2));
+        assert!(claim_oom(&c, 2));
+        assert!(!claim_oom(&c, 2));
+        assert!(claim_oom(&c, 3));
+    }
+}

@@ -1,0 +1,591 @@
+//! The bwrap command line: the kernel's namespaces, its view of the file system, its
+//! environment, and the drop to its uid. Pure: from the sandbox's options, what the host
+//! looks like ([`HostRoot`], probed by the caller) and one run's request, it builds the
+//! argv; nothing here runs anything, so every rule is tested on data below.
+//!
+//! What a kernel sees: `/usr` (and the Python installation) read-only, a tiny `/etc`, a
+//! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
+//! directory at `/run/kernel`. Nothing else of the host. The network namespace is empty
+//! (loopback only).
+
+use std::collections::BTreeSet;
+use std::ffi::OsString;
+use std::os::fd::RawFd;
+use std::path::{Path, PathBuf};
+
+use super::files::login_name;
+use super::{HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE};
+
+/// Host files that are harmless to show read-only in the sandbox's `/etc`, if present.
+const ETC_RO_FILES: &[&str] = &[
+    "/etc/ld.so.cache",
+    "/etc/localtime",
+    "/etc/fonts",
+    "/etc/ssl/certs",
+    "/etc/alternatives",
+    "/etc/mime.types",
+];
+/// Top-level host directories mirrored (as the symlink they are, or read-only).
+const ROOT_TOPS: &[&str] = &["bin", "sbin", "lib", "lib64", "lib32", "libx32"];
+
+/// What the sandbox decided once, when it was made.
+#[derive(Debug, Clone, Default)]
+pub(super) struct BwrapOptions {
+    /// The broker runs as root: kernels get their own uid through `setpriv`, no user
+    /// namespace.
+    pub privileged: bool,
+    /// `setpriv`, to drop to the kernel's uid inside the sandbox (root mode).
+    pub setpriv: Option<PathBuf>,
+    /// This bwrap knows `--size` (tmpfs size caps).
+    pub has_size: bool,
+    /// This bwrap knows `--disable-userns`.
+    pub has_disable_userns: bool,
+    /// Host directories of the Python installation, shown read-only at the same place.
+    pub python_dirs: Vec<PathBuf>,
+}
+
+/// What a top-level host directory (`/bin`, `/lib`, ...) is.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum RootEntry {
+    /// A symlink to this target (merged-`/usr` systems).
+    Symlink(PathBuf),
+    /// A real directory.
+    Dir,
+}
+
+/// What of the host's root the sandbox mirrors; probed at each launch, so that a change on
+/// the host (an extra bind created later) is seen by the next kernel.
+#[derive(Debug, Clone, Default)]
+pub(super) struct HostRoot {
+    /// `/bin`, `/lib`, ... that exist, and what they are.
+    pub tops: Vec<(PathBuf, RootEntry)>,
+    /// The [`ETC_RO_FILES`] that exist.
+    pub etc_files: Vec<PathBuf>,
+    /// The configured extra read-only binds that are existing absolute paths.
+    pub extra_ro_binds: Vec<PathBuf>,
+}
+
+impl HostRoot {
+    /// Looks at the host.
+    pub fn probe(extra_ro_binds: &[PathBuf]) -> Self {
+        let mut tops = Vec::new();
+        for top in ROOT_TOPS {
+            let host = Path::new("/").join(top);
+            match std::fs::read_link(&host) {
+                Ok(target) => tops.push((host, RootEntry::Symlink(target))),
+                Err(_) if host.is_dir() => tops.push((host, RootEntry::Dir)),
+                Err(_) => {}
+            }
+        }
+        Self {
+            tops,
+            etc_files: ETC_RO_FILES
+                .iter()
+                .map(PathBuf::from)
+                .filter(|p| p.exists())
+                .collect(),
+            extra_ro_binds: extra_ro_binds
+                .iter()
+                .filter(|d| d.is_absolute() && d.exists())
+                .cloned()
+                .collect(),
+        }
+    }
+}
+
+/// What bwrap should build for one run.
+pub(super) struct BwrapRequest<'a> {
+    pub workspace: &'a Path,
+    pub rundir: &'a Path,
+    pub ids: Option<(u32, u32)>,
+    pub tmp_size: Option<u64>,
+    pub resource_dir: Option<&'a Path>,
+    pub argv: &'a [String],
+}
+
+/// Builds bwrap's file system arguments. bwrap creates missing parents of a mount point
+/// with mode 0700, which would hide everything below them from a non-root kernel, so every
+/// parent is created explicitly with 0755 first; and a bind inside a read-only bind made
+/// earlier (say, a Python under `/usr`) is skipped, as it is visible already.
+#[derive(Default)]
+struct MountPlan {
+    args: Vec<OsString>,
+    /// Directories that exist in the sandbox (created or mounted).
+    dirs: BTreeSet<PathBuf>,
+    /// Read-only binds of a host path onto the same path.
+    ro_roots: Vec<PathBuf>,
+}
+
+impl MountPlan {
+    fn flag(&mut self, flag: &str) {
+        self.args.push(flag.into());
+    }
+
+    fn push<I, S>(&mut self, args: I)
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+    }
+
+    fn covered(&self, path: &Path) -> bool {
+        self.ro_roots.iter().any(|root| path.starts_with(root))
+    }
+
+    /// Creates `dir` and its missing parents, 0755.
+    fn dir(&mut self, dir: &Path) {
+        let mut missing: Vec<&Path> = dir
+            .ancestors()
+            .filter(|a| *a != Path::new("/") && !a.as_os_str().is_empty())
+            .take_while(|a| !self.dirs.contains(*a) && !self.covered(a))
+            .collect();
+        missing.reverse();
+        for d in missing {
+            self.args
+                .extend(["--perms".into(), "0755".into(), "--dir".into(), d.into()]);
+            self.dirs.insert(d.to_path_buf());
+        }
+    }
+
+    fn parents(&mut self, dest: &Path) {
+        if let Some(parent) = dest.parent() {
+            self.dir(parent);
+        }
+    }
+
+    fn ro_bind(&mut self, src: &Path, dest: &Path) {
+        if self.covered(dest) {
+            return;
+        }
+        self.parents(dest);
+        self.args
+            .extend(["--ro-bind".into(), src.into(), dest.into()]);
+        if src == dest {
+            self.ro_roots.push(dest.to_path_buf());
+        }
+        self.dirs.insert(dest.to_path_buf());
+    }
+
+    fn bind(&mut self, src: &Path, dest: &Path) {
+        self.parents(dest);
+        self.args.extend(["--bind".into(), src.into(), dest.into()]);
+        self.dirs.insert(dest.to_path_buf());
+    }
+
+    fn symlink(&mut self, target: &Path, link: &Path) {
+        self.parents(link);
+        self.args
+            .extend(["--symlink".into(), target.into(), link.into()]);
+    }
+}
+
+/// The bwrap arguments after `--info-fd`: namespaces, the syscall filter (read from
+/// `seccomp_fd`, which bwrap must inherit), the file system, the command.
+pub(super) fn bwrap_args(
+    opts: &BwrapOptions,
+    host: &HostRoot,
+    req: &BwrapRequest<'_>,
+    seccomp_fd: Option<RawFd>,
+) -> Vec<OsString> {
+    let mut fs = MountPlan::default();
+    fs.flag("--unshare-pid");
+    fs.flag("--unshare-net");
+    fs.flag("--unshare-ipc");
+    fs.flag("--unshare-uts");
+    fs.flag("--unshare-cgroup-try");
+    if !opts.privileged {
+        // As root, a user namespace would leave setpriv no uid to switch to.
+        fs.flag("--unshare-user");
+        if opts.has_disable_userns {
+            fs.flag("--disable-userns");
+        }
+    }
+    if let Some(fd) = seccomp_fd {
+        // bwrap installs it last, right before exec'ing the command: after its own
+        // namespace and mount work, before setpriv (whose setresuid, setgroups, capset
+        // and prctl the filter allows).
+        fs.push(["--seccomp".to_string(), fd.to_string()]);
+    }
+    fs.flag("--die-with-parent");
+    fs.flag("--new-session");
+    fs.push(["--hostname", HOSTNAME]);
+
+    fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
+    for (path, entry) in &host.tops {
+        match entry {
+            RootEntry::Symlink(target) => fs.symlink(target, path),
+            RootEntry::Dir => fs.ro_bind(path, path),
+        }
+    }
+    // The private mounts come before the binds, so that a bind below /tmp (a venv
+    // there, say) lands on the tmpfs instead of being hidden by it.
+    fs.push(["--proc", "/proc", "--dev", "/dev"]);
+    fs.dirs.insert(PathBuf::from("/dev"));
+    // /tmp, and /dev/shm for POSIX semaphores and shared memory (multiprocessing).
+    for tmp in ["/tmp", "/dev/shm"] {
+        fs.push(["--perms", "1777"]);
+        if let (Some(size), true) = (req.tmp_size, opts.has_size) {
+            // tmpfs pages count against the memory cgroup anyway; the cap keeps a
+            // tmpfs from claiming more than the user may use at all.
+            fs.push(["--size".to_string(), size.to_string()]);
+        }
+        fs.push(["--tmpfs", tmp]);
+        fs.dirs.insert(PathBuf::from(tmp));
+    }
+    for dir in &opts.python_dirs {
+        fs.ro_bind(dir, dir);
+    }
+    for dir in &host.extra_ro_binds {
+        fs.ro_bind(dir, dir);
+    }
+    if let Some(dir) = req.resource_dir {
+        fs.ro_bind(dir, dir);
+    }
+    fs.dir(Path::new("/etc"));
+    for path in &host.etc_files {
+        fs.ro_bind(path, path);
+    }
+    for name in ["passwd", "group", "hosts"] {
+        fs.ro_bind(&req.rundir.join(name), &Path::new("/etc").join(name));
+    }
+
+    fs.bind(req.rundir, Path::new(RUN_DIR_INSIDE));
+    fs.bind(req.workspace, Path::new(WORKSPACE_INSIDE));
+    fs.push(["--chdir", WORKSPACE_INSIDE]);
+
+    let mut args = fs.args;
+    args.push("--".into());
+    if let (Some(setpriv), Some((uid, gid))) = (&opts.setpriv, req.ids) {
+        args.push(setpriv.into());
+        args.push(format!("--reuid={uid}").into());
+        args.push(format!("--regid={gid}").into());
+        for a in [
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+        ] {
+            args.push(a.into());
+        }
+    }
+    args.extend(req.argv.iter().map(OsString::from));
+    args
+}
+
+/// The kernel's whole environment (bwrap and setpriv pass it through unchanged); the
+/// broker's own environment is not inherited.
+pub(super) fn kernel_env(venv: &Path, user: &str) -> Vec<(String, String)> {
+    let login = login_name(user);
+    let path = format!(
+        "{}:/usr/local/bin:/usr/bin:/bin",
+        venv.join("bin").to_string_lossy()
+    );
+    [
+        ("PATH", path.as_str()),
+        ("HOME", WORKSPACE_INSIDE),
+        ("USER", login.as_str()),
+        ("LOGNAME", login.as_str()),
+        ("LANG", "C.UTF-8"),
+        ("TMPDIR", "/tmp"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("MPLBACKEND", "module://matplotlib_inline.backend_inline"),
+        // debugpy warns about frozen modules on every start otherwise.
+        ("PYDEVD_DISABLE_FILE_VALIDATION", "1"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn mount_plan_creates_every_parent_once_with_0755() {
+        let mut fs = MountPlan::default();
+        fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
+        fs.ro_bind(
+            Path::new("/root/.pyenv/v/3.11"),
+            Path::new("/root/.pyenv/v/3.11"),
+        );
+        fs.ro_bind(
+            Path::new("/root/.pyenv/v/other"),
+            Path::new("/root/.pyenv/v/other"),
+        );
+        fs.ro_bind(Path::new("/usr/lib/python3"), Path::new("/usr/lib/python3"));
+        let args: Vec<String> = fs
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root/.pyenv",
+                "--perms",
+                "0755",
+                "--dir",
+                "/root/.pyenv/v",
+                "--ro-bind",
+                "/root/.pyenv/v/3.11",
+                "/root/.pyenv/v/3.11",
+                "--ro-bind",
+                "/root/.pyenv/v/other",
+                "/root/.pyenv/v/other",
+            ]
+        );
+    }
+
+    /// The argv as strings.
+    fn text(args: &[OsString]) -> Vec<String> {
+        args.iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// Whether `args` holds `seq` as consecutive arguments.
+    fn has(args: &[String], seq: &[&str]) -> bool {
+        args.windows(seq.len())
+            .any(|w| w.iter().zip(seq).all(|(a, b)| a == b))
+    }
+
+    fn host() -> HostRoot {
+        HostRoot {
+            tops: vec![
+                (
+                    PathBuf::from("/bin"),
+                    RootEntry::Symlink(PathBuf::from("usr/bin")),
+                ),
+                (PathBuf::from("/lib64"), RootEntry::Dir),
+            ],
+            etc_files: vec![PathBuf::from("/etc/localtime")],
+            extra_ro_binds: vec![PathBuf::from("/opt/data")],
+        }
+    }
+
+    fn root() -> BwrapOptions {
+        BwrapOptions {
+            privileged: true,
+            setpriv: Some(PathBuf::from("/usr/bin/setpriv")),
+            has_size: true,
+            has_disable_userns: true,
+            python_dirs: vec![PathBuf::from("/opt/py/3.11")],
+        }
+    }
+
+    fn unprivileged() -> BwrapOptions {
+        BwrapOptions {
+            privileged: false,
+            setpriv: None,
+            ..root()
+        }
+    }
+
+    /// One run: options, tmpfs size, uid, resource dir, seccomp fd → the argv.
+    fn run(
+        opts: &BwrapOptions,
+        tmp_size: Option<u64>,
+        ids: Option<(u32, u32)>,
+        resource_dir: Option<&Path>,
+        seccomp: Option<RawFd>,
+    ) -> Vec<String> {
+        let argv = ["python".to_string(), "-c".to_string(), "pass".to_string()];
+        let req = BwrapRequest {
+            workspace: Path::new("/data/workspaces/alice"),
+            rundir: Path::new("/run/kb/0000"),
+            ids,
+            tmp_size,
+            resource_dir,
+            argv: &argv,
+        };
+        text(&bwrap_args(opts, &host(), &req, seccomp))
+    }
+
+    #[test]
+    fn argv_cases() {
+        struct Case {
+            name: &'static str,
+            args: Vec<String>,
+            present: Vec<&'static [&'static str]>,
+            absent: Vec<&'static [&'static str]>,
+        }
+        let res = Path::new("/k/spec");
+        let cases = [
+            Case {
+                name: "root: own namespaces, no network, uid dropped by setpriv",
+                args: run(&root(), None, Some((200_001, 200_001)), None, None),
+                present: vec![
+                    &["--unshare-pid"],
+                    &["--unshare-net"],
+                    &["--unshare-ipc"],
+                    &["--unshare-uts"],
+                    &["--unshare-cgroup-try"],
+                    &["--die-with-parent"],
+                    &["--new-session"],
+                    &["--hostname", "kernel"],
+                    &[
+                        "--",
+                        "/usr/bin/setpriv",
+                        "--reuid=200001",
+                        "--regid=200001",
+                        "--clear-groups",
+                        "--inh-caps=-all",
+                        "--bounding-set=-all",
+                        "--no-new-privs",
+                        "--",
+                        "python",
+                        "-c",
+                        "pass",
+                    ],
+                ],
+                absent: vec![&["--unshare-user"], &["--seccomp"], &["--size"]],
+            },
+            Case {
+                name: "unprivileged: a user namespace, no nested ones, no setpriv",
+                args: run(&unprivileged(), None, None, None, None),
+                present: vec![
+                    &["--unshare-net"],
+                    &["--unshare-user"],
+                    &["--disable-userns"],
+                    &["--", "python", "-c", "pass"],
+                ],
+                absent: vec![&["/usr/bin/setpriv"]],
+            },
+            Case {
+                name: "an old bwrap without --disable-userns",
+                args: run(
+                    &BwrapOptions {
+                        has_disable_userns: false,
+                        ..unprivileged()
+                    },
+                    None,
+                    None,
+                    None,
+                    None,
+                ),
+                present: vec![&["--unshare-user"]],
+                absent: vec![&["--disable-userns"]],
+            },
+            Case {
+                name: "read-only host: /usr, Python, /lib64, extra binds, /etc files",
+                args: run(&root(), None, None, None, None),
+                present: vec![
+                    &["--ro-bind", "/usr", "/usr"],
+                    &["--symlink", "usr/bin", "/bin"],
+                    &["--ro-bind", "/lib64", "/lib64"],
+                    &["--ro-bind", "/opt/py/3.11", "/opt/py/3.11"],
+                    &["--ro-bind", "/opt/data", "/opt/data"],
+                    &["--ro-bind", "/etc/localtime", "/etc/localtime"],
+                    &["--ro-bind", "/run/kb/0000/passwd", "/etc/passwd"],
+                    &["--ro-bind", "/run/kb/0000/group", "/etc/group"],
+                    &["--ro-bind", "/run/kb/0000/hosts", "/etc/hosts"],
+                    &["--perms", "0755", "--dir", "/opt"],
+                ],
+                absent: vec![&["--bind", "/usr"], &["--ro-bind", "/k/spec"]],
+            },
+            Case {
+                name: "writable: only the workspace and the runtime directory",
+                args: run(&root(), None, None, None, None),
+                present: vec![
+                    &["--bind", "/run/kb/0000", "/run/kernel"],
+                    &["--bind", "/data/workspaces/alice", "/workspace"],
+                    &["--chdir", "/workspace"],
+                    &["--proc", "/proc", "--dev", "/dev"],
+                    &["--perms", "1777", "--tmpfs", "/tmp"],
+                    &["--perms", "1777", "--tmpfs", "/dev/shm"],
+                ],
+                absent: vec![],
+            },
+            Case {
+                name: "the memory limit caps the tmpfs when bwrap can",
+                args: run(&root(), Some(64 << 20), None, None, None),
+                present: vec![
+                    &["--perms", "1777", "--size", "67108864", "--tmpfs", "/tmp"],
+                    &[
+                        "--perms", "1777", "--size", "67108864", "--tmpfs", "/dev/shm",
+                    ],
+                ],
+                absent: vec![],
+            },
+            Case {
+                name: "a bwrap without --size gets no cap",
+                args: run(
+                    &BwrapOptions {
+                        has_size: false,
+                        ..root()
+                    },
+                    Some(64 << 20),
+                    None,
+                    None,
+                    None,
+                ),
+                present: vec![&["--perms", "1777", "--tmpfs", "/tmp"]],
+                absent: vec![&["--size"]],
+            },
+            Case {
+                name: "the syscall filter and the kernel spec's resource directory",
+                args: run(&root(), None, None, Some(res), Some(7)),
+                present: vec![&["--seccomp", "7"], &["--ro-bind", "/k/spec", "/k/spec"]],
+                absent: vec![],
+            },
+        ];
+        for case in cases {
+            for seq in &case.present {
+                assert!(
+                    has(&case.args, seq),
+                    "{}: missing {seq:?} in {:?}",
+                    case.name,
+                    case.args
+                );
+            }
+            for seq in &case.absent {
+                assert!(
+                    !has(&case.args, seq),
+                    "{}: unexpected {seq:?} in {:?}",
+                    case.name,
+                    case.args
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn private_mounts_come_before_binds_that_may_land_on_them() {
+        let args = run(&root(), None, Some((1, 1)), None, None);
+        let at = |seq: &[&str]| {
+            args.windows(seq.len())
+                .position(|w| w.iter().zip(seq).all(|(a, b)| a == b))
+                .unwrap_or_else(|| panic!("{seq:?} missing"))
+        };
+        assert!(at(&["--tmpfs", "/tmp"]) < at(&["--ro-bind", "/opt/py/3.11"]));
+        // The command comes last, after the file system.
+        assert!(at(&["--chdir", "/workspace"]) < at(&["--", "/usr/bin/setpriv"]));
+    }
+
+    #[test]
+    fn the_kernel_environment_is_built_not_inherited() {
+        let env: HashMap<String, String> = kernel_env(Path::new("/opt/venv"), "a:b")
+            .into_iter()
+            .collect();
+        assert_eq!(env["PATH"], "/opt/venv/bin:/usr/local/bin:/usr/bin:/bin");
+        assert_eq!(env["HOME"], "/workspace");
+        assert_eq!(env["USER"], "a_b");
+        assert_eq!(env["LOGNAME"], "a_b");
+        assert_eq!(env["TMPDIR"], "/tmp");
+        assert_eq!(env.len(), 9);
+    }
+}

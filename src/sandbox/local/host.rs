@@ -1,0 +1,74 @@
+//! What the local sandbox learns about this host once, when it is made: where programs
+//! are, and which directories make up the kernels' Python installation (shown read-only
+//! to kernels at the same paths).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use super::unavailable;
+use crate::sandbox::SandboxError;
+
+/// Runs the interpreter once to learn its venv and installation directories, which the
+/// sandbox shows read-only at the same paths.
+pub(super) fn discover_python(python: &Path) -> Result<(PathBuf, Vec<PathBuf>), SandboxError> {
+    const SCRIPT: &str =
+        "import os, sys; print(sys.prefix); print(sys.base_prefix); print(os.path.realpath(sys.executable))";
+    let output = std::process::Command::new(python)
+        .args(["-I", "-c", SCRIPT])
+        .env_clear()
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| {
+            unavailable(format!(
+                "cannot run the kernels' Python {}: {e}; create it with kernels/setup.sh",
+                python.display()
+            ))
+        })?;
+    if !output.status.success() {
+        return Err(unavailable(format!(
+            "the kernels' Python {} failed ({}): {}",
+            python.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let [prefix, base_prefix, executable] = lines[..] else {
+        return Err(unavailable(format!(
+            "unexpected answer from {}: {stdout:?}",
+            python.display()
+        )));
+    };
+    let venv = PathBuf::from(prefix);
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for dir in [prefix, base_prefix] {
+        let dir = PathBuf::from(dir);
+        if !dir.starts_with("/usr") && !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
+    }
+    // An interpreter binary outside both prefixes (unusual): show its directory too.
+    let executable = PathBuf::from(executable);
+    if !executable.starts_with("/usr") && !dirs.iter().any(|d| executable.starts_with(d)) {
+        if let Some(bin) = executable.parent() {
+            dirs.push(bin.to_path_buf());
+        }
+    }
+    if dirs.iter().any(|d| d == Path::new("/")) {
+        return Err(unavailable(format!(
+            "the kernels' Python {} is installed at /, which cannot be shown to kernels alone",
+            python.display()
+        )));
+    }
+    tracing::debug!(venv = %venv.display(), ?dirs, "kernels' Python found");
+    Ok((venv, dirs))
+}
+
+pub(super) fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}

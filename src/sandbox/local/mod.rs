@@ -1,0 +1,446 @@
+//! The local sandbox: kernels in Linux namespaces (bubblewrap) under cgroup limits.
+//!
+//! This module owns everything a kernel needs on this host: the user's persistent
+//! workspace (`<data_dir>/workspaces/<user>`), a runtime directory per launch holding the
+//! connection file and the ZeroMQ `ipc://` sockets, the `bwrap` command line that builds the
+//! kernel's view of the file system, and the process's life from spawn to reaping.
+//!
+//! What a kernel sees: `/usr` (and the Python installation) read-only, a tiny `/etc`, a
+//! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
+//! directory at `/run/kernel`. Nothing else of the host: not `/root`, `/home`, `/var`, `/srv`,
+//! nor the broker's own tree (except the kernels' venv). The network namespace is empty
+//! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`. Every
+//! kernel runs under a seccomp filter ([`super::seccomp`]): no namespaces, mounts, ptrace,
+//! bpf, io_uring and the like. `/proc/self/mountinfo` shows where each bind came from on
+//! the host, so as root the runtime directories live under `/run`, not in the data directory
+//! (see [`LocalSandboxConfig::run_dir`]).
+//!
+//! Two modes, chosen by who runs the broker:
+//!
+//! - **root**: each user's kernels run as a host uid of their own (`uid_base + index + 1`),
+//!   with no capabilities and `no_new_privs` (via `setpriv` inside the sandbox); the user's
+//!   limits are enforced with cgroups ([`super::cgroup`], v1 or v2).
+//! - **unprivileged**: `bwrap --unshare-user`; kernels run as the broker's uid; limits need a
+//!   delegated cgroup v2 subtree. Without one, [`LocalSandboxConfig::require_limits`] decides
+//!   between refusing to start and running without limits.
+//!
+//! Process shape: the broker spawns `bwrap` (host pid A), which clones the sandbox's init
+//! (B, pid 1 inside; its host pid comes from `--info-fd`), which forks the kernel (C, pid 2
+//! inside). A is placed in the user's leaf cgroup between `fork` and `exec`, so everything
+//! after it is too. One reaper task per kernel owns A's `Child`, classifies the exit (reading
+//! the leaf's OOM counter), removes the leaf and the runtime directory, and only then
+//! publishes the [`ExitReason`](super::ExitReason): once `wait` returns, nothing is left.
+//!
+//! Layout: this file holds the configuration, [`LocalSandbox`] and its [`Sandbox`]
+//! implementation; `bwrap.rs` the pure argv and mount plan; `files.rs` a launch's host
+//! files and runtime base; `process.rs` the launch and spawn; `reaper.rs` the kernel's
+//! handle half and its reaper; `output.rs` log forwarding; `host.rs` what is learned of
+//! the host once; `check.rs` the startup test run. Limits are [`super::cgroup`]'s.
+
+mod bwrap;
+mod check;
+mod files;
+mod host;
+mod output;
+mod process;
+mod reaper;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::OnceCell;
+
+use self::bwrap::BwrapOptions;
+use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
+use self::host::{discover_python, find_program};
+use self::reaper::LocalKernel;
+use super::cgroup::Cgroups;
+use super::fsutil::{self, absolute, launch_err, prepare_workspace};
+use super::seccomp::SyscallFilter;
+use super::watched::KernelTable;
+use super::workspace_fs::WorkspaceImages;
+use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use crate::kernel::spec::KernelSpecs;
+
+pub(super) const BACKEND: &str = "local";
+/// Where the runtime directory appears inside the sandbox.
+pub(super) const RUN_DIR_INSIDE: &str = "/run/kernel";
+/// The connection file inside the sandbox.
+pub(super) const CONNECTION_FILE_INSIDE: &str = "/run/kernel/connection.json";
+/// The `ip` of the connection file: ipykernel binds `ipc://{ip}-{port}`.
+pub(super) const IPC_BASE_INSIDE: &str = "/run/kernel/k";
+/// The workspace inside the sandbox (also `$HOME`).
+pub(super) const WORKSPACE_INSIDE: &str = "/workspace";
+/// The sandbox's host name.
+pub(super) const HOSTNAME: &str = "kernel";
+/// How long `terminate` waits for the kill and the cleanup.
+pub(super) const TERMINATE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Settings of the local sandbox.
+#[derive(Debug, Clone)]
+pub struct LocalSandboxConfig {
+    /// The broker's state directory; workspaces live in `<data_dir>/workspaces`.
+    pub data_dir: PathBuf,
+    /// The repository's `kernels/` directory: kernel specs (`<name>/kernel.json`) and the venv.
+    pub kernels_dir: PathBuf,
+    /// The kernels' interpreter (default `<kernels_dir>/.venv/bin/python`).
+    pub python: PathBuf,
+    /// Kernels of user `index` run as host uid/gid `uid_base + index + 1` (root only).
+    pub uid_base: u32,
+    /// Refuse to run without cgroup limits (when false, only warn).
+    pub require_limits: bool,
+    /// More host paths to show read-only in the sandbox, at the same place.
+    pub extra_ro_binds: Vec<PathBuf>,
+    /// Where per-kernel runtime directories go. Default as root `/run/kernel-broker-<hash>`
+    /// (`<hash>` of the data directory), so that the host path a kernel sees in its
+    /// `/proc/self/mountinfo` for `/run/kernel` and `/etc/passwd` does not tell where the
+    /// data directory (and other users' workspaces) is. Unprivileged: `<data_dir>/run`,
+    /// unless socket paths there would be too long; then
+    /// `$XDG_RUNTIME_DIR/kernel-broker-<hash>` or `/tmp/kernel-broker-<uid>-<hash>`.
+    pub run_dir: Option<PathBuf>,
+    /// The broker's directory in the cgroup hierarchies. Everything below it belongs to the
+    /// broker and is swept on startup, so two brokers on one host need different names.
+    pub cgroup_name: String,
+    /// The kernel specs, when the caller has read them already; otherwise they are read
+    /// from `kernels_dir`.
+    pub kernel_specs: Option<Arc<KernelSpecs>>,
+}
+
+impl LocalSandboxConfig {
+    /// The defaults for a data directory and a `kernels/` directory.
+    pub fn new(data_dir: impl Into<PathBuf>, kernels_dir: impl Into<PathBuf>) -> Self {
+        let kernels_dir = kernels_dir.into();
+        Self {
+            data_dir: data_dir.into(),
+            python: kernels_dir.join(".venv/bin/python"),
+            kernels_dir,
+            uid_base: 200_000,
+            require_limits: true,
+            extra_ro_binds: Vec::new(),
+            run_dir: None,
+            cgroup_name: "kernel-broker".to_string(),
+            kernel_specs: None,
+        }
+    }
+
+    /// The runtime base directory a sandbox with these settings uses when started by this
+    /// process's user (see [`Self::run_dir`]).
+    pub fn run_base(&self) -> Result<PathBuf, SandboxError> {
+        let mut cfg = self.clone();
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        // SAFETY: geteuid(2) cannot fail and has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        choose_run_base(&cfg, euid == 0, euid)
+    }
+}
+
+/// The local sandbox backend.
+pub struct LocalSandbox {
+    cfg: LocalSandboxConfig,
+    privileged: bool,
+    bwrap: PathBuf,
+    /// What every bwrap command line of this sandbox shares (mode, uid switch, bwrap's
+    /// features, the Python installation).
+    bwrap_opts: BwrapOptions,
+    /// The syscall filter bwrap installs on every kernel; `None` on an architecture we
+    /// have no filter for (see [`super::seccomp`]).
+    seccomp: Option<SyscallFilter>,
+    /// The venv directory (its `bin` goes first on the kernel's `PATH`).
+    venv: PathBuf,
+    specs: Arc<KernelSpecs>,
+    run_base: PathBuf,
+    workspaces: PathBuf,
+    /// The workspaces' file systems (the per-user disk quota).
+    workspace_images: Arc<WorkspaceImages>,
+    cgroups: Result<Arc<Cgroups>, String>,
+    /// Startup work (cgroup setup, sweeping what an earlier run left), done once before the
+    /// first launch; holds the cgroups to use (none when limits are off).
+    started: OnceCell<Option<Arc<Cgroups>>>,
+    kernels: KernelTable<LocalKernel>,
+}
+
+impl LocalSandbox {
+    /// Discovers what the sandbox needs: `bwrap` (and `setpriv` as root), the interpreter's
+    /// installation, the kernel specs, the cgroup hierarchies. Runs the interpreter once, so
+    /// it blocks for a moment; call it before serving.
+    pub fn new(cfg: LocalSandboxConfig) -> Result<Self, SandboxError> {
+        let mut cfg = cfg;
+        cfg.data_dir = absolute(&cfg.data_dir)?;
+        cfg.kernels_dir = absolute(&cfg.kernels_dir)?;
+        cfg.python = absolute(&cfg.python)?;
+        if let Some(dir) = &cfg.run_dir {
+            cfg.run_dir = Some(absolute(dir)?);
+        }
+        // SAFETY: geteuid(2) cannot fail and has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        let privileged = euid == 0;
+        if privileged && cfg.uid_base < 1000 {
+            return Err(unavailable(format!(
+                "uid_base {} would map kernels onto system accounts; use 100000 or more",
+                cfg.uid_base
+            )));
+        }
+
+        let bwrap = find_program("bwrap").ok_or_else(|| {
+            unavailable("bwrap (bubblewrap) is not installed; install the `bubblewrap` package")
+        })?;
+        let help = std::process::Command::new(&bwrap)
+            .arg("--help")
+            .output()
+            .map_err(|e| unavailable(format!("cannot run {}: {e}", bwrap.display())))?;
+        let help = String::from_utf8_lossy(&help.stdout);
+        let setpriv = if privileged {
+            let path = find_program("setpriv")
+                .filter(|p| p.starts_with("/usr"))
+                .ok_or_else(|| {
+                    unavailable(
+                        "setpriv (util-linux) is not installed under /usr; it drops the \
+                         kernel's privileges inside the sandbox",
+                    )
+                })?;
+            Some(path)
+        } else {
+            None
+        };
+
+        let (venv, python_dirs) = discover_python(&cfg.python)?;
+        let specs = match &cfg.kernel_specs {
+            Some(specs) => specs.clone(),
+            None => Arc::new(
+                KernelSpecs::load(&cfg.kernels_dir).map_err(|e| unavailable(e.to_string()))?,
+            ),
+        };
+        let run_base = choose_run_base(&cfg, privileged, euid)?;
+        let workspaces = cfg.data_dir.join("workspaces");
+        for path in &cfg.extra_ro_binds {
+            if !path.is_absolute() || !path.exists() {
+                tracing::warn!(path = %path.display(), "extra read-only bind is not an existing absolute path; skipped");
+            }
+        }
+        let cgroups = Cgroups::detect(&cfg.cgroup_name, privileged).map(Arc::new);
+        let seccomp = SyscallFilter::for_host()
+            .map_err(|e| unavailable(format!("cannot compile the kernels' syscall filter: {e}")))?;
+        if seccomp.is_none() {
+            tracing::warn!(
+                arch = std::env::consts::ARCH,
+                "no syscall filter for this architecture: kernels run WITHOUT one (namespaces, \
+                 mounts, ptrace, bpf, io_uring and the rest stay open to them)"
+            );
+        }
+
+        Ok(Self {
+            privileged,
+            bwrap,
+            bwrap_opts: BwrapOptions {
+                privileged,
+                setpriv,
+                has_size: help.contains("--size"),
+                has_disable_userns: help.contains("--disable-userns"),
+                python_dirs,
+            },
+            seccomp,
+            venv,
+            specs,
+            run_base,
+            workspace_images: Arc::new(WorkspaceImages::new(BACKEND, &workspaces, privileged)),
+            workspaces,
+            cgroups,
+            started: OnceCell::new(),
+            kernels: KernelTable::default(),
+            cfg,
+        })
+    }
+
+    /// The directory holding the runtime directories of launched kernels.
+    pub fn run_base(&self) -> &Path {
+        &self.run_base
+    }
+
+    /// Names of the kernel specs found in `kernels_dir`, the default first.
+    pub fn kernel_names(&self) -> Vec<String> {
+        self.specs.names()
+    }
+
+    /// Launches `argv` in the sandbox instead of the kernel spec's command, with everything
+    /// else as for a kernel (workspace, runtime directory and connection file, cgroup leaf,
+    /// uid). An `argv[0]` of `python` means the kernels' interpreter. For tests.
+    #[doc(hidden)]
+    pub async fn launch_command(
+        &self,
+        spec: LaunchSpec,
+        argv: Vec<String>,
+    ) -> Result<Launched, SandboxError> {
+        let cgroups = self.startup().await?;
+        let argv = self.substitute_argv(&argv, None);
+        self.launch_argv(spec, argv, HashMap::new(), None, cgroups)
+            .await
+    }
+
+    /// Does the startup work once: creates the directories, removes runtime directories and
+    /// cgroup leaves an earlier run left behind, sets up the cgroup tree.
+    async fn startup(&self) -> Result<Option<Arc<Cgroups>>, SandboxError> {
+        self.started
+            .get_or_try_init(|| async {
+                fsutil::prepare_state_dirs(
+                    BACKEND,
+                    &self.cfg.data_dir,
+                    &self.workspaces,
+                    &self.run_base,
+                    sweep_run_base,
+                )
+                .await?;
+
+                let cgroups = match &self.cgroups {
+                    Ok(cgroups) => match cgroups.setup() {
+                        Ok(()) => {
+                            let stale = cgroups.sweep_stale().await;
+                            if stale > 0 {
+                                tracing::info!(count = stale, "removed kernel cgroups left by an earlier run");
+                            }
+                            tracing::info!(version = ?cgroups.version(), bases = ?cgroups.bases(), "kernel limits enforced with cgroups");
+                            Some(cgroups.clone())
+                        }
+                        Err(e) => self.without_limits(e.to_string())?,
+                    },
+                    Err(reason) => self.without_limits(reason.clone())?,
+                };
+                Ok(cgroups)
+            })
+            .await
+            .cloned()
+    }
+
+    fn without_limits(&self, reason: String) -> Result<Option<Arc<Cgroups>>, SandboxError> {
+        if self.cfg.require_limits {
+            Err(unavailable(format!(
+                "cannot enforce memory, CPU and process limits with cgroups: {reason}. \
+                 Run the broker as root, or give it a delegated cgroup v2 subtree \
+                 (systemd: Delegate=yes), or set require_limits = false to run kernels \
+                 without limits"
+            )))
+        } else {
+            tracing::warn!(%reason, "running kernels WITHOUT memory, CPU and process limits (require_limits = false)");
+            Ok(None)
+        }
+    }
+
+    /// The host uid and gid a user's kernels run as (root mode only).
+    fn kernel_ids(&self, user: &SandboxUser) -> Result<Option<(u32, u32)>, SandboxError> {
+        if !self.privileged {
+            return Ok(None);
+        }
+        let id = self
+            .cfg
+            .uid_base
+            .checked_add(user.index)
+            .and_then(|id| id.checked_add(1))
+            .ok_or_else(|| launch_err(user, "uid_base + user index overflows a uid"))?;
+        Ok(Some((id, id)))
+    }
+
+    fn workspace_path(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        if !is_safe_component(&user.name) {
+            return Err(launch_err(
+                user,
+                format!(
+                    "the user name {:?} is not usable as a directory name",
+                    user.name
+                ),
+            ));
+        }
+        Ok(self.workspaces.join(&user.name))
+    }
+
+    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
+    /// `{resource_dir}` anywhere.
+    fn substitute_argv(&self, argv: &[String], resource_dir: Option<&Path>) -> Vec<String> {
+        let python = self.cfg.python.to_string_lossy();
+        argv.iter()
+            .enumerate()
+            .map(|(i, arg)| {
+                if i == 0 && (arg == "python" || arg == "python3") {
+                    return python.to_string();
+                }
+                let mut arg = arg
+                    .replace("{python}", &python)
+                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
+                if let Some(dir) = resource_dir {
+                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
+                }
+                arg
+            })
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Sandbox for LocalSandbox {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn check(&self) -> Result<(), SandboxError> {
+        self.startup().await?;
+        self.smoke_test().await
+    }
+
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        let cgroups = self.startup().await?;
+        let kspec = self.specs.get(&spec.kernel_name).ok_or_else(|| {
+            launch_err(
+                &spec.user,
+                format!(
+                    "no kernel spec named {:?} in {} (found: {})",
+                    spec.kernel_name,
+                    self.cfg.kernels_dir.display(),
+                    self.kernel_names().join(", ")
+                ),
+            )
+        })?;
+        let uses_resource_dir = kspec.argv.iter().any(|a| a.contains("{resource_dir}"));
+        let resource_dir = uses_resource_dir.then(|| kspec.resource_dir.clone());
+        let argv = self.substitute_argv(&kspec.argv, resource_dir.as_deref());
+        tracing::debug!(kernel = %spec.kernel_name, interrupt_mode = ?kspec.interrupt_mode, ?argv, "launching kernel");
+        self.launch_argv(spec, argv, kspec.env.clone(), resource_dir, cgroups)
+            .await
+    }
+
+    fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        let path = self.workspace_path(user)?;
+        let quota = (&*self.workspace_images, user.limits.workspace_quota_bytes);
+        prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?), Some(quota))?;
+        Ok(path)
+    }
+
+    async fn user_idle(&self, user: &SandboxUser) {
+        if let Some(Some(cgroups)) = self.started.get() {
+            cgroups.remove_user_if_unused(&user.name);
+        }
+    }
+
+    async fn shutdown(&self) {
+        let kernels = self.kernels.terminate_all();
+        KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT).await;
+        if let Some(Some(cgroups)) = self.started.get() {
+            cgroups.remove_base_if_unused();
+        }
+        // Under /run (root) the base is outside the data directory: leave nothing behind.
+        // Only an empty directory goes; the next start creates it again.
+        let _ = std::fs::remove_dir(&self.run_base);
+        // The kernels are gone, so nothing holds the workspace file systems.
+        let images = self.workspace_images.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+            tracing::warn!(error = %e, "unmounting the workspaces failed");
+        }
+    }
+}
+
+fn unavailable(reason: impl Into<String>) -> SandboxError {
+    fsutil::unavailable(BACKEND, reason)
+}

@@ -1,0 +1,302 @@
+//! Starting a kernel: the launch's files and cgroup leaf, the bwrap child (placed in the
+//! leaf between `fork` and `exec`, handed the info pipe and the syscall filter), its output
+//! forwarding, the reaper that owns it from then on, and bwrap's report of the sandbox's
+//! init pid.
+//!
+//! Process shape: the broker spawns `bwrap` (host pid A), which clones the sandbox's init
+//! (B, pid 1 inside; its host pid comes from `--info-fd`), which forks the kernel (C, pid 2
+//! inside). A is placed in the user's leaf cgroup between `fork` and `exec`, so everything
+//! after it is too.
+
+use std::collections::HashMap;
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio::time::timeout;
+
+use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
+use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, LaunchGuard};
+use super::output::{forward_output, Stream, Tail};
+use super::reaper::{LocalKernel, Reaper, LOST};
+use super::{LocalSandbox, TERMINATE_TIMEOUT};
+use crate::sandbox::cgroup::{Cgroups, Leaf};
+use crate::sandbox::fsutil::launch_err;
+use crate::sandbox::seccomp::SyscallFilter;
+use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
+
+/// How long bwrap may take to report the sandbox's init pid.
+const INFO_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl LocalSandbox {
+    pub(super) async fn launch_argv(
+        &self,
+        spec: LaunchSpec,
+        argv: Vec<String>,
+        spec_env: HashMap<String, String>,
+        resource_dir: Option<PathBuf>,
+        cgroups: Option<Arc<Cgroups>>,
+    ) -> Result<Launched, SandboxError> {
+        let user = spec.user.clone();
+        let session = spec.session_id;
+        if self.kernels.contains(&session) {
+            return Err(launch_err(
+                &user,
+                format!("session {session} already has a kernel"),
+            ));
+        }
+        let workspace = self.workspace_path(&user)?;
+        let ids = self.kernel_ids(&user)?;
+        let rundir = self.run_base.join(session.to_string());
+        let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(&user, e))?;
+
+        // Workspace, runtime directory, connection file, /etc files. On failure `write`
+        // removes what it created; from then on the guard does, until the reaper takes over.
+        let files = LaunchFiles {
+            workspace: workspace.clone(),
+            rundir: rundir.clone(),
+            ids,
+            login: login_name(&user.name),
+            connection: connection_file(&spec),
+            quota: Some((
+                self.workspace_images.clone(),
+                user.limits.workspace_quota_bytes,
+            )),
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+        let mut guard = LaunchGuard {
+            rundir: Some(rundir.clone()),
+            leaf: None,
+        };
+
+        if let Some(cg) = &cgroups {
+            let (cg2, name, limits) = (cg.clone(), user.name.clone(), user.limits.clone());
+            let leaf =
+                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, session))
+                    .await
+                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
+            guard.leaf = Some((cg.clone(), leaf));
+        }
+
+        let request = BwrapRequest {
+            workspace: &workspace,
+            rundir: &rundir,
+            ids,
+            tmp_size: Some(user.limits.memory_bytes).filter(|b| *b > 0),
+            resource_dir: resource_dir.as_deref(),
+            argv: &argv,
+        };
+        let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
+        let (child, info, stderr_task, tail) = self.spawn(&spec, &request, spec_env, leaf)?;
+
+        // From here the reaper owns the leaf and the runtime directory, and the handle's
+        // drop (also when this future is dropped half-way) kills the kernel.
+        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
+        let kernel = Arc::new(LocalKernel {
+            watch,
+            init_pid: OnceLock::new(),
+            bwrap_pid: child.id().and_then(|p| i32::try_from(p).ok()),
+        });
+        let (cgroups, leaf) = guard
+            .leaf
+            .take()
+            .map_or((None, None), |(c, l)| (Some(c), Some(l)));
+        guard.rundir = None;
+        let reaper = Reaper {
+            child,
+            kernel: kernel.clone(),
+            exit,
+            leaf,
+            cgroups,
+            rundir,
+            memory_limit: user.limits.memory_bytes,
+            table: self.kernels.clone(),
+            tail: tail.clone(),
+        };
+        self.kernels.insert(session, kernel.clone());
+        tokio::spawn(reaper.run());
+        let handle = WatchedKernel::new(kernel.clone(), TERMINATE_TIMEOUT);
+
+        match read_init_pid(info).await {
+            Ok(pid) => {
+                let _ = kernel.init_pid.set(pid);
+            }
+            Err(why) => {
+                // bwrap failed before the sandbox existed; explain with what it wrote.
+                handle.terminate().await;
+                let _ = timeout(Duration::from_secs(2), stderr_task).await;
+                let tail = tail.lines();
+                return Err(launch_err(
+                    &user,
+                    format!("the sandbox did not start ({why}): {}", tail.join(" | ")),
+                ));
+            }
+        }
+        tracing::info!(
+            %session,
+            user = %user.name,
+            kernel = %spec.kernel_name,
+            pid = ?kernel.init_pid.get(),
+            "kernel launched"
+        );
+        Ok(Launched {
+            endpoints,
+            process: Box::new(handle),
+        })
+    }
+
+    /// Builds and spawns the bwrap command; returns the child, the read end of its info
+    /// pipe, the stderr forwarding task and the stderr tail.
+    fn spawn(
+        &self,
+        spec: &LaunchSpec,
+        request: &BwrapRequest<'_>,
+        spec_env: HashMap<String, String>,
+        leaf: Option<&Leaf>,
+    ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
+        let user = &spec.user;
+        let (info_read, info_write) =
+            io::pipe().map_err(|e| launch_err(user, format!("cannot create a pipe: {e}")))?;
+        let info_fd = info_write.as_raw_fd();
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
+
+        let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
+        args.extend(bwrap_args(
+            &self.bwrap_opts,
+            &HostRoot::probe(&self.cfg.extra_ro_binds),
+            request,
+            seccomp_fd,
+        ));
+        let mut cmd = Command::new(&self.bwrap);
+        cmd.args(&args)
+            .env_clear()
+            .envs(kernel_env(&self.venv, &user.name))
+            .envs(spec_env)
+            .envs(spec.env.iter().cloned())
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Keep terminal signals (Ctrl-C on the broker) away from kernels; the broker
+            // shuts them down itself.
+            .process_group(0)
+            .kill_on_drop(true);
+
+        let procs: Vec<CString> = leaf.map(|l| l.procs_files().to_vec()).unwrap_or_default();
+        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+        // functions (open, write, close, fcntl) on data prepared before the fork; it does not
+        // allocate (iterating a Vec and building an io::Error from errno do not).
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &procs {
+                    join_cgroup(path)?;
+                }
+                // Let bwrap inherit the info pipe and the filter (created close-on-exec so
+                // that no other child of the broker does).
+                inherit_fd(info_fd)?;
+                if let Some(fd) = seccomp_fd {
+                    inherit_fd(fd)?;
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| launch_err(user, format!("cannot start {}: {e}", self.bwrap.display())))?;
+        drop(info_write);
+        // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
+        drop(seccomp);
+
+        let tail = Tail::default();
+        if let Some(stdout) = child.stdout.take() {
+            tokio::spawn(forward_output(
+                stdout,
+                spec.session_id,
+                Stream::Stdout,
+                None,
+            ));
+        }
+        let stderr_task = match child.stderr.take() {
+            Some(stderr) => tokio::spawn(forward_output(
+                stderr,
+                spec.session_id,
+                Stream::Stderr,
+                Some(tail.clone()),
+            )),
+            None => tokio::spawn(async {}),
+        };
+        Ok((child, OwnedFd::from(info_read), stderr_task, tail))
+    }
+
+    /// A memfd holding the syscall filter for one bwrap run (none without a filter).
+    pub(super) fn seccomp_memfd(&self) -> io::Result<Option<OwnedFd>> {
+        self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
+    }
+}
+
+/// Writes `0` to a `cgroup.procs` file: moves the calling process. Runs between fork and
+/// exec: async-signal-safe calls only.
+fn join_cgroup(path: &CString) -> io::Result<()> {
+    // SAFETY: `path` is a valid NUL-terminated string; the buffer passed to write is a
+    // static one-byte slice; `fd` is closed exactly once.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if written != 1 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// Clears close-on-exec on `fd` so the exec'd program inherits it. Runs between fork and
+/// exec: async-signal-safe calls only.
+pub(super) fn inherit_fd(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl(2) with F_SETFD has no memory-safety preconditions.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Reads bwrap's `--info-fd` report and returns the host pid of the sandbox's init.
+async fn read_init_pid(fd: OwnedFd) -> Result<i32, String> {
+    let mut rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)
+        .map_err(|e| format!("cannot read bwrap's info pipe: {e}"))?;
+    let mut buf = Vec::new();
+    match timeout(INFO_TIMEOUT, rx.read_to_end(&mut buf)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(format!("reading bwrap's info pipe failed: {e}")),
+        Err(_) => return Err(format!("bwrap did not report within {INFO_TIMEOUT:?}")),
+    }
+    if buf.is_empty() {
+        return Err("bwrap exited before creating the sandbox".to_string());
+    }
+    #[derive(Deserialize)]
+    struct Info {
+        #[serde(rename = "child-pid")]
+        child_pid: i32,
+    }
+    serde_json::from_slice::<Info>(&buf)
+        .map(|info| info.child_pid)
+        .map_err(|e| format!("bwrap's info report is not understood: {e}"))
+}

@@ -1,0 +1,252 @@
+//! A local kernel after its launch: the handle's backend half (interrupt: SIGINT to the
+//! sandboxed command found through the sandbox's init), and the reaper task that owns the
+//! bwrap child, kills the kernel when asked, classifies its end (reading the leaf's OOM
+//! counter), removes the leaf and the runtime directory, and only then publishes the
+//! [`ExitReason`]: once `wait` returns, nothing is left.
+
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::{Arc, OnceLock};
+
+use async_trait::async_trait;
+use tokio::process::Child;
+
+use super::output::Tail;
+use crate::sandbox::cgroup::{Cgroups, Leaf};
+use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
+use crate::sandbox::{ExitReason, SandboxError};
+
+/// What waiters hear if the reaper went away without a word.
+pub(super) const LOST: &str = "the broker stopped watching the kernel process (runtime shut down)";
+
+/// What a launch and its reaper share.
+pub(super) struct LocalKernel {
+    pub watch: KernelWatch,
+    /// Host pid of the sandbox's init (pid 1 inside), from bwrap's `--info-fd`; set once
+    /// bwrap reports it, shortly after the spawn.
+    pub init_pid: OnceLock<i32>,
+    /// Host pid of bwrap itself.
+    pub bwrap_pid: Option<i32>,
+}
+
+#[async_trait]
+impl BackendKernel for LocalKernel {
+    fn watch(&self) -> &KernelWatch {
+        &self.watch
+    }
+
+    async fn interrupt(&self) -> Result<(), SandboxError> {
+        let no_process = |why: &str| SandboxError::Io {
+            what: "cannot interrupt the kernel",
+            path: PathBuf::from(format!(
+                "/proc/{}",
+                self.init_pid.get().copied().unwrap_or(0)
+            )),
+            source: io::Error::new(io::ErrorKind::NotFound, why.to_string()),
+        };
+        if self.watch.has_exited() {
+            return Err(no_process("the kernel process has exited"));
+        }
+        let init = *self
+            .init_pid
+            .get()
+            .ok_or_else(|| no_process("the sandbox's init pid is unknown"))?;
+        let pid = sandbox_command_pid(init)
+            .ok_or_else(|| no_process("the kernel process is not running"))?;
+        // Only the kernel: its process group also holds the sandbox's init, which must not
+        // see the signal.
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
+            return Err(SandboxError::Io {
+                what: "cannot send SIGINT to the kernel",
+                path: PathBuf::from(format!("/proc/{pid}")),
+                source: io::Error::last_os_error(),
+            });
+        }
+        tracing::debug!(session = %self.watch.session_id, pid, "sent SIGINT to the kernel");
+        Ok(())
+    }
+}
+
+/// Owns the bwrap child: waits for it (or kills it), classifies the exit, cleans up.
+pub(super) struct Reaper {
+    pub child: Child,
+    pub kernel: Arc<LocalKernel>,
+    pub exit: ExitPublisher,
+    pub leaf: Option<Leaf>,
+    pub cgroups: Option<Arc<Cgroups>>,
+    pub rundir: PathBuf,
+    pub memory_limit: u64,
+    pub table: KernelTable<LocalKernel>,
+    pub tail: Tail,
+}
+
+impl Reaper {
+    pub async fn run(mut self) {
+        let status = tokio::select! {
+            status = self.child.wait() => status,
+            () = self.kernel.watch.kill_requested() => {
+                kill_sandbox(self.leaf.as_ref(), self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid).await;
+                self.child.wait().await
+            }
+        };
+        let oom_kills = self.leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
+        let terminating = self.kernel.watch.terminating();
+        let reason = classify_exit(status, terminating, oom_kills, self.memory_limit);
+        let session = self.kernel.watch.session_id;
+        match &reason {
+            ExitReason::Terminated | ExitReason::Exited(0) => {
+                tracing::info!(%session, %reason, "kernel process ended");
+            }
+            _ => {
+                let tail = self.tail.lines();
+                if tail.is_empty() {
+                    tracing::warn!(%session, %reason, "kernel process ended");
+                } else {
+                    tracing::warn!(%session, %reason, last_stderr = %tail.join(" | "), "kernel process ended");
+                }
+            }
+        }
+
+        if let (Some(cgroups), Some(leaf)) = (&self.cgroups, &self.leaf) {
+            cgroups.remove_leaf(leaf).await;
+        }
+        remove_dir_logged(self.rundir.clone()).await;
+        self.table.remove(&session);
+        self.exit.publish(reason);
+    }
+}
+
+/// SIGKILLs everything of one kernel: the whole leaf when there is one; otherwise the
+/// sandbox's init (the pid namespace dies with it) and bwrap.
+async fn kill_sandbox(leaf: Option<&Leaf>, init_pid: Option<i32>, bwrap_pid: Option<i32>) {
+    for pid in [init_pid, bwrap_pid].into_iter().flatten() {
+        if pid > 0 {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    if let Some(leaf) = leaf {
+        leaf.kill_all().await;
+    }
+}
+
+/// Turns bwrap's exit status into an [`ExitReason`].
+fn classify_exit(
+    status: io::Result<ExitStatus>,
+    terminating: bool,
+    oom_kills: u64,
+    memory_limit: u64,
+) -> ExitReason {
+    if terminating {
+        return ExitReason::Terminated;
+    }
+    let status = match status {
+        Ok(status) => status,
+        Err(e) => return ExitReason::Lost(format!("waiting for the kernel process failed: {e}")),
+    };
+    // bwrap reports a command killed by signal N as exit code 128 + N.
+    let signal = status.signal().or_else(|| {
+        status
+            .code()
+            .filter(|c| (129..=128 + 64).contains(c))
+            .map(|c| c - 128)
+    });
+    match signal {
+        Some(libc::SIGKILL) if oom_kills > 0 => ExitReason::OutOfMemory {
+            limit_bytes: memory_limit,
+        },
+        Some(sig) => ExitReason::Signaled(sig),
+        None => ExitReason::Exited(status.code().unwrap_or(-1)),
+    }
+}
+
+/// The host pid of the sandboxed command: the child of the sandbox's init that is pid 2 in
+/// the sandbox (init may also have adopted orphans).
+fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
+    let children = std::fs::read_to_string(format!("/proc/{init_pid}/task/{init_pid}/children"))
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|| children_by_scan(init_pid));
+    children
+        .iter()
+        .copied()
+        .find(|pid| namespace_pid(*pid) == Some(2))
+        .or_else(|| children.first().copied())
+}
+
+/// Children of `pid` by scanning `/proc` (when `/proc/<pid>/task/<pid>/children` is missing).
+fn children_by_scan(parent: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // pid (comm) state ppid ...; comm may contain spaces and parentheses.
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// The innermost pid of a process (the last `NSpid` field), if the kernel reports it.
+fn namespace_pid(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    line.split_whitespace().last()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_statuses_map_to_reasons() {
+        let exited = |code: i32| Ok(ExitStatus::from_raw(code << 8));
+        let killed = |sig: i32| Ok(ExitStatus::from_raw(sig));
+        assert_eq!(classify_exit(exited(0), false, 0, 1), ExitReason::Exited(0));
+        assert_eq!(classify_exit(exited(3), false, 0, 1), ExitReason::Exited(3));
+        // bwrap's 128 + N convention.
+        assert_eq!(
+            classify_exit(exited(137), false, 0, 1),
+            ExitReason::Signaled(9)
+        );
+        assert_eq!(
+            classify_exit(exited(130), false, 0, 1),
+            ExitReason::Signaled(2)
+        );
+        assert_eq!(
+            classify_exit(exited(137), false, 1, 64 << 20),
+            ExitReason::OutOfMemory {
+                limit_bytes: 64 << 20
+            }
+        );
+        assert_eq!(
+            classify_exit(killed(9), false, 2, 5),
+            ExitReason::OutOfMemory { limit_bytes: 5 }
+        );
+        assert_eq!(
+            classify_exit(killed(15), false, 2, 5),
+            ExitReason::Signaled(15)
+        );
+        assert_eq!(classify_exit(killed(9), true, 2, 5), ExitReason::Terminated);
+        assert!(matches!(
+            classify_exit(Err(io::Error::other("x")), false, 0, 0),
+            ExitReason::Lost(_)
+        ));
+    }
+}

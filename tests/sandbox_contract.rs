@@ -1,0 +1,443 @@
+//! What every sandbox backend promises, written once and run on each (`local::*` and
+//! `docker::*`): a real kernel, launched through the `Sandbox` trait and driven over
+//! ZeroMQ, is isolated (only loopback, no host files, read-only system, its own uid without
+//! capabilities), keeps to its user's limits (a fork bomb hits the pids limit, a memory bomb
+//! ends as `OutOfMemory` and only for its own kernel), keeps users' workspaces apart,
+//! answers interrupts, and ends cleanly (terminate, drop, an exit of its own, shutdown)
+//! with its runtime directory gone and the same reason for every waiter.
+//!
+//! What only one backend does (cgroup files, seccomp, bwrap's mounts; containers, the
+//! reaper exec, idle containers) is tested in `sandbox_local.rs` and `sandbox_docker.rs`.
+//! The harness is `tests/common/sandbox.rs`.
+
+#[path = "common/sandbox.rs"]
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use kernel_broker::sandbox::{ExitReason, UserLimits};
+use tokio::time::{sleep, Instant};
+use uuid::Uuid;
+
+sandbox_contract!(
+    kernel_runs_isolated_as_its_uid_without_network_or_host_files,
+    terminate_kills_the_kernel_and_removes_its_runtime_directory,
+    a_fork_bomb_hits_the_pids_limit_and_the_kernel_survives,
+    a_memory_bomb_kills_only_its_own_kernel,
+    users_get_separate_workspaces_and_processes,
+    interrupt_stops_a_long_sleep,
+    an_exit_of_its_own_is_reported_to_every_waiter,
+    dropping_the_handle_kills_the_kernel,
+    shutdown_terminates_every_kernel,
+);
+
+async fn kernel_runs_isolated_as_its_uid_without_network_or_host_files(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        h.sandbox().check().await.expect("check");
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(h.sandbox(), &alice).await;
+
+        let o = k.run("print('hello', 6 * 7)\n6 * 7").await;
+        assert_eq!(o.out(), "hello 42", "{o:?}");
+        assert_eq!(o.result.as_deref(), Some("42"));
+        let o = k
+            .run("import os; print(os.environ['KB_TEST_VAR'], os.getcwd())")
+            .await;
+        assert_eq!(o.out(), "hello-env /workspace", "{o:?}");
+
+        // No network: only loopback, and no route out.
+        let o = k
+            .run(
+                "import socket\n\
+                 print(sorted(n for _, n in socket.if_nameindex()))\n\
+                 try:\n    socket.create_connection(('1.1.1.1', 53), timeout=3)\n    print('connected')\n\
+                 except OSError as e:\n    print('blocked', type(e).__name__)",
+            )
+            .await;
+        let lines: Vec<&str> = o.stdout.lines().collect();
+        assert_eq!(lines.first().copied(), Some("['lo']"), "{o:?}");
+        assert!(
+            lines.get(1).is_some_and(|l| l.starts_with("blocked")),
+            "{o:?}"
+        );
+
+        // Host files are not visible: a marker in the host's /tmp is absent, /etc/shadow is
+        // the image's and unreadable (docker) or absent (local: a tiny /etc), and the system
+        // is read-only.
+        let marker = PathBuf::from(format!(
+            "/tmp/kb-sandbox-marker-{}",
+            Uuid::new_v4().simple()
+        ));
+        std::fs::write(&marker, b"host secret").unwrap();
+        let o = k
+            .run(&format!(
+                "import os\n\
+                 print(os.path.exists({marker:?}))\n\
+                 try:\n    open('/etc/shadow').read(); print('shadow readable')\n\
+                 except OSError as e:\n    print('shadow', type(e).__name__)\n\
+                 try:\n    open('/usr/x', 'w'); print('rootfs writable')\n\
+                 except OSError as e:\n    print('rootfs', e.errno)\n\
+                 open('/tmp/scratch', 'w').write('ok'); print('tmp ok')",
+                marker = marker.to_str().unwrap()
+            ))
+            .await;
+        std::fs::remove_file(&marker).unwrap();
+        let shadow = match h {
+            Harness::Local(_) => "FileNotFoundError",
+            Harness::Docker(_) => "PermissionError",
+        };
+        assert_eq!(
+            o.out(),
+            format!("False\nshadow {shadow}\nrootfs 30\ntmp ok"),
+            "{o:?}"
+        );
+
+        // The user's uid/gid, no capabilities, no_new_privs.
+        let o = k
+            .run(
+                "import os\n\
+                 st = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())\n\
+                 print(os.getuid(), os.getgid(), st['CapEff'].strip(), st['CapBnd'].strip(), st['NoNewPrivs'].strip())",
+            )
+            .await;
+        let uid = h.kernel_uid(&alice);
+        assert_eq!(
+            o.out(),
+            format!("{uid} {uid} 0000000000000000 0000000000000000 1"),
+            "{o:?}"
+        );
+
+        // The workspace is the host directory, owned by the kernel's uid.
+        let o = k
+            .run("open('/workspace/hello.txt', 'w').write('from the kernel')")
+            .await;
+        assert!(o.error.is_none(), "{o:?}");
+        let ws = h.workspace_of(&alice);
+        assert_eq!(
+            std::fs::read_to_string(ws.join("hello.txt")).unwrap(),
+            "from the kernel"
+        );
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: geteuid(2) cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            assert_eq!(std::fs::metadata(&ws).unwrap().uid(), uid);
+        }
+
+        k.process().terminate().await;
+        assert_eq!(
+            wait_exit(k.process(), Duration::from_secs(5)).await,
+            ExitReason::Terminated
+        );
+        // Idempotent.
+        k.process().terminate().await;
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn terminate_kills_the_kernel_and_removes_its_runtime_directory(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(h.sandbox(), &alice).await;
+        let o = k.run("import os; print(os.getpid(), os.getppid())").await;
+        let (pid, parent) = o
+            .out()
+            .split_once(' ')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .unwrap();
+        let sessions = h.runtime_dirs(&alice);
+        assert_eq!(sessions.len(), 1);
+        let session_dir = sessions[0].clone();
+        if let Harness::Docker(_) = h {
+            assert_eq!(
+                std::fs::read_to_string(session_dir.join("pid"))
+                    .unwrap()
+                    .trim(),
+                parent,
+                "the pid file names the kernel's tini"
+            );
+        }
+
+        k.process().terminate().await;
+        assert_eq!(k.process().wait().await, ExitReason::Terminated);
+        assert!(!session_dir.exists(), "the runtime directory is left");
+        match &h {
+            Harness::Docker(d) => {
+                // The process is gone from the container; the container itself stays.
+                let name = d.sandbox.container_name("alice");
+                let out = Command::new("docker")
+                    .args([
+                        "exec",
+                        &name,
+                        "sh",
+                        "-c",
+                        &format!("test -d /proc/{pid} && echo alive || echo gone"),
+                    ])
+                    .output()
+                    .unwrap();
+                assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gone");
+            }
+            Harness::Local(l) => {
+                // Nothing of the kernel is left in its cgroup, nor the cgroup itself.
+                assert!(l.processes_in_leaf("alice", k.session_id).is_empty());
+                for leaf in l.leaf_dirs("alice", k.session_id) {
+                    assert!(!leaf.exists(), "{} removed", leaf.display());
+                }
+            }
+        }
+        assert!(k.process().interrupt().await.is_err());
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn a_fork_bomb_hits_the_pids_limit_and_the_kernel_survives(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, limits(1024, 64));
+        let mut k = start(h.sandbox(), &alice).await;
+        let o = k
+            .run(
+                "import os, time\n\
+                 pids, err, t0 = [], None, time.time()\n\
+                 try:\n\
+                 \x20   while time.time() - t0 < 20 and len(pids) < 2000:\n\
+                 \x20       pid = os.fork()\n\
+                 \x20       if pid == 0:\n\
+                 \x20           time.sleep(60); os._exit(0)\n\
+                 \x20       pids.append(pid)\n\
+                 except OSError as e:\n\
+                 \x20   err = e\n\
+                 for p in pids: os.kill(p, 9)\n\
+                 for p in pids: os.waitpid(p, 0)\n\
+                 print(len(pids), type(err).__name__)",
+            )
+            .await;
+        let out = o.out();
+        let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
+        let n: usize = n.parse().unwrap();
+        assert!(n < 64, "forked {n} processes under a limit of 64");
+        assert_eq!(err, "BlockingIOError", "{o:?}");
+        let o = k.run("print('still here')").await;
+        assert_eq!(o.out(), "still here");
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn a_memory_bomb_kills_only_its_own_kernel(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, limits(512, 256));
+        let mut victim = start(h.sandbox(), &alice).await;
+        let mut bystander = start(h.sandbox(), &alice).await;
+        let id = victim
+            .send("chunks = []\nwhile True:\n    chunks.append(b'x' * (16 << 20))")
+            .await;
+        let reason = wait_exit(victim.process(), Duration::from_secs(60)).await;
+        assert_eq!(
+            reason,
+            ExitReason::OutOfMemory {
+                limit_bytes: 512 << 20
+            }
+        );
+        assert!(reason.to_string().contains("512 MiB"), "{reason}");
+        drop(id);
+        let o = bystander.run("print(sum(range(10)))").await;
+        assert_eq!(o.out(), "45", "{o:?}");
+        // The user's sandbox survived; a new kernel starts in it.
+        let mut again = start(h.sandbox(), &alice).await;
+        assert_eq!(again.run("print('new')").await.out(), "new");
+        // A kernel killed by SIGKILL without OOM is not mistaken for one.
+        again.run("import os, signal").await;
+        again.send("os.kill(os.getpid(), signal.SIGKILL)").await;
+        assert_eq!(
+            wait_exit(again.process(), Duration::from_secs(30)).await,
+            ExitReason::Signaled(9)
+        );
+        // And a plain exit is an exit.
+        bystander.send("import os; os._exit(3)").await;
+        assert_eq!(
+            wait_exit(bystander.process(), Duration::from_secs(30)).await,
+            ExitReason::Exited(3)
+        );
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn users_get_separate_workspaces_and_processes(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let bob = user("bob", 1, UserLimits::default());
+        let (mut a, mut b) = tokio::join!(start(h.sandbox(), &alice), start(h.sandbox(), &bob));
+        a.run("open('/workspace/secret.txt', 'w').write('alice only')")
+            .await;
+        let alice_ws = h.workspace_of(&alice);
+        let o = b
+            .run(&format!(
+                "import os\nprint(os.path.exists('/workspace/secret.txt'), os.path.exists({:?}))",
+                alice_ws.to_str().unwrap()
+            ))
+            .await;
+        assert_eq!(o.out(), "False False", "{o:?}");
+        assert!(alice_ws.join("secret.txt").exists());
+        assert!(!h.workspace_of(&bob).join("secret.txt").exists());
+        if let Harness::Docker(d) = &h {
+            // Bob sees not alice's runtime directory (and cannot list his own /run/kernel:
+            // kernels reach their session directory by name only).
+            let alice_dir = std::fs::read_dir(d.sandbox.run_base().join("alice"))
+                .unwrap()
+                .flatten()
+                .next()
+                .unwrap()
+                .file_name()
+                .into_string()
+                .unwrap();
+            let o = b
+                .run(&format!(
+                    "import os\n\
+                     print(os.path.exists('/workspace/secret.txt'), os.path.exists('/run/kernel/{alice_dir}'))\n\
+                     try:\n    os.listdir('/run/kernel')\nexcept PermissionError:\n    print('unlistable')"
+                ))
+                .await;
+            assert_eq!(o.out(), "False False\nunlistable", "{o:?}");
+            // Two containers, one per user.
+            let mut names = d.containers();
+            names.sort();
+            assert_eq!(
+                names,
+                vec![
+                    d.sandbox.container_name("alice"),
+                    d.sandbox.container_name("bob")
+                ]
+            );
+        }
+        // Bob cannot see alice's processes: one kernel (his) in his /proc.
+        let o = b
+            .run("import os\n\
+                  files = set()\n\
+                  for p in os.listdir('/proc'):\n\
+                  \x20   if p.isdigit():\n\
+                  \x20       files.update(a for a in open(f'/proc/{p}/cmdline').read().split('\\0') if a.endswith('connection.json'))\n\
+                  print(len(files))")
+            .await;
+        assert_eq!(o.out(), "1", "{o:?}");
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn interrupt_stops_a_long_sleep(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(h.sandbox(), &alice).await;
+        let id = k.send("import time\ntime.sleep(60)").await;
+        sleep(Duration::from_secs(1)).await;
+        let t0 = Instant::now();
+        k.process().interrupt().await.expect("interrupt");
+        let o = k.collect(&id, Duration::from_secs(20)).await;
+        assert!(
+            o.error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("KeyboardInterrupt")),
+            "{o:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert_eq!(k.run("print('alive')").await.out(), "alive");
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn an_exit_of_its_own_is_reported_to_every_waiter(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(h.sandbox(), &alice).await;
+        k.send("import os; os._exit(3)").await;
+        let (a, b) = tokio::join!(k.process().wait(), k.process().wait());
+        assert_eq!(a, ExitReason::Exited(3));
+        assert_eq!(b, ExitReason::Exited(3));
+        // Again, at once; and terminate after the end changes nothing.
+        assert_eq!(
+            wait_exit(k.process(), Duration::from_millis(100)).await,
+            ExitReason::Exited(3)
+        );
+        tokio::time::timeout(Duration::from_secs(1), k.process().terminate())
+            .await
+            .unwrap();
+        assert_eq!(k.process().wait().await, ExitReason::Exited(3));
+        assert!(h.runtime_dirs(&alice).is_empty(), "runtime directory left");
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn dropping_the_handle_kills_the_kernel(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(h.sandbox(), &alice).await;
+        assert_eq!(k.run("print(1)").await.out(), "1");
+        assert_eq!(h.runtime_dirs(&alice).len(), 1);
+        drop(k);
+        eventually(
+            Duration::from_secs(20),
+            "the dropped kernel's cleanup",
+            || h.runtime_dirs(&alice).is_empty(),
+        )
+        .await;
+        // The user's next kernel is not disturbed by the last one's end.
+        let mut k = start(h.sandbox(), &alice).await;
+        assert_eq!(k.run("print(2)").await.out(), "2");
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn shutdown_terminates_every_kernel(backend: &'static str) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let bob = user("bob", 1, UserLimits::default());
+        let (a, b) = tokio::join!(start(h.sandbox(), &alice), start(h.sandbox(), &bob));
+        h.sandbox().shutdown().await;
+        assert_eq!(
+            wait_exit(a.process(), Duration::from_secs(5)).await,
+            ExitReason::Terminated
+        );
+        assert_eq!(
+            wait_exit(b.process(), Duration::from_secs(5)).await,
+            ExitReason::Terminated
+        );
+        assert!(h.runtime_dirs(&alice).is_empty());
+        assert!(h.runtime_dirs(&bob).is_empty());
+    })
+    .await;
+}
