@@ -257,3 +257,62 @@ fn write_marker(conn: &Connection, sid: i64, t: &Truncation) -> rusqlite::Result
         .execute(params![sid, t.seq, t.detail().to_string()])?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(requests: &[&str]) -> Budget {
+        let mut b = Budget::default();
+        for r in requests {
+            b.executions.push_back(ExecutionBudget {
+                msg_id: r.to_string(),
+                bytes: 0,
+                open: None,
+            });
+        }
+        b
+    }
+
+    #[test]
+    fn output_counts_to_the_execution_it_names_else_the_latest() {
+        // (recent requests, the report's parent, the execution charged)
+        let cases: [(&[&str], Option<&str>, &str); 6] = [
+            (&[], None, ""),
+            (&[], Some("a"), ""),
+            (&["a", "b"], Some("a"), "a"),
+            (&["a", "b"], Some("b"), "b"),
+            (&["a", "b"], Some("forged"), "b"),
+            (&["a", "b"], None, "b"),
+        ];
+        for (requests, parent, want) in cases {
+            let mut b = budget(requests);
+            assert_eq!(b.execution(parent).msg_id, want, "{requests:?} {parent:?}");
+            // Output before any request makes one unnamed execution, once.
+            assert_eq!(b.executions.len(), requests.len().max(1));
+        }
+    }
+
+    #[test]
+    fn the_session_cap_covers_every_execution_and_an_execution_cap_only_its_own() {
+        let marker = |scope| Truncation {
+            seq: 1,
+            scope,
+            msg_id: "a".into(),
+            limit: 10,
+            dropped: 1,
+            bytes: 5,
+            dirty: false,
+        };
+        let mut b = budget(&["a", "b"]);
+        assert!(b.open_marker(Some("a")).is_none());
+        b.execution(Some("a")).open = Some(marker("execution"));
+        assert_eq!(b.open_marker(Some("a")).map(|t| t.scope), Some("execution"));
+        assert!(b.open_marker(Some("b")).is_none(), "b has its own budget");
+        b.session_open = Some(marker("session"));
+        assert_eq!(b.open_marker(Some("b")).map(|t| t.scope), Some("session"));
+        assert_eq!(b.markers().count(), 2);
+        b.forget_markers();
+        assert_eq!(b.markers().count(), 0);
+    }
+}
