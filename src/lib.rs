@@ -11,7 +11,9 @@
 //!   cgroups, Docker).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry.
 //! - [`recording`]: every message and lifecycle event of every session in a SQLite file;
-//!   notebook export and replay.
+//!   notebook export. It subscribes to the session layer.
+//! - [`replay`]: a recording's cells run again in a new session and compared with what was
+//!   recorded. It drives sessions and reads recordings, so it sits above both.
 //! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
 //!   layer knows HTTP and the external JSON shapes.
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
@@ -21,6 +23,7 @@ pub mod api;
 pub mod config;
 pub mod kernel;
 pub mod recording;
+pub mod replay;
 pub mod sandbox;
 pub mod server;
 pub mod session;

@@ -21,9 +21,10 @@ use super::error::{ApiError, ApiResult};
 use super::sessions::{iso, sandbox_user, SessionJson};
 use super::AppState;
 use crate::recording::{
-    notebook, replay, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,
+    notebook, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,
     RecordingStore,
 };
+use crate::replay;
 use crate::session::Direction;
 
 pub fn routes() -> Router<AppState> {

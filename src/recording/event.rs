@@ -3,7 +3,9 @@
 //! A recording holds two sorts of broker events: what the session layer reported (a
 //! [`LifecycleEvent`]) and the recording's own markers (a gap when the writer fell behind, a
 //! cut when a budget was reached, the broker's stop). Both are stored as a `kind` and a JSON
-//! `detail`; this is where they become types again, for the notebook export and replay.
+//! `detail`; this is where they become types again, for the writer's budgets, the notebook
+//! export and replay. Stored kind names are read and written here and in
+//! [`LifecycleEvent`] only: the rest of the recording matches on the types.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -67,7 +69,78 @@ pub enum BrokerEvent {
     },
 }
 
+/// Which of an execution's events a cut one was (see [`BrokerEvent::cut_execution`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutionPhase {
+    Started,
+    Done,
+    Timeout,
+}
+
 impl BrokerEvent {
+    /// The stored `kind`.
+    pub fn kind(&self) -> &str {
+        match self {
+            BrokerEvent::Session(e) => e.kind(),
+            BrokerEvent::Recording(m) => m.kind(),
+            BrokerEvent::Unreadable { kind, .. } => kind,
+        }
+    }
+
+    /// The stored `detail` (of an unreadable event, what is left of it: its `msg_id`).
+    pub fn detail(&self) -> Value {
+        match self {
+            BrokerEvent::Session(e) => e.detail(),
+            BrokerEvent::Recording(m) => m.detail(),
+            BrokerEvent::Unreadable { msg_id, .. } => match msg_id {
+                Some(id) => serde_json::json!({ "msg_id": id }),
+                None => Value::Object(serde_json::Map::new()),
+            },
+        }
+    }
+
+    /// The `execute_request` msg_id of an execution's event (started, done, timeout), also
+    /// when its detail was cut.
+    pub fn execution_msg_id(&self) -> Option<&str> {
+        match self {
+            BrokerEvent::Session(
+                LifecycleEvent::ExecutionStarted { msg_id, .. }
+                | LifecycleEvent::ExecutionDone { msg_id, .. }
+                | LifecycleEvent::ExecutionTimeout { msg_id, .. },
+            ) => Some(msg_id),
+            BrokerEvent::Unreadable { .. } => self.cut_execution().map(|(_, id)| id),
+            _ => None,
+        }
+    }
+
+    /// An execution's event whose detail the recording's budget cut: which one, and the
+    /// msg_id that is all it kept.
+    pub fn cut_execution(&self) -> Option<(ExecutionPhase, &str)> {
+        let BrokerEvent::Unreadable {
+            kind,
+            msg_id: Some(msg_id),
+        } = self
+        else {
+            return None;
+        };
+        let phase = match kind.as_str() {
+            "execution_started" => ExecutionPhase::Started,
+            "execution_done" => ExecutionPhase::Done,
+            "execution_timeout" => ExecutionPhase::Timeout,
+            _ => return None,
+        };
+        Some((phase, msg_id))
+    }
+
+    /// How the session ends with this event (`sessions.end_reason`), if it does.
+    pub fn end_reason(&self) -> Option<&'static str> {
+        match self {
+            BrokerEvent::Session(LifecycleEvent::SessionClosed) => Some("closed"),
+            BrokerEvent::Session(LifecycleEvent::SessionExpired) => Some("expired"),
+            _ => None,
+        }
+    }
+
     /// Reads a stored `kind` and its `detail` text.
     pub fn parse(kind: &str, detail: &str) -> Self {
         let detail: Value = serde_json::from_str(detail).unwrap_or(Value::Null);
@@ -148,5 +221,65 @@ mod tests {
             BrokerEvent::parse("interrupt", "not json"),
             BrokerEvent::Session(LifecycleEvent::Interrupt)
         ));
+    }
+
+    #[test]
+    fn what_the_writer_and_the_notebook_ask_of_an_event() {
+        let cut = |kind: &str| BrokerEvent::Unreadable {
+            kind: kind.into(),
+            msg_id: Some("m".into()),
+        };
+        let timeout = BrokerEvent::Session(LifecycleEvent::ExecutionTimeout {
+            msg_id: "m".into(),
+            timeout_seconds: 1.0,
+        });
+        let gap = BrokerEvent::Recording(RecordingMarker::RecordingGap {
+            dropped: 1,
+            reason: "r".into(),
+        });
+        // (event, execution msg_id, cut phase, end reason)
+        let cases = [
+            (timeout, Some("m"), None, None),
+            (
+                cut("execution_done"),
+                Some("m"),
+                Some(ExecutionPhase::Done),
+                None,
+            ),
+            (
+                cut("execution_started"),
+                Some("m"),
+                Some(ExecutionPhase::Started),
+                None,
+            ),
+            (cut("from_the_future"), None, None, None),
+            (gap, None, None, None),
+            (
+                BrokerEvent::Session(LifecycleEvent::SessionClosed),
+                None,
+                None,
+                Some("closed"),
+            ),
+            (
+                BrokerEvent::Session(LifecycleEvent::SessionExpired),
+                None,
+                None,
+                Some("expired"),
+            ),
+            (
+                BrokerEvent::Session(LifecycleEvent::Interrupt),
+                None,
+                None,
+                None,
+            ),
+        ];
+        for (event, msg_id, phase, end) in cases {
+            assert_eq!(event.execution_msg_id(), msg_id, "{event:?}");
+            assert_eq!(event.cut_execution().map(|(p, _)| p), phase, "{event:?}");
+            assert_eq!(event.end_reason(), end, "{event:?}");
+            // What is stored reads back as the same event.
+            let back = BrokerEvent::parse(event.kind(), &event.detail().to_string());
+            assert_eq!(back, event);
+        }
     }
 }

@@ -26,16 +26,30 @@
 //! distinct image once) against [`RecordingConfig::max_execution_bytes`] per execution and
 //! [`RecordingConfig::max_session_bytes`] in all; past a cap, messages are not recorded and
 //! one `recording_truncated` marker says how many and how many bytes were dropped (see
-//! `writer`, "Budgets").
+//! `writer::budget`).
 //!
 //! Architecture invariant: this layer knows sessions and Jupyter messages, not HTTP; the API
-//! layer shapes what it returns as JSON. Notebook export ([`notebook`]) and replay
-//! ([`replay`]) live here because they interpret recordings.
+//! layer shapes what it returns as JSON. It does not drive sessions: replaying a recording
+//! does, so replay sits above this layer (`crate::replay`).
+//!
+//! # Layout
+//!
+//! - `store`: the handle ([`RecordingStore`]): reports queued to the writer (bounded in
+//!   bytes), the [`crate::session::Recorder`] implementation, reads on blocking threads.
+//! - `writer`: the writer thread (batches, transactions, barriers); how a report becomes
+//!   rows; the per-execution and per-session budgets; retention and deletion.
+//! - `schema`: tables, indexes, the schema version and migrations; opening the file.
+//! - `queries`: reads: a session's events (paged, filtered), the recordings list, info.
+//! - [`blobs`]: images and buffers taken out of events and put back (pure).
+//! - [`event`]: stored broker events read back typed (lifecycle events and the
+//!   recording's own markers).
+//! - [`notebook`]: the recording as cells and markers, and as an nbformat notebook (pure).
 
 pub mod blobs;
 pub mod event;
 pub mod notebook;
-pub mod replay;
+mod queries;
+mod schema;
 mod store;
 mod writer;
 
@@ -45,10 +59,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-pub use store::{
-    EventQuery, EventsPage, RecordedEvent, RecordedKind, RecordingInfo, RecordingStats,
-    RecordingStore,
-};
+pub use queries::{EventQuery, EventsPage, RecordedEvent, RecordedKind, RecordingInfo};
+pub use store::{RecordingStats, RecordingStore};
 
 /// How hard a commit tries to reach the disk (SQLite's `synchronous` pragma). Also the
 /// `--record-synchronous` flag's values.
@@ -72,7 +84,7 @@ pub struct RecordingConfig {
     pub synchronous: Synchronous,
     /// Bytes allowed to wait for the writer before reports are dropped.
     pub max_queue_bytes: usize,
-    /// Bytes recorded per execution (see `writer`, "Budgets"), every message type.
+    /// Bytes recorded per execution (see `writer::budget`), every message type.
     pub max_execution_bytes: u64,
     /// Bytes recorded per session.
     pub max_session_bytes: u64,

@@ -1,0 +1,147 @@
+//! The timeline as an nbformat 4.5 notebook: code cells with their outputs, execution
+//! timings and the agent's status in the metadata; markers as markdown cells; the kernel
+//! spec and `language_info` from the recorded `kernel_info_reply`.
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+use serde_json::{json, Map, Value};
+
+use super::timeline::{parse, timeline};
+use super::{Entry, Marker};
+use crate::recording::event::{BrokerEvent, RecordingMarker};
+use crate::recording::{RecordedEvent, RecordedKind, RecordingInfo};
+use crate::session::{Direction, LifecycleEvent};
+
+/// A cell id nbformat 4.5 accepts (`^[a-zA-Z0-9-_]+$`, 1 to 64 characters), unique.
+pub(super) fn cell_id(seed: &str, used: &mut HashSet<String>) -> String {
+    let mut id: String = seed
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .take(64)
+        .collect();
+    if id.is_empty() || used.contains(&id) {
+        id = format!("cell-{}", used.len());
+        while used.contains(&id) {
+            id.push('x');
+        }
+    }
+    used.insert(id.clone());
+    id
+}
+
+fn iso(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// A marker's markdown: what happened, when, and why.
+fn marker_text(m: &Marker) -> String {
+    let reason = m.reason();
+    let what = match &m.event {
+        BrokerEvent::Session(LifecycleEvent::KernelRestarted { .. }) => "The kernel was restarted",
+        BrokerEvent::Session(LifecycleEvent::KernelDied { .. }) => "The kernel died",
+        BrokerEvent::Session(LifecycleEvent::SessionExpired) => "The session expired",
+        BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => "The broker stopped",
+        BrokerEvent::Recording(RecordingMarker::RecordingGap { .. }) => {
+            "Part of the recording is missing"
+        }
+        BrokerEvent::Recording(RecordingMarker::RecordingTruncated { .. }) => {
+            "Output of a cell was cut in the recording"
+        }
+        other => other.kind(),
+    };
+    let mut s = format!("*[kernel-broker, {}] {what}", iso(m.time));
+    if !reason.is_empty() {
+        s.push_str(": ");
+        s.push_str(reason);
+    }
+    s.push('*');
+    s
+}
+
+/// The recording as an nbformat 4.5 notebook.
+pub fn notebook(info: &RecordingInfo, events: &[RecordedEvent]) -> Value {
+    let mut used = HashSet::new();
+    let mut nb_cells = Vec::new();
+    for entry in timeline(events) {
+        match entry {
+            Entry::Cell(c) => {
+                let mut timing = Map::new();
+                if let Some(t) = c.input_at {
+                    timing.insert("iopub.execute_input".into(), Value::String(iso(t)));
+                }
+                if let Some(t) = c.finished_at {
+                    timing.insert("shell.execute_reply".into(), Value::String(iso(t)));
+                }
+                let mut meta = Map::new();
+                if !timing.is_empty() {
+                    meta.insert("execution".into(), Value::Object(timing));
+                }
+                if let Some(x) = &c.execution {
+                    meta.insert(
+                        "kernel_broker".into(),
+                        json!({"status": x.status, "duration_ms": x.duration_ms}),
+                    );
+                }
+                nb_cells.push(json!({
+                    "cell_type": "code",
+                    "id": cell_id(&c.msg_id, &mut used),
+                    "metadata": meta,
+                    "execution_count": c.execution_count,
+                    "source": c.code,
+                    "outputs": c.outputs,
+                }));
+            }
+            Entry::Marker(m) => {
+                nb_cells.push(json!({
+                    "cell_type": "markdown",
+                    "id": cell_id("", &mut used),
+                    "metadata": {"kernel_broker": {"event": m.kind()}},
+                    "source": marker_text(&m),
+                }));
+            }
+        }
+    }
+    let language_info = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            RecordedKind::Message {
+                direction: Direction::FromKernel,
+                msg_type,
+                content,
+                ..
+            } if msg_type == "kernel_info_reply" => {
+                let v = parse(content);
+                v["language_info"]
+                    .is_object()
+                    .then(|| v["language_info"].clone())
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| json!({"name": "python"}));
+    let language = language_info["name"]
+        .as_str()
+        .unwrap_or("python")
+        .to_string();
+    let display_name = if info.kernel == "python3" {
+        "Python 3 (ipykernel)".to_string()
+    } else {
+        info.kernel.clone()
+    };
+    json!({
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {
+            "kernelspec": {"name": info.kernel, "display_name": display_name, "language": language},
+            "language_info": language_info,
+            "kernel_broker": {
+                "session_id": info.id,
+                "user": info.user,
+                "created_at": iso(info.created_at),
+                "ended_at": info.ended_at.map(iso),
+                "end_reason": info.end_reason,
+            },
+        },
+        "cells": nb_cells,
+    })
+}

@@ -1,0 +1,97 @@
+//! The nbformat document: cells, ids, metadata and markers as markdown.
+
+use std::collections::HashSet;
+
+use chrono::DateTime;
+use uuid::Uuid;
+
+use super::super::nbformat::cell_id;
+use super::*;
+use crate::recording::RecordingInfo;
+
+#[test]
+fn notebook_has_cells_markers_and_metadata() {
+    let info = RecordingInfo {
+        id: Uuid::nil(),
+        user: "alice".into(),
+        kernel: "python3".into(),
+        created_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        ended_at: None,
+        end_reason: None,
+        cells: 3,
+        events: 20,
+        last_event_at: None,
+    };
+    let nb = notebook(&info, &recording());
+    assert_eq!(nb["nbformat"], 4);
+    assert_eq!(nb["nbformat_minor"], 5);
+    assert_eq!(nb["metadata"]["kernelspec"]["name"], "python3");
+    let cells = nb["cells"].as_array().unwrap();
+    let types: Vec<&str> = cells
+        .iter()
+        .map(|c| c["cell_type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["code", "code", "markdown", "code"]);
+    assert_eq!(cells[0]["id"], "a");
+    assert!(cells[2]["source"].as_str().unwrap().contains("restarted"));
+    let ids: HashSet<&str> = cells.iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 4);
+    assert_eq!(cells[0]["metadata"]["kernel_broker"]["status"], "ok");
+}
+
+#[test]
+fn ids_are_valid_and_unique() {
+    let mut used = HashSet::new();
+    let cases = ["abc-1_2", "a b/c", "", "abc-1_2", &"x".repeat(100)];
+    for seed in cases {
+        let id = cell_id(seed, &mut used);
+        assert!(!id.is_empty() && id.len() <= 64, "{id}");
+        assert!(
+            id.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+            "{id}"
+        );
+    }
+    assert_eq!(used.len(), cases.len());
+}
+
+#[test]
+fn markers_in_the_notebook() {
+    let info = RecordingInfo {
+        id: Uuid::nil(),
+        user: "alice".into(),
+        kernel: "python3".into(),
+        created_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        ended_at: None,
+        end_reason: None,
+        cells: 0,
+        events: 10,
+        last_event_at: None,
+    };
+    let nb = notebook(&info, &markers().0);
+    let got: Vec<String> = nb["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            format!(
+                "{} {} {}",
+                c["cell_type"].as_str().unwrap(),
+                c["metadata"]["kernel_broker"]["event"].as_str().unwrap(),
+                c["source"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let t = |s: i64| format!("2023-11-14T22:13:{}.000000Z", 20 + s);
+    assert_eq!(
+        got,
+        [
+            format!("markdown kernel_restarted *[kernel-broker, {}] The kernel was restarted: by request*", t(3)),
+            format!("markdown kernel_died *[kernel-broker, {}] The kernel died: out of memory*", t(4)),
+            format!("markdown recording_gap *[kernel-broker, {}] Part of the recording is missing: the writer fell behind*", t(5)),
+            format!("markdown recording_truncated *[kernel-broker, {}] Output of a cell was cut in the recording: over its cap*", t(6)),
+            format!("markdown session_expired *[kernel-broker, {}] The session expired*", t(7)),
+            format!("markdown broker_stopped *[kernel-broker, {}] The broker stopped: killed*", t(9)),
+        ]
+    );
+}

@@ -1,0 +1,399 @@
+//! Reading recordings back: the recorded sessions (one, or a user's list), a page of a
+//! session's events with filters, every event in order. Rows become [`RecordedEvent`]s with
+//! what the writer took out put back: images and buffers from `blobs`, a parent header
+//! stored as a reference from the request's row. Plain functions over a read-only
+//! connection; [`Readers`] keeps a few of those for the store's blocking reads (in WAL mode
+//! a reader never waits for the writer and sees every committed batch).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use chrono::{DateTime, Utc};
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::blobs::{self, Blob};
+use super::schema::{open_reader, sqlite};
+use super::{from_micros, RecordingError};
+use crate::session::Direction;
+use crate::sync::lock;
+
+/// One recorded session, as listed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordingInfo {
+    pub id: Uuid,
+    pub user: String,
+    pub kernel: String,
+    pub created_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+    /// `closed`, `expired` or `broker_stopped`.
+    pub end_reason: Option<String>,
+    /// Code cells run (non-silent `execute_request`s).
+    pub cells: u64,
+    pub events: u64,
+    pub last_event_at: Option<DateTime<Utc>>,
+}
+
+/// One recorded event. JSON parts are JSON text, with blobs put back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedEvent {
+    pub seq: i64,
+    pub time: DateTime<Utc>,
+    pub kind: RecordedKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecordedKind {
+    Message {
+        direction: Direction,
+        channel: String,
+        msg_type: String,
+        msg_id: String,
+        parent_msg_id: Option<String>,
+        header: String,
+        parent_header: String,
+        metadata: String,
+        content: String,
+        buffers: Vec<Vec<u8>>,
+    },
+    Broker {
+        kind: String,
+        detail: String,
+    },
+}
+
+impl RecordedEvent {
+    /// `msg_type` of a message, the kind of a broker event.
+    pub fn type_name(&self) -> &str {
+        match &self.kind {
+            RecordedKind::Message { msg_type, .. } => msg_type,
+            RecordedKind::Broker { kind, .. } => kind,
+        }
+    }
+}
+
+/// Which events to read.
+#[derive(Debug, Clone, Default)]
+pub struct EventQuery {
+    /// Only events with a larger sequence number.
+    pub after: i64,
+    pub limit: usize,
+    /// `msg_type`s or broker event kinds; empty means all.
+    pub types: Vec<String>,
+    /// Channels (`shell`, `iopub`, `stdin`, `control`, and `broker` for broker events).
+    pub channels: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EventsPage {
+    pub events: Vec<RecordedEvent>,
+    /// Whether more events matched than the limit let through.
+    pub more: bool,
+}
+
+/// A small pool of read-only connections.
+pub(super) struct Readers {
+    path: PathBuf,
+    pool: Mutex<Vec<Connection>>,
+}
+
+impl Readers {
+    pub(super) fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            pool: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Runs `f` on a pooled connection (blocking: call it on a blocking thread).
+    pub(super) fn with<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, RecordingError>,
+    ) -> Result<T, RecordingError> {
+        let pooled = lock(&self.pool).pop();
+        let conn = match pooled {
+            Some(c) => c,
+            None => open_reader(&self.path)?,
+        };
+        let r = f(&conn);
+        let mut pool = lock(&self.pool);
+        if pool.len() < 4 {
+            pool.push(conn);
+        }
+        r
+    }
+}
+
+/// The recorded session `id`, whoever owns it.
+pub(super) fn info(conn: &Connection, id: Uuid) -> Result<Option<RecordingInfo>, RecordingError> {
+    conn.prepare_cached(&format!("{INFO_SELECT} WHERE id = ?1"))
+        .and_then(|mut st| st.query_row([id.to_string()], info_row).optional())
+        .map_err(sqlite("read a session"))
+}
+
+/// `user`'s recorded sessions, newest first.
+pub(super) fn list(
+    conn: &Connection,
+    user: &str,
+    limit: usize,
+) -> Result<Vec<RecordingInfo>, RecordingError> {
+    let mut st = conn
+        .prepare_cached(&format!(
+            "{INFO_SELECT} WHERE user = ?1 ORDER BY created_at DESC, sid DESC LIMIT ?2"
+        ))
+        .map_err(sqlite("list sessions"))?;
+    let rows = st
+        .query_map(params![user, limit as i64], info_row)
+        .map_err(sqlite("list sessions"))?;
+    rows.collect::<Result<Vec<_>, _>>()
+        .map_err(sqlite("list sessions"))
+}
+
+/// Every event of session `id`, in order (read in pages).
+pub(super) fn all_events(
+    conn: &Connection,
+    id: Uuid,
+) -> Result<Vec<RecordedEvent>, RecordingError> {
+    let mut all = Vec::new();
+    let mut query = EventQuery {
+        after: 0,
+        limit: 10_000,
+        ..Default::default()
+    };
+    loop {
+        let page = read_events(conn, id, &query)?;
+        if let Some(last) = page.events.last() {
+            query.after = last.seq;
+        }
+        all.extend(page.events);
+        if !page.more {
+            return Ok(all);
+        }
+    }
+}
+
+const INFO_SELECT: &str =
+    "SELECT id, user, kernel, created_at, ended_at, end_reason, cells, events, last_event_at FROM sessions";
+
+fn info_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RecordingInfo> {
+    let id: String = r.get(0)?;
+    Ok(RecordingInfo {
+        id: Uuid::parse_str(&id).unwrap_or_default(),
+        user: r.get(1)?,
+        kernel: r.get(2)?,
+        created_at: from_micros(r.get(3)?),
+        ended_at: r.get::<_, Option<i64>>(4)?.map(from_micros),
+        end_reason: r.get(5)?,
+        cells: r.get::<_, i64>(6)?.max(0) as u64,
+        events: r.get::<_, i64>(7)?.max(0) as u64,
+        last_event_at: r.get::<_, Option<i64>>(8)?.map(from_micros),
+    })
+}
+
+struct Row {
+    seq: i64,
+    time: i64,
+    direction: String,
+    channel: Option<String>,
+    msg_type: Option<String>,
+    msg_id: Option<String>,
+    parent_msg_id: Option<String>,
+    header: Option<String>,
+    parent_header: Option<String>,
+    parent_seq: Option<i64>,
+    metadata: Option<String>,
+    content: Option<String>,
+    kind: Option<String>,
+    has_blobs: bool,
+    buffers: Option<String>,
+}
+
+/// A page of session `id`'s events.
+pub(super) fn read_events(
+    conn: &Connection,
+    id: Uuid,
+    q: &EventQuery,
+) -> Result<EventsPage, RecordingError> {
+    use rusqlite::types::Value as Sql;
+    let sid: Option<i64> = conn
+        .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")
+        .and_then(|mut st| st.query_row([id.to_string()], |r| r.get(0)).optional())
+        .map_err(sqlite("find a session"))?;
+    let Some(sid) = sid else {
+        return Err(RecordingError::NotFound(id));
+    };
+    let mut sql = String::from(
+        "SELECT seq, time, direction, channel, msg_type, msg_id, parent_msg_id, header, parent_header,
+                metadata, content, kind, has_blobs, buffers, parent_seq
+         FROM events WHERE sid = ? AND seq > ?",
+    );
+    let mut args: Vec<Sql> = vec![Sql::Integer(sid), Sql::Integer(q.after)];
+    let marks = |n: usize| vec!["?"; n].join(", ");
+    if !q.types.is_empty() {
+        sql.push_str(&format!(
+            " AND (msg_type IN ({0}) OR kind IN ({0}))",
+            marks(q.types.len())
+        ));
+        args.extend(q.types.iter().map(|t| Sql::Text(t.clone())));
+        args.extend(q.types.iter().map(|t| Sql::Text(t.clone())));
+    }
+    if !q.channels.is_empty() {
+        let broker = q.channels.iter().any(|c| c == "broker");
+        let kernel: Vec<&String> = q.channels.iter().filter(|c| *c != "broker").collect();
+        sql.push_str(&format!(
+            " AND (channel IN ({}) OR {})",
+            if kernel.is_empty() {
+                "NULL".to_string()
+            } else {
+                marks(kernel.len())
+            },
+            if broker { "direction = 'broker'" } else { "0" }
+        ));
+        args.extend(kernel.into_iter().map(|c| Sql::Text(c.clone())));
+    }
+    sql.push_str(" ORDER BY seq LIMIT ?");
+    let limit = q.limit.max(1);
+    args.push(Sql::Integer(limit as i64 + 1));
+    let mut st = conn.prepare_cached(&sql).map_err(sqlite("read events"))?;
+    let rows = st
+        .query_map(rusqlite::params_from_iter(args), |r| {
+            Ok(Row {
+                seq: r.get(0)?,
+                time: r.get(1)?,
+                direction: r.get(2)?,
+                channel: r.get(3)?,
+                msg_type: r.get(4)?,
+                msg_id: r.get(5)?,
+                parent_msg_id: r.get(6)?,
+                header: r.get(7)?,
+                parent_header: r.get(8)?,
+                metadata: r.get(9)?,
+                content: r.get(10)?,
+                kind: r.get(11)?,
+                has_blobs: r.get(12)?,
+                buffers: r.get(13)?,
+                parent_seq: r.get(14)?,
+            })
+        })
+        .map_err(sqlite("read events"))?;
+    let mut rows: Vec<Row> = rows
+        .collect::<Result<_, _>>()
+        .map_err(sqlite("read events"))?;
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let mut events = Vec::with_capacity(rows.len());
+    let mut parents = HashMap::new();
+    for row in rows {
+        events.push(to_event(conn, sid, row, &mut parents)?);
+    }
+    Ok(EventsPage { events, more })
+}
+
+/// The header of event `seq` (the request a parent header refers to), cached per page.
+fn request_header(
+    conn: &Connection,
+    sid: i64,
+    seq: i64,
+    cache: &mut HashMap<i64, String>,
+) -> Result<String, RecordingError> {
+    if let Some(h) = cache.get(&seq) {
+        return Ok(h.clone());
+    }
+    let h: Option<String> = conn
+        .prepare_cached("SELECT header FROM events WHERE sid = ?1 AND seq = ?2")
+        .and_then(|mut st| st.query_row(params![sid, seq], |r| r.get(0)).optional())
+        .map_err(sqlite("read a parent header"))?
+        .flatten();
+    let h = h.unwrap_or_else(|| "{}".into());
+    cache.insert(seq, h.clone());
+    Ok(h)
+}
+
+fn to_event(
+    conn: &Connection,
+    sid: i64,
+    row: Row,
+    parents: &mut HashMap<i64, String>,
+) -> Result<RecordedEvent, RecordingError> {
+    let mut content = row.content.unwrap_or_else(|| "{}".into());
+    if row.has_blobs {
+        if let Ok(mut v) = serde_json::from_str::<Value>(&content) {
+            let mut failed = None;
+            blobs::reassemble(&mut v, &mut |sha| match blob_text(conn, sha) {
+                Ok(t) => t,
+                Err(e) => {
+                    failed = Some(e);
+                    None
+                }
+            });
+            if let Some(e) = failed {
+                return Err(RecordingError::Sqlite {
+                    context: "read a blob",
+                    source: e,
+                });
+            }
+            content = v.to_string();
+        }
+    }
+    let time = from_micros(row.time);
+    let kind = if row.direction == "broker" {
+        RecordedKind::Broker {
+            kind: row.kind.unwrap_or_default(),
+            detail: content,
+        }
+    } else {
+        let mut buffers = Vec::new();
+        if let Some(list) = row.buffers {
+            let hashes: Vec<String> = serde_json::from_str(&list).unwrap_or_default();
+            for h in hashes {
+                let b = blob_bytes(conn, &h).map_err(sqlite("read a buffer"))?;
+                buffers.push(b.unwrap_or_default());
+            }
+        }
+        RecordedKind::Message {
+            direction: if row.direction == "to_kernel" {
+                Direction::ToKernel
+            } else {
+                Direction::FromKernel
+            },
+            channel: row.channel.unwrap_or_default(),
+            msg_type: row.msg_type.unwrap_or_default(),
+            msg_id: row.msg_id.unwrap_or_default(),
+            parent_msg_id: row.parent_msg_id,
+            header: row.header.unwrap_or_else(|| "{}".into()),
+            parent_header: match (row.parent_header, row.parent_seq) {
+                (Some(h), _) => h,
+                (None, Some(seq)) => request_header(conn, sid, seq, parents)?,
+                (None, None) => "{}".into(),
+            },
+            metadata: row.metadata.unwrap_or_else(|| "{}".into()),
+            content,
+            buffers,
+        }
+    };
+    Ok(RecordedEvent {
+        seq: row.seq,
+        time,
+        kind,
+    })
+}
+
+/// A blob's original string by SHA-256 (for readers).
+fn blob_text(conn: &Connection, sha: &str) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached("SELECT base64, data FROM blobs WHERE sha256 = ?1")?
+        .query_row([sha], |r| {
+            let b64: bool = r.get(0)?;
+            let data: Vec<u8> = r.get(1)?;
+            Ok(Blob::text_of(&data, b64))
+        })
+        .optional()
+}
+
+/// A blob's raw bytes (binary buffers).
+fn blob_bytes(conn: &Connection, sha: &str) -> rusqlite::Result<Option<Vec<u8>>> {
+    conn.prepare_cached("SELECT data FROM blobs WHERE sha256 = ?1")?
+        .query_row([sha], |r| r.get(0))
+        .optional()
+}

@@ -1,0 +1,321 @@
+//! The recording store: the handle the session layer reports to (it implements
+//! [`Recorder`]) and the API reads from. Reports go to the writer thread ([`super::writer`])
+//! through an unbounded channel whose memory is bounded by counting bytes; reads
+//! ([`super::queries`]) use a small pool of read-only connections on blocking threads (in
+//! WAL mode readers never wait for the writer, and see every committed batch).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use chrono::Utc;
+use futures::future::BoxFuture;
+use rusqlite::Connection;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use super::event::{BrokerEvent, RecordingMarker};
+use super::queries::{self, EventQuery, EventsPage, Readers, RecordedEvent, RecordingInfo};
+use super::writer::{self, Counters, Item, Op, SessionKey};
+use super::{micros, schema, RecordingConfig, RecordingError};
+use crate::session::{Direction, LifecycleEvent, Recorder, Session};
+use crate::sync::lock;
+use crate::wire::{Channel, Message};
+
+#[cfg(test)]
+mod tests;
+
+/// Counters of the recording, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordingStats {
+    pub queued_bytes: usize,
+    /// Reports dropped because the queue was over its bound.
+    pub dropped: u64,
+    /// Messages not recorded because an execution or session went over its cap.
+    pub truncated: u64,
+    /// Events that could not be stored.
+    pub errors: u64,
+    pub batches: u64,
+    pub events: u64,
+}
+
+/// The recordings of the broker. Cheap to share behind an `Arc`.
+pub struct RecordingStore {
+    tx: mpsc::Sender<Op>,
+    counters: Arc<Counters>,
+    config: RecordingConfig,
+    /// Reports dropped per session since its last `recording_gap` marker.
+    gaps: Mutex<HashMap<Uuid, u64>>,
+    gaps_pending: AtomicUsize,
+    readers: Arc<Readers>,
+}
+
+impl RecordingStore {
+    /// Open (or create) the recordings file and start the writer thread.
+    pub fn open(config: RecordingConfig) -> Result<Arc<Self>, RecordingError> {
+        let conn = schema::open(&config)?;
+        let counters = Arc::new(Counters::default());
+        let (tx, rx) = mpsc::channel();
+        let w = writer::Writer::new(conn, &config, counters.clone());
+        std::thread::Builder::new()
+            .name("recording-writer".into())
+            .spawn(move || w.run(rx))
+            .map_err(|source| RecordingError::Dir {
+                path: config.path.clone(),
+                source,
+            })?;
+        tracing::info!(path = %config.path.display(), "recording sessions");
+        Ok(Arc::new(Self {
+            tx,
+            counters,
+            readers: Arc::new(Readers::new(config.path.clone())),
+            config,
+            gaps: Mutex::new(HashMap::new()),
+            gaps_pending: AtomicUsize::new(0),
+        }))
+    }
+
+    pub fn config(&self) -> &RecordingConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> RecordingStats {
+        let c = &self.counters;
+        RecordingStats {
+            queued_bytes: c.queued_bytes.load(Ordering::Relaxed),
+            dropped: c.dropped.load(Ordering::Relaxed),
+            truncated: c.truncated.load(Ordering::Relaxed),
+            errors: c.errors.load(Ordering::Relaxed),
+            batches: c.batches.load(Ordering::Relaxed),
+            events: c.events.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Wait until everything reported so far is committed.
+    pub async fn flush(&self) {
+        self.barrier().await
+    }
+
+    /// Commit what is queued and stop the writer; later reports are ignored.
+    pub async fn close(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Stop(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, RecordingError> + Send + 'static,
+    ) -> Result<T, RecordingError> {
+        let readers = self.readers.clone();
+        tokio::task::spawn_blocking(move || readers.with(f))
+            .await
+            .map_err(|e| RecordingError::Task(e.to_string()))?
+    }
+
+    /// The recorded session `id`, whoever owns it.
+    pub async fn info(&self, id: Uuid) -> Result<Option<RecordingInfo>, RecordingError> {
+        self.read(move |conn| queries::info(conn, id)).await
+    }
+
+    /// `user`'s recorded sessions, newest first.
+    pub async fn list(
+        &self,
+        user: &str,
+        limit: usize,
+    ) -> Result<Vec<RecordingInfo>, RecordingError> {
+        let user = user.to_string();
+        self.read(move |conn| queries::list(conn, &user, limit))
+            .await
+    }
+
+    /// A page of session `id`'s events.
+    pub async fn events(&self, id: Uuid, query: EventQuery) -> Result<EventsPage, RecordingError> {
+        self.read(move |conn| queries::read_events(conn, id, &query))
+            .await
+    }
+
+    /// Every event of session `id`, in order.
+    pub async fn all_events(&self, id: Uuid) -> Result<Vec<RecordedEvent>, RecordingError> {
+        self.read(move |conn| queries::all_events(conn, id)).await
+    }
+
+    /// Delete session `id`'s recording; false when there was none.
+    pub async fn delete(&self, id: Uuid) -> Result<bool, RecordingError> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Op::Delete { id, done })
+            .map_err(|_| RecordingError::WriterGone)?;
+        rx.await.map_err(|_| RecordingError::WriterGone)?
+    }
+
+    fn send(&self, op: Op) {
+        // The writer has stopped (the broker is shutting down): nothing to count against.
+        if let Err(mpsc::SendError(Op::Record { size, .. })) = self.tx.send(op) {
+            self.counters.queued_bytes.fetch_sub(size, Ordering::AcqRel);
+        }
+    }
+
+    /// Queue one report, unless the queue is over its bound.
+    fn report(&self, key: SessionKey, item: Item) {
+        let time = micros(Utc::now());
+        let size = item_size(&item);
+        let before = self.counters.queued_bytes.fetch_add(size, Ordering::AcqRel);
+        if before + size > self.config.max_queue_bytes {
+            self.counters.queued_bytes.fetch_sub(size, Ordering::AcqRel);
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            let mut gaps = lock(&self.gaps);
+            let n = gaps.entry(key.id).or_insert(0);
+            if *n == 0 {
+                self.gaps_pending.fetch_add(1, Ordering::AcqRel);
+                tracing::warn!(
+                    session = %key.id,
+                    queued_bytes = before,
+                    limit = self.config.max_queue_bytes,
+                    "recording: the writer is behind; dropping this session's reports until it catches up"
+                );
+            }
+            *n += 1;
+            return;
+        }
+        if self.gaps_pending.load(Ordering::Acquire) > 0 {
+            let dropped = lock(&self.gaps).remove(&key.id);
+            if let Some(n) = dropped {
+                self.gaps_pending.fetch_sub(1, Ordering::AcqRel);
+                self.marker(
+                    &key,
+                    time,
+                    RecordingMarker::RecordingGap {
+                        dropped: n,
+                        reason: "the recording writer fell behind; these reports were not recorded"
+                            .into(),
+                    },
+                );
+            }
+        }
+        self.send(Op::Record {
+            key,
+            time,
+            item,
+            size,
+        });
+    }
+
+    /// Queue a small broker event of the recording itself (not counted against the bound).
+    fn marker(&self, key: &SessionKey, time: i64, marker: RecordingMarker) {
+        let item = Item::Event(BrokerEvent::Recording(marker));
+        let size = item_size(&item);
+        self.counters.queued_bytes.fetch_add(size, Ordering::AcqRel);
+        self.send(Op::Record {
+            key: key.clone(),
+            time,
+            item,
+            size,
+        });
+    }
+
+    fn report_message(
+        &self,
+        key: SessionKey,
+        direction: Direction,
+        channel: Channel,
+        msg: &Message,
+    ) {
+        // Budgets per execution and session are kept by the writer, which knows what a
+        // message costs once its images are stored.
+        self.report(
+            key,
+            Item::Message {
+                direction,
+                channel,
+                msg: msg.clone(),
+            },
+        );
+    }
+
+    fn report_event(&self, key: SessionKey, event: LifecycleEvent) {
+        self.report(key, Item::Event(BrokerEvent::Session(event)));
+    }
+}
+
+fn key_of(session: &Session) -> SessionKey {
+    SessionKey {
+        id: session.id,
+        user: session.user.name.clone(),
+        kernel: session.kernel_name.clone(),
+        created_at: micros(session.created_at),
+    }
+}
+
+impl Recorder for RecordingStore {
+    fn message(&self, session: &Session, direction: Direction, channel: Channel, msg: &Message) {
+        self.report_message(key_of(session), direction, channel, msg);
+    }
+
+    fn event(&self, session: &Session, event: &LifecycleEvent) {
+        // How long a kernel took to start is a metric, not part of the session's story:
+        // replay and the notebook have no use for it, and the recording stays as it was.
+        if let LifecycleEvent::KernelStarted { .. } = event {
+            return;
+        }
+        self.report_event(key_of(session), event.clone());
+    }
+
+    fn barrier(&self) -> BoxFuture<'static, ()> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Barrier(tx)).is_err() {
+            return Box::pin(std::future::ready(()));
+        }
+        let stalled = self.counters.clone();
+        Box::pin(async move {
+            // A writer stuck on a failing disk must not hold every acknowledgement forever:
+            // past the limit the execution is acknowledged anyway, and that is logged.
+            if tokio::time::timeout(BARRIER_LIMIT, rx).await.is_err() {
+                stalled.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    limit = ?BARRIER_LIMIT,
+                    "recording: the writer did not commit in time; acknowledging without it"
+                );
+            }
+        })
+    }
+}
+
+/// The longest an acknowledgement waits for the recording.
+const BARRIER_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Approximate bytes a report holds in memory.
+fn item_size(item: &Item) -> usize {
+    match item {
+        Item::Message { msg, .. } => {
+            256 + msg.header.len()
+                + msg.parent_header.len()
+                + msg.metadata.len()
+                + msg.content.len()
+                + msg.buffers.iter().map(|b| b.len()).sum::<usize>()
+        }
+        Item::Event(event) => 128 + event.kind().len() + json_len(event),
+    }
+}
+
+/// Bytes of a broker event as JSON (what its detail costs, within a few bytes of the tag).
+fn json_len(event: &BrokerEvent) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    // Writing to a counter cannot fail; a failure would only undercount.
+    let _ = match event {
+        BrokerEvent::Session(e) => serde_json::to_writer(&mut n, e),
+        BrokerEvent::Recording(m) => serde_json::to_writer(&mut n, m),
+        BrokerEvent::Unreadable { kind, .. } => serde_json::to_writer(&mut n, kind),
+    };
+    n.0
+}

@@ -1,0 +1,384 @@
+//! How one report becomes rows: a message's four JSON parts (as received when they are
+//! JSON), its parent header as a reference to the request it answers, its images and binary
+//! buffers as blobs; a broker event's kind and detail. Each within the session's budgets
+//! ([`super::budget`]).
+
+use rusqlite::{params, OptionalExtension};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::budget::KEPT_DETAIL_BYTES;
+use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
+use crate::recording::blobs::{self, Blob};
+use crate::recording::event::BrokerEvent;
+use crate::session::Direction;
+use crate::wire::{Channel, Message};
+
+impl Writer {
+    /// Stores one report within the session's budget (see [`super::budget`]).
+    pub(super) fn insert(
+        &mut self,
+        key: &SessionKey,
+        time: i64,
+        item: Item,
+    ) -> rusqlite::Result<(i64, Touched)> {
+        let sid = self.known(key)?.sid;
+        match item {
+            Item::Message {
+                direction,
+                channel,
+                msg,
+            } => self.insert_message(key, sid, time, direction, channel, msg),
+            Item::Event(event) => self.insert_event(key, sid, time, event),
+        }
+    }
+
+    /// A message to or from the kernel.
+    fn insert_message(
+        &mut self,
+        key: &SessionKey,
+        sid: i64,
+        time: i64,
+        direction: Direction,
+        channel: Channel,
+        msg: Message,
+    ) -> rusqlite::Result<(i64, Touched)> {
+        let mut touched = Touched::default();
+        if direction == Direction::ToKernel
+            && channel == Channel::Shell
+            && msg.msg_type == "execute_request"
+        {
+            self.new_execution(sid, &msg.msg_id)?;
+        }
+        let raw = (msg.header.len()
+            + msg.parent_header.len()
+            + msg.metadata.len()
+            + msg.content.len()
+            + msg.buffers.iter().map(|b| b.len()).sum::<usize>()) as u64;
+        let parent = msg.parent_msg_id.clone();
+        let parent = match direction {
+            Direction::ToKernel => Some(msg.msg_id.as_str()),
+            Direction::FromKernel => parent.as_deref(),
+        };
+        if self.dropping(sid, parent, raw) {
+            return Ok((sid, touched));
+        }
+        let mut content = json_text(&msg.content);
+        let mut images = Vec::new();
+        if direction == Direction::FromKernel
+            && channel == Channel::Iopub
+            && matches!(
+                msg.msg_type.as_str(),
+                "display_data" | "execute_result" | "update_display_data"
+            )
+            && content.len() >= self.blob_threshold
+        {
+            if let Some((text, found)) = self.extract_blobs(&content) {
+                content = text;
+                images = found;
+            }
+        }
+        let header = json_text(&msg.header);
+        let (parent_header, parent_seq) = self.parent_of(sid, direction, &msg);
+        let metadata = json_text(&msg.metadata);
+        let buffer_shas: Vec<String> = msg
+            .buffers
+            .iter()
+            .map(|b| hex::encode(Sha256::digest(b)))
+            .collect();
+        let mut cost = header.len()
+            + parent_header.as_ref().map_or(0, String::len)
+            + metadata.len()
+            + content.len();
+        for b in &images {
+            if self.blob_is_new(sid, &b.sha256)? {
+                cost += b.data.len();
+            }
+        }
+        for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
+            if self.blob_is_new(sid, sha)? {
+                cost += b.len();
+            }
+        }
+        if !self.charge(key, sid, parent, time, cost as u64, raw)? {
+            touched.events = 1;
+            return Ok((sid, touched));
+        }
+        for b in &images {
+            let size = b.text().len();
+            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+        }
+        let buffers = if msg.buffers.is_empty() {
+            None
+        } else {
+            for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
+                self.put_blob(sid, sha, false, b, b.len())?;
+            }
+            let hashes = buffer_shas.into_iter().map(Value::String).collect();
+            Some(Value::Array(hashes).to_string())
+        };
+        let (_, seq) = self.next_seq(key)?;
+        if direction == Direction::ToKernel
+            && channel == Channel::Shell
+            && msg.msg_type == "execute_request"
+            && !is_silent(&msg.content)
+        {
+            touched.cells = 1;
+        }
+        if direction == Direction::ToKernel {
+            if let Ok(v) = serde_json::from_str::<Value>(&header) {
+                self.remember_request(sid, &msg.msg_id, seq, v);
+            }
+        }
+        let direction = match direction {
+            Direction::ToKernel => "to_kernel",
+            Direction::FromKernel => "from_kernel",
+        };
+        self.conn
+            .prepare_cached(
+                "INSERT INTO events (sid, seq, time, direction, channel, msg_type, msg_id,
+                   parent_msg_id, header, parent_header, parent_seq, metadata, content,
+                   has_blobs, buffers)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            )?
+            .execute(params![
+                sid,
+                seq,
+                time,
+                direction,
+                channel.as_str(),
+                msg.msg_type,
+                msg.msg_id,
+                msg.parent_msg_id,
+                header,
+                parent_header,
+                parent_seq,
+                metadata,
+                content,
+                !images.is_empty(),
+                buffers,
+            ])?;
+        touched.events = 1;
+        Ok((sid, touched))
+    }
+
+    /// A broker event: a lifecycle event of the session or a marker of the recording.
+    fn insert_event(
+        &mut self,
+        key: &SessionKey,
+        sid: i64,
+        time: i64,
+        event: BrokerEvent,
+    ) -> rusqlite::Result<(i64, Touched)> {
+        let mut touched = Touched::default();
+        let kind = event.kind().to_string();
+        let mut detail = event.detail();
+        let raw = value_len(&detail);
+        let parent = event.execution_msg_id().map(str::to_string);
+        let parent = parent.as_deref();
+        let execution = parent.is_some();
+        let mut found = blobs::extract(&mut detail, self.blob_threshold);
+        let mut text = detail.to_string();
+        let mut cost = text.len();
+        for b in &found {
+            if self.blob_is_new(sid, &b.sha256)? {
+                cost += b.data.len();
+            }
+        }
+        let open = self.open_scope(sid, parent);
+        let kept = match open {
+            Some(_) => false,
+            None if self.charge(key, sid, parent, time, cost as u64, raw)? => true,
+            None => {
+                // Over a cap now: the marker is stored and counts this event.
+                touched.events += 1;
+                false
+            }
+        };
+        if !kept {
+            let scope = self.open_scope(sid, parent);
+            let drop = execution && scope == Some("session");
+            let cut = !drop && (execution || text.len() > KEPT_DETAIL_BYTES);
+            if open.is_some() && (drop || cut) {
+                self.dropping(sid, parent, raw);
+            } else if open.is_none() && !drop && !cut {
+                // The marker counted this event, but it is stored whole after all.
+                self.undrop(sid, parent, raw);
+            }
+            if drop {
+                return Ok((sid, touched));
+            }
+            if cut {
+                let mut short = json!({"recording_truncated": true, "bytes": raw});
+                if let Some(id) = parent {
+                    short["msg_id"] = id.into();
+                }
+                text = short.to_string();
+                found.clear();
+            }
+        }
+        for b in &found {
+            let size = b.text().len();
+            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+        }
+        touched.ended = event.end_reason().map(|reason| (time, reason));
+        let (_, seq) = self.next_seq(key)?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO events (sid, seq, time, direction, kind, content, has_blobs)
+                 VALUES (?1, ?2, ?3, 'broker', ?4, ?5, ?6)",
+            )?
+            .execute(params![sid, seq, time, kind, text, !found.is_empty()])?;
+        touched.events += 1;
+        Ok((sid, touched))
+    }
+
+    /// Whether session `sid` stores no image or buffer `sha` yet (it would cost its bytes).
+    fn blob_is_new(&self, sid: i64, sha: &str) -> rusqlite::Result<bool> {
+        let found: Option<i64> = self
+            .conn
+            .prepare_cached("SELECT 1 FROM blob_refs WHERE sha256 = ?1 AND sid = ?2")?
+            .query_row(params![sha, sid], |r| r.get(0))
+            .optional()?;
+        Ok(found.is_none())
+    }
+
+    /// equals (as JSON), or the text itself.
+    fn parent_of(
+        &self,
+        sid: i64,
+        direction: Direction,
+        msg: &Message,
+    ) -> (Option<String>, Option<i64>) {
+        if direction == Direction::FromKernel {
+            let request = msg
+                .parent_msg_id
+                .as_deref()
+                .and_then(|p| self.requests.get(&sid)?.get(p));
+            if let Some((seq, header)) = request {
+                if serde_json::from_slice::<Value>(&msg.parent_header)
+                    .ok()
+                    .as_ref()
+                    == Some(header)
+                {
+                    return (None, Some(*seq));
+                }
+            }
+        }
+        (Some(json_text(&msg.parent_header)), None)
+    }
+
+    fn remember_request(&mut self, sid: i64, msg_id: &str, seq: i64, header: Value) {
+        // Replies come within seconds; a bound keeps a flood of requests from piling up.
+        if self.requests_len >= MAX_REQUESTS {
+            self.forget_requests();
+        }
+        let m = self.requests.entry(sid).or_default();
+        if m.insert(msg_id.to_string(), (seq, header)).is_none() {
+            self.requests_len += 1;
+        }
+    }
+
+    pub(super) fn forget_requests(&mut self) {
+        self.requests.clear();
+        self.requests_len = 0;
+    }
+
+    /// The images of a message's content, taken out (the text with references, and the
+    /// blobs); `None` when it is not JSON or holds no image.
+    fn extract_blobs(&self, content: &str) -> Option<(String, Vec<Blob>)> {
+        let mut v = serde_json::from_str::<Value>(content).ok()?;
+        let found = blobs::extract(&mut v, self.blob_threshold);
+        if found.is_empty() {
+            return None;
+        }
+        Some((v.to_string(), found))
+    }
+
+    fn put_blob(
+        &mut self,
+        sid: i64,
+        sha: &str,
+        base64: bool,
+        data: &[u8],
+        size: usize,
+    ) -> rusqlite::Result<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO blobs (sha256, base64, size, data) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (sha256) DO NOTHING",
+            )?
+            .execute(params![sha, base64, size as i64, data])?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO blob_refs (sha256, sid) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![sha, sid])?;
+        Ok(())
+    }
+}
+
+/// Bytes of a broker event's detail as JSON text.
+fn value_len(v: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    // Writing to a counter cannot fail; a failure would only undercount.
+    let _ = serde_json::to_writer(&mut n, v);
+    n.0
+}
+
+/// A message part as JSON text: as received when it is JSON, else as a JSON string.
+fn json_text(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return "{}".into();
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) if serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok() => s.to_string(),
+        _ => Value::String(String::from_utf8_lossy(bytes).into_owned()).to_string(),
+    }
+}
+
+fn is_silent(content: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        #[serde(default)]
+        silent: bool,
+    }
+    serde_json::from_slice::<Req>(content)
+        .map(|r| r.silent)
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_parts_are_kept_or_quoted() {
+        let cases: [(&[u8], &str); 4] = [
+            (b"", "{}"),
+            (br#"{"a": 1}"#, r#"{"a": 1}"#),
+            (b"not json", r#""not json""#),
+            (b"\xff{", "\"\u{fffd}{\""),
+        ];
+        for (input, want) in cases {
+            assert_eq!(json_text(input), want);
+        }
+    }
+
+    #[test]
+    fn silent_requests_are_no_cells() {
+        assert!(is_silent(br#"{"code": "x", "silent": true}"#));
+        assert!(!is_silent(br#"{"code": "x"}"#));
+        assert!(!is_silent(b"garbage"));
+    }
+}
