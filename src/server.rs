@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 use crate::api::{self, ApiLimits, AppState};
 use crate::config::{SandboxKind, Settings, TokenSource};
 use crate::kernel::spec::KernelSpecs;
+use crate::sandbox::docker::DockerSandbox;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
 use crate::session::Registry;
@@ -58,21 +59,10 @@ pub async fn build_sandbox(
 ) -> Result<Arc<dyn Sandbox>, ServerError> {
     let sandbox: Arc<dyn Sandbox> = match settings.sandbox {
         SandboxKind::Local => Arc::new(LocalSandbox::new(LocalSandboxConfig {
-            python: settings.python.clone(),
-            uid_base: settings.uid_base,
-            require_limits: settings.require_limits,
-            cgroup_name: settings.cgroup_name.clone(),
             kernel_specs: Some(specs),
-            ..LocalSandboxConfig::new(&settings.data_dir, &settings.kernels_dir)
+            ..settings.local.clone()
         })?),
-        SandboxKind::Docker => Arc::new(crate::sandbox::docker::DockerSandbox::new(
-            crate::sandbox::docker::DockerSandboxConfig {
-                socket: settings.docker_socket.clone(),
-                image: settings.docker_image.clone(),
-                container_idle: settings.container_idle,
-                ..crate::sandbox::docker::DockerSandboxConfig::new(&settings.data_dir)
-            },
-        )?),
+        SandboxKind::Docker => Arc::new(DockerSandbox::new(settings.docker.clone())?),
     };
     sandbox.check().await?;
     Ok(sandbox)

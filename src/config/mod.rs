@@ -13,6 +13,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
 use crate::recording::{RecordingConfig, Synchronous};
+use crate::sandbox::docker::DockerSandboxConfig;
+use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
 use crate::session::SessionConfig;
 
@@ -227,13 +229,10 @@ pub struct Settings {
     pub max_code_bytes: usize,
     pub max_file_bytes: usize,
     pub kernels_dir: PathBuf,
-    pub python: PathBuf,
-    pub uid_base: u32,
-    pub require_limits: bool,
-    pub cgroup_name: String,
-    pub docker_socket: String,
-    pub docker_image: String,
-    pub container_idle: Duration,
+    /// The local sandbox's settings (used with `--sandbox local`).
+    pub local: LocalSandboxConfig,
+    /// The docker sandbox's settings (used with `--sandbox docker`).
+    pub docker: DockerSandboxConfig,
     /// The recording; `None` when recording is off.
     pub recording: Option<RecordingConfig>,
     pub users: Vec<User>,
@@ -318,7 +317,6 @@ impl Settings {
             };
         }
         let kernels_dir = pick!(kernels_dir, default_kernels_dir());
-        let python = pick!(python, kernels_dir.join(".venv/bin/python"));
         let base = UserLimits::default();
         let defaults = UserLimits {
             memory_bytes: pick!(memory_limit, base.memory_bytes),
@@ -412,14 +410,9 @@ impl Settings {
             session: session_config(&args, &file)?,
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
+            local: local_config(&args, &file, &data_dir, &kernels_dir),
+            docker: docker_config(&args, &file, &data_dir),
             kernels_dir,
-            python,
-            uid_base: pick!(uid_base, 200_000),
-            require_limits: pick!(require_limits, true),
-            cgroup_name: pick!(cgroup_name, "kernel-broker".into()),
-            docker_socket: pick!(docker_socket, "/var/run/docker.sock".into()),
-            docker_image: pick!(docker_image, "kernel-broker/python-kernel:latest".into()),
-            container_idle: Duration::from_secs(pick!(container_idle, 300)),
             recording: recording_config(&args, &file, &data_dir),
             data_dir,
             users,
@@ -461,6 +454,32 @@ fn session_config(args: &ServeArgs, file: &ServeArgs) -> Result<SessionConfig, C
     Ok(c)
 }
 
+/// The local sandbox's settings: its defaults, overridden by what was given.
+fn local_config(
+    args: &ServeArgs,
+    file: &ServeArgs,
+    data_dir: &Path,
+    kernels_dir: &Path,
+) -> LocalSandboxConfig {
+    let mut c = LocalSandboxConfig::new(data_dir, kernels_dir);
+    c.python = either!(args, file, python).unwrap_or(c.python);
+    c.uid_base = either!(args, file, uid_base).unwrap_or(c.uid_base);
+    c.require_limits = either!(args, file, require_limits).unwrap_or(c.require_limits);
+    c.cgroup_name = either!(args, file, cgroup_name).unwrap_or(c.cgroup_name);
+    c
+}
+
+/// The docker sandbox's settings: its defaults, overridden by what was given.
+fn docker_config(args: &ServeArgs, file: &ServeArgs, data_dir: &Path) -> DockerSandboxConfig {
+    let mut c = DockerSandboxConfig::new(data_dir);
+    c.socket = either!(args, file, docker_socket).unwrap_or(c.socket);
+    c.image = either!(args, file, docker_image).unwrap_or(c.image);
+    if let Some(secs) = either!(args, file, container_idle) {
+        c.container_idle = Duration::from_secs(secs);
+    }
+    c
+}
+
 /// The recording's settings (its defaults, overridden), or `None` when recording is off.
 fn recording_config(
     args: &ServeArgs,
@@ -485,111 +504,4 @@ fn recording_config(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Write;
-
-    fn write(text: &str) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(text.as_bytes()).unwrap();
-        f
-    }
-
-    #[test]
-    fn flags_beat_file_beat_defaults() {
-        let cfg = write("idle_timeout = 30\noutput_limit = 5\nlisten = \"127.0.0.1:9999\"\n");
-        let args = ServeArgs {
-            config: Some(cfg.path().to_path_buf()),
-            idle_timeout: Some(7),
-            ..Default::default()
-        };
-        let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
-        assert_eq!(s.session.idle_timeout, Duration::from_secs(7));
-        assert_eq!(s.session.output_limit, 5);
-        assert_eq!(s.listen.port(), 9999);
-        assert_eq!(s.session.execution_timeout, Duration::from_secs(60));
-        assert_eq!(s.users.len(), 1);
-        assert_eq!(s.users[0].name, "default");
-        assert_eq!(s.token_source, TokenSource::Environment);
-    }
-
-    #[test]
-    fn users_file_with_limits() {
-        let users = write(
-            "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 536870912\nworkspace_quota_bytes = 67108864\n\n[[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
-        );
-        let args = ServeArgs {
-            users_file: Some(users.path().to_path_buf()),
-            ..Default::default()
-        };
-        let s = Settings::resolve(args, Some("ignored-token".into())).unwrap();
-        assert_eq!(s.users.len(), 2);
-        assert_eq!(s.users[0].limits.memory_bytes, 512 << 20);
-        assert_eq!(s.users[1].limits.memory_bytes, 1 << 30);
-        assert_eq!(s.users[0].limits.workspace_quota_bytes, 64 << 20);
-        assert_eq!(s.users[1].limits.workspace_quota_bytes, 1 << 30);
-        assert_eq!(s.users[1].index, 1);
-        let small = ServeArgs {
-            workspace_quota: Some(1 << 20),
-            ..Default::default()
-        };
-        assert!(Settings::resolve(small, Some("some-token".into())).is_err());
-    }
-
-    #[test]
-    fn bad_users_are_refused() {
-        for bad in [
-            "[[user]]\nname = \"../x\"\ntoken = \"long-enough\"\n",
-            "[[user]]\nname = \"a\"\ntoken = \"short\"\n",
-            "[[user]]\nname = \"a\"\ntoken = \"same-token\"\n[[user]]\nname = \"b\"\ntoken = \"same-token\"\n",
-            "[[user]]\nname = \"a\"\ntoken = \"long-enough\"\nshoe_size = 3\n",
-            "",
-        ] {
-            let f = write(bad);
-            let args = ServeArgs {
-                users_file: Some(f.path().to_path_buf()),
-                ..Default::default()
-            };
-            assert!(Settings::resolve(args, None).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn recording_settings() {
-        let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
-        let r = s.recording.expect("recording is on by default");
-        assert_eq!(r.path, PathBuf::from(".data/recordings.sqlite3"));
-        assert_eq!(r.retention, Some(Duration::from_secs(30 * 86_400)));
-        assert_eq!(r.synchronous, Synchronous::Normal);
-        assert_eq!(r.max_execution_bytes, 50 << 20);
-        assert_eq!(r.max_session_bytes, 1 << 30);
-        let cfg = write(
-            "retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n\
-             record_max_session_bytes = 1000\n",
-        );
-        let args = ServeArgs {
-            config: Some(cfg.path().to_path_buf()),
-            record: Some(false),
-            ..Default::default()
-        };
-        let s = Settings::resolve(args.clone(), Some("tok-123456".into())).unwrap();
-        assert!(s.recording.is_none());
-        let args = ServeArgs {
-            record: None,
-            ..args
-        };
-        let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
-        let r = s.recording.expect("on again");
-        assert_eq!(r.retention, None);
-        assert_eq!(r.path, PathBuf::from("/x/recordings.sqlite3"));
-        assert_eq!(r.synchronous, Synchronous::Full);
-        assert_eq!(r.max_session_bytes, 1000);
-    }
-
-    #[test]
-    fn no_token_generates_one() {
-        let s = Settings::resolve(ServeArgs::default(), None).unwrap();
-        assert_eq!(s.token_source, TokenSource::Generated);
-        assert_eq!(s.users[0].token.len(), 48);
-    }
-}
+mod tests;

@@ -1,0 +1,131 @@
+//! Settings resolution: precedence, users files, each layer's defaults.
+
+use super::*;
+use std::io::Write;
+
+fn write(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+#[test]
+fn flags_beat_file_beat_defaults() {
+    let cfg = write("idle_timeout = 30\noutput_limit = 5\nlisten = \"127.0.0.1:9999\"\n");
+    let args = ServeArgs {
+        config: Some(cfg.path().to_path_buf()),
+        idle_timeout: Some(7),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert_eq!(s.session.idle_timeout, Duration::from_secs(7));
+    assert_eq!(s.session.output_limit, 5);
+    assert_eq!(s.listen.port(), 9999);
+    assert_eq!(s.session.execution_timeout, Duration::from_secs(60));
+    assert_eq!(s.users.len(), 1);
+    assert_eq!(s.users[0].name, "default");
+    assert_eq!(s.token_source, TokenSource::Environment);
+}
+
+#[test]
+fn sandbox_settings_start_from_the_backends_defaults() {
+    let cfg = write(
+        "uid_base = 300000
+container_idle = 9
+",
+    );
+    let args = ServeArgs {
+        config: Some(cfg.path().to_path_buf()),
+        docker_image: Some("img:1".into()),
+        kernels_dir: Some("/k".into()),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert_eq!(s.local.uid_base, 300_000);
+    assert_eq!(s.local.python, PathBuf::from("/k/.venv/bin/python"));
+    assert_eq!(s.local.cgroup_name, "kernel-broker");
+    assert!(s.local.require_limits);
+    assert_eq!(s.docker.image, "img:1");
+    assert_eq!(s.docker.container_idle, Duration::from_secs(9));
+    assert_eq!(s.docker.socket, "/var/run/docker.sock");
+}
+
+#[test]
+fn users_file_with_limits() {
+    let users = write(
+            "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 536870912\nworkspace_quota_bytes = 67108864\n\n[[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
+        );
+    let args = ServeArgs {
+        users_file: Some(users.path().to_path_buf()),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("ignored-token".into())).unwrap();
+    assert_eq!(s.users.len(), 2);
+    assert_eq!(s.users[0].limits.memory_bytes, 512 << 20);
+    assert_eq!(s.users[1].limits.memory_bytes, 1 << 30);
+    assert_eq!(s.users[0].limits.workspace_quota_bytes, 64 << 20);
+    assert_eq!(s.users[1].limits.workspace_quota_bytes, 1 << 30);
+    assert_eq!(s.users[1].index, 1);
+    let small = ServeArgs {
+        workspace_quota: Some(1 << 20),
+        ..Default::default()
+    };
+    assert!(Settings::resolve(small, Some("some-token".into())).is_err());
+}
+
+#[test]
+fn bad_users_are_refused() {
+    for bad in [
+            "[[user]]\nname = \"../x\"\ntoken = \"long-enough\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"short\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"same-token\"\n[[user]]\nname = \"b\"\ntoken = \"same-token\"\n",
+            "[[user]]\nname = \"a\"\ntoken = \"long-enough\"\nshoe_size = 3\n",
+            "",
+        ] {
+            let f = write(bad);
+            let args = ServeArgs {
+                users_file: Some(f.path().to_path_buf()),
+                ..Default::default()
+            };
+            assert!(Settings::resolve(args, None).is_err(), "{bad}");
+        }
+}
+
+#[test]
+fn recording_settings() {
+    let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
+    let r = s.recording.expect("recording is on by default");
+    assert_eq!(r.path, PathBuf::from(".data/recordings.sqlite3"));
+    assert_eq!(r.retention, Some(Duration::from_secs(30 * 86_400)));
+    assert_eq!(r.synchronous, Synchronous::Normal);
+    assert_eq!(r.max_execution_bytes, 50 << 20);
+    assert_eq!(r.max_session_bytes, 1 << 30);
+    let cfg = write(
+        "retention_days = 0\nrecord_synchronous = \"full\"\ndata_dir = \"/x\"\n\
+             record_max_session_bytes = 1000\n",
+    );
+    let args = ServeArgs {
+        config: Some(cfg.path().to_path_buf()),
+        record: Some(false),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args.clone(), Some("tok-123456".into())).unwrap();
+    assert!(s.recording.is_none());
+    let args = ServeArgs {
+        record: None,
+        ..args
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    let r = s.recording.expect("on again");
+    assert_eq!(r.retention, None);
+    assert_eq!(r.path, PathBuf::from("/x/recordings.sqlite3"));
+    assert_eq!(r.synchronous, Synchronous::Full);
+    assert_eq!(r.max_session_bytes, 1000);
+}
+
+#[test]
+fn no_token_generates_one() {
+    let s = Settings::resolve(ServeArgs::default(), None).unwrap();
+    assert_eq!(s.token_source, TokenSource::Generated);
+    assert_eq!(s.users[0].token.len(), 48);
+}
