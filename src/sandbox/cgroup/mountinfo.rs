@@ -63,13 +63,16 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4]
-                .iter()
-                .all(|b| (b'0'..=b'7').contains(b))
-        {
-            let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+        let octal = (bytes[i] == b'\\')
+            .then(|| bytes.get(i + 1..i + 4))
+            .flatten()
+            .filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)))
+            .and_then(|d| {
+                // `\400` and above are no byte: kept as written rather than overflowing.
+                let v = d.iter().fold(0u32, |v, b| v * 8 + u32::from(b - b'0'));
+                u8::try_from(v).ok()
+            });
+        if let Some(v) = octal {
             out.push(v);
             i += 4;
         } else {
@@ -106,6 +109,21 @@ mod tests {
             mounts[2].mount_point,
             PathBuf::from("/sys/fs/cgroup/unified x")
         );
+    }
+
+    #[test]
+    fn unescapes_octal_escapes_only() {
+        for (raw, want) in [
+            (r"a\040b", "a b"),
+            (r"end\040", "end "),
+            (r"tab\011", "tab\t"),
+            (r"short\04", r"short\04"),
+            (r"not\089", r"not\089"),
+            (r"big\777", r"big\777"),
+            (r"\\", r"\\"),
+        ] {
+            assert_eq!(unescape_mountinfo(raw), want, "{raw}");
+        }
     }
 
     #[test]
