@@ -27,6 +27,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
+use super::shapes::ExecutionStatusJson;
+use crate::session::ExecutionStatus;
+
 /// The content type of the exposition.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -153,9 +156,16 @@ impl Metrics {
         }
     }
 
-    /// An execution finished after running for `duration`; `status` is its JSON status
-    /// (`ok`, `error`, `timeout`, `interrupted`, `dead`).
-    pub fn execution_finished(&self, duration: Duration, status: &str) {
+    /// An execution finished after running for `duration`; its `status` is the label by
+    /// its JSON name (`ok`, `error`, `timeout`, `interrupted`, `dead`).
+    pub fn execution_finished(&self, duration: Duration, status: ExecutionStatus) {
+        let status = match ExecutionStatusJson::from(status) {
+            ExecutionStatusJson::Ok => "ok",
+            ExecutionStatusJson::Error => "error",
+            ExecutionStatusJson::Timeout => "timeout",
+            ExecutionStatusJson::Interrupted => "interrupted",
+            ExecutionStatusJson::Dead => "dead",
+        };
         self.execution_duration
             .get_or_create(&self.backend)
             .observe(duration.as_secs_f64());
@@ -361,9 +371,9 @@ mod tests {
     #[test]
     fn fed_values_show_as_families_with_backend_labels_and_buckets() {
         let m = Metrics::new("docker");
-        m.execution_finished(Duration::from_millis(30), "ok");
-        m.execution_finished(Duration::from_secs(2), "ok");
-        m.execution_finished(Duration::from_secs(60), "timeout");
+        m.execution_finished(Duration::from_millis(30), ExecutionStatus::Ok);
+        m.execution_finished(Duration::from_secs(2), ExecutionStatus::Ok);
+        m.execution_finished(Duration::from_secs(60), ExecutionStatus::Timeout);
         m.execution_queued(Duration::from_millis(2));
         m.kernel_started(Duration::from_millis(800));
         m.timed_out();
