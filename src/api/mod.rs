@@ -92,5 +92,6 @@ pub fn router(state: AppState) -> Router {
     let (router, _document) = routes().split_for_parts();
     router
         .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
+        .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
         .with_state(state)
 }

@@ -11,36 +11,12 @@
 
 use std::sync::OnceLock;
 
-use utoipa::openapi::response::ResponseBuilder;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::openapi::{ContentBuilder, Ref, RefOr, Response};
-use utoipa::{Modify, OpenApi, ToResponse};
+use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
-use super::shapes::{ErrorBody, ErrorDetail};
+use super::shapes::{ErrorBody, ErrorDetail, ErrorResponse};
 use super::AppState;
-
-/// The error answer every endpoint may give: `components/responses/Error`.
-pub struct ErrorResponse;
-
-impl<'r> ToResponse<'r> for ErrorResponse {
-    fn response() -> (&'r str, RefOr<Response>) {
-        let content = ContentBuilder::new()
-            .schema(Some(Ref::from_schema_name("Error")))
-            .build();
-        (
-            "Error",
-            ResponseBuilder::new()
-                .description(
-                    "An error: `{\"error\": {\"code\", \"message\"}}`; the Jupyter API adds \
-                     `message` and `reason` at the top level.",
-                )
-                .content("application/json", content)
-                .build()
-                .into(),
-        )
-    }
-}
 
 struct SecuritySchemes;
 

@@ -21,9 +21,9 @@ use uuid::Uuid;
 use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
 use super::extract::{sandbox_user, session_id};
-use super::openapi::ErrorResponse;
-use super::shapes::ErrorBody;
-use super::shapes::{iso, ExecutionStatusJson, SessionJson, SessionStateJson};
+use super::shapes::{
+    iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson, SessionStateJson,
+};
 use super::AppState;
 use crate::recording::{
     notebook, replay, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,

@@ -17,9 +17,7 @@ use super::error::{ApiError, ApiResult};
 use super::extract::{
     check_code, read_limited, sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession,
 };
-use super::openapi::ErrorResponse;
-use super::shapes::ErrorBody;
-use super::shapes::{ExecutionJson, FileJson, SessionJson};
+use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, FileJson, SessionJson};
 use super::AppState;
 use crate::session::files;
 use crate::session::{CreateOptions, Session};

@@ -8,7 +8,9 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
-use utoipa::ToSchema;
+use utoipa::openapi::response::ResponseBuilder;
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, Response};
+use utoipa::{ToResponse, ToSchema};
 use uuid::Uuid;
 
 use crate::session::execution::{ExecutionError, ResultItem};
@@ -235,6 +237,28 @@ pub struct ErrorDetail {
     pub code: String,
     /// A sentence for people.
     pub message: String,
+}
+
+/// The error answer every endpoint may give: `components/responses/Error`.
+pub struct ErrorResponse;
+
+impl<'r> ToResponse<'r> for ErrorResponse {
+    fn response() -> (&'r str, RefOr<Response>) {
+        let content = ContentBuilder::new()
+            .schema(Some(Ref::from_schema_name("Error")))
+            .build();
+        (
+            "Error",
+            ResponseBuilder::new()
+                .description(
+                    "An error: `{\"error\": {\"code\", \"message\"}}`; the Jupyter API adds \
+                     `message` and `reason` at the top level.",
+                )
+                .content("application/json", content)
+                .build()
+                .into(),
+        )
+    }
 }
 
 #[cfg(test)]

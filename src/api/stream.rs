@@ -20,8 +20,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::extract::{check_code, OwnedSession};
-use super::openapi::ErrorResponse;
-use super::shapes::{ExecutionJson, SessionStateJson};
+use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
 use super::AppState;
 use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
 

@@ -29,7 +29,7 @@ use uuid::Uuid;
 use super::framing::{decode_binary, decode_legacy_json, encode_frame, Framing, V1_PROTOCOL};
 use crate::api::auth::url_query;
 use crate::api::extract::OwnedKernel;
-use crate::api::openapi::ErrorResponse;
+use crate::api::shapes::ErrorResponse;
 use crate::api::AppState;
 use crate::session::{Session, SessionEvent, SessionState};
 use crate::wire::{Channel, Message};
