@@ -134,6 +134,7 @@ pub async fn serve(
         kernelspecs,
         jupyter_clients: Default::default(),
         recording: recording.clone(),
+        metrics: Arc::new(api::metrics::Metrics::new(settings.sandbox_name())),
     };
     let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {

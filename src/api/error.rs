@@ -1,6 +1,7 @@
 //! The one error type of the HTTP surface. Every error is JSON:
 //! `{"error": {"code": "...", "message": "..."}}` with a fitting status. User errors pass
 //! through with their message; internal ones become a plain 500 and are logged.
+//! [`JupyterError`] is the same error in the Jupyter API's body.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -90,3 +91,24 @@ impl From<SessionError> for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+/// An error answered with Jupyter's body (`message`, `reason`) alongside ours (`error`).
+pub struct JupyterError(pub ApiError);
+
+impl IntoResponse for JupyterError {
+    fn into_response(self) -> Response {
+        let e = self.0;
+        let body = serde_json::json!({
+            "error": {"code": e.code, "message": e.message},
+            "message": e.message,
+            "reason": e.status.canonical_reason(),
+        });
+        (e.status, Json(body)).into_response()
+    }
+}
+
+impl From<ApiError> for JupyterError {
+    fn from(e: ApiError) -> Self {
+        Self(e)
+    }
+}

@@ -1,24 +1,37 @@
 //! The HTTP surface: the agent REST and WebSocket API (`/v1`), the recordings
-//! (`/v1/sessions/{id}/events`, `/notebook`, `/replay`, `/v1/recordings`), the session
-//! browser (`/ui/`), operations endpoints (`/healthz`, `/metrics`), and the API document
-//! (`/openapi.json`).
+//! (`/v1/sessions/{id}/events`, `/notebook`, `/replay`, `/v1/recordings`), the Jupyter
+//! kernels API (`/api`), the session browser (`/ui/`), operations endpoints (`/healthz`,
+//! `/metrics`), and the API document (`/openapi.json`).
+//!
+//! Layout: one file per group of routes (`sessions`, `stream`, `recording`, `jupyter/`,
+//! `ui`, `ops`); the plumbing they share: `auth` (tokens), `extract` (the owned-session and
+//! JSON-body extractors), `shapes` (the JSON the API answers with), `error`, `metrics`,
+//! `openapi` (the document generated from the handlers).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.
 
 pub mod auth;
 pub mod error;
+pub mod extract;
 pub mod jupyter;
+pub mod metrics;
+pub mod openapi;
 mod ops;
 mod recording;
 mod sessions;
+pub mod shapes;
 mod stream;
 mod ui;
+
+#[cfg(test)]
+mod router_tests;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use utoipa_axum::router::OpenApiRouter;
 
 use crate::config::User;
 use crate::session::Registry;
@@ -43,6 +56,8 @@ pub struct AppState {
     pub jupyter_clients: Arc<jupyter::JupyterClients>,
     /// The recordings; `None` when recording is off.
     pub recording: Option<Arc<crate::recording::RecordingStore>>,
+    /// What `/metrics` exposes besides the scrape-time values.
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 impl AppState {
@@ -60,15 +75,23 @@ impl AppState {
     }
 }
 
-/// The whole router (tests call it without a socket).
-pub fn router(state: AppState) -> Router {
-    Router::new()
+/// Every route, each registered with its documentation (`openapi.rs` adds the rest of the
+/// document). This is the one list of routes.
+fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
         .merge(sessions::routes())
         .merge(stream::routes())
         .merge(ops::routes())
         .merge(jupyter::routes())
         .merge(recording::routes())
         .merge(ui::routes())
+}
+
+/// The whole router (tests call it without a socket).
+pub fn router(state: AppState) -> Router {
+    let (router, _document) = routes().split_for_parts();
+    router
         .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
+        .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
         .with_state(state)
 }

@@ -1,110 +1,107 @@
-//! Operations: `/healthz` (no token), `/metrics` (Prometheus text), `/openapi.json`.
+//! Operations: `/healthz` (no token), `/metrics` (Prometheus, see `metrics.rs`),
+//! `/openapi.json` (generated from the handlers, see `openapi.rs`).
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Json};
+use serde::Serialize;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Caller;
+use super::metrics::{RecordingSnapshot, Snapshot, CONTENT_TYPE};
+use super::shapes::{ErrorResponse, SessionStateJson};
 use super::AppState;
 use crate::session::SessionState;
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(metrics))
+        .routes(routes!(openapi))
 }
 
+/// What `/healthz` answers. Fields in alphabetical order: the body was a `json!` map
+/// before, and clients may compare it as text.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Health)]
+struct HealthJson {
+    pooled_kernels: usize,
+    /// The sandbox backend (`local` or `docker`).
+    sandbox: String,
+    sessions: usize,
+    /// Always `ok`.
+    status: &'static str,
+}
+
+/// Liveness (no token)
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, description = "ok", body = HealthJson)))]
 async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
     let sessions = state.registry.all().len();
     (
         StatusCode::OK,
-        axum::Json(serde_json::json!({
-            "status": "ok",
-            "sandbox": state.registry.sandbox().name(),
-            "sessions": sessions,
-            "pooled_kernels": state.registry.pooled(),
-        })),
+        Json(HealthJson {
+            pooled_kernels: state.registry.pooled(),
+            sandbox: state.registry.sandbox().name().to_string(),
+            sessions,
+            status: "ok",
+        }),
     )
 }
 
+/// Prometheus metrics
+///
+/// OpenMetrics text: sessions by state, WebSocket connections, the warm pool, the recording
+/// writer, uptime; histograms of execution duration, queue wait and kernel start, and
+/// counters of executions by status, timeouts, restarts, deaths and expiries, each with a
+/// `backend` label.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text", body = String),
+        (status = 401, response = ErrorResponse)))]
 async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoResponse {
     let sessions = state.registry.all();
-    let count = |st: SessionState| sessions.iter().filter(|s| s.state() == st).count();
-    let mut out = String::new();
-    out.push_str("# HELP kernel_broker_sessions Live sessions by state.\n# TYPE kernel_broker_sessions gauge\n");
-    for st in [
-        SessionState::Starting,
-        SessionState::Idle,
-        SessionState::Busy,
-        SessionState::Dead,
-    ] {
-        out.push_str(&format!(
-            "kernel_broker_sessions{{state=\"{}\"}} {}\n",
-            st.as_str(),
-            count(st)
-        ));
-    }
-    let conns: usize = sessions.iter().map(|s| s.info().connections).sum();
-    out.push_str("# HELP kernel_broker_connections WebSocket clients attached.\n# TYPE kernel_broker_connections gauge\n");
-    out.push_str(&format!("kernel_broker_connections {conns}\n"));
-    out.push_str("# HELP kernel_broker_pooled_kernels Ready kernels in the warm pool.\n# TYPE kernel_broker_pooled_kernels gauge\n");
-    out.push_str(&format!(
-        "kernel_broker_pooled_kernels {}\n",
-        state.registry.pooled()
-    ));
-    if let Some(r) = &state.recording {
-        let s = r.stats();
-        for (name, help, kind, v) in [
-            (
-                "recording_queued_bytes",
-                "Bytes waiting for the recording writer.",
-                "gauge",
-                s.queued_bytes as u64,
-            ),
-            (
-                "recording_dropped_total",
-                "Reports dropped because the writer was behind.",
-                "counter",
-                s.dropped,
-            ),
-            (
-                "recording_truncated_total",
-                "Stream messages not kept past the per-execution cap.",
-                "counter",
-                s.truncated,
-            ),
-            (
-                "recording_errors_total",
-                "Events that could not be stored.",
-                "counter",
-                s.errors,
-            ),
-            (
-                "recording_events_total",
-                "Events stored.",
-                "counter",
-                s.events,
-            ),
-        ] {
-            out.push_str(&format!(
-                "# HELP kernel_broker_{name} {help}\n# TYPE kernel_broker_{name} {kind}\nkernel_broker_{name} {v}\n"
-            ));
-        }
-    }
-    out.push_str("# HELP kernel_broker_uptime_seconds Seconds since start.\n# TYPE kernel_broker_uptime_seconds counter\n");
-    out.push_str(&format!(
-        "kernel_broker_uptime_seconds {:.3}\n",
-        state.started.elapsed().as_secs_f64()
-    ));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
-}
-
-async fn openapi() -> impl IntoResponse {
+    let count = |st: SessionState| sessions.iter().filter(|s| s.state() == st).count() as u64;
+    let snapshot = Snapshot {
+        sessions: [
+            SessionState::Starting,
+            SessionState::Idle,
+            SessionState::Busy,
+            SessionState::Dead,
+        ]
+        .into_iter()
+        .map(|st| (SessionStateJson::from(st).as_str(), count(st)))
+        .collect(),
+        connections: sessions.iter().map(|s| s.info().connections as u64).sum(),
+        pooled_kernels: state.registry.pooled() as u64,
+        recording: state.recording.as_ref().map(|r| {
+            let s = r.stats();
+            RecordingSnapshot {
+                queued_bytes: s.queued_bytes as u64,
+                dropped: s.dropped,
+                truncated: s.truncated,
+                errors: s.errors,
+                events: s.events,
+            }
+        }),
+        uptime: state.started.elapsed(),
+    };
     (
-        [(header::CONTENT_TYPE, "application/json")],
-        include_str!("../../docs/openapi.json"),
+        [(header::CONTENT_TYPE, CONTENT_TYPE)],
+        state.metrics.render(&snapshot),
     )
 }
+
+/// This API as OpenAPI 3.1
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
+    responses((status = 200, description = "the document (docs/openapi.json)", body = Object)))]
+async fn openapi(Extension(doc): Extension<OpenApiJson>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], doc.0)
+}
+
+/// The document `/openapi.json` serves, handed in by `api::router` (the document lists this
+/// file's routes, so this file does not build it: no import circle).
+#[derive(Clone, Copy)]
+pub struct OpenApiJson(pub &'static str);

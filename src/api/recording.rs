@@ -9,16 +9,21 @@ use std::sync::Arc;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Json;
 use base64::Engine;
 use serde::Serialize;
 use serde_json::value::RawValue;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
-use super::sessions::{iso, sandbox_user, SessionJson};
+use super::extract::{sandbox_user, session_id};
+use super::shapes::{
+    iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson, SessionStateJson,
+};
 use super::AppState;
 use crate::recording::{
     notebook, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,
@@ -27,15 +32,12 @@ use crate::recording::{
 use crate::replay;
 use crate::session::Direction;
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route(
-            "/v1/sessions/{id}/events",
-            get(events).delete(delete_events),
-        )
-        .route("/v1/sessions/{id}/notebook", get(notebook_of))
-        .route("/v1/sessions/{id}/replay", post(replay_of))
-        .route("/v1/recordings", get(list))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(events, delete_events))
+        .routes(routes!(notebook_of))
+        .routes(routes!(replay_of))
+        .routes(routes!(list))
 }
 
 impl From<RecordingError> for ApiError {
@@ -74,8 +76,7 @@ async fn owned(
     id: &str,
 ) -> ApiResult<(Arc<RecordingStore>, RecordingInfo)> {
     let store = store(state)?.clone();
-    let id =
-        Uuid::parse_str(id).map_err(|_| not_found(format!("{id:?} (session ids are UUIDs)")))?;
+    let id = session_id(id)?;
     let mine =
         |info: &Option<RecordingInfo>| info.as_ref().is_some_and(|i| i.user == caller.0.name);
     let mut info = store.info(id).await?;
@@ -116,30 +117,43 @@ fn number_param<T: std::str::FromStr>(query: &str, name: &str) -> ApiResult<Opti
     }
 }
 
-/// One event as the API shows it.
-#[derive(Serialize)]
+/// One recorded event: a Jupyter message either way, or a broker event (`direction:
+/// "broker"`: created, restarted, interrupted, expired, ...).
+#[derive(Serialize, ToSchema)]
 #[serde(untagged)]
+#[schema(as = Event)]
 enum EventJson {
     Message {
         seq: i64,
         time: String,
+        /// `to_kernel` or `from_kernel`.
+        #[schema(value_type = String)]
         direction: &'static str,
         channel: String,
         msg_type: String,
         msg_id: String,
+        #[schema(required = true)]
         parent_msg_id: Option<String>,
+        #[schema(value_type = Object)]
         header: Box<RawValue>,
+        #[schema(value_type = Object)]
         parent_header: Box<RawValue>,
+        #[schema(value_type = Object)]
         metadata: Box<RawValue>,
+        #[schema(value_type = Object)]
         content: Box<RawValue>,
+        /// Binary buffers, base64; absent when there are none.
         #[serde(skip_serializing_if = "Vec::is_empty")]
         buffers: Vec<String>,
     },
     Broker {
         seq: i64,
         time: String,
+        /// Always `broker`.
+        #[schema(value_type = String)]
         direction: &'static str,
         kind: String,
+        #[schema(value_type = Object)]
         detail: Box<RawValue>,
     },
 }
@@ -197,15 +211,29 @@ impl From<RecordedEvent> for EventJson {
     }
 }
 
-#[derive(Serialize)]
+/// A page of a recording.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Events)]
 struct EventsJson {
     events: Vec<EventJson>,
+    /// Pass as `after` for the next page; `null` on the last one.
+    #[schema(required = true)]
     next_after: Option<i64>,
 }
 
 const DEFAULT_LIMIT: usize = 1000;
 const MAX_LIMIT: usize = 10_000;
 
+/// The session's recording, paged
+#[utoipa::path(get, operation_id = "get_events", path = "/v1/sessions/{id}/events", tag = "recordings",
+    params(("id" = uuid::Uuid, Path),
+        ("after" = Option<u64>, Query, description = "only events after this seq"),
+        ("limit" = Option<usize>, Query, description = "page size, 1..10000 (default 1000)"),
+        ("type" = Option<String>, Query, description = "comma-separated msg_types or broker kinds"),
+        ("channel" = Option<String>, Query, description = "comma-separated channels")),
+    responses((status = 200, description = "ok", body = EventsJson),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 404, description = "no such recording of the caller's, or recording is off", body = ErrorBody)))]
 async fn events(
     State(state): State<AppState>,
     caller: Caller,
@@ -236,6 +264,10 @@ async fn events(
     }))
 }
 
+/// Delete the recording
+#[utoipa::path(delete, operation_id = "delete_events", path = "/v1/sessions/{id}/events", tag = "recordings", params(("id" = uuid::Uuid, Path)),
+    responses((status = 204, description = "deleted"), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse)))]
 async fn delete_events(
     State(state): State<AppState>,
     caller: Caller,
@@ -246,6 +278,10 @@ async fn delete_events(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// The session as an nbformat 4 notebook
+#[utoipa::path(get, operation_id = "get_notebook", path = "/v1/sessions/{id}/notebook", tag = "recordings", params(("id" = uuid::Uuid, Path)),
+    responses((status = 200, description = "ok", content_type = "application/x-ipynb+json", body = Object),
+        (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse)))]
 async fn notebook_of(
     State(state): State<AppState>,
     caller: Caller,
@@ -273,17 +309,22 @@ async fn notebook_of(
         .into_response())
 }
 
-#[derive(Serialize)]
+/// One replayed cell, compared with its recording.
+#[derive(Serialize, ToSchema)]
+#[schema(as = ReplayCell)]
 struct ReplayCellJson {
     index: usize,
-    status: crate::session::ExecutionStatus,
-    recorded_status: Option<crate::session::ExecutionStatus>,
+    status: ExecutionStatusJson,
+    #[schema(required = true)]
+    recorded_status: Option<ExecutionStatusJson>,
     same_output: bool,
     diff: String,
     code: String,
 }
 
-#[derive(Serialize)]
+/// The outcome of a replay: the new session and each cell compared.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Replay)]
 struct ReplayJson {
     session: SessionJson,
     /// The recorded session that was replayed.
@@ -291,6 +332,11 @@ struct ReplayJson {
     cells: Vec<ReplayCellJson>,
 }
 
+/// Replay the recorded code in a new session
+#[utoipa::path(post, operation_id = "replay", path = "/v1/sessions/{id}/replay", tag = "recordings", params(("id" = uuid::Uuid, Path)),
+    responses((status = 201, description = "ok; `Location` is the new session's URL", body = ReplayJson),
+        (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
+        (status = 429, response = ErrorResponse), (status = 503, response = ErrorResponse)))]
 async fn replay_of(
     State(state): State<AppState>,
     caller: Caller,
@@ -317,8 +363,8 @@ async fn replay_of(
             .into_iter()
             .map(|c| ReplayCellJson {
                 index: c.index,
-                status: c.status,
-                recorded_status: c.recorded_status,
+                status: c.status.into(),
+                recorded_status: c.recorded_status.map(Into::into),
                 same_output: c.same_output,
                 diff: c.diff,
                 code: c.code,
@@ -334,21 +380,31 @@ async fn replay_of(
 }
 
 /// A recorded session, as `/v1/recordings` lists it.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
+#[schema(as = Recording)]
 struct RecordingJson {
     id: Uuid,
     kernel: String,
     /// The live session's state, or `closed` / `expired` once it ended.
-    state: &'static str,
+    state: SessionStateJson,
     live: bool,
     created_at: String,
+    #[schema(required = true)]
     ended_at: Option<String>,
+    #[schema(required = true)]
     end_reason: Option<String>,
+    #[schema(required = true)]
     last_event_at: Option<String>,
     cells: u64,
     events: u64,
 }
 
+/// The caller's recorded sessions
+#[utoipa::path(get, operation_id = "list_recordings", path = "/v1/recordings", tag = "recordings",
+    params(("limit" = Option<usize>, Query, description = "at most this many, newest first (default 200)")),
+    responses((status = 200, description = "ok", body = Vec<RecordingJson>),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 404, description = "recording is off", body = ErrorBody)))]
 async fn list(
     State(state): State<AppState>,
     caller: Caller,
@@ -367,9 +423,9 @@ async fn list(
             .map(|r| {
                 let session = state.registry.get(&caller.0.name, r.id).ok();
                 let state = match (&session, r.end_reason.as_deref()) {
-                    (Some(s), _) => s.state().as_str(),
-                    (None, Some("expired")) => "expired",
-                    (None, _) => "closed",
+                    (Some(s), _) => s.state().into(),
+                    (None, Some("expired")) => SessionStateJson::Expired,
+                    (None, _) => SessionStateJson::Closed,
                 };
                 RecordingJson {
                     id: r.id,

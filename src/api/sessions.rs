@@ -1,126 +1,72 @@
-//! The agent REST API: `/v1/sessions` and everything under it.
+//! The agent REST API: `/v1/sessions` and everything under it (create, list, execute,
+//! interrupt, restart, workspace files). Authentication, the session lookup and JSON
+//! bodies come from the shared extractors (`extract.rs`); the JSON shapes from `shapes.rs`.
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
-use uuid::Uuid;
+use axum::Json;
+use serde::Deserialize;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Caller;
 use super::error::{ApiError, ApiResult};
+use super::extract::{
+    check_code, read_limited, sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession,
+};
+use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, FileJson, SessionJson};
 use super::AppState;
-use crate::sandbox::SandboxUser;
 use crate::session::files;
-use crate::session::CreateOptions;
-use crate::session::{Session, SessionInfo};
+use crate::session::{CreateOptions, Session};
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/sessions", post(create).get(list))
-        .route("/v1/sessions/{id}", get(get_one).delete(delete))
-        .route("/v1/sessions/{id}/execute", post(execute))
-        .route("/v1/sessions/{id}/interrupt", post(interrupt))
-        .route("/v1/sessions/{id}/restart", post(restart))
-        .route("/v1/sessions/{id}/files", get(list_files))
-        .route(
-            "/v1/sessions/{id}/files/{*path}",
-            get(get_file).put(put_file),
-        )
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create, list))
+        .routes(routes!(get_one, delete))
+        .routes(routes!(execute))
+        .routes(routes!(interrupt))
+        .routes(routes!(restart))
+        .routes(routes!(list_files))
+        .routes(routes!(get_file, put_file))
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
-/// The Session object of the API.
-#[derive(Debug, Serialize)]
-pub struct SessionJson {
-    pub id: Uuid,
-    pub user: String,
-    pub kernel: String,
-    pub state: &'static str,
-    pub created_at: String,
-    pub last_activity: String,
-    pub expires_at: Option<String>,
-    pub execution_count: u64,
-    pub connections: usize,
-}
-
-pub fn iso(t: chrono::DateTime<chrono::Utc>) -> String {
-    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-}
-
-impl From<SessionInfo> for SessionJson {
-    fn from(i: SessionInfo) -> Self {
-        Self {
-            id: i.id,
-            user: i.user,
-            kernel: i.kernel,
-            state: i.state.as_str(),
-            created_at: iso(i.created_at),
-            last_activity: iso(i.last_activity),
-            expires_at: i.expires_at.map(iso),
-            execution_count: i.execution_count,
-            connections: i.connections,
-        }
-    }
-}
-
-/// Read a whole body, refusing more than `limit` bytes with 413.
-pub async fn read_body(body: Body, limit: usize, what: &str) -> ApiResult<Bytes> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::too_large(format!(
-            "the {what} is larger than the limit of {limit} bytes"
-        ))
-    })
-}
-
-/// Parse JSON, answering 400 with serde's explanation.
-pub fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &str) -> ApiResult<T> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return serde_json::from_slice(b"{}")
-            .map_err(|e| ApiError::bad_request(format!("{what}: {e}")));
-    }
-    serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON in the {what}: {e}")))
-}
-
-pub fn sandbox_user(caller: &Caller) -> SandboxUser {
-    SandboxUser {
-        name: caller.0.name.clone(),
-        index: caller.0.index,
-        limits: caller.0.limits.clone(),
-    }
-}
-
-fn parse_id(id: &str) -> ApiResult<Uuid> {
-    Uuid::parse_str(id).map_err(|_| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "session_not_found",
-            format!("no session {id:?} (session ids are UUIDs)"),
-        )
-    })
-}
-
-pub fn session_of(
-    state: &AppState,
-    caller: &Caller,
-    id: &str,
-) -> ApiResult<std::sync::Arc<Session>> {
-    Ok(state.registry.get(&caller.0.name, parse_id(id)?)?)
-}
-
-#[derive(Deserialize, Default)]
+/// The body of `POST /v1/sessions` (empty means all defaults).
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct CreateBody {
+pub struct CreateBody {
+    /// A kernel spec name; the default kernel when absent.
     kernel: Option<String>,
+    /// Idle time before the session expires, capped by the broker's maximum.
+    #[schema(minimum = 0)]
     idle_timeout_seconds: Option<u64>,
 }
 
-async fn create(State(state): State<AppState>, caller: Caller, body: Body) -> ApiResult<Response> {
-    let bytes = read_body(body, 64 << 10, "request body").await?;
-    let req: CreateBody = parse_json(&bytes, "request body")?;
+impl BodyLimit for CreateBody {
+    fn body_limit(_: &AppState) -> usize {
+        64 << 10
+    }
+}
+
+/// Create a session (waits until its kernel is ready)
+#[utoipa::path(post, operation_id = "create_session", path = "/v1/sessions", tag = "sessions",
+    request_body(content = Option<CreateBody>, description = "Optional; an empty body takes the defaults"),
+    responses(
+        (status = 201, description = "created; `Location` is the session's URL", body = SessionJson,
+            headers(("Location" = String, description = "/v1/sessions/{id}"))),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 413, response = ErrorResponse),
+        (status = 429, description = "the user's session quota is used", body = ErrorBody),
+        (status = 503, description = "the kernel could not start", body = ErrorBody),
+    ))]
+async fn create(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(req): JsonBody<CreateBody>,
+) -> ApiResult<Response> {
     let session = state
         .registry
         .create(
@@ -142,6 +88,9 @@ async fn create(State(state): State<AppState>, caller: Caller, body: Body) -> Ap
         .into_response())
 }
 
+/// The caller's sessions
+#[utoipa::path(get, operation_id = "list_sessions", path = "/v1/sessions", tag = "sessions",
+    responses((status = 200, description = "ok", body = Vec<SessionJson>), (status = 401, response = ErrorResponse)))]
 async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<SessionJson>> {
     Json(
         state
@@ -153,78 +102,93 @@ async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Session
     )
 }
 
-async fn get_one(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> ApiResult<Json<SessionJson>> {
-    Ok(Json(session_of(&state, &caller, &id)?.info().into()))
+/// One session
+#[utoipa::path(get, operation_id = "get_session", path = "/v1/sessions/{id}", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    responses((status = 200, description = "ok", body = SessionJson),
+        (status = 401, response = ErrorResponse),
+        (status = 404, description = "no such session of the caller's", body = ErrorBody),
+        (status = 410, description = "the session expired", body = ErrorBody)))]
+async fn get_one(owned: OwnedSession) -> Json<SessionJson> {
+    Json(owned.session.info().into())
 }
 
+/// Shut a session down
+#[utoipa::path(delete, operation_id = "delete_session", path = "/v1/sessions/{id}", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    responses((status = 204, description = "deleted"), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse)))]
 async fn delete(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
+    // Not through `OwnedSession`: the registry's delete does its own lookup (and answers a
+    // session deleted meanwhile), so the id is only parsed here.
     state
         .registry
-        .delete(&caller.0.name, parse_id(&id)?)
+        .delete(&caller.0.name, session_id(&id)?)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Deserialize)]
+/// The body of `POST /v1/sessions/{id}/execute`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ExecuteBody {
+pub struct ExecuteBody {
+    /// Python code, at most the broker's code limit in bytes.
     code: String,
+    /// Seconds before the execution is interrupted, capped by the broker's maximum.
+    #[schema(exclusive_minimum = 0)]
     timeout_seconds: Option<f64>,
 }
 
+impl BodyLimit for ExecuteBody {
+    /// Room for the JSON around the code (escapes can double it).
+    fn body_limit(state: &AppState) -> usize {
+        state.limits.max_code_bytes * 2 + 4096
+    }
+}
+
+/// Run code; answers when it is done
+///
+/// Executions of a session run one at a time, in arrival order. The answer comes once the
+/// execution is recorded.
+#[utoipa::path(post, operation_id = "execute", path = "/v1/sessions/{id}/execute", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    request_body = ExecuteBody,
+    responses((status = 200, description = "ok", body = ExecutionJson),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse),
+        (status = 413, description = "the code or the body is over the limit", body = ErrorBody),
+        (status = 429, description = "the session's queue is full", body = ErrorBody),
+        (status = 503, response = ErrorResponse)))]
 async fn execute(
     State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-    body: Body,
-) -> ApiResult<Response> {
-    let session = session_of(&state, &caller, &id)?;
-    // Room for the JSON around the code (escapes can double it).
-    let limit = state.limits.max_code_bytes * 2 + 4096;
-    let bytes = read_body(body, limit, "request body").await?;
-    let req: ExecuteBody = parse_json(&bytes, "request body")?;
+    owned: OwnedSession,
+    JsonBody(req): JsonBody<ExecuteBody>,
+) -> ApiResult<Json<ExecutionJson>> {
     check_code(&state, &req.code)?;
     let timeout = state.execution_timeout(req.timeout_seconds)?;
-    let execution = session.execute_wait(req.code, timeout).await?;
-    Ok(Json(execution).into_response())
+    let execution = owned.session.execute_wait(req.code, timeout).await?;
+    Ok(Json(execution.into()))
 }
 
-pub fn check_code(state: &AppState, code: &str) -> ApiResult<()> {
-    if code.len() > state.limits.max_code_bytes {
-        return Err(ApiError::too_large(format!(
-            "the code has {} bytes; the limit is {}",
-            code.len(),
-            state.limits.max_code_bytes
-        )));
-    }
-    Ok(())
-}
-
-async fn interrupt(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    session_of(&state, &caller, &id)?.interrupt().await?;
+/// Interrupt the running execution
+#[utoipa::path(post, operation_id = "interrupt_session", path = "/v1/sessions/{id}/interrupt", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    responses((status = 204, description = "interrupted"), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse),
+        (status = 503, response = ErrorResponse)))]
+async fn interrupt(owned: OwnedSession) -> ApiResult<StatusCode> {
+    owned.session.interrupt().await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn restart(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> ApiResult<Json<SessionJson>> {
-    let session = session_of(&state, &caller, &id)?;
-    session.restart().await?;
-    Ok(Json(session.info().into()))
+/// Restart the kernel (state cleared)
+#[utoipa::path(post, operation_id = "restart_session", path = "/v1/sessions/{id}/restart", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    responses((status = 200, description = "ok", body = SessionJson), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse),
+        (status = 503, response = ErrorResponse)))]
+async fn restart(owned: OwnedSession) -> ApiResult<Json<SessionJson>> {
+    owned.session.restart().await?;
+    Ok(Json(owned.session.info().into()))
 }
 
 async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::path::PathBuf> {
@@ -238,12 +202,16 @@ async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::pat
 /// Response header of `GET /v1/sessions/{id}/files`: `true` when the listing was cut short.
 const FILES_TRUNCATED: &str = "x-files-truncated";
 
-async fn list_files(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> ApiResult<Response> {
-    let session = session_of(&state, &caller, &id)?;
+/// Files in the user's workspace
+///
+/// At most 10,000 files; a listing cut short says so in the `x-files-truncated` header.
+#[utoipa::path(get, operation_id = "list_files", path = "/v1/sessions/{id}/files", tag = "files", params(("id" = uuid::Uuid, Path)),
+    responses((status = 200, description = "ok", body = Vec<FileJson>,
+            headers(("x-files-truncated" = String, description = "`true` when the listing was cut short"))),
+        (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
+        (status = 410, response = ErrorResponse)))]
+async fn list_files(State(state): State<AppState>, owned: OwnedSession) -> ApiResult<Response> {
+    let session = owned.session;
     session.touch();
     let ws = workspace_of(&state, &session).await?;
     let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
@@ -251,15 +219,22 @@ async fn list_files(
         .map_err(|e| ApiError::internal("list files", e))??;
     // The body stays a plain array (compatible); a cut-short listing says so in a header.
     let truncated = if listing.truncated { "true" } else { "false" };
-    Ok(([(FILES_TRUNCATED, truncated)], Json(listing.files)).into_response())
+    let body: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
+    Ok(([(FILES_TRUNCATED, truncated)], Json(body)).into_response())
 }
 
+/// Download a workspace file
+#[utoipa::path(get, operation_id = "get_file", path = "/v1/sessions/{id}/files/{*path}", tag = "files",
+    params(("id" = uuid::Uuid, Path), ("path" = String, Path, description = "relative to the workspace; no `..`, no symlinks")),
+    responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse)))]
 async fn get_file(
     State(state): State<AppState>,
-    caller: Caller,
-    Path((id, path)): Path<(String, String)>,
+    owned: OwnedSession,
+    Path((_, path)): Path<(String, String)>,
 ) -> ApiResult<Response> {
-    let session = session_of(&state, &caller, &id)?;
+    let session = owned.session;
     session.touch();
     let ws = workspace_of(&state, &session).await?;
     let max = state.limits.max_file_bytes;
@@ -269,15 +244,22 @@ async fn get_file(
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }
 
+/// Upload a workspace file
+#[utoipa::path(put, operation_id = "put_file", path = "/v1/sessions/{id}/files/{*path}", tag = "files",
+    params(("id" = uuid::Uuid, Path), ("path" = String, Path, description = "relative to the workspace; directories are created")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, description = "written"),
+        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse)))]
 async fn put_file(
     State(state): State<AppState>,
-    caller: Caller,
-    Path((id, path)): Path<(String, String)>,
+    owned: OwnedSession,
+    Path((_, path)): Path<(String, String)>,
     body: Body,
 ) -> ApiResult<StatusCode> {
-    let session = session_of(&state, &caller, &id)?;
+    let session = owned.session;
     files::clean_relative(&path)?;
-    let data = read_body(body, state.limits.max_file_bytes, "file").await?;
+    let data = read_limited(body, state.limits.max_file_bytes, "file").await?;
     session.touch();
     let ws = workspace_of(&state, &session).await?;
     let owner = state.registry.sandbox().workspace_owner(&session.user);

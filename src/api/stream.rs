@@ -9,36 +9,45 @@
 use std::sync::Arc;
 
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::Response;
-use axum::routing::get;
-use axum::Router;
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use super::auth::Caller;
-use super::error::ApiResult;
-use super::sessions::session_of;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::extract::{check_code, OwnedSession};
+use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
 use super::AppState;
 use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
 
-pub fn routes() -> Router<AppState> {
-    Router::new().route("/v1/sessions/{id}/stream", get(upgrade))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(upgrade))
 }
 
+/// Agent stream (WebSocket of JSON frames)
+///
+/// Client frames: `{"type": "execute", "id", "code", "timeout_seconds"?}`,
+/// `{"type": "input_reply", "value"}`, `{"type": "interrupt"}`. Server frames: `status`,
+/// `stdout`, `stderr`, `display`, `result`, `error`, `input_request`, `done` (with the
+/// Execution) and `protocol_error`; see docs/API.md.
+#[utoipa::path(get, operation_id = "agent_stream", path = "/v1/sessions/{id}/stream", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    responses((status = 101, description = "switching protocols"),
+        (status = 400, description = "not a WebSocket upgrade"),
+        (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
+        (status = 410, response = ErrorResponse)))]
 async fn upgrade(
     State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
+    owned: OwnedSession,
     ws: WebSocketUpgrade,
-) -> ApiResult<Response> {
-    let session = session_of(&state, &caller, &id)?;
+) -> Response {
+    let session = owned.session;
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
-    Ok(ws
-        .max_message_size(max_frame)
-        .on_upgrade(move |socket| serve(socket, session, state)))
+    ws.max_message_size(max_frame)
+        .on_upgrade(move |socket| serve(socket, session, state))
 }
 
 #[derive(Deserialize)]
@@ -185,7 +194,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
 }
 
 fn status_frame(s: SessionState) -> String {
-    json!({"type": "status", "state": s.as_str()}).to_string()
+    json!({"type": "status", "state": SessionStateJson::from(s).as_str()}).to_string()
 }
 
 async fn send_protocol_error(out: &mpsc::Sender<String>, message: &str) {
@@ -207,7 +216,7 @@ async fn start_execution(
     let fail = |message: String| {
         json!({"type": "protocol_error", "id": id, "message": message}).to_string()
     };
-    if let Err(e) = super::sessions::check_code(state, &code) {
+    if let Err(e) = check_code(state, &code) {
         let _ = out.send(fail(e.message)).await;
         return previous;
     }
@@ -244,6 +253,7 @@ async fn start_execution(
         }
         // The stream closes when the execution is finished; then the result is there.
         if let Ok(execution) = done_rx.await {
+            let execution = ExecutionJson::from(execution);
             let _ = out
                 .send(json!({"type": "done", "id": id, "execution": execution}).to_string())
                 .await;

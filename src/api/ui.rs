@@ -12,8 +12,8 @@
 use axum::extract::RawQuery;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::routing::get;
-use axum::Router;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -27,21 +27,18 @@ const STYLE: &str = include_str!("../../ui/style.css");
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
                    connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/ui", get(to_slash))
-        .route("/ui/", get(index))
-        .route("/ui/index.html", get(index))
-        .route(
-            "/ui/app.js",
-            get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
-        )
-        .route(
-            "/ui/style.css",
-            get(|| async { asset("text/css; charset=utf-8", STYLE) }),
-        )
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(to_slash))
+        .routes(routes!(index))
+        .routes(routes!(index_html))
+        .routes(routes!(app_js))
+        .routes(routes!(style_css))
 }
 
+/// The session browser's address without its slash
+#[utoipa::path(get, operation_id = "ui_redirect", path = "/ui", tag = "ui", security(()),
+    responses((status = 307, description = "to `/ui/`, keeping the query")))]
 async fn to_slash(RawQuery(query): RawQuery) -> Redirect {
     match query {
         Some(q) => Redirect::temporary(&format!("/ui/?{q}")),
@@ -84,7 +81,39 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     r
 }
 
+/// The session browser's script (no token: code without data)
+#[utoipa::path(get, operation_id = "ui_script", path = "/ui/app.js", tag = "ui", security(()),
+    responses((status = 200, description = "JavaScript", content_type = "text/javascript", body = String)))]
+async fn app_js() -> Response {
+    asset("text/javascript; charset=utf-8", APP_JS)
+}
+
+/// The session browser's style sheet (no token)
+#[utoipa::path(get, operation_id = "ui_style", path = "/ui/style.css", tag = "ui", security(()),
+    responses((status = 200, description = "CSS", content_type = "text/css", body = String)))]
+async fn style_css() -> Response {
+    asset("text/css; charset=utf-8", STYLE)
+}
+
+/// The debugging view (HTML)
+///
+/// Without a token it answers 401 with a page that asks for one.
+#[utoipa::path(get, operation_id = "ui_index", path = "/ui/", tag = "ui",
+    responses((status = 200, description = "the page", content_type = "text/html", body = String),
+        (status = 401, description = "a page asking for the token", content_type = "text/html", body = String)))]
 async fn index(caller: Result<Caller, ApiError>) -> Response {
+    page_for(caller)
+}
+
+/// The debugging view (HTML), by its file name
+#[utoipa::path(get, operation_id = "ui_index_html", path = "/ui/index.html", tag = "ui",
+    responses((status = 200, description = "the page", content_type = "text/html", body = String),
+        (status = 401, description = "a page asking for the token", content_type = "text/html", body = String)))]
+async fn index_html(caller: Result<Caller, ApiError>) -> Response {
+    page_for(caller)
+}
+
+fn page_for(caller: Result<Caller, ApiError>) -> Response {
     match caller {
         Ok(_) => page(StatusCode::OK, INDEX),
         Err(_) => page(StatusCode::UNAUTHORIZED, LOGIN),

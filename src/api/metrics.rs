@@ -1,0 +1,417 @@
+//! The broker's Prometheus metrics, exposed at `/metrics` in the OpenMetrics text format by
+//! the official Rust client, `prometheus-client` (chosen over the `prometheus` crate: it is
+//! the one the Prometheus project maintains, has typed label sets, needs no protobuf, and
+//! writes OpenMetrics, which Prometheus scrapes natively).
+//!
+//! Two kinds of values:
+//! - [`Metrics`] holds what happens over time, fed through plain methods
+//!   ([`Metrics::execution_finished`], [`Metrics::kernel_started`], ...): histograms of
+//!   execution duration, queue wait and kernel start, counters of executions by status,
+//!   timeouts, restarts, deaths and expiries. Every family carries the sandbox backend as a
+//!   `backend` label (`local` or `docker`), so dashboards of several brokers compare them.
+//! - A [`Snapshot`] is what is true at scrape time (sessions by state, connections, the warm
+//!   pool, the recording writer's counters, uptime); it is read by the handler and rendered
+//!   beside the families.
+//!
+//! Names: every family is prefixed `kernel_broker_`. OpenMetrics counters end in `_total`
+//! (the writer adds it), so `kernel_broker_uptime_seconds`, a counter when the text was
+//! written by hand, is a gauge now: same name, same value.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+use super::shapes::ExecutionStatusJson;
+use crate::session::ExecutionStatus;
+
+/// The content type of the exposition.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+const PREFIX: &str = "kernel_broker";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabel {
+    backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    backend: String,
+    status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+/// Executions: 5 ms to ~11 min (the longest timeouts).
+fn execution_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 18))
+}
+
+/// Queue wait: 1 ms to ~65 s.
+fn queue_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// Kernel start: 50 ms to ~100 s (a cold Docker container is seconds).
+fn start_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.05, 2.0, 12))
+}
+
+/// The metrics fed as things happen. Cheap to share (`Arc`); every method is lock-free.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    backend: BackendLabel,
+    execution_duration: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    queue_wait: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    kernel_start: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    executions: Family<StatusLabels, Counter>,
+    timeouts: Family<BackendLabel, Counter>,
+    restarts: Family<BackendLabel, Counter>,
+    deaths: Family<BackendLabel, Counter>,
+    expiries: Family<BackendLabel, Counter>,
+}
+
+impl Metrics {
+    /// The metrics of a broker whose sandbox backend is `backend` (`local`, `docker`).
+    pub fn new(backend: &str) -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let execution_duration =
+            Family::<_, _, fn() -> Histogram>::new_with_constructor(execution_histogram as _);
+        let queue_wait =
+            Family::<_, _, fn() -> Histogram>::new_with_constructor(queue_histogram as _);
+        let kernel_start =
+            Family::<_, _, fn() -> Histogram>::new_with_constructor(start_histogram as _);
+        let executions = Family::default();
+        let timeouts = Family::default();
+        let restarts = Family::default();
+        let deaths = Family::default();
+        let expiries = Family::default();
+        registry.register_with_unit(
+            "execution_duration",
+            "Time from an execution's start on the kernel to its result.",
+            Unit::Seconds,
+            execution_duration.clone(),
+        );
+        registry.register_with_unit(
+            "execution_queue_wait",
+            "Time an execution waited in its session's queue before it started.",
+            Unit::Seconds,
+            queue_wait.clone(),
+        );
+        registry.register_with_unit(
+            "kernel_start",
+            "Time from launching a kernel to its readiness.",
+            Unit::Seconds,
+            kernel_start.clone(),
+        );
+        registry.register(
+            "executions",
+            "Executions finished, by status (ok, error, timeout, interrupted, dead).",
+            executions.clone(),
+        );
+        registry.register(
+            "execution_timeouts",
+            "Executions interrupted at their timeout.",
+            timeouts.clone(),
+        );
+        registry.register("kernel_restarts", "Kernel restarts.", restarts.clone());
+        registry.register(
+            "kernel_deaths",
+            "Kernels that died or broke the protocol.",
+            deaths.clone(),
+        );
+        registry.register(
+            "session_expiries",
+            "Sessions expired after their idle timeout.",
+            expiries.clone(),
+        );
+        let backend = BackendLabel {
+            backend: backend.to_string(),
+        };
+        // Each family has its backend's series from the start, so a rate is 0, not absent.
+        for f in [&timeouts, &restarts, &deaths, &expiries] {
+            let _ = f.get_or_create(&backend);
+        }
+        Self {
+            registry,
+            backend,
+            execution_duration,
+            queue_wait,
+            kernel_start,
+            executions,
+            timeouts,
+            restarts,
+            deaths,
+            expiries,
+        }
+    }
+
+    /// An execution finished after running for `duration`; its `status` is the label by
+    /// its JSON name (`ok`, `error`, `timeout`, `interrupted`, `dead`).
+    pub fn execution_finished(&self, duration: Duration, status: ExecutionStatus) {
+        let status = match ExecutionStatusJson::from(status) {
+            ExecutionStatusJson::Ok => "ok",
+            ExecutionStatusJson::Error => "error",
+            ExecutionStatusJson::Timeout => "timeout",
+            ExecutionStatusJson::Interrupted => "interrupted",
+            ExecutionStatusJson::Dead => "dead",
+        };
+        self.execution_duration
+            .get_or_create(&self.backend)
+            .observe(duration.as_secs_f64());
+        self.executions
+            .get_or_create(&StatusLabels {
+                backend: self.backend.backend.clone(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// An execution left its session's queue after `wait`.
+    pub fn execution_queued(&self, wait: Duration) {
+        self.queue_wait
+            .get_or_create(&self.backend)
+            .observe(wait.as_secs_f64());
+    }
+
+    /// A kernel became ready `duration` after its launch.
+    pub fn kernel_started(&self, duration: Duration) {
+        self.kernel_start
+            .get_or_create(&self.backend)
+            .observe(duration.as_secs_f64());
+    }
+
+    pub fn timed_out(&self) {
+        self.timeouts.get_or_create(&self.backend).inc();
+    }
+
+    pub fn restarted(&self) {
+        self.restarts.get_or_create(&self.backend).inc();
+    }
+
+    pub fn died(&self) {
+        self.deaths.get_or_create(&self.backend).inc();
+    }
+
+    pub fn expired(&self) {
+        self.expiries.get_or_create(&self.backend).inc();
+    }
+
+    /// The exposition: the scrape-time values of `now`, then the families, then `# EOF`.
+    pub fn render(&self, now: &Snapshot) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail: fmt::Write for String is infallible, and the
+        // encoder's only other errors come from the writer.
+        let _ = encode_registry(&mut out, &now.registry());
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_eof(&mut out);
+        out
+    }
+}
+
+/// What the recording writer reports, as `/metrics` shows it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecordingSnapshot {
+    pub queued_bytes: u64,
+    pub dropped: u64,
+    pub truncated: u64,
+    pub errors: u64,
+    pub events: u64,
+}
+
+/// The values read at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Live sessions by state name (`starting`, `idle`, `busy`, `dead`).
+    pub sessions: Vec<(&'static str, u64)>,
+    /// WebSocket clients attached (agent streams and Jupyter channels).
+    pub connections: u64,
+    pub pooled_kernels: u64,
+    /// `None` when recording is off (its families are left out).
+    pub recording: Option<RecordingSnapshot>,
+    pub uptime: Duration,
+}
+
+impl Snapshot {
+    fn registry(&self) -> Registry {
+        let mut r = Registry::with_prefix(PREFIX);
+        let sessions = Family::<StateLabel, Gauge>::default();
+        for (state, n) in &self.sessions {
+            sessions
+                .get_or_create(&StateLabel {
+                    state: state.to_string(),
+                })
+                .set(saturating_i64(*n));
+        }
+        r.register("sessions", "Live sessions by state.", sessions);
+        r.register(
+            "connections",
+            "WebSocket clients attached.",
+            Gauge::<i64>::default_with(saturating_i64(self.connections)),
+        );
+        r.register(
+            "pooled_kernels",
+            "Ready kernels in the warm pool.",
+            Gauge::<i64>::default_with(saturating_i64(self.pooled_kernels)),
+        );
+        if let Some(s) = self.recording {
+            r.register(
+                "recording_queued_bytes",
+                "Bytes waiting for the recording writer.",
+                Gauge::<i64>::default_with(saturating_i64(s.queued_bytes)),
+            );
+            r.register(
+                "recording_dropped",
+                "Reports dropped because the writer was behind.",
+                ConstCounter::new(s.dropped),
+            );
+            r.register(
+                "recording_truncated",
+                "Stream messages not kept past the per-execution cap.",
+                ConstCounter::new(s.truncated),
+            );
+            r.register(
+                "recording_errors",
+                "Events that could not be stored.",
+                ConstCounter::new(s.errors),
+            );
+            r.register(
+                "recording_events",
+                "Events stored.",
+                ConstCounter::new(s.events),
+            );
+        }
+        let uptime = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        uptime.set(self.uptime.as_secs_f64());
+        r.register_with_unit("uptime", "Seconds since start.", Unit::Seconds, uptime);
+        r
+    }
+}
+
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A gauge holding `v`.
+trait DefaultWith {
+    fn default_with(v: i64) -> Self;
+}
+
+impl DefaultWith for Gauge<i64> {
+    fn default_with(v: i64) -> Self {
+        let g = Gauge::<i64>::default();
+        g.set(v);
+        g
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            sessions: vec![("starting", 0), ("idle", 2), ("busy", 1), ("dead", 0)],
+            connections: 3,
+            pooled_kernels: 1,
+            recording: Some(RecordingSnapshot {
+                queued_bytes: 10,
+                dropped: 1,
+                truncated: 2,
+                errors: 0,
+                events: 42,
+            }),
+            uptime: Duration::from_millis(1500),
+        }
+    }
+
+    #[test]
+    fn the_scrape_time_values_keep_their_names() {
+        let text = Metrics::new("local").render(&snapshot());
+        for line in [
+            "# TYPE kernel_broker_sessions gauge",
+            "kernel_broker_sessions{state=\"idle\"} 2",
+            "kernel_broker_sessions{state=\"busy\"} 1",
+            "kernel_broker_sessions{state=\"starting\"} 0",
+            "kernel_broker_connections 3",
+            "kernel_broker_pooled_kernels 1",
+            "kernel_broker_recording_queued_bytes 10",
+            "# TYPE kernel_broker_recording_dropped counter",
+            "kernel_broker_recording_dropped_total 1",
+            "kernel_broker_recording_truncated_total 2",
+            "kernel_broker_recording_errors_total 0",
+            "kernel_broker_recording_events_total 42",
+            "# TYPE kernel_broker_uptime_seconds gauge",
+            "kernel_broker_uptime_seconds 1.5",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(text.ends_with("# EOF\n"));
+        assert_eq!(text.matches("# EOF").count(), 1);
+        let off = Metrics::new("local").render(&Snapshot {
+            recording: None,
+            ..snapshot()
+        });
+        assert!(!off.contains("recording_"), "{off}");
+    }
+
+    #[test]
+    fn fed_values_show_as_families_with_backend_labels_and_buckets() {
+        let m = Metrics::new("docker");
+        m.execution_finished(Duration::from_millis(30), ExecutionStatus::Ok);
+        m.execution_finished(Duration::from_secs(2), ExecutionStatus::Ok);
+        m.execution_finished(Duration::from_secs(60), ExecutionStatus::Timeout);
+        m.execution_queued(Duration::from_millis(2));
+        m.kernel_started(Duration::from_millis(800));
+        m.timed_out();
+        m.restarted();
+        m.restarted();
+        m.died();
+        m.expired();
+        let text = m.render(&Snapshot::default());
+        for line in [
+            "# TYPE kernel_broker_execution_duration_seconds histogram",
+            "# UNIT kernel_broker_execution_duration_seconds seconds",
+            "kernel_broker_execution_duration_seconds_count{backend=\"docker\"} 3",
+            "kernel_broker_execution_duration_seconds_sum{backend=\"docker\"} 62.03",
+            "kernel_broker_execution_duration_seconds_bucket{le=\"0.04\",backend=\"docker\"} 1",
+            "kernel_broker_execution_duration_seconds_bucket{le=\"+Inf\",backend=\"docker\"} 3",
+            "kernel_broker_execution_queue_wait_seconds_count{backend=\"docker\"} 1",
+            "kernel_broker_execution_queue_wait_seconds_bucket{le=\"0.002\",backend=\"docker\"} 1",
+            "kernel_broker_kernel_start_seconds_count{backend=\"docker\"} 1",
+            "kernel_broker_kernel_start_seconds_bucket{le=\"0.8\",backend=\"docker\"} 1",
+            "kernel_broker_executions_total{backend=\"docker\",status=\"ok\"} 2",
+            "kernel_broker_executions_total{backend=\"docker\",status=\"timeout\"} 1",
+            "kernel_broker_execution_timeouts_total{backend=\"docker\"} 1",
+            "kernel_broker_kernel_restarts_total{backend=\"docker\"} 2",
+            "kernel_broker_kernel_deaths_total{backend=\"docker\"} 1",
+            "kernel_broker_session_expiries_total{backend=\"docker\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn counters_start_at_zero_for_the_backend() {
+        let text = Metrics::new("local").render(&Snapshot::default());
+        assert!(text
+            .lines()
+            .any(|l| l == "kernel_broker_kernel_deaths_total{backend=\"local\"} 0"));
+    }
+}
