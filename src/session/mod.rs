@@ -6,6 +6,17 @@
 //! *actor*) that owns the kernel connection and runs executions one at a time, in the order
 //! received, with a hard timeout each.
 //!
+//! Layout (each file uses only those listed before it, so there is no import circle):
+//! - `execution`: gathering one execution's output under the limits; `lifecycle`: the typed
+//!   events reported to the [`Recorder`]; `files`: workspace files beneath a descriptor.
+//! - `handle`: the [`Session`] handle (status, activity, event broadcast and its budget).
+//! - `launch`: a kernel launched in the sandbox and connected (`Live`, `start_kernel`).
+//! - `pool`: the warm pool of pre-started kernels (uses `launch`).
+//! - `actor/`: the task that owns a kernel: commands, restart and death in `mod.rs`, the
+//!   execution in flight (deadlines, completion) in `running.rs`.
+//! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
+//!   tombstones in `expiry.rs`.
+//!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
 //! `Arc<dyn Sandbox>`) and knows nothing of HTTP; the API layer maps [`SessionError`] to
 //! status codes.
@@ -13,6 +24,8 @@
 mod actor;
 pub mod execution;
 pub mod files;
+mod handle;
+mod launch;
 pub mod lifecycle;
 mod pool;
 mod registry;
@@ -27,7 +40,6 @@ use uuid::Uuid;
 
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use lifecycle::LifecycleEvent;
-pub use registry::Registry;
 
 use crate::wire::{Channel, Message};
 
@@ -151,7 +163,7 @@ pub enum SessionEvent {
         msg: Arc<Message>,
         agent: bool,
         /// Counts the message against the session's event budget while any copy lives.
-        held: Arc<registry::EventBytes>,
+        held: Arc<handle::EventBytes>,
     },
     /// The kernel was restarted (by request or after a timeout).
     Restarted,
@@ -189,8 +201,9 @@ pub(crate) enum Command {
     },
 }
 
+pub use handle::{ConnectionGuard, Session};
 pub use pool::PoolConfig;
-pub use registry::{CreateOptions, Session};
+pub use registry::{CreateOptions, Registry};
 
 /// Which way a recorded message went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

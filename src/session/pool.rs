@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::actor::{start_kernel, Live};
+use super::launch::{start_kernel, Live};
 use crate::kernel::ConnectOptions;
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
