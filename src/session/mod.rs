@@ -29,6 +29,8 @@ mod launch;
 pub mod lifecycle;
 mod pool;
 mod registry;
+#[cfg(test)]
+mod testing;
 
 use std::sync::Arc;
 use std::time::Duration;

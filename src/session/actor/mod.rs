@@ -9,6 +9,8 @@
 //! `running.rs`.
 
 mod running;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;

@@ -3,6 +3,8 @@
 //! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
 
 mod expiry;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
