@@ -13,10 +13,11 @@ use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use super::command::{Command, ExecRequest, ReplyRoute};
+use super::error::SessionError;
+use super::event::{EventBudget, SessionEvent};
 use super::execution::Execution;
-use super::{
-    Command, ExecRequest, ReplyRoute, SessionError, SessionEvent, SessionInfo, SessionState,
-};
+use super::state::{SessionInfo, SessionState};
 use crate::sandbox::{LaunchSpec, SandboxUser};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
@@ -51,45 +52,6 @@ pub struct Session {
     connections: AtomicUsize,
     max_queue: usize,
     notify_registry: Arc<Notify>,
-}
-
-/// Bytes a session's broadcast events may hold at once.
-struct EventBudget {
-    used: Arc<AtomicUsize>,
-    limit: usize,
-}
-
-impl EventBudget {
-    fn new(limit: usize) -> Self {
-        Self {
-            used: Arc::new(AtomicUsize::new(0)),
-            limit,
-        }
-    }
-
-    /// Takes `bytes` of the budget, or nothing when they do not fit.
-    fn charge(&self, bytes: usize) -> Option<Arc<EventBytes>> {
-        let before = self.used.fetch_add(bytes, Ordering::AcqRel);
-        let held = Arc::new(EventBytes {
-            counter: self.used.clone(),
-            bytes,
-        });
-        (before.saturating_add(bytes) <= self.limit).then_some(held)
-    }
-}
-
-/// A message's share of its session's event budget, given back when the last copy of the
-/// event is dropped (overwritten in the ring and seen by every receiver).
-#[derive(Debug)]
-pub struct EventBytes {
-    counter: Arc<AtomicUsize>,
-    bytes: usize,
-}
-
-impl Drop for EventBytes {
-    fn drop(&mut self) {
-        self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
 }
 
 /// What a session is made of besides its id and owner (see [`Session::new`]).
@@ -407,31 +369,5 @@ pub struct ConnectionGuard(Arc<Session>);
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_event_budget_refuses_what_does_not_fit_and_frees_on_drop() {
-        let budget = EventBudget::new(100);
-        let a = budget.charge(60).expect("60 of 100 fits");
-        assert!(budget.charge(41).is_none(), "101 of 100 must not fit");
-        // A refused charge leaves nothing behind.
-        let b = budget.charge(40).expect("exactly 100 fits");
-        assert!(budget.charge(1).is_none());
-        // The bytes come back when the last copy of an event goes.
-        let a2 = a.clone();
-        drop(a);
-        assert!(budget.charge(1).is_none(), "a copy still holds the bytes");
-        drop(a2);
-        let c = budget.charge(60).expect("freed room is usable again");
-        drop((b, c));
-        assert_eq!(budget.used.load(Ordering::Acquire), 0);
-        // A single message larger than the whole budget is never broadcast.
-        assert!(budget.charge(101).is_none());
-        assert_eq!(budget.used.load(Ordering::Acquire), 0);
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tokio::time::timeout;
 
-use super::SessionError;
+use super::error::SessionError;
 use crate::kernel::{KernelClient, KernelEvents};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
 

@@ -17,28 +17,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::config::PoolConfig;
 use super::launch::{start_kernel, Live};
 use crate::kernel::ConnectOptions;
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
-
-/// Pool settings.
-#[derive(Debug, Clone, Copy)]
-pub struct PoolConfig {
-    /// Ready kernels kept per user and kernel spec; 0 disables the pool.
-    pub size: usize,
-    /// A user's pooled kernels are shut down after this long without a take.
-    pub idle: Duration,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        Self {
-            size: 1,
-            idle: Duration::from_secs(600),
-        }
-    }
-}
 
 struct Pooled {
     id: Uuid,

@@ -19,14 +19,17 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, Instant};
 
+use super::command::{Command, ExecRequest, ReplyRoute};
+use super::config::SessionConfig;
+use super::error::SessionError;
+use super::event::SessionEvent;
 use super::execution::{failed, ExecutionError, ExecutionStatus};
 use super::handle::Session;
 use super::launch::{start_kernel, Live};
+use super::lifecycle::LifecycleEvent;
 use super::pool::Pool;
-use super::{
-    Command, Direction, ExecRequest, LifecycleEvent, Recorder, ReplyRoute, SessionConfig,
-    SessionError, SessionEvent, SessionState,
-};
+use super::recorder::{Direction, Recorder};
+use super::state::SessionState;
 use crate::kernel::{KernelClient, KernelEvent};
 use crate::sandbox::{ExitReason, Sandbox};
 use crate::wire::{Channel, Message, Signer};

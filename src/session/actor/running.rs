@@ -12,8 +12,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{record_send, Actor};
+use crate::session::execution::Execution;
 use crate::session::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
-use crate::session::{Execution, LifecycleEvent};
+use crate::session::lifecycle::LifecycleEvent;
 use crate::wire::{Channel, Message};
 
 pub(super) enum Phase {

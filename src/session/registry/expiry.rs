@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use super::Registry;
 use crate::session::handle::Session;
-use crate::session::SessionState;
+use crate::session::state::SessionState;
 
 /// What is left of an expired session until `forget_at`.
 pub(super) struct Tombstone {

@@ -16,10 +16,14 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::actor::Actor;
+use super::config::SessionConfig;
+use super::error::SessionError;
 use super::handle::{HandleParts, Session};
 use super::launch::{start_kernel, Live};
+use super::lifecycle::LifecycleEvent;
 use super::pool::Pool;
-use super::{LifecycleEvent, Recorder, SessionConfig, SessionError, SessionState};
+use super::recorder::Recorder;
+use super::state::SessionState;
 use crate::sandbox::{Sandbox, SandboxUser};
 use crate::sync::lock;
 use crate::wire::Signer;
