@@ -19,7 +19,8 @@ use crate::wire::{Channel, Message};
 
 pub(super) enum Phase {
     Running,
-    /// Past the deadline: interrupted at `since`, restart at `restart_at`.
+    /// Past the deadline and interrupted; the kernel is restarted at `restart_at` unless the
+    /// execution ends first.
     TimedOut {
         restart_at: Instant,
     },
