@@ -14,7 +14,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Serialize;
 
-use super::SessionError;
+use super::error::SessionError;
 use crate::sandbox::fsutil::{self, WalkLimits};
 use rustix::fs::{Mode, OFlags};
 

@@ -17,28 +17,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::actor::{start_kernel, Live};
+use super::config::PoolConfig;
+use super::launch::{start_kernel, Live};
 use crate::kernel::ConnectOptions;
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
-
-/// Pool settings.
-#[derive(Debug, Clone, Copy)]
-pub struct PoolConfig {
-    /// Ready kernels kept per user and kernel spec; 0 disables the pool.
-    pub size: usize,
-    /// A user's pooled kernels are shut down after this long without a take.
-    pub idle: Duration,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        Self {
-            size: 1,
-            idle: Duration::from_secs(600),
-        }
-    }
-}
 
 struct Pooled {
     id: Uuid,
@@ -215,5 +198,114 @@ impl Pool {
                 .map(|p| async move { p.live.process.terminate().await }),
         )
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::ExitReason;
+    use crate::session::testing::fake_sandbox::user;
+    use crate::session::testing::{config as test_config, FakeSandbox};
+
+    fn pool(size: usize, idle: Duration) -> (Arc<Pool>, Arc<FakeSandbox>) {
+        let sandbox = FakeSandbox::new();
+        let dyn_sandbox: Arc<dyn Sandbox> = sandbox.clone();
+        let config = PoolConfig { size, idle };
+        (
+            Pool::new(config, dyn_sandbox, test_config().kernel),
+            sandbox,
+        )
+    }
+
+    /// Wait (in paused time, so at no cost) until the pool holds `n` ready kernels.
+    async fn until_ready(pool: &Pool, n: usize) {
+        tokio::time::timeout(Duration::from_secs(600), async {
+            while pool.ready() != n {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the pool never got there");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_take_hands_out_a_kernel_launched_for_that_user_and_refills() {
+        let (pool, sandbox) = pool(1, Duration::from_secs(600));
+        let alice = user("alice");
+        assert!(
+            pool.take(&alice, "script").is_none(),
+            "the pool starts empty"
+        );
+        until_ready(&pool, 1).await;
+        assert_eq!(sandbox.kernel(0).user, "alice");
+
+        let (_, mut live) = pool.take(&alice, "script").expect("a ready kernel");
+        assert!(!live.exited());
+        assert_eq!(pool.ready(), 0);
+        until_ready(&pool, 1).await;
+        assert_eq!(sandbox.launched().len(), 2, "one refill after the take");
+
+        // Alice's kernels are never handed to anybody else.
+        assert!(pool.take(&user("bob"), "script").is_none());
+        until_ready(&pool, 2).await;
+        assert_eq!(sandbox.kernel(2).user, "bob");
+        drop(live);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pooled_kernel_that_died_is_not_handed_out() {
+        let (pool, sandbox) = pool(1, Duration::from_secs(600));
+        let alice = user("alice");
+        pool.refill(&alice, "script");
+        until_ready(&pool, 1).await;
+        sandbox.kernel(0).exit(ExitReason::Exited(1));
+        // Let the process watcher see it.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(pool.take(&alice, "script").is_none());
+        until_ready(&pool, 1).await;
+        assert!(pool.take(&alice, "script").is_some(), "the replacement is");
+        until_ready(&pool, 1).await;
+        assert_eq!(
+            sandbox.launched().len(),
+            3,
+            "the replacement, then the refill"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unused_kernels_are_shut_down_after_idle() {
+        let (pool, sandbox) = pool(1, Duration::from_secs(60));
+        pool.refill(&user("alice"), "script");
+        until_ready(&pool, 1).await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(pool.ready(), 1, "not yet");
+        assert!(!sandbox.kernel(0).terminated());
+        tokio::time::sleep(Duration::from_secs(50)).await;
+        assert_eq!(pool.ready(), 0);
+        assert!(sandbox.kernel(0).terminated());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn size_zero_disables_the_pool() {
+        let (pool, sandbox) = pool(0, Duration::from_secs(60));
+        assert!(pool.take(&user("alice"), "script").is_none());
+        pool.refill(&user("alice"), "script");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(sandbox.launched().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_shuts_pooled_kernels_down_and_takes_no_more() {
+        let (pool, sandbox) = pool(1, Duration::from_secs(600));
+        let alice = user("alice");
+        pool.refill(&alice, "script");
+        until_ready(&pool, 1).await;
+        pool.drain().await;
+        assert!(sandbox.kernel(0).terminated());
+        assert_eq!(pool.ready(), 0);
+        assert!(pool.take(&alice, "script").is_none());
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(sandbox.launched().len(), 1, "no refill after drain");
     }
 }

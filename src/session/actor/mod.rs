@@ -1,0 +1,431 @@
+//! The session actor: one task per session that owns the kernel (its process and its
+//! client) and the execute queue. Everything that touches the kernel goes through its
+//! command channel, so executions run one at a time, in arrival order, and no lock is ever
+//! held across an await.
+//!
+//! This file holds the task's loop and what it does with commands and with the kernel's
+//! fate: interrupt, restart (a fresh kernel from the pool or the sandbox), death and
+//! shutdown. The execution in flight (sending, output, deadlines, completion) is in
+//! `running.rs`.
+
+mod running;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::{sleep_until, timeout, Instant};
+
+use super::command::{Command, ExecRequest, ReplyRoute};
+use super::config::SessionConfig;
+use super::error::SessionError;
+use super::event::SessionEvent;
+use super::execution::{failed, ExecutionError, ExecutionStatus};
+use super::handle::Session;
+use super::launch::{start_kernel, Live};
+use super::lifecycle::LifecycleEvent;
+use super::pool::Pool;
+use super::recorder::{Direction, Recorder};
+use super::state::SessionState;
+use crate::kernel::{KernelClient, KernelEvent};
+use crate::sandbox::{ExitReason, Sandbox};
+use crate::wire::{Channel, Message, Signer};
+
+use running::Running;
+
+pub(crate) struct Actor {
+    pub session: Arc<Session>,
+    pub sandbox: Arc<dyn Sandbox>,
+    pub config: SessionConfig,
+    pub commands: mpsc::Receiver<Command>,
+    pub kernel: Option<Live>,
+    /// Executions waiting for the kernel, with when each arrived.
+    pub queue: VecDeque<(Instant, ExecRequest)>,
+    running: Option<Running>,
+    routes: HashMap<String, ReplyRoute>,
+    dead_reason: Option<String>,
+    recorder: Arc<dyn Recorder>,
+    pool: Arc<Pool>,
+    /// The last few agent executions' msg_ids: their late iopub is still theirs.
+    recent_agent_ids: VecDeque<String>,
+}
+
+/// Record a message, then send it.
+async fn record_send(
+    recorder: &dyn Recorder,
+    session: &Session,
+    client: &KernelClient,
+    channel: Channel,
+    msg: &Message,
+) -> Result<(), crate::kernel::KernelError> {
+    recorder.message(session, Direction::ToKernel, channel, msg);
+    client.send(channel, msg).await
+}
+
+// Kernel events are nearly every value; boxing them would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
+enum FromKernel {
+    Event(Option<KernelEvent>),
+    Exited(ExitReason),
+}
+
+/// The next thing the kernel says or does; pending forever when there is no kernel.
+async fn from_kernel(kernel: &mut Option<Live>) -> FromKernel {
+    match kernel {
+        Some(k) => tokio::select! {
+            ev = k.events.recv() => FromKernel::Event(ev),
+            reason = &mut k.exit => FromKernel::Exited(
+                reason.unwrap_or_else(|_| ExitReason::Lost("the process watcher ended".into())),
+            ),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+impl Actor {
+    pub fn new(
+        session: Arc<Session>,
+        sandbox: Arc<dyn Sandbox>,
+        config: SessionConfig,
+        commands: mpsc::Receiver<Command>,
+        kernel: Live,
+        recorder: Arc<dyn Recorder>,
+        pool: Arc<Pool>,
+    ) -> Self {
+        Self {
+            session,
+            sandbox,
+            config,
+            commands,
+            kernel: Some(kernel),
+            queue: VecDeque::new(),
+            running: None,
+            routes: HashMap::new(),
+            dead_reason: None,
+            recorder,
+            pool,
+            recent_agent_ids: VecDeque::new(),
+        }
+    }
+
+    pub async fn run(mut self) {
+        self.session.set_state(SessionState::Idle);
+        loop {
+            let deadline = self.next_deadline();
+            tokio::select! {
+                cmd = self.commands.recv() => {
+                    match cmd {
+                        Some(Command::Shutdown { state, done }) => {
+                            self.shutdown(state).await;
+                            let _ = done.send(());
+                            return;
+                        }
+                        Some(cmd) => self.on_command(cmd).await,
+                        None => {
+                            self.shutdown(SessionState::Closed).await;
+                            return;
+                        }
+                    }
+                }
+                k = from_kernel(&mut self.kernel) => match k {
+                    FromKernel::Event(Some(ev)) => self.on_kernel_event(ev).await,
+                    FromKernel::Event(None) => self.on_death("the connection to the kernel closed".into()).await,
+                    FromKernel::Exited(reason) => self.on_death(reason.to_string()).await,
+                },
+                _ = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                    self.on_deadline().await;
+                }
+            }
+            self.start_next().await;
+        }
+    }
+
+    async fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Execute(req) => {
+                self.session.touch();
+                if let Some(reason) = &self.dead_reason {
+                    self.session.pending_dec();
+                    let _ = req.done.send(failed(
+                        ExecutionStatus::Dead,
+                        "KernelDied",
+                        format!("the session's kernel is dead ({reason}); restart the session to continue"),
+                    ));
+                } else {
+                    self.queue.push_back((Instant::now(), req));
+                }
+            }
+            Command::InputReply(value) => {
+                self.session.touch();
+                let Some(r) = self.running.as_mut() else {
+                    return;
+                };
+                let Some(parent) = r.input_parent.take() else {
+                    return;
+                };
+                if let Some(k) = &self.kernel {
+                    let m = k.client.reply_to(
+                        "input_reply",
+                        &serde_json::json!({"value": value}),
+                        &parent,
+                    );
+                    if let Err(e) = record_send(
+                        &*self.recorder,
+                        &self.session,
+                        &k.client,
+                        Channel::Stdin,
+                        &m,
+                    )
+                    .await
+                    {
+                        tracing::warn!(session = %self.session.id, error = %e, "input_reply not sent");
+                    }
+                }
+            }
+            Command::Interrupt(done) => {
+                self.session.touch();
+                self.recorder
+                    .event(&self.session, &LifecycleEvent::Interrupt);
+                let result = self.interrupt().await;
+                if let Some(r) = self.running.as_mut() {
+                    r.user_interrupted = true;
+                }
+                let _ = done.send(result);
+            }
+            Command::Restart(done) => {
+                self.session.touch();
+                let result = self
+                    .restart(
+                        ExecutionStatus::Interrupted,
+                        "the kernel was restarted by request",
+                    )
+                    .await;
+                let _ = done.send(result);
+            }
+            Command::Forward {
+                channel,
+                msg,
+                route,
+            } => {
+                self.session.touch();
+                let Some(k) = &self.kernel else { return };
+                if self.routes.len() > 10_000 {
+                    // Requests whose replies never came; forget the oldest half at random.
+                    let keys: Vec<String> = self.routes.keys().take(5_000).cloned().collect();
+                    for key in keys {
+                        self.routes.remove(&key);
+                    }
+                }
+                self.routes.insert(msg.msg_id.clone(), route);
+                if let Err(e) =
+                    record_send(&*self.recorder, &self.session, &k.client, channel, &msg).await
+                {
+                    tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
+                }
+            }
+            Command::Shutdown { .. } => {}
+        }
+    }
+
+    async fn interrupt(&mut self) -> Result<(), SessionError> {
+        let Some(k) = &self.kernel else {
+            return Err(SessionError::KernelUnavailable(
+                "the kernel is not running".into(),
+            ));
+        };
+        let m = k
+            .client
+            .request("interrupt_request", &serde_json::json!({}));
+        if record_send(
+            &*self.recorder,
+            &self.session,
+            &k.client,
+            Channel::Control,
+            &m,
+        )
+        .await
+        .is_err()
+        {
+            // The control channel is gone; fall back to the signal.
+            k.process
+                .interrupt()
+                .await
+                .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    async fn on_kernel_event(&mut self, ev: KernelEvent) {
+        if let KernelEvent::Message(channel, m) = &ev {
+            self.recorder
+                .message(&self.session, Direction::FromKernel, *channel, m);
+        }
+        match ev {
+            KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
+            KernelEvent::Message(channel, m) => self.on_reply(channel, m),
+            KernelEvent::HeartbeatLost { misses } => {
+                self.on_death(format!(
+                    "the kernel stopped answering its heartbeat ({misses} misses)"
+                ))
+                .await
+            }
+            KernelEvent::ChannelFailed(ch, why) => {
+                // A kernel that died (out of memory, say) also ends its connections, often
+                // first: give the process a moment so the reason names the cause.
+                let exited = match &self.kernel {
+                    Some(k) => timeout(Duration::from_millis(500), k.process.wait())
+                        .await
+                        .ok(),
+                    None => None,
+                };
+                let reason = match exited {
+                    Some(exit) if exit != ExitReason::Terminated => exit.to_string(),
+                    _ => format!("the kernel's {} channel failed: {why}", ch.as_str()),
+                };
+                self.on_death(reason).await
+            }
+        }
+    }
+
+    /// Replace the kernel with a fresh one; the running execution ends with `status`.
+    async fn restart(&mut self, status: ExecutionStatus, why: &str) -> Result<(), SessionError> {
+        let ename = if status == ExecutionStatus::Timeout {
+            "TimeoutError"
+        } else {
+            "KernelRestarted"
+        };
+        self.finish(
+            status,
+            Some(ExecutionError {
+                ename: ename.into(),
+                evalue: why.to_string(),
+                traceback: Vec::new(),
+            }),
+        );
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::KernelRestarted {
+                reason: why.to_string(),
+            },
+        );
+        self.session.set_state(SessionState::Starting);
+        self.session.publish(SessionEvent::Restarted);
+        if let Some(old) = self.kernel.take() {
+            old.process.terminate().await;
+        }
+        self.routes.clear();
+        let asked = Instant::now();
+        let started = match self
+            .pool
+            .take(&self.session.user, &self.session.kernel_name)
+        {
+            Some((_, live)) => Ok((live, true)),
+            None => {
+                let spec = self.session.launch_spec(Signer::random_key());
+                start_kernel(&self.sandbox, spec, self.config.kernel)
+                    .await
+                    .map(|live| (live, false))
+            }
+        };
+        match started {
+            Ok((live, pooled)) => {
+                self.recorder.event(
+                    &self.session,
+                    &LifecycleEvent::KernelStarted {
+                        startup_seconds: asked.elapsed().as_secs_f64(),
+                        pooled,
+                    },
+                );
+                self.kernel = Some(live);
+                self.dead_reason = None;
+                self.session.reset_execution_count();
+                self.session.set_state(SessionState::Idle);
+                Ok(())
+            }
+            Err(e) => {
+                let reason = format!("the restart failed: {e}");
+                self.mark_dead(reason);
+                Err(e)
+            }
+        }
+    }
+
+    fn mark_dead(&mut self, reason: String) {
+        tracing::warn!(session = %self.session.id, %reason, "session is dead");
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::KernelDied {
+                reason: reason.clone(),
+            },
+        );
+        self.dead_reason = Some(reason.clone());
+        self.session.set_dead(reason.clone());
+        for (_, req) in self.queue.drain(..) {
+            self.session.pending_dec();
+            let _ = req.done.send(failed(
+                ExecutionStatus::Dead,
+                "KernelDied",
+                format!("the session's kernel is dead ({reason}); restart the session to continue"),
+            ));
+        }
+    }
+
+    async fn on_death(&mut self, reason: String) {
+        let Some(k) = self.kernel.take() else { return };
+        k.process.terminate().await;
+        self.finish(
+            ExecutionStatus::Dead,
+            Some(ExecutionError {
+                ename: "KernelDied".into(),
+                evalue: format!("{reason}; the session is dead: restart it to continue"),
+                traceback: Vec::new(),
+            }),
+        );
+        self.mark_dead(reason);
+    }
+
+    async fn shutdown(&mut self, state: SessionState) {
+        let why = match state {
+            SessionState::Expired => "the session expired",
+            _ => "the session was shut down",
+        };
+        let note = ExecutionError {
+            ename: "SessionClosed".into(),
+            evalue: why.into(),
+            traceback: Vec::new(),
+        };
+        self.finish(ExecutionStatus::Dead, Some(note));
+        for (_, req) in self.queue.drain(..) {
+            self.session.pending_dec();
+            let _ = req
+                .done
+                .send(failed(ExecutionStatus::Dead, "SessionClosed", why.into()));
+        }
+        if let Some(k) = self.kernel.take() {
+            // Ask politely first so the kernel can clean up, then make sure.
+            let m = k
+                .client
+                .request("shutdown_request", &serde_json::json!({"restart": false}));
+            let _ = record_send(
+                &*self.recorder,
+                &self.session,
+                &k.client,
+                Channel::Control,
+                &m,
+            )
+            .await;
+            let _ = timeout(Duration::from_millis(500), k.process.wait()).await;
+            k.process.terminate().await;
+        }
+        self.session.set_state(state);
+        let kind = if state == SessionState::Expired {
+            LifecycleEvent::SessionExpired
+        } else {
+            LifecycleEvent::SessionClosed
+        };
+        self.recorder.event(&self.session, &kind);
+    }
+}

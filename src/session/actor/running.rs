@@ -1,0 +1,381 @@
+//! The execution in flight, seen from the actor: sending the queued request to the kernel,
+//! gathering the iopub output and replies that belong to it, its deadlines (timeout →
+//! interrupt → restart after the grace) and its completion, which needs both the
+//! `execute_reply` and the kernel's `status: idle` for it (output on iopub can trail the
+//! reply), or the reply and [`IDLE_AFTER_REPLY`] when the idle status never comes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::{record_send, Actor};
+use crate::session::execution::Execution;
+use crate::session::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
+use crate::session::lifecycle::LifecycleEvent;
+use crate::wire::{Channel, Message};
+
+pub(super) enum Phase {
+    Running,
+    /// Past the deadline and interrupted; the kernel is restarted at `restart_at` unless the
+    /// execution ends first.
+    TimedOut {
+        restart_at: Instant,
+    },
+}
+
+pub(super) struct Running {
+    pub(super) msg_id: String,
+    pub(super) collector: Collector,
+    pub(super) started: Instant,
+    pub(super) deadline: Instant,
+    pub(super) timeout: Duration,
+    pub(super) phase: Phase,
+    pub(super) user_interrupted: bool,
+    pub(super) reply_status: Option<String>,
+    /// After the reply, how long to wait for the idle status that ends the output.
+    pub(super) idle_by: Option<Instant>,
+    pub(super) idle_seen: bool,
+    pub(super) input_parent: Option<Bytes>,
+    pub(super) stream: Option<mpsc::Sender<OutputEvent>>,
+    pub(super) done: tokio::sync::oneshot::Sender<Execution>,
+}
+
+/// How long to wait for the closing idle status after the execute_reply arrived. Output
+/// travels on iopub and can lag the reply by seconds after a flood of output.
+pub(super) const IDLE_AFTER_REPLY: Duration = Duration::from_secs(10);
+
+impl Actor {
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        let r = self.running.as_ref()?;
+        let phase_deadline = match r.phase {
+            Phase::Running => r.deadline,
+            Phase::TimedOut { restart_at } => restart_at,
+        };
+        Some(match r.idle_by {
+            Some(idle_by) => idle_by.min(phase_deadline),
+            None => phase_deadline,
+        })
+    }
+
+    /// Start the next queued execution if the kernel is free.
+    pub(super) async fn start_next(&mut self) {
+        if self.running.is_some() {
+            return;
+        }
+        let Some((queued_at, req)) = self.queue.pop_front() else {
+            return;
+        };
+        self.session.pending_dec();
+        let Some(k) = &self.kernel else {
+            let reason = self
+                .dead_reason
+                .clone()
+                .unwrap_or_else(|| "no kernel".into());
+            let _ = req
+                .done
+                .send(failed(ExecutionStatus::Dead, "KernelDied", reason));
+            return;
+        };
+        let req_code = req.code.clone();
+        let content = serde_json::json!({
+            "code": req.code,
+            "silent": false,
+            "store_history": true,
+            "user_expressions": {},
+            "allow_stdin": req.allow_stdin,
+            "stop_on_error": true,
+        });
+        let m = k.client.request("execute_request", &content);
+        let now = Instant::now();
+        let running = Running {
+            msg_id: m.msg_id.clone(),
+            collector: Collector::new(self.config.output_limit, self.config.result_limit),
+            started: now,
+            deadline: now + req.timeout,
+            timeout: req.timeout,
+            phase: Phase::Running,
+            user_interrupted: false,
+            reply_status: None,
+            idle_by: None,
+            idle_seen: false,
+            input_parent: None,
+            stream: req.stream,
+            done: req.done,
+        };
+        if let Err(e) = record_send(
+            &*self.recorder,
+            &self.session,
+            &k.client,
+            Channel::Shell,
+            &m,
+        )
+        .await
+        {
+            let _ = running.done.send(failed(
+                ExecutionStatus::Dead,
+                "KernelDied",
+                format!("could not send the code to the kernel: {e}"),
+            ));
+            return;
+        }
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::ExecutionStarted {
+                msg_id: running.msg_id.clone(),
+                code: req_code,
+                timeout_seconds: running.timeout.as_secs_f64(),
+                queue_wait_seconds: now.saturating_duration_since(queued_at).as_secs_f64(),
+            },
+        );
+        self.session.set_busy(true);
+        self.running = Some(running);
+    }
+
+    pub(super) fn finish(&mut self, status: ExecutionStatus, note: Option<ExecutionError>) {
+        let Some(r) = self.running.take() else { return };
+        if self.recent_agent_ids.len() >= 16 {
+            self.recent_agent_ids.pop_front();
+        }
+        self.recent_agent_ids.push_back(r.msg_id.clone());
+        let ms = r.started.elapsed().as_secs_f64() * 1000.0;
+        let exec = r.collector.finish(status, note, ms);
+        if let Some(n) = exec.execution_count {
+            self.session.set_execution_count(n);
+        }
+        self.session.set_busy(false);
+        self.session.touch();
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::ExecutionDone {
+                msg_id: r.msg_id.clone(),
+                execution: exec.clone(),
+            },
+        );
+        // Acknowledge only once the recording holds everything up to here.
+        let barrier = self.recorder.barrier();
+        tokio::spawn(async move {
+            barrier.await;
+            let _ = r.done.send(exec);
+        });
+    }
+
+    pub(super) fn on_iopub(&mut self, m: Message) {
+        let m = Arc::new(m);
+        if m.msg_type == "status" {
+            #[derive(serde::Deserialize)]
+            struct Status<'a> {
+                execution_state: &'a str,
+            }
+            if let Ok(s) = serde_json::from_slice::<Status>(&m.content) {
+                let ours = self
+                    .running
+                    .as_ref()
+                    .is_some_and(|r| m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()));
+                if ours && s.execution_state == "idle" {
+                    if let Some(r) = self.running.as_mut() {
+                        r.idle_seen = true;
+                    }
+                } else if self.running.is_none() && parent_is_execution(&m) {
+                    // Only executions (a notebook's, on the same kernel) make the session
+                    // busy: not kernel_info, completion or inspection requests.
+                    match s.execution_state {
+                        "busy" => self.session.set_kernel_busy(true),
+                        "idle" => self.session.set_kernel_busy(false),
+                        _ => {}
+                    }
+                }
+            }
+        } else if m.msg_type == "execute_input" {
+            // Every execution (a notebook's too) announces its count here.
+            #[derive(serde::Deserialize)]
+            struct Input {
+                execution_count: Option<u64>,
+            }
+            if let Ok(Input {
+                execution_count: Some(n),
+            }) = serde_json::from_slice(&m.content)
+            {
+                self.session.set_execution_count(n);
+            }
+        } else if let Some(r) = self.running.as_mut() {
+            if m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()) {
+                if let Some(out) = r.collector.on_iopub(&m.msg_type, &m.content) {
+                    if let Some(tx) = &r.stream {
+                        // Never wait on a client: a full queue drops the streamed copy
+                        // (the final Execution still has the output).
+                        let _ = tx.try_send(out);
+                    }
+                }
+            }
+        }
+        let agent = m.parent_msg_id.as_deref().is_some_and(|p| {
+            self.running.as_ref().is_some_and(|r| r.msg_id == p)
+                || self.recent_agent_ids.iter().any(|id| id == p)
+        });
+        self.session.publish_iopub(m, agent);
+        self.check_complete();
+    }
+
+    pub(super) fn on_reply(&mut self, channel: Channel, m: Message) {
+        let parent = m.parent_msg_id.clone();
+        if let Some(r) = self.running.as_mut() {
+            if parent.as_deref() == Some(r.msg_id.as_str()) {
+                if channel == Channel::Shell && m.msg_type == "execute_reply" {
+                    r.reply_status = Some(r.collector.on_reply(&m.content));
+                    r.idle_by = Some(Instant::now() + IDLE_AFTER_REPLY);
+                    self.check_complete();
+                    return;
+                }
+                if channel == Channel::Stdin && m.msg_type == "input_request" {
+                    #[derive(serde::Deserialize)]
+                    struct Input {
+                        #[serde(default)]
+                        prompt: String,
+                        #[serde(default)]
+                        password: bool,
+                    }
+                    let input: Input = m.parse_content().unwrap_or(Input {
+                        prompt: String::new(),
+                        password: false,
+                    });
+                    r.input_parent = Some(m.header.clone());
+                    if let Some(tx) = &r.stream {
+                        let _ = tx.try_send(OutputEvent::InputRequest {
+                            prompt: input.prompt,
+                            password: input.password,
+                        });
+                    }
+                    return;
+                }
+            }
+        }
+        if let Some(p) = parent {
+            if let Some(route) = self.routes.get(&p) {
+                if route.try_send((channel, Arc::new(m))).is_err() {
+                    tracing::debug!(session = %self.session.id, "a client's reply queue is full or closed");
+                }
+                return;
+            }
+        }
+        tracing::debug!(session = %self.session.id, msg_type = %m.msg_type, "unrouted reply");
+    }
+
+    /// An execution is complete when its reply and its idle status have arrived.
+    pub(super) fn check_complete(&mut self) {
+        let Some(r) = self.running.as_ref() else {
+            return;
+        };
+        let Some(status) = r.reply_status.clone() else {
+            return;
+        };
+        if !r.idle_seen {
+            return;
+        }
+        self.complete(status);
+    }
+
+    pub(super) fn complete(&mut self, reply_status: String) {
+        let Some(r) = self.running.as_ref() else {
+            return;
+        };
+        let (status, note) = match r.phase {
+            Phase::TimedOut { .. } => (
+                ExecutionStatus::Timeout,
+                Some(ExecutionError {
+                    ename: "TimeoutError".into(),
+                    evalue: format!(
+                        "the execution ran past its limit of {} and was interrupted; the kernel and its variables are kept",
+                        secs(r.timeout)
+                    ),
+                    traceback: Vec::new(),
+                }),
+            ),
+            Phase::Running => match reply_status.as_str() {
+                "ok" => (ExecutionStatus::Ok, None),
+                _ if r.user_interrupted
+                    && r.collector.error().is_some_and(|e| e.ename == "KeyboardInterrupt") =>
+                {
+                    (ExecutionStatus::Interrupted, None)
+                }
+                "aborted" => (
+                    ExecutionStatus::Error,
+                    Some(ExecutionError {
+                        ename: "Aborted".into(),
+                        evalue: "the kernel aborted this execution".into(),
+                        traceback: Vec::new(),
+                    }),
+                ),
+                _ => (ExecutionStatus::Error, None),
+            },
+        };
+        self.finish(status, note);
+    }
+
+    pub(super) async fn on_deadline(&mut self) {
+        let now = Instant::now();
+        let Some(r) = self.running.as_mut() else {
+            return;
+        };
+        if let Some(idle_by) = r.idle_by {
+            if now >= idle_by {
+                // The reply came but the idle status was lost; finish with what we have.
+                let status = r.reply_status.clone().unwrap_or_default();
+                self.complete(status);
+                return;
+            }
+        }
+        match r.phase {
+            Phase::Running if now >= r.deadline => {
+                r.phase = Phase::TimedOut {
+                    restart_at: now + self.config.interrupt_grace,
+                };
+                tracing::info!(session = %self.session.id, "execution timed out; interrupting");
+                self.recorder.event(
+                    &self.session,
+                    &LifecycleEvent::ExecutionTimeout {
+                        msg_id: r.msg_id.clone(),
+                        timeout_seconds: r.timeout.as_secs_f64(),
+                    },
+                );
+                if let Err(e) = self.interrupt().await {
+                    tracing::warn!(session = %self.session.id, error = %e, "interrupt failed");
+                }
+            }
+            Phase::TimedOut { restart_at } if now >= restart_at => {
+                let t = secs(r.timeout);
+                let grace = secs(self.config.interrupt_grace);
+                tracing::warn!(session = %self.session.id, "kernel ignored the interrupt; restarting");
+                let msg = format!(
+                    "the execution ran past its limit of {t} and did not stop within {grace} of the interrupt, so the kernel was restarted: its variables are lost"
+                );
+                if let Err(e) = self.restart(ExecutionStatus::Timeout, &msg).await {
+                    tracing::warn!(session = %self.session.id, error = %e, "restart after timeout failed");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Whether a message answers an `execute_request`.
+fn parent_is_execution(m: &Message) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Parent<'a> {
+        #[serde(borrow, default)]
+        msg_type: &'a str,
+    }
+    serde_json::from_slice::<Parent>(&m.parent_header)
+        .is_ok_and(|p| p.msg_type == "execute_request")
+}
+
+pub(super) fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{} s", s as u64)
+    } else {
+        format!("{s:.1} s")
+    }
+}

@@ -1,0 +1,60 @@
+//! Settings of the session layer ([`SessionConfig`]) and of its warm pool
+//! ([`PoolConfig`]), in one place so the configuration file maps onto them.
+
+use std::time::Duration;
+
+/// Settings of the session layer.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    pub idle_timeout: Duration,
+    pub max_idle_timeout: Duration,
+    pub max_busy: Duration,
+    pub execution_timeout: Duration,
+    pub max_execution_timeout: Duration,
+    pub interrupt_grace: Duration,
+    pub output_limit: usize,
+    pub result_limit: usize,
+    pub max_queue: usize,
+    /// Heartbeat and message limits of the broker's kernel connections.
+    pub kernel: crate::kernel::ConnectOptions,
+    /// How long an expired session still answers 410 before it is forgotten (404).
+    pub tombstone_ttl: Duration,
+    pub pool: PoolConfig,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            idle_timeout: Duration::from_secs(600),
+            max_idle_timeout: Duration::from_secs(86_400),
+            max_busy: Duration::from_secs(3600),
+            execution_timeout: Duration::from_secs(60),
+            max_execution_timeout: Duration::from_secs(600),
+            interrupt_grace: Duration::from_secs(5),
+            output_limit: 10_000,
+            result_limit: 16 << 20,
+            max_queue: 64,
+            kernel: Default::default(),
+            tombstone_ttl: Duration::from_secs(86_400),
+            pool: PoolConfig::default(),
+        }
+    }
+}
+
+/// Pool settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolConfig {
+    /// Ready kernels kept per user and kernel spec; 0 disables the pool.
+    pub size: usize,
+    /// A user's pooled kernels are shut down after this long without a take.
+    pub idle: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            size: 1,
+            idle: Duration::from_secs(600),
+        }
+    }
+}

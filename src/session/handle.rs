@@ -1,0 +1,373 @@
+//! The [`Session`] handle: what the rest of the broker holds to talk to one session. It
+//! keeps the session's observable status (state, activity, execution count, why it died),
+//! its event broadcast with the iopub byte budget, its client count and the sending side of
+//! the actor's command queue. The kernel itself lives in the session's actor task
+//! (`actor/`); the handle never touches it, so it is cheap to share and never awaits one.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::command::{Command, ExecRequest, ReplyRoute};
+use super::error::SessionError;
+use super::event::{EventBudget, SessionEvent};
+use super::execution::Execution;
+use super::state::{SessionInfo, SessionState};
+use crate::sandbox::{LaunchSpec, SandboxUser};
+use crate::sync::lock;
+use crate::wire::{Channel, Message};
+
+struct Status {
+    state: SessionState,
+    last_activity: DateTime<Utc>,
+    last_activity_at: Instant,
+    busy_since: Option<Instant>,
+    kernel_busy: bool,
+    execution_count: u64,
+    dead_reason: Option<String>,
+}
+
+/// A handle to one session. Cheap to share; the kernel itself lives in the session's task.
+pub struct Session {
+    pub id: Uuid,
+    pub user: SandboxUser,
+    pub kernel_name: String,
+    pub created_at: DateTime<Utc>,
+    /// `None`: never expires.
+    pub idle_timeout: Option<Duration>,
+    status: Mutex<Status>,
+    commands: mpsc::Sender<Command>,
+    events: broadcast::Sender<SessionEvent>,
+    /// Bytes of iopub messages in the event ring and its receivers.
+    event_budget: EventBudget,
+    /// Messages left out of the broadcast for the budget (for one summary log line each
+    /// time the count doubles).
+    events_dropped: AtomicUsize,
+    pending: AtomicUsize,
+    connections: AtomicUsize,
+    max_queue: usize,
+    notify_registry: Arc<Notify>,
+}
+
+/// What a session is made of besides its id and owner (see [`Session::new`]).
+pub(super) struct HandleParts {
+    pub kernel_name: String,
+    pub idle_timeout: Option<Duration>,
+    pub commands: mpsc::Sender<Command>,
+    /// Bytes of iopub messages the event broadcast may hold at once.
+    pub event_budget: usize,
+    pub max_queue: usize,
+    /// Woken on activity, so the expiry task recomputes its deadline.
+    pub notify_registry: Arc<Notify>,
+}
+
+impl Session {
+    /// A new session in state `starting`.
+    pub(super) fn new(id: Uuid, user: SandboxUser, parts: HandleParts) -> Self {
+        let (events, _) = broadcast::channel(1024);
+        let now = Utc::now();
+        Session {
+            id,
+            user,
+            kernel_name: parts.kernel_name,
+            created_at: now,
+            idle_timeout: parts.idle_timeout,
+            status: Mutex::new(Status {
+                state: SessionState::Starting,
+                last_activity: now,
+                last_activity_at: Instant::now(),
+                busy_since: None,
+                kernel_busy: false,
+                execution_count: 0,
+                dead_reason: None,
+            }),
+            commands: parts.commands,
+            events,
+            event_budget: EventBudget::new(parts.event_budget),
+            events_dropped: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
+            max_queue: parts.max_queue,
+            notify_registry: parts.notify_registry,
+        }
+    }
+
+    fn status(&self) -> MutexGuard<'_, Status> {
+        lock(&self.status)
+    }
+
+    pub fn info(&self) -> SessionInfo {
+        let s = self.status();
+        let expires_at = match (self.idle_timeout, s.state) {
+            (
+                Some(t),
+                SessionState::Idle
+                | SessionState::Busy
+                | SessionState::Starting
+                | SessionState::Dead,
+            ) => chrono::Duration::from_std(t)
+                .ok()
+                .map(|t| s.last_activity + t),
+            _ => None,
+        };
+        SessionInfo {
+            id: self.id,
+            user: self.user.name.clone(),
+            kernel: self.kernel_name.clone(),
+            state: s.state,
+            created_at: self.created_at,
+            last_activity: s.last_activity,
+            expires_at,
+            execution_count: s.execution_count,
+            connections: self.connections.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn state(&self) -> SessionState {
+        self.status().state
+    }
+
+    /// Why the kernel died, when the session is dead.
+    pub fn dead_reason(&self) -> Option<String> {
+        self.status().dead_reason.clone()
+    }
+
+    /// Record activity now.
+    pub fn touch(&self) {
+        let mut s = self.status();
+        s.last_activity = Utc::now();
+        s.last_activity_at = Instant::now();
+        drop(s);
+        self.notify_registry.notify_one();
+    }
+
+    pub(crate) fn set_state(&self, state: SessionState) {
+        let mut s = self.status();
+        if s.state == state {
+            return;
+        }
+        s.state = state;
+        if state != SessionState::Dead {
+            s.dead_reason = None;
+        }
+        drop(s);
+        self.publish(SessionEvent::State(state));
+    }
+
+    pub(crate) fn set_busy(&self, busy: bool) {
+        {
+            let mut s = self.status();
+            s.busy_since = if busy { Some(Instant::now()) } else { None };
+        }
+        self.refresh_state();
+    }
+
+    pub(crate) fn set_kernel_busy(&self, busy: bool) {
+        self.status().kernel_busy = busy;
+        self.refresh_state();
+    }
+
+    fn refresh_state(&self) {
+        let next = {
+            let s = self.status();
+            if !matches!(s.state, SessionState::Idle | SessionState::Busy) {
+                return;
+            }
+            if s.busy_since.is_some() || s.kernel_busy {
+                SessionState::Busy
+            } else {
+                SessionState::Idle
+            }
+        };
+        self.set_state(next);
+    }
+
+    pub(crate) fn set_dead(&self, reason: String) {
+        {
+            let mut s = self.status();
+            s.busy_since = None;
+            s.kernel_busy = false;
+        }
+        self.set_state(SessionState::Dead);
+        self.status().dead_reason = Some(reason);
+    }
+
+    pub(crate) fn set_execution_count(&self, n: u64) {
+        self.status().execution_count = n;
+    }
+
+    pub(crate) fn reset_execution_count(&self) {
+        let mut s = self.status();
+        s.execution_count = 0;
+        s.kernel_busy = false;
+        s.busy_since = None;
+    }
+
+    pub(crate) fn pending_dec(&self) {
+        let _ = self
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    pub(crate) fn publish(&self, ev: SessionEvent) {
+        // No receivers is fine: nobody is attached.
+        let _ = self.events.send(ev);
+    }
+
+    /// Broadcasts an iopub message to the session's clients, within the byte budget: the
+    /// ring keeps its last 1,024 events for lagging receivers, and a kernel may send
+    /// messages up to the kernel message limit, so the count alone bounds nothing. Past
+    /// the budget the message is left out (clients miss it, as a lagging client would;
+    /// the execution's own result and the recording do not depend on the broadcast).
+    pub(crate) fn publish_iopub(&self, msg: Arc<Message>, agent: bool) {
+        if self.events.receiver_count() == 0 {
+            return;
+        }
+        let size = msg.header.len()
+            + msg.parent_header.len()
+            + msg.metadata.len()
+            + msg.content.len()
+            + msg.buffers.iter().map(|b| b.len()).sum::<usize>();
+        let Some(held) = self.event_budget.charge(size) else {
+            let n = self.events_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                tracing::warn!(session = %self.id, dropped = n, "iopub messages over the session's event budget were not broadcast");
+            }
+            return;
+        };
+        let _ = self.events.send(SessionEvent::Iopub { msg, agent, held });
+    }
+
+    pub(crate) fn launch_spec(&self, key: String) -> LaunchSpec {
+        LaunchSpec {
+            session_id: self.id,
+            user: self.user.clone(),
+            kernel_name: self.kernel_name.clone(),
+            key,
+            env: Vec::new(),
+        }
+    }
+
+    /// Attach to the session's events (state changes, iopub).
+    pub fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
+        self.events.subscribe()
+    }
+
+    /// Count a WebSocket client while the guard lives.
+    pub fn connect_client(self: &Arc<Self>) -> ConnectionGuard {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        ConnectionGuard(self.clone())
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), SessionError> {
+        self.commands.try_send(cmd).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SessionError::Quota(format!(
+                "session {} has too many requests waiting; wait for some to finish",
+                self.id
+            )),
+            mpsc::error::TrySendError::Closed(_) => SessionError::Closed(self.id),
+        })
+    }
+
+    /// Queue an execution. Fails at once when the queue is full.
+    pub fn execute(&self, req: ExecRequest) -> Result<(), SessionError> {
+        let queued = self.pending.fetch_add(1, Ordering::AcqRel);
+        if queued >= self.max_queue {
+            self.pending_dec();
+            return Err(SessionError::Quota(format!(
+                "session {} already has {} executions waiting (the limit); wait for some to finish",
+                self.id, queued
+            )));
+        }
+        self.touch();
+        self.send(Command::Execute(req))
+            .inspect_err(|_| self.pending_dec())
+    }
+
+    /// Queue an execution and wait for its result.
+    pub async fn execute_wait(
+        &self,
+        code: String,
+        timeout: Duration,
+    ) -> Result<Execution, SessionError> {
+        let (done, rx) = oneshot::channel();
+        self.execute(ExecRequest {
+            code,
+            timeout,
+            allow_stdin: false,
+            stream: None,
+            done,
+        })?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))
+    }
+
+    pub fn input_reply(&self, value: String) -> Result<(), SessionError> {
+        self.send(Command::InputReply(value))
+    }
+
+    pub async fn interrupt(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Interrupt(tx))?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))?
+    }
+
+    pub async fn restart(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Restart(tx))?;
+        rx.await.map_err(|_| SessionError::Closed(self.id))?
+    }
+
+    /// Send a client's message to the kernel; replies to it go to `route`.
+    pub fn forward(
+        &self,
+        channel: Channel,
+        msg: Message,
+        route: ReplyRoute,
+    ) -> Result<(), SessionError> {
+        self.send(Command::Forward {
+            channel,
+            msg,
+            route,
+        })
+    }
+
+    /// Ask the actor to shut down into `state` and wait until it has.
+    pub(super) async fn shutdown(&self, state: SessionState) {
+        let (tx, rx) = oneshot::channel();
+        // Shutdown must get through even when the queue is full.
+        if self
+            .commands
+            .send(Command::Shutdown { state, done: tx })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
+        self.set_state(state);
+    }
+
+    /// When this session expires if nothing happens, or `None` if it cannot expire now.
+    pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<Instant> {
+        let t = self.idle_timeout?;
+        let s = self.status();
+        match s.state {
+            SessionState::Expired | SessionState::Closed => None,
+            SessionState::Busy => s.busy_since.map(|b| b + max_busy),
+            _ => Some(s.last_activity_at + t),
+        }
+    }
+}
+
+/// Decrements the session's connection count when dropped.
+pub struct ConnectionGuard(Arc<Session>);
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}

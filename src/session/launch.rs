@@ -1,0 +1,77 @@
+//! A kernel launched in the sandbox and connected: [`Live`], made by [`start_kernel`].
+//! Both the session actor (create, restart) and the warm pool start kernels through here,
+//! so a pooled kernel is started exactly as a cold one.
+
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+
+use super::error::SessionError;
+use crate::kernel::{KernelClient, KernelEvents};
+use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
+
+/// A connected kernel.
+pub(crate) struct Live {
+    pub client: KernelClient,
+    pub events: KernelEvents,
+    pub process: Arc<dyn KernelProcess>,
+    /// Resolves when the process ends (fed by a watcher task, so `Live` stays `Sync`).
+    pub(super) exit: oneshot::Receiver<ExitReason>,
+}
+
+impl Live {
+    /// Whether the kernel process has already ended.
+    pub fn exited(&mut self) -> bool {
+        !matches!(
+            self.exit.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        )
+    }
+}
+
+/// Launch a kernel in the sandbox and connect to it.
+pub(crate) async fn start_kernel(
+    sandbox: &Arc<dyn Sandbox>,
+    spec: LaunchSpec,
+    options: crate::kernel::ConnectOptions,
+) -> Result<Live, SessionError> {
+    let user = spec.user.name.clone();
+    let key = spec.key.clone();
+    let limit = sandbox.launch_timeout();
+    let launched = timeout(limit, sandbox.launch(spec))
+        .await
+        .map_err(|_| {
+            SessionError::KernelUnavailable(format!(
+                "the sandbox did not start the kernel within {limit:?}"
+            ))
+        })?
+        .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
+    let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
+    let connect = KernelClient::connect(&launched.endpoints, &key, &user, options, limit);
+    // Fail fast if the process dies while we wait for it to become ready.
+    let p = process.clone();
+    let outcome = tokio::select! {
+        r = connect => r.map_err(|e| SessionError::KernelUnavailable(e.to_string())),
+        reason = p.wait() => Err(SessionError::KernelUnavailable(format!("{reason} before it was ready"))),
+    };
+    match outcome {
+        Ok((client, events, _info)) => {
+            let (tx, exit) = oneshot::channel();
+            let p = process.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(p.wait().await);
+            });
+            Ok(Live {
+                client,
+                events,
+                process,
+                exit,
+            })
+        }
+        Err(e) => {
+            process.terminate().await;
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! The [`Recorder`]: where the session layer reports every message and lifecycle event.
+//! The recording layer implements it; this layer only calls it (a lower layer publishes,
+//! a higher one subscribes).
+
+use serde::Serialize;
+
+use super::handle::Session;
+use super::lifecycle::LifecycleEvent;
+use crate::wire::{Channel, Message};
+
+/// Which way a recorded message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// From a client (or the broker on a client's behalf) to the kernel.
+    ToKernel,
+    /// From the kernel.
+    FromKernel,
+}
+
+/// Where the session layer reports every message and lifecycle event, for the recording.
+/// Implementations must not block: they queue and return.
+pub trait Recorder: Send + Sync + 'static {
+    /// A message on a kernel channel.
+    fn message(&self, session: &Session, direction: Direction, channel: Channel, msg: &Message);
+    /// Something that happened to the session.
+    fn event(&self, session: &Session, event: &LifecycleEvent);
+    /// Resolves once everything reported before the call is stored durably. Results are
+    /// acknowledged to clients only after it.
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()>;
+}
+
+/// Records nothing.
+pub struct NoRecorder;
+
+impl Recorder for NoRecorder {
+    fn message(&self, _: &Session, _: Direction, _: Channel, _: &Message) {}
+    fn event(&self, _: &Session, _: &LifecycleEvent) {}
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
+}

@@ -1,0 +1,87 @@
+//! Idle expiry, after mini-redis's purge task: one background task sleeps until the
+//! earliest expiry deadline, or until woken by a change, and expires what is due. An
+//! expired session leaves a tombstone, so for `tombstone_ttl` its id answers "expired"
+//! (410) to its owner rather than "not found".
+//!
+//! What counts as activity (and so postpones expiry): creating the session, an execute
+//! request being received and an execution finishing, an `input_reply`, interrupt,
+//! restart, a file read or written through the API, and any message a client sends to the
+//! kernel over a WebSocket. What does not: reading the session (GET, list), opening or
+//! closing a WebSocket, and output the kernel produces on its own. A busy session (an
+//! execution running) is never expired unless it has been busy for longer than `max_busy`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::time::Instant;
+
+use super::Registry;
+use crate::session::handle::Session;
+use crate::session::state::SessionState;
+
+/// What is left of an expired session until `forget_at`.
+pub(super) struct Tombstone {
+    pub user: String,
+    pub expired_at: DateTime<Utc>,
+    pub idle_secs: u64,
+    pub forget_at: Instant,
+}
+
+impl Registry {
+    pub(super) async fn expire(&self, session: Arc<Session>) {
+        let idle_secs = session.idle_timeout.map(|t| t.as_secs()).unwrap_or(0);
+        {
+            let mut t = self.table();
+            if t.sessions.remove(&session.id).is_none() {
+                return;
+            }
+            t.tombstones.insert(
+                session.id,
+                Tombstone {
+                    user: session.user.name.clone(),
+                    expired_at: Utc::now(),
+                    idle_secs,
+                    forget_at: Instant::now() + self.inner.config.tombstone_ttl,
+                },
+            );
+        }
+        tracing::info!(session = %session.id, user = %session.user.name, "session expired");
+        session.shutdown(SessionState::Expired).await;
+        self.after_removal(&session).await;
+    }
+
+    /// Sleep until the next expiry deadline (or a change), expire what is due.
+    pub(super) async fn expiry_task(self) {
+        let max_busy = self.inner.config.max_busy;
+        loop {
+            let now = Instant::now();
+            let (due, next) = {
+                let mut t = self.table();
+                t.tombstones.retain(|_, ts| ts.forget_at > now);
+                let mut due = Vec::new();
+                let mut next: Option<Instant> = None;
+                for s in t.sessions.values() {
+                    if let Some(d) = s.expiry_deadline(max_busy) {
+                        if d <= now {
+                            due.push(s.clone());
+                        } else {
+                            next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                        }
+                    }
+                }
+                (due, next)
+            };
+            for s in due {
+                let registry = self.clone();
+                tokio::spawn(async move { registry.expire(s).await });
+            }
+            let wake = next.unwrap_or(now + Duration::from_secs(3600));
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake) => {}
+                _ = self.inner.notify.notified() => {}
+                _ = self.inner.shutdown.cancelled() => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! The registry of sessions: creation (with per-user quotas), lookup with ownership,
+//! listing, deletion and shutdown. Idle expiry and the tombstones of expired sessions are
+//! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
+
+mod expiry;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::actor::Actor;
+use super::config::SessionConfig;
+use super::error::SessionError;
+use super::handle::{HandleParts, Session};
+use super::launch::{start_kernel, Live};
+use super::lifecycle::LifecycleEvent;
+use super::pool::Pool;
+use super::recorder::Recorder;
+use super::state::SessionState;
+use crate::sandbox::{Sandbox, SandboxUser};
+use crate::sync::lock;
+use crate::wire::Signer;
+
+use expiry::Tombstone;
+
+#[derive(Default)]
+struct Table {
+    sessions: HashMap<Uuid, Arc<Session>>,
+    tombstones: HashMap<Uuid, Tombstone>,
+    /// Sessions being created, per user (counted against the quota).
+    creating: HashMap<String, usize>,
+    /// Ids of sessions being created.
+    creating_ids: std::collections::HashSet<Uuid>,
+}
+
+struct Inner {
+    table: Mutex<Table>,
+    sandbox: Arc<dyn Sandbox>,
+    config: SessionConfig,
+    kernels: Vec<String>,
+    notify: Arc<Notify>,
+    shutdown: CancellationToken,
+    recorder: Arc<dyn Recorder>,
+    pool: Arc<Pool>,
+}
+
+/// All sessions of the broker. Cheap to clone.
+#[derive(Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+/// What a new session asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateOptions {
+    pub kernel: Option<String>,
+    /// Seconds; 0 means never (capped by the configured maximum).
+    pub idle_timeout_seconds: Option<u64>,
+    /// Use this id (the Jupyter API lets clients propose one).
+    pub id: Option<Uuid>,
+}
+
+impl Registry {
+    /// `kernels` lists the kernel spec names the sandbox can launch; the first is the default.
+    pub fn new(
+        sandbox: Arc<dyn Sandbox>,
+        config: SessionConfig,
+        kernels: Vec<String>,
+        recorder: Arc<dyn Recorder>,
+    ) -> Self {
+        let pool = Pool::new(config.pool, sandbox.clone(), config.kernel);
+        let inner = Arc::new(Inner {
+            table: Mutex::new(Table::default()),
+            sandbox,
+            config,
+            kernels,
+            notify: Arc::new(Notify::new()),
+            shutdown: CancellationToken::new(),
+            recorder,
+            pool,
+        });
+        let registry = Registry { inner };
+        tokio::spawn(registry.clone().expiry_task());
+        registry
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.inner.config
+    }
+
+    pub fn sandbox(&self) -> &Arc<dyn Sandbox> {
+        &self.inner.sandbox
+    }
+
+    /// Kernels waiting in the warm pool.
+    pub fn pooled(&self) -> usize {
+        self.inner.pool.ready()
+    }
+
+    pub fn kernel_names(&self) -> &[String] {
+        &self.inner.kernels
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        lock(&self.inner.table)
+    }
+
+    /// Start a new session for `user` and wait until its kernel is ready.
+    pub async fn create(
+        &self,
+        user: &SandboxUser,
+        max_sessions: usize,
+        opts: CreateOptions,
+    ) -> Result<Arc<Session>, SessionError> {
+        if self.inner.shutdown.is_cancelled() {
+            return Err(SessionError::KernelUnavailable(
+                "the broker is shutting down".into(),
+            ));
+        }
+        let kernel_name = match opts.kernel {
+            Some(k) if !self.inner.kernels.contains(&k) => {
+                return Err(SessionError::UnknownKernel(k))
+            }
+            Some(k) => k,
+            None => self
+                .inner
+                .kernels
+                .first()
+                .cloned()
+                .unwrap_or_else(|| "python3".into()),
+        };
+        let cfg = &self.inner.config;
+        let idle_timeout = match opts.idle_timeout_seconds {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s).min(cfg.max_idle_timeout)),
+            None if cfg.idle_timeout.is_zero() => None,
+            None => Some(cfg.idle_timeout),
+        };
+        let mut id = opts.id.unwrap_or_else(Uuid::new_v4);
+        let mut proposed = opts.id;
+        {
+            let mut t = self.table();
+            if t.sessions.contains_key(&id)
+                || t.tombstones.contains_key(&id)
+                || t.creating_ids.contains(&id)
+            {
+                // A proposed id that is taken (perhaps by another user: saying so would tell
+                // that it exists) is ignored; the session gets a fresh one.
+                id = Uuid::new_v4();
+                proposed = None;
+            }
+            let live = t
+                .sessions
+                .values()
+                .filter(|s| s.user.name == user.name)
+                .count();
+            let creating = t.creating.get(&user.name).copied().unwrap_or(0);
+            if live + creating >= max_sessions {
+                return Err(SessionError::Quota(format!(
+                    "user {} already has {} sessions (the limit); delete one first",
+                    user.name,
+                    live + creating
+                )));
+            }
+            *t.creating.entry(user.name.clone()).or_default() += 1;
+            t.creating_ids.insert(id);
+        }
+        let reserved = id;
+        // A ready kernel from the warm pool, unless the client chose the id.
+        let pooled = match proposed {
+            None => self.inner.pool.take(user, &kernel_name),
+            Some(_) => {
+                self.inner.pool.refill(user, &kernel_name);
+                None
+            }
+        };
+        let (id, pooled) = match pooled {
+            Some((pooled_id, live)) => (pooled_id, Some(live)),
+            None => (id, None),
+        };
+        let result = self
+            .launch(id, user, kernel_name, idle_timeout, pooled)
+            .await;
+        {
+            let mut t = self.table();
+            t.creating_ids.remove(&reserved);
+            if let Some(n) = t.creating.get_mut(&user.name) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    t.creating.remove(&user.name);
+                }
+            }
+            if let Ok(s) = &result {
+                t.sessions.insert(s.id, s.clone());
+            }
+        }
+        self.inner.notify.notify_one();
+        result
+    }
+
+    async fn launch(
+        &self,
+        id: Uuid,
+        user: &SandboxUser,
+        kernel_name: String,
+        idle_timeout: Option<Duration>,
+        pooled: Option<Live>,
+    ) -> Result<Arc<Session>, SessionError> {
+        let asked = Instant::now();
+        let cfg = &self.inner.config;
+        let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
+        let session = Arc::new(Session::new(
+            id,
+            user.clone(),
+            HandleParts {
+                kernel_name,
+                idle_timeout,
+                commands: commands_tx,
+                // Two of the largest messages a kernel may send.
+                event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
+                    .unwrap_or(usize::MAX),
+                max_queue: cfg.max_queue,
+                notify_registry: self.inner.notify.clone(),
+            },
+        ));
+        let from_pool = pooled.is_some();
+        let live = match pooled {
+            Some(live) => live,
+            None => {
+                start_kernel(
+                    &self.inner.sandbox,
+                    session.launch_spec(Signer::random_key()),
+                    cfg.kernel,
+                )
+                .await?
+            }
+        };
+        session.touch();
+        let actor = Actor::new(
+            session.clone(),
+            self.inner.sandbox.clone(),
+            cfg.clone(),
+            commands_rx,
+            live,
+            self.inner.recorder.clone(),
+            self.inner.pool.clone(),
+        );
+        self.inner.recorder.event(
+            &session,
+            &LifecycleEvent::SessionCreated {
+                kernel: session.kernel_name.clone(),
+                idle_timeout_seconds: idle_timeout.map(|t| t.as_secs()),
+            },
+        );
+        self.inner.recorder.event(
+            &session,
+            &LifecycleEvent::KernelStarted {
+                startup_seconds: asked.elapsed().as_secs_f64(),
+                pooled: from_pool,
+            },
+        );
+        session.set_state(SessionState::Idle);
+        tokio::spawn(actor.run());
+        tracing::info!(session = %id, user = %user.name, "session started");
+        Ok(session)
+    }
+
+    /// The caller's session `id`. Another user's session answers as a missing one.
+    pub fn get(&self, user: &str, id: Uuid) -> Result<Arc<Session>, SessionError> {
+        let t = self.table();
+        if let Some(s) = t.sessions.get(&id) {
+            if s.user.name == user {
+                return Ok(s.clone());
+            }
+            return Err(SessionError::NotFound(id));
+        }
+        match t.tombstones.get(&id) {
+            Some(ts) if ts.user == user => Err(SessionError::Expired {
+                id,
+                at: ts.expired_at,
+                idle_secs: ts.idle_secs,
+            }),
+            _ => Err(SessionError::NotFound(id)),
+        }
+    }
+
+    /// The caller's live sessions, oldest first.
+    pub fn list(&self, user: &str) -> Vec<Arc<Session>> {
+        let mut v: Vec<_> = self
+            .table()
+            .sessions
+            .values()
+            .filter(|s| s.user.name == user)
+            .cloned()
+            .collect();
+        v.sort_by_key(|s| s.created_at);
+        v
+    }
+
+    /// Every live session (for metrics).
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        self.table().sessions.values().cloned().collect()
+    }
+
+    /// Shut a session down and forget it.
+    pub async fn delete(&self, user: &str, id: Uuid) -> Result<(), SessionError> {
+        let session = self.get(user, id)?;
+        self.table().sessions.remove(&id);
+        session.shutdown(SessionState::Closed).await;
+        self.after_removal(&session).await;
+        tracing::info!(session = %id, user, "session deleted");
+        Ok(())
+    }
+
+    async fn after_removal(&self, session: &Session) {
+        let user_has_more = self
+            .table()
+            .sessions
+            .values()
+            .any(|s| s.user.name == session.user.name);
+        if !user_has_more {
+            self.inner.sandbox.user_idle(&session.user).await;
+        }
+    }
+
+    /// Shut every session down and release the sandbox.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
+        let n = sessions.len();
+        futures::future::join_all(sessions.iter().map(|s| s.shutdown(SessionState::Closed))).await;
+        self.inner.pool.drain().await;
+        self.inner.sandbox.shutdown().await;
+        tracing::info!(sessions = n, "all sessions shut down");
+    }
+}

@@ -1,0 +1,184 @@
+//! A fake [`Sandbox`]: `launch` starts a [`ScriptedKernel`] on `ipc://` endpoints in a
+//! temporary directory, and its [`KernelProcess`] reports an exit when the script says
+//! (`die`), when terminated, or when a test says so ([`FakeKernel::exit`]). It remembers
+//! every kernel it launched, for whom, and what became of it.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use super::scripted_kernel::ScriptedKernel;
+use crate::sandbox::{
+    wait_for_exit, ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
+    SandboxUser,
+};
+use crate::sync::lock;
+
+/// One launched kernel, as the test sees it.
+pub struct FakeKernel {
+    pub kernel: ScriptedKernel,
+    /// The user it was launched for.
+    pub user: String,
+    exit: watch::Sender<Option<ExitReason>>,
+    terminated: AtomicBool,
+}
+
+impl FakeKernel {
+    /// The process ends now with `reason` (as an OOM kill or a crash would): the
+    /// kernel's sockets close and `wait` answers `reason`.
+    pub fn exit(&self, reason: ExitReason) {
+        self.exit.send_if_modified(|r| {
+            let first = r.is_none();
+            if first {
+                *r = Some(reason);
+            }
+            first
+        });
+        self.kernel.stop();
+    }
+
+    /// Whether the broker terminated it.
+    pub fn terminated(&self) -> bool {
+        self.terminated.load(Ordering::Acquire)
+    }
+}
+
+struct FakeProcess(Arc<FakeKernel>);
+
+#[async_trait]
+impl KernelProcess for FakeProcess {
+    async fn interrupt(&self) -> Result<(), SandboxError> {
+        self.0.kernel.signal();
+        Ok(())
+    }
+
+    async fn wait(&self) -> ExitReason {
+        wait_for_exit(&self.0.exit.subscribe(), "the fake process went away").await
+    }
+
+    async fn terminate(&self) {
+        self.0.terminated.store(true, Ordering::Release);
+        self.0.exit(ExitReason::Terminated);
+    }
+}
+
+impl Drop for FakeProcess {
+    fn drop(&mut self) {
+        // As the real backends do: no process outlives its handle.
+        self.0.kernel.stop();
+    }
+}
+
+/// The fake sandbox.
+pub struct FakeSandbox {
+    dir: tempfile::TempDir,
+    launched: Mutex<Vec<Arc<FakeKernel>>>,
+    /// Launches refused from now on (a broken sandbox).
+    pub refuse: AtomicBool,
+    /// `user_idle` calls.
+    pub users_idle: AtomicUsize,
+}
+
+impl FakeSandbox {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            dir: tempfile::Builder::new()
+                .prefix("kb-fake")
+                .tempdir()
+                .expect("a temporary directory"),
+            launched: Mutex::new(Vec::new()),
+            refuse: AtomicBool::new(false),
+            users_idle: AtomicUsize::new(0),
+        })
+    }
+
+    /// Every kernel launched so far, in launch order.
+    pub fn launched(&self) -> Vec<Arc<FakeKernel>> {
+        lock(&self.launched).clone()
+    }
+
+    /// The `n`th kernel launched (from 0).
+    pub fn kernel(&self, n: usize) -> Arc<FakeKernel> {
+        self.launched()[n].clone()
+    }
+}
+
+#[async_trait]
+impl Sandbox for FakeSandbox {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn check(&self) -> Result<(), SandboxError> {
+        Ok(())
+    }
+
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
+        if self.refuse.load(Ordering::Acquire) {
+            return Err(SandboxError::Launch {
+                user: spec.user.name,
+                reason: "refused by the test".into(),
+            });
+        }
+        let n = lock(&self.launched).len();
+        let dir = self.dir.path().join(n.to_string());
+        std::fs::create_dir(&dir).map_err(|source| SandboxError::Io {
+            what: "creating the kernel directory",
+            path: dir.clone(),
+            source,
+        })?;
+        let kernel = ScriptedKernel::start(&dir, &spec.key).await;
+        let endpoints = kernel.endpoints.clone();
+        let mut died = kernel.exited();
+        let (exit, _) = watch::channel(None);
+        let fake = Arc::new(FakeKernel {
+            kernel,
+            user: spec.user.name,
+            exit,
+            terminated: AtomicBool::new(false),
+        });
+        // A scripted exit (`die`) is the process ending with that code.
+        let weak = Arc::downgrade(&fake);
+        tokio::spawn(async move {
+            let Ok(code) = died.wait_for(Option::is_some).await.map(|c| c.unwrap_or(1)) else {
+                return;
+            };
+            if let Some(fake) = weak.upgrade() {
+                fake.exit(ExitReason::Exited(code));
+            }
+        });
+        lock(&self.launched).push(fake.clone());
+        Ok(Launched {
+            endpoints,
+            process: Box::new(FakeProcess(fake)),
+        })
+    }
+
+    fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
+        let dir = self.dir.path().join("ws").join(&user.name);
+        std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
+            what: "creating the workspace",
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(dir)
+    }
+
+    async fn user_idle(&self, _user: &SandboxUser) {
+        self.users_idle.fetch_add(1, Ordering::AcqRel);
+    }
+
+    async fn shutdown(&self) {}
+}
+
+/// A user for tests.
+pub fn user(name: &str) -> SandboxUser {
+    SandboxUser {
+        name: name.to_string(),
+        index: 0,
+        limits: Default::default(),
+    }
+}
