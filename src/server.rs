@@ -111,10 +111,14 @@ pub async fn serve(
     let kernelspecs = load_kernel_specs(&settings)?;
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
     let recording = open_recording(&settings)?;
-    let recorder: Arc<dyn crate::session::Recorder> = match &recording {
-        Some(store) => store.clone(),
-        None => Arc::new(crate::session::NoRecorder),
-    };
+    let metrics = Arc::new(api::metrics::Metrics::new(settings.sandbox_name()));
+    // The session layer reports to the recording (when on) and to the metrics.
+    let mut recorders: Vec<Arc<dyn crate::session::Recorder>> = vec![metrics.clone()];
+    if let Some(store) = &recording {
+        recorders.insert(0, store.clone());
+    }
+    let recorder: Arc<dyn crate::session::Recorder> =
+        Arc::new(crate::session::Recorders(recorders));
     let registry = Registry::new(
         sandbox,
         settings.session.clone(),
@@ -134,7 +138,7 @@ pub async fn serve(
         kernelspecs,
         jupyter_clients: Default::default(),
         recording: recording.clone(),
-        metrics: Arc::new(api::metrics::Metrics::new(settings.sandbox_name())),
+        metrics,
     };
     let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {

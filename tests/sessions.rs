@@ -295,6 +295,25 @@ async fn timeout_interrupts_then_restarts_a_stubborn_kernel(sb: &'static str) {
     assert_eq!(main_result(&x)["data"]["text/plain"], "False");
     let (_, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(s["state"], "idle");
+
+    // The metrics counted what happened, under this backend's label.
+    let (status, metrics) = api.get("/metrics").await;
+    assert_eq!(status, 200);
+    let metrics = metrics.as_str().unwrap();
+    for line in [
+        format!("kernel_broker_execution_timeouts_total{{backend=\"{sb}\"}} 2"),
+        format!("kernel_broker_kernel_restarts_total{{backend=\"{sb}\"}} 1"),
+        format!("kernel_broker_executions_total{{backend=\"{sb}\",status=\"timeout\"}} 2"),
+        format!("kernel_broker_executions_total{{backend=\"{sb}\",status=\"ok\"}} 3"),
+        // The first kernel and the restart's.
+        format!("kernel_broker_kernel_start_seconds_count{{backend=\"{sb}\"}} 2"),
+        format!("kernel_broker_execution_queue_wait_seconds_count{{backend=\"{sb}\"}} 5"),
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no {line:?} in\n{metrics}"
+        );
+    }
     broker.stop().await;
 }
 

@@ -28,10 +28,14 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::shapes::ExecutionStatusJson;
-use crate::session::ExecutionStatus;
+use crate::session::{Direction, ExecutionStatus, LifecycleEvent, Recorder, Session};
+use crate::wire::{Channel, Message};
 
 /// The content type of the exposition.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// What `/metrics` answers a scraper that does not ask for OpenMetrics: Prometheus' text
+/// format 0.0.4, which reads the same body (`# EOF` and `# UNIT` are comments to it).
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 const PREFIX: &str = "kernel_broker";
 
@@ -207,6 +211,29 @@ impl Metrics {
         self.expiries.get_or_create(&self.backend).inc();
     }
 
+    /// Counts one lifecycle event of a session.
+    pub fn observe(&self, event: &LifecycleEvent) {
+        let secs = |s: f64| Duration::try_from_secs_f64(s).unwrap_or_default();
+        match event {
+            LifecycleEvent::KernelStarted {
+                startup_seconds, ..
+            } => self.kernel_started(secs(*startup_seconds)),
+            LifecycleEvent::ExecutionStarted {
+                queue_wait_seconds, ..
+            } => self.execution_queued(secs(*queue_wait_seconds)),
+            LifecycleEvent::ExecutionDone { execution, .. } => {
+                self.execution_finished(secs(execution.duration_ms / 1000.0), execution.status)
+            }
+            LifecycleEvent::ExecutionTimeout { .. } => self.timed_out(),
+            LifecycleEvent::KernelRestarted { .. } => self.restarted(),
+            LifecycleEvent::KernelDied { .. } => self.died(),
+            LifecycleEvent::SessionExpired => self.expired(),
+            LifecycleEvent::SessionCreated { .. }
+            | LifecycleEvent::Interrupt
+            | LifecycleEvent::SessionClosed => {}
+        }
+    }
+
     /// The exposition: the scrape-time values of `now`, then the families, then `# EOF`.
     pub fn render(&self, now: &Snapshot) -> String {
         let mut out = String::new();
@@ -315,6 +342,19 @@ impl DefaultWith for Gauge<i64> {
     }
 }
 
+/// The metrics hear what the recording hears: the session layer reports to both.
+impl Recorder for Metrics {
+    fn message(&self, _: &Session, _: Direction, _: Channel, _: &Message) {}
+
+    fn event(&self, _: &Session, event: &LifecycleEvent) {
+        self.observe(event);
+    }
+
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +439,70 @@ mod tests {
             "kernel_broker_kernel_restarts_total{backend=\"docker\"} 2",
             "kernel_broker_kernel_deaths_total{backend=\"docker\"} 1",
             "kernel_broker_session_expiries_total{backend=\"docker\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+
+    /// Each lifecycle event feeds its family; the others change nothing.
+    #[test]
+    fn lifecycle_events_feed_the_families() {
+        let m = Metrics::new("local");
+        let execution = crate::session::Execution {
+            status: ExecutionStatus::Error,
+            execution_count: Some(1),
+            stdout: String::new(),
+            stderr: String::new(),
+            results: Vec::new(),
+            error: None,
+            truncated: false,
+            duration_ms: 250.0,
+        };
+        for event in [
+            LifecycleEvent::SessionCreated {
+                kernel: "python3".into(),
+                idle_timeout_seconds: None,
+            },
+            LifecycleEvent::KernelStarted {
+                startup_seconds: 0.3,
+                pooled: false,
+            },
+            LifecycleEvent::ExecutionStarted {
+                msg_id: "m".into(),
+                code: "x".into(),
+                timeout_seconds: 1.0,
+                queue_wait_seconds: 0.001,
+            },
+            LifecycleEvent::ExecutionDone {
+                msg_id: "m".into(),
+                execution,
+            },
+            LifecycleEvent::ExecutionTimeout {
+                msg_id: "m".into(),
+                timeout_seconds: 1.0,
+            },
+            LifecycleEvent::Interrupt,
+            LifecycleEvent::KernelRestarted { reason: "r".into() },
+            LifecycleEvent::KernelDied { reason: "d".into() },
+            LifecycleEvent::SessionExpired,
+            LifecycleEvent::SessionClosed,
+        ] {
+            m.observe(&event);
+        }
+        let text = m.render(&Snapshot::default());
+        for line in [
+            "kernel_broker_kernel_start_seconds_count{backend=\"local\"} 1",
+            "kernel_broker_kernel_start_seconds_sum{backend=\"local\"} 0.3",
+            "kernel_broker_execution_queue_wait_seconds_count{backend=\"local\"} 1",
+            "kernel_broker_execution_duration_seconds_sum{backend=\"local\"} 0.25",
+            "kernel_broker_executions_total{backend=\"local\",status=\"error\"} 1",
+            "kernel_broker_execution_timeouts_total{backend=\"local\"} 1",
+            "kernel_broker_kernel_restarts_total{backend=\"local\"} 1",
+            "kernel_broker_kernel_deaths_total{backend=\"local\"} 1",
+            "kernel_broker_session_expiries_total{backend=\"local\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -11,7 +11,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::auth::Caller;
-use super::metrics::{RecordingSnapshot, Snapshot, CONTENT_TYPE};
+use super::metrics::{RecordingSnapshot, Snapshot, CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE};
 use super::shapes::{ErrorResponse, SessionStateJson};
 use super::AppState;
 use crate::session::SessionState;
@@ -54,14 +54,19 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
 
 /// Prometheus metrics
 ///
-/// OpenMetrics text: sessions by state, WebSocket connections, the warm pool, the recording
+/// Prometheus text (OpenMetrics text when the scraper's `Accept` asks for it; the body is
+/// the same and both parsers read it): sessions by state, WebSocket connections, the warm pool, the recording
 /// writer, uptime; histograms of execution duration, queue wait and kernel start, and
 /// counters of executions by status, timeouts, restarts, deaths and expiries, each with a
 /// `backend` label.
 #[utoipa::path(get, path = "/metrics", tag = "operations",
-    responses((status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text", body = String),
+    responses((status = 200, description = "Prometheus text format (or OpenMetrics, by Accept)", content_type = "text/plain", body = String),
         (status = 401, response = ErrorResponse)))]
-async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoResponse {
+async fn metrics(
+    State(state): State<AppState>,
+    _caller: Caller,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
     let sessions = state.registry.all();
     let count = |st: SessionState| sessions.iter().filter(|s| s.state() == st).count() as u64;
     let snapshot = Snapshot {
@@ -88,8 +93,17 @@ async fn metrics(State(state): State<AppState>, _caller: Caller) -> impl IntoRes
         }),
         uptime: state.started.elapsed(),
     };
+    let openmetrics = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/openmetrics-text"));
+    let content_type = if openmetrics {
+        CONTENT_TYPE
+    } else {
+        PROMETHEUS_CONTENT_TYPE
+    };
     (
-        [(header::CONTENT_TYPE, CONTENT_TYPE)],
+        [(header::CONTENT_TYPE, content_type)],
         state.metrics.render(&snapshot),
     )
 }

@@ -244,13 +244,28 @@ async fn operations_answer() {
     );
     let (status, content_type, body) = call(Method::GET, "/metrics", Some(ALICE), "").await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(content_type, super::metrics::CONTENT_TYPE);
+    assert_eq!(content_type, super::metrics::PROMETHEUS_CONTENT_TYPE);
     let text = body.as_str().unwrap();
     assert!(
         text.contains("kernel_broker_sessions{state=\"idle\"} 0"),
         "{text}"
     );
     assert!(text.contains("kernel_broker_kernel_deaths_total{backend=\"local\"} 0"));
+    // A scraper that asks for OpenMetrics gets that content type, and the same body.
+    let req = Request::builder()
+        .uri("/metrics")
+        .header(header::AUTHORIZATION, format!("Bearer {ALICE}"))
+        .header(
+            header::ACCEPT,
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        )
+        .body(Body::empty())
+        .unwrap();
+    let resp = router(state()).oneshot(req).await.unwrap();
+    assert_eq!(
+        resp.headers()[header::CONTENT_TYPE],
+        super::metrics::CONTENT_TYPE
+    );
     let (status, _, body) = call(Method::GET, "/openapi.json", None, "").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(

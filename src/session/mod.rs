@@ -51,6 +51,6 @@ pub use event::SessionEvent;
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
-pub use recorder::{Direction, NoRecorder, Recorder};
+pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};

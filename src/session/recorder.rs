@@ -40,3 +40,28 @@ impl Recorder for NoRecorder {
         Box::pin(std::future::ready(()))
     }
 }
+
+/// Several recorders told everything, in order (the recording, the metrics, ...). The barrier
+/// resolves once every recorder's has.
+pub struct Recorders(pub Vec<std::sync::Arc<dyn Recorder>>);
+
+impl Recorder for Recorders {
+    fn message(&self, session: &Session, direction: Direction, channel: Channel, msg: &Message) {
+        for r in &self.0 {
+            r.message(session, direction, channel, msg);
+        }
+    }
+
+    fn event(&self, session: &Session, event: &LifecycleEvent) {
+        for r in &self.0 {
+            r.event(session, event);
+        }
+    }
+
+    fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
+        let all: Vec<_> = self.0.iter().map(|r| r.barrier()).collect();
+        Box::pin(async move {
+            futures::future::join_all(all).await;
+        })
+    }
+}

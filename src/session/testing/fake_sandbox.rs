@@ -12,8 +12,7 @@ use tokio::sync::watch;
 
 use super::scripted_kernel::ScriptedKernel;
 use crate::sandbox::{
-    wait_for_exit, ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
-    SandboxUser,
+    ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
 };
 use crate::sync::lock;
 
@@ -56,7 +55,12 @@ impl KernelProcess for FakeProcess {
     }
 
     async fn wait(&self) -> ExitReason {
-        wait_for_exit(&self.0.exit.subscribe(), "the fake process went away").await
+        let mut rx = self.0.exit.subscribe();
+        let reason = match rx.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone(),
+            Err(_) => None,
+        };
+        reason.unwrap_or_else(|| ExitReason::Lost("the fake process went away".into()))
     }
 
     async fn terminate(&self) {
