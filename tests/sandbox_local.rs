@@ -162,6 +162,14 @@ async fn kernel_runs_as_its_uid_in_its_cgroup_and_answers_heartbeats() {
         }
 
         // SIGINT reaches the kernel, which survives it (ipykernel treats it as an interrupt).
+        // The heartbeat thread answers before ipykernel has taken SIGINT over (its
+        // `init_signal` ignores SIGINT outside executions); a SIGINT before that is Python's
+        // default KeyboardInterrupt. A session never interrupts that early (it waits for the
+        // kernel_info_reply, sent after), so wait for it here too.
+        eventually(Duration::from_secs(60), "ipykernel ignores SIGINT", || {
+            u64::from_str_radix(&status_field(kernel, "SigIgn"), 16).is_ok_and(|m| m & 0b10 != 0)
+        })
+        .await;
         launched.process.interrupt().await.expect("interrupt");
         sleep(Duration::from_millis(300)).await;
         assert!(
