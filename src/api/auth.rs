@@ -10,7 +10,19 @@ use subtle::ConstantTimeEq;
 
 use super::error::ApiError;
 use super::AppState;
-use crate::config::User;
+use crate::sandbox::UserLimits;
+
+/// One user of the broker: a name, its token, its limits (read from the users file or the
+/// environment by `config`).
+#[derive(Debug, Clone)]
+pub struct User {
+    pub name: String,
+    pub token: String,
+    /// Its position in the users file: the local sandbox's uid offset.
+    pub index: u32,
+    pub limits: UserLimits,
+    pub max_sessions: usize,
+}
 
 /// The authenticated caller.
 #[derive(Clone, Debug)]

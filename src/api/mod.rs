@@ -33,8 +33,8 @@ use std::time::Duration;
 use axum::Router;
 use utoipa_axum::router::OpenApiRouter;
 
-use crate::config::User;
 use crate::session::Registry;
+use auth::User;
 
 /// Limits the API enforces on requests.
 #[derive(Debug, Clone)]

@@ -15,7 +15,7 @@ use tower::ServiceExt;
 use uuid::Uuid;
 
 use super::{router, ApiLimits, AppState};
-use crate::config::User;
+use crate::api::auth::User;
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser, UserLimits};
 use crate::session::{NoRecorder, Registry, SessionConfig};

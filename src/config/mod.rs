@@ -12,6 +12,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
+pub use crate::api::auth::User;
 use crate::recording::{RecordingConfig, Synchronous};
 use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
@@ -177,16 +178,6 @@ pub struct ServeArgs {
     /// Bytes of messages recorded per session in all [default: 1073741824]
     #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_SESSION_BYTES")]
     pub record_max_session_bytes: Option<u64>,
-}
-
-/// One user: a name, its token, and its limits.
-#[derive(Debug, Clone)]
-pub struct User {
-    pub name: String,
-    pub token: String,
-    pub index: u32,
-    pub limits: UserLimits,
-    pub max_sessions: usize,
 }
 
 #[derive(Debug, Deserialize)]

@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::workspace_fs::WorkspaceImages;
 use super::{KernelEndpoints, LaunchSpec, SandboxError, SandboxUser};
 
 /// Ports of the kernel's five channels; their sockets are `k-1` .. `k-5`.
@@ -206,75 +205,6 @@ pub(crate) fn choose_run_base(
         "socket paths under the data directory would be too long; using a shorter runtime directory"
     );
     Ok(chosen)
-}
-
-/// Who owns a workspace, and so which mode it gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WorkspaceOwner {
-    /// The broker (kernels run as the broker's uid): 0700, ownership left alone.
-    Broker,
-    /// The kernel's uid and gid: given to them (recursively, when the top directory's owner
-    /// is wrong), 0700. Needs root.
-    Kernel { uid: u32, gid: u32 },
-    /// Meant for the kernel's uid and gid, but the broker cannot chown: 0700 if they own it
-    /// already, else 0777 (the broker's 0700 parent keeps other host users out).
-    KernelUnchowned { uid: u32, gid: u32 },
-}
-
-/// Creates the workspace (0700; parents 0700 too), mounts its file system when `quota`
-/// gives one (see [`WorkspaceImages`]), and settles the owner and mode of its (mounted) root
-/// as `owner` says. Ownership is fixed recursively only when the top directory's owner is
-/// wrong (say, the local backend's uid_base or the user's index changed), never following
-/// symlinks the kernel may have planted.
-pub(crate) fn prepare_workspace(
-    dir: &Path,
-    owner: WorkspaceOwner,
-    quota: Option<(&WorkspaceImages, u64)>,
-) -> Result<(), SandboxError> {
-    let err = |what: &'static str| io_err(what, dir);
-    if let Some(parent) = dir.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(parent)
-            .map_err(err("cannot create the workspaces directory"))?;
-    }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(err("cannot create the workspace")(e)),
-    }
-    if let Some((images, bytes)) = quota {
-        let root_owner = match owner {
-            WorkspaceOwner::Kernel { uid, gid } => (uid, gid),
-            WorkspaceOwner::Broker | WorkspaceOwner::KernelUnchowned { .. } => current_ids(),
-        };
-        images.ensure(dir, bytes, root_owner)?;
-    }
-    let meta = std::fs::symlink_metadata(dir).map_err(err("cannot inspect the workspace"))?;
-    if !meta.is_dir() {
-        return Err(err("the workspace is not a directory")(io::Error::from(
-            io::ErrorKind::InvalidInput,
-        )));
-    }
-    let owned_by = |uid: u32, gid: u32| meta.uid() == uid && meta.gid() == gid;
-    let mode = match owner {
-        WorkspaceOwner::Broker => 0o700,
-        WorkspaceOwner::Kernel { uid, gid } => {
-            if !owned_by(uid, gid) {
-                tracing::info!(workspace = %dir.display(), uid, gid, "giving the workspace to the kernel uid");
-                chown_tree(dir, uid, gid).map_err(err("cannot chown the workspace"))?;
-            }
-            0o700
-        }
-        WorkspaceOwner::KernelUnchowned { uid, gid } if owned_by(uid, gid) => 0o700,
-        WorkspaceOwner::KernelUnchowned { .. } => 0o777,
-    };
-    if meta.mode() & 0o7777 != mode {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(err("cannot set the workspace's permissions"))?;
-    }
-    Ok(())
 }
 
 /// How deep [`chown_tree`] goes: one descriptor is open per level, so this also bounds the

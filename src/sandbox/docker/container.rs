@@ -23,7 +23,8 @@ use super::{
     KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER, MAX_SOCKET_PATH,
     RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET, WORKSPACE_INSIDE,
 };
-use crate::sandbox::fsutil::{self, io_err, launch_err, prepare_workspace};
+use crate::sandbox::fsutil::{self, io_err, launch_err};
+use crate::sandbox::workspace_fs::prepare_workspace;
 use crate::sandbox::{ExitReason, SandboxError, SandboxUser, UserLimits};
 
 /// A running user container.

@@ -71,12 +71,11 @@ use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
 use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
 use self::watch::watch_kernel;
-use super::fsutil::{
-    self, absolute, current_ids, launch_err, prepare_workspace, remove_dir_logged, WorkspaceOwner,
-};
+use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
 use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sync::lock;
 
 const BACKEND: &str = "docker";

@@ -14,10 +14,9 @@ use uuid::Uuid;
 
 use super::{LocalSandboxConfig, BACKEND, HOSTNAME, IPC_BASE_INSIDE, WORKSPACE_INSIDE};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{
-    self, current_ids, io_err, prepare_workspace, write_new_file, FileMode, WorkspaceOwner,
-};
+use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file, FileMode};
 use crate::sandbox::workspace_fs::WorkspaceImages;
+use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sandbox::{KernelEndpoints, LaunchSpec, SandboxError};
 
 /// Longest socket path we create; `sun_path` holds 108 bytes including the NUL, and some

@@ -58,12 +58,13 @@ use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_
 use self::host::{discover_python, find_program};
 use self::reaper::LocalKernel;
 use super::cgroup::Cgroups;
-use super::fsutil::{self, absolute, launch_err, prepare_workspace};
+use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
 use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
 use crate::kernel::spec::KernelSpecs;
+use crate::sandbox::workspace_fs::prepare_workspace;
 
 pub(super) const BACKEND: &str = "local";
 /// Where the runtime directory appears inside the sandbox.
