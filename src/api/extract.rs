@@ -50,7 +50,7 @@ pub fn session_id(id: &str) -> ApiResult<Uuid> {
 
 /// The `{id}` segment of the matched route. Every route that uses the extractors names it
 /// `id`; a route without one is a programming error answered as a missing session.
-async fn path_id(parts: &mut Parts, state: &AppState) -> ApiResult<String> {
+pub(super) async fn path_id(parts: &mut Parts, state: &AppState) -> ApiResult<String> {
     let params = RawPathParams::from_request_parts(parts, state)
         .await
         .map_err(|e| ApiError::internal("path parameters", e.body_text()))?;

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{FromRequestParts, RawQuery, State};
+use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -20,7 +21,7 @@ use uuid::Uuid;
 
 use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
-use super::extract::{sandbox_user, session_id};
+use super::extract::{path_id, sandbox_user, session_id};
 use super::shapes::{
     iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson, SessionStateJson,
 };
@@ -68,31 +69,53 @@ fn store(state: &AppState) -> ApiResult<&Arc<RecordingStore>> {
     })
 }
 
-/// The caller's recording `id`, with the store. A live session whose first reports are
-/// still queued is waited for, so a session is readable as soon as it exists.
-async fn owned(
-    state: &AppState,
-    caller: &Caller,
-    id: &str,
-) -> ApiResult<(Arc<RecordingStore>, RecordingInfo)> {
-    let store = store(state)?.clone();
-    let id = session_id(id)?;
-    let mine =
-        |info: &Option<RecordingInfo>| info.as_ref().is_some_and(|i| i.user == caller.0.name);
-    let mut info = store.info(id).await?;
-    if !mine(&info) && state.registry.get(&caller.0.name, id).is_ok() {
-        store.flush().await;
-        info = store.info(id).await?;
-    }
-    match info {
-        Some(i) if i.user == caller.0.name => Ok((store, i)),
-        _ => Err(not_found(id)),
+/// The caller's recording `{id}`, as an extractor: another user's, a missing one, or any
+/// while recording is off answers 404.
+struct OwnedRecording {
+    caller: Caller,
+    store: Arc<RecordingStore>,
+    info: RecordingInfo,
+    /// The session is live, so its recording may still grow.
+    live: bool,
+}
+
+impl FromRequestParts<AppState> for OwnedRecording {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        let caller = Caller::from_request_parts(parts, state).await?;
+        let id = session_id(&path_id(parts, state).await?)?;
+        let store = store(state)?.clone();
+        let live = state.registry.get(&caller.0.name, id).is_ok();
+        let mine =
+            |info: &Option<RecordingInfo>| info.as_ref().is_some_and(|i| i.user == caller.0.name);
+        let mut info = store.info(id).await?;
+        if !mine(&info) && live {
+            // Created a moment ago: its first rows may still be queued for the writer.
+            store.flush().await;
+            info = store.info(id).await?;
+        }
+        match info {
+            Some(info) if info.user == caller.0.name => Ok(Self {
+                caller,
+                store,
+                info,
+                live,
+            }),
+            _ => Err(not_found(id)),
+        }
     }
 }
 
-/// Whether the session is live now (so its recording may still grow).
-fn live(state: &AppState, caller: &Caller, id: Uuid) -> bool {
-    state.registry.get(&caller.0.name, id).is_ok()
+impl OwnedRecording {
+    /// Waits until everything reported so far is written, when the session is live, so a
+    /// read that wants all of it (a notebook, a replay) sees all of it.
+    async fn settled(self) -> Self {
+        if self.live {
+            self.store.flush().await;
+        }
+        self
+    }
 }
 
 fn list_param(query: &str, name: &str) -> Vec<String> {
@@ -235,13 +258,10 @@ const MAX_LIMIT: usize = 10_000;
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
         (status = 404, description = "no such recording of the caller's, or recording is off", body = ErrorBody)))]
 async fn events(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
+    OwnedRecording { store, info, .. }: OwnedRecording,
     RawQuery(query): RawQuery,
 ) -> ApiResult<Json<EventsJson>> {
     let query = query.unwrap_or_default();
-    let (store, info) = owned(&state, &caller, &id).await?;
     let q = EventQuery {
         after: number_param::<u64>(&query, "after")?
             .unwrap_or(0)
@@ -269,11 +289,8 @@ async fn events(
     responses((status = 204, description = "deleted"), (status = 401, response = ErrorResponse),
         (status = 404, response = ErrorResponse)))]
 async fn delete_events(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
+    OwnedRecording { store, info, .. }: OwnedRecording,
 ) -> ApiResult<StatusCode> {
-    let (store, info) = owned(&state, &caller, &id).await?;
     store.delete(info.id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -282,15 +299,8 @@ async fn delete_events(
 #[utoipa::path(get, operation_id = "get_notebook", path = "/v1/sessions/{id}/notebook", tag = "recordings", params(("id" = uuid::Uuid, Path)),
     responses((status = 200, description = "ok", content_type = "application/x-ipynb+json", body = Object),
         (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse)))]
-async fn notebook_of(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> ApiResult<Response> {
-    let (store, info) = owned(&state, &caller, &id).await?;
-    if live(&state, &caller, info.id) {
-        store.flush().await;
-    }
+async fn notebook_of(recording: OwnedRecording) -> ApiResult<Response> {
+    let OwnedRecording { store, info, .. } = recording.settled().await;
     let events = store.all_events(info.id).await?;
     let filename = format!("session-{}.ipynb", info.id);
     let body = tokio::task::spawn_blocking(move || notebook::notebook(&info, &events).to_string())
@@ -339,13 +349,14 @@ struct ReplayJson {
         (status = 429, response = ErrorResponse), (status = 503, response = ErrorResponse)))]
 async fn replay_of(
     State(state): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
+    recording: OwnedRecording,
 ) -> ApiResult<Response> {
-    let (store, info) = owned(&state, &caller, &id).await?;
-    if live(&state, &caller, info.id) {
-        store.flush().await;
-    }
+    let OwnedRecording {
+        caller,
+        store,
+        info,
+        ..
+    } = recording.settled().await;
     let outcome = replay::replay(
         &store,
         &state.registry,
