@@ -4,12 +4,14 @@
 //!
 //! Layers, bottom up; a module uses only those below it (see `ARCHITECTURE.md`):
 //!
+//! - [`sync`]: the poison-tolerant `lock` every layer uses.
 //! - [`wire`]: Jupyter messages as data; the multipart codec, HMAC signing, connection files. No I/O.
-//! - [`kernel`]: a client for one kernel over ZeroMQ: the five channels, heartbeat, replies
-//!   matched to requests, iopub read in its own task.
+//! - [`kernel`]: a client for one kernel over ZeroMQ (our own bounded ZMTP): the five
+//!   channels, heartbeat, replies matched to requests; kernel specs (`kernel::spec`).
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
-//! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry.
+//! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry;
+//!   it reports a typed `LifecycleEvent` to whoever listens (the recording, the metrics).
 //! - [`recording`]: every message and lifecycle event of every session in a SQLite file;
 //!   notebook export. It subscribes to the session layer.
 //! - [`replay`]: a recording's cells run again in a new session and compared with what was
