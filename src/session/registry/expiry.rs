@@ -46,6 +46,8 @@ impl Registry {
                 },
             );
         }
+        // The expiry task plans its next wake-up with this tombstone's time in it.
+        self.inner.notify.notify_one();
         tracing::info!(session = %session.id, user = %session.user.name, "session expired");
         session.shutdown(SessionState::Expired).await;
         self.after_removal(&session).await;
@@ -60,7 +62,8 @@ impl Registry {
                 let mut t = self.table();
                 t.tombstones.retain(|_, ts| ts.forget_at > now);
                 let mut due = Vec::new();
-                let mut next: Option<Instant> = None;
+                // The next tombstone to forget is a deadline too: its memory goes on time.
+                let mut next: Option<Instant> = t.tombstones.values().map(|ts| ts.forget_at).min();
                 for s in t.sessions.values() {
                     if let Some(d) = s.expiry_deadline(max_busy) {
                         if d <= now {

@@ -282,11 +282,14 @@ impl Registry {
             return Err(SessionError::NotFound(id));
         }
         match t.tombstones.get(&id) {
-            Some(ts) if ts.user == user => Err(SessionError::Expired {
-                id,
-                at: ts.expired_at,
-                idle_secs: ts.idle_secs,
-            }),
+            // Past its time a tombstone is gone, even before the expiry task sweeps it.
+            Some(ts) if ts.user == user && ts.forget_at > Instant::now() => {
+                Err(SessionError::Expired {
+                    id,
+                    at: ts.expired_at,
+                    idle_secs: ts.idle_secs,
+                })
+            }
             _ => Err(SessionError::NotFound(id)),
         }
     }
