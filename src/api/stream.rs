@@ -21,6 +21,7 @@ use utoipa_axum::routes;
 
 use super::extract::{check_code, OwnedSession};
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
+use super::ws_liveness::Liveness;
 use super::AppState;
 use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
 
@@ -72,15 +73,30 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
     let _guard = session.connect_client();
     let (mut sink, mut source) = socket.split();
     let (out, mut out_rx) = mpsc::channel::<String>(OUT_QUEUE);
+    let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());
 
-    let writer = tokio::spawn(async move {
-        while let Some(text) = out_rx.recv().await {
-            if sink.send(WsMessage::Text(text.into())).await.is_err() {
-                break;
+    let writer = {
+        let liveness = liveness.clone();
+        tokio::spawn(async move {
+            let mut last_ping = None;
+            loop {
+                let message = tokio::select! {
+                    text = out_rx.recv() => match text {
+                        Some(text) => WsMessage::Text(text.into()),
+                        None => break,
+                    },
+                    () = liveness.ping_due(last_ping) => {
+                        last_ping = Some(tokio::time::Instant::now());
+                        WsMessage::Ping(Default::default())
+                    }
+                };
+                if sink.send(message).await.is_err() {
+                    break;
+                }
             }
-        }
-        let _ = sink.close().await;
-    });
+            let _ = sink.close().await;
+        })
+    };
 
     // Session state changes for this client.
     let status_task = {
@@ -129,7 +145,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
     // execution's frames wait until the previous one's `done` was sent (its result is
     // released only once recorded, which may come after the next one's first output).
     let mut previous_done: Option<oneshot::Receiver<()>> = None;
-    while let Some(frame) = source.next().await {
+    while let Some(frame) = liveness.next(&mut source).await {
         let text = match frame {
             Ok(WsMessage::Text(t)) => t,
             Ok(WsMessage::Binary(_)) => {

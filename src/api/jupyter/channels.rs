@@ -30,6 +30,7 @@ use super::framing::{decode_binary, decode_legacy_json, encode_frame, Framing, V
 use crate::api::auth::url_query;
 use crate::api::extract::OwnedKernel;
 use crate::api::shapes::ErrorResponse;
+use crate::api::ws_liveness::Liveness;
 use crate::api::AppState;
 use crate::session::{Session, SessionEvent, SessionState};
 use crate::wire::{Channel, Message};
@@ -180,15 +181,16 @@ async fn serve_channels(
     };
     let (sink, mut source) = socket.split();
     let stop = CancellationToken::new();
+    let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());
     let writer = tokio::spawn(write_to_client(
         sink,
         held,
         framing,
         session.clone(),
-        stop.clone(),
+        (stop.clone(), liveness.clone()),
     ));
 
-    while let Some(frame) = source.next().await {
+    while let Some(frame) = liveness.next(&mut source).await {
         let decoded = match frame {
             Ok(WsMessage::Text(t)) => decode_legacy_json(t.as_bytes(), Vec::new()),
             Ok(WsMessage::Binary(b)) => decode_binary(framing, &b),
@@ -239,14 +241,26 @@ async fn write_to_client(
     mut held: Held,
     framing: Framing,
     session: Arc<Session>,
-    stop: CancellationToken,
+    (stop, liveness): (CancellationToken, Liveness),
 ) -> Held {
+    let mut last_ping = None;
     loop {
         let next = match held.unsent.pop_front() {
             Some(m) => Some(m),
             None => tokio::select! {
                 biased;
                 _ = stop.cancelled() => break,
+                () = liveness.ping_due(last_ping) => {
+                    last_ping = Some(tokio::time::Instant::now());
+                    let sent = tokio::select! {
+                        r = sink.send(WsMessage::Ping(Default::default())) => r.is_ok(),
+                        _ = stop.cancelled() => false,
+                    };
+                    if !sent {
+                        break;
+                    }
+                    None
+                }
                 ev = held.events.recv() => match ev {
                     Ok(SessionEvent::Iopub { msg, .. }) => Some((Channel::Iopub, msg)),
                     Ok(SessionEvent::Restarted) => {
