@@ -266,3 +266,50 @@ async fn a_websocket_client_that_does_not_answer_pings_is_dropped() {
     assert!(n >= 1.0, "{n}");
     broker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn websockets_per_session_are_capped() {
+    let broker = Broker::start("local", |a| a.max_websockets_per_session = Some(2)).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let mut first = ws_connect(&broker, &id, ALICE).await;
+    let second = ws_connect(&broker, &id, ALICE).await;
+    // A third, agent stream or Jupyter channels, is refused with 429 before the upgrade.
+    for path in [
+        format!("/v1/sessions/{id}/stream"),
+        format!("/api/kernels/{id}/channels"),
+    ] {
+        let url = format!("ws://{}{path}?token={ALICE}", broker.addr);
+        match tokio_tungstenite::connect_async(url).await {
+            Err(tokio_tungstenite::tungstenite::Error::Http(r)) => {
+                assert_eq!(r.status().as_u16(), 429, "{path}");
+                let body = String::from_utf8_lossy(r.body().as_deref().unwrap_or_default());
+                assert!(body.contains("too_many_websockets"), "{body}");
+            }
+            other => panic!("{path}: expected a 429, got {:?}", other.map(|_| ())),
+        }
+    }
+    // Another session is not affected, and a closed WebSocket frees its place.
+    let other = api.create().await;
+    let _elsewhere = ws_connect(&broker, &other, ALICE).await;
+    drop(second);
+    let mut third = within(10, "a place to free", async {
+        loop {
+            let url = format!("ws://{}/v1/sessions/{id}/stream?token={ALICE}", broker.addr);
+            if let Ok((ws, _)) = tokio_tungstenite::connect_async(url).await {
+                return ws;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(ws_next(&mut third).await["type"], "status");
+    ws_send(
+        &mut first,
+        json!({"type": "execute", "id": "c", "code": "2 + 2"}),
+    )
+    .await;
+    let frames = ws_until_done(&mut first, "c").await;
+    assert_eq!(frames.last().unwrap()["execution"]["status"], "ok");
+    broker.stop().await;
+}

@@ -47,6 +47,8 @@ pub struct ClientLimits {
     pub max_connections: usize,
     /// Client TCP connections open at once from one IP address.
     pub max_connections_per_client: usize,
+    /// WebSockets open at once on one session (agent streams and Jupyter channels).
+    pub max_websockets_per_session: usize,
 }
 
 impl Default for ClientLimits {
@@ -58,6 +60,7 @@ impl Default for ClientLimits {
             websocket_pong_timeout: Duration::from_secs(30),
             max_connections: 1024,
             max_connections_per_client: 256,
+            max_websockets_per_session: 64,
         }
     }
 }
@@ -101,6 +104,24 @@ pub async fn body_deadline(State(state): State<AppState>, req: Request, next: Ne
         .headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
     response
+}
+
+/// The place of a new WebSocket on `session`, or the 429 that refuses it.
+pub fn websocket_place(
+    state: &AppState,
+    session: &Arc<crate::session::Session>,
+) -> Result<crate::session::ConnectionGuard, ApiError> {
+    let max = state.limits.clients.max_websockets_per_session;
+    session.try_connect_client(max).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_websockets",
+            format!(
+                "session {} already has {max} WebSockets open (the limit)",
+                session.id
+            ),
+        )
+    })
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -19,11 +19,14 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use super::clients::websocket_place;
 use super::extract::{check_code, OwnedSession};
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
 use super::ws_liveness::Liveness;
 use super::AppState;
-use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
+use crate::session::{
+    ConnectionGuard, ExecRequest, OutputEvent, Session, SessionEvent, SessionState,
+};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(upgrade))
@@ -39,16 +42,21 @@ pub fn routes() -> OpenApiRouter<AppState> {
     responses((status = 101, description = "switching protocols"),
         (status = 400, description = "not a WebSocket upgrade"),
         (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
-        (status = 410, response = ErrorResponse)))]
+        (status = 410, response = ErrorResponse),
+        (status = 429, response = ErrorResponse)))]
 async fn upgrade(
     State(state): State<AppState>,
     owned: OwnedSession,
     ws: WebSocketUpgrade,
 ) -> Response {
     let session = owned.session;
+    let place = match websocket_place(&state, &session) {
+        Ok(place) => place,
+        Err(e) => return e.into_response(),
+    };
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
     ws.max_message_size(max_frame)
-        .on_upgrade(move |socket| serve(socket, session, state))
+        .on_upgrade(move |socket| serve(socket, session, state, place))
 }
 
 #[derive(Deserialize)]
@@ -69,8 +77,8 @@ enum ClientFrame {
 /// Frames to the client are queued here; the writer task drains it.
 const OUT_QUEUE: usize = 1024;
 
-async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
-    let _guard = session.connect_client();
+async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place: ConnectionGuard) {
+    let _place = place;
     let (mut sink, mut source) = socket.split();
     let (out, mut out_rx) = mpsc::channel::<String>(OUT_QUEUE);
     let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());

@@ -132,6 +132,9 @@ pub struct ServeArgs {
     /// Client connections open at once from one IP address; 0 no cap [default: 256]
     #[arg(long, env = "KERNEL_BROKER_MAX_CONNECTIONS_PER_CLIENT")]
     pub max_connections_per_client: Option<usize>,
+    /// WebSockets open at once on one session (agent streams and Jupyter channels); past it 429; 0 no cap [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_SESSION")]
+    pub max_websockets_per_session: Option<usize>,
     /// Live sessions one user may hold [default: 20]
     #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
     pub max_sessions_per_user: Option<usize>,
@@ -491,6 +494,8 @@ fn client_limits(args: &ServeArgs, file: &ServeArgs) -> Result<ClientLimits, Con
     c.max_connections = either!(args, file, max_connections).unwrap_or(c.max_connections);
     c.max_connections_per_client =
         either!(args, file, max_connections_per_client).unwrap_or(c.max_connections_per_client);
+    c.max_websockets_per_session =
+        either!(args, file, max_websockets_per_session).unwrap_or(c.max_websockets_per_session);
     Ok(c)
 }
 

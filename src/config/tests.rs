@@ -162,3 +162,15 @@ fn client_limits_start_from_the_apis_defaults() {
     };
     assert!(Settings::resolve(negative, Some("tok-123456".into())).is_err());
 }
+
+#[test]
+fn websockets_per_session_default_and_override() {
+    let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
+    assert_eq!(s.clients.max_websockets_per_session, 64);
+    let args = ServeArgs {
+        max_websockets_per_session: Some(3),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert_eq!(s.clients.max_websockets_per_session, 3);
+}
