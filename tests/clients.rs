@@ -313,3 +313,123 @@ async fn websockets_per_session_are_capped() {
     assert_eq!(frames.last().unwrap()["execution"]["status"], "ok");
     broker.stop().await;
 }
+
+/// The measurement, as a test: the real binary with 1,024 descriptors, 1,000
+/// connections that send nothing or half a request line. The caps keep the broker within
+/// its descriptors (the excess is closed at accept), the header timeout closes the rest,
+/// and a session made before the flood lives through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_1024_descriptors_a_flood_of_1000_connections_leaves_sessions_alive() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let users = tmp.path().join("users.toml");
+    std::fs::write(
+        &users,
+        format!("[[user]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n"),
+    )
+    .unwrap();
+    let cgroup = format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple());
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
+    cmd.arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--pool-size", "0"])
+        .arg("--users-file")
+        .arg(&users)
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"))
+        .arg("--kernels-dir")
+        .arg(repo().join("kernels"))
+        .args(["--cgroup-name", &cgroup])
+        .args([
+            "--max-connections",
+            "600",
+            "--max-connections-per-client",
+            "600",
+        ])
+        .args(["--client-header-timeout", "4"])
+        .env_remove("KERNEL_BROKER_TOKEN")
+        .env("KERNEL_BROKER_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel::<SocketAddr>();
+    // Reads the log to its end, so the broker never blocks on a full pipe.
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(rest) = line.split("ready on http://").nth(1) {
+                let addr = rest.split_whitespace().next().unwrap_or_default();
+                if let Ok(a) = addr.parse() {
+                    let _ = addr_tx.send(a);
+                }
+            }
+        }
+    });
+    let addr = addr_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the broker did not start");
+    let api = Api {
+        http: reqwest::Client::new(),
+        base: format!("http://{addr}"),
+        token: ALICE.into(),
+    };
+    let existing = api.create().await;
+    assert_eq!(api.execute(&existing, "x = 41").await["status"], "ok");
+
+    let mut flood = Vec::new();
+    for i in 0..1000 {
+        let mut tcp = within(10, "connect", TcpStream::connect(addr))
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            let _ = tcp.write_all(b"GET /healthz HT").await;
+        }
+        flood.push(tcp);
+    }
+    let flooded_at = Instant::now();
+    let (status, _) = api.get("/healthz").await;
+    assert_eq!(status, 200);
+    let fresh = api.create().await;
+    assert_eq!(api.execute(&fresh, "1 + 1").await["status"], "ok");
+    let v = api.execute(&existing, "x + 1").await;
+    assert_eq!(v["results"][0]["data"]["text/plain"], "42", "{v}");
+    for mut tcp in flood {
+        let left = Duration::from_secs(4 + 6).saturating_sub(flooded_at.elapsed());
+        read_until_closed(&mut tcp, left.as_secs().max(1)).await;
+    }
+    // Past the flood: the session answers, and was never declared dead.
+    let v = api.execute(&existing, "x").await;
+    assert_eq!(v["status"], "ok", "{v}");
+    let (_, s) = api.get(&format!("/v1/sessions/{existing}")).await;
+    assert_ne!(s["state"], "dead", "{s}");
+
+    // SAFETY: a plain signal to the child we started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let stopped = within(60, "broker shutdown", async {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(stopped.success(), "{stopped:?}");
+}
