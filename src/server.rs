@@ -133,6 +133,7 @@ pub async fn serve(
             max_file_bytes: settings.max_file_bytes,
             execution_timeout: settings.session.execution_timeout,
             max_execution_timeout: settings.session.max_execution_timeout,
+            clients: settings.clients.clone(),
         }),
         started: std::time::Instant::now(),
         kernelspecs,
@@ -149,18 +150,9 @@ pub async fn serve(
         );
     }
     tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(), "kernel-broker ready on http://{addr}");
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        // Without TCP_NODELAY small WebSocket frames meet delayed ACKs (~40 ms each).
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "could not set TCP_NODELAY");
-        }
-    });
+    let metrics = state.metrics.clone();
     let app = api::router(state);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServerError::Serve)?;
+    api::listener::serve(listener, app, &settings.clients, metrics, shutdown).await;
     tracing::info!("shutting down: closing sessions");
     registry.shutdown().await;
     if let Some(store) = &recording {

@@ -6,15 +6,19 @@
 //! Layout: one file per group of routes (`sessions`, `stream`, `recording`, `jupyter/`,
 //! `ui`, `ops`); the plumbing they share: `auth` (tokens), `extract` (the owned-session and
 //! JSON-body extractors), `shapes` (the JSON the API answers with), `error`, `metrics`,
-//! `openapi` (the document generated from the handlers).
+//! `openapi` (the document generated from the handlers); and the connections themselves:
+//! `listener` (the accept loop and its caps), `clients` (client time limits, the body
+//! deadline), `ws_liveness` (WebSocket ping/pong).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.
 
 pub mod auth;
+pub mod clients;
 pub mod error;
 pub mod extract;
 pub mod jupyter;
+pub mod listener;
 pub mod metrics;
 pub mod openapi;
 mod ops;
@@ -23,6 +27,7 @@ mod sessions;
 pub mod shapes;
 mod stream;
 mod ui;
+mod ws_liveness;
 
 #[cfg(test)]
 mod router_tests;
@@ -43,6 +48,8 @@ pub struct ApiLimits {
     pub max_file_bytes: usize,
     pub execution_timeout: Duration,
     pub max_execution_timeout: Duration,
+    /// Time limits and caps on client connections.
+    pub clients: clients::ClientLimits,
 }
 
 /// Shared state of every handler. Cheap to clone.
@@ -93,5 +100,9 @@ pub fn router(state: AppState) -> Router {
     router
         .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
         .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            clients::body_deadline,
+        ))
         .with_state(state)
 }

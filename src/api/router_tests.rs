@@ -70,6 +70,7 @@ fn state() -> AppState {
             max_file_bytes: 1000,
             execution_timeout: Duration::from_secs(5),
             max_execution_timeout: Duration::from_secs(10),
+            clients: Default::default(),
         }),
         started: std::time::Instant::now(),
         kernelspecs: specs,

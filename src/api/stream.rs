@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -19,10 +19,14 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use super::clients::websocket_place;
 use super::extract::{check_code, OwnedSession};
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
+use super::ws_liveness::Liveness;
 use super::AppState;
-use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
+use crate::session::{
+    ConnectionGuard, ExecRequest, OutputEvent, Session, SessionEvent, SessionState,
+};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(upgrade))
@@ -38,16 +42,21 @@ pub fn routes() -> OpenApiRouter<AppState> {
     responses((status = 101, description = "switching protocols"),
         (status = 400, description = "not a WebSocket upgrade"),
         (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
-        (status = 410, response = ErrorResponse)))]
+        (status = 410, response = ErrorResponse),
+        (status = 429, response = ErrorResponse)))]
 async fn upgrade(
     State(state): State<AppState>,
     owned: OwnedSession,
     ws: WebSocketUpgrade,
 ) -> Response {
     let session = owned.session;
+    let place = match websocket_place(&state, &session) {
+        Ok(place) => place,
+        Err(e) => return e.into_response(),
+    };
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
     ws.max_message_size(max_frame)
-        .on_upgrade(move |socket| serve(socket, session, state))
+        .on_upgrade(move |socket| serve(socket, session, state, place))
 }
 
 #[derive(Deserialize)]
@@ -68,19 +77,34 @@ enum ClientFrame {
 /// Frames to the client are queued here; the writer task drains it.
 const OUT_QUEUE: usize = 1024;
 
-async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
-    let _guard = session.connect_client();
+async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place: ConnectionGuard) {
+    let _place = place;
     let (mut sink, mut source) = socket.split();
     let (out, mut out_rx) = mpsc::channel::<String>(OUT_QUEUE);
+    let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());
 
-    let writer = tokio::spawn(async move {
-        while let Some(text) = out_rx.recv().await {
-            if sink.send(WsMessage::Text(text.into())).await.is_err() {
-                break;
+    let writer = {
+        let liveness = liveness.clone();
+        tokio::spawn(async move {
+            let mut last_ping = None;
+            loop {
+                let message = tokio::select! {
+                    text = out_rx.recv() => match text {
+                        Some(text) => WsMessage::Text(text.into()),
+                        None => break,
+                    },
+                    () = liveness.ping_due(last_ping) => {
+                        last_ping = Some(tokio::time::Instant::now());
+                        WsMessage::Ping(Default::default())
+                    }
+                };
+                if sink.send(message).await.is_err() {
+                    break;
+                }
             }
-        }
-        let _ = sink.close().await;
-    });
+            let _ = sink.close().await;
+        })
+    };
 
     // Session state changes for this client.
     let status_task = {
@@ -129,7 +153,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState) {
     // execution's frames wait until the previous one's `done` was sent (its result is
     // released only once recorded, which may come after the next one's first output).
     let mut previous_done: Option<oneshot::Receiver<()>> = None;
-    while let Some(frame) = source.next().await {
+    while let Some(frame) = liveness.next(&mut source).await {
         let text = match frame {
             Ok(WsMessage::Text(t)) => t,
             Ok(WsMessage::Binary(_)) => {

@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
 pub use crate::api::auth::User;
+use crate::api::clients::ClientLimits;
 use crate::recording::{RecordingConfig, Synchronous};
 use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
@@ -112,6 +113,28 @@ pub struct ServeArgs {
     /// Largest uploaded file, bytes [default: 104857600]
     #[arg(long, env = "KERNEL_BROKER_MAX_FILE_BYTES")]
     pub max_file_bytes: Option<usize>,
+    /// Seconds a connection may take to send a request's line and headers, from when it
+    /// opens or finishes a response (so also the idle keep-alive timeout); 0 none [default: 10]
+    #[arg(long, env = "KERNEL_BROKER_CLIENT_HEADER_TIMEOUT")]
+    pub client_header_timeout: Option<f64>,
+    /// Seconds a request's body may take to arrive, from the end of its headers; 0 none [default: 300]
+    #[arg(long, env = "KERNEL_BROKER_CLIENT_BODY_TIMEOUT")]
+    pub client_body_timeout: Option<f64>,
+    /// Seconds a broker WebSocket hears nothing from its client before it pings it; 0 no pings [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_WEBSOCKET_PING_INTERVAL")]
+    pub websocket_ping_interval: Option<f64>,
+    /// Seconds a pinged WebSocket client has to answer before it is dropped [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_WEBSOCKET_PONG_TIMEOUT")]
+    pub websocket_pong_timeout: Option<f64>,
+    /// Client connections open at once (WebSockets included); past it new ones are closed at accept; 0 no cap [default: 1024]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Client connections open at once from one IP address; 0 no cap [default: 256]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CONNECTIONS_PER_CLIENT")]
+    pub max_connections_per_client: Option<usize>,
+    /// WebSockets open at once on one session (agent streams and Jupyter channels); past it 429; 0 no cap [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_SESSION")]
+    pub max_websockets_per_session: Option<usize>,
     /// Live sessions one user may hold [default: 20]
     #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
     pub max_sessions_per_user: Option<usize>,
@@ -219,6 +242,8 @@ pub struct Settings {
     pub session: SessionConfig,
     pub max_code_bytes: usize,
     pub max_file_bytes: usize,
+    /// Time limits and caps on client connections.
+    pub clients: ClientLimits,
     pub kernels_dir: PathBuf,
     /// The local sandbox's settings (used with `--sandbox local`).
     pub local: LocalSandboxConfig,
@@ -401,6 +426,7 @@ impl Settings {
             session: session_config(&args, &file)?,
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
+            clients: client_limits(&args, &file)?,
             local: local_config(&args, &file, &data_dir, &kernels_dir),
             docker: docker_config(&args, &file, &data_dir),
             kernels_dir,
@@ -442,6 +468,34 @@ fn session_config(args: &ServeArgs, file: &ServeArgs) -> Result<SessionConfig, C
     }
     c.pool.size = either!(args, file, pool_size).unwrap_or(c.pool.size);
     c.pool.idle = seconds(either!(args, file, pool_idle), c.pool.idle);
+    Ok(c)
+}
+
+/// The client connections' limits: the API's defaults, overridden by what was given.
+fn client_limits(args: &ServeArgs, file: &ServeArgs) -> Result<ClientLimits, ConfigError> {
+    let mut c = ClientLimits::default();
+    if let Some(v) = either!(args, file, client_header_timeout) {
+        c.header_timeout = secs(v, "client_header_timeout")?;
+    }
+    if let Some(v) = either!(args, file, client_body_timeout) {
+        c.body_timeout = secs(v, "client_body_timeout")?;
+    }
+    if let Some(v) = either!(args, file, websocket_ping_interval) {
+        c.websocket_ping_interval = secs(v, "websocket_ping_interval")?;
+    }
+    if let Some(v) = either!(args, file, websocket_pong_timeout) {
+        c.websocket_pong_timeout = secs(v, "websocket_pong_timeout")?;
+    }
+    if !c.websocket_ping_interval.is_zero() && c.websocket_pong_timeout.is_zero() {
+        return Err(ConfigError::Invalid(
+            "websocket_pong_timeout must be above 0 while pings are on".into(),
+        ));
+    }
+    c.max_connections = either!(args, file, max_connections).unwrap_or(c.max_connections);
+    c.max_connections_per_client =
+        either!(args, file, max_connections_per_client).unwrap_or(c.max_connections_per_client);
+    c.max_websockets_per_session =
+        either!(args, file, max_websockets_per_session).unwrap_or(c.max_websockets_per_session);
     Ok(c)
 }
 

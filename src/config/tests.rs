@@ -129,3 +129,48 @@ fn no_token_generates_one() {
     assert_eq!(s.token_source, TokenSource::Generated);
     assert_eq!(s.users[0].token.len(), 48);
 }
+
+#[test]
+fn client_limits_start_from_the_apis_defaults() {
+    let cfg =
+        write("client_header_timeout = 2.5\nmax_connections = 50\nwebsocket_ping_interval = 0\n");
+    let args = ServeArgs {
+        config: Some(cfg.path().to_path_buf()),
+        max_connections_per_client: Some(5),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    let defaults = ClientLimits::default();
+    assert_eq!(s.clients.header_timeout, Duration::from_millis(2500));
+    assert_eq!(s.clients.max_connections, 50);
+    assert_eq!(s.clients.max_connections_per_client, 5);
+    assert_eq!(s.clients.websocket_ping_interval, Duration::ZERO);
+    assert_eq!(s.clients.body_timeout, defaults.body_timeout);
+    assert_eq!(
+        s.clients.websocket_pong_timeout,
+        defaults.websocket_pong_timeout
+    );
+
+    let bad = ServeArgs {
+        websocket_pong_timeout: Some(0.0),
+        ..Default::default()
+    };
+    assert!(Settings::resolve(bad, Some("tok-123456".into())).is_err());
+    let negative = ServeArgs {
+        client_body_timeout: Some(-1.0),
+        ..Default::default()
+    };
+    assert!(Settings::resolve(negative, Some("tok-123456".into())).is_err());
+}
+
+#[test]
+fn websockets_per_session_default_and_override() {
+    let s = Settings::resolve(ServeArgs::default(), Some("tok-123456".into())).unwrap();
+    assert_eq!(s.clients.max_websockets_per_session, 64);
+    let args = ServeArgs {
+        max_websockets_per_session: Some(3),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert_eq!(s.clients.max_websockets_per_session, 3);
+}

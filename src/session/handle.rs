@@ -264,6 +264,14 @@ impl Session {
         ConnectionGuard(self.clone())
     }
 
+    /// Count a WebSocket client while the guard lives, unless `max` are connected already
+    /// (0: no cap). Counted before the check, so two at once cannot both take the last place.
+    pub fn try_connect_client(self: &Arc<Self>, max: usize) -> Option<ConnectionGuard> {
+        let before = self.connections.fetch_add(1, Ordering::AcqRel);
+        let guard = ConnectionGuard(self.clone());
+        (max == 0 || before < max).then_some(guard)
+    }
+
     fn send(&self, cmd: Command) -> Result<(), SessionError> {
         self.commands.try_send(cmd).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => SessionError::Quota(format!(

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{RawQuery, State};
 use axum::http::HeaderMap;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use serde_json::json;
@@ -28,10 +28,13 @@ use uuid::Uuid;
 
 use super::framing::{decode_binary, decode_legacy_json, encode_frame, Framing, V1_PROTOCOL};
 use crate::api::auth::url_query;
+use crate::api::clients::websocket_place;
+use crate::api::error::JupyterError;
 use crate::api::extract::OwnedKernel;
 use crate::api::shapes::ErrorResponse;
+use crate::api::ws_liveness::Liveness;
 use crate::api::AppState;
-use crate::session::{Session, SessionEvent, SessionState};
+use crate::session::{ConnectionGuard, Session, SessionEvent, SessionState};
 use crate::wire::{Channel, Message};
 
 /// How long a disconnected client's subscription waits for it to come back.
@@ -123,7 +126,8 @@ impl JupyterClients {
     responses((status = 101, description = "switching protocols"),
         (status = 400, description = "not a WebSocket upgrade"),
         (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
-        (status = 410, response = ErrorResponse)))]
+        (status = 410, response = ErrorResponse),
+        (status = 429, response = ErrorResponse)))]
 pub(super) async fn channels(
     State(state): State<AppState>,
     kernel: OwnedKernel,
@@ -132,6 +136,10 @@ pub(super) async fn channels(
     ws: WebSocketUpgrade,
 ) -> Response {
     let session = kernel.session;
+    let place = match websocket_place(&state, &session) {
+        Ok(place) => place,
+        Err(e) => return JupyterError(e).into_response(),
+    };
     let client_id = query
         .as_deref()
         .and_then(|q| url_query(q, "session_id"))
@@ -144,7 +152,7 @@ pub(super) async fn channels(
     } else {
         ws
     };
-    ws.on_upgrade(move |socket| serve_channels(socket, session, state, client_id, framing))
+    ws.on_upgrade(move |socket| serve_channels(socket, (session, place), state, client_id, framing))
 }
 
 /// How long a closing connection waits for its writer to hand back what it holds.
@@ -152,12 +160,11 @@ const WRITER_STOP: Duration = Duration::from_secs(5);
 
 async fn serve_channels(
     socket: WebSocket,
-    session: Arc<Session>,
+    (session, _place): (Arc<Session>, ConnectionGuard),
     state: AppState,
     client_id: Option<String>,
     framing: Framing,
 ) {
-    let _guard = session.connect_client();
     let (generation, parked) = match client_id.as_deref() {
         Some(c) => {
             let (g, p) = state.jupyter_clients.attach(session.id, c);
@@ -180,15 +187,16 @@ async fn serve_channels(
     };
     let (sink, mut source) = socket.split();
     let stop = CancellationToken::new();
+    let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());
     let writer = tokio::spawn(write_to_client(
         sink,
         held,
         framing,
         session.clone(),
-        stop.clone(),
+        (stop.clone(), liveness.clone()),
     ));
 
-    while let Some(frame) = source.next().await {
+    while let Some(frame) = liveness.next(&mut source).await {
         let decoded = match frame {
             Ok(WsMessage::Text(t)) => decode_legacy_json(t.as_bytes(), Vec::new()),
             Ok(WsMessage::Binary(b)) => decode_binary(framing, &b),
@@ -239,14 +247,26 @@ async fn write_to_client(
     mut held: Held,
     framing: Framing,
     session: Arc<Session>,
-    stop: CancellationToken,
+    (stop, liveness): (CancellationToken, Liveness),
 ) -> Held {
+    let mut last_ping = None;
     loop {
         let next = match held.unsent.pop_front() {
             Some(m) => Some(m),
             None => tokio::select! {
                 biased;
                 _ = stop.cancelled() => break,
+                () = liveness.ping_due(last_ping) => {
+                    last_ping = Some(tokio::time::Instant::now());
+                    let sent = tokio::select! {
+                        r = sink.send(WsMessage::Ping(Default::default())) => r.is_ok(),
+                        _ = stop.cancelled() => false,
+                    };
+                    if !sent {
+                        break;
+                    }
+                    None
+                }
                 ev = held.events.recv() => match ev {
                     Ok(SessionEvent::Iopub { msg, .. }) => Some((Channel::Iopub, msg)),
                     Ok(SessionEvent::Restarted) => {

@@ -51,6 +51,59 @@ struct StatusLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// Why a client connection was refused at accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// `max_connections` were open.
+    MaxConnections,
+    /// `max_connections_per_client` were open from the same address.
+    MaxConnectionsPerClient,
+}
+
+impl Refusal {
+    const ALL: [Refusal; 2] = [Refusal::MaxConnections, Refusal::MaxConnectionsPerClient];
+    fn label(self) -> ReasonLabel {
+        let reason = match self {
+            Refusal::MaxConnections => "max_connections",
+            Refusal::MaxConnectionsPerClient => "max_connections_per_client",
+        };
+        ReasonLabel { reason }
+    }
+}
+
+/// Which client time limit closed a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientTimeout {
+    /// The request line and headers (or the next request of an idle keep-alive
+    /// connection) did not arrive within `client_header_timeout`.
+    Header,
+    /// The request body did not arrive within `client_body_timeout`.
+    Body,
+    /// A WebSocket client did not answer a ping within `websocket_pong_timeout`.
+    WebSocketPong,
+}
+
+impl ClientTimeout {
+    const ALL: [ClientTimeout; 3] = [
+        ClientTimeout::Header,
+        ClientTimeout::Body,
+        ClientTimeout::WebSocketPong,
+    ];
+    fn label(self) -> ReasonLabel {
+        let reason = match self {
+            ClientTimeout::Header => "header",
+            ClientTimeout::Body => "body",
+            ClientTimeout::WebSocketPong => "websocket_pong",
+        };
+        ReasonLabel { reason }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: String,
 }
@@ -83,6 +136,9 @@ pub struct Metrics {
     restarts: Family<BackendLabel, Counter>,
     deaths: Family<BackendLabel, Counter>,
     expiries: Family<BackendLabel, Counter>,
+    connections_refused: Family<ReasonLabel, Counter>,
+    connections_timed_out: Family<ReasonLabel, Counter>,
+    client_connections: Gauge,
 }
 
 impl Metrics {
@@ -139,6 +195,30 @@ impl Metrics {
             "Sessions expired after their idle timeout.",
             expiries.clone(),
         );
+        let connections_refused = Family::<ReasonLabel, Counter>::default();
+        let connections_timed_out = Family::<ReasonLabel, Counter>::default();
+        let client_connections = Gauge::default();
+        registry.register(
+            "connections_refused",
+            "Client connections closed at accept, by the cap they hit (max_connections, max_connections_per_client).",
+            connections_refused.clone(),
+        );
+        registry.register(
+            "connections_timed_out",
+            "Client connections closed by a time limit (header, body, websocket_pong).",
+            connections_timed_out.clone(),
+        );
+        registry.register(
+            "client_connections",
+            "Client TCP connections open now.",
+            client_connections.clone(),
+        );
+        for r in Refusal::ALL {
+            let _ = connections_refused.get_or_create(&r.label());
+        }
+        for t in ClientTimeout::ALL {
+            let _ = connections_timed_out.get_or_create(&t.label());
+        }
         let backend = BackendLabel {
             backend: backend.to_string(),
         };
@@ -157,7 +237,27 @@ impl Metrics {
             restarts,
             deaths,
             expiries,
+            connections_refused,
+            connections_timed_out,
+            client_connections,
         }
+    }
+
+    /// A client connection was closed at accept because of `why`.
+    pub fn connection_refused(&self, why: Refusal) {
+        self.connections_refused.get_or_create(&why.label()).inc();
+    }
+
+    /// A client connection was closed by the time limit `which`.
+    pub fn connection_timed_out(&self, which: ClientTimeout) {
+        self.connections_timed_out
+            .get_or_create(&which.label())
+            .inc();
+    }
+
+    /// The number of client connections open now went up (`+1`) or down (`-1`).
+    pub fn client_connections_changed(&self, by: i64) {
+        self.client_connections.inc_by(by);
     }
 
     /// An execution finished after running for `duration`; its `status` is the label by
@@ -356,166 +456,4 @@ impl Recorder for Metrics {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn snapshot() -> Snapshot {
-        Snapshot {
-            sessions: vec![("starting", 0), ("idle", 2), ("busy", 1), ("dead", 0)],
-            connections: 3,
-            pooled_kernels: 1,
-            recording: Some(RecordingSnapshot {
-                queued_bytes: 10,
-                dropped: 1,
-                truncated: 2,
-                errors: 0,
-                events: 42,
-            }),
-            uptime: Duration::from_millis(1500),
-        }
-    }
-
-    #[test]
-    fn the_scrape_time_values_keep_their_names() {
-        let text = Metrics::new("local").render(&snapshot());
-        for line in [
-            "# TYPE kernel_broker_sessions gauge",
-            "kernel_broker_sessions{state=\"idle\"} 2",
-            "kernel_broker_sessions{state=\"busy\"} 1",
-            "kernel_broker_sessions{state=\"starting\"} 0",
-            "kernel_broker_connections 3",
-            "kernel_broker_pooled_kernels 1",
-            "kernel_broker_recording_queued_bytes 10",
-            "# TYPE kernel_broker_recording_dropped counter",
-            "kernel_broker_recording_dropped_total 1",
-            "kernel_broker_recording_truncated_total 2",
-            "kernel_broker_recording_errors_total 0",
-            "kernel_broker_recording_events_total 42",
-            "# TYPE kernel_broker_uptime_seconds gauge",
-            "kernel_broker_uptime_seconds 1.5",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
-        assert!(text.ends_with("# EOF\n"));
-        assert_eq!(text.matches("# EOF").count(), 1);
-        let off = Metrics::new("local").render(&Snapshot {
-            recording: None,
-            ..snapshot()
-        });
-        assert!(!off.contains("recording_"), "{off}");
-    }
-
-    #[test]
-    fn fed_values_show_as_families_with_backend_labels_and_buckets() {
-        let m = Metrics::new("docker");
-        m.execution_finished(Duration::from_millis(30), ExecutionStatus::Ok);
-        m.execution_finished(Duration::from_secs(2), ExecutionStatus::Ok);
-        m.execution_finished(Duration::from_secs(60), ExecutionStatus::Timeout);
-        m.execution_queued(Duration::from_millis(2));
-        m.kernel_started(Duration::from_millis(800));
-        m.timed_out();
-        m.restarted();
-        m.restarted();
-        m.died();
-        m.expired();
-        let text = m.render(&Snapshot::default());
-        for line in [
-            "# TYPE kernel_broker_execution_duration_seconds histogram",
-            "# UNIT kernel_broker_execution_duration_seconds seconds",
-            "kernel_broker_execution_duration_seconds_count{backend=\"docker\"} 3",
-            "kernel_broker_execution_duration_seconds_sum{backend=\"docker\"} 62.03",
-            "kernel_broker_execution_duration_seconds_bucket{le=\"0.04\",backend=\"docker\"} 1",
-            "kernel_broker_execution_duration_seconds_bucket{le=\"+Inf\",backend=\"docker\"} 3",
-            "kernel_broker_execution_queue_wait_seconds_count{backend=\"docker\"} 1",
-            "kernel_broker_execution_queue_wait_seconds_bucket{le=\"0.002\",backend=\"docker\"} 1",
-            "kernel_broker_kernel_start_seconds_count{backend=\"docker\"} 1",
-            "kernel_broker_kernel_start_seconds_bucket{le=\"0.8\",backend=\"docker\"} 1",
-            "kernel_broker_executions_total{backend=\"docker\",status=\"ok\"} 2",
-            "kernel_broker_executions_total{backend=\"docker\",status=\"timeout\"} 1",
-            "kernel_broker_execution_timeouts_total{backend=\"docker\"} 1",
-            "kernel_broker_kernel_restarts_total{backend=\"docker\"} 2",
-            "kernel_broker_kernel_deaths_total{backend=\"docker\"} 1",
-            "kernel_broker_session_expiries_total{backend=\"docker\"} 1",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
-    }
-
-    /// Each lifecycle event feeds its family; the others change nothing.
-    #[test]
-    fn lifecycle_events_feed_the_families() {
-        let m = Metrics::new("local");
-        let execution = crate::session::Execution {
-            status: ExecutionStatus::Error,
-            execution_count: Some(1),
-            stdout: String::new(),
-            stderr: String::new(),
-            results: Vec::new(),
-            error: None,
-            truncated: false,
-            duration_ms: 250.0,
-        };
-        for event in [
-            LifecycleEvent::SessionCreated {
-                kernel: "python3".into(),
-                idle_timeout_seconds: None,
-            },
-            LifecycleEvent::KernelStarted {
-                startup_seconds: 0.3,
-                pooled: false,
-            },
-            LifecycleEvent::ExecutionStarted {
-                msg_id: "m".into(),
-                code: "x".into(),
-                timeout_seconds: 1.0,
-                queue_wait_seconds: 0.001,
-            },
-            LifecycleEvent::ExecutionDone {
-                msg_id: "m".into(),
-                execution,
-            },
-            LifecycleEvent::ExecutionTimeout {
-                msg_id: "m".into(),
-                timeout_seconds: 1.0,
-            },
-            LifecycleEvent::Interrupt,
-            LifecycleEvent::KernelRestarted { reason: "r".into() },
-            LifecycleEvent::KernelDied { reason: "d".into() },
-            LifecycleEvent::SessionExpired,
-            LifecycleEvent::SessionClosed,
-        ] {
-            m.observe(&event);
-        }
-        let text = m.render(&Snapshot::default());
-        for line in [
-            "kernel_broker_kernel_start_seconds_count{backend=\"local\"} 1",
-            "kernel_broker_kernel_start_seconds_sum{backend=\"local\"} 0.3",
-            "kernel_broker_execution_queue_wait_seconds_count{backend=\"local\"} 1",
-            "kernel_broker_execution_duration_seconds_sum{backend=\"local\"} 0.25",
-            "kernel_broker_executions_total{backend=\"local\",status=\"error\"} 1",
-            "kernel_broker_execution_timeouts_total{backend=\"local\"} 1",
-            "kernel_broker_kernel_restarts_total{backend=\"local\"} 1",
-            "kernel_broker_kernel_deaths_total{backend=\"local\"} 1",
-            "kernel_broker_session_expiries_total{backend=\"local\"} 1",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
-    }
-
-    #[test]
-    fn counters_start_at_zero_for_the_backend() {
-        let text = Metrics::new("local").render(&Snapshot::default());
-        assert!(text
-            .lines()
-            .any(|l| l == "kernel_broker_kernel_deaths_total{backend=\"local\"} 0"));
-    }
-}
+mod tests;
