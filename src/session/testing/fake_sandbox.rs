@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use tokio::sync::watch;
 
 use super::scripted_kernel::ScriptedKernel;
+use crate::sandbox::watched::{ExitPublisher, KernelWatch};
 use crate::sandbox::{
     ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
 };
@@ -21,7 +21,10 @@ pub struct FakeKernel {
     pub kernel: ScriptedKernel,
     /// The user it was launched for.
     pub user: String,
-    exit: watch::Sender<Option<ExitReason>>,
+    /// The backends' own exit watch: `wait` behaves as theirs does.
+    watch: KernelWatch,
+    /// Taken by the first exit, as a backend's watcher publishes once.
+    publisher: Mutex<Option<ExitPublisher>>,
     terminated: AtomicBool,
 }
 
@@ -29,13 +32,9 @@ impl FakeKernel {
     /// The process ends now with `reason` (as an OOM kill or a crash would): the
     /// kernel's sockets close and `wait` answers `reason`.
     pub fn exit(&self, reason: ExitReason) {
-        self.exit.send_if_modified(|r| {
-            let first = r.is_none();
-            if first {
-                *r = Some(reason);
-            }
-            first
-        });
+        if let Some(publisher) = lock(&self.publisher).take() {
+            publisher.publish(reason);
+        }
         self.kernel.stop();
     }
 
@@ -55,12 +54,7 @@ impl KernelProcess for FakeProcess {
     }
 
     async fn wait(&self) -> ExitReason {
-        let mut rx = self.0.exit.subscribe();
-        let reason = match rx.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone(),
-            Err(_) => None,
-        };
-        reason.unwrap_or_else(|| ExitReason::Lost("the fake process went away".into()))
+        self.0.watch.wait().await
     }
 
     async fn terminate(&self) {
@@ -137,11 +131,16 @@ impl Sandbox for FakeSandbox {
         let kernel = ScriptedKernel::start(&dir, &spec.key).await;
         let endpoints = kernel.endpoints.clone();
         let mut died = kernel.exited();
-        let (exit, _) = watch::channel(None);
+        let (watch, publisher) = KernelWatch::new(
+            spec.session_id,
+            spec.user.name.clone(),
+            "the fake process went away",
+        );
         let fake = Arc::new(FakeKernel {
             kernel,
             user: spec.user.name,
-            exit,
+            watch,
+            publisher: Mutex::new(Some(publisher)),
             terminated: AtomicBool::new(false),
         });
         // A scripted exit (`die`) is the process ending with that code.
