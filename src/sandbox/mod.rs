@@ -76,6 +76,24 @@ pub struct LaunchSpec {
     pub env: Vec<(String, String)>,
 }
 
+#[cfg(test)]
+impl LaunchSpec {
+    /// A spec for user `u` (index 0, default limits) with key `abc`, for unit tests.
+    pub(crate) fn example() -> Self {
+        Self {
+            session_id: Uuid::nil(),
+            user: SandboxUser {
+                name: "u".into(),
+                index: 0,
+                limits: Default::default(),
+            },
+            kernel_name: "python3".into(),
+            key: "abc".into(),
+            env: vec![],
+        }
+    }
+}
+
 pub use crate::kernel::KernelEndpoints;
 
 /// A running kernel and the means to reach it.

@@ -415,8 +415,6 @@ pub(super) async fn exec_output(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::SandboxUser;
-    use uuid::Uuid;
     #[test]
     fn endpoints_are_host_paths_and_bounded() {
         let ep = endpoints_for(Path::new("/var/lib/kb/run-docker/alice/0123456789ab")).unwrap();
@@ -431,17 +429,7 @@ mod tests {
 
     #[test]
     fn connection_files_point_into_the_session_directory() {
-        let spec = LaunchSpec {
-            session_id: Uuid::nil(),
-            user: SandboxUser {
-                name: "u".into(),
-                index: 0,
-                limits: Default::default(),
-            },
-            kernel_name: "python3".into(),
-            key: "abc".into(),
-            env: vec![],
-        };
+        let spec = LaunchSpec::example();
         let c = connection_file(&spec, "0123456789ab");
         assert_eq!(c["transport"], "ipc");
         assert_eq!(c["ip"], "/run/kernel/0123456789ab/k");

@@ -227,7 +227,6 @@ pub(super) fn workspace_owner(ids: Option<(u32, u32)>) -> WorkspaceOwner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::SandboxUser;
 
     #[test]
     fn endpoints_use_ipc_paths_in_the_runtime_directory() {
@@ -276,17 +275,7 @@ mod tests {
 
     #[test]
     fn connection_file_uses_ipc() {
-        let spec = LaunchSpec {
-            session_id: Uuid::nil(),
-            user: SandboxUser {
-                name: "u".into(),
-                index: 0,
-                limits: Default::default(),
-            },
-            kernel_name: "python3".into(),
-            key: "abc".into(),
-            env: vec![],
-        };
+        let spec = LaunchSpec::example();
         let c = connection_file(&spec);
         assert_eq!(c["transport"], "ipc");
         assert_eq!(c["ip"], "/run/kernel/k");
