@@ -4,7 +4,8 @@
 //!
 //! Layers, bottom up; a module uses only those below it (see `ARCHITECTURE.md`):
 //!
-//! - [`sync`]: the poison-tolerant `lock` every layer uses.
+//! - [`sync`]: the poison-tolerant `lock` every layer uses; [`descriptors`]: the process's
+//!   descriptor limit, its budget, and telling its exhaustion apart from a peer's failure.
 //! - [`wire`]: Jupyter messages as data; the multipart codec, HMAC signing, connection files. No I/O.
 //! - [`kernel`]: a client for one kernel over ZeroMQ (our own bounded ZMTP): the five
 //!   channels, heartbeat, replies matched to requests; kernel specs (`kernel::spec`).
@@ -23,6 +24,7 @@
 
 pub mod api;
 pub mod config;
+pub mod descriptors;
 pub mod kernel;
 pub mod recording;
 pub mod replay;

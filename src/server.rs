@@ -109,6 +109,7 @@ pub async fn serve(
         source,
     })?;
     let kernelspecs = load_kernel_specs(&settings)?;
+    let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
     let recording = open_recording(&settings)?;
     let metrics = Arc::new(api::metrics::Metrics::new(settings.sandbox_name()));
@@ -133,7 +134,7 @@ pub async fn serve(
             max_file_bytes: settings.max_file_bytes,
             execution_timeout: settings.session.execution_timeout,
             max_execution_timeout: settings.session.max_execution_timeout,
-            clients: settings.clients.clone(),
+            clients: clients.clone(),
         }),
         started: std::time::Instant::now(),
         kernelspecs,
@@ -152,7 +153,7 @@ pub async fn serve(
     tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(), "kernel-broker ready on http://{addr}");
     let metrics = state.metrics.clone();
     let app = api::router(state);
-    api::listener::serve(listener, app, &settings.clients, metrics, shutdown).await;
+    api::listener::serve(listener, app, &clients, metrics, shutdown).await;
     tracing::info!("shutting down: closing sessions");
     registry.shutdown().await;
     if let Some(store) = &recording {
@@ -161,6 +162,57 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Raise the descriptor limit and keep what the sessions need out of the clients' share:
+/// the client limits, with the connection cap lowered to fit.
+fn budget_descriptors(
+    settings: &Settings,
+    kernel_specs: usize,
+) -> crate::api::clients::ClientLimits {
+    use crate::descriptors::{raise_limit, Budget};
+    let mut clients = settings.clients.clone();
+    let limit = match raise_limit() {
+        Ok(limit) => limit,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the descriptor limit; client connections are not budgeted");
+            return clients;
+        }
+    };
+    // Every user's sessions at their cap, and each user's warm pool of every kernel spec.
+    let pooled = settings.session.pool.size * kernel_specs.max(1);
+    let sessions: u64 = settings
+        .users
+        .iter()
+        .map(|u| (u.max_sessions + pooled) as u64)
+        .sum();
+    let budget = Budget::new(limit, sessions);
+    let cap = budget.cap_clients(clients.max_connections);
+    if !budget.is_enough() {
+        tracing::warn!(
+            limit,
+            sessions,
+            needed = budget.for_sessions,
+            "the descriptor limit (ulimit -n) is too low for the sessions the users may hold; raise it, or lower the session caps"
+        );
+    }
+    if cap != clients.max_connections {
+        tracing::info!(
+            limit,
+            configured = clients.max_connections,
+            cap,
+            "client connections capped to fit the descriptor limit after {} kept for {sessions} sessions",
+            budget.for_sessions
+        );
+    }
+    tracing::debug!(
+        limit,
+        reserved = budget.for_sessions,
+        clients = cap,
+        "descriptor budget"
+    );
+    clients.max_connections = cap;
+    clients
 }
 
 impl Settings {

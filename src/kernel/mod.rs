@@ -10,6 +10,7 @@
 //! sandboxes or HTTP. A restarted kernel gets a brand-new client: an old DEALER of the
 //! `zeromq` crate silently loses messages to a kernel restarted on the same address.
 
+mod heartbeat;
 mod log_limit;
 pub mod spec;
 pub mod zmtp;
@@ -137,12 +138,6 @@ const EVENT_CAPACITY: usize = 256;
 /// kernel as not reading.
 const QUEUE_CAPACITY: usize = 1024;
 
-/// The heartbeat echoes a few bytes; nothing bigger is accepted on it.
-const HEARTBEAT_LIMITS: MessageLimits = MessageLimits {
-    max_message: 64 * 1024,
-    max_frames: 4,
-};
-
 /// The events of one kernel, in arrival order per channel.
 ///
 /// Memory bound: every message from the kernel holds permits of a per-kernel byte budget
@@ -223,7 +218,7 @@ impl KernelClient {
             SocketType::Dealer,
             None,
         );
-        tasks.push(tokio::spawn(heartbeat_loop(
+        tasks.push(tokio::spawn(heartbeat::run(
             endpoints.hb.clone(),
             heartbeat,
             events_tx,
@@ -356,6 +351,24 @@ fn ipc_path(endpoint: &str) -> Result<&Path, String> {
         .ok_or_else(|| format!("{endpoint} is not an ipc:// endpoint"))
 }
 
+/// Why a connection to a kernel endpoint could not be made.
+#[derive(Debug)]
+struct OpenFailed {
+    reason: String,
+    /// The broker itself ran out of descriptors or memory (see
+    /// [`crate::descriptors::is_exhaustion`]): nothing is known of the kernel.
+    exhausted: bool,
+}
+
+impl OpenFailed {
+    fn kernel(reason: String) -> Self {
+        Self {
+            reason,
+            exhausted: false,
+        }
+    }
+}
+
 /// Connects to an `ipc://` endpoint and runs the ZMTP handshake, retrying while the
 /// kernel has not bound the socket yet (missing, or not listening yet) until `deadline`.
 async fn open_connection(
@@ -364,8 +377,8 @@ async fn open_connection(
     identity: Option<&[u8]>,
     limits: MessageLimits,
     deadline: Instant,
-) -> Result<(ZmtpReader, ZmtpWriter), String> {
-    let path = ipc_path(endpoint)?;
+) -> Result<(ZmtpReader, ZmtpWriter), OpenFailed> {
+    let path = ipc_path(endpoint).map_err(OpenFailed::kernel)?;
     let stream = loop {
         match zmtp::connect_ipc(path).await {
             Ok(s) => break s,
@@ -377,7 +390,12 @@ async fn open_connection(
             {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            Err(e) => return Err(format!("cannot connect to {}: {e}", path.display())),
+            Err(e) => {
+                return Err(OpenFailed {
+                    exhausted: crate::descriptors::is_exhaustion(&e),
+                    reason: format!("cannot connect to {}: {e}", path.display()),
+                })
+            }
         }
     };
     let left = deadline
@@ -385,7 +403,7 @@ async fn open_connection(
         .max(Duration::from_millis(100));
     zmtp::handshake(stream, socket_type, identity, limits, left)
         .await
-        .map_err(|e| e.to_string())
+        .map_err(|e| OpenFailed::kernel(e.to_string()))
 }
 
 type ZmtpReader = zmtp::Reader<tokio::io::ReadHalf<tokio::net::UnixStream>>;
@@ -432,7 +450,7 @@ impl Link {
         .await
         {
             Ok(c) => c,
-            Err(why) => return self.fail(why).await,
+            Err(why) => return self.fail(why.reason).await,
         };
         reader.set_budget(self.budget.clone());
         let _writer = AbortOnDrop(tokio::spawn(write_loop(writer, outgoing, channel)));
@@ -495,66 +513,6 @@ async fn write_loop(mut writer: ZmtpWriter, mut rx: mpsc::Receiver<Outgoing>, ch
             // As for reads: the sandbox reports the kernel's end; later sends fail as Closed.
             tracing::debug!(channel = channel.as_str(), error = %e, "send to kernel failed");
             break;
-        }
-    }
-}
-
-/// Ping the kernel's heartbeat (an echo behind a ROUTER, reached as REQ). Each ping
-/// carries a fresh payload and only its own echo counts; a connection that timed out is
-/// dropped and made again.
-async fn heartbeat_loop(
-    endpoint: String,
-    hb: Heartbeat,
-    events: mpsc::Sender<(KernelEvent, Option<OwnedSemaphorePermit>)>,
-) {
-    let mut misses = 0u32;
-    let mut conn: Option<(ZmtpReader, ZmtpWriter)> = None;
-    let mut n: u64 = 0;
-    loop {
-        tokio::time::sleep(hb.interval).await;
-        if events.is_closed() {
-            return;
-        }
-        n += 1;
-        let payload = Bytes::from(format!("ping-{n}"));
-        let ok = async {
-            if conn.is_none() {
-                let deadline = Instant::now() + hb.interval;
-                conn =
-                    open_connection(&endpoint, SocketType::Req, None, HEARTBEAT_LIMITS, deadline)
-                        .await
-                        .ok();
-            }
-            let (r, w) = conn.as_mut()?;
-            w.send(&[Bytes::new(), payload.clone()]).await.ok()?;
-            loop {
-                match r.next().await.ok()? {
-                    Incoming::Message(frames, _) => {
-                        if frames.len() == 2 && frames[0].is_empty() && frames[1] == payload {
-                            return Some(());
-                        }
-                    }
-                    Incoming::Ping(ctx) => zmtp::pong(w, &ctx).await.ok()?,
-                }
-            }
-        };
-        let answered = matches!(timeout(hb.interval, ok).await, Ok(Some(())));
-        if answered {
-            misses = 0;
-        } else {
-            conn = None;
-            misses += 1;
-            tracing::debug!(misses, "heartbeat missed");
-            if misses >= hb.max_misses {
-                if events
-                    .send((KernelEvent::HeartbeatLost { misses }, None))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                misses = 0;
-            }
         }
     }
 }

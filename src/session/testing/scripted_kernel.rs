@@ -39,7 +39,20 @@ pub struct ScriptedKernel {
     received: watch::Receiver<Vec<String>>,
     interrupts: watch::Receiver<usize>,
     exited: watch::Receiver<Option<i32>>,
+    heartbeat: watch::Sender<HeartbeatMode>,
     task: JoinHandle<()>,
+}
+
+/// How the heartbeat echo answers (see [`ScriptedKernel::set_heartbeat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatMode {
+    /// Echo every ping at once.
+    Echo,
+    /// Take pings but answer none until the mode changes (a kernel too busy to answer).
+    Hold,
+    /// Answer every ping with more frames than a heartbeat may carry: the broker drops each
+    /// such connection and must make a new one.
+    Garble,
 }
 
 /// What a test (or the fake process) tells the kernel besides its sockets.
@@ -79,6 +92,7 @@ impl ScriptedKernel {
         let (received_tx, received) = watch::channel(Vec::new());
         let (interrupts_tx, interrupts) = watch::channel(0);
         let (exited_tx, exited) = watch::channel(None);
+        let (heartbeat, mut hb_mode) = watch::channel(HeartbeatMode::Echo);
         let (shell_tx, shell_rx) = shell.split();
         let (control_tx, control_rx) = control.split();
         let kernel = Kernel {
@@ -98,7 +112,17 @@ impl ScriptedKernel {
             let _stdin = stdin;
             let echo = AbortOnDrop(tokio::spawn(async move {
                 while let Ok(m) = hb.recv().await {
-                    if hb.send(m).await.is_err() {
+                    let _ = hb_mode.wait_for(|m| *m != HeartbeatMode::Hold).await;
+                    let reply = if *hb_mode.borrow_and_update() == HeartbeatMode::Garble {
+                        let mut garbled = ZmqMessage::from(Bytes::from_static(b"x"));
+                        for _ in 0..8 {
+                            garbled.push_back(Bytes::from_static(b"x"));
+                        }
+                        garbled
+                    } else {
+                        m
+                    };
+                    if hb.send(reply).await.is_err() {
                         break;
                     }
                 }
@@ -114,8 +138,14 @@ impl ScriptedKernel {
             received,
             interrupts,
             exited,
+            heartbeat,
             task,
         }
+    }
+
+    /// Change how the heartbeat answers from the next ping on.
+    pub fn set_heartbeat(&self, mode: HeartbeatMode) {
+        let _ = self.heartbeat.send(mode);
     }
 
     /// Let a `gate` execution finish.
