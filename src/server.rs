@@ -141,6 +141,24 @@ pub async fn serve(
         jupyter_clients: Default::default(),
         recording: recording.clone(),
         metrics,
+        user_load: Arc::new(api::user_load::UserLoad::new(
+            clients.max_requests_per_user,
+            clients.max_websockets_per_user,
+        )),
+        auth_failures: Arc::new(api::auth_failures::AuthFailures::new(
+            clients.max_auth_failures,
+        )),
+    };
+    // Summarises and forgets the failed-authentication records whose window is over.
+    let sweeper = {
+        let failures = state.auth_failures.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(api::auth_failures::WINDOW);
+            loop {
+                every.tick().await;
+                failures.sweep(std::time::Instant::now());
+            }
+        })
     };
     let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {
@@ -154,6 +172,7 @@ pub async fn serve(
     let metrics = state.metrics.clone();
     let app = api::router(state);
     api::listener::serve(listener, app, &clients, metrics, shutdown).await;
+    sweeper.abort();
     tracing::info!("shutting down: closing sessions");
     registry.shutdown().await;
     if let Some(store) = &recording {

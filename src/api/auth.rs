@@ -1,14 +1,33 @@
 //! Token authentication. A token names a user; three forms are accepted:
 //! `Authorization: Bearer TOKEN`, `Authorization: token TOKEN` (Jupyter's) and `?token=TOKEN`
-//! (for WebSocket clients that cannot set headers). Tokens are compared in constant time.
+//! (for WebSocket clients that cannot set headers).
+//!
+//! Tokens are compared in constant time: both sides are hashed (SHA-256) first, so neither
+//! a token's bytes nor its length shows in the time a comparison takes, and every user's
+//! token is compared whichever matches.
+//!
+//! [`authenticate`] is a middleware over every route: a request with a token from an address
+//! blocked for failed authentications gets a 429 (`auth_failures.rs`); a valid token becomes
+//! the request's [`Caller`] and holds one of its user's request places (`user_load.rs`)
+//! until the response body is sent. The [`Caller`] extractor rejects the rest with a 401 and
+//! counts the failure.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Instant;
 
-use axum::extract::FromRequestParts;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::request::Parts;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::error::ApiError;
+use super::error::{ApiError, JupyterError};
+use super::metrics::Refused;
+use super::user_load::Kind;
 use super::AppState;
 use crate::sandbox::UserLimits;
 
@@ -30,7 +49,11 @@ pub struct Caller(pub Arc<User>);
 
 /// The token a request carries, if any.
 pub fn token_of(parts: &Parts) -> Option<String> {
-    if let Some(v) = parts.headers.get(axum::http::header::AUTHORIZATION) {
+    token_in(&parts.headers, &parts.uri)
+}
+
+fn token_in(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> Option<String> {
+    if let Some(v) = headers.get(axum::http::header::AUTHORIZATION) {
         let v = v.to_str().ok()?.trim();
         let (scheme, rest) = v.split_once(' ')?;
         if scheme.eq_ignore_ascii_case("bearer") || scheme.eq_ignore_ascii_case("token") {
@@ -38,8 +61,7 @@ pub fn token_of(parts: &Parts) -> Option<String> {
         }
         return None;
     }
-    let query = parts.uri.query()?;
-    url_query(query, "token")
+    url_query(uri.query()?, "token")
 }
 
 /// One parameter of a query string, percent-decoded.
@@ -74,9 +96,11 @@ fn percent_decode(s: &str) -> String {
 
 impl AppState {
     pub fn authenticate(&self, token: &str) -> Option<Arc<User>> {
+        let offered = Sha256::digest(token.as_bytes());
         let mut found = None;
         for u in self.users.iter() {
-            if bool::from(u.token.as_bytes().ct_eq(token.as_bytes())) {
+            let known = Sha256::digest(u.token.as_bytes());
+            if bool::from(known.ct_eq(&offered)) {
                 found = Some(u.clone());
             }
         }
@@ -84,16 +108,99 @@ impl AppState {
     }
 }
 
+/// The client's address, when the request came through the listener.
+fn peer(extensions: &axum::http::Extensions) -> Option<IpAddr> {
+    extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+/// Set on a request whose failed authentication was counted, so a handler with two
+/// extractors that both authenticate counts it once.
+#[derive(Clone, Copy)]
+struct FailureCounted;
+
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if let Some(caller) = parts.extensions.get::<Caller>() {
+            return Ok(caller.clone());
+        }
         let token = token_of(parts).ok_or_else(ApiError::unauthorized)?;
-        state
-            .authenticate(&token)
-            .map(Caller)
-            .ok_or_else(ApiError::unauthorized)
+        if let Some(user) = state.authenticate(&token) {
+            return Ok(Caller(user));
+        }
+        if parts.extensions.insert(FailureCounted).is_none() {
+            state.metrics.auth_failed();
+            if let Some(ip) = peer(&parts.extensions) {
+                state.auth_failures.failed(ip, Instant::now());
+            }
+        }
+        Err(ApiError::unauthorized())
     }
+}
+
+/// Middleware over every route (see the module comment).
+pub async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let Some(token) = token_in(req.headers(), req.uri()) else {
+        return next.run(req).await;
+    };
+    let jupyter = req.uri().path().starts_with("/api/");
+    if let Some(ip) = peer(req.extensions()) {
+        if let Err(left) = state.auth_failures.check(ip, Instant::now()) {
+            state.metrics.request_refused(Refused::AuthFailures);
+            let e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_auth_failures",
+                format!(
+                    "too many failed authentications from {ip}; try again in {} s",
+                    left.as_secs() + 1
+                ),
+            );
+            return with_retry_after(refusal(e, jupyter), left.as_secs() + 1);
+        }
+    }
+    let Some(user) = state.authenticate(&token) else {
+        // The handler's extractor answers 401 and counts the failure; routes that need no
+        // token carry on.
+        return next.run(req).await;
+    };
+    let name: Arc<str> = user.name.as_str().into();
+    let Some(held) = state.user_load.try_hold(&name, Kind::Request) else {
+        state.metrics.request_refused(Refused::RequestsPerUser);
+        let max = state.user_load.cap(Kind::Request);
+        let e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_requests",
+            format!("user {name} already has {max} requests in progress (the limit); wait for some to finish"),
+        );
+        return with_retry_after(refusal(e, jupyter), 1);
+    };
+    req.extensions_mut().insert(Caller(user));
+    let response = next.run(req).await;
+    // The place is held until the body is sent: a slow reader of a large body still counts.
+    response.map(|body| {
+        Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
+            let _held = &held;
+            frame
+        }))
+    })
+}
+
+fn refusal(e: ApiError, jupyter: bool) -> Response {
+    if jupyter {
+        JupyterError(e).into_response()
+    } else {
+        e.into_response()
+    }
+}
+
+fn with_retry_after(mut response: Response, secs: u64) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+        response.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    response
 }
 
 #[cfg(test)]

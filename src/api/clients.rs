@@ -22,7 +22,8 @@ use axum::response::{IntoResponse, Response};
 use http_body::{Body as _, Frame, SizeHint};
 
 use super::error::ApiError;
-use super::metrics::ClientTimeout;
+use super::metrics::{ClientTimeout, Refused};
+use super::user_load::{Held, Kind};
 use super::AppState;
 
 /// Time limits and caps on client connections. `Duration::ZERO` or a cap of 0 turns that
@@ -49,6 +50,14 @@ pub struct ClientLimits {
     pub max_connections_per_client: usize,
     /// WebSockets open at once on one session (agent streams and Jupyter channels).
     pub max_websockets_per_session: usize,
+    /// WebSockets open at once by one user, on all their sessions.
+    pub max_websockets_per_user: usize,
+    /// Requests of one user in progress at once (from the end of the headers until the
+    /// response body is sent; an upgraded WebSocket no longer counts as one).
+    pub max_requests_per_user: usize,
+    /// Failed authentications from one address within a minute after which its tokens are
+    /// refused (429) for a minute.
+    pub max_auth_failures: u32,
 }
 
 impl Default for ClientLimits {
@@ -61,6 +70,9 @@ impl Default for ClientLimits {
             max_connections: 1024,
             max_connections_per_client: 256,
             max_websockets_per_session: 64,
+            max_websockets_per_user: 256,
+            max_requests_per_user: 64,
+            max_auth_failures: 10,
         }
     }
 }
@@ -106,21 +118,43 @@ pub async fn body_deadline(State(state): State<AppState>, req: Request, next: Ne
     response
 }
 
-/// The place of a new WebSocket on `session`, or the 429 that refuses it.
+/// A WebSocket's place on its session and among its user's, held while it is open.
+pub struct WebSocketPlace {
+    _session: crate::session::ConnectionGuard,
+    _user: Held,
+}
+
+/// The place of a new WebSocket of `user` on `session`, or the 429 that refuses it.
 pub fn websocket_place(
     state: &AppState,
+    user: &str,
     session: &Arc<crate::session::Session>,
-) -> Result<crate::session::ConnectionGuard, ApiError> {
+) -> Result<WebSocketPlace, ApiError> {
     let max = state.limits.clients.max_websockets_per_session;
-    session.try_connect_client(max).ok_or_else(|| {
-        ApiError::new(
+    let Some(on_session) = session.try_connect_client(max) else {
+        state.metrics.request_refused(Refused::WebSocketsPerSession);
+        return Err(ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "too_many_websockets",
             format!(
                 "session {} already has {max} WebSockets open (the limit)",
                 session.id
             ),
-        )
+        ));
+    };
+    let user: Arc<str> = user.into();
+    let Some(of_user) = state.user_load.try_hold(&user, Kind::WebSocket) else {
+        state.metrics.request_refused(Refused::WebSocketsPerUser);
+        let max = state.user_load.cap(Kind::WebSocket);
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_websockets",
+            format!("user {user} already has {max} WebSockets open (the limit)"),
+        ));
+    };
+    Ok(WebSocketPlace {
+        _session: on_session,
+        _user: of_user,
     })
 }
 

@@ -18,12 +18,14 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tower::ServiceExt;
 
 use super::clients::ClientLimits;
 use super::metrics::{ClientTimeout, Metrics, Refusal};
@@ -158,12 +160,13 @@ pub async fn serve(
     // Each connection task holds a receiver: `closed()` resolves when all have ended.
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
+    let mut failures = AcceptFailures::default();
     loop {
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(c) => c,
                 Err(e) => {
-                    accept_failed(e).await;
+                    failures.failed(e, &metrics).await;
                     continue;
                 }
             },
@@ -185,8 +188,15 @@ pub async fn serve(
             tracing::debug!(error = %e, "could not set TCP_NODELAY");
         }
         let io = TokioIo::new(CountedStream { tcp, _slot: slot });
+        // The client's address, for the failed-authentication throttle (`auth_failures`).
+        let app = app
+            .clone()
+            .map_request(move |mut req: axum::extract::Request<_>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                req
+            });
         let conn = http
-            .serve_connection(io, TowerToHyperService::new(app.clone()))
+            .serve_connection(io, TowerToHyperService::new(app))
             .with_upgrades();
         let mut stop = stop_rx.clone();
         let metrics = metrics.clone();
@@ -223,20 +233,45 @@ pub async fn serve(
     stop_tx.closed().await;
 }
 
-/// `accept` failed. Errors of one connection are nothing; running out of descriptors
-/// (EMFILE, ENFILE) passes once some close, so wait a little rather than spin.
-async fn accept_failed(e: io::Error) {
-    if matches!(
-        e.kind(),
-        io::ErrorKind::ConnectionRefused
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::ConnectionReset
-    ) {
-        return;
-    }
-    tracing::error!(error = %e, "accept failed");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+/// Failed `accept`s, logged in summary: when descriptors run out, every accept fails
+/// until some close, and a line each would flood the log.
+#[derive(Default)]
+struct AcceptFailures {
+    last_logged: Option<tokio::time::Instant>,
+    unlogged: u64,
 }
+
+impl AcceptFailures {
+    /// `accept` failed with `e`. Errors of one connection are nothing; running out of
+    /// descriptors (EMFILE, ENFILE) passes once some close, so wait a little rather than
+    /// spin.
+    async fn failed(&mut self, e: io::Error, metrics: &Metrics) {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionRefused
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::ConnectionReset
+        ) {
+            return;
+        }
+        if crate::descriptors::is_exhaustion(&e) {
+            metrics.connection_refused(Refusal::Descriptors);
+        }
+        if self
+            .last_logged
+            .is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY)
+        {
+            self.last_logged = Some(tokio::time::Instant::now());
+            tracing::error!(error = %e, also_failed = self.unlogged, "accept failed (sessions keep their reserved descriptors; raise ulimit -n or lower --max-connections)");
+            self.unlogged = 0;
+        } else {
+            self.unlogged += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

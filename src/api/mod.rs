@@ -8,12 +8,15 @@
 //! JSON-body extractors), `shapes` (the JSON the API answers with), `error`, `metrics`,
 //! `openapi` (the document generated from the handlers); and the connections themselves:
 //! `listener` (the accept loop and its caps), `clients` (client time limits, the body
-//! deadline), `ws_liveness` (WebSocket ping/pong).
+//! deadline, WebSocket places), `ws_liveness` (WebSocket ping/pong), `user_load` (each
+//! user's requests and WebSockets under their caps), `auth_failures` (the throttle on
+//! failed authentications).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.
 
 pub mod auth;
+pub mod auth_failures;
 pub mod clients;
 pub mod error;
 pub mod extract;
@@ -27,6 +30,7 @@ mod sessions;
 pub mod shapes;
 mod stream;
 mod ui;
+pub mod user_load;
 mod ws_liveness;
 
 #[cfg(test)]
@@ -65,6 +69,10 @@ pub struct AppState {
     pub recording: Option<Arc<crate::recording::RecordingStore>>,
     /// What `/metrics` exposes besides the scrape-time values.
     pub metrics: Arc<metrics::Metrics>,
+    /// Each user's requests in progress and open WebSockets, under their caps.
+    pub user_load: Arc<user_load::UserLoad>,
+    /// Failed authentications by client address.
+    pub auth_failures: Arc<auth_failures::AuthFailures>,
 }
 
 impl AppState {
@@ -103,6 +111,10 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             clients::body_deadline,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::authenticate,
         ))
         .with_state(state)
 }

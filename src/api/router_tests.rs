@@ -77,6 +77,8 @@ fn state() -> AppState {
         jupyter_clients: Default::default(),
         recording: None,
         metrics: Arc::new(super::metrics::Metrics::new("local")),
+        user_load: Arc::new(super::user_load::UserLoad::new(0, 0)),
+        auth_failures: Arc::new(super::auth_failures::AuthFailures::new(0)),
     }
 }
 

@@ -238,10 +238,24 @@ async fn get_file(
     session.touch();
     let ws = workspace_of(&state, &session).await?;
     let max = state.limits.max_file_bytes;
-    let data = tokio::task::spawn_blocking(move || files::read(&ws, &path, max))
+    let (file, size) = tokio::task::spawn_blocking(move || files::open_for_read(&ws, &path, max))
         .await
         .map_err(|e| ApiError::internal("read file", e))??;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    // Streamed from the file as the client reads: a slow reader holds a chunk of memory,
+    // not the whole file. The size read at opening is all that is sent, whatever the kernel
+    // appends meanwhile.
+    let chunks = tokio_util::io::ReaderStream::new(tokio::io::AsyncReadExt::take(
+        tokio::fs::File::from_std(file),
+        size,
+    ));
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_LENGTH, size.to_string()),
+        ],
+        Body::from_stream(chunks),
+    )
+        .into_response())
 }
 
 /// Upload a workspace file

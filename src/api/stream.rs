@@ -1,11 +1,18 @@
 //! The agent stream: `GET /v1/sessions/{id}/stream`, a WebSocket of JSON text frames.
 //!
-//! Each connection has one writer task fed by a bounded queue; each execution gets a
-//! forwarding task that turns the session's output events into frames tagged with the
-//! client's execution id. Session state changes reach every attached client. The session
+//! Each connection has one writer task fed by an [`Outbox`] bounded in bytes; each execution
+//! gets a forwarding task that turns the session's output events into frames tagged with
+//! the client's execution id. Session state changes reach every attached client. The session
 //! never waits on a client: when a client falls behind, streamed copies are dropped and the
 //! final `done` frame still carries the whole (limited) Execution.
+//!
+//! A client that reads slowly (or not at all) costs bounded memory (issue 18): at most
+//! [`OUT_BYTES`] of frames wait for it (and as much again held for executions whose turn
+//! has not come), at most [`IN_FLIGHT`] of its executions are in the
+//! session (each bounded by the output and result limits), and the code of at most
+//! [`WAITING_MAX`] more waits here for a place.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
@@ -14,19 +21,16 @@ use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::{broadcast, mpsc, oneshot};
-
+use tokio::sync::{broadcast, mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::clients::websocket_place;
+use super::clients::{websocket_place, WebSocketPlace};
 use super::extract::{check_code, OwnedSession};
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
 use super::ws_liveness::Liveness;
 use super::AppState;
-use crate::session::{
-    ConnectionGuard, ExecRequest, OutputEvent, Session, SessionEvent, SessionState,
-};
+use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(upgrade))
@@ -49,11 +53,11 @@ async fn upgrade(
     owned: OwnedSession,
     ws: WebSocketUpgrade,
 ) -> Response {
-    let session = owned.session;
-    let place = match websocket_place(&state, &session) {
+    let place = match websocket_place(&state, &owned.caller.0.name, &owned.session) {
         Ok(place) => place,
         Err(e) => return e.into_response(),
     };
+    let session = owned.session;
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
     ws.max_message_size(max_frame)
         .on_upgrade(move |socket| serve(socket, session, state, place))
@@ -74,13 +78,128 @@ enum ClientFrame {
     Interrupt {},
 }
 
-/// Frames to the client are queued here; the writer task drains it.
+/// Events of one execution between the session actor and its forwarding task.
 const OUT_QUEUE: usize = 1024;
 
-async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place: ConnectionGuard) {
+/// Executions of one connection in the session at once (running or queued there).
+const IN_FLIGHT: usize = 4;
+
+/// Execute frames a connection may have waiting for a place among [`IN_FLIGHT`].
+const WAITING_MAX: usize = 64;
+
+/// Bytes of frames waiting for a client at most (the frame being written aside): a client
+/// that reads slowly holds this much of the broker's memory, no more.
+const OUT_BYTES: usize = 4 << 20;
+
+/// The frames waiting for the writer, bounded in bytes by [`OUT_BYTES`]. A sender waits
+/// while the client is behind; no sender is one the rest of the broker waits on: output of
+/// other clients' executions is dropped by the session's broadcast when this connection's
+/// status task lags, and an execution's streamed copies are dropped by the session actor
+/// (the `done` frame carries the whole Execution).
+#[derive(Clone)]
+struct Outbox {
+    frames: mpsc::UnboundedSender<(String, OwnedSemaphorePermit)>,
+    bytes: Arc<Semaphore>,
+    /// Streamed frames of executions held until the connection's earlier execution is
+    /// out: a budget of their own, so that what they hold never blocks the earlier one's
+    /// `done` (which may need the whole of `bytes`).
+    held: Arc<Semaphore>,
+}
+
+/// The writer's end of an [`Outbox`].
+type Outgoing = mpsc::UnboundedReceiver<(String, OwnedSemaphorePermit)>;
+
+/// The writer has stopped (the client is gone).
+struct Gone;
+
+impl Outbox {
+    fn new() -> (Self, Outgoing) {
+        let (frames, rx) = mpsc::unbounded_channel();
+        let bytes = Arc::new(Semaphore::new(OUT_BYTES));
+        let held = Arc::new(Semaphore::new(OUT_BYTES));
+        (
+            Self {
+                frames,
+                bytes,
+                held,
+            },
+            rx,
+        )
+    }
+
+    /// Queue `frame`, waiting while the frames already queued fill the budget. A frame
+    /// larger than the whole budget waits for the queue to empty.
+    async fn send(&self, frame: String) -> Result<(), Gone> {
+        let cost = frame.len().clamp(1, OUT_BYTES) as u32;
+        let permit = self
+            .bytes
+            .clone()
+            .acquire_many_owned(cost)
+            .await
+            .map_err(|_| Gone)?;
+        self.frames.send((frame, permit)).map_err(|_| Gone)
+    }
+
+    /// Queue `frame` if the budget has room for it now; drop it otherwise (output a client
+    /// may miss: another client's, or a streamed copy of what `done` carries).
+    fn offer(&self, frame: String) -> Result<(), Offer> {
+        match self.reserve(&frame) {
+            Ok(permit) => self.queue(frame, permit).map_err(|_| Offer::Gone),
+            Err(()) if self.is_gone() => Err(Offer::Gone),
+            Err(()) => Err(Offer::Dropped),
+        }
+    }
+
+    /// Room for `frame` in the budget, if there is some now.
+    fn reserve(&self, frame: &str) -> Result<OwnedSemaphorePermit, ()> {
+        let cost = frame.len().clamp(1, OUT_BYTES) as u32;
+        self.bytes
+            .clone()
+            .try_acquire_many_owned(cost)
+            .map_err(|_| ())
+    }
+
+    /// Room for `frame` among the held frames, if there is some now.
+    fn hold(&self, frame: &str) -> Result<OwnedSemaphorePermit, ()> {
+        let cost = frame.len().clamp(1, OUT_BYTES) as u32;
+        self.held
+            .clone()
+            .try_acquire_many_owned(cost)
+            .map_err(|_| ())
+    }
+
+    /// Send what was held, in order, each as it finds room in the outbox.
+    async fn release(&self, held: &mut Vec<(String, OwnedSemaphorePermit)>) -> Result<(), Gone> {
+        for (frame, _hold) in held.drain(..) {
+            self.send(frame).await?;
+        }
+        Ok(())
+    }
+
+    /// Queue a frame whose room is reserved.
+    fn queue(&self, frame: String, permit: OwnedSemaphorePermit) -> Result<(), Gone> {
+        self.frames.send((frame, permit)).map_err(|_| Gone)
+    }
+
+    /// Whether the writer has stopped.
+    fn is_gone(&self) -> bool {
+        self.frames.is_closed()
+    }
+}
+
+/// Why [`Outbox::offer`] did not queue a frame.
+#[derive(Debug)]
+enum Offer {
+    /// The budget was full: the frame was dropped.
+    Dropped,
+    /// The writer has stopped.
+    Gone,
+}
+
+async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place: WebSocketPlace) {
     let _place = place;
     let (mut sink, mut source) = socket.split();
-    let (out, mut out_rx) = mpsc::channel::<String>(OUT_QUEUE);
+    let (out, mut out_rx) = Outbox::new();
     let liveness = Liveness::new(&state.limits.clients, state.metrics.clone());
 
     let writer = {
@@ -88,17 +207,20 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
         tokio::spawn(async move {
             let mut last_ping = None;
             loop {
-                let message = tokio::select! {
+                let (message, permit) = tokio::select! {
                     text = out_rx.recv() => match text {
-                        Some(text) => WsMessage::Text(text.into()),
+                        Some((text, permit)) => (WsMessage::Text(text.into()), Some(permit)),
                         None => break,
                     },
                     () = liveness.ping_due(last_ping) => {
                         last_ping = Some(tokio::time::Instant::now());
-                        WsMessage::Ping(Default::default())
+                        (WsMessage::Ping(Default::default()), None)
                     }
                 };
-                if sink.send(message).await.is_err() {
+                // The frame's bytes stay counted until the socket has taken them.
+                let sent = sink.send(message).await;
+                drop(permit);
+                if sent.is_err() {
                     break;
                 }
             }
@@ -136,7 +258,8 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
                         {
                             let mut frame = event_value(&Value::Null, ev);
                             frame["external"] = Value::Bool(true);
-                            if out.send(frame.to_string()).await.is_err() {
+                            // Another client's output: dropped for a client that is behind.
+                            if out.offer(frame.to_string()).is_err() {
                                 return;
                             }
                         }
@@ -153,7 +276,25 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
     // execution's frames wait until the previous one's `done` was sent (its result is
     // released only once recorded, which may come after the next one's first output).
     let mut previous_done: Option<oneshot::Receiver<()>> = None;
-    while let Some(frame) = liveness.next(&mut source).await {
+    // Execute frames not yet handed to the session: at most IN_FLIGHT of this connection's
+    // executions are in the session at once, so a client that stops reading stops its
+    // executions from piling up results in the broker (the code waits here instead).
+    let mut waiting: VecDeque<(Value, String, Option<f64>)> = VecDeque::new();
+    let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+    loop {
+        let frame = tokio::select! {
+            permit = in_flight.clone().acquire_owned(), if !waiting.is_empty() => {
+                let (Ok(permit), Some(execute)) = (permit, waiting.pop_front()) else { break };
+                let previous = previous_done.take();
+                previous_done =
+                    start_execution(&state, &session, &out, execute, previous, permit).await;
+                continue;
+            }
+            frame = liveness.next(&mut source) => match frame {
+                Some(frame) => frame,
+                None => break,
+            },
+        };
         let text = match frame {
             Ok(WsMessage::Text(t)) => t,
             Ok(WsMessage::Binary(_)) => {
@@ -184,15 +325,19 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
                 code,
                 timeout_seconds,
             } => {
-                let previous = previous_done.take();
-                previous_done = start_execution(
-                    &state,
-                    &session,
-                    &out,
-                    (id, code, timeout_seconds),
-                    previous,
-                )
-                .await;
+                if waiting.len() >= WAITING_MAX {
+                    let message = format!(
+                        "{WAITING_MAX} executions are already waiting on this connection; read their results first"
+                    );
+                    let _ = out
+                        .send(
+                            json!({"type": "protocol_error", "id": id, "message": message})
+                                .to_string(),
+                        )
+                        .await;
+                    continue;
+                }
+                waiting.push_back((id, code, timeout_seconds));
             }
             ClientFrame::InputReply { value } => {
                 if let Err(e) = session.input_reply(value) {
@@ -221,7 +366,7 @@ fn status_frame(s: SessionState) -> String {
     json!({"type": "status", "state": SessionStateJson::from(s).as_str()}).to_string()
 }
 
-async fn send_protocol_error(out: &mpsc::Sender<String>, message: &str) {
+async fn send_protocol_error(out: &Outbox, message: &str) {
     let _ = out
         .send(json!({"type": "protocol_error", "message": message}).to_string())
         .await;
@@ -233,9 +378,10 @@ async fn send_protocol_error(out: &mpsc::Sender<String>, message: &str) {
 async fn start_execution(
     state: &AppState,
     session: &Arc<Session>,
-    out: &mpsc::Sender<String>,
+    out: &Outbox,
     (id, code, timeout_seconds): (Value, String, Option<f64>),
     previous: Option<oneshot::Receiver<()>>,
+    in_flight: OwnedSemaphorePermit,
 ) -> Option<oneshot::Receiver<()>> {
     let fail = |message: String| {
         json!({"type": "protocol_error", "id": id, "message": message}).to_string()
@@ -266,16 +412,44 @@ async fn start_execution(
     let out = out.clone();
     let (sent_tx, sent_rx) = oneshot::channel();
     tokio::spawn(async move {
-        if let Some(previous) = previous {
-            // Err: the previous task ended without sending; nothing to wait for.
-            let _ = previous.await;
-        }
-        while let Some(ev) = stream_rx.recv().await {
-            if out.send(event_frame(&id, ev)).await.is_err() {
+        let _in_flight = in_flight;
+        // Streamed copies are taken as they come, whatever the client's pace: while the
+        // previous execution's frames are still going out they are held within a budget
+        // of their own, and dropped past it (as they are for a client that is behind);
+        // the `done` frame carries the whole Execution either way.
+        let mut previous = previous;
+        let mut held = Vec::new();
+        loop {
+            let ev = tokio::select! {
+                biased;
+                () = settled(&mut previous) => {
+                    previous = None;
+                    if out.release(&mut held).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                ev = stream_rx.recv() => ev,
+            };
+            let Some(ev) = ev else { break };
+            let frame = event_frame(&id, ev);
+            let kept = if previous.is_some() {
+                out.hold(&frame).map(|permit| held.push((frame, permit)))
+            } else {
+                out.offer(frame).map_err(|_| ())
+            };
+            if kept.is_err() && out.is_gone() {
                 return;
             }
         }
         // The stream closes when the execution is finished; then the result is there.
+        if let Some(previous) = previous {
+            // Err: the previous task ended without sending; nothing to wait for.
+            let _ = previous.await;
+        }
+        if out.release(&mut held).await.is_err() {
+            return;
+        }
         if let Ok(execution) = done_rx.await {
             let execution = ExecutionJson::from(execution);
             let _ = out
@@ -285,6 +459,18 @@ async fn start_execution(
         let _ = sent_tx.send(());
     });
     Some(sent_rx)
+}
+
+/// Resolves once the previous execution's frames are out; never when there is nothing to
+/// wait for (`None`), so the `select!` branch it feeds stays quiet.
+async fn settled(previous: &mut Option<oneshot::Receiver<()>>) {
+    match previous {
+        // Err: the previous task ended without sending; nothing more to wait for.
+        Some(rx) => {
+            let _ = rx.await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 fn event_frame(id: &Value, ev: OutputEvent) -> String {

@@ -135,6 +135,15 @@ pub struct ServeArgs {
     /// WebSockets open at once on one session (agent streams and Jupyter channels); past it 429; 0 no cap [default: 64]
     #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_SESSION")]
     pub max_websockets_per_session: Option<usize>,
+    /// WebSockets open at once by one user, on all their sessions; past it 429; 0 no cap [default: 256]
+    #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_USER")]
+    pub max_websockets_per_user: Option<usize>,
+    /// Requests of one user in progress at once; past it 429; 0 no cap [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_REQUESTS_PER_USER")]
+    pub max_requests_per_user: Option<usize>,
+    /// Failed authentications from one address within a minute before its tokens are refused (429) for a minute; 0 never [default: 10]
+    #[arg(long, env = "KERNEL_BROKER_MAX_AUTH_FAILURES")]
+    pub max_auth_failures: Option<u32>,
     /// Live sessions one user may hold [default: 20]
     #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
     pub max_sessions_per_user: Option<usize>,
@@ -496,6 +505,11 @@ fn client_limits(args: &ServeArgs, file: &ServeArgs) -> Result<ClientLimits, Con
         either!(args, file, max_connections_per_client).unwrap_or(c.max_connections_per_client);
     c.max_websockets_per_session =
         either!(args, file, max_websockets_per_session).unwrap_or(c.max_websockets_per_session);
+    c.max_websockets_per_user =
+        either!(args, file, max_websockets_per_user).unwrap_or(c.max_websockets_per_user);
+    c.max_requests_per_user =
+        either!(args, file, max_requests_per_user).unwrap_or(c.max_requests_per_user);
+    c.max_auth_failures = either!(args, file, max_auth_failures).unwrap_or(c.max_auth_failures);
     Ok(c)
 }
 

@@ -180,8 +180,14 @@ pub fn write(
     Ok(())
 }
 
-/// Read `rel` from the workspace, refusing files larger than `max`.
-pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionError> {
+/// Open `rel` in the workspace for reading, refusing what is not a regular file and files
+/// larger than `max`. Returns the file and its size at the time of opening (the kernel may
+/// change it after; readers read at most that many bytes).
+pub fn open_for_read(
+    workspace: &Path,
+    rel: &str,
+    max: usize,
+) -> Result<(std::fs::File, u64), SessionError> {
     let rel = clean_relative(rel)?;
     let root = open_root(workspace)?;
     let fd = open_beneath(&root, &rel, libc::O_RDONLY | libc::O_NONBLOCK, 0)
@@ -208,10 +214,16 @@ pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionE
             max
         )));
     }
-    let mut buf = Vec::with_capacity(meta.size() as usize);
-    f.take(max as u64 + 1)
+    Ok((f, meta.size()))
+}
+
+/// Read `rel` from the workspace, refusing files larger than `max`.
+pub fn read(workspace: &Path, rel: &str, max: usize) -> Result<Vec<u8>, SessionError> {
+    let (f, size) = open_for_read(workspace, rel, max)?;
+    let mut buf = Vec::with_capacity(size as usize);
+    f.take(size)
         .read_to_end(&mut buf)
-        .map_err(|e| io_err("read", &rel, e))?;
+        .map_err(|e| io_err("read", Path::new(rel), e))?;
     Ok(buf)
 }
 

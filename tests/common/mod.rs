@@ -2,6 +2,8 @@
 //! ipykernel) on 127.0.0.1:0 with two users, and small HTTP and WebSocket clients.
 #![allow(dead_code)]
 
+pub mod spawned;
+
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -28,13 +28,13 @@ use uuid::Uuid;
 
 use super::framing::{decode_binary, decode_legacy_json, encode_frame, Framing, V1_PROTOCOL};
 use crate::api::auth::url_query;
-use crate::api::clients::websocket_place;
+use crate::api::clients::{websocket_place, WebSocketPlace};
 use crate::api::error::JupyterError;
 use crate::api::extract::OwnedKernel;
 use crate::api::shapes::ErrorResponse;
 use crate::api::ws_liveness::Liveness;
 use crate::api::AppState;
-use crate::session::{ConnectionGuard, Session, SessionEvent, SessionState};
+use crate::session::{Session, SessionEvent, SessionState};
 use crate::wire::{Channel, Message};
 
 /// How long a disconnected client's subscription waits for it to come back.
@@ -135,11 +135,11 @@ pub(super) async fn channels(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
-    let session = kernel.session;
-    let place = match websocket_place(&state, &session) {
+    let place = match websocket_place(&state, &kernel.caller.0.name, &kernel.session) {
         Ok(place) => place,
         Err(e) => return JupyterError(e).into_response(),
     };
+    let session = kernel.session;
     let client_id = query
         .as_deref()
         .and_then(|q| url_query(q, "session_id"))
@@ -160,7 +160,7 @@ const WRITER_STOP: Duration = Duration::from_secs(5);
 
 async fn serve_channels(
     socket: WebSocket,
-    (session, _place): (Arc<Session>, ConnectionGuard),
+    (session, _place): (Arc<Session>, WebSocketPlace),
     state: AppState,
     client_id: Option<String>,
     framing: Framing,

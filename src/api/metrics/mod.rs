@@ -62,14 +62,53 @@ pub enum Refusal {
     MaxConnections,
     /// `max_connections_per_client` were open from the same address.
     MaxConnectionsPerClient,
+    /// `accept` itself failed: the broker had no descriptor for the connection (counted
+    /// once per failed accept; the descriptor budget is there to keep this at 0).
+    Descriptors,
 }
 
 impl Refusal {
-    const ALL: [Refusal; 2] = [Refusal::MaxConnections, Refusal::MaxConnectionsPerClient];
+    const ALL: [Refusal; 3] = [
+        Refusal::MaxConnections,
+        Refusal::MaxConnectionsPerClient,
+        Refusal::Descriptors,
+    ];
     fn label(self) -> ReasonLabel {
         let reason = match self {
             Refusal::MaxConnections => "max_connections",
             Refusal::MaxConnectionsPerClient => "max_connections_per_client",
+            Refusal::Descriptors => "descriptors",
+        };
+        ReasonLabel { reason }
+    }
+}
+
+/// Why a request was answered 429 before it reached its handler's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// `max_websockets_per_session` WebSockets were open on the session.
+    WebSocketsPerSession,
+    /// `max_websockets_per_user` WebSockets were open by the user.
+    WebSocketsPerUser,
+    /// `max_requests_per_user` requests of the user were in progress.
+    RequestsPerUser,
+    /// The client's address was blocked for failed authentications.
+    AuthFailures,
+}
+
+impl Refused {
+    const ALL: [Refused; 4] = [
+        Refused::WebSocketsPerSession,
+        Refused::WebSocketsPerUser,
+        Refused::RequestsPerUser,
+        Refused::AuthFailures,
+    ];
+    fn label(self) -> ReasonLabel {
+        let reason = match self {
+            Refused::WebSocketsPerSession => "websockets_per_session",
+            Refused::WebSocketsPerUser => "websockets_per_user",
+            Refused::RequestsPerUser => "requests_per_user",
+            Refused::AuthFailures => "auth_failures",
         };
         ReasonLabel { reason }
     }
@@ -139,6 +178,8 @@ pub struct Metrics {
     connections_refused: Family<ReasonLabel, Counter>,
     connections_timed_out: Family<ReasonLabel, Counter>,
     client_connections: Gauge,
+    requests_refused: Family<ReasonLabel, Counter>,
+    auth_failures: Counter,
 }
 
 impl Metrics {
@@ -213,11 +254,26 @@ impl Metrics {
             "Client TCP connections open now.",
             client_connections.clone(),
         );
+        let requests_refused = Family::<ReasonLabel, Counter>::default();
+        let auth_failures = Counter::default();
+        registry.register(
+            "requests_refused",
+            "Requests answered 429 by a client cap (websockets_per_session, websockets_per_user, requests_per_user, auth_failures).",
+            requests_refused.clone(),
+        );
+        registry.register(
+            "auth_failures",
+            "Requests whose token matched no user.",
+            auth_failures.clone(),
+        );
         for r in Refusal::ALL {
             let _ = connections_refused.get_or_create(&r.label());
         }
         for t in ClientTimeout::ALL {
             let _ = connections_timed_out.get_or_create(&t.label());
+        }
+        for r in Refused::ALL {
+            let _ = requests_refused.get_or_create(&r.label());
         }
         let backend = BackendLabel {
             backend: backend.to_string(),
@@ -240,7 +296,19 @@ impl Metrics {
             connections_refused,
             connections_timed_out,
             client_connections,
+            requests_refused,
+            auth_failures,
         }
+    }
+
+    /// A request was answered 429 by the cap `why`.
+    pub fn request_refused(&self, why: Refused) {
+        self.requests_refused.get_or_create(&why.label()).inc();
+    }
+
+    /// A request's token matched no user.
+    pub fn auth_failed(&self) {
+        self.auth_failures.inc();
     }
 
     /// A client connection was closed at accept because of `why`.

@@ -39,6 +39,8 @@ pub struct ScriptedKernel {
     received: watch::Receiver<Vec<String>>,
     interrupts: watch::Receiver<usize>,
     exited: watch::Receiver<Option<i32>>,
+    // Used by tests/descriptors.rs, not by the session layer's own tests.
+    #[allow(dead_code)]
     heartbeat: watch::Sender<HeartbeatMode>,
     task: JoinHandle<()>,
 }
@@ -144,6 +146,7 @@ impl ScriptedKernel {
     }
 
     /// Change how the heartbeat answers from the next ping on.
+    #[allow(dead_code)]
     pub fn set_heartbeat(&self, mode: HeartbeatMode) {
         let _ = self.heartbeat.send(mode);
     }
