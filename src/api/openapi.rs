@@ -54,7 +54,10 @@ impl Modify for SecuritySchemes {
     info(
         title = "kernel-broker",
         description = "Long-lived, sandboxed IPython sessions for agents and notebook frontends. \
-                       See docs/API.md. Generated from the handlers (src/api/openapi.rs)."
+                       See docs/API.md. Generated from the handlers (src/api/openapi.rs). \
+                       Any request with a token may be answered 429 `too_many_requests` (the \
+                       user's requests in progress are capped) or `too_many_auth_failures` (its \
+                       address failed to authenticate too often), with `Retry-After`."
     ),
     security(("bearer" = []), ("jupyterToken" = []), ("queryToken" = [])),
     components(schemas(ErrorBody, ErrorDetail), responses(ErrorResponse)),
