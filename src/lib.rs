@@ -20,11 +20,12 @@
 //! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
 //!   layer knows HTTP and the external JSON shapes.
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
-//!   and drains them on shutdown.
+//!   and drains them on shutdown; [`instance_lock`]: one broker per data directory.
 
 pub mod api;
 pub mod config;
 pub mod descriptors;
+pub mod instance_lock;
 pub mod kernel;
 pub mod recording;
 pub mod replay;

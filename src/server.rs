@@ -30,6 +30,8 @@ pub enum ServerError {
     Recording(#[from] crate::recording::RecordingError),
     #[error("the server failed: {0}")]
     Serve(#[source] std::io::Error),
+    #[error(transparent)]
+    Lock(#[from] crate::instance_lock::LockError),
     #[error("could not create the data directory {path}: {source}")]
     DataDir {
         path: std::path::PathBuf,
@@ -108,6 +110,10 @@ pub async fn serve(
         path: settings.data_dir.clone(),
         source,
     })?;
+    let addr = listener.local_addr().map_err(ServerError::Serve)?;
+    // Before anything is swept: the leftovers under this data directory are ours only if
+    // no other broker is running on it.
+    let _lock = crate::instance_lock::InstanceLock::acquire(&settings.data_dir, &addr.to_string())?;
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
@@ -160,7 +166,6 @@ pub async fn serve(
             }
         })
     };
-    let addr = listener.local_addr().map_err(ServerError::Serve)?;
     if settings.token_source == TokenSource::Generated {
         // Printed once, as Jupyter does, so the operator can connect.
         eprintln!(

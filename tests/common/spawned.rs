@@ -95,6 +95,15 @@ impl SpawnedBroker {
         }
     }
 
+    /// The broker's data directory and users file.
+    pub fn data_dir(&self) -> std::path::PathBuf {
+        self._tmp.path().join("data")
+    }
+
+    pub fn users_file(&self) -> std::path::PathBuf {
+        self._tmp.path().join("users.toml")
+    }
+
     pub fn api(&self, token: &str) -> Api {
         Api {
             http: reqwest::Client::new(),

@@ -1,0 +1,53 @@
+//! Brokers side by side (issue 11): a second broker on a data directory in use refuses to
+//! start and names the running one; the running one is untouched.
+
+mod common;
+
+use std::time::Duration;
+
+use common::spawned::SpawnedBroker;
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_broker_on_the_same_data_directory_is_refused() {
+    let first = SpawnedBroker::start(&[], None);
+    let api = first.api(ALICE);
+    let id = api.create().await;
+    assert_eq!(api.execute(&id, "x = 7").await["status"], "ok");
+
+    let second = tokio::task::spawn_blocking({
+        let data_dir = first.data_dir();
+        let users = first.users_file();
+        move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_kernel-broker"))
+                .args(["serve", "--listen", "127.0.0.1:0"])
+                .arg("--data-dir")
+                .arg(&data_dir)
+                .arg("--users-file")
+                .arg(&users)
+                .arg("--kernels-dir")
+                .arg(repo().join("kernels"))
+                .env_remove("KERNEL_BROKER_TOKEN")
+                .output()
+                .unwrap()
+        }
+    });
+    let out = within(60, "the second broker to give up", second)
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("is in use by another kernel-broker"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("listening on {}", first.addr)),
+        "{stderr}"
+    );
+    // The first broker and its session are untouched.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let v = api.execute(&id, "x * 6").await;
+    assert_eq!(v["results"][0]["data"]["text/plain"], "42", "{v}");
+    first.stop().await;
+}
