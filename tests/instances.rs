@@ -51,3 +51,54 @@ async fn a_second_broker_on_the_same_data_directory_is_refused() {
     assert_eq!(v["results"][0]["data"]["text/plain"], "42", "{v}");
     first.stop().await;
 }
+
+/// Two brokers with default settings and different data directories: the second one's
+/// start-up sweep, its kernels and its shutdown leave the first one's kernels alone
+/// (before, a starting broker killed every kernel under the shared `kernel-broker` cgroup).
+async fn side_by_side(backend: &str) {
+    let args: &[&str] = &["--sandbox", backend];
+    let first = SpawnedBroker::start_with_defaults(args);
+    let a = first.api(ALICE);
+    let id = a.create().await;
+    assert_eq!(a.execute(&id, "x = 7").await["status"], "ok");
+
+    let second = SpawnedBroker::start_with_defaults(args);
+    let b = second.api(ALICE);
+    let other = b.create().await;
+    let v = b.execute(&other, "y = 1").await;
+    assert_eq!(v["status"], "ok", "{v}");
+    // The first broker's session lived through the second's start.
+    let v = a.execute(&id, "x * 6").await;
+    assert_eq!(v["results"][0]["data"]["text/plain"], "42", "{v}");
+    if backend == "local" {
+        // Different uid ranges: the kernels of the two alices are different host users.
+        assert_ne!(
+            v_uid(&a, &id).await,
+            v_uid(&b, &other).await,
+            "both brokers' alices run as one host uid"
+        );
+    }
+    // The second broker stops (shutting its kernels down); the first carries on.
+    second.stop().await;
+    let v = a.execute(&id, "x + 1").await;
+    assert_eq!(v["results"][0]["data"]["text/plain"], "8", "{v}");
+    first.stop().await;
+}
+
+async fn v_uid(api: &Api, id: &str) -> serde_json::Value {
+    api.execute(id, "import os; os.getuid()").await["results"][0]["data"]["text/plain"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_brokers_side_by_side_leave_each_other_alone() {
+    side_by_side("local").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_brokers_side_by_side_leave_each_other_alone() {
+    if !docker_ready() {
+        eprintln!("skipped: Docker is not available");
+        return;
+    }
+    side_by_side("docker").await;
+}

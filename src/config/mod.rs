@@ -174,10 +174,10 @@ pub struct ServeArgs {
     /// Python interpreter that runs kernels [default: <kernels-dir>/.venv/bin/python]
     #[arg(long, env = "KERNEL_BROKER_PYTHON")]
     pub python: Option<PathBuf>,
-    /// First host uid for kernels of the local sandbox (user N runs as base+N+1) [default: 200000]
+    /// First host uid for kernels of the local sandbox (user N runs as base+N+1) [default: 200000 + 10000 × (a hash of the data directory mod 10000)]
     #[arg(long, env = "KERNEL_BROKER_UID_BASE")]
     pub uid_base: Option<u32>,
-    /// Name of the broker's cgroup (everything below it is the broker's) [default: kernel-broker]
+    /// Name of the broker's cgroup (everything below it is the broker's and swept at start) [default: kernel-broker-<hash of the data directory>]
     #[arg(long, env = "KERNEL_BROKER_CGROUP_NAME")]
     pub cgroup_name: Option<String>,
     /// Refuse to start when cgroup limits cannot be enforced [default: true]

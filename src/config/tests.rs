@@ -43,7 +43,10 @@ container_idle = 9
     let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
     assert_eq!(s.local.uid_base, 300_000);
     assert_eq!(s.local.python, PathBuf::from("/k/.venv/bin/python"));
-    assert_eq!(s.local.cgroup_name, "kernel-broker");
+    // Named after the data directory, so brokers side by side keep apart.
+    let (cgroup, _) = crate::sandbox::local::instance_defaults(&s.data_dir);
+    assert_eq!(s.local.cgroup_name, cgroup);
+    assert!(s.local.cgroup_name.starts_with("kernel-broker-"));
     assert!(s.local.require_limits);
     assert_eq!(s.docker.image, "img:1");
     assert_eq!(s.docker.container_idle, Duration::from_secs(9));
@@ -173,4 +176,35 @@ fn websockets_per_session_default_and_override() {
     };
     let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
     assert_eq!(s.clients.max_websockets_per_session, 3);
+}
+
+#[test]
+fn brokers_with_different_data_directories_get_their_own_cgroup_and_uids() {
+    use crate::sandbox::local::instance_defaults;
+    let (a_cgroup, a_uid) = instance_defaults(Path::new("/var/lib/broker-a"));
+    let (b_cgroup, b_uid) = instance_defaults(Path::new("/var/lib/broker-b"));
+    assert_ne!(a_cgroup, b_cgroup);
+    assert_ne!(a_uid, b_uid);
+    for uid in [a_uid, b_uid] {
+        assert!((200_000..200_000 + 10_000 * 10_000).contains(&uid));
+        assert_eq!(uid % 10_000, 0);
+    }
+    // The same directory, spelled relative or absolute, is the same instance.
+    let here = std::env::current_dir().unwrap();
+    assert_eq!(
+        instance_defaults(Path::new("data")),
+        instance_defaults(&here.join("data"))
+    );
+    // Given explicitly, the values are taken as they are.
+    let args = ServeArgs {
+        data_dir: Some("/var/lib/broker-a".into()),
+        uid_base: Some(300_000),
+        cgroup_name: Some("mine".into()),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert_eq!(
+        (s.local.cgroup_name.as_str(), s.local.uid_base),
+        ("mine", 300_000)
+    );
 }

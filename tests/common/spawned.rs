@@ -19,9 +19,20 @@ pub struct SpawnedBroker {
 }
 
 impl SpawnedBroker {
-    /// Start the binary with `args` added to the defaults (port 0, no pool), and at most
-    /// `nofile` descriptors when given.
+    /// Start the binary with `args` added to the defaults (port 0, no pool, a cgroup name of
+    /// its own), and at most `nofile` descriptors when given.
     pub fn start(args: &[&str], nofile: Option<u64>) -> Self {
+        let cgroup = format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple());
+        Self::spawn(args, nofile, Some(cgroup))
+    }
+
+    /// Start the binary with `args` and the broker's own default cgroup name and uid range
+    /// (derived from its data directory).
+    pub fn start_with_defaults(args: &[&str]) -> Self {
+        Self::spawn(args, None, None)
+    }
+
+    fn spawn(args: &[&str], nofile: Option<u64>, cgroup: Option<String>) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let users = tmp.path().join("users.toml");
         std::fs::write(
@@ -31,7 +42,6 @@ impl SpawnedBroker {
             ),
         )
         .unwrap();
-        let cgroup = format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple());
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--pool-size", "0"])
@@ -41,12 +51,14 @@ impl SpawnedBroker {
             .arg(tmp.path().join("data"))
             .arg("--kernels-dir")
             .arg(repo().join("kernels"))
-            .args(["--cgroup-name", &cgroup])
             .args(args)
             .env_remove("KERNEL_BROKER_TOKEN")
             .env("KERNEL_BROKER_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        if let Some(cgroup) = &cgroup {
+            cmd.args(["--cgroup-name", cgroup]);
+        }
         if let Some(n) = nofile {
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
             unsafe {

@@ -111,18 +111,22 @@ pub struct LocalSandboxConfig {
 }
 
 impl LocalSandboxConfig {
-    /// The defaults for a data directory and a `kernels/` directory.
+    /// The defaults for a data directory and a `kernels/` directory. Brokers on one host
+    /// with different data directories get different cgroups and uid ranges by default
+    /// (see [`instance_defaults`]), so none touches another's kernels.
     pub fn new(data_dir: impl Into<PathBuf>, kernels_dir: impl Into<PathBuf>) -> Self {
         let kernels_dir = kernels_dir.into();
+        let data_dir = data_dir.into();
+        let (cgroup_name, uid_base) = instance_defaults(&data_dir);
         Self {
-            data_dir: data_dir.into(),
+            data_dir,
             python: kernels_dir.join(".venv/bin/python"),
             kernels_dir,
-            uid_base: 200_000,
+            uid_base,
             require_limits: true,
             extra_ro_binds: Vec::new(),
             run_dir: None,
-            cgroup_name: "kernel-broker".to_string(),
+            cgroup_name,
             kernel_specs: None,
         }
     }
@@ -139,6 +143,19 @@ impl LocalSandboxConfig {
         let euid = unsafe { libc::geteuid() };
         choose_run_base(&cfg, euid == 0, euid)
     }
+}
+
+/// The cgroup name and first kernel uid of the broker on `data_dir`: `kernel-broker-<hash>`
+/// (the hash that also names its runtime directories and Docker containers) and
+/// `200000 + 10000 × (hash mod 10000)`, room for 10,000 users each. Two brokers with
+/// different data directories thus sweep, limit and kill only their own kernels, and their
+/// kernels never share a uid (unless the hashes collide mod 10,000: set `--uid-base` to
+/// choose ranges by hand).
+pub fn instance_defaults(data_dir: &Path) -> (String, u32) {
+    let absolute = std::path::absolute(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let hash = super::fsutil::data_dir_hash(&absolute);
+    let n = u32::from_str_radix(&hash, 16).unwrap_or(0) % 10_000;
+    (format!("kernel-broker-{hash}"), 200_000 + 10_000 * n)
 }
 
 /// The local sandbox backend.
