@@ -481,21 +481,23 @@ class Sess:
 class Broker:
     label = "kernel-broker"
 
-    def __init__(self, binary, sandbox="local", pool_size=1, tag=""):
+    def __init__(self, binary, sandbox="local", pool_size=1, tag="", extra_args=(), data_dir=None,
+                 memory_limit=16 << 30):
         self.sandbox = sandbox
         self.tmp = tempfile.mkdtemp(prefix=f"kb-bench-{sandbox}{tag}-")
         on_exit(lambda: shutil.rmtree(self.tmp, ignore_errors=True))
-        self.data_dir = f"{self.tmp}/data"
+        self.data_dir = data_dir or f"{self.tmp}/data"
+        self.cgroup_name = f"kernel-broker-bench-{uuid.uuid4().hex[:10]}"
         self.tokens = [f"bench-{i}-{uuid.uuid4().hex}" for i in range(USERS)]
         users = Path(self.tmp, "users.toml")
         users.write_text("".join(f'[[user]]\nname = "bench{i}"\ntoken = "{t}"\n\n' for i, t in enumerate(self.tokens)))
         args = [str(binary), "serve", "--listen", "127.0.0.1:0", "--users-file", str(users),
                 "--data-dir", self.data_dir, "--kernels-dir", str(REPO / "kernels"),
-                "--cgroup-name", f"kernel-broker-bench-{uuid.uuid4().hex[:10]}",
+                "--cgroup-name", self.cgroup_name,
                 "--sandbox", sandbox, "--pool-size", str(pool_size),
                 # one user's limits cover all its kernels: room for 100 sessions over 4 users
-                "--memory-limit", str(16 << 30), "--pids-limit", "8192", "--cpu-limit", "2",
-                "--max-sessions-per-user", "200"]
+                "--memory-limit", str(memory_limit), "--pids-limit", "8192", "--cpu-limit", "2",
+                "--max-sessions-per-user", "200", *extra_args]
         env = dict(os.environ, KERNEL_BROKER_LOG="warn,kernel_broker::server=info")
         env.pop("KERNEL_BROKER_TOKEN", None)
         self.log = collections.deque(maxlen=200)
