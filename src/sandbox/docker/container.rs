@@ -310,7 +310,7 @@ mod tests {
             memory_bytes: 1 << 30,
             cpus: 1.5,
             pids: 256,
-            workspace_quota_bytes: 0,
+            ..UserLimits::default()
         });
         assert_eq!(l.memory, Some(1 << 30));
         assert_eq!(l.nano_cpus, Some(1_500_000_000));
@@ -319,7 +319,7 @@ mod tests {
             memory_bytes: 0,
             cpus: 0.0,
             pids: 0,
-            workspace_quota_bytes: 0,
+            ..UserLimits::default()
         });
         assert_eq!((none.memory, none.nano_cpus, none.pids), (None, None, None));
     }
@@ -421,6 +421,7 @@ mod tests {
             cpus,
             pids,
             workspace_quota_bytes: 0,
+            ..UserLimits::default()
         };
         for case in [
             Case {

@@ -32,7 +32,7 @@ use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
+use crate::sandbox::{thread_env, KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// How long bwrap may take to report the sandbox's init pid.
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -82,10 +82,12 @@ impl LocalSandbox {
 
         if let Some(cg) = &cgroups {
             let (cg2, name, limits) = (cg.clone(), user.name.clone(), user.limits.clone());
-            let leaf =
-                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, session))
-                    .await
-                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
+            let kernel_limits = spec.limits;
+            let leaf = tokio::task::spawn_blocking(move || {
+                cg2.create_leaf(&name, &limits, &kernel_limits, session)
+            })
+            .await
+            .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
             guard.leaf = Some((cg.clone(), leaf));
         }
 
@@ -93,7 +95,8 @@ impl LocalSandbox {
             workspace: &workspace,
             rundir: &rundir,
             ids,
-            tmp_size: Some(user.limits.memory_bytes).filter(|b| *b > 0),
+            // /tmp's pages are the kernel's memory: no larger than its limit.
+            tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: resource_dir.as_deref(),
             argv: &argv,
         };
@@ -107,6 +110,7 @@ impl LocalSandbox {
             watch,
             init_pid: OnceLock::new(),
             bwrap_pid: child.id().and_then(|p| i32::try_from(p).ok()),
+            memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
         });
         let (cgroups, leaf) = guard
             .leaf
@@ -120,7 +124,9 @@ impl LocalSandbox {
             leaf,
             cgroups,
             rundir,
-            memory_limit: user.limits.memory_bytes,
+            limits: spec.limits,
+            workspace: workspace.clone(),
+            quota_bytes: user.limits.workspace_quota_bytes,
             table: self.kernels.clone(),
             tail: tail.clone(),
         };
@@ -185,6 +191,7 @@ impl LocalSandbox {
         cmd.args(&args)
             .env_clear()
             .envs(kernel_env(&self.venv, &user.name))
+            .envs(thread_env(&user.limits))
             .envs(spec_env)
             .envs(spec.env.iter().cloned())
             .current_dir("/")
