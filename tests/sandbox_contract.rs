@@ -301,6 +301,11 @@ async fn a_kernel_past_its_own_limits_is_stopped_alone_while_its_user_has_room(
         );
         let mut victim = start(h.sandbox(), &alice).await;
         let mut bystander = start(h.sandbox(), &alice).await;
+        // When the host runs out, kernels go before the broker.
+        let o = bystander
+            .run("print(open('/proc/self/oom_score_adj').read().strip())")
+            .await;
+        assert_eq!(o.out(), "500", "{o:?}");
         // The bystander holds 100 MB, and its use is what its cgroup counts.
         let before = bystander.process().memory_used().expect("memory use");
         bystander

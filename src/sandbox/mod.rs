@@ -113,6 +113,13 @@ pub fn thread_env(limits: &UserLimits) -> Vec<(String, String)> {
     .collect()
 }
 
+/// The `oom_score_adj` of every kernel process. When the host as a whole runs out of memory
+/// (more is admitted across users than the host has), its OOM killer picks by this score
+/// plus each process's share of RAM: with +500 it kills kernels, the biggest first, before
+/// the broker or anything else on the host (whose scores stay near 0). Raising one's own
+/// score needs no privilege.
+pub const KERNEL_OOM_SCORE_ADJ: i64 = 500;
+
 /// Limits of one kernel, inside its user's: its own cgroup (local) or its own cgroup inside
 /// the user's container (docker). 0 means none of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

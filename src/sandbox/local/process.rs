@@ -32,7 +32,9 @@ use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{thread_env, KernelProcess, LaunchSpec, Launched, SandboxError};
+use crate::sandbox::{
+    thread_env, KernelProcess, LaunchSpec, Launched, SandboxError, KERNEL_OOM_SCORE_ADJ,
+};
 
 /// How long bwrap may take to report the sandbox's init pid.
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -212,6 +214,7 @@ impl LocalSandbox {
                 for path in &procs {
                     join_cgroup(path)?;
                 }
+                raise_oom_score()?;
                 // Let bwrap inherit the info pipe and the filter (created close-on-exec so
                 // that no other child of the broker does).
                 inherit_fd(info_fd)?;
@@ -269,6 +272,29 @@ fn join_cgroup(path: &CString) -> io::Result<()> {
         let err = io::Error::last_os_error();
         libc::close(fd);
         if written != 1 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// Writes [`KERNEL_OOM_SCORE_ADJ`] to `/proc/self/oom_score_adj`: the host's OOM killer
+/// picks kernels before the broker. Runs between fork and exec: async-signal-safe calls
+/// only (the value is a constant, formatted at compile time).
+fn raise_oom_score() -> io::Result<()> {
+    const PATH: &[u8] = b"/proc/self/oom_score_adj\0";
+    const VALUE: &[u8] = b"500";
+    const _: () = assert!(KERNEL_OOM_SCORE_ADJ == 500);
+    // SAFETY: PATH is NUL-terminated; VALUE is a static slice; `fd` is closed once.
+    unsafe {
+        let fd = libc::open(PATH.as_ptr().cast(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let written = libc::write(fd, VALUE.as_ptr().cast(), VALUE.len());
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if written != VALUE.len() as isize {
             return Err(err);
         }
     }
