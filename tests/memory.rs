@@ -160,6 +160,17 @@ async fn a_session_past_its_own_limit_dies_alone_with_a_clear_reason(sb: &'stati
         .execute(&idle, "print(int(data.sum()) // 1000000)")
         .await;
     assert_eq!(x["stdout"], "80\n", "{x}");
+    // /metrics shows each of the caller's sessions' limit and use; Bob sees only totals.
+    let (_, text) = api.get("/metrics").await;
+    let text = text.as_str().unwrap().to_string();
+    let limit = format!("kernel_broker_session_memory_limit_bytes{{session=\"{idle}\"}} 268435456");
+    assert!(text.lines().any(|l| l == limit), "{text}");
+    let used = format!("kernel_broker_session_memory_used_bytes{{session=\"{idle}\"}} ");
+    assert!(text.lines().any(|l| l.starts_with(&used)), "{text}");
+    let reserved = "kernel_broker_memory_reserved_bytes{holder=\"sessions\"} 469762048";
+    assert!(text.lines().any(|l| l == reserved), "{text}");
+    let (_, text) = broker.api(BOB).get("/metrics").await;
+    assert!(!text.as_str().unwrap().contains(&idle), "{text}");
     broker.stop().await;
 }
 

@@ -74,6 +74,19 @@ impl Ledger {
         })
     }
 
+    /// What all users hold now, together.
+    pub fn usage_all(&self) -> MemoryUse {
+        lock(&self.users)
+            .values()
+            .fold(MemoryUse::default(), |mut all, u| {
+                all.session_bytes += u.session_bytes;
+                all.sessions += u.sessions;
+                all.pooled_bytes += u.pooled_bytes;
+                all.pooled += u.pooled;
+                all
+            })
+    }
+
     /// What `user` holds now.
     pub fn usage(&self, user: &str) -> MemoryUse {
         lock(&self.users).get(user).copied().unwrap_or_default()

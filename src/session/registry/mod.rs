@@ -120,6 +120,11 @@ impl Registry {
         self.inner.ledger.usage(user)
     }
 
+    /// The memory all users' sessions and pooled kernels hold, together.
+    pub fn memory_use_all(&self) -> MemoryUse {
+        self.inner.ledger.usage_all()
+    }
+
     pub fn kernel_names(&self) -> &[String] {
         &self.inner.kernels
     }
