@@ -39,7 +39,8 @@ const INIT_LEAF: &str = "init";
 /// How often enabling the v2 controllers is retried while execs keep arriving.
 const ENABLE_ATTEMPTS: usize = 20;
 
-/// A container's cgroup directories (v1: memory then pids; v2: one).
+/// A container's cgroup directories (v1: memory then pids; v2: one). Never empty: only
+/// [`ContainerCgroup::from_texts`] makes one, with one or two directories.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerCgroup {
     version: CgroupVersion,
@@ -102,7 +103,7 @@ impl ContainerCgroup {
     pub fn create_leaf(&self, session: &str, kernel: &KernelLimits) -> Result<Leaf, SandboxError> {
         if !is_path_component(session) {
             return Err(cgroup_err(
-                &self.dirs[0],
+                self.dir(),
                 format!("{session:?} is not a single directory name"),
             ));
         }
@@ -135,7 +136,7 @@ impl ContainerCgroup {
     /// its children. Execs may arrive meanwhile (the enable then fails with EBUSY): moved too,
     /// and tried again.
     fn delegate_v2(&self) -> Result<(), SandboxError> {
-        let dir = &self.dirs[0];
+        let dir = self.dir();
         let control = dir.join("cgroup.subtree_control");
         let enabled = read_trimmed(&control).unwrap_or_default();
         let has = |c: &str| enabled.split_whitespace().any(|e| e == c);
@@ -156,6 +157,11 @@ impl ContainerCgroup {
             &control,
             format!("cannot enable memory and pids for the kernels' cgroups: {last}"),
         ))
+    }
+
+    /// The first directory (the memory hierarchy's on v1).
+    fn dir(&self) -> &Path {
+        self.dirs.first().map_or(Path::new("/"), PathBuf::as_path)
     }
 
     /// Moves host process `pid` into `leaf` (every hierarchy's directory).
