@@ -51,6 +51,8 @@ mod leaf;
 mod limits;
 mod mountinfo;
 mod nested;
+#[cfg(test)]
+mod tests;
 
 pub use nested::ContainerCgroup;
 
