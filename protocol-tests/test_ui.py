@@ -77,6 +77,11 @@ def test_ui_shows_a_session_and_follows_it_live(broker, browser, tmp_path):
     assert "token=" not in browser.current_url, "the token stays out of the address bar"
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f"#session-list li[data-id='{sid}']"),
          what="the session in the list")
+    # Its memory use and limit, in the list and the header (a live session).
+    wait(browser, lambda d: " MiB of 256 MiB memory" in d.find_element(
+        By.CSS_SELECTOR, f"#session-list li[data-id='{sid}'] .mem").text, what="the memory in the list")
+    wait(browser, lambda d: " MiB of 256 MiB memory" in d.find_element(
+        By.CSS_SELECTOR, ".session-head .mem").text, what="the memory in the header")
 
     first, chart, error = cells(browser)[:3]
     assert "print('hello from the agent')" in first.find_element(By.CSS_SELECTOR, ".code").text

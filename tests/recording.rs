@@ -466,6 +466,9 @@ async fn large_displays_do_not_grow_the_recording_past_its_caps() {
         a.record_max_execution_bytes = Some(exec_cap);
         a.record_max_session_bytes = Some(session_cap);
         a.execution_timeout = Some(300.0);
+        // 300 MB of displays pass through the kernel's ZeroMQ queues faster than they are
+        // read; the default session limit (256 MiB) would end the kernel, not the test's point.
+        a.session_memory_limit = Some(1 << 30);
     })
     .await;
     let api = broker.api(ALICE);

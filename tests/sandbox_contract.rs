@@ -27,6 +27,7 @@ sandbox_contract!(
     terminate_kills_the_kernel_and_removes_its_runtime_directory,
     a_fork_bomb_hits_the_pids_limit_and_the_kernel_survives,
     a_memory_bomb_kills_only_its_own_kernel,
+    a_kernel_past_its_own_limits_is_stopped_alone_while_its_user_has_room,
     users_get_separate_workspaces_and_processes,
     interrupt_stops_a_long_sleep,
     an_exit_of_its_own_is_reported_to_every_waiter,
@@ -274,6 +275,90 @@ async fn a_memory_bomb_kills_only_its_own_kernel(backend: &'static str) {
             wait_exit(bystander.process(), Duration::from_secs(30)).await,
             ExitReason::Exited(3)
         );
+        h.sandbox().shutdown().await;
+    })
+    .await;
+}
+
+async fn a_kernel_past_its_own_limits_is_stopped_alone_while_its_user_has_room(
+    backend: &'static str,
+) {
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        // The user's totals have room for much more than one kernel's own limits.
+        let alice = user(
+            "alice",
+            0,
+            UserLimits {
+                memory_bytes: 2 << 30,
+                pids: 1000,
+                session_memory_bytes: 192 << 20,
+                session_pids: 40,
+                ..UserLimits::default()
+            },
+        );
+        let mut victim = start(h.sandbox(), &alice).await;
+        let mut bystander = start(h.sandbox(), &alice).await;
+        // When the host runs out, kernels go before the broker.
+        let o = bystander
+            .run("print(open('/proc/self/oom_score_adj').read().strip())")
+            .await;
+        assert_eq!(o.out(), "500", "{o:?}");
+        // The bystander holds 100 MB, and its use is what its cgroup counts.
+        let before = bystander.process().memory_used().expect("memory use");
+        bystander
+            .run(
+                "import numpy
+held = numpy.ones(100 << 20, dtype=numpy.uint8)",
+            )
+            .await;
+        let after = bystander.process().memory_used().expect("memory use");
+        assert!(
+            after >= before + (90 << 20),
+            "use went from {before} to {after} bytes"
+        );
+
+        // Processes: the victim forks until refused, at its own limit, not the user's.
+        let o = victim
+            .run(
+                "import os, time\n\
+                 pids, err = [], None\n\
+                 try:\n\
+                 \x20   while len(pids) < 500:\n\
+                 \x20       pid = os.fork()\n\
+                 \x20       if pid == 0:\n\
+                 \x20           time.sleep(60); os._exit(0)\n\
+                 \x20       pids.append(pid)\n\
+                 except OSError as e:\n\
+                 \x20   err = e\n\
+                 for p in pids: os.kill(p, 9)\n\
+                 for p in pids: os.waitpid(p, 0)\n\
+                 print(len(pids), type(err).__name__)",
+            )
+            .await;
+        let out = o.out();
+        let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
+        let n: usize = n.parse().unwrap();
+        assert!(n < 40, "forked {n} processes under a kernel limit of 40");
+        assert_eq!(err, "BlockingIOError", "{o:?}");
+
+        // Memory: the victim allocates past its own 192 MiB and dies; the user's 2 GiB were
+        // never the limit, and the bystander lives with its data.
+        victim
+            .send("chunks = []\nwhile True:\n    chunks.append(b'x' * (8 << 20))")
+            .await;
+        let reason = wait_exit(victim.process(), Duration::from_secs(60)).await;
+        assert_eq!(
+            reason,
+            ExitReason::OutOfMemory {
+                limit_bytes: 192 << 20
+            }
+        );
+        assert!(reason.to_string().contains("limit 192 MiB"), "{reason}");
+        let o = bystander.run("print(int(held.sum()))").await;
+        assert_eq!(o.out(), (100u64 << 20).to_string(), "{o:?}");
         h.sandbox().shutdown().await;
     })
     .await;

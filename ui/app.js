@@ -1,6 +1,7 @@
 // kernel-broker's session browser. Plain JavaScript, no build step.
 //
-// Reads GET /v1/recordings (the list) and GET /v1/sessions/{id}/events (one session),
+// Reads GET /v1/recordings (the list), GET /v1/sessions (live sessions' memory use and
+// limit) and GET /v1/sessions/{id}/events (one session),
 // rebuilds the cells from the recorded messages the way the notebook export does, and
 // polls for new events every second while the session is live. Every piece of kernel
 // output is inserted as text; images only as data: URLs.
@@ -118,10 +119,22 @@
 
   // ---- the session list -------------------------------------------------------------------
   let recordings = [];
+  // The caller's live sessions by id (GET /v1/sessions): their memory use and limit.
+  let live = new Map();
+
+  // "95 MiB of 256 MiB memory" for a live session; its limit alone while no kernel runs.
+  function memoryText(s) {
+    if (!s || s.memory_limit_bytes === undefined) return '';
+    const mib = (b) => Math.round(b / 1048576) + ' MiB';
+    const used = s.memory_used_bytes === null ? '' : mib(s.memory_used_bytes) + ' of ';
+    return used + mib(s.memory_limit_bytes) + ' memory';
+  }
 
   async function loadList() {
     try {
-      recordings = await getJSON('v1/recordings');
+      const [recs, sessions] = await Promise.all([getJSON('v1/recordings'), getJSON('v1/sessions')]);
+      recordings = recs;
+      live = new Map(sessions.map((s) => [s.id, s]));
       renderList();
       if (current) {
         const r = recordings.find((x) => x.id === current.id);
@@ -143,7 +156,8 @@
     el('span', { class: 'state state-' + r.state, text: r.state }),
     el('span', { class: 'created', text: when(r.created_at) }),
     el('span', { class: 'count', text: r.cells + (r.cells === 1 ? ' cell' : ' cells') }),
-    el('code', { class: 'sid', text: r.id.slice(0, 8) }))));
+    el('code', { class: 'sid', text: r.id.slice(0, 8) }),
+    el('span', { class: 'mem', text: memoryText(live.get(r.id)) }))));
     if (!recordings.length) ul.append(el('li', { class: 'empty', text: 'No recorded sessions yet.' }));
   }
 
@@ -345,6 +359,9 @@
     current.stateEl.textContent = r.state;
     current.stateEl.className = 'state state-' + r.state;
     current.live = r.live;
+    current.memEl.textContent = memoryText(live.get(current.id));
+    const s = live.get(current.id);
+    current.memEl.title = s && s.dead_reason ? s.dead_reason : '';
   }
 
   function move(delta) {
@@ -428,6 +445,7 @@
     current = session;
     session.stateEl = el('span', { class: 'state state-' + r.state, text: r.state });
     session.cellCount = el('span', { class: 'count' });
+    session.memEl = el('span', { class: 'mem', text: memoryText(live.get(id)) });
     session.position = el('span', { class: 'position' });
     session.follow = el('input', { type: 'checkbox', checked: true, id: 'follow' });
     session.liveBadge = el('span', { class: 'live', text: '● live' });
@@ -441,7 +459,7 @@
           session.stateEl, session.liveBadge,
           el('span', { text: r.kernel || '' }),
           el('span', { text: r.created_at ? 'created ' + when(r.created_at) : '' }),
-          session.cellCount)),
+          session.cellCount, session.memEl)),
       el('div', { class: 'toolbar' },
         el('button', { type: 'button', title: 'Previous cell (k)', onclick: () => move(-1), text: '◀' }),
         el('button', { type: 'button', title: 'Next cell (j)', onclick: () => move(1), text: '▶' }),

@@ -55,8 +55,9 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
 /// Prometheus metrics
 ///
 /// Prometheus text (OpenMetrics text when the scraper's `Accept` asks for it; the body is
-/// the same and both parsers read it): sessions by state, WebSocket connections, the warm pool, the recording
-/// writer, uptime; histograms of execution duration, queue wait and kernel start, and
+/// the same and both parsers read it): sessions by state, WebSocket connections, the warm pool,
+/// memory reserved and used (all users together; per session for the caller's own), the
+/// recording writer, uptime; histograms of execution duration, queue wait and kernel start, and
 /// counters of executions by status, timeouts, restarts, deaths and expiries, each with a
 /// `backend` label.
 #[utoipa::path(get, path = "/metrics", tag = "operations",
@@ -64,11 +65,13 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
         (status = 401, response = ErrorResponse)))]
 async fn metrics(
     State(state): State<AppState>,
-    _caller: Caller,
+    caller: Caller,
     headers: axum::http::HeaderMap,
 ) -> impl IntoResponse {
     let sessions = state.registry.all();
     let count = |st: SessionState| sessions.iter().filter(|s| s.state() == st).count() as u64;
+    let infos: Vec<_> = sessions.iter().map(|s| s.info()).collect();
+    let memory = state.registry.memory_use_all();
     let snapshot = Snapshot {
         sessions: [
             SessionState::Starting,
@@ -79,8 +82,16 @@ async fn metrics(
         .into_iter()
         .map(|st| (SessionStateJson::from(st).as_str(), count(st)))
         .collect(),
-        connections: sessions.iter().map(|s| s.info().connections as u64).sum(),
+        connections: infos.iter().map(|i| i.connections as u64).sum(),
         pooled_kernels: state.registry.pooled() as u64,
+        memory_reserved_sessions: memory.session_bytes,
+        memory_reserved_pool: memory.pooled_bytes,
+        memory_used: infos.iter().filter_map(|i| i.memory_used_bytes).sum(),
+        own_sessions: infos
+            .iter()
+            .filter(|i| i.user == caller.0.name)
+            .map(|i| (i.id.to_string(), i.memory_limit_bytes, i.memory_used_bytes))
+            .collect(),
         recording: state.recording.as_ref().map(|r| {
             let s = r.stats();
             RecordingSnapshot {

@@ -43,6 +43,11 @@ pub struct CreateBody {
     /// Idle time before the session expires, capped by the broker's maximum.
     #[schema(minimum = 0)]
     idle_timeout_seconds: Option<u64>,
+    /// The kernel's own memory limit in bytes: past it this kernel alone is killed. Counted
+    /// against the user's memory total at creation (429 `quota_exceeded` when it does not
+    /// fit). At least 16 MiB and at most the user's total; the user's default when absent.
+    #[schema(minimum = 16777216)]
+    memory_limit_bytes: Option<u64>,
 }
 
 impl BodyLimit for CreateBody {
@@ -59,7 +64,7 @@ impl BodyLimit for CreateBody {
             headers(("Location" = String, description = "/v1/sessions/{id}"))),
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
         (status = 413, response = ErrorResponse),
-        (status = 429, description = "the user's session quota is used", body = ErrorBody),
+        (status = 429, description = "the user's session quota is used, or the user's memory total has no room for this session's limit (the message says how much is in use and by how many sessions)", body = ErrorBody),
         (status = 503, description = "the kernel could not start", body = ErrorBody),
     ))]
 async fn create(
@@ -76,6 +81,7 @@ async fn create(
                 kernel: req.kernel,
                 idle_timeout_seconds: req.idle_timeout_seconds,
                 id: None,
+                memory_limit_bytes: req.memory_limit_bytes,
             },
         )
         .await?;

@@ -42,6 +42,16 @@ pub struct SessionJson {
     pub execution_count: u64,
     /// WebSocket clients attached right now (agent streams and Jupyter channels).
     pub connections: usize,
+    /// The kernel's own memory limit in bytes (past it, this kernel alone is killed).
+    pub memory_limit_bytes: u64,
+    /// The kernel's memory use now in bytes, as its cgroup counts it; `null` while no
+    /// kernel runs (starting, dead) or where the sandbox cannot tell.
+    #[schema(required = true)]
+    pub memory_used_bytes: Option<u64>,
+    /// Why the kernel died, while `state` is `dead` (e.g. "the kernel was killed because it
+    /// ran out of memory (limit 256 MiB)"); `null` otherwise.
+    #[schema(required = true)]
+    pub dead_reason: Option<String>,
 }
 
 impl From<SessionInfo> for SessionJson {
@@ -56,6 +66,9 @@ impl From<SessionInfo> for SessionJson {
             expires_at: i.expires_at.map(iso),
             execution_count: i.execution_count,
             connections: i.connections,
+            memory_limit_bytes: i.memory_limit_bytes,
+            memory_used_bytes: i.memory_used_bytes,
+            dead_reason: i.dead_reason,
         }
     }
 }
@@ -370,13 +383,17 @@ mod tests {
             expires_at: None,
             execution_count: 0,
             connections: 1,
+            memory_limit_bytes: 256 << 20,
+            memory_used_bytes: Some(52 << 20),
+            dead_reason: None,
         };
         assert_eq!(
             serde_json::to_string(&SessionJson::from(info)).unwrap(),
             "{\"id\":\"00000000-0000-0000-0000-000000000000\",\"user\":\"u\",\"kernel\":\"python3\",\
              \"state\":\"idle\",\"created_at\":\"2024-05-01T12:00:00.000000Z\",\
              \"last_activity\":\"2024-05-01T12:00:00.000000Z\",\"expires_at\":null,\
-             \"execution_count\":0,\"connections\":1}"
+             \"execution_count\":0,\"connections\":1,\"memory_limit_bytes\":268435456,\
+             \"memory_used_bytes\":54525952,\"dead_reason\":null}"
         );
     }
 }

@@ -156,13 +156,19 @@ pub struct ServeArgs {
     /// Executions waiting on one session [default: 64]
     #[arg(long, env = "KERNEL_BROKER_MAX_QUEUE")]
     pub max_queue: Option<usize>,
-    /// Default memory limit per user, bytes [default: 1073741824]
+    /// Default memory limit per user, all sessions together: a create past it is refused (429), bytes [default: 5368709120]
     #[arg(long, env = "KERNEL_BROKER_MEMORY_LIMIT")]
     pub memory_limit: Option<u64>,
+    /// Default memory limit of one session (its kernel alone is killed past it; a create may ask for up to the user's total), bytes [default: 268435456]
+    #[arg(long, env = "KERNEL_BROKER_SESSION_MEMORY_LIMIT")]
+    pub session_memory_limit: Option<u64>,
+    /// Processes and threads of one session [default: 128]
+    #[arg(long, env = "KERNEL_BROKER_SESSION_PIDS_LIMIT")]
+    pub session_pids_limit: Option<u64>,
     /// Default CPU limit per user, cores [default: 1]
     #[arg(long, env = "KERNEL_BROKER_CPU_LIMIT")]
     pub cpu_limit: Option<f64>,
-    /// Default process limit per user [default: 256]
+    /// Default process and thread limit per user, all sessions together [default: 2560]
     #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
     pub pids_limit: Option<u64>,
     /// Default workspace disk quota per user, bytes; 0 = none [default: 1073741824]
@@ -229,6 +235,8 @@ struct UserEntry {
     pids: Option<u64>,
     workspace_quota_bytes: Option<u64>,
     max_sessions: Option<usize>,
+    session_memory_bytes: Option<u64>,
+    session_pids: Option<u64>,
 }
 
 /// Where the users came from, for the start-up message.
@@ -311,6 +319,24 @@ fn check_workspace_quota(bytes: u64, what: &str) -> Result<u64, ConfigError> {
     Ok(bytes)
 }
 
+/// A session's memory is at least 16 MiB and at most the user's total (else no session
+/// could ever be admitted); its processes at least 1.
+fn check_session_limits(l: &UserLimits, whose: &str) -> Result<(), ConfigError> {
+    if l.session_memory_bytes < (16 << 20) || l.session_memory_bytes > l.memory_bytes {
+        return Err(ConfigError::Invalid(format!(
+            "{whose}: the session memory limit ({} bytes) must be at least 16 MiB and at most \
+             the user's memory limit ({} bytes)",
+            l.session_memory_bytes, l.memory_bytes
+        )));
+    }
+    if l.session_pids == 0 {
+        return Err(ConfigError::Invalid(format!(
+            "{whose}: the session pids limit must be above 0"
+        )));
+    }
+    Ok(())
+}
+
 fn valid_user_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
@@ -343,17 +369,25 @@ impl Settings {
         }
         let kernels_dir = pick!(kernels_dir, default_kernels_dir());
         let base = UserLimits::default();
+        let memory_bytes = pick!(memory_limit, base.memory_bytes);
         let defaults = UserLimits {
-            memory_bytes: pick!(memory_limit, base.memory_bytes),
+            memory_bytes,
             cpus: pick!(cpu_limit, base.cpus),
             pids: pick!(pids_limit, base.pids),
             workspace_quota_bytes: pick!(workspace_quota, base.workspace_quota_bytes),
+            // A smaller total than the default session takes the session down with it.
+            session_memory_bytes: pick!(
+                session_memory_limit,
+                base.session_memory_bytes.min(memory_bytes)
+            ),
+            session_pids: pick!(session_pids_limit, base.session_pids),
         };
         if defaults.cpus <= 0.0 || defaults.pids == 0 || defaults.memory_bytes < (16 << 20) {
             return Err(ConfigError::Invalid(
                 "limits: cpu must be > 0, pids > 0, memory at least 16 MiB".into(),
             ));
         }
+        check_session_limits(&defaults, "the defaults")?;
         check_workspace_quota(defaults.workspace_quota_bytes, "workspace_quota")?;
         let max_sessions = pick!(max_sessions_per_user, 20);
         let users_file = args.users_file.clone().or(file.users_file.clone());
@@ -396,11 +430,20 @@ impl Settings {
                                     .unwrap_or(defaults.workspace_quota_bytes),
                                 &format!("workspace_quota_bytes of user {}", u.name),
                             )?,
+                            session_memory_bytes: u.session_memory_bytes.unwrap_or(
+                                defaults
+                                    .session_memory_bytes
+                                    .min(u.memory_bytes.unwrap_or(defaults.memory_bytes)),
+                            ),
+                            session_pids: u.session_pids.unwrap_or(defaults.session_pids),
                         },
                         max_sessions: u.max_sessions.unwrap_or(max_sessions),
                         name: u.name,
                         token: u.token,
                     });
+                }
+                for u in &users {
+                    check_session_limits(&u.limits, &format!("user {}", u.name))?;
                 }
                 if users.is_empty() {
                     return Err(ConfigError::Invalid(format!(

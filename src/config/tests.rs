@@ -65,7 +65,7 @@ fn users_file_with_limits() {
     let s = Settings::resolve(args, Some("ignored-token".into())).unwrap();
     assert_eq!(s.users.len(), 2);
     assert_eq!(s.users[0].limits.memory_bytes, 512 << 20);
-    assert_eq!(s.users[1].limits.memory_bytes, 1 << 30);
+    assert_eq!(s.users[1].limits.memory_bytes, 5 << 30);
     assert_eq!(s.users[0].limits.workspace_quota_bytes, 64 << 20);
     assert_eq!(s.users[1].limits.workspace_quota_bytes, 1 << 30);
     assert_eq!(s.users[1].index, 1);
@@ -74,6 +74,58 @@ fn users_file_with_limits() {
         ..Default::default()
     };
     assert!(Settings::resolve(small, Some("some-token".into())).is_err());
+}
+
+#[test]
+fn session_limits_default_to_agreeing_values_and_can_be_set() {
+    let users = write(
+        "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nmemory_bytes = 134217728\n\n\
+         [[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\nsession_memory_bytes = 536870912\nsession_pids = 40\n",
+    );
+    let args = ServeArgs {
+        users_file: Some(users.path().to_path_buf()),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, None).unwrap();
+    // 20 sessions of the default size fill the default total, and their pids fit.
+    let bob = &s.users[1].limits;
+    assert_eq!(s.users[1].max_sessions, 20);
+    assert_eq!(bob.memory_bytes, 20 * (256 << 20));
+    assert_eq!(bob.pids, 20 * 128);
+    assert_eq!(
+        (bob.session_memory_bytes, bob.session_pids),
+        (512 << 20, 40)
+    );
+    // A total below the default session size takes the session size down with it.
+    let alice = &s.users[0].limits;
+    assert_eq!(alice.session_memory_bytes, 128 << 20);
+    assert_eq!(alice.session_pids, 128);
+
+    let args = ServeArgs {
+        session_memory_limit: Some(64 << 20),
+        session_pids_limit: Some(32),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("some-token".into())).unwrap();
+    assert_eq!(s.users[0].limits.session_memory_bytes, 64 << 20);
+    assert_eq!(s.users[0].limits.session_pids, 32);
+    for bad in [
+        ServeArgs {
+            session_memory_limit: Some(1 << 20),
+            ..Default::default()
+        },
+        ServeArgs {
+            memory_limit: Some(1 << 30),
+            session_memory_limit: Some(2 << 30),
+            ..Default::default()
+        },
+        ServeArgs {
+            session_pids_limit: Some(0),
+            ..Default::default()
+        },
+    ] {
+        assert!(Settings::resolve(bad, Some("some-token".into())).is_err());
+    }
 }
 
 #[test]

@@ -12,6 +12,7 @@
 
 pub mod cgroup;
 pub mod docker;
+pub mod exhaustion;
 pub(crate) mod fsutil;
 pub mod local;
 pub mod seccomp;
@@ -25,30 +26,108 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-/// Resource limits applied to everything one user runs (all of that user's kernels together).
+/// Resource limits of one user: the totals of all of that user's kernels together, and
+/// what one kernel (one session) gets by default.
+///
+/// Memory is divided, not shared: every kernel has its own limit
+/// ([`KernelLimits::memory_bytes`]), so a kernel that allocates past it is the one the OOM
+/// killer picks, never an idle neighbour. The user's total (`memory_bytes`) is what the
+/// session layer admits kernels against (the sum of their limits), and the backends also
+/// set it on the user's cgroup or container as a backstop.
+///
+/// The defaults agree with each other: 20 sessions (the default per user) of 256 MiB fill
+/// the 5 GiB total, and 20 kernels of at most 128 processes and threads fit in 2,560.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UserLimits {
-    /// Memory in bytes (RAM; swap is not granted on top).
+    /// Memory in bytes of all the user's kernels together (RAM; swap is not granted on top).
     pub memory_bytes: u64,
     /// CPU time in cores (1.5 = one and a half cores).
     pub cpus: f64,
-    /// Maximum number of processes and threads.
+    /// Maximum number of processes and threads of all the user's kernels together.
     pub pids: u64,
     /// Size of the user's workspace file system in bytes (writes past it fail with
     /// `ENOSPC`); 0: no quota, a plain directory.
     pub workspace_quota_bytes: u64,
+    /// Memory of one kernel when its session does not ask for another value.
+    pub session_memory_bytes: u64,
+    /// Processes and threads of one kernel.
+    pub session_pids: u64,
 }
+
+/// Default memory of one session: the data stack (pandas, numpy, matplotlib) takes about
+/// 125 MB, which leaves room for about as much data.
+pub const DEFAULT_SESSION_MEMORY: u64 = 256 << 20;
+/// Default processes and threads of one session: an idle kernel has about 13, one with
+/// the data stack imported about 20 (BLAS threads are capped at the CPU limit).
+pub const DEFAULT_SESSION_PIDS: u64 = 128;
+/// Sessions per user by default (the session layer's quota; here for the defaults below).
+pub const DEFAULT_MAX_SESSIONS: u64 = 20;
 
 impl Default for UserLimits {
     fn default() -> Self {
         Self {
-            memory_bytes: 1 << 30,
+            memory_bytes: DEFAULT_MAX_SESSIONS * DEFAULT_SESSION_MEMORY,
             cpus: 1.0,
-            pids: 256,
+            pids: DEFAULT_MAX_SESSIONS * DEFAULT_SESSION_PIDS,
             workspace_quota_bytes: 1 << 30,
+            session_memory_bytes: DEFAULT_SESSION_MEMORY,
+            session_pids: DEFAULT_SESSION_PIDS,
         }
     }
+}
+
+impl UserLimits {
+    /// The limits of one of this user's kernels asking for `memory_bytes` (`None`: the
+    /// user's default), each capped by the user's total.
+    pub fn kernel(&self, memory_bytes: Option<u64>) -> KernelLimits {
+        let cap = |v: u64, total: u64| if total == 0 { v } else { v.min(total) };
+        KernelLimits {
+            memory_bytes: cap(
+                memory_bytes.unwrap_or(self.session_memory_bytes),
+                self.memory_bytes,
+            ),
+            pids: cap(self.session_pids, self.pids),
+        }
+    }
+}
+
+/// Environment that caps the thread pools of numeric libraries (OpenBLAS, OpenMP, MKL,
+/// numexpr) at the user's CPU limit. They default to one thread per host core: on a large
+/// host, `import numpy` alone would start more threads than a kernel's pids limit allows
+/// (and more than its CPU share can use).
+pub fn thread_env(limits: &UserLimits) -> Vec<(String, String)> {
+    let threads = if limits.cpus.is_finite() && limits.cpus >= 1.0 {
+        (limits.cpus.ceil() as u64).min(64)
+    } else {
+        1
+    };
+    [
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "NUMEXPR_MAX_THREADS",
+    ]
+    .iter()
+    .map(|k| (k.to_string(), threads.to_string()))
+    .collect()
+}
+
+/// The `oom_score_adj` of every kernel process. When the host as a whole runs out of memory
+/// (more is admitted across users than the host has), its OOM killer picks by this score
+/// plus each process's share of RAM: with +500 it kills kernels, the biggest first, before
+/// the broker or anything else on the host (whose scores stay near 0). Raising one's own
+/// score needs no privilege.
+pub const KERNEL_OOM_SCORE_ADJ: i64 = 500;
+
+/// Limits of one kernel, inside its user's: its own cgroup (local) or its own cgroup inside
+/// the user's container (docker). 0 means none of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelLimits {
+    /// RAM in bytes (no swap on top); past it the OOM killer ends this kernel only.
+    pub memory_bytes: u64,
+    /// Processes and threads.
+    pub pids: u64,
 }
 
 /// Who a kernel runs for.
@@ -74,6 +153,8 @@ pub struct LaunchSpec {
     pub key: String,
     /// Extra environment for the kernel process.
     pub env: Vec<(String, String)>,
+    /// The kernel's own memory and process limits.
+    pub limits: KernelLimits,
 }
 
 #[cfg(test)]
@@ -90,6 +171,7 @@ impl LaunchSpec {
             kernel_name: "python3".into(),
             key: "abc".into(),
             env: vec![],
+            limits: UserLimits::default().kernel(None),
         }
     }
 }
@@ -109,8 +191,19 @@ pub enum ExitReason {
     Exited(i32),
     /// Killed by this signal (not by the memory limit).
     Signaled(i32),
-    /// Killed by the kernel's OOM killer because the user's memory limit was reached.
+    /// Killed by the kernel's OOM killer because the kernel's memory limit was reached.
     OutOfMemory { limit_bytes: u64 },
+    /// Killed by the OOM killer of the host, which ran out of memory as a whole while this
+    /// kernel was within its limit.
+    HostOutOfMemory { limit_bytes: u64 },
+    /// Ended on an error after its process and thread limit was reached (a thread or a
+    /// process it needed could not be created).
+    OutOfPids { limit: u64, exit: Box<ExitReason> },
+    /// Ended on an error while its user's workspace was full.
+    DiskFull {
+        quota_bytes: u64,
+        exit: Box<ExitReason>,
+    },
     /// Terminated on the broker's request.
     Terminated,
     /// The sandbox lost track of it (container removed, daemon gone); the text says what happened.
@@ -126,6 +219,21 @@ impl std::fmt::Display for ExitReason {
                 f,
                 "the kernel was killed because it ran out of memory (limit {} MiB)",
                 limit_bytes >> 20
+            ),
+            ExitReason::HostOutOfMemory { limit_bytes } => write!(
+                f,
+                "the kernel was killed because the host ran out of memory (the kernel was \
+                 within its own limit of {} MiB)",
+                limit_bytes >> 20
+            ),
+            ExitReason::OutOfPids { limit, exit } => write!(
+                f,
+                "{exit}: it reached its limit of {limit} processes and threads (pids)"
+            ),
+            ExitReason::DiskFull { quota_bytes, exit } => write!(
+                f,
+                "{exit}: the workspace is full (disk quota {} MiB)",
+                quota_bytes >> 20
             ),
             ExitReason::Terminated => write!(f, "the kernel was shut down"),
             ExitReason::Lost(why) => write!(f, "the kernel was lost: {why}"),
@@ -145,6 +253,11 @@ pub trait KernelProcess: Send + Sync {
     /// Kill the kernel and everything it started, and reclaim what the launch created
     /// (cgroup, runtime directory). Idempotent.
     async fn terminate(&self);
+    /// Memory the kernel uses now, in bytes, as its cgroup counts it (what its limit is
+    /// compared with); `None` when the backend cannot tell or the kernel has ended.
+    fn memory_used(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A place where kernels run.

@@ -125,6 +125,10 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn watch(&self) -> &KernelWatch;
     /// Delivers SIGINT to the kernel (and nothing else in its sandbox).
     async fn interrupt(&self) -> Result<(), SandboxError>;
+    /// The kernel's memory use now (see [`KernelProcess::memory_used`]).
+    fn memory_used(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The handle the session layer holds, for any backend. Dropping it kills the kernel.
@@ -151,6 +155,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     async fn wait(&self) -> ExitReason {
         self.kernel.watch().wait().await
+    }
+
+    fn memory_used(&self) -> Option<u64> {
+        self.kernel.memory_used()
     }
 
     async fn terminate(&self) {

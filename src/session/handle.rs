@@ -17,8 +17,9 @@ use super::command::{Command, ExecRequest, ReplyRoute};
 use super::error::SessionError;
 use super::event::{EventBudget, SessionEvent};
 use super::execution::Execution;
+use super::memory::Reservation;
 use super::state::{SessionInfo, SessionState};
-use crate::sandbox::{LaunchSpec, SandboxUser};
+use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, SandboxUser};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
@@ -40,6 +41,12 @@ pub struct Session {
     pub created_at: DateTime<Utc>,
     /// `None`: never expires.
     pub idle_timeout: Option<Duration>,
+    /// The kernel's own limits (every kernel of this session, across restarts).
+    pub limits: KernelLimits,
+    /// The session's share of its user's memory, given back once its kernel is gone.
+    memory: Mutex<Option<Reservation>>,
+    /// The kernel process now (set at start and restart), to read its memory use.
+    process: Mutex<Option<Arc<dyn KernelProcess>>>,
     status: Mutex<Status>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
@@ -58,6 +65,8 @@ pub struct Session {
 pub(super) struct HandleParts {
     pub kernel_name: String,
     pub idle_timeout: Option<Duration>,
+    pub limits: KernelLimits,
+    pub memory: Reservation,
     pub commands: mpsc::Sender<Command>,
     /// Bytes of iopub messages the event broadcast may hold at once.
     pub event_budget: usize,
@@ -77,6 +86,9 @@ impl Session {
             kernel_name: parts.kernel_name,
             created_at: now,
             idle_timeout: parts.idle_timeout,
+            limits: parts.limits,
+            memory: Mutex::new(Some(parts.memory)),
+            process: Mutex::new(None),
             status: Mutex::new(Status {
                 state: SessionState::Starting,
                 last_activity: now,
@@ -102,6 +114,8 @@ impl Session {
     }
 
     pub fn info(&self) -> SessionInfo {
+        // Read before the status lock: a file read, not to be done under it.
+        let memory_used = self.memory_used();
         let s = self.status();
         let expires_at = match (self.idle_timeout, s.state) {
             (
@@ -125,7 +139,31 @@ impl Session {
             expires_at,
             execution_count: s.execution_count,
             connections: self.connections.load(Ordering::Relaxed),
+            memory_limit_bytes: self.limits.memory_bytes,
+            memory_used_bytes: match s.state {
+                SessionState::Idle | SessionState::Busy => memory_used,
+                _ => None,
+            },
+            dead_reason: s.dead_reason.clone(),
         }
+    }
+
+    /// The kernel's memory use now, as its cgroup counts it (`None`: no kernel, or the
+    /// backend cannot tell).
+    pub fn memory_used(&self) -> Option<u64> {
+        let process = lock(&self.process).clone()?;
+        process.memory_used()
+    }
+
+    /// The kernel the session runs now (its process handle).
+    pub(crate) fn set_process(&self, process: Arc<dyn KernelProcess>) {
+        *lock(&self.process) = Some(process);
+    }
+
+    /// Gives the session's memory back to its user; call once the kernel is gone.
+    pub(crate) fn release_memory(&self) {
+        lock(&self.process).take();
+        lock(&self.memory).take();
     }
 
     pub fn state(&self) -> SessionState {
@@ -250,6 +288,7 @@ impl Session {
             kernel_name: self.kernel_name.clone(),
             key,
             env: Vec::new(),
+            limits: self.limits,
         }
     }
 

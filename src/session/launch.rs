@@ -3,6 +3,7 @@
 //! so a pooled kernel is started exactly as a cold one.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::time::timeout;
@@ -10,6 +11,10 @@ use tokio::time::timeout;
 use super::error::SessionError;
 use crate::kernel::{KernelClient, KernelEvents};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
+
+/// How long a failed connection waits for the sandbox to report the kernel's end (the
+/// docker backend polls every 500 ms).
+const DEATH_REPORT: Duration = Duration::from_secs(3);
 
 /// A connected kernel.
 pub(crate) struct Live {
@@ -51,9 +56,20 @@ pub(crate) async fn start_kernel(
     let connect = KernelClient::connect(&launched.endpoints, &key, &user, options, limit);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
+    let before_ready = |reason: ExitReason| {
+        SessionError::KernelUnavailable(format!("{reason} before it was ready"))
+    };
     let outcome = tokio::select! {
-        r = connect => r.map_err(|e| SessionError::KernelUnavailable(e.to_string())),
-        reason = p.wait() => Err(SessionError::KernelUnavailable(format!("{reason} before it was ready"))),
+        r = connect => match r {
+            Ok(connected) => Ok(connected),
+            // A kernel that dies while connecting breaks the connection first; its end
+            // (which names what ran out) says more than the broken socket, once known.
+            Err(e) => match timeout(DEATH_REPORT, p.wait()).await {
+                Ok(reason) => Err(before_ready(reason)),
+                Err(_) => Err(SessionError::KernelUnavailable(e.to_string())),
+            },
+        },
+        reason = p.wait() => Err(before_ready(reason)),
     };
     match outcome {
         Ok((client, events, _info)) => {

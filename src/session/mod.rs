@@ -13,10 +13,11 @@
 //!   [`SessionConfig`], [`SessionState`]; `files`: workspace files beneath a descriptor.
 //! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `command`:
 //!   what a handle asks of its actor ([`ExecRequest`] among them).
+//! - `memory`: the memory ledger (each kernel's reservation of its user's total).
 //! - `handle`: the [`Session`] handle (status, activity, broadcast, command queue);
 //!   `recorder`: the [`Recorder`] the layer reports to.
 //! - `launch`: a kernel launched in the sandbox and connected (`Live`, `start_kernel`).
-//! - `pool`: the warm pool of pre-started kernels (uses `launch`).
+//! - `pool`: the warm pool of pre-started kernels (uses `launch` and `memory`).
 //! - `actor/`: the task that owns a kernel: commands, restart and death in `mod.rs`, the
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
@@ -37,6 +38,7 @@ pub mod files;
 mod handle;
 mod launch;
 pub mod lifecycle;
+mod memory;
 mod pool;
 mod recorder;
 mod registry;
@@ -51,6 +53,7 @@ pub use event::SessionEvent;
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
+pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};

@@ -8,6 +8,13 @@
 //! kernel spec once that user has created a session, refilled in the background after every
 //! take, and a user's pooled kernels are shut down after `idle` without a take, so a user
 //! who stopped working holds nothing.
+//!
+//! Memory: a pooled kernel has the user's default session limits and holds its own
+//! [`Reservation`] of the user's memory from before its launch until it is gone or handed
+//! over (then the reservation becomes the session's). The pool only reserves what is free,
+//! so it never takes room a session needs: when a create does not fit, the registry
+//! [`Pool::evict`]s the user's pooled kernels first. A session that asks for other limits
+//! than the default gets a kernel of its own, never a pooled one.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,6 +26,7 @@ use uuid::Uuid;
 
 use super::config::PoolConfig;
 use super::launch::{start_kernel, Live};
+use super::memory::{Holder, Ledger, Reservation};
 use crate::kernel::ConnectOptions;
 use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
@@ -26,6 +34,7 @@ use crate::wire::Signer;
 struct Pooled {
     id: Uuid,
     live: Live,
+    memory: Reservation,
 }
 
 #[derive(Default)]
@@ -33,6 +42,8 @@ struct Slot {
     ready: Vec<Pooled>,
     launching: usize,
     last_take: Option<Instant>,
+    /// Cancels the launches in flight (an eviction).
+    cancel: CancellationToken,
 }
 
 type Key = (String, String);
@@ -41,16 +52,26 @@ pub(crate) struct Pool {
     config: PoolConfig,
     sandbox: Arc<dyn Sandbox>,
     kernel: ConnectOptions,
+    ledger: Arc<Ledger>,
     slots: Mutex<HashMap<Key, Slot>>,
     shutdown: CancellationToken,
 }
 
+/// A kernel taken from the pool: its id, the connected kernel, and its memory reservation.
+pub(crate) type Taken = (Uuid, Live, Reservation);
+
 impl Pool {
-    pub fn new(config: PoolConfig, sandbox: Arc<dyn Sandbox>, kernel: ConnectOptions) -> Arc<Self> {
+    pub fn new(
+        config: PoolConfig,
+        sandbox: Arc<dyn Sandbox>,
+        kernel: ConnectOptions,
+        ledger: Arc<Ledger>,
+    ) -> Arc<Self> {
         let pool = Arc::new(Self {
             config,
             sandbox,
             kernel,
+            ledger,
             slots: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
         });
@@ -65,7 +86,7 @@ impl Pool {
     }
 
     /// A ready kernel for `user` running `kernel`, if the pool has one. Starts a refill.
-    pub fn take(self: &Arc<Self>, user: &SandboxUser, kernel: &str) -> Option<(Uuid, Live)> {
+    pub fn take(self: &Arc<Self>, user: &SandboxUser, kernel: &str) -> Option<Taken> {
         if self.config.size == 0 || self.shutdown.is_cancelled() {
             return None;
         }
@@ -82,7 +103,7 @@ impl Pool {
                     dead.push(p);
                     continue;
                 }
-                taken = Some((p.id, p.live));
+                taken = Some((p.id, p.live, p.memory));
                 break;
             }
             taken
@@ -100,7 +121,8 @@ impl Pool {
             return;
         }
         let key = (user.name.clone(), kernel.to_string());
-        let missing = {
+        let limits = user.limits.kernel(None);
+        let (reserved, cancel) = {
             let mut slots = self.slots();
             let slot = slots.entry(key.clone()).or_default();
             slot.last_take.get_or_insert_with(Instant::now);
@@ -108,13 +130,27 @@ impl Pool {
                 .config
                 .size
                 .saturating_sub(slot.ready.len() + slot.launching);
-            slot.launching += missing;
-            missing
+            // Only room no one holds: a pooled kernel never pushes a session out.
+            let reserved: Vec<Reservation> = (0..missing)
+                .map_while(|_| {
+                    self.ledger
+                        .reserve(
+                            &user.name,
+                            user.limits.memory_bytes,
+                            limits.memory_bytes,
+                            Holder::Pooled,
+                        )
+                        .ok()
+                })
+                .collect();
+            slot.launching += reserved.len();
+            (reserved, slot.cancel.clone())
         };
-        for _ in 0..missing {
+        for memory in reserved {
             let pool = self.clone();
             let user = user.clone();
             let key = key.clone();
+            let cancel = cancel.clone();
             tokio::spawn(async move {
                 let id = Uuid::new_v4();
                 let spec = LaunchSpec {
@@ -123,32 +159,76 @@ impl Pool {
                     kernel_name: key.1.clone(),
                     key: Signer::random_key(),
                     env: Vec::new(),
+                    limits,
                 };
                 let started = tokio::select! {
-                    r = start_kernel(&pool.sandbox, spec, pool.kernel) => r,
-                    _ = pool.shutdown.cancelled() => return,
+                    r = start_kernel(&pool.sandbox, spec, pool.kernel) => Some(r),
+                    _ = pool.shutdown.cancelled() => None,
+                    _ = cancel.cancelled() => None,
+                };
+                let Some(started) = started else {
+                    // Dropping the launch killed its kernel; the reservation goes with it.
+                    pool.launch_ended(&key);
+                    return;
                 };
                 let leftover = {
                     let mut slots = pool.slots();
                     let slot = slots.entry(key).or_default();
                     slot.launching = slot.launching.saturating_sub(1);
                     match started {
-                        Ok(live) if !pool.shutdown.is_cancelled() => {
-                            slot.ready.push(Pooled { id, live });
+                        Ok(live) if !pool.shutdown.is_cancelled() && !cancel.is_cancelled() => {
+                            slot.ready.push(Pooled { id, live, memory });
                             None
                         }
-                        Ok(live) => Some(live),
+                        Ok(live) => Some((live, memory)),
                         Err(e) => {
                             tracing::warn!(user = %user.name, error = %e, "warm pool: could not start a kernel");
                             None
                         }
                     }
                 };
-                if let Some(live) = leftover {
+                if let Some((live, memory)) = leftover {
                     live.process.terminate().await;
+                    drop(memory);
                 }
             });
         }
+    }
+
+    fn launch_ended(&self, key: &Key) {
+        if let Some(slot) = self.slots().get_mut(key) {
+            slot.launching = slot.launching.saturating_sub(1);
+        }
+    }
+
+    /// Shuts down `user`'s pooled kernels (ready and launching) to make room for a session,
+    /// and returns once their memory is given back (or after a few seconds). Later refills
+    /// reserve anew, only what is free then.
+    pub async fn evict(&self, user: &str) {
+        let evicted: Vec<Pooled> = {
+            let mut slots = self.slots();
+            let mut evicted = Vec::new();
+            for ((name, _), slot) in slots.iter_mut() {
+                if name == user {
+                    evicted.append(&mut slot.ready);
+                    slot.cancel.cancel();
+                    slot.cancel = CancellationToken::new();
+                }
+            }
+            evicted
+        };
+        let n = evicted.len();
+        futures::future::join_all(evicted.into_iter().map(|p| async move {
+            p.live.process.terminate().await;
+            drop(p.memory);
+        }))
+        .await;
+        // Launches in flight give their reservation back as they stop.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.ledger.usage(user).pooled > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tracing::debug!(user, evicted = n, "warm pool: made room for a session");
     }
 
     /// Kernels ready now (for metrics).
@@ -213,7 +293,7 @@ mod tests {
         let dyn_sandbox: Arc<dyn Sandbox> = sandbox.clone();
         let config = PoolConfig { size, idle };
         (
-            Pool::new(config, dyn_sandbox, test_config().kernel),
+            Pool::new(config, dyn_sandbox, test_config().kernel, Ledger::new()),
             sandbox,
         )
     }
@@ -240,7 +320,7 @@ mod tests {
         until_ready(&pool, 1).await;
         assert_eq!(sandbox.kernel(0).user, "alice");
 
-        let (_, mut live) = pool.take(&alice, "script").expect("a ready kernel");
+        let (_, mut live, _) = pool.take(&alice, "script").expect("a ready kernel");
         assert!(!live.exited());
         assert_eq!(pool.ready(), 0);
         until_ready(&pool, 1).await;

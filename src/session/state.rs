@@ -43,4 +43,10 @@ pub struct SessionInfo {
     pub execution_count: u64,
     /// Clients attached over WebSocket right now (agent streams and Jupyter channels).
     pub connections: usize,
+    /// The kernel's own memory limit.
+    pub memory_limit_bytes: u64,
+    /// The kernel's memory use now, when it runs and the sandbox can tell.
+    pub memory_used_bytes: Option<u64>,
+    /// Why the kernel died, while the session is dead.
+    pub dead_reason: Option<String>,
 }

@@ -358,11 +358,15 @@ pub fn user(name: &str, index: u32, limits: UserLimits) -> SandboxUser {
     }
 }
 
+/// A user's limits where one kernel may take the whole of them (its own limits equal the
+/// user's totals).
 pub fn limits(memory_mib: u64, pids: u64) -> UserLimits {
     UserLimits {
         memory_bytes: memory_mib << 20,
         cpus: 1.0,
         pids,
+        session_memory_bytes: memory_mib << 20,
+        session_pids: pids,
         ..UserLimits::default()
     }
 }
@@ -379,6 +383,7 @@ pub fn spec(user: &SandboxUser) -> LaunchSpec {
             ("KB_TEST".into(), "1".into()),
             ("KB_TEST_VAR".into(), "hello-env".into()),
         ],
+        limits: user.limits.kernel(None),
     }
 }
 

@@ -209,6 +209,7 @@ pub(super) async fn start_kernel(
                 kernel,
                 idle_timeout_seconds: None,
                 id,
+                memory_limit_bytes: None,
             },
         )
         .await
@@ -294,6 +295,9 @@ mod tests {
                 expires_at: None,
                 execution_count: 0,
                 connections: 2,
+                memory_limit_bytes: 1 << 28,
+                memory_used_bytes: None,
+                dead_reason: None,
             };
             let before = json!({
                 "id": info.id,

@@ -10,8 +10,10 @@
 //!   timeouts, restarts, deaths and expiries. Every family carries the sandbox backend as a
 //!   `backend` label (`local` or `docker`), so dashboards of several brokers compare them.
 //! - A [`Snapshot`] is what is true at scrape time (sessions by state, connections, the warm
-//!   pool, the recording writer's counters, uptime); it is read by the handler and rendered
-//!   beside the families.
+//!   pool, memory reserved and used, the recording writer's counters, uptime); it is read by
+//!   the handler and rendered beside the families. Memory per session is shown for the
+//!   scraping token's own sessions only (a user sees only its own sessions, here too);
+//!   across all users only totals, without names.
 //!
 //! Names: every family is prefixed `kernel_broker_`. OpenMetrics counters end in `_total`
 //! (the writer adds it), so `kernel_broker_uptime_seconds`, a counter when the text was
@@ -145,6 +147,16 @@ impl ClientTimeout {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SessionLabel {
+    session: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HolderLabel {
+    holder: &'static str,
 }
 
 /// Executions: 5 ms to ~11 min (the longest timeouts).
@@ -432,6 +444,13 @@ pub struct Snapshot {
     /// WebSocket clients attached (agent streams and Jupyter channels).
     pub connections: u64,
     pub pooled_kernels: u64,
+    /// Memory reserved by all users' sessions and pooled kernels (their limits), and the
+    /// sum of what the sessions' kernels use now (where the sandbox can tell).
+    pub memory_reserved_sessions: u64,
+    pub memory_reserved_pool: u64,
+    pub memory_used: u64,
+    /// The scraping user's sessions: id, memory limit, memory use now.
+    pub own_sessions: Vec<(String, u64, Option<u64>)>,
     /// `None` when recording is off (its families are left out).
     pub recording: Option<RecordingSnapshot>,
     pub uptime: Duration,
@@ -459,6 +478,7 @@ impl Snapshot {
             "Ready kernels in the warm pool.",
             Gauge::<i64>::default_with(saturating_i64(self.pooled_kernels)),
         );
+        self.register_memory(&mut r);
         if let Some(s) = self.recording {
             r.register(
                 "recording_queued_bytes",
@@ -490,6 +510,55 @@ impl Snapshot {
         uptime.set(self.uptime.as_secs_f64());
         r.register_with_unit("uptime", "Seconds since start.", Unit::Seconds, uptime);
         r
+    }
+}
+
+impl Snapshot {
+    fn register_memory(&self, r: &mut Registry) {
+        let reserved = Family::<HolderLabel, Gauge>::default();
+        for (holder, bytes) in [
+            ("sessions", self.memory_reserved_sessions),
+            ("pool", self.memory_reserved_pool),
+        ] {
+            reserved
+                .get_or_create(&HolderLabel { holder })
+                .set(saturating_i64(bytes));
+        }
+        r.register_with_unit(
+            "memory_reserved",
+            "Memory limits of all kernels (sessions', pooled), counted against their users' totals.",
+            Unit::Bytes,
+            reserved,
+        );
+        r.register_with_unit(
+            "memory_used",
+            "Memory the sessions' kernels use now, all users together.",
+            Unit::Bytes,
+            Gauge::<i64>::default_with(saturating_i64(self.memory_used)),
+        );
+        let limit = Family::<SessionLabel, Gauge>::default();
+        let used = Family::<SessionLabel, Gauge>::default();
+        for (session, l, u) in &self.own_sessions {
+            let label = SessionLabel {
+                session: session.clone(),
+            };
+            limit.get_or_create(&label).set(saturating_i64(*l));
+            if let Some(u) = u {
+                used.get_or_create(&label).set(saturating_i64(*u));
+            }
+        }
+        r.register_with_unit(
+            "session_memory_limit",
+            "Each of the scraping user's sessions: its kernel's memory limit.",
+            Unit::Bytes,
+            limit,
+        );
+        r.register_with_unit(
+            "session_memory_used",
+            "Each of the scraping user's sessions: its kernel's memory use now.",
+            Unit::Bytes,
+            used,
+        );
     }
 }
 

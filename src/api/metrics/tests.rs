@@ -7,6 +7,13 @@ fn snapshot() -> Snapshot {
         sessions: vec![("starting", 0), ("idle", 2), ("busy", 1), ("dead", 0)],
         connections: 3,
         pooled_kernels: 1,
+        memory_reserved_sessions: 768 << 20,
+        memory_reserved_pool: 256 << 20,
+        memory_used: 300 << 20,
+        own_sessions: vec![
+            ("s-1".into(), 256 << 20, Some(100 << 20)),
+            ("s-2".into(), 512 << 20, None),
+        ],
         recording: Some(RecordingSnapshot {
             queued_bytes: 10,
             dropped: 1,
@@ -28,6 +35,13 @@ fn the_scrape_time_values_keep_their_names() {
         "kernel_broker_sessions{state=\"starting\"} 0",
         "kernel_broker_connections 3",
         "kernel_broker_pooled_kernels 1",
+        "# TYPE kernel_broker_memory_reserved_bytes gauge",
+        "kernel_broker_memory_reserved_bytes{holder=\"sessions\"} 805306368",
+        "kernel_broker_memory_reserved_bytes{holder=\"pool\"} 268435456",
+        "kernel_broker_memory_used_bytes 314572800",
+        "kernel_broker_session_memory_limit_bytes{session=\"s-1\"} 268435456",
+        "kernel_broker_session_memory_limit_bytes{session=\"s-2\"} 536870912",
+        "kernel_broker_session_memory_used_bytes{session=\"s-1\"} 104857600",
         "kernel_broker_recording_queued_bytes 10",
         "# TYPE kernel_broker_recording_dropped counter",
         "kernel_broker_recording_dropped_total 1",
@@ -42,6 +56,10 @@ fn the_scrape_time_values_keep_their_names() {
             "missing {line:?} in\n{text}"
         );
     }
+    assert!(
+        !text.contains("session_memory_used_bytes{session=\"s-2\"}"),
+        "no use is shown where none is known: {text}"
+    );
     assert!(text.ends_with("# EOF\n"));
     assert_eq!(text.matches("# EOF").count(), 1);
     let off = Metrics::new("local").render(&Snapshot {

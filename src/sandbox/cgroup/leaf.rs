@@ -1,6 +1,7 @@
 //! One kernel's leaf cgroup: the `cgroup.procs` files the launcher joins between `fork` and
-//! `exec`, the OOM counter that tells an OOM kill from another SIGKILL, and killing
-//! everything in it.
+//! `exec`, the counters that say how a kernel ended (an OOM kill, at its own limit or the
+//! host's; processes refused at the pids limit), its memory use, and killing everything in
+//! it.
 
 use std::ffi::CString;
 use std::path::PathBuf;
@@ -34,6 +35,71 @@ impl Leaf {
         };
         let text = std::fs::read_to_string(dir.join(file)).ok()?;
         parse_keyed_counter(&text, key)
+    }
+
+    /// The file holding the leaf's memory use in bytes (v2 `memory.current`, v1
+    /// `memory.usage_in_bytes`), to be read while the kernel lives.
+    pub fn memory_usage_file(&self) -> Option<PathBuf> {
+        let file = match self.version {
+            CgroupVersion::V2 => "memory.current",
+            CgroupVersion::V1 => "memory.usage_in_bytes",
+        };
+        self.dirs.iter().map(|d| d.join(file)).find(|f| f.exists())
+    }
+
+    /// Whether the kernel's memory use reached a limit of the broker's: the leaf's own, or
+    /// the one of the directory above it (the user's, or the container's). Tells an OOM kill
+    /// by a cgroup from one by the host's OOM killer: v2 counts the times a limit was hit
+    /// with nothing left to reclaim (`oom` in `memory.events`, which covers the subtree);
+    /// v1 has no such counter, so the peak use (`memory.max_usage_in_bytes`) is compared
+    /// with the limit. When nothing can be read, a limit is assumed (the usual case).
+    pub fn reached_memory_limit(&self) -> bool {
+        let Some(leaf) = self.dirs.first() else {
+            return true;
+        };
+        let dirs = [Some(leaf.as_path()), leaf.parent()];
+        let mut readable = false;
+        for dir in dirs.into_iter().flatten() {
+            let reached = match self.version {
+                CgroupVersion::V2 => std::fs::read_to_string(dir.join("memory.events"))
+                    .ok()
+                    .and_then(|t| parse_keyed_counter(&t, "oom"))
+                    .map(|n| n > 0),
+                CgroupVersion::V1 => {
+                    let read = |f: &str| -> Option<u64> {
+                        std::fs::read_to_string(dir.join(f))
+                            .ok()?
+                            .trim()
+                            .parse()
+                            .ok()
+                    };
+                    match (
+                        read("memory.max_usage_in_bytes"),
+                        read("memory.limit_in_bytes"),
+                    ) {
+                        // Within 2% of the limit: the last charges failed there.
+                        (Some(peak), Some(limit)) => Some(peak + limit / 50 >= limit),
+                        _ => None,
+                    }
+                }
+            };
+            match reached {
+                Some(true) => return true,
+                Some(false) => readable = true,
+                None => {}
+            }
+        }
+        !readable
+    }
+
+    /// How many times a process or thread could not be created in this leaf because a
+    /// pids limit was reached (`max` in `pids.events`, v1 and v2).
+    pub fn pids_refused(&self) -> u64 {
+        self.dirs
+            .iter()
+            .filter_map(|d| std::fs::read_to_string(d.join("pids.events")).ok())
+            .filter_map(|t| parse_keyed_counter(&t, "max"))
+            .sum()
     }
 
     /// The processes in the leaf (host pids).

@@ -5,9 +5,16 @@
 //!
 //! ```text
 //! kernel-broker/               created on startup, removed on shutdown when empty
-//!   <user>/                    the user's limits: memory, CPU, processes (all kernels together)
-//!     <session-uuid>/          one leaf per kernel; the kernel's processes live only here
+//!   <user>/                    the user's totals: memory, CPU, processes (a backstop)
+//!     <session-uuid>/          one leaf per kernel, with the kernel's own memory and
+//!                              process limits; the kernel's processes live only here
 //! ```
+//!
+//! Memory is divided, not pooled: each leaf has its own `memory.max`, so when a kernel
+//! allocates past it, the OOM killer of that leaf picks among that kernel's processes only.
+//! The session layer admits kernels so that their limits add up to at most the user's
+//! total; the user's own limit is then never the one reached (but stays, as a backstop).
+//! The docker backend puts the same leaves inside a user's container (`nested.rs`).
 //!
 //! Both cgroup versions are supported, because hosts still run both:
 //!
@@ -27,8 +34,9 @@
 //!
 //! Layout: this file holds [`Cgroups`] (finding the hierarchies, the broker's tree, users'
 //! directories and leaves); `leaf.rs` a kernel's [`Leaf`] (joining, OOM counter, killing);
-//! `limits.rs` how [`UserLimits`] become v1 and v2 files; `mountinfo.rs` finding the
-//! hierarchies; `fs.rs` the few file operations on the cgroup file system.
+//! `limits.rs` how [`UserLimits`] and [`KernelLimits`] become v1 and v2 files;
+//! `mountinfo.rs` finding the hierarchies; `nested.rs` leaves inside a container's cgroup;
+//! `fs.rs` the few file operations on the cgroup file system.
 //!
 //! Why hand-written and not the `cgroups-rs` crate (0.5, maintained by the Kata Containers
 //! project; v1 and v2, builders for memory/pids/cpu, `memory.events`): the launch joins a
@@ -42,6 +50,11 @@ mod fs;
 mod leaf;
 mod limits;
 mod mountinfo;
+mod nested;
+#[cfg(test)]
+mod tests;
+
+pub use nested::ContainerCgroup;
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -57,8 +70,13 @@ use self::fs::{
     read_trimmed, rmdir_if_unused, rmdir_retrying, subdirs, write_file,
 };
 use self::mountinfo::{join_cgroup_path, parse_mountinfo, read_own_cgroup_v2};
-use super::{SandboxError, UserLimits};
+use super::{KernelLimits, SandboxError, UserLimits};
 use crate::sync::lock;
+
+/// A number in a cgroup file (`memory.current` and the like); `None` once it is gone.
+pub fn read_counter(file: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(file).ok()?.trim().parse().ok()
+}
 
 /// How long to keep killing a leaf's processes before giving up.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -201,12 +219,14 @@ impl Cgroups {
         Ok(())
     }
 
-    /// Creates (or updates) the user's directory with `limits` and a leaf for `session`.
-    /// Limits are written on every launch so that configuration changes take effect.
+    /// Creates (or updates) the user's directory with `limits` and a leaf for `session`
+    /// with the kernel's own `kernel` limits. Limits are written on every launch so that
+    /// configuration changes take effect.
     pub fn create_leaf(
         &self,
         user: &str,
         limits: &UserLimits,
+        kernel: &KernelLimits,
         session: Uuid,
     ) -> Result<Leaf, SandboxError> {
         if !is_path_component(user) {
@@ -243,6 +263,13 @@ impl Cgroups {
                 .map_err(|_| cgroup_err(&leaf_dir, "the path contains a NUL byte"))?;
             leaf.procs_files.push(procs);
             leaf.dirs.push(leaf_dir);
+        }
+        if let Err(e) = limits::apply_kernel(self.version, &leaf.dirs, kernel) {
+            // Empty and never joined: a plain rmdir removes them.
+            for dir in &leaf.dirs {
+                rmdir_if_unused(dir);
+            }
+            return Err(e);
         }
         Ok(leaf)
     }

@@ -25,7 +25,7 @@ use super::{
 };
 use crate::sandbox::fsutil::{self, io_err, launch_err};
 use crate::sandbox::workspace_fs::prepare_workspace;
-use crate::sandbox::{ExitReason, SandboxError, SandboxUser, UserLimits};
+use crate::sandbox::{ExitReason, SandboxError, SandboxUser, UserLimits, KERNEL_OOM_SCORE_ADJ};
 
 /// A running user container.
 pub(super) struct ContainerInfo {
@@ -94,6 +94,8 @@ impl ContainerSpec<'_> {
                 memory_swap: limits.memory,
                 nano_cpus: limits.nano_cpus,
                 pids_limit: limits.pids,
+                // Kernels go first when the host runs out of memory (see the constant).
+                oom_score_adj: Some(KERNEL_OOM_SCORE_ADJ),
                 mounts: Some(vec![
                     bind(workspace, WORKSPACE_INSIDE),
                     bind(run_dir, RUN_DIR_INSIDE),
@@ -310,7 +312,7 @@ mod tests {
             memory_bytes: 1 << 30,
             cpus: 1.5,
             pids: 256,
-            workspace_quota_bytes: 0,
+            ..UserLimits::default()
         });
         assert_eq!(l.memory, Some(1 << 30));
         assert_eq!(l.nano_cpus, Some(1_500_000_000));
@@ -319,7 +321,7 @@ mod tests {
             memory_bytes: 0,
             cpus: 0.0,
             pids: 0,
-            workspace_quota_bytes: 0,
+            ..UserLimits::default()
         });
         assert_eq!((none.memory, none.nano_cpus, none.pids), (None, None, None));
     }
@@ -378,6 +380,7 @@ mod tests {
         assert_eq!(h.security_opt, Some(vec!["no-new-privileges".to_string()]));
         assert_eq!(h.ipc_mode.as_deref(), Some("private"));
         assert_eq!(h.auto_remove, Some(false));
+        assert_eq!(h.oom_score_adj, Some(500));
         assert_eq!(
             h.tmpfs.unwrap()["/tmp"],
             "rw,nosuid,nodev,size=256m,mode=1777"
@@ -421,6 +424,7 @@ mod tests {
             cpus,
             pids,
             workspace_quota_bytes: 0,
+            ..UserLimits::default()
         };
         for case in [
             Case {

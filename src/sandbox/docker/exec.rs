@@ -1,6 +1,15 @@
 //! A kernel in its user's container: the exec that runs it (its command, connection file
-//! and session directory), its interrupt, helper execs, and the reaper that ends what it
-//! started.
+//! and session directory), its own cgroup leaf, its interrupt, helper execs, and the reaper
+//! that ends what it started.
+//!
+//! Memory and processes are the kernel's own: the kernel's command records its pid and
+//! waits for a `go` file in its session directory; the broker meanwhile moves the exec's
+//! process (its host pid, from the daemon) into a leaf of the container's cgroup with the
+//! kernel's limits ([`ContainerCgroup`]), then writes `go`. So the kernel and everything it
+//! forks run in the leaf from their first instruction, and a kernel past its limit is the
+//! only one its leaf's OOM killer can pick. Where the broker cannot manage cgroups (not
+//! root, rootless daemons) it says so once in the log and writes `go` anyway: the kernel
+//! then runs under the container's (the user's) limits only.
 //!
 //! No process outlives its session. The container outlives each session, so a kernel's
 //! end must take along everything the kernel started, whatever it did to escape (a new
@@ -47,9 +56,10 @@ use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
+use crate::sandbox::cgroup::{read_counter, ContainerCgroup, Leaf};
 use crate::sandbox::fsutil::{self, io_err, FileMode};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
-use crate::sandbox::{KernelEndpoints, LaunchSpec, SandboxError};
+use crate::sandbox::{thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError};
 
 /// What waiters hear if the watcher went away without a word.
 pub(super) const LOST: &str = "the broker stopped watching the kernel (runtime shut down)";
@@ -63,6 +73,12 @@ pub(super) struct DockerKernel {
     pub dir: String,
     pub host_dir: PathBuf,
     pub exec_id: String,
+    /// The kernel's own cgroup leaf (none where the broker cannot manage cgroups).
+    pub leaf: Option<Leaf>,
+    pub limits: KernelLimits,
+    /// The user's workspace on the host and its quota, to tell a full disk.
+    pub workspace: PathBuf,
+    pub quota_bytes: u64,
 }
 
 impl DockerKernel {
@@ -82,6 +98,13 @@ impl DockerKernel {
 impl BackendKernel for DockerKernel {
     fn watch(&self) -> &KernelWatch {
         &self.watch
+    }
+
+    fn memory_used(&self) -> Option<u64> {
+        if self.watch.has_exited() {
+            return None;
+        }
+        read_counter(&self.leaf.as_ref()?.memory_usage_file()?)
     }
 
     async fn interrupt(&self) -> Result<(), SandboxError> {
@@ -127,6 +150,11 @@ impl Inner {
         dir: &str,
     ) -> Result<String, String> {
         let mut env: Vec<String> = vec!["PYDEVD_DISABLE_FILE_VALIDATION=1".to_string()];
+        env.extend(
+            thread_env(&spec.user.limits)
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}")),
+        );
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let exec = docker
             .create_exec(
@@ -180,12 +208,109 @@ pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
     let script = format!(
-        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; exec {TINI_INSIDE} -s -- {PYTHON_INSIDE} \
+        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; i=0; \
+         while [ ! -e {RUN_DIR_INSIDE}/{dir}/{GO_FILE} ]; do i=$((i+1)); \
+         [ $i -gt {GO_ROUNDS} ] && exit {GO_TIMEOUT_EXIT}; sleep 0.02; done; \
+         exec {TINI_INSIDE} -s -- {PYTHON_INSIDE} \
          -m ipykernel_launcher -f {RUN_DIR_INSIDE}/{dir}/connection.json --HistoryManager.hist_file=:memory: \
          >/dev/null 2>{log}",
         log = kernel_log(dir)
     );
     vec!["sh".to_string(), "-c".to_string(), script]
+}
+
+/// The file whose appearance lets the kernel's command start the kernel (see the module
+/// comment); it waits at most [`GO_ROUNDS`] × 20 ms, then exits with [`GO_TIMEOUT_EXIT`].
+const GO_FILE: &str = "go";
+const GO_ROUNDS: u32 = 1500;
+pub(super) const GO_TIMEOUT_EXIT: i64 = 125;
+
+/// Places a started kernel exec into its own leaf of the container's cgroup (see the
+/// module comment), then lets it go. `None`: no leaf (logged); it runs under the
+/// container's limits.
+pub(super) async fn place_kernel(
+    docker: &Docker,
+    exec_id: Option<&str>,
+    host_dir: &Path,
+    session: &str,
+    limits: &KernelLimits,
+) -> Result<Option<Leaf>, String> {
+    let pid = match exec_id {
+        Some(id) => exec_pid(docker, id).await,
+        None => Err("the broker does not run as root".to_string()),
+    };
+    let leaf = match pid {
+        Ok(pid) => {
+            let session = session.to_string();
+            let limits = *limits;
+            tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
+                let cgroup = ContainerCgroup::of_process(pid)?;
+                let leaf = cgroup
+                    .create_leaf(&session, &limits)
+                    .map_err(|e| e.to_string())?;
+                if let Err(e) = ContainerCgroup::enter(&leaf, pid) {
+                    for dir in leaf.dirs() {
+                        let _ = std::fs::remove_dir(dir);
+                    }
+                    return Err(e.to_string());
+                }
+                Ok(leaf)
+            })
+            .await
+            .map_err(|e| format!("placing the kernel failed: {e}"))
+            .and_then(|r| r)
+        }
+        Err(e) => Err(e),
+    };
+    let leaf = match leaf {
+        Ok(leaf) => Some(leaf),
+        Err(why) => {
+            warn_once_unplaced(&why);
+            None
+        }
+    };
+    let go = host_dir.join(GO_FILE);
+    if let Err(e) = std::fs::write(&go, b"") {
+        if let Some(leaf) = &leaf {
+            ContainerCgroup::remove_leaf(leaf).await;
+        }
+        return Err(format!(
+            "cannot let the kernel start ({}): {e}",
+            go.display()
+        ));
+    }
+    Ok(leaf)
+}
+
+/// The host pid of an exec's first process (the daemon knows it once the exec started).
+async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, String> {
+    for _ in 0..50 {
+        let exec = docker
+            .inspect_exec(exec_id)
+            .await
+            .map_err(|e| format!("cannot inspect the kernel's exec: {}", error_text(&e)))?;
+        match exec.pid.and_then(|p| i32::try_from(p).ok()) {
+            Some(pid) if pid > 0 => return Ok(pid),
+            _ if exec.running == Some(false) => {
+                return Err("the kernel's exec ended before it was placed".to_string())
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    Err("the daemon did not report the kernel exec's pid".to_string())
+}
+
+/// Kernels without a leaf of their own are worth one warning, not one per launch.
+fn warn_once_unplaced(why: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            reason = %why,
+            "docker kernels run WITHOUT memory and process limits of their own (only the \
+             user's container limits): the broker cannot give them a cgroup leaf"
+        );
+    });
+    tracing::debug!(reason = %why, "kernel not placed in a cgroup leaf");
 }
 
 pub(super) fn kernel_log(dir: &str) -> String {
@@ -437,7 +562,14 @@ mod tests {
         assert_eq!(c["signature_scheme"], "hmac-sha256");
         let cmd = kernel_command("0123456789ab", true);
         assert_eq!(cmd[..2], ["sh", "-c"]);
-        assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; exec "));
+        assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; i=0; "));
+        // The kernel starts only once the broker has placed it in its cgroup leaf.
+        assert!(
+            cmd[2].contains("while [ ! -e /run/kernel/0123456789ab/go ]; do"),
+            "{}",
+            cmd[2]
+        );
+        assert!(cmd[2].contains("; done; exec /usr/bin/tini -s -- "));
         assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
     }
 }

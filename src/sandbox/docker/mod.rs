@@ -69,7 +69,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
-use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
+use self::exec::{connection_file, endpoints_for, place_kernel, DockerKernel, SessionFiles, LOST};
 use self::watch::watch_kernel;
 use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
@@ -426,6 +426,18 @@ impl Inner {
                 return Err(launch_err(&user, e));
             }
         };
+        let session = spec.session_id.to_string();
+        // Only root can write the container's cgroup.
+        let placeable = self.privileged.then_some(exec_id.as_str());
+        let leaf = match place_kernel(&docker, placeable, &host_dir, &session, &spec.limits).await {
+            Ok(leaf) => leaf,
+            Err(e) => {
+                // The kernel waits for a word that cannot come: it ends by itself; the
+                // reaper of a later end, or the container's removal, takes what is left.
+                remove_dir_logged(host_dir).await;
+                return Err(launch_err(&user, e));
+            }
+        };
 
         let (watch, exit) = KernelWatch::new(spec.session_id, user.name.clone(), LOST);
         let shared = Arc::new(DockerKernel {
@@ -435,6 +447,10 @@ impl Inner {
             dir,
             host_dir,
             exec_id,
+            leaf,
+            limits: spec.limits,
+            workspace,
+            quota_bytes: user.limits.workspace_quota_bytes,
         });
         self.kernels.insert(spec.session_id, shared.clone());
         tokio::spawn(watch_kernel(self.clone(), shared.clone(), exit));

@@ -1,8 +1,11 @@
 //! The watcher of one kernel: polls its exec, kills it when asked, classifies its end,
 //! cleans up, and publishes the reason.
 //!
-//! Out of memory: with a memory limit on the container, the kernel's OOM killer kills the
-//! biggest process in it, normally the python kernel that allocated the memory, and the
+//! Out of memory: a kernel has its own cgroup leaf inside the container (see `exec.rs`), so
+//! past its own limit the OOM killer picks among its processes only, and the leaf's
+//! `oom_kill` counter (read on the host) says so. What follows is the fallback for a kernel
+//! without a leaf (the broker could not manage cgroups): with a memory limit on the
+//! container, the kernel's OOM killer kills the biggest process in it, and the
 //! container survives. Docker does not report that per exec, so a kernel whose exec ended
 //! by SIGKILL (137) is reported as [`ExitReason::OutOfMemory`] only if the container's
 //! cgroup counter `oom_kill` (`memory.events` on cgroup v2, `memory.oom_control` on v1,
@@ -23,6 +26,8 @@ use super::container::{container_reason, ContainerInfo};
 use super::daemon::{error_text, status_of};
 use super::exec::{exec_output, kernel_log_tail, reap, DockerKernel};
 use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
+use crate::sandbox::cgroup::ContainerCgroup;
+use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::watched::ExitPublisher;
 use crate::sandbox::ExitReason;
@@ -64,6 +69,9 @@ pub(super) async fn watch_kernel(
     if !reaped && !inner.shutdown.is_cancelled() {
         // Ended by itself: what it started outlives it, reparented to PID 1.
         reap(&docker, &shared).await;
+    }
+    if let Some(leaf) = &shared.leaf {
+        ContainerCgroup::remove_leaf(leaf).await;
     }
     remove_dir_logged(shared.host_dir.clone()).await;
     inner.kernels.remove(&session);
@@ -122,6 +130,21 @@ async fn classify_exec_end(
         return reason;
     }
     let code = exit_code.unwrap_or(-1);
+    if let Some(leaf) = &shared.leaf {
+        let reason = if code == 128 + i64::from(libc::SIGKILL) && leaf.oom_kills() > Some(0) {
+            ExitReason::OutOfMemory {
+                limit_bytes: shared.limits.memory_bytes,
+            }
+        } else {
+            exit_reason_from_code(code)
+        };
+        let evidence = Evidence {
+            reached_memory_limit: leaf.reached_memory_limit(),
+            pids_refused: leaf.pids_refused(),
+            disk_full: shared.quota_bytes > 0 && disk_full(&shared.workspace),
+        };
+        return explain(reason, evidence, &shared.limits, shared.quota_bytes);
+    }
     if code == 128 + i64::from(libc::SIGKILL) {
         match oom_kills(docker, &shared.container.id).await {
             Some(count) => {

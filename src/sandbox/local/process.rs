@@ -32,7 +32,9 @@ use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
+use crate::sandbox::{
+    thread_env, KernelProcess, LaunchSpec, Launched, SandboxError, KERNEL_OOM_SCORE_ADJ,
+};
 
 /// How long bwrap may take to report the sandbox's init pid.
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -82,10 +84,12 @@ impl LocalSandbox {
 
         if let Some(cg) = &cgroups {
             let (cg2, name, limits) = (cg.clone(), user.name.clone(), user.limits.clone());
-            let leaf =
-                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, session))
-                    .await
-                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
+            let kernel_limits = spec.limits;
+            let leaf = tokio::task::spawn_blocking(move || {
+                cg2.create_leaf(&name, &limits, &kernel_limits, session)
+            })
+            .await
+            .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
             guard.leaf = Some((cg.clone(), leaf));
         }
 
@@ -93,7 +97,8 @@ impl LocalSandbox {
             workspace: &workspace,
             rundir: &rundir,
             ids,
-            tmp_size: Some(user.limits.memory_bytes).filter(|b| *b > 0),
+            // /tmp's pages are the kernel's memory: no larger than its limit.
+            tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: resource_dir.as_deref(),
             argv: &argv,
         };
@@ -107,6 +112,7 @@ impl LocalSandbox {
             watch,
             init_pid: OnceLock::new(),
             bwrap_pid: child.id().and_then(|p| i32::try_from(p).ok()),
+            memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
         });
         let (cgroups, leaf) = guard
             .leaf
@@ -120,7 +126,9 @@ impl LocalSandbox {
             leaf,
             cgroups,
             rundir,
-            memory_limit: user.limits.memory_bytes,
+            limits: spec.limits,
+            workspace: workspace.clone(),
+            quota_bytes: user.limits.workspace_quota_bytes,
             table: self.kernels.clone(),
             tail: tail.clone(),
         };
@@ -185,6 +193,7 @@ impl LocalSandbox {
         cmd.args(&args)
             .env_clear()
             .envs(kernel_env(&self.venv, &user.name))
+            .envs(thread_env(&user.limits))
             .envs(spec_env)
             .envs(spec.env.iter().cloned())
             .current_dir("/")
@@ -205,6 +214,7 @@ impl LocalSandbox {
                 for path in &procs {
                     join_cgroup(path)?;
                 }
+                raise_oom_score()?;
                 // Let bwrap inherit the info pipe and the filter (created close-on-exec so
                 // that no other child of the broker does).
                 inherit_fd(info_fd)?;
@@ -262,6 +272,29 @@ fn join_cgroup(path: &CString) -> io::Result<()> {
         let err = io::Error::last_os_error();
         libc::close(fd);
         if written != 1 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// Writes [`KERNEL_OOM_SCORE_ADJ`] to `/proc/self/oom_score_adj`: the host's OOM killer
+/// picks kernels before the broker. Runs between fork and exec: async-signal-safe calls
+/// only (the value is a constant, formatted at compile time).
+fn raise_oom_score() -> io::Result<()> {
+    const PATH: &[u8] = b"/proc/self/oom_score_adj\0";
+    const VALUE: &[u8] = b"500";
+    const _: () = assert!(KERNEL_OOM_SCORE_ADJ == 500);
+    // SAFETY: PATH is NUL-terminated; VALUE is a static slice; `fd` is closed once.
+    unsafe {
+        let fd = libc::open(PATH.as_ptr().cast(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let written = libc::write(fd, VALUE.as_ptr().cast(), VALUE.len());
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if written != VALUE.len() as isize {
             return Err(err);
         }
     }

@@ -14,10 +14,11 @@ use async_trait::async_trait;
 use tokio::process::Child;
 
 use super::output::Tail;
-use crate::sandbox::cgroup::{Cgroups, Leaf};
+use crate::sandbox::cgroup::{read_counter, Cgroups, Leaf};
+use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
-use crate::sandbox::{ExitReason, SandboxError};
+use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
 
 /// What waiters hear if the reaper went away without a word.
 pub(super) const LOST: &str = "the broker stopped watching the kernel process (runtime shut down)";
@@ -30,12 +31,21 @@ pub(super) struct LocalKernel {
     pub init_pid: OnceLock<i32>,
     /// Host pid of bwrap itself.
     pub bwrap_pid: Option<i32>,
+    /// The leaf's memory use file (none without cgroups).
+    pub memory_usage: Option<PathBuf>,
 }
 
 #[async_trait]
 impl BackendKernel for LocalKernel {
     fn watch(&self) -> &KernelWatch {
         &self.watch
+    }
+
+    fn memory_used(&self) -> Option<u64> {
+        if self.watch.has_exited() {
+            return None;
+        }
+        read_counter(self.memory_usage.as_deref()?)
     }
 
     async fn interrupt(&self) -> Result<(), SandboxError> {
@@ -79,7 +89,11 @@ pub(super) struct Reaper {
     pub leaf: Option<Leaf>,
     pub cgroups: Option<Arc<Cgroups>>,
     pub rundir: PathBuf,
-    pub memory_limit: u64,
+    /// The kernel's own limits (its leaf's).
+    pub limits: KernelLimits,
+    /// The user's workspace and its quota, to tell a full disk.
+    pub workspace: PathBuf,
+    pub quota_bytes: u64,
     pub table: KernelTable<LocalKernel>,
     pub tail: Tail,
 }
@@ -95,7 +109,13 @@ impl Reaper {
         };
         let oom_kills = self.leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
         let terminating = self.kernel.watch.terminating();
-        let reason = classify_exit(status, terminating, oom_kills, self.memory_limit);
+        let reason = classify_exit(status, terminating, oom_kills, self.limits.memory_bytes);
+        let evidence = Evidence {
+            reached_memory_limit: self.leaf.as_ref().is_none_or(|l| l.reached_memory_limit()),
+            pids_refused: self.leaf.as_ref().map_or(0, Leaf::pids_refused),
+            disk_full: self.quota_bytes > 0 && disk_full(&self.workspace),
+        };
+        let reason = explain(reason, evidence, &self.limits, self.quota_bytes);
         let session = self.kernel.watch.session_id;
         match &reason {
             ExitReason::Terminated | ExitReason::Exited(0) => {

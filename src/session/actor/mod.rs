@@ -318,11 +318,17 @@ impl Actor {
         }
         self.routes.clear();
         let asked = Instant::now();
-        let started = match self
-            .pool
-            .take(&self.session.user, &self.session.kernel_name)
-        {
-            Some((_, live)) => Ok((live, true)),
+        // A pooled kernel has the user's default limits: only for a session that has them.
+        // Its own reservation is dropped at once: the session's covers it, and the old
+        // kernel is gone.
+        let pooled = (self.session.limits == self.session.user.limits.kernel(None))
+            .then(|| {
+                self.pool
+                    .take(&self.session.user, &self.session.kernel_name)
+            })
+            .flatten();
+        let started = match pooled {
+            Some((_, live, _memory)) => Ok((live, true)),
             None => {
                 let spec = self.session.launch_spec(Signer::random_key());
                 start_kernel(&self.sandbox, spec, self.config.kernel)
@@ -339,6 +345,7 @@ impl Actor {
                         pooled,
                     },
                 );
+                self.session.set_process(live.process.clone());
                 self.kernel = Some(live);
                 self.dead_reason = None;
                 self.session.reset_execution_count();

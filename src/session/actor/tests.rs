@@ -20,6 +20,7 @@ use super::Actor;
 use crate::sandbox::{ExitReason, Sandbox};
 use crate::session::handle::{HandleParts, Session};
 use crate::session::launch::start_kernel;
+use crate::session::memory::{Holder, Ledger};
 use crate::session::pool::Pool;
 use crate::session::testing::fake_sandbox::user;
 use crate::session::testing::{config, FakeSandbox, TestRecorder};
@@ -40,12 +41,24 @@ async fn start(config: SessionConfig) -> Harness {
     let dyn_sandbox: Arc<dyn Sandbox> = sandbox.clone();
     let recorder = TestRecorder::new();
     let (commands, commands_rx) = mpsc::channel(config.max_queue + 64);
+    let ledger = Ledger::new();
+    let alice = user("alice");
+    let memory = ledger
+        .reserve(
+            "alice",
+            0,
+            alice.limits.session_memory_bytes,
+            Holder::Session,
+        )
+        .expect("no total");
     let session = Arc::new(Session::new(
         Uuid::new_v4(),
         user("alice"),
         HandleParts {
             kernel_name: "script".into(),
             idle_timeout: None,
+            limits: alice.limits.kernel(None),
+            memory,
             commands,
             event_budget: 1 << 20,
             max_queue: config.max_queue,
@@ -56,7 +69,7 @@ async fn start(config: SessionConfig) -> Harness {
     let live = within(start_kernel(&dyn_sandbox, spec, config.kernel))
         .await
         .expect("the scripted kernel starts");
-    let pool = Pool::new(config.pool, dyn_sandbox.clone(), config.kernel);
+    let pool = Pool::new(config.pool, dyn_sandbox.clone(), config.kernel, ledger);
     let actor = Actor::new(
         session.clone(),
         dyn_sandbox,

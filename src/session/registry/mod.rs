@@ -1,5 +1,6 @@
-//! The registry of sessions: creation (with per-user quotas), lookup with ownership,
-//! listing, deletion and shutdown. Idle expiry and the tombstones of expired sessions are
+//! The registry of sessions: creation (with per-user quotas: a number of sessions, and
+//! memory admission through the [`Ledger`]), lookup with ownership, listing, deletion and
+//! shutdown. Idle expiry and the tombstones of expired sessions are
 //! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
 
 mod expiry;
@@ -21,10 +22,11 @@ use super::error::SessionError;
 use super::handle::{HandleParts, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::LifecycleEvent;
+use super::memory::{human_bytes, Holder, Ledger, MemoryUse, Reservation};
 use super::pool::Pool;
 use super::recorder::Recorder;
 use super::state::SessionState;
-use crate::sandbox::{Sandbox, SandboxUser};
+use crate::sandbox::{KernelLimits, Sandbox, SandboxUser};
 use crate::sync::lock;
 use crate::wire::Signer;
 
@@ -49,6 +51,7 @@ struct Inner {
     shutdown: CancellationToken,
     recorder: Arc<dyn Recorder>,
     pool: Arc<Pool>,
+    ledger: Arc<Ledger>,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -65,7 +68,13 @@ pub struct CreateOptions {
     pub idle_timeout_seconds: Option<u64>,
     /// Use this id (the Jupyter API lets clients propose one).
     pub id: Option<Uuid>,
+    /// The kernel's memory limit in bytes (`None`: the user's default session limit); at
+    /// least 16 MiB and at most the user's total.
+    pub memory_limit_bytes: Option<u64>,
 }
+
+/// The smallest memory limit a session may ask for.
+pub const MIN_SESSION_MEMORY: u64 = 16 << 20;
 
 impl Registry {
     /// `kernels` lists the kernel spec names the sandbox can launch; the first is the default.
@@ -75,7 +84,8 @@ impl Registry {
         kernels: Vec<String>,
         recorder: Arc<dyn Recorder>,
     ) -> Self {
-        let pool = Pool::new(config.pool, sandbox.clone(), config.kernel);
+        let ledger = Ledger::new();
+        let pool = Pool::new(config.pool, sandbox.clone(), config.kernel, ledger.clone());
         let inner = Arc::new(Inner {
             table: Mutex::new(Table::default()),
             sandbox,
@@ -85,6 +95,7 @@ impl Registry {
             shutdown: CancellationToken::new(),
             recorder,
             pool,
+            ledger,
         });
         let registry = Registry { inner };
         tokio::spawn(registry.clone().expiry_task());
@@ -102,6 +113,16 @@ impl Registry {
     /// Kernels waiting in the warm pool.
     pub fn pooled(&self) -> usize {
         self.inner.pool.ready()
+    }
+
+    /// The memory `user`'s sessions and pooled kernels hold (their limits).
+    pub fn memory_use(&self, user: &str) -> MemoryUse {
+        self.inner.ledger.usage(user)
+    }
+
+    /// The memory all users' sessions and pooled kernels hold, together.
+    pub fn memory_use_all(&self) -> MemoryUse {
+        self.inner.ledger.usage_all()
     }
 
     pub fn kernel_names(&self) -> &[String] {
@@ -143,6 +164,7 @@ impl Registry {
             None if cfg.idle_timeout.is_zero() => None,
             None => Some(cfg.idle_timeout),
         };
+        let limits = session_limits(user, opts.memory_limit_bytes)?;
         let mut id = opts.id.unwrap_or_else(Uuid::new_v4);
         let mut proposed = opts.id;
         {
@@ -173,21 +195,29 @@ impl Registry {
             t.creating_ids.insert(id);
         }
         let reserved = id;
-        // A ready kernel from the warm pool, unless the client chose the id.
+        // A ready kernel from the warm pool, unless the client chose the id or other
+        // limits than the pool's.
         let pooled = match proposed {
-            None => self.inner.pool.take(user, &kernel_name),
-            Some(_) => {
+            None if limits == user.limits.kernel(None) => self.inner.pool.take(user, &kernel_name),
+            _ => {
                 self.inner.pool.refill(user, &kernel_name);
                 None
             }
         };
-        let (id, pooled) = match pooled {
-            Some((pooled_id, live)) => (pooled_id, Some(live)),
-            None => (id, None),
+        let admitted = match pooled {
+            Some((pooled_id, live, memory)) => Ok((pooled_id, Some(live), memory.into_session())),
+            None => self
+                .admit(user, &limits)
+                .await
+                .map(|memory| (id, None, memory)),
         };
-        let result = self
-            .launch(id, user, kernel_name, idle_timeout, pooled)
-            .await;
+        let result = match admitted {
+            Ok((id, pooled, memory)) => {
+                let parts = (kernel_name, idle_timeout, limits, memory);
+                self.launch(id, user, parts, pooled).await
+            }
+            Err(e) => Err(e),
+        };
         {
             let mut t = self.table();
             t.creating_ids.remove(&reserved);
@@ -205,12 +235,56 @@ impl Registry {
         result
     }
 
+    /// Reserves the memory of a new session of `user`: from what is free, else after
+    /// evicting the user's pooled kernels; refused when the sessions' limits would pass the
+    /// user's total.
+    async fn admit(
+        &self,
+        user: &SandboxUser,
+        limits: &KernelLimits,
+    ) -> Result<Reservation, SessionError> {
+        let reserve = || {
+            self.inner.ledger.reserve(
+                &user.name,
+                user.limits.memory_bytes,
+                limits.memory_bytes,
+                Holder::Session,
+            )
+        };
+        let used = match reserve() {
+            Ok(r) => return Ok(r),
+            Err(used) => used,
+        };
+        if used.pooled > 0 && used.session_bytes + limits.memory_bytes <= user.limits.memory_bytes {
+            self.inner.pool.evict(&user.name).await;
+            if let Ok(r) = reserve() {
+                return Ok(r);
+            }
+        }
+        let used = self.inner.ledger.usage(&user.name);
+        Err(SessionError::Quota(format!(
+            "not enough memory left for a new session: {}'s {} sessions use {} of {} \
+             (their memory limits; {} more held by pooled kernels) and this one asks for {}; \
+             delete a session or ask for less (memory_limit_bytes)",
+            user.name,
+            used.sessions,
+            human_bytes(used.session_bytes),
+            human_bytes(user.limits.memory_bytes),
+            human_bytes(used.pooled_bytes),
+            human_bytes(limits.memory_bytes),
+        )))
+    }
+
     async fn launch(
         &self,
         id: Uuid,
         user: &SandboxUser,
-        kernel_name: String,
-        idle_timeout: Option<Duration>,
+        (kernel_name, idle_timeout, limits, memory): (
+            String,
+            Option<Duration>,
+            KernelLimits,
+            Reservation,
+        ),
         pooled: Option<Live>,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
@@ -222,6 +296,8 @@ impl Registry {
             HandleParts {
                 kernel_name,
                 idle_timeout,
+                limits,
+                memory,
                 commands: commands_tx,
                 // Two of the largest messages a kernel may send.
                 event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
@@ -243,6 +319,7 @@ impl Registry {
             }
         };
         session.touch();
+        session.set_process(live.process.clone());
         let actor = Actor::new(
             session.clone(),
             self.inner.sandbox.clone(),
@@ -323,6 +400,8 @@ impl Registry {
     }
 
     async fn after_removal(&self, session: &Session) {
+        // The kernel is gone (shutdown waited for it): its memory is free again.
+        session.release_memory();
         let user_has_more = self
             .table()
             .sessions
@@ -339,8 +418,30 @@ impl Registry {
         let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
         let n = sessions.len();
         futures::future::join_all(sessions.iter().map(|s| s.shutdown(SessionState::Closed))).await;
+        sessions.iter().for_each(|s| s.release_memory());
         self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;
         tracing::info!(sessions = n, "all sessions shut down");
     }
+}
+
+/// The limits of a new session of `user` asking for `memory_limit_bytes`.
+fn session_limits(
+    user: &SandboxUser,
+    memory_limit_bytes: Option<u64>,
+) -> Result<KernelLimits, SessionError> {
+    if let Some(asked) = memory_limit_bytes {
+        let total = user.limits.memory_bytes;
+        if asked < MIN_SESSION_MEMORY || (total > 0 && asked > total) {
+            return Err(SessionError::BadRequest(format!(
+                "memory_limit_bytes must be between {} and {}'s memory limit, {} ({} bytes); \
+                 {asked} was asked",
+                human_bytes(MIN_SESSION_MEMORY),
+                user.name,
+                human_bytes(total),
+                total
+            )));
+        }
+    }
+    Ok(user.limits.kernel(memory_limit_bytes))
 }

@@ -199,3 +199,96 @@ async fn the_second_session_takes_a_pooled_kernel() {
     within(registry.shutdown()).await;
     assert_eq!(registry.pooled(), 0, "shutdown drains the pool");
 }
+
+/// A user whose total fits `n` sessions of 256 MiB.
+fn user_fitting(name: &str, n: u64) -> crate::sandbox::SandboxUser {
+    let mut u = user(name);
+    u.limits.memory_bytes = n * (256 << 20);
+    u.limits.session_memory_bytes = 256 << 20;
+    u
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory_is_admitted_against_the_users_total_and_comes_back() {
+    let (registry, sandbox, _) = registry(config());
+    let alice = user_fitting("alice", 3);
+    let create = |memory_limit_bytes| {
+        registry.create(
+            &alice,
+            20,
+            CreateOptions {
+                memory_limit_bytes,
+                ..Default::default()
+            },
+        )
+    };
+    let big = within(create(Some(512 << 20))).await.expect("512 MiB fits");
+    assert_eq!(big.limits.memory_bytes, 512 << 20);
+    assert_eq!(sandbox.launched()[0].limits.memory_bytes, 512 << 20);
+    let small = within(create(None)).await.expect("256 MiB fits");
+    assert_eq!(small.info().memory_limit_bytes, 256 << 20);
+    let refused = within(create(None)).await;
+    assert!(
+        matches!(&refused, Err(SessionError::Quota(m)) if m.contains("alice's 2 sessions use 768 MiB of 768 MiB")
+            && m.contains("this one asks for 256 MiB")),
+        "{:?}",
+        refused.map(|s| s.id)
+    );
+    // Asking for more than the total, or less than 16 MiB, is a bad request.
+    for bad in [Some(1 << 30), Some(1 << 20)] {
+        assert!(matches!(
+            within(create(bad)).await,
+            Err(SessionError::BadRequest(_))
+        ));
+    }
+    assert_eq!(registry.memory_use("alice").session_bytes, 768 << 20);
+    within(registry.delete("alice", big.id))
+        .await
+        .expect("delete");
+    assert_eq!(registry.memory_use("alice").session_bytes, 256 << 20);
+    within(create(Some(512 << 20))).await.expect("room again");
+    within(registry.shutdown()).await;
+    assert_eq!(registry.memory_use("alice").total_bytes(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_pool_uses_only_free_room_and_makes_way_for_sessions() {
+    let mut config = config();
+    config.pool.size = 1;
+    let (registry, sandbox, _) = registry(config);
+    let alice = user_fitting("alice", 2);
+    let opts = CreateOptions::default;
+    within(registry.create(&alice, 20, opts()))
+        .await
+        .expect("first");
+    within(async {
+        while registry.pooled() != 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let used = registry.memory_use("alice");
+    assert_eq!((used.sessions, used.pooled), (1, 1));
+    // A session of other limits cannot take the pooled kernel: the pool is shut down to
+    // make room for it.
+    let other = CreateOptions {
+        memory_limit_bytes: Some(200 << 20),
+        ..Default::default()
+    };
+    let second = within(registry.create(&alice, 20, other))
+        .await
+        .expect("the pool made way");
+    assert_eq!(registry.pooled(), 0);
+    assert!(sandbox.kernel(1).terminated(), "the pooled kernel is gone");
+    let used = registry.memory_use("alice");
+    assert_eq!((used.sessions, used.pooled), (2, 0));
+    assert_eq!(used.session_bytes, 456 << 20);
+    // No room for another pooled kernel now (456 + 256 > 512): none is started.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(sandbox.launched().len(), 3);
+    assert_eq!(registry.memory_use("alice").pooled, 0);
+    within(registry.delete("alice", second.id))
+        .await
+        .expect("delete");
+    within(registry.shutdown()).await;
+}

@@ -12,7 +12,8 @@ use async_trait::async_trait;
 use super::scripted_kernel::ScriptedKernel;
 use crate::sandbox::watched::{ExitPublisher, KernelWatch};
 use crate::sandbox::{
-    ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
+    ExitReason, KernelLimits, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
+    SandboxUser,
 };
 use crate::sync::lock;
 
@@ -21,6 +22,8 @@ pub struct FakeKernel {
     pub kernel: ScriptedKernel,
     /// The user it was launched for.
     pub user: String,
+    /// The limits it was launched with.
+    pub limits: KernelLimits,
     /// The backends' own exit watch: `wait` behaves as theirs does.
     watch: KernelWatch,
     /// Taken by the first exit, as a backend's watcher publishes once.
@@ -138,6 +141,7 @@ impl Sandbox for FakeSandbox {
         );
         let fake = Arc::new(FakeKernel {
             kernel,
+            limits: spec.limits,
             user: spec.user.name,
             watch,
             publisher: Mutex::new(Some(publisher)),
