@@ -1,6 +1,7 @@
 //! Settings resolution: precedence, users files, each layer's defaults.
 
 use super::*;
+use crate::recording::Synchronous;
 use std::io::Write;
 
 fn write(text: &str) -> tempfile::NamedTempFile {

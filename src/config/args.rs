@@ -1,0 +1,196 @@
+//! The command line: `kernel-broker serve` and every flag, its `KERNEL_BROKER_<NAME>`
+//! environment variable and the default its help shows. The same struct is the config
+//! file's schema (keys in snake case); `mod.rs` resolves flags, file and defaults into
+//! [`super::Settings`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Deserialize;
+
+use crate::recording::Synchronous;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kernel-broker",
+    version,
+    about = "Long-lived, sandboxed IPython sessions for agents and notebook frontends"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the broker.
+    Serve(Box<ServeArgs>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxKind {
+    Local,
+    Docker,
+}
+
+/// Flags of `serve`. Each is optional so the config file can supply it; each can also come
+/// from `KERNEL_BROKER_<NAME>`.
+#[derive(Debug, Clone, Default, clap::Args, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeArgs {
+    /// Address to listen on [default: 127.0.0.1:8888]
+    #[arg(long, env = "KERNEL_BROKER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// TOML config file (keys as these flags, in snake case)
+    #[arg(long, env = "KERNEL_BROKER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// TOML users file: [[user]] tables with name, token and optional limits
+    #[arg(long, env = "KERNEL_BROKER_USERS_FILE")]
+    pub users_file: Option<PathBuf>,
+    /// Where kernels run [default: local]
+    #[arg(long, env = "KERNEL_BROKER_SANDBOX")]
+    pub sandbox: Option<SandboxKind>,
+    /// Directory for workspaces, runtime sockets and recordings [default: ./.data]
+    #[arg(long, env = "KERNEL_BROKER_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Seconds without activity before a session expires; 0 never [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
+    pub idle_timeout: Option<u64>,
+    /// Largest idle timeout a request may ask for, seconds [default: 86400]
+    #[arg(long, env = "KERNEL_BROKER_MAX_IDLE_TIMEOUT")]
+    pub max_idle_timeout: Option<u64>,
+    /// A session busy this many seconds without a break may expire anyway [default: 3600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_BUSY")]
+    pub max_busy: Option<u64>,
+    /// Execution timeout when the request gives none, seconds [default: 60]
+    #[arg(long, env = "KERNEL_BROKER_EXECUTION_TIMEOUT")]
+    pub execution_timeout: Option<f64>,
+    /// Largest execution timeout a request may ask for, seconds [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_EXECUTION_TIMEOUT")]
+    pub max_execution_timeout: Option<f64>,
+    /// After a timeout's interrupt, seconds to wait before restarting the kernel [default: 5]
+    #[arg(long, env = "KERNEL_BROKER_INTERRUPT_GRACE")]
+    pub interrupt_grace: Option<f64>,
+    /// stdout and stderr are each cut at this many characters [default: 10000]
+    #[arg(long, env = "KERNEL_BROKER_OUTPUT_LIMIT")]
+    pub output_limit: Option<usize>,
+    /// Results (displays and the main result) of one execution above this many bytes are refused [default: 16777216]
+    #[arg(long, env = "KERNEL_BROKER_RESULT_LIMIT")]
+    pub result_limit: Option<usize>,
+    /// Largest message a kernel may send (all frames together), bytes; a kernel that sends a
+    /// bigger one is cut off and its session turns dead. 1 MiB to 1 GiB [default: 67108864]
+    #[arg(long, env = "KERNEL_BROKER_MAX_KERNEL_MESSAGE")]
+    pub max_kernel_message: Option<u64>,
+    /// Largest code of one execution, bytes [default: 1048576]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CODE_BYTES")]
+    pub max_code_bytes: Option<usize>,
+    /// Largest uploaded file, bytes [default: 104857600]
+    #[arg(long, env = "KERNEL_BROKER_MAX_FILE_BYTES")]
+    pub max_file_bytes: Option<usize>,
+    /// Seconds a connection may take to send a request's line and headers, from when it
+    /// opens or finishes a response (so also the idle keep-alive timeout); 0 none [default: 10]
+    #[arg(long, env = "KERNEL_BROKER_CLIENT_HEADER_TIMEOUT")]
+    pub client_header_timeout: Option<f64>,
+    /// Seconds a request's body may take to arrive, from the end of its headers; 0 none [default: 300]
+    #[arg(long, env = "KERNEL_BROKER_CLIENT_BODY_TIMEOUT")]
+    pub client_body_timeout: Option<f64>,
+    /// Seconds a broker WebSocket hears nothing from its client before it pings it; 0 no pings [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_WEBSOCKET_PING_INTERVAL")]
+    pub websocket_ping_interval: Option<f64>,
+    /// Seconds a pinged WebSocket client has to answer before it is dropped [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_WEBSOCKET_PONG_TIMEOUT")]
+    pub websocket_pong_timeout: Option<f64>,
+    /// Client connections open at once (WebSockets included); past it new ones are closed at accept; 0 no cap [default: 1024]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Client connections open at once from one IP address; 0 no cap [default: 256]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CONNECTIONS_PER_CLIENT")]
+    pub max_connections_per_client: Option<usize>,
+    /// WebSockets open at once on one session (agent streams and Jupyter channels); past it 429; 0 no cap [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_SESSION")]
+    pub max_websockets_per_session: Option<usize>,
+    /// WebSockets open at once by one user, on all their sessions; past it 429; 0 no cap [default: 256]
+    #[arg(long, env = "KERNEL_BROKER_MAX_WEBSOCKETS_PER_USER")]
+    pub max_websockets_per_user: Option<usize>,
+    /// Requests of one user in progress at once; past it 429; 0 no cap [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_REQUESTS_PER_USER")]
+    pub max_requests_per_user: Option<usize>,
+    /// Failed authentications from one address within a minute before its tokens are refused (429) for a minute; 0 never [default: 10]
+    #[arg(long, env = "KERNEL_BROKER_MAX_AUTH_FAILURES")]
+    pub max_auth_failures: Option<u32>,
+    /// Live sessions one user may hold [default: 20]
+    #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
+    pub max_sessions_per_user: Option<usize>,
+    /// Ready kernels kept per user (and kernel spec) once the user has created a session; 0 disables the warm pool [default: 1]
+    #[arg(long, env = "KERNEL_BROKER_POOL_SIZE")]
+    pub pool_size: Option<usize>,
+    /// Seconds a user's pooled kernels wait unused before they are shut down [default: 600]
+    #[arg(long, env = "KERNEL_BROKER_POOL_IDLE")]
+    pub pool_idle: Option<u64>,
+    /// Executions waiting on one session [default: 64]
+    #[arg(long, env = "KERNEL_BROKER_MAX_QUEUE")]
+    pub max_queue: Option<usize>,
+    /// Default memory limit per user, all sessions together: a create past it is refused (429), bytes [default: 5368709120]
+    #[arg(long, env = "KERNEL_BROKER_MEMORY_LIMIT")]
+    pub memory_limit: Option<u64>,
+    /// Default memory limit of one session (its kernel alone is killed past it; a create may ask for up to the user's total), bytes [default: 268435456]
+    #[arg(long, env = "KERNEL_BROKER_SESSION_MEMORY_LIMIT")]
+    pub session_memory_limit: Option<u64>,
+    /// Processes and threads of one session [default: 128]
+    #[arg(long, env = "KERNEL_BROKER_SESSION_PIDS_LIMIT")]
+    pub session_pids_limit: Option<u64>,
+    /// Default CPU limit per user, cores [default: 1]
+    #[arg(long, env = "KERNEL_BROKER_CPU_LIMIT")]
+    pub cpu_limit: Option<f64>,
+    /// Default process and thread limit per user, all sessions together [default: 2560]
+    #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
+    pub pids_limit: Option<u64>,
+    /// Default workspace disk quota per user, bytes; 0 = none [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_WORKSPACE_QUOTA")]
+    pub workspace_quota: Option<u64>,
+    /// Directory of kernel specs and their Python environment [default: ./kernels]
+    #[arg(long, env = "KERNEL_BROKER_KERNELS_DIR")]
+    pub kernels_dir: Option<PathBuf>,
+    /// Python interpreter that runs kernels [default: <kernels-dir>/.venv/bin/python]
+    #[arg(long, env = "KERNEL_BROKER_PYTHON")]
+    pub python: Option<PathBuf>,
+    /// First host uid for kernels of the local sandbox (user N runs as base+N+1) [default: 200000 + 10000 × (a hash of the data directory mod 10000)]
+    #[arg(long, env = "KERNEL_BROKER_UID_BASE")]
+    pub uid_base: Option<u32>,
+    /// Name of the broker's cgroup (everything below it is the broker's and swept at start) [default: kernel-broker-<hash of the data directory>]
+    #[arg(long, env = "KERNEL_BROKER_CGROUP_NAME")]
+    pub cgroup_name: Option<String>,
+    /// Refuse to start when cgroup limits cannot be enforced [default: true]
+    #[arg(long, env = "KERNEL_BROKER_REQUIRE_LIMITS")]
+    pub require_limits: Option<bool>,
+    /// Docker Engine socket [default: /var/run/docker.sock]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_SOCKET")]
+    pub docker_socket: Option<String>,
+    /// Kernel image for the docker sandbox [default: kernel-broker/python-kernel:latest]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_IMAGE")]
+    pub docker_image: Option<String>,
+    /// Seconds a user's container lives on with no session [default: 300]
+    #[arg(long, env = "KERNEL_BROKER_CONTAINER_IDLE")]
+    pub container_idle: Option<u64>,
+    /// Record every message of every session (for /events, /notebook, /replay, /ui/) [default: true]
+    #[arg(long, env = "KERNEL_BROKER_RECORD")]
+    pub record: Option<bool>,
+    /// Days to keep the recording of a session after it ended; 0 keeps them forever [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_RETENTION_DAYS")]
+    pub retention_days: Option<u64>,
+    /// SQLite file of the recordings [default: <data-dir>/recordings.sqlite3]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_DB")]
+    pub record_db: Option<PathBuf>,
+    /// normal: a commit survives a killed broker; full: also a machine crash (an fsync per commit) [default: normal]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_SYNCHRONOUS")]
+    pub record_synchronous: Option<Synchronous>,
+    /// Bytes of messages recorded per execution (from one execute_request to the next), images counted once; past it one recording_truncated marker [default: 52428800]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_EXECUTION_BYTES")]
+    pub record_max_execution_bytes: Option<u64>,
+    /// Bytes of messages recorded per session in all [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_SESSION_BYTES")]
+    pub record_max_session_bytes: Option<u64>,
+}
