@@ -16,22 +16,6 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 const OTHER: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
 
-async fn metric(base: &str, line_start: &str) -> f64 {
-    let text = reqwest::Client::new()
-        .get(format!("{base}/metrics"))
-        .bearer_auth(ALICE)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(line_start))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {line_start:?} in\n{text}"))
-}
-
 /// A WebSocket upgrade that must be refused with 429 `code`, its message containing `says`.
 async fn refused_upgrade(url: String, code: &str, says: &str) {
     match tokio_tungstenite::connect_async(url.as_str()).await {
@@ -82,15 +66,9 @@ async fn websockets_per_user_are_capped_across_sessions() {
 
     // A closed WebSocket frees its place.
     drop(third);
-    let mut again = within(10, "a place to free", async {
-        loop {
-            let url = format!("ws://{addr}/v1/sessions/{a2}/stream?token={ALICE}");
-            if let Ok((ws, _)) = tokio_tungstenite::connect_async(url).await {
-                return ws;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
+    let mut again = ws_connect_when_free(&format!(
+        "ws://{addr}/v1/sessions/{a2}/stream?token={ALICE}"
+    ))
     .await;
     assert_eq!(ws_next(&mut again).await["type"], "status");
 

@@ -52,22 +52,6 @@ async fn raw_get(broker: &Broker, from: IpAddr, path: &str) -> Option<String> {
     (!text.is_empty()).then_some(text)
 }
 
-async fn metric(broker: &Broker, line_start: &str) -> f64 {
-    let text = reqwest::Client::new()
-        .get(broker.url("/metrics"))
-        .bearer_auth(ALICE)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(line_start))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {line_start:?} in\n{text}"))
-}
-
 const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1));
 const OTHER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
 
@@ -114,7 +98,7 @@ async fn a_flood_of_half_requests_and_idle_connections_leaves_the_broker_working
         flooded_at.elapsed()
     );
     let timed_out = metric(
-        &broker,
+        &broker.url(""),
         "kernel_broker_connections_timed_out_total{reason=\"header\"} ",
     )
     .await;
@@ -180,12 +164,12 @@ async fn connection_caps_refuse_new_connections_while_sessions_carry_on() {
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
 
     let per_client = metric(
-        &broker,
+        &broker.url(""),
         "kernel_broker_connections_refused_total{reason=\"max_connections_per_client\"} ",
     )
     .await;
     let total = metric(
-        &broker,
+        &broker.url(""),
         "kernel_broker_connections_refused_total{reason=\"max_connections\"} ",
     )
     .await;
@@ -208,7 +192,7 @@ async fn a_body_that_does_not_arrive_gets_a_408() {
     assert!(answer.contains("\"request_timeout\""), "{answer}");
     assert!(started.elapsed() >= Duration::from_millis(900));
     let n = metric(
-        &broker,
+        &broker.url(""),
         "kernel_broker_connections_timed_out_total{reason=\"body\"} ",
     )
     .await;
@@ -260,7 +244,7 @@ async fn a_websocket_client_that_does_not_answer_pings_is_dropped() {
     assert_eq!(frames.last().unwrap()["execution"]["status"], "ok");
     let _ = live.close(None).await;
     let n = metric(
-        &broker,
+        &broker.url(""),
         "kernel_broker_connections_timed_out_total{reason=\"websocket_pong\"} ",
     )
     .await;
@@ -294,15 +278,10 @@ async fn websockets_per_session_are_capped() {
     let other = api.create().await;
     let _elsewhere = ws_connect(&broker, &other, ALICE).await;
     drop(second);
-    let mut third = within(10, "a place to free", async {
-        loop {
-            let url = format!("ws://{}/v1/sessions/{id}/stream?token={ALICE}", broker.addr);
-            if let Ok((ws, _)) = tokio_tungstenite::connect_async(url).await {
-                return ws;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
+    let mut third = ws_connect_when_free(&format!(
+        "ws://{}/v1/sessions/{id}/stream?token={ALICE}",
+        broker.addr
+    ))
     .await;
     assert_eq!(ws_next(&mut third).await["type"], "status");
     ws_send(

@@ -208,28 +208,9 @@ async fn a_fork_bomb_hits_the_pids_limit_and_the_kernel_survives(backend: &'stat
     bounded(async {
         let alice = user("alice", 0, limits(1024, 64));
         let mut k = start(h.sandbox(), &alice).await;
-        let o = k
-            .run(
-                "import os, time\n\
-                 pids, err, t0 = [], None, time.time()\n\
-                 try:\n\
-                 \x20   while time.time() - t0 < 20 and len(pids) < 2000:\n\
-                 \x20       pid = os.fork()\n\
-                 \x20       if pid == 0:\n\
-                 \x20           time.sleep(60); os._exit(0)\n\
-                 \x20       pids.append(pid)\n\
-                 except OSError as e:\n\
-                 \x20   err = e\n\
-                 for p in pids: os.kill(p, 9)\n\
-                 for p in pids: os.waitpid(p, 0)\n\
-                 print(len(pids), type(err).__name__)",
-            )
-            .await;
-        let out = o.out();
-        let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
-        let n: usize = n.parse().unwrap();
+        let (n, err) = fork_until_refused(&mut k, 2000).await;
         assert!(n < 64, "forked {n} processes under a limit of 64");
-        assert_eq!(err, "BlockingIOError", "{o:?}");
+        assert_eq!(err, "BlockingIOError");
         let o = k.run("print('still here')").await;
         assert_eq!(o.out(), "still here");
         h.sandbox().shutdown().await;
@@ -321,28 +302,9 @@ held = numpy.ones(100 << 20, dtype=numpy.uint8)",
         );
 
         // Processes: the victim forks until refused, at its own limit, not the user's.
-        let o = victim
-            .run(
-                "import os, time\n\
-                 pids, err = [], None\n\
-                 try:\n\
-                 \x20   while len(pids) < 500:\n\
-                 \x20       pid = os.fork()\n\
-                 \x20       if pid == 0:\n\
-                 \x20           time.sleep(60); os._exit(0)\n\
-                 \x20       pids.append(pid)\n\
-                 except OSError as e:\n\
-                 \x20   err = e\n\
-                 for p in pids: os.kill(p, 9)\n\
-                 for p in pids: os.waitpid(p, 0)\n\
-                 print(len(pids), type(err).__name__)",
-            )
-            .await;
-        let out = o.out();
-        let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
-        let n: usize = n.parse().unwrap();
+        let (n, err) = fork_until_refused(&mut victim, 500).await;
         assert!(n < 40, "forked {n} processes under a kernel limit of 40");
-        assert_eq!(err, "BlockingIOError", "{o:?}");
+        assert_eq!(err, "BlockingIOError");
 
         // Memory: the victim allocates past its own 192 MiB and dies; the user's 2 GiB were
         // never the limit, and the bystander lives with its data.
@@ -525,4 +487,28 @@ async fn shutdown_terminates_every_kernel(backend: &'static str) {
         assert!(h.runtime_dirs(&bob).is_empty());
     })
     .await;
+}
+
+/// Fork (children that sleep) until refused or `max` are running, then kill them all: how
+/// many forks succeeded and the error that stopped them (`None` when none did).
+async fn fork_until_refused(k: &mut Kernel, max: usize) -> (usize, String) {
+    let code = format!(
+        "import os, time\n\
+         pids, err, t0 = [], None, time.time()\n\
+         try:\n\
+         \x20   while time.time() - t0 < 20 and len(pids) < {max}:\n\
+         \x20       pid = os.fork()\n\
+         \x20       if pid == 0:\n\
+         \x20           time.sleep(60); os._exit(0)\n\
+         \x20       pids.append(pid)\n\
+         except OSError as e:\n\
+         \x20   err = e\n\
+         for p in pids: os.kill(p, 9)\n\
+         for p in pids: os.waitpid(p, 0)\n\
+         print(len(pids), type(err).__name__)"
+    );
+    let o = k.run(&code).await;
+    let out = o.out();
+    let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
+    (n.parse().unwrap(), err.to_string())
 }

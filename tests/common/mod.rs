@@ -17,6 +17,45 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 pub const ALICE: &str = "alice-token-0001";
 pub const BOB: &str = "bob-token-0002";
 
+/// The users file of the test brokers: alice and bob.
+pub fn users_toml() -> String {
+    format!(
+        "[[user]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n\n[[user]]\nname = \"bob\"\ntoken = \"{BOB}\"\n"
+    )
+}
+
+/// The value of the `/metrics` line that starts with `line_start` (labels included), read
+/// from the broker at `base` as alice.
+pub async fn metric(base: &str, line_start: &str) -> f64 {
+    let text = reqwest::Client::new()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(ALICE)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line_start:?} in\n{text}"))
+}
+
+/// A WebSocket to `url`, retried until the broker takes it (a place freed by a closed one
+/// is given back when the broker sees the close).
+pub async fn ws_connect_when_free(url: &str) -> Ws {
+    within(10, "a place to free", async {
+        loop {
+            if let Ok((ws, _)) = tokio_tungstenite::connect_async(url).await {
+                return ws;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
+
 /// Fail instead of hanging.
 pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
     match tokio::time::timeout(Duration::from_secs(secs), fut).await {
@@ -54,13 +93,7 @@ impl Broker {
             .tempdir()
             .unwrap();
         let users = tmp.path().join("users.toml");
-        std::fs::write(
-            &users,
-            format!(
-                "[[user]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n\n[[user]]\nname = \"bob\"\ntoken = \"{BOB}\"\n"
-            ),
-        )
-        .unwrap();
+        std::fs::write(&users, users_toml()).unwrap();
         let mut args = ServeArgs {
             users_file: Some(users),
             data_dir: Some(tmp.path().join("data")),

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{repo, within, Api, ALICE, BOB};
+use super::{repo, within, Api};
 
 pub struct SpawnedBroker {
     pub addr: SocketAddr,
@@ -35,13 +35,7 @@ impl SpawnedBroker {
     fn spawn(args: &[&str], nofile: Option<u64>, cgroup: Option<String>) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let users = tmp.path().join("users.toml");
-        std::fs::write(
-            &users,
-            format!(
-                "[[user]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n\n[[user]]\nname = \"bob\"\ntoken = \"{BOB}\"\n"
-            ),
-        )
-        .unwrap();
+        std::fs::write(&users, super::users_toml()).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--pool-size", "0"])
