@@ -101,17 +101,23 @@ class Soak:
                 self.note("ws", st, {"ok"})
             else:
                 ws.ws.send(json.dumps({"type": "execute", "id": "long", "code": "import time; time.sleep(30)"}))
-                time.sleep(0.3)
-                ws.ws.send(json.dumps({"type": "interrupt"}))
+                # Interrupt once the session is busy with it (an interrupt that reaches an
+                # idle kernel interrupts nothing), then wait for its `done` (the execution
+                # timeout, 60 s, is the latest it may come).
                 st = None
-                deadline = time.monotonic() + 60
+                busy = False
+                deadline = time.monotonic() + 120
                 while st is None and time.monotonic() < deadline:
                     ws.ws.settimeout(max(0.1, deadline - time.monotonic()))
                     f = json.loads(ws.ws.recv())
-                    if f.get("type") == "done" and f.get("id") == "long":
+                    if f.get("type") == "status" and f.get("state") == "busy" and not busy:
+                        busy = True
+                        time.sleep(0.2)
+                        ws.ws.send(json.dumps({"type": "interrupt"}))
+                    elif f.get("type") == "done" and f.get("id") == "long":
                         st = f["execution"]["status"]
                 st = st or "no_done"
-                # Interrupted while running, or finished before the interrupt arrived.
+                # Interrupted while running ("ok": the interrupt beat the code to the kernel).
                 self.note("interrupt", st, {"interrupted", "error", "ok"})
             if st != "no_done":
                 self.answered(s.id, s.user)
