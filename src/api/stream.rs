@@ -78,6 +78,20 @@ enum ClientFrame {
     Interrupt {},
 }
 
+/// One client text frame, parsed; the one place the stream reads a client's JSON (the fuzz
+/// harness drives it through [`fuzz_client_frame`]).
+fn parse_client_frame(text: &str) -> Result<ClientFrame, serde_json::Error> {
+    serde_json::from_str(text)
+}
+
+/// For the fuzz harness (`fuzz/`, built with the `fuzzing` feature): the frame parser on
+/// arbitrary text; `true` when it took the frame.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub fn fuzz_client_frame(text: &str) -> bool {
+    parse_client_frame(text).is_ok()
+}
+
 /// Events of one execution between the session actor and its forwarding task.
 const OUT_QUEUE: usize = 1024;
 
@@ -312,7 +326,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
                 break;
             }
         };
-        let frame: ClientFrame = match serde_json::from_str(text.as_str()) {
+        let frame = match parse_client_frame(text.as_str()) {
             Ok(f) => f,
             Err(e) => {
                 send_protocol_error(&out, &format!("cannot take this frame: {e}")).await;
