@@ -134,7 +134,9 @@ pub async fn serve(
     );
     let state = AppState {
         registry: registry.clone(),
-        users: Arc::new(settings.users.iter().cloned().map(Arc::new).collect()),
+        users: Arc::new(api::auth::Users::new(
+            settings.users.iter().cloned().map(Arc::new),
+        )),
         limits: Arc::new(ApiLimits {
             max_code_bytes: settings.max_code_bytes,
             max_file_bytes: settings.max_file_bytes,

@@ -43,6 +43,22 @@ pub struct User {
     pub max_sessions: usize,
 }
 
+/// Every user with the SHA-256 of its token, computed once: each authentication compares
+/// the offered token's digest with all of them.
+#[derive(Debug)]
+pub struct Users(Vec<([u8; 32], Arc<User>)>);
+
+impl Users {
+    pub fn new(users: impl IntoIterator<Item = Arc<User>>) -> Self {
+        Self(
+            users
+                .into_iter()
+                .map(|u| (Sha256::digest(u.token.as_bytes()).into(), u))
+                .collect(),
+        )
+    }
+}
+
 /// The authenticated caller.
 #[derive(Clone, Debug)]
 pub struct Caller(pub Arc<User>);
@@ -96,10 +112,9 @@ fn percent_decode(s: &str) -> String {
 
 impl AppState {
     pub fn authenticate(&self, token: &str) -> Option<Arc<User>> {
-        let offered = Sha256::digest(token.as_bytes());
+        let offered: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut found = None;
-        for u in self.users.iter() {
-            let known = Sha256::digest(u.token.as_bytes());
+        for (known, u) in &self.users.0 {
             if bool::from(known.ct_eq(&offered)) {
                 found = Some(u.clone());
             }

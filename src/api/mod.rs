@@ -47,7 +47,6 @@ use axum::Router;
 use utoipa_axum::router::OpenApiRouter;
 
 use crate::session::Registry;
-use auth::User;
 
 /// Limits the API enforces on requests.
 #[derive(Debug, Clone)]
@@ -64,7 +63,7 @@ pub struct ApiLimits {
 #[derive(Clone)]
 pub struct AppState {
     pub registry: Registry,
-    pub users: Arc<Vec<Arc<User>>>,
+    pub users: Arc<auth::Users>,
     pub limits: Arc<ApiLimits>,
     pub started: std::time::Instant,
     pub kernelspecs: Arc<crate::kernel::spec::KernelSpecs>,

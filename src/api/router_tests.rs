@@ -64,7 +64,10 @@ fn state() -> AppState {
             specs.names(),
             Arc::new(NoRecorder),
         ),
-        users: Arc::new(vec![user("alice", ALICE, 0), user("bob", "bob-token", 1)]),
+        users: Arc::new(super::auth::Users::new([
+            user("alice", ALICE, 0),
+            user("bob", "bob-token", 1),
+        ])),
         limits: Arc::new(ApiLimits {
             max_code_bytes: 100,
             max_file_bytes: 1000,

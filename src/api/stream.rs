@@ -141,14 +141,12 @@ impl Outbox {
         )
     }
 
-    /// Queue `frame`, waiting while the frames already queued fill the budget. A frame
-    /// larger than the whole budget waits for the queue to empty.
+    /// Queue `frame`, waiting while the frames already queued fill the budget.
     async fn send(&self, frame: String) -> Result<(), Gone> {
-        let cost = frame.len().clamp(1, OUT_BYTES) as u32;
         let permit = self
             .bytes
             .clone()
-            .acquire_many_owned(cost)
+            .acquire_many_owned(cost(&frame))
             .await
             .map_err(|_| Gone)?;
         self.frames.send((frame, permit)).map_err(|_| Gone)
@@ -199,6 +197,12 @@ impl Outbox {
     fn is_gone(&self) -> bool {
         self.frames.is_closed()
     }
+}
+
+/// A frame's permits in a budget: its bytes, at least 1, and a frame larger than the whole
+/// budget takes all of it (it waits for the queue to empty).
+fn cost(frame: &str) -> u32 {
+    frame.len().clamp(1, OUT_BYTES) as u32
 }
 
 /// Why [`Outbox::offer`] did not queue a frame.
