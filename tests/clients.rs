@@ -53,7 +53,7 @@ async fn raw_get(broker: &Broker, from: IpAddr, path: &str) -> Option<String> {
 const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1));
 
 /// The flood: a session made first (`x = 41`); then `n` connections to `addr` from
-/// 127.0.0.1, half sending half a request line, half nothing (every write must succeed when
+/// 127.0.0.1 (`api` may connect from elsewhere), half sending half a request line, half nothing (every write must succeed when
 /// `all_admitted`). Meanwhile `/healthz`, a new session and the existing one must work, and
 /// every flood connection must be closed within `closed_within` of the flood. Returns the
 /// existing session and when the flood was complete.
@@ -332,8 +332,10 @@ async fn with_1024_descriptors_a_flood_of_1000_connections_leaves_sessions_alive
     );
     let capped = broker.log_lines("client connections capped to fit the descriptor limit");
     assert_eq!(capped.len(), 1, "{capped:?}");
-    let api = broker.api(ALICE);
-    // Past the lowered cap, connections are closed at accept: their writes may fail.
+    // The agent is another client: the flood from 127.0.0.1 fills its share of the lowered
+    // cap (seven eighths), the rest is closed at accept (their writes may fail), and the
+    // last eighth stays for the agent.
+    let api = broker.api(ALICE).connecting_from(OTHER);
     let (existing, _) =
         flood_while_working(&api, broker.addr, 1000, false, Duration::from_secs(4 + 6)).await;
     // Past the flood: the session answers, and was never declared dead.
@@ -341,7 +343,13 @@ async fn with_1024_descriptors_a_flood_of_1000_connections_leaves_sessions_alive
     assert_eq!(v["status"], "ok", "{v}");
     let (_, s) = api.get(&format!("/v1/sessions/{existing}")).await;
     assert_ne!(s["state"], "dead", "{s}");
-    // The budget kept accept from failing at all.
+    // The flood's excess was closed at accept, and the budget kept accept from failing.
+    let refused = metric(
+        &format!("http://{}", broker.addr),
+        "kernel_broker_connections_refused_total{reason=\"max_connections_per_client\"} ",
+    )
+    .await;
+    assert!(refused >= 1.0, "refused: {refused}");
     assert!(broker.log_lines("accept failed").is_empty());
     broker.stop().await;
 }

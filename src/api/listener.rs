@@ -46,12 +46,31 @@ pub struct ConnectionCaps {
     metrics: Arc<Metrics>,
 }
 
+/// The most connections one address may hold under a total cap of `max_total` (0: none)
+/// and a per-address cap of `per_address` (0: none): never the whole total, so that one
+/// flooding address (even with the per-address cap set as high as the total) leaves an
+/// eighth of the slots, at least one, to everyone else.
+fn one_address_share(max_total: usize, per_address: usize) -> usize {
+    if max_total < 2 {
+        return per_address;
+    }
+    let share = max_total - (max_total / 8).max(1);
+    if per_address == 0 {
+        share
+    } else {
+        per_address.min(share)
+    }
+}
+
 impl ConnectionCaps {
     pub fn new(limits: &ClientLimits, metrics: Arc<Metrics>) -> Self {
         Self {
             open: Arc::default(),
             max_total: limits.max_connections,
-            max_per_address: limits.max_connections_per_client,
+            max_per_address: one_address_share(
+                limits.max_connections,
+                limits.max_connections_per_client,
+            ),
             metrics,
         }
     }
@@ -299,6 +318,25 @@ mod tests {
         drop(a1);
         assert!(c.admit(b).is_ok(), "a closed connection frees its slot");
         assert_eq!(crate::sync::lock(&c.open).by_address.get(&a), Some(&1));
+    }
+
+    #[test]
+    fn one_address_never_takes_every_slot() {
+        // The per-address cap as high as the total: one address still leaves an eighth.
+        let c = caps(16, 16);
+        let flood: IpAddr = [10, 0, 0, 1].into();
+        let other: IpAddr = [10, 0, 0, 2].into();
+        let held: Vec<Slot> = (0..16).filter_map(|_| c.admit(flood).ok()).collect();
+        assert_eq!(held.len(), 14);
+        let others: Vec<Slot> = (0..16).filter_map(|_| c.admit(other).ok()).collect();
+        assert_eq!(others.len(), 2);
+        // No per-address cap: the same share applies; a lower per-address cap wins.
+        assert_eq!(one_address_share(16, 0), 14);
+        assert_eq!(one_address_share(6, 4), 4);
+        assert_eq!(one_address_share(6, 0), 5);
+        assert_eq!(one_address_share(1, 0), 0);
+        assert_eq!(one_address_share(0, 0), 0);
+        assert_eq!(one_address_share(0, 7), 7);
     }
 
     #[test]

@@ -192,6 +192,18 @@ pub struct Api {
 }
 
 impl Api {
+    /// The same client, connecting from `ip` (any 127.0.0.0/8 address reaches a loopback
+    /// listener): a second client, as the broker counts them.
+    pub fn connecting_from(self, ip: std::net::IpAddr) -> Api {
+        Api {
+            http: reqwest::Client::builder()
+                .local_address(ip)
+                .build()
+                .unwrap(),
+            ..self
+        }
+    }
+
     pub async fn call(
         &self,
         method: reqwest::Method,
