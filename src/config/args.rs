@@ -56,6 +56,10 @@ pub struct ServeArgs {
     /// Directory for workspaces, runtime sockets and recordings [default: ./.data]
     #[arg(long, env = "KERNEL_BROKER_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Keep sessions across broker restarts: stopping (or losing) the broker leaves kernels
+    /// running, and the next `serve` on the same data directory adopts them [default: false]
+    #[arg(long, env = "KERNEL_BROKER_KEEP_SESSIONS", num_args = 0..=1, default_missing_value = "true")]
+    pub keep_sessions: Option<bool>,
     /// Seconds without activity before a session expires; 0 never [default: 600]
     #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
     pub idle_timeout: Option<u64>,

@@ -73,6 +73,9 @@ pub struct Settings {
     pub listen: SocketAddr,
     pub sandbox: SandboxKind,
     pub data_dir: PathBuf,
+    /// Sessions (kernels, workspaces, idle deadlines) outlive the broker process and are
+    /// adopted by its next run on this data directory.
+    pub keep_sessions: bool,
     /// Sessions: timeouts, output limits, queue, kernel connections, warm pool.
     pub session: SessionConfig,
     pub max_code_bytes: usize,
@@ -290,15 +293,23 @@ impl Settings {
             }
         };
         let data_dir = pick!(data_dir, PathBuf::from(".data"));
+        let keep_sessions = pick!(keep_sessions, false);
+        let mut session = session_config(&args, &file)?;
+        session.keep_dir = keep_sessions.then(|| data_dir.join("sessions"));
+        let mut local = local_config(&args, &file, &data_dir, &kernels_dir);
+        local.keep_kernels = keep_sessions;
+        let mut docker = docker_config(&args, &file, &data_dir);
+        docker.keep_kernels = keep_sessions;
         Ok(Settings {
             listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
             sandbox: pick!(sandbox, SandboxKind::Local),
-            session: session_config(&args, &file)?,
+            session,
+            keep_sessions,
             max_code_bytes: pick!(max_code_bytes, 1 << 20),
             max_file_bytes: pick!(max_file_bytes, 100 << 20),
             clients: client_limits(&args, &file)?,
-            local: local_config(&args, &file, &data_dir, &kernels_dir),
-            docker: docker_config(&args, &file, &data_dir),
+            local,
+            docker,
             kernels_dir,
             recording: recording_config(&args, &file, &data_dir),
             data_dir,

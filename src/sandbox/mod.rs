@@ -178,6 +178,28 @@ impl LaunchSpec {
 
 pub use crate::kernel::KernelEndpoints;
 
+/// What adopting a kernel an earlier run of the broker kept (`--keep-sessions`) needs: the
+/// session it serves, its user and its limits, as the session layer recorded them.
+#[derive(Debug, Clone)]
+pub struct AdoptSpec {
+    pub session_id: Uuid,
+    pub user: SandboxUser,
+    pub limits: KernelLimits,
+}
+
+/// Why a kept kernel was not adopted.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
+    /// The kernel ended while no broker watched it; what it held is reclaimed.
+    #[error("{0}")]
+    Ended(ExitReason),
+    /// The sandbox kept no kernel for this session (or it is not this sandbox's).
+    #[error("no kernel was kept for this session")]
+    Missing,
+    #[error(transparent)]
+    Failed(#[from] SandboxError),
+}
+
 /// A running kernel and the means to reach it.
 pub struct Launched {
     pub endpoints: KernelEndpoints,
@@ -258,6 +280,10 @@ pub trait KernelProcess: Send + Sync {
     fn memory_used(&self) -> Option<u64> {
         None
     }
+    /// Lets go of the kernel without ending it: the broker is stopping with
+    /// `--keep-sessions`, and the next run adopts it ([`Sandbox::adopt`]). The watcher stops
+    /// watching; nothing is killed or removed, and a later drop of the handle kills nothing.
+    fn release(&self) {}
 }
 
 /// A place where kernels run.
@@ -281,7 +307,24 @@ pub trait Sandbox: Send + Sync {
     /// resources after their own grace period).
     async fn user_idle(&self, _user: &SandboxUser) {}
     /// Reclaim everything on broker shutdown, and what an earlier run left behind on start.
+    /// A sandbox that keeps kernels ([`Self::keeps_kernels`]) instead releases its kernels
+    /// and leaves what they hold (cgroups, runtime directories, mounts, containers) for the
+    /// next run to adopt.
     async fn shutdown(&self);
+    /// Whether kernels outlive the broker process (`--keep-sessions`): launched so that they
+    /// survive its end, kill -9 included, and kept at its shutdown.
+    fn keeps_kernels(&self) -> bool {
+        false
+    }
+    /// Adopts the kernel an earlier run kept for `spec.session_id`: watched, limited and
+    /// reachable again as if launched by this run (the key is the session layer's to keep).
+    /// A kernel that ended meanwhile is [`AdoptError::Ended`], with what it held reclaimed.
+    async fn adopt(&self, _spec: AdoptSpec) -> Result<Launched, AdoptError> {
+        Err(AdoptError::Missing)
+    }
+    /// Called once after every session was offered for adoption: ends the kept kernels no
+    /// session adopted and reclaims what they held.
+    async fn discard_unadopted(&self) {}
     /// How long a launch may take before the broker gives up.
     fn launch_timeout(&self) -> Duration {
         Duration::from_secs(30)

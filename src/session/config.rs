@@ -20,6 +20,9 @@ pub struct SessionConfig {
     /// How long an expired session still answers 410 before it is forgotten (404).
     pub tombstone_ttl: Duration,
     pub pool: PoolConfig,
+    /// `--keep-sessions`: where each session's record is kept (`<data dir>/sessions`), so
+    /// the next run adopts it; `None`: sessions end with the broker.
+    pub keep_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for SessionConfig {
@@ -37,6 +40,7 @@ impl Default for SessionConfig {
             kernel: Default::default(),
             tombstone_ttl: Duration::from_secs(86_400),
             pool: PoolConfig::default(),
+            keep_dir: None,
         }
     }
 }

@@ -143,6 +143,9 @@ pub struct DockerSandboxConfig {
     /// paths there would be too long; then `/run/kernel-broker-docker-<hash>` (root) or
     /// `$XDG_RUNTIME_DIR/...` or `/tmp/kernel-broker-docker-<uid>-<hash>`.
     pub run_dir: Option<PathBuf>,
+    /// `--keep-sessions`: kernels and containers outlive the broker and are adopted by its
+    /// next run (see [`Sandbox::keeps_kernels`](super::Sandbox::keeps_kernels)).
+    pub keep_kernels: bool,
 }
 
 impl DockerSandboxConfig {
@@ -154,6 +157,7 @@ impl DockerSandboxConfig {
             image: DEFAULT_IMAGE.to_string(),
             container_idle: Duration::from_secs(300),
             run_dir: None,
+            keep_kernels: false,
         }
     }
 }

@@ -108,6 +108,9 @@ pub struct LocalSandboxConfig {
     /// The kernel specs, when the caller has read them already; otherwise they are read
     /// from `kernels_dir`.
     pub kernel_specs: Option<Arc<KernelSpecs>>,
+    /// `--keep-sessions`: kernels outlive the broker (no `--die-with-parent`) and are
+    /// adopted by its next run (see [`Sandbox::keeps_kernels`]).
+    pub keep_kernels: bool,
 }
 
 impl LocalSandboxConfig {
@@ -128,6 +131,7 @@ impl LocalSandboxConfig {
             run_dir: None,
             cgroup_name,
             kernel_specs: None,
+            keep_kernels: false,
         }
     }
 
