@@ -27,15 +27,21 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed now, before the broker says it
+/// is ready: a signal that arrives right after must stop it in order, not kill it.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        let (Ok(mut term), Ok(mut int)) = (term, int) else {
+            tracing::warn!("cannot listen for SIGTERM/SIGINT; stop the broker with SIGKILL");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("signal received");
     }
-    tracing::info!("signal received");
 }

@@ -117,6 +117,11 @@ pub async fn serve(
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
+    let mut settings = settings;
+    if let (Some(dir), Some(recording)) = (&settings.session.keep_dir, &mut settings.recording) {
+        // The recordings of kept sessions stay open, to be continued.
+        recording.kept_sessions = kept_session_ids(dir);
+    }
     let recording = open_recording(&settings)?;
     let metrics = Arc::new(api::metrics::Metrics::new(settings.sandbox_name()));
     // The session layer reports to the recording (when on) and to the metrics.
@@ -132,6 +137,18 @@ pub async fn serve(
         kernelspecs.names(),
         recorder.clone(),
     );
+    if settings.keep_sessions {
+        let users: Vec<_> = settings
+            .users
+            .iter()
+            .map(|u| crate::sandbox::SandboxUser {
+                name: u.name.clone(),
+                index: u.index,
+                limits: u.limits.clone(),
+            })
+            .collect();
+        registry.adopt_kept(&users).await;
+    }
     let state = AppState {
         registry: registry.clone(),
         users: Arc::new(api::auth::Users::new(
@@ -178,6 +195,13 @@ pub async fn serve(
     tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(), "kernel-broker ready on http://{addr}");
     let metrics = state.metrics.clone();
     let app = api::router(state);
+    // With --keep-sessions, the executions in flight are answered ("the broker restarted")
+    // as soon as the stop begins, so the listener's drain does not wait for them.
+    let detaching = registry.clone();
+    let shutdown = async move {
+        shutdown.await;
+        detaching.detach_all().await;
+    };
     api::listener::serve(listener, app, &clients, metrics, shutdown).await;
     sweeper.abort();
     tracing::info!("shutting down: closing sessions");
@@ -188,6 +212,20 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The ids of the sessions an earlier run kept (their records in `dir`).
+fn kept_session_ids(dir: &std::path::Path) -> std::collections::HashSet<uuid::Uuid> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Default::default();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name();
+            uuid::Uuid::parse_str(name.to_str()?.strip_suffix(".json")?).ok()
+        })
+        .collect()
 }
 
 /// Raise the descriptor limit and keep what the sessions need out of the clients' share:

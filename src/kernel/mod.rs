@@ -165,6 +165,47 @@ impl KernelClient {
         options: ConnectOptions,
         ready_timeout: Duration,
     ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
+        Self::connect_probing(
+            endpoints,
+            key,
+            username,
+            options,
+            ready_timeout,
+            Channel::Shell,
+        )
+        .await
+    }
+
+    /// [`Self::connect`] to a kernel that has been running (adopted after a broker restart,
+    /// `--keep-sessions`): it may be busy with code a client sent before the restart, and
+    /// its shell answers nothing until that code ends, so readiness is asked on control
+    /// (ipykernel answers `kernel_info_request` there too, busy or not).
+    pub async fn connect_running(
+        endpoints: &KernelEndpoints,
+        key: &str,
+        username: &str,
+        options: ConnectOptions,
+        ready_timeout: Duration,
+    ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
+        Self::connect_probing(
+            endpoints,
+            key,
+            username,
+            options,
+            ready_timeout,
+            Channel::Control,
+        )
+        .await
+    }
+
+    async fn connect_probing(
+        endpoints: &KernelEndpoints,
+        key: &str,
+        username: &str,
+        options: ConnectOptions,
+        ready_timeout: Duration,
+        probe: Channel,
+    ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
         let ConnectOptions { heartbeat, limits } = options;
         let deadline = Instant::now() + ready_timeout;
         let signer = Signer::new(key.as_bytes());
@@ -234,7 +275,7 @@ impl KernelClient {
             _tasks: Arc::new(TaskSet(tasks)),
         };
 
-        // Readiness: a kernel_info_reply on shell, and iopub output for one of our requests
+        // Readiness: a kernel_info_reply on the probed channel, and iopub output for one of our requests
         // (a SUB that connected late misses early messages, so keep asking until iopub
         // answers too).
         let mut info: Option<Message> = None;
@@ -252,7 +293,7 @@ impl KernelClient {
             if now >= next_probe {
                 let m = client.request("kernel_info_request", &serde_json::json!({}));
                 sent.insert(m.msg_id.clone());
-                client.send(Channel::Shell, &m).await?;
+                client.send(probe, &m).await?;
                 next_probe = now + Duration::from_millis(250);
             }
             let wait = next_probe.min(deadline) - Instant::now();
@@ -262,7 +303,7 @@ impl KernelClient {
                 Ok(Some(KernelEvent::Message(channel, m))) => {
                     let ours = m.parent_msg_id.as_ref().is_some_and(|p| sent.contains(p));
                     match channel {
-                        Channel::Shell if m.msg_type == "kernel_info_reply" && ours => {
+                        ch if ch == probe && m.msg_type == "kernel_info_reply" && ours => {
                             info = Some(m)
                         }
                         Channel::Iopub if ours => iopub_seen = true,

@@ -90,6 +90,9 @@ pub struct RecordingConfig {
     pub max_session_bytes: u64,
     /// Base64 image strings at least this long are stored as blobs.
     pub blob_threshold: usize,
+    /// Sessions an earlier run kept (`--keep-sessions`): their recordings stay open at
+    /// start, to be continued, instead of being closed as left open by a crash.
+    pub kept_sessions: std::collections::HashSet<uuid::Uuid>,
 }
 
 impl RecordingConfig {
@@ -102,6 +105,7 @@ impl RecordingConfig {
             max_execution_bytes: 50 << 20,
             max_session_bytes: 1 << 30,
             blob_threshold: 1024,
+            kept_sessions: Default::default(),
         }
     }
 }

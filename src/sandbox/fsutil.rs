@@ -104,7 +104,7 @@ pub(crate) async fn prepare_state_dirs(
     data_dir: &Path,
     workspaces: &Path,
     run_base: &Path,
-    sweep: fn(&Path) -> Result<usize, SandboxError>,
+    sweep: impl FnOnce(&Path) -> Result<usize, SandboxError> + Send + 'static,
 ) -> Result<(), SandboxError> {
     let dirs = [
         (data_dir.to_path_buf(), None),

@@ -236,6 +236,15 @@ impl WorkspaceImages {
         Ok(())
     }
 
+    /// Leaves every workspace file system mounted for kernels that outlive the broker
+    /// (`--keep-sessions`): the next run finds them mounted and uses them as they are
+    /// (mounting an image a second time while a kernel still holds it would corrupt it).
+    pub(crate) fn keep_mounted(&self) {
+        let mut settled = lock(&self.settled);
+        settled.mounted.clear();
+        settled.plain.clear();
+    }
+
     /// Unmounts every workspace file system this run mounted (after the kernels are gone).
     /// Blocking.
     pub(crate) fn unmount_all(&self) {

@@ -41,4 +41,9 @@ pub(super) enum Command {
         state: SessionState,
         done: oneshot::Sender<()>,
     },
+    /// The broker stops with `--keep-sessions`: answer what waits, let go of the kernel
+    /// without ending it, and stop.
+    Detach {
+        done: oneshot::Sender<()>,
+    },
 }

@@ -17,6 +17,7 @@ use super::command::{Command, ExecRequest, ReplyRoute};
 use super::error::SessionError;
 use super::event::{EventBudget, SessionEvent};
 use super::execution::Execution;
+use super::kept::{KeptSessions, SessionRecord};
 use super::memory::Reservation;
 use super::state::{SessionInfo, SessionState};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, SandboxUser};
@@ -47,6 +48,11 @@ pub struct Session {
     memory: Mutex<Option<Reservation>>,
     /// The kernel process now (set at start and restart), to read its memory use.
     process: Mutex<Option<Arc<dyn KernelProcess>>>,
+    /// The HMAC key of the kernel now (for the session's record, `--keep-sessions`).
+    kernel_key: Mutex<String>,
+    /// Where the session's record is kept (`--keep-sessions`), and the last one written.
+    kept: Option<Arc<KeptSessions>>,
+    last_saved: Mutex<Option<SessionRecord>>,
     status: Mutex<Status>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
@@ -73,6 +79,17 @@ pub(super) struct HandleParts {
     pub max_queue: usize,
     /// Woken on activity, so the expiry task recomputes its deadline.
     pub notify_registry: Arc<Notify>,
+    /// Where the session's record is kept (`--keep-sessions`).
+    pub kept: Option<Arc<KeptSessions>>,
+    /// What an adopted session brings from its record (`--keep-sessions`).
+    pub restored: Option<Restored>,
+}
+
+/// The state an adopted session resumes with.
+pub(super) struct Restored {
+    pub created_at: DateTime<Utc>,
+    pub last_activity: DateTime<Utc>,
+    pub execution_count: u64,
 }
 
 impl Session {
@@ -80,22 +97,35 @@ impl Session {
     pub(super) fn new(id: Uuid, user: SandboxUser, parts: HandleParts) -> Self {
         let (events, _) = broadcast::channel(1024);
         let now = Utc::now();
+        let (created_at, last_activity, execution_count) = match &parts.restored {
+            Some(r) => (r.created_at, r.last_activity, r.execution_count),
+            None => (now, now, 0),
+        };
+        // Time since the last activity counts against the idle deadline, also the time the
+        // broker was down.
+        let idle_for = (now - last_activity).to_std().unwrap_or_default();
+        let last_activity_at = Instant::now()
+            .checked_sub(idle_for)
+            .unwrap_or_else(Instant::now);
         Session {
             id,
             user,
             kernel_name: parts.kernel_name,
-            created_at: now,
+            created_at,
             idle_timeout: parts.idle_timeout,
             limits: parts.limits,
             memory: Mutex::new(Some(parts.memory)),
             process: Mutex::new(None),
+            kernel_key: Mutex::new(String::new()),
+            kept: parts.kept,
+            last_saved: Mutex::new(None),
             status: Mutex::new(Status {
                 state: SessionState::Starting,
-                last_activity: now,
-                last_activity_at: Instant::now(),
+                last_activity,
+                last_activity_at,
                 busy_since: None,
                 kernel_busy: false,
-                execution_count: 0,
+                execution_count,
                 dead_reason: None,
             }),
             commands: parts.commands,
@@ -155,9 +185,64 @@ impl Session {
         process.memory_used()
     }
 
-    /// The kernel the session runs now (its process handle).
-    pub(crate) fn set_process(&self, process: Arc<dyn KernelProcess>) {
+    /// The kernel the session runs now (its process handle and key); with
+    /// `--keep-sessions` the session's record is written before this returns.
+    pub(crate) async fn set_kernel(&self, process: Arc<dyn KernelProcess>, key: &str) {
         *lock(&self.process) = Some(process);
+        *lock(&self.kernel_key) = key.to_string();
+        self.persist(false).await;
+    }
+
+    /// The session's record as of now (`--keep-sessions`); `stopped` when the broker is
+    /// letting go of it.
+    pub(crate) fn record(&self, stopped: bool) -> SessionRecord {
+        let key = lock(&self.kernel_key).clone();
+        let s = self.status();
+        SessionRecord {
+            id: self.id,
+            user: self.user.name.clone(),
+            kernel: self.kernel_name.clone(),
+            created_at: self.created_at,
+            idle_timeout_seconds: self.idle_timeout.map(|t| t.as_secs()),
+            memory_limit_bytes: self.limits.memory_bytes,
+            pids_limit: self.limits.pids,
+            key,
+            execution_count: s.execution_count,
+            last_activity: s.last_activity,
+            dead_reason: (s.state == SessionState::Dead)
+                .then(|| s.dead_reason.clone())
+                .flatten(),
+            saved_at: Utc::now(),
+            stopped,
+        }
+    }
+
+    /// Writes the session's record if sessions are kept and anything in it changed since
+    /// the last write (always when `stopped`).
+    pub(crate) async fn persist(&self, stopped: bool) {
+        let Some(kept) = &self.kept else { return };
+        let record = self.record(stopped);
+        {
+            let mut last = lock(&self.last_saved);
+            let same = last.as_ref().is_some_and(|l| {
+                SessionRecord {
+                    saved_at: record.saved_at,
+                    ..l.clone()
+                } == record
+            });
+            if same {
+                return;
+            }
+            *last = Some(record.clone());
+        }
+        kept.save(record).await;
+    }
+
+    /// Removes the session's record: it is gone for good.
+    pub(crate) async fn forget_record(&self) {
+        if let Some(kept) = &self.kept {
+            kept.remove(self.id).await;
+        }
     }
 
     /// Gives the session's memory back to its user; call once the kernel is gone.
@@ -396,6 +481,20 @@ impl Session {
             let _ = rx.await;
         }
         self.set_state(state);
+    }
+
+    /// Ask the actor to let go of the kernel, alive, and stop (`--keep-sessions`); waits
+    /// until it has. The state stays as it is: the record keeps it for the next run.
+    pub(super) async fn detach(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::Detach { done: tx })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
     }
 
     /// When this session expires if nothing happens, or `None` if it cannot expire now.

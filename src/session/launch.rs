@@ -21,6 +21,8 @@ pub(crate) struct Live {
     pub client: KernelClient,
     pub events: KernelEvents,
     pub process: Arc<dyn KernelProcess>,
+    /// The kernel's HMAC key (kept in the session's record with `--keep-sessions`).
+    pub key: String,
     /// Resolves when the process ends (fed by a watcher task, so `Live` stays `Sync`).
     pub(super) exit: oneshot::Receiver<ExitReason>,
 }
@@ -82,6 +84,7 @@ pub(crate) async fn start_kernel(
                 client,
                 events,
                 process,
+                key,
                 exit,
             })
         }

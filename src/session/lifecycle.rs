@@ -53,6 +53,15 @@ pub enum LifecycleEvent {
     SessionExpired,
     /// The session was closed by its user or by the broker's shutdown.
     SessionClosed,
+    /// The broker stopped and kept the session (`--keep-sessions`): its kernel runs on.
+    SessionKept,
+    /// A new run of the broker adopted the session; `down_seconds` since the last sign of
+    /// the previous run (its orderly stop, or its last record before a crash).
+    BrokerRestarted {
+        down_seconds: f64,
+        /// Whether the kernel was found alive (otherwise the session is dead).
+        kernel_alive: bool,
+    },
 }
 
 impl LifecycleEvent {
@@ -69,6 +78,8 @@ impl LifecycleEvent {
             LifecycleEvent::KernelDied { .. } => "kernel_died",
             LifecycleEvent::SessionExpired => "session_expired",
             LifecycleEvent::SessionClosed => "session_closed",
+            LifecycleEvent::SessionKept => "session_kept",
+            LifecycleEvent::BrokerRestarted { .. } => "broker_restarted",
         }
     }
 
@@ -184,6 +195,15 @@ mod tests {
             ),
             (LifecycleEvent::SessionExpired, "session_expired", json!({})),
             (LifecycleEvent::SessionClosed, "session_closed", json!({})),
+            (LifecycleEvent::SessionKept, "session_kept", json!({})),
+            (
+                LifecycleEvent::BrokerRestarted {
+                    down_seconds: 2.5,
+                    kernel_alive: true,
+                },
+                "broker_restarted",
+                json!({"down_seconds": 2.5, "kernel_alive": true}),
+            ),
         ];
         for (event, kind, detail) in cases {
             assert_eq!(event.kind(), kind);
@@ -211,10 +231,7 @@ mod tests {
             LifecycleEvent::from_stored("interrupt", serde_json::Value::Null),
             Some(LifecycleEvent::Interrupt)
         );
-        assert_eq!(
-            LifecycleEvent::from_stored("broker_stopped", json!({})),
-            None
-        );
+        assert_eq!(LifecycleEvent::from_stored("broker_gone", json!({})), None);
         // A detail cut by the recording's budget no longer fits its kind.
         assert_eq!(
             LifecycleEvent::from_stored(

@@ -74,6 +74,25 @@ impl Ledger {
         })
     }
 
+    /// Reserves `bytes` for a session of `user` whatever its total: a session adopted after
+    /// a broker restart (`--keep-sessions`) holds its memory already, even if the settings
+    /// now allow less.
+    pub fn reserve_adopted(self: &Arc<Self>, user: &str, bytes: u64) -> Reservation {
+        let mut users = lock(&self.users);
+        add(
+            users.entry(user.to_string()).or_default(),
+            Holder::Session,
+            bytes,
+            1,
+        );
+        Reservation {
+            ledger: self.clone(),
+            user: user.to_string(),
+            bytes,
+            holder: Holder::Session,
+        }
+    }
+
     /// What all users hold now, together.
     pub fn usage_all(&self) -> MemoryUse {
         lock(&self.users)

@@ -15,7 +15,20 @@ pub struct SpawnedBroker {
     pub addr: SocketAddr,
     child: Child,
     log: Arc<Mutex<Vec<String>>>,
+    /// What it was started with, for a restart on the same data directory.
+    args: Vec<String>,
+    nofile: Option<u64>,
+    cgroup: Option<String>,
     _tmp: tempfile::TempDir,
+}
+
+/// How a broker is stopped before a restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGTERM: an orderly stop.
+    Term,
+    /// SIGKILL: no stop at all.
+    Kill,
 }
 
 impl SpawnedBroker {
@@ -36,69 +49,75 @@ impl SpawnedBroker {
         let tmp = tempfile::tempdir().unwrap();
         let users = tmp.path().join("users.toml");
         std::fs::write(&users, super::users_toml()).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
-        cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0", "--pool-size", "0"])
-            .arg("--users-file")
-            .arg(&users)
-            .arg("--data-dir")
-            .arg(tmp.path().join("data"))
-            .arg("--kernels-dir")
-            .arg(repo().join("kernels"))
-            .args(args)
-            .env_remove("KERNEL_BROKER_TOKEN")
-            .env("KERNEL_BROKER_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        if let Some(cgroup) = &cgroup {
-            cmd.args(["--cgroup-name", cgroup]);
-        }
-        if let Some(n) = nofile {
-            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let limit = libc::rlimit {
-                        rlim_cur: n,
-                        rlim_max: n,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        let mut child = cmd.spawn().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel::<SocketAddr>();
-        // Reads the log to its end, so the broker never blocks on a full pipe.
-        {
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(stderr)
-                    .lines()
-                    .map_while(Result::ok)
-                {
-                    if let Some(rest) = line.split("ready on http://").nth(1) {
-                        let addr = rest.split_whitespace().next().unwrap_or_default();
-                        if let Ok(a) = addr.parse() {
-                            let _ = addr_tx.send(a);
-                        }
-                    }
-                    log.lock().unwrap().push(line);
-                }
-            });
-        }
-        let addr = addr_rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the broker did not start");
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let (child, addr, log) = launch(tmp.path(), &args, nofile, cgroup.as_deref(), None);
         SpawnedBroker {
             addr,
             child,
             log,
+            args,
+            nofile,
+            cgroup,
             _tmp: tmp,
         }
+    }
+
+    /// Stops the broker (`how`) and starts it again on the same data directory, cgroup
+    /// name and address, with `args` instead of the first run's extra arguments.
+    pub async fn restart_with(&mut self, how: Stop, args: &[&str]) {
+        self.halt(how).await;
+        self.args = args.iter().map(|a| a.to_string()).collect();
+        self.resume();
+    }
+
+    /// Stops the broker (`how`) and waits until it has exited; [`Self::resume`] starts it
+    /// again.
+    pub async fn halt(&mut self, how: Stop) {
+        let signal = match how {
+            Stop::Term => libc::SIGTERM,
+            Stop::Kill => libc::SIGKILL,
+        };
+        // SAFETY: a plain signal to the child we started.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let child = &mut self.child;
+        let status = within(60, "broker stop", async {
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    return status;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        if how == Stop::Term {
+            assert!(status.success(), "{status:?}");
+        }
+    }
+
+    /// Starts the broker again after [`Self::halt`], as it was started, on the same address.
+    pub fn resume(&mut self) {
+        let (child, addr, log) = launch(
+            self._tmp.path(),
+            &self.args,
+            self.nofile,
+            self.cgroup.as_deref(),
+            Some(self.addr),
+        );
+        self.child = child;
+        self.addr = addr;
+        self.log = log;
+    }
+
+    /// The broker's cgroup name, when the test chose it.
+    pub fn cgroup_name(&self) -> Option<&str> {
+        self.cgroup.as_deref()
+    }
+
+    /// [`Self::restart_with`] the same arguments.
+    pub async fn restart(&mut self, how: Stop) {
+        let args = self.args.clone();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.restart_with(how, &args).await;
     }
 
     /// The broker's data directory and users file.
@@ -158,21 +177,124 @@ impl SpawnedBroker {
     }
 }
 
+/// Starts the binary on `dir` (its `users.toml` and `data/`), on `addr` if given (else port
+/// 0); returns the child, the address it listens on and its log (read to the end, so the
+/// broker never blocks on a full pipe).
+fn launch(
+    dir: &std::path::Path,
+    args: &[String],
+    nofile: Option<u64>,
+    cgroup: Option<&str>,
+    addr: Option<SocketAddr>,
+) -> (Child, SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let listen = addr.map_or("127.0.0.1:0".to_string(), |a| a.to_string());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
+    cmd.arg("serve")
+        .args(["--listen", &listen, "--pool-size", "0"])
+        .arg("--users-file")
+        .arg(dir.join("users.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--kernels-dir")
+        .arg(repo().join("kernels"))
+        .args(args)
+        .env_remove("KERNEL_BROKER_TOKEN")
+        .env("KERNEL_BROKER_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(cgroup) = cgroup {
+        cmd.args(["--cgroup-name", cgroup]);
+    }
+    if let Some(n) = nofile {
+        // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let limit = libc::rlimit {
+                    rlim_cur: n,
+                    rlim_max: n,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel::<SocketAddr>();
+    {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Some(rest) = line.split("ready on http://").nth(1) {
+                    let addr = rest.split_whitespace().next().unwrap_or_default();
+                    if let Ok(a) = addr.parse() {
+                        let _ = addr_tx.send(a);
+                    }
+                }
+                log.lock().unwrap().push(line);
+            }
+        });
+    }
+    let Ok(addr) = addr_rx.recv_timeout(Duration::from_secs(60)) else {
+        let _ = child.kill();
+        panic!(
+            "the broker did not start:\n{}",
+            log.lock().unwrap().join("\n")
+        );
+    };
+    (child, addr, log)
+}
+
 impl Drop for SpawnedBroker {
     fn drop(&mut self) {
         // A test that failed half-way: the broker must not outlive it, and shuts its kernels
         // down on the way out.
-        if matches!(self.child.try_wait(), Ok(None)) {
-            // SAFETY: as in `stop`.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-            for _ in 0..300 {
-                if !matches!(self.child.try_wait(), Ok(None)) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        stop_child(&mut self.child);
+        if self.args.iter().any(|a| a == "--keep-sessions") {
+            // Its kernels outlived it: one more start without the flag sweeps them (and
+            // says so in the log), then an orderly stop.
+            let args: Vec<String> = self
+                .args
+                .iter()
+                .filter(|a| *a != "--keep-sessions")
+                .cloned()
+                .collect();
+            let (mut child, _, _) =
+                launch(self._tmp.path(), &args, None, self.cgroup.as_deref(), None);
+            stop_child(&mut child);
         }
+        // Workspace file systems a killed broker left mounted below the directory.
+        let top = self._tmp.path().to_string_lossy().to_string();
+        let points: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|p| p.starts_with(&top))
+            .collect();
+        for point in points.iter().rev() {
+            let _ = Command::new("umount").args(["-l", point]).status();
+        }
+    }
+}
+
+/// SIGTERM, and SIGKILL after 30 s.
+fn stop_child(child: &mut Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        // SAFETY: a plain signal to a child we started.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        for _ in 0..300 {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }

@@ -410,7 +410,9 @@ impl Metrics {
             LifecycleEvent::SessionExpired => self.expired(),
             LifecycleEvent::SessionCreated { .. }
             | LifecycleEvent::Interrupt
-            | LifecycleEvent::SessionClosed => {}
+            | LifecycleEvent::SessionClosed
+            | LifecycleEvent::SessionKept
+            | LifecycleEvent::BrokerRestarted { .. } => {}
         }
     }
 

@@ -57,9 +57,10 @@ impl RecordingStore {
         let counters = Arc::new(Counters::default());
         let (tx, rx) = mpsc::channel();
         let w = writer::Writer::new(conn, &config, counters.clone());
+        let kept = config.kept_sessions.clone();
         std::thread::Builder::new()
             .name("recording-writer".into())
-            .spawn(move || w.run(rx))
+            .spawn(move || w.run(rx, &kept))
             .map_err(|source| RecordingError::Dir {
                 path: config.path.clone(),
                 source,

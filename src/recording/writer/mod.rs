@@ -138,8 +138,8 @@ impl Writer {
     }
 
     /// Run until a `Stop` arrives or every sender is gone.
-    pub fn run(mut self, rx: mpsc::Receiver<Op>) {
-        self.close_stale_sessions();
+    pub fn run(mut self, rx: mpsc::Receiver<Op>, kept: &std::collections::HashSet<Uuid>) {
+        self.close_stale_sessions(kept);
         self.retention_pass();
         let mut next_retention = Instant::now() + DAY;
         loop {

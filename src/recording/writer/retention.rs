@@ -25,15 +25,22 @@ impl Writer {
         Ok(true)
     }
 
-    /// Sessions left open by a broker that did not stop cleanly cannot be live any more.
-    pub(super) fn close_stale_sessions(&mut self) {
+    /// Sessions left open by a broker that did not stop cleanly cannot be live any more,
+    /// unless it kept them (`kept`, `--keep-sessions`): those are continued.
+    pub(super) fn close_stale_sessions(&mut self, kept: &std::collections::HashSet<Uuid>) {
         let now = micros(chrono::Utc::now());
         let r = (|| -> rusqlite::Result<usize> {
             let tx = self.conn.transaction()?;
             let stale: Vec<i64> = {
-                let mut st = tx.prepare("SELECT sid FROM sessions WHERE ended_at IS NULL")?;
-                let rows = st.query_map([], |r| r.get(0))?;
-                rows.collect::<Result<_, _>>()?
+                let mut st = tx.prepare("SELECT sid, id FROM sessions WHERE ended_at IS NULL")?;
+                let rows =
+                    st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?;
+                rows.filter(|row| {
+                    !row.as_ref()
+                        .is_ok_and(|(_, id)| Uuid::parse_str(id).is_ok_and(|id| kept.contains(&id)))
+                })
+                .map(|row| row.map(|(sid, _)| sid))
+                .collect::<Result<_, _>>()?
             };
             for sid in &stale {
                 let seq: i64 = tx.query_row(

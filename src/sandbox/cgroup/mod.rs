@@ -308,16 +308,45 @@ impl Cgroups {
         }
     }
 
-    /// Kills and removes every leaf under the base: what an earlier run of the broker left
-    /// behind. Only for startup, before this run has launched anything.
-    pub async fn sweep_stale(&self) -> usize {
+    /// The leaf an earlier run made for `session` of `user`, if it is still there (a kept
+    /// kernel's, `--keep-sessions`).
+    pub fn existing_leaf(&self, user: &str, session: Uuid) -> Option<Leaf> {
+        if !is_path_component(user) {
+            return None;
+        }
+        let session = session.to_string();
+        let dirs: Vec<PathBuf> = self
+            .bases
+            .iter()
+            .map(|b| b.join(user).join(&session))
+            .filter(|d| d.is_dir())
+            .collect();
+        if dirs.is_empty() {
+            return None;
+        }
+        let procs_files = dirs
+            .iter()
+            .filter_map(|d| CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok())
+            .collect();
+        Some(Leaf {
+            version: self.version,
+            dirs,
+            procs_files,
+        })
+    }
+
+    /// Kills and removes every leaf under the base but those of the sessions in `keep`
+    /// (kept kernels, `--keep-sessions`): what an earlier run of the broker left behind.
+    /// Only for startup, before this run has launched anything.
+    pub async fn sweep_stale(&self, keep: &std::collections::HashSet<Uuid>) -> usize {
         let mut removed = 0;
         // The same leaf appears once per hierarchy on v1; handle it as one leaf.
         let mut leaves: Vec<(String, String)> = Vec::new();
         for base in &self.bases {
             for user in subdirs(base) {
                 for session in subdirs(&base.join(&user)) {
-                    if !leaves.contains(&(user.clone(), session.clone())) {
+                    let kept = Uuid::parse_str(&session).is_ok_and(|id| keep.contains(&id));
+                    if !kept && !leaves.contains(&(user.clone(), session.clone())) {
                         leaves.push((user.clone(), session));
                     }
                 }

@@ -42,6 +42,9 @@ pub(super) struct BwrapOptions {
     pub has_disable_userns: bool,
     /// Host directories of the Python installation, shown read-only at the same place.
     pub python_dirs: Vec<PathBuf>,
+    /// The sandbox dies with the broker (`--die-with-parent`); not with `--keep-sessions`,
+    /// whose kernels must outlive it (its next run adopts them).
+    pub die_with_parent: bool,
 }
 
 /// What a top-level host directory (`/bin`, `/lib`, ...) is.
@@ -207,7 +210,9 @@ pub(super) fn bwrap_args(
         // and prctl the filter allows).
         fs.push(["--seccomp".to_string(), fd.to_string()]);
     }
-    fs.flag("--die-with-parent");
+    if opts.die_with_parent {
+        fs.flag("--die-with-parent");
+    }
     fs.flag("--new-session");
     fs.push(["--hostname", HOSTNAME]);
 
@@ -384,6 +389,7 @@ mod tests {
             has_size: true,
             has_disable_userns: true,
             python_dirs: vec![PathBuf::from("/opt/py/3.11")],
+            die_with_parent: true,
         }
     }
 

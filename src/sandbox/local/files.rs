@@ -166,8 +166,12 @@ pub(super) fn choose_run_base(
     fsutil::choose_run_base(&layout, &hash, privileged, euid)
 }
 
-/// Removes runtime directories an earlier run left (named by session id, or `check-...`).
-pub(super) fn sweep_run_base(run_base: &Path) -> Result<usize, SandboxError> {
+/// Removes the runtime directories an earlier run left in `run_base` (named by session id,
+/// or `check-...`), but those of the sessions in `keep` (kept kernels, `--keep-sessions`).
+pub(super) fn sweep_run_base(
+    run_base: &Path,
+    keep: &std::collections::HashSet<Uuid>,
+) -> Result<usize, SandboxError> {
     let entries = std::fs::read_dir(run_base).map_err(|source| SandboxError::Io {
         what: "cannot list the runtime directory",
         path: run_base.to_path_buf(),
@@ -177,6 +181,9 @@ pub(super) fn sweep_run_base(run_base: &Path) -> Result<usize, SandboxError> {
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
+        if Uuid::parse_str(name).is_ok_and(|id| keep.contains(&id)) {
+            continue;
+        }
         let ours = Uuid::parse_str(name).is_ok()
             || name
                 .strip_prefix("check-")

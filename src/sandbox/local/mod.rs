@@ -37,15 +37,17 @@
 //! handle half and its reaper; `output.rs` log forwarding; `host.rs` what is learned of
 //! the host once; `check.rs` the startup test run. Limits are [`super::cgroup`]'s.
 
+mod adopt;
 mod bwrap;
 mod check;
 mod files;
 mod host;
+mod keep;
 mod output;
 mod process;
 mod reaper;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,7 +64,7 @@ use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
-use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use super::{AdoptError, AdoptSpec, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::workspace_fs::prepare_workspace;
 
@@ -185,6 +187,8 @@ pub struct LocalSandbox {
     /// first launch; holds the cgroups to use (none when limits are off).
     started: OnceCell<Option<Arc<Cgroups>>>,
     kernels: KernelTable<LocalKernel>,
+    /// The kept kernels' files (`--keep-sessions`); `None` when kernels end with the broker.
+    kept: Option<Arc<keep::KeptKernels>>,
 }
 
 impl LocalSandbox {
@@ -265,6 +269,7 @@ impl LocalSandbox {
                 has_size: help.contains("--size"),
                 has_disable_userns: help.contains("--disable-userns"),
                 python_dirs,
+                die_with_parent: !cfg.keep_kernels,
             },
             seccomp,
             venv,
@@ -275,6 +280,9 @@ impl LocalSandbox {
             cgroups,
             started: OnceCell::new(),
             kernels: KernelTable::default(),
+            kept: cfg
+                .keep_kernels
+                .then(|| Arc::new(keep::KeptKernels::new(&cfg.data_dir))),
             cfg,
         })
     }
@@ -309,19 +317,35 @@ impl LocalSandbox {
     async fn startup(&self) -> Result<Option<Arc<Cgroups>>, SandboxError> {
         self.started
             .get_or_try_init(|| async {
+                // Kept kernels (`--keep-sessions`) are spared by the sweeps: the session
+                // layer adopts them, and discards what it does not adopt.
+                let keep = match &self.kept {
+                    Some(kept) => {
+                        let kept = kept.clone();
+                        tokio::task::spawn_blocking(move || kept.load())
+                            .await
+                            .map_err(|e| unavailable(format!("startup task failed: {e}")))?
+                            .map_err(|e| unavailable(format!("cannot read the kept kernels: {e}")))?
+                    }
+                    None => HashSet::new(),
+                };
+                if !keep.is_empty() {
+                    tracing::info!(count = keep.len(), "kernels kept by an earlier run");
+                }
+                let spared = keep.clone();
                 fsutil::prepare_state_dirs(
                     BACKEND,
                     &self.cfg.data_dir,
                     &self.workspaces,
                     &self.run_base,
-                    sweep_run_base,
+                    move |base| sweep_run_base(base, &spared),
                 )
                 .await?;
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {
                         Ok(()) => {
-                            let stale = cgroups.sweep_stale().await;
+                            let stale = cgroups.sweep_stale(&keep).await;
                             if stale > 0 {
                                 tracing::info!(count = stale, "removed kernel cgroups left by an earlier run");
                             }
@@ -440,6 +464,24 @@ impl Sandbox for LocalSandbox {
         Ok(path)
     }
 
+    fn keeps_kernels(&self) -> bool {
+        self.kept.is_some()
+    }
+
+    async fn adopt(&self, spec: AdoptSpec) -> Result<Launched, AdoptError> {
+        let cgroups = self.startup().await?;
+        let kept = self.kept.as_ref().ok_or(AdoptError::Missing)?;
+        self.adopt_kept(kept, cgroups, spec).await
+    }
+
+    async fn discard_unadopted(&self) {
+        let Some(kept) = &self.kept else { return };
+        let Ok(cgroups) = self.startup().await else {
+            return;
+        };
+        self.discard_kept(kept, cgroups).await;
+    }
+
     async fn user_idle(&self, user: &SandboxUser) {
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_user_if_unused(&user.name);
@@ -447,6 +489,22 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn shutdown(&self) {
+        if self.kept.is_some() {
+            // `--keep-sessions`: the kernels outlive the broker, with their leaves, runtime
+            // directories and workspace mounts; the next run adopts them.
+            let released = self.kernels.release_all();
+            self.workspace_images.keep_mounted();
+            // Only what no kept kernel uses goes.
+            if let Some(Some(cgroups)) = self.started.get() {
+                cgroups.remove_base_if_unused();
+            }
+            let _ = std::fs::remove_dir(&self.run_base);
+            tracing::info!(
+                kernels = released,
+                "kernels kept running for the next start"
+            );
+            return;
+        }
         let kernels = self.kernels.terminate_all();
         KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT).await;
         if let Some(Some(cgroups)) = self.started.get() {

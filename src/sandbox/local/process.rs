@@ -25,8 +25,9 @@ use tokio::time::timeout;
 
 use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, LaunchGuard};
+use super::keep::{self, KeptKernels, Ticket};
 use super::output::{forward_output, Stream, Tail};
-use super::reaper::{LocalKernel, Reaper, LOST};
+use super::reaper::{LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::launch_err;
@@ -103,7 +104,19 @@ impl LocalSandbox {
             argv: &argv,
         };
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
-        let (child, info, stderr_task, tail) = self.spawn(&spec, &request, spec_env, leaf)?;
+        // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
+        let status = match &self.kept {
+            Some(kept) => Some(kept.open_status(session).map_err(|e| {
+                launch_err(
+                    &user,
+                    format!("cannot create the kernel's status file: {e}"),
+                )
+            })?),
+            None => None,
+        };
+        let (child, info, stderr_task, tail) =
+            self.spawn(&spec, &request, spec_env, leaf, status)?;
+        let bwrap_pid = child.id().and_then(|p| i32::try_from(p).ok());
 
         // From here the reaper owns the leaf and the runtime directory, and the handle's
         // drop (also when this future is dropped half-way) kills the kernel.
@@ -111,7 +124,7 @@ impl LocalSandbox {
         let kernel = Arc::new(LocalKernel {
             watch,
             init_pid: OnceLock::new(),
-            bwrap_pid: child.id().and_then(|p| i32::try_from(p).ok()),
+            bwrap_pid,
             memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
         });
         let (cgroups, leaf) = guard
@@ -120,7 +133,7 @@ impl LocalSandbox {
             .map_or((None, None), |(c, l)| (Some(c), Some(l)));
         guard.rundir = None;
         let reaper = Reaper {
-            child,
+            process: Watched::Child(child),
             kernel: kernel.clone(),
             exit,
             leaf,
@@ -131,6 +144,7 @@ impl LocalSandbox {
             quota_bytes: user.limits.workspace_quota_bytes,
             table: self.kernels.clone(),
             tail: tail.clone(),
+            kept: self.kept.clone(),
         };
         self.kernels.insert(session, kernel.clone());
         tokio::spawn(reaper.run());
@@ -139,6 +153,15 @@ impl LocalSandbox {
         match read_init_pid(info).await {
             Ok(pid) => {
                 let _ = kernel.init_pid.set(pid);
+                if let Some(kept) = &self.kept {
+                    if let Err(e) = write_ticket(kept, session, &user.name, bwrap_pid, pid).await {
+                        handle.terminate().await;
+                        return Err(launch_err(
+                            &user,
+                            format!("cannot record the kernel for --keep-sessions: {e}"),
+                        ));
+                    }
+                }
             }
             Err(why) => {
                 // bwrap failed before the sandbox existed; explain with what it wrote.
@@ -172,6 +195,7 @@ impl LocalSandbox {
         request: &BwrapRequest<'_>,
         spec_env: HashMap<String, String>,
         leaf: Option<&Leaf>,
+        status: Option<OwnedFd>,
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
         let (info_read, info_write) =
@@ -182,7 +206,11 @@ impl LocalSandbox {
             .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
+        let status_fd = status.as_ref().map(AsRawFd::as_raw_fd);
         let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
+        if let Some(fd) = status_fd {
+            args.extend([OsString::from("--json-status-fd"), fd.to_string().into()]);
+        }
         args.extend(bwrap_args(
             &self.bwrap_opts,
             &HostRoot::probe(&self.cfg.extra_ro_binds),
@@ -203,7 +231,9 @@ impl LocalSandbox {
             // Keep terminal signals (Ctrl-C on the broker) away from kernels; the broker
             // shuts them down itself.
             .process_group(0)
-            .kill_on_drop(true);
+            // A kept kernel must outlive this process, however it ends; otherwise the
+            // child is killed if its handle is ever dropped unreaped.
+            .kill_on_drop(self.kept.is_none());
 
         let procs: Vec<CString> = leaf.map(|l| l.procs_files().to_vec()).unwrap_or_default();
         // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
@@ -221,6 +251,9 @@ impl LocalSandbox {
                 if let Some(fd) = seccomp_fd {
                     inherit_fd(fd)?;
                 }
+                if let Some(fd) = status_fd {
+                    inherit_fd(fd)?;
+                }
                 Ok(())
             });
         }
@@ -230,6 +263,7 @@ impl LocalSandbox {
         drop(info_write);
         // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
         drop(seccomp);
+        drop(status);
 
         let tail = Tail::default();
         if let Some(stdout) = child.stdout.take() {
@@ -309,6 +343,33 @@ pub(super) fn inherit_fd(fd: RawFd) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Writes the kept kernel's ticket: bwrap's and the sandbox init's pids with their start
+/// times, read now that both exist.
+async fn write_ticket(
+    kept: &Arc<KeptKernels>,
+    session: uuid::Uuid,
+    user: &str,
+    bwrap_pid: Option<i32>,
+    init_pid: i32,
+) -> io::Result<()> {
+    let bwrap_pid = bwrap_pid.ok_or_else(|| io::Error::other("bwrap's pid is unknown"))?;
+    let started = |pid| {
+        keep::start_time(pid).ok_or_else(|| io::Error::other(format!("process {pid} is gone")))
+    };
+    let ticket = Ticket {
+        session,
+        user: user.to_string(),
+        bwrap_pid,
+        bwrap_start: started(bwrap_pid)?,
+        init_pid,
+        init_start: started(init_pid)?,
+    };
+    let kept = kept.clone();
+    tokio::task::spawn_blocking(move || kept.write(&ticket))
+        .await
+        .map_err(io::Error::other)?
 }
 
 /// Reads bwrap's `--info-fd` report and returns the host pid of the sandbox's init.

@@ -11,8 +11,10 @@ use std::process::ExitStatus;
 use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
+use tokio::io::unix::AsyncFd;
 use tokio::process::Child;
 
+use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
 use crate::sandbox::cgroup::{read_counter, Cgroups, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
@@ -81,9 +83,40 @@ impl BackendKernel for LocalKernel {
     }
 }
 
+/// The bwrap process a reaper waits for.
+pub(super) enum Watched {
+    /// Launched by this run: its child, reaped with `waitpid`.
+    Child(Child),
+    /// Launched by an earlier run and adopted (`--keep-sessions`): not this process's
+    /// child, so its end is seen through a pidfd and its exit status read from bwrap's
+    /// status file.
+    Adopted {
+        pidfd: AsyncFd<std::os::fd::OwnedFd>,
+        status: PathBuf,
+    },
+    /// Kept by an earlier run but ended before this one adopted it.
+    Gone { status: PathBuf },
+}
+
+impl Watched {
+    async fn wait(&mut self) -> io::Result<ExitStatus> {
+        let status = match self {
+            Watched::Child(child) => return child.wait().await,
+            Watched::Adopted { pidfd, status } => {
+                // Readable once the process has ended.
+                let _ready = pidfd.readable().await?;
+                status
+            }
+            Watched::Gone { status } => status,
+        };
+        reported_exit(status)
+            .ok_or_else(|| io::Error::other("its exit status is unknown (bwrap reported none)"))
+    }
+}
+
 /// Owns the bwrap child: waits for it (or kills it), classifies the exit, cleans up.
 pub(super) struct Reaper {
-    pub child: Child,
+    pub process: Watched,
     pub kernel: Arc<LocalKernel>,
     pub exit: ExitPublisher,
     pub leaf: Option<Leaf>,
@@ -96,15 +129,23 @@ pub(super) struct Reaper {
     pub quota_bytes: u64,
     pub table: KernelTable<LocalKernel>,
     pub tail: Tail,
+    /// The kept kernels' files (`--keep-sessions`): forgotten once this kernel has ended.
+    pub kept: Option<Arc<KeptKernels>>,
 }
 
 impl Reaper {
     pub async fn run(mut self) {
         let status = tokio::select! {
-            status = self.child.wait() => status,
+            status = self.process.wait() => status,
             () = self.kernel.watch.kill_requested() => {
                 kill_sandbox(self.leaf.as_ref(), self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid).await;
-                self.child.wait().await
+                self.process.wait().await
+            }
+            () = self.kernel.watch.release_requested() => {
+                // The broker stops and the kernel outlives it: leave everything as it is
+                // (the leaf, the runtime directory, the kept files) for the next run.
+                tracing::debug!(session = %self.kernel.watch.session_id, "kernel released");
+                return;
             }
         };
         let oom_kills = self.leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
@@ -135,6 +176,9 @@ impl Reaper {
             cgroups.remove_leaf(leaf).await;
         }
         remove_dir_logged(self.rundir.clone()).await;
+        if let Some(kept) = self.kept.take() {
+            let _ = tokio::task::spawn_blocking(move || kept.forget(session)).await;
+        }
         self.table.remove(&session);
         self.exit.publish(reason);
     }

@@ -111,8 +111,37 @@ impl Actor {
         }
     }
 
+    /// An actor for a session whose kernel is gone (it died while the broker was stopped,
+    /// `--keep-sessions`): dead for `reason` until a restart.
+    pub fn without_kernel(
+        session: Arc<Session>,
+        sandbox: Arc<dyn Sandbox>,
+        config: SessionConfig,
+        commands: mpsc::Receiver<Command>,
+        reason: String,
+        (recorder, pool): (Arc<dyn Recorder>, Arc<Pool>),
+    ) -> Self {
+        session.set_dead(reason.clone());
+        Self {
+            session,
+            sandbox,
+            config,
+            commands,
+            kernel: None,
+            queue: VecDeque::new(),
+            running: None,
+            routes: HashMap::new(),
+            dead_reason: Some(reason),
+            recorder,
+            pool,
+            recent_agent_ids: VecDeque::new(),
+        }
+    }
+
     pub async fn run(mut self) {
-        self.session.set_state(SessionState::Idle);
+        if self.dead_reason.is_none() {
+            self.session.set_state(SessionState::Idle);
+        }
         loop {
             let deadline = self.next_deadline();
             tokio::select! {
@@ -120,6 +149,11 @@ impl Actor {
                     match cmd {
                         Some(Command::Shutdown { state, done }) => {
                             self.shutdown(state).await;
+                            let _ = done.send(());
+                            return;
+                        }
+                        Some(Command::Detach { done }) => {
+                            self.detach();
                             let _ = done.send(());
                             return;
                         }
@@ -226,7 +260,7 @@ impl Actor {
                     tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
                 }
             }
-            Command::Shutdown { .. } => {}
+            Command::Shutdown { .. } | Command::Detach { .. } => {}
         }
     }
 
@@ -345,11 +379,12 @@ impl Actor {
                         pooled,
                     },
                 );
-                self.session.set_process(live.process.clone());
+                let (process, key) = (live.process.clone(), live.key.clone());
                 self.kernel = Some(live);
                 self.dead_reason = None;
                 self.session.reset_execution_count();
                 self.session.set_state(SessionState::Idle);
+                self.session.set_kernel(process, &key).await;
                 Ok(())
             }
             Err(e) => {
@@ -392,6 +427,39 @@ impl Actor {
             }),
         );
         self.mark_dead(reason);
+    }
+
+    /// The broker stops and keeps the session (`--keep-sessions`): the execution in flight
+    /// and those queued get a clear answer now (the kernel goes on with the running one,
+    /// unobserved), and the kernel is let go of, alive, for the next run to adopt.
+    fn detach(&mut self) {
+        self.finish(
+            ExecutionStatus::Error,
+            Some(ExecutionError {
+                ename: "BrokerRestarted".into(),
+                evalue: "the broker stopped while this code ran (it keeps sessions across \
+                         restarts): the kernel goes on running it, but its output from now \
+                         on is not returned; once the broker is back, look at the session's \
+                         variables and files to see how it ended"
+                    .into(),
+                traceback: Vec::new(),
+            }),
+        );
+        for (_, req) in self.queue.drain(..) {
+            self.session.pending_dec();
+            let _ = req.done.send(failed(
+                ExecutionStatus::Error,
+                "BrokerRestarted",
+                "the broker stopped before this code ran (it keeps sessions across restarts); \
+                 nothing of it ran: send it again once the broker is back"
+                    .into(),
+            ));
+        }
+        if let Some(k) = self.kernel.take() {
+            k.process.release();
+        }
+        self.recorder
+            .event(&self.session, &LifecycleEvent::SessionKept);
     }
 
     async fn shutdown(&mut self, state: SessionState) {

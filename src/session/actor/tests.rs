@@ -63,6 +63,8 @@ async fn start(config: SessionConfig) -> Harness {
             event_budget: 1 << 20,
             max_queue: config.max_queue,
             notify_registry: Arc::new(Notify::new()),
+            kept: None,
+            restored: None,
         },
     ));
     let spec = session.launch_spec(Signer::random_key());

@@ -4,6 +4,7 @@
 //! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
 
 mod expiry;
+mod keep;
 #[cfg(test)]
 mod tests;
 
@@ -31,6 +32,7 @@ use crate::sync::lock;
 use crate::wire::Signer;
 
 use expiry::Tombstone;
+pub use keep::Adopted;
 
 #[derive(Default)]
 struct Table {
@@ -52,6 +54,8 @@ struct Inner {
     recorder: Arc<dyn Recorder>,
     pool: Arc<Pool>,
     ledger: Arc<Ledger>,
+    /// The sessions' records (`--keep-sessions`); `None`: sessions end with the broker.
+    kept: Option<Arc<super::kept::KeptSessions>>,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -86,6 +90,13 @@ impl Registry {
     ) -> Self {
         let ledger = Ledger::new();
         let pool = Pool::new(config.pool, sandbox.clone(), config.kernel, ledger.clone());
+        let kept = config.keep_dir.as_deref().and_then(|dir| {
+            super::kept::KeptSessions::open(dir)
+                .inspect_err(|e| {
+                    tracing::error!(dir = %dir.display(), error = %e, "cannot keep session records: sessions will NOT survive a restart")
+                })
+                .ok()
+        });
         let inner = Arc::new(Inner {
             table: Mutex::new(Table::default()),
             sandbox,
@@ -96,9 +107,13 @@ impl Registry {
             recorder,
             pool,
             ledger,
+            kept,
         });
         let registry = Registry { inner };
         tokio::spawn(registry.clone().expiry_task());
+        if registry.inner.kept.is_some() {
+            tokio::spawn(registry.clone().journal_task());
+        }
         registry
     }
 
@@ -304,6 +319,8 @@ impl Registry {
                     .unwrap_or(usize::MAX),
                 max_queue: cfg.max_queue,
                 notify_registry: self.inner.notify.clone(),
+                kept: self.inner.kept.clone(),
+                restored: None,
             },
         ));
         let from_pool = pooled.is_some();
@@ -319,7 +336,7 @@ impl Registry {
             }
         };
         session.touch();
-        session.set_process(live.process.clone());
+        session.set_kernel(live.process.clone(), &live.key).await;
         let actor = Actor::new(
             session.clone(),
             self.inner.sandbox.clone(),
@@ -402,6 +419,7 @@ impl Registry {
     async fn after_removal(&self, session: &Session) {
         // The kernel is gone (shutdown waited for it): its memory is free again.
         session.release_memory();
+        session.forget_record().await;
         let user_has_more = self
             .table()
             .sessions
@@ -412,8 +430,22 @@ impl Registry {
         }
     }
 
-    /// Shut every session down and release the sandbox.
+    /// Shut every session down and release the sandbox; with `--keep-sessions`, let every
+    /// session go with its kernel running instead, for the next run to adopt.
     pub async fn shutdown(&self) {
+        if self.inner.kept.is_some() {
+            self.detach_all().await;
+            let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
+            sessions.iter().for_each(|s| s.release_memory());
+            // Pooled kernels are no session's: they end.
+            self.inner.pool.drain().await;
+            self.inner.sandbox.shutdown().await;
+            tracing::info!(
+                sessions = sessions.len(),
+                "sessions kept for the next start"
+            );
+            return;
+        }
         self.inner.shutdown.cancel();
         let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
         let n = sessions.len();

@@ -1,0 +1,135 @@
+//! Adopting the kernels an earlier run kept (`--keep-sessions`), and discarding those no
+//! session claims. The files that make it possible are described in `keep.rs`.
+//!
+//! An adopted kernel gets the same handle and the same reaper as a launched one; only the
+//! reaper's way of waiting differs (a pidfd of bwrap and bwrap's status file instead of
+//! `waitpid`). bwrap's own pid is not kept in the handle: the reaper watches it through its
+//! pidfd, and a kill goes to the leaf and the sandbox's init (checked to be the same
+//! process), never to a pid that may have been reused.
+
+use std::sync::{Arc, OnceLock};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use super::files::endpoints_for;
+use super::keep::{is_same_process, open_pidfd, KeptKernels, Ticket};
+use super::output::Tail;
+use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::{LocalSandbox, TERMINATE_TIMEOUT};
+use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
+
+impl LocalSandbox {
+    pub(super) async fn adopt_kept(
+        &self,
+        kept: &Arc<KeptKernels>,
+        cgroups: Option<Arc<Cgroups>>,
+        spec: AdoptSpec,
+    ) -> Result<Launched, AdoptError> {
+        let session = spec.session_id;
+        let user = &spec.user;
+        let ticket = kept.take(session).ok_or(AdoptError::Missing)?;
+        if ticket.user != user.name {
+            // Not this user's kernel: discarded with the rest.
+            tracing::warn!(%session, kept_for = %ticket.user, user = %user.name, "a kept kernel's owner does not match its session; not adopted");
+            self.end_kept(kept, cgroups.as_deref(), &ticket).await;
+            return Err(AdoptError::Missing);
+        }
+        let workspace = self.workspace_path(user)?;
+        let rundir = self.run_base.join(session.to_string());
+        let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(user, e))?;
+        let leaf = cgroups
+            .as_ref()
+            .and_then(|c| c.existing_leaf(&user.name, session));
+        let status = kept.status_path(session);
+        let alive = open_pidfd(ticket.bwrap_pid, ticket.bwrap_start)
+            .filter(|_| is_same_process(ticket.init_pid, ticket.init_start));
+        let process = match alive {
+            Some(pidfd) => Watched::Adopted {
+                // SAFETY: an OwnedFd is a valid open descriptor that stays the same until
+                // the AsyncFd that owns it drops it.
+                pidfd: unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+                    .map_err(|e| launch_err(user, format!("cannot watch the kept kernel: {e}")))?,
+                status,
+            },
+            None => Watched::Gone { status },
+        };
+        let ended = matches!(process, Watched::Gone { .. });
+
+        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
+        let init_pid = OnceLock::new();
+        if !ended {
+            let _ = init_pid.set(ticket.init_pid);
+        }
+        let kernel = Arc::new(LocalKernel {
+            watch,
+            init_pid,
+            bwrap_pid: None,
+            memory_usage: leaf.as_ref().and_then(|l| l.memory_usage_file()),
+        });
+        let reaper = Reaper {
+            process,
+            kernel: kernel.clone(),
+            exit,
+            leaf,
+            cgroups,
+            rundir,
+            limits: spec.limits,
+            workspace: workspace.clone(),
+            quota_bytes: user.limits.workspace_quota_bytes,
+            table: self.kernels.clone(),
+            tail: Tail::default(),
+            kept: Some(kept.clone()),
+        };
+        self.kernels.insert(session, kernel.clone());
+        tokio::spawn(reaper.run());
+        let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
+        if ended {
+            // Classified and reclaimed by the reaper, as any end.
+            return Err(AdoptError::Ended(handle.wait().await));
+        }
+        // The workspace file system is still mounted (kept): registered as this run's.
+        if let Err(e) = self.workspace(user) {
+            tracing::warn!(%session, error = %e, "the adopted kernel's workspace could not be prepared");
+        }
+        tracing::info!(%session, user = %user.name, pid = ticket.init_pid, "kernel adopted");
+        Ok(Launched {
+            endpoints,
+            process: Box::new(handle),
+        })
+    }
+
+    /// Ends the kept kernels no session adopted and reclaims what they held.
+    pub(super) async fn discard_kept(
+        &self,
+        kept: &Arc<KeptKernels>,
+        cgroups: Option<Arc<Cgroups>>,
+    ) {
+        let left = kept.take_all();
+        for ticket in &left {
+            tracing::info!(session = %ticket.session, user = %ticket.user, "ending a kept kernel no session adopted");
+            self.end_kept(kept, cgroups.as_deref(), ticket).await;
+        }
+    }
+
+    /// Kills a kept kernel that will not be adopted, removes its leaf, runtime directory and
+    /// files.
+    async fn end_kept(&self, kept: &Arc<KeptKernels>, cgroups: Option<&Cgroups>, ticket: &Ticket) {
+        if let Some(cgroups) = cgroups {
+            if let Some(leaf) = cgroups.existing_leaf(&ticket.user, ticket.session) {
+                cgroups.remove_leaf(&leaf).await;
+            }
+        }
+        // Without a leaf: the sandbox's init takes its pid namespace along.
+        if is_same_process(ticket.init_pid, ticket.init_start) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(ticket.init_pid, libc::SIGKILL) };
+        }
+        remove_dir_logged(self.run_base.join(ticket.session.to_string())).await;
+        let (kept, session) = (kept.clone(), ticket.session);
+        let _ = tokio::task::spawn_blocking(move || kept.forget(session)).await;
+    }
+}

@@ -1,0 +1,269 @@
+//! Kernels that outlive the broker (`--keep-sessions`), local backend: what a launch leaves
+//! behind so that the next run can find, verify and watch the kernel again.
+//!
+//! Per kept kernel, in `<data_dir>/kept-local/` (0700, the broker's alone: no kernel sees
+//! it), two files:
+//! - `<session>.json`, the [`Ticket`]: who the kernel is for and the host pids of bwrap and
+//!   of the sandbox's init, each with its start time (`/proc/<pid>/stat` field 22), so a pid
+//!   reused by another process after the kernel ended is never taken for it;
+//! - `<session>.status`, bwrap's `--json-status-fd` output: bwrap writes `{"exit-code": N}`
+//!   there when the sandbox's command ends, whoever its parent is by then. That is how an
+//!   adopted kernel's end (which this broker cannot `waitpid`: it is not its child) is still
+//!   told apart as an exit code or a signal.
+//!
+//! An adopted kernel is watched through a pidfd of its bwrap process (readable once it has
+//! ended); the runtime directory and cgroup leaf are found where the launch put them.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::sync::lock;
+
+/// The largest ticket or status file read back (they are a few hundred bytes; anything
+/// bigger was not written by the broker or bwrap).
+const MAX_FILE: u64 = 64 << 10;
+
+/// What the next run needs to find a kept kernel again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct Ticket {
+    pub session: Uuid,
+    pub user: String,
+    /// Host pid of bwrap and its start time in clock ticks since boot.
+    pub bwrap_pid: i32,
+    pub bwrap_start: u64,
+    /// Host pid of the sandbox's init (pid 1 inside) and its start time.
+    pub init_pid: i32,
+    pub init_start: u64,
+}
+
+/// The kept kernels' files, and the tickets found at start-up not yet adopted.
+pub(super) struct KeptKernels {
+    dir: PathBuf,
+    found: Mutex<HashMap<Uuid, Ticket>>,
+}
+
+impl KeptKernels {
+    pub fn new(data_dir: &Path) -> Self {
+        Self {
+            dir: data_dir.join("kept-local"),
+            found: Mutex::default(),
+        }
+    }
+
+    /// Creates the directory and reads the tickets an earlier run left; returns their
+    /// sessions (whose runtime directories and leaves the start-up sweep must spare).
+    /// Unreadable tickets are removed. Blocking.
+    pub fn load(&self) -> io::Result<HashSet<Uuid>> {
+        crate::sandbox::fsutil::create_private_dir(&self.dir, Some(0o700))
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        let mut found = lock(&self.found);
+        for entry in std::fs::read_dir(&self.dir)?.filter_map(Result::ok) {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            match read_small(&path).and_then(|bytes| {
+                serde_json::from_slice::<Ticket>(&bytes).map_err(io::Error::other)
+            }) {
+                Ok(t) if path.file_stem() == Some(t.session.to_string().as_ref()) => {
+                    found.insert(t.session, t);
+                }
+                Ok(_) | Err(_) => {
+                    tracing::warn!(path = %path.display(), "removing an unreadable kept-kernel ticket");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        Ok(found.keys().copied().collect())
+    }
+
+    /// Where bwrap reports the end of `session`'s kernel.
+    pub fn status_path(&self, session: Uuid) -> PathBuf {
+        self.dir.join(format!("{session}.status"))
+    }
+
+    /// A fresh status file for a launch, for bwrap's `--json-status-fd`.
+    pub fn open_status(&self, session: Uuid) -> io::Result<OwnedFd> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(self.status_path(session))?;
+        Ok(file.into())
+    }
+
+    /// Writes `ticket` (atomically: a run that dies half-way leaves the old or none).
+    /// Blocking.
+    pub fn write(&self, ticket: &Ticket) -> io::Result<()> {
+        let path = self.dir.join(format!("{}.json", ticket.session));
+        let tmp = self.dir.join(format!("{}.json.tmp", ticket.session));
+        let bytes = serde_json::to_vec(ticket).map_err(io::Error::other)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// Removes `session`'s files: its kernel has ended and is reclaimed. Blocking.
+    pub fn forget(&self, session: Uuid) {
+        lock(&self.found).remove(&session);
+        for name in [format!("{session}.json"), format!("{session}.status")] {
+            match std::fs::remove_file(self.dir.join(&name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(file = %name, error = %e, "cannot remove a kept-kernel file")
+                }
+            }
+        }
+    }
+
+    /// The ticket of `session`, once (adoption takes it).
+    pub fn take(&self, session: Uuid) -> Option<Ticket> {
+        lock(&self.found).remove(&session)
+    }
+
+    /// The tickets no session adopted.
+    pub fn take_all(&self) -> Vec<Ticket> {
+        lock(&self.found).drain().map(|(_, t)| t).collect()
+    }
+}
+
+fn read_small(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22); `None`
+/// when there is no such process.
+pub(super) fn start_time(pid: i32) -> Option<u64> {
+    if pid <= 0 {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // pid (comm) state ...: comm may hold spaces and parentheses; fields resume after the
+    // last ')'. starttime is field 22, the 20th after comm.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// A pidfd for `pid` if it still is the process that started at `start`: opened first and
+/// checked after, so the pidfd cannot refer to a process that reused the pid.
+pub(super) fn open_pidfd(pid: i32, start: u64) -> Option<OwnedFd> {
+    if pid <= 0 {
+        return None;
+    }
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just returned by pidfd_open and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    (start_time(pid) == Some(start)).then_some(fd)
+}
+
+/// Whether `pid` is still the process that started at `start`.
+pub(super) fn is_same_process(pid: i32, start: u64) -> bool {
+    start_time(pid) == Some(start)
+}
+
+/// The exit status bwrap reported in `status` (its last `exit-code`), if it did.
+pub(super) fn reported_exit(status: &Path) -> Option<ExitStatus> {
+    let bytes = read_small(status).ok()?;
+    serde_json::Deserializer::from_slice(&bytes)
+        .into_iter::<serde_json::Value>()
+        .map_while(Result::ok)
+        .filter_map(|v| v.get("exit-code")?.as_i64())
+        .last()
+        .and_then(|code| i32::try_from(code).ok())
+        .filter(|code| (0..=255).contains(code))
+        .map(|code| ExitStatus::from_raw(code << 8))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_round_trip_and_junk_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = KeptKernels::new(dir.path());
+        assert!(kept.load().unwrap().is_empty());
+        let ticket = Ticket {
+            session: Uuid::new_v4(),
+            user: "alice".into(),
+            bwrap_pid: 10,
+            bwrap_start: 20,
+            init_pid: 11,
+            init_start: 21,
+        };
+        kept.write(&ticket).unwrap();
+        let junk = dir
+            .path()
+            .join("kept-local")
+            .join(format!("{}.json", Uuid::new_v4()));
+        std::fs::write(&junk, b"{not json").unwrap();
+        // A ticket under another session's name is not trusted either.
+        let renamed = dir
+            .path()
+            .join("kept-local")
+            .join(format!("{}.json", Uuid::new_v4()));
+        std::fs::write(&renamed, serde_json::to_vec(&ticket).unwrap()).unwrap();
+
+        let again = KeptKernels::new(dir.path());
+        assert_eq!(again.load().unwrap(), HashSet::from([ticket.session]));
+        assert!(!junk.exists() && !renamed.exists());
+        assert_eq!(again.take(ticket.session), Some(ticket.clone()));
+        assert_eq!(again.take(ticket.session), None);
+        again.forget(ticket.session);
+        assert!(KeptKernels::new(dir.path()).load().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_exit_bwrap_reports_is_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.status");
+        std::fs::write(&path, "{ \"child-pid\": 5 }\n").unwrap();
+        assert_eq!(reported_exit(&path), None);
+        std::fs::write(&path, "{ \"child-pid\": 5 }\n{ \"exit-code\": 137 }\n").unwrap();
+        assert_eq!(reported_exit(&path).and_then(|s| s.code()), Some(137));
+        std::fs::write(&path, "{ \"exit-code\": 99999 }\n").unwrap();
+        assert_eq!(reported_exit(&path), None);
+        assert_eq!(reported_exit(&dir.path().join("missing")), None);
+    }
+
+    #[test]
+    fn processes_are_known_by_pid_and_start_time() {
+        let me = std::process::id() as i32;
+        let start = start_time(me).unwrap();
+        assert!(is_same_process(me, start));
+        assert!(!is_same_process(me, start + 1));
+        assert!(open_pidfd(me, start).is_some());
+        assert!(open_pidfd(me, start + 1).is_none());
+        assert!(start_time(-1).is_none());
+    }
+}

@@ -1,0 +1,238 @@
+//! Sessions that outlive the broker (`--keep-sessions`): the record each session keeps in
+//! `<data_dir>/sessions/<id>.json`, from which the next run adopts it.
+//!
+//! A record holds what the session layer alone knows: owner, kernel spec, creation time,
+//! idle timeout, limits, the kernel's HMAC key, the execution count, the last activity (wall
+//! clock, so that time spent down counts against the idle deadline) and why the session is
+//! dead, if it is. How to find the kernel process again is the sandbox's to keep (its own
+//! files, by session id).
+//!
+//! Records are written whenever the kernel changes (creation, restart) and at the broker's
+//! stop, and refreshed every few seconds while anything else changes (execution count,
+//! activity), so after a `kill -9` the adopted state is at most that old. Each write is
+//! atomic (temporary file and rename) and runs on a blocking thread; a write older than one
+//! already on disk is skipped, so writes that race on the thread pool never go back in time.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::sync::lock;
+
+/// The largest record read back (they are well under 1 KiB).
+const MAX_RECORD: u64 = 64 << 10;
+
+/// What the next run needs to adopt a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub id: Uuid,
+    pub user: String,
+    pub kernel: String,
+    pub created_at: DateTime<Utc>,
+    /// `None`: never expires.
+    pub idle_timeout_seconds: Option<u64>,
+    pub memory_limit_bytes: u64,
+    pub pids_limit: u64,
+    /// The HMAC key of the session's kernel now (a restart changes it).
+    pub key: String,
+    pub execution_count: u64,
+    pub last_activity: DateTime<Utc>,
+    /// Set when the session was dead: it stays dead, with this reason, until restarted.
+    pub dead_reason: Option<String>,
+    /// When this record was written; with [`Self::stopped`], when the broker let go.
+    pub saved_at: DateTime<Utc>,
+    /// Written by the broker's orderly stop (not after a crash or `kill -9`).
+    #[serde(default)]
+    pub stopped: bool,
+}
+
+/// The records' directory.
+pub struct KeptSessions {
+    dir: PathBuf,
+    /// Per session, the sequence number of the newest write done (see the module comment).
+    written: Mutex<HashMap<Uuid, u64>>,
+    sequence: AtomicU64,
+}
+
+impl KeptSessions {
+    /// Creates `dir` (0700) if needed.
+    pub fn open(dir: &Path) -> io::Result<Arc<Self>> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        Ok(Arc::new(Self {
+            dir: dir.to_path_buf(),
+            written: Mutex::default(),
+            sequence: AtomicU64::new(1),
+        }))
+    }
+
+    fn path(&self, id: Uuid) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    /// Writes `record` on a blocking thread and waits for it.
+    pub async fn save(self: &Arc<Self>, record: SessionRecord) {
+        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
+        let this = self.clone();
+        let id = record.id;
+        let written = tokio::task::spawn_blocking(move || this.write(seq, &record)).await;
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(session = %id, error = %e, "cannot write the session's record (--keep-sessions)")
+            }
+            Err(e) => tracing::warn!(session = %id, error = %e, "the session record writer failed"),
+        }
+    }
+
+    fn write(&self, seq: u64, record: &SessionRecord) -> io::Result<()> {
+        let mut written = lock(&self.written);
+        if written.get(&record.id).is_some_and(|&done| done > seq) {
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(record).map_err(io::Error::other)?;
+        let tmp = self.dir.join(format!("{}.json.tmp", record.id));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, self.path(record.id))?;
+        written.insert(record.id, seq);
+        Ok(())
+    }
+
+    /// Removes `id`'s record: the session is gone for good.
+    pub async fn remove(self: &Arc<Self>, id: Uuid) {
+        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
+        let this = self.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut written = lock(&this.written);
+            // Later than any write still queued: those are skipped.
+            written.insert(id, seq);
+            match std::fs::remove_file(this.path(id)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(session = %id, error = %e, "cannot remove the session's record")
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Every record an earlier run left; unreadable ones are reported and removed.
+    /// Blocking.
+    pub fn load_all(&self) -> Vec<SessionRecord> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut records = Vec::new();
+        for entry in entries.filter_map(Result::ok) {
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.ends_with(".json.tmp") {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let Some(stem) = name.strip_suffix(".json") else {
+                continue;
+            };
+            match read_record(&path) {
+                Ok(r) if r.id.to_string() == stem => records.push(r),
+                Ok(_) | Err(_) => {
+                    tracing::warn!(path = %path.display(), "removing an unreadable session record");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        records.sort_by_key(|r| r.created_at);
+        records
+    }
+}
+
+fn read_record(path: &Path) -> io::Result<SessionRecord> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let mut bytes = Vec::new();
+    f.take(MAX_RECORD).read_to_end(&mut bytes)?;
+    serde_json::from_slice(&bytes).map_err(io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: Uuid, count: u64) -> SessionRecord {
+        SessionRecord {
+            id,
+            user: "alice".into(),
+            kernel: "python3".into(),
+            created_at: Utc::now(),
+            idle_timeout_seconds: Some(600),
+            memory_limit_bytes: 256 << 20,
+            pids_limit: 128,
+            key: "k".into(),
+            execution_count: count,
+            last_activity: Utc::now(),
+            dead_reason: None,
+            saved_at: Utc::now(),
+            stopped: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn records_are_saved_loaded_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = KeptSessions::open(&dir.path().join("sessions")).unwrap();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        kept.save(record(a, 1)).await;
+        kept.save(record(a, 2)).await;
+        kept.save(record(b, 7)).await;
+        std::fs::write(dir.path().join("sessions/junk.json"), b"{").unwrap();
+        std::fs::write(
+            dir.path().join(format!("sessions/{}.json", Uuid::new_v4())),
+            serde_json::to_vec(&record(a, 3)).unwrap(),
+        )
+        .unwrap();
+        let loaded = kept.load_all();
+        assert_eq!(loaded.len(), 2, "{loaded:?}");
+        assert_eq!(
+            loaded.iter().find(|r| r.id == a).unwrap().execution_count,
+            2
+        );
+        // The junk and the record filed under another id are gone.
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("sessions"))
+                .unwrap()
+                .count(),
+            2
+        );
+        kept.remove(a).await;
+        assert_eq!(kept.load_all().len(), 1);
+    }
+
+    #[test]
+    fn an_older_write_never_replaces_a_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = KeptSessions::open(dir.path()).unwrap();
+        let id = Uuid::new_v4();
+        kept.write(5, &record(id, 5)).unwrap();
+        kept.write(4, &record(id, 4)).unwrap();
+        assert_eq!(kept.load_all()[0].execution_count, 5);
+    }
+}
