@@ -35,6 +35,8 @@ pub(crate) struct KernelWatch {
     terminating: AtomicBool,
     /// Tells the watcher to kill the kernel.
     kill: CancellationToken,
+    /// Tells the watcher to let go of the kernel without ending it (`--keep-sessions`).
+    release: CancellationToken,
     /// Set once by the watcher, after cleanup.
     exit: watch::Receiver<Option<ExitReason>>,
     /// The reason [`Self::wait`] gives if the watcher went away without publishing one.
@@ -64,6 +66,7 @@ impl KernelWatch {
             user,
             terminating: AtomicBool::new(false),
             kill: CancellationToken::new(),
+            release: CancellationToken::new(),
             exit,
             lost,
         };
@@ -101,6 +104,23 @@ impl KernelWatch {
     /// Resolves once a kill was requested (for the watcher's `select!`).
     pub async fn kill_requested(&self) {
         self.kill.cancelled().await;
+    }
+
+    /// Asks the watcher to let go of the kernel: it stops watching and ends nothing, so
+    /// the kernel outlives this broker (`--keep-sessions`). A kill requested afterwards
+    /// (the handle's drop) is ignored.
+    pub fn request_release(&self) {
+        self.release.cancel();
+    }
+
+    /// Whether the kernel was let go of.
+    pub fn released(&self) -> bool {
+        self.release.is_cancelled()
+    }
+
+    /// Resolves once a release was requested (for the watcher's `select!`).
+    pub async fn release_requested(&self) {
+        self.release.cancelled().await;
     }
 
     /// Whether the end was requested by the broker.
@@ -161,6 +181,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
         self.kernel.memory_used()
     }
 
+    fn release(&self) {
+        self.kernel.watch().request_release();
+    }
+
     async fn terminate(&self) {
         let watch = self.kernel.watch();
         if watch.has_exited() {
@@ -180,8 +204,11 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
 impl<K: BackendKernel> Drop for WatchedKernel<K> {
     fn drop(&mut self) {
-        // Last resort: the watcher kills and cleans up; a no-op if the kernel has ended.
-        self.kernel.watch().request_kill();
+        // Last resort: the watcher kills and cleans up; a no-op if the kernel has ended,
+        // and nothing at all once the kernel was released to outlive the broker.
+        if !self.kernel.watch().released() {
+            self.kernel.watch().request_kill();
+        }
     }
 }
 
@@ -237,6 +264,16 @@ impl<K: BackendKernel> KernelTable<K> {
             kernel.watch().request_termination();
         }
         kernels
+    }
+
+    /// Lets go of every kernel (`--keep-sessions` shutdown): their watchers stop and end
+    /// nothing. Returns how many there were.
+    pub fn release_all(&self) -> usize {
+        let kernels: Vec<Arc<K>> = lock(&self.kernels).drain().map(|(_, k)| k).collect();
+        for kernel in &kernels {
+            kernel.watch().request_release();
+        }
+        kernels.len()
     }
 
     /// Waits, each for at most `limit`, until `kernels` have ended.
@@ -323,6 +360,19 @@ mod tests {
         assert_eq!(handle.wait().await, ExitReason::Exited(3));
         handle.interrupt().await.unwrap();
         assert_eq!(*lock(&fake.interrupts), 1);
+    }
+
+    #[tokio::test]
+    async fn a_released_kernel_is_not_killed_by_the_drop_of_its_handle() {
+        let (fake, _publisher) = fake();
+        let table = KernelTable::default();
+        table.insert(Uuid::nil(), fake.clone());
+        let handle = WatchedKernel::new(fake.clone(), Duration::from_secs(5));
+        assert_eq!(table.release_all(), 1);
+        assert!(fake.watch.released());
+        assert!(!table.contains(&Uuid::nil()));
+        drop(handle);
+        assert!(!fake.watch.kill.is_cancelled());
     }
 
     #[tokio::test]

@@ -236,6 +236,15 @@ impl WorkspaceImages {
         Ok(())
     }
 
+    /// Forgets every mount without unmounting it: the kernels that use the workspaces outlive
+    /// this run (`--keep-sessions`), and the next run finds them mounted and uses them as
+    /// they are. Nor does the drop unmount them afterwards.
+    pub(crate) fn keep_all(&self) {
+        let mut settled = lock(&self.settled);
+        settled.mounted.clear();
+        settled.plain.clear();
+    }
+
     /// Unmounts every workspace file system this run mounted (after the kernels are gone).
     /// Blocking.
     pub(crate) fn unmount_all(&self) {
