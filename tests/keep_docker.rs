@@ -2,7 +2,7 @@
 //! and the real kernel image: a run that keeps its kernels shuts down and leaves them (and
 //! their container) running; the next run on the same data directory adopts them with
 //! their variables, interrupts and terminates them; a kernel that died while no broker
-//! ran is reported with its reason and reclaimed; kernels no session adopts are ended by
+//! ran (killed, or past its memory limit) is reported with its reason and reclaimed; kernels no session adopts are ended by
 //! `discard_unadopted`; a run that does not keep kernels removes what a keeping run left.
 //!
 //! Each test has its own data directory (so its own containers and labels); a guard
@@ -273,9 +273,20 @@ async fn kernels_that_died_meanwhile_or_were_not_adopted_are_ended_and_reclaimed
         let container = first.container_name("alice");
         let (dies, _) = launch(&first, &alice).await;
         let (unadopted, _) = launch(&first, &alice).await;
+        let (mut runs_out_of_memory, _) = launch(&first, &alice).await;
         let (dies, unadopted) = (dies.session_id, unadopted.session_id);
         first.shutdown().await;
         drop(first);
+
+        // While no broker runs, a client still connected runs the third kernel past its
+        // memory limit (256 MiB by default): its leaf's OOM killer ends it.
+        let oom = runs_out_of_memory.session_id;
+        runs_out_of_memory.send("b = b'x' * (400 << 20)").await;
+        eventually(Duration::from_secs(20), "the OOM kill", || {
+            kernel_processes(&container, oom) == 0
+        })
+        .await;
+        drop(runs_out_of_memory);
 
         // While no broker runs, the first kernel is killed (the python under its tini,
         // which then exits as its child did).
@@ -304,6 +315,18 @@ async fn kernels_that_died_meanwhile_or_were_not_adopted_are_ended_and_reclaimed
         }
         assert!(!runs.ticket(dies).exists());
         assert!(!second.run_base().join("alice").join(dir).exists());
+        match second.adopt(adopt_spec(oom, &alice)).await {
+            Err(AdoptError::Ended(reason)) => assert_eq!(
+                reason,
+                ExitReason::OutOfMemory {
+                    limit_bytes: alice.limits.session_memory_bytes
+                },
+                "{reason}"
+            ),
+            Err(e) => panic!("adopting a kernel killed for its memory: {e}"),
+            Ok(_) => panic!("a kernel killed for its memory was adopted"),
+        }
+        assert!(!runs.ticket(oom).exists());
         // No kernel was kept for a session never launched.
         assert!(matches!(
             second.adopt(adopt_spec(Uuid::new_v4(), &alice)).await,
