@@ -236,10 +236,10 @@ impl WorkspaceImages {
         Ok(())
     }
 
-    /// Forgets every mount without unmounting it: the kernels that use the workspaces outlive
-    /// this run (`--keep-sessions`), and the next run finds them mounted and uses them as
-    /// they are. Nor does the drop unmount them afterwards.
-    pub(crate) fn keep_all(&self) {
+    /// Leaves every workspace file system mounted for kernels that outlive the broker
+    /// (`--keep-sessions`): the next run finds them mounted and uses them as they are
+    /// (mounting an image a second time while a kernel still holds it would corrupt it).
+    pub(crate) fn keep_mounted(&self) {
         let mut settled = lock(&self.settled);
         settled.mounted.clear();
         settled.plain.clear();

@@ -511,7 +511,7 @@ impl Inner {
         if self.cfg.keep_kernels {
             // Released, not ended: their watchers stop, and the next run adopts them.
             let count = self.kernels.release_all();
-            self.workspace_images.keep_all();
+            self.workspace_images.keep_mounted();
             tracing::info!(
                 kernels = count,
                 "left the kernels, their containers and workspaces running for the next run \
