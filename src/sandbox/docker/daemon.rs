@@ -1,6 +1,6 @@
 //! Talking to the Docker daemon: the client (connected and version-negotiated on first
 //! use), errors turned into advice for the operator, the startup sweep of an earlier run's
-//! containers and runtime entries (or, keeping kernels, the hand-over to `keep.rs`), and
+//! containers and runtime entries (or, keeping kernels, the hand-over to `keep/`), and
 //! finding and removing this broker's containers.
 
 use std::collections::HashMap;
@@ -82,7 +82,7 @@ impl Inner {
     }
 
     /// Creates the directories and removes what an earlier run left (with `--keep-sessions`,
-    /// what its kept kernels do not need: see `keep.rs`); once.
+    /// what its kept kernels do not need: see `keep/`); once.
     pub(super) async fn startup(&self) -> Result<(), SandboxError> {
         self.started
             .get_or_try_init(|| async {

@@ -42,7 +42,7 @@
 //! instead: shutdown leaves them, their containers, session directories, cgroup leaves and
 //! workspace mounts in place; start-up keeps the containers and directories the kept
 //! kernels need (named by the tickets a launch writes), and [`Sandbox::adopt`] takes each
-//! kernel over (see `keep.rs`).
+//! kernel over (see `keep/`).
 //!
 //! The broker is expected to run as root (it chowns the workspace to 1000:1000 and
 //! connects to sockets the kernel creates). As another user, the session directory is
@@ -54,7 +54,7 @@
 //! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `watch.rs` the watcher that classifies a
-//! kernel's end (OOM attribution included); `keep.rs` kernels kept across a restart (their
+//! kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
 //! tickets, the start-up that keeps them, adoption).
 
 mod container;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use bollard::Docker;
 
-use super::ticket::Ticket;
+use super::ticket::{is_cgroup_dir, Ticket};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::docker::container::{container_reason, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
@@ -201,7 +201,7 @@ impl Inner {
         remove_dir_logged(self.user_run_dir(&ticket.user).join(&ticket.session_dir)).await;
         let leaf = ticket.leaf.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            for dir in leaf {
+            for dir in leaf.iter().filter(|d| is_cgroup_dir(d)) {
                 let _ = std::fs::remove_dir(dir);
             }
         })

@@ -50,7 +50,6 @@ impl Ticket {
         let session_text = self.session_id.to_string();
         let leaf_ok = |dir: &PathBuf| {
             dir.is_absolute()
-                && dir.starts_with("/sys/fs/cgroup")
                 && dir.file_name().is_some_and(|n| *n == *session_text)
                 && dir.components().all(|c| {
                     matches!(
@@ -83,6 +82,16 @@ impl Ticket {
             Ok(())
         }
     }
+}
+
+/// Whether `dir` is a directory of a cgroup file system (v1 or v2): a ticket's leaf is
+/// removed only there (where a directory holding processes or children cannot be removed).
+pub(crate) fn is_cgroup_dir(dir: &Path) -> bool {
+    const CGROUP_SUPER_MAGIC: u64 = 0x0027_e0eb;
+    const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+    // `f_type` is a signed word on some targets; the magic numbers fit either way.
+    rustix::fs::statfs(dir)
+        .is_ok_and(|st| matches!(st.f_type as u64, CGROUP_SUPER_MAGIC | CGROUP2_SUPER_MAGIC))
 }
 
 /// The name of a session's directory in its user's runtime directory.
@@ -316,6 +325,20 @@ mod tests {
         let loaded = load_tickets(tmp.path(), &name);
         assert_eq!(loaded.keys().collect::<Vec<_>>(), [&good.session_id]);
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn only_cgroup_directories_are_cgroup_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(!is_cgroup_dir(tmp.path()));
+        assert!(!is_cgroup_dir(&tmp.path().join("missing")));
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        for line in mounts.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 2 && (f[2] == "cgroup" || f[2] == "cgroup2") {
+                assert!(is_cgroup_dir(Path::new(f[1])), "{line}");
+            }
+        }
     }
 
     #[test]
