@@ -374,3 +374,45 @@ async fn a_run_that_does_not_keep_kernels_removes_what_a_keeping_run_left() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kernel_whose_container_stopped_meanwhile_ends_with_it() {
+    let Some(mut runs) = Runs::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let first = runs.sandbox(true);
+        first.check().await.expect("check");
+        let container = first.container_name("alice");
+        let (k, _) = launch(&first, &alice).await;
+        let session = k.session_id;
+        first.shutdown().await;
+        drop(k);
+        drop(first);
+        let stop = Command::new("docker")
+            .args(["kill", &container])
+            .output()
+            .expect("docker kill");
+        assert!(stop.status.success(), "{stop:?}");
+
+        let second = runs.sandbox(true);
+        second.check().await.expect("check");
+        // Kept until its kernels were offered: adoption reads their end from it.
+        assert_eq!(runs.containers(), [container.clone()]);
+        match second.adopt(adopt_spec(session, &alice)).await {
+            Err(AdoptError::Ended(ExitReason::Lost(why))) => {
+                assert!(why.contains("stopped"), "{why}")
+            }
+            Err(e) => panic!("adopting a kernel of a stopped container: {e}"),
+            Ok(_) => panic!("a kernel of a stopped container was adopted"),
+        }
+        assert!(!runs.ticket(session).exists());
+        second.discard_unadopted().await;
+        assert!(runs.containers().is_empty(), "{:?}", runs.containers());
+        // A new launch makes a new container.
+        let (mut k, _) = launch(&second, &alice).await;
+        assert_eq!(k.run("2 * 21").await.result.as_deref(), Some("42"));
+        k.process().terminate().await;
+        second.shutdown().await;
+    })
+    .await;
+}
