@@ -397,7 +397,7 @@ async fn a_kernel_whose_container_stopped_meanwhile_ends_with_it() {
         let second = runs.sandbox(true);
         second.check().await.expect("check");
         // Kept until its kernels were offered: adoption reads their end from it.
-        assert_eq!(runs.containers(), [container.clone()]);
+        assert_eq!(runs.containers(), std::slice::from_ref(&container));
         match second.adopt(adopt_spec(session, &alice)).await {
             Err(AdoptError::Ended(ExitReason::Lost(why))) => {
                 assert!(why.contains("stopped"), "{why}")
