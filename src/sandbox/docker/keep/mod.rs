@@ -245,9 +245,15 @@ impl Inner {
                     registered.insert(c.id.clone());
                 }
             }
-            if let Ok(ids) = self.our_containers(&docker).await {
-                for id in ids.iter().filter(|id| !registered.contains(*id)) {
-                    self.remove_container(&docker, id).await;
+            // Only stopped ones: a running container no slot held a moment ago is one a
+            // launch has just made.
+            if let Ok(list) = self.our_container_summaries(&docker).await {
+                for c in list {
+                    let Some(id) = c.id else { continue };
+                    let running = c.state == Some(ContainerSummaryStateEnum::RUNNING);
+                    if !running && !registered.contains(&id) {
+                        self.remove_container(&docker, &id).await;
+                    }
                 }
             }
             // The usual idle rule for every container without a kernel.
