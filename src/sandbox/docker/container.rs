@@ -1,6 +1,7 @@
 //! A user's container: the pure spec it is created from ([`ContainerSpec`]: image, labels,
 //! limits, mounts, the locked-down host config), and its lifecycle (found running, replaced
-//! when it stopped, created and started, its end read from the daemon).
+//! when it stopped, created and started, removed after `container_idle` without kernels,
+//! its end read from the daemon).
 //!
 //! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
 //! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
@@ -16,16 +17,20 @@ use std::sync::{Arc, Mutex};
 use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType};
 use bollard::query_parameters::CreateContainerOptions;
 use bollard::Docker;
+use tokio::time::sleep;
+use tokio_util::sync::CancellationToken;
 
 use super::daemon::status_of;
 use super::{
-    unavailable, workspace_owner, DockerSandboxConfig, Inner, BACKEND, HOSTNAME, KERNEL_GID,
-    KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER, MAX_SOCKET_PATH,
-    RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET, WORKSPACE_INSIDE,
+    unavailable, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
+    KERNEL_GID, KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER,
+    MAX_SOCKET_PATH, RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET,
+    WORKSPACE_INSIDE,
 };
 use crate::sandbox::fsutil::{self, io_err, launch_err};
 use crate::sandbox::workspace_fs::prepare_workspace;
 use crate::sandbox::{ExitReason, SandboxError, SandboxUser, UserLimits, KERNEL_OOM_SCORE_ADJ};
+use crate::sync::lock;
 
 /// A running user container.
 pub(super) struct ContainerInfo {
@@ -202,6 +207,52 @@ impl Inner {
             oom_claimed: Mutex::new(0),
             reaping: tokio::sync::Mutex::new(()),
         }))
+    }
+
+    /// Starts (or restarts) the user's idle timer: after `container_idle` without a launch,
+    /// the container goes (see [`Self::remove_idle_container`]). Stopped by shutdown.
+    pub(super) fn start_idle_timer(self: &Arc<Self>, user: &str) {
+        if self.shutdown.is_cancelled() {
+            return;
+        }
+        let slot = self.slot(user);
+        let token = CancellationToken::new();
+        if let Some(old) = lock(&slot.idle).replace(token.clone()) {
+            old.cancel();
+        }
+        let inner = self.clone();
+        let name = user.to_string();
+        let delay = inner.cfg.container_idle;
+        tokio::spawn(async move {
+            tokio::select! {
+                () = sleep(delay) => {}
+                () = token.cancelled() => return,
+                () = inner.shutdown.cancelled() => return,
+            }
+            inner.remove_idle_container(&name, &slot, &token).await;
+        });
+    }
+
+    /// After `container_idle` without sessions: removes the user's container, unless a
+    /// launch came meanwhile.
+    async fn remove_idle_container(&self, user: &str, slot: &UserSlot, token: &CancellationToken) {
+        let mut guard = slot.container.lock().await;
+        if token.is_cancelled() {
+            return;
+        }
+        let live = self.kernels.has_user(user);
+        if live {
+            return;
+        }
+        lock(&slot.idle).take();
+        let Some(container) = guard.take() else {
+            return;
+        };
+        let Ok(docker) = self.client().await else {
+            return;
+        };
+        self.remove_container(&docker, &container.id).await;
+        tracing::info!(container = %container.name, user, "removed the idle user container");
     }
 }
 

@@ -1,11 +1,13 @@
 //! Talking to the Docker daemon: the client (connected and version-negotiated on first
 //! use), errors turned into advice for the operator, the startup sweep of an earlier run's
-//! containers and runtime entries, and finding and removing this broker's containers.
+//! containers and runtime entries (or, keeping kernels, the hand-over to `keep/`), and
+//! finding and removing this broker's containers.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use bollard::errors::Error as DockerError;
+use bollard::models::ContainerSummary;
 use bollard::query_parameters::{ListContainersOptions, RemoveContainerOptions};
 use bollard::Docker;
 use tokio::time::timeout;
@@ -79,19 +81,27 @@ impl Inner {
         }
     }
 
-    /// Creates the directories and removes what an earlier run left; once.
+    /// Creates the directories and removes what an earlier run left (with `--keep-sessions`,
+    /// what its kept kernels do not need: see `keep/`); once.
     pub(super) async fn startup(&self) -> Result<(), SandboxError> {
         self.started
             .get_or_try_init(|| async {
                 let docker = self.client().await?;
+                let keep = self.cfg.keep_kernels;
+                let sweep: fn(&Path) -> Result<usize, SandboxError> =
+                    if keep { |_| Ok(0) } else { empty_dir };
                 fsutil::prepare_state_dirs(
                     BACKEND,
                     &self.cfg.data_dir,
                     &self.workspaces,
                     &self.run_base,
-                    empty_dir,
+                    sweep,
                 )
                 .await?;
+                if keep {
+                    return self.take_over(&docker).await;
+                }
+                self.forget_tickets().await;
                 let stale = self
                     .our_containers(&docker)
                     .await
@@ -113,6 +123,15 @@ impl Inner {
 
     /// Ids of every container (running or not) with this broker's labels.
     pub(super) async fn our_containers(&self, docker: &Docker) -> Result<Vec<String>, DockerError> {
+        let list = self.our_container_summaries(docker).await?;
+        Ok(list.into_iter().filter_map(|c| c.id).collect())
+    }
+
+    /// Every container (running or not) with this broker's labels, as the daemon lists them.
+    pub(super) async fn our_container_summaries(
+        &self,
+        docker: &Docker,
+    ) -> Result<Vec<ContainerSummary>, DockerError> {
         let filters = HashMap::from([(
             "label".to_string(),
             vec![
@@ -120,14 +139,13 @@ impl Inner {
                 format!("{LABEL_DATA_DIR_HASH}={}", self.hash),
             ],
         )]);
-        let list = docker
+        docker
             .list_containers(Some(ListContainersOptions {
                 all: true,
                 filters: Some(filters),
                 ..Default::default()
             }))
-            .await?;
-        Ok(list.into_iter().filter_map(|c| c.id).collect())
+            .await
     }
 
     /// Force-removes a container; a missing one is fine, other errors are logged.

@@ -34,10 +34,15 @@
 //! No process outlives its session (see `exec.rs`: each kernel under its own `tini -s`, and
 //! a reaper exec when it ends); an OOM kill is attributed to one kernel (see `watch.rs`).
 //!
-//! Startup and shutdown: before the first check or launch, containers with this broker's
-//! labels left by an earlier run are *removed*, not adopted (sessions do not survive a
-//! broker restart, so nothing in them is reachable any more), and the runtime directory
-//! is emptied. [`Sandbox::shutdown`] removes every container of this broker.
+//! Startup and shutdown: by default, before the first check or launch, containers with this
+//! broker's labels left by an earlier run are *removed* (sessions do not survive a broker
+//! restart, so nothing in them is reachable any more), and the runtime directory is
+//! emptied; [`Sandbox::shutdown`] removes every container of this broker. With
+//! [`DockerSandboxConfig::keep_kernels`] (`--keep-sessions`) kernels outlive the broker
+//! instead: shutdown leaves them, their containers, session directories, cgroup leaves and
+//! workspace mounts in place; start-up keeps the containers and directories the kept
+//! kernels need (named by the tickets a launch writes), and [`Sandbox::adopt`] takes each
+//! kernel over (see `keep/`).
 //!
 //! The broker is expected to run as root (it chowns the workspace to 1000:1000 and
 //! connects to sockets the kernel creates). As another user, the session directory is
@@ -49,11 +54,13 @@
 //! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `watch.rs` the watcher that classifies a
-//! kernel's end (OOM attribution included).
+//! kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
+//! tickets, the start-up that keeps them, adoption).
 
 mod container;
 mod daemon;
 mod exec;
+mod keep;
 mod watch;
 
 use std::collections::HashMap;
@@ -64,8 +71,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bollard::Docker;
 use tokio::sync::{oneshot, OnceCell};
-use tokio::time::{sleep, timeout};
+use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
@@ -74,7 +82,9 @@ use self::watch::watch_kernel;
 use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
-use super::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use super::{
+    AdoptError, AdoptSpec, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
+};
 use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sync::lock;
 
@@ -185,6 +195,9 @@ struct Inner {
     started: OnceCell<()>,
     users: Mutex<HashMap<String, Arc<UserSlot>>>,
     kernels: KernelTable<DockerKernel>,
+    /// Kernels an earlier run kept that no session has adopted yet (`--keep-sessions`),
+    /// by session; filled at start-up.
+    kept: Mutex<HashMap<Uuid, keep::Ticket>>,
     /// Cancelled by `shutdown`: stops idle timers.
     shutdown: CancellationToken,
 }
@@ -228,6 +241,7 @@ impl DockerSandbox {
                 started: OnceCell::new(),
                 users: Mutex::new(HashMap::new()),
                 kernels: KernelTable::default(),
+                kept: Mutex::new(HashMap::new()),
                 shutdown: CancellationToken::new(),
             }),
         })
@@ -315,30 +329,26 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn user_idle(&self, user: &SandboxUser) {
-        let inner = &self.inner;
-        if inner.shutdown.is_cancelled() {
-            return;
-        }
-        let slot = inner.slot(&user.name);
-        let token = CancellationToken::new();
-        if let Some(old) = lock(&slot.idle).replace(token.clone()) {
-            old.cancel();
-        }
-        let inner = inner.clone();
-        let name = user.name.clone();
-        let delay = inner.cfg.container_idle;
-        tokio::spawn(async move {
-            tokio::select! {
-                () = sleep(delay) => {}
-                () = token.cancelled() => return,
-                () = inner.shutdown.cancelled() => return,
-            }
-            inner.remove_idle_container(&name, &slot, &token).await;
-        });
+        self.inner.start_idle_timer(&user.name);
     }
 
     async fn shutdown(&self) {
         self.inner.shutdown().await;
+    }
+
+    fn keeps_kernels(&self) -> bool {
+        self.inner.cfg.keep_kernels
+    }
+
+    async fn adopt(&self, spec: AdoptSpec) -> Result<Launched, AdoptError> {
+        if !self.inner.cfg.keep_kernels {
+            return Err(AdoptError::Missing);
+        }
+        self.inner.adopt(spec).await
+    }
+
+    async fn discard_unadopted(&self) {
+        self.inner.discard_unadopted().await;
     }
 
     fn launch_timeout(&self) -> Duration {
@@ -350,6 +360,12 @@ impl Sandbox for DockerSandbox {
 impl Inner {
     fn container_name(&self, user: &str) -> String {
         format!("kernel-broker-{}-{user}", self.hash)
+    }
+
+    /// Whether this broker's containers are being removed whole (a shutdown that keeps no
+    /// kernels), so a kernel's own processes need no reaping one by one.
+    fn removing_containers(&self) -> bool {
+        self.shutdown.is_cancelled() && !self.cfg.keep_kernels
     }
 
     fn slot(&self, user: &str) -> Arc<UserSlot> {
@@ -411,7 +427,7 @@ impl Inner {
         };
         let container_ready = started.elapsed();
 
-        let dir = spec.session_id.simple().to_string()[..SESSION_DIR_LEN].to_string();
+        let dir = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&user.name).join(&dir);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
         let files = SessionFiles {
@@ -460,6 +476,18 @@ impl Inner {
         tokio::spawn(watch_kernel(self.clone(), shared.clone(), exit));
         // Registered: an idle removal waiting for the lock will now see a live kernel.
         drop(guard);
+        let process: Box<dyn KernelProcess> = Box::new(WatchedKernel::new(
+            shared.clone(),
+            TERMINATE_TIMEOUT + EXEC_TIMEOUT,
+        ));
+        if self.cfg.keep_kernels {
+            // Written before the launch answers, so the kernel is kept even if the broker
+            // is killed right after; a kernel that could not be kept is not launched.
+            if let Err(e) = self.keep_ticket(&shared).await {
+                process.terminate().await;
+                return Err(launch_err(&user, e));
+            }
+        }
         tracing::info!(
             session = %spec.session_id,
             user = %user.name,
@@ -469,32 +497,7 @@ impl Inner {
             total_ms = started.elapsed().as_millis() as u64,
             "kernel launched"
         );
-        Ok(Launched {
-            endpoints,
-            process: Box::new(WatchedKernel::new(shared, TERMINATE_TIMEOUT + EXEC_TIMEOUT)),
-        })
-    }
-
-    /// After `container_idle` without sessions: removes the user's container, unless a
-    /// launch came meanwhile.
-    async fn remove_idle_container(&self, user: &str, slot: &UserSlot, token: &CancellationToken) {
-        let mut guard = slot.container.lock().await;
-        if token.is_cancelled() {
-            return;
-        }
-        let live = self.kernels.has_user(user);
-        if live {
-            return;
-        }
-        lock(&slot.idle).take();
-        let Some(container) = guard.take() else {
-            return;
-        };
-        let Ok(docker) = self.client().await else {
-            return;
-        };
-        self.remove_container(&docker, &container.id).await;
-        tracing::info!(container = %container.name, user, "removed the idle user container");
+        Ok(Launched { endpoints, process })
     }
 
     async fn shutdown(&self) {
@@ -504,6 +507,17 @@ impl Inner {
         let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
         for slot in slots {
             slot.container.lock().await.take();
+        }
+        if self.cfg.keep_kernels {
+            // Released, not ended: their watchers stop, and the next run adopts them.
+            let count = self.kernels.release_all();
+            self.workspace_images.keep_mounted();
+            tracing::info!(
+                kernels = count,
+                "left the kernels, their containers and workspaces running for the next run \
+                 (--keep-sessions)"
+            );
+            return;
         }
         let kernels = self.kernels.terminate_all();
         if let Some(docker) = self.client.get() {

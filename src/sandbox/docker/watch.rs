@@ -43,10 +43,13 @@ pub(super) async fn watch_kernel(
     let (reason, reaped) = loop {
         tokio::select! {
             () = sleep(POLL_INTERVAL) => {}
+            // Released (`--keep-sessions` shutdown): the kernel is the next run's; nothing
+            // is ended, removed or published.
+            () = shared.watch.release_requested() => return,
             () = shared.watch.kill_requested() => {
                 // On shutdown the whole container is being removed: nothing to reap one by
                 // one, only the end to wait for.
-                kill_kernel(&docker, &shared, !inner.shutdown.is_cancelled()).await;
+                kill_kernel(&docker, &shared, !inner.removing_containers()).await;
                 break (ExitReason::Terminated, true);
             }
         }
@@ -56,26 +59,42 @@ pub(super) async fn watch_kernel(
         }
     };
     let reason = shared.watch.reason_or_terminated(reason);
+    end_kernel(&inner, &shared, &reason, reaped).await;
+    exit.publish(reason);
+}
+
+/// What follows a kernel's end, whoever saw it (its watcher, or an adoption that found it
+/// ended): logs it, reaps what it left unless `reaped`, removes its leaf, its session
+/// directory, its ticket, and its entry in the kernel table.
+pub(super) async fn end_kernel(
+    inner: &Inner,
+    shared: &DockerKernel,
+    reason: &ExitReason,
+    reaped: bool,
+) {
+    let docker = &shared.docker;
     let session = shared.watch.session_id;
-    match &reason {
+    match reason {
         ExitReason::Terminated | ExitReason::Exited(0) => {
             tracing::info!(%session, user = %shared.watch.user, %reason, "kernel ended");
         }
         _ => {
-            let tail = kernel_log_tail(&docker, &shared).await;
+            let tail = kernel_log_tail(docker, shared).await;
             tracing::warn!(%session, user = %shared.watch.user, %reason, last_output = %tail, "kernel ended");
         }
     }
-    if !reaped && !inner.shutdown.is_cancelled() {
+    if !reaped && !inner.removing_containers() {
         // Ended by itself: what it started outlives it, reparented to PID 1.
-        reap(&docker, &shared).await;
+        reap(docker, shared).await;
     }
     if let Some(leaf) = &shared.leaf {
         ContainerCgroup::remove_leaf(leaf).await;
     }
     remove_dir_logged(shared.host_dir.clone()).await;
+    if inner.cfg.keep_kernels {
+        inner.remove_ticket(session).await;
+    }
     inner.kernels.remove(&session);
-    exit.publish(reason);
 }
 
 enum Poll {
@@ -121,7 +140,7 @@ async fn poll_exec(docker: &Docker, shared: &DockerKernel) -> Poll {
 
 /// Why a kernel's exec ended: the container's end if the container stopped, else the
 /// exec's exit code (see the module comment for how SIGKILL becomes OutOfMemory).
-async fn classify_exec_end(
+pub(super) async fn classify_exec_end(
     docker: &Docker,
     shared: &DockerKernel,
     exit_code: Option<i64>,

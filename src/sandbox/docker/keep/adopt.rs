@@ -1,0 +1,211 @@
+//! Adopting a kept kernel: the container and the exec checked, the leaf reopened, the same
+//! handle and watcher as a launch; or, if the kernel ended meanwhile, its end classified and
+//! everything it held reclaimed.
+
+use std::sync::{Arc, Mutex};
+
+use bollard::Docker;
+
+use super::ticket::{is_cgroup_dir, Ticket};
+use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::docker::container::{container_reason, ContainerInfo};
+use crate::sandbox::docker::daemon::{error_text, status_of};
+use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
+use crate::sandbox::docker::watch::{classify_exec_end, end_kernel, watch_kernel};
+use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
+use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
+use crate::sync::lock;
+
+impl Inner {
+    /// [`Sandbox::adopt`](crate::sandbox::Sandbox::adopt).
+    pub(crate) async fn adopt(self: &Arc<Self>, spec: AdoptSpec) -> Result<Launched, AdoptError> {
+        self.startup().await?;
+        let ticket = {
+            let mut kept = lock(&self.kept);
+            match kept.remove(&spec.session_id) {
+                Some(t) if t.user == spec.user.name => t,
+                Some(t) => {
+                    // Not this user's kernel: left for `discard_unadopted`.
+                    tracing::warn!(session = %spec.session_id, kept_for = %t.user, user = %spec.user.name, "a kept kernel belongs to another user; not adopted");
+                    kept.insert(spec.session_id, t);
+                    return Err(AdoptError::Missing);
+                }
+                None => return Err(AdoptError::Missing),
+            }
+        };
+        let quota = spec.user.limits.workspace_quota_bytes;
+        self.adopt_ticket(ticket, spec.limits, quota, &spec.user)
+            .await
+    }
+
+    /// Adopts the kernel of `ticket` with `limits`, or reclaims it if it ended (see the
+    /// module comment). On a failure to ask the daemon, the ticket goes back to the kept
+    /// ones.
+    pub(super) async fn adopt_ticket(
+        self: &Arc<Self>,
+        ticket: Ticket,
+        limits: KernelLimits,
+        quota_bytes: u64,
+        user: &SandboxUser,
+    ) -> Result<Launched, AdoptError> {
+        let started = std::time::Instant::now();
+        let session = ticket.session_id;
+        let docker = self.client().await?;
+        let slot = self.slot(&ticket.user);
+        let guard = slot.container.lock().await;
+        let registered = guard.clone().filter(|c| c.id == ticket.container_id);
+        let container = registered.clone().unwrap_or_else(|| {
+            Arc::new(ContainerInfo {
+                id: ticket.container_id.clone(),
+                name: ticket.container_name.clone(),
+                memory_limit: ticket.container_memory_bytes,
+                oom_claimed: Mutex::new(0),
+                reaping: tokio::sync::Mutex::new(()),
+            })
+        });
+        let gone = match registered {
+            Some(_) => container_reason(&docker, &container).await,
+            None => Some(
+                container_reason(&docker, &container)
+                    .await
+                    .unwrap_or_else(|| {
+                        ExitReason::Lost("the user's container is no longer this broker's".into())
+                    }),
+            ),
+        };
+        if let Some(reason) = gone {
+            drop(guard);
+            tracing::warn!(%session, user = %ticket.user, %reason, "a kept kernel's container is gone");
+            self.reclaim_files(&ticket).await;
+            return Err(AdoptError::Ended(reason));
+        }
+
+        let host_dir = self.user_run_dir(&ticket.user).join(&ticket.session_dir);
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(user, e))?;
+        let leaf = self
+            .reopen_leaf(&docker, &container, &ticket, &limits)
+            .await;
+        let (watch, exit) = KernelWatch::new(session, ticket.user.clone(), LOST);
+        let kernel = Arc::new(DockerKernel {
+            watch,
+            docker: docker.clone(),
+            container,
+            dir: ticket.session_dir.clone(),
+            host_dir,
+            exec_id: ticket.exec_id.clone(),
+            leaf,
+            limits,
+            workspace: self.workspaces.join(&ticket.user),
+            quota_bytes,
+        });
+        let ended = match docker.inspect_exec(&ticket.exec_id).await {
+            Ok(e) if e.running == Some(true) => match (ticket.exec_pid, e.pid) {
+                (Some(kept), Some(now)) if kept != now => Some(ExitReason::Lost(format!(
+                    "the kept kernel's exec runs another process (pid {now}, kept {kept})"
+                ))),
+                _ => None,
+            },
+            Ok(e) => Some(classify_exec_end(&docker, &kernel, e.exit_code).await),
+            Err(e) if status_of(&e) == Some(404) => Some(ExitReason::Lost(
+                "the kernel ended while no broker watched it, and the Docker daemon no \
+                 longer knows how"
+                    .into(),
+            )),
+            Err(e) => {
+                drop(guard);
+                lock(&self.kept).insert(session, ticket);
+                return Err(AdoptError::Failed(unavailable(format!(
+                    "cannot inspect a kept kernel's exec: {}",
+                    error_text(&e)
+                ))));
+            }
+        };
+        if let Some(reason) = ended {
+            drop(guard);
+            end_kernel(self, &kernel, &reason, false).await;
+            exit.publish(reason.clone());
+            return Err(AdoptError::Ended(reason));
+        }
+        self.kernels.insert(session, kernel.clone());
+        tokio::spawn(watch_kernel(self.clone(), kernel.clone(), exit));
+        // Registered: an idle removal waiting for the lock now sees a live kernel.
+        drop(guard);
+        if let Some(idle) = lock(&slot.idle).take() {
+            idle.cancel();
+        }
+        tracing::info!(
+            %session,
+            user = %ticket.user,
+            container = %kernel.container.name,
+            leaf = kernel.leaf.is_some(),
+            ms = started.elapsed().as_millis() as u64,
+            "kept kernel adopted"
+        );
+        Ok(Launched {
+            endpoints,
+            process: Box::new(WatchedKernel::new(kernel, TERMINATE_TIMEOUT + EXEC_TIMEOUT)),
+        })
+    }
+
+    /// The kernel's leaf as it was kept, with `limits` (re)applied; `None` if it had none
+    /// or it is not where the broker would put it (logged). Never creates a new leaf: one
+    /// that holds no process would limit nothing.
+    async fn reopen_leaf(
+        &self,
+        docker: &Docker,
+        container: &ContainerInfo,
+        ticket: &Ticket,
+        limits: &KernelLimits,
+    ) -> Option<Leaf> {
+        if ticket.leaf.is_empty() || !self.privileged {
+            return None;
+        }
+        let info = docker.inspect_container(&container.id, None).await.ok()?;
+        let pid = i32::try_from(info.state?.pid?).ok().filter(|p| *p > 0)?;
+        let (kept, session, limits) = (ticket.leaf.clone(), ticket.session_id, *limits);
+        let reopened = tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
+            if !kept.iter().all(|d| d.is_dir()) {
+                return Err("the kept leaf is gone".into());
+            }
+            let cgroup = ContainerCgroup::of_process(pid)?;
+            let leaf = cgroup
+                .create_leaf(&session.to_string(), &limits)
+                .map_err(|e| e.to_string())?;
+            if leaf.dirs() != kept.as_slice() {
+                for dir in leaf.dirs().iter().filter(|d| !kept.contains(d)) {
+                    let _ = std::fs::remove_dir(dir);
+                }
+                return Err(format!("the kept leaf {kept:?} is not the container's"));
+            }
+            Ok(leaf)
+        })
+        .await;
+        match reopened {
+            Ok(Ok(leaf)) => Some(leaf),
+            Ok(Err(why)) => {
+                tracing::warn!(session = %ticket.session_id, reason = %why, "the adopted kernel runs without its own cgroup leaf");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(session = %ticket.session_id, error = %e, "reopening the kernel's leaf failed");
+                None
+            }
+        }
+    }
+
+    /// What a kernel whose container is gone held on the host: its session directory, its
+    /// leaf (nothing runs in it any more) and its ticket.
+    pub(super) async fn reclaim_files(&self, ticket: &Ticket) {
+        remove_dir_logged(self.user_run_dir(&ticket.user).join(&ticket.session_dir)).await;
+        let leaf = ticket.leaf.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for dir in leaf.iter().filter(|d| is_cgroup_dir(d)) {
+                let _ = std::fs::remove_dir(dir);
+            }
+        })
+        .await;
+        self.remove_ticket(ticket.session_id).await;
+    }
+}

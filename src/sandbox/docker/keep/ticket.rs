@@ -1,0 +1,362 @@
+//! A kept kernel's ticket: what it holds, how it is checked against what the broker derives
+//! itself, its file (written atomically, read with a size cap), and the runtime sweep that
+//! spares what the tickets name.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::sandbox::docker::{is_container_safe, SESSION_DIR_LEN};
+use crate::sandbox::fsutil::current_ids;
+
+/// A ticket is a few hundred bytes; anything much larger is not one of ours.
+const MAX_TICKET_BYTES: u64 = 16 * 1024;
+pub(crate) const TICKET_VERSION: u32 = 1;
+
+/// What the next run needs to adopt one kernel (see the module comment).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Ticket {
+    pub version: u32,
+    pub session_id: Uuid,
+    pub user: String,
+    pub container_id: String,
+    pub container_name: String,
+    pub exec_id: String,
+    /// The exec's first process, as the daemon reports it (a host pid); `None`: unknown.
+    pub exec_pid: Option<i64>,
+    /// `/run/kernel/<session_dir>` inside, `<run_base>/<user>/<session_dir>` outside.
+    pub session_dir: String,
+    /// The kernel's cgroup leaf directories (empty: it had none).
+    pub leaf: Vec<PathBuf>,
+    pub memory_bytes: u64,
+    pub pids: u64,
+    /// The container's memory limit (the OOM fallback of a kernel without a leaf).
+    pub container_memory_bytes: u64,
+    pub quota_bytes: u64,
+}
+
+impl Ticket {
+    /// Checks a ticket read from `<session>.json` against what the broker derives itself
+    /// (`container_name` of a user).
+    fn check(&self, session: Uuid, container_name: &dyn Fn(&str) -> String) -> Result<(), String> {
+        let id_ok = |id: &str| {
+            !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_hexdigit())
+        };
+        let session_text = self.session_id.to_string();
+        let leaf_ok = |dir: &PathBuf| {
+            dir.is_absolute()
+                && dir.file_name().is_some_and(|n| *n == *session_text)
+                && dir.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                })
+        };
+        if self.version != TICKET_VERSION {
+            Err(format!("unknown ticket version {}", self.version))
+        } else if self.session_id != session {
+            Err("the ticket names another session than its file".into())
+        } else if !is_container_safe(&self.user) {
+            Err(format!("{:?} is not a user name", self.user))
+        } else if self.container_name != container_name(&self.user) {
+            Err(format!(
+                "{:?} is not the user's container",
+                self.container_name
+            ))
+        } else if self.session_dir != session_dir(session) {
+            Err(format!(
+                "{:?} is not the session's directory",
+                self.session_dir
+            ))
+        } else if !id_ok(&self.container_id) || !id_ok(&self.exec_id) {
+            Err("a container or exec id is not hexadecimal".into())
+        } else if self.leaf.len() > 2 || !self.leaf.iter().all(leaf_ok) {
+            Err(format!("{:?} are not the session's cgroup leaf", self.leaf))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Whether `dir` is a directory of a cgroup file system (v1 or v2): a ticket's leaf is
+/// removed only there (where a directory holding processes or children cannot be removed).
+pub(crate) fn is_cgroup_dir(dir: &Path) -> bool {
+    const CGROUP_SUPER_MAGIC: u64 = 0x0027_e0eb;
+    const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+    // `f_type` is a signed word on some targets; the magic numbers fit either way.
+    rustix::fs::statfs(dir)
+        .is_ok_and(|st| matches!(st.f_type as u64, CGROUP_SUPER_MAGIC | CGROUP2_SUPER_MAGIC))
+}
+
+/// The name of a session's directory in its user's runtime directory.
+pub(crate) fn session_dir(session: Uuid) -> String {
+    session.simple().to_string()[..SESSION_DIR_LEN].to_string()
+}
+
+pub(crate) fn ticket_path(dir: &Path, session: Uuid) -> PathBuf {
+    dir.join(format!("{session}.json"))
+}
+
+/// Writes `ticket` atomically (temporary file, fsync, rename), 0600. Blocking.
+pub(crate) fn write_ticket(dir: &Path, ticket: &Ticket) -> io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(ticket).map_err(io::Error::other)?;
+    let path = ticket_path(dir, ticket.session_id);
+    let tmp = dir.join(format!(".{}.json.tmp", ticket.session_id));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&tmp, &path)?;
+    // The rename itself survives a crash only once the directory is on disk.
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Reads one ticket: a regular file of the broker's, at most [`MAX_TICKET_BYTES`]. Blocking.
+fn read_ticket(path: &Path) -> Result<Ticket, String> {
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() || meta.uid() != current_ids().0 || meta.len() > MAX_TICKET_BYTES {
+        return Err("not a ticket file of the broker's".into());
+    }
+    let mut bytes = Vec::new();
+    Read::by_ref(&mut file)
+        .take(MAX_TICKET_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_TICKET_BYTES {
+        return Err("the ticket is too large".into());
+    }
+    serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+}
+
+/// Every ticket in `dir`, checked; what is not a valid ticket is removed (logged).
+/// Blocking.
+pub(crate) fn load_tickets(
+    dir: &Path,
+    container_name: &dyn Fn(&str) -> String,
+) -> HashMap<Uuid, Ticket> {
+    let mut tickets = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return tickets;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let session = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".json"))
+            .and_then(|n| Uuid::parse_str(n).ok());
+        let checked = match session {
+            Some(session) => {
+                read_ticket(&path).and_then(|t| t.check(session, container_name).map(|()| t))
+            }
+            None => Err("not a ticket's name".into()),
+        };
+        match checked {
+            Ok(ticket) => {
+                tickets.insert(ticket.session_id, ticket);
+            }
+            Err(why) => {
+                tracing::warn!(path = %path.display(), reason = %why, "removing an unusable kept-kernel ticket");
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+    tickets
+}
+
+/// Removes what an earlier run left in the runtime base except the user directories in
+/// `users` (mounted into running containers) and, inside them, the session directories in
+/// `sessions`. Returns how many entries it removed. Blocking.
+pub(crate) fn sweep_runtime(
+    run_base: &Path,
+    users: &HashSet<String>,
+    sessions: &HashSet<(String, String)>,
+) -> usize {
+    let remove = |path: &Path, is_dir: bool| {
+        let result = if is_dir {
+            std::fs::remove_dir_all(path)
+        } else {
+            std::fs::remove_file(path)
+        };
+        if let Err(e) = &result {
+            tracing::warn!(path = %path.display(), error = %e, "cannot remove a stale runtime entry");
+        }
+        usize::from(result.is_ok())
+    };
+    let entries = |dir: &Path| -> Vec<(String, PathBuf, bool)> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .map(|e| {
+                let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.path(),
+                    is_dir,
+                )
+            })
+            .collect()
+    };
+    let mut removed = 0;
+    for (user, path, is_dir) in entries(run_base) {
+        if !(is_dir && users.contains(&user)) {
+            removed += remove(&path, is_dir);
+            continue;
+        }
+        for (dir, inner, is_dir) in entries(&path) {
+            if !(is_dir && sessions.contains(&(user.clone(), dir))) {
+                removed += remove(&inner, is_dir);
+            }
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket(session: Uuid) -> Ticket {
+        let s = session.to_string();
+        Ticket {
+            version: TICKET_VERSION,
+            session_id: session,
+            user: "alice".into(),
+            container_id: "ab12".repeat(16),
+            container_name: "kernel-broker-h-alice".into(),
+            exec_id: "cd34".repeat(16),
+            exec_pid: Some(4242),
+            session_dir: session_dir(session),
+            leaf: vec![
+                PathBuf::from(format!("/sys/fs/cgroup/memory/docker/x/{s}")),
+                PathBuf::from(format!("/sys/fs/cgroup/pids/docker/x/{s}")),
+            ],
+            memory_bytes: 256 << 20,
+            pids: 128,
+            container_memory_bytes: 5 << 30,
+            quota_bytes: 1 << 30,
+        }
+    }
+
+    fn name(user: &str) -> String {
+        format!("kernel-broker-h-{user}")
+    }
+
+    #[test]
+    fn a_ticket_is_written_privately_and_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let session = Uuid::new_v4();
+        let t = ticket(session);
+        write_ticket(tmp.path(), &t).unwrap();
+        let path = ticket_path(tmp.path(), session);
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        // Written again (a rewrite replaces it whole).
+        write_ticket(tmp.path(), &t).unwrap();
+        let loaded = load_tickets(tmp.path(), &name);
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[&session], t);
+        // No temporary file is left.
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn tickets_that_do_not_check_out_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let good = ticket(Uuid::new_v4());
+        write_ticket(tmp.path(), &good).unwrap();
+        type Spoil = Box<dyn Fn(&mut Ticket)>;
+        let mut cases: Vec<(&str, Spoil)> = vec![
+            ("version", Box::new(|t| t.version = 2)),
+            ("user", Box::new(|t| t.user = "../x".into())),
+            ("container", Box::new(|t| t.container_name = "other".into())),
+            ("dir", Box::new(|t| t.session_dir = "..".into())),
+            ("exec id", Box::new(|t| t.exec_id = "x;rm".into())),
+            (
+                "leaf outside cgroupfs",
+                Box::new(|t| t.leaf = vec!["/etc/x".into()]),
+            ),
+            (
+                "leaf of another session",
+                Box::new(|t| t.leaf = vec!["/sys/fs/cgroup/memory/x/other".into()]),
+            ),
+            (
+                "leaf with ..",
+                Box::new(|t| {
+                    let s = t.session_id;
+                    t.leaf = vec![format!("/sys/fs/cgroup/../../etc/{s}").into()]
+                }),
+            ),
+        ];
+        for (what, spoil) in cases.drain(..) {
+            let mut t = ticket(Uuid::new_v4());
+            spoil(&mut t);
+            assert!(t.check(t.session_id, &name).is_err(), "{what}");
+            write_ticket(tmp.path(), &t).unwrap();
+        }
+        // A ticket under another session's name, one too large, one not JSON, a stray file.
+        let moved = ticket(Uuid::new_v4());
+        let bytes = serde_json::to_vec(&moved).unwrap();
+        std::fs::write(ticket_path(tmp.path(), Uuid::new_v4()), &bytes).unwrap();
+        std::fs::write(
+            ticket_path(tmp.path(), Uuid::new_v4()),
+            vec![b' '; MAX_TICKET_BYTES as usize + 1],
+        )
+        .unwrap();
+        std::fs::write(ticket_path(tmp.path(), Uuid::new_v4()), b"{").unwrap();
+        std::fs::write(tmp.path().join("notes.txt"), b"hi").unwrap();
+        let loaded = load_tickets(tmp.path(), &name);
+        assert_eq!(loaded.keys().collect::<Vec<_>>(), [&good.session_id]);
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn only_cgroup_directories_are_cgroup_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(!is_cgroup_dir(tmp.path()));
+        assert!(!is_cgroup_dir(&tmp.path().join("missing")));
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        for line in mounts.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 2 && (f[2] == "cgroup" || f[2] == "cgroup2") {
+                assert!(is_cgroup_dir(Path::new(f[1])), "{line}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_runtime_sweep_keeps_only_kept_users_and_sessions() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path();
+        for dir in ["alice/aaa", "alice/bbb", "bob/ccc"] {
+            std::fs::create_dir_all(base.join(dir)).unwrap();
+        }
+        std::fs::write(base.join("alice/stray"), b"").unwrap();
+        std::fs::write(base.join("stray"), b"").unwrap();
+        let users = HashSet::from(["alice".to_string()]);
+        let sessions = HashSet::from([("alice".to_string(), "aaa".to_string())]);
+        assert_eq!(sweep_runtime(base, &users, &sessions), 4);
+        assert!(base.join("alice/aaa").is_dir());
+        assert!(!base.join("alice/bbb").exists());
+        assert!(!base.join("alice/stray").exists());
+        assert!(!base.join("bob").exists());
+        assert!(!base.join("stray").exists());
+    }
+}
