@@ -34,6 +34,14 @@ fn walk_procs(dir: &std::path::Path) -> usize {
         .sum::<usize>()
 }
 
+/// The extra arguments that pick `sandbox`.
+fn backend_args(sandbox: &str) -> Vec<&'static str> {
+    match sandbox {
+        "docker" => vec!["--sandbox", "docker"],
+        _ => vec![],
+    }
+}
+
 async fn session(api: &Api, id: &str) -> Value {
     let (status, s) = api.get(&format!("/v1/sessions/{id}")).await;
     assert_eq!(status, 200, "{s}");
@@ -56,7 +64,9 @@ fn kinds(events: &[Value]) -> Vec<String> {
         .collect()
 }
 
-async fn keeps_state_across(backend: &[&str], how: Stop) {
+async fn keeps_state_across(sandbox: &'static str, how: Stop) {
+    let backend = backend_args(sandbox);
+    let backend = backend.as_slice();
     let mut args = vec!["--keep-sessions"];
     args.extend_from_slice(backend);
     let mut broker = SpawnedBroker::start(&args, None);
@@ -112,7 +122,9 @@ async fn keeps_state_across(backend: &[&str], how: Stop) {
     broker.stop().await;
 }
 
-async fn in_flight_execution_gets_an_answer(backend: &[&str]) {
+async fn in_flight_execution_gets_an_answer(sandbox: &'static str) {
+    let backend = backend_args(sandbox);
+    let backend = backend.as_slice();
     let mut args = vec!["--keep-sessions"];
     args.extend_from_slice(backend);
     let mut broker = SpawnedBroker::start(&args, None);
@@ -147,7 +159,9 @@ async fn in_flight_execution_gets_an_answer(backend: &[&str]) {
     broker.stop().await;
 }
 
-async fn expired_while_down_is_reclaimed(backend: &[&str]) {
+async fn expired_while_down_is_reclaimed(sandbox: &'static str) {
+    let backend = backend_args(sandbox);
+    let backend = backend.as_slice();
     let mut args = vec!["--keep-sessions"];
     args.extend_from_slice(backend);
     let cgroup_of = |b: &SpawnedBroker| b.cgroup_name().unwrap().to_string();
@@ -188,7 +202,9 @@ async fn expired_while_down_is_reclaimed(backend: &[&str]) {
     broker.stop().await;
 }
 
-async fn died_while_down_reads_dead(backend: &[&str]) {
+async fn died_while_down_reads_dead(sandbox: &'static str) {
+    let backend = backend_args(sandbox);
+    let backend = backend.as_slice();
     let mut args = vec!["--keep-sessions"];
     args.extend_from_slice(backend);
     let mut broker = SpawnedBroker::start(&args, None);
@@ -225,7 +241,9 @@ async fn died_while_down_reads_dead(backend: &[&str]) {
     broker.stop().await;
 }
 
-async fn without_the_flag_sessions_end_with_the_broker(backend: &[&str]) {
+async fn without_the_flag_sessions_end_with_the_broker(sandbox: &'static str) {
+    let backend = backend_args(sandbox);
+    let backend = backend.as_slice();
     let mut args = vec!["--keep-sessions"];
     args.extend_from_slice(backend);
     let mut broker = SpawnedBroker::start(&args, None);
@@ -248,32 +266,19 @@ async fn without_the_flag_sessions_end_with_the_broker(backend: &[&str]) {
     broker.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_sigterm_keeps_variables_workspace_and_count() {
-    keeps_state_across(&[], Stop::Term).await;
+async fn sigterm_keeps_variables_workspace_and_count(sandbox: &'static str) {
+    keeps_state_across(sandbox, Stop::Term).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_kill_9_keeps_variables_workspace_and_count() {
-    keeps_state_across(&[], Stop::Kill).await;
+async fn kill_9_keeps_variables_workspace_and_count(sandbox: &'static str) {
+    keeps_state_across(sandbox, Stop::Kill).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_an_execution_in_flight_gets_an_answer_and_the_kernel_finishes_it() {
-    in_flight_execution_gets_an_answer(&[]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_a_session_that_expired_while_down_is_reclaimed() {
-    expired_while_down_is_reclaimed(&[]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_a_kernel_that_died_while_down_reads_dead() {
-    died_while_down_reads_dead(&[]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn local_without_the_flag_sessions_end_with_the_broker() {
-    without_the_flag_sessions_end_with_the_broker(&[]).await;
-}
+on_both_backends!(
+    sigterm_keeps_variables_workspace_and_count,
+    kill_9_keeps_variables_workspace_and_count,
+    in_flight_execution_gets_an_answer,
+    expired_while_down_is_reclaimed,
+    died_while_down_reads_dead,
+    without_the_flag_sessions_end_with_the_broker,
+);
