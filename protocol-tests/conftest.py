@@ -22,7 +22,7 @@ BOB = "bob-token-0002"
 
 
 class Broker:
-    def __init__(self, extra_args=(), env=None, data_dir=None):
+    def __init__(self, extra_args=(), env=None, data_dir=None, listen="127.0.0.1:0", cgroup=None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kb-proto-")
         tmp = Path(self.tmp.name)
         users = tmp / "users.toml"
@@ -30,16 +30,18 @@ class Broker:
             f'[[user]]\nname = "alice"\ntoken = "{ALICE}"\n\n'
             f'[[user]]\nname = "bob"\ntoken = "{BOB}"\n'
         )
+        # cgroup: another broker's (a restart that adopts its kernels).
+        self.cgroup = cgroup or f"kernel-broker-proto-{uuid.uuid4().hex[:12]}"
         # data_dir: reuse another broker's directory (a restart on the same data).
         self.data_dir = Path(data_dir) if data_dir is not None else tmp / "data"
         binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
         args = [
             binary, "serve",
-            "--listen", "127.0.0.1:0",
+            "--listen", listen,
             "--users-file", str(users),
             "--data-dir", str(self.data_dir),
             "--kernels-dir", str(REPO / "kernels"),
-            "--cgroup-name", f"kernel-broker-proto-{uuid.uuid4().hex[:12]}",
+            "--cgroup-name", self.cgroup,
             *extra_args,
         ]
         full_env = dict(os.environ)
@@ -78,6 +80,11 @@ class Broker:
         """SIGKILL the broker: no shutdown, no flush (its data directory is kept)."""
         self.proc.kill()
         self.proc.wait(10)
+
+    def terminate(self):
+        """SIGTERM the broker and wait for it; its data directory is kept."""
+        self.proc.terminate()
+        assert self.proc.wait(60) == 0, "".join(self.log[-30:])
 
     def stop(self):
         if self.proc.poll() is None:
