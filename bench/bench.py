@@ -511,6 +511,7 @@ class Broker:
                 self.url = "http://" + line.split("ready on http://")[1].split()[0]
                 ready.set()
 
+        self.args, self.env = args, env
         self.proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         on_exit(self.stop)
@@ -519,6 +520,31 @@ class Broker:
             self.stop()
             raise RuntimeError("kernel-broker did not start:\n" + "".join(self.log))
         self.pid = self.proc.pid
+
+    def restart(self, sig=signal.SIGTERM):
+        """Stops the broker with `sig` and starts it again with the same settings on the same
+        address and data directory (with --keep-sessions its sessions come back). Returns
+        (seconds to stop, seconds until the new process was ready)."""
+        started = time.monotonic()
+        self.proc.send_signal(sig)
+        self.proc.wait(TIMEOUT)
+        stopped = time.monotonic() - started
+        args = list(self.args)
+        args[args.index("--listen") + 1] = self.url.removeprefix("http://")
+        ready = threading.Event()
+
+        def on_line(line):
+            if line is None or "ready on http://" in line:
+                ready.set()
+
+        spawned = time.monotonic()
+        self.proc = subprocess.Popen(args, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        drain(self.proc.stderr, self.log, on_line)
+        if not ready.wait(TIMEOUT) or self.proc.poll() is not None:
+            raise RuntimeError("kernel-broker did not start again:\n" + "".join(self.log))
+        self.pid = self.proc.pid
+        return stopped, time.monotonic() - spawned
 
     def h(self, user=0):
         return {"Authorization": f"Bearer {self.tokens[user]}"}

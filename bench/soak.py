@@ -13,6 +13,12 @@ timeout, one interrupted over the agent stream, one over the agent stream; and k
 memory. Every step's outcome must be one its step allows (a death must read `dead`); every
 request must be answered.
 
+Meanwhile the broker runs with --keep-sessions and is restarted `--restarts` times, SIGTERM
+and SIGKILL in turn, at cycle boundaries (the workers pause): one long-lived session per
+user must come back each time with its variables (a counter bumped before every restart),
+and a cell running on one of them when the broker stops must be answered ("BrokerRestarted"
+after a SIGTERM, a broken connection after a SIGKILL) and finished by its kernel.
+
 Counted before (after a warm-up) and after (every session deleted): kernel processes and
 processes in the broker's cgroups, cgroup directories, runtime directories, the broker's file
 descriptors, threads and resident memory; then, for every execution the broker acknowledged,
@@ -54,6 +60,10 @@ class Soak:
         self.wrong = []  # (step, outcome) not allowed for the step
         self.executions = {}  # session id -> (user, executions the broker answered)
         self.sessions = 0
+        # Workers pause at cycle boundaries while the broker restarts.
+        self.gate = threading.Condition()
+        self.active = 0
+        self.pausing = False
 
     def note(self, step, status, allowed):
         with self.lock:
@@ -159,6 +169,30 @@ class Soak:
         return st != "dead"
 
     def cycle(self, user):
+        with self.gate:
+            while self.pausing:
+                self.gate.wait()
+            self.active += 1
+        try:
+            self._cycle(user)
+        finally:
+            with self.gate:
+                self.active -= 1
+                self.gate.notify_all()
+
+    def pause(self):
+        """Waits until no cycle runs and keeps new ones from starting."""
+        with self.gate:
+            self.pausing = True
+            while self.active:
+                self.gate.wait()
+
+    def resume(self):
+        with self.gate:
+            self.pausing = False
+            self.gate.notify_all()
+
+    def _cycle(self, user):
         s = self.b.create(user=user)
         with self.lock:
             self.sessions += 1
@@ -176,6 +210,79 @@ class Soak:
                 break
         r = requests.delete(f"{self.b.url}/v1/sessions/{s.id}", headers=self.b.h(s.user), timeout=60)
         self.note("delete", f"http_{r.status_code}", {"http_204", "http_200"})
+
+
+class Restarts:
+    """The broker's restarts with --keep-sessions and the long-lived sessions that must
+    survive them (one per user, `n` counting the restarts they saw)."""
+
+    def __init__(self, soak):
+        self.soak, self.b = soak, soak.b
+        self.kept = []
+        self.n = 0
+        self.figures = {"restarts": 0, "sigterm": 0, "sigkill": 0, "stop_seconds": [], "start_seconds": [],
+                        "state_kept": 0, "in_flight": {}}
+        self.failures = []
+        for u in range(bench.USERS):
+            s = self.b.create(user=u)
+            assert self.soak.rest(s, "n = 0") == "ok"
+            self.kept.append(s)
+
+    def restart(self, i):
+        sig = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
+        self.soak.pause()
+        try:
+            self.n += 1
+            for s in self.kept:
+                if self.soak.rest(s, "n += 1") != "ok":
+                    self.failures.append(f"restart {i}: n += 1 failed on {s.id}")
+            if sig == signal.SIGKILL:
+                time.sleep(2.5)  # the session records' journal interval
+            busy = self.kept[i % len(self.kept)]
+            answer = {}
+
+            def run():
+                try:
+                    r = requests.post(f"{self.b.url}/v1/sessions/{busy.id}/execute", headers=self.b.h(busy.user),
+                                      json={"code": "import time\ntime.sleep(2)\nn += 1000"}, timeout=60)
+                    answer["v"] = (r.json().get("error") or {}).get("ename") or r.json().get("status")
+                except requests.RequestException as e:
+                    answer["v"] = "connection_error"
+
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.7)
+            stop, start = self.b.restart(sig)
+            t.join(60)
+            name = "sigterm" if sig == signal.SIGTERM else "sigkill"
+            self.figures["restarts"] += 1
+            self.figures[name] += 1
+            self.figures["stop_seconds"].append(round(stop, 3))
+            self.figures["start_seconds"].append(round(start, 3))
+            key = f"{name}:{answer.get('v')}"
+            self.figures["in_flight"][key] = self.figures["in_flight"].get(key, 0) + 1
+            allowed = {"sigterm": {"BrokerRestarted"}, "sigkill": {"connection_error"}}[name]
+            if answer.get("v") not in allowed:
+                self.failures.append(f"restart {i} ({name}): the running cell was answered {answer.get('v')}")
+            time.sleep(2)  # the kernel finishes the cell meanwhile
+            for s in self.kept:
+                want = self.n + (1000 if s is busy else 0)
+                r = requests.post(f"{self.b.url}/v1/sessions/{s.id}/execute", headers=self.b.h(s.user),
+                                  json={"code": "n", "timeout_seconds": 30}, timeout=60).json()
+                got = ((r.get("results") or [{}])[0].get("data") or {}).get("text/plain")
+                if got != str(want):
+                    self.failures.append(f"restart {i} ({name}): session {s.id} has n = {got}, not {want}: {r}")
+                else:
+                    self.figures["state_kept"] += 1
+                if s is busy:
+                    requests.post(f"{self.b.url}/v1/sessions/{s.id}/execute", headers=self.b.h(s.user),
+                                  json={"code": "n -= 1000"}, timeout=60)
+        finally:
+            self.soak.resume()
+
+    def close(self):
+        for s in self.kept:
+            self.b.delete(s)
 
 
 def leaf_pids(cgroup_name, s):
@@ -250,18 +357,25 @@ def main():
     ap.add_argument("--sandbox", default="local", choices=["local", "docker"])
     ap.add_argument("--broker-bin", default=str(bench.REPO / "target/release/kernel-broker"))
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--restarts", type=int, default=4,
+                    help="broker restarts with --keep-sessions during the run (SIGTERM and SIGKILL in turn)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
-    b = bench.Broker(args.broker_bin, sandbox=args.sandbox, pool_size=0, tag="-soak", memory_limit=MEMORY_LIMIT)
+    b = bench.Broker(args.broker_bin, sandbox=args.sandbox, pool_size=0, tag="-soak", memory_limit=MEMORY_LIMIT,
+                     extra_args=["--keep-sessions"])
     soak = Soak(b, args.seed)
     # Warm-up: one cycle per user, so first-use costs (user cgroups, workspaces, lazily
     # grown pools) are in the baseline.
     for u in range(bench.USERS):
         soak.cycle(u)
+    restarts = Restarts(soak)
     time.sleep(1)
     before = census(b)
     log("before:", before)
+    # Restarts spread over the run: after these many cycles each.
+    every = max(1, args.cycles // (args.restarts + 1)) if args.restarts else None
+    restart_at = {every * (k + 1): k for k in range(args.restarts)} if every else {}
 
     started = time.monotonic()
     todo = iter(range(args.cycles))
@@ -278,6 +392,13 @@ def main():
                 soak.cycle(i % bench.USERS)
             except Exception as e:  # noqa: BLE001 - every failure is reported at the end
                 errors.append(f"cycle {i}: {type(e).__name__}: {e}")
+            if i + 1 in restart_at:
+                k = restart_at[i + 1]
+                log(f"restart {k + 1} of {args.restarts} after {i + 1} cycles")
+                try:
+                    restarts.restart(k)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"restart {k}: {type(e).__name__}: {e}")
             if (i + 1) % 100 == 0:
                 log(f"{i + 1} cycles, {time.monotonic() - started:.0f} s")
 
@@ -288,6 +409,7 @@ def main():
         t.join()
     elapsed = time.monotonic() - started
 
+    restarts.close()
     # Everything deleted: give the broker a moment to reap, then count again.
     time.sleep(3)
     after = census(b)
@@ -311,12 +433,13 @@ def main():
         "sessions": soak.sessions, "executions_answered": sum(n for _, n in soak.executions.values()),
         "outcomes": soak.outcomes, "wrong_outcomes": soak.wrong[:50], "errors": errors[:50],
         "before": before, "after": after, "leaks": leaks, "recordings_missing": missing[:20],
+        "restarts": restarts.figures, "restart_failures": restarts.failures[:50],
     }
     print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     b.stop()
-    bad = bool(leaks or soak.wrong or errors or missing)
+    bad = bool(leaks or soak.wrong or errors or missing or restarts.failures)
     log("FAILED" if bad else "passed", f"({soak.sessions} sessions, {elapsed:.0f} s)")
     sys.exit(1 if bad else 0)
 
