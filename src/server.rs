@@ -117,6 +117,11 @@ pub async fn serve(
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
+    if !settings.keep_sessions {
+        // A run without --keep-sessions ends what an earlier run kept (the sandbox has
+        // swept its kernels): their records must not bring them back later.
+        forget_kept_sessions(&settings.data_dir.join("sessions"));
+    }
     let mut settings = settings;
     if let (Some(dir), Some(recording)) = (&settings.session.keep_dir, &mut settings.recording) {
         // The recordings of kept sessions stay open, to be continued.
@@ -212,6 +217,20 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Removes the session records an earlier run with `--keep-sessions` left in `dir`.
+fn forget_kept_sessions(dir: &std::path::Path) {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => tracing::info!(
+            dir = %dir.display(),
+            "sessions kept by an earlier run were ended (this run does not keep sessions)"
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the records of kept sessions")
+        }
+    }
 }
 
 /// The ids of the sessions an earlier run kept (their records in `dir`).

@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use futures::StreamExt;
 use serde_json::{json, Value};
 
 use common::spawned::{SpawnedBroker, Stop};
@@ -78,10 +79,21 @@ async fn keeps_state_across(sandbox: &'static str, how: Stop) {
     assert_eq!(v["status"], "ok", "{v}");
     let before = session(&api, &id).await;
     assert_eq!(before["execution_count"], 1);
+    // An agent stream open across the restart: its connection ends (never a hang), and a
+    // new one carries on.
+    let stream_url =
+        |b: &SpawnedBroker| format!("ws://{}/v1/sessions/{id}/stream?token={ALICE}", b.addr);
+    let (mut old_stream, _) = tokio_tungstenite::connect_async(stream_url(&broker))
+        .await
+        .unwrap();
     // The journal refreshes records every 2 s: after a SIGKILL the count is as of then.
     tokio::time::sleep(Duration::from_millis(2500)).await;
 
     broker.restart(how).await;
+    common::within(30, "the old stream to end", async {
+        while let Some(Ok(_)) = old_stream.next().await {}
+    })
+    .await;
     let api = broker.api(ALICE);
     let after = session(&api, &id).await;
     assert_eq!(after["state"], "idle", "{after}");
@@ -104,6 +116,23 @@ async fn keeps_state_across(sandbox: &'static str, how: Stop) {
         .await
         .unwrap();
     assert_eq!(bytes, "still here");
+    let (mut stream, _) = tokio_tungstenite::connect_async(stream_url(&broker))
+        .await
+        .unwrap();
+    common::ws_send(
+        &mut stream,
+        json!({"type": "execute", "id": "after", "code": "x + 3"}),
+    )
+    .await;
+    let frames = common::ws_until_done(&mut stream, "after").await;
+    let done = frames.last().unwrap();
+    assert_eq!(done["execution"]["status"], "ok", "{frames:?}");
+    assert_eq!(
+        done["execution"]["results"][0]["data"]["text/plain"], "44",
+        "{frames:?}"
+    );
+    assert_eq!(done["execution"]["execution_count"], 3, "{frames:?}");
+    drop(stream);
     // The recording goes on, with the restart marked.
     let events = kinds(&broker_events(&api, &id).await);
     let restarted = events.iter().position(|k| k == "broker_restarted");
@@ -258,11 +287,14 @@ async fn without_the_flag_sessions_end_with_the_broker(sandbox: &'static str) {
     if backend.is_empty() {
         assert_eq!(kernel_pids(&cgroup), 0, "the kept kernel was ended");
     }
-    // And a SIGTERM without the flag ends the sessions, as ever.
-    let id = api.create().await;
+    // And a SIGTERM without the flag ends the sessions, as ever; a keeping start later
+    // brings back neither (the first one's record went with the run that ended it).
+    let second = api.create().await;
     broker.restart_with(Stop::Term, &args).await;
     let api = broker.api(ALICE);
+    assert_eq!(api.get(&format!("/v1/sessions/{second}")).await.0, 404);
     assert_eq!(api.get(&format!("/v1/sessions/{id}")).await.0, 404);
+    assert_eq!(api.get("/v1/sessions").await.1, json!([]));
     broker.stop().await;
 }
 

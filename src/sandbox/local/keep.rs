@@ -86,6 +86,18 @@ impl KeptKernels {
         Ok(found.keys().copied().collect())
     }
 
+    /// Removes every ticket of `data_dir` (a run that does not keep kernels ends them).
+    pub fn forget_all(data_dir: &Path) {
+        let dir = data_dir.join("kept-local");
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the kept kernels' tickets")
+            }
+        }
+    }
+
     /// Where bwrap reports the end of `session`'s kernel.
     pub fn status_path(&self, session: Uuid) -> PathBuf {
         self.dir.join(format!("{session}.status"))

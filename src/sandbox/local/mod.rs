@@ -327,7 +327,12 @@ impl LocalSandbox {
                             .map_err(|e| unavailable(format!("startup task failed: {e}")))?
                             .map_err(|e| unavailable(format!("cannot read the kept kernels: {e}")))?
                     }
-                    None => HashSet::new(),
+                    None => {
+                        // This run does not keep kernels: the sweeps below end what an
+                        // earlier run kept, and its tickets go with them.
+                        keep::KeptKernels::forget_all(&self.cfg.data_dir);
+                        HashSet::new()
+                    }
                 };
                 if !keep.is_empty() {
                     tracing::info!(count = keep.len(), "kernels kept by an earlier run");
