@@ -186,6 +186,12 @@ def main():
             requests.delete(f"{url}/v1/sessions/{sid}", headers=h, timeout=60)
     finally:
         run.stop()
+        if args.sandbox == "docker":
+            # A keeping stop leaves the user's container for the next run: none comes.
+            ids = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=org.kernel-broker.data-dir={data_dir}"],
+                                 capture_output=True, text=True, timeout=60).stdout.split()
+            if ids:
+                subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=120)
         # A last start without --keep-sessions would end kept kernels; every session was
         # deleted above, so nothing is left but the workspace mount.
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()
