@@ -52,6 +52,9 @@ pub struct Session {
     kernel_key: Mutex<String>,
     /// Where the session's record is kept (`--keep-sessions`), and the last one written.
     kept: Option<Arc<KeptSessions>>,
+    /// Held across each write or removal of the record, so they land in order; `true` once
+    /// the record is removed for good (nothing is written after).
+    record_io: tokio::sync::Mutex<bool>,
     last_saved: Mutex<Option<SessionRecord>>,
     status: Mutex<Status>,
     commands: mpsc::Sender<Command>,
@@ -118,6 +121,7 @@ impl Session {
             process: Mutex::new(None),
             kernel_key: Mutex::new(String::new()),
             kept: parts.kept,
+            record_io: tokio::sync::Mutex::new(false),
             last_saved: Mutex::new(None),
             status: Mutex::new(Status {
                 state: SessionState::Starting,
@@ -221,6 +225,10 @@ impl Session {
     /// the last write (always when `stopped`).
     pub(crate) async fn persist(&self, stopped: bool) {
         let Some(kept) = &self.kept else { return };
+        let forgotten = self.record_io.lock().await;
+        if *forgotten {
+            return;
+        }
         let record = self.record(stopped);
         {
             let mut last = lock(&self.last_saved);
@@ -236,11 +244,14 @@ impl Session {
             *last = Some(record.clone());
         }
         kept.save(record).await;
+        drop(forgotten);
     }
 
     /// Removes the session's record: it is gone for good.
     pub(crate) async fn forget_record(&self) {
         if let Some(kept) = &self.kept {
+            let mut forgotten = self.record_io.lock().await;
+            *forgotten = true;
             kept.remove(self.id).await;
         }
     }

@@ -10,21 +10,18 @@
 //! Records are written whenever the kernel changes (creation, restart) and at the broker's
 //! stop, and refreshed every few seconds while anything else changes (execution count,
 //! activity), so after a `kill -9` the adopted state is at most that old. Each write is
-//! atomic (temporary file and rename) and runs on a blocking thread; a write older than one
-//! already on disk is skipped, so writes that race on the thread pool never go back in time.
+//! atomic (temporary file and rename) and runs on a blocking thread; the session serialises
+//! its own writes and removal (see `Session::persist`), so they land in order and nothing
+//! is written after the removal.
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-
-use crate::sync::lock;
 
 /// The largest record read back (they are well under 1 KiB).
 const MAX_RECORD: u64 = 64 << 10;
@@ -56,9 +53,6 @@ pub struct SessionRecord {
 /// The records' directory.
 pub struct KeptSessions {
     dir: PathBuf,
-    /// Per session, the sequence number of the newest write done (see the module comment).
-    written: Mutex<HashMap<Uuid, u64>>,
-    sequence: AtomicU64,
 }
 
 impl KeptSessions {
@@ -68,8 +62,6 @@ impl KeptSessions {
         std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         Ok(Arc::new(Self {
             dir: dir.to_path_buf(),
-            written: Mutex::default(),
-            sequence: AtomicU64::new(1),
         }))
     }
 
@@ -79,10 +71,9 @@ impl KeptSessions {
 
     /// Writes `record` on a blocking thread and waits for it.
     pub async fn save(self: &Arc<Self>, record: SessionRecord) {
-        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
         let this = self.clone();
         let id = record.id;
-        let written = tokio::task::spawn_blocking(move || this.write(seq, &record)).await;
+        let written = tokio::task::spawn_blocking(move || this.write(&record)).await;
         match written {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -92,11 +83,7 @@ impl KeptSessions {
         }
     }
 
-    fn write(&self, seq: u64, record: &SessionRecord) -> io::Result<()> {
-        let mut written = lock(&self.written);
-        if written.get(&record.id).is_some_and(|&done| done > seq) {
-            return Ok(());
-        }
+    fn write(&self, record: &SessionRecord) -> io::Result<()> {
         let bytes = serde_json::to_vec(record).map_err(io::Error::other)?;
         let tmp = self.dir.join(format!("{}.json.tmp", record.id));
         let mut f = std::fs::OpenOptions::new()
@@ -108,25 +95,17 @@ impl KeptSessions {
             .open(&tmp)?;
         f.write_all(&bytes)?;
         f.sync_data()?;
-        std::fs::rename(&tmp, self.path(record.id))?;
-        written.insert(record.id, seq);
-        Ok(())
+        std::fs::rename(&tmp, self.path(record.id))
     }
 
     /// Removes `id`'s record: the session is gone for good.
     pub async fn remove(self: &Arc<Self>, id: Uuid) {
-        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
         let this = self.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            let mut written = lock(&this.written);
-            // Later than any write still queued: those are skipped.
-            written.insert(id, seq);
-            match std::fs::remove_file(this.path(id)) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(session = %id, error = %e, "cannot remove the session's record")
-                }
+        let _ = tokio::task::spawn_blocking(move || match std::fs::remove_file(this.path(id)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(session = %id, error = %e, "cannot remove the session's record")
             }
         })
         .await;
@@ -224,15 +203,5 @@ mod tests {
         );
         kept.remove(a).await;
         assert_eq!(kept.load_all().len(), 1);
-    }
-
-    #[test]
-    fn an_older_write_never_replaces_a_newer_one() {
-        let dir = tempfile::tempdir().unwrap();
-        let kept = KeptSessions::open(dir.path()).unwrap();
-        let id = Uuid::new_v4();
-        kept.write(5, &record(id, 5)).unwrap();
-        kept.write(4, &record(id, 4)).unwrap();
-        assert_eq!(kept.load_all()[0].execution_count, 5);
     }
 }

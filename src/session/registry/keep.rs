@@ -50,6 +50,8 @@ pub struct Adopted {
 enum Outcome {
     Alive(Box<Live>),
     Dead(String),
+    /// Its idle deadline passed while the broker was down: back only to be expired.
+    Expired,
 }
 
 impl Registry {
@@ -83,7 +85,7 @@ impl Registry {
                 .unwrap_or_default()
                 .as_secs_f64();
             let outcome = if expired {
-                Outcome::Dead("its idle timeout passed while the broker was stopped".into())
+                Outcome::Expired
             } else if let Some(reason) = &record.dead_reason {
                 Outcome::Dead(reason.clone())
             } else {
@@ -240,6 +242,14 @@ impl Registry {
                     parts.1,
                 )
             }
+            Outcome::Expired => Actor::without_kernel(
+                session.clone(),
+                self.inner.sandbox.clone(),
+                cfg.clone(),
+                commands_rx,
+                "its idle timeout passed while the broker was stopped".into(),
+                parts,
+            ),
             Outcome::Dead(reason) => {
                 self.inner.recorder.event(
                     &session,
