@@ -2,6 +2,7 @@
 //! ipykernel) on 127.0.0.1:0 with two users, and small HTTP and WebSocket clients.
 #![allow(dead_code)]
 
+pub mod leftovers;
 pub mod spawned;
 
 use std::future::Future;
@@ -70,8 +71,12 @@ pub struct Broker {
     pub sandbox: &'static str,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<tokio::task::JoinHandle<()>>,
+    cgroup_name: String,
     _tmp: tempfile::TempDir,
 }
+
+/// The prefix of the test brokers' cgroup names (scripts/test checks none is left).
+pub const CGROUP_PREFIX: &str = "kernel-broker-test-";
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -98,10 +103,7 @@ impl Broker {
             users_file: Some(users),
             data_dir: Some(tmp.path().join("data")),
             kernels_dir: Some(repo().join("kernels")),
-            cgroup_name: Some(format!(
-                "kernel-broker-test-{}",
-                uuid::Uuid::new_v4().simple()
-            )),
+            cgroup_name: Some(format!("{CGROUP_PREFIX}{}", uuid::Uuid::new_v4().simple())),
             // Tests count kernels and runtime directories; the pool is tested on its own.
             pool_size: Some(0),
             sandbox: Some(match sandbox {
@@ -111,6 +113,7 @@ impl Broker {
             ..Default::default()
         };
         tweak(&mut args);
+        let cgroup_name = args.cgroup_name.clone().unwrap_or_default();
         let settings = Settings::resolve(args, None).unwrap();
         let data_dir = settings.data_dir.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -145,6 +148,7 @@ impl Broker {
             sandbox,
             shutdown: Some(tx),
             handle: Some(handle),
+            cgroup_name,
             _tmp: tmp,
         }
     }
@@ -181,6 +185,20 @@ impl Drop for Broker {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
+        }
+        // Not stopped: the test failed (or forgot). Its runtime is ending, so the broker's
+        // shutdown will not finish: remove what it made (see `leftovers.rs`).
+        if self.handle.take().is_some() {
+            leftovers::remove_cgroups(&self.cgroup_name);
+            if self.sandbox == "docker" {
+                leftovers::remove_containers(&self.data_dir);
+            } else if let Ok(base) =
+                kernel_broker::sandbox::local::LocalSandboxConfig::new(&self.data_dir, "kernels")
+                    .run_base()
+            {
+                let _ = std::fs::remove_dir_all(base);
+            }
+            leftovers::unmount_below(&self.data_dir);
         }
     }
 }
