@@ -249,7 +249,24 @@ async fn the_readme_walkthrough_then_the_example(sb: &'static str) {
         .await;
     assert!(x["results"][0]["data"]["image/png"].is_string(), "{x}");
     assert_eq!(
-        put(&api, &broker, &id, "sales.csv", "units,unit_price\n3,9.5\n").await,
+        put(
+            &api,
+            &broker,
+            &id,
+            "sales.csv",
+            "units,unit_price\n3,9.5\n5,12.0\n"
+        )
+        .await,
+        201
+    );
+    assert_eq!(patch(&api, &id, "sales.csv", "data/sales.csv").await.0, 200);
+    assert_eq!(listed(&api, &id).await, ["data/sales.csv"]);
+    let file = format!("/v1/sessions/{id}/files/data/sales.csv");
+    assert_eq!(api.delete(&file).await.0, 204);
+    // The example then writes its own sales.csv from its kernel: over an uploaded one here
+    // (what the reader had, who skipped the move and delete).
+    assert_eq!(
+        put(&api, &broker, &id, "sales.csv", "units\n1\n").await,
         201
     );
     let (status, body) = api.delete(&format!("/v1/sessions/{id}")).await;
