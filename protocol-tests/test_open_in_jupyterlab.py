@@ -45,9 +45,19 @@ def run_in_jupyterlab(driver, code, expect, timeout=90):
     wait(driver, lambda d: d.find_elements(
         By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']"),
         timeout=timeout, what="JupyterLab connected to the agent's kernel (idle)")
-    editor = driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Cell")[-1] \
-        .find_element(By.CSS_SELECTOR, ".cm-content")
-    editor.click()
+
+    def last_editor(d):
+        # JupyterLab renders cells lazily: bring the last one into view until its editor shows.
+        cells = d.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Cell")
+        if not cells:
+            return None
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'})", cells[-1])
+        editors = [e for e in cells[-1].find_elements(By.CSS_SELECTOR, ".cm-content")
+                   if e.is_displayed() and e.size["height"] > 0]
+        return editors[0] if editors else None
+
+    editor = wait(driver, last_editor, timeout=timeout, what="the last cell's editor")
+    ActionChains(driver).move_to_element(editor).click().perform()
     ActionChains(driver).key_down(Keys.CONTROL).send_keys("a").key_up(Keys.CONTROL) \
         .send_keys(Keys.DELETE).send_keys(code) \
         .key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
