@@ -4,25 +4,31 @@ ipykernel) on 127.0.0.1 with an ephemeral port, and two users.
 The broker binary is target/debug/kernel-broker (scripts/test builds it); set
 KERNEL_BROKER_BIN to use another build.
 """
+import glob
+import hashlib
 import os
 import re
+import shutil
+import signal
 import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
+CGROUP_PREFIX = "kernel-broker-proto-"
+# The runtime bases of every broker the run started.
+RUN_BASES = set()
 ALICE = "alice-token-0001"
 BOB = "bob-token-0002"
 
 
 class Broker:
-    def __init__(self, extra_args=(), env=None, data_dir=None, listen="127.0.0.1:0", cgroup=None):
+    def __init__(self, extra_args=(), env=None, data_dir=None, listen="127.0.0.1:0"):
         self.tmp = tempfile.TemporaryDirectory(prefix="kb-proto-")
         tmp = Path(self.tmp.name)
         users = tmp / "users.toml"
@@ -30,10 +36,17 @@ class Broker:
             f'[[user]]\nname = "alice"\ntoken = "{ALICE}"\n\n'
             f'[[user]]\nname = "bob"\ntoken = "{BOB}"\n'
         )
-        # cgroup: another broker's (a restart that adopts its kernels).
-        self.cgroup = cgroup or f"kernel-broker-proto-{uuid.uuid4().hex[:12]}"
         # data_dir: reuse another broker's directory (a restart on the same data).
         self.data_dir = Path(data_dir) if data_dir is not None else tmp / "data"
+        # One cgroup name per data directory: a broker restarted on the data of one that was
+        # SIGKILLed sweeps what that one left (its startup sweep looks under its own name).
+        # A fresh name per broker left the killed broker's leaves behind for good.
+        digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:12]
+        self.cgroup_name = f"{CGROUP_PREFIX}{digest}"
+        # The broker's runtime base as root (`fsutil::data_dir_hash`): checked at the end.
+        absolute = os.path.abspath(self.data_dir)
+        self.run_base = "/run/kernel-broker-" + hashlib.sha256(absolute.encode()).hexdigest()[:8]
+        RUN_BASES.add(self.run_base)
         binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
         args = [
             binary, "serve",
@@ -41,7 +54,7 @@ class Broker:
             "--users-file", str(users),
             "--data-dir", str(self.data_dir),
             "--kernels-dir", str(REPO / "kernels"),
-            "--cgroup-name", self.cgroup,
+            "--cgroup-name", self.cgroup_name,
             *extra_args,
         ]
         full_env = dict(os.environ)
@@ -94,6 +107,10 @@ class Broker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # A broker killed with SIGKILL (and not restarted) leaves its cgroup leaves: kill what
+        # runs in them and remove them, as its next start would have.
+        remove_cgroups(self.cgroup_name)
+        shutil.rmtree(self.run_base, ignore_errors=True)
         # A broker killed with SIGKILL leaves its workspace file systems mounted (a later
         # broker on the same data directory reuses them); unmount what lies below us.
         top = os.path.realpath(self.tmp.name) + "/"
@@ -102,6 +119,60 @@ class Broker:
         for point in sorted((p for p in points if p.startswith(top)), reverse=True):
             subprocess.run(["umount", "-l", point], check=False)
         self.tmp.cleanup()
+
+
+def cgroup_dirs(name_glob):
+    """Cgroup directories of brokers named by `name_glob`, on v1 and v2 hierarchies."""
+    found = []
+    for pattern in ("/sys/fs/cgroup/*/" + name_glob, "/sys/fs/cgroup/" + name_glob):
+        found += [d for d in glob.glob(pattern) if os.path.isdir(d)]
+    return found
+
+
+def remove_cgroups(name):
+    """Kills the processes in a broker's cgroup tree and removes it, deepest first."""
+    for base in cgroup_dirs(name):
+        for _ in range(50):
+            dirs = sorted((root for root, _, _ in os.walk(base)), key=len, reverse=True)
+            pids = []
+            for d in dirs:
+                try:
+                    with open(os.path.join(d, "cgroup.procs")) as f:
+                        pids += [int(p) for p in f.read().split()]
+                except OSError:
+                    pass
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for d in dirs:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+            if not os.path.isdir(base):
+                break
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """The suite's end-of-run check: no broker cgroup, kernel process, runtime directory or
+    temporary directory of ours survives the run (a leak fails the run, naming it)."""
+    before_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), "kb-proto-*")))
+    before_cgroups = set(cgroup_dirs(CGROUP_PREFIX + "*"))
+    yield
+    time.sleep(0.5)
+    left = []
+    left += [d for d in cgroup_dirs(CGROUP_PREFIX + "*") if d not in before_cgroups]
+    left += [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "kb-proto-*"))
+             if d not in before_tmp]
+    left += [d for d in sorted(RUN_BASES) if os.path.exists(d)]
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left += [line.strip() for line in out.splitlines()
+             if "ipykernel_launcher" in line and "kb-proto-" in line]
+    assert not left, "the protocol tests left behind:\n  " + "\n  ".join(left)
 
 
 @pytest.fixture(scope="session")

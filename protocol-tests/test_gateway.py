@@ -40,7 +40,7 @@ def free_port():
 class JupyterServer:
     """`jupyter server` in gateway mode, on 127.0.0.1 only, with its own config dirs."""
 
-    def __init__(self, broker_url, gateway_token):
+    def __init__(self, broker_url, gateway_token, app="server", extra_args=()):
         self.tmp = tempfile.mkdtemp(prefix="kb-gateway-")
         root = Path(self.tmp) / "root"
         root.mkdir()
@@ -60,7 +60,7 @@ class JupyterServer:
         self.log_path = Path(self.tmp) / "server.log"
         self.log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen([
-            str(VENV_BIN / "jupyter"), "server",
+            str(VENV_BIN / "jupyter"), app,
             f"--ServerApp.port={self.port}",
             "--ServerApp.port_retries=0",
             "--ServerApp.ip=127.0.0.1",
@@ -74,6 +74,7 @@ class JupyterServer:
             "--GatewayClient.connect_timeout=30",
             "--ServerApp.log_level=DEBUG",
             *(["--allow-root"] if os.geteuid() == 0 else []),
+            *extra_args,
         ], stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         try:
             wait_for(self._answers, timeout=90, interval=0.3, what="jupyter server to answer")

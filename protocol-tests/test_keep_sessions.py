@@ -30,7 +30,7 @@ def run_until_answered(c, code, timeout=60):
 def test_a_notebook_keeps_its_kernel_across_broker_restarts(fresh_broker, clients):
     port = free_port()
     first = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}")
-    data, cgroup = first.data_dir, first.cgroup
+    data = first.data_dir
     js = JupyterServer(first.url, ALICE)
     try:
         kid = start_through_gateway(js)["id"]
@@ -42,7 +42,7 @@ def test_a_notebook_keeps_its_kernel_across_broker_restarts(fresh_broker, client
         # An orderly stop and a new process on the same data directory and port: the open
         # notebook connection carries on (jupyter server reconnects to the gateway).
         first.terminate()
-        second = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}", data_dir=data, cgroup=cgroup)
+        second = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}", data_dir=data)
         ex = run_until_answered(c, "x + 1")
         assert ex.result == "42", ex.reply
         assert ex.reply["content"]["execution_count"] == count + 1
@@ -55,7 +55,7 @@ def test_a_notebook_keeps_its_kernel_across_broker_restarts(fresh_broker, client
         # kernel and its state too.
         time.sleep(2.5)  # the records' journal interval
         second.kill9()
-        third = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}", data_dir=data, cgroup=cgroup)
+        third = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}", data_dir=data)
         c2 = clients(js.ws(kid))
         ex = run_until_answered(c2, "x + 2")
         assert ex.result == "43", ex.reply
@@ -64,7 +64,7 @@ def test_a_notebook_keeps_its_kernel_across_broker_restarts(fresh_broker, client
         js.stop()
     third.terminate()
     # A start without the flag ends the kept kernel: nothing is left behind.
-    last = fresh_broker([], data_dir=data, cgroup=cgroup)
+    last = fresh_broker([], data_dir=data)
     assert last.api("GET", f"/api/kernels/{kid}").status_code == 404
 
 

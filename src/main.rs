@@ -13,6 +13,8 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info,kernel_broker=info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: a log file or a pipe gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match cli.command {

@@ -193,11 +193,15 @@ pub async fn serve(
     if settings.token_source == TokenSource::Generated {
         // Printed once, as Jupyter does, so the operator can connect.
         eprintln!(
-            "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; generated token for user 'default':\n    {}\n    e.g. curl -H 'Authorization: Bearer {}' http://{}/v1/sessions",
-            settings.users[0].token, settings.users[0].token, addr
+            "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; generated token for user 'default':\n    {0}\n    e.g. curl -H 'Authorization: Bearer {0}' http://{1}/v1/sessions\n    session browser: http://{1}/ui/?token={0}",
+            settings.users[0].token, addr
         );
     }
-    tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(), "kernel-broker ready on http://{addr}");
+    // One line says where everything is (the address first: scripts and tests read it).
+    tracing::info!(%addr, sandbox = %settings.sandbox_name(), users = settings.users.len(),
+        "kernel-broker ready on http://{addr} (API http://{addr}/v1/sessions, session browser \
+         http://{addr}/ui/?token=TOKEN, Jupyter kernels API http://{addr}/api/kernels, API docs \
+         http://{addr}/openapi.json and docs/API.md)");
     let metrics = state.metrics.clone();
     let app = api::router(state);
     // With --keep-sessions, the executions in flight are answered ("the broker restarted")

@@ -96,9 +96,6 @@ async fn local_brokers_side_by_side_leave_each_other_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_brokers_side_by_side_leave_each_other_alone() {
-    if !docker_ready() {
-        eprintln!("skipped: Docker is not available");
-        return;
-    }
+    docker_ready(); // fails, saying why, where Docker cannot run
     side_by_side("docker").await;
 }

@@ -382,6 +382,11 @@ report = {
     'srv': os.path.lexists('/srv'),
     'write_usr': writable('/usr/kb-test'),
     'write_venv': writable(os.path.join(venv, 'kb-test')),
+    'write_neutral_venv': writable('/opt/kernel-venv/kb-test'),
+    'write_neutral_bin': writable('/opt/kernel-venv/bin/kb-test'),
+    'write_home': writable(os.path.join(os.environ['HOME'], 'kb-test')),
+    'home_listing': listing('/home'),
+    'opt_listing': listing('/opt'),
     'write_tmp': writable('/tmp/kb-test'),
     'write_workspace': writable('/workspace/kb-test'),
     'write_run': writable('/run/kernel/kb-test'),
@@ -413,7 +418,7 @@ with open('/workspace/report.json', 'w') as f:
         assert_eq!(r["connects"], false);
         assert_eq!(r["uid"], UID_BASE + 5);
         assert_eq!(r["user"], "erin");
-        assert_eq!(r["home"], "/workspace");
+        assert_eq!(r["home"], "/home/kernel");
         assert_eq!(r["env_test"], "1");
         assert_eq!(r["hostname"], "kernel");
         assert!(
@@ -427,13 +432,19 @@ with open('/workspace/report.json', 'w') as f:
         assert_eq!(r["shadow"], false);
         assert_eq!(r["repo_src"], false, "{r}");
         assert_eq!(r["cargo_toml"], false);
-        assert_eq!(
-            r["repo"],
-            serde_json::json!(["kernels"]),
-            "only the venv's path: {r}"
-        );
+        // The venv is shown at /opt/kernel-venv, not at its host path (python.rs).
+        assert_eq!(r["repo"], Value::Null, "{r}");
+        assert_eq!(r["root_home"], Value::Null, "{r}");
         assert_eq!(r["data_dir"], false);
-        assert_eq!(r["home_dir"], false);
+        assert_eq!(r["home_listing"], serde_json::json!(["kernel"]), "{r}");
+        assert_eq!(
+            r["opt_listing"],
+            serde_json::json!(["kernel-python", "kernel-venv"]),
+            "{r}"
+        );
+        assert_eq!(r["write_home"], true);
+        assert_eq!(r["write_neutral_venv"], false);
+        assert_eq!(r["write_neutral_bin"], false);
         assert_eq!(r["var"], false);
         assert_eq!(r["srv"], false);
         assert_eq!(r["write_usr"], false);
@@ -476,7 +487,8 @@ with open('/workspace/report.json', 'w') as f:
         .into();
         assert!(etc.iter().all(|e| allowed.contains(e.as_str())), "{etc:?}");
         let top: BTreeSet<String> = serde_json::from_value(r["root"].clone()).unwrap();
-        for hidden in ["home", "var", "srv", "opt", "mnt", "boot", "sys"] {
+        // /home and /opt are the sandbox's own: the kernel's home, its Python (checked above).
+        for hidden in ["var", "srv", "mnt", "boot", "sys"] {
             assert!(!top.contains(hidden), "/{hidden} visible: {top:?}");
         }
         // A workspace file written by the kernel belongs to the kernel's uid on the host.

@@ -644,7 +644,20 @@ async fn long_output_is_cut_and_endless_output_is_bounded(sb: &'static str) {
             json!({"code": "while True: print('y' * 1000)", "timeout_seconds": 5}),
         )
         .await;
-    assert_eq!(x["status"], "timeout", "{}", x["status"]);
+    // The flood backs up into the kernel's own iopub queue when the broker reads slower
+    // than the kernel prints (a loaded host): then the kernel may reach its own memory
+    // limit first and die alone, which is the kernel's cost, not the broker's. Either way
+    // the broker holds at most the output limit.
+    match x["status"].as_str() {
+        Some("timeout") => {}
+        Some("dead") => {
+            let error = x["error"]["evalue"].as_str().unwrap_or_default();
+            assert!(error.contains("ran out of memory"), "{x}");
+            let (status, _) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+            assert_eq!(status, 200);
+        }
+        other => panic!("endless output ended as {other:?}: {x}"),
+    }
     assert_eq!(x["stdout"].as_str().unwrap().chars().count(), 10_000);
     let grown_kib = rss().saturating_sub(before);
     assert!(

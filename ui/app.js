@@ -9,6 +9,7 @@
 
 (function () {
   const TOKEN_KEY = 'kernel-broker-token';
+  const LAB_KEY = 'kernel-broker-jupyterlab-url';
   const POLL_MS = 1000;
   const LIST_MS = 3000;
   const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped']);
@@ -389,6 +390,52 @@
     }
   }
 
+  // "Open in JupyterLab": the session's recording so far becomes a notebook in the Jupyter
+  // server's root (PUT /api/contents), and a Jupyter session of that notebook is attached to
+  // this session's kernel (POST /api/sessions {"kernel": {"id"}}): opening the notebook shows
+  // the agent's cells and runs in its kernel, with its variables. The Jupyter server uses this
+  // broker as its gateway (--gateway-url) and lets this page call it
+  // (--ServerApp.allow_origin=<this origin>); the page's CSP allows loopback servers only.
+  // scripts/open-in-jupyterlab does the same from a shell.
+  async function openInJupyterLab() {
+    const id = current.id;
+    const given = current.labInput.value.trim();
+    let lab;
+    try {
+      lab = new URL(given);
+    } catch (e) {
+      status('paste the URL `jupyter lab` printed (http://127.0.0.1:8889/lab?token=...)', true);
+      return;
+    }
+    localStorage.setItem(LAB_KEY, given);
+    const labToken = lab.searchParams.get('token') || '';
+    const base = lab.origin + lab.pathname.replace(/\/(lab|tree)(\/.*)?$/, '').replace(/\/$/, '');
+    const name = 'agent-session-' + id.slice(0, 8) + '.ipynb';
+    const call = async (method, path, body) => {
+      const r = await fetch(base + path, {
+        method,
+        headers: { Authorization: 'token ' + labToken, 'Content-Type': 'application/json' },
+        body: JSON.stringify(body),
+      });
+      if (!r.ok) throw new Error('JupyterLab answered ' + r.status + ' to ' + method + ' ' + path);
+      return r.json();
+    };
+    status('attaching session ' + id.slice(0, 8) + ' to JupyterLab…');
+    try {
+      const nb = await (await api('v1/sessions/' + id + '/notebook')).json();
+      await call('PUT', '/api/contents/' + encodeURIComponent(name), { type: 'notebook', format: 'json', content: nb });
+      const s = await call('POST', '/api/sessions', { path: name, name, type: 'notebook', kernel: { id } });
+      if (s.kernel && s.kernel.id !== id) throw new Error(name + ' is open with another kernel in JupyterLab; close it there first');
+      const url = base + '/lab/tree/' + encodeURIComponent(name) + (labToken ? '?token=' + encodeURIComponent(labToken) : '');
+      current.labLink.href = url;
+      current.labLink.hidden = false;
+      status('attached: open ' + name + ' in JupyterLab');
+      window.open(url, '_blank', 'noopener');
+    } catch (e) {
+      status('could not open in JupyterLab: ' + e.message + ' (is it started with --gateway-url and --ServerApp.allow_origin=' + location.origin + '?)', true);
+    }
+  }
+
   async function replay() {
     const id = current.id;
     status('replaying ' + current.model.cells.length + ' cells in a new session…');
@@ -450,6 +497,11 @@
     session.follow = el('input', { type: 'checkbox', checked: true, id: 'follow' });
     session.liveBadge = el('span', { class: 'live', text: '● live' });
     session.timeline = el('div', { id: 'timeline' });
+    session.labInput = el('input', {
+      type: 'url', id: 'jupyterlab-url', size: 28, value: localStorage.getItem(LAB_KEY) || '',
+      placeholder: 'JupyterLab URL with ?token=', title: 'The URL `jupyter lab` printed, with its token',
+    });
+    session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook in JupyterLab' });
     detail.dataset.loaded = 'false';
     detail.dataset.session = id;
     detail.replaceChildren(
@@ -466,7 +518,10 @@
         session.position,
         el('label', {}, session.follow, ' follow'),
         el('button', { type: 'button', onclick: downloadNotebook, text: 'Download .ipynb' }),
-        el('button', { type: 'button', onclick: replay, text: 'Replay in a new session' })),
+        el('button', { type: 'button', onclick: replay, text: 'Replay in a new session' }),
+        session.labInput,
+        el('button', { type: 'button', id: 'open-in-jupyterlab', onclick: openInJupyterLab, text: 'Open in JupyterLab' }),
+        session.labLink),
       session.timeline);
     renderList();
     poll(session);

@@ -85,6 +85,9 @@ impl From<SessionError> for ApiError {
                 Self::new(StatusCode::NOT_FOUND, "file_not_found", message)
             }
             SessionError::TooLarge(_) => Self::too_large(message),
+            SessionError::FileConflict(_) => {
+                Self::new(StatusCode::CONFLICT, "file_conflict", message)
+            }
             SessionError::Io(_) => Self::internal("file access", message),
         }
     }

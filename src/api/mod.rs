@@ -20,6 +20,7 @@ pub mod auth_failures;
 pub mod clients;
 pub mod error;
 pub mod extract;
+mod files;
 pub mod jupyter;
 pub mod listener;
 pub mod metrics;
@@ -98,6 +99,7 @@ impl AppState {
 fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .merge(sessions::routes())
+        .merge(files::routes())
         .merge(stream::routes())
         .merge(ops::routes())
         .merge(jupyter::routes())

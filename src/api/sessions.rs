@@ -1,8 +1,7 @@
 //! The agent REST API: `/v1/sessions` and everything under it (create, list, execute,
-//! interrupt, restart, workspace files). Authentication, the session lookup and JSON
+//! interrupt, restart; workspace files are `files.rs`). Authentication, the session lookup and JSON
 //! bodies come from the shared extractors (`extract.rs`); the JSON shapes from `shapes.rs`.
 
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -13,14 +12,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::auth::Caller;
-use super::error::{ApiError, ApiResult};
-use super::extract::{
-    check_code, read_limited, sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession,
-};
-use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, FileJson, SessionJson};
+use super::error::ApiResult;
+use super::extract::{check_code, sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession};
+use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, SessionJson};
 use super::AppState;
-use crate::session::files;
-use crate::session::{CreateOptions, Session};
+use crate::session::CreateOptions;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -29,8 +25,6 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(execute))
         .routes(routes!(interrupt))
         .routes(routes!(restart))
-        .routes(routes!(list_files))
-        .routes(routes!(get_file, put_file))
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
@@ -195,96 +189,4 @@ async fn interrupt(owned: OwnedSession) -> ApiResult<StatusCode> {
 async fn restart(owned: OwnedSession) -> ApiResult<Json<SessionJson>> {
     owned.session.restart().await?;
     Ok(Json(owned.session.info().into()))
-}
-
-async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::path::PathBuf> {
-    state
-        .registry
-        .sandbox()
-        .workspace(&session.user)
-        .map_err(|e| ApiError::internal("workspace", e))
-}
-
-/// Response header of `GET /v1/sessions/{id}/files`: `true` when the listing was cut short.
-const FILES_TRUNCATED: &str = "x-files-truncated";
-
-/// Files in the user's workspace
-///
-/// At most 10,000 files; a listing cut short says so in the `x-files-truncated` header.
-#[utoipa::path(get, operation_id = "list_files", path = "/v1/sessions/{id}/files", tag = "files", params(("id" = uuid::Uuid, Path)),
-    responses((status = 200, description = "ok", body = Vec<FileJson>,
-            headers(("x-files-truncated" = String, description = "`true` when the listing was cut short"))),
-        (status = 401, response = ErrorResponse), (status = 404, response = ErrorResponse),
-        (status = 410, response = ErrorResponse)))]
-async fn list_files(State(state): State<AppState>, owned: OwnedSession) -> ApiResult<Response> {
-    let session = owned.session;
-    session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
-        .await
-        .map_err(|e| ApiError::internal("list files", e))??;
-    // The body stays a plain array (compatible); a cut-short listing says so in a header.
-    let truncated = if listing.truncated { "true" } else { "false" };
-    let body: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
-    Ok(([(FILES_TRUNCATED, truncated)], Json(body)).into_response())
-}
-
-/// Download a workspace file
-#[utoipa::path(get, operation_id = "get_file", path = "/v1/sessions/{id}/files/{*path}", tag = "files",
-    params(("id" = uuid::Uuid, Path), ("path" = String, Path, description = "relative to the workspace; no `..`, no symlinks")),
-    responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>),
-        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
-        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse)))]
-async fn get_file(
-    State(state): State<AppState>,
-    owned: OwnedSession,
-    Path((_, path)): Path<(String, String)>,
-) -> ApiResult<Response> {
-    let session = owned.session;
-    session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let max = state.limits.max_file_bytes;
-    let (file, size) = tokio::task::spawn_blocking(move || files::open_for_read(&ws, &path, max))
-        .await
-        .map_err(|e| ApiError::internal("read file", e))??;
-    // Streamed from the file as the client reads: a slow reader holds a chunk of memory,
-    // not the whole file. The size read at opening is all that is sent, whatever the kernel
-    // appends meanwhile.
-    let chunks = tokio_util::io::ReaderStream::new(tokio::io::AsyncReadExt::take(
-        tokio::fs::File::from_std(file),
-        size,
-    ));
-    Ok((
-        [
-            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (header::CONTENT_LENGTH, size.to_string()),
-        ],
-        Body::from_stream(chunks),
-    )
-        .into_response())
-}
-
-/// Upload a workspace file
-#[utoipa::path(put, operation_id = "put_file", path = "/v1/sessions/{id}/files/{*path}", tag = "files",
-    params(("id" = uuid::Uuid, Path), ("path" = String, Path, description = "relative to the workspace; directories are created")),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 201, description = "written"),
-        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
-        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse)))]
-async fn put_file(
-    State(state): State<AppState>,
-    owned: OwnedSession,
-    Path((_, path)): Path<(String, String)>,
-    body: Body,
-) -> ApiResult<StatusCode> {
-    let session = owned.session;
-    files::clean_relative(&path)?;
-    let data = read_limited(body, state.limits.max_file_bytes, "file").await?;
-    session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let owner = state.registry.sandbox().workspace_owner(&session.user);
-    tokio::task::spawn_blocking(move || files::write(&ws, &path, &data, owner))
-        .await
-        .map_err(|e| ApiError::internal("write file", e))??;
-    Ok(StatusCode::CREATED)
 }

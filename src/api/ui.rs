@@ -24,8 +24,11 @@ const LOGIN: &str = include_str!("../../ui/login.html");
 const APP_JS: &str = include_str!("../../ui/app.js");
 const STYLE: &str = include_str!("../../ui/style.css");
 
+/// `connect-src` also names loopback servers: "Open in JupyterLab" calls a Jupyter server on
+/// this machine (another port, hence another origin). Nothing else leaves the page.
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
-                   connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
+                   connect-src 'self' http://127.0.0.1:* http://localhost:*; \
+                   base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()

@@ -31,6 +31,10 @@ pub enum SessionError {
     NotFoundFile(String),
     #[error("{0}")]
     TooLarge(String),
+    /// A file operation that would replace or discard something: a move onto an existing
+    /// path, the delete of a directory that is not empty.
+    #[error("{0}")]
+    FileConflict(String),
     #[error("{0}")]
     Io(String),
 }

@@ -83,15 +83,18 @@ impl ContainerSpec<'_> {
             hostname: Some(HOSTNAME.to_string()),
             user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
             working_dir: Some(WORKSPACE_INSIDE.to_string()),
+            env: Some(vec![format!("HOME={HOME_INSIDE}")]),
             labels: Some(labels),
             // The image's tini is PID 1 and runs `sleep infinity` (its CMD).
             host_config: Some(HostConfig {
                 network_mode: Some("none".to_string()),
                 readonly_rootfs: Some(true),
-                tmpfs: Some(HashMap::from([(
-                    "/tmp".to_string(),
-                    TMPFS_OPTIONS.to_string(),
-                )])),
+                // The kernels' home: their caches (matplotlib, fontconfig, IPython) stay
+                // out of the workspace the user lists; the same place as the local sandbox's.
+                tmpfs: Some(HashMap::from([
+                    ("/tmp".to_string(), TMPFS_OPTIONS.to_string()),
+                    (HOME_INSIDE.to_string(), home_tmpfs_options()),
+                ])),
                 cap_drop: Some(vec!["ALL".to_string()]),
                 security_opt: Some(vec!["no-new-privileges".to_string()]),
                 ipc_mode: Some("private".to_string()),
@@ -111,6 +114,17 @@ impl ContainerSpec<'_> {
             ..Default::default()
         }
     }
+}
+
+/// Where the image's `kernel` user lives while its kernels run (its caches), a tmpfs.
+const HOME_INSIDE: &str = "/home/kernel";
+
+/// The home's tmpfs: as `/tmp`'s, but the kernel user's own.
+fn home_tmpfs_options() -> String {
+    TMPFS_OPTIONS.replace(
+        "mode=1777",
+        &format!("mode=0700,uid={KERNEL_UID},gid={KERNEL_GID}"),
+    )
 }
 
 impl Inner {
@@ -432,10 +446,13 @@ mod tests {
         assert_eq!(h.ipc_mode.as_deref(), Some("private"));
         assert_eq!(h.auto_remove, Some(false));
         assert_eq!(h.oom_score_adj, Some(500));
+        let tmpfs = h.tmpfs.unwrap();
+        assert_eq!(tmpfs["/tmp"], "rw,nosuid,nodev,size=256m,mode=1777");
         assert_eq!(
-            h.tmpfs.unwrap()["/tmp"],
-            "rw,nosuid,nodev,size=256m,mode=1777"
+            tmpfs["/home/kernel"],
+            "rw,nosuid,nodev,size=256m,mode=0700,uid=1000,gid=1000"
         );
+        assert_eq!(b.env, Some(vec!["HOME=/home/kernel".to_string()]));
         let mounts: Vec<(String, String, bool)> = h
             .mounts
             .unwrap()

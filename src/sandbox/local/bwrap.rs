@@ -3,8 +3,9 @@
 //! looks like ([`HostRoot`], probed by the caller) and one run's request, it builds the
 //! argv; nothing here runs anything, so every rule is tested on data below.
 //!
-//! What a kernel sees: `/usr` (and the Python installation) read-only, a tiny `/etc`, a
-//! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
+//! What a kernel sees: `/usr` read-only, its Python at `/opt/kernel-venv` over
+//! `/opt/kernel-python` (read-only, `python.rs`), a tiny `/etc`, a private `/proc`, `/dev`,
+//! `/tmp` and home `/home/kernel` (tmpfs), its workspace at `/workspace` and its runtime
 //! directory at `/run/kernel`. Nothing else of the host. The network namespace is empty
 //! (loopback only).
 
@@ -14,7 +15,8 @@ use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 
 use super::files::login_name;
-use super::{HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE};
+use super::python::{KernelPython, PythonMount};
+use super::{HOME_INSIDE, HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE};
 
 /// Host files that are harmless to show read-only in the sandbox's `/etc`, if present.
 const ETC_RO_FILES: &[&str] = &[
@@ -40,8 +42,8 @@ pub(super) struct BwrapOptions {
     pub has_size: bool,
     /// This bwrap knows `--disable-userns`.
     pub has_disable_userns: bool,
-    /// Host directories of the Python installation, shown read-only at the same place.
-    pub python_dirs: Vec<PathBuf>,
+    /// The kernels' Python installation, shown at neutral paths (`python.rs`).
+    pub python: KernelPython,
     /// The sandbox dies with the broker (`--die-with-parent`); not with `--keep-sessions`,
     /// whose kernels must outlive it (its next run adopts them).
     pub die_with_parent: bool,
@@ -238,8 +240,33 @@ pub(super) fn bwrap_args(
         fs.push(["--tmpfs", tmp]);
         fs.dirs.insert(PathBuf::from(tmp));
     }
-    for dir in &opts.python_dirs {
-        fs.ro_bind(dir, dir);
+    // The kernel's home: its caches (matplotlib, fontconfig, IPython) stay out of the
+    // workspace the user lists. A tmpfs of its own, capped like /tmp; world-writable as
+    // /tmp is, since as root bwrap cannot give it to the kernel's uid (nothing else runs in
+    // this mount namespace).
+    fs.parents(Path::new(HOME_INSIDE));
+    fs.push(["--perms", "1777"]);
+    if let (Some(size), true) = (req.tmp_size, opts.has_size) {
+        fs.push(["--size".to_string(), size.to_string()]);
+    }
+    fs.push(["--tmpfs", HOME_INSIDE]);
+    fs.dirs.insert(PathBuf::from(HOME_INSIDE));
+    for mount in opts.python.mounts(req.rundir) {
+        match mount {
+            PythonMount::RoBind { src, dest } => fs.ro_bind(&src, &dest),
+            PythonMount::Symlink { target, link } => fs.symlink(&target, &link),
+            PythonMount::Tmpfs(dir) => {
+                fs.parents(&dir);
+                fs.push([
+                    "--perms".into(),
+                    "0755".into(),
+                    "--tmpfs".into(),
+                    OsString::from(&dir),
+                ]);
+                fs.dirs.insert(dir);
+            }
+            PythonMount::RemountRo(dir) => fs.push(["--remount-ro".into(), OsString::from(&dir)]),
+        }
     }
     for dir in &host.extra_ro_binds {
         fs.ro_bind(dir, dir);
@@ -281,15 +308,16 @@ pub(super) fn bwrap_args(
 
 /// The kernel's whole environment (bwrap and setpriv pass it through unchanged); the
 /// broker's own environment is not inherited.
-pub(super) fn kernel_env(venv: &Path, user: &str) -> Vec<(String, String)> {
+pub(super) fn kernel_env(python: &KernelPython, user: &str) -> Vec<(String, String)> {
     let login = login_name(user);
     let path = format!(
         "{}:/usr/local/bin:/usr/bin:/bin",
-        venv.join("bin").to_string_lossy()
+        python.bin_inside().to_string_lossy()
     );
+    let library_path = python.library_path();
     [
         ("PATH", path.as_str()),
-        ("HOME", WORKSPACE_INSIDE),
+        ("HOME", HOME_INSIDE),
         ("USER", login.as_str()),
         ("LOGNAME", login.as_str()),
         ("LANG", "C.UTF-8"),
@@ -300,298 +328,11 @@ pub(super) fn kernel_env(venv: &Path, user: &str) -> Vec<(String, String)> {
         ("PYDEVD_DISABLE_FILE_VALIDATION", "1"),
     ]
     .into_iter()
+    .chain(library_path.as_deref().map(|p| ("LD_LIBRARY_PATH", p)))
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect()
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::HashMap;
-
-    #[test]
-    fn mount_plan_creates_every_parent_once_with_0755() {
-        let mut fs = MountPlan::default();
-        fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
-        fs.ro_bind(
-            Path::new("/root/.pyenv/v/3.11"),
-            Path::new("/root/.pyenv/v/3.11"),
-        );
-        fs.ro_bind(
-            Path::new("/root/.pyenv/v/other"),
-            Path::new("/root/.pyenv/v/other"),
-        );
-        fs.ro_bind(Path::new("/usr/lib/python3"), Path::new("/usr/lib/python3"));
-        let args: Vec<String> = fs
-            .args
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(
-            args,
-            [
-                "--ro-bind",
-                "/usr",
-                "/usr",
-                "--perms",
-                "0755",
-                "--dir",
-                "/root",
-                "--perms",
-                "0755",
-                "--dir",
-                "/root/.pyenv",
-                "--perms",
-                "0755",
-                "--dir",
-                "/root/.pyenv/v",
-                "--ro-bind",
-                "/root/.pyenv/v/3.11",
-                "/root/.pyenv/v/3.11",
-                "--ro-bind",
-                "/root/.pyenv/v/other",
-                "/root/.pyenv/v/other",
-            ]
-        );
-    }
-
-    /// The argv as strings.
-    fn text(args: &[OsString]) -> Vec<String> {
-        args.iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect()
-    }
-
-    /// Whether `args` holds `seq` as consecutive arguments.
-    fn has(args: &[String], seq: &[&str]) -> bool {
-        args.windows(seq.len())
-            .any(|w| w.iter().zip(seq).all(|(a, b)| a == b))
-    }
-
-    fn host() -> HostRoot {
-        HostRoot {
-            tops: vec![
-                (
-                    PathBuf::from("/bin"),
-                    RootEntry::Symlink(PathBuf::from("usr/bin")),
-                ),
-                (PathBuf::from("/lib64"), RootEntry::Dir),
-            ],
-            etc_files: vec![PathBuf::from("/etc/localtime")],
-            extra_ro_binds: vec![PathBuf::from("/opt/data")],
-        }
-    }
-
-    fn root() -> BwrapOptions {
-        BwrapOptions {
-            privileged: true,
-            setpriv: Some(PathBuf::from("/usr/bin/setpriv")),
-            has_size: true,
-            has_disable_userns: true,
-            python_dirs: vec![PathBuf::from("/opt/py/3.11")],
-            die_with_parent: true,
-        }
-    }
-
-    fn unprivileged() -> BwrapOptions {
-        BwrapOptions {
-            privileged: false,
-            setpriv: None,
-            ..root()
-        }
-    }
-
-    /// One run: options, tmpfs size, uid, resource dir, seccomp fd → the argv.
-    fn run(
-        opts: &BwrapOptions,
-        tmp_size: Option<u64>,
-        ids: Option<(u32, u32)>,
-        resource_dir: Option<&Path>,
-        seccomp: Option<RawFd>,
-    ) -> Vec<String> {
-        let argv = ["python".to_string(), "-c".to_string(), "pass".to_string()];
-        let req = BwrapRequest {
-            workspace: Path::new("/data/workspaces/alice"),
-            rundir: Path::new("/run/kb/0000"),
-            ids,
-            tmp_size,
-            resource_dir,
-            argv: &argv,
-        };
-        text(&bwrap_args(opts, &host(), &req, seccomp))
-    }
-
-    #[test]
-    fn argv_cases() {
-        struct Case {
-            name: &'static str,
-            args: Vec<String>,
-            present: Vec<&'static [&'static str]>,
-            absent: Vec<&'static [&'static str]>,
-        }
-        let res = Path::new("/k/spec");
-        let cases = [
-            Case {
-                name: "root: own namespaces, no network, uid dropped by setpriv",
-                args: run(&root(), None, Some((200_001, 200_001)), None, None),
-                present: vec![
-                    &["--unshare-pid"],
-                    &["--unshare-net"],
-                    &["--unshare-ipc"],
-                    &["--unshare-uts"],
-                    &["--unshare-cgroup-try"],
-                    &["--die-with-parent"],
-                    &["--new-session"],
-                    &["--hostname", "kernel"],
-                    &[
-                        "--",
-                        "/usr/bin/setpriv",
-                        "--reuid=200001",
-                        "--regid=200001",
-                        "--clear-groups",
-                        "--inh-caps=-all",
-                        "--bounding-set=-all",
-                        "--no-new-privs",
-                        "--",
-                        "python",
-                        "-c",
-                        "pass",
-                    ],
-                ],
-                absent: vec![&["--unshare-user"], &["--seccomp"], &["--size"]],
-            },
-            Case {
-                name: "unprivileged: a user namespace, no nested ones, no setpriv",
-                args: run(&unprivileged(), None, None, None, None),
-                present: vec![
-                    &["--unshare-net"],
-                    &["--unshare-user"],
-                    &["--disable-userns"],
-                    &["--", "python", "-c", "pass"],
-                ],
-                absent: vec![&["/usr/bin/setpriv"]],
-            },
-            Case {
-                name: "an old bwrap without --disable-userns",
-                args: run(
-                    &BwrapOptions {
-                        has_disable_userns: false,
-                        ..unprivileged()
-                    },
-                    None,
-                    None,
-                    None,
-                    None,
-                ),
-                present: vec![&["--unshare-user"]],
-                absent: vec![&["--disable-userns"]],
-            },
-            Case {
-                name: "read-only host: /usr, Python, /lib64, extra binds, /etc files",
-                args: run(&root(), None, None, None, None),
-                present: vec![
-                    &["--ro-bind", "/usr", "/usr"],
-                    &["--symlink", "usr/bin", "/bin"],
-                    &["--ro-bind", "/lib64", "/lib64"],
-                    &["--ro-bind", "/opt/py/3.11", "/opt/py/3.11"],
-                    &["--ro-bind", "/opt/data", "/opt/data"],
-                    &["--ro-bind", "/etc/localtime", "/etc/localtime"],
-                    &["--ro-bind", "/run/kb/0000/passwd", "/etc/passwd"],
-                    &["--ro-bind", "/run/kb/0000/group", "/etc/group"],
-                    &["--ro-bind", "/run/kb/0000/hosts", "/etc/hosts"],
-                    &["--perms", "0755", "--dir", "/opt"],
-                ],
-                absent: vec![&["--bind", "/usr"], &["--ro-bind", "/k/spec"]],
-            },
-            Case {
-                name: "writable: only the workspace and the runtime directory",
-                args: run(&root(), None, None, None, None),
-                present: vec![
-                    &["--bind", "/run/kb/0000", "/run/kernel"],
-                    &["--bind", "/data/workspaces/alice", "/workspace"],
-                    &["--chdir", "/workspace"],
-                    &["--proc", "/proc", "--dev", "/dev"],
-                    &["--perms", "1777", "--tmpfs", "/tmp"],
-                    &["--perms", "1777", "--tmpfs", "/dev/shm"],
-                ],
-                absent: vec![],
-            },
-            Case {
-                name: "the memory limit caps the tmpfs when bwrap can",
-                args: run(&root(), Some(64 << 20), None, None, None),
-                present: vec![
-                    &["--perms", "1777", "--size", "67108864", "--tmpfs", "/tmp"],
-                    &[
-                        "--perms", "1777", "--size", "67108864", "--tmpfs", "/dev/shm",
-                    ],
-                ],
-                absent: vec![],
-            },
-            Case {
-                name: "a bwrap without --size gets no cap",
-                args: run(
-                    &BwrapOptions {
-                        has_size: false,
-                        ..root()
-                    },
-                    Some(64 << 20),
-                    None,
-                    None,
-                    None,
-                ),
-                present: vec![&["--perms", "1777", "--tmpfs", "/tmp"]],
-                absent: vec![&["--size"]],
-            },
-            Case {
-                name: "the syscall filter and the kernel spec's resource directory",
-                args: run(&root(), None, None, Some(res), Some(7)),
-                present: vec![&["--seccomp", "7"], &["--ro-bind", "/k/spec", "/k/spec"]],
-                absent: vec![],
-            },
-        ];
-        for case in cases {
-            for seq in &case.present {
-                assert!(
-                    has(&case.args, seq),
-                    "{}: missing {seq:?} in {:?}",
-                    case.name,
-                    case.args
-                );
-            }
-            for seq in &case.absent {
-                assert!(
-                    !has(&case.args, seq),
-                    "{}: unexpected {seq:?} in {:?}",
-                    case.name,
-                    case.args
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn private_mounts_come_before_binds_that_may_land_on_them() {
-        let args = run(&root(), None, Some((1, 1)), None, None);
-        let at = |seq: &[&str]| {
-            args.windows(seq.len())
-                .position(|w| w.iter().zip(seq).all(|(a, b)| a == b))
-                .unwrap_or_else(|| panic!("{seq:?} missing"))
-        };
-        assert!(at(&["--tmpfs", "/tmp"]) < at(&["--ro-bind", "/opt/py/3.11"]));
-        // The command comes last, after the file system.
-        assert!(at(&["--chdir", "/workspace"]) < at(&["--", "/usr/bin/setpriv"]));
-    }
-
-    #[test]
-    fn the_kernel_environment_is_built_not_inherited() {
-        let env: HashMap<String, String> = kernel_env(Path::new("/opt/venv"), "a:b")
-            .into_iter()
-            .collect();
-        assert_eq!(env["PATH"], "/opt/venv/bin:/usr/local/bin:/usr/bin:/bin");
-        assert_eq!(env["HOME"], "/workspace");
-        assert_eq!(env["USER"], "a_b");
-        assert_eq!(env["LOGNAME"], "a_b");
-        assert_eq!(env["TMPDIR"], "/tmp");
-        assert_eq!(env.len(), 9);
-    }
-}
+#[path = "bwrap_tests.rs"]
+mod tests;

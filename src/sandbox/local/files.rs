@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use uuid::Uuid;
 
-use super::{LocalSandboxConfig, BACKEND, HOSTNAME, IPC_BASE_INSIDE, WORKSPACE_INSIDE};
+use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
+use super::{LocalSandboxConfig, BACKEND, HOME_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file, FileMode};
 use crate::sandbox::workspace_fs::WorkspaceImages;
@@ -99,13 +100,19 @@ impl LaunchFiles {
         let login = &self.login;
         let passwd = format!(
             "root:x:0:0:root:/root:/usr/sbin/nologin\n\
-             {login}:x:{uid}:{gid}:{login}:{WORKSPACE_INSIDE}:/bin/sh\n\
+             {login}:x:{uid}:{gid}:{login}:{HOME_INSIDE}:/bin/sh\n\
              nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
         );
         let group = format!("root:x:0:\n{login}:x:{gid}:\nnogroup:x:65534:\n");
         let hosts =
             format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
-        for (name, text) in [("passwd", passwd), ("group", group), ("hosts", hosts)] {
+        let pyvenv = PYVENV_CFG.to_string();
+        for (name, text) in [
+            ("passwd", passwd),
+            ("group", group),
+            ("hosts", hosts),
+            (PYVENV_CFG_NAME, pyvenv),
+        ] {
             let path = self.rundir.join(name);
             write_new_file(&path, text.as_bytes(), FileMode::Masked(0o644), None)
                 .map_err(io_err("cannot write a sandbox /etc file", &path))?;

@@ -1,16 +1,17 @@
 //! What the local sandbox learns about this host once, when it is made: where programs
 //! are, and which directories make up the kernels' Python installation (shown read-only
-//! to kernels at the same paths).
+//! to kernels at neutral paths, `python.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
+use super::python::KernelPython;
 use super::unavailable;
 use crate::sandbox::SandboxError;
 
 /// Runs the interpreter once to learn its venv and installation directories, which the
-/// sandbox shows read-only at the same paths.
-pub(super) fn discover_python(python: &Path) -> Result<(PathBuf, Vec<PathBuf>), SandboxError> {
+/// sandbox shows read-only at neutral paths (`python.rs`).
+pub(super) fn discover_python(python: &Path) -> Result<KernelPython, SandboxError> {
     const SCRIPT: &str =
         "import os, sys; print(sys.prefix); print(sys.base_prefix); print(os.path.realpath(sys.executable))";
     let output = std::process::Command::new(python)
@@ -40,29 +41,19 @@ pub(super) fn discover_python(python: &Path) -> Result<(PathBuf, Vec<PathBuf>), 
             python.display()
         )));
     };
-    let venv = PathBuf::from(prefix);
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    for dir in [prefix, base_prefix] {
-        let dir = PathBuf::from(dir);
-        if !dir.starts_with("/usr") && !dirs.contains(&dir) {
-            dirs.push(dir);
-        }
-    }
-    // An interpreter binary outside both prefixes (unusual): show its directory too.
-    let executable = PathBuf::from(executable);
-    if !executable.starts_with("/usr") && !dirs.iter().any(|d| executable.starts_with(d)) {
-        if let Some(bin) = executable.parent() {
-            dirs.push(bin.to_path_buf());
-        }
-    }
-    if dirs.iter().any(|d| d == Path::new("/")) {
+    let found = KernelPython::from_host(
+        Path::new(prefix),
+        Path::new(base_prefix),
+        Path::new(executable),
+    );
+    if found.host_dirs().iter().any(|d| d == Path::new("/")) {
         return Err(unavailable(format!(
             "the kernels' Python {} is installed at /, which cannot be shown to kernels alone",
             python.display()
         )));
     }
-    tracing::debug!(venv = %venv.display(), ?dirs, "kernels' Python found");
-    Ok((venv, dirs))
+    tracing::debug!(python = ?found, "kernels' Python found");
+    Ok(found)
 }
 
 pub(super) fn find_program(name: &str) -> Option<PathBuf> {

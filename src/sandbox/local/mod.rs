@@ -5,9 +5,9 @@
 //! connection file and the ZeroMQ `ipc://` sockets, the `bwrap` command line that builds the
 //! kernel's view of the file system, and the process's life from spawn to reaping.
 //!
-//! What a kernel sees: `/usr` (and the Python installation) read-only, a tiny `/etc`, a
-//! private `/proc`, `/dev` and `/tmp` (tmpfs), its workspace at `/workspace` and its runtime
-//! directory at `/run/kernel`. Nothing else of the host: not `/root`, `/home`, `/var`, `/srv`,
+//! What a kernel sees: `/usr` and its Python (at `/opt/kernel-venv`, `python.rs`) read-only,
+//! a tiny `/etc`, a private `/proc`, `/dev`, `/tmp` and home (tmpfs), its workspace at
+//! `/workspace` and its runtime directory at `/run/kernel`. Nothing else of the host: not `/root`, `/home`, `/var`, `/srv`,
 //! nor the broker's own tree (except the kernels' venv). The network namespace is empty
 //! (loopback only); the kernel talks to the broker through sockets in `/run/kernel`. Every
 //! kernel runs under a seccomp filter ([`super::seccomp`]): no namespaces, mounts, ptrace,
@@ -35,7 +35,7 @@
 //! implementation; `bwrap.rs` the pure argv and mount plan; `files.rs` a launch's host
 //! files and runtime base; `process.rs` the launch and spawn; `reaper.rs` the kernel's
 //! handle half and its reaper; `output.rs` log forwarding; `host.rs` what is learned of
-//! the host once; `check.rs` the startup test run. Limits are [`super::cgroup`]'s.
+//! the host once; `python.rs` where kernels find their Python; `check.rs` the startup test run. Limits are [`super::cgroup`]'s.
 
 mod adopt;
 mod bwrap;
@@ -45,6 +45,7 @@ mod host;
 mod keep;
 mod output;
 mod process;
+mod python;
 mod reaper;
 
 use std::collections::{HashMap, HashSet};
@@ -77,6 +78,9 @@ pub(super) const CONNECTION_FILE_INSIDE: &str = "/run/kernel/connection.json";
 pub(super) const IPC_BASE_INSIDE: &str = "/run/kernel/k";
 /// The workspace inside the sandbox (also `$HOME`).
 pub(super) const WORKSPACE_INSIDE: &str = "/workspace";
+/// The kernel's `HOME` (a tmpfs: its caches stay out of the workspace), as in the Docker
+/// image.
+pub(super) const HOME_INSIDE: &str = "/home/kernel";
 /// The sandbox's host name.
 pub(super) const HOSTNAME: &str = "kernel";
 /// How long `terminate` waits for the kill and the cleanup.
@@ -175,8 +179,8 @@ pub struct LocalSandbox {
     /// The syscall filter bwrap installs on every kernel; `None` on an architecture we
     /// have no filter for (see [`super::seccomp`]).
     seccomp: Option<SyscallFilter>,
-    /// The venv directory (its `bin` goes first on the kernel's `PATH`).
-    venv: PathBuf,
+    /// The kernels' Python (its `bin` goes first on the kernel's `PATH`).
+    venv: python::KernelPython,
     specs: Arc<KernelSpecs>,
     run_base: PathBuf,
     workspaces: PathBuf,
@@ -235,7 +239,7 @@ impl LocalSandbox {
             None
         };
 
-        let (venv, python_dirs) = discover_python(&cfg.python)?;
+        let venv = discover_python(&cfg.python)?;
         let specs = match &cfg.kernel_specs {
             Some(specs) => specs.clone(),
             None => Arc::new(
@@ -268,7 +272,7 @@ impl LocalSandbox {
                 setpriv,
                 has_size: help.contains("--size"),
                 has_disable_userns: help.contains("--disable-userns"),
-                python_dirs,
+                python: venv.clone(),
                 die_with_parent: !cfg.keep_kernels,
             },
             seccomp,
@@ -411,7 +415,8 @@ impl LocalSandbox {
     /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
     /// `{resource_dir}` anywhere.
     fn substitute_argv(&self, argv: &[String], resource_dir: Option<&Path>) -> Vec<String> {
-        let python = self.cfg.python.to_string_lossy();
+        let python = self.venv.interpreter_inside(&self.cfg.python);
+        let python = python.to_string_lossy();
         argv.iter()
             .enumerate()
             .map(|(i, arg)| {
@@ -467,6 +472,12 @@ impl Sandbox for LocalSandbox {
         let quota = (&*self.workspace_images, user.limits.workspace_quota_bytes);
         prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?), Some(quota))?;
         Ok(path)
+    }
+
+    /// The user's kernel uid as root (uploads must be the kernel's to overwrite and
+    /// delete); without root kernels run as the broker's uid, which owns what it writes.
+    fn workspace_owner(&self, user: &SandboxUser) -> Option<(u32, u32)> {
+        self.kernel_ids(user).ok().flatten()
     }
 
     fn keeps_kernels(&self) -> bool {

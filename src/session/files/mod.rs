@@ -18,6 +18,9 @@ use super::error::SessionError;
 use crate::sandbox::fsutil::{self, WalkLimits};
 use rustix::fs::{Mode, OFlags};
 
+mod change;
+pub use change::{remove, rename};
+
 /// One file of a listing.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct FileEntry {
@@ -111,46 +114,7 @@ pub fn write(
 ) -> Result<(), SessionError> {
     let rel = clean_relative(rel)?;
     let root = open_root(workspace)?;
-    let mut dir = PathBuf::new();
-    let parents: Vec<_> = rel
-        .parent()
-        .map(|p| p.components().collect())
-        .unwrap_or_default();
-    for part in parents {
-        dir.push(part);
-        match open_beneath(&root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0) {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let parent_fd = match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
-                        .map_err(|e| io_err("open", p, e))?,
-                    None => root.try_clone().map_err(|e| io_err("open", workspace, e))?,
-                };
-                let name = CString::new(dir.file_name().unwrap_or_default().as_bytes())
-                    .map_err(|_| SessionError::BadRequest("bad path".into()))?;
-                use std::os::fd::AsRawFd;
-                // SAFETY: valid dirfd and NUL-terminated name.
-                let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
-                if rc != 0 {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::AlreadyExists {
-                        return Err(io_err("create directory", &dir, e));
-                    }
-                }
-                let made = open_beneath(&root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0)
-                    .map_err(|e| io_err("open", &dir, e))?;
-                chown_fd(&made, owner);
-            }
-            Err(e) => return Err(io_err("open", &dir, e)),
-        }
-    }
-    // Into a new file beside the target, renamed over it once complete: a write that fails
-    // (the quota is full, say) leaves the old file as it was and no partial file behind.
-    let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
-            .map_err(|e| io_err("open", p, e))?,
-        None => root,
-    };
+    let parent = make_parents(&root, workspace, &rel, owner)?;
     let name = rel
         .file_name()
         .ok_or_else(|| SessionError::BadRequest("the path names no file".into()))?;
@@ -165,6 +129,8 @@ pub fn write(
             ));
         }
     }
+    // Into a new file beside the target, renamed over it once complete: a write that fails
+    // (the quota is full, say) leaves the old file as it was and no partial file behind.
     let temp = format!(".kb-upload-{}", uuid::Uuid::new_v4().simple());
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let fd = rustix::fs::openat(&parent, temp.as_str(), flags, Mode::from_raw_mode(0o644))
@@ -178,6 +144,55 @@ pub fn write(
         return Err(io_err("write", &rel, e));
     }
     Ok(())
+}
+
+/// Opens the directory that holds `rel`, creating the missing directories on the way (each
+/// made with `mkdirat` in its parent's descriptor and given to `owner`, so the kernel can
+/// write, rename and delete in them). Returns the parent's descriptor.
+pub(super) fn make_parents(
+    root: &OwnedFd,
+    workspace: &Path,
+    rel: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<OwnedFd, SessionError> {
+    use std::os::fd::AsRawFd;
+    let mut dir = PathBuf::new();
+    let parents: Vec<_> = rel
+        .parent()
+        .map(|p| p.components().collect())
+        .unwrap_or_default();
+    for part in parents {
+        dir.push(part);
+        match open_beneath(root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let parent_fd = match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    Some(p) => open_beneath(root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+                        .map_err(|e| io_err("open", p, e))?,
+                    None => root.try_clone().map_err(|e| io_err("open", workspace, e))?,
+                };
+                let name = CString::new(dir.file_name().unwrap_or_default().as_bytes())
+                    .map_err(|_| SessionError::BadRequest("bad path".into()))?;
+                // SAFETY: valid dirfd and NUL-terminated name.
+                let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
+                if rc != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::AlreadyExists {
+                        return Err(io_err("create directory", &dir, e));
+                    }
+                }
+                let made = open_beneath(root, &dir, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+                    .map_err(|e| io_err("open", &dir, e))?;
+                chown_fd(&made, owner);
+            }
+            Err(e) => return Err(io_err("open", &dir, e)),
+        }
+    }
+    match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => open_beneath(root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+            .map_err(|e| io_err("open", p, e)),
+        None => root.try_clone().map_err(|e| io_err("open", workspace, e)),
+    }
 }
 
 /// Open `rel` in the workspace for reading, refusing what is not a regular file and files
