@@ -27,6 +27,7 @@ pub mod config;
 pub mod descriptors;
 pub mod instance_lock;
 pub mod kernel;
+pub mod private_file;
 pub mod recording;
 pub mod replay;
 pub mod sandbox;

@@ -35,12 +35,15 @@ fn walk_procs(dir: &std::path::Path) -> usize {
         .sum::<usize>()
 }
 
-/// The extra arguments that pick `sandbox`.
-fn backend_args(sandbox: &str) -> Vec<&'static str> {
-    match sandbox {
+/// The extra arguments that pick `sandbox`, and those with `--keep-sessions` added.
+fn keeping(sandbox: &str) -> (Vec<&'static str>, Vec<&'static str>) {
+    let backend = match sandbox {
         "docker" => vec!["--sandbox", "docker"],
         _ => vec![],
-    }
+    };
+    let mut args = vec!["--keep-sessions"];
+    args.extend_from_slice(&backend);
+    (backend, args)
 }
 
 async fn session(api: &Api, id: &str) -> Value {
@@ -66,11 +69,9 @@ fn kinds(events: &[Value]) -> Vec<String> {
 }
 
 async fn keeps_state_across(sandbox: &'static str, how: Stop) {
-    let backend = backend_args(sandbox);
-    let backend = backend.as_slice();
-    let mut args = vec!["--keep-sessions"];
-    args.extend_from_slice(backend);
-    let mut broker = SpawnedBroker::start(&args, None);
+    let (_, args) = keeping(sandbox);
+    let args = args.as_slice();
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let id = api.create().await;
     let v = api
@@ -152,11 +153,9 @@ async fn keeps_state_across(sandbox: &'static str, how: Stop) {
 }
 
 async fn in_flight_execution_gets_an_answer(sandbox: &'static str) {
-    let backend = backend_args(sandbox);
-    let backend = backend.as_slice();
-    let mut args = vec!["--keep-sessions"];
-    args.extend_from_slice(backend);
-    let mut broker = SpawnedBroker::start(&args, None);
+    let (_, args) = keeping(sandbox);
+    let args = args.as_slice();
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let id = api.create().await;
     // Still running when the broker stops: the client gets an answer at once, and the
@@ -189,12 +188,10 @@ async fn in_flight_execution_gets_an_answer(sandbox: &'static str) {
 }
 
 async fn expired_while_down_is_reclaimed(sandbox: &'static str) {
-    let backend = backend_args(sandbox);
-    let backend = backend.as_slice();
-    let mut args = vec!["--keep-sessions"];
-    args.extend_from_slice(backend);
+    let (backend, args) = keeping(sandbox);
+    let (backend, args) = (backend.as_slice(), args.as_slice());
     let cgroup_of = |b: &SpawnedBroker| b.cgroup_name().unwrap().to_string();
-    let mut broker = SpawnedBroker::start(&args, None);
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let (status, s) = api
         .post("/v1/sessions", json!({"idle_timeout_seconds": 3}))
@@ -232,11 +229,9 @@ async fn expired_while_down_is_reclaimed(sandbox: &'static str) {
 }
 
 async fn died_while_down_reads_dead(sandbox: &'static str) {
-    let backend = backend_args(sandbox);
-    let backend = backend.as_slice();
-    let mut args = vec!["--keep-sessions"];
-    args.extend_from_slice(backend);
-    let mut broker = SpawnedBroker::start(&args, None);
+    let (_, args) = keeping(sandbox);
+    let args = args.as_slice();
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let id = api.create().await;
     // The kernel exits by itself with code 3 while the broker is down.
@@ -271,11 +266,9 @@ async fn died_while_down_reads_dead(sandbox: &'static str) {
 }
 
 async fn without_the_flag_sessions_end_with_the_broker(sandbox: &'static str) {
-    let backend = backend_args(sandbox);
-    let backend = backend.as_slice();
-    let mut args = vec!["--keep-sessions"];
-    args.extend_from_slice(backend);
-    let mut broker = SpawnedBroker::start(&args, None);
+    let (backend, args) = keeping(sandbox);
+    let (backend, args) = (backend.as_slice(), args.as_slice());
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let id = api.create().await;
     assert_eq!(api.execute(&id, "x = 1").await["status"], "ok");
@@ -290,7 +283,7 @@ async fn without_the_flag_sessions_end_with_the_broker(sandbox: &'static str) {
     // And a SIGTERM without the flag ends the sessions, as ever; a keeping start later
     // brings back neither (the first one's record went with the run that ended it).
     let second = api.create().await;
-    broker.restart_with(Stop::Term, &args).await;
+    broker.restart_with(Stop::Term, args).await;
     let api = broker.api(ALICE);
     assert_eq!(api.get(&format!("/v1/sessions/{second}")).await.0, 404);
     assert_eq!(api.get(&format!("/v1/sessions/{id}")).await.0, 404);

@@ -653,7 +653,9 @@ async fn long_output_is_cut_and_endless_output_is_bounded(sb: &'static str) {
         Some("dead") => {
             let error = x["error"]["evalue"].as_str().unwrap_or_default();
             assert!(error.contains("ran out of memory"), "{x}");
-            let (status, _) = api.post(&format!("/v1/sessions/{id}/restart"), json!({})).await;
+            let (status, _) = api
+                .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+                .await;
             assert_eq!(status, 200);
         }
         other => panic!("endless output ended as {other:?}: {x}"),

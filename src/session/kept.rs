@@ -14,14 +14,15 @@
 //! its own writes and removal (see `Session::persist`), so they land in order and nothing
 //! is written after the removal.
 
-use std::io::{self, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+
+use crate::private_file;
 
 /// The largest record read back (they are well under 1 KiB).
 const MAX_RECORD: u64 = 64 << 10;
@@ -85,17 +86,7 @@ impl KeptSessions {
 
     fn write(&self, record: &SessionRecord) -> io::Result<()> {
         let bytes = serde_json::to_vec(record).map_err(io::Error::other)?;
-        let tmp = self.dir.join(format!("{}.json.tmp", record.id));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_data()?;
-        std::fs::rename(&tmp, self.path(record.id))
+        private_file::write_atomic(&self.dir, &format!("{}.json", record.id), &bytes)
     }
 
     /// Removes `id`'s record: the session is gone for good.
@@ -122,7 +113,7 @@ impl KeptSessions {
             let path = entry.path();
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if name.ends_with(".json.tmp") {
+            if private_file::is_leftover(&name) {
                 let _ = std::fs::remove_file(&path);
                 continue;
             }
@@ -143,12 +134,7 @@ impl KeptSessions {
 }
 
 fn read_record(path: &Path) -> io::Result<SessionRecord> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
-    let mut bytes = Vec::new();
-    f.take(MAX_RECORD).read_to_end(&mut bytes)?;
+    let bytes = private_file::read_capped(path, MAX_RECORD)?;
     serde_json::from_slice(&bytes).map_err(io::Error::other)
 }
 

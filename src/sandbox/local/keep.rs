@@ -15,7 +15,7 @@
 //! ended); the runtime directory and cgroup leaf are found where the launch put them.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
@@ -26,6 +26,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::private_file;
 use crate::sync::lock;
 
 /// The largest ticket or status file read back (they are a few hundred bytes; anything
@@ -118,19 +119,8 @@ impl KeptKernels {
     /// Writes `ticket` (atomically: a run that dies half-way leaves the old or none).
     /// Blocking.
     pub fn write(&self, ticket: &Ticket) -> io::Result<()> {
-        let path = self.dir.join(format!("{}.json", ticket.session));
-        let tmp = self.dir.join(format!("{}.json.tmp", ticket.session));
         let bytes = serde_json::to_vec(ticket).map_err(io::Error::other)?;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)
+        private_file::write_atomic(&self.dir, &format!("{}.json", ticket.session), &bytes)
     }
 
     /// Removes `session`'s files: its kernel has ended and is reclaimed. Blocking.
@@ -159,14 +149,7 @@ impl KeptKernels {
 }
 
 fn read_small(path: &Path) -> io::Result<Vec<u8>> {
-    use std::io::Read;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
-    let mut bytes = Vec::new();
-    f.take(MAX_FILE).read_to_end(&mut bytes)?;
-    Ok(bytes)
+    private_file::read_capped(path, MAX_FILE)
 }
 
 /// The start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22); `None`

@@ -91,7 +91,7 @@ impl Actor {
         sandbox: Arc<dyn Sandbox>,
         config: SessionConfig,
         commands: mpsc::Receiver<Command>,
-        kernel: Live,
+        kernel: Option<Live>,
         recorder: Arc<dyn Recorder>,
         pool: Arc<Pool>,
     ) -> Self {
@@ -100,7 +100,7 @@ impl Actor {
             sandbox,
             config,
             commands,
-            kernel: Some(kernel),
+            kernel,
             queue: VecDeque::new(),
             running: None,
             routes: HashMap::new(),
@@ -122,20 +122,9 @@ impl Actor {
         (recorder, pool): (Arc<dyn Recorder>, Arc<Pool>),
     ) -> Self {
         session.set_dead(reason.clone());
-        Self {
-            session,
-            sandbox,
-            config,
-            commands,
-            kernel: None,
-            queue: VecDeque::new(),
-            running: None,
-            routes: HashMap::new(),
-            dead_reason: Some(reason),
-            recorder,
-            pool,
-            recent_agent_ids: VecDeque::new(),
-        }
+        let mut actor = Self::new(session, sandbox, config, commands, None, recorder, pool);
+        actor.dead_reason = Some(reason);
+        actor
     }
 
     pub async fn run(mut self) {

@@ -77,7 +77,7 @@ async fn start(config: SessionConfig) -> Harness {
         dyn_sandbox,
         config,
         commands_rx,
-        live,
+        Some(live),
         recorder.clone(),
         pool,
     );

@@ -18,14 +18,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use tokio::sync::mpsc;
 use tokio::time::timeout;
 
 use super::Registry;
 use crate::kernel::KernelClient;
 use crate::sandbox::{AdoptError, AdoptSpec, KernelLimits, KernelProcess, SandboxUser};
 use crate::session::actor::Actor;
-use crate::session::handle::{HandleParts, Restored, Session};
+use crate::session::handle::{Restored, Session};
 use crate::session::kept::SessionRecord;
 use crate::session::launch::Live;
 use crate::session::lifecycle::LifecycleEvent;
@@ -200,33 +199,22 @@ impl Registry {
         outcome: Outcome,
     ) -> Arc<Session> {
         let cfg = &self.inner.config;
-        let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
         let limits = limits_of(&record);
         let memory = self
             .inner
             .ledger
             .reserve_adopted(&user.name, limits.memory_bytes);
-        let session = Arc::new(Session::new(
+        let idle_timeout = record.idle_timeout_seconds.map(Duration::from_secs);
+        let (session, commands_rx) = self.new_session(
             record.id,
-            user.clone(),
-            HandleParts {
-                kernel_name: record.kernel.clone(),
-                idle_timeout: record.idle_timeout_seconds.map(Duration::from_secs),
-                limits,
-                memory,
-                commands: commands_tx,
-                event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
-                    .unwrap_or(usize::MAX),
-                max_queue: cfg.max_queue,
-                notify_registry: self.inner.notify.clone(),
-                kept: self.inner.kept.clone(),
-                restored: Some(Restored {
-                    created_at: record.created_at,
-                    last_activity: record.last_activity,
-                    execution_count: record.execution_count,
-                }),
-            },
-        ));
+            user,
+            (record.kernel.clone(), idle_timeout, limits, memory),
+            Some(Restored {
+                created_at: record.created_at,
+                last_activity: record.last_activity,
+                execution_count: record.execution_count,
+            }),
+        );
         let parts = (self.inner.recorder.clone(), self.inner.pool.clone());
         let actor = match outcome {
             Outcome::Alive(live) => {
@@ -237,7 +225,7 @@ impl Registry {
                     self.inner.sandbox.clone(),
                     cfg.clone(),
                     commands_rx,
-                    live,
+                    Some(live),
                     parts.0,
                     parts.1,
                 )

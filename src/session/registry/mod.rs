@@ -18,9 +18,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::actor::Actor;
+use super::command::Command;
 use super::config::SessionConfig;
 use super::error::SessionError;
-use super::handle::{HandleParts, Session};
+use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::LifecycleEvent;
 use super::memory::{human_bytes, Holder, Ledger, MemoryUse, Reservation};
@@ -76,6 +77,9 @@ pub struct CreateOptions {
     /// least 16 MiB and at most the user's total.
     pub memory_limit_bytes: Option<u64>,
 }
+
+/// What a new session is: its kernel spec, idle timeout, limits and memory reservation.
+type Shape = (String, Option<Duration>, KernelLimits, Reservation);
 
 /// The smallest memory limit a session may ask for.
 pub const MIN_SESSION_MEMORY: u64 = 16 << 20;
@@ -294,35 +298,13 @@ impl Registry {
         &self,
         id: Uuid,
         user: &SandboxUser,
-        (kernel_name, idle_timeout, limits, memory): (
-            String,
-            Option<Duration>,
-            KernelLimits,
-            Reservation,
-        ),
+        (kernel_name, idle_timeout, limits, memory): Shape,
         pooled: Option<Live>,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
         let cfg = &self.inner.config;
-        let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
-        let session = Arc::new(Session::new(
-            id,
-            user.clone(),
-            HandleParts {
-                kernel_name,
-                idle_timeout,
-                limits,
-                memory,
-                commands: commands_tx,
-                // Two of the largest messages a kernel may send.
-                event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
-                    .unwrap_or(usize::MAX),
-                max_queue: cfg.max_queue,
-                notify_registry: self.inner.notify.clone(),
-                kept: self.inner.kept.clone(),
-                restored: None,
-            },
-        ));
+        let (session, commands_rx) =
+            self.new_session(id, user, (kernel_name, idle_timeout, limits, memory), None);
         let from_pool = pooled.is_some();
         let live = match pooled {
             Some(live) => live,
@@ -342,7 +324,7 @@ impl Registry {
             self.inner.sandbox.clone(),
             cfg.clone(),
             commands_rx,
-            live,
+            Some(live),
             self.inner.recorder.clone(),
             self.inner.pool.clone(),
         );
@@ -364,6 +346,37 @@ impl Registry {
         tokio::spawn(actor.run());
         tracing::info!(session = %id, user = %user.name, "session started");
         Ok(session)
+    }
+
+    /// A session handle of this registry (state `starting`) and its actor's command queue.
+    fn new_session(
+        &self,
+        id: Uuid,
+        user: &SandboxUser,
+        (kernel_name, idle_timeout, limits, memory): Shape,
+        restored: Option<Restored>,
+    ) -> (Arc<Session>, mpsc::Receiver<Command>) {
+        let cfg = &self.inner.config;
+        let (commands_tx, commands_rx) = mpsc::channel(cfg.max_queue + 64);
+        let session = Arc::new(Session::new(
+            id,
+            user.clone(),
+            HandleParts {
+                kernel_name,
+                idle_timeout,
+                limits,
+                memory,
+                commands: commands_tx,
+                // Two of the largest messages a kernel may send.
+                event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
+                    .unwrap_or(usize::MAX),
+                max_queue: cfg.max_queue,
+                notify_registry: self.inner.notify.clone(),
+                kept: self.inner.kept.clone(),
+                restored,
+            },
+        ));
+        (session, commands_rx)
     }
 
     /// The caller's session `id`. Another user's session answers as a missing one.

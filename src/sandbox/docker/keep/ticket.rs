@@ -3,15 +3,13 @@
 //! spares what the tickets name.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{self, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::sandbox::docker::{is_container_safe, SESSION_DIR_LEN};
-use crate::sandbox::fsutil::current_ids;
 
 /// A ticket is a few hundred bytes; anything much larger is not one of ours.
 const MAX_TICKET_BYTES: u64 = 16 * 1024;
@@ -106,42 +104,13 @@ pub(crate) fn ticket_path(dir: &Path, session: Uuid) -> PathBuf {
 /// Writes `ticket` atomically (temporary file, fsync, rename), 0600. Blocking.
 pub(crate) fn write_ticket(dir: &Path, ticket: &Ticket) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(ticket).map_err(io::Error::other)?;
-    let path = ticket_path(dir, ticket.session_id);
-    let tmp = dir.join(format!(".{}.json.tmp", ticket.session_id));
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&tmp, &path)?;
-    // The rename itself survives a crash only once the directory is on disk.
-    std::fs::File::open(dir)?.sync_all()
+    crate::private_file::write_atomic(dir, &format!("{}.json", ticket.session_id), &bytes)
 }
 
 /// Reads one ticket: a regular file of the broker's, at most [`MAX_TICKET_BYTES`]. Blocking.
 fn read_ticket(path: &Path) -> Result<Ticket, String> {
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| e.to_string())?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
-    if !meta.is_file() || meta.uid() != current_ids().0 || meta.len() > MAX_TICKET_BYTES {
-        return Err("not a ticket file of the broker's".into());
-    }
-    let mut bytes = Vec::new();
-    Read::by_ref(&mut file)
-        .take(MAX_TICKET_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > MAX_TICKET_BYTES {
-        return Err("the ticket is too large".into());
-    }
+    let bytes =
+        crate::private_file::read_capped(path, MAX_TICKET_BYTES).map_err(|e| e.to_string())?;
     serde_json::from_slice(&bytes).map_err(|e| e.to_string())
 }
 
@@ -233,6 +202,7 @@ pub(crate) fn sweep_runtime(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn ticket(session: Uuid) -> Ticket {
         let s = session.to_string();
