@@ -612,6 +612,13 @@ class Broker:
             if ids:
                 log(f"removing {len(ids)} container(s) the broker left behind")
                 subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=120)
+        # A broker that keeps sessions (--keep-sessions) leaves its workspace file systems
+        # mounted for its next run; there is none: unmount what lies below the data.
+        top = os.path.realpath(self.data_dir) + "/"
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split(" ")[4] for line in f]
+        for point in sorted((p for p in points if p.startswith(top)), reverse=True):
+            subprocess.run(["umount", "-l", point], check=False)
 
 
 class KernelGateway:
