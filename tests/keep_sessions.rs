@@ -249,8 +249,12 @@ async fn died_while_down_reads_dead(sandbox: &'static str) {
     let s = session(&api, &id).await;
     assert_eq!(s["state"], "dead", "{s}");
     let reason = s["dead_reason"].as_str().unwrap_or_default();
+    // Ended before the new broker looked (the usual case), or while it was reaching the
+    // kernel (a loaded machine delays the kernel's timer): both tell the kernel's own exit.
     assert!(
-        reason.contains("exited with code 3") && reason.contains("while the broker was stopped"),
+        reason.contains("exited with code 3")
+            && (reason.contains("while the broker was stopped")
+                || reason.contains("as the broker restarted")),
         "{reason}"
     );
     let v = api.execute(&id, "1").await;

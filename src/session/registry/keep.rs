@@ -150,7 +150,9 @@ impl Registry {
         let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
         let limit = self.inner.sandbox.launch_timeout();
         let options = self.inner.config.kernel;
-        let connected = timeout(
+        // Raced against the kernel's end: a kernel that dies while it is being reached
+        // (it was ending as the broker came back) is told by its exit, not by a timeout.
+        let connecting = timeout(
             limit,
             KernelClient::connect_running(
                 &launched.endpoints,
@@ -159,8 +161,13 @@ impl Registry {
                 options,
                 limit,
             ),
-        )
-        .await;
+        );
+        let connected = tokio::select! {
+            connected = connecting => connected,
+            reason = process.wait() => {
+                return Outcome::Dead(format!("{reason} as the broker restarted"));
+            }
+        };
         match connected {
             Ok(Ok((client, events, _info))) => {
                 let (tx, exit) = tokio::sync::oneshot::channel();
