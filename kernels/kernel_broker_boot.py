@@ -1,0 +1,381 @@
+"""kernel-broker's kernel bootstrap: kernels born with the data stack already imported.
+
+The broker writes this file into a kernel's runtime directory and runs it with the kernel
+spec's Python, in one of two modes:
+
+``direct --preload M,N -- ARGS``
+    Imports the modules, then runs ``ipykernel`` with ``ARGS`` (what ``python -m
+    ipykernel_launcher ARGS`` would do). A plain start with the stack preloaded.
+
+``template --preload M,N``
+    The fork server of one user and kernel spec, inside that user's sandbox. Imports the
+    modules once, says ``{"ready": ...}`` on stdout, then serves requests read from stdin,
+    one JSON object per line:
+
+    ``{"op": "fork", "id": ID, "args": [...], "env": {...}}``
+        forks a kernel; answers ``{"forked": ID, "pid": PID}`` (PID as seen in the
+        sandbox). The child waits, doing nothing, until
+    ``{"op": "go", "id": ID}``
+        releases it (the broker has moved it into its own cgroup by then, so everything it
+        allocates is charged to it). It then becomes an ordinary ipykernel.
+    ``{"op": "drop", "id": ID}``
+        kills a child that was never released (the broker gave up on it).
+
+    When a child ends, the template answers ``{"exited": ID, "status": RAW}`` (the raw
+    ``waitpid`` status). End of stdin ends the template.
+
+What a fork must not share is reset in the child before any user code runs: the random
+generators are reseeded from the OS, every descriptor of the template is closed (stdin is
+``/dev/null``, stdout goes where stderr goes), the process leaves the template's session,
+and it is made non-dumpable so that another kernel of the same user cannot read its key
+from ``/proc``. Nothing is bound in the user's namespace: the imports live in
+``sys.modules`` only. The template starts no thread and no event loop, so forking it is
+safe; OpenBLAS (numpy) stops its worker threads at fork and restarts them on demand.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+def log(message):
+    sys.stderr.write("kernel-broker boot: %s\n" % message)
+    sys.stderr.flush()
+
+
+def warm_matplotlib():
+    """Imports pyplot and draws one figure: the font cache, the Agg renderer and the PNG
+    writer are loaded and warm, so the first chart of a session costs only its drawing."""
+    import io
+
+    import matplotlib
+
+    # The inline backend is imported for real only once a shell exists (see
+    # `enable_inline`); the warm-up draws with Agg, which is what the inline backend uses.
+    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(range(100), [i * i for i in range(100)])
+    ax.set_title("warm-up")
+    fig.savefig(io.BytesIO(), format="png")
+    try:
+        # What the inline backend does with a figure at the end of a cell: a tight PNG.
+        import matplotlib_inline.backend_inline  # noqa: F401  (hooks in only with a shell)
+        from IPython.core.pylabtools import print_figure
+
+        print_figure(fig, "png", bbox_inches="tight")
+    except Exception as e:
+        log("cannot warm the inline backend: %r" % e)
+    del fig, ax
+    del matplotlib, plt
+
+
+def preload(modules):
+    loaded = []
+    for name in modules:
+        start = time.monotonic()
+        try:
+            if name == "matplotlib":
+                warm_matplotlib()
+            else:
+                __import__(name)
+        except Exception as e:  # a module that fails to import is left out, not fatal
+            log("preloading %s failed: %r" % (name, e))
+            continue
+        loaded.append(name)
+        log("preloaded %s in %.0f ms" % (name, (time.monotonic() - start) * 1000))
+    return loaded
+
+
+def prepare_kernel_imports():
+    """What every kernel imports before its first cell: done once in the template."""
+    import ipykernel.kernelapp  # noqa: F401
+    import ipykernel.ipkernel  # noqa: F401
+    import ipykernel.zmqshell  # noqa: F401
+    import IPython.core.interactiveshell  # noqa: F401
+    import IPython.core.completer  # noqa: F401
+    import zmq  # noqa: F401  (no context is made: contexts do not survive a fork)
+
+    # What `IPKernelApp.initialize` imports on its way (measured: ~200 ms, most of it the
+    # debugger's debugpy), each optional.
+    for name in (
+        "ipykernel.debugger",
+        "debugpy",
+        "IPython.core.history",
+        "IPython.core.pylabtools",
+        "sqlite3",
+        "psutil",
+        "pdb",
+        "pydoc",
+        "faulthandler",
+        "mimetypes",
+        "jedi",
+    ):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+
+
+def enable_inline():
+    """matplotlib_inline hooks itself into the shell when it is first imported with a shell
+    running. In a kernel forked from a template that imported pyplot, that import happened
+    before the shell existed, so the hook is installed here, as a fresh kernel would have
+    it after `import matplotlib.pyplot`."""
+    if "matplotlib.pyplot" not in sys.modules:
+        return
+    backend = os.environ.get("MPLBACKEND", "")
+    if backend != "module://matplotlib_inline.backend_inline":
+        return
+    try:
+        from matplotlib_inline import backend_inline
+
+        backend_inline._enable_matplotlib_integration()
+    except Exception as e:
+        log("cannot enable the inline backend: %r" % e)
+
+
+def run_kernel(args, after_init=None):
+    from ipykernel.kernelapp import IPKernelApp
+
+    sys.argv = ["ipykernel_launcher"] + list(args)
+    app = IPKernelApp.instance()
+    app.initialize(list(args))
+    if after_init is not None:
+        after_init(app)
+    enable_inline()
+    app.start()
+
+
+def reseed():
+    import random
+
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            np.random.seed()
+        except Exception as e:
+            log("cannot reseed numpy: %r" % e)
+
+
+def non_dumpable():
+    try:
+        import ctypes
+
+        PR_SET_DUMPABLE = 4
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except Exception as e:
+        log("cannot make the kernel non-dumpable: %r" % e)
+
+
+def child_main(request, go_fd):
+    """Runs in the forked child; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if os.read(go_fd, 1) != b"g":
+            os._exit(1)  # the broker gave up on this kernel, or the template is gone
+        os.close(go_fd)
+        os.setsid()
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(2, 1)
+        os.closerange(3, max_fd())
+        non_dumpable()
+        reseed()
+        os.environ.update(request.get("env") or {})
+        connection_file = request.get("connection_file")
+
+        def forget_connection_file(app):
+            # The key is in memory now; the file would let another kernel of the same user
+            # (same uid) read it.
+            if connection_file:
+                try:
+                    os.unlink(connection_file)
+                except OSError:
+                    pass
+
+        run_kernel(request["args"], forget_connection_file)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:  # report, never return into the template's loop
+        try:
+            log("kernel failed: %r" % e)
+        except BaseException:
+            pass
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
+
+
+def max_fd():
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        return 1024
+
+
+class Template:
+    def __init__(self, control_fd):
+        self.children = {}  # pid -> id
+        self.waiting = {}  # id -> the write end of the child's go pipe
+        self.out = os.fdopen(control_fd, "w", buffering=1)
+
+    def say(self, obj):
+        self.out.write(json.dumps(obj) + "\n")
+        self.out.flush()
+
+    def fork(self, request):
+        ident = str(request["id"])
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write_fd)
+            child_main(request, read_fd)
+        os.close(read_fd)
+        self.children[pid] = ident
+        self.waiting[ident] = write_fd
+        self.say({"forked": ident, "pid": pid})
+
+    def release(self, ident, go):
+        fd = self.waiting.pop(ident, None)
+        if fd is None:
+            return
+        try:
+            if go:
+                os.write(fd, b"g")
+        finally:
+            os.close(fd)
+
+    def reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            ident = self.children.pop(pid, None)
+            if ident is not None:
+                self.release(ident, False)
+                self.say({"exited": ident, "status": status})
+
+    def handle(self, line):
+        try:
+            request = json.loads(line)
+            op = request["op"]
+            if op == "fork":
+                self.fork(request)
+            elif op == "go":
+                self.release(str(request["id"]), True)
+            elif op == "drop":
+                self.release(str(request["id"]), False)
+            else:
+                self.say({"error": "unknown op %r" % op})
+        except Exception as e:
+            self.say({"error": "bad request: %r" % e, "id": request_id(line)})
+
+    def serve(self):
+        import selectors
+
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        sel = selectors.DefaultSelector()
+        sel.register(0, selectors.EVENT_READ, "stdin")
+        sel.register(wake_r, selectors.EVENT_READ, "wake")
+        pending = b""
+        while True:
+            for key, _ in sel.select():
+                if key.data == "wake":
+                    try:
+                        while os.read(wake_r, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    self.reap()
+                    continue
+                chunk = os.read(0, 65536)
+                if not chunk:
+                    return
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    if line.strip():
+                        self.handle(line)
+            self.reap()
+
+
+def request_id(line):
+    try:
+        return str(json.loads(line).get("id"))
+    except Exception:
+        return None
+
+
+def parse(argv):
+    mode = argv[0] if argv else ""
+    modules, rest = [], []
+    i = 1
+    while i < len(argv):
+        if argv[i] == "--preload" and i + 1 < len(argv):
+            modules = [m for m in argv[i + 1].split(",") if m]
+            i += 2
+        elif argv[i] == "--":
+            rest = argv[i + 1 :]
+            break
+        else:
+            raise SystemExit("kernel-broker boot: unknown argument %r" % argv[i])
+    return mode, modules, rest
+
+
+def main():
+    mode, modules, rest = parse(sys.argv[1:])
+    if mode == "direct":
+        preload(modules)
+        run_kernel(rest)
+        return
+    if mode != "template":
+        raise SystemExit("kernel-broker boot: the mode is 'direct' or 'template'")
+    start = time.monotonic()
+    # stdout is the broker's control channel: nothing else may write to it, so what a
+    # module prints while it is imported goes to stderr.
+    template = Template(os.dup(1))
+    os.dup2(2, 1)
+    loaded = preload(modules)
+    prepare_kernel_imports()
+    threads = len(os.listdir("/proc/self/task"))
+    template.say(
+        {
+            "ready": True,
+            "pid": os.getpid(),
+            "modules": loaded,
+            "threads": threads,
+            "seconds": round(time.monotonic() - start, 3),
+        }
+    )
+    template.serve()
+
+
+if __name__ == "__main__":
+    main()
