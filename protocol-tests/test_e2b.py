@@ -192,13 +192,37 @@ def test_async_sdk(e2b_env):
     asyncio.run(main())
 
 
-def test_commands_are_confined_to_the_users_sandbox(e2b_env):
+def _docker_usable():
+    if shutil.which("docker") is None:
+        return False
+    r = subprocess.run(["docker", "image", "inspect", "kernel-broker/python-kernel"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.fixture(params=["local", "docker"])
+def any_backend(request, broker, fresh_broker, monkeypatch):
+    if request.param == "local":
+        b = broker
+    else:
+        if not _docker_usable():
+            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+        b = fresh_broker(extra_args=["--sandbox", "docker"])
+    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    return request.param
+
+
+def test_commands_are_confined_to_the_users_sandbox(any_backend):
     from e2b_code_interpreter import Sandbox
 
     # Bob's workspace holds a secret Alice's command must not see.
     bob_sbx = Sandbox.create(api_key=BOB)
     bob_sbx.files.write("secret.txt", "bob's")
     sbx = Sandbox.create()
+    # The kernels' Python by its path: `bash -l` (how the SDK runs commands) resets PATH
+    # from the Docker image's /etc/profile.
+    py = {"envs": {"PY": "/opt/kernel-venv/bin/python"}}
     try:
         r = sbx.commands.run(
             "ls / ; cat /etc/hostname 2>&1; ls /root 2>&1; ls /workspace",
@@ -206,7 +230,8 @@ def test_commands_are_confined_to_the_users_sandbox(e2b_env):
         assert "secret.txt" not in r.stdout
         # No network but loopback.
         res = sbx.commands.run(
-            "python -c \"import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), timeout=3); print('NET')\nexcept OSError as e: print('NONET', e)\"",
+            "$PY -c \"import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), timeout=3); print('NET')\nexcept OSError as e: print('NONET', e)\"",
+            **py,
         )
         assert "NONET" in res.stdout, res.stdout
         # Not root, and not the broker's host: the host's root home is not there.
@@ -216,10 +241,10 @@ def test_commands_are_confined_to_the_users_sandbox(e2b_env):
         from e2b.sandbox.commands.command_handle import CommandExitException
 
         with pytest.raises(CommandExitException) as ei:
-            sbx.commands.run("python -c \"b = b'x' * (400 << 20); print(len(b))\"", timeout=60)
+            sbx.commands.run("$PY -c \"b = b'x' * (400 << 20); print(len(b))\"", timeout=60, **py)
         # SIGKILLed by its leaf's OOM killer (bwrap reports 128 + 9), not a Python error.
         assert ei.value.exit_code in (137, -1), (ei.value.exit_code, ei.value.stderr)
-        ok = sbx.commands.run("python -c \"b = b'x' * (100 << 20); print(len(b))\"", timeout=60)
+        ok = sbx.commands.run("$PY -c \"b = b'x' * (100 << 20); print(len(b))\"", timeout=60, **py)
         assert ok.stdout.strip() == str(100 << 20)
         # Killed with its sandbox: a background command ends when the sandbox does.
         sbx.commands.run("sleep 300", background=True)
