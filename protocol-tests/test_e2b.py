@@ -144,6 +144,21 @@ def test_sdk_calls_the_issue_lists(e2b_env):
         with pytest.raises(CommandExitException):
             h.wait()
 
+        # stdin, envs, cwd, attaching to a running command.
+        h = sbx.commands.run("read x; echo got $x", background=True, stdin=True)
+        again = sbx.commands.connect(h.pid)
+        sbx.commands.send_stdin(h.pid, "hello\n")
+        assert h.wait().stdout == "got hello\n"
+        assert again.wait().exit_code == 0
+        r = sbx.commands.run("echo $GREETING; pwd", envs={"GREETING": "hej"}, cwd="/tmp")
+        assert r.stdout.split() == ["hej", "/tmp"]
+        from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+        written = sbx.files.write_files([WriteEntry(path="m/1.txt", data="1"), WriteEntry(path="m/2.txt", data="22")])
+        assert sorted(w.path for w in written) == ["/workspace/m/1.txt", "/workspace/m/2.txt"]
+        fi = sbx.files.get_info("m/2.txt")
+        assert fi.size == 2 and fi.type.value == "file"
+
         # Control plane.
         sbx.set_timeout(600)
         info = sbx.get_info()
