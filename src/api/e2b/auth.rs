@@ -1,8 +1,8 @@
 //! Who may do what on the E2B routes.
 //!
-//! - The control plane takes the user's broker token as E2B's API key (`X-API-KEY`), or
-//!   the broker's usual `Authorization` forms; failures count against the client's
-//!   address like every other failed authentication.
+//! - The control plane takes the user's broker token as E2B's API key (`X-API-KEY`, what
+//!   the SDKs send); failures count against the client's address like every other failed
+//!   authentication.
 //! - The in-sandbox routes (code interpreter, envd) take the sandbox's access tokens
 //!   (`X-Access-Token`: `envdAccessToken`; `E2B-Traffic-Access-Token`: the SDKs send only
 //!   this one with context requests) for the sandbox named by `E2b-Sandbox-Id`. A token
@@ -65,9 +65,6 @@ impl FromRequestParts<AppState> for ApiKeyUser {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, E2bError> {
-        if let Some(caller) = parts.extensions.get::<Caller>() {
-            return Ok(Self(caller.clone()));
-        }
         let ip = parts
             .extensions
             .get::<ConnectInfo<SocketAddr>>()

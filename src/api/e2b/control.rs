@@ -183,8 +183,7 @@ async fn do_create(
 
 /// Create a sandbox (E2B)
 #[utoipa::path(post, operation_id = "e2b_create", path = "/e2b/sandboxes", tag = "e2b", security(()),
-    responses((status = 201, description = "E2B's `Sandbox`", body = Object),
-        (status = 401, description = "`{code, message}`", body = Object)))]
+    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn create(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -196,7 +195,7 @@ async fn create(
 
 /// Create a sandbox (E2B, v2)
 #[utoipa::path(post, operation_id = "e2b_create_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
-    responses((status = 201, description = "E2B's `Sandbox`", body = Object)))]
+    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn create_v2(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -259,7 +258,7 @@ fn do_list(
 
 /// The caller's sandboxes (E2B)
 #[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
-    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = Object)))]
+    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn list(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -271,7 +270,7 @@ async fn list(
 
 /// The caller's sandboxes (E2B, v2)
 #[utoipa::path(get, operation_id = "e2b_list_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
-    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = Object)))]
+    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn list_v2(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -301,8 +300,7 @@ fn owned(
 
 /// One sandbox (E2B)
 #[utoipa::path(get, operation_id = "e2b_get_one", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `SandboxDetail`", body = Object),
-        (status = 404, description = "`{code, message}`", body = Object)))]
+    responses((status = 200, description = "E2B's `SandboxDetail`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn get_one(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -318,7 +316,7 @@ async fn get_one(
 
 /// Kill a sandbox (E2B): its session, contexts and commands end
 #[utoipa::path(delete, operation_id = "e2b_kill", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "killed"), (status = 404, description = "`{code, message}`", body = Object)))]
+    responses((status = 204, description = "killed"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn kill(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -354,7 +352,7 @@ fn extend(state: &AppState, e2b: &E2bState, session: &Session, secs: u64) -> E2b
 
 /// Set a sandbox's timeout (E2B): it now ends `timeout` seconds from now
 #[utoipa::path(post, operation_id = "e2b_set_timeout", path = "/e2b/sandboxes/{id}/timeout", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "set"), (status = 404, description = "`{code, message}`", body = Object)))]
+    responses((status = 204, description = "set"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn set_timeout(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -399,7 +397,7 @@ async fn do_connect(
 
 /// Connect to a running sandbox (E2B)
 #[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`", body = Object), (status = 404, description = "`{code, message}`", body = Object)))]
+    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn connect(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -412,7 +410,7 @@ async fn connect(
 
 /// Connect to a running sandbox (E2B, v2)
 #[utoipa::path(post, operation_id = "e2b_connect_v2", path = "/e2b/v2/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`", body = Object), (status = 404, description = "`{code, message}`", body = Object)))]
+    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
 async fn connect_v2(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
