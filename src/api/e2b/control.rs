@@ -1,8 +1,9 @@
 //! E2B's control plane under `/e2b` (`E2B_API_URL`): create (`POST /sandboxes`,
 //! `/v2/sandboxes`), list, get, kill, set the timeout, connect. A sandbox is a session
-//! of the key's user with no idle timeout and a fixed deadline: E2B's `timeout` (default
-//! 300 s, at most the broker's maximum idle timeout or a day, whichever is more). Anything
-//! else under `/e2b` answers E2B's error shape with a sentence.
+//! of the key's user with a fixed deadline: E2B's `timeout` (default 300 s, at most the
+//! broker's maximum idle timeout, a day by default), and that maximum as its idle timeout,
+//! a backstop only (see [`session_options`]). Anything else under `/e2b` answers E2B's
+//! error shape with a sentence.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,13 +55,23 @@ struct CreateBody {
     auto_pause: Option<bool>,
 }
 
-fn max_timeout(state: &AppState) -> u64 {
-    state
-        .registry
-        .config()
-        .max_idle_timeout
-        .as_secs()
-        .max(86_400)
+/// The longest timeout: the broker's maximum idle timeout (a day unless configured).
+pub(super) fn max_timeout(state: &AppState) -> u64 {
+    match state.registry.config().max_idle_timeout.as_secs() {
+        0 => 86_400,
+        max => max,
+    }
+}
+
+/// What E2B sessions are created with: no idle expiry of their own before their deadline,
+/// but the longest idle timeout as a backstop. The fixed deadline is not in the session's
+/// record, so after a restart with `--keep-sessions` a sandbox would otherwise live
+/// forever; every move of the deadline is activity, so the backstop never comes first.
+pub(super) fn session_options(state: &AppState) -> CreateOptions {
+    CreateOptions {
+        idle_timeout_seconds: Some(state.registry.config().max_idle_timeout.as_secs()),
+        ..Default::default()
+    }
 }
 
 fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
@@ -133,10 +144,7 @@ async fn do_create(
         .create(
             &sandbox_user(&caller.0),
             user.max_sessions,
-            CreateOptions {
-                idle_timeout_seconds: Some(0),
-                ..Default::default()
-            },
+            session_options(&state),
         )
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
@@ -338,12 +346,15 @@ struct TimeoutBody {
 fn extend(state: &AppState, e2b: &E2bState, session: &Session, secs: u64) -> E2bResult<()> {
     let secs = timeout_secs(state, Some(secs))?;
     let at = Instant::now() + Duration::from_secs(secs);
+    // Activity: the idle backstop (see `session_options`) moves past the new deadline.
+    session.touch();
     session.set_deadline(Some(at));
     let contexts = e2b
         .with(session.id, |m| m.contexts.clone())
         .unwrap_or_default();
     for ctx in contexts {
         if let Ok(c) = state.registry.get(&session.user.name, ctx) {
+            c.touch();
             c.set_deadline(Some(at));
         }
     }

@@ -22,7 +22,7 @@ use super::auth::SandboxCaller;
 use super::{E2bError, E2bResult, WORKDIR};
 use crate::api::extract::{check_code, parse_json, read_limited, sandbox_user};
 use crate::api::AppState;
-use crate::session::{CreateOptions, ExecRequest, ExecutionStatus, OutputEvent, Session};
+use crate::session::{ExecRequest, ExecutionStatus, OutputEvent, Session};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -283,10 +283,7 @@ async fn create_context(
         .create(
             &user,
             caller.user.max_sessions,
-            CreateOptions {
-                idle_timeout_seconds: Some(0),
-                ..Default::default()
-            },
+            super::control::session_options(&state),
         )
         .await?;
     let deadline_left = caller
