@@ -59,6 +59,16 @@ impl Users {
     }
 }
 
+impl Users {
+    /// The user named `name` (E2B's sandbox routes find a sandbox's owner by its session).
+    pub fn by_name(&self, name: &str) -> Option<Arc<User>> {
+        self.0
+            .iter()
+            .find(|(_, u)| u.name == name)
+            .map(|(_, u)| u.clone())
+    }
+}
+
 /// The authenticated caller.
 #[derive(Clone, Debug)]
 pub struct Caller(pub Arc<User>);

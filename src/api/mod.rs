@@ -18,6 +18,8 @@
 pub mod auth;
 pub mod auth_failures;
 pub mod clients;
+/// E2B compatibility (`/e2b`): E2B's SDKs work unmodified against the broker.
+mod e2b;
 pub mod error;
 pub mod extract;
 mod files;
@@ -105,13 +107,22 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(jupyter::routes())
         .merge(recording::routes())
         .merge(ui::routes())
+        .merge(e2b::routes())
 }
 
 /// The whole router (tests call it without a socket).
 pub fn router(state: AppState) -> Router {
     let (router, _document) = routes().split_for_parts();
     router
-        .fallback(|| async { error::ApiError::not_found("no such endpoint; see /openapi.json") })
+        .fallback(
+            |method: axum::http::Method, uri: axum::http::Uri| async move {
+                use axum::response::IntoResponse;
+                if uri.path().starts_with("/e2b/") {
+                    return e2b::fallback(&method, uri.path());
+                }
+                error::ApiError::not_found("no such endpoint; see /openapi.json").into_response()
+            },
+        )
         .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

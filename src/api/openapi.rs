@@ -69,6 +69,7 @@ impl Modify for SecuritySchemes {
         (name = "jupyter", description = "The Jupyter Server / Kernel Gateway kernels API"),
         (name = "ui", description = "The session browser"),
         (name = "operations", description = "Health, metrics, this document"),
+        (name = "e2b", description = "E2B compatibility: E2B's SDKs with E2B_API_URL=BASE/e2b, E2B_SANDBOX_URL=BASE/e2b/sandbox, E2B_API_KEY=TOKEN (docs/API.md)"),
     )
 )]
 struct ApiDoc;

@@ -11,6 +11,7 @@
 //! holds an `Arc<dyn Sandbox>` and never names a backend.
 
 pub mod cgroup;
+pub mod command;
 pub mod docker;
 pub mod exhaustion;
 pub(crate) mod fsutil;
@@ -328,6 +329,17 @@ pub trait Sandbox: Send + Sync {
     /// How long a launch may take before the broker gives up.
     fn launch_timeout(&self) -> Duration {
         Duration::from_secs(30)
+    }
+    /// Runs a command in the user's sandbox, isolated and limited as the user's kernels
+    /// are (`command.rs`).
+    async fn run_command(
+        &self,
+        spec: command::CommandSpec,
+    ) -> Result<command::RunningCommand, SandboxError> {
+        Err(SandboxError::Launch {
+            user: spec.user.name,
+            reason: format!("the {} sandbox cannot run commands", self.name()),
+        })
     }
 }
 

@@ -68,6 +68,9 @@ pub struct Session {
     connections: AtomicUsize,
     max_queue: usize,
     notify_registry: Arc<Notify>,
+    /// A fixed end, besides the idle timeout: the session expires then whatever it does
+    /// (E2B's sandbox timeout; `None`: none).
+    deadline: Mutex<Option<(Instant, DateTime<Utc>)>>,
 }
 
 /// What a session is made of besides its id and owner (see [`Session::new`]).
@@ -140,6 +143,7 @@ impl Session {
             connections: AtomicUsize::new(0),
             max_queue: parts.max_queue,
             notify_registry: parts.notify_registry,
+            deadline: Mutex::new(None),
         }
     }
 
@@ -162,6 +166,15 @@ impl Session {
                 .ok()
                 .map(|t| s.last_activity + t),
             _ => None,
+        };
+        let expires_at = match (*lock(&self.deadline), expires_at) {
+            (Some((_, fixed)), Some(idle)) => Some(fixed.min(idle)),
+            (Some((_, fixed)), None)
+                if !matches!(s.state, SessionState::Expired | SessionState::Closed) =>
+            {
+                Some(fixed)
+            }
+            (_, idle) => idle,
         };
         SessionInfo {
             id: self.id,
@@ -508,14 +521,39 @@ impl Session {
         }
     }
 
+    /// Sets (or clears) a fixed end: at `at` the session expires, busy or not, whatever
+    /// its idle timeout says (E2B's sandbox timeout: the sandbox ends at its deadline
+    /// unless extended). The expiry task is woken to plan with it.
+    pub fn set_deadline(&self, at: Option<Instant>) {
+        let wall = at.map(|at| {
+            let left = at.saturating_duration_since(Instant::now());
+            (
+                at,
+                Utc::now() + chrono::Duration::from_std(left).unwrap_or_default(),
+            )
+        });
+        *lock(&self.deadline) = wall;
+        self.notify_registry.notify_one();
+    }
+
+    /// The fixed end set by [`Self::set_deadline`], if any.
+    pub fn deadline(&self) -> Option<DateTime<Utc>> {
+        lock(&self.deadline).map(|(_, wall)| wall)
+    }
+
     /// When this session expires if nothing happens, or `None` if it cannot expire now.
     pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<Instant> {
-        let t = self.idle_timeout?;
+        let fixed = lock(&self.deadline).map(|(at, _)| at);
         let s = self.status();
-        match s.state {
-            SessionState::Expired | SessionState::Closed => None,
-            SessionState::Busy => s.busy_since.map(|b| b + max_busy),
-            _ => Some(s.last_activity_at + t),
+        let idle = match (self.idle_timeout, s.state) {
+            (_, SessionState::Expired | SessionState::Closed) => return None,
+            (None, _) => None,
+            (Some(_), SessionState::Busy) => s.busy_since.map(|b| b + max_busy),
+            (Some(t), _) => Some(s.last_activity_at + t),
+        };
+        match (idle, fixed) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 }

@@ -385,7 +385,7 @@ impl SessionFiles {
 /// stops every target before killing any, so a forking process cannot outrun it; zombies
 /// are skipped (their parent reaps them). Prints `killed rounds`, exits 2 if processes
 /// were still appearing after the time limit.
-const REAPER: &str = r#"
+pub(super) const REAPER: &str = r#"
 import os, signal, sys, time
 conn, log, limit = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
 me = os.getpid()

@@ -57,6 +57,7 @@
 //! kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
 //! tickets, the start-up that keeps them, adoption).
 
+mod command;
 mod container;
 mod daemon;
 mod exec;
@@ -354,6 +355,13 @@ impl Sandbox for DockerSandbox {
     fn launch_timeout(&self) -> Duration {
         // A cold launch creates and starts a container first.
         Duration::from_secs(60)
+    }
+
+    async fn run_command(
+        &self,
+        spec: super::command::CommandSpec,
+    ) -> Result<super::command::RunningCommand, SandboxError> {
+        self.inner.start_command(spec).await
     }
 }
 

@@ -40,6 +40,7 @@
 mod adopt;
 mod bwrap;
 mod check;
+mod command;
 mod files;
 mod host;
 mod keep;
@@ -496,6 +497,13 @@ impl Sandbox for LocalSandbox {
             return;
         };
         self.discard_kept(kept, cgroups).await;
+    }
+
+    async fn run_command(
+        &self,
+        spec: super::command::CommandSpec,
+    ) -> Result<super::command::RunningCommand, SandboxError> {
+        self.start_command(spec).await
     }
 
     async fn user_idle(&self, user: &SandboxUser) {

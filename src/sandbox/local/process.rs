@@ -294,7 +294,7 @@ impl LocalSandbox {
 
 /// Writes `0` to a `cgroup.procs` file: moves the calling process. Runs between fork and
 /// exec: async-signal-safe calls only.
-fn join_cgroup(path: &CString) -> io::Result<()> {
+pub(super) fn join_cgroup(path: &CString) -> io::Result<()> {
     // SAFETY: `path` is a valid NUL-terminated string; the buffer passed to write is a
     // static one-byte slice; `fd` is closed exactly once.
     unsafe {
@@ -315,7 +315,7 @@ fn join_cgroup(path: &CString) -> io::Result<()> {
 /// Writes [`KERNEL_OOM_SCORE_ADJ`] to `/proc/self/oom_score_adj`: the host's OOM killer
 /// picks kernels before the broker. Runs between fork and exec: async-signal-safe calls
 /// only (the value is a constant, formatted at compile time).
-fn raise_oom_score() -> io::Result<()> {
+pub(super) fn raise_oom_score() -> io::Result<()> {
     const PATH: &[u8] = b"/proc/self/oom_score_adj\0";
     const VALUE: &[u8] = b"500";
     const _: () = assert!(KERNEL_OOM_SCORE_ADJ == 500);

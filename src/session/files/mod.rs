@@ -20,6 +20,8 @@ use rustix::fs::{Mode, OFlags};
 
 mod change;
 pub use change::{remove, rename};
+mod entries;
+pub use entries::{list_dir, make_dir, stat, Entry, EntryKind};
 
 /// One file of a listing.
 #[derive(Debug, Clone, Serialize, PartialEq)]

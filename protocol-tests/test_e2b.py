@@ -1,0 +1,342 @@
+"""E2B's own SDKs, pinned (protocol-tests/requirements.txt; protocol-tests/e2b-js/), driving
+the broker exactly as an E2B user's code does: only E2B_API_URL, E2B_SANDBOX_URL and
+E2B_API_KEY are set. The data-analysis pattern (upload a CSV, profile it with pandas, hit a
+KeyError, fix it, plot, download the chart), the SDK calls the issue lists, Python sync and
+async and JavaScript, and the isolation of commands.run."""
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import ALICE, BOB
+
+e2b = pytest.importorskip("e2b")
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+
+HERE = Path(__file__).parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def e2b_env(broker, monkeypatch):
+    monkeypatch.setenv("E2B_API_URL", broker.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", broker.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    return broker
+
+
+CSV = "city,temp\nOslo,4\nRome,19\nCairo,30\nLima,18\n"
+
+
+def test_data_analysis_pattern_with_the_python_sdk(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    seen = {"stdout": [], "stderr": [], "results": [], "errors": []}
+    with Sandbox.create(timeout=300) as sbx:
+        # The sandbox is a broker session of the key's user, visible in the agent API.
+        ids = [s["id"] for s in e2b_env.api("GET", "/v1/sessions").json()]
+        assert sbx.sandbox_id in ids
+        kernels = [k["id"] for k in e2b_env.api("GET", "/api/kernels").json()]
+        assert sbx.sandbox_id in kernels
+
+        info = sbx.files.write("data.csv", CSV)
+        assert info.path == "/workspace/data.csv"
+        assert sbx.files.exists("data.csv")
+        assert sbx.files.read("data.csv") == CSV
+
+        ex = sbx.run_code(
+            "import pandas as pd\ndf = pd.read_csv('data.csv')\nprint(df.shape)\ndf.describe()",
+            on_stdout=lambda m: seen["stdout"].append(m.line),
+            on_stderr=lambda m: seen["stderr"].append(m.line),
+            on_result=lambda r: seen["results"].append(r),
+        )
+        assert ex.error is None, ex.error
+        assert "(4, 2)" in "".join(ex.logs.stdout)
+        assert "(4, 2)" in "".join(seen["stdout"])
+        assert ex.results and ex.results[0].is_main_result
+        assert "temp" in ex.results[0].text and ex.results[0].html
+
+        # The KeyError, then the fix: state is kept between calls.
+        ex = sbx.run_code("df['temperature'].mean()", on_error=seen["errors"].append)
+        assert ex.error.name == "KeyError"
+        assert "temperature" in ex.error.value
+        assert "KeyError" in ex.error.traceback
+        assert seen["errors"] and seen["errors"][0].name == "KeyError"
+        ex = sbx.run_code("float(df['temp'].mean())")
+        assert ex.error is None and ex.text == "17.75"
+
+        ex = sbx.run_code(
+            "import matplotlib.pyplot as plt\n"
+            "fig, ax = plt.subplots()\nax.bar(df['city'], df['temp'])\n"
+            "fig.savefig('chart.png')\nplt.show()"
+        )
+        assert ex.error is None, ex.error
+        pngs = [r.png for r in ex.results if r.png]
+        assert pngs, ex.results
+        import base64
+
+        assert base64.b64decode(pngs[0]).startswith(PNG)
+        chart = sbx.files.read("chart.png", format="bytes")
+        assert bytes(chart).startswith(PNG)
+
+        ex = sbx.run_code("import sys; print('to err', file=sys.stderr)")
+        assert "to err" in "".join(ex.logs.stderr)
+
+
+def test_sdk_calls_the_issue_lists(e2b_env):
+    from e2b_code_interpreter import Sandbox
+    from e2b.exceptions import TimeoutException
+
+    sbx = Sandbox.create(metadata={"purpose": "kb-test"})
+    try:
+        # Contexts: other kernels in the same sandbox.
+        ctx = sbx.create_code_context()
+        sbx.run_code("x = 41", context=ctx)
+        assert sbx.run_code("x + 1", context=ctx).text == "42"
+        assert sbx.run_code("'x' in dir()").text == "False"
+        assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+        sbx.restart_code_context(ctx)
+        assert sbx.run_code("'x' in dir()", context=ctx).text == "False"
+        sbx.remove_code_context(ctx)
+        assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+
+        # run_code timeouts: the SDK gives up, the broker interrupts the kernel.
+        with pytest.raises(TimeoutException):
+            sbx.run_code("import time; time.sleep(30)", timeout=2)
+        ex = sbx.run_code("1 + 1", timeout=20)
+        assert ex.text == "2"
+
+        # Files.
+        sbx.files.make_dir("sub/dir")
+        sbx.files.write("sub/dir/a.txt", "A")
+        names = [e.name for e in sbx.files.list("sub/dir")]
+        assert names == ["a.txt"]
+        sbx.files.rename("sub/dir/a.txt", "sub/b.txt")
+        assert not sbx.files.exists("sub/dir/a.txt")
+        assert sbx.files.read("sub/b.txt") == "A"
+        sbx.files.remove("sub/b.txt")
+        assert not sbx.files.exists("sub/b.txt")
+        with pytest.raises(Exception):
+            sbx.files.read("/etc/passwd")
+
+        # Commands: in the sandbox, streamed, exit codes, background + kill.
+        out = []
+        r = sbx.commands.run("echo hi; echo oops >&2; pwd; id -u", on_stdout=out.append)
+        assert r.exit_code == 0
+        assert r.stdout.splitlines()[0] == "hi" and "oops" in r.stderr
+        assert "/workspace" in r.stdout
+        assert "hi" in "".join(out)
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        with pytest.raises(CommandExitException) as ei:
+            sbx.commands.run("exit 3")
+        assert ei.value.exit_code == 3
+        h = sbx.commands.run("sleep 100", background=True)
+        assert h.pid in [p.pid for p in sbx.commands.list()]
+        assert h.kill()
+        with pytest.raises(CommandExitException):
+            h.wait()
+
+        # stdin, envs, cwd, attaching to a running command.
+        h = sbx.commands.run("read x; echo got $x", background=True, stdin=True)
+        again = sbx.commands.connect(h.pid)
+        sbx.commands.send_stdin(h.pid, "hello\n")
+        assert h.wait().stdout == "got hello\n"
+        assert again.wait().exit_code == 0
+        r = sbx.commands.run("echo $GREETING; pwd", envs={"GREETING": "hej"}, cwd="/tmp")
+        assert r.stdout.split() == ["hej", "/tmp"]
+        from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+        written = sbx.files.write_files([WriteEntry(path="m/1.txt", data="1"), WriteEntry(path="m/2.txt", data="22")])
+        assert sorted(w.path for w in written) == ["/workspace/m/1.txt", "/workspace/m/2.txt"]
+        fi = sbx.files.get_info("m/2.txt")
+        assert fi.size == 2 and fi.type.value == "file"
+
+        # Control plane.
+        sbx.set_timeout(600)
+        info = sbx.get_info()
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.metadata == {"purpose": "kb-test"}
+        listed = [s.sandbox_id for s in Sandbox.list().next_items()]
+        assert sbx.sandbox_id in listed
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.run_code("1 + 2").text == "3"
+        assert sbx.is_running()
+    finally:
+        sbx.kill()
+    assert sbx.sandbox_id not in [s["id"] for s in e2b_env.api("GET", "/v1/sessions").json()]
+
+
+def test_timeout_ends_the_sandbox_unless_extended(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    short = Sandbox.create(timeout=3)
+    kept = Sandbox.create(timeout=3)
+    kept.set_timeout(60)
+    time.sleep(6)
+    ids = [s["id"] for s in e2b_env.api("GET", "/v1/sessions").json()]
+    assert short.sandbox_id not in ids
+    assert kept.sandbox_id in ids
+    assert kept.run_code("1").text == "1"
+    kept.kill()
+
+
+def test_async_sdk(e2b_env):
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create()
+        try:
+            await sbx.run_code("y = 5")
+            ex = await sbx.run_code("y * 2")
+            assert ex.text == "10"
+            await sbx.files.write("async.txt", "ok")
+            assert await sbx.files.read("async.txt") == "ok"
+            r = await sbx.commands.run("cat async.txt")
+            assert r.stdout == "ok"
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
+
+
+def _docker_usable():
+    if shutil.which("docker") is None:
+        return False
+    r = subprocess.run(["docker", "image", "inspect", "kernel-broker/python-kernel"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.fixture(params=["local", "docker"])
+def any_backend(request, broker, fresh_broker, monkeypatch):
+    if request.param == "local":
+        b = broker
+    else:
+        if not _docker_usable():
+            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+        b = fresh_broker(extra_args=["--sandbox", "docker"])
+    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    return request.param
+
+
+def test_commands_are_confined_to_the_users_sandbox(any_backend):
+    from e2b_code_interpreter import Sandbox
+
+    # Bob's workspace holds a secret Alice's command must not see.
+    bob_sbx = Sandbox.create(api_key=BOB)
+    bob_sbx.files.write("secret.txt", "bob's")
+    sbx = Sandbox.create()
+    # The kernels' Python by its path: `bash -l` (how the SDK runs commands) resets PATH
+    # from the Docker image's /etc/profile.
+    py = {"envs": {"PY": "/opt/kernel-venv/bin/python"}}
+    try:
+        r = sbx.commands.run(
+            "ls / ; cat /etc/hostname 2>&1; ls /root 2>&1; ls /workspace",
+        )
+        assert "secret.txt" not in r.stdout
+        # No network but loopback.
+        res = sbx.commands.run(
+            "$PY -c \"import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), timeout=3); print('NET')\nexcept OSError as e: print('NONET', e)\"",
+            **py,
+        )
+        assert "NONET" in res.stdout, res.stdout
+        # Not root, and not the broker's host: the host's root home is not there.
+        assert sbx.commands.run("id -u").stdout.strip() != "0"
+        assert sbx.commands.run("test -e /work && echo HOST || echo NOHOST").stdout.strip() == "NOHOST"
+        # Limits apply: a command past the kernel's memory limit is killed.
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        with pytest.raises(CommandExitException) as ei:
+            sbx.commands.run("$PY -c \"b = b'x' * (400 << 20); print(len(b))\"", timeout=60, **py)
+        # SIGKILLed by its leaf's OOM killer (bwrap reports 128 + 9), not a Python error.
+        assert ei.value.exit_code in (137, -1), (ei.value.exit_code, ei.value.stderr)
+        ok = sbx.commands.run("$PY -c \"b = b'x' * (100 << 20); print(len(b))\"", timeout=60, **py)
+        assert ok.stdout.strip() == str(100 << 20)
+        # Killed with its sandbox: a background command ends when the sandbox does.
+        sbx.commands.run("sleep 300", background=True)
+    finally:
+        sbx.kill()
+        bob_sbx.kill()
+    out = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout
+    assert out.strip() == "", f"a command outlived its sandbox: {out}"
+
+
+def test_other_users_sandbox_answers_as_absent(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create()
+    try:
+        base = e2b_env.url
+        r = requests.get(f"{base}/e2b/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": BOB})
+        assert r.status_code == 404 and r.json()["code"] == 404
+        # Bob's key cannot mint the sandbox's token: a guessed one answers as absent.
+        r = requests.post(
+            f"{base}/e2b/sandbox/execute",
+            headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "0" * 64},
+            json={"code": "1"},
+        )
+        assert r.status_code == 404 and "not found" in r.json()["message"]
+        r = requests.post(f"{base}/e2b/sandboxes/x/pause", headers={"X-API-KEY": ALICE})
+        assert r.status_code == 501 and "not supported" in r.json()["message"]
+        r = requests.post(f"{base}/e2b/v2/sandboxes", headers={"X-API-KEY": "nope"}, json={})
+        assert r.status_code == 401 and r.json()["code"] == 401
+    finally:
+        sbx.kill()
+
+
+JS_DIR = HERE / "e2b-js"
+
+
+@pytest.mark.skipif(not (JS_DIR / "node_modules").is_dir(), reason="run scripts/setup --test (npm ci in protocol-tests/e2b-js)")
+def test_javascript_sdk(e2b_env):
+    env = dict(os.environ)
+    r = subprocess.run(
+        ["node", str(JS_DIR / "flow.mjs")], cwd=JS_DIR, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["sum"] == "42"
+    assert report["png"] is True
+    assert report["file"] == "hello from js"
+    assert report["cmd"] == "js-cmd\n"
+    assert report["killed"] is True
+
+
+def _p50(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+@pytest.mark.skipif(not os.environ.get("KB_E2B_BENCH"), reason="set KB_E2B_BENCH=1 to measure")
+def test_round_trip_sdk_vs_agent_api(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    n = int(os.environ.get("KB_E2B_BENCH_N", "200"))
+    with Sandbox.create() as sbx:
+        sbx.run_code("1+1")
+        sdk = []
+        for _ in range(n):
+            t = time.perf_counter()
+            assert sbx.run_code("1+1").text == "2"
+            sdk.append(time.perf_counter() - t)
+    s = requests.Session()
+    sid = e2b_env.api("POST", "/v1/sessions").json()["id"]
+    try:
+        own = []
+        for _ in range(n):
+            t = time.perf_counter()
+            r = s.post(f"{e2b_env.url}/v1/sessions/{sid}/execute", headers=e2b_env.headers(), json={"code": "1+1"})
+            own.append(time.perf_counter() - t)
+            assert r.json()["results"][0]["data"]["text/plain"] == "2"
+    finally:
+        e2b_env.api("DELETE", f"/v1/sessions/{sid}")
+    print(f"\nrun_code('1+1') p50 over {n}: E2B SDK {_p50(sdk)*1000:.1f} ms, agent API {_p50(own)*1000:.1f} ms")

@@ -1,0 +1,433 @@
+//! E2B's control plane under `/e2b` (`E2B_API_URL`): create (`POST /sandboxes`,
+//! `/v2/sandboxes`), list, get, kill, set the timeout, connect. A sandbox is a session
+//! of the key's user with a fixed deadline: E2B's `timeout` (default 300 s, at most the
+//! broker's maximum idle timeout, a day by default), and that maximum as its idle timeout,
+//! a backstop only (see [`session_options`]). Anything else under `/e2b` answers E2B's
+//! error shape with a sentence.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+use uuid::Uuid;
+
+use super::auth::{access_token, ApiKeyUser, TokenKind};
+use super::state::SandboxMeta;
+use super::{E2bError, E2bResult, E2bState};
+use crate::api::extract::{parse_json, read_limited, sandbox_user};
+use crate::api::AppState;
+use crate::session::{CreateOptions, Session};
+
+/// The envd version the broker presents: new enough for every call the pinned SDKs make
+/// (octet-stream uploads 0.5.7, closing stdin 0.5.2, no `username` parameter 0.4.0).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// E2B's default sandbox timeout.
+const DEFAULT_TIMEOUT: u64 = 300;
+
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create, list))
+        .routes(routes!(create_v2, list_v2))
+        .routes(routes!(get_one, kill))
+        .routes(routes!(set_timeout))
+        .routes(routes!(connect))
+        .routes(routes!(connect_v2))
+}
+
+/// What `POST /sandboxes` takes (unknown fields are ignored, as E2B's API does: the
+/// SDKs send many that have no meaning here).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct CreateBody {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    metadata: Option<serde_json::Map<String, Value>>,
+    env_vars: Option<std::collections::BTreeMap<String, String>>,
+    auto_pause: Option<bool>,
+}
+
+/// The longest timeout: the broker's maximum idle timeout (a day unless configured).
+pub(super) fn max_timeout(state: &AppState) -> u64 {
+    match state.registry.config().max_idle_timeout.as_secs() {
+        0 => 86_400,
+        max => max,
+    }
+}
+
+/// What E2B sessions are created with: no idle expiry of their own before their deadline,
+/// but the longest idle timeout as a backstop. The fixed deadline is not in the session's
+/// record, so after a restart with `--keep-sessions` a sandbox would otherwise live
+/// forever; every move of the deadline is activity, so the backstop never comes first.
+pub(super) fn session_options(state: &AppState) -> CreateOptions {
+    CreateOptions {
+        idle_timeout_seconds: Some(state.registry.config().max_idle_timeout.as_secs()),
+        ..Default::default()
+    }
+}
+
+fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
+    let t = t.unwrap_or(DEFAULT_TIMEOUT);
+    let max = max_timeout(state);
+    if t == 0 || t > max {
+        return Err(E2bError::bad_request(format!(
+            "timeout must be between 1 and {max} seconds; got {t}"
+        )));
+    }
+    Ok(t)
+}
+
+/// The create response (E2B's `Sandbox`).
+fn sandbox_json(key: &str, session: &Session, template: &str) -> Value {
+    json!({
+        "templateID": template,
+        "sandboxID": session.id.to_string(),
+        "clientID": "kernel-broker",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": access_token(key, session.id, TokenKind::Envd),
+        "trafficAccessToken": access_token(key, session.id, TokenKind::Traffic),
+        "domain": null,
+    })
+}
+
+/// E2B's `SandboxDetail` / `ListedSandbox`.
+fn detail_json(session: &Session, meta: Option<&SandboxMeta>) -> Value {
+    let info = session.info();
+    let limits = &session.user.limits;
+    json!({
+        "templateID": meta.map_or("code-interpreter-v1", |m| m.template.as_str()),
+        "sandboxID": session.id.to_string(),
+        "clientID": "kernel-broker",
+        "alias": meta.map(|m| m.template.clone()),
+        "startedAt": meta.map_or(info.created_at, |m| m.started_at).to_rfc3339(),
+        "endAt": session.deadline().or(info.expires_at).map(|t| t.to_rfc3339()),
+        "envdVersion": ENVD_VERSION,
+        "cpuCount": limits.cpus.ceil().max(1.0) as u64,
+        "memoryMB": session.limits.memory_bytes >> 20,
+        "diskSizeMB": limits.workspace_quota_bytes >> 20,
+        "state": "running",
+        "metadata": meta.map_or(Value::Object(Default::default()), |m| Value::Object(m.metadata.clone())),
+    })
+}
+
+async fn do_create(
+    state: AppState,
+    e2b: Arc<E2bState>,
+    caller: ApiKeyUser,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    let bytes = read_limited(body, 1 << 20, "request body").await?;
+    let req: CreateBody = parse_json(&bytes, "request body")?;
+    if req.auto_pause == Some(true) {
+        return Err(E2bError::unsupported("pausing a sandbox (autoPause)"));
+    }
+    let timeout = timeout_secs(&state, req.timeout)?;
+    let env: Vec<(String, String)> = req.env_vars.unwrap_or_default().into_iter().collect();
+    for (k, _) in &env {
+        if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(E2bError::bad_request(format!(
+                "envVars: {k:?} is not a valid environment variable name"
+            )));
+        }
+    }
+    let user = caller.0 .0.clone();
+    let session = state
+        .registry
+        .create(
+            &sandbox_user(&caller.0),
+            user.max_sessions,
+            session_options(&state),
+        )
+        .await?;
+    session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
+    if !env.is_empty() {
+        // The kernel's environment: set once, as E2B's sandbox-wide envVars are.
+        let code = format!(
+            "import os as _kb_os\n_kb_os.environ.update({})\ndel _kb_os",
+            serde_json::to_string(
+                &env.iter()
+                    .cloned()
+                    .collect::<std::collections::BTreeMap<_, _>>()
+            )
+            .map_err(|e| E2bError::internal("envVars", e))?
+        );
+        let run = session
+            .execute_wait(code, state.limits.execution_timeout)
+            .await?;
+        if run.error.is_some() {
+            let _ = state.registry.delete(&user.name, session.id).await;
+            return Err(E2bError::internal("envVars", "setting envVars failed"));
+        }
+    }
+    let template = req
+        .template_id
+        .unwrap_or_else(|| "code-interpreter-v1".to_string());
+    e2b.insert(
+        session.id,
+        SandboxMeta {
+            template: template.clone(),
+            metadata: req.metadata.unwrap_or_default(),
+            env,
+            started_at: session.created_at,
+            contexts: Vec::new(),
+            commands: Default::default(),
+        },
+    );
+    e2b.watch(state.registry.clone(), session.clone());
+    Ok((
+        StatusCode::CREATED,
+        Json(sandbox_json(&user.token, &session, &template)),
+    )
+        .into_response())
+}
+
+/// Create a sandbox (E2B)
+#[utoipa::path(post, operation_id = "e2b_create", path = "/e2b/sandboxes", tag = "e2b", security(()),
+    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn create(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    do_create(state, e2b, caller, body).await
+}
+
+/// Create a sandbox (E2B, v2)
+#[utoipa::path(post, operation_id = "e2b_create_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
+    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn create_v2(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    do_create(state, e2b, caller, body).await
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    /// `key=value&...`, URL-encoded.
+    metadata: Option<String>,
+    state: Option<String>,
+}
+
+fn do_list(
+    state: &AppState,
+    e2b: &E2bState,
+    caller: &ApiKeyUser,
+    q: ListQuery,
+) -> Json<Vec<Value>> {
+    let want: Vec<(String, String)> = q
+        .metadata
+        .as_deref()
+        .map(|m| {
+            m.split('&')
+                .filter_map(|pair| {
+                    let (k, v) = pair.split_once('=')?;
+                    let k = crate::api::auth::url_query(&format!("k={k}"), "k")?;
+                    let v = crate::api::auth::url_query(&format!("v={v}"), "v")?;
+                    Some((k, v))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    // Sandboxes are never paused: a filter for paused ones only finds none.
+    if q.state
+        .as_deref()
+        .is_some_and(|s| !s.split(',').any(|s| s == "running"))
+    {
+        return Json(Vec::new());
+    }
+    let out = state
+        .registry
+        .list(&caller.0 .0.name)
+        .iter()
+        .filter_map(|s| {
+            e2b.with(s.id, |meta| {
+                let matches = want
+                    .iter()
+                    .all(|(k, v)| meta.metadata.get(k).and_then(Value::as_str) == Some(v.as_str()));
+                matches.then(|| detail_json(s, Some(meta)))
+            })
+            .flatten()
+        })
+        .collect();
+    Json(out)
+}
+
+/// The caller's sandboxes (E2B)
+#[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
+    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn list(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Query(q): Query<ListQuery>,
+) -> Json<Vec<Value>> {
+    do_list(&state, &e2b, &caller, q)
+}
+
+/// The caller's sandboxes (E2B, v2)
+#[utoipa::path(get, operation_id = "e2b_list_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
+    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn list_v2(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Query(q): Query<ListQuery>,
+) -> Json<Vec<Value>> {
+    do_list(&state, &e2b, &caller, q)
+}
+
+/// The caller's sandbox `id`: another user's, or a session the E2B API did not make,
+/// answers as absent.
+fn owned(
+    state: &AppState,
+    e2b: &E2bState,
+    caller: &ApiKeyUser,
+    id: &str,
+) -> E2bResult<Arc<Session>> {
+    let absent = || E2bError::not_found(format!("sandbox {id:?} not found"));
+    let uuid = Uuid::parse_str(id).map_err(|_| absent())?;
+    let session = state
+        .registry
+        .get(&caller.0 .0.name, uuid)
+        .map_err(|_| absent())?;
+    e2b.with(uuid, |_| ()).ok_or_else(absent)?;
+    Ok(session)
+}
+
+/// One sandbox (E2B)
+#[utoipa::path(get, operation_id = "e2b_get_one", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 200, description = "E2B's `SandboxDetail`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn get_one(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+) -> E2bResult<Json<Value>> {
+    let session = owned(&state, &e2b, &caller, &id)?;
+    let detail = e2b
+        .with(session.id, |meta| detail_json(&session, Some(meta)))
+        .unwrap_or_else(|| detail_json(&session, None));
+    Ok(Json(detail))
+}
+
+/// Kill a sandbox (E2B): its session, contexts and commands end
+#[utoipa::path(delete, operation_id = "e2b_kill", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 204, description = "killed"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn kill(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let session = owned(&state, &e2b, &caller, &id)?;
+    let user = caller.0 .0.name.clone();
+    e2b.end(&state.registry, &user, session.id).await;
+    state.registry.delete(&user, session.id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: u64,
+}
+
+fn extend(state: &AppState, e2b: &E2bState, session: &Session, secs: u64) -> E2bResult<()> {
+    let secs = timeout_secs(state, Some(secs))?;
+    let at = Instant::now() + Duration::from_secs(secs);
+    // Activity: the idle backstop (see `session_options`) moves past the new deadline.
+    session.touch();
+    session.set_deadline(Some(at));
+    let contexts = e2b
+        .with(session.id, |m| m.contexts.clone())
+        .unwrap_or_default();
+    for ctx in contexts {
+        if let Ok(c) = state.registry.get(&session.user.name, ctx) {
+            c.touch();
+            c.set_deadline(Some(at));
+        }
+    }
+    Ok(())
+}
+
+/// Set a sandbox's timeout (E2B): it now ends `timeout` seconds from now
+#[utoipa::path(post, operation_id = "e2b_set_timeout", path = "/e2b/sandboxes/{id}/timeout", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 204, description = "set"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn set_timeout(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> E2bResult<StatusCode> {
+    let session = owned(&state, &e2b, &caller, &id)?;
+    let bytes = read_limited(body, 64 << 10, "request body").await?;
+    let req: TimeoutBody = parse_json(&bytes, "request body")?;
+    extend(&state, &e2b, &session, req.timeout)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct ConnectBody {
+    timeout: Option<u64>,
+}
+
+async fn do_connect(
+    state: AppState,
+    e2b: Arc<E2bState>,
+    caller: ApiKeyUser,
+    id: String,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    let session = owned(&state, &e2b, &caller, &id)?;
+    let bytes = read_limited(body, 64 << 10, "request body").await?;
+    let req: ConnectBody = parse_json(&bytes, "request body")?;
+    if let Some(t) = req.timeout {
+        extend(&state, &e2b, &session, t)?;
+    }
+    let template = e2b
+        .with(session.id, |m| m.template.clone())
+        .unwrap_or_default();
+    Ok((
+        StatusCode::OK,
+        Json(sandbox_json(&caller.0 .0.token, &session, &template)),
+    )
+        .into_response())
+}
+
+/// Connect to a running sandbox (E2B)
+#[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn connect(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    do_connect(state, e2b, caller, id, body).await
+}
+
+/// Connect to a running sandbox (E2B, v2)
+#[utoipa::path(post, operation_id = "e2b_connect_v2", path = "/e2b/v2/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn connect_v2(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    do_connect(state, e2b, caller, id, body).await
+}

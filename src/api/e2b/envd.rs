@@ -1,0 +1,348 @@
+//! envd's routes (port 49983 behind `E2B_SANDBOX_URL`): `GET /health`, file download and
+//! upload (`/files`, multipart or octet-stream), and the Connect filesystem service
+//! (`ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`; watching is not supported). Paths are
+//! the sandbox's: `/workspace/...` or relative to it (`super::workspace_relative`), and go
+//! through `session::files` (beneath the workspace, no symlink followed; what is created
+//! belongs to the kernel's uid).
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::auth::SandboxCaller;
+use super::connect::{unary_request, ConnectError};
+use super::{inside_path, workspace_relative, E2bError, E2bResult};
+use crate::api::extract::read_limited;
+use crate::api::AppState;
+use crate::session::files::{self, Entry, EntryKind};
+use crate::session::SessionError;
+
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(health))
+        .routes(routes!(download, upload))
+        .routes(routes!(filesystem))
+}
+
+/// envd's health check
+#[utoipa::path(get, operation_id = "e2b_health", path = "/e2b/sandbox/health", tag = "e2b", security(()),
+    responses((status = 204, description = "envd is up"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+#[derive(Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+}
+
+async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<std::path::PathBuf> {
+    state
+        .registry
+        .sandbox()
+        .workspace(&caller.session.user)
+        .map_err(|e| E2bError::internal("workspace", e))
+}
+
+/// Download a file (envd)
+#[utoipa::path(get, operation_id = "e2b_download", path = "/e2b/sandbox/files", tag = "e2b", security(()),
+    params(("path" = String, Query, description = "`/workspace/...` or relative to it")),
+    responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn download(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    Query(q): Query<FileQuery>,
+) -> E2bResult<Response> {
+    let path = q
+        .path
+        .ok_or_else(|| E2bError::bad_request("the path parameter is missing"))?;
+    let rel = workspace_relative(&path)?;
+    let ws = workspace(&state, &caller).await?;
+    let max = state.limits.max_file_bytes;
+    caller.session.touch();
+    let data = tokio::task::spawn_blocking(move || files::read(&ws, &rel, max))
+        .await
+        .map_err(|e| E2bError::internal("read file", e))?
+        .map_err(|e| file_error(e, &path))?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+fn file_error(e: SessionError, path: &str) -> E2bError {
+    match e {
+        SessionError::NotFoundFile(_) => E2bError::not_found(format!("path {path:?} not found")),
+        other => other.into(),
+    }
+}
+
+/// Upload files (envd): multipart field `file` (its file name is the path without
+/// `?path=`) or one octet-stream body
+#[utoipa::path(post, operation_id = "e2b_upload", path = "/e2b/sandbox/files", tag = "e2b", security(()),
+    params(("path" = Option<String>, Query, description = "`/workspace/...` or relative to it")),
+    responses((status = 200, description = "`[{path, name, type}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn upload(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    Query(q): Query<FileQuery>,
+    headers: HeaderMap,
+    request: Request,
+) -> E2bResult<Json<Vec<Value>>> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    if headers.contains_key(header::CONTENT_ENCODING) {
+        return Err(E2bError::unsupported(
+            "compressed uploads (Content-Encoding)",
+        ));
+    }
+    let max = state.limits.max_file_bytes;
+    let mut uploads: Vec<(String, axum::body::Bytes)> = Vec::new();
+    if content_type.starts_with("multipart/form-data") {
+        let mut form = Multipart::from_request(request, &state)
+            .await
+            .map_err(|e| E2bError::bad_request(format!("invalid multipart body: {e}")))?;
+        while let Some(field) = form
+            .next_field()
+            .await
+            .map_err(|e| E2bError::bad_request(format!("invalid multipart body: {e}")))?
+        {
+            let name = field.file_name().map(str::to_string);
+            let path = match (&q.path, name) {
+                (Some(p), _) => p.clone(),
+                (None, Some(n)) => n,
+                (None, None) => {
+                    return Err(E2bError::bad_request(
+                        "a file part has no file name and no ?path=",
+                    ))
+                }
+            };
+            let data = field
+                .bytes()
+                .await
+                .map_err(|e| E2bError::bad_request(format!("reading the upload failed: {e}")))?;
+            if data.len() > max {
+                return Err(E2bError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("the file is larger than the limit of {max} bytes"),
+                ));
+            }
+            uploads.push((path, data));
+        }
+    } else {
+        let path = q
+            .path
+            .clone()
+            .ok_or_else(|| E2bError::bad_request("the path parameter is missing"))?;
+        let data = read_limited(request.into_body(), max, "file").await?;
+        uploads.push((path, data));
+    }
+    let ws = workspace(&state, &caller).await?;
+    let owner = state
+        .registry
+        .sandbox()
+        .workspace_owner(&caller.session.user);
+    caller.session.touch();
+    let mut out = Vec::new();
+    for (path, data) in uploads {
+        let rel = workspace_relative(&path)?;
+        let ws = ws.clone();
+        let rel2 = rel.clone();
+        tokio::task::spawn_blocking(move || files::write(&ws, &rel2, &data, owner))
+            .await
+            .map_err(|e| E2bError::internal("write file", e))??;
+        let name = rel.rsplit('/').next().unwrap_or(&rel).to_string();
+        out.push(json!({"path": inside_path(&rel), "name": name, "type": "file"}));
+    }
+    Ok(Json(out))
+}
+
+fn entry_json(e: &Entry) -> Value {
+    let rel = e.rel.to_string_lossy();
+    let name = e
+        .rel
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let kind = match e.kind {
+        EntryKind::File => "FILE_TYPE_FILE",
+        EntryKind::Directory => "FILE_TYPE_DIRECTORY",
+        EntryKind::Symlink => "FILE_TYPE_SYMLINK",
+        EntryKind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    json!({
+        "name": name,
+        "type": kind,
+        "path": inside_path(&rel),
+        "size": e.size.to_string(),
+        "mode": e.mode & 0o7777,
+        "permissions": permissions(e.mode),
+        "owner": e.uid.to_string(),
+        "group": e.gid.to_string(),
+        "modifiedTime": e.modified.to_rfc3339_opts(chrono::SecondsFormat::Nanos, true),
+        "isSymlink": e.kind == EntryKind::Symlink,
+    })
+}
+
+/// `-rw-r--r--`, as `ls` shows it.
+fn permissions(mode: u32) -> String {
+    let kind = match mode & libc::S_IFMT {
+        libc::S_IFDIR => 'd',
+        libc::S_IFLNK => 'l',
+        _ => '-',
+    };
+    let mut s = String::from(kind);
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+fn fs_error(e: SessionError) -> ConnectError {
+    match e {
+        SessionError::NotFoundFile(m) => ConnectError::not_found(m),
+        SessionError::BadRequest(m) => ConnectError::invalid(m),
+        SessionError::FileConflict(m) => ConnectError::new("already_exists", m),
+        SessionError::TooLarge(m) => ConnectError::new("resource_exhausted", m),
+        other => {
+            tracing::warn!(error = %other, "E2B filesystem call failed");
+            ConnectError::new("internal", other.to_string())
+        }
+    }
+}
+
+fn rel_of(path: &str) -> Result<String, ConnectError> {
+    workspace_relative(path).map_err(|e| ConnectError::invalid(e.message))
+}
+
+#[derive(Deserialize)]
+struct PathReq {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    depth: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct MoveReq {
+    source: String,
+    destination: String,
+}
+
+/// envd's Connect filesystem service (JSON): `ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`
+#[utoipa::path(post, operation_id = "e2b_filesystem", path = "/e2b/sandbox/filesystem.Filesystem/{method}", tag = "e2b", security(()),
+    params(("method" = String, Path)),
+    responses((status = 200, description = "the method's response message", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn filesystem(
+    State(state): State<AppState>,
+    axum::extract::Path(method): axum::extract::Path<String>,
+    caller: SandboxCaller,
+    body: Body,
+) -> Response {
+    match filesystem_call(&state, &caller, &method, body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn filesystem_call(
+    state: &AppState,
+    caller: &SandboxCaller,
+    method: &str,
+    body: Body,
+) -> Result<Value, ConnectError> {
+    let bytes = read_limited(body, super::connect::MAX_MESSAGE, "request")
+        .await
+        .map_err(|e| ConnectError::new("resource_exhausted", e.message))?;
+    let ws = workspace(state, caller)
+        .await
+        .map_err(|e| ConnectError::new("internal", e.message))?;
+    let owner = state
+        .registry
+        .sandbox()
+        .workspace_owner(&caller.session.user);
+    caller.session.touch();
+    let blocking = |f: Box<dyn FnOnce() -> Result<Value, ConnectError> + Send>| async move {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| ConnectError::new("internal", e.to_string()))?
+    };
+    match method {
+        "ListDir" => {
+            let req: PathReq = unary_request(&bytes)?;
+            let rel = rel_of(&req.path)?;
+            let depth = req.depth.unwrap_or(1).clamp(1, 64) as usize;
+            blocking(Box::new(move || {
+                let (entries, _) = files::list_dir(&ws, &rel, depth).map_err(fs_error)?;
+                Ok(json!({"entries": entries.iter().map(entry_json).collect::<Vec<_>>()}))
+            }))
+            .await
+        }
+        "Stat" => {
+            let req: PathReq = unary_request(&bytes)?;
+            let rel = rel_of(&req.path)?;
+            blocking(Box::new(move || {
+                let e = files::stat(&ws, &rel).map_err(fs_error)?;
+                Ok(json!({"entry": entry_json(&e)}))
+            }))
+            .await
+        }
+        "MakeDir" => {
+            let req: PathReq = unary_request(&bytes)?;
+            let rel = rel_of(&req.path)?;
+            blocking(Box::new(move || {
+                if !files::make_dir(&ws, &rel, owner).map_err(fs_error)? {
+                    return Err(ConnectError::new(
+                        "already_exists",
+                        format!("directory {} already exists", inside_path(&rel)),
+                    ));
+                }
+                let e = files::stat(&ws, &rel).map_err(fs_error)?;
+                Ok(json!({"entry": entry_json(&e)}))
+            }))
+            .await
+        }
+        "Remove" => {
+            let req: PathReq = unary_request(&bytes)?;
+            let rel = rel_of(&req.path)?;
+            blocking(Box::new(move || {
+                files::remove(&ws, &rel).map_err(fs_error)?;
+                Ok(json!({}))
+            }))
+            .await
+        }
+        "Move" => {
+            let req: MoveReq = unary_request(&bytes)?;
+            let (from, to) = (rel_of(&req.source)?, rel_of(&req.destination)?);
+            blocking(Box::new(move || {
+                files::rename(&ws, &from, &to, owner).map_err(fs_error)?;
+                let e = files::stat(&ws, &to).map_err(fs_error)?;
+                Ok(json!({"entry": entry_json(&e)}))
+            }))
+            .await
+        }
+        other => Err(ConnectError::unimplemented(format!(
+            "filesystem.Filesystem/{other} is not supported by kernel-broker (watching directories is not)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permissions_read_like_ls() {
+        assert_eq!(permissions(libc::S_IFREG | 0o644), "-rw-r--r--");
+        assert_eq!(permissions(libc::S_IFDIR | 0o755), "drwxr-xr-x");
+    }
+}

@@ -1,0 +1,384 @@
+//! E2B's code interpreter (port 49999 behind `E2B_SANDBOX_URL`): `POST /execute` answers
+//! newline-delimited JSON as the code runs (`stdout`, `stderr`, `result`, `error`, then
+//! `number_of_executions` and `end_of_execution`); contexts are more sessions of the
+//! sandbox's user (`/contexts`). The SDK's own timeout closes the connection: a client
+//! that goes away mid-execution has the kernel interrupted, as E2B's server does.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::sync::{mpsc, oneshot};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+use uuid::Uuid;
+
+use super::auth::SandboxCaller;
+use super::{E2bError, E2bResult, WORKDIR};
+use crate::api::extract::{check_code, parse_json, read_limited, sandbox_user};
+use crate::api::AppState;
+use crate::session::{ExecRequest, ExecutionStatus, OutputEvent, Session};
+
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(execute))
+        .routes(routes!(create_context, list_contexts))
+        .routes(routes!(delete_context))
+        .routes(routes!(restart_context))
+}
+
+#[derive(Deserialize)]
+struct ExecuteBody {
+    code: String,
+    context_id: Option<String>,
+    language: Option<String>,
+    env_vars: Option<Map<String, Value>>,
+}
+
+fn check_language(language: Option<&str>) -> E2bResult<()> {
+    match language {
+        None | Some("python" | "python3" | "") => Ok(()),
+        Some(other) => Err(E2bError::bad_request(format!(
+            "language {other:?} is not available: kernel-broker's sandboxes run Python only"
+        ))),
+    }
+}
+
+/// The session a context id names in this sandbox (none: the sandbox's own).
+fn context_session(
+    state: &AppState,
+    caller: &SandboxCaller,
+    id: Option<&str>,
+) -> E2bResult<Arc<Session>> {
+    let Some(id) = id.filter(|s| !s.is_empty()) else {
+        return Ok(caller.session.clone());
+    };
+    let absent = || E2bError::not_found(format!("context {id:?} not found"));
+    let uuid = Uuid::parse_str(id).map_err(|_| absent())?;
+    if uuid == caller.session.id {
+        return Ok(caller.session.clone());
+    }
+    let ours = caller
+        .e2b
+        .with(caller.session.id, |m| m.contains_context(uuid))
+        .unwrap_or(false);
+    if !ours {
+        return Err(absent());
+    }
+    state
+        .registry
+        .get(&caller.user.name, uuid)
+        .map_err(|_| absent())
+}
+
+/// A Jupyter MIME bundle as E2B's result fields.
+fn result_line(data: &Value, is_main: bool) -> Value {
+    let mut out = Map::new();
+    out.insert("type".into(), "result".into());
+    let mut extra = Map::new();
+    if let Some(bundle) = data.as_object() {
+        for (mime, value) in bundle {
+            let key = match mime.as_str() {
+                "text/plain" => "text",
+                "text/html" => "html",
+                "text/markdown" => "markdown",
+                "image/svg+xml" => "svg",
+                "image/png" => "png",
+                "image/jpeg" => "jpeg",
+                "application/pdf" => "pdf",
+                "text/latex" => "latex",
+                "application/json" => "json",
+                "application/javascript" => "javascript",
+                _ => {
+                    extra.insert(mime.clone(), value.clone());
+                    continue;
+                }
+            };
+            let value = match (key, value) {
+                // Base64 in Jupyter may be wrapped; E2B's is one line.
+                ("png" | "jpeg" | "pdf", Value::String(s)) => Value::String(s.replace('\n', "")),
+                (_, v) => v.clone(),
+            };
+            out.insert(key.into(), value);
+        }
+    }
+    if !extra.is_empty() {
+        out.insert("extra".into(), Value::Object(extra));
+    }
+    out.insert("is_main_result".into(), is_main.into());
+    Value::Object(out)
+}
+
+fn now_nanos() -> i64 {
+    chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0)
+}
+
+fn event_line(ev: OutputEvent) -> Option<Value> {
+    Some(match ev {
+        OutputEvent::Stdout(text) => {
+            json!({"type": "stdout", "text": text, "timestamp": now_nanos()})
+        }
+        OutputEvent::Stderr(text) => {
+            json!({"type": "stderr", "text": text, "timestamp": now_nanos()})
+        }
+        OutputEvent::Display { data, .. } => result_line(&data, false),
+        OutputEvent::Result { data, .. } => result_line(&data, true),
+        OutputEvent::Error(e) => json!({
+            "type": "error", "name": e.ename, "value": e.evalue,
+            "traceback": e.traceback.join("\n"),
+        }),
+        OutputEvent::InputRequest { .. } => return None,
+    })
+}
+
+fn line(v: &Value) -> Bytes {
+    let mut s = v.to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+/// Run code (E2B's code interpreter): NDJSON as it runs
+#[utoipa::path(post, operation_id = "e2b_execute", path = "/e2b/sandbox/execute", tag = "e2b", security(()),
+    responses((status = 200, description = "newline-delimited JSON: stdout, stderr, result, error, number_of_executions, end_of_execution", content_type = "application/x-ndjson", body = String), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn execute(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    body: Body,
+) -> E2bResult<Response> {
+    let bytes = read_limited(
+        body,
+        state.limits.max_code_bytes + (64 << 10),
+        "request body",
+    )
+    .await?;
+    let req: ExecuteBody = parse_json(&bytes, "request body")?;
+    check_language(req.language.as_deref())?;
+    if req.context_id.is_some() && req.language.is_some() {
+        return Err(E2bError::bad_request(
+            "give a context or a language, not both",
+        ));
+    }
+    if req.env_vars.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(E2bError::unsupported(
+            "env_vars for one execution (set envs when creating the sandbox)",
+        ));
+    }
+    check_code(&state, &req.code)?;
+    let session = context_session(&state, &caller, req.context_id.as_deref())?;
+    // The SDK sends no execution timeout (it enforces its own by closing the
+    // connection); the broker's maximum is the backstop.
+    let timeout = state.limits.max_execution_timeout;
+    let (out_tx, mut out_rx) = mpsc::channel::<OutputEvent>(256);
+    let (done_tx, mut done_rx) = oneshot::channel();
+    session.execute(ExecRequest {
+        code: req.code,
+        timeout,
+        allow_stdin: false,
+        stream: Some(out_tx),
+        done: done_tx,
+    })?;
+    let (line_tx, line_rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let mut open = true;
+        let finished = loop {
+            tokio::select! {
+                biased;
+                ev = out_rx.recv(), if open => match ev {
+                    Some(ev) => {
+                        if let Some(v) = event_line(ev) {
+                            // A failed send means the client is gone: the next turn sees it.
+                            let _ = line_tx.send(line(&v)).await;
+                        }
+                    }
+                    None => open = false,
+                },
+                exec = &mut done_rx => break exec.ok(),
+                _ = line_tx.closed() => {
+                    // The client went away mid-execution: interrupt it, as E2B does.
+                    let _ = session.interrupt().await;
+                    return;
+                }
+            }
+        };
+        // Output sent before the end is in the channel already.
+        while let Ok(ev) = out_rx.try_recv() {
+            if let Some(v) = event_line(ev) {
+                let _ = line_tx.send(line(&v)).await;
+            }
+        }
+        let Some(exec) = finished else { return };
+        // Lines the stream missed (a slow client's events are dropped, never awaited)
+        // are not repeated; the end says how it went.
+        if matches!(
+            exec.status,
+            ExecutionStatus::Timeout | ExecutionStatus::Dead
+        ) {
+            if let Some(e) = &exec.error {
+                let v = json!({"type": "error", "name": e.ename, "value": e.evalue, "traceback": e.traceback.join("\n")});
+                let _ = line_tx.send(line(&v)).await;
+            }
+        }
+        if let Some(n) = exec.execution_count {
+            let _ = line_tx
+                .send(line(
+                    &json!({"type": "number_of_executions", "execution_count": n}),
+                ))
+                .await;
+        }
+        let _ = line_tx
+            .send(line(&json!({"type": "end_of_execution"})))
+            .await;
+    });
+    let stream = futures::stream::unfold(line_rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize, Default)]
+struct ContextBody {
+    language: Option<String>,
+    cwd: Option<String>,
+}
+
+fn context_json(id: Uuid) -> Value {
+    json!({"id": id.to_string(), "language": "python", "cwd": WORKDIR})
+}
+
+/// Create a context: another kernel in the same sandbox
+#[utoipa::path(post, operation_id = "e2b_create_context", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
+    responses((status = 200, description = "`{id, language, cwd}`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn create_context(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    body: Body,
+) -> E2bResult<Json<Value>> {
+    let bytes = read_limited(body, 64 << 10, "request body").await?;
+    let req: ContextBody = parse_json(&bytes, "request body")?;
+    check_language(req.language.as_deref())?;
+    if let Some(cwd) = req
+        .cwd
+        .as_deref()
+        .filter(|c| *c != WORKDIR && !c.is_empty())
+    {
+        return Err(E2bError::unsupported(format!(
+            "a context working directory other than {WORKDIR} ({cwd:?})"
+        )));
+    }
+    let user = sandbox_user(&crate::api::auth::Caller(caller.user.clone()));
+    let session = state
+        .registry
+        .create(
+            &user,
+            caller.user.max_sessions,
+            super::control::session_options(&state),
+        )
+        .await?;
+    let deadline_left = caller
+        .session
+        .deadline()
+        .and_then(|d| (d - chrono::Utc::now()).to_std().ok());
+    if let Some(left) = deadline_left {
+        session.set_deadline(Some(tokio::time::Instant::now() + left));
+    }
+    let known = caller
+        .e2b
+        .with(caller.session.id, |m| m.contexts.push(session.id))
+        .is_some();
+    if !known {
+        let _ = state.registry.delete(&caller.user.name, session.id).await;
+        return Err(E2bError::not_found("the sandbox has ended"));
+    }
+    Ok(Json(context_json(session.id)))
+}
+
+/// The sandbox's contexts
+#[utoipa::path(get, operation_id = "e2b_list_contexts", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
+    responses((status = 200, description = "`[{id, language, cwd}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn list_contexts(caller: SandboxCaller) -> Json<Vec<Value>> {
+    let mut ids = vec![caller.session.id];
+    ids.extend(
+        caller
+            .e2b
+            .with(caller.session.id, |m| m.contexts.clone())
+            .unwrap_or_default(),
+    );
+    Json(ids.into_iter().map(context_json).collect())
+}
+
+/// Remove a context (its kernel ends)
+#[utoipa::path(delete, operation_id = "e2b_delete_context", path = "/e2b/sandbox/contexts/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 204, description = "removed"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn delete_context(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let session = context_session(&state, &caller, Some(&id))?;
+    if session.id == caller.session.id {
+        return Err(E2bError::bad_request(
+            "the sandbox's default context cannot be removed; kill the sandbox instead",
+        ));
+    }
+    caller.e2b.with(caller.session.id, |m| {
+        m.contexts.retain(|c| *c != session.id)
+    });
+    state.registry.delete(&caller.user.name, session.id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Restart a context's kernel (its state is cleared)
+#[utoipa::path(post, operation_id = "e2b_restart_context", path = "/e2b/sandbox/contexts/{id}/restart", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 204, description = "restarted"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+async fn restart_context(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let session = context_session(&state, &caller, Some(&id))?;
+    session.touch();
+    session.restart().await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jupyter_bundles_become_e2b_results() {
+        let v = result_line(
+            &json!({"text/plain": "<Figure>", "image/png": "iVBO\nRw0K", "application/x-custom": 1}),
+            false,
+        );
+        assert_eq!(v["type"], "result");
+        assert_eq!(v["text"], "<Figure>");
+        assert_eq!(v["png"], "iVBORw0K");
+        assert_eq!(v["extra"]["application/x-custom"], 1);
+        assert_eq!(v["is_main_result"], false);
+        let e = event_line(OutputEvent::Error(
+            crate::session::execution::ExecutionError {
+                ename: "KeyError".into(),
+                evalue: "'price'".into(),
+                traceback: vec!["a".into(), "b".into()],
+            },
+        ))
+        .unwrap();
+        assert_eq!(e["traceback"], "a\nb");
+        assert_eq!(e["name"], "KeyError");
+        assert!(check_language(Some("r")).is_err());
+        assert!(check_language(None).is_ok());
+    }
+}

@@ -1,0 +1,192 @@
+//! E2B compatibility: E2B's own SDKs (Python `e2b` / `e2b-code-interpreter`, JavaScript
+//! `@e2b/code-interpreter`) work unmodified with `E2B_API_URL=BASE/e2b`,
+//! `E2B_SANDBOX_URL=BASE/e2b/sandbox` and `E2B_API_KEY=<broker token>`.
+//!
+//! An E2B sandbox is a session of the key's user (same id: it shows in `/v1/sessions`,
+//! `/api/kernels` and the UI, and is recorded); its contexts are more sessions of that
+//! user; its working directory is the user's workspace (`/workspace`); its commands run
+//! in the user's sandbox through [`Sandbox::run_command`](crate::sandbox::Sandbox). E2B's
+//! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
+//! then unless extended.
+//!
+//! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`);
+//! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
+//! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
+//! Connect process service (commands); `connect.rs` the Connect framing; `auth.rs` keys
+//! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
+//! beyond its session (template, metadata, contexts, commands).
+
+mod auth;
+mod connect;
+mod control;
+mod envd;
+mod interpreter;
+mod process;
+mod state;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use utoipa_axum::router::OpenApiRouter;
+
+use super::AppState;
+use crate::session::SessionError;
+
+pub use state::E2bState;
+
+/// The E2B routes, with their state.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .merge(control::routes())
+        .merge(interpreter::routes())
+        .merge(envd::routes())
+        .merge(process::routes())
+        .layer(axum::Extension(std::sync::Arc::new(E2bState::default())))
+        .layer(axum::extract::DefaultBodyLimit::disable())
+}
+
+/// What answers a path under `/e2b` that no route serves (templates, pause, snapshots,
+/// metrics, ...): E2B's error shape (Connect's for RPC paths behind the sandbox URL) and
+/// a sentence, never the broker's own error body.
+pub fn fallback(method: &axum::http::Method, path: &str) -> Response {
+    let rpc = path
+        .strip_prefix("/e2b/sandbox/")
+        .is_some_and(|p| p.contains('.') && p.contains('/'));
+    if rpc {
+        return connect::ConnectError::unimplemented(format!(
+            "{} is not supported by kernel-broker",
+            path.trim_start_matches("/e2b/sandbox/")
+        ))
+        .into_response();
+    }
+    E2bError::unsupported(format!("{method} {path}")).into_response()
+}
+
+/// An error in E2B's shape: `{"code": <HTTP status>, "message": "..."}`.
+#[derive(Debug)]
+pub struct E2bError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl E2bError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, message)
+    }
+
+    /// What kernel-broker does not do, said so.
+    pub fn unsupported(what: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "{what} is not supported by kernel-broker's E2B compatibility (see docs/API.md)"
+            ),
+        )
+    }
+
+    pub fn internal(context: &str, err: impl std::fmt::Display) -> Self {
+        tracing::error!(%context, error = %err, "internal error (E2B API)");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the broker hit an internal error; it is logged",
+        )
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<SessionError> for E2bError {
+    fn from(e: SessionError) -> Self {
+        let api = super::error::ApiError::from(e);
+        Self::new(api.status, api.message)
+    }
+}
+
+impl From<super::error::ApiError> for E2bError {
+    fn from(e: super::error::ApiError) -> Self {
+        Self::new(e.status, e.message)
+    }
+}
+
+pub type E2bResult<T> = Result<T, E2bError>;
+
+/// The sandbox's working directory, as its processes see it.
+pub const WORKDIR: &str = "/workspace";
+
+/// A path a client gave (absolute inside the sandbox, or relative to the working
+/// directory) as a path relative to the workspace; "" is the workspace itself. Only the
+/// workspace is reachable through the files API.
+pub fn workspace_relative(path: &str) -> E2bResult<String> {
+    let p = path.trim();
+    let rel = if let Some(rest) = p.strip_prefix(WORKDIR) {
+        match rest.strip_prefix('/') {
+            Some(r) => r,
+            None if rest.is_empty() => "",
+            None => return Err(outside(path)),
+        }
+    } else if let Some(rest) = p.strip_prefix("~/") {
+        rest
+    } else if p.starts_with('/') {
+        return Err(outside(path));
+    } else {
+        p
+    };
+    Ok(rel.trim_end_matches('/').to_string())
+}
+
+fn outside(path: &str) -> E2bError {
+    E2bError::bad_request(format!(
+        "{path:?} is outside the sandbox's working directory {WORKDIR}: only files there (or relative paths) are reachable through the files API"
+    ))
+}
+
+/// The inside path of a workspace-relative one.
+pub fn inside_path(rel: &str) -> String {
+    if rel.is_empty() {
+        WORKDIR.to_string()
+    } else {
+        format!("{WORKDIR}/{rel}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_map_onto_the_workspace() {
+        for (given, want) in [
+            ("data.csv", "data.csv"),
+            ("/workspace/a/b.csv", "a/b.csv"),
+            ("/workspace", ""),
+            ("/workspace/", ""),
+            ("~/x", "x"),
+            ("", ""),
+        ] {
+            assert_eq!(workspace_relative(given).unwrap(), want, "{given}");
+        }
+        for bad in ["/etc/passwd", "/workspaces/x", "/home/user/x"] {
+            let e = workspace_relative(bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(e.message.contains("outside"), "{}", e.message);
+        }
+        assert_eq!(inside_path("a/b"), "/workspace/a/b");
+        assert_eq!(inside_path(""), "/workspace");
+    }
+}

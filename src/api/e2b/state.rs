@@ -1,0 +1,103 @@
+//! What the E2B API knows of each sandbox beyond its session: the template it was asked
+//! for, its metadata and environment, its contexts (more sessions) and its running
+//! commands. Kept in memory: after a broker restart (`--keep-sessions`) a sandbox's
+//! session lives on, and this comes back empty (no metadata, no contexts).
+//!
+//! A sandbox's end (kill, or its deadline through the session layer's expiry) takes its
+//! contexts and commands along: a watcher task per sandbox waits for the session's final
+//! state and cleans up.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::broadcast;
+use uuid::Uuid;
+
+use crate::sandbox::command::CommandControl;
+use crate::session::{Registry, Session, SessionEvent, SessionState};
+use crate::sync::lock;
+
+/// One sandbox's E2B side.
+pub struct SandboxMeta {
+    pub template: String,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    pub env: Vec<(String, String)>,
+    pub started_at: DateTime<Utc>,
+    /// Context sessions besides the sandbox's own (its default context).
+    pub contexts: Vec<Uuid>,
+    pub commands: HashMap<u32, Arc<Command>>,
+}
+
+/// A running command of a sandbox.
+pub struct Command {
+    pub pid: u32,
+    pub tag: Option<String>,
+    /// The request's process config, echoed by `List`.
+    pub config: serde_json::Value,
+    pub control: Arc<dyn CommandControl>,
+    pub stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
+    /// Its events (`start` is not repeated), for `Start` and every `Connect`.
+    pub events: broadcast::Sender<serde_json::Value>,
+}
+
+#[derive(Default)]
+pub struct E2bState {
+    sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
+}
+
+impl E2bState {
+    pub fn insert(&self, id: Uuid, meta: SandboxMeta) {
+        lock(&self.sandboxes).insert(id, meta);
+    }
+
+    /// Runs `f` on sandbox `id`'s record, if the broker has one.
+    pub fn with<R>(&self, id: Uuid, f: impl FnOnce(&mut SandboxMeta) -> R) -> Option<R> {
+        lock(&self.sandboxes).get_mut(&id).map(f)
+    }
+
+    /// Forgets sandbox `id`; its contexts and commands are returned for ending.
+    pub fn remove(&self, id: Uuid) -> Option<SandboxMeta> {
+        lock(&self.sandboxes).remove(&id)
+    }
+
+    /// Ends what the sandbox `id` holds besides its session: commands, then contexts.
+    pub async fn end(&self, registry: &Registry, user: &str, id: Uuid) {
+        let Some(meta) = self.remove(id) else { return };
+        for cmd in meta.commands.values() {
+            cmd.control.kill().await;
+        }
+        for ctx in meta.contexts {
+            let _ = registry.delete(user, ctx).await;
+        }
+    }
+
+    /// Watches sandbox `session`: once it ends (deleted, expired at its deadline), its
+    /// contexts and commands end too.
+    pub fn watch(self: &Arc<Self>, registry: Registry, session: Arc<Session>) {
+        let state = self.clone();
+        let mut events = session.subscribe();
+        tokio::spawn(async move {
+            loop {
+                if matches!(
+                    session.state(),
+                    SessionState::Expired | SessionState::Closed
+                ) {
+                    break;
+                }
+                match events.recv().await {
+                    Ok(SessionEvent::State(SessionState::Expired | SessionState::Closed)) => break,
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+            }
+            state.end(&registry, &session.user.name, session.id).await;
+        });
+    }
+}
+
+impl SandboxMeta {
+    pub fn contains_context(&self, id: Uuid) -> bool {
+        self.contexts.contains(&id)
+    }
+}

@@ -1,0 +1,273 @@
+//! A command in a user's local sandbox (E2B's `commands.run`): the kernel's own bwrap
+//! command line (`bwrap.rs`: the same namespaces, file system view, no network but
+//! loopback, seccomp filter, the user's uid through `setpriv`, the workspace at
+//! `/workspace`), started in a cgroup leaf of its own with a kernel's limits, so it can do
+//! no more than the user's kernel could. It always dies with the broker
+//! (`--die-with-parent`, also under `--keep-sessions`: commands are not kept), and its
+//! handle's drop kills it.
+//!
+//! Process shape as for a kernel: bwrap (in the leaf from before `exec`) → the sandbox's
+//! init → `sh` changing to the working directory → the command. Killing kills the whole
+//! leaf, so whatever the command started goes with it.
+
+use std::ffi::{CString, OsString};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
+use super::files::{login_name, LaunchFiles, LaunchGuard};
+use super::process::{inherit_fd, join_cgroup, raise_oom_score};
+use super::LocalSandbox;
+use crate::sandbox::cgroup::{Cgroups, Leaf};
+use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
+use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::{thread_env, SandboxError};
+
+impl LocalSandbox {
+    pub(super) async fn start_command(
+        &self,
+        spec: CommandSpec,
+    ) -> Result<RunningCommand, SandboxError> {
+        let cgroups = self.startup().await?;
+        let user = spec.user.clone();
+        if spec.argv.is_empty() {
+            return Err(launch_err(&user, "the command is empty"));
+        }
+        let workspace = self.workspace_path(&user)?;
+        let ids = self.kernel_ids(&user)?;
+        // A runtime directory and a leaf named like a kernel's: the start-up sweeps of the
+        // next run remove what a crash leaves, as they do for kernels.
+        let id = Uuid::new_v4();
+        let rundir = self.run_base.join(id.to_string());
+        let files = LaunchFiles {
+            workspace: workspace.clone(),
+            rundir: rundir.clone(),
+            ids,
+            login: login_name(&user.name),
+            connection: serde_json::Value::Null,
+            quota: Some((
+                self.workspace_images.clone(),
+                user.limits.workspace_quota_bytes,
+            )),
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+        let mut guard = LaunchGuard {
+            rundir: Some(rundir.clone()),
+            leaf: None,
+        };
+        if let Some(cg) = &cgroups {
+            let (cg2, name, limits, own) = (
+                cg.clone(),
+                user.name.clone(),
+                user.limits.clone(),
+                spec.limits,
+            );
+            let leaf =
+                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, &own, id))
+                    .await
+                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
+            guard.leaf = Some((cg.clone(), leaf));
+        }
+
+        // `sh` changes to the working directory, then becomes the command: bwrap's own
+        // `--chdir` is the workspace, and a missing directory must fail as the command.
+        let mut argv = vec![
+            "/bin/sh".to_string(),
+            "-c".to_string(),
+            "cd -- \"$0\" && exec \"$@\"".to_string(),
+            spec.cwd
+                .clone()
+                .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
+        ];
+        argv.extend(spec.argv.iter().cloned());
+        let request = BwrapRequest {
+            workspace: &workspace,
+            rundir: &rundir,
+            ids,
+            tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
+            resource_dir: None,
+            argv: &argv,
+        };
+        let mut opts = self.bwrap_opts.clone();
+        opts.die_with_parent = true;
+        let seccomp = self
+            .seccomp_memfd()
+            .map_err(|e| launch_err(&user, format!("cannot pass the syscall filter: {e}")))?;
+        let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
+        let args: Vec<OsString> = bwrap_args(
+            &opts,
+            &HostRoot::probe(&self.cfg.extra_ro_binds),
+            &request,
+            seccomp_fd,
+        );
+        let mut cmd = Command::new(&self.bwrap);
+        cmd.args(&args)
+            .env_clear()
+            .envs(kernel_env(&self.venv, &user.name))
+            .envs(thread_env(&user.limits))
+            .envs(spec.env.iter().cloned())
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let procs: Vec<CString> = guard
+            .leaf
+            .as_ref()
+            .map(|(_, l)| l.procs_files().to_vec())
+            .unwrap_or_default();
+        // SAFETY: as for a kernel's spawn (process.rs): between fork and exec only
+        // async-signal-safe calls on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &procs {
+                    join_cgroup(path)?;
+                }
+                raise_oom_score()?;
+                if let Some(fd) = seccomp_fd {
+                    inherit_fd(fd)?;
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            launch_err(&user, format!("cannot start {}: {e}", self.bwrap.display()))
+        })?;
+        drop(seccomp);
+        let pid = child.id().unwrap_or(0);
+        let (stdin, stdout, stderr) =
+            match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+                (Some(i), Some(o), Some(e)) => (i, o, e),
+                _ => {
+                    return Err(launch_err(
+                        &user,
+                        "the command's standard streams are missing",
+                    ))
+                }
+            };
+        let (cgroups, leaf) = guard
+            .leaf
+            .take()
+            .map_or((None, None), |(c, l)| (Some(c), Some(Arc::new(l))));
+        guard.rundir = None;
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let control = Arc::new(LocalCommand {
+            leaf: leaf.clone(),
+            bwrap_pid: i32::try_from(pid).ok(),
+            exit: exit_rx,
+        });
+        tokio::spawn(reap(child, cgroups, leaf, rundir, exit_tx));
+        tracing::info!(user = %user.name, command = %id, pid, "command started in the sandbox");
+        Ok(RunningCommand {
+            pid,
+            stdin: Box::new(stdin),
+            stdout: Box::new(stdout),
+            stderr: Box::new(stderr),
+            control,
+        })
+    }
+}
+
+/// Waits for bwrap, then kills what is left in the leaf and removes the leaf and the
+/// runtime directory; only then publishes the exit.
+async fn reap(
+    mut child: Child,
+    cgroups: Option<Arc<Cgroups>>,
+    leaf: Option<Arc<Leaf>>,
+    rundir: PathBuf,
+    exit: watch::Sender<Option<CommandExit>>,
+) {
+    use std::os::unix::process::ExitStatusExt;
+    let status = child.wait().await;
+    let ended = match status {
+        Ok(s) => CommandExit {
+            code: s.code(),
+            signal: s.signal(),
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "waiting for a command failed");
+            CommandExit {
+                code: None,
+                signal: Some(libc::SIGKILL),
+            }
+        }
+    };
+    if let (Some(cgroups), Some(leaf)) = (&cgroups, &leaf) {
+        cgroups.remove_leaf(leaf).await;
+    }
+    remove_dir_logged(rundir).await;
+    let _ = exit.send(Some(ended));
+}
+
+/// The control half of a local command.
+struct LocalCommand {
+    leaf: Option<Arc<Leaf>>,
+    bwrap_pid: Option<i32>,
+    exit: watch::Receiver<Option<CommandExit>>,
+}
+
+#[async_trait]
+impl CommandControl for LocalCommand {
+    async fn signal(&self, signal: i32) {
+        // bwrap forwards no signal, so it goes to every process of the leaf: the command
+        // and what it started (a SIGTERM to bwrap or the sandbox's init ends them all too).
+        let pids = match &self.leaf {
+            Some(leaf) => leaf.pids(),
+            None => self.bwrap_pid.into_iter().collect(),
+        };
+        for pid in pids.into_iter().filter(|p| *p > 0) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(pid, signal) };
+        }
+    }
+
+    async fn kill(&self) {
+        if let Some(pid) = self.bwrap_pid.filter(|p| *p > 0) {
+            // The sandbox's init dies with bwrap (`--die-with-parent`), and with it the
+            // whole pid namespace.
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        if let Some(leaf) = &self.leaf {
+            leaf.kill_all().await;
+        }
+        self.wait().await;
+    }
+
+    async fn wait(&self) -> CommandExit {
+        let mut rx = self.exit.clone();
+        let seen = rx.wait_for(Option::is_some).await.map(|v| *v);
+        match seen {
+            Ok(v) => v.unwrap_or(CommandExit {
+                code: None,
+                signal: None,
+            }),
+            // The reaper is gone without a word: the runtime is shutting down.
+            Err(_) => CommandExit {
+                code: None,
+                signal: Some(libc::SIGKILL),
+            },
+        }
+    }
+}
+
+impl Drop for LocalCommand {
+    fn drop(&mut self) {
+        if self.exit.borrow().is_none() {
+            if let Some(pid) = self.bwrap_pid.filter(|p| *p > 0) {
+                // SAFETY: kill(2) has no memory-safety preconditions.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Directory entries of a workspace, for clients that browse it like a file system (E2B's
+//! `files.list`, `exists`, `get_info`, `make_dir`): stat one path, list one directory to
+//! a depth, make a directory with its parents. Same rules as the rest of `files`: every
+//! path resolved beneath the workspace with no symlink followed; a symlink is reported as
+//! one, never entered; listings are bounded.
+
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, Dir, FileType};
+
+use super::{clean_relative, io_err, make_parents, open_beneath, open_root};
+use crate::session::error::SessionError;
+
+/// One entry: a file, a directory or a symlink (never followed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Relative to the workspace ("" is the workspace itself).
+    pub rel: PathBuf,
+    pub kind: EntryKind,
+    pub size: u64,
+    /// Permission bits and type, as `st_mode`.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub modified: chrono::DateTime<chrono::Utc>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    File,
+    Directory,
+    Symlink,
+    Other,
+}
+
+/// At most this many entries in one listing.
+pub const MAX_ENTRIES: usize = 10_000;
+
+/// `rel` as a clean relative path; "" (or ".") is the workspace itself.
+fn relative(rel: &str) -> Result<PathBuf, SessionError> {
+    if rel.is_empty() || rel == "." {
+        return Ok(PathBuf::new());
+    }
+    clean_relative(rel)
+}
+
+fn entry_of(rel: PathBuf, st: &rustix::fs::Stat) -> Entry {
+    let kind = match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => EntryKind::File,
+        FileType::Directory => EntryKind::Directory,
+        FileType::Symlink => EntryKind::Symlink,
+        _ => EntryKind::Other,
+    };
+    Entry {
+        rel,
+        kind,
+        size: st.st_size.max(0) as u64,
+        mode: st.st_mode,
+        uid: st.st_uid,
+        gid: st.st_gid,
+        modified: chrono::DateTime::from_timestamp(
+            st.st_mtime,
+            u32::try_from(st.st_mtime_nsec).unwrap_or(0),
+        )
+        .unwrap_or_default(),
+    }
+}
+
+/// What is at `rel` (a symlink is described, not followed).
+pub fn stat(workspace: &Path, rel: &str) -> Result<Entry, SessionError> {
+    let rel = relative(rel)?;
+    let root = open_root(workspace)?;
+    let Some(name) = rel.file_name() else {
+        let st = rustix::fs::fstat(&root).map_err(|e| io_err("stat", workspace, e.into()))?;
+        return Ok(entry_of(rel, &st));
+    };
+    let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
+            .map_err(|e| io_err("stat", &rel, e))?,
+        None => root,
+    };
+    let st = rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| io_err("stat", &rel, e.into()))?;
+    Ok(entry_of(rel, &st))
+}
+
+/// The entries of directory `rel`, and of its subdirectories down to `depth` levels
+/// (1: only its own), sorted by path; symlinked directories are listed, not entered.
+/// `truncated` is set past [`MAX_ENTRIES`].
+pub fn list_dir(
+    workspace: &Path,
+    rel: &str,
+    depth: usize,
+) -> Result<(Vec<Entry>, bool), SessionError> {
+    let rel = relative(rel)?;
+    let root = open_root(workspace)?;
+    let top = if rel.as_os_str().is_empty() {
+        root
+    } else {
+        open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOTDIR) {
+                SessionError::BadRequest(format!("{} is not a directory", rel.display()))
+            } else {
+                io_err("list", &rel, e)
+            }
+        })?
+    };
+    let mut out = Vec::new();
+    let mut truncated = false;
+    let mut stack = vec![(top, rel.clone(), 1usize)];
+    while let Some((dir_fd, dir_rel, level)) = stack.pop() {
+        let dir = Dir::read_from(&dir_fd).map_err(|e| io_err("list", &dir_rel, e.into()))?;
+        for item in dir {
+            let item = item.map_err(|e| io_err("list", &dir_rel, e.into()))?;
+            let name = item.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            if out.len() >= MAX_ENTRIES {
+                truncated = true;
+                break;
+            }
+            let name_os = std::ffi::OsStr::from_bytes(name);
+            let Ok(st) = rustix::fs::statat(&dir_fd, item.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+            else {
+                continue; // gone meanwhile
+            };
+            let entry = entry_of(dir_rel.join(name_os), &st);
+            if entry.kind == EntryKind::Directory && level < depth {
+                if let Ok(sub) = open_beneath(
+                    &dir_fd,
+                    Path::new(name_os),
+                    libc::O_DIRECTORY | libc::O_RDONLY,
+                    0,
+                ) {
+                    stack.push((sub, entry.rel.clone(), level + 1));
+                }
+            }
+            out.push(entry);
+        }
+    }
+    out.sort_by(|a, b| a.rel.cmp(&b.rel));
+    Ok((out, truncated))
+}
+
+/// Makes directory `rel` and its missing parents, owned by `owner`; `false` when it
+/// existed already.
+pub fn make_dir(
+    workspace: &Path,
+    rel: &str,
+    owner: Option<(u32, u32)>,
+) -> Result<bool, SessionError> {
+    let rel = clean_relative(rel)?;
+    let root = open_root(workspace)?;
+    match open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0) {
+        Ok(_) => return Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("create directory", &rel, e)),
+    }
+    // `make_parents` makes every directory above a file's path: a placeholder name
+    // below `rel` makes `rel` and its parents, and nothing else.
+    make_parents(&root, workspace, &rel.join("placeholder"), owner)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_list_and_make_dir() {
+        let ws = tempfile::tempdir().unwrap();
+        super::super::write(ws.path(), "a/b/c.txt", b"hello", None).unwrap();
+        std::os::unix::fs::symlink("/etc", ws.path().join("a/link")).unwrap();
+        let e = stat(ws.path(), "a/b/c.txt").unwrap();
+        assert_eq!((e.kind, e.size), (EntryKind::File, 5));
+        assert_eq!(stat(ws.path(), "a/link").unwrap().kind, EntryKind::Symlink);
+        assert_eq!(stat(ws.path(), "").unwrap().kind, EntryKind::Directory);
+        assert!(matches!(
+            stat(ws.path(), "nope"),
+            Err(SessionError::NotFoundFile(_))
+        ));
+        let (one, _) = list_dir(ws.path(), "a", 1).unwrap();
+        let names: Vec<_> = one.iter().map(|e| e.rel.display().to_string()).collect();
+        assert_eq!(names, ["a/b", "a/link"]);
+        let (two, _) = list_dir(ws.path(), "a", 2).unwrap();
+        assert_eq!(two.len(), 3);
+        // A symlinked directory is never entered, nor listed through.
+        assert!(list_dir(ws.path(), "a/link", 1).is_err());
+        assert!(make_dir(ws.path(), "x/y", None).unwrap());
+        assert!(!make_dir(ws.path(), "x/y", None).unwrap());
+        assert_eq!(stat(ws.path(), "x/y").unwrap().kind, EntryKind::Directory);
+        assert!(list_dir(ws.path(), "../", 1).is_err());
+    }
+}

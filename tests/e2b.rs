@@ -1,0 +1,512 @@
+//! The E2B-compatible API's error paths against a real broker (real sandbox, real
+//! ipykernel): every refusal answers E2B's shape (`{"code": int, "message": str}`, or
+//! Connect's for RPCs) with a sentence, nothing hangs, another user's sandbox is absent,
+//! and a sandbox ends at its deadline. The SDKs' happy paths are protocol-tests/test_e2b.py.
+
+mod common;
+
+on_both_backends!(
+    control_plane_errors_have_e2bs_shape,
+    sandbox_tokens_are_bound_to_sandbox_and_user,
+    sandbox_route_errors_say_what_is_wrong,
+    a_command_ends_with_its_sandbox,
+);
+
+use common::*;
+use serde_json::{json, Value};
+
+struct E2b {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl E2b {
+    fn new(b: &Broker) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: b.url(""),
+        }
+    }
+
+    async fn control(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        key: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}/e2b{path}", self.base));
+        if let Some(k) = key {
+            req = req.header("X-API-KEY", k);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let r = within(120, path, req.send()).await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn create(&self, key: &str, body: Value) -> Value {
+        let (status, v) = self
+            .control(
+                reqwest::Method::POST,
+                "/v2/sandboxes",
+                Some(key),
+                Some(body),
+            )
+            .await;
+        assert_eq!(status, 201, "{v}");
+        v
+    }
+
+    /// A request behind `E2B_SANDBOX_URL`, raw body, with the given headers.
+    async fn sandbox(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+        content_type: &str,
+    ) -> (u16, Vec<u8>) {
+        let mut req = self
+            .http
+            .request(method, format!("{}/e2b/sandbox{path}", self.base))
+            .header("content-type", content_type)
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let r = within(120, path, req.send()).await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.bytes().await.unwrap().to_vec())
+    }
+}
+
+fn e2b_error(v: &Value, status: u16) {
+    assert_eq!(v["code"], json!(status), "{v}");
+    assert!(
+        v["message"].as_str().is_some_and(|m| m.len() > 10),
+        "a sentence: {v}"
+    );
+}
+
+async fn control_plane_errors_have_e2bs_shape(sandbox: &'static str) {
+    let b = Broker::start(sandbox, |_| {}).await;
+    let e = E2b::new(&b);
+    use reqwest::Method as M;
+    let (s, v) = e
+        .control(M::POST, "/v2/sandboxes", None, Some(json!({})))
+        .await;
+    assert_eq!(s, 401);
+    e2b_error(&v, 401);
+    assert!(v["message"].as_str().unwrap().contains("E2B_API_KEY"));
+    let (s, v) = e
+        .control(M::POST, "/v2/sandboxes", Some("wrong"), Some(json!({})))
+        .await;
+    assert_eq!(s, 401);
+    e2b_error(&v, 401);
+    let (s, v) = e
+        .control(
+            M::POST,
+            "/v2/sandboxes",
+            Some(ALICE),
+            Some(json!({"timeout": 0})),
+        )
+        .await;
+    assert_eq!(s, 400);
+    e2b_error(&v, 400);
+    let (s, v) = e
+        .control(
+            M::POST,
+            "/v2/sandboxes",
+            Some(ALICE),
+            Some(json!({"autoPause": true})),
+        )
+        .await;
+    assert_eq!(s, 501);
+    e2b_error(&v, 501);
+    let (s, v) = e
+        .control(
+            M::POST,
+            "/v2/sandboxes",
+            Some(ALICE),
+            Some(json!({"envVars": {"A B": "x"}})),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    let (s, v) = e
+        .control(M::GET, "/sandboxes/not-a-sandbox", Some(ALICE), None)
+        .await;
+    assert_eq!(s, 404);
+    e2b_error(&v, 404);
+    // Unsupported parts of E2B's API say so, in E2B's shape.
+    for (m, p) in [
+        (M::POST, "/sandboxes/x/pause"),
+        (M::GET, "/templates"),
+        (M::GET, "/sandboxes/x/metrics"),
+    ] {
+        let (s, v) = e.control(m, p, Some(ALICE), None).await;
+        assert_eq!(s, 501, "{p}: {v}");
+        e2b_error(&v, 501);
+        assert!(v["message"].as_str().unwrap().contains("not supported"));
+    }
+    // A sandbox is a session of the key's user with E2B's deadline as its expiry.
+    let created = e
+        .create(
+            ALICE,
+            json!({"templateID": "base", "timeout": 120, "metadata": {"k": "v"}}),
+        )
+        .await;
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    for field in [
+        "envdAccessToken",
+        "trafficAccessToken",
+        "envdVersion",
+        "clientID",
+    ] {
+        assert!(created[field].is_string(), "{field}: {created}");
+    }
+    let (s, session) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s, 200);
+    assert!(session["expires_at"].is_string(), "{session}");
+    let (s, _) = b.api(BOB).get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(s, 404);
+    // Bob's key finds nothing of Alice's: get, list, kill, timeout, connect.
+    let (s, v) = e
+        .control(M::GET, &format!("/sandboxes/{id}"), Some(BOB), None)
+        .await;
+    assert_eq!(s, 404);
+    e2b_error(&v, 404);
+    let (_, listed) = e.control(M::GET, "/v2/sandboxes", Some(BOB), None).await;
+    assert_eq!(listed, json!([]));
+    for (m, p, body) in [
+        (M::DELETE, format!("/sandboxes/{id}"), None),
+        (
+            M::POST,
+            format!("/sandboxes/{id}/timeout"),
+            Some(json!({"timeout": 60})),
+        ),
+        (
+            M::POST,
+            format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({})),
+        ),
+    ] {
+        let (s, v) = e.control(m, &p, Some(BOB), body).await;
+        assert_eq!(s, 404, "{p}: {v}");
+    }
+    let (s, v) = e
+        .control(
+            M::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Some(ALICE),
+            Some(json!({"nope": 1})),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    let (_, listed) = e
+        .control(M::GET, "/v2/sandboxes?metadata=k%3Dv", Some(ALICE), None)
+        .await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let (_, listed) = e
+        .control(M::GET, "/v2/sandboxes?metadata=k%3Dw", Some(ALICE), None)
+        .await;
+    assert_eq!(listed, json!([]));
+    let (s, _) = e
+        .control(M::DELETE, &format!("/sandboxes/{id}"), Some(ALICE), None)
+        .await;
+    assert_eq!(s, 204);
+    let (s, _) = e
+        .control(M::DELETE, &format!("/sandboxes/{id}"), Some(ALICE), None)
+        .await;
+    assert_eq!(s, 404);
+    b.stop().await;
+}
+
+async fn sandbox_tokens_are_bound_to_sandbox_and_user(sandbox: &'static str) {
+    let b = Broker::start(sandbox, |_| {}).await;
+    let e = E2b::new(&b);
+    let alice = e.create(ALICE, json!({})).await;
+    let bob = e.create(BOB, json!({})).await;
+    let (a_id, a_tok) = (
+        alice["sandboxID"].as_str().unwrap(),
+        alice["envdAccessToken"].as_str().unwrap(),
+    );
+    let (b_id, b_tok) = (
+        bob["sandboxID"].as_str().unwrap(),
+        bob["envdAccessToken"].as_str().unwrap(),
+    );
+    let exec = |id: &str, tok: &str| {
+        let id = id.to_string();
+        let tok = tok.to_string();
+        let e = &e;
+        async move {
+            e.sandbox(
+                reqwest::Method::POST,
+                "/execute",
+                &[("E2b-Sandbox-Id", &id), ("X-Access-Token", &tok)],
+                br#"{"code": "1+1"}"#.to_vec(),
+                "application/json",
+            )
+            .await
+        }
+    };
+    let (s, body) = exec(a_id, a_tok).await;
+    assert_eq!(s, 200);
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.lines().any(|l| l.contains(r#""text":"2""#)), "{text}");
+    assert!(
+        text.ends_with("{\"type\":\"end_of_execution\"}\n"),
+        "{text}"
+    );
+    // Bob's token on Alice's sandbox, Alice's on Bob's: absent, as a missing sandbox.
+    for (id, tok) in [(a_id, b_tok), (b_id, a_tok)] {
+        let (s, body) = exec(id, tok).await;
+        assert_eq!(s, 404);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        e2b_error(&v, 404);
+    }
+    // The traffic token is accepted (the SDKs send only it with context requests).
+    let (s, body) = e
+        .sandbox(
+            reqwest::Method::GET,
+            "/contexts",
+            &[
+                ("E2b-Sandbox-Id", a_id),
+                (
+                    "E2B-Traffic-Access-Token",
+                    alice["trafficAccessToken"].as_str().unwrap(),
+                ),
+            ],
+            vec![],
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+    let (s, _) = exec(a_id, "").await;
+    assert_eq!(s, 404);
+    let (s, body) = e
+        .sandbox(
+            reqwest::Method::GET,
+            "/contexts",
+            &[("E2b-Sandbox-Id", a_id)],
+            vec![],
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 401);
+    e2b_error(&serde_json::from_slice(&body).unwrap(), 401);
+    let (s, _) = e
+        .sandbox(
+            reqwest::Method::GET,
+            "/contexts",
+            &[],
+            vec![],
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 400);
+    b.stop().await;
+}
+
+async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
+    let b = Broker::start(sandbox, |_| {}).await;
+    let e = E2b::new(&b);
+    let sbx = e.create(ALICE, json!({})).await;
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let h = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+    use reqwest::Method as M;
+    let json_err = |body: &[u8]| -> Value { serde_json::from_slice(body).unwrap() };
+    for (body, status, needle) in [
+        (
+            &br#"{"code": "1", "language": "r"}"#[..],
+            400,
+            "Python only",
+        ),
+        (
+            br#"{"code": "1", "env_vars": {"A": "1"}}"#,
+            501,
+            "not supported",
+        ),
+        (br#"{"code": "1", "context_id": "nope"}"#, 404, "not found"),
+        (br#"{"nope"#, 400, "invalid JSON"),
+    ] {
+        let (s, out) = e
+            .sandbox(M::POST, "/execute", &h, body.to_vec(), "application/json")
+            .await;
+        assert_eq!(s, status, "{}", String::from_utf8_lossy(&out));
+        let v = json_err(&out);
+        assert!(v["message"].as_str().unwrap().contains(needle), "{v}");
+    }
+    // Files: outside the working directory, missing, traversal.
+    let (s, out) = e
+        .sandbox(M::GET, "/files?path=/etc/passwd", &h, vec![], "text/plain")
+        .await;
+    assert_eq!(s, 400);
+    assert!(json_err(&out)["message"]
+        .as_str()
+        .unwrap()
+        .contains("outside"));
+    let (s, out) = e
+        .sandbox(M::GET, "/files?path=nope.txt", &h, vec![], "text/plain")
+        .await;
+    assert_eq!(s, 404);
+    e2b_error(&json_err(&out), 404);
+    let (s, _) = e
+        .sandbox(M::GET, "/files?path=../x", &h, vec![], "text/plain")
+        .await;
+    assert_eq!(s, 400);
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/files?path=up.txt",
+            &h,
+            b"data".to_vec(),
+            "application/octet-stream",
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(json_err(&out)[0]["path"], "/workspace/up.txt");
+    // Connect: unary errors as Connect's JSON; stream errors in the end envelope.
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/filesystem.Filesystem/Stat",
+            &h,
+            br#"{"path": "missing"}"#.to_vec(),
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 404);
+    assert_eq!(json_err(&out)["code"], "not_found");
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/filesystem.Filesystem/WatchDir",
+            &h,
+            br#"{"path": ""}"#.to_vec(),
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 501);
+    assert_eq!(json_err(&out)["code"], "unimplemented");
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/filesystem.Filesystem/MakeDir",
+            &h,
+            br#"{"path": "up.txt/x"}"#.to_vec(),
+            "application/json",
+        )
+        .await;
+    assert!(s >= 400, "{s} {}", String::from_utf8_lossy(&out));
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/process.Process/Start",
+            &h,
+            b"\x00\x00\x00\x00\x05{\"pty\"".to_vec(),
+            "application/connect+json",
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(out[0], 2, "an end-of-stream envelope");
+    let end: Value = serde_json::from_slice(&out[5..]).unwrap();
+    assert_eq!(end["error"]["code"], "invalid_argument", "{end}");
+    let msg = br#"{"process": {"cmd": "/bin/true"}, "pty": {"size": {"cols": 80, "rows": 24}}}"#;
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg);
+    let (_, out) = e
+        .sandbox(
+            M::POST,
+            "/process.Process/Start",
+            &h,
+            framed,
+            "application/connect+json",
+        )
+        .await;
+    let end: Value = serde_json::from_slice(&out[5..]).unwrap();
+    assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/process.Process/SendSignal",
+            &h,
+            br#"{"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"}"#.to_vec(),
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 404);
+    assert_eq!(json_err(&out)["code"], "not_found");
+    let (s, out) = e
+        .sandbox(
+            M::POST,
+            "/process.Process/Update",
+            &h,
+            b"{}".to_vec(),
+            "application/json",
+        )
+        .await;
+    assert_eq!(s, 501, "{}", String::from_utf8_lossy(&out));
+    b.stop().await;
+}
+
+async fn a_command_ends_with_its_sandbox(sandbox: &'static str) {
+    let b = Broker::start(sandbox, |_| {}).await;
+    let e = E2b::new(&b);
+    // A short deadline: the sandbox ends by itself, taking its command along.
+    let sbx = e.create(ALICE, json!({"timeout": 4})).await;
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let h = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+    let marker = format!(
+        "sleep 31{}",
+        &id[..4]
+            .chars()
+            .filter(char::is_ascii_digit)
+            .collect::<String>()
+    );
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", marker]}}).to_string();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg.as_bytes());
+    let http = reqwest::Client::new();
+    let mut req = http
+        .post(b.url("/e2b/sandbox/process.Process/Start"))
+        .header("content-type", "application/connect+json")
+        .body(framed);
+    for (k, v) in h {
+        req = req.header(k, v);
+    }
+    let resp = within(60, "start", req.send()).await.unwrap();
+    // The stream ends (with the command's end) once the deadline took the sandbox.
+    let body = within(60, "the command's stream to end", resp.bytes())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("\"start\""), "{text}");
+    assert!(text.contains("\"end\""), "{text}");
+    let (s, _) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+    assert!(s == 410 || s == 404, "{s}");
+    let ps = std::process::Command::new("pgrep")
+        .args(["-f", &marker])
+        .output()
+        .unwrap();
+    assert!(ps.stdout.is_empty(), "a command outlived its sandbox");
+    b.stop().await;
+}
