@@ -60,6 +60,14 @@ pub struct ServeArgs {
     /// running, and the next `serve` on the same data directory adopts them [default: false]
     #[arg(long, env = "KERNEL_BROKER_KEEP_SESSIONS", num_args = 0..=1, default_missing_value = "true")]
     pub keep_sessions: Option<bool>,
+    /// Modules kernels import before their first cell, comma-separated; `none` for none
+    /// [default: numpy,pandas,matplotlib]
+    #[arg(long, env = "KERNEL_BROKER_PRELOAD")]
+    pub preload: Option<String>,
+    /// Fork kernels from a per-user template that has imported the preloaded modules
+    /// (local sandbox, with cgroups, without --keep-sessions) [default: true]
+    #[arg(long, env = "KERNEL_BROKER_FORK_SERVER", num_args = 0..=1, default_missing_value = "true")]
+    pub fork_server: Option<bool>,
     /// Seconds without activity before a session expires; 0 never [default: 600]
     #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
     pub idle_timeout: Option<u64>,

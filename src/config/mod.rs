@@ -55,6 +55,8 @@ struct UserEntry {
     max_sessions: Option<usize>,
     session_memory_bytes: Option<u64>,
     session_pids: Option<u64>,
+    /// Modules this user's kernels import before their first cell (overrides `--preload`).
+    preload: Option<Vec<String>>,
 }
 
 /// Where the users came from, for the start-up message.
@@ -212,6 +214,7 @@ impl Settings {
         check_workspace_quota(defaults.workspace_quota_bytes, "workspace_quota")?;
         let max_sessions = pick!(max_sessions_per_user, 20);
         let users_file = args.users_file.clone().or(file.users_file.clone());
+        let mut user_preload = HashMap::new();
         let (users, token_source) = match (users_file, env_token.filter(|t| !t.is_empty())) {
             (Some(path), _) => {
                 let parsed: UsersFile = read_toml(&path)?;
@@ -239,6 +242,12 @@ impl Settings {
                             "two users share the token of user {}",
                             u.name
                         )));
+                    }
+                    if let Some(list) = &u.preload {
+                        user_preload.insert(
+                            u.name.clone(),
+                            check_preload(list, &format!("preload of user {}", u.name))?,
+                        );
                     }
                     users.push(User {
                         index: i as u32,
@@ -300,6 +309,20 @@ impl Settings {
         local.keep_kernels = keep_sessions;
         let mut docker = docker_config(&args, &file, &data_dir);
         docker.keep_kernels = keep_sessions;
+        if let Some(list) = either!(args, file, preload) {
+            let list: Vec<String> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|m| !m.is_empty() && *m != "none")
+                .map(str::to_string)
+                .collect();
+            let list = check_preload(&list, "--preload")?;
+            local.preload = list.clone();
+            docker.preload = list;
+        }
+        local.fork_server = pick!(fork_server, local.fork_server);
+        local.user_preload = user_preload.clone();
+        docker.user_preload = user_preload;
         Ok(Settings {
             listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
             sandbox: pick!(sandbox, SandboxKind::Local),
@@ -398,6 +421,19 @@ fn local_config(
     c.require_limits = either!(args, file, require_limits).unwrap_or(c.require_limits);
     c.cgroup_name = either!(args, file, cgroup_name).unwrap_or(c.cgroup_name);
     c
+}
+
+/// A preload list whose every entry is a module name.
+fn check_preload(list: &[String], what: &str) -> Result<Vec<String>, ConfigError> {
+    match list
+        .iter()
+        .find(|m| !crate::sandbox::boot::is_module_name(m))
+    {
+        Some(bad) => Err(ConfigError::Invalid(format!(
+            "{what}: {bad:?} is not a Python module name"
+        ))),
+        None => Ok(list.to_vec()),
+    }
 }
 
 /// The docker sandbox's settings: its defaults, overridden by what was given.

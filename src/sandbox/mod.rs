@@ -10,6 +10,7 @@
 //! messages themselves; it only knows processes, users, limits and files. The session layer
 //! holds an `Arc<dyn Sandbox>` and never names a backend.
 
+pub mod boot;
 pub mod cgroup;
 pub mod command;
 pub mod docker;

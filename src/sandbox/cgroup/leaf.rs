@@ -11,6 +11,7 @@ use tokio::time::{sleep, Instant};
 
 use super::fs::{parse_keyed_counter, write_file};
 use super::{CgroupVersion, Leaf, KILL_TIMEOUT};
+use crate::sandbox::SandboxError;
 
 impl Leaf {
     /// The `cgroup.procs` file of every hierarchy's leaf, for the child to write `0` to
@@ -115,6 +116,15 @@ impl Leaf {
             }
         }
         pids
+    }
+
+    /// Moves host process `pid` into this leaf (every hierarchy's directory): a kernel
+    /// forked from a template leaves the template's leaf before it runs any of its own code.
+    pub fn enter(&self, pid: i32) -> Result<(), SandboxError> {
+        for dir in &self.dirs {
+            write_file(&dir.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
     }
 
     /// SIGKILLs every process in the leaf until none is left (or a timeout passes). Uses

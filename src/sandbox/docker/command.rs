@@ -61,6 +61,7 @@ impl Inner {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: serde_json::Value::Null,
+            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await

@@ -56,6 +56,7 @@ use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
+use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{read_counter, ContainerCgroup, Leaf};
 use crate::sandbox::fsutil::{self, io_err, FileMode};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
@@ -148,6 +149,7 @@ impl Inner {
         container: &ContainerInfo,
         spec: &LaunchSpec,
         dir: &str,
+        preload: &[String],
     ) -> Result<String, String> {
         let mut env: Vec<String> = vec!["PYDEVD_DISABLE_FILE_VALIDATION=1".to_string()];
         env.extend(
@@ -160,7 +162,7 @@ impl Inner {
             .create_exec(
                 &container.id,
                 CreateExecOptions {
-                    cmd: Some(kernel_command(dir, self.privileged)),
+                    cmd: Some(kernel_command(dir, self.privileged, preload)),
                     env: Some(env),
                     working_dir: Some(WORKSPACE_INSIDE.to_string()),
                     attach_stdin: Some(false),
@@ -204,15 +206,28 @@ impl Inner {
 /// explain a crash. Its stdout only carries ipykernel's connection banner (user output goes
 /// to iopub), so it is dropped. IPython's history stays in memory: a file in the shared
 /// workspace would make every kernel of the user queue on one SQLite lock.
-pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
+///
+/// With modules to preload, the kernel is started by the bootstrap script
+/// ([`crate::sandbox::boot`], written into the session directory), which imports them and
+/// then runs the same `IPKernelApp` with the same arguments.
+pub(super) fn kernel_command(dir: &str, privileged: bool, preload: &[String]) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
+    let start = if preload.is_empty() {
+        "-m ipykernel_launcher".to_string()
+    } else {
+        // Module names are checked (`boot::is_module_name`): nothing the shell reads.
+        format!(
+            "{RUN_DIR_INSIDE}/{dir}/{BOOT_SCRIPT_NAME} direct --preload {} --",
+            preload.join(",")
+        )
+    };
     let script = format!(
         "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; i=0; \
          while [ ! -e {RUN_DIR_INSIDE}/{dir}/{GO_FILE} ]; do i=$((i+1)); \
          [ $i -gt {GO_ROUNDS} ] && exit {GO_TIMEOUT_EXIT}; sleep 0.02; done; \
          exec {TINI_INSIDE} -s -- {PYTHON_INSIDE} \
-         -m ipykernel_launcher -f {RUN_DIR_INSIDE}/{dir}/connection.json --HistoryManager.hist_file=:memory: \
+         {start} -f {RUN_DIR_INSIDE}/{dir}/connection.json --HistoryManager.hist_file=:memory: \
          >/dev/null 2>{log}",
         log = kernel_log(dir)
     );
@@ -339,6 +354,8 @@ pub(super) struct SessionFiles {
     pub dir: PathBuf,
     pub privileged: bool,
     pub connection: serde_json::Value,
+    /// Write the bootstrap script ([`crate::sandbox::boot`]) too.
+    pub boot_script: bool,
 }
 
 impl SessionFiles {
@@ -364,6 +381,11 @@ impl SessionFiles {
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::chown(&self.dir, Some(uid), Some(gid))
                 .map_err(io_err("cannot chown the runtime directory", &self.dir))?;
+        }
+        if self.boot_script {
+            let path = self.dir.join(BOOT_SCRIPT_NAME);
+            fsutil::write_new_file(&path, BOOT_SCRIPT.as_bytes(), FileMode::Exact(0o644), None)
+                .map_err(io_err("cannot write the kernel's bootstrap script", &path))?;
         }
         let file_mode = if self.privileged { 0o600 } else { 0o644 };
         fsutil::write_connection_file(
@@ -560,7 +582,7 @@ mod tests {
         assert_eq!(c["ip"], "/run/kernel/0123456789ab/k");
         assert_eq!(c["key"], "abc");
         assert_eq!(c["signature_scheme"], "hmac-sha256");
-        let cmd = kernel_command("0123456789ab", true);
+        let cmd = kernel_command("0123456789ab", true, &[]);
         assert_eq!(cmd[..2], ["sh", "-c"]);
         assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; i=0; "));
         // The kernel starts only once the broker has placed it in its cgroup leaf.
@@ -570,6 +592,15 @@ mod tests {
             cmd[2]
         );
         assert!(cmd[2].contains("; done; exec /usr/bin/tini -s -- "));
-        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
+        assert!(kernel_command("d", false, &[])[2].starts_with("umask 000; "));
+        let boot = kernel_command("d", true, &["numpy".to_string(), "pandas".to_string()]);
+        assert!(
+            boot[2].contains(
+                "/run/kernel/d/kernel_broker_boot.py direct --preload numpy,pandas -- \
+                 -f /run/kernel/d/connection.json"
+            ),
+            "{}",
+            boot[2]
+        );
     }
 }

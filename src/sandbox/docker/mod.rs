@@ -80,6 +80,7 @@ use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
 use self::exec::{connection_file, endpoints_for, place_kernel, DockerKernel, SessionFiles, LOST};
 use self::watch::watch_kernel;
+use super::boot;
 use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
@@ -157,6 +158,10 @@ pub struct DockerSandboxConfig {
     /// `--keep-sessions`: kernels and containers outlive the broker and are adopted by its
     /// next run (see [`Sandbox::keeps_kernels`](super::Sandbox::keeps_kernels)).
     pub keep_kernels: bool,
+    /// Modules kernels import before their first cell ([`super::boot`]); empty: none.
+    pub preload: Vec<String>,
+    /// Users' own preload lists (the users file), by user name.
+    pub user_preload: std::collections::HashMap<String, Vec<String>>,
 }
 
 impl DockerSandboxConfig {
@@ -169,6 +174,11 @@ impl DockerSandboxConfig {
             container_idle: Duration::from_secs(300),
             run_dir: None,
             keep_kernels: false,
+            preload: super::boot::DEFAULT_PRELOAD
+                .iter()
+                .map(|m| m.to_string())
+                .collect(),
+            user_preload: std::collections::HashMap::new(),
         }
     }
 }
@@ -438,16 +448,25 @@ impl Inner {
         let dir = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&user.name).join(&dir);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
+        let preload = boot::resolve_preload(
+            self.cfg.user_preload.get(&user.name),
+            &serde_json::Value::Null,
+            &self.cfg.preload,
+        );
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: connection_file(&spec, &dir),
+            boot_script: !preload.is_empty(),
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
             .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
 
-        let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
+        let exec_id = match self
+            .start_kernel(&docker, &container, &spec, &dir, &preload)
+            .await
+        {
             Ok(id) => id,
             Err(e) => {
                 remove_dir_logged(host_dir).await;

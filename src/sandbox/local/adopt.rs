@@ -68,6 +68,7 @@ impl LocalSandbox {
             watch,
             init_pid,
             bwrap_pid: None,
+            kernel_pid: None,
             memory_usage: leaf.as_ref().and_then(|l| l.memory_usage_file()),
         });
         let reaper = Reaper {

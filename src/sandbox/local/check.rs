@@ -37,6 +37,7 @@ impl LocalSandbox {
             login: "check".to_string(),
             connection: serde_json::Value::Null,
             quota: None,
+            boot_script: false,
         };
         let prepared = tokio::task::spawn_blocking(move || files.write())
             .await

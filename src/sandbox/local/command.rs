@@ -56,6 +56,7 @@ impl LocalSandbox {
                 self.workspace_images.clone(),
                 user.limits.workspace_quota_bytes,
             )),
+            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
 use super::{LocalSandboxConfig, BACKEND, HOME_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
+use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file, FileMode};
 use crate::sandbox::workspace_fs::WorkspaceImages;
@@ -68,6 +69,8 @@ pub(super) struct LaunchFiles {
     pub connection: serde_json::Value,
     /// The workspace's file system and its size (`None`: a scratch workspace).
     pub quota: Option<(Arc<WorkspaceImages>, u64)>,
+    /// Write the bootstrap script ([`crate::sandbox::boot`]) too.
+    pub boot_script: bool,
 }
 
 impl LaunchFiles {
@@ -107,12 +110,18 @@ impl LaunchFiles {
         let hosts =
             format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
         let pyvenv = PYVENV_CFG.to_string();
+        let boot = self
+            .boot_script
+            .then(|| (BOOT_SCRIPT_NAME, BOOT_SCRIPT.to_string()));
         for (name, text) in [
             ("passwd", passwd),
             ("group", group),
             ("hosts", hosts),
             (PYVENV_CFG_NAME, pyvenv),
-        ] {
+        ]
+        .into_iter()
+        .chain(boot)
+        {
             let path = self.rundir.join(name);
             write_new_file(&path, text.as_bytes(), FileMode::Masked(0o644), None)
                 .map_err(io_err("cannot write a sandbox /etc file", &path))?;

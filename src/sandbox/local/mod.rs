@@ -48,6 +48,7 @@ mod output;
 mod process;
 mod python;
 mod reaper;
+mod template;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -61,6 +62,7 @@ use self::bwrap::BwrapOptions;
 use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
 use self::host::{discover_python, find_program};
 use self::reaper::LocalKernel;
+use super::boot;
 use super::cgroup::Cgroups;
 use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
@@ -118,6 +120,13 @@ pub struct LocalSandboxConfig {
     /// `--keep-sessions`: kernels outlive the broker (no `--die-with-parent`) and are
     /// adopted by its next run (see [`Sandbox::keeps_kernels`]).
     pub keep_kernels: bool,
+    /// Modules kernels import before their first cell ([`super::boot`]); empty: none.
+    pub preload: Vec<String>,
+    /// Users' own preload lists (the users file), by user name.
+    pub user_preload: HashMap<String, Vec<String>>,
+    /// Fork kernels from a per-user template that has imported `preload` (`template.rs`);
+    /// off: every kernel starts plainly (and imports `preload` itself).
+    pub fork_server: bool,
 }
 
 impl LocalSandboxConfig {
@@ -139,6 +148,12 @@ impl LocalSandboxConfig {
             cgroup_name,
             kernel_specs: None,
             keep_kernels: false,
+            preload: super::boot::DEFAULT_PRELOAD
+                .iter()
+                .map(|m| m.to_string())
+                .collect(),
+            user_preload: HashMap::new(),
+            fork_server: true,
         }
     }
 
@@ -194,6 +209,8 @@ pub struct LocalSandbox {
     kernels: KernelTable<LocalKernel>,
     /// The kept kernels' files (`--keep-sessions`); `None` when kernels end with the broker.
     kept: Option<Arc<keep::KeptKernels>>,
+    /// The fork-server templates, by user and kernel spec.
+    templates: template::Templates,
 }
 
 impl LocalSandbox {
@@ -288,6 +305,7 @@ impl LocalSandbox {
             kept: cfg
                 .keep_kernels
                 .then(|| Arc::new(keep::KeptKernels::new(&cfg.data_dir))),
+            templates: template::Templates::default(),
             cfg,
         })
     }
@@ -463,6 +481,39 @@ impl Sandbox for LocalSandbox {
         let uses_resource_dir = kspec.argv.iter().any(|a| a.contains("{resource_dir}"));
         let resource_dir = uses_resource_dir.then(|| kspec.resource_dir.clone());
         let argv = self.substitute_argv(&kspec.argv, resource_dir.as_deref());
+        let preload = boot::resolve_preload(
+            self.cfg.user_preload.get(&spec.user.name),
+            &kspec.raw,
+            &self.cfg.preload,
+        );
+        let argv = match (boot::ipykernel_args(&argv), preload.is_empty()) {
+            (Some((python, args)), false) => {
+                // Forked from the user's template when one works; the spec's own
+                // arguments, with the fork's connection file.
+                let raw_args = boot::ipykernel_args(&kspec.argv).map(|(_, a)| a);
+                if let (Some(raw_args), Some(cg), false) = (raw_args, &cgroups, uses_resource_dir) {
+                    if self.forks_for(&spec.user, &kspec.raw) {
+                        let bootable = template::Bootable {
+                            python,
+                            args: raw_args,
+                            preload: &preload,
+                            spec_env: &kspec.env,
+                        };
+                        if let Some(t) = self.template(&spec, &bootable, cg).await {
+                            match self.fork_kernel(&t, &spec, &bootable, cg).await {
+                                Ok(launched) => return Ok(launched),
+                                Err(e) => {
+                                    tracing::warn!(session = %spec.session_id, error = %e, "fork failed; starting the kernel plainly")
+                                }
+                            }
+                        }
+                    }
+                }
+                let script = format!("{RUN_DIR_INSIDE}/{}", boot::BOOT_SCRIPT_NAME);
+                boot::direct_argv(python, &script, &preload, args)
+            }
+            _ => argv,
+        };
         tracing::debug!(kernel = %spec.kernel_name, interrupt_mode = ?kspec.interrupt_mode, ?argv, "launching kernel");
         self.launch_argv(spec, argv, kspec.env.clone(), resource_dir, cgroups)
             .await
@@ -531,6 +582,7 @@ impl Sandbox for LocalSandbox {
         }
         let kernels = self.kernels.terminate_all();
         KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT).await;
+        self.templates.shutdown().await;
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_base_if_unused();
         }

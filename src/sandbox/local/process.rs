@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tokio::io::AsyncReadExt;
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
@@ -29,6 +29,7 @@ use super::keep::{self, KeptKernels, Ticket};
 use super::output::{forward_output, Stream, Tail};
 use super::reaper::{LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
+use crate::sandbox::boot::BOOT_SCRIPT_NAME;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::seccomp::SyscallFilter;
@@ -40,6 +41,23 @@ use crate::sandbox::{
 /// How long bwrap may take to report the sandbox's init pid.
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How one sandbox is started, beyond its command.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StartOptions {
+    /// Write the bootstrap script (`boot.rs`) into the runtime directory.
+    pub boot_script: bool,
+    /// Keep the command's stdin and stdout as a control channel (a fork-server template)
+    /// instead of forwarding stdout to the log.
+    pub control: bool,
+}
+
+/// A started sandbox, with what a template needs beyond the handle.
+pub(super) struct Started {
+    pub launched: Launched,
+    pub kernel: Arc<LocalKernel>,
+    pub control: Option<(ChildStdin, ChildStdout)>,
+}
+
 impl LocalSandbox {
     pub(super) async fn launch_argv(
         &self,
@@ -49,6 +67,24 @@ impl LocalSandbox {
         resource_dir: Option<PathBuf>,
         cgroups: Option<Arc<Cgroups>>,
     ) -> Result<Launched, SandboxError> {
+        let options = StartOptions {
+            boot_script: argv.iter().any(|a| a.ends_with(BOOT_SCRIPT_NAME)),
+            control: false,
+        };
+        self.start_sandbox(spec, argv, spec_env, resource_dir, cgroups, options)
+            .await
+            .map(|started| started.launched)
+    }
+
+    pub(super) async fn start_sandbox(
+        &self,
+        spec: LaunchSpec,
+        argv: Vec<String>,
+        spec_env: HashMap<String, String>,
+        resource_dir: Option<PathBuf>,
+        cgroups: Option<Arc<Cgroups>>,
+        options: StartOptions,
+    ) -> Result<Started, SandboxError> {
         let user = spec.user.clone();
         let session = spec.session_id;
         if self.kernels.contains(&session) {
@@ -74,6 +110,7 @@ impl LocalSandbox {
                 self.workspace_images.clone(),
                 user.limits.workspace_quota_bytes,
             )),
+            boot_script: options.boot_script,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
@@ -114,8 +151,12 @@ impl LocalSandbox {
             })?),
             None => None,
         };
-        let (child, info, stderr_task, tail) =
-            self.spawn(&spec, &request, spec_env, leaf, status)?;
+        let (mut child, info, stderr_task, tail) =
+            self.spawn(&spec, &request, spec_env, leaf, status, options.control)?;
+        let control = match (child.stdin.take(), child.stdout.take()) {
+            (Some(stdin), Some(stdout)) if options.control => Some((stdin, stdout)),
+            _ => None,
+        };
         let bwrap_pid = child.id().and_then(|p| i32::try_from(p).ok());
 
         // From here the reaper owns the leaf and the runtime directory, and the handle's
@@ -125,6 +166,7 @@ impl LocalSandbox {
             watch,
             init_pid: OnceLock::new(),
             bwrap_pid,
+            kernel_pid: None,
             memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
         });
         let (cgroups, leaf) = guard
@@ -181,9 +223,13 @@ impl LocalSandbox {
             pid = ?kernel.init_pid.get(),
             "kernel launched"
         );
-        Ok(Launched {
-            endpoints,
-            process: Box::new(handle),
+        Ok(Started {
+            launched: Launched {
+                endpoints,
+                process: Box::new(handle),
+            },
+            kernel,
+            control,
         })
     }
 
@@ -196,6 +242,7 @@ impl LocalSandbox {
         spec_env: HashMap<String, String>,
         leaf: Option<&Leaf>,
         status: Option<OwnedFd>,
+        control: bool,
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
         let (info_read, info_write) =
@@ -225,7 +272,11 @@ impl LocalSandbox {
             .envs(spec_env)
             .envs(spec.env.iter().cloned())
             .current_dir("/")
-            .stdin(Stdio::null())
+            .stdin(if control {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Keep terminal signals (Ctrl-C on the broker) away from kernels; the broker
@@ -266,7 +317,8 @@ impl LocalSandbox {
         drop(status);
 
         let tail = Tail::default();
-        if let Some(stdout) = child.stdout.take() {
+        // A template's stdout is its control channel, read by `template.rs`.
+        if let Some(stdout) = (!control).then(|| child.stdout.take()).flatten() {
             tokio::spawn(forward_output(
                 stdout,
                 spec.session_id,

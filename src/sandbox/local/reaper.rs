@@ -33,6 +33,9 @@ pub(super) struct LocalKernel {
     pub init_pid: OnceLock<i32>,
     /// Host pid of bwrap itself.
     pub bwrap_pid: Option<i32>,
+    /// Host pid of a kernel forked from a template (`template.rs`): it has no sandbox of
+    /// its own, so it is signalled directly.
+    pub kernel_pid: Option<i32>,
     /// The leaf's memory use file (none without cgroups).
     pub memory_usage: Option<PathBuf>,
 }
@@ -62,12 +65,17 @@ impl BackendKernel for LocalKernel {
         if self.watch.has_exited() {
             return Err(no_process("the kernel process has exited"));
         }
-        let init = *self
-            .init_pid
-            .get()
-            .ok_or_else(|| no_process("the sandbox's init pid is unknown"))?;
-        let pid = sandbox_command_pid(init)
-            .ok_or_else(|| no_process("the kernel process is not running"))?;
+        let pid = match self.kernel_pid {
+            Some(pid) => pid,
+            None => {
+                let init = *self
+                    .init_pid
+                    .get()
+                    .ok_or_else(|| no_process("the sandbox's init pid is unknown"))?;
+                sandbox_command_pid(init)
+                    .ok_or_else(|| no_process("the kernel process is not running"))?
+            }
+        };
         // Only the kernel: its process group also holds the sandbox's init, which must not
         // see the signal.
         // SAFETY: kill(2) has no memory-safety preconditions.
@@ -96,7 +104,17 @@ pub(super) enum Watched {
     },
     /// Kept by an earlier run but ended before this one adopted it.
     Gone { status: PathBuf },
+    /// Forked from a template (`template.rs`): the template's child, seen ending through a
+    /// pidfd; the template reports the raw wait status once it has reaped it.
+    Forked {
+        pidfd: AsyncFd<std::os::fd::OwnedFd>,
+        status: tokio::sync::oneshot::Receiver<i32>,
+    },
 }
+
+/// How long a forked kernel's status may take to arrive from its template after the
+/// kernel ended (the template reaps at once; only a dead template never reports).
+const FORKED_STATUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Watched {
     async fn wait(&mut self) -> io::Result<ExitStatus> {
@@ -108,6 +126,15 @@ impl Watched {
                 status
             }
             Watched::Gone { status } => status,
+            Watched::Forked { pidfd, status } => {
+                let _ready = pidfd.readable().await?;
+                return match tokio::time::timeout(FORKED_STATUS_TIMEOUT, status).await {
+                    Ok(Ok(raw)) => Ok(ExitStatus::from_raw(raw)),
+                    _ => Err(io::Error::other(
+                        "its exit status is unknown (its template did not report it)",
+                    )),
+                };
+            }
         };
         reported_exit(status)
             .ok_or_else(|| io::Error::other("its exit status is unknown (bwrap reported none)"))
@@ -138,7 +165,11 @@ impl Reaper {
         let status = tokio::select! {
             status = self.process.wait() => status,
             () = self.kernel.watch.kill_requested() => {
-                kill_sandbox(self.leaf.as_ref(), self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid).await;
+                kill_sandbox(
+                    self.leaf.as_ref(),
+                    [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.kernel_pid],
+                )
+                .await;
                 self.process.wait().await
             }
             () = self.kernel.watch.release_requested() => {
@@ -185,9 +216,9 @@ impl Reaper {
 }
 
 /// SIGKILLs everything of one kernel: the whole leaf when there is one; otherwise the
-/// sandbox's init (the pid namespace dies with it) and bwrap.
-async fn kill_sandbox(leaf: Option<&Leaf>, init_pid: Option<i32>, bwrap_pid: Option<i32>) {
-    for pid in [init_pid, bwrap_pid].into_iter().flatten() {
+/// sandbox's init (the pid namespace dies with it) and bwrap, or the forked kernel.
+async fn kill_sandbox(leaf: Option<&Leaf>, pids: [Option<i32>; 3]) {
+    for pid in pids.into_iter().flatten() {
         if pid > 0 {
             // SAFETY: kill(2) has no memory-safety preconditions.
             unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -230,7 +261,7 @@ fn classify_exit(
 
 /// The host pid of the sandboxed command: the child of the sandbox's init that is pid 2 in
 /// the sandbox (init may also have adopted orphans).
-fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
+pub(super) fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
     let children = std::fs::read_to_string(format!("/proc/{init_pid}/task/{init_pid}/children"))
         .ok()
         .map(|text| {
@@ -247,7 +278,7 @@ fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
 }
 
 /// Children of `pid` by scanning `/proc` (when `/proc/<pid>/task/<pid>/children` is missing).
-fn children_by_scan(parent: i32) -> Vec<i32> {
+pub(super) fn children_by_scan(parent: i32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -268,7 +299,7 @@ fn children_by_scan(parent: i32) -> Vec<i32> {
 }
 
 /// The innermost pid of a process (the last `NSpid` field), if the kernel reports it.
-fn namespace_pid(pid: i32) -> Option<i32> {
+pub(super) fn namespace_pid(pid: i32) -> Option<i32> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
     line.split_whitespace().last()?.parse().ok()

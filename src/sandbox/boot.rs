@@ -1,0 +1,190 @@
+//! Kernels born ready for data work: the bootstrap script both backends run in place of
+//! `python -m ipykernel_launcher` (`kernels/kernel_broker_boot.py`, compiled into the
+//! binary and written into each runtime directory), which modules it preloads, and which
+//! kernel specs it can start at all.
+//!
+//! A spec is bootable when its argv is `<python> -m ipykernel_launcher ARGS` (or `-m
+//! ipykernel ARGS`, or `-m ipykernel.kernelapp`): the script then runs the same `IPKernelApp`
+//! with the same `ARGS`, after importing the modules. Any other spec (another language, a
+//! wrapper script) starts exactly as written.
+//!
+//! What is preloaded, most specific first: the user's `preload` (users file), the spec's
+//! `metadata.kernel_broker.preload` (`kernel.json`), the broker's `--preload` (default
+//! [`DEFAULT_PRELOAD`]). An empty list turns it off.
+
+use serde_json::Value;
+
+/// The script, as shipped in `kernels/`.
+pub const BOOT_SCRIPT: &str = include_str!("../../kernels/kernel_broker_boot.py");
+/// Its file name in a runtime directory.
+pub const BOOT_SCRIPT_NAME: &str = "kernel_broker_boot.py";
+/// What kernels import before their first cell by default: the data stack an agent's first
+/// cell asks for (matplotlib also draws a warm-up figure).
+pub const DEFAULT_PRELOAD: &[&str] = &["numpy", "pandas", "matplotlib"];
+
+/// A kernel spec's argv split around its ipykernel module: the interpreter and what
+/// follows the module name. `None`: not an ipykernel launch (start it as written).
+pub fn ipykernel_args(argv: &[String]) -> Option<(&str, &[String])> {
+    let python = argv.first()?;
+    let at = argv.iter().position(|a| a == "-m")?;
+    // Only `python -m MODULE ...`: interpreter options before `-m` would be lost.
+    if at != 1 {
+        return None;
+    }
+    let module = argv.get(at + 1)?;
+    matches!(
+        module.as_str(),
+        "ipykernel_launcher" | "ipykernel" | "ipykernel.kernelapp"
+    )
+    .then(|| (python.as_str(), &argv[at + 2..]))
+}
+
+/// `python <script> direct --preload M,N -- ARGS`: a plain start with the modules imported.
+pub fn direct_argv(python: &str, script: &str, preload: &[String], args: &[String]) -> Vec<String> {
+    let mut argv = vec![
+        python.to_string(),
+        script.to_string(),
+        "direct".to_string(),
+        "--preload".to_string(),
+        preload.join(","),
+        "--".to_string(),
+    ];
+    argv.extend(args.iter().cloned());
+    argv
+}
+
+/// `python <script> template --preload M,N`: a fork server.
+pub fn template_argv(python: &str, script: &str, preload: &[String]) -> Vec<String> {
+    vec![
+        python.to_string(),
+        script.to_string(),
+        "template".to_string(),
+        "--preload".to_string(),
+        preload.join(","),
+    ]
+}
+
+/// A module name the script may import: dotted Python identifiers, nothing a shell or the
+/// script's comma-separated list could misread.
+pub fn is_module_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 100
+        && name.split('.').all(|part| {
+            let mut chars = part.chars();
+            chars
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
+/// The spec's own preload list (`metadata.kernel_broker.preload` in `kernel.json`), if it
+/// names one; names that are not module names are left out.
+pub fn spec_preload(raw: &Value) -> Option<Vec<String>> {
+    let list = raw
+        .get("metadata")?
+        .get("kernel_broker")?
+        .get("preload")?
+        .as_array()?;
+    Some(
+        list.iter()
+            .filter_map(Value::as_str)
+            .filter(|m| is_module_name(m))
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// The spec's own fork-server switch (`metadata.kernel_broker.fork_server`), if it sets one.
+pub fn spec_fork_server(raw: &Value) -> Option<bool> {
+    raw.get("metadata")?
+        .get("kernel_broker")?
+        .get("fork_server")?
+        .as_bool()
+}
+
+/// What one launch preloads: the user's list, else the spec's, else the broker's.
+pub fn resolve_preload(
+    user: Option<&Vec<String>>,
+    spec_raw: &Value,
+    broker: &[String],
+) -> Vec<String> {
+    user.cloned()
+        .or_else(|| spec_preload(spec_raw))
+        .unwrap_or_else(|| broker.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn only_ipykernel_launches_are_bootable() {
+        let argv = strings(&["/py", "-m", "ipykernel_launcher", "-f", "{connection_file}"]);
+        let (py, args) = ipykernel_args(&argv).unwrap();
+        assert_eq!(py, "/py");
+        assert_eq!(args, &strings(&["-f", "{connection_file}"])[..]);
+        assert!(ipykernel_args(&strings(&["/py", "-m", "ipykernel", "-f", "x"])).is_some());
+        assert!(ipykernel_args(&strings(&["/py", "-m", "other", "-f", "x"])).is_none());
+        assert!(ipykernel_args(&strings(&["/py", "-X", "dev", "-m", "ipykernel"])).is_none());
+        assert!(ipykernel_args(&strings(&["R", "--slave"])).is_none());
+        assert!(ipykernel_args(&[]).is_none());
+    }
+
+    #[test]
+    fn argv_shapes() {
+        let pre = strings(&["numpy", "pandas"]);
+        assert_eq!(
+            direct_argv("/py", "/run/kernel/b.py", &pre, &strings(&["-f", "c"])),
+            strings(&[
+                "/py",
+                "/run/kernel/b.py",
+                "direct",
+                "--preload",
+                "numpy,pandas",
+                "--",
+                "-f",
+                "c"
+            ])
+        );
+        assert_eq!(
+            template_argv("/py", "/b.py", &[]),
+            strings(&["/py", "/b.py", "template", "--preload", ""])
+        );
+    }
+
+    #[test]
+    fn module_names_are_checked() {
+        for ok in ["numpy", "matplotlib.pyplot", "_private", "sklearn2"] {
+            assert!(is_module_name(ok), "{ok}");
+        }
+        for bad in ["", "a,b", "a b", "1abc", "a..b", ".a", "a-b", "os;rm"] {
+            assert!(!is_module_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_most_specific_list_wins() {
+        let broker = strings(&["numpy"]);
+        let spec = json!({"metadata": {"kernel_broker": {"preload": ["pandas", "bad name"]}}});
+        let none = json!({});
+        assert_eq!(resolve_preload(None, &none, &broker), broker);
+        assert_eq!(resolve_preload(None, &spec, &broker), strings(&["pandas"]));
+        let user = strings(&["scipy"]);
+        assert_eq!(resolve_preload(Some(&user), &spec, &broker), user);
+        assert_eq!(
+            resolve_preload(Some(&vec![]), &spec, &broker),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            spec_fork_server(&json!({"metadata": {"kernel_broker": {"fork_server": false}}})),
+            Some(false)
+        );
+        assert_eq!(spec_fork_server(&none), None);
+    }
+}

@@ -1,0 +1,609 @@
+//! Fork-server starts: per user and kernel spec, a template process in a sandbox of the
+//! user's own (same uid, limits, workspace, seccomp filter, no network) that has imported
+//! the data stack once; each new kernel is forked from it and becomes an ordinary
+//! ipykernel with its own connection file, key, sockets, pid and cgroup leaf. The forked
+//! kernels share the template's imported pages copy-on-write.
+//!
+//! The broker talks to the template over its stdin and stdout (`kernels/
+//! kernel_broker_boot.py` describes the protocol). A fork: the broker makes the kernel's
+//! runtime directory inside the template's (`<template>/<n>/`, seen as `/run/kernel/<n>`)
+//! and its leaf, asks for a fork, finds the child's host pid among the template's children
+//! (by its pid inside the sandbox, checked again through a pidfd), moves it into the leaf,
+//! and only then lets it run: everything the kernel allocates from its first instruction is
+//! its own. The kernel's end is seen through that pidfd; its status comes from the template,
+//! which reaps it.
+//!
+//! What forked kernels of one user share that started ones do not: the template's pid, IPC
+//! and mount namespaces (so its `/tmp`) — the user's trust domain, as one container is for
+//! the Docker backend. Each forked kernel is non-dumpable and removes its connection file
+//! once loaded, so another kernel of the same uid cannot read its key; the seccomp filter
+//! forbids ptrace. The template's output is untrusted: lines are bounded, and a pid it
+//! names is used only if it is the template's own child.
+//!
+//! A template is used only with cgroups (each kernel's leaf is what kills all of it) and
+//! without `--keep-sessions` (a kept kernel must outlive the broker on its own; a forked one
+//! lives in its template's sandbox). Whatever goes wrong falls back to a plain start; a
+//! template that failed is not tried again for [`RETRY_AFTER`].
+
+use std::collections::HashMap;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::process::{ChildStdin, ChildStdout};
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+use uuid::Uuid;
+
+use super::files::{endpoints_for, LaunchGuard};
+use super::output::Tail;
+use super::process::StartOptions;
+use super::reaper::{children_by_scan, namespace_pid, sandbox_command_pid};
+use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
+use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
+use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::fsutil::{self, launch_err, FileMode};
+use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::{
+    KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
+};
+use crate::sync::lock;
+
+/// How long a template may take to import its modules and say it is ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a fork may take to be answered.
+const FORK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a template that failed is left alone before the next try.
+pub(super) const RETRY_AFTER: Duration = Duration::from_secs(60);
+/// The longest line the broker reads from a template (they are short JSON objects).
+const MAX_LINE: usize = 16 * 1024;
+
+/// The templates of one sandbox, by user and kernel spec.
+#[derive(Default)]
+pub(super) struct Templates {
+    slots: Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<Slot>>>>,
+}
+
+#[derive(Default)]
+struct Slot {
+    template: Option<Arc<Template>>,
+    failed_at: Option<Instant>,
+}
+
+impl Templates {
+    fn slot(&self, user: &str, kernel: &str) -> Arc<tokio::sync::Mutex<Slot>> {
+        lock(&self.slots)
+            .entry((user.to_string(), kernel.to_string()))
+            .or_default()
+            .clone()
+    }
+
+    /// Ends every template (broker shutdown); their kernels are ended by then.
+    pub async fn shutdown(&self) {
+        let slots: Vec<_> = lock(&self.slots).drain().map(|(_, s)| s).collect();
+        for slot in slots {
+            if let Some(t) = slot.lock().await.template.take() {
+                t.process.terminate().await;
+            }
+        }
+    }
+}
+
+/// One running template.
+pub(super) struct Template {
+    /// Its sandbox, watched like a kernel's (its reaper removes its leaf and directory).
+    process: Box<dyn KernelProcess>,
+    /// Host pid of the template's Python (pid 2 in its sandbox).
+    host_pid: i32,
+    /// Its runtime directory on the host (`/run/kernel` inside).
+    rundir: PathBuf,
+    control: tokio::sync::Mutex<ChildStdin>,
+    waiting: Arc<Mutex<Waiting>>,
+    next: AtomicU64,
+    broken: Arc<AtomicBool>,
+}
+
+/// Answers the template's reader hands to waiting launches and reapers.
+#[derive(Default)]
+struct Waiting {
+    forks: HashMap<String, oneshot::Sender<Result<i32, String>>>,
+    exits: HashMap<String, oneshot::Sender<i32>>,
+}
+
+#[derive(Deserialize)]
+struct Ready {
+    ready: bool,
+    pid: i32,
+    #[serde(default)]
+    modules: Vec<String>,
+    #[serde(default)]
+    threads: u64,
+    #[serde(default)]
+    seconds: f64,
+}
+
+/// One line from a template.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Said {
+    Forked { forked: String, pid: i32 },
+    Exited { exited: String, status: i32 },
+    Error { error: String, id: Option<String> },
+}
+
+impl Template {
+    fn usable(&self) -> bool {
+        !self.broken.load(Ordering::Relaxed)
+    }
+
+    async fn send(&self, request: serde_json::Value) -> Result<(), String> {
+        let mut line = request.to_string();
+        line.push('\n');
+        let mut control = self.control.lock().await;
+        let sent = timeout(FORK_TIMEOUT, async {
+            control.write_all(line.as_bytes()).await?;
+            control.flush().await
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!("cannot write to the template: {e}")),
+            Err(_) => Err("the template does not read its requests".to_string()),
+        }
+    }
+}
+
+/// Reads a template's lines until it ends, handing each answer to whoever waits for it.
+async fn read_template(
+    stdout: BufReader<ChildStdout>,
+    waiting: Arc<Mutex<Waiting>>,
+    broken: Arc<AtomicBool>,
+    name: String,
+) {
+    let mut stdout = stdout;
+    loop {
+        match read_line(&mut stdout).await {
+            Ok(Some(line)) => match serde_json::from_slice::<Said>(&line) {
+                Ok(Said::Forked { forked, pid }) => {
+                    if let Some(tx) = lock(&waiting).forks.remove(&forked) {
+                        let _ = tx.send(Ok(pid));
+                    }
+                }
+                Ok(Said::Exited { exited, status }) => {
+                    if let Some(tx) = lock(&waiting).exits.remove(&exited) {
+                        let _ = tx.send(status);
+                    }
+                }
+                Ok(Said::Error { error, id }) => {
+                    tracing::warn!(template = %name, %error, "the template refused a request");
+                    if let Some(tx) = id.and_then(|id| lock(&waiting).forks.remove(&id)) {
+                        let _ = tx.send(Err(error));
+                    }
+                }
+                Err(_) => {
+                    tracing::warn!(template = %name, "the template said something not understood; not used again");
+                    break;
+                }
+            },
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(template = %name, error = %e, "reading the template failed; not used again");
+                break;
+            }
+        }
+    }
+    broken.store(true, Ordering::Relaxed);
+    // Waiters see their senders dropped: a fork fails, an exit is "unknown".
+    let mut waiting = lock(&waiting);
+    waiting.forks.clear();
+    waiting.exits.clear();
+}
+
+/// One line of at most [`MAX_LINE`] bytes (without its newline); `None` at the end.
+async fn read_line(reader: &mut BufReader<ChildStdout>) -> std::io::Result<Option<Vec<u8>>> {
+    let mut line = Vec::new();
+    loop {
+        let buf = reader.fill_buf().await?;
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        let (take, done) = match buf.iter().position(|b| *b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        if line.len() + take > MAX_LINE + 1 {
+            return Err(std::io::Error::other(format!(
+                "a line longer than {MAX_LINE} bytes"
+            )));
+        }
+        line.extend_from_slice(&buf[..take]);
+        reader.consume(take);
+        if done {
+            line.pop();
+            return Ok(Some(line));
+        }
+    }
+}
+
+/// A kernel's launch, resolved against its spec: what a fork needs.
+pub(super) struct Bootable<'a> {
+    pub python: &'a str,
+    pub args: &'a [String],
+    pub preload: &'a [String],
+    pub spec_env: &'a HashMap<String, String>,
+}
+
+impl LocalSandbox {
+    /// The user's template for `spec`'s kernel spec, started if there is none (the first
+    /// launch waits for it: about as long as a plain start with the same imports).
+    pub(super) async fn template(
+        &self,
+        spec: &LaunchSpec,
+        boot: &Bootable<'_>,
+        cgroups: &Arc<Cgroups>,
+    ) -> Option<Arc<Template>> {
+        let slot = self.templates.slot(&spec.user.name, &spec.kernel_name);
+        let mut slot = slot.lock().await;
+        if let Some(t) = &slot.template {
+            if t.usable() {
+                return Some(t.clone());
+            }
+            tracing::info!(user = %spec.user.name, kernel = %spec.kernel_name, "replacing a template that stopped working");
+            t.process.terminate().await;
+            slot.template = None;
+            slot.failed_at = Some(Instant::now());
+        }
+        if slot.failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+            return None;
+        }
+        match self.start_template(spec, boot, cgroups).await {
+            Ok(t) => {
+                let t = Arc::new(t);
+                slot.template = Some(t.clone());
+                slot.failed_at = None;
+                Some(t)
+            }
+            Err(e) => {
+                tracing::warn!(user = %spec.user.name, kernel = %spec.kernel_name, error = %e, "the fork-server template did not start; kernels start plainly for now");
+                slot.failed_at = Some(Instant::now());
+                None
+            }
+        }
+    }
+
+    async fn start_template(
+        &self,
+        spec: &LaunchSpec,
+        boot: &Bootable<'_>,
+        cgroups: &Arc<Cgroups>,
+    ) -> Result<Template, SandboxError> {
+        let user = &spec.user;
+        let id = Uuid::new_v4();
+        let started_at = Instant::now();
+        let template_spec = LaunchSpec {
+            session_id: id,
+            user: user.clone(),
+            kernel_name: spec.kernel_name.clone(),
+            key: String::new(),
+            env: Vec::new(),
+            // The template holds the imported modules, nothing else; a kernel's own limits.
+            limits: KernelLimits {
+                memory_bytes: user.limits.session_memory_bytes,
+                pids: user.limits.session_pids,
+            },
+        };
+        let script = format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
+        let argv = boot::template_argv(boot.python, &script, boot.preload);
+        let started = self
+            .start_sandbox(
+                template_spec,
+                argv,
+                boot.spec_env.clone(),
+                None,
+                Some(cgroups.clone()),
+                StartOptions {
+                    boot_script: true,
+                    control: true,
+                },
+            )
+            .await?;
+        let process = started.launched.process;
+        let fail = |why: String| launch_err(user, format!("the template: {why}"));
+        let Some((stdin, stdout)) = started.control else {
+            process.terminate().await;
+            return Err(fail("no control channel".into()));
+        };
+        let mut stdout = BufReader::new(stdout);
+        let ready = match timeout(READY_TIMEOUT, read_line(&mut stdout)).await {
+            Ok(Ok(Some(line))) => serde_json::from_slice::<Ready>(&line)
+                .map_err(|e| format!("its first line is not understood: {e}")),
+            Ok(Ok(None)) => Err("it ended before it was ready".to_string()),
+            Ok(Err(e)) => Err(format!("reading it failed: {e}")),
+            Err(_) => Err(format!("not ready within {READY_TIMEOUT:?}")),
+        };
+        let ready = match ready {
+            Ok(r) if r.ready => r,
+            Ok(_) => Err("it said it is not ready".to_string()).map_err(&fail)?,
+            Err(e) => {
+                process.terminate().await;
+                return Err(fail(e));
+            }
+        };
+        let host_pid = started
+            .kernel
+            .init_pid
+            .get()
+            .and_then(|init| sandbox_command_pid(*init))
+            .filter(|pid| namespace_pid(*pid) == Some(ready.pid));
+        let Some(host_pid) = host_pid else {
+            process.terminate().await;
+            return Err(fail("its process was not found".into()));
+        };
+        let waiting = Arc::new(Mutex::new(Waiting::default()));
+        let broken = Arc::new(AtomicBool::new(false));
+        tokio::spawn(read_template(
+            stdout,
+            waiting.clone(),
+            broken.clone(),
+            format!("{}/{}", user.name, spec.kernel_name),
+        ));
+        tracing::info!(
+            user = %user.name,
+            kernel = %spec.kernel_name,
+            modules = ?ready.modules,
+            threads = ready.threads,
+            import_seconds = ready.seconds,
+            seconds = started_at.elapsed().as_secs_f64(),
+            "fork-server template ready"
+        );
+        Ok(Template {
+            process,
+            host_pid,
+            rundir: self.run_base.join(id.to_string()),
+            control: tokio::sync::Mutex::new(stdin),
+            waiting,
+            next: AtomicU64::new(1),
+            broken,
+        })
+    }
+
+    /// A kernel forked from `template`: its own directory, connection file, key, leaf.
+    pub(super) async fn fork_kernel(
+        &self,
+        template: &Arc<Template>,
+        spec: &LaunchSpec,
+        boot: &Bootable<'_>,
+        cgroups: &Arc<Cgroups>,
+    ) -> Result<Launched, SandboxError> {
+        let user = &spec.user;
+        let session = spec.session_id;
+        let fail = |why: String| launch_err(user, format!("forking from the template: {why}"));
+        if self.kernels.contains(&session) {
+            return Err(fail(format!("session {session} already has a kernel")));
+        }
+        let name = template.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let dir = template.rundir.join(&name);
+        let inside = format!("{RUN_DIR_INSIDE}/{name}");
+        let endpoints = endpoints_for(&dir).map_err(&fail)?;
+        let ids = self.kernel_ids(user)?;
+        let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
+        {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&dir)
+                    .map_err(fsutil::io_err("cannot create the kernel's directory", &dir))?;
+                if let Some((uid, gid)) = ids {
+                    std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
+                        .map_err(fsutil::io_err("cannot chown the kernel's directory", &dir))?;
+                }
+                fsutil::write_connection_file(&dir, &connection, FileMode::Masked(0o600), ids)
+            })
+            .await
+            .map_err(|e| fail(e.to_string()))??;
+        }
+        let mut guard = LaunchGuard {
+            rundir: Some(dir.clone()),
+            leaf: None,
+        };
+        let leaf = {
+            let (cg, name, limits, kernel) = (
+                cgroups.clone(),
+                user.name.clone(),
+                user.limits.clone(),
+                spec.limits,
+            );
+            tokio::task::spawn_blocking(move || cg.create_leaf(&name, &limits, &kernel, session))
+                .await
+                .map_err(|e| fail(e.to_string()))??
+        };
+        guard.leaf = Some((cgroups.clone(), leaf));
+
+        let connection_inside = format!("{inside}/connection.json");
+        let args: Vec<String> = boot
+            .args
+            .iter()
+            .map(|a| a.replace("{connection_file}", &connection_inside))
+            .collect();
+        let env: HashMap<&str, &str> = spec
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let id = session.to_string();
+        let (fork_tx, fork_rx) = oneshot::channel();
+        let (exit_tx, exit_rx) = oneshot::channel();
+        {
+            let mut waiting = lock(&template.waiting);
+            waiting.forks.insert(id.clone(), fork_tx);
+            waiting.exits.insert(id.clone(), exit_tx);
+        }
+        let forget = || {
+            let mut waiting = lock(&template.waiting);
+            waiting.forks.remove(&id);
+            waiting.exits.remove(&id);
+        };
+        let request = json!({
+            "op": "fork",
+            "id": id,
+            "args": args,
+            "env": env,
+            "connection_file": connection_inside,
+        });
+        if let Err(e) = template.send(request).await {
+            forget();
+            template.broken.store(true, Ordering::Relaxed);
+            return Err(fail(e));
+        }
+        let inner_pid = match timeout(FORK_TIMEOUT, fork_rx).await {
+            Ok(Ok(Ok(pid))) => pid,
+            Ok(Ok(Err(e))) => {
+                forget();
+                return Err(fail(e));
+            }
+            Ok(Err(_)) => {
+                forget();
+                return Err(fail("the template ended".into()));
+            }
+            Err(_) => {
+                forget();
+                template.broken.store(true, Ordering::Relaxed);
+                return Err(fail(format!("no answer within {FORK_TIMEOUT:?}")));
+            }
+        };
+        // The child waits for `go`; until then only the broker acts on it.
+        let found = find_child(template.host_pid, inner_pid);
+        let Some((host_pid, pidfd)) = found else {
+            forget();
+            let _ = template.send(json!({"op": "drop", "id": id})).await;
+            template.broken.store(true, Ordering::Relaxed);
+            return Err(fail(format!(
+                "its child {inner_pid} is not among its processes"
+            )));
+        };
+        let entered = guard
+            .leaf
+            .as_ref()
+            .map_or(Ok(()), |(_, l)| l.enter(host_pid));
+        if let Err(e) = entered {
+            forget();
+            kill(host_pid);
+            let _ = template.send(json!({"op": "drop", "id": id})).await;
+            return Err(fail(format!("cannot move it into its cgroup: {e}")));
+        }
+
+        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
+        let kernel = Arc::new(LocalKernel {
+            watch,
+            init_pid: OnceLock::new(),
+            bwrap_pid: None,
+            kernel_pid: Some(host_pid),
+            memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
+        });
+        let (cgroups, leaf) = guard
+            .leaf
+            .take()
+            .map_or((None, None), |(c, l)| (Some(c), Some(l)));
+        guard.rundir = None;
+        let workspace = self.workspace_path(user)?;
+        // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
+        // AsyncFd that owns it drops it.
+        let pidfd = match unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) } {
+            Ok(fd) => fd,
+            Err(e) => {
+                kill(host_pid);
+                if let (Some(c), Some(l)) = (&cgroups, &leaf) {
+                    c.remove_leaf(l).await;
+                }
+                fsutil::remove_dir_logged(dir).await;
+                forget();
+                return Err(fail(format!("cannot watch the kernel: {e}")));
+            }
+        };
+        let reaper = Reaper {
+            process: Watched::Forked {
+                pidfd,
+                status: exit_rx,
+            },
+            kernel: kernel.clone(),
+            exit,
+            leaf,
+            cgroups,
+            rundir: dir,
+            limits: spec.limits,
+            workspace,
+            quota_bytes: user.limits.workspace_quota_bytes,
+            table: self.kernels.clone(),
+            tail: Tail::default(),
+            kept: None,
+        };
+        self.kernels.insert(session, kernel.clone());
+        tokio::spawn(reaper.run());
+        let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
+        if let Err(e) = template.send(json!({"op": "go", "id": id})).await {
+            handle.terminate().await;
+            template.broken.store(true, Ordering::Relaxed);
+            return Err(fail(e));
+        }
+        tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
+        Ok(Launched {
+            endpoints,
+            process: Box::new(handle),
+        })
+    }
+
+    /// Whether this launch may use a template: a bootable spec with something to preload,
+    /// cgroups in force, kernels that end with the broker, and the switches on.
+    pub(super) fn forks_for(&self, user: &SandboxUser, spec_raw: &serde_json::Value) -> bool {
+        self.cfg.fork_server
+            && self.kept.is_none()
+            && boot::spec_fork_server(spec_raw).unwrap_or(true)
+            && !user.name.is_empty()
+    }
+}
+
+/// The host pid of the template's child that is `inner` in the sandbox, with a pidfd
+/// opened on it and checked after opening (so the pidfd is that process, not a reuse).
+fn find_child(template: i32, inner: i32) -> Option<(i32, OwnedFd)> {
+    let children = std::fs::read_to_string(format!("/proc/{template}/task/{template}/children"))
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|| children_by_scan(template));
+    let pid = children
+        .into_iter()
+        .find(|pid| namespace_pid(*pid) == Some(inner))?;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just returned by pidfd_open and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let still = namespace_pid(pid) == Some(inner) && parent_of(pid) == Some(template);
+    still.then_some((pid, fd))
+}
+
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn kill(pid: i32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
