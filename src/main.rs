@@ -25,6 +25,9 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .context("kernel-broker stopped with an error")?;
         }
+        Command::Mcp(args) => kernel_broker::mcp_stdio::relay(&args.url, &args.token)
+            .await
+            .context("kernel-broker mcp")?,
     }
     Ok(())
 }

@@ -23,6 +23,8 @@ pub mod extract;
 mod files;
 pub mod jupyter;
 pub mod listener;
+/// MCP over Streamable HTTP at `/mcp` (issue 14).
+pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 mod ops;
@@ -77,6 +79,9 @@ pub struct AppState {
     pub user_load: Arc<user_load::UserLoad>,
     /// Failed authentications by client address.
     pub auth_failures: Arc<auth_failures::AuthFailures>,
+    /// Cancelled when the broker begins to stop: long-lived response streams (MCP's SSE)
+    /// end, so the listener's drain does not wait for them.
+    pub stopping: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -105,6 +110,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(jupyter::routes())
         .merge(recording::routes())
         .merge(ui::routes())
+        .merge(mcp::routes())
 }
 
 /// The whole router (tests call it without a socket).

@@ -69,6 +69,7 @@ impl Modify for SecuritySchemes {
         (name = "jupyter", description = "The Jupyter Server / Kernel Gateway kernels API"),
         (name = "ui", description = "The session browser"),
         (name = "operations", description = "Health, metrics, this document"),
+        (name = "mcp", description = "Model Context Protocol over Streamable HTTP (docs/API.md, MCP)"),
     )
 )]
 struct ApiDoc;
