@@ -9,8 +9,8 @@
 //!
 //! - every request needs the user's token (the `auth` middleware made it a [`Caller`]);
 //! - an MCP session belongs to the user whose `initialize` created it: another user's
-//!   `Mcp-Session-Id` is answered exactly as an unknown one (`404`, rmcp's own body), so its
-//!   existence does not leak;
+//!   `Mcp-Session-Id` is answered exactly as an unknown one (`404`, rmcp's own body, for
+//!   every method), so its existence does not leak;
 //! - every response stream ends when the broker stops ([`AppState::stopping`]), so an open
 //!   SSE stream cannot hold up the listener's drain.
 //!
@@ -101,10 +101,13 @@ impl Endpoint {
         }
     }
 
-    /// Whether `user` may use the MCP session `id`. An id this broker never gave out is
-    /// left to rmcp (which answers 404); another user's is refused here the same way.
+    /// Whether `user` may use the MCP session `id`: one this endpoint gave `user`. An id
+    /// it never gave out, or gave another user, is answered here, the same way for both
+    /// (rmcp alone would answer a DELETE of an unknown id with success).
     fn may_use(&self, user: &str, id: &str) -> bool {
-        lock(&self.owners).get(id).is_none_or(|owner| owner == user)
+        lock(&self.owners)
+            .get(id)
+            .is_some_and(|owner| owner == user)
     }
 
     /// Record the owner of a session `initialize` just created, and forget the owners of
