@@ -54,7 +54,7 @@ pub fn execution_result(execution: &Execution, output_limit: usize) -> CallToolR
     }
     if execution.truncated {
         blocks.push(ContentBlock::text(format!(
-            "[output truncated: the broker keeps at most {output_limit} bytes of stdout/stderr per run; print less, or write it to a file and read parts of it]"
+            "[output truncated: the broker keeps at most {output_limit} characters each of stdout and stderr per run; print less, or write it to a file and read parts of it]"
         )));
     }
     let failure = match execution.status {
@@ -254,7 +254,7 @@ mod tests {
         let r = execution_result(&e, 1024);
         assert_eq!(r.is_error, Some(true));
         let t = texts(&r);
-        assert!(t[0].contains("at most 1024 bytes"), "{t:?}");
+        assert!(t[0].contains("at most 1024 characters"), "{t:?}");
         assert!(t[1].contains("timed out"), "{t:?}");
         let r = execution_result(&execution(ExecutionStatus::Ok), 1);
         assert_eq!(texts(&r), ["(no output)"]);
