@@ -514,3 +514,82 @@ async fn an_interrupted_stream_resumes_and_open_streams_end_at_stop() {
     within(30, "a stop with an open MCP stream", broker.stop()).await;
     within(10, "the stream's end", reader).await.unwrap();
 }
+
+#[tokio::test]
+async fn running_code_is_interrupted_by_the_tool_or_a_cancel_and_long_output_is_cut() {
+    let broker = Broker::start("local", |a| a.output_limit = Some(1000)).await;
+    let mut mcp = Mcp::new(&broker, ALICE);
+    mcp.initialize().await;
+    let a = mcp
+        .call_tool("run_python", json!({"code": "kept = 7"}))
+        .await;
+    assert!(!is_error(&a), "{a}");
+
+    // interrupt_session from a second request while run_python runs.
+    let running = {
+        let request = mcp.request(reqwest::Method::POST).body(
+            json!({"jsonrpc": "2.0", "id": 70, "method": "tools/call", "params": {
+                "name": "run_python",
+                "arguments": {"code": "import time\nfor i in range(600):\n    time.sleep(0.1)"}}})
+            .to_string(),
+        );
+        tokio::spawn(async move { Mcp::read_all(request.send().await.unwrap()).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let a = mcp.call_tool("interrupt_session", json!({})).await;
+    assert!(!is_error(&a), "{a}");
+    let answer = within(30, "the interrupted run", running).await.unwrap();
+    let answer = answer.into_iter().find(|m| m["id"] == 70).unwrap();
+    assert!(is_error(&answer), "{answer}");
+    assert!(
+        texts(&answer)
+            .last()
+            .unwrap()
+            .starts_with("the run was interrupted"),
+        "{answer}"
+    );
+
+    // A call the client cancels interrupts its code; the state stays.
+    let started = std::time::Instant::now();
+    let request = mcp.request(reqwest::Method::POST).body(
+        json!({"jsonrpc": "2.0", "id": 71, "method": "tools/call", "params": {
+            "name": "run_python",
+            "arguments": {"code": "import time\ntime.sleep(60)"}}})
+        .to_string(),
+    );
+    let cancelled = tokio::spawn(async move {
+        let _ = request.send().await.map(|r| r.text());
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let r = mcp
+        .post(
+            &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": 71, "reason": "the user changed their mind"}}),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let a = within(
+        30,
+        "the run after the cancel",
+        mcp.call_tool("run_python", json!({"code": "kept"})),
+    )
+    .await;
+    assert_eq!(texts(&a), ["7"], "{a}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    cancelled.abort();
+
+    // Output past the limit is cut, and the result says so.
+    let a = mcp
+        .call_tool("run_python", json!({"code": "print('x' * 5000)"}))
+        .await;
+    assert!(!is_error(&a), "{a}");
+    let t = texts(&a);
+    assert!(t[0].len() <= 1100, "{}", t[0].len());
+    assert!(
+        t.last()
+            .unwrap()
+            .starts_with("[output truncated: the broker keeps at most 1000 characters"),
+        "{t:?}"
+    );
+    broker.stop().await;
+}

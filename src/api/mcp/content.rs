@@ -94,6 +94,7 @@ pub fn execution_result(execution: &Execution, output_limit: usize) -> CallToolR
 fn with_detail(what: &str, execution: &Execution) -> String {
     match &execution.error {
         Some(e) if !e.evalue.is_empty() => format!("{what}: {}: {}", e.ename, e.evalue),
+        Some(e) if !e.ename.is_empty() => format!("{what} ({})", e.ename),
         _ => what.to_string(),
     }
 }
