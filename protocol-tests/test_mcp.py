@@ -69,14 +69,33 @@ def test_flow_over_streamable_http(broker):
                 break
             await asyncio.sleep(0.1)
         assert own not in {s["id"] for s in sessions(broker)}
+        # Replayable like any recorded session: the cells run again in a new session, and
+        # the chart and the KeyError come back as recorded.
+        r = broker.api("POST", f"/v1/sessions/{own}/replay", timeout=120)
+        assert r.status_code == 201, r.text
+        replay = r.json()
+        assert any("unit_price" in c["code"] for c in replay["cells"]), replay
+        assert all(c["same_output"] for c in replay["cells"]), replay["cells"]
+        broker.api("DELETE", f"/v1/sessions/{replay['session']['id']}")
     asyncio.run(main())
 
 
 def test_flow_over_stdio(broker):
     async def main():
+        before = {s["id"] for s in sessions(broker)}
         async with stdio_client(broker) as client:
             assert client.server_info.name == "kernel-broker"
+            assert client.protocol_version == "2025-11-25"
             await run_flow(client, "stdio-sales.csv")
+            made = {s["id"] for s in sessions(broker)} - before
+            assert len(made) == 1, made
+        # The host closed the relay's stdin: the relay ended its MCP session at the broker,
+        # and with it the session it had made.
+        for _ in range(100):
+            if not made & {s["id"] for s in sessions(broker)}:
+                break
+            await asyncio.sleep(0.1)
+        assert not made & {s["id"] for s in sessions(broker)}
     asyncio.run(main())
 
 
