@@ -155,7 +155,7 @@ async fn forward(
     // rmcp hands to every request of the session.
     req.extensions_mut().insert(state.clone());
     let is_delete = req.method() == axum::http::Method::DELETE;
-    let response = match endpoint.service.clone().oneshot(req).await {
+    let mut response = match endpoint.service.clone().oneshot(req).await {
         Ok(r) => r,
         Err(never) => match never {},
     };
@@ -164,7 +164,6 @@ async fn forward(
         .get(SESSION_HEADER)
         .and_then(|v: &HeaderValue| v.to_str().ok())
         .map(str::to_string);
-    let mut response = response;
     match (&session, created) {
         (None, Some(id)) => endpoint.created(&user, id).await,
         (Some(id), _) if is_delete && response.status().is_success() => {
