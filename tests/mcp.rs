@@ -242,6 +242,27 @@ async fn bad_input_is_answered_with_what_is_wrong() {
     assert!(r.status().is_client_error(), "{}", r.status());
     let body = r.text().await.unwrap();
     assert!(body.contains("deserialize"), "{body}");
+    // The sessionless revision 2026-07-28 is not spoken: the answer names the ones that are.
+    let r = reqwest::Client::new()
+        .post(broker.url("/mcp"))
+        .bearer_auth(ALICE)
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-protocol-version", "2026-07-28")
+        .header("mcp-method", "server/discover")
+        .json(
+            &json!({"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {
+            "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], -32022, "{v}");
+    assert_eq!(
+        v["error"]["data"]["supported"],
+        json!(["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"])
+    );
     // Over the message limit (the upload limit as base64 plus room): 413.
     let huge = "x".repeat(200_000);
     let r = mcp
