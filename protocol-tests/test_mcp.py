@@ -5,6 +5,7 @@ requirements.txt), unmodified: over Streamable HTTP at /mcp and over stdio throu
 import asyncio
 import json
 import os
+import subprocess
 
 import httpx2
 import pytest
@@ -139,3 +140,26 @@ def test_bad_input_is_explained(broker):
             assert r.is_error and "the limit is" in texts(r)[0], texts(r)
             broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
     asyncio.run(main())
+
+
+def test_stdio_relay_says_what_is_wrong(broker):
+    """`kernel-broker mcp` with a bad token or no broker: the host's request gets a JSON-RPC
+    error, the relay exits non-zero saying why (stderr), and nothing hangs."""
+    init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "pytest", "version": "1"}}}) + "\n"
+    for url, token in [(broker.url, "not-a-token"), ("http://127.0.0.1:1", ALICE)]:
+        p = subprocess.Popen([BINARY, "mcp", "--url", url, "--token", token],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        p.stdin.write(init)
+        p.stdin.flush()
+        answer = json.loads(p.stdout.readline())
+        assert answer["id"] == 1 and answer["error"]["code"] == -32603, answer
+        assert "the broker did not take the message" in answer["error"]["message"], answer
+        assert p.wait(20) == 1
+        assert "is the token right?" in p.stderr.read()
+        p.stdin.close()
+    p = subprocess.run([BINARY, "mcp", "--url", "https://example.org", "--token", ALICE],
+                       input="", capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "must be the broker's http:// address" in p.stderr, p.stderr

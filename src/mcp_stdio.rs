@@ -14,7 +14,7 @@
 //! so the host never waits for an answer that cannot come. Logs go to stderr only: stdout
 //! is the protocol.
 
-use rmcp::model::{ErrorData, JsonRpcMessage, ServerJsonRpcMessage};
+use rmcp::model::{ClientRequest, ErrorData, JsonRpcMessage, ServerJsonRpcMessage};
 use rmcp::transport::async_rw::AsyncRwTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, Transport};
@@ -28,6 +28,10 @@ pub enum RelayError {
     Stdout(std::io::Error),
     #[error("--url must be the broker's http:// address (e.g. http://127.0.0.1:8888), not {0:?}")]
     Url(String),
+    /// rmcp's client gave up: the broker is not there, refused the token (401), or ended
+    /// the session; the reason is in the log line before.
+    #[error("the broker at {0} ended the MCP session or could not be reached (is it running? is the token right?)")]
+    BrokerGone(String),
 }
 
 /// The broker's `/mcp` endpoint for `--url`: the broker's address, with or without `/mcp`.
@@ -50,44 +54,63 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
     let endpoint = endpoint(url)?;
     tracing::info!(%endpoint, "relaying MCP between stdio and the broker");
     let mut broker = StreamableHttpClientTransport::from_config(
-        StreamableHttpClientTransportConfig::with_uri(endpoint).auth_header(token),
+        StreamableHttpClientTransportConfig::with_uri(endpoint.as_str()).auth_header(token),
     );
     let (stdin, stdout) = rmcp::transport::stdio();
     let mut host = AsyncRwTransport::<RoleServer, _, _>::new_server(stdin, stdout);
-    // Sends to the broker in flight; each ends with the error answer it owes the host.
-    let mut sends: JoinSet<Option<ServerJsonRpcMessage>> = JoinSet::new();
+    // Sends to the broker in flight; a failed one ends with the error answer it owes the
+    // host, and whether it was the `initialize`.
+    let mut sends: JoinSet<Option<(ServerJsonRpcMessage, bool)>> = JoinSet::new();
     let outcome = loop {
         tokio::select! {
             from_host = host.receive() => {
                 let Some(message) = from_host else { break Ok(()) };
-                let request_id = match &message {
-                    JsonRpcMessage::Request(r) => Some(r.id.clone()),
-                    _ => None,
+                let (request_id, initialize) = match &message {
+                    JsonRpcMessage::Request(r) => (
+                        Some(r.id.clone()),
+                        matches!(r.request, ClientRequest::InitializeRequest(_)),
+                    ),
+                    _ => (None, false),
                 };
                 let send = broker.send(message);
                 sends.spawn(async move {
                     let error = send.await.err()?;
                     tracing::warn!(%error, "cannot send a message to the broker");
-                    let id = request_id?;
-                    Some(ServerJsonRpcMessage::error(
+                    // A notification is owed no answer.
+                    let answer = ServerJsonRpcMessage::error(
                         ErrorData::internal_error(format!("kernel-broker mcp: the broker did not take the message: {error}"), None),
-                        Some(id),
-                    ))
+                        Some(request_id?),
+                    );
+                    Some((answer, initialize))
                 });
             }
             from_broker = broker.receive() => {
                 let Some(message) = from_broker else {
-                    tracing::warn!("the broker's side of the MCP session ended");
-                    break Ok(());
+                    // The client gave up: the sends still in flight fail at once; the host
+                    // gets their error answers before the relay stops (bounded, in case one
+                    // does not).
+                    let drain = async {
+                        while let Some(done) = sends.join_next().await {
+                            if let Ok(Some((answer, _))) = done {
+                                let _ = host.send(answer).await;
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+                    break Err(RelayError::BrokerGone(endpoint.clone()));
                 };
                 if let Err(e) = host.send(message).await {
                     break Err(RelayError::Stdout(e));
                 }
             }
             Some(done) = sends.join_next(), if !sends.is_empty() => {
-                if let Ok(Some(answer)) = done {
+                if let Ok(Some((answer, initialize))) = done {
                     if let Err(e) = host.send(answer).await {
                         break Err(RelayError::Stdout(e));
+                    }
+                    // Without a session (a refused token, no broker) nothing can follow.
+                    if initialize {
+                        break Err(RelayError::BrokerGone(endpoint.clone()));
                     }
                 }
             }
