@@ -14,7 +14,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from conftest import ALICE, BOB, REPO
-from mcp_flow import run_flow, texts
+from mcp_flow import CSV, run_flow, texts
 
 BINARY = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
 
@@ -56,6 +56,8 @@ def test_flow_over_streamable_http(broker):
             # Resources: the workspace file and the session's notebook.
             uris = [str(r.uri) for r in (await client.list_resources()).resources]
             assert "kernel-broker://workspace/http-sales.csv" in uris, uris
+            csv = (await client.read_resource("kernel-broker://workspace/http-sales.csv")).contents[0]
+            assert csv.text == CSV and csv.mime_type == "text/plain", csv
             nb_uri = f"kernel-broker://sessions/{own}/notebook.ipynb"
             assert nb_uri in uris, uris
             nb = json.loads((await client.read_resource(nb_uri)).contents[0].text)
