@@ -362,6 +362,8 @@ def main():
     # module prints while it is imported goes to stderr.
     template = Template(os.dup(1))
     os.dup2(2, 1)
+    # No kernel (same uid) may open the template's pipes through /proc/<pid>/fd.
+    non_dumpable()
     loaded = preload(modules)
     prepare_kernel_imports()
     threads = len(os.listdir("/proc/self/task"))

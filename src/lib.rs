@@ -20,13 +20,15 @@
 //! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
 //!   layer knows HTTP and the external JSON shapes.
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
-//!   and drains them on shutdown; [`instance_lock`]: one broker per data directory.
+//!   and drains them on shutdown; [`instance_lock`]: one broker per data directory;
+//!   [`mcp_stdio`]: `kernel-broker mcp`, MCP over stdio relayed to a broker's `/mcp`.
 
 pub mod api;
 pub mod config;
 pub mod descriptors;
 pub mod instance_lock;
 pub mod kernel;
+pub mod mcp_stdio;
 pub mod private_file;
 pub mod recording;
 pub mod replay;

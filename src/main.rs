@@ -25,6 +25,18 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .context("kernel-broker stopped with an error")?;
         }
+        Command::Mcp(args) => {
+            let outcome = kernel_broker::mcp_stdio::relay(&args.url, &args.token).await;
+            // Exit now: stdin is read on a blocking thread, which the runtime's shutdown
+            // would wait for until the host closes stdin.
+            std::process::exit(match outcome {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("Error: kernel-broker mcp: {e}");
+                    1
+                }
+            });
+        }
     }
     Ok(())
 }

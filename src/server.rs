@@ -178,6 +178,7 @@ pub async fn serve(
         auth_failures: Arc::new(api::auth_failures::AuthFailures::new(
             clients.max_auth_failures,
         )),
+        stopping: Default::default(),
     };
     // Summarises and forgets the failed-authentication records whose window is over.
     let sweeper = {
@@ -203,12 +204,14 @@ pub async fn serve(
          http://{addr}/ui/?token=TOKEN, Jupyter kernels API http://{addr}/api/kernels, API docs \
          http://{addr}/openapi.json and docs/API.md)");
     let metrics = state.metrics.clone();
+    let stopping = state.stopping.clone();
     let app = api::router(state);
     // With --keep-sessions, the executions in flight are answered ("the broker restarted")
     // as soon as the stop begins, so the listener's drain does not wait for them.
     let detaching = registry.clone();
     let shutdown = async move {
         shutdown.await;
+        stopping.cancel();
         detaching.detach_all().await;
     };
     api::listener::serve(listener, app, &clients, metrics, shutdown).await;

@@ -25,6 +25,8 @@ pub mod extract;
 mod files;
 pub mod jupyter;
 pub mod listener;
+/// MCP over Streamable HTTP at `/mcp` (issue 14).
+pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 mod ops;
@@ -79,6 +81,9 @@ pub struct AppState {
     pub user_load: Arc<user_load::UserLoad>,
     /// Failed authentications by client address.
     pub auth_failures: Arc<auth_failures::AuthFailures>,
+    /// Cancelled when the broker begins to stop: long-lived response streams (MCP's SSE)
+    /// end, so the listener's drain does not wait for them.
+    pub stopping: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -108,6 +113,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(recording::routes())
         .merge(ui::routes())
         .merge(e2b::routes())
+        .merge(mcp::routes())
 }
 
 /// The whole router (tests call it without a socket).

@@ -70,6 +70,7 @@ impl Modify for SecuritySchemes {
         (name = "ui", description = "The session browser"),
         (name = "operations", description = "Health, metrics, this document"),
         (name = "e2b", description = "E2B compatibility: E2B's SDKs with E2B_API_URL=BASE/e2b, E2B_SANDBOX_URL=BASE/e2b/sandbox, E2B_API_KEY=TOKEN (docs/API.md)"),
+        (name = "mcp", description = "Model Context Protocol over Streamable HTTP (docs/API.md, MCP)"),
     )
 )]
 struct ApiDoc;

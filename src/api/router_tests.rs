@@ -82,6 +82,7 @@ fn state() -> AppState {
         metrics: Arc::new(super::metrics::Metrics::new("local")),
         user_load: Arc::new(super::user_load::UserLoad::new(0, 0)),
         auth_failures: Arc::new(super::auth_failures::AuthFailures::new(0)),
+        stopping: Default::default(),
     }
 }
 

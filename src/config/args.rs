@@ -26,6 +26,20 @@ pub struct Cli {
 pub enum Command {
     /// Run the broker.
     Serve(Box<ServeArgs>),
+    /// Serve MCP over stdio for a host that launches stdio servers, relayed to a running
+    /// broker's /mcp (Streamable HTTP) as the token's user.
+    Mcp(McpArgs),
+}
+
+/// Flags of `mcp`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct McpArgs {
+    /// The running broker's address, e.g. http://127.0.0.1:8888 (`/mcp` is added).
+    #[arg(long, env = "KERNEL_BROKER_URL")]
+    pub url: String,
+    /// The user's token at that broker.
+    #[arg(long, env = "KERNEL_BROKER_TOKEN", hide_env_values = true)]
+    pub token: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]

@@ -20,7 +20,7 @@ use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
 use crate::session::SessionConfig;
-pub use args::{Cli, Command, SandboxKind, ServeArgs};
+pub use args::{Cli, Command, McpArgs, SandboxKind, ServeArgs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

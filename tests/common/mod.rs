@@ -83,6 +83,11 @@ pub fn repo() -> PathBuf {
 }
 
 impl Broker {
+    /// The broker's directory in the cgroup hierarchies.
+    pub fn cgroup_name(&self) -> &str {
+        &self.cgroup_name
+    }
+
     /// Start a broker with the `sandbox` backend (`local` or `docker`); `tweak` adjusts the
     /// settings (limits, timeouts) for one test.
     pub async fn start(sandbox: &'static str, tweak: impl FnOnce(&mut ServeArgs)) -> Broker {

@@ -158,7 +158,8 @@ pub struct DockerSandboxConfig {
     /// `--keep-sessions`: kernels and containers outlive the broker and are adopted by its
     /// next run (see [`Sandbox::keeps_kernels`](super::Sandbox::keeps_kernels)).
     pub keep_kernels: bool,
-    /// Modules kernels import before their first cell ([`super::boot`]); empty: none.
+    /// Modules kernels import before their first cell ([`super::boot`]) at their own start;
+    /// empty (the default): none.
     pub preload: Vec<String>,
     /// Users' own preload lists (the users file), by user name.
     pub user_preload: std::collections::HashMap<String, Vec<String>>,
@@ -174,10 +175,9 @@ impl DockerSandboxConfig {
             container_idle: Duration::from_secs(300),
             run_dir: None,
             keep_kernels: false,
-            preload: super::boot::DEFAULT_PRELOAD
-                .iter()
-                .map(|m| m.to_string())
-                .collect(),
+            // No fork server in this backend yet: each kernel would pay the imports (time
+            // and private memory) itself, so only an explicit `--preload` turns it on.
+            preload: Vec::new(),
             user_preload: std::collections::HashMap::new(),
         }
     }

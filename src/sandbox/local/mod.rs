@@ -486,34 +486,33 @@ impl Sandbox for LocalSandbox {
             &kspec.raw,
             &self.cfg.preload,
         );
-        let argv = match (boot::ipykernel_args(&argv), preload.is_empty()) {
-            (Some((python, args)), false) => {
-                // Forked from the user's template when one works; the spec's own
-                // arguments, with the fork's connection file.
-                let raw_args = boot::ipykernel_args(&kspec.argv).map(|(_, a)| a);
-                if let (Some(raw_args), Some(cg), false) = (raw_args, &cgroups, uses_resource_dir) {
-                    if self.forks_for(&spec.user, &kspec.raw) {
-                        let bootable = template::Bootable {
-                            python,
-                            args: raw_args,
-                            preload: &preload,
-                            spec_env: &kspec.env,
-                        };
-                        if let Some(t) = self.template(&spec, &bootable, cg).await {
-                            match self.fork_kernel(&t, &spec, &bootable, cg).await {
-                                Ok(launched) => return Ok(launched),
-                                Err(e) => {
-                                    tracing::warn!(session = %spec.session_id, error = %e, "fork failed; starting the kernel plainly")
-                                }
-                            }
+        // Forked from the user's template when one works (the spec's own arguments, with
+        // the fork's connection file). A plain start imports nothing extra: a fallback
+        // stays as quick as a kernel without the feature.
+        if let (Some((python, _)), Some((_, raw_args)), false, Some(cg), false) = (
+            boot::ipykernel_args(&argv),
+            boot::ipykernel_args(&kspec.argv),
+            preload.is_empty(),
+            &cgroups,
+            uses_resource_dir,
+        ) {
+            if self.forks_for(&spec.user, &kspec.raw) {
+                let bootable = template::Bootable {
+                    python,
+                    args: raw_args,
+                    preload: &preload,
+                    spec_env: &kspec.env,
+                };
+                if let Some(t) = self.template(&spec, &bootable, cg).await {
+                    match self.fork_kernel(&t, &spec, &bootable, cg).await {
+                        Ok(launched) => return Ok(launched),
+                        Err(e) => {
+                            tracing::warn!(session = %spec.session_id, error = %e, "fork failed; starting the kernel plainly")
                         }
                     }
                 }
-                let script = format!("{RUN_DIR_INSIDE}/{}", boot::BOOT_SCRIPT_NAME);
-                boot::direct_argv(python, &script, &preload, args)
             }
-            _ => argv,
-        };
+        }
         tracing::debug!(kernel = %spec.kernel_name, interrupt_mode = ?kspec.interrupt_mode, ?argv, "launching kernel");
         self.launch_argv(spec, argv, kspec.env.clone(), resource_dir, cgroups)
             .await

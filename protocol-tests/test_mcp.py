@@ -1,0 +1,167 @@
+"""MCP (issue 14) through the official Python SDK (`mcp` on PyPI, pinned in
+requirements.txt), unmodified: over Streamable HTTP at /mcp and over stdio through
+`kernel-broker mcp --url URL --token TOKEN`. Each runs the load-profile-fix-plot flow
+(mcp_flow.py) against a real broker with real kernels."""
+import asyncio
+import json
+import os
+import subprocess
+
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from conftest import ALICE, BOB, REPO
+from mcp_flow import CSV, run_flow, texts
+
+BINARY = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
+
+
+def http_client(broker, token=ALICE):
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"},
+                              timeout=httpx2.Timeout(30, read=300))
+    return Client(streamable_http_client(broker.url + "/mcp", http_client=http))
+
+
+def stdio_client(broker, token=ALICE):
+    return Client(StdioServerParameters(
+        command=BINARY, args=["mcp", "--url", broker.url, "--token", token]))
+
+
+def sessions(broker, token=ALICE):
+    r = broker.api("GET", "/v1/sessions", token)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_flow_over_streamable_http(broker):
+    async def main():
+        before = {s["id"] for s in sessions(broker)}
+        async with http_client(broker) as client:
+            assert client.protocol_version == "2025-11-25"
+            assert client.server_info.name == "kernel-broker"
+            await run_flow(client, "http-sales.csv")
+            # State persists: `df` from the flow is still there.
+            r = await client.call_tool("run_python", {"code": "len(df)"})
+            assert texts(r) == ["3"], texts(r)
+            # The MCP session's own session is an ordinary broker session.
+            made = [s for s in sessions(broker) if s["id"] not in before]
+            assert len(made) == 1, made
+            own = made[0]["id"]
+            listed = json.loads(texts(await client.call_tool("list_sessions", {}))[0])
+            mine = [s for s in listed["sessions"] if s["this_connection"]]
+            assert [s["id"] for s in mine] == [own]
+            # Resources: the workspace file and the session's notebook.
+            uris = [str(r.uri) for r in (await client.list_resources()).resources]
+            assert "kernel-broker://workspace/http-sales.csv" in uris, uris
+            csv = (await client.read_resource("kernel-broker://workspace/http-sales.csv")).contents[0]
+            assert csv.text == CSV and csv.mime_type == "text/plain", csv
+            nb_uri = f"kernel-broker://sessions/{own}/notebook.ipynb"
+            assert nb_uri in uris, uris
+            nb = json.loads((await client.read_resource(nb_uri)).contents[0].text)
+            sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+            assert any("unit_price" in s for s in sources), sources
+            # Recorded like any session: the REST notebook export has the same cells.
+            r = broker.api("GET", f"/v1/sessions/{own}/notebook")
+            assert r.status_code == 200
+        # Closing the MCP session (the SDK sends DELETE) ends its broker session.
+        for _ in range(100):
+            if own not in {s["id"] for s in sessions(broker)}:
+                break
+            await asyncio.sleep(0.1)
+        assert own not in {s["id"] for s in sessions(broker)}
+        # Replayable like any recorded session: the cells run again in a new session, and
+        # the chart and the KeyError come back as recorded.
+        r = broker.api("POST", f"/v1/sessions/{own}/replay", timeout=120)
+        assert r.status_code == 201, r.text
+        replay = r.json()
+        assert any("unit_price" in c["code"] for c in replay["cells"]), replay
+        assert all(c["same_output"] for c in replay["cells"]), replay["cells"]
+        broker.api("DELETE", f"/v1/sessions/{replay['session']['id']}")
+    asyncio.run(main())
+
+
+def test_flow_over_stdio(broker):
+    async def main():
+        before = {s["id"] for s in sessions(broker)}
+        async with stdio_client(broker) as client:
+            assert client.server_info.name == "kernel-broker"
+            assert client.protocol_version == "2025-11-25"
+            await run_flow(client, "stdio-sales.csv")
+            made = {s["id"] for s in sessions(broker)} - before
+            assert len(made) == 1, made
+        # The host closed the relay's stdin: the relay ended its MCP session at the broker,
+        # and with it the session it had made.
+        for _ in range(100):
+            if not made & {s["id"] for s in sessions(broker)}:
+                break
+            await asyncio.sleep(0.1)
+        assert not made & {s["id"] for s in sessions(broker)}
+    asyncio.run(main())
+
+
+def test_progress_streams_output(broker):
+    async def main():
+        seen = []
+
+        async def progress(value, total, message):
+            seen.append((value, message))
+
+        async with http_client(broker) as client:
+            code = "import time\nfor i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.4)"
+            r = await client.call_tool("run_python", {"code": code}, progress_callback=progress)
+            assert not r.is_error, texts(r)
+            assert texts(r) == ["tick 0\ntick 1\ntick 2\n"], texts(r)
+        messages = "".join(m or "" for _, m in seen)
+        assert "tick 0" in messages and "tick 2" in messages, seen
+        values = [v for v, _ in seen]
+        assert values == sorted(values) and len(set(values)) == len(values), values
+    asyncio.run(main())
+
+
+def test_bad_input_is_explained(broker):
+    async def main():
+        async with http_client(broker) as client:
+            with pytest.raises(MCPError) as e:
+                await client.call_tool("no_such_tool", {})
+            assert "no_such_tool" in str(e.value)
+            assert e.value.code == -32602 and "the tools are: " in str(e.value), e.value
+            # Arguments that do not fit the schema: a tool error saying which (MCP 2025-11-25
+            # reports input validation as a tool error, so the model can correct itself).
+            r = await client.call_tool("run_python", {"code": 42})
+            assert r.is_error and "invalid type: integer `42`, expected a string" in texts(r)[0], texts(r)
+            r = await client.call_tool("upload_file", {"path": "x.csv"})
+            assert r.is_error and "missing field `content_base64`" in texts(r)[0], texts(r)
+            # Bob's session is not found for alice, exactly as a missing one.
+            bob = broker.api("POST", "/v1/sessions", BOB, json={}).json()["id"]
+            r = await client.call_tool("run_python", {"code": "1", "session_id": bob})
+            assert r.is_error and texts(r) == [f"no session {bob}"], texts(r)
+            r = await client.call_tool("run_python", {"code": "x" * (2 << 20)})
+            assert r.is_error and "the limit is" in texts(r)[0], texts(r)
+            broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
+    asyncio.run(main())
+
+
+def test_stdio_relay_says_what_is_wrong(broker):
+    """`kernel-broker mcp` with a bad token or no broker: the host's request gets a JSON-RPC
+    error, the relay exits non-zero saying why (stderr), and nothing hangs."""
+    init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "pytest", "version": "1"}}}) + "\n"
+    for url, token in [(broker.url, "not-a-token"), ("http://127.0.0.1:1", ALICE)]:
+        p = subprocess.Popen([BINARY, "mcp", "--url", url, "--token", token],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        p.stdin.write(init)
+        p.stdin.flush()
+        answer = json.loads(p.stdout.readline())
+        assert answer["id"] == 1 and answer["error"]["code"] == -32603, answer
+        assert "the broker did not take the message" in answer["error"]["message"], answer
+        assert p.wait(20) == 1
+        assert "is the token right?" in p.stderr.read()
+        p.stdin.close()
+    p = subprocess.run([BINARY, "mcp", "--url", "https://example.org", "--token", ALICE],
+                       input="", capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "must be the broker's http:// address" in p.stderr, p.stderr

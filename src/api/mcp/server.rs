@@ -1,0 +1,334 @@
+//! [`McpServer`]: the handler of one MCP session (rmcp makes one per `initialize`). It
+//! declares the tools (their JSON schemas come from the argument types through `schemars`)
+//! and the resources, finds the caller and the broker's state in each request, and holds
+//! the broker session that calls without `session_id` use: created on first use, deleted
+//! when the MCP session ends (its recording stays).
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::tool::ToolCallContext;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, ListResourcesResult,
+    PaginatedRequestParams, ProtocolVersion, ReadResourceRequestParams, ReadResourceResponse,
+    ServerCapabilities, ServerConfig,
+};
+use rmcp::service::RequestContext;
+use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler};
+use uuid::Uuid;
+
+use super::tools::{
+    CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
+};
+use crate::api::auth::Caller;
+use crate::api::AppState;
+
+/// What the server tells a model about itself at `initialize`.
+const INSTRUCTIONS: &str = "Runs Python in persistent, sandboxed Jupyter (IPython) kernels. \
+State (variables, imports, files) persists across run_python calls of the same session. \
+Without session_id, calls use this connection's own session, created on first use. \
+Files live in the user's workspace (the kernel's working directory, /workspace): upload with \
+upload_file, read with read_file or list_files. Charts from matplotlib come back as PNG \
+images. The session's notebook (.ipynb) is a resource.";
+
+/// The caller, the broker's state, and the request's cancellation and progress handles.
+pub struct Call {
+    pub state: AppState,
+    pub caller: Caller,
+    pub context: RequestContext<RoleServer>,
+}
+
+impl Call {
+    fn of(context: RequestContext<RoleServer>) -> Result<Self, ErrorData> {
+        // `forward` (mod.rs) put both into every request before rmcp saw it, and rmcp hands
+        // the request's HTTP parts to the handler; their absence is a wiring bug.
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let state = parts.and_then(|p| p.extensions.get::<AppState>()).cloned();
+        let caller = parts.and_then(|p| p.extensions.get::<Caller>()).cloned();
+        match (state, caller) {
+            (Some(state), Some(caller)) => Ok(Self {
+                state,
+                caller,
+                context,
+            }),
+            _ => Err(ErrorData::internal_error(
+                "the request reached the MCP handler without the broker's context",
+                None,
+            )),
+        }
+    }
+}
+
+/// The broker session of an MCP session (for calls without `session_id`).
+#[derive(Default)]
+pub struct OwnSession(tokio::sync::Mutex<Option<Made>>);
+
+/// A session this MCP session made, and what deleting it needs.
+pub struct Made {
+    pub id: Uuid,
+    pub user: String,
+    pub state: AppState,
+}
+
+impl OwnSession {
+    /// The async mutex is held across the create on purpose: two first calls at once make
+    /// one session, the second waits for it. Nothing else takes this lock.
+    pub fn slot(&self) -> &tokio::sync::Mutex<Option<Made>> {
+        &self.0
+    }
+}
+
+impl Drop for OwnSession {
+    /// The MCP session ended (DELETE /mcp, or idle past its keep-alive): its broker session
+    /// goes too, so it stops holding the user's quota. The recording stays.
+    fn drop(&mut self) {
+        let Some(made) = self.0.get_mut().take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    if let Err(e) = made.state.registry.delete(&made.user, made.id).await {
+                        tracing::debug!(session = %made.id, error = %e, "MCP session's own session already gone");
+                    }
+                });
+            }
+            // Only at process exit, when the registry's shutdown ends every session anyway.
+            Err(_) => {
+                tracing::debug!(session = %made.id, "no runtime to delete the MCP session's own session")
+            }
+        }
+    }
+}
+
+/// The handler of one MCP session.
+#[derive(Clone)]
+pub struct McpServer {
+    tool_router: ToolRouter<Self>,
+    pub(super) own: Arc<OwnSession>,
+}
+
+impl McpServer {
+    pub fn new() -> Self {
+        Self {
+            tool_router: Self::tool_router(),
+            own: Arc::default(),
+        }
+    }
+}
+
+impl Default for McpServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[tool_router]
+impl McpServer {
+    #[tool(
+        description = "Run Python code in a persistent IPython kernel and return what it printed, its result, and any charts (PNG images). Variables, imports and files persist across calls of the same session. On an exception the result is an error carrying the exception's type, message and traceback: fix the code and call again. Long runs stream their output as progress notifications when the client asks for progress.",
+        annotations(
+            title = "Run Python",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn run_python(
+        &self,
+        Parameters(args): Parameters<RunPythonArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.run_python_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Write a file into the workspace (the kernel's working directory), e.g. a CSV to analyse. The content is base64; directories are created; an existing file is replaced.",
+        annotations(
+            title = "Upload a file",
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn upload_file(
+        &self,
+        Parameters(args): Parameters<UploadFileArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.upload_file_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Read a file of the workspace: text comes back as text, PNG/JPEG/GIF/WebP images as images, anything else as a base64 blob.",
+        annotations(title = "Read a file", read_only_hint = true, open_world_hint = false)
+    )]
+    async fn read_file(
+        &self,
+        Parameters(args): Parameters<ReadFileArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.read_file_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "List the files of the workspace (path, size in bytes, last modified), as JSON.",
+        annotations(title = "List files", read_only_hint = true, open_world_hint = false)
+    )]
+    async fn list_files(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.list_files_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Restart the session's kernel: every variable and import is lost (workspace files stay). Use it when the kernel is stuck or its state is beyond repair.",
+        annotations(
+            title = "Restart the kernel",
+            destructive_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn restart_session(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.restart_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Interrupt the code running in the session (like Ctrl-C: a KeyboardInterrupt); the kernel's state is kept.",
+        annotations(title = "Interrupt", destructive_hint = false, open_world_hint = false)
+    )]
+    async fn interrupt_session(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.interrupt_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "List your sessions (id, state, kernel, executions, last activity) as JSON; the one this connection made is marked.",
+        annotations(
+            title = "List sessions",
+            read_only_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_sessions(
+        &self,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.list_sessions_call(Call::of(context)?).await
+    }
+
+    #[tool(
+        description = "Create another session (a separate kernel with its own state) and return its id; pass it as session_id to the other tools to hold several at once.",
+        annotations(
+            title = "Create a session",
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn create_session(
+        &self,
+        Parameters(args): Parameters<CreateSessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.create_session_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Shut a session down (its kernel and state are gone; its recording stays).",
+        annotations(
+            title = "Delete a session",
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn delete_session(
+        &self,
+        Parameters(args): Parameters<DeleteSessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.delete_session_call(Call::of(context)?, args).await
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for McpServer {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_resources()
+                .build(),
+        )
+        .with_server_info(Implementation::new(
+            "kernel-broker",
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .with_instructions(INSTRUCTIONS)
+    }
+
+    /// Up to 2025-11-25, the last revision with MCP sessions: "without session_id, one
+    /// broker session per MCP session" needs them (2026-07-28 is sessionless). Clients that
+    /// also speak 2026-07-28 (Python `mcp` 2.x in its default mode) fall back to it.
+    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
+        Cow::Borrowed(ProtocolVersion::known_up_to(&ProtocolVersion::V_2025_11_25))
+    }
+
+    /// rmcp's router answers an unknown tool with a bare "tool not found"; this names the
+    /// tool and the ones there are, so a model can correct itself.
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        if self.tool_router.get(&request.name).is_none() {
+            let names: Vec<String> = self
+                .tool_router
+                .list_all()
+                .into_iter()
+                .map(|t| t.name.to_string())
+                .collect();
+            return Err(ErrorData::invalid_params(
+                format!(
+                    "unknown tool {:?}; the tools are: {}",
+                    request.name,
+                    names.join(", ")
+                ),
+                None,
+            ));
+        }
+        let call = ToolCallContext::new(self, request, context);
+        self.tool_router.call(call).await
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        self.list_resources_call(Call::of(context)?).await
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        self.read_resource_call(Call::of(context)?, &request.uri)
+            .await
+            .map(Into::into)
+    }
+}

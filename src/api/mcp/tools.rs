@@ -1,0 +1,422 @@
+//! The tools' arguments (their JSON schemas, written for a model to read) and their work,
+//! done through the session layer exactly as the REST handlers do it (`sessions.rs`,
+//! `files.rs`): the same registry calls, limits, ownership and recording.
+//!
+//! What the caller can fix (an unknown session, code over the limit, a missing file, a full
+//! quota) is a tool error (`isError: true`) whose text says what is wrong, as the MCP
+//! specification asks, so a model reads it and tries again; malformed arguments (a wrong
+//! type, a missing field) are rmcp's JSON-RPC `-32602`.
+
+use std::sync::Arc;
+
+use base64::Engine;
+use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam};
+use rmcp::ErrorData;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use tokio::sync::{mpsc, oneshot};
+
+use super::content;
+use super::server::{Call, Made, McpServer};
+use crate::api::extract::sandbox_user;
+use crate::api::shapes::{FileJson, SessionJson};
+use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError};
+
+/// What a tool answers: a result (maybe an error result) or a protocol error.
+type Outcome = Result<CallToolResult, ErrorData>;
+
+/// A message for the model, as a tool error.
+fn tool_error(message: impl Into<String>) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(message.into())])
+}
+
+fn text(message: impl Into<String>) -> CallToolResult {
+    CallToolResult::success(vec![ContentBlock::text(message.into())])
+}
+
+fn json_text(value: &impl serde::Serialize) -> Outcome {
+    serde_json::to_string_pretty(value)
+        .map(text)
+        .map_err(|e| ErrorData::internal_error(format!("serialise the answer: {e}"), None))
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunPythonArgs {
+    /// Python source to run, as in a notebook cell (the last expression's value is the
+    /// result; `%magics` and `!shell` work).
+    pub code: String,
+    /// A session id from create_session or list_sessions; leave it out to use this
+    /// connection's own session (created on first use).
+    pub session_id: Option<String>,
+    /// Seconds before the run is interrupted (default and maximum: the broker's).
+    #[schemars(range(min = 0.001))]
+    pub timeout_seconds: Option<f64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UploadFileArgs {
+    /// Where to write, relative to the workspace (e.g. `data/sales.csv`); no `..`.
+    pub path: String,
+    /// The file's bytes, base64-encoded.
+    pub content_base64: String,
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileArgs {
+    /// The file to read, relative to the workspace.
+    pub path: String,
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SessionArgs {
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionArgs {
+    /// A kernel spec name (default: the broker's default kernel).
+    pub kernel: Option<String>,
+    /// Seconds without activity before the session expires (capped by the broker).
+    pub idle_timeout_seconds: Option<u64>,
+    /// The kernel's memory limit in bytes (default: the user's per-kernel default).
+    pub memory_limit_bytes: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteSessionArgs {
+    /// The session to shut down.
+    pub session_id: String,
+}
+
+/// How a session error reads to a model; a foreign session reads as a missing one (the
+/// registry answers both as `NotFound`).
+fn session_error(e: SessionError) -> String {
+    e.to_string()
+}
+
+fn parse_id(id: &str) -> Result<uuid::Uuid, String> {
+    uuid::Uuid::parse_str(id.trim())
+        .map_err(|_| format!("no session {id:?} (session ids are UUIDs; see list_sessions)"))
+}
+
+impl McpServer {
+    /// The session a call names, or this MCP session's own, made now if `create` and
+    /// there is none yet.
+    async fn session(
+        &self,
+        call: &Call,
+        id: Option<&str>,
+        create: bool,
+    ) -> Result<Arc<Session>, String> {
+        let user = &call.caller.0.name;
+        if let Some(id) = id {
+            return call
+                .state
+                .registry
+                .get(user, parse_id(id)?)
+                .map_err(session_error);
+        }
+        let mut slot = self.own.slot().lock().await;
+        if let Some(made) = slot.as_ref() {
+            return match call.state.registry.get(user, made.id) {
+                Ok(s) => Ok(s),
+                Err(e) => {
+                    // Expired or deleted: say so once; the next call starts a new session.
+                    *slot = None;
+                    Err(format!(
+                        "{}; this connection's session is gone with its variables: call again to start a new one",
+                        session_error(e)
+                    ))
+                }
+            };
+        }
+        if !create {
+            return Err("this connection has no session yet (run_python makes one)".into());
+        }
+        let session = call
+            .state
+            .registry
+            .create(
+                &sandbox_user(&call.caller),
+                call.caller.0.max_sessions,
+                CreateOptions {
+                    kernel: None,
+                    idle_timeout_seconds: None,
+                    id: None,
+                    memory_limit_bytes: None,
+                },
+            )
+            .await
+            .map_err(session_error)?;
+        tracing::info!(session = %session.id, user = %user, "MCP session made its session");
+        *slot = Some(Made {
+            id: session.id,
+            user: user.clone(),
+            state: call.state.clone(),
+        });
+        Ok(session)
+    }
+
+    /// The id of this MCP session's own session, if it has one.
+    async fn own_id(&self) -> Option<uuid::Uuid> {
+        self.own.slot().lock().await.as_ref().map(|m| m.id)
+    }
+
+    pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
+        let limits = &call.state.limits;
+        if args.code.len() > limits.max_code_bytes {
+            return Ok(tool_error(format!(
+                "the code has {} bytes; the limit is {}: run it in smaller parts, or upload it as a file and exec it",
+                args.code.len(),
+                limits.max_code_bytes
+            )));
+        }
+        let timeout = match call.state.execution_timeout(args.timeout_seconds) {
+            Ok(t) => t,
+            Err(e) => return Ok(tool_error(e.message)),
+        };
+        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let progress = call.context.meta.get_progress_token();
+        let (done, mut finished) = oneshot::channel();
+        // Output is streamed only to a client that asked for progress; the actor drops
+        // what does not fit the queue (it never waits for us), the result still has it all.
+        let (out_tx, mut out_rx) = mpsc::channel(256);
+        if let Err(e) = session.execute(ExecRequest {
+            code: args.code,
+            timeout,
+            allow_stdin: false,
+            stream: progress.is_some().then_some(out_tx),
+            done,
+        }) {
+            return Ok(tool_error(session_error(e)));
+        }
+        let mut streaming = progress.is_some();
+        let mut interrupted = false;
+        let mut count = 0u32;
+        let execution = loop {
+            tokio::select! {
+                result = &mut finished => break result,
+                event = out_rx.recv(), if streaming => match (event, &progress) {
+                    (Some(event), Some(token)) => {
+                        if let Some(message) = content::progress_message(&event) {
+                            count += 1;
+                            let note = ProgressNotificationParam::new(token.clone(), f64::from(count))
+                                .with_message(message);
+                            // A client gone away is the cancellation's business, below.
+                            let _ = call.context.peer.notify_progress(note).await;
+                        }
+                    }
+                    _ => streaming = false,
+                },
+                // The client cancelled the call (or went away): stop the code, as Ctrl-C
+                // would, and answer with what it produced.
+                () = call.context.ct.cancelled(), if !interrupted => {
+                    interrupted = true;
+                    let _ = session.interrupt().await;
+                }
+            }
+        };
+        match execution {
+            Ok(execution) => Ok(content::execution_result(
+                &execution,
+                call.state.registry.config().output_limit,
+            )),
+            Err(_) => Ok(tool_error(session_error(SessionError::Closed(session.id)))),
+        }
+    }
+
+    pub(super) async fn upload_file_call(&self, call: Call, args: UploadFileArgs) -> Outcome {
+        let max = call.state.limits.max_file_bytes;
+        // Refused before decoding: base64 is 4 characters per 3 bytes.
+        if args.content_base64.len() / 4 * 3 > max + 3 {
+            return Ok(tool_error(format!(
+                "the file is larger than the limit of {max} bytes"
+            )));
+        }
+        let data =
+            match base64::engine::general_purpose::STANDARD.decode(args.content_base64.trim()) {
+                Ok(d) => d,
+                Err(e) => {
+                    return Ok(tool_error(format!(
+                        "content_base64 is not valid base64: {e}"
+                    )))
+                }
+            };
+        if data.len() > max {
+            return Ok(tool_error(format!(
+                "the file has {} bytes; the limit is {max}",
+                data.len()
+            )));
+        }
+        if let Err(e) = files::clean_relative(&args.path) {
+            return Ok(tool_error(session_error(e)));
+        }
+        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        session.touch();
+        let sandbox = call.state.registry.sandbox();
+        let ws = match sandbox.workspace(&session.user) {
+            Ok(ws) => ws,
+            Err(e) => return Err(internal("workspace", e)),
+        };
+        let owner = sandbox.workspace_owner(&session.user);
+        let (path, len) = (args.path.clone(), data.len());
+        let written = tokio::task::spawn_blocking(move || files::write(&ws, &path, &data, owner))
+            .await
+            .map_err(|e| internal("write file", e))?;
+        Ok(match written {
+            Ok(_) => text(format!(
+                "wrote {len} bytes to {} in the workspace",
+                args.path
+            )),
+            Err(e) => tool_error(session_error(e)),
+        })
+    }
+
+    pub(super) async fn read_file_call(&self, call: Call, args: ReadFileArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        session.touch();
+        let ws = call
+            .state
+            .registry
+            .sandbox()
+            .workspace(&session.user)
+            .map_err(|e| internal("workspace", e))?;
+        let max = call.state.limits.max_file_bytes;
+        let path = args.path.clone();
+        let read = tokio::task::spawn_blocking(move || files::read(&ws, &path, max))
+            .await
+            .map_err(|e| internal("read file", e))?;
+        Ok(match read {
+            Ok(bytes) => CallToolResult::success(vec![content::file_content(&args.path, bytes)]),
+            Err(e) => tool_error(session_error(e)),
+        })
+    }
+
+    pub(super) async fn list_files_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        session.touch();
+        let ws = call
+            .state
+            .registry
+            .sandbox()
+            .workspace(&session.user)
+            .map_err(|e| internal("workspace", e))?;
+        let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
+            .await
+            .map_err(|e| internal("list files", e))?;
+        match listing {
+            Ok(listing) => {
+                let files: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
+                json_text(&serde_json::json!({"files": files, "truncated": listing.truncated}))
+            }
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn restart_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        Ok(match session.restart().await {
+            Ok(()) => text(format!(
+                "restarted the kernel of session {}: variables and imports are gone, workspace files stay",
+                session.id
+            )),
+            Err(e) => tool_error(session_error(e)),
+        })
+    }
+
+    pub(super) async fn interrupt_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        Ok(match session.interrupt().await {
+            Ok(()) => text(format!("interrupted session {}", session.id)),
+            Err(e) => tool_error(session_error(e)),
+        })
+    }
+
+    pub(super) async fn list_sessions_call(&self, call: Call) -> Outcome {
+        let own = self.own_id().await;
+        let sessions: Vec<serde_json::Value> = call
+            .state
+            .registry
+            .list(&call.caller.0.name)
+            .iter()
+            .map(|s| {
+                let mut v = serde_json::to_value(SessionJson::from(s.info()))
+                    .unwrap_or(serde_json::Value::Null);
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("this_connection".into(), (Some(s.id) == own).into());
+                }
+                v
+            })
+            .collect();
+        json_text(&serde_json::json!({ "sessions": sessions }))
+    }
+
+    pub(super) async fn create_session_call(&self, call: Call, args: CreateSessionArgs) -> Outcome {
+        let created = call
+            .state
+            .registry
+            .create(
+                &sandbox_user(&call.caller),
+                call.caller.0.max_sessions,
+                CreateOptions {
+                    kernel: args.kernel,
+                    idle_timeout_seconds: args.idle_timeout_seconds,
+                    id: None,
+                    memory_limit_bytes: args.memory_limit_bytes,
+                },
+            )
+            .await;
+        match created {
+            Ok(session) => json_text(&SessionJson::from(session.info())),
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn delete_session_call(&self, call: Call, args: DeleteSessionArgs) -> Outcome {
+        let id = match parse_id(&args.session_id) {
+            Ok(id) => id,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        Ok(
+            match call.state.registry.delete(&call.caller.0.name, id).await {
+                Ok(()) => text(format!("deleted session {id}")),
+                Err(e) => tool_error(session_error(e)),
+            },
+        )
+    }
+}
+
+/// A failure of the broker itself: logged, and a JSON-RPC internal error.
+fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
+    tracing::error!(%context, error = %e, "MCP tool: internal error");
+    ErrorData::internal_error("the broker hit an internal error; it is logged", None)
+}

@@ -1,0 +1,288 @@
+//! Fork-server starts (issue 12), local sandbox, real kernels: kernels forked from the
+//! user's template are ordinary kernels of their own (key, sockets, pid, cgroup leaf, fresh
+//! random generators, a clean namespace with the data stack already imported), isolated and
+//! limited exactly as started ones, and a broken template falls back to a plain start.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn forking(a: &mut kernel_broker::config::ServeArgs) {
+    a.fork_server = Some(true);
+    a.preload = Some("numpy,pandas,matplotlib".into());
+}
+
+/// The text a cell printed (its stdout), trimmed.
+async fn out(api: &Api, id: &str, code: &str) -> String {
+    let v = api.execute(id, code).await;
+    assert_eq!(v["status"], "ok", "{code}: {v}");
+    v["stdout"].as_str().unwrap_or_default().trim().to_string()
+}
+
+/// The host pid of the kernel of `session` (the only process of its cgroup leaf).
+fn host_pid(broker: &Broker, user: &str, session: &str) -> i32 {
+    let v1 = std::path::Path::new("/sys/fs/cgroup/pids");
+    let base = if v1.is_dir() {
+        v1
+    } else {
+        std::path::Path::new("/sys/fs/cgroup")
+    };
+    let procs = base
+        .join(broker.cgroup_name())
+        .join(user)
+        .join(session)
+        .join("cgroup.procs");
+    let text = std::fs::read_to_string(&procs).unwrap();
+    text.lines().next().unwrap().trim().parse().unwrap()
+}
+
+fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+fn link(pid: i32, fd: &str) -> String {
+    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// What the descriptors of `pid` point to (pipes and sockets by inode).
+fn links(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| link(pid, &e.file_name().to_string_lossy()))
+        .filter(|l| l.starts_with("pipe:") || l.starts_with("socket:"))
+        .collect()
+}
+
+/// `(pid, parent pid)` of the kernel process, as seen in its sandbox.
+async fn pids(api: &Api, id: &str) -> (u32, u32) {
+    let text = out(api, id, "import os; print(os.getpid(), os.getppid())").await;
+    let mut it = text.split_whitespace().map(|p| p.parse::<u32>().unwrap());
+    (it.next().unwrap(), it.next().unwrap())
+}
+
+#[tokio::test]
+async fn forked_kernels_are_kernels_of_their_own() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let b = api.create().await;
+    let (pa, ta) = pids(&api, &a).await;
+    let (pb, tb) = pids(&api, &b).await;
+    // Both forked from the same template (not the sandbox's init, pid 1), each its own pid.
+    assert_eq!(ta, tb, "one template");
+    assert_ne!(ta, 1, "forked, not started by bwrap's init");
+    assert_ne!(pa, pb);
+    // Own key and sockets; the connection file is gone once loaded.
+    let probe = "import os\nk = get_ipython().kernel\n\
+                 print(k.session.key.decode(), os.path.exists(get_ipython().config.get('IPKernelApp', {}).get('connection_file', '/nonexistent')))";
+    let (ka, kb) = (out(&api, &a, probe).await, out(&api, &b, probe).await);
+    assert_ne!(ka.split(' ').next(), kb.split(' ').next(), "own HMAC keys");
+    assert!(
+        ka.ends_with("False") && kb.ends_with("False"),
+        "{ka} / {kb}"
+    );
+    let socket_dir =
+        "from ipykernel.kernelapp import IPKernelApp\nprint(IPKernelApp.instance().ip)";
+    assert_ne!(
+        out(&api, &a, socket_dir).await,
+        out(&api, &b, socket_dir).await
+    );
+    // Each in its own cgroup leaf, named by its session.
+    for id in [&a, &b] {
+        let cg = out(&api, id, "print(open('/proc/self/cgroup').read())").await;
+        assert!(cg.contains(id.as_str()), "{id}: {cg}");
+    }
+    // Fresh random generators.
+    let rand = "import random, numpy as np; print(random.random(), np.random.rand(), np.random.default_rng().random())";
+    let (ra, rb) = (out(&api, &a, rand).await, out(&api, &b, rand).await);
+    for (x, y) in ra.split(' ').zip(rb.split(' ')) {
+        assert_ne!(x, y, "{ra} / {rb}");
+    }
+    // No descriptor of the template's is left in a kernel but stderr (which goes to the
+    // broker's log by design): not its control pipes, nothing else.
+    for id in [&a, &b] {
+        let kernel = host_pid(&broker, "alice", id);
+        let template = parent_of(kernel);
+        let stderr = link(template, "2");
+        let template_fds: Vec<String> = links(template)
+            .into_iter()
+            .filter(|l| *l != stderr)
+            .collect();
+        assert!(!template_fds.is_empty(), "the template's control pipes");
+        for l in links(kernel) {
+            assert!(!template_fds.contains(&l), "{id}: {l} is the template's");
+        }
+    }
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn the_namespace_is_clean_and_the_stack_is_already_there() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let names = out(
+        &api,
+        &id,
+        "print(sorted(k for k in dir() if not k.startswith('_')))",
+    )
+    .await;
+    assert_eq!(
+        names,
+        "['In', 'Out', 'exit', 'get_ipython', 'open', 'quit']"
+    );
+    let who = api.execute(&id, "%who").await;
+    assert_eq!(
+        who["stdout"].as_str().unwrap().trim(),
+        "Interactive namespace is empty."
+    );
+    let loaded = out(
+        &api,
+        &id,
+        "import sys; print(all(m in sys.modules for m in ('numpy', 'pandas', 'matplotlib.pyplot')))",
+    )
+    .await;
+    assert_eq!(loaded, "True");
+    // The inline backend works as in a fresh kernel: a chart arrives as PNG.
+    let v = api
+        .execute(
+            &id,
+            "import matplotlib.pyplot as plt\nplt.plot(range(100))\nplt.show()",
+        )
+        .await;
+    let png = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|o| o["data"]["image/png"].as_str())
+        .unwrap_or_else(|| panic!("no chart: {v}"));
+    assert!(png.starts_with("iVBORw0KGgo"), "{png:.20}");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn isolation_and_limits_hold_for_forked_kernels() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.session_memory_limit = Some(400 << 20);
+    })
+    .await;
+    let alice = broker.api(ALICE);
+    let bob = broker.api(BOB);
+    let a = alice.create().await;
+    let b = bob.create().await;
+    let (_, ta) = pids(&alice, &a).await;
+    assert_ne!(ta, 1, "forked");
+    // Different users, different uids, neither root; each sees only its own workspace.
+    let ua = out(&alice, &a, "import os; print(os.getuid())").await;
+    let ub = out(&bob, &b, "import os; print(os.getuid())").await;
+    assert_ne!(ua, ub);
+    assert_ne!(ua, "0");
+    out(
+        &alice,
+        &a,
+        "open('/workspace/secret.txt', 'w').write('alice')",
+    )
+    .await;
+    let seen = out(
+        &bob,
+        &b,
+        "import os; print(os.path.exists('/workspace/secret.txt'), sorted(os.listdir('/proc'))[:0])",
+    )
+    .await;
+    assert!(seen.starts_with("False"), "{seen}");
+    // No network but loopback.
+    let net = out(
+        &alice,
+        &a,
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)",
+    )
+    .await;
+    assert!(net.starts_with("refused"), "{net}");
+    let ifaces = out(&alice, &a, "import socket; print(socket.if_nameindex())").await;
+    assert_eq!(ifaces, "[(1, 'lo')]");
+    // Another forked kernel of alice's, past its own memory limit, dies alone.
+    let c = alice.create().await;
+    let (_, tc) = pids(&alice, &c).await;
+    assert_eq!(tc, ta, "forked from alice's template");
+    let v = alice
+        .execute(
+            &c,
+            "x = bytearray(600 * 1024 * 1024); x[::4096] = b'x' * len(x[::4096])",
+        )
+        .await;
+    assert_eq!(v["status"], "dead", "{v}");
+    let (status, s) = alice.get(&format!("/v1/sessions/{c}")).await;
+    assert_eq!(status, 200);
+    let reason = s["dead_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("out of memory"), "{reason}");
+    assert_eq!(
+        out(&alice, &a, "print(1 + 1)").await,
+        "2",
+        "the other kernel lives"
+    );
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn a_broken_template_falls_back_to_a_plain_start() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let (_, template) = pids(&api, &a).await;
+    assert_ne!(template, 1);
+    // It cannot reach into the template's control channel (the template is non-dumpable).
+    let attack = out(
+        &api,
+        &a,
+        &format!(
+            "import os\nfor fd in ('0', '1', '3'):\n    try:\n        os.open('/proc/{template}/fd/' + fd, os.O_WRONLY)\n        print('opened', fd)\n    except OSError as e:\n        print('refused', e.errno)"
+        ),
+    )
+    .await;
+    assert!(!attack.contains("opened"), "{attack}");
+    // The kernel kills its own template (same user: it may); the template's sandbox and its
+    // kernels end with it.
+    let v = api
+        .execute(
+            &a,
+            &format!("import os, signal; os.kill({template}, signal.SIGKILL)"),
+        )
+        .await;
+    assert!(matches!(v["status"].as_str(), Some("ok" | "dead")), "{v}");
+    let b = api.create().await;
+    let v = api.execute(&b, "import os; print(os.getppid())").await;
+    assert_eq!(v["status"], "ok", "{v}");
+    assert_eq!(
+        v["stdout"].as_str().unwrap().trim(),
+        "1",
+        "started plainly by bwrap's init"
+    );
+    assert_eq!(out(&api, &b, "x = 41; print(x + 1)").await, "42");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn the_fork_server_can_be_turned_off() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.fork_server = Some(false);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let (_, parent) = pids(&api, &id).await;
+    assert_eq!(parent, 1, "a plain start");
+    let v: Value = api
+        .execute(&id, "import sys; print('pandas' in sys.modules)")
+        .await;
+    assert_eq!(v["stdout"].as_str().unwrap().trim(), "False", "{v}");
+    let _ = json!({});
+    broker.stop().await;
+}
