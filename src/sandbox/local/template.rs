@@ -69,8 +69,11 @@ const MAX_LINE: usize = 16 * 1024;
 /// The templates of one sandbox, by user and kernel spec.
 #[derive(Default)]
 pub(super) struct Templates {
-    slots: Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<Slot>>>>,
+    slots: Mutex<HashMap<(String, String), SharedSlot>>,
 }
+
+/// One user's and spec's slot; its lock serialises starting the template.
+type SharedSlot = Arc<tokio::sync::Mutex<Slot>>;
 
 #[derive(Default)]
 struct Slot {
@@ -79,7 +82,7 @@ struct Slot {
 }
 
 impl Templates {
-    fn slot(&self, user: &str, kernel: &str) -> Arc<tokio::sync::Mutex<Slot>> {
+    fn slot(&self, user: &str, kernel: &str) -> SharedSlot {
         lock(&self.slots)
             .entry((user.to_string(), kernel.to_string()))
             .or_default()
