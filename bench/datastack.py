@@ -1,0 +1,202 @@
+"""Kernels born ready for data work (issue 12): the figures of BENCHMARKS.md, "Data stack",
+with fork-server starts (the default) and without (`--fork-server false --preload none`).
+
+    bench/.venv/bin/python bench/datastack.py [--runs 15] [--sessions 300] [--binary PATH]
+
+For each mode, through the agent API (REST), same client:
+  - pooled session -> the data-stack import cell answered;
+  - fresh session -> first matplotlib chart (plot + show of 100 points);
+  - pool empty: session create -> first result (`1+1`);
+  - private memory (USS) per idle kernel with the stack imported, and the template's;
+  - `--sessions` live sessions over 4 users, each with pandas imported, running small cells
+    concurrently: failures, p50/p99 and the total memory of the broker's cgroup.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench  # noqa: E402
+
+IMPORTS = "import pandas as pd, numpy as np\nimport matplotlib.pyplot as plt"
+CHART = "import matplotlib.pyplot as plt\nplt.plot(range(100))\nplt.show()"
+
+
+def p(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+def timed(client, code):
+    start = time.monotonic()
+    r = client.execute(code)
+    if r.status != "ok":
+        raise RuntimeError(f"{code!r}: {r.status}")
+    return time.monotonic() - start
+
+
+def leaves(broker):
+    """(user, session dir) -> pids, from the broker's memory cgroup."""
+    base = Path("/sys/fs/cgroup/memory", broker.cgroup_name)
+    if not base.is_dir():
+        base = Path("/sys/fs/cgroup", broker.cgroup_name)
+    out = {}
+    for user in base.iterdir():
+        if not user.is_dir():
+            continue
+        for leaf in user.iterdir():
+            if leaf.is_dir():
+                pids = [int(x) for x in (leaf / "cgroup.procs").read_text().split()]
+                out[(user.name, leaf.name)] = pids
+    return base, out
+
+
+def uss(pid):
+    try:
+        return psutil.Process(pid).memory_full_info().uss
+    except psutil.Error:
+        return 0
+
+
+def cgroup_memory(base):
+    for name in ("memory.usage_in_bytes", "memory.current"):
+        f = base / name
+        if f.exists():
+            return int(f.read_text())
+    return 0
+
+
+def measure(binary, fork, runs, sessions):
+    mode = "fork server" if fork else "plain start"
+    extra = [] if fork else ["--fork-server", "false", "--preload", "none"]
+    res = {"mode": mode}
+
+    # Pooled sessions: the import cell, then the first chart on the same fresh session.
+    b = bench.Broker(binary, pool_size=1, tag="-ds", extra_args=extra)
+    try:
+        s = b.create()  # starts the template (fork mode)
+        b.client(s, "rest").execute("1")
+        b.delete(s)
+        imports, charts = [], []
+        for _ in range(runs):
+            b.wait_pool(1)
+            s = b.create()
+            c = b.client(s, "rest")
+            imports.append(timed(c, IMPORTS))
+            b.delete(s)
+            b.wait_pool(1)
+            s = b.create()
+            c = b.client(s, "rest")
+            charts.append(timed(c, CHART))
+            b.delete(s)
+        res["pooled_import_p50_ms"] = p(imports, 0.5)
+        res["fresh_first_chart_p50_ms"] = p(charts, 0.5)
+    finally:
+        b.stop()
+
+    # Pool empty: create -> first result.
+    b = bench.Broker(binary, pool_size=0, tag="-ds", extra_args=extra)
+    try:
+        s = b.create()
+        b.client(s, "rest").execute("1")
+        b.delete(s)
+        firsts = []
+        for _ in range(runs):
+            start = time.monotonic()
+            s = b.create()
+            r = b.client(s, "rest").execute("1+1")
+            assert r.status == "ok", r.status
+            firsts.append(time.monotonic() - start)
+            b.delete(s)
+        res["create_to_first_result_p50_ms"] = p(firsts, 0.5)
+
+        # Memory of idle kernels with the stack imported.
+        ids = [b.create() for _ in range(10)]
+        for s in ids:
+            b.client(s, "rest").execute(IMPORTS)
+        time.sleep(1)
+        base, by_leaf = leaves(b)
+        kernel_uss = [uss(pids[0]) for (u, leaf), pids in by_leaf.items()
+                      if any(leaf == s.id for s in ids) and pids]
+        template_uss = [sum(uss(x) for x in pids) for (u, leaf), pids in by_leaf.items()
+                        if all(leaf != s.id for s in ids) and pids]
+        res["kernel_uss_mb_median"] = statistics.median(kernel_uss) / 1e6
+        res["kernel_rss_mb_median"] = statistics.median(
+            psutil.Process(by_leaf[(u, s.id)][0]).memory_info().rss
+            for s in ids for u in [f"bench{s.user}"] if (u, s.id) in by_leaf) / 1e6
+        res["templates_uss_mb"] = [round(x / 1e6, 1) for x in template_uss]
+        for s in ids:
+            b.delete(s)
+    finally:
+        b.stop()
+
+    # Many live sessions with pandas imported, small cells concurrently.
+    if sessions:
+        # Each user's total must admit its share of the sessions at 200 MiB each.
+        b = bench.Broker(binary, pool_size=0, tag="-ds",
+                         extra_args=extra + ["--session-memory-limit", str(200 << 20)])
+        try:
+            made = []
+            start = time.monotonic()
+            for i in range(sessions):
+                made.append(b.create(user=i % bench.USERS))
+            res["sessions_created_s"] = time.monotonic() - start
+            clients = [b.client(s, "rest") for s in made]
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda c: c.execute("import pandas as pd"), clients))
+            lat, failed = [], 0
+
+            def cell(c):
+                t = time.monotonic()
+                r = c.execute("df = pd.DataFrame({'x': range(100)}); int(df.x.sum())")
+                return r.status, time.monotonic() - t
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                for status, t in pool.map(cell, clients * 3):
+                    if status != "ok":
+                        failed += 1
+                    lat.append(t)
+            base, _ = leaves(b)
+            res["many"] = {
+                "sessions": sessions,
+                "executions": len(lat),
+                "failed": failed,
+                "p50_ms": p(lat, 0.5),
+                "p99_ms": p(lat, 0.99),
+                "cgroup_memory_gb": cgroup_memory(base) / 1e9,
+            }
+        finally:
+            b.stop()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", default=str(bench.REPO / "target/release/kernel-broker"))
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--sessions", type=int, default=300)
+    ap.add_argument("--mode", choices=["both", "fork", "plain"], default="both")
+    a = ap.parse_args()
+    out = []
+    try:
+        for fork in {"both": (False, True), "fork": (True,), "plain": (False,)}[a.mode]:
+            # Plain kernels hold ~125 MB each: 300 of them do not fit this machine.
+            r = measure(a.binary, fork, a.runs, a.sessions if fork else min(a.sessions, 100))
+            print(json.dumps(r), flush=True)
+            out.append(r)
+    finally:
+        bench.run_cleanups()
+    Path("bench-results").mkdir(exist_ok=True)
+    Path("bench-results/datastack.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
