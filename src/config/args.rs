@@ -198,7 +198,8 @@ pub struct ServeArgs {
     /// Kernel image for the docker sandbox [default: kernel-broker/python-kernel:latest]
     #[arg(long, env = "KERNEL_BROKER_DOCKER_IMAGE")]
     pub docker_image: Option<String>,
-    /// Seconds a user's container lives on with no session [default: 300]
+    /// Seconds a user's container (docker) or fork-server template (local) lives on with no
+    /// session [default: 300]
     #[arg(long, env = "KERNEL_BROKER_CONTAINER_IDLE")]
     pub container_idle: Option<u64>,
     /// Record every message of every session (for /events, /notebook, /replay, /ui/) [default: true]

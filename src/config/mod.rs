@@ -321,6 +321,9 @@ impl Settings {
             docker.preload = list;
         }
         local.fork_server = pick!(fork_server, local.fork_server);
+        if let Some(secs) = either!(args, file, container_idle) {
+            local.template_idle = Duration::from_secs(secs);
+        }
         local.user_preload = user_preload.clone();
         docker.user_preload = user_preload;
         Ok(Settings {

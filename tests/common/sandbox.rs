@@ -113,6 +113,10 @@ impl LocalHarness {
         cfg.python = venv_python();
         cfg.uid_base = UID_BASE;
         cfg.cgroup_name = cgroup_name.clone();
+        // The contract of a sandbox's own kernels (one sandbox, one runtime directory and
+        // one process tree per kernel); kernels forked from a template are tested through
+        // the API in tests/fork_server.rs.
+        cfg.fork_server = false;
         let sandbox = LocalSandbox::new(cfg).expect("LocalSandbox::new");
         Self {
             sandbox,

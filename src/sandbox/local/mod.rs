@@ -125,8 +125,11 @@ pub struct LocalSandboxConfig {
     /// Users' own preload lists (the users file), by user name.
     pub user_preload: HashMap<String, Vec<String>>,
     /// Fork kernels from a per-user template that has imported `preload` (`template.rs`);
-    /// off: every kernel starts plainly (and imports `preload` itself).
+    /// off: every kernel starts plainly (importing nothing extra).
     pub fork_server: bool,
+    /// How long a user's templates live on once the user has no session (and no kernel
+    /// forked from them is left).
+    pub template_idle: Duration,
 }
 
 impl LocalSandboxConfig {
@@ -154,6 +157,7 @@ impl LocalSandboxConfig {
                 .collect(),
             user_preload: HashMap::new(),
             fork_server: true,
+            template_idle: Duration::from_secs(300),
         }
     }
 
@@ -210,7 +214,7 @@ pub struct LocalSandbox {
     /// The kept kernels' files (`--keep-sessions`); `None` when kernels end with the broker.
     kept: Option<Arc<keep::KeptKernels>>,
     /// The fork-server templates, by user and kernel spec.
-    templates: template::Templates,
+    templates: Arc<template::Templates>,
 }
 
 impl LocalSandbox {
@@ -305,7 +309,7 @@ impl LocalSandbox {
             kept: cfg
                 .keep_kernels
                 .then(|| Arc::new(keep::KeptKernels::new(&cfg.data_dir))),
-            templates: template::Templates::default(),
+            templates: Arc::new(template::Templates::default()),
             cfg,
         })
     }
@@ -467,6 +471,7 @@ impl Sandbox for LocalSandbox {
 
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
         let cgroups = self.startup().await?;
+        self.templates.launched(&spec.user.name);
         let kspec = self.specs.get(&spec.kernel_name).ok_or_else(|| {
             launch_err(
                 &spec.user,
@@ -557,6 +562,20 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn user_idle(&self, user: &SandboxUser) {
+        let launches = self.templates.launches(&user.name);
+        if self.cfg.template_idle.is_zero() {
+            self.templates.end_idle(&user.name, launches).await;
+        } else {
+            let (templates, name, grace) = (
+                self.templates.clone(),
+                user.name.clone(),
+                self.cfg.template_idle,
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                templates.end_idle(&name, launches).await;
+            });
+        }
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_user_if_unused(&user.name);
         }

@@ -70,6 +70,9 @@ const MAX_LINE: usize = 16 * 1024;
 #[derive(Default)]
 pub(super) struct Templates {
     slots: Mutex<HashMap<(String, String), SharedSlot>>,
+    /// Per user, a count of launches: an idle user's templates end only if no launch came
+    /// during the grace period.
+    launches: Mutex<HashMap<String, u64>>,
 }
 
 /// One user's and spec's slot; its lock serialises starting the template.
@@ -87,6 +90,46 @@ impl Templates {
             .entry((user.to_string(), kernel.to_string()))
             .or_default()
             .clone()
+    }
+
+    /// Counts a launch for `user` (see [`Self::end_idle`]).
+    pub fn launched(&self, user: &str) -> u64 {
+        let mut launches = lock(&self.launches);
+        let n = launches.entry(user.to_string()).or_default();
+        *n += 1;
+        *n
+    }
+
+    /// The launch count of `user` now.
+    pub fn launches(&self, user: &str) -> u64 {
+        lock(&self.launches).get(user).copied().unwrap_or(0)
+    }
+
+    /// Ends `user`'s templates that have no kernel alive, unless a launch came since
+    /// `launches` was read (the user is back). A template holds the imported stack (~130 MB);
+    /// an idle user does not keep it.
+    pub async fn end_idle(&self, user: &str, launches: u64) {
+        if self.launches(user) != launches {
+            return;
+        }
+        let slots: Vec<SharedSlot> = lock(&self.slots)
+            .iter()
+            .filter(|((u, _), _)| u == user)
+            .map(|(_, s)| s.clone())
+            .collect();
+        for slot in slots {
+            let mut slot = slot.lock().await;
+            let idle = slot
+                .template
+                .as_ref()
+                .is_some_and(|t| lock(&t.waiting).exits.is_empty());
+            if idle && self.launches(user) == launches {
+                if let Some(t) = slot.template.take() {
+                    tracing::info!(user, "ending the idle user's fork-server template");
+                    t.process.terminate().await;
+                }
+            }
+        }
     }
 
     /// Ends every template (broker shutdown); their kernels are ended by then.
