@@ -156,10 +156,20 @@ def descendants(pid):
 
 
 def is_kernel(p):
-    """The kernel's own python process (not bwrap or a shell wrapped around it)."""
+    """The kernel's own python process (not bwrap or a shell wrapped around it). A kernel
+    forked from a fork-server template keeps the template's command line: it is a child of
+    the template (the template itself is not a kernel)."""
     try:
         cmd = p.cmdline()
-        return bool(cmd) and os.path.basename(cmd[0]).startswith("python") and any("ipykernel" in a for a in cmd)
+        if not cmd or not os.path.basename(cmd[0]).startswith("python"):
+            return False
+        if any("ipykernel" in a for a in cmd):
+            return True
+        boot = [a for a in cmd if a.endswith("kernel_broker_boot.py")]
+        if boot:
+            parent = p.parent()
+            return parent is not None and any(a.endswith("kernel_broker_boot.py") for a in parent.cmdline())
+        return False
     except psutil.Error:
         return False
 

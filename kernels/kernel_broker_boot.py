@@ -164,15 +164,19 @@ def reseed():
             log("cannot reseed numpy: %r" % e)
 
 
-def non_dumpable():
+def non_dumpable(name=None):
+    """Made non-dumpable: no other process of the same uid may open this one's
+    /proc/<pid>/fd, mem or environ. `name` becomes its command name (`ps -o comm`)."""
     try:
         import ctypes
 
-        PR_SET_DUMPABLE = 4
+        PR_SET_NAME, PR_SET_DUMPABLE = 15, 4
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        if name:
+            libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)
     except Exception as e:
-        log("cannot make the kernel non-dumpable: %r" % e)
+        log("cannot make the process non-dumpable: %r" % e)
 
 
 def child_main(request, go_fd):
@@ -191,7 +195,7 @@ def child_main(request, go_fd):
         os.dup2(devnull, 0)
         os.dup2(2, 1)
         os.closerange(3, max_fd())
-        non_dumpable()
+        non_dumpable("ipykernel")
         reseed()
         os.environ.update(request.get("env") or {})
         connection_file = request.get("connection_file")
@@ -363,7 +367,7 @@ def main():
     template = Template(os.dup(1))
     os.dup2(2, 1)
     # No kernel (same uid) may open the template's pipes through /proc/<pid>/fd.
-    non_dumpable()
+    non_dumpable("kb-template")
     loaded = preload(modules)
     prepare_kernel_imports()
     threads = len(os.listdir("/proc/self/task"))
