@@ -142,7 +142,10 @@ def measure(binary, fork, runs, sessions):
     if sessions:
         # Each user's total must admit its share of the sessions at 200 MiB each.
         b = bench.Broker(binary, pool_size=0, tag="-ds",
-                         extra_args=extra + ["--session-memory-limit", str(200 << 20)])
+                         extra_args=extra + ["--session-memory-limit", str(200 << 20),
+                                             # one keep-alive connection per session
+                                             "--max-connections", "4096",
+                                             "--max-connections-per-client", "2048"])
         try:
             made = []
             start = time.monotonic()

@@ -340,9 +340,13 @@ impl LocalSandbox {
             kernel_name: spec.kernel_name.clone(),
             key: String::new(),
             env: Vec::new(),
-            // The template holds the imported modules, nothing else; a kernel's own limits.
+            // No memory limit of its own (the user's total binds it): the template runs no
+            // user code, and its leaf is charged for what forking costs (page tables, the
+            // pages a child touches before it is moved out), which grows with the number of
+            // kernels; a limit of one session's size was reached at ~75 forks (measured),
+            // and the template's end takes its forked kernels along.
             limits: KernelLimits {
-                memory_bytes: user.limits.session_memory_bytes,
+                memory_bytes: 0,
                 pids: user.limits.session_pids,
             },
         };
