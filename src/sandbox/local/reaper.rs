@@ -262,14 +262,7 @@ fn classify_exit(
 /// The host pid of the sandboxed command: the child of the sandbox's init that is pid 2 in
 /// the sandbox (init may also have adopted orphans).
 pub(super) fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
-    let children = std::fs::read_to_string(format!("/proc/{init_pid}/task/{init_pid}/children"))
-        .ok()
-        .map(|text| {
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_else(|| children_by_scan(init_pid));
+    let children = children_of(init_pid);
     children
         .iter()
         .copied()
@@ -277,8 +270,21 @@ pub(super) fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
         .or_else(|| children.first().copied())
 }
 
+/// The children of `pid` (of its main thread): `/proc/<pid>/task/<pid>/children`, or a
+/// scan of `/proc` where the kernel does not provide that file.
+pub(super) fn children_of(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|| children_by_scan(pid))
+}
+
 /// Children of `pid` by scanning `/proc` (when `/proc/<pid>/task/<pid>/children` is missing).
-pub(super) fn children_by_scan(parent: i32) -> Vec<i32> {
+fn children_by_scan(parent: i32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

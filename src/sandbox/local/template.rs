@@ -45,7 +45,7 @@ use uuid::Uuid;
 use super::files::{endpoints_for, LaunchGuard};
 use super::output::Tail;
 use super::process::StartOptions;
-use super::reaper::{children_by_scan, namespace_pid, sandbox_command_pid};
+use super::reaper::{children_of, namespace_pid, sandbox_command_pid};
 use super::reaper::{LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
@@ -624,15 +624,7 @@ impl LocalSandbox {
 /// The host pid of the template's child that is `inner` in the sandbox, with a pidfd
 /// opened on it and checked after opening (so the pidfd is that process, not a reuse).
 fn find_child(template: i32, inner: i32) -> Option<(i32, OwnedFd)> {
-    let children = std::fs::read_to_string(format!("/proc/{template}/task/{template}/children"))
-        .ok()
-        .map(|text| {
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_else(|| children_by_scan(template));
-    let pid = children
+    let pid = children_of(template)
         .into_iter()
         .find(|pid| namespace_pid(*pid) == Some(inner))?;
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
