@@ -134,6 +134,14 @@ enum Outgoing {
 /// the broker buffering without bound.
 const EVENT_CAPACITY: usize = 256;
 
+/// Readiness is asked again when a probe went unanswered (a SUB that subscribed after the
+/// kernel published the probe's status misses it): first after this long, then twice as
+/// long each time up to [`MAX_PROBE_INTERVAL`]. A kernel answers a probe in about a
+/// millisecond once it runs, so the short first interval costs nothing, and a late
+/// subscription costs ~25 ms instead of a quarter of a second.
+const FIRST_PROBE_INTERVAL: Duration = Duration::from_millis(25);
+const MAX_PROBE_INTERVAL: Duration = Duration::from_millis(250);
+
 /// Messages queued for one channel's writer before [`KernelClient::send`] reports the
 /// kernel as not reading.
 const QUEUE_CAPACITY: usize = 1024;
@@ -281,9 +289,16 @@ impl KernelClient {
         let mut info: Option<Message> = None;
         let mut sent = std::collections::HashSet::new();
         let mut iopub_seen = false;
-        let mut next_probe = Instant::now();
+        let started = Instant::now();
+        let mut next_probe = started;
+        let mut probe_interval = FIRST_PROBE_INTERVAL;
         loop {
             if info.is_some() && iopub_seen {
+                tracing::debug!(
+                    probes = sent.len(),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "kernel ready"
+                );
                 break;
             }
             let now = Instant::now();
@@ -294,7 +309,8 @@ impl KernelClient {
                 let m = client.request("kernel_info_request", &serde_json::json!({}));
                 sent.insert(m.msg_id.clone());
                 client.send(probe, &m).await?;
-                next_probe = now + Duration::from_millis(250);
+                next_probe = now + probe_interval;
+                probe_interval = (probe_interval * 2).min(MAX_PROBE_INTERVAL);
             }
             let wait = next_probe.min(deadline) - Instant::now();
             match timeout(wait, events.recv()).await {
