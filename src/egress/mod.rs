@@ -279,3 +279,6 @@ impl Drop for ServeGuard {
         self.egress.release_port(&self.user, self.port);
     }
 }
+
+#[cfg(test)]
+mod tests;
