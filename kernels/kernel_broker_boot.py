@@ -204,6 +204,19 @@ def non_dumpable(name=None):
         log("cannot make the process non-dumpable: %r" % e)
 
 
+def use_pythonpath(value):
+    """Puts the entries of a PYTHONPATH given to a forked kernel on sys.path, where Python
+    would have put them at start (after the script's directory): the template's sys.path
+    was made before this kernel's environment existed. The per-user packages directory
+    (egress: `pip install` into the workspace) arrives this way."""
+    entries = [p for p in value.split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = entries
+    if entries:
+        import importlib
+
+        importlib.invalidate_caches()
+
+
 def child_main(request, go_fd):
     """Runs in the forked child; never returns."""
     code = 1
@@ -225,6 +238,7 @@ def child_main(request, go_fd):
         non_dumpable("ipykernel")
         reseed()
         os.environ.update(request.get("env") or {})
+        use_pythonpath(os.environ.get("PYTHONPATH", ""))
         connection_file = request.get("connection_file")
 
         def forget_connection_file(app):

@@ -9,6 +9,8 @@
 //! - [`wire`]: Jupyter messages as data; the multipart codec, HMAC signing, connection files. No I/O.
 //! - [`kernel`]: a client for one kernel over ZeroMQ (our own bounded ZMTP): the five
 //!   channels, heartbeat, replies matched to requests; kernel specs (`kernel::spec`).
+//! - [`egress`]: the HTTP(S) forward proxy kernels of users with a network policy reach
+//!   their allowed hosts through (policy, address filter, limits); knows no sandbox.
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry;
@@ -26,6 +28,7 @@
 pub mod api;
 pub mod config;
 pub mod descriptors;
+pub mod egress;
 pub mod instance_lock;
 pub mod kernel;
 pub mod mcp_stdio;

@@ -8,11 +8,13 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, ApiLimits, AppState};
 use crate::config::{SandboxKind, Settings, TokenSource};
+use crate::egress::{Egress, EgressEvent, EgressObserver};
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::docker::DockerSandbox;
+use crate::sandbox::egress::EgressSandbox;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
-use crate::session::Registry;
+use crate::session::{LifecycleEvent, Registry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -70,6 +72,79 @@ pub async fn build_sandbox(
     Ok(sandbox)
 }
 
+/// The sandbox with the egress proxy in front of its kernels' launches, when a user has a
+/// network policy (else the sandbox as it is: no proxy runs at all).
+fn with_egress(
+    sandbox: Arc<dyn Sandbox>,
+    settings: &Settings,
+) -> (Arc<dyn Sandbox>, Option<Arc<Egress>>) {
+    if !settings.egress.enabled() {
+        return (sandbox, None);
+    }
+    let egress = Egress::new(&settings.egress);
+    for (user, e) in &settings.egress.users {
+        tracing::info!(user, hosts = ?e.policy.patterns(), ports = ?e.policy.ports().collect::<Vec<_>>(),
+            max_bytes = e.limits.max_bytes, max_connections = e.limits.max_connections,
+            "egress policy");
+    }
+    let wrapped: Arc<dyn Sandbox> = Arc::new(EgressSandbox::new(sandbox, egress.clone()));
+    (wrapped, Some(egress))
+}
+
+/// Puts what the egress proxy reports into the session's recording.
+struct EgressRecorder {
+    registry: Registry,
+    recorder: Arc<dyn crate::session::Recorder>,
+}
+
+impl EgressObserver for EgressRecorder {
+    fn report(&self, session: uuid::Uuid, user: &str, event: EgressEvent) {
+        // A session already gone (its kernel's last connection closing) has nothing to
+        // record into.
+        let Ok(s) = self.registry.get(user, session) else {
+            return;
+        };
+        let event = match event {
+            EgressEvent::Allowed {
+                method,
+                host,
+                port,
+                address,
+            } => LifecycleEvent::EgressAllowed {
+                method,
+                host,
+                port,
+                address,
+            },
+            EgressEvent::Refused {
+                method,
+                host,
+                port,
+                reason,
+            } => LifecycleEvent::EgressRefused {
+                method,
+                host,
+                port,
+                reason,
+            },
+            EgressEvent::Closed {
+                host,
+                port,
+                bytes_sent,
+                bytes_received,
+                seconds,
+            } => LifecycleEvent::EgressClosed {
+                host,
+                port,
+                bytes_sent,
+                bytes_received,
+                seconds,
+            },
+        };
+        self.recorder.event(&s, &event);
+    }
+}
+
 /// The recording store, unless recording is off.
 pub fn open_recording(
     settings: &Settings,
@@ -117,6 +192,7 @@ pub async fn serve(
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
+    let (sandbox, egress) = with_egress(sandbox, &settings);
     if !settings.keep_sessions {
         // A run without --keep-sessions ends what an earlier run kept (the sandbox has
         // swept its kernels): their records must not bring them back later.
@@ -142,6 +218,12 @@ pub async fn serve(
         kernelspecs.names(),
         recorder.clone(),
     );
+    if let Some(egress) = &egress {
+        egress.observe(Arc::new(EgressRecorder {
+            registry: registry.clone(),
+            recorder: recorder.clone(),
+        }));
+    }
     if settings.keep_sessions {
         let users: Vec<_> = settings
             .users
@@ -179,6 +261,7 @@ pub async fn serve(
             clients.max_auth_failures,
         )),
         stopping: Default::default(),
+        egress,
     };
     // Summarises and forgets the failed-authentication records whose window is over.
     let sweeper = {

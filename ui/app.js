@@ -24,6 +24,7 @@
     broker_stopped: 'broker stopped (session lost)',
     recording_gap: 'gap in the recording',
     recording_truncated: 'output cut in the recording',
+    egress_refused: 'network request refused',
   };
 
   // ---- login page ---------------------------------------------------------------------

@@ -84,6 +84,9 @@ pub struct AppState {
     /// Cancelled when the broker begins to stop: long-lived response streams (MCP's SSE)
     /// end, so the listener's drain does not wait for them.
     pub stopping: tokio_util::sync::CancellationToken,
+    /// The egress proxy, when some user has a network policy (its counters are in
+    /// `/metrics`).
+    pub egress: Option<Arc<crate::egress::Egress>>,
 }
 
 impl AppState {

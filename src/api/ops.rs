@@ -103,6 +103,8 @@ async fn metrics(
             }
         }),
         uptime: state.started.elapsed(),
+        egress: state.egress.as_ref().map(|e| e.usage()).unwrap_or_default(),
+        caller: caller.0.name.clone(),
     };
     let openmetrics = headers
         .get(header::ACCEPT)

@@ -83,6 +83,7 @@ fn state() -> AppState {
         user_load: Arc::new(super::user_load::UserLoad::new(0, 0)),
         auth_failures: Arc::new(super::auth_failures::AuthFailures::new(0)),
         stopping: Default::default(),
+        egress: None,
     }
 }
 

@@ -49,6 +49,16 @@ pub enum SandboxKind {
     Docker,
 }
 
+/// The default network policy of kernels (`--egress`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EgressMode {
+    /// No network at all.
+    None,
+    /// The hosts of `--egress-allow`, through the broker's proxy.
+    Allow,
+}
+
 /// Flags of `serve`. Each is optional so the config file can supply it; each can also come
 /// from `KERNEL_BROKER_<NAME>`.
 #[derive(Debug, Clone, Default, clap::Args, Deserialize)]
@@ -78,6 +88,45 @@ pub struct ServeArgs {
     /// [default: numpy,pandas,matplotlib]
     #[arg(long, env = "KERNEL_BROKER_PRELOAD")]
     pub preload: Option<String>,
+    /// Default network policy of kernels: `none`, or `allow` the hosts of --egress-allow
+    /// through the broker's proxy; a user's `egress_allow` in the users file overrides it
+    /// [default: none]
+    #[arg(long, env = "KERNEL_BROKER_EGRESS")]
+    pub egress: Option<EgressMode>,
+    /// Hosts kernels may reach with `--egress allow`, comma-separated: names, `*.domain`
+    /// wildcards (names below the domain), public IP literals (e.g. pypi.org,files.pythonhosted.org)
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_ALLOW", value_delimiter = ',')]
+    pub egress_allow: Option<Vec<String>>,
+    /// Ports allowed with the egress hosts, comma-separated [default: 80,443]
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_PORTS", value_delimiter = ',')]
+    pub egress_ports: Option<Vec<u16>>,
+    /// Bytes a user's kernels may send and receive through the egress proxy, both ways
+    /// together, since the broker started; 0 no limit [default: 1073741824]
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_MAX_BYTES")]
+    pub egress_max_bytes: Option<u64>,
+    /// Connections a user's kernels may have open to the egress proxy at once; 0 no limit
+    /// [default: 16]
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_MAX_CONNECTIONS")]
+    pub egress_max_connections: Option<usize>,
+    /// Non-public networks (CIDR, comma-separated) the egress proxy may connect to anyway:
+    /// where the host's DNS points public names at its own egress gateway. Never loopback,
+    /// link-local, unspecified or multicast [default: none]
+    #[arg(
+        long,
+        env = "KERNEL_BROKER_EGRESS_ALLOW_NETWORKS",
+        value_delimiter = ','
+    )]
+    pub egress_allow_networks: Option<Vec<String>>,
+    /// CA bundle, as a path inside the sandbox, that pip, requests and Python's ssl trust in
+    /// kernels with egress (PIP_CERT, REQUESTS_CA_BUNDLE, SSL_CERT_FILE); `none` leaves
+    /// their own defaults [default: /etc/ssl/certs/ca-certificates.crt]
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_CA_BUNDLE")]
+    pub egress_ca_bundle: Option<String>,
+    /// A CA bundle (host file) kernels with egress trust instead: shown read-only in every
+    /// sandbox at /etc/kernel-broker-ca.pem and named by PIP_CERT, REQUESTS_CA_BUNDLE and
+    /// SSL_CERT_FILE (for a site whose egress intercepts TLS); overrides --egress-ca-bundle
+    #[arg(long, env = "KERNEL_BROKER_EGRESS_CA_FILE")]
+    pub egress_ca_file: Option<PathBuf>,
     /// Fork kernels from a per-user template that has imported the preloaded modules
     /// (local sandbox, with cgroups, without --keep-sessions) [default: true]
     #[arg(long, env = "KERNEL_BROKER_FORK_SERVER", num_args = 0..=1, default_missing_value = "true")]

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 mod args;
+mod egress;
 
 pub use crate::api::auth::User;
 use crate::api::clients::ClientLimits;
@@ -20,7 +21,7 @@ use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
 use crate::session::SessionConfig;
-pub use args::{Cli, Command, McpArgs, SandboxKind, ServeArgs};
+pub use args::{Cli, Command, EgressMode, McpArgs, SandboxKind, ServeArgs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -57,6 +58,11 @@ struct UserEntry {
     session_pids: Option<u64>,
     /// Modules this user's kernels import before their first cell (overrides `--preload`).
     preload: Option<Vec<String>>,
+    /// Hosts this user's kernels may reach (overrides `--egress`; empty: none).
+    egress_allow: Option<Vec<String>>,
+    egress_ports: Option<Vec<u16>>,
+    egress_max_bytes: Option<u64>,
+    egress_max_connections: Option<usize>,
 }
 
 /// Where the users came from, for the start-up message.
@@ -93,6 +99,8 @@ pub struct Settings {
     pub recording: Option<RecordingConfig>,
     pub users: Vec<User>,
     pub token_source: TokenSource,
+    /// Network policies: who may reach which hosts through the egress proxy.
+    pub egress: crate::egress::EgressConfig,
 }
 
 fn read_toml<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError> {
@@ -215,6 +223,11 @@ impl Settings {
         let max_sessions = pick!(max_sessions_per_user, 20);
         let users_file = args.users_file.clone().or(file.users_file.clone());
         let mut user_preload = HashMap::new();
+        let egress_default = egress::Defaults::resolve(&args, &file)?;
+        let mut egress = crate::egress::EgressConfig {
+            ca_bundle: egress_default.ca_bundle.clone(),
+            ..Default::default()
+        };
         let (users, token_source) = match (users_file, env_token.filter(|t| !t.is_empty())) {
             (Some(path), _) => {
                 let parsed: UsersFile = read_toml(&path)?;
@@ -248,6 +261,15 @@ impl Settings {
                             u.name.clone(),
                             check_preload(list, &format!("preload of user {}", u.name))?,
                         );
+                    }
+                    let user_egress = egress::UserEgressEntry {
+                        allow: u.egress_allow.as_deref(),
+                        ports: u.egress_ports.as_deref(),
+                        max_bytes: u.egress_max_bytes,
+                        max_connections: u.egress_max_connections,
+                    };
+                    if let Some(e) = egress_default.for_user(&u.name, &user_egress)? {
+                        egress.users.insert(u.name.clone(), e);
                     }
                     users.push(User {
                         index: i as u32,
@@ -298,6 +320,11 @@ impl Settings {
                     limits: defaults.clone(),
                     max_sessions,
                 };
+                if let Some(e) =
+                    egress_default.for_user(&user.name, &egress::UserEgressEntry::default())?
+                {
+                    egress.users.insert(user.name.clone(), e);
+                }
                 (vec![user], source)
             }
         };
@@ -324,6 +351,11 @@ impl Settings {
         if let Some(secs) = either!(args, file, container_idle) {
             local.template_idle = Duration::from_secs(secs);
         }
+        // The CA bundle is mounted only where some user has egress (else no one needs it).
+        if egress.enabled() {
+            local.ca_file = egress_default.ca_file.clone();
+            docker.ca_file = egress_default.ca_file.clone();
+        }
         local.user_preload = user_preload.clone();
         docker.user_preload = user_preload;
         Ok(Settings {
@@ -338,6 +370,7 @@ impl Settings {
             docker,
             kernels_dir,
             recording: recording_config(&args, &file, &data_dir),
+            egress,
             data_dir,
             users,
             token_source,

@@ -261,3 +261,109 @@ fn brokers_with_different_data_directories_get_their_own_cgroup_and_uids() {
         ("mine", 300_000)
     );
 }
+
+/// Network policies: the default (`--egress`), a user's own list replacing it, `[]` for
+/// none, limits, and every bad setting refused at start with the setting named.
+#[test]
+fn egress_policies_resolve_per_user_and_bad_ones_are_refused() {
+    let users = write(
+        "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\negress_allow = [\"pypi.org\", \"*.pythonhosted.org\"]\negress_max_connections = 2\n\n\
+         [[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n\n\
+         [[user]]\nname = \"carol\"\ntoken = \"carol-token\"\negress_allow = []\n",
+    );
+    let resolve = |tweak: &dyn Fn(&mut ServeArgs)| {
+        let mut args = ServeArgs {
+            users_file: Some(users.path().to_path_buf()),
+            ..Default::default()
+        };
+        tweak(&mut args);
+        Settings::resolve(args, None)
+    };
+    // Default none: only alice (her own list) has egress.
+    let s = resolve(&|_| {}).unwrap();
+    assert_eq!(s.egress.users.len(), 1);
+    let alice = &s.egress.users["alice"];
+    assert!(alice.policy.check("files.pythonhosted.org", 443).is_ok());
+    assert!(alice.policy.check("example.org", 443).is_err());
+    assert_eq!(alice.limits.max_connections, 2);
+    assert_eq!(alice.limits.max_bytes, 1 << 30);
+    assert_eq!(s.local.ca_file, None);
+    assert_eq!(
+        s.egress.ca_bundle.as_deref(),
+        Some("/etc/ssl/certs/ca-certificates.crt")
+    );
+    // --egress allow: bob gets the default list, carol's [] keeps her without.
+    let s = resolve(&|a| {
+        a.egress = Some(EgressMode::Allow);
+        a.egress_allow = Some(vec!["pypi.org".into()]);
+        a.egress_ports = Some(vec![443]);
+        a.egress_max_bytes = Some(1000);
+    })
+    .unwrap();
+    let mut names: Vec<_> = s.egress.users.keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["alice", "bob"]);
+    assert!(s.egress.users["bob"].policy.check("pypi.org", 80).is_err());
+    assert!(s.egress.users["bob"].policy.check("pypi.org", 443).is_ok());
+    assert_eq!(s.egress.users["bob"].limits.max_bytes, 1000);
+
+    type Tweak<'a> = &'a dyn Fn(&mut ServeArgs);
+    let bad: &[(&str, Tweak)] = &[
+        ("needs --egress-allow", &|a| {
+            a.egress = Some(EgressMode::Allow)
+        }),
+        ("choose one", &|a| {
+            a.egress = Some(EgressMode::None);
+            a.egress_allow = Some(vec!["pypi.org".into()]);
+        }),
+        ("--egress-allow: \"*\"", &|a| {
+            a.egress_allow = Some(vec!["*".into()])
+        }),
+        ("leave out the scheme", &|a| {
+            a.egress_allow = Some(vec!["https://pypi.org".into()])
+        }),
+        ("not a network", &|a| {
+            a.egress_allow_networks = Some(vec!["pypi.org".into()])
+        }),
+        ("never connects to", &|a| {
+            a.egress_allow_networks = Some(vec!["127.0.0.0/8".into()])
+        }),
+        ("not an absolute path", &|a| {
+            a.egress_ca_bundle = Some("certs.pem".into())
+        }),
+        ("--egress-ca-file", &|a| {
+            a.egress_ca_file = Some("/nonexistent/ca.pem".into())
+        }),
+    ];
+    for (want, tweak) in bad {
+        let err = resolve(tweak).unwrap_err().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let ports_alone =
+        write("[[user]]\nname = \"dave\"\ntoken = \"dave-token\"\negress_ports = [443]\n");
+    let err = Settings::resolve(
+        ServeArgs {
+            users_file: Some(ports_alone.path().to_path_buf()),
+            ..Default::default()
+        },
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("egress_ports of user dave"), "{err}");
+    let bad_user =
+        write("[[user]]\nname = \"erin\"\ntoken = \"erin-token\"\negress_allow = [\"10.0.0.1\"]\n");
+    let err = Settings::resolve(
+        ServeArgs {
+            users_file: Some(bad_user.path().to_path_buf()),
+            ..Default::default()
+        },
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("egress_allow of user erin") && err.contains("not a public address"),
+        "{err}"
+    );
+}

@@ -14,9 +14,11 @@ pub mod boot;
 pub mod cgroup;
 pub mod command;
 pub mod docker;
+pub mod egress;
 pub mod exhaustion;
 pub(crate) mod fsutil;
 pub mod local;
+pub(crate) mod netns;
 pub mod seccomp;
 pub(crate) mod watched;
 pub(crate) mod workspace_fs;
@@ -286,6 +288,14 @@ pub trait KernelProcess: Send + Sync {
     /// `--keep-sessions`, and the next run adopts it ([`Sandbox::adopt`]). The watcher stops
     /// watching; nothing is killed or removed, and a later drop of the handle kills nothing.
     fn release(&self) {}
+    /// A host process in the kernel's network namespace, where the egress proxy's listener
+    /// is opened (`egress.rs`); `None` when the backend cannot tell.
+    async fn network_pid(&self) -> Option<i32> {
+        None
+    }
+    /// The kernel serves `session` from now on (a pooled kernel handed to a session), so
+    /// what it does is attributed to that session.
+    fn serves(&self, _session: Uuid) {}
 }
 
 /// A place where kernels run.

@@ -149,6 +149,10 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn memory_used(&self) -> Option<u64> {
         None
     }
+    /// A host process in the kernel's network namespace (see [`KernelProcess::network_pid`]).
+    async fn network_pid(&self) -> Option<i32> {
+        None
+    }
 }
 
 /// The handle the session layer holds, for any backend. Dropping it kills the kernel.
@@ -183,6 +187,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     fn release(&self) {
         self.kernel.watch().request_release();
+    }
+
+    async fn network_pid(&self) -> Option<i32> {
+        self.kernel.network_pid().await
     }
 
     async fn terminate(&self) {

@@ -62,6 +62,30 @@ pub enum LifecycleEvent {
         /// Whether the kernel was found alive (otherwise the session is dead).
         kernel_alive: bool,
     },
+    /// The kernel's request through the egress proxy passed its user's network policy and
+    /// the proxy connected to `address` (`method` is `CONNECT` for a TLS tunnel).
+    EgressAllowed {
+        method: String,
+        host: String,
+        port: u16,
+        address: String,
+    },
+    /// The kernel's request through the egress proxy was refused before any connection;
+    /// `reason` is what the kernel was answered.
+    EgressRefused {
+        method: String,
+        host: String,
+        port: u16,
+        reason: String,
+    },
+    /// An allowed egress connection ended, with the bytes it carried each way.
+    EgressClosed {
+        host: String,
+        port: u16,
+        bytes_sent: u64,
+        bytes_received: u64,
+        seconds: f64,
+    },
 }
 
 impl LifecycleEvent {
@@ -80,6 +104,9 @@ impl LifecycleEvent {
             LifecycleEvent::SessionClosed => "session_closed",
             LifecycleEvent::SessionKept => "session_kept",
             LifecycleEvent::BrokerRestarted { .. } => "broker_restarted",
+            LifecycleEvent::EgressAllowed { .. } => "egress_allowed",
+            LifecycleEvent::EgressRefused { .. } => "egress_refused",
+            LifecycleEvent::EgressClosed { .. } => "egress_closed",
         }
     }
 
@@ -203,6 +230,38 @@ mod tests {
                 },
                 "broker_restarted",
                 json!({"down_seconds": 2.5, "kernel_alive": true}),
+            ),
+            (
+                LifecycleEvent::EgressAllowed {
+                    method: "CONNECT".into(),
+                    host: "pypi.org".into(),
+                    port: 443,
+                    address: "151.101.0.223:443".into(),
+                },
+                "egress_allowed",
+                json!({"method": "CONNECT", "host": "pypi.org", "port": 443, "address": "151.101.0.223:443"}),
+            ),
+            (
+                LifecycleEvent::EgressRefused {
+                    method: "GET".into(),
+                    host: "example.org".into(),
+                    port: 80,
+                    reason: "host not allowed by policy: example.org".into(),
+                },
+                "egress_refused",
+                json!({"method": "GET", "host": "example.org", "port": 80,
+                       "reason": "host not allowed by policy: example.org"}),
+            ),
+            (
+                LifecycleEvent::EgressClosed {
+                    host: "pypi.org".into(),
+                    port: 443,
+                    bytes_sent: 10,
+                    bytes_received: 20,
+                    seconds: 0.5,
+                },
+                "egress_closed",
+                json!({"host": "pypi.org", "port": 443, "bytes_sent": 10, "bytes_received": 20, "seconds": 0.5}),
             ),
         ];
         for (event, kind, detail) in cases {

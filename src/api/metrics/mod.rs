@@ -21,6 +21,8 @@
 
 use std::time::Duration;
 
+mod egress;
+
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -412,7 +414,11 @@ impl Metrics {
             | LifecycleEvent::Interrupt
             | LifecycleEvent::SessionClosed
             | LifecycleEvent::SessionKept
-            | LifecycleEvent::BrokerRestarted { .. } => {}
+            | LifecycleEvent::BrokerRestarted { .. }
+            // Egress is counted where its limits are kept (`Snapshot::egress`).
+            | LifecycleEvent::EgressAllowed { .. }
+            | LifecycleEvent::EgressRefused { .. }
+            | LifecycleEvent::EgressClosed { .. } => {}
         }
     }
 
@@ -456,6 +462,10 @@ pub struct Snapshot {
     /// `None` when recording is off (its families are left out).
     pub recording: Option<RecordingSnapshot>,
     pub uptime: Duration,
+    /// The egress proxy's counters of every user with a network policy, and the scraping
+    /// user's name (only its own are shown by name).
+    pub egress: Vec<crate::egress::UserUsage>,
+    pub caller: String,
 }
 
 impl Snapshot {
@@ -481,6 +491,7 @@ impl Snapshot {
             Gauge::<i64>::default_with(saturating_i64(self.pooled_kernels)),
         );
         self.register_memory(&mut r);
+        egress::register(&mut r, &self.egress, &self.caller);
         if let Some(s) = self.recording {
             r.register(
                 "recording_queued_bytes",

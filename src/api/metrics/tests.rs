@@ -22,6 +22,8 @@ fn snapshot() -> Snapshot {
             events: 42,
         }),
         uptime: Duration::from_millis(1500),
+        egress: Vec::new(),
+        caller: "alice".into(),
     }
 }
 

@@ -55,6 +55,8 @@ pub(super) struct ContainerSpec<'a> {
     /// Host directories mounted at `/workspace` and `/run/kernel`.
     pub workspace: &'a Path,
     pub run_dir: &'a Path,
+    /// A CA bundle shown read-only at `egress::CA_FILE_INSIDE`.
+    pub ca_file: Option<&'a Path>,
 }
 
 impl ContainerSpec<'_> {
@@ -104,16 +106,32 @@ impl ContainerSpec<'_> {
                 pids_limit: limits.pids,
                 // Kernels go first when the host runs out of memory (see the constant).
                 oom_score_adj: Some(KERNEL_OOM_SCORE_ADJ),
-                mounts: Some(vec![
-                    bind(workspace, WORKSPACE_INSIDE),
-                    bind(run_dir, RUN_DIR_INSIDE),
-                ]),
+                mounts: Some(
+                    [
+                        Some(bind(workspace, WORKSPACE_INSIDE)),
+                        Some(bind(run_dir, RUN_DIR_INSIDE)),
+                        self.ca_file.map(|ca| Mount {
+                            read_only: Some(true),
+                            ..bind(ca, crate::egress::CA_FILE_INSIDE)
+                        }),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
+                ),
                 auto_remove: Some(false),
                 ..Default::default()
             }),
             ..Default::default()
         }
     }
+}
+
+/// The host pid of a running container's init (its namespaces are the kernels').
+pub(super) async fn init_pid(docker: &Docker, container: &ContainerInfo) -> Option<i32> {
+    let info = docker.inspect_container(&container.id, None).await.ok()?;
+    let pid = info.state?.pid?;
+    i32::try_from(pid).ok().filter(|p| *p > 0)
 }
 
 /// Where the image's `kernel` user lives while its kernels run (its caches), a tmpfs.
@@ -186,6 +204,7 @@ impl Inner {
             user,
             workspace,
             run_dir: &run_dir,
+            ca_file: self.cfg.ca_file.as_deref(),
         }
         .body();
         let created = docker
@@ -422,6 +441,7 @@ mod tests {
             user: &user,
             workspace: Path::new("/var/lib/kb/workspaces-docker/alice"),
             run_dir: Path::new("/var/lib/kb/run-docker/alice"),
+            ca_file: None,
         }
         .body()
     }

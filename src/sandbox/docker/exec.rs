@@ -108,6 +108,11 @@ impl BackendKernel for DockerKernel {
         read_counter(&self.leaf.as_ref()?.memory_usage_file()?)
     }
 
+    /// The container's init: every kernel of the user shares the container's namespace.
+    async fn network_pid(&self) -> Option<i32> {
+        super::container::init_pid(&self.docker, &self.container).await
+    }
+
     async fn interrupt(&self) -> Result<(), SandboxError> {
         let shared = self;
         let fail = |why: String| SandboxError::Io {

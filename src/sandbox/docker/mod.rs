@@ -163,6 +163,8 @@ pub struct DockerSandboxConfig {
     pub preload: Vec<String>,
     /// Users' own preload lists (the users file), by user name.
     pub user_preload: std::collections::HashMap<String, Vec<String>>,
+    /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl DockerSandboxConfig {
@@ -179,6 +181,7 @@ impl DockerSandboxConfig {
             // and private memory) itself, so only an explicit `--preload` turns it on.
             preload: Vec::new(),
             user_preload: std::collections::HashMap::new(),
+            ca_file: None,
         }
     }
 }

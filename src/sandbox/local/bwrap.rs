@@ -68,6 +68,8 @@ pub(super) struct HostRoot {
     pub etc_files: Vec<PathBuf>,
     /// The configured extra read-only binds that are existing absolute paths.
     pub extra_ro_binds: Vec<PathBuf>,
+    /// A CA bundle shown at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl HostRoot {
@@ -94,7 +96,14 @@ impl HostRoot {
                 .filter(|d| d.is_absolute() && d.exists())
                 .cloned()
                 .collect(),
+            ca_file: None,
         }
+    }
+
+    /// With the CA bundle of `--egress-ca-file`, if any.
+    pub fn with_ca_file(mut self, ca_file: Option<&Path>) -> Self {
+        self.ca_file = ca_file.map(Path::to_path_buf);
+        self
     }
 }
 
@@ -277,6 +286,9 @@ pub(super) fn bwrap_args(
     fs.dir(Path::new("/etc"));
     for path in &host.etc_files {
         fs.ro_bind(path, path);
+    }
+    if let Some(ca) = &host.ca_file {
+        fs.ro_bind(ca, Path::new(crate::egress::CA_FILE_INSIDE));
     }
     for name in ["passwd", "group", "hosts"] {
         fs.ro_bind(&req.rundir.join(name), &Path::new("/etc").join(name));

@@ -74,6 +74,7 @@ fn host() -> HostRoot {
         ],
         etc_files: vec![PathBuf::from("/etc/localtime")],
         extra_ro_binds: vec![PathBuf::from("/opt/data")],
+        ca_file: None,
     }
 }
 
@@ -265,6 +266,27 @@ fn argv_cases() {
             );
         }
     }
+}
+
+#[test]
+fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
+    let argv = ["python".to_string()];
+    let req = BwrapRequest {
+        workspace: Path::new("/data/workspaces/alice"),
+        rundir: Path::new("/run/kb/0000"),
+        ids: Some((1, 1)),
+        tmp_size: None,
+        resource_dir: None,
+        argv: &argv,
+    };
+    let with = host().with_ca_file(Some(Path::new("/srv/site-ca.pem")));
+    let args = text(&bwrap_args(&root(), &with, &req, None));
+    assert!(has(
+        &args,
+        &["--ro-bind", "/srv/site-ca.pem", "/etc/kernel-broker-ca.pem"]
+    ));
+    let without = text(&bwrap_args(&root(), &host(), &req, None));
+    assert!(!without.iter().any(|a| a.contains("kernel-broker-ca")));
 }
 
 #[test]

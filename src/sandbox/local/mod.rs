@@ -104,6 +104,8 @@ pub struct LocalSandboxConfig {
     pub require_limits: bool,
     /// More host paths to show read-only in the sandbox, at the same place.
     pub extra_ro_binds: Vec<PathBuf>,
+    /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
+    pub ca_file: Option<PathBuf>,
     /// Where per-kernel runtime directories go. Default as root `/run/kernel-broker-<hash>`
     /// (`<hash>` of the data directory), so that the host path a kernel sees in its
     /// `/proc/self/mountinfo` for `/run/kernel` and `/etc/passwd` does not tell where the
@@ -147,6 +149,7 @@ impl LocalSandboxConfig {
             uid_base,
             require_limits: true,
             extra_ro_binds: Vec::new(),
+            ca_file: None,
             run_dir: None,
             cgroup_name,
             kernel_specs: None,

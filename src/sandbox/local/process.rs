@@ -260,7 +260,7 @@ impl LocalSandbox {
         }
         args.extend(bwrap_args(
             &self.bwrap_opts,
-            &HostRoot::probe(&self.cfg.extra_ro_binds),
+            &HostRoot::probe(&self.cfg.extra_ro_binds).with_ca_file(self.cfg.ca_file.as_deref()),
             request,
             seccomp_fd,
         ));

@@ -53,6 +53,15 @@ impl BackendKernel for LocalKernel {
         read_counter(self.memory_usage.as_deref()?)
     }
 
+    /// The sandbox's init (a plain start: one network namespace per kernel) or the forked
+    /// kernel itself (in its template's namespace).
+    async fn network_pid(&self) -> Option<i32> {
+        if self.watch.has_exited() {
+            return None;
+        }
+        self.init_pid.get().copied().or(self.kernel_pid)
+    }
+
     async fn interrupt(&self) -> Result<(), SandboxError> {
         let no_process = |why: &str| SandboxError::Io {
             what: "cannot interrupt the kernel",

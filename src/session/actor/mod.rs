@@ -351,7 +351,12 @@ impl Actor {
             })
             .flatten();
         let started = match pooled {
-            Some((_, live, _memory)) => Ok((live, true)),
+            Some((_, live, _memory)) => {
+                // Launched for the pool under an id of its own: what the kernel does from
+                // now on is this session's (its egress requests, for one).
+                live.process.serves(self.session.id);
+                Ok((live, true))
+            }
             None => {
                 let spec = self.session.launch_spec(Signer::random_key());
                 start_kernel(&self.sandbox, spec, self.config.kernel)
