@@ -2,6 +2,7 @@
 with fork-server starts (the default) and without (`--fork-server false --preload none`).
 
     bench/.venv/bin/python bench/datastack.py [--runs 15] [--sessions 300] [--binary PATH]
+        [--backend local|docker]
 
 For each mode, through the agent API (REST), same client:
   - pooled session -> the data-stack import cell answered;
@@ -16,6 +17,7 @@ import argparse
 import concurrent.futures
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,8 +45,32 @@ def timed(client, code):
     return time.monotonic() - start
 
 
+def docker_leaves(broker):
+    """(user, leaf) -> pids, from the memory cgroups of the broker's containers (a kernel's
+    leaf and the template's are directories of its user's container cgroup); the first
+    container's cgroup stands for the base."""
+    ids = subprocess.run(["docker", "ps", "-q", "--no-trunc", "--filter",
+                          f"label=org.kernel-broker.data-dir={broker.data_dir}"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    out, bases = {}, []
+    for cid in ids:
+        user = subprocess.run(["docker", "inspect", "-f",
+                               '{{index .Config.Labels "org.kernel-broker.user"}}', cid],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        base = Path("/sys/fs/cgroup/memory/docker", cid)
+        if not base.is_dir():
+            base = Path(f"/sys/fs/cgroup/system.slice/docker-{cid}.scope")
+        bases.append(base)
+        for leaf in base.iterdir():
+            if leaf.is_dir() and leaf.name != "init":
+                out[(user, leaf.name)] = [int(x) for x in (leaf / "cgroup.procs").read_text().split()]
+    return bases, out
+
+
 def leaves(broker):
     """(user, session dir) -> pids, from the broker's memory cgroup."""
+    if broker.sandbox == "docker":
+        return docker_leaves(broker)
     base = Path("/sys/fs/cgroup/memory", broker.cgroup_name)
     if not base.is_dir():
         base = Path("/sys/fs/cgroup", broker.cgroup_name)
@@ -67,6 +93,8 @@ def uss(pid):
 
 
 def cgroup_memory(base):
+    if isinstance(base, list):  # docker: one cgroup per user's container
+        return sum(cgroup_memory(b) for b in base)
     for name in ("memory.usage_in_bytes", "memory.current"):
         f = base / name
         if f.exists():
@@ -74,13 +102,19 @@ def cgroup_memory(base):
     return 0
 
 
-def measure(binary, fork, runs, sessions):
+def kernel_pid(pids):
+    """The kernel among a leaf's processes: the largest (a plain Docker kernel's leaf also
+    holds its tini, a plain local one bwrap's init)."""
+    return max(pids, key=uss)
+
+
+def measure(binary, fork, runs, sessions, backend):
     mode = "fork server" if fork else "plain start"
     extra = [] if fork else ["--fork-server", "false", "--preload", "none"]
-    res = {"mode": mode}
+    res = {"mode": mode, "backend": backend}
 
     # Pooled sessions: the import cell, then the first chart on the same fresh session.
-    b = bench.Broker(binary, pool_size=1, tag="-ds", extra_args=extra)
+    b = bench.Broker(binary, sandbox=backend, pool_size=1, tag="-ds", extra_args=extra)
     try:
         s = b.create()  # starts the template (fork mode)
         b.client(s, "rest").execute("1")
@@ -103,7 +137,7 @@ def measure(binary, fork, runs, sessions):
         b.stop()
 
     # Pool empty: create -> first result.
-    b = bench.Broker(binary, pool_size=0, tag="-ds", extra_args=extra)
+    b = bench.Broker(binary, sandbox=backend, pool_size=0, tag="-ds", extra_args=extra)
     try:
         s = b.create()
         b.client(s, "rest").execute("1")
@@ -124,13 +158,13 @@ def measure(binary, fork, runs, sessions):
             b.client(s, "rest").execute(IMPORTS)
         time.sleep(1)
         base, by_leaf = leaves(b)
-        kernel_uss = [uss(pids[0]) for (u, leaf), pids in by_leaf.items()
+        kernel_uss = [uss(kernel_pid(pids)) for (u, leaf), pids in by_leaf.items()
                       if any(leaf == s.id for s in ids) and pids]
         template_uss = [sum(uss(x) for x in pids) for (u, leaf), pids in by_leaf.items()
                         if all(leaf != s.id for s in ids) and pids]
         res["kernel_uss_mb_median"] = statistics.median(kernel_uss) / 1e6
         res["kernel_rss_mb_median"] = statistics.median(
-            psutil.Process(by_leaf[(u, s.id)][0]).memory_info().rss
+            psutil.Process(kernel_pid(by_leaf[(u, s.id)])).memory_info().rss
             for s in ids for u in [f"bench{s.user}"] if (u, s.id) in by_leaf) / 1e6
         res["templates_uss_mb"] = [round(x / 1e6, 1) for x in template_uss]
         for s in ids:
@@ -141,7 +175,7 @@ def measure(binary, fork, runs, sessions):
     # Many live sessions with pandas imported, small cells concurrently.
     if sessions:
         # Each user's total must admit its share of the sessions at 200 MiB each.
-        b = bench.Broker(binary, pool_size=0, tag="-ds",
+        b = bench.Broker(binary, sandbox=backend, pool_size=0, tag="-ds",
                          extra_args=extra + ["--session-memory-limit", str(200 << 20),
                                              # one keep-alive connection per session
                                              "--max-connections", "4096",
@@ -187,18 +221,21 @@ def main():
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--sessions", type=int, default=300)
     ap.add_argument("--mode", choices=["both", "fork", "plain"], default="both")
+    ap.add_argument("--backend", choices=["local", "docker"], default="local")
     a = ap.parse_args()
     out = []
     try:
         for fork in {"both": (False, True), "fork": (True,), "plain": (False,)}[a.mode]:
             # Plain kernels hold ~125 MB each: 300 of them do not fit this machine.
-            r = measure(a.binary, fork, a.runs, a.sessions if fork else min(a.sessions, 100))
+            r = measure(a.binary, fork, a.runs, a.sessions if fork else min(a.sessions, 100),
+                        a.backend)
             print(json.dumps(r), flush=True)
             out.append(r)
     finally:
         bench.run_cleanups()
     Path("bench-results").mkdir(exist_ok=True)
-    Path("bench-results/datastack.json").write_text(json.dumps(out, indent=1))
+    suffix = "" if a.backend == "local" else f"-{a.backend}"
+    Path(f"bench-results/datastack{suffix}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -149,23 +149,27 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory(backend: &
     bounded(async {
         let alice = user("alice", 0, UserLimits::default());
         let mut k = start(h.sandbox(), &alice).await;
-        let o = k.run("import os; print(os.getpid(), os.getppid())").await;
-        let (pid, parent) = o
-            .out()
-            .split_once(' ')
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .unwrap();
+        let o = k
+            .run("import os; p = os.getppid(); print(os.getpid(), p, open('/proc/%d/comm' % p).read().strip())")
+            .await;
+        let fields: Vec<String> = o.out().split(' ').map(str::to_string).collect();
+        let (pid, parent) = (fields[0].clone(), fields[1].clone());
         let sessions = h.runtime_dirs(&alice);
         assert_eq!(sessions.len(), 1);
         let session_dir = sessions[0].clone();
         if let Harness::Docker(_) = h {
-            assert_eq!(
-                std::fs::read_to_string(session_dir.join("pid"))
-                    .unwrap()
-                    .trim(),
-                parent,
-                "the pid file names the kernel's tini"
-            );
+            if fields[2] == "kb-template" {
+                // Forked from the user's template: no exec, no pid file of its own.
+                assert!(!session_dir.join("pid").exists());
+            } else {
+                assert_eq!(
+                    std::fs::read_to_string(session_dir.join("pid"))
+                        .unwrap()
+                        .trim(),
+                    parent,
+                    "the pid file names the kernel's tini"
+                );
+            }
         }
 
         k.process().terminate().await;
@@ -349,14 +353,11 @@ async fn users_get_separate_workspaces_and_processes(backend: &'static str) {
         if let Harness::Docker(d) = &h {
             // Bob sees not alice's runtime directory (and cannot list his own /run/kernel:
             // kernels reach their session directory by name only).
-            let alice_dir = std::fs::read_dir(d.sandbox.run_base().join("alice"))
-                .unwrap()
-                .flatten()
-                .next()
-                .unwrap()
+            let alice_dir = h.runtime_dirs(&alice)[0]
                 .file_name()
-                .into_string()
-                .unwrap();
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             let o = b
                 .run(&format!(
                     "import os\n\
@@ -376,14 +377,17 @@ async fn users_get_separate_workspaces_and_processes(backend: &'static str) {
                 ]
             );
         }
-        // Bob cannot see alice's processes: one kernel (his) in his /proc.
+        // Bob cannot see alice's processes: one kernel (his) in his /proc, named by its
+        // connection file, or (forked from his template) by its command name.
         let o = b
             .run("import os\n\
-                  files = set()\n\
+                  files, forked = set(), 0\n\
                   for p in os.listdir('/proc'):\n\
                   \x20   if p.isdigit():\n\
-                  \x20       files.update(a for a in open(f'/proc/{p}/cmdline').read().split('\\0') if a.endswith('connection.json'))\n\
-                  print(len(files))")
+                  \x20       conns = [a for a in open(f'/proc/{p}/cmdline').read().split('\\0') if a.endswith('connection.json')]\n\
+                  \x20       files.update(conns)\n\
+                  \x20       forked += not conns and open(f'/proc/{p}/comm').read().strip() == 'ipykernel'\n\
+                  print(len(files) + forked)")
             .await;
         assert_eq!(o.out(), "1", "{o:?}");
         h.sandbox().shutdown().await;

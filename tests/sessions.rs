@@ -474,13 +474,9 @@ async fn users_cannot_see_or_touch_each_others_sessions(sb: &'static str) {
 }
 
 async fn idle_sessions_expire_and_release_everything(sb: &'static str) {
-    // The user's fork-server template (local) goes as soon as the user is idle.
-    let broker = Broker::start(sb, |a| {
-        if sb == "local" {
-            a.container_idle = Some(0);
-        }
-    })
-    .await;
+    // The user's fork-server template goes as soon as the user is idle (docker: with the
+    // user's container).
+    let broker = Broker::start(sb, |a| a.container_idle = Some(0)).await;
     let api = broker.api(ALICE);
     let (status, s) = api
         .post("/v1/sessions", json!({"idle_timeout_seconds": 2}))

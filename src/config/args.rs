@@ -128,7 +128,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KERNEL_BROKER_EGRESS_CA_FILE")]
     pub egress_ca_file: Option<PathBuf>,
     /// Fork kernels from a per-user template that has imported the preloaded modules
-    /// (local sandbox, with cgroups, without --keep-sessions) [default: true]
+    /// (both sandboxes: with cgroups, without --keep-sessions; Docker: as root) [default: true]
     #[arg(long, env = "KERNEL_BROKER_FORK_SERVER", num_args = 0..=1, default_missing_value = "true")]
     pub fork_server: Option<bool>,
     /// Seconds without activity before a session expires; 0 never [default: 600]

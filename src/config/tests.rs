@@ -52,6 +52,27 @@ container_idle = 9
     assert_eq!(s.docker.image, "img:1");
     assert_eq!(s.docker.container_idle, Duration::from_secs(9));
     assert_eq!(s.docker.socket, "/var/run/docker.sock");
+    // Both backends fork from a template with the data stack by default (the image has it).
+    assert!(s.docker.fork_server && s.local.fork_server);
+    assert_eq!(s.docker.preload, ["numpy", "pandas", "matplotlib"]);
+    assert_eq!(s.docker.preload, s.local.preload);
+}
+
+#[test]
+fn the_fork_server_switch_and_preload_reach_both_backends() {
+    let args = ServeArgs {
+        fork_server: Some(false),
+        preload: Some("none".into()),
+        ..Default::default()
+    };
+    let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
+    assert!(!s.docker.fork_server && !s.local.fork_server);
+    assert!(s.docker.preload.is_empty() && s.local.preload.is_empty());
+    let bad = ServeArgs {
+        preload: Some("numpy,os;rm".into()),
+        ..Default::default()
+    };
+    assert!(Settings::resolve(bad, Some("tok-123456".into())).is_err());
 }
 
 #[test]

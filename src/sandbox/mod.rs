@@ -16,6 +16,7 @@ pub mod command;
 pub mod docker;
 pub mod egress;
 pub mod exhaustion;
+pub(crate) mod fork_server;
 pub(crate) mod fsutil;
 pub mod local;
 pub(crate) mod netns;

@@ -348,7 +348,15 @@ impl Harness {
     pub fn runtime_dirs(&self, user: &SandboxUser) -> Vec<PathBuf> {
         match self {
             Harness::Local(h) => subdirs(h.sandbox.run_base()),
-            Harness::Docker(h) => subdirs(&h.sandbox.run_base().join(&user.name)),
+            // A kernel's session directory, not the user's fork-server template's (`t...`,
+            // never a hex digit), which lives on with the user's container.
+            Harness::Docker(h) => subdirs(&h.sandbox.run_base().join(&user.name))
+                .into_iter()
+                .filter(|d| {
+                    !d.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with('t'))
+                })
+                .collect(),
         }
     }
 

@@ -24,7 +24,8 @@ use uuid::Uuid;
 
 use super::container::ContainerInfo;
 use super::daemon::error_text;
-use super::exec::{exec_output, place_kernel, SessionFiles, REAPER};
+use super::exec::{exec_output, SessionFiles, REAPER};
+use super::place::place_kernel;
 use super::{Inner, EXEC_TIMEOUT, PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
@@ -60,7 +61,7 @@ impl Inner {
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,
-            connection: serde_json::Value::Null,
+            connection: Some(serde_json::Value::Null),
             boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())

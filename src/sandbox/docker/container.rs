@@ -284,6 +284,8 @@ impl Inner {
         let Ok(docker) = self.client().await else {
             return;
         };
+        // The user's templates end with their container (no kernel of theirs is alive).
+        self.templates.end_all(Some(user)).await;
         self.remove_container(&docker, &container.id).await;
         tracing::info!(container = %container.name, user, "removed the idle user container");
     }

@@ -38,6 +38,7 @@
 //!
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,15 +53,19 @@ use tokio::time::timeout;
 
 use super::container::{container_reason, ContainerInfo};
 use super::daemon::error_text;
+use super::place::wait_for_go;
 use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
-use crate::sandbox::cgroup::{read_counter, ContainerCgroup, Leaf};
+use crate::sandbox::cgroup::{read_counter, Leaf};
+use crate::sandbox::fork_server::pidfd_signal;
 use crate::sandbox::fsutil::{self, io_err, FileMode};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
-use crate::sandbox::{thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError};
+use crate::sandbox::{
+    thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
+};
 
 /// What waiters hear if the watcher went away without a word.
 pub(super) const LOST: &str = "the broker stopped watching the kernel (runtime shut down)";
@@ -73,13 +78,24 @@ pub(super) struct DockerKernel {
     /// The session directory's name (`/run/kernel/<dir>`).
     pub dir: String,
     pub host_dir: PathBuf,
+    /// The kernel's exec; empty for a kernel forked from a template (`template.rs`), which
+    /// has no exec of its own (see [`Self::forked`]).
     pub exec_id: String,
+    /// A kernel forked from its user's template: its host pid and a pidfd on it.
+    pub forked: Option<ForkedPid>,
     /// The kernel's own cgroup leaf (none where the broker cannot manage cgroups).
     pub leaf: Option<Leaf>,
     pub limits: KernelLimits,
     /// The user's workspace on the host and its quota, to tell a full disk.
     pub workspace: PathBuf,
     pub quota_bytes: u64,
+}
+
+/// A forked kernel's process, as the broker (root on the host) sees it.
+pub(super) struct ForkedPid {
+    pub host_pid: i32,
+    /// Signals go through it, so they never reach a process that reused the pid.
+    pub pidfd: OwnedFd,
 }
 
 impl DockerKernel {
@@ -123,6 +139,13 @@ impl BackendKernel for DockerKernel {
         if shared.watch.has_exited() {
             return Err(fail("the kernel has exited".to_string()));
         }
+        if let Some(forked) = &shared.forked {
+            // Straight to the kernel: no tini of its own stands between.
+            pidfd_signal(&forked.pidfd, libc::SIGINT)
+                .map_err(|e| fail(format!("cannot signal process {}: {e}", forked.host_pid)))?;
+            tracing::debug!(session = %shared.watch.session_id, "sent SIGINT to the forked kernel");
+            return Ok(());
+        }
         let script = shared.signal_script("INT");
         match timeout(
             EXEC_TIMEOUT,
@@ -154,20 +177,14 @@ impl Inner {
         container: &ContainerInfo,
         spec: &LaunchSpec,
         dir: &str,
-        preload: &[String],
     ) -> Result<String, String> {
-        let mut env: Vec<String> = vec!["PYDEVD_DISABLE_FILE_VALIDATION=1".to_string()];
-        env.extend(
-            thread_env(&spec.user.limits)
-                .into_iter()
-                .map(|(k, v)| format!("{k}={v}")),
-        );
+        let mut env = base_env(&spec.user.limits);
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let exec = docker
             .create_exec(
                 &container.id,
                 CreateExecOptions {
-                    cmd: Some(kernel_command(dir, self.privileged, preload)),
+                    cmd: Some(kernel_command(dir, self.privileged)),
                     env: Some(env),
                     working_dir: Some(WORKSPACE_INSIDE.to_string()),
                     attach_stdin: Some(false),
@@ -204,6 +221,18 @@ impl Inner {
     }
 }
 
+/// What every kernel's process gets in its environment (a forked kernel from its
+/// template): debugpy's file check off, thread pools sized to the user's CPUs.
+pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
+    let mut env: Vec<String> = vec!["PYDEVD_DISABLE_FILE_VALIDATION=1".to_string()];
+    env.extend(
+        thread_env(limits)
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    env
+}
+
 /// The kernel's command: records its pid (`$$`, kept by `exec`) so interrupts can find it,
 /// runs the kernel under `tini -s` (a child subreaper that forwards signals to the kernel
 /// and reaps zombies: see the module comment, "No process outlives its session"), and
@@ -212,126 +241,24 @@ impl Inner {
 /// to iopub), so it is dropped. IPython's history stays in memory: a file in the shared
 /// workspace would make every kernel of the user queue on one SQLite lock.
 ///
-/// With modules to preload, the kernel is started by the bootstrap script
-/// ([`crate::sandbox::boot`], written into the session directory), which imports them and
-/// then runs the same `IPKernelApp` with the same arguments.
-pub(super) fn kernel_command(dir: &str, privileged: bool, preload: &[String]) -> Vec<String> {
+/// A plain start imports nothing beyond ipykernel: the data stack is preloaded in the
+/// user's template (`template.rs`), and a fallback stays as quick as a kernel without it.
+pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
-    let start = if preload.is_empty() {
-        "-m ipykernel_launcher".to_string()
-    } else {
-        // Module names are checked (`boot::is_module_name`): nothing the shell reads.
-        format!(
-            "{RUN_DIR_INSIDE}/{dir}/{BOOT_SCRIPT_NAME} direct --preload {} --",
-            preload.join(",")
-        )
-    };
     let script = format!(
-        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; i=0; \
-         while [ ! -e {RUN_DIR_INSIDE}/{dir}/{GO_FILE} ]; do i=$((i+1)); \
-         [ $i -gt {GO_ROUNDS} ] && exit {GO_TIMEOUT_EXIT}; sleep 0.02; done; \
+        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; {wait}\
          exec {TINI_INSIDE} -s -- {PYTHON_INSIDE} \
-         {start} -f {RUN_DIR_INSIDE}/{dir}/connection.json --HistoryManager.hist_file=:memory: \
+         -m ipykernel_launcher -f {RUN_DIR_INSIDE}/{dir}/connection.json {HISTORY} \
          >/dev/null 2>{log}",
+        wait = wait_for_go(dir),
         log = kernel_log(dir)
     );
     vec!["sh".to_string(), "-c".to_string(), script]
 }
 
-/// The file whose appearance lets the kernel's command start the kernel (see the module
-/// comment); it waits at most [`GO_ROUNDS`] × 20 ms, then exits with [`GO_TIMEOUT_EXIT`].
-const GO_FILE: &str = "go";
-const GO_ROUNDS: u32 = 1500;
-pub(super) const GO_TIMEOUT_EXIT: i64 = 125;
-
-/// Places a started kernel exec into its own leaf of the container's cgroup (see the
-/// module comment), then lets it go. `None`: no leaf (logged); it runs under the
-/// container's limits.
-pub(super) async fn place_kernel(
-    docker: &Docker,
-    exec_id: Option<&str>,
-    host_dir: &Path,
-    session: &str,
-    limits: &KernelLimits,
-) -> Result<Option<Leaf>, String> {
-    let pid = match exec_id {
-        Some(id) => exec_pid(docker, id).await,
-        None => Err("the broker does not run as root".to_string()),
-    };
-    let leaf = match pid {
-        Ok(pid) => {
-            let session = session.to_string();
-            let limits = *limits;
-            tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
-                let cgroup = ContainerCgroup::of_process(pid)?;
-                let leaf = cgroup
-                    .create_leaf(&session, &limits)
-                    .map_err(|e| e.to_string())?;
-                if let Err(e) = ContainerCgroup::enter(&leaf, pid) {
-                    for dir in leaf.dirs() {
-                        let _ = std::fs::remove_dir(dir);
-                    }
-                    return Err(e.to_string());
-                }
-                Ok(leaf)
-            })
-            .await
-            .map_err(|e| format!("placing the kernel failed: {e}"))
-            .and_then(|r| r)
-        }
-        Err(e) => Err(e),
-    };
-    let leaf = match leaf {
-        Ok(leaf) => Some(leaf),
-        Err(why) => {
-            warn_once_unplaced(&why);
-            None
-        }
-    };
-    let go = host_dir.join(GO_FILE);
-    if let Err(e) = std::fs::write(&go, b"") {
-        if let Some(leaf) = &leaf {
-            ContainerCgroup::remove_leaf(leaf).await;
-        }
-        return Err(format!(
-            "cannot let the kernel start ({}): {e}",
-            go.display()
-        ));
-    }
-    Ok(leaf)
-}
-
-/// The host pid of an exec's first process (the daemon knows it once the exec started).
-async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, String> {
-    for _ in 0..50 {
-        let exec = docker
-            .inspect_exec(exec_id)
-            .await
-            .map_err(|e| format!("cannot inspect the kernel's exec: {}", error_text(&e)))?;
-        match exec.pid.and_then(|p| i32::try_from(p).ok()) {
-            Some(pid) if pid > 0 => return Ok(pid),
-            _ if exec.running == Some(false) => {
-                return Err("the kernel's exec ended before it was placed".to_string())
-            }
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-    Err("the daemon did not report the kernel exec's pid".to_string())
-}
-
-/// Kernels without a leaf of their own are worth one warning, not one per launch.
-fn warn_once_unplaced(why: &str) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| {
-        tracing::warn!(
-            reason = %why,
-            "docker kernels run WITHOUT memory and process limits of their own (only the \
-             user's container limits): the broker cannot give them a cgroup leaf"
-        );
-    });
-    tracing::debug!(reason = %why, "kernel not placed in a cgroup leaf");
-}
+/// ipykernel's option that keeps IPython's history in memory (see [`kernel_command`]).
+pub(super) const HISTORY: &str = "--HistoryManager.hist_file=:memory:";
 
 pub(super) fn kernel_log(dir: &str) -> String {
     format!("/tmp/kernel-{dir}.log")
@@ -358,7 +285,8 @@ pub(super) fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, String> 
 pub(super) struct SessionFiles {
     pub dir: PathBuf,
     pub privileged: bool,
-    pub connection: serde_json::Value,
+    /// None for a template's directory.
+    pub connection: Option<serde_json::Value>,
     /// Write the bootstrap script ([`crate::sandbox::boot`]) too.
     pub boot_script: bool,
 }
@@ -392,13 +320,11 @@ impl SessionFiles {
             fsutil::write_new_file(&path, BOOT_SCRIPT.as_bytes(), FileMode::Exact(0o644), None)
                 .map_err(io_err("cannot write the kernel's bootstrap script", &path))?;
         }
+        let Some(connection) = &self.connection else {
+            return Ok(());
+        };
         let file_mode = if self.privileged { 0o600 } else { 0o644 };
-        fsutil::write_connection_file(
-            &self.dir,
-            &self.connection,
-            FileMode::Exact(file_mode),
-            owner,
-        )
+        fsutil::write_connection_file(&self.dir, connection, FileMode::Exact(file_mode), owner)
     }
 }
 
@@ -587,7 +513,7 @@ mod tests {
         assert_eq!(c["ip"], "/run/kernel/0123456789ab/k");
         assert_eq!(c["key"], "abc");
         assert_eq!(c["signature_scheme"], "hmac-sha256");
-        let cmd = kernel_command("0123456789ab", true, &[]);
+        let cmd = kernel_command("0123456789ab", true);
         assert_eq!(cmd[..2], ["sh", "-c"]);
         assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; i=0; "));
         // The kernel starts only once the broker has placed it in its cgroup leaf.
@@ -597,15 +523,14 @@ mod tests {
             cmd[2]
         );
         assert!(cmd[2].contains("; done; exec /usr/bin/tini -s -- "));
-        assert!(kernel_command("d", false, &[])[2].starts_with("umask 000; "));
-        let boot = kernel_command("d", true, &["numpy".to_string(), "pandas".to_string()]);
+        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
         assert!(
-            boot[2].contains(
-                "/run/kernel/d/kernel_broker_boot.py direct --preload numpy,pandas -- \
-                 -f /run/kernel/d/connection.json"
+            cmd[2].contains(
+                "python -m ipykernel_launcher -f /run/kernel/0123456789ab/connection.json \
+                 --HistoryManager.hist_file=:memory: >/dev/null 2>/tmp/kernel-0123456789ab.log"
             ),
             "{}",
-            boot[2]
+            cmd[2]
         );
     }
 }

@@ -23,7 +23,8 @@
 //! named `kernel-broker-<hash>-<user>`, so two brokers on one daemon never touch each
 //! other's containers.
 //!
-//! A kernel: `docker exec -d` of `sh -c 'echo $$ > /run/kernel/<dir>/pid; exec tini -s --
+//! A kernel, forked from the user's fork-server template when there is one (`template.rs`),
+//! else `docker exec -d` of `sh -c 'echo $$ > /run/kernel/<dir>/pid; exec tini -s --
 //! python -m ipykernel_launcher -f ...'` with an `ipc` connection file in
 //! `/run/kernel/<dir>/`; the broker connects to the sockets on the host side of the bind
 //! mount. A watcher task per kernel polls the exec (`inspect_exec`, every 500 ms) and
@@ -53,15 +54,19 @@
 //! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
 //! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
-//! kernel's exec, its interrupt and the reaper; `watch.rs` the watcher that classifies a
-//! kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
+//! kernel's exec, its interrupt and the reaper; `place.rs` a process's own cgroup leaf;
+//! `template.rs` fork-server templates and the kernels forked from them; `watch.rs` the
+//! watchers that classify a kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
 //! tickets, the start-up that keeps them, adoption).
 
 mod command;
+mod config;
 mod container;
 mod daemon;
 mod exec;
 mod keep;
+mod place;
+mod template;
 mod watch;
 
 use std::collections::HashMap;
@@ -76,11 +81,12 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+pub use self::config::DockerSandboxConfig;
 use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
-use self::exec::{connection_file, endpoints_for, place_kernel, DockerKernel, SessionFiles, LOST};
+use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
+use self::place::place_kernel;
 use self::watch::watch_kernel;
-use super::boot;
 use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
@@ -139,53 +145,6 @@ const DAEMON_GRACE: Duration = Duration::from_secs(30);
 const MAX_EXEC_OUTPUT: usize = 16 * 1024;
 const LOG_TAIL_BYTES: usize = 2000;
 
-/// Settings of the docker sandbox.
-#[derive(Debug, Clone)]
-pub struct DockerSandboxConfig {
-    /// The broker's state directory; workspaces live in `<data_dir>/workspaces-docker`.
-    pub data_dir: PathBuf,
-    /// The daemon's unix socket, as a path or `unix://` URL (Podman:
-    /// `unix:///run/podman/podman.sock`).
-    pub socket: String,
-    /// The kernel image.
-    pub image: String,
-    /// How long a user's container outlives the user's last session.
-    pub container_idle: Duration,
-    /// Where per-user runtime directories go. Default `<data_dir>/run-docker`, unless socket
-    /// paths there would be too long; then `/run/kernel-broker-docker-<hash>` (root) or
-    /// `$XDG_RUNTIME_DIR/...` or `/tmp/kernel-broker-docker-<uid>-<hash>`.
-    pub run_dir: Option<PathBuf>,
-    /// `--keep-sessions`: kernels and containers outlive the broker and are adopted by its
-    /// next run (see [`Sandbox::keeps_kernels`](super::Sandbox::keeps_kernels)).
-    pub keep_kernels: bool,
-    /// Modules kernels import before their first cell ([`super::boot`]) at their own start;
-    /// empty (the default): none.
-    pub preload: Vec<String>,
-    /// Users' own preload lists (the users file), by user name.
-    pub user_preload: std::collections::HashMap<String, Vec<String>>,
-    /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
-    pub ca_file: Option<PathBuf>,
-}
-
-impl DockerSandboxConfig {
-    /// The defaults for a data directory.
-    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        Self {
-            data_dir: data_dir.into(),
-            socket: DEFAULT_SOCKET.to_string(),
-            image: DEFAULT_IMAGE.to_string(),
-            container_idle: Duration::from_secs(300),
-            run_dir: None,
-            keep_kernels: false,
-            // No fork server in this backend yet: each kernel would pay the imports (time
-            // and private memory) itself, so only an explicit `--preload` turns it on.
-            preload: Vec::new(),
-            user_preload: std::collections::HashMap::new(),
-            ca_file: None,
-        }
-    }
-}
-
 /// The docker sandbox backend. Cheap handle over shared state, which its background tasks
 /// (kernel watchers, idle timers) hold too.
 pub struct DockerSandbox {
@@ -212,6 +171,8 @@ struct Inner {
     /// Kernels an earlier run kept that no session has adopted yet (`--keep-sessions`),
     /// by session; filled at start-up.
     kept: Mutex<HashMap<Uuid, keep::Ticket>>,
+    /// The users' fork-server templates.
+    templates: template::Templates,
     /// Cancelled by `shutdown`: stops idle timers.
     shutdown: CancellationToken,
 }
@@ -256,6 +217,7 @@ impl DockerSandbox {
                 users: Mutex::new(HashMap::new()),
                 kernels: KernelTable::default(),
                 kept: Mutex::new(HashMap::new()),
+                templates: template::Templates::default(),
                 shutdown: CancellationToken::new(),
             }),
         })
@@ -448,28 +410,26 @@ impl Inner {
         };
         let container_ready = started.elapsed();
 
+        // Forked from the user's template when one works (`template.rs`); registered as a
+        // kernel before the lock goes, as a plain start is below.
+        if let Some(launched) = self.launch_forked(&docker, &container, &spec).await {
+            return Ok(launched);
+        }
+
         let dir = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&user.name).join(&dir);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
-        let preload = boot::resolve_preload(
-            self.cfg.user_preload.get(&user.name),
-            &serde_json::Value::Null,
-            &self.cfg.preload,
-        );
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,
-            connection: connection_file(&spec, &dir),
-            boot_script: !preload.is_empty(),
+            connection: Some(connection_file(&spec, &dir)),
+            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
             .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
 
-        let exec_id = match self
-            .start_kernel(&docker, &container, &spec, &dir, &preload)
-            .await
-        {
+        let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
             Ok(id) => id,
             Err(e) => {
                 remove_dir_logged(host_dir).await;
@@ -497,6 +457,7 @@ impl Inner {
             dir,
             host_dir,
             exec_id,
+            forked: None,
             leaf,
             limits: spec.limits,
             workspace,
@@ -567,6 +528,8 @@ impl Inner {
             }
         }
         KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT + EXEC_TIMEOUT).await;
+        // Their processes went with the containers; their leaves and directories go now.
+        self.templates.end_all(None).await;
         // The containers are removed, so nothing holds the workspace file systems.
         let images = self.workspace_images.clone();
         if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {

@@ -15,11 +15,17 @@
 //! `kill -9`; rare, and said here to stay honest. If the OOM killer hits tini instead, the
 //! container dies and every kernel in it ends with OutOfMemory (`State.OOMKilled`).
 //!
+//! A kernel forked from its user's template (`template.rs`) has no exec: [`watch_forked`]
+//! sees its end through a pidfd, takes its status from the template, and always has a leaf.
 
+use std::os::fd::OwnedFd;
+use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::oneshot;
 use tokio::time::{sleep, timeout};
 
 use super::container::{container_reason, ContainerInfo};
@@ -28,10 +34,96 @@ use super::exec::{exec_output, kernel_log_tail, reap, DockerKernel};
 use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
+use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::watched::ExitPublisher;
 use crate::sandbox::ExitReason;
 use crate::sync::lock;
+
+/// How a forked kernel's wait ended.
+enum ForkedEnd {
+    /// The template reaped it: the raw wait status.
+    Status(i32),
+    /// Its pidfd says it ended (the status follows from the template).
+    Gone,
+    /// The template stopped working while the kernel may still run.
+    TemplateLost,
+    Kill,
+    Release,
+}
+
+/// Watches a kernel forked from its user's template (`template.rs`): no exec to poll, so
+/// its end is seen through its pidfd and its status comes from the template, which reaps
+/// it; classified with the same mapping as an exec's end ([`classify_exec_end`]: its own
+/// leaf's OOM kill vs a kill vs an exit). Everything it started is in its leaf, whatever
+/// it was reparented to: the leaf's removal ends it, and nothing else of the container.
+pub(super) async fn watch_forked(
+    inner: Arc<Inner>,
+    shared: Arc<DockerKernel>,
+    exit: ExitPublisher,
+    pidfd: AsyncFd<OwnedFd>,
+    mut status: oneshot::Receiver<i32>,
+) {
+    let docker = shared.docker.clone();
+    let end = tokio::select! {
+        raw = &mut status => match raw {
+            Ok(raw) => ForkedEnd::Status(raw),
+            Err(_) => ForkedEnd::TemplateLost,
+        },
+        ready = pidfd.readable() => match ready {
+            Ok(_) => ForkedEnd::Gone,
+            Err(_) => ForkedEnd::TemplateLost,
+        },
+        () = shared.watch.kill_requested() => ForkedEnd::Kill,
+        () = shared.watch.release_requested() => ForkedEnd::Release,
+    };
+    let reason = match end {
+        ForkedEnd::Release => return,
+        ForkedEnd::Kill => {
+            kill_leaf(&shared).await;
+            // Reaped by its template at once; only a dead template leaves it unreported.
+            let _ = timeout(TERMINATE_TIMEOUT, forked_status(&pidfd, &mut status)).await;
+            ExitReason::Terminated
+        }
+        ForkedEnd::Status(raw) => forked_reason(&docker, &shared, raw).await,
+        ForkedEnd::Gone => match forked_status(&pidfd, &mut status).await {
+            Ok(s) => forked_reason(&docker, &shared, s.into_raw()).await,
+            // Its template went first (with the container, most likely).
+            Err(e) => container_reason(&docker, &shared.container)
+                .await
+                .unwrap_or_else(|| ExitReason::Lost(format!("the forked kernel ended: {e}"))),
+        },
+        ForkedEnd::TemplateLost => {
+            kill_leaf(&shared).await;
+            container_reason(&docker, &shared.container)
+                .await
+                .unwrap_or_else(|| {
+                    ExitReason::Lost("its fork-server template stopped working".to_string())
+                })
+        }
+    };
+    let reason = shared.watch.reason_or_terminated(reason);
+    // Nothing to reap one by one: the leaf's removal kills what is left.
+    end_kernel(&inner, &shared, &reason, true).await;
+    exit.publish(reason);
+}
+
+/// A forked kernel's raw wait status as an exec's exit code (signal N is 128 + N), then
+/// classified as an exec's end.
+async fn forked_reason(docker: &Docker, shared: &DockerKernel, raw: i32) -> ExitReason {
+    let status = std::process::ExitStatus::from_raw(raw);
+    let code = match status.signal() {
+        Some(sig) => 128 + i64::from(sig),
+        None => i64::from(status.code().unwrap_or(-1)),
+    };
+    classify_exec_end(docker, shared, Some(code)).await
+}
+
+async fn kill_leaf(shared: &DockerKernel) {
+    if let Some(leaf) = &shared.leaf {
+        leaf.kill_all().await;
+    }
+}
 
 /// Watches one kernel until it ends or is killed; then cleans up and publishes the reason.
 pub(super) async fn watch_kernel(
@@ -77,6 +169,10 @@ pub(super) async fn end_kernel(
     match reason {
         ExitReason::Terminated | ExitReason::Exited(0) => {
             tracing::info!(%session, user = %shared.watch.user, %reason, "kernel ended");
+        }
+        // A forked kernel's output went to its template's stderr (the broker's log).
+        _ if shared.forked.is_some() => {
+            tracing::warn!(%session, user = %shared.watch.user, %reason, "forked kernel ended");
         }
         _ => {
             let tail = kernel_log_tail(docker, shared).await;

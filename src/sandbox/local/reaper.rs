@@ -18,6 +18,7 @@ use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
 use crate::sandbox::cgroup::{read_counter, Cgroups, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
+use crate::sandbox::fork_server::{children_of, forked_status, namespace_pid};
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
 use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
@@ -121,10 +122,6 @@ pub(super) enum Watched {
     },
 }
 
-/// How long a forked kernel's status may take to arrive from its template after the
-/// kernel ended (the template reaps at once; only a dead template never reports).
-const FORKED_STATUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
 impl Watched {
     async fn wait(&mut self) -> io::Result<ExitStatus> {
         let status = match self {
@@ -135,15 +132,7 @@ impl Watched {
                 status
             }
             Watched::Gone { status } => status,
-            Watched::Forked { pidfd, status } => {
-                let _ready = pidfd.readable().await?;
-                return match tokio::time::timeout(FORKED_STATUS_TIMEOUT, status).await {
-                    Ok(Ok(raw)) => Ok(ExitStatus::from_raw(raw)),
-                    _ => Err(io::Error::other(
-                        "its exit status is unknown (its template did not report it)",
-                    )),
-                };
-            }
+            Watched::Forked { pidfd, status } => return forked_status(pidfd, status).await,
         };
         reported_exit(status)
             .ok_or_else(|| io::Error::other("its exit status is unknown (bwrap reported none)"))
@@ -277,47 +266,6 @@ pub(super) fn sandbox_command_pid(init_pid: i32) -> Option<i32> {
         .copied()
         .find(|pid| namespace_pid(*pid) == Some(2))
         .or_else(|| children.first().copied())
-}
-
-/// The children of `pid` (of its main thread): `/proc/<pid>/task/<pid>/children`, or a
-/// scan of `/proc` where the kernel does not provide that file.
-pub(super) fn children_of(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .ok()
-        .map(|text| {
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_else(|| children_by_scan(pid))
-}
-
-/// Children of `pid` by scanning `/proc` (when `/proc/<pid>/task/<pid>/children` is missing).
-fn children_by_scan(parent: i32) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    // pid (comm) state ppid ...; comm may contain spaces and parentheses.
-                    let rest = &stat[stat.rfind(')')? + 1..];
-                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
-                })
-                == Some(parent)
-        })
-        .collect()
-}
-
-/// The innermost pid of a process (the last `NSpid` field), if the kernel reports it.
-pub(super) fn namespace_pid(pid: i32) -> Option<i32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
-    line.split_whitespace().last()?.parse().ok()
 }
 
 #[cfg(test)]

@@ -26,45 +26,29 @@
 //! template that failed is not tried again for [`RETRY_AFTER`].
 
 use std::collections::HashMap;
-use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use serde::Deserialize;
-use serde_json::json;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
-use tokio::process::{ChildStdin, ChildStdout};
-use tokio::sync::oneshot;
-use tokio::time::timeout;
+use tokio::io::{BufReader, Interest};
 use uuid::Uuid;
 
 use super::files::{endpoints_for, LaunchGuard};
 use super::output::Tail;
 use super::process::StartOptions;
-use super::reaper::{children_of, namespace_pid, sandbox_command_pid};
-use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer, RETRY_AFTER};
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
     KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
 };
 use crate::sync::lock;
-
-/// How long a template may take to import its modules and say it is ready.
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a fork may take to be answered.
-const FORK_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a template that failed is left alone before the next try.
-pub(super) const RETRY_AFTER: Duration = Duration::from_secs(60);
-/// The longest line the broker reads from a template (they are short JSON objects).
-const MAX_LINE: usize = 16 * 1024;
 
 /// The templates of one sandbox, by user and kernel spec.
 #[derive(Default)]
@@ -122,7 +106,7 @@ impl Templates {
             let idle = slot
                 .template
                 .as_ref()
-                .is_some_and(|t| lock(&t.waiting).exits.is_empty());
+                .is_some_and(|t| !t.server.has_children());
             if idle && self.launches(user) == launches {
                 if let Some(t) = slot.template.take() {
                     tracing::info!(user, "ending the idle user's fork-server template");
@@ -151,132 +135,7 @@ pub(super) struct Template {
     host_pid: i32,
     /// Its runtime directory on the host (`/run/kernel` inside).
     rundir: PathBuf,
-    control: tokio::sync::Mutex<ChildStdin>,
-    waiting: Arc<Mutex<Waiting>>,
-    next: AtomicU64,
-    broken: Arc<AtomicBool>,
-}
-
-/// Answers the template's reader hands to waiting launches and reapers.
-#[derive(Default)]
-struct Waiting {
-    forks: HashMap<String, oneshot::Sender<Result<i32, String>>>,
-    exits: HashMap<String, oneshot::Sender<i32>>,
-}
-
-#[derive(Deserialize)]
-struct Ready {
-    ready: bool,
-    pid: i32,
-    #[serde(default)]
-    modules: Vec<String>,
-    #[serde(default)]
-    threads: u64,
-    #[serde(default)]
-    seconds: f64,
-}
-
-/// One line from a template.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Said {
-    Forked { forked: String, pid: i32 },
-    Exited { exited: String, status: i32 },
-    Error { error: String, id: Option<String> },
-}
-
-impl Template {
-    fn usable(&self) -> bool {
-        !self.broken.load(Ordering::Relaxed)
-    }
-
-    async fn send(&self, request: serde_json::Value) -> Result<(), String> {
-        let mut line = request.to_string();
-        line.push('\n');
-        let mut control = self.control.lock().await;
-        let sent = timeout(FORK_TIMEOUT, async {
-            control.write_all(line.as_bytes()).await?;
-            control.flush().await
-        })
-        .await;
-        match sent {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(format!("cannot write to the template: {e}")),
-            Err(_) => Err("the template does not read its requests".to_string()),
-        }
-    }
-}
-
-/// Reads a template's lines until it ends, handing each answer to whoever waits for it.
-async fn read_template(
-    stdout: BufReader<ChildStdout>,
-    waiting: Arc<Mutex<Waiting>>,
-    broken: Arc<AtomicBool>,
-    name: String,
-) {
-    let mut stdout = stdout;
-    loop {
-        match read_line(&mut stdout).await {
-            Ok(Some(line)) => match serde_json::from_slice::<Said>(&line) {
-                Ok(Said::Forked { forked, pid }) => {
-                    if let Some(tx) = lock(&waiting).forks.remove(&forked) {
-                        let _ = tx.send(Ok(pid));
-                    }
-                }
-                Ok(Said::Exited { exited, status }) => {
-                    if let Some(tx) = lock(&waiting).exits.remove(&exited) {
-                        let _ = tx.send(status);
-                    }
-                }
-                Ok(Said::Error { error, id }) => {
-                    tracing::warn!(template = %name, %error, "the template refused a request");
-                    if let Some(tx) = id.and_then(|id| lock(&waiting).forks.remove(&id)) {
-                        let _ = tx.send(Err(error));
-                    }
-                }
-                Err(_) => {
-                    tracing::warn!(template = %name, "the template said something not understood; not used again");
-                    break;
-                }
-            },
-            Ok(None) => break,
-            Err(e) => {
-                tracing::warn!(template = %name, error = %e, "reading the template failed; not used again");
-                break;
-            }
-        }
-    }
-    broken.store(true, Ordering::Relaxed);
-    // Waiters see their senders dropped: a fork fails, an exit is "unknown".
-    let mut waiting = lock(&waiting);
-    waiting.forks.clear();
-    waiting.exits.clear();
-}
-
-/// One line of at most [`MAX_LINE`] bytes (without its newline); `None` at the end.
-async fn read_line(reader: &mut BufReader<ChildStdout>) -> std::io::Result<Option<Vec<u8>>> {
-    let mut line = Vec::new();
-    loop {
-        let buf = reader.fill_buf().await?;
-        if buf.is_empty() {
-            return Ok(None);
-        }
-        let (take, done) = match buf.iter().position(|b| *b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (buf.len(), false),
-        };
-        if line.len() + take > MAX_LINE + 1 {
-            return Err(std::io::Error::other(format!(
-                "a line longer than {MAX_LINE} bytes"
-            )));
-        }
-        line.extend_from_slice(&buf[..take]);
-        reader.consume(take);
-        if done {
-            line.pop();
-            return Ok(Some(line));
-        }
-    }
+    server: ForkServer,
 }
 
 /// A kernel's launch, resolved against its spec: what a fork needs.
@@ -299,7 +158,7 @@ impl LocalSandbox {
         let slot = self.templates.slot(&spec.user.name, &spec.kernel_name);
         let mut slot = slot.lock().await;
         if let Some(t) = &slot.template {
-            if t.usable() {
+            if t.server.usable() {
                 return Some(t.clone());
             }
             tracing::info!(user = %spec.user.name, kernel = %spec.kernel_name, "replacing a template that stopped working");
@@ -372,16 +231,8 @@ impl LocalSandbox {
             return Err(fail("no control channel".into()));
         };
         let mut stdout = BufReader::new(stdout);
-        let ready = match timeout(READY_TIMEOUT, read_line(&mut stdout)).await {
-            Ok(Ok(Some(line))) => serde_json::from_slice::<Ready>(&line)
-                .map_err(|e| format!("its first line is not understood: {e}")),
-            Ok(Ok(None)) => Err("it ended before it was ready".to_string()),
-            Ok(Err(e)) => Err(format!("reading it failed: {e}")),
-            Err(_) => Err(format!("not ready within {READY_TIMEOUT:?}")),
-        };
-        let ready = match ready {
-            Ok(r) if r.ready => r,
-            Ok(_) => Err("it said it is not ready".to_string()).map_err(&fail)?,
+        let ready = match read_ready(&mut stdout).await {
+            Ok(r) => r,
             Err(e) => {
                 process.terminate().await;
                 return Err(fail(e));
@@ -397,14 +248,11 @@ impl LocalSandbox {
             process.terminate().await;
             return Err(fail("its process was not found".into()));
         };
-        let waiting = Arc::new(Mutex::new(Waiting::default()));
-        let broken = Arc::new(AtomicBool::new(false));
-        tokio::spawn(read_template(
+        let server = ForkServer::new(
+            Box::new(stdin),
             stdout,
-            waiting.clone(),
-            broken.clone(),
             format!("{}/{}", user.name, spec.kernel_name),
-        ));
+        );
         tracing::info!(
             user = %user.name,
             kernel = %spec.kernel_name,
@@ -418,10 +266,7 @@ impl LocalSandbox {
             process,
             host_pid,
             rundir: self.run_base.join(id.to_string()),
-            control: tokio::sync::Mutex::new(stdin),
-            waiting,
-            next: AtomicU64::new(1),
-            broken,
+            server,
         })
     }
 
@@ -439,7 +284,7 @@ impl LocalSandbox {
         if self.kernels.contains(&session) {
             return Err(fail(format!("session {session} already has a kernel")));
         }
-        let name = template.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let name = template.server.next_name();
         let dir = template.rundir.join(&name);
         let inside = format!("{RUN_DIR_INSIDE}/{name}");
         let endpoints = endpoints_for(&dir).map_err(&fail)?;
@@ -490,52 +335,17 @@ impl LocalSandbox {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         let id = session.to_string();
-        let (fork_tx, fork_rx) = oneshot::channel();
-        let (exit_tx, exit_rx) = oneshot::channel();
-        {
-            let mut waiting = lock(&template.waiting);
-            waiting.forks.insert(id.clone(), fork_tx);
-            waiting.exits.insert(id.clone(), exit_tx);
-        }
-        let forget = || {
-            let mut waiting = lock(&template.waiting);
-            waiting.forks.remove(&id);
-            waiting.exits.remove(&id);
-        };
-        let request = json!({
-            "op": "fork",
-            "id": id,
-            "args": args,
-            "env": env,
-            "connection_file": connection_inside,
-        });
-        if let Err(e) = template.send(request).await {
-            forget();
-            template.broken.store(true, Ordering::Relaxed);
-            return Err(fail(e));
-        }
-        let inner_pid = match timeout(FORK_TIMEOUT, fork_rx).await {
-            Ok(Ok(Ok(pid))) => pid,
-            Ok(Ok(Err(e))) => {
-                forget();
-                return Err(fail(e));
-            }
-            Ok(Err(_)) => {
-                forget();
-                return Err(fail("the template ended".into()));
-            }
-            Err(_) => {
-                forget();
-                template.broken.store(true, Ordering::Relaxed);
-                return Err(fail(format!("no answer within {FORK_TIMEOUT:?}")));
-            }
-        };
+        let server = &template.server;
+        let child = server
+            .fork(&id, &args, &env, &connection_inside)
+            .await
+            .map_err(&fail)?;
+        let inner_pid = child.inner_pid;
         // The child waits for `go`; until then only the broker acts on it.
         let found = find_child(template.host_pid, inner_pid);
         let Some((host_pid, pidfd)) = found else {
-            forget();
-            let _ = template.send(json!({"op": "drop", "id": id})).await;
-            template.broken.store(true, Ordering::Relaxed);
+            server.drop_child(&id).await;
+            server.set_broken();
             return Err(fail(format!(
                 "its child {inner_pid} is not among its processes"
             )));
@@ -545,9 +355,8 @@ impl LocalSandbox {
             .as_ref()
             .map_or(Ok(()), |(_, l)| l.enter(host_pid));
         if let Err(e) = entered {
-            forget();
             kill(host_pid);
-            let _ = template.send(json!({"op": "drop", "id": id})).await;
+            server.drop_child(&id).await;
             return Err(fail(format!("cannot move it into its cgroup: {e}")));
         }
 
@@ -575,14 +384,14 @@ impl LocalSandbox {
                     c.remove_leaf(l).await;
                 }
                 fsutil::remove_dir_logged(dir).await;
-                forget();
+                server.drop_child(&id).await;
                 return Err(fail(format!("cannot watch the kernel: {e}")));
             }
         };
         let reaper = Reaper {
             process: Watched::Forked {
                 pidfd,
-                status: exit_rx,
+                status: child.status,
             },
             kernel: kernel.clone(),
             exit,
@@ -599,9 +408,8 @@ impl LocalSandbox {
         self.kernels.insert(session, kernel.clone());
         tokio::spawn(reaper.run());
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
-        if let Err(e) = template.send(json!({"op": "go", "id": id})).await {
+        if let Err(e) = server.go(&id).await {
             handle.terminate().await;
-            template.broken.store(true, Ordering::Relaxed);
             return Err(fail(e));
         }
         tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
@@ -619,30 +427,6 @@ impl LocalSandbox {
             && boot::spec_fork_server(spec_raw).unwrap_or(true)
             && !user.name.is_empty()
     }
-}
-
-/// The host pid of the template's child that is `inner` in the sandbox, with a pidfd
-/// opened on it and checked after opening (so the pidfd is that process, not a reuse).
-fn find_child(template: i32, inner: i32) -> Option<(i32, OwnedFd)> {
-    let pid = children_of(template)
-        .into_iter()
-        .find(|pid| namespace_pid(*pid) == Some(inner))?;
-    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: `fd` was just returned by pidfd_open and is owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let still = namespace_pid(pid) == Some(inner) && parent_of(pid) == Some(template);
-    still.then_some((pid, fd))
-}
-
-/// The parent pid of `pid`, from `/proc/<pid>/stat`.
-fn parent_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 fn kill(pid: i32) {

@@ -95,6 +95,7 @@ impl Inner {
             dir: ticket.session_dir.clone(),
             host_dir,
             exec_id: ticket.exec_id.clone(),
+            forked: None,
             leaf,
             limits,
             workspace: self.workspaces.join(&ticket.user),

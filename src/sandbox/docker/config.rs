@@ -1,0 +1,60 @@
+//! The docker sandbox's settings ([`DockerSandboxConfig`]) and their defaults.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{DEFAULT_IMAGE, DEFAULT_SOCKET};
+use crate::sandbox::boot;
+
+/// Settings of the docker sandbox.
+#[derive(Debug, Clone)]
+pub struct DockerSandboxConfig {
+    /// The broker's state directory; workspaces live in `<data_dir>/workspaces-docker`.
+    pub data_dir: PathBuf,
+    /// The daemon's unix socket, as a path or `unix://` URL (Podman:
+    /// `unix:///run/podman/podman.sock`).
+    pub socket: String,
+    /// The kernel image.
+    pub image: String,
+    /// How long a user's container outlives the user's last session.
+    pub container_idle: Duration,
+    /// Where per-user runtime directories go. Default `<data_dir>/run-docker`, unless socket
+    /// paths there would be too long; then `/run/kernel-broker-docker-<hash>` (root) or
+    /// `$XDG_RUNTIME_DIR/...` or `/tmp/kernel-broker-docker-<uid>-<hash>`.
+    pub run_dir: Option<PathBuf>,
+    /// `--keep-sessions`: kernels and containers outlive the broker and are adopted by its
+    /// next run (see [`Sandbox::keeps_kernels`](crate::sandbox::Sandbox::keeps_kernels)).
+    pub keep_kernels: bool,
+    /// Modules the user's fork-server template imports before it forks kernels
+    /// ([`crate::sandbox::boot`], `template.rs`); empty: no template. Default
+    /// [`boot::DEFAULT_PRELOAD`], which the kernel image holds.
+    pub preload: Vec<String>,
+    /// `--fork-server`: kernels forked from a per-user template (`template.rs`).
+    pub fork_server: bool,
+    /// Users' own preload lists (the users file), by user name.
+    pub user_preload: std::collections::HashMap<String, Vec<String>>,
+    /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
+    pub ca_file: Option<PathBuf>,
+}
+
+impl DockerSandboxConfig {
+    /// The defaults for a data directory.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            socket: DEFAULT_SOCKET.to_string(),
+            image: DEFAULT_IMAGE.to_string(),
+            container_idle: Duration::from_secs(300),
+            run_dir: None,
+            keep_kernels: false,
+            // Imported once per user, in the template; kernels share the pages.
+            preload: boot::DEFAULT_PRELOAD
+                .iter()
+                .map(|m| m.to_string())
+                .collect(),
+            fork_server: true,
+            user_preload: std::collections::HashMap::new(),
+            ca_file: None,
+        }
+    }
+}

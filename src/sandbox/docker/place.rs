@@ -1,0 +1,128 @@
+//! A process placed in its own leaf of its user's container cgroup before it runs: a
+//! kernel's exec (see `exec.rs`, "Memory and processes are the kernel's own") and a
+//! fork-server template (`template.rs`). The process's command waits in a shell loop
+//! ([`wait_for_go`]) while the broker (root on the host) finds its host pid, makes the
+//! leaf and moves it there ([`leaf_for`]), then writes the word ([`let_go`]).
+
+use std::path::Path;
+use std::time::Duration;
+
+use bollard::Docker;
+
+use super::daemon::error_text;
+use super::RUN_DIR_INSIDE;
+use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::KernelLimits;
+
+/// The shell loop that waits for the broker's word ([`GO_FILE`] in the session directory).
+pub(super) fn wait_for_go(dir: &str) -> String {
+    format!(
+        "i=0; while [ ! -e {RUN_DIR_INSIDE}/{dir}/{GO_FILE} ]; do i=$((i+1)); \
+         [ $i -gt {GO_ROUNDS} ] && exit {GO_TIMEOUT_EXIT}; sleep 0.02; done; "
+    )
+}
+
+/// The file whose appearance lets the kernel's command start the kernel (see the module
+/// comment); it waits at most [`GO_ROUNDS`] × 20 ms, then exits with [`GO_TIMEOUT_EXIT`].
+const GO_FILE: &str = "go";
+const GO_ROUNDS: u32 = 1500;
+pub(super) const GO_TIMEOUT_EXIT: i64 = 125;
+
+/// Places a started kernel exec into its own leaf of the container's cgroup (see the
+/// module comment), then lets it go. `None`: no leaf (logged); it runs under the
+/// container's limits.
+pub(super) async fn place_kernel(
+    docker: &Docker,
+    exec_id: Option<&str>,
+    host_dir: &Path,
+    session: &str,
+    limits: &KernelLimits,
+) -> Result<Option<Leaf>, String> {
+    let pid = match exec_id {
+        Some(id) => exec_pid(docker, id).await,
+        None => Err("the broker does not run as root".to_string()),
+    };
+    let leaf = match pid {
+        Ok(pid) => {
+            let session = session.to_string();
+            let limits = *limits;
+            tokio::task::spawn_blocking(move || leaf_for(pid, &session, &limits).map(|(_, l)| l))
+                .await
+                .map_err(|e| format!("placing the kernel failed: {e}"))
+                .and_then(|r| r)
+        }
+        Err(e) => Err(e),
+    };
+    let leaf = match leaf {
+        Ok(leaf) => Some(leaf),
+        Err(why) => {
+            warn_once_unplaced(&why);
+            None
+        }
+    };
+    if let Err(e) = let_go(host_dir) {
+        if let Some(leaf) = &leaf {
+            ContainerCgroup::remove_leaf(leaf).await;
+        }
+        return Err(e);
+    }
+    Ok(leaf)
+}
+
+/// Writes the word a command waiting in [`wait_for_go`] waits for.
+pub(super) fn let_go(host_dir: &Path) -> Result<(), String> {
+    let go = host_dir.join(GO_FILE);
+    std::fs::write(&go, b"")
+        .map_err(|e| format!("cannot let the process start ({}): {e}", go.display()))
+}
+
+/// Makes a leaf named `name` with `limits` in the container cgroup of host process `pid`
+/// (not yet in a leaf) and moves `pid` into it; also returns the container's cgroup.
+pub(super) fn leaf_for(
+    pid: i32,
+    name: &str,
+    limits: &KernelLimits,
+) -> Result<(ContainerCgroup, Leaf), String> {
+    let cgroup = ContainerCgroup::of_process(pid)?;
+    let leaf = cgroup
+        .create_leaf(name, limits)
+        .map_err(|e| e.to_string())?;
+    if let Err(e) = ContainerCgroup::enter(&leaf, pid) {
+        for dir in leaf.dirs() {
+            let _ = std::fs::remove_dir(dir);
+        }
+        return Err(e.to_string());
+    }
+    Ok((cgroup, leaf))
+}
+
+/// The host pid of an exec's first process (the daemon knows it once the exec started).
+pub(super) async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, String> {
+    for _ in 0..50 {
+        let exec = docker
+            .inspect_exec(exec_id)
+            .await
+            .map_err(|e| format!("cannot inspect the kernel's exec: {}", error_text(&e)))?;
+        match exec.pid.and_then(|p| i32::try_from(p).ok()) {
+            Some(pid) if pid > 0 => return Ok(pid),
+            _ if exec.running == Some(false) => {
+                return Err("the kernel's exec ended before it was placed".to_string())
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    Err("the daemon did not report the kernel exec's pid".to_string())
+}
+
+/// Kernels without a leaf of their own are worth one warning, not one per launch.
+fn warn_once_unplaced(why: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            reason = %why,
+            "docker kernels run WITHOUT memory and process limits of their own (only the \
+             user's container limits): the broker cannot give them a cgroup leaf"
+        );
+    });
+    tracing::debug!(reason = %why, "kernel not placed in a cgroup leaf");
+}

@@ -1,0 +1,517 @@
+//! Fork-server starts in the Docker backend: per user and kernel spec, a template process
+//! in the user's container that has imported the data stack once; each new kernel of that
+//! user is forked from it and becomes an ordinary ipykernel with its own session directory
+//! (`/run/kernel/<dir>`), connection file, key, sockets, pid and cgroup leaf. The forked
+//! kernels share the template's imported pages copy-on-write.
+//!
+//! The template is an exec in the user's container, as a kernel is (same uid, limits,
+//! workspace, no network): `sh` waits for the broker's word while the broker moves it into a
+//! leaf of the container's cgroup of its own, with no memory limit of its own (the user's
+//! total binds it: forking charges the template for page tables and the pages a child
+//! touches before it is moved out, which grows with the number of kernels; a limit of one
+//! session's size OOM-killed the local template at ~75 forks), then becomes `tini -s --
+//! python kernel_broker_boot.py template --preload ...`. `tini -s` makes what a forked
+//! kernel double-forks an orphan of the template's tini, not of the container's PID 1, so
+//! the reaper exec of a plain kernel of the same user never takes it for its own.
+//!
+//! The exec's stdin and stdout are attached through the Docker API (bollard's attached
+//! `start_exec`: an input writer and a stream of demultiplexed stdout/stderr frames): stdout
+//! frames are the protocol's answers (the shared client, [`crate::sandbox::fork_server`]),
+//! stderr frames (the template's and its kernels' logs) go to the broker's log, cut short.
+//!
+//! A fork: the broker writes the kernel's session directory, asks the template for a
+//! child, finds the child's host pid (the broker is root on the host: among the template's
+//! children, by the last `NSpid`, re-checked through a pidfd), moves it into its own leaf
+//! with the kernel's limits ([`ContainerCgroup::enter`]), then lets it go. The watcher
+//! (`watch.rs`, [`watch_forked`]) sees its end through the pidfd; everything the kernel
+//! started stays in its leaf whatever it is reparented to, so the leaf's removal ends it
+//! all, and nothing else of the container.
+//!
+//! Templates are used only with root (the container's cgroup and host pids are needed)
+//! where leaves can be made (not with a rootless daemon), and not with `--keep-sessions`
+//! (a kept kernel must outlive the broker on its own; a forked one is its template's
+//! child). Whatever goes wrong falls back to a plain start; a template that failed is not
+//! tried again for [`RETRY_AFTER`]. A template ends with its user's container (removed
+//! after `container_idle` with no kernel alive) or when the broker stops.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bollard::container::LogOutput;
+use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::Docker;
+use futures::StreamExt;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{BufReader, Interest};
+use tokio_util::io::StreamReader;
+use uuid::Uuid;
+
+use super::container::ContainerInfo;
+use super::exec::{
+    base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
+};
+use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
+use super::watch::watch_forked;
+use super::{
+    keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
+    WORKSPACE_INSIDE,
+};
+use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
+use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer, RETRY_AFTER};
+use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched};
+use crate::sync::lock;
+
+/// Bytes of one stderr frame of a template kept for the broker's log.
+const MAX_LOG_FRAME: usize = 2000;
+
+/// The templates of the sandbox, by user and kernel spec.
+#[derive(Default)]
+pub(super) struct Templates {
+    slots: Mutex<HashMap<(String, String), SharedSlot>>,
+}
+
+/// One user's and spec's slot; its lock serialises starting the template.
+type SharedSlot = Arc<tokio::sync::Mutex<Slot>>;
+
+#[derive(Default)]
+struct Slot {
+    template: Option<Arc<Template>>,
+    failed_at: Option<Instant>,
+}
+
+impl Templates {
+    fn slot(&self, user: &str, kernel: &str) -> SharedSlot {
+        lock(&self.slots)
+            .entry((user.to_string(), kernel.to_string()))
+            .or_default()
+            .clone()
+    }
+
+    /// Ends the templates of `user` (all users: `None`), e.g. with the user's container.
+    pub async fn end_all(&self, user: Option<&str>) {
+        let slots: Vec<SharedSlot> = lock(&self.slots)
+            .iter()
+            .filter(|((u, _), _)| user.is_none_or(|name| name == u))
+            .map(|(_, s)| s.clone())
+            .collect();
+        for slot in slots {
+            if let Some(t) = slot.lock().await.template.take() {
+                tracing::info!(user = %t.user, "ending the user's fork-server template");
+                t.end().await;
+            }
+        }
+    }
+}
+
+/// One running template.
+struct Template {
+    user: String,
+    /// The container it runs in: a template of a container that was replaced is gone.
+    container_id: String,
+    /// Host pid of the template's Python (its tini's child).
+    host_pid: i32,
+    /// The container's cgroup, where forked kernels' leaves go.
+    cgroup: ContainerCgroup,
+    /// The template's own leaf (no memory limit of its own).
+    leaf: Leaf,
+    /// Its directory on the host (the bootstrap script).
+    host_dir: PathBuf,
+    server: ForkServer,
+}
+
+impl Template {
+    /// Kills the template (its leaf: its sh, tini and Python; its kernels have leaves of
+    /// their own) and removes its leaf and directory.
+    async fn end(&self) {
+        self.server.set_broken();
+        ContainerCgroup::remove_leaf(&self.leaf).await;
+        remove_dir_logged(self.host_dir.clone()).await;
+    }
+}
+
+impl Inner {
+    /// Whether launches of this sandbox may use templates at all.
+    fn forks(&self) -> bool {
+        self.cfg.fork_server && !self.cfg.keep_kernels && self.privileged
+    }
+
+    /// A kernel forked from the user's template (started if there is none: the first
+    /// launch waits for it), or `None`: start it plainly (the reason is logged).
+    pub(super) async fn launch_forked(
+        self: &Arc<Self>,
+        docker: &Docker,
+        container: &Arc<ContainerInfo>,
+        spec: &LaunchSpec,
+    ) -> Option<Launched> {
+        if !self.forks() {
+            return None;
+        }
+        let preload = boot::resolve_preload(
+            self.cfg.user_preload.get(&spec.user.name),
+            &serde_json::Value::Null,
+            &self.cfg.preload,
+        );
+        if preload.is_empty() {
+            return None;
+        }
+        let template = self.template(docker, container, spec, &preload).await?;
+        match self.fork_kernel(&template, docker, container, spec).await {
+            Ok(launched) => {
+                tracing::info!(session = %spec.session_id, user = %spec.user.name, container = %container.name, "kernel forked from the user's template");
+                Some(launched)
+            }
+            Err(e) => {
+                tracing::warn!(session = %spec.session_id, error = %e, "fork failed; starting the kernel plainly");
+                None
+            }
+        }
+    }
+
+    /// The user's working template, started if there is none and the last failure is
+    /// older than [`RETRY_AFTER`].
+    async fn template(
+        &self,
+        docker: &Docker,
+        container: &Arc<ContainerInfo>,
+        spec: &LaunchSpec,
+        preload: &[String],
+    ) -> Option<Arc<Template>> {
+        let user = &spec.user.name;
+        let slot = self.templates.slot(user, &spec.kernel_name);
+        let mut slot = slot.lock().await;
+        if let Some(t) = &slot.template {
+            if t.server.usable() && t.container_id == container.id {
+                return Some(t.clone());
+            }
+            tracing::info!(%user, kernel = %spec.kernel_name, "replacing a template that stopped working");
+            t.end().await;
+            slot.template = None;
+            slot.failed_at = Some(Instant::now());
+        }
+        if slot.failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+            return None;
+        }
+        match self.start_template(docker, container, spec, preload).await {
+            Ok(t) => {
+                let t = Arc::new(t);
+                slot.template = Some(t.clone());
+                slot.failed_at = None;
+                Some(t)
+            }
+            Err(e) => {
+                tracing::warn!(%user, kernel = %spec.kernel_name, error = %e, "the fork-server template did not start; kernels start plainly for now");
+                slot.failed_at = Some(Instant::now());
+                None
+            }
+        }
+    }
+
+    async fn start_template(
+        &self,
+        docker: &Docker,
+        container: &ContainerInfo,
+        spec: &LaunchSpec,
+        preload: &[String],
+    ) -> Result<Template, String> {
+        let user = &spec.user;
+        let started_at = Instant::now();
+        let dir = format!("t{}", &Uuid::new_v4().simple().to_string()[..11]);
+        let host_dir = self.user_run_dir(&user.name).join(&dir);
+        let files = SessionFiles {
+            dir: host_dir.clone(),
+            privileged: self.privileged,
+            connection: None,
+            boot_script: true,
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let started = self
+            .run_template(docker, container, spec, preload, &dir, &host_dir)
+            .await;
+        let (template, ready) = match started {
+            Ok(t) => t,
+            Err(e) => {
+                remove_dir_logged(host_dir).await;
+                return Err(e);
+            }
+        };
+        tracing::info!(
+            user = %user.name,
+            kernel = %spec.kernel_name,
+            container = %container.name,
+            modules = ?ready.modules,
+            threads = ready.threads,
+            import_seconds = ready.seconds,
+            seconds = started_at.elapsed().as_secs_f64(),
+            "fork-server template ready"
+        );
+        Ok(template)
+    }
+
+    /// Starts the template's exec, places it in its leaf, lets it go, and waits for its
+    /// first line.
+    async fn run_template(
+        &self,
+        docker: &Docker,
+        container: &ContainerInfo,
+        spec: &LaunchSpec,
+        preload: &[String],
+        dir: &str,
+        host_dir: &std::path::Path,
+    ) -> Result<(Template, crate::sandbox::fork_server::Ready), String> {
+        let user = &spec.user;
+        let script = format!("{RUN_DIR_INSIDE}/{dir}/{BOOT_SCRIPT_NAME}");
+        // Module names are checked (`boot::is_module_name`): nothing the shell reads.
+        let command = format!(
+            "{wait}exec {TINI_INSIDE} -s -- {}",
+            boot::template_argv(PYTHON_INSIDE, &script, preload).join(" "),
+            wait = wait_for_go(dir),
+        );
+        let exec = docker
+            .create_exec(
+                &container.id,
+                CreateExecOptions {
+                    cmd: Some(vec!["sh".to_string(), "-c".to_string(), command]),
+                    env: Some(base_env(&user.limits)),
+                    working_dir: Some(WORKSPACE_INSIDE.to_string()),
+                    attach_stdin: Some(true),
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| format!("cannot create the template's exec: {}", self.advice(&e)))?;
+        let attached = docker
+            .start_exec(
+                &exec.id,
+                Some(StartExecOptions {
+                    detach: false,
+                    ..Default::default()
+                }),
+            )
+            .await
+            .map_err(|e| format!("cannot start the template: {}", self.advice(&e)))?;
+        let StartExecResults::Attached { output, input } = attached else {
+            return Err("the daemon did not attach the template's stdin and stdout".into());
+        };
+        // Its own leaf before it runs: everything it does is charged there, and its end
+        // (the leaf's removal) takes nothing else along.
+        let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec.id))
+            .await
+            .map_err(|_| "the daemon did not report the template's pid".to_string())??;
+        let limits = KernelLimits {
+            memory_bytes: 0,
+            pids: user.limits.session_pids,
+        };
+        let leaf_name = format!("kb-template-{dir}");
+        let (cgroup, leaf) =
+            tokio::task::spawn_blocking(move || leaf_for(tini, &leaf_name, &limits))
+                .await
+                .map_err(|e| e.to_string())??;
+        let fail = |leaf: Leaf, why: String| async move {
+            ContainerCgroup::remove_leaf(&leaf).await;
+            Err(why)
+        };
+        if let Err(e) = let_go(host_dir) {
+            return fail(leaf, e).await;
+        }
+        let name = format!("{}/{}", user.name, spec.kernel_name);
+        let log_name = name.clone();
+        // stdout frames are the answers; stderr frames go to the log (cut short).
+        let stdout = output.filter_map(move |frame| {
+            let out = match frame {
+                Ok(LogOutput::StdOut { message }) => Some(Ok(message)),
+                Ok(LogOutput::StdErr { message }) => {
+                    let text = &message[..message.len().min(MAX_LOG_FRAME)];
+                    tracing::debug!(template = %log_name, stderr = %String::from_utf8_lossy(text).trim_end(), "template output");
+                    None
+                }
+                Ok(_) => None,
+                Err(e) => Some(Err(std::io::Error::other(e.to_string()))),
+            };
+            std::future::ready(out)
+        });
+        let mut answers = BufReader::new(StreamReader::new(Box::pin(stdout)));
+        let ready = match read_ready(&mut answers).await {
+            Ok(r) => r,
+            Err(e) => return fail(leaf, format!("the template: {e}")).await,
+        };
+        // Its Python is tini's child, `ready.pid` inside the container.
+        let host_pid = crate::sandbox::fork_server::children_of(tini)
+            .into_iter()
+            .find(|pid| namespace_pid(*pid) == Some(ready.pid));
+        let Some(host_pid) = host_pid else {
+            return fail(leaf, "the template's process was not found".into()).await;
+        };
+        let server = ForkServer::new(Box::new(input), answers, name);
+        Ok((
+            Template {
+                user: user.name.clone(),
+                container_id: container.id.clone(),
+                host_pid,
+                cgroup,
+                leaf,
+                host_dir: host_dir.to_path_buf(),
+                server,
+            },
+            ready,
+        ))
+    }
+
+    /// A kernel forked from `template`: its own session directory, connection file, key and
+    /// leaf, watched by [`watch_forked`].
+    async fn fork_kernel(
+        self: &Arc<Self>,
+        template: &Arc<Template>,
+        docker: &Docker,
+        container: &Arc<ContainerInfo>,
+        spec: &LaunchSpec,
+    ) -> Result<Launched, String> {
+        let user = &spec.user;
+        let session = spec.session_id;
+        let dir = keep::session_dir(session);
+        let host_dir = self.user_run_dir(&user.name).join(&dir);
+        let endpoints = endpoints_for(&host_dir)?;
+        let files = SessionFiles {
+            dir: host_dir.clone(),
+            privileged: self.privileged,
+            connection: Some(connection_file(spec, &dir)),
+            boot_script: false,
+        };
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let forked = self
+            .fork_into_leaf(template, spec, &dir)
+            .await
+            .map_err(|e| (e, host_dir.clone()));
+        let (child, host_pid, pidfd, leaf) = match forked {
+            Ok(f) => f,
+            Err((e, dir)) => {
+                remove_dir_logged(dir).await;
+                return Err(e);
+            }
+        };
+        let id = session.to_string();
+        // The watcher's own copy: the kernel's handle keeps the other for interrupts.
+        let watch_fd = pidfd.try_clone().map_err(|e| e.to_string()).and_then(|fd| {
+            // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
+            // AsyncFd that owns it drops it.
+            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+                .map_err(|e| e.to_string())
+        });
+        let watch_fd = match watch_fd {
+            Ok(fd) => fd,
+            Err(e) => {
+                ContainerCgroup::remove_leaf(&leaf).await;
+                template.server.drop_child(&id).await;
+                remove_dir_logged(host_dir).await;
+                return Err(format!("cannot watch the forked kernel: {e}"));
+            }
+        };
+        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
+        let shared = Arc::new(DockerKernel {
+            watch,
+            docker: docker.clone(),
+            container: container.clone(),
+            dir,
+            host_dir,
+            exec_id: String::new(),
+            forked: Some(ForkedPid { host_pid, pidfd }),
+            leaf: Some(leaf),
+            limits: spec.limits,
+            workspace: self.workspace_path(user).map_err(|e| e.to_string())?,
+            quota_bytes: user.limits.workspace_quota_bytes,
+        });
+        self.kernels.insert(session, shared.clone());
+        tokio::spawn(watch_forked(
+            self.clone(),
+            shared.clone(),
+            exit,
+            watch_fd,
+            child.status,
+        ));
+        let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
+        if let Err(e) = template.server.go(&id).await {
+            handle.terminate().await;
+            return Err(e);
+        }
+        Ok(Launched {
+            endpoints,
+            process: Box::new(handle) as Box<dyn KernelProcess>,
+        })
+    }
+
+    /// Asks for the child, finds it on the host and moves it into its own leaf (it waits
+    /// for `go` meanwhile).
+    async fn fork_into_leaf(
+        &self,
+        template: &Template,
+        spec: &LaunchSpec,
+        dir: &str,
+    ) -> Result<
+        (
+            crate::sandbox::fork_server::Child,
+            i32,
+            std::os::fd::OwnedFd,
+            Leaf,
+        ),
+        String,
+    > {
+        let id = spec.session_id.to_string();
+        let connection = format!("{RUN_DIR_INSIDE}/{dir}/connection.json");
+        let args = vec!["-f".to_string(), connection.clone(), HISTORY.to_string()];
+        let env: HashMap<&str, &str> = spec
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let server = &template.server;
+        let child = server.fork(&id, &args, &env, &connection).await?;
+        let Some((host_pid, pidfd)) = find_child(template.host_pid, child.inner_pid) else {
+            server.drop_child(&id).await;
+            server.set_broken();
+            return Err(format!(
+                "the template's child {} is not among its processes",
+                child.inner_pid
+            ));
+        };
+        let (cgroup, limits) = (template.cgroup.clone(), spec.limits);
+        let placed = tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
+            let leaf = cgroup
+                .create_leaf(&id, &limits)
+                .map_err(|e| e.to_string())?;
+            match ContainerCgroup::enter(&leaf, host_pid) {
+                Ok(()) => Ok(leaf),
+                Err(e) => {
+                    for dir in leaf.dirs() {
+                        let _ = std::fs::remove_dir(dir);
+                    }
+                    Err(e.to_string())
+                }
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        match placed {
+            Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
+            Err(e) => {
+                let _ = crate::sandbox::fork_server::pidfd_signal(&pidfd, libc::SIGKILL);
+                server.drop_child(&spec.session_id.to_string()).await;
+                Err(format!(
+                    "cannot move the forked kernel into its cgroup: {e}"
+                ))
+            }
+        }
+    }
+}
