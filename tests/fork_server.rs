@@ -5,19 +5,13 @@
 
 mod common;
 
+use common::forked::{link, links, out, parent_of};
 use common::*;
 use serde_json::{json, Value};
 
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
     a.fork_server = Some(true);
     a.preload = Some("numpy,pandas,matplotlib".into());
-}
-
-/// The text a cell printed (its stdout), trimmed.
-async fn out(api: &Api, id: &str, code: &str) -> String {
-    let v = api.execute(id, code).await;
-    assert_eq!(v["status"], "ok", "{code}: {v}");
-    v["stdout"].as_str().unwrap_or_default().trim().to_string()
 }
 
 /// The host pid of the kernel of `session` (the only process of its cgroup leaf).
@@ -35,28 +29,6 @@ fn host_pid(broker: &Broker, user: &str, session: &str) -> i32 {
         .join("cgroup.procs");
     let text = std::fs::read_to_string(&procs).unwrap();
     text.lines().next().unwrap().trim().parse().unwrap()
-}
-
-fn parent_of(pid: i32) -> i32 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let rest = &stat[stat.rfind(')').unwrap() + 1..];
-    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn link(pid: i32, fd: &str) -> String {
-    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
-/// What the descriptors of `pid` point to (pipes and sockets by inode).
-fn links(pid: i32) -> Vec<String> {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| link(pid, &e.file_name().to_string_lossy()))
-        .filter(|l| l.starts_with("pipe:") || l.starts_with("socket:"))
-        .collect()
 }
 
 /// `(pid, parent pid)` of the kernel process, as seen in its sandbox.
@@ -127,42 +99,7 @@ async fn the_namespace_is_clean_and_the_stack_is_already_there() {
     let broker = Broker::start("local", forking).await;
     let api = broker.api(ALICE);
     let id = api.create().await;
-    let names = out(
-        &api,
-        &id,
-        "print(sorted(k for k in dir() if not k.startswith('_')))",
-    )
-    .await;
-    assert_eq!(
-        names,
-        "['In', 'Out', 'exit', 'get_ipython', 'open', 'quit']"
-    );
-    let who = api.execute(&id, "%who").await;
-    assert_eq!(
-        who["stdout"].as_str().unwrap().trim(),
-        "Interactive namespace is empty."
-    );
-    let loaded = out(
-        &api,
-        &id,
-        "import sys; print(all(m in sys.modules for m in ('numpy', 'pandas', 'matplotlib.pyplot')))",
-    )
-    .await;
-    assert_eq!(loaded, "True");
-    // The inline backend works as in a fresh kernel: a chart arrives as PNG.
-    let v = api
-        .execute(
-            &id,
-            "import matplotlib.pyplot as plt\nplt.plot(range(100))\nplt.show()",
-        )
-        .await;
-    let png = v["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find_map(|o| o["data"]["image/png"].as_str())
-        .unwrap_or_else(|| panic!("no chart: {v}"));
-    assert!(png.starts_with("iVBORw0KGgo"), "{png:.20}");
+    forked::clean_namespace_with_the_stack(&api, &id).await;
     broker.stop().await;
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod fsutil;
 pub mod local;
 pub(crate) mod netns;
 pub mod seccomp;
+pub(crate) mod template_slots;
 pub(crate) mod watched;
 pub(crate) mod workspace_fs;
 

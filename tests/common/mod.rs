@@ -2,6 +2,7 @@
 //! ipykernel) on 127.0.0.1:0 with two users, and small HTTP and WebSocket clients.
 #![allow(dead_code)]
 
+pub mod forked;
 pub mod leftovers;
 pub mod spawned;
 

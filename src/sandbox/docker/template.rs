@@ -36,7 +36,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bollard::container::LogOutput;
@@ -60,11 +60,11 @@ use super::{
 };
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer, RETRY_AFTER};
+use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer};
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched};
-use crate::sync::lock;
 
 /// Bytes of one stderr frame of a template kept for the broker's log.
 const MAX_LOG_FRAME: usize = 2000;
@@ -72,45 +72,18 @@ const MAX_LOG_FRAME: usize = 2000;
 /// The templates of the sandbox, by user and kernel spec.
 #[derive(Default)]
 pub(super) struct Templates {
-    slots: Mutex<HashMap<(String, String), SharedSlot>>,
-}
-
-/// One user's and spec's slot; its lock serialises starting the template.
-type SharedSlot = Arc<tokio::sync::Mutex<Slot>>;
-
-#[derive(Default)]
-struct Slot {
-    template: Option<Arc<Template>>,
-    failed_at: Option<Instant>,
+    slots: TemplateSlots<Template>,
 }
 
 impl Templates {
-    fn slot(&self, user: &str, kernel: &str) -> SharedSlot {
-        lock(&self.slots)
-            .entry((user.to_string(), kernel.to_string()))
-            .or_default()
-            .clone()
-    }
-
     /// Ends the templates of `user` (all users: `None`), e.g. with the user's container.
     pub async fn end_all(&self, user: Option<&str>) {
-        let slots: Vec<SharedSlot> = lock(&self.slots)
-            .iter()
-            .filter(|((u, _), _)| user.is_none_or(|name| name == u))
-            .map(|(_, s)| s.clone())
-            .collect();
-        for slot in slots {
-            if let Some(t) = slot.lock().await.template.take() {
-                tracing::info!(user = %t.user, "ending the user's fork-server template");
-                t.end().await;
-            }
-        }
+        self.slots.end(user, false, || true).await;
     }
 }
 
 /// One running template.
 struct Template {
-    user: String,
     /// The container it runs in: a template of a container that was replaced is gone.
     container_id: String,
     /// Host pid of the template's Python (its tini's child).
@@ -131,6 +104,19 @@ impl Template {
         self.server.set_broken();
         ContainerCgroup::remove_leaf(&self.leaf).await;
         remove_dir_logged(self.host_dir.clone()).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl TemplateHandle for Template {
+    fn usable(&self) -> bool {
+        self.server.usable()
+    }
+    fn has_children(&self) -> bool {
+        self.server.has_children()
+    }
+    async fn end(&self) {
+        Template::end(self).await
     }
 }
 
@@ -181,34 +167,15 @@ impl Inner {
         spec: &LaunchSpec,
         preload: &[String],
     ) -> Option<Arc<Template>> {
-        let user = &spec.user.name;
-        let slot = self.templates.slot(user, &spec.kernel_name);
-        let mut slot = slot.lock().await;
-        if let Some(t) = &slot.template {
-            if t.server.usable() && t.container_id == container.id {
-                return Some(t.clone());
-            }
-            tracing::info!(%user, kernel = %spec.kernel_name, "replacing a template that stopped working");
-            t.end().await;
-            slot.template = None;
-            slot.failed_at = Some(Instant::now());
-        }
-        if slot.failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
-            return None;
-        }
-        match self.start_template(docker, container, spec, preload).await {
-            Ok(t) => {
-                let t = Arc::new(t);
-                slot.template = Some(t.clone());
-                slot.failed_at = None;
-                Some(t)
-            }
-            Err(e) => {
-                tracing::warn!(%user, kernel = %spec.kernel_name, error = %e, "the fork-server template did not start; kernels start plainly for now");
-                slot.failed_at = Some(Instant::now());
-                None
-            }
-        }
+        self.templates
+            .slots
+            .get_or_start(
+                &spec.user.name,
+                &spec.kernel_name,
+                |t| t.container_id == container.id,
+                || self.start_template(docker, container, spec, preload),
+            )
+            .await
     }
 
     async fn start_template(
@@ -354,7 +321,6 @@ impl Inner {
         let server = ForkServer::new(Box::new(input), answers, name);
         Ok((
             Template {
-                user: user.name.clone(),
                 container_id: container.id.clone(),
                 host_pid,
                 cgroup,

@@ -31,6 +31,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use async_trait::async_trait;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{BufReader, Interest};
 use uuid::Uuid;
@@ -42,8 +43,9 @@ use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer, RETRY_AFTER};
+use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer};
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
+use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
     KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
@@ -53,29 +55,13 @@ use crate::sync::lock;
 /// The templates of one sandbox, by user and kernel spec.
 #[derive(Default)]
 pub(super) struct Templates {
-    slots: Mutex<HashMap<(String, String), SharedSlot>>,
+    slots: TemplateSlots<Template>,
     /// Per user, a count of launches: an idle user's templates end only if no launch came
     /// during the grace period.
     launches: Mutex<HashMap<String, u64>>,
 }
 
-/// One user's and spec's slot; its lock serialises starting the template.
-type SharedSlot = Arc<tokio::sync::Mutex<Slot>>;
-
-#[derive(Default)]
-struct Slot {
-    template: Option<Arc<Template>>,
-    failed_at: Option<Instant>,
-}
-
 impl Templates {
-    fn slot(&self, user: &str, kernel: &str) -> SharedSlot {
-        lock(&self.slots)
-            .entry((user.to_string(), kernel.to_string()))
-            .or_default()
-            .clone()
-    }
-
     /// Counts a launch for `user` (see [`Self::end_idle`]).
     pub fn launched(&self, user: &str) -> u64 {
         let mut launches = lock(&self.launches);
@@ -96,34 +82,14 @@ impl Templates {
         if self.launches(user) != launches {
             return;
         }
-        let slots: Vec<SharedSlot> = lock(&self.slots)
-            .iter()
-            .filter(|((u, _), _)| u == user)
-            .map(|(_, s)| s.clone())
-            .collect();
-        for slot in slots {
-            let mut slot = slot.lock().await;
-            let idle = slot
-                .template
-                .as_ref()
-                .is_some_and(|t| !t.server.has_children());
-            if idle && self.launches(user) == launches {
-                if let Some(t) = slot.template.take() {
-                    tracing::info!(user, "ending the idle user's fork-server template");
-                    t.process.terminate().await;
-                }
-            }
-        }
+        self.slots
+            .end(Some(user), true, || self.launches(user) == launches)
+            .await;
     }
 
     /// Ends every template (broker shutdown); their kernels are ended by then.
     pub async fn shutdown(&self) {
-        let slots: Vec<_> = lock(&self.slots).drain().map(|(_, s)| s).collect();
-        for slot in slots {
-            if let Some(t) = slot.lock().await.template.take() {
-                t.process.terminate().await;
-            }
-        }
+        self.slots.end(None, false, || true).await;
     }
 }
 
@@ -136,6 +102,19 @@ pub(super) struct Template {
     /// Its runtime directory on the host (`/run/kernel` inside).
     rundir: PathBuf,
     server: ForkServer,
+}
+
+#[async_trait]
+impl TemplateHandle for Template {
+    fn usable(&self) -> bool {
+        self.server.usable()
+    }
+    fn has_children(&self) -> bool {
+        self.server.has_children()
+    }
+    async fn end(&self) {
+        self.process.terminate().await;
+    }
 }
 
 /// A kernel's launch, resolved against its spec: what a fork needs.
@@ -155,33 +134,15 @@ impl LocalSandbox {
         boot: &Bootable<'_>,
         cgroups: &Arc<Cgroups>,
     ) -> Option<Arc<Template>> {
-        let slot = self.templates.slot(&spec.user.name, &spec.kernel_name);
-        let mut slot = slot.lock().await;
-        if let Some(t) = &slot.template {
-            if t.server.usable() {
-                return Some(t.clone());
-            }
-            tracing::info!(user = %spec.user.name, kernel = %spec.kernel_name, "replacing a template that stopped working");
-            t.process.terminate().await;
-            slot.template = None;
-            slot.failed_at = Some(Instant::now());
-        }
-        if slot.failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
-            return None;
-        }
-        match self.start_template(spec, boot, cgroups).await {
-            Ok(t) => {
-                let t = Arc::new(t);
-                slot.template = Some(t.clone());
-                slot.failed_at = None;
-                Some(t)
-            }
-            Err(e) => {
-                tracing::warn!(user = %spec.user.name, kernel = %spec.kernel_name, error = %e, "the fork-server template did not start; kernels start plainly for now");
-                slot.failed_at = Some(Instant::now());
-                None
-            }
-        }
+        self.templates
+            .slots
+            .get_or_start(
+                &spec.user.name,
+                &spec.kernel_name,
+                |_| true,
+                || self.start_template(spec, boot, cgroups),
+            )
+            .await
     }
 
     async fn start_template(

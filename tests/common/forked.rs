@@ -1,0 +1,73 @@
+//! What the fork-server tests of both backends check the same way: a cell's output, the
+//! host's view of a process (its parent, its descriptors) and a forked kernel's namespace.
+
+use super::Api;
+
+/// The text a cell printed (its stdout), trimmed.
+pub async fn out(api: &Api, id: &str, code: &str) -> String {
+    let v = api.execute(id, code).await;
+    assert_eq!(v["status"], "ok", "{code}: {v}");
+    v["stdout"].as_str().unwrap_or_default().trim().to_string()
+}
+
+pub fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+pub fn link(pid: i32, fd: &str) -> String {
+    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// What the descriptors of `pid` point to (pipes and sockets by inode).
+pub fn links(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| link(pid, &e.file_name().to_string_lossy()))
+        .filter(|l| l.starts_with("pipe:") || l.starts_with("socket:"))
+        .collect()
+}
+
+/// The user's namespace of session `id` is a fresh kernel's, the data stack is already in
+/// `sys.modules`, and the inline backend works as in a fresh kernel: a chart arrives as PNG.
+pub async fn clean_namespace_with_the_stack(api: &Api, id: &str) {
+    let names = out(
+        api,
+        id,
+        "print(sorted(k for k in dir() if not k.startswith('_')))",
+    )
+    .await;
+    assert_eq!(
+        names,
+        "['In', 'Out', 'exit', 'get_ipython', 'open', 'quit']"
+    );
+    let who = api.execute(id, "%who").await;
+    assert_eq!(
+        who["stdout"].as_str().unwrap().trim(),
+        "Interactive namespace is empty."
+    );
+    let loaded = out(
+        api,
+        id,
+        "import sys; print(all(m in sys.modules for m in ('numpy', 'pandas', 'matplotlib.pyplot')))",
+    )
+    .await;
+    assert_eq!(loaded, "True");
+    let v = api
+        .execute(
+            id,
+            "import matplotlib.pyplot as plt\nplt.plot(range(100))\nplt.show()",
+        )
+        .await;
+    let png = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|o| o["data"]["image/png"].as_str())
+        .unwrap_or_else(|| panic!("no chart: {v}"));
+    assert!(png.starts_with("iVBORw0KGgo"), "{png:.20}");
+}
