@@ -144,6 +144,19 @@ struct EgressKernel {
     guard: ServeGuard,
 }
 
+impl EgressKernel {
+    /// The launched kernel, with its listener ending with its handle.
+    fn wrap(launched: Launched, guard: ServeGuard) -> Launched {
+        Launched {
+            endpoints: launched.endpoints,
+            process: Box::new(EgressKernel {
+                inner: launched.process,
+                guard,
+            }),
+        }
+    }
+}
+
 #[async_trait]
 impl KernelProcess for EgressKernel {
     async fn interrupt(&self) -> Result<(), SandboxError> {
@@ -194,13 +207,7 @@ impl Sandbox for EgressSandbox {
             .attach(launched.process.as_ref(), &user, session, port)
             .await
         {
-            Ok(guard) => Ok(Launched {
-                endpoints: launched.endpoints,
-                process: Box::new(EgressKernel {
-                    inner: launched.process,
-                    guard,
-                }),
-            }),
+            Ok(guard) => Ok(EgressKernel::wrap(launched, guard)),
             Err(reason) => {
                 launched.process.terminate().await;
                 Err(super::fsutil::launch_err(&sandbox_user, reason))
@@ -235,13 +242,7 @@ impl Sandbox for EgressSandbox {
             .attach(launched.process.as_ref(), &user, session, port)
             .await
         {
-            Ok(guard) => Ok(Launched {
-                endpoints: launched.endpoints,
-                process: Box::new(EgressKernel {
-                    inner: launched.process,
-                    guard,
-                }),
-            }),
+            Ok(guard) => Ok(EgressKernel::wrap(launched, guard)),
             Err(why) => {
                 tracing::warn!(%session, user, why, "adopted kernel runs without egress");
                 Ok(launched)
