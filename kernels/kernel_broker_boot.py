@@ -1,11 +1,7 @@
 """kernel-broker's kernel bootstrap: kernels born with the data stack already imported.
 
-The broker writes this file into a kernel's runtime directory and runs it with the kernel
-spec's Python, in one of two modes:
-
-``direct --preload M,N -- ARGS``
-    Imports the modules, then runs ``ipykernel`` with ``ARGS`` (what ``python -m
-    ipykernel_launcher ARGS`` would do). A plain start with the stack preloaded.
+The broker writes this file into a template's runtime directory and runs it with the
+kernel spec's Python:
 
 ``template --preload M,N``
     The fork server of one user and kernel spec, inside that user's sandbox. Imports the
@@ -380,28 +376,21 @@ def request_id(line):
 
 def parse(argv):
     mode = argv[0] if argv else ""
-    modules, rest = [], []
+    modules = []
     i = 1
     while i < len(argv):
         if argv[i] == "--preload" and i + 1 < len(argv):
             modules = [m for m in argv[i + 1].split(",") if m]
             i += 2
-        elif argv[i] == "--":
-            rest = argv[i + 1 :]
-            break
         else:
             raise SystemExit("kernel-broker boot: unknown argument %r" % argv[i])
-    return mode, modules, rest
+    return mode, modules
 
 
 def main():
-    mode, modules, rest = parse(sys.argv[1:])
-    if mode == "direct":
-        preload(modules)
-        run_kernel(rest)
-        return
+    mode, modules = parse(sys.argv[1:])
     if mode != "template":
-        raise SystemExit("kernel-broker boot: the mode is 'direct' or 'template'")
+        raise SystemExit("kernel-broker boot: the only mode is 'template'")
     start = time.monotonic()
     # stdout is the broker's control channel: nothing else may write to it, so what a
     # module prints while it is imported goes to stderr.

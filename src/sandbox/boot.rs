@@ -39,20 +39,6 @@ pub fn ipykernel_args(argv: &[String]) -> Option<(&str, &[String])> {
     .then(|| (python.as_str(), &argv[at + 2..]))
 }
 
-/// `python <script> direct --preload M,N -- ARGS`: a plain start with the modules imported.
-pub fn direct_argv(python: &str, script: &str, preload: &[String], args: &[String]) -> Vec<String> {
-    let mut argv = vec![
-        python.to_string(),
-        script.to_string(),
-        "direct".to_string(),
-        "--preload".to_string(),
-        preload.join(","),
-        "--".to_string(),
-    ];
-    argv.extend(args.iter().cloned());
-    argv
-}
-
 /// `python <script> template --preload M,N`: a fork server.
 pub fn template_argv(python: &str, script: &str, preload: &[String]) -> Vec<String> {
     vec![
@@ -138,20 +124,6 @@ mod tests {
 
     #[test]
     fn argv_shapes() {
-        let pre = strings(&["numpy", "pandas"]);
-        assert_eq!(
-            direct_argv("/py", "/run/kernel/b.py", &pre, &strings(&["-f", "c"])),
-            strings(&[
-                "/py",
-                "/run/kernel/b.py",
-                "direct",
-                "--preload",
-                "numpy,pandas",
-                "--",
-                "-f",
-                "c"
-            ])
-        );
         assert_eq!(
             template_argv("/py", "/b.py", &[]),
             strings(&["/py", "/b.py", "template", "--preload", ""])

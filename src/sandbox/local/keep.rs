@@ -16,7 +16,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -171,13 +171,7 @@ pub(super) fn open_pidfd(pid: i32, start: u64) -> Option<OwnedFd> {
     if pid <= 0 {
         return None;
     }
-    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: `fd` was just returned by pidfd_open and is owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let fd = crate::sandbox::fork_server::pidfd_open(pid).ok()?;
     (start_time(pid) == Some(start)).then_some(fd)
 }
 
