@@ -98,14 +98,16 @@ pub(super) fn leaf_for(
 
 /// The host pid of an exec's first process (the daemon knows it once the exec started).
 pub(super) async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, String> {
-    for _ in 0..50 {
+    // An attached exec's start returns once the streams are attached, maybe before its
+    // process runs: until then the daemon reports it neither running nor exited.
+    for _ in 0..250 {
         let exec = docker
             .inspect_exec(exec_id)
             .await
             .map_err(|e| format!("cannot inspect the kernel's exec: {}", error_text(&e)))?;
         match exec.pid.and_then(|p| i32::try_from(p).ok()) {
             Some(pid) if pid > 0 => return Ok(pid),
-            _ if exec.running == Some(false) => {
+            _ if exec.running == Some(false) && exec.exit_code.is_some() => {
                 return Err("the kernel's exec ended before it was placed".to_string())
             }
             _ => tokio::time::sleep(Duration::from_millis(20)).await,

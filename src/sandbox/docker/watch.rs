@@ -89,23 +89,49 @@ pub(super) async fn watch_forked(
         ForkedEnd::Gone => match forked_status(&pidfd, &mut status).await {
             Ok(s) => forked_reason(&docker, &shared, s.into_raw()).await,
             // Its template went first (with the container, most likely).
-            Err(e) => container_reason(&docker, &shared.container)
+            Err(e) => {
+                settled_reason(&docker, &shared.container, || {
+                    ExitReason::Lost(format!("the forked kernel ended: {e}"))
+                })
                 .await
-                .unwrap_or_else(|| ExitReason::Lost(format!("the forked kernel ended: {e}"))),
+            }
         },
         ForkedEnd::TemplateLost => {
             kill_leaf(&shared).await;
-            container_reason(&docker, &shared.container)
-                .await
-                .unwrap_or_else(|| {
-                    ExitReason::Lost("its fork-server template stopped working".to_string())
-                })
+            settled_reason(&docker, &shared.container, || {
+                ExitReason::Lost("its fork-server template stopped working".to_string())
+            })
+            .await
         }
     };
     let reason = shared.watch.reason_or_terminated(reason);
     // Nothing to reap one by one: the leaf's removal kills what is left.
     end_kernel(&inner, &shared, &reason, true).await;
     exit.publish(reason);
+}
+
+/// How long the daemon is given to report a container's end after its processes died.
+const CONTAINER_SETTLE: Duration = Duration::from_secs(3);
+
+/// Why a forked kernel ended whose template went without its status: the container's end
+/// if that is what took them (a removal kills the processes before the daemon reports the
+/// container stopped or gone, so it is asked again for [`CONTAINER_SETTLE`]), else
+/// `otherwise()`.
+async fn settled_reason(
+    docker: &Docker,
+    container: &ContainerInfo,
+    otherwise: impl FnOnce() -> ExitReason,
+) -> ExitReason {
+    let deadline = Instant::now() + CONTAINER_SETTLE;
+    loop {
+        if let Some(reason) = container_reason(docker, container).await {
+            return reason;
+        }
+        if Instant::now() >= deadline {
+            return otherwise();
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A forked kernel's raw wait status as an exec's exit code (signal N is 128 + N), then
