@@ -12,16 +12,22 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 
-use super::fork_server::RETRY_AFTER;
+use super::fork_server::{ForkServer, RETRY_AFTER};
 use crate::sync::lock;
 
 /// What the slots need of a backend's running template.
 #[async_trait]
 pub(crate) trait TemplateHandle: Send + Sync + 'static {
+    /// Its protocol client.
+    fn server(&self) -> &ForkServer;
     /// Whether it still answers forks.
-    fn usable(&self) -> bool;
+    fn usable(&self) -> bool {
+        self.server().usable()
+    }
     /// Whether a kernel forked from it is alive.
-    fn has_children(&self) -> bool;
+    fn has_children(&self) -> bool {
+        self.server().has_children()
+    }
     /// Ends it (its kernels have ends of their own).
     async fn end(&self);
 }

@@ -71,3 +71,25 @@ pub async fn clean_namespace_with_the_stack(api: &Api, id: &str) {
         .unwrap_or_else(|| panic!("no chart: {v}"));
     assert!(png.starts_with("iVBORw0KGgo"), "{png:.20}");
 }
+
+/// A forked kernel of session `id` cannot open its template's (pid `template` in the
+/// sandbox) control channel through /proc, since the template is non-dumpable; being the
+/// same uid, it may kill it, and then ends with it (`ok` or `dead`).
+pub async fn kernel_attacks_its_template(api: &Api, id: &str, template: impl std::fmt::Display) {
+    let attack = out(
+        api,
+        id,
+        &format!(
+            "import os\nfor fd in ('0', '1', '3'):\n    try:\n        os.open('/proc/{template}/fd/' + fd, os.O_WRONLY)\n        print('opened', fd)\n    except OSError as e:\n        print('refused', e.errno)"
+        ),
+    )
+    .await;
+    assert!(!attack.contains("opened"), "{attack}");
+    let v = api
+        .execute(
+            id,
+            &format!("import os, signal; os.kill({template}, signal.SIGKILL)"),
+        )
+        .await;
+    assert!(matches!(v["status"].as_str(), Some("ok" | "dead")), "{v}");
+}

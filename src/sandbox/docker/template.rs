@@ -109,11 +109,8 @@ impl Template {
 
 #[async_trait::async_trait]
 impl TemplateHandle for Template {
-    fn usable(&self) -> bool {
-        self.server.usable()
-    }
-    fn has_children(&self) -> bool {
-        self.server.has_children()
+    fn server(&self) -> &ForkServer {
+        &self.server
     }
     async fn end(&self) {
         Template::end(self).await

@@ -106,11 +106,8 @@ pub(super) struct Template {
 
 #[async_trait]
 impl TemplateHandle for Template {
-    fn usable(&self) -> bool {
-        self.server.usable()
-    }
-    fn has_children(&self) -> bool {
-        self.server.has_children()
+    fn server(&self) -> &ForkServer {
+        &self.server
     }
     async fn end(&self) {
         self.process.terminate().await;
