@@ -241,6 +241,9 @@ pub struct ServeArgs {
     /// Refuse to start when cgroup limits cannot be enforced [default: true]
     #[arg(long, env = "KERNEL_BROKER_REQUIRE_LIMITS")]
     pub require_limits: Option<bool>,
+    /// Seconds the local sandbox may take to start a kernel before the launch fails [default: 30]
+    #[arg(long, env = "KERNEL_BROKER_LAUNCH_TIMEOUT")]
+    pub launch_timeout: Option<u64>,
     /// Docker Engine socket [default: /var/run/docker.sock]
     #[arg(long, env = "KERNEL_BROKER_DOCKER_SOCKET")]
     pub docker_socket: Option<String>,

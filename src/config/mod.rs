@@ -456,6 +456,9 @@ fn local_config(
     c.python = either!(args, file, python).unwrap_or(c.python);
     c.uid_base = either!(args, file, uid_base).unwrap_or(c.uid_base);
     c.require_limits = either!(args, file, require_limits).unwrap_or(c.require_limits);
+    if let Some(secs) = either!(args, file, launch_timeout) {
+        c.launch_timeout = std::time::Duration::from_secs(secs.max(1));
+    }
     c.cgroup_name = either!(args, file, cgroup_name).unwrap_or(c.cgroup_name);
     c
 }

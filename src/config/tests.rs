@@ -49,6 +49,7 @@ container_idle = 9
     assert_eq!(s.local.cgroup_name, cgroup);
     assert!(s.local.cgroup_name.starts_with("kernel-broker-"));
     assert!(s.local.require_limits);
+    assert_eq!(s.local.launch_timeout, Duration::from_secs(30));
     assert_eq!(s.docker.image, "img:1");
     assert_eq!(s.docker.container_idle, Duration::from_secs(9));
     assert_eq!(s.docker.socket, "/var/run/docker.sock");
@@ -274,6 +275,7 @@ fn brokers_with_different_data_directories_get_their_own_cgroup_and_uids() {
         data_dir: Some("/var/lib/broker-a".into()),
         uid_base: Some(300_000),
         cgroup_name: Some("mine".into()),
+        launch_timeout: Some(180),
         ..Default::default()
     };
     let s = Settings::resolve(args, Some("tok-123456".into())).unwrap();
@@ -281,6 +283,7 @@ fn brokers_with_different_data_directories_get_their_own_cgroup_and_uids() {
         (s.local.cgroup_name.as_str(), s.local.uid_base),
         ("mine", 300_000)
     );
+    assert_eq!(s.local.launch_timeout, Duration::from_secs(180));
 }
 
 /// Network policies: the default (`--egress`), a user's own list replacing it, `[]` for

@@ -112,6 +112,10 @@ impl Broker {
             cgroup_name: Some(format!("{CGROUP_PREFIX}{}", uuid::Uuid::new_v4().simple())),
             // Tests count kernels and runtime directories; the pool is tested on its own.
             pool_size: Some(0),
+            // Emulated hosts (scripts/vm without KVM) start kernels many times slower.
+            launch_timeout: std::env::var("KERNEL_BROKER_LAUNCH_TIMEOUT")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             sandbox: Some(match sandbox {
                 "docker" => kernel_broker::config::SandboxKind::Docker,
                 _ => kernel_broker::config::SandboxKind::Local,

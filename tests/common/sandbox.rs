@@ -57,9 +57,19 @@ fn init_tracing() {
 
 /// Why this machine cannot run the local sandbox, if it cannot.
 pub fn local_skip_reason() -> Option<String> {
-    // SAFETY: geteuid(2) cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root (kernels switch uid and use cgroups)".into());
+    if !is_root() {
+        // An unprivileged broker needs a cgroup v2 subtree delegated to it (systemd's
+        // `Delegate=yes`; `scripts/vm --user` runs the tests that way).
+        let delegated = delegated_cgroup()
+            .map(|d| d.join("cgroup.subtree_control"))
+            .is_some_and(|f| std::fs::OpenOptions::new().write(true).open(f).is_ok());
+        if !delegated {
+            return Some(
+                "not running as root, and the test's own cgroup is not a cgroup v2 \
+                 subtree delegated to it (run as root, or as a user under `scripts/vm --user`)"
+                    .into(),
+            );
+        }
     }
     if !Path::new("/usr/bin/bwrap").exists()
         && Command::new("bwrap").arg("--version").output().is_err()
@@ -70,6 +80,25 @@ pub fn local_skip_reason() -> Option<String> {
         return Some("kernels/.venv is missing (run kernels/setup.sh)".into());
     }
     None
+}
+
+pub fn euid() -> u32 {
+    // SAFETY: geteuid(2) cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+pub fn is_root() -> bool {
+    euid() == 0
+}
+
+/// The test process's own cgroup v2 directory, the one an unprivileged sandbox's tree hangs
+/// off (its delegated cgroup). Once the sandbox enables controllers there it moves itself
+/// into a `broker` leaf below it: the directory above that leaf is meant then.
+pub fn delegated_cgroup() -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let own = text.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
+    let own = own.strip_suffix("/broker").unwrap_or(own);
+    Some(Path::new("/sys/fs/cgroup").join(own.trim_start_matches('/')))
 }
 
 /// Why this machine cannot run the docker sandbox, if it cannot.
@@ -235,6 +264,11 @@ pub fn cgroup_bases(name: &str) -> Vec<PathBuf> {
         }
     }
     match v2 {
+        // Unprivileged, the tree hangs off the broker's own delegated cgroup.
+        Some(_) if !is_root() => delegated_cgroup()
+            .map(|d| d.join(name))
+            .into_iter()
+            .collect(),
         Some(v2) => vec![v2],
         None => v1,
     }
@@ -338,6 +372,8 @@ impl Harness {
     /// The host uid (and gid) the user's kernels run as.
     pub fn kernel_uid(&self, user: &SandboxUser) -> u32 {
         match self {
+            // Unprivileged, kernels run as the broker's own uid (in a user namespace).
+            Harness::Local(_) if !is_root() => euid(),
             Harness::Local(_) => UID_BASE + user.index + 1,
             Harness::Docker(_) => DOCKER_KERNEL_UID,
         }

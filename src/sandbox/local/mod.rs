@@ -102,6 +102,9 @@ pub struct LocalSandboxConfig {
     pub uid_base: u32,
     /// Refuse to run without cgroup limits (when false, only warn).
     pub require_limits: bool,
+    /// How long a kernel may take to start before the launch fails (30 s; slow or
+    /// emulated hosts need more).
+    pub launch_timeout: std::time::Duration,
     /// More host paths to show read-only in the sandbox, at the same place.
     pub extra_ro_binds: Vec<PathBuf>,
     /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
@@ -148,6 +151,7 @@ impl LocalSandboxConfig {
             kernels_dir,
             uid_base,
             require_limits: true,
+            launch_timeout: std::time::Duration::from_secs(30),
             extra_ro_binds: Vec::new(),
             ca_file: None,
             run_dir: None,
@@ -465,6 +469,10 @@ impl LocalSandbox {
 impl Sandbox for LocalSandbox {
     fn name(&self) -> &'static str {
         BACKEND
+    }
+
+    fn launch_timeout(&self) -> std::time::Duration {
+        self.cfg.launch_timeout
     }
 
     async fn check(&self) -> Result<(), SandboxError> {
