@@ -7,6 +7,13 @@
 //! `U` option, which gives the tmpfs to the container's user (the `kernel` user, uid 1000,
 //! or what it maps to in a rootless Podman's user namespace). Docker passes options to
 //! mount(2) unchanged and knows no `U`.
+//!
+//! The other: Podman (4.3) never updates a detached exec session after its process ends
+//! while no client is attached: `GET /exec/{id}/json` keeps answering `Running: true`,
+//! `ExitCode: 0` and the old pid (its conmon writes the exit code to a file of Podman's own
+//! storage that the API does not read back). A kernel that ended while no broker watched it
+//! (`--keep-sessions`) is therefore found dead by its pid ([`exec_process_gone`]), and how it
+//! ended is not known (see `watch::classify_unreported_end`).
 
 use bollard::models::SystemVersion;
 
@@ -53,6 +60,18 @@ impl Engine {
     }
 }
 
+/// Whether the process a daemon reports for an exec (a host pid) is gone: no such process,
+/// or one that is not in the container's pid namespace (`init_pid`: the container's init),
+/// which is a reused pid. Unknown (a `/proc` entry unreadable) counts as not gone.
+pub fn exec_process_gone(pid: i64, init_pid: i32) -> bool {
+    let ns = |pid: i64| std::fs::read_link(format!("/proc/{pid}/ns/pid"));
+    match (ns(pid), ns(i64::from(init_pid))) {
+        (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => true,
+        (Ok(exec), Ok(init)) => exec != init,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,6 +101,16 @@ mod tests {
         let docker = version(&["Engine", "containerd", "runc", "docker-init"]);
         assert_eq!(Engine::of(&docker), Engine::Docker);
         assert_eq!(Engine::of(&SystemVersion::default()), Engine::Docker);
+    }
+
+    #[test]
+    fn an_exec_pid_is_gone_when_missing_or_outside_the_container() {
+        let me = i64::from(std::process::id());
+        let init = i32::try_from(me).unwrap_or(1);
+        // Alive, and in the same pid namespace as the "init" given.
+        assert!(!exec_process_gone(me, init));
+        // No such process (above pid_max, which is at most 2^22).
+        assert!(exec_process_gone(1 << 23, init));
     }
 
     #[test]
