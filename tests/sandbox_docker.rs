@@ -10,7 +10,6 @@
 #[path = "common/sandbox.rs"]
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::{

@@ -14,6 +14,7 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use kernel_broker::config::{ServeArgs, Settings};
 
+#[allow(unused_imports)] // not every test binary asks which engine runs
 pub use engine::{docker_cli, docker_socket, is_podman};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;

@@ -15,6 +15,7 @@
 #[path = "engine.rs"]
 pub mod engine;
 
+#[allow(unused_imports)] // not every test binary asks which engine runs
 pub use engine::{docker_cli, docker_socket, is_podman};
 
 use std::collections::BTreeSet;
