@@ -5,6 +5,9 @@
 #      (cached as a tarball under $KB_CACHE_DIR, so reruns skip this step),
 #   2. `docker import` it as kernel-broker/debian-base:bookworm,
 #   3. `docker build` docker/Dockerfile on top of it (BASE build arg).
+# With KB_ENGINE=podman, steps 2 and 3 are `podman import` and `podman build` into
+# Podman's own image store (the one `podman system service` serves; rootful when run as
+# root). A shortcut when Docker already holds the image: `docker save IMAGE | podman load`.
 #
 # Usage: docker/build-offline.sh [--print-hash]
 #   --print-hash   print the inputs hash the image gets labelled with, and exit.
@@ -18,8 +21,10 @@
 #   KB_BUILD_CA_FILE    CA bundle pip uses inside the build (default: docker/build-ca.crt,
 #                       else $PIP_CERT, $SSL_CERT_FILE, /etc/ssl/certs/ca-certificates.crt)
 #   KB_IMAGE            image to build (default kernel-broker/python-kernel:latest)
+#   KB_ENGINE           docker (default) or podman: the engine whose image store gets it
 #
-# Needs root (debootstrap), debootstrap and a running docker daemon.
+# Needs root (debootstrap), debootstrap and a running docker daemon (KB_ENGINE=docker)
+# or the podman CLI (KB_ENGINE=podman).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,6 +38,11 @@ CACHE_DIR="${KB_CACHE_DIR:-/var/cache/kernel-broker}"
 ARCH="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
 TARBALL="$CACHE_DIR/debian-${SUITE}-minbase-${ARCH}.tar"
 HASH_LABEL="org.kernel-broker.inputs-hash"
+ENGINE="${KB_ENGINE:-docker}"
+case "$ENGINE" in
+    docker | podman) ;;
+    *) echo "KB_ENGINE must be docker or podman, not '$ENGINE'" >&2; exit 2 ;;
+esac
 
 log() { printf '[build-offline] %s\n' "$*" >&2; }
 
@@ -135,7 +145,11 @@ EOF
     rm -rf "$dir"
 }
 
-docker info >/dev/null 2>&1 || { log "docker daemon not reachable (run .ci/docker-setup.sh)"; exit 1; }
+if [[ "$ENGINE" == docker ]]; then
+    docker info >/dev/null 2>&1 || { log "docker daemon not reachable (run .ci/docker-setup.sh)"; exit 1; }
+else
+    podman info >/dev/null 2>&1 || { log "podman not usable (apt-get install -y podman; see .ci/podman.sh)"; exit 1; }
+fi
 
 start=$(date +%s)
 
@@ -146,12 +160,12 @@ else
 fi
 
 rootfs_sha="$(sha256sum "$TARBALL" | cut -c1-64)"
-have_sha="$(docker image inspect -f "{{ index .Config.Labels \"org.kernel-broker.rootfs-sha256\" }}" "$BASE_IMAGE" 2>/dev/null || true)"
+have_sha="$("$ENGINE" image inspect -f "{{ index .Config.Labels \"org.kernel-broker.rootfs-sha256\" }}" "$BASE_IMAGE" 2>/dev/null || true)"
 if [[ "$have_sha" == "$rootfs_sha" ]]; then
     log "$BASE_IMAGE is up to date"
 else
-    log "docker import -> $BASE_IMAGE"
-    docker import \
+    log "$ENGINE import -> $BASE_IMAGE"
+    "$ENGINE" import \
         --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         --change 'CMD ["bash"]' \
         --change "LABEL org.kernel-broker.rootfs-sha256=$rootfs_sha org.kernel-broker.debian-mirror=$MIRROR" \
@@ -181,14 +195,15 @@ fi
 hash="$(inputs_hash)"
 # docker >= 23 clients route `docker build` to buildx; fall back to the classic
 # builder when the buildx plugin is missing (as with Debian's docker.io).
+# Podman builds with buildah, which has no such split (and --force-rm is its default).
 build_flags=()
-if ! docker buildx version >/dev/null 2>&1; then
+if [[ "$ENGINE" == docker ]] && ! docker buildx version >/dev/null 2>&1; then
     export DOCKER_BUILDKIT=0
     # don't leave intermediate containers behind when a step fails
     build_flags+=(--force-rm)
 fi
-log "docker build -> $IMAGE (inputs hash ${hash:0:12})"
-docker build "${build_flags[@]}" \
+log "$ENGINE build -> $IMAGE (inputs hash ${hash:0:12})"
+"$ENGINE" build "${build_flags[@]}" \
     --build-arg "BASE=$BASE_IMAGE" \
     --label "$HASH_LABEL=$hash" \
     -f "$ctx/docker/Dockerfile" \
@@ -196,10 +211,11 @@ docker build "${build_flags[@]}" \
     "$ctx"
 
 # Drop the hash tags of earlier builds (an image still used by a container stays).
-for old in $(docker image ls --format '{{.Repository}}:{{.Tag}}' "$IMAGE_REPO"); do
-    if [[ "$old" =~ :[0-9a-f]{12}$ && "$old" != "$IMAGE_REPO:${hash:0:12}" ]]; then
-        docker rmi "$old" >/dev/null 2>&1 || true
+# (Podman lists local images as localhost/<name>; the suffix test covers both.)
+for old in $("$ENGINE" image ls --format '{{.Repository}}:{{.Tag}}' "$IMAGE_REPO"); do
+    if [[ "$old" =~ :[0-9a-f]{12}$ && "$old" != *"$IMAGE_REPO:${hash:0:12}" ]]; then
+        "$ENGINE" rmi "$old" >/dev/null 2>&1 || true
     fi
 done
 
-log "done in $(( $(date +%s) - start ))s: $IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+log "done in $(( $(date +%s) - start ))s: $IMAGE ($("$ENGINE" image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"

@@ -14,7 +14,6 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -179,7 +178,7 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory(backend: &
             Harness::Docker(d) => {
                 // The process is gone from the container; the container itself stays.
                 let name = d.sandbox.container_name("alice");
-                let out = Command::new("docker")
+                let out = common::docker_cli()
                     .args([
                         "exec",
                         &name,

@@ -10,7 +10,6 @@
 #[path = "common/sandbox.rs"]
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::{
@@ -32,7 +31,7 @@ fn live_pids(container: &str) -> Vec<u32> {
                   \x20       try: stat = open('/proc/%s/stat' % d).read()\n\
                   \x20       except OSError: continue\n\
                   \x20       if stat[stat.rindex(')') + 2] != 'Z': print(d)";
-    let out = Command::new("docker")
+    let out = common::docker_cli()
         .args(["exec", container, "python", "-I", "-S", "-c", script])
         .output()
         .expect("docker exec");
@@ -224,7 +223,7 @@ async fn a_lost_container_is_reported_to_its_kernels() {
         let alice = user("alice", 0, UserLimits::default());
         let k = start(&h.sandbox, &alice).await;
         let name = h.sandbox.container_name("alice");
-        let out = Command::new("docker")
+        let out = common::docker_cli()
             .args(["rm", "-f", &name])
             .output()
             .unwrap();
@@ -250,7 +249,7 @@ async fn shutdown_removes_every_container_and_check_sweeps_leftovers() {
         let leftover = format!("{}-stale", h.sandbox.container_name("old"));
         let other = format!("kb-test-other-{}", Uuid::new_v4().simple());
         for (name, hash) in [(&leftover, h.sandbox.data_dir_hash()), (&other, "0000beef")] {
-            let out = Command::new("docker")
+            let out = common::docker_cli()
                 .args([
                     "create",
                     "--name",
@@ -271,13 +270,13 @@ async fn shutdown_removes_every_container_and_check_sweeps_leftovers() {
         }
         h.sandbox.check().await.expect("check");
         assert!(h.containers().is_empty(), "the leftover survived check()");
-        let other_exists = Command::new("docker")
+        let other_exists = common::docker_cli()
             .args(["inspect", &other])
             .output()
             .unwrap()
             .status
             .success();
-        let _ = Command::new("docker").args(["rm", "-f", &other]).output();
+        let _ = common::docker_cli().args(["rm", "-f", &other]).output();
         assert!(other_exists, "check() removed another broker's container");
 
         let alice = user("alice", 0, UserLimits::default());
@@ -339,7 +338,7 @@ async fn a_missing_image_makes_check_fail_with_advice() {
 
 /// Container memory as `docker stats` reports it, in MiB.
 fn container_mem_mib(name: &str) -> f64 {
-    let out = Command::new("docker")
+    let out = common::docker_cli()
         .args(["stats", "--no-stream", "--format", "{{.MemUsage}}", name])
         .output()
         .unwrap();

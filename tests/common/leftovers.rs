@@ -67,16 +67,14 @@ pub fn remove_containers(data_dir: &Path) {
         kernel_broker::sandbox::docker::LABEL_DATA_DIR,
         data_dir.display()
     );
-    let Ok(out) = std::process::Command::new("docker")
+    let Ok(out) = super::docker_cli()
         .args(["ps", "-aq", "--filter", &label])
         .output()
     else {
         return;
     };
     for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-        let _ = std::process::Command::new("docker")
-            .args(["rm", "-f", id])
-            .output();
+        let _ = super::docker_cli().args(["rm", "-f", id]).output();
     }
 }
 

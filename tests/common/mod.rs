@@ -2,6 +2,7 @@
 //! ipykernel) on 127.0.0.1:0 with two users, and small HTTP and WebSocket clients.
 #![allow(dead_code)]
 
+pub mod engine;
 pub mod forked;
 pub mod leftovers;
 pub mod spawned;
@@ -12,6 +13,9 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use kernel_broker::config::{ServeArgs, Settings};
+
+#[allow(unused_imports)] // not every test binary asks which engine runs
+pub use engine::{docker_cli, docker_socket, is_podman};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
@@ -120,6 +124,7 @@ impl Broker {
                 "docker" => kernel_broker::config::SandboxKind::Docker,
                 _ => kernel_broker::config::SandboxKind::Local,
             }),
+            docker_socket: (sandbox == "docker").then(docker_socket),
             ..Default::default()
         };
         tweak(&mut args);
@@ -359,7 +364,7 @@ pub fn runtime_dirs(sandbox: &str, data_dir: &std::path::Path) -> usize {
 /// as skipped, never counted as passed. `scripts/test` leaves the Docker tests out where
 /// Docker is missing (nextest's `no-docker` profile), so nextest counts them as skipped.
 pub fn docker_ready() -> bool {
-    let ok = std::process::Command::new("docker")
+    let ok = docker_cli()
         .args(["image", "inspect", "kernel-broker/python-kernel:latest"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

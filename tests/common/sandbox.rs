@@ -12,6 +12,12 @@
 //! `no-docker` profile, `.config/nextest.toml`), and nextest reports them as skipped.
 #![allow(dead_code)]
 
+#[path = "engine.rs"]
+pub mod engine;
+
+#[allow(unused_imports)] // not every test binary asks which engine runs
+pub use engine::{docker_cli, docker_socket, is_podman};
+
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -103,11 +109,11 @@ pub fn delegated_cgroup() -> Option<PathBuf> {
 
 /// Why this machine cannot run the docker sandbox, if it cannot.
 pub fn docker_skip_reason() -> Option<String> {
-    match Command::new("docker").arg("info").output() {
+    match docker_cli().arg("info").output() {
         Ok(out) if out.status.success() => {}
         _ => return Some("no docker daemon".into()),
     }
-    match Command::new("docker")
+    match docker_cli()
         .args(["image", "inspect", DEFAULT_IMAGE])
         .output()
     {
@@ -299,6 +305,7 @@ impl DockerHarness {
         }
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cfg = DockerSandboxConfig::new(dir.path().join("data"));
+        cfg.socket = docker_socket();
         tweak(&mut cfg);
         let sandbox = DockerSandbox::new(cfg).expect("DockerSandbox::new");
         Some(Self { sandbox, _dir: dir })
@@ -313,7 +320,7 @@ impl DockerHarness {
 
     /// Names of this harness's containers (running or not).
     pub fn containers(&self) -> Vec<String> {
-        let out = Command::new("docker")
+        let out = docker_cli()
             .args([
                 "ps",
                 "-a",
@@ -340,7 +347,7 @@ impl DockerHarness {
 impl Drop for DockerHarness {
     fn drop(&mut self) {
         for name in self.containers() {
-            let _ = Command::new("docker").args(["rm", "-f", &name]).output();
+            let _ = docker_cli().args(["rm", "-f", &name]).output();
         }
     }
 }

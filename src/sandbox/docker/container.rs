@@ -21,6 +21,7 @@ use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
 
 use super::daemon::status_of;
+use super::engine::Engine;
 use super::{
     unavailable, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
     KERNEL_GID, KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER,
@@ -57,6 +58,8 @@ pub(super) struct ContainerSpec<'a> {
     pub run_dir: &'a Path,
     /// A CA bundle shown read-only at `egress::CA_FILE_INSIDE`.
     pub ca_file: Option<&'a Path>,
+    /// The engine asked (see `engine.rs` for what differs).
+    pub engine: Engine,
 }
 
 impl ContainerSpec<'_> {
@@ -95,7 +98,7 @@ impl ContainerSpec<'_> {
                 // out of the workspace the user lists; the same place as the local sandbox's.
                 tmpfs: Some(HashMap::from([
                     ("/tmp".to_string(), TMPFS_OPTIONS.to_string()),
-                    (HOME_INSIDE.to_string(), home_tmpfs_options()),
+                    (HOME_INSIDE.to_string(), home_tmpfs_options(self.engine)),
                 ])),
                 cap_drop: Some(vec!["ALL".to_string()]),
                 security_opt: Some(vec!["no-new-privileges".to_string()]),
@@ -138,11 +141,8 @@ pub(super) async fn init_pid(docker: &Docker, container: &ContainerInfo) -> Opti
 const HOME_INSIDE: &str = "/home/kernel";
 
 /// The home's tmpfs: as `/tmp`'s, but the kernel user's own.
-fn home_tmpfs_options() -> String {
-    TMPFS_OPTIONS.replace(
-        "mode=1777",
-        &format!("mode=0700,uid={KERNEL_UID},gid={KERNEL_GID}"),
-    )
+fn home_tmpfs_options(engine: Engine) -> String {
+    engine.owned_tmpfs_options(TMPFS_OPTIONS, "0700", KERNEL_UID, KERNEL_GID)
 }
 
 impl Inner {
@@ -205,6 +205,7 @@ impl Inner {
             workspace,
             run_dir: &run_dir,
             ca_file: self.cfg.ca_file.as_deref(),
+            engine: self.engine().await?,
         }
         .body();
         let created = docker
@@ -444,6 +445,7 @@ mod tests {
             workspace: Path::new("/var/lib/kb/workspaces-docker/alice"),
             run_dir: Path::new("/var/lib/kb/run-docker/alice"),
             ca_file: None,
+            engine: Engine::Docker,
         }
         .body()
     }

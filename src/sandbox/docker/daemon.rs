@@ -12,6 +12,7 @@ use bollard::query_parameters::{ListContainersOptions, RemoveContainerOptions};
 use bollard::Docker;
 use tokio::time::timeout;
 
+use super::engine::Engine;
 use super::{
     unavailable, Inner, API_TIMEOUT_SECS, BACKEND, CONNECT_TIMEOUT, LABEL_DATA_DIR_HASH,
     LABEL_MANAGED,
@@ -44,11 +45,23 @@ impl Inner {
                     .map_err(|_| self.unreachable("no answer within 10 s"))?
                     .map_err(|e| self.unreachable(error_text(&e)))?;
                 let version = docker.client_version();
-                tracing::debug!(socket = %self.cfg.socket, api = %format!("{}.{}", version.major_version, version.minor_version), "connected to the Docker daemon");
-                Ok(docker)
+                // Which engine answers (Docker Engine or Podman): a few requests differ.
+                let engine = timeout(CONNECT_TIMEOUT, docker.version())
+                    .await
+                    .map_err(|_| self.unreachable("no answer within 10 s"))?
+                    .map_err(|e| self.unreachable(error_text(&e)))?;
+                let engine = Engine::of(&engine);
+                tracing::debug!(socket = %self.cfg.socket, engine = engine.name(), api = %format!("{}.{}", version.major_version, version.minor_version), "connected to the Docker daemon");
+                Ok((docker, engine))
             })
             .await
-            .cloned()
+            .map(|(docker, _)| docker.clone())
+    }
+
+    /// The engine behind the socket (connects first, as [`Self::client`]).
+    pub(super) async fn engine(&self) -> Result<Engine, SandboxError> {
+        self.client().await?;
+        Ok(self.client.get().map_or(Engine::Docker, |(_, e)| *e))
     }
 
     /// A Docker error as text that tells the operator what to do.

@@ -63,6 +63,7 @@ mod command;
 mod config;
 mod container;
 mod daemon;
+mod engine;
 mod exec;
 mod keep;
 mod place;
@@ -84,6 +85,7 @@ use uuid::Uuid;
 pub use self::config::DockerSandboxConfig;
 use self::container::{choose_run_base, ContainerInfo};
 use self::daemon::{error_text, socket_path, status_of};
+use self::engine::Engine;
 use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
 use self::place::place_kernel;
 use self::watch::watch_kernel;
@@ -162,8 +164,9 @@ struct Inner {
     /// The workspaces' file systems (the per-user disk quota).
     workspace_images: Arc<WorkspaceImages>,
     run_base: PathBuf,
-    /// Connected (and version-negotiated) on first use; retried until it works.
-    client: OnceCell<Docker>,
+    /// Connected (and version-negotiated) on first use, with the engine it turned out to
+    /// be; retried until it works.
+    client: OnceCell<(Docker, Engine)>,
     /// Startup work (directories, sweeping an earlier run's containers), once.
     started: OnceCell<()>,
     users: Mutex<HashMap<String, Arc<UserSlot>>>,
@@ -511,7 +514,7 @@ impl Inner {
             return;
         }
         let kernels = self.kernels.terminate_all();
-        if let Some(docker) = self.client.get() {
+        if let Some((docker, _)) = self.client.get() {
             match self.our_containers(docker).await {
                 Ok(ids) => {
                     futures::future::join_all(

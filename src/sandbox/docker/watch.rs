@@ -306,6 +306,31 @@ pub(super) async fn classify_exec_end(
     exit_reason_from_code(code)
 }
 
+/// How a kernel ended whose exec the daemon never reported as ended (Podman: see
+/// `engine.rs`): its exit status is unknown, so only what the cgroups tell is said: killed
+/// for its memory if its leaf (else its container, unattributed kill) saw an OOM kill, else
+/// lost, saying why no more is known.
+pub(super) async fn classify_unreported_end(docker: &Docker, shared: &DockerKernel) -> ExitReason {
+    if let Some(reason) = container_reason(docker, &shared.container).await {
+        return reason;
+    }
+    let oom = match &shared.leaf {
+        Some(leaf) => (leaf.oom_kills() > Some(0)).then_some(shared.limits.memory_bytes),
+        None => oom_kills(docker, &shared.container.id)
+            .await
+            .filter(|count| claim_oom(&shared.container, *count))
+            .map(|_| shared.container.memory_limit),
+    };
+    match oom {
+        Some(limit_bytes) => ExitReason::OutOfMemory { limit_bytes },
+        None => ExitReason::Lost(UNREPORTED_END.into()),
+    }
+}
+
+/// Why a kernel that ended unwatched under Podman has no exit status.
+pub const UNREPORTED_END: &str = "the kernel ended while no broker watched it, and the \
+     daemon (Podman) does not report how a detached exec ended";
+
 /// Exit code of an exec'd process as a reason (Docker reports signal N as 128 + N).
 fn exit_reason_from_code(code: i64) -> ExitReason {
     match code {

@@ -8,10 +8,13 @@ use bollard::Docker;
 
 use super::ticket::{is_cgroup_dir, Ticket};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::docker::container::{container_reason, ContainerInfo};
+use crate::sandbox::docker::container::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
+use crate::sandbox::docker::engine::{exec_process_gone, Engine};
 use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
-use crate::sandbox::docker::watch::{classify_exec_end, end_kernel, watch_kernel};
+use crate::sandbox::docker::watch::{
+    classify_exec_end, classify_unreported_end, end_kernel, watch_kernel,
+};
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
 use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
@@ -101,11 +104,21 @@ impl Inner {
             workspace: self.workspaces.join(&ticket.user),
             quota_bytes,
         });
+        let engine = self.engine().await?;
         let ended = match docker.inspect_exec(&ticket.exec_id).await {
             Ok(e) if e.running == Some(true) => match (ticket.exec_pid, e.pid) {
                 (Some(kept), Some(now)) if kept != now => Some(ExitReason::Lost(format!(
                     "the kept kernel's exec runs another process (pid {now}, kept {kept})"
                 ))),
+                // Podman says "running" for an exec that ended unwatched (`engine.rs`).
+                (_, Some(now)) if engine == Engine::Podman => {
+                    match init_pid(&docker, &kernel.container).await {
+                        Some(init) if exec_process_gone(now, init) => {
+                            Some(classify_unreported_end(&docker, &kernel).await)
+                        }
+                        _ => None,
+                    }
+                }
                 _ => None,
             },
             Ok(e) => Some(classify_exec_end(&docker, &kernel, e.exit_code).await),
