@@ -23,7 +23,7 @@ SOCKET="${KB_PODMAN_SOCKET:-/run/podman/podman.sock}"
 LOG=/tmp/podman.log
 IMAGE="kernel-broker/python-kernel:latest"
 HASH_LABEL="org.kernel-broker.inputs-hash"
-# Podman's settings for the service when this host's root may not raise rlimits (below).
+# Podman's settings for this host (see below).
 CONF=/tmp/kb-podman-containers.conf
 log() { printf '[podman] %s\n' "$*" >&2; }
 [[ $EUID -eq 0 ]] || { log "run as root (rootful Podman)"; exit 1; }
@@ -33,6 +33,9 @@ start=$(date +%s)
 missing=()
 command -v podman >/dev/null || missing+=(podman)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+# runc: crun (what apt picks when no runc is installed) refuses hosts with cgroup v1 and an
+# empty cgroup2 mount beside it ("cgroups in hybrid mode not supported"), as this one.
+command -v runc >/dev/null || missing+=(runc)
 if ((${#missing[@]})); then
     log "apt-get install ${missing[*]}"
     apt-get update -qq
@@ -66,23 +69,29 @@ stop_service() {
 }
 trap stop_service EXIT
 
+# Podman's settings for this host, for the service and the image build alike: runc (above),
+# and where root may not raise rlimits (no CAP_SYS_RESOURCE: a CI runner that is itself a
+# container) containers get this shell's hard limits instead of Podman's higher defaults,
+# which every container start would fail on ("error setting rlimit type 7"). RLIMIT_NPROC
+# also stays within pid_max: conmon runs with that as its own limit.
+{
+    printf '[engine]\nruntime = "runc"\n'
+    if ! (ulimit -Hn 1048576) 2>/dev/null; then
+        nofile=$(ulimit -Hn)
+        nproc=$(ulimit -Hu)
+        pid_max=$(cat /proc/sys/kernel/pid_max)
+        [[ "$nproc" == unlimited || "$nproc" -gt "$pid_max" ]] && nproc=$pid_max
+        log "root may not raise rlimits here: containers get nofile=$nofile nproc=$nproc ($CONF)"
+        printf '[containers]\ndefault_ulimits = ["nofile=%s:%s", "nproc=%s:%s"]\n' \
+            "$nofile" "$nofile" "$nproc" "$nproc"
+    fi
+} >"$CONF"
+export CONTAINERS_CONF="$CONF"
+
 if service_up; then
     log "a Podman service already answers on $SOCKET (left running)"
 else
     start_service || { log "could not start the Podman service (log: $LOG)"; exit 1; }
-    # Rootful Podman gives containers RLIMIT_NOFILE/NPROC above its own hard limits, which
-    # root may do only with CAP_SYS_RESOURCE; where root lacks it (a CI runner that is itself
-    # a container) every container start fails with "error setting rlimit type 7". Then the
-    # containers get the service's own hard limits (as Docker's containers inherit dockerd's).
-    if ! (ulimit -Hn 1048576) 2>/dev/null; then
-        nofile=$(awk '/^Max open files/ {print $5}' "/proc/$pid/limits")
-        nproc=$(awk '/^Max processes/ {print $4}' "/proc/$pid/limits")
-        log "root may not raise rlimits here: containers get nofile=$nofile nproc=$nproc ($CONF)"
-        printf '[containers]\ndefault_ulimits = ["nofile=%s:%s", "nproc=%s:%s"]\n' \
-            "$nofile" "$nofile" "$nproc" "$nproc" >"$CONF"
-        stop_service
-        CONTAINERS_CONF="$CONF" start_service || { log "could not restart the service"; exit 1; }
-    fi
     log "service up (pid $pid, log $LOG)"
 fi
 

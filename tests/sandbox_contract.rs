@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use common::*;
 use kernel_broker::sandbox::{ExitReason, UserLimits};
-use tokio::time::{sleep, Instant};
+use tokio::time::Instant;
 use uuid::Uuid;
 
 sandbox_contract!(
@@ -401,8 +401,16 @@ async fn interrupt_stops_a_long_sleep(backend: &'static str) {
     bounded(async {
         let alice = user("alice", 0, UserLimits::default());
         let mut k = start(h.sandbox(), &alice).await;
-        let id = k.send("import time\ntime.sleep(60)").await;
-        sleep(Duration::from_secs(1)).await;
+        let id = k
+            .send("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+            .await;
+        // Interrupted while it runs (a SIGINT before the cell starts interrupts nothing).
+        let started = k
+            .collect_until(&id, Duration::from_secs(30), |o| {
+                o.stdout.contains("sleeping")
+            })
+            .await;
+        assert!(started.stdout.contains("sleeping"), "{started:?}");
         let t0 = Instant::now();
         k.process().interrupt().await.expect("interrupt");
         let o = k.collect(&id, Duration::from_secs(20)).await;
@@ -412,7 +420,7 @@ async fn interrupt_stops_a_long_sleep(backend: &'static str) {
                 .is_some_and(|e| e.starts_with("KeyboardInterrupt")),
             "{o:?}"
         );
-        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert!(t0.elapsed() < scaled(Duration::from_secs(10)));
         assert_eq!(k.run("print('alive')").await.out(), "alive");
         h.sandbox().shutdown().await;
     })
@@ -435,7 +443,7 @@ async fn an_exit_of_its_own_is_reported_to_every_waiter(backend: &'static str) {
             wait_exit(k.process(), Duration::from_millis(100)).await,
             ExitReason::Exited(3)
         );
-        tokio::time::timeout(Duration::from_secs(1), k.process().terminate())
+        tokio::time::timeout(scaled(Duration::from_secs(1)), k.process().terminate())
             .await
             .unwrap();
         assert_eq!(k.process().wait().await, ExitReason::Exited(3));

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{
-    bounded, cgroup_bases, euid, eventually, is_root, limits, repo, spec, user, wait_exit,
-    LocalHarness as Harness, UID_BASE,
+    bounded, cgroup_bases, eventually, is_root, limits, local_kernel_uid, repo, scaled, spec, user,
+    wait_exit, LocalHarness as Harness,
 };
 use kernel_broker::sandbox::{ExitReason, LaunchSpec, Launched, Sandbox, SandboxError};
 use serde_json::Value;
@@ -54,7 +54,10 @@ async fn heartbeat(endpoint: &str) -> bool {
         let reply = socket.recv().await.ok()?;
         Some(reply.get(0).map(|f| f.as_ref() == b"ping").unwrap_or(false))
     };
-    matches!(timeout(Duration::from_secs(10), ping).await, Ok(Some(true)))
+    matches!(
+        timeout(scaled(Duration::from_secs(10)), ping).await,
+        Ok(Some(true))
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,11 +102,17 @@ async fn kernel_runs_as_its_uid_in_its_cgroup_and_answers_heartbeats() {
                         .unwrap_or(false)
             })
             .expect("the kernel process is in the leaf cgroup");
-        // Unprivileged, kernels run as the broker's uid (docs/HOSTS.md).
-        let uid = if is_root() { UID_BASE + 1 } else { euid() }.to_string();
+        let uid = local_kernel_uid(0).to_string();
         assert_eq!(status_field(kernel, "Uid"), [uid.as_str(); 4].join(" "));
         assert_eq!(status_field(kernel, "Gid"), [uid.as_str(); 4].join(" "));
-        assert_eq!(status_field(kernel, "Groups"), "");
+        // No supplementary group; unprivileged, none beyond the broker's own (a user
+        // namespace cannot drop them: docs/HOSTS.md).
+        let groups = if is_root() {
+            String::new()
+        } else {
+            status_field(std::process::id() as i32, "Groups")
+        };
+        assert_eq!(status_field(kernel, "Groups"), groups);
         assert_eq!(status_field(kernel, "CapEff"), "0000000000000000");
         assert_eq!(status_field(kernel, "CapBnd"), "0000000000000000");
         assert_eq!(status_field(kernel, "NoNewPrivs"), "1");
@@ -417,7 +426,7 @@ with open('/workspace/report.json', 'w') as f:
         let r = read_json(&ws.join("report.json"));
         assert_eq!(r["ifaces"], serde_json::json!(["lo"]), "{r}");
         assert_eq!(r["connects"], false);
-        assert_eq!(r["uid"], UID_BASE + 5);
+        assert_eq!(r["uid"], local_kernel_uid(4));
         assert_eq!(r["user"], "erin");
         assert_eq!(r["home"], "/home/kernel");
         assert_eq!(r["env_test"], "1");
@@ -496,7 +505,7 @@ with open('/workspace/report.json', 'w') as f:
         use std::os::unix::fs::MetadataExt;
         assert_eq!(
             std::fs::metadata(ws.join("kb-test")).unwrap().uid(),
-            UID_BASE + 5
+            local_kernel_uid(4)
         );
     })
     .await;
@@ -512,7 +521,7 @@ async fn workspaces_are_per_user_and_persist() {
         let frank_ws = h.sandbox.workspace(&frank).unwrap();
         let grace_ws = h.sandbox.workspace(&grace).unwrap();
         assert_ne!(frank_ws, grace_ws);
-        for (ws, uid) in [(&frank_ws, UID_BASE + 6), (&grace_ws, UID_BASE + 7)] {
+        for (ws, uid) in [(&frank_ws, local_kernel_uid(5)), (&grace_ws, local_kernel_uid(6))] {
             let meta = std::fs::metadata(ws).unwrap();
             assert_eq!(meta.uid(), uid);
             assert_eq!(meta.permissions().mode() & 0o7777, 0o700);
@@ -538,11 +547,16 @@ json.dump({'files': sorted(os.listdir('/workspace')), 'other': os.path.lexists(s
         let l = run_python(&h, spec(&frank), READ, &[]).await;
         assert_eq!(wait_exit(&*l.process, Duration::from_secs(30)).await, ExitReason::Exited(0));
 
+        if !is_root() {
+            // Unprivileged there is no uid to repair and no quota file system (HOSTS.md).
+            h.sandbox.shutdown().await;
+            return;
+        }
         // If the user's uid changes (say uid_base was changed), ownership is repaired.
         std::os::unix::fs::chown(&frank_ws, Some(12345), Some(12345)).unwrap();
         std::os::unix::fs::chown(frank_ws.join("secret.txt"), Some(12345), Some(12345)).unwrap();
         h.sandbox.workspace(&frank).unwrap();
-        assert_eq!(std::fs::metadata(frank_ws.join("secret.txt")).unwrap().uid(), UID_BASE + 6);
+        assert_eq!(std::fs::metadata(frank_ws.join("secret.txt")).unwrap().uid(), local_kernel_uid(5));
 
         // Each workspace is its own file system (the quota), gone on shutdown and mounted
         // again, content intact, when next needed.
@@ -581,7 +595,7 @@ async fn exits_are_reported_to_every_waiter() {
             wait_exit(&*l.process, Duration::from_millis(100)).await,
             ExitReason::Exited(3)
         );
-        timeout(Duration::from_secs(1), l.process.terminate())
+        timeout(scaled(Duration::from_secs(1)), l.process.terminate())
             .await
             .unwrap();
         assert_eq!(l.process.wait().await, ExitReason::Exited(3));
@@ -900,7 +914,7 @@ with open('/workspace/filter.json', 'w') as f:
         assert_eq!(r["seccomp"], "Seccomp:\t2", "{r}");
         eprintln!("sandbox init: {}", r["init_seccomp"]);
         // setpriv still dropped to the kernel's uid after the filter was installed.
-        assert_eq!(r["uid"], UID_BASE + 15, "{r}");
+        assert_eq!(r["uid"], local_kernel_uid(14), "{r}");
         // bwrap closed the filter's memfd after reading it.
         assert!(!r["fds"].to_string().contains("seccomp"), "{r}");
         assert_ne!(r["unshare_cmd_rc"], 0, "{r}");

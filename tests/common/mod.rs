@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod forked;
 pub mod leftovers;
+pub mod scale;
 pub mod spawned;
 
 use std::future::Future;
@@ -16,6 +17,7 @@ use kernel_broker::config::{ServeArgs, Settings};
 
 #[allow(unused_imports)] // not every test binary asks which engine runs
 pub use engine::{docker_cli, docker_socket, is_podman};
+pub use scale::scaled;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
@@ -64,7 +66,7 @@ pub async fn ws_connect_when_free(url: &str) -> Ws {
 
 /// Fail instead of hanging.
 pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+    match tokio::time::timeout(scaled(Duration::from_secs(secs)), fut).await {
         Ok(v) => v,
         Err(_) => panic!("timed out after {secs} s: {what}"),
     }
@@ -119,7 +121,10 @@ impl Broker {
             // Emulated hosts (scripts/vm without KVM) start kernels many times slower.
             launch_timeout: std::env::var("KERNEL_BROKER_LAUNCH_TIMEOUT")
                 .ok()
-                .and_then(|v| v.parse().ok()),
+                .and_then(|v| v.parse().ok())
+                .or_else(|| {
+                    (scale::time_scale() > 1.0).then(|| scaled(Duration::from_secs(30)).as_secs())
+                }),
             sandbox: Some(match sandbox {
                 "docker" => kernel_broker::config::SandboxKind::Docker,
                 _ => kernel_broker::config::SandboxKind::Local,

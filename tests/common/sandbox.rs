@@ -41,7 +41,12 @@ use uuid::Uuid;
 pub const UID_BASE: u32 = 200_000;
 /// The uid and gid of the docker image's `kernel` user.
 pub const DOCKER_KERNEL_UID: u32 = 1000;
+/// A test's whole bound on this machine ([`scaled`] elsewhere).
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(180);
+
+#[path = "scale.rs"]
+mod scale;
+pub use scale::scaled;
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -86,6 +91,16 @@ pub fn local_skip_reason() -> Option<String> {
         return Some("kernels/.venv is missing (run kernels/setup.sh)".into());
     }
     None
+}
+
+/// The host uid the local sandbox runs user `index`'s kernels as: their own as root; the
+/// broker's, unprivileged (docs/HOSTS.md).
+pub fn local_kernel_uid(index: u32) -> u32 {
+    if is_root() {
+        UID_BASE + index + 1
+    } else {
+        euid()
+    }
 }
 
 pub fn euid() -> u32 {
@@ -152,6 +167,7 @@ impl LocalHarness {
         // one process tree per kernel); kernels forked from a template are tested through
         // the API in tests/fork_server.rs.
         cfg.fork_server = false;
+        cfg.launch_timeout = scaled(cfg.launch_timeout);
         let sandbox = LocalSandbox::new(cfg).expect("LocalSandbox::new");
         Self {
             sandbox,
@@ -379,9 +395,7 @@ impl Harness {
     /// The host uid (and gid) the user's kernels run as.
     pub fn kernel_uid(&self, user: &SandboxUser) -> u32 {
         match self {
-            // Unprivileged, kernels run as the broker's own uid (in a user namespace).
-            Harness::Local(_) if !is_root() => euid(),
-            Harness::Local(_) => UID_BASE + user.index + 1,
+            Harness::Local(_) => local_kernel_uid(user.index),
             Harness::Docker(_) => DOCKER_KERNEL_UID,
         }
     }
@@ -447,14 +461,14 @@ pub fn spec(user: &SandboxUser) -> LaunchSpec {
 
 /// Runs a test body under [`TEST_TIMEOUT`].
 pub async fn bounded<F: Future<Output = ()>>(body: F) {
-    timeout(TEST_TIMEOUT, body)
+    timeout(scaled(TEST_TIMEOUT), body)
         .await
         .expect("test took longer than its timeout");
 }
 
 /// Polls `cond` every 50 ms until it holds or `limit` passes.
 pub async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
+    let deadline = Instant::now() + scaled(limit);
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         sleep(Duration::from_millis(50)).await;
@@ -462,7 +476,7 @@ pub async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> b
 }
 
 pub async fn wait_exit(process: &dyn KernelProcess, limit: Duration) -> ExitReason {
-    timeout(limit, process.wait())
+    timeout(scaled(limit), process.wait())
         .await
         .expect("the kernel did not end in time")
 }
@@ -501,7 +515,7 @@ pub async fn start_timed(sandbox: &dyn Sandbox, user: &SandboxUser) -> (Kernel, 
     let key = spec.key.clone();
     let session_id = spec.session_id;
     let t0 = Instant::now();
-    let launched = timeout(Duration::from_secs(90), sandbox.launch(spec))
+    let launched = timeout(scaled(Duration::from_secs(90)), sandbox.launch(spec))
         .await
         .expect("launch timed out")
         .expect("launch");
@@ -511,7 +525,7 @@ pub async fn start_timed(sandbox: &dyn Sandbox, user: &SandboxUser) -> (Kernel, 
         &key,
         "test",
         ConnectOptions::default(),
-        Duration::from_secs(60),
+        scaled(Duration::from_secs(60)),
     )
     .await
     .expect("connect to the kernel");
@@ -551,7 +565,19 @@ impl Kernel {
 
     /// Collects the output of `msg_id` until iopub says idle for it.
     pub async fn collect(&mut self, msg_id: &str, limit: Duration) -> Outcome {
+        self.collect_until(msg_id, limit, |_| false).await
+    }
+
+    /// Collects the output of `msg_id` until `enough` holds of what came so far, or iopub
+    /// says idle for it.
+    pub async fn collect_until(
+        &mut self,
+        msg_id: &str,
+        limit: Duration,
+        mut enough: impl FnMut(&Outcome) -> bool,
+    ) -> Outcome {
         let mut outcome = Outcome::default();
+        let limit = scaled(limit);
         let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -587,6 +613,9 @@ impl Kernel {
                 }
                 "status" if content["execution_state"] == "idle" => return outcome,
                 _ => {}
+            }
+            if enough(&outcome) {
+                return outcome;
             }
         }
     }

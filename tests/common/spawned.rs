@@ -241,7 +241,7 @@ fn launch(
             }
         });
     }
-    let Ok(addr) = addr_rx.recv_timeout(Duration::from_secs(60)) else {
+    let Ok(addr) = addr_rx.recv_timeout(super::scaled(Duration::from_secs(60))) else {
         let _ = child.kill();
         panic!(
             "the broker did not start:\n{}",

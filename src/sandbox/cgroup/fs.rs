@@ -57,12 +57,28 @@ pub(super) fn enable_controllers(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-pub(super) fn holds_only_this_process(dir: &Path) -> bool {
+/// Moves every process of the cgroup `from` into `to` (v2), this process first; says how
+/// many others there were. A process that ended meanwhile is skipped; one that cannot be
+/// moved (another uid's) stays, and enabling controllers then fails as before.
+pub(super) fn move_all_processes(from: &Path, to: &Path) -> io::Result<usize> {
+    let procs = to.join("cgroup.procs");
+    std::fs::write(&procs, "0")?;
     let me = std::process::id().to_string();
-    match std::fs::read_to_string(dir.join("cgroup.procs")) {
-        Ok(text) => text.lines().all(|l| l.trim() == me),
-        Err(_) => false,
+    let mut others = 0;
+    for pid in std::fs::read_to_string(from.join("cgroup.procs"))?.lines() {
+        let pid = pid.trim();
+        if pid.is_empty() || pid == me {
+            continue;
+        }
+        match std::fs::write(&procs, pid) {
+            Ok(()) => others += 1,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            Err(e) => {
+                tracing::warn!(pid, cgroup = %from.display(), error = %e, "cannot move a process of the broker's cgroup into its leaf")
+            }
+        }
     }
+    Ok(others)
 }
 
 /// `rmdir` of a leaf whose processes were just killed: the kernel may need a moment to let

@@ -66,8 +66,8 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use self::fs::{
-    cgroup_err, enable_controllers, holds_only_this_process, is_path_component, mkdir,
-    read_trimmed, rmdir_if_unused, rmdir_retrying, subdirs, write_file,
+    cgroup_err, enable_controllers, is_path_component, mkdir, move_all_processes, read_trimmed,
+    rmdir_if_unused, rmdir_retrying, subdirs,
 };
 use self::mountinfo::{join_cgroup_path, parse_mountinfo, read_own_cgroup_v2};
 use super::{KernelLimits, SandboxError, UserLimits};
@@ -140,7 +140,11 @@ impl Cgroups {
                 } else {
                     let own = read_own_cgroup_v2()
                         .ok_or("cannot find the broker's own cgroup in /proc/self/cgroup")?;
-                    join_cgroup_path(&m.mount_point, &m.root, &own)
+                    // Already stepped aside into the leaf (by an earlier broker of this
+                    // service, or another one sharing its cgroup): the delegated cgroup is
+                    // the one above.
+                    let own = own.strip_suffix(&format!("/{SELF_LEAF}")).unwrap_or(&own);
+                    join_cgroup_path(&m.mount_point, &m.root, own)
                 };
                 return Ok(Self {
                     version: CgroupVersion::V2,
@@ -191,20 +195,38 @@ impl Cgroups {
         if let Some(parent) = &self.v2_parent {
             if let Err(e) = enable_controllers(parent) {
                 // v2 forbids enabling controllers for children of a cgroup that holds
-                // processes. If the only process there is the broker itself (a delegated
-                // service cgroup), step aside into a leaf and try again.
-                if e.raw_os_error() == Some(libc::EBUSY) && holds_only_this_process(parent) {
-                    let own_leaf = parent.join(SELF_LEAF);
-                    mkdir(&own_leaf)?;
-                    write_file(&own_leaf.join("cgroup.procs"), "0")?;
-                    tracing::info!(cgroup = %own_leaf.display(), "moved the broker into its own leaf cgroup");
-                    enable_controllers(parent).map_err(|e| cgroup_err(parent, e))?;
-                } else {
+                // processes. The broker's delegated cgroup holds the broker and whatever
+                // else its service runs (a wrapper, the test runner): all of it steps aside
+                // into one leaf, the way systemd's own delegation expects, and the enabling
+                // is tried again (a process forked meanwhile lands beside it: a few rounds).
+                if e.raw_os_error() != Some(libc::EBUSY) {
                     return Err(cgroup_err(
                         parent,
                         format!(
                             "cannot enable the memory, cpu and pids controllers: {e} \
-                             (the cgroup must be delegated to the broker and hold no other processes)"
+                             (the cgroup must be delegated to the broker)"
+                        ),
+                    ));
+                }
+                let own_leaf = parent.join(SELF_LEAF);
+                mkdir(&own_leaf)?;
+                let mut last = Some(e);
+                for _ in 0..5 {
+                    let others = move_all_processes(parent, &own_leaf)
+                        .map_err(|e| cgroup_err(&own_leaf, e))?;
+                    tracing::info!(cgroup = %own_leaf.display(), others, "moved the broker's processes into their own leaf cgroup");
+                    last = enable_controllers(parent).err();
+                    if last.is_none() {
+                        break;
+                    }
+                }
+                if let Some(e) = last {
+                    return Err(cgroup_err(
+                        parent,
+                        format!(
+                            "cannot enable the memory, cpu and pids controllers: {e} \
+                             (the cgroup holds processes the broker cannot move: it must be \
+                             delegated to the broker's user and hold only the broker's processes)"
                         ),
                     ));
                 }
