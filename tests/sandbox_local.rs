@@ -435,7 +435,7 @@ with open('/workspace/report.json', 'w') as f:
             r["passwd"]
                 .as_str()
                 .unwrap()
-                .contains("erin:x:200005:200005:"),
+                .contains(&format!("erin:x:{0}:{0}:", local_kernel_uid(4))),
             "{r}"
         );
         assert_eq!(r["root_ssh"], false);

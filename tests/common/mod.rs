@@ -64,6 +64,29 @@ pub async fn ws_connect_when_free(url: &str) -> Ws {
     .await
 }
 
+/// The directory of a broker's cgroup tree `name` where `pids` is: the v1 `pids` hierarchy,
+/// else the unified one, off its root as root and off the test's own delegated cgroup
+/// (the one above its `broker` leaf) unprivileged.
+pub fn pids_cgroup_base(name: &str) -> PathBuf {
+    let v1 = std::path::Path::new("/sys/fs/cgroup/pids");
+    if v1.is_dir() {
+        return v1.join(name);
+    }
+    let v2 = std::path::Path::new("/sys/fs/cgroup");
+    // SAFETY: geteuid(2) cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return v2.join(name);
+    }
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let own = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or("/")
+        .trim();
+    let own = own.strip_suffix("/broker").unwrap_or(own);
+    v2.join(own.trim_start_matches('/')).join(name)
+}
+
 /// Fail instead of hanging.
 pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
     match tokio::time::timeout(scaled(Duration::from_secs(secs)), fut).await {
