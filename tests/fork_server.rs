@@ -73,8 +73,7 @@ async fn forked_kernels_are_kernels_of_their_own() {
     // broker's log by design): not its control pipes, nothing else. Read from the host,
     // which an unprivileged broker's uid may not do (kernels are not dumpable, so their
     // /proc/PID/fd is closed to it); the fork's clean-up is the same in both modes.
-    // SAFETY: geteuid(2) cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = host::is_root();
     for id in [&a, &b].into_iter().filter(|_| root) {
         let kernel = host_pid(&broker, "alice", id);
         let template = parent_of(kernel);

@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod forked;
+pub mod host;
 pub mod leftovers;
 pub mod scale;
 pub mod spawned;
@@ -72,19 +73,12 @@ pub fn pids_cgroup_base(name: &str) -> PathBuf {
     if v1.is_dir() {
         return v1.join(name);
     }
-    let v2 = std::path::Path::new("/sys/fs/cgroup");
-    // SAFETY: geteuid(2) cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return v2.join(name);
+    if host::is_root() {
+        return std::path::Path::new("/sys/fs/cgroup").join(name);
     }
-    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let own = own
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .unwrap_or("/")
-        .trim();
-    let own = own.strip_suffix("/broker").unwrap_or(own);
-    v2.join(own.trim_start_matches('/')).join(name)
+    host::delegated_cgroup()
+        .expect("the test's own cgroup in /proc/self/cgroup")
+        .join(name)
 }
 
 /// Fail instead of hanging.

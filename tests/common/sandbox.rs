@@ -44,6 +44,9 @@ pub const DOCKER_KERNEL_UID: u32 = 1000;
 /// A test's whole bound on this machine ([`scaled`] elsewhere).
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 
+#[path = "host.rs"]
+mod host;
+pub use host::{delegated_cgroup, euid, is_root};
 #[path = "scale.rs"]
 mod scale;
 pub use scale::scaled;
@@ -101,25 +104,6 @@ pub fn local_kernel_uid(index: u32) -> u32 {
     } else {
         euid()
     }
-}
-
-pub fn euid() -> u32 {
-    // SAFETY: geteuid(2) cannot fail.
-    unsafe { libc::geteuid() }
-}
-
-pub fn is_root() -> bool {
-    euid() == 0
-}
-
-/// The test process's own cgroup v2 directory, the one an unprivileged sandbox's tree hangs
-/// off (its delegated cgroup). Once the sandbox enables controllers there it moves itself
-/// into a `broker` leaf below it: the directory above that leaf is meant then.
-pub fn delegated_cgroup() -> Option<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let own = text.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
-    let own = own.strip_suffix("/broker").unwrap_or(own);
-    Some(Path::new("/sys/fs/cgroup").join(own.trim_start_matches('/')))
 }
 
 /// Why this machine cannot run the docker sandbox, if it cannot.
