@@ -152,7 +152,7 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory(backend: &
             .run("import os; p = os.getppid(); print(os.getpid(), p, open('/proc/%d/comm' % p).read().strip())")
             .await;
         let fields: Vec<String> = o.out().split(' ').map(str::to_string).collect();
-        let (pid, parent) = (fields[0].clone(), fields[1].clone());
+        let pid = fields[0].clone();
         let sessions = h.runtime_dirs(&alice);
         assert_eq!(sessions.len(), 1);
         let session_dir = sessions[0].clone();
@@ -161,12 +161,15 @@ async fn terminate_kills_the_kernel_and_removes_its_runtime_directory(backend: &
                 // Forked from the user's template: no exec, no pid file of its own.
                 assert!(!session_dir.join("pid").exists());
             } else {
+                // The kernel runs under its own tini; the pid file names the kernel
+                // itself (what an interrupt signals).
+                assert_eq!(fields[2], "tini", "{}", o.out());
                 assert_eq!(
                     std::fs::read_to_string(session_dir.join("pid"))
                         .unwrap()
                         .trim(),
-                    parent,
-                    "the pid file names the kernel's tini"
+                    pid,
+                    "the pid file names the kernel"
                 );
             }
         }
@@ -270,6 +273,14 @@ async fn a_kernel_past_its_own_limits_is_stopped_alone_while_its_user_has_room(
     let Some(h) = Harness::new(backend) else {
         return;
     };
+    if matches!(h, Harness::Docker(_)) && !common::is_root() {
+        // A kernel's own limits are a leaf of its container's cgroup, which only a broker
+        // running as root places it in; without root its kernels share their user's
+        // container limits (the log says so; docs/HOSTS.md lists it). The user's limits
+        // are the other tests'.
+        eprintln!("skipped: an unprivileged broker's docker kernels have no limits of their own");
+        return;
+    }
     bounded(async {
         // The user's totals have room for much more than one kernel's own limits.
         let alice = user(

@@ -397,3 +397,50 @@ async fn measure_launch_times_and_idle_memory() {
     })
     .await;
 }
+
+/// The limits a user's container is created with must be in force in its cgroup: an engine
+/// that accepts them and applies none (rootless Podman on cgroup v1, which only logs that it
+/// ignores them) gets no kernel, unless `require_limits` is off. Where the harness is told
+/// the engine ignores limits (`KB_ENGINE_IGNORES_LIMITS=1`: scripts/test-podman-rootless on
+/// this cgroup v1 host), the launch must fail saying so and leave no container, and with
+/// `require_limits = false` run; elsewhere the launch runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_container_whose_limits_are_not_in_force_is_refused() {
+    let ignores = std::env::var("KB_ENGINE_IGNORES_LIMITS").as_deref() == Ok("1");
+    let Some(h) = Harness::new() else { return };
+    let alice = user("alice", 0, UserLimits::default());
+    bounded(async {
+        match h.sandbox.launch(spec(&alice)).await {
+            Err(e) if ignores => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("the engine did not apply the user's limits"),
+                    "{text}"
+                );
+                assert!(text.contains("require_limits = false"), "{text}");
+                assert!(h.containers().is_empty(), "{:?}", h.containers());
+            }
+            Ok(launched) if !ignores => {
+                launched.process.terminate().await;
+            }
+            Err(e) => panic!("a launch on an engine that applies limits failed: {e}"),
+            Ok(_) => panic!("a container without its limits ran a kernel"),
+        }
+        h.sandbox.shutdown().await;
+    })
+    .await;
+    if !ignores {
+        return;
+    }
+    let Some(lax) = Harness::with(|cfg| cfg.require_limits = false) else {
+        return;
+    };
+    bounded(async {
+        let mut k = start(&lax.sandbox, &alice).await;
+        let o = k.run("print(1 + 1)").await;
+        assert_eq!(o.out(), "2", "{o:?}");
+        k.process().terminate().await;
+        lax.sandbox.shutdown().await;
+    })
+    .await;
+}

@@ -238,7 +238,8 @@ pub struct ServeArgs {
     /// Name of the broker's cgroup (everything below it is the broker's and swept at start) [default: kernel-broker-<hash of the data directory>]
     #[arg(long, env = "KERNEL_BROKER_CGROUP_NAME")]
     pub cgroup_name: Option<String>,
-    /// Refuse to start when cgroup limits cannot be enforced [default: true]
+    /// Refuse to start (local) or to run a user's container (docker) when cgroup limits
+    /// cannot be enforced [default: true]
     #[arg(long, env = "KERNEL_BROKER_REQUIRE_LIMITS")]
     pub require_limits: Option<bool>,
     /// Seconds the local sandbox may take to start a kernel before the launch fails [default: 30]
@@ -250,6 +251,13 @@ pub struct ServeArgs {
     /// Kernel image for the docker sandbox [default: kernel-broker/python-kernel:latest]
     #[arg(long, env = "KERNEL_BROKER_DOCKER_IMAGE")]
     pub docker_image: Option<String>,
+    /// The cgroup the engine creates users' containers under (HostConfig.CgroupParent), e.g.
+    /// a subtree delegated to a rootless Podman's user (docs/HOSTS-podman.md) [default: the engine's]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_CGROUP_PARENT")]
+    pub docker_cgroup_parent: Option<String>,
+    /// Seconds one request to the container engine may take, connecting included [default: 60]
+    #[arg(long, env = "KERNEL_BROKER_DOCKER_API_TIMEOUT")]
+    pub docker_api_timeout: Option<u64>,
     /// Seconds a user's container (docker) or fork-server template (local) lives on with no
     /// session [default: 300]
     #[arg(long, env = "KERNEL_BROKER_CONTAINER_IDLE")]

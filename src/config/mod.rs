@@ -481,6 +481,11 @@ fn docker_config(args: &ServeArgs, file: &ServeArgs, data_dir: &Path) -> DockerS
     let mut c = DockerSandboxConfig::new(data_dir);
     c.socket = either!(args, file, docker_socket).unwrap_or(c.socket);
     c.image = either!(args, file, docker_image).unwrap_or(c.image);
+    c.cgroup_parent = either!(args, file, docker_cgroup_parent).filter(|p| !p.is_empty());
+    c.require_limits = either!(args, file, require_limits).unwrap_or(c.require_limits);
+    if let Some(secs) = either!(args, file, docker_api_timeout) {
+        c.api_timeout = Duration::from_secs(secs.max(1));
+    }
     if let Some(secs) = either!(args, file, container_idle) {
         c.container_idle = Duration::from_secs(secs);
     }

@@ -17,6 +17,15 @@ pub fn docker_socket() -> String {
     }
 }
 
+/// The cgroup the engine under test must create containers under (`KB_DOCKER_CGROUP_PARENT`,
+/// `--docker-cgroup-parent`): a rootless Podman without a systemd user session applies
+/// limits only in a cgroup its user owns (`scripts/test-podman-rootless`).
+pub fn docker_cgroup_parent() -> Option<String> {
+    std::env::var("KB_DOCKER_CGROUP_PARENT")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+}
+
 /// The `docker` CLI against the engine under test.
 pub fn docker_cli() -> Command {
     let socket = docker_socket();

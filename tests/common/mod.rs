@@ -17,7 +17,7 @@ use futures::{SinkExt, StreamExt};
 use kernel_broker::config::{ServeArgs, Settings};
 
 #[allow(unused_imports)] // not every test binary asks which engine runs
-pub use engine::{docker_cli, docker_socket, is_podman};
+pub use engine::{docker_cgroup_parent, docker_cli, docker_socket, is_podman};
 pub use scale::scaled;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -147,6 +147,7 @@ impl Broker {
                 _ => kernel_broker::config::SandboxKind::Local,
             }),
             docker_socket: (sandbox == "docker").then(docker_socket),
+            docker_cgroup_parent: (sandbox == "docker").then(docker_cgroup_parent).flatten(),
             ..Default::default()
         };
         tweak(&mut args);

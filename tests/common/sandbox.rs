@@ -16,7 +16,7 @@
 pub mod engine;
 
 #[allow(unused_imports)] // not every test binary asks which engine runs
-pub use engine::{docker_cli, docker_socket, is_podman};
+pub use engine::{docker_cgroup_parent, docker_cli, docker_socket, is_podman};
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -306,6 +306,9 @@ impl DockerHarness {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cfg = DockerSandboxConfig::new(dir.path().join("data"));
         cfg.socket = docker_socket();
+        cfg.cgroup_parent = docker_cgroup_parent();
+        // An emulated engine (scripts/vm) answers slowly while it removes containers.
+        cfg.api_timeout = scaled(cfg.api_timeout).min(Duration::from_secs(600));
         tweak(&mut cfg);
         let sandbox = DockerSandbox::new(cfg).expect("DockerSandbox::new");
         Some(Self { sandbox, _dir: dir })

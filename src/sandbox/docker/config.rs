@@ -35,6 +35,16 @@ pub struct DockerSandboxConfig {
     pub user_preload: std::collections::HashMap<String, Vec<String>>,
     /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
     pub ca_file: Option<PathBuf>,
+    /// The cgroup the engine puts users' containers under (`HostConfig.CgroupParent`,
+    /// `--docker-cgroup-parent`); None: the engine's default. A rootless Podman without a
+    /// systemd user session can only apply limits in a cgroup its user owns.
+    pub cgroup_parent: Option<String>,
+    /// A user's container whose cgroup does not enforce the limits asked for is removed and
+    /// the launch fails (`require_limits`, default true); false: it runs, with a warning.
+    pub require_limits: bool,
+    /// How long one request to the daemon may take, connecting included
+    /// (`--docker-api-timeout`, default 60 s): more for a slow engine (an emulated host).
+    pub api_timeout: Duration,
 }
 
 impl DockerSandboxConfig {
@@ -55,6 +65,9 @@ impl DockerSandboxConfig {
             fork_server: true,
             user_preload: std::collections::HashMap::new(),
             ca_file: None,
+            cgroup_parent: None,
+            require_limits: true,
+            api_timeout: Duration::from_secs(60),
         }
     }
 }

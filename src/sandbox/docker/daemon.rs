@@ -13,10 +13,7 @@ use bollard::Docker;
 use tokio::time::timeout;
 
 use super::engine::Engine;
-use super::{
-    unavailable, Inner, API_TIMEOUT_SECS, BACKEND, CONNECT_TIMEOUT, LABEL_DATA_DIR_HASH,
-    LABEL_MANAGED,
-};
+use super::{unavailable, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
 use crate::sandbox::fsutil;
 use crate::sandbox::SandboxError;
 
@@ -34,23 +31,23 @@ impl Inner {
     pub(super) async fn client(&self) -> Result<Docker, SandboxError> {
         self.client
             .get_or_try_init(|| async {
-                let docker = Docker::connect_with_unix(
-                    &self.socket_path,
-                    API_TIMEOUT_SECS,
-                    bollard::API_DEFAULT_VERSION,
-                )
-                .map_err(|e| self.unreachable(error_text(&e)))?;
-                let docker = timeout(CONNECT_TIMEOUT, docker.negotiate_version())
+                let connect = |version: &bollard::ClientVersion| {
+                    Docker::connect_with_unix(&self.socket_path, self.cfg.api_timeout.as_secs(), version)
+                        .map_err(|e| self.unreachable(error_text(&e)))
+                };
+                // One `/version` says both the API version to speak and which engine answers
+                // (Docker Engine or Podman: a few requests differ). Podman answers it by
+                // asking its runtime and conmon for theirs: tens of seconds on an emulated host
+                // while it removes containers.
+                let probe = connect(bollard::API_DEFAULT_VERSION)?;
+                let limit = self.cfg.api_timeout;
+                let answer = timeout(limit, probe.version())
                     .await
-                    .map_err(|_| self.unreachable("no answer within 10 s"))?
+                    .map_err(|_| self.unreachable(format!("no answer within {limit:?}")))?
                     .map_err(|e| self.unreachable(error_text(&e)))?;
-                let version = docker.client_version();
-                // Which engine answers (Docker Engine or Podman): a few requests differ.
-                let engine = timeout(CONNECT_TIMEOUT, docker.version())
-                    .await
-                    .map_err(|_| self.unreachable("no answer within 10 s"))?
-                    .map_err(|e| self.unreachable(error_text(&e)))?;
-                let engine = Engine::of(&engine);
+                let version = negotiated(answer.api_version.as_deref());
+                let docker = connect(&version)?;
+                let engine = Engine::of(&answer);
                 tracing::debug!(socket = %self.cfg.socket, engine = engine.name(), api = %format!("{}.{}", version.major_version, version.minor_version), "connected to the Docker daemon");
                 Ok((docker, engine))
             })
@@ -82,8 +79,9 @@ impl Inner {
                 }
             }
             DockerError::RequestTimeoutError => format!(
-                "the Docker daemon at {} did not answer within {API_TIMEOUT_SECS} s",
-                self.cfg.socket
+                "the Docker daemon at {} did not answer within {} s (--docker-api-timeout)",
+                self.cfg.socket,
+                self.cfg.api_timeout.as_secs()
             ),
             _ => format!(
                 "cannot talk to the Docker daemon at {} ({}); is dockerd running? \
@@ -238,6 +236,27 @@ fn empty_dir(dir: &Path) -> Result<usize, SandboxError> {
     Ok(removed)
 }
 
+/// The API version to speak: the daemon's if older than this client's, else this client's
+/// (what bollard's `negotiate_version` does, from a `/version` answer already at hand).
+fn negotiated(daemon: Option<&str>) -> bollard::ClientVersion {
+    let ours = bollard::API_DEFAULT_VERSION;
+    let theirs = daemon.and_then(|v| {
+        let (major, minor) = v.trim().split_once('.')?;
+        Some(bollard::ClientVersion {
+            major_version: major.parse().ok()?,
+            minor_version: minor.parse().ok()?,
+        })
+    });
+    match theirs {
+        Some(t)
+            if (t.major_version, t.minor_version) < (ours.major_version, ours.minor_version) =>
+        {
+            t
+        }
+        _ => *ours,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +273,18 @@ mod tests {
         );
         assert!(socket_path("tcp://127.0.0.1:2375").is_err());
         assert!(socket_path("docker.sock").is_err());
+    }
+
+    #[test]
+    fn the_older_api_version_is_spoken() {
+        let ours = bollard::API_DEFAULT_VERSION;
+        let v = |s: &str| negotiated(Some(s));
+        // Podman 4.3 and Docker 20.10 answer 1.41; a daemon newer than this client, ours.
+        assert_eq!((v("1.41").major_version, v("1.41").minor_version), (1, 41));
+        assert_eq!(v("1.99").minor_version, ours.minor_version);
+        assert_eq!(v("2.0").major_version, ours.major_version);
+        for bad in [None, Some(""), Some("x"), Some("1"), Some("1.x")] {
+            assert_eq!(negotiated(bad).minor_version, ours.minor_version, "{bad:?}");
+        }
     }
 }

@@ -11,9 +11,13 @@
 //! The other: Podman (4.3) never updates a detached exec session after its process ends
 //! while no client is attached: `GET /exec/{id}/json` keeps answering `Running: true`,
 //! `ExitCode: 0` and the old pid (its conmon writes the exit code to a file of Podman's own
-//! storage that the API does not read back). A kernel that ended while no broker watched it
-//! (`--keep-sessions`) is therefore found dead by its pid ([`exec_process_gone`]), and how it
-//! ended is not known (see `watch::classify_unreported_end`).
+//! storage, and records it only when its exit command runs, 5 minutes later by default).
+//! So under Podman a kernel's watcher holds a pidfd on the exec's process (a host pid) and
+//! sees its end there, and the kernel's command writes the kernel's exit status to its
+//! session directory (`exec::STATUS_FILE`); a kernel that ended while no broker watched it
+//! (`--keep-sessions`) is found dead by its pid ([`exec_process_gone`]) and its status read
+//! the same way. Without a status file how it ended is not known
+//! (see `watch::classify_unreported_end`).
 
 use bollard::models::SystemVersion;
 

@@ -2,8 +2,8 @@
 //! and session directory), its own cgroup leaf, its interrupt, helper execs, and the reaper
 //! that ends what it started.
 //!
-//! Memory and processes are the kernel's own: the kernel's command records its pid and
-//! waits for a `go` file in its session directory; the broker meanwhile moves the exec's
+//! Memory and processes are the kernel's own: the kernel's command first waits for a `go`
+//! file in its session directory; the broker meanwhile moves the exec's
 //! process (its host pid, from the daemon) into a leaf of the container's cgroup with the
 //! kernel's limits ([`ContainerCgroup`]), then writes `go`. So the kernel and everything it
 //! forks run in the leaf from their first instruction, and a kernel past its limit is the
@@ -53,14 +53,15 @@ use tokio::time::timeout;
 
 use super::container::{container_reason, ContainerInfo};
 use super::daemon::error_text;
-use super::place::wait_for_go;
+use super::engine::Engine;
+use super::place::{exec_pid, wait_for_go};
 use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{read_counter, Leaf};
-use crate::sandbox::fork_server::pidfd_signal;
+use crate::sandbox::fork_server::{pidfd_open, pidfd_signal};
 use crate::sandbox::fsutil::{self, io_err, FileMode};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
@@ -83,6 +84,9 @@ pub(super) struct DockerKernel {
     pub exec_id: String,
     /// A kernel forked from its user's template: its host pid and a pidfd on it.
     pub forked: Option<ForkedPid>,
+    /// Under Podman, a pidfd on the exec's process (a host pid): how its watcher sees the
+    /// kernel's end, which Podman does not report (`engine.rs`). None under Docker.
+    pub exec_pidfd: Option<OwnedFd>,
     /// The kernel's own cgroup leaf (none where the broker cannot manage cgroups).
     pub leaf: Option<Leaf>,
     pub limits: KernelLimits,
@@ -170,6 +174,26 @@ impl BackendKernel for DockerKernel {
 }
 
 impl Inner {
+    /// Under Podman, a pidfd on a started kernel exec's process ([`DockerKernel::exec_pidfd`]);
+    /// None under Docker, which reports the exec's end itself. Opened while the process
+    /// waits for its `go`, so the pid cannot have been reused.
+    pub(super) async fn exec_pidfd(&self, docker: &Docker, exec_id: &str) -> Option<OwnedFd> {
+        if self.engine().await.ok()? != Engine::Podman {
+            return None;
+        }
+        let opened = match exec_pid(docker, exec_id).await {
+            Ok(pid) => pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
+            Err(e) => Err(e),
+        };
+        match opened {
+            Ok(fd) => Some(fd),
+            Err(why) => {
+                tracing::warn!(exec = %exec_id, %why, "cannot watch the kernel's process; its end is seen only with its container's");
+                None
+            }
+        }
+    }
+
     /// Starts the kernel with a detached exec; returns the exec id.
     pub(super) async fn start_kernel(
         &self,
@@ -233,11 +257,15 @@ pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
     env
 }
 
-/// The kernel's command: records its pid (`$$`, kept by `exec`) so interrupts can find it,
-/// runs the kernel under `tini -s` (a child subreaper that forwards signals to the kernel
-/// and reaps zombies: see the module comment, "No process outlives its session"), and
-/// sends its stderr to `/tmp` (the container's tmpfs: bounded, private to the user) to
-/// explain a crash. Its stdout only carries ipykernel's connection banner (user output goes
+/// The kernel's command: waits for its `go` (see `place.rs`), runs the kernel under
+/// `tini -s` (a child subreaper that reaps zombies: see the module comment, "No process
+/// outlives its session"), whose child records its pid (`$$`, kept by `exec`) so that
+/// interrupts reach the kernel itself, and sends the kernel's stderr to `/tmp` (the
+/// container's tmpfs: bounded, private to the user) to explain a crash. The shell that is
+/// the exec's process stays, and when the kernel has ended writes its exit status to
+/// [`STATUS_FILE`] before exiting with it: Podman never reports a detached exec's end
+/// (`engine.rs`), so there the watcher takes the status from that file once the exec's
+/// process is gone. Its stdout only carries ipykernel's connection banner (user output goes
 /// to iopub), so it is dropped. IPython's history stays in memory: a file in the shared
 /// workspace would make every kernel of the user queue on one SQLite lock.
 ///
@@ -246,15 +274,42 @@ pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
 pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
+    let d = format!("{RUN_DIR_INSIDE}/{dir}");
     let script = format!(
-        "{umask}echo $$ > {RUN_DIR_INSIDE}/{dir}/pid; {wait}\
-         exec {TINI_INSIDE} -s -- {PYTHON_INSIDE} \
-         -m ipykernel_launcher -f {RUN_DIR_INSIDE}/{dir}/connection.json {HISTORY} \
-         >/dev/null 2>{log}",
+        "{umask}{wait}{TINI_INSIDE} -s -- sh -c 'echo $$ > {d}/pid; \
+         exec {PYTHON_INSIDE} -m ipykernel_launcher -f {d}/connection.json {HISTORY}' \
+         >/dev/null 2>{log}; s=$?; echo $s > {d}/{STATUS_FILE}; exit $s",
         wait = wait_for_go(dir),
         log = kernel_log(dir)
     );
     vec!["sh".to_string(), "-c".to_string(), script]
+}
+
+/// The file of a kernel's session directory its command writes the kernel's exit status to
+/// (see [`kernel_command`]). Written by the kernel's own shell, so only as trustworthy as
+/// the kernel: read only for a kernel whose exec's process is gone, and only about itself.
+pub(super) const STATUS_FILE: &str = "status";
+
+/// The exit status a kernel's command wrote to [`STATUS_FILE`] in its session directory
+/// `host_dir`, if it wrote one that reads as a status (0..=255). Read without following a
+/// symlink anywhere below the directory holding the session directories: the kernel can
+/// replace both its session directory and the file.
+pub(super) fn recorded_status(host_dir: &Path) -> Option<i64> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let parent = fsutil::open_tree_root(host_dir.parent()?).ok()?;
+    let name = std::ffi::CString::new(host_dir.file_name()?.as_encoded_bytes()).ok()?;
+    let dir = fsutil::open_subdir(std::os::fd::AsFd::as_fd(&parent), &name).ok()?;
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    let fd = rustix::fs::openat2(&dir, STATUS_FILE, flags, Mode::empty(), resolve).ok()?;
+    let stat = rustix::fs::fstat(&fd).ok()?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+        return None;
+    }
+    let mut buf = [0u8; 8];
+    let n = rustix::io::read(&fd, &mut buf).ok()?;
+    let code: i64 = std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()?;
+    (0..=255).contains(&code).then_some(code)
 }
 
 /// ipykernel's option that keeps IPython's history in memory (see [`kernel_command`]).
@@ -515,22 +570,67 @@ mod tests {
         assert_eq!(c["signature_scheme"], "hmac-sha256");
         let cmd = kernel_command("0123456789ab", true);
         assert_eq!(cmd[..2], ["sh", "-c"]);
-        assert!(cmd[2].starts_with("echo $$ > /run/kernel/0123456789ab/pid; i=0; "));
         // The kernel starts only once the broker has placed it in its cgroup leaf.
         assert!(
-            cmd[2].contains("while [ ! -e /run/kernel/0123456789ab/go ]; do"),
+            cmd[2].starts_with("i=0; while [ ! -e /run/kernel/0123456789ab/go ]; do"),
             "{}",
             cmd[2]
         );
-        assert!(cmd[2].contains("; done; exec /usr/bin/tini -s -- "));
-        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
+        // tini's child records the kernel's own pid (what interrupts signal), then becomes
+        // the kernel.
         assert!(
             cmd[2].contains(
-                "python -m ipykernel_launcher -f /run/kernel/0123456789ab/connection.json \
-                 --HistoryManager.hist_file=:memory: >/dev/null 2>/tmp/kernel-0123456789ab.log"
+                "; done; /usr/bin/tini -s -- sh -c 'echo $$ > /run/kernel/0123456789ab/pid; \
+                 exec /opt/kernel-venv/bin/python -m ipykernel_launcher \
+                 -f /run/kernel/0123456789ab/connection.json \
+                 --HistoryManager.hist_file=:memory:' >/dev/null 2>/tmp/kernel-0123456789ab.log; "
             ),
             "{}",
             cmd[2]
         );
+        // The shell stays, writes the kernel's exit status and exits with it.
+        assert!(
+            cmd[2].ends_with("; s=$?; echo $s > /run/kernel/0123456789ab/status; exit $s"),
+            "{}",
+            cmd[2]
+        );
+        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
+    }
+
+    #[test]
+    fn a_recorded_status_is_read_only_from_a_regular_file_in_the_session_directory() {
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("0123456789ab");
+        std::fs::create_dir(&dir).unwrap();
+        assert_eq!(recorded_status(&dir), None);
+        std::fs::write(dir.join(STATUS_FILE), "3\n").unwrap();
+        assert_eq!(recorded_status(&dir), Some(3));
+        std::fs::write(dir.join(STATUS_FILE), "137\n").unwrap();
+        assert_eq!(recorded_status(&dir), Some(137));
+        for bad in ["", "-1", "256", "x", "99999999999"] {
+            std::fs::write(dir.join(STATUS_FILE), bad).unwrap();
+            assert_eq!(recorded_status(&dir), None, "{bad:?}");
+        }
+        // A symlink for the file, or for the session directory, is not followed.
+        let elsewhere = base.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join(STATUS_FILE), "7").unwrap();
+        std::fs::remove_file(dir.join(STATUS_FILE)).unwrap();
+        std::os::unix::fs::symlink(elsewhere.join(STATUS_FILE), dir.join(STATUS_FILE)).unwrap();
+        assert_eq!(recorded_status(&dir), None);
+        let swapped = base.path().join("swapped");
+        std::os::unix::fs::symlink(&elsewhere, &swapped).unwrap();
+        assert_eq!(recorded_status(&swapped), None);
+        // Not a regular file (a fifo would block a plain read).
+        std::fs::remove_file(dir.join(STATUS_FILE)).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            dir.join(STATUS_FILE),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap();
+        assert_eq!(recorded_status(&dir), None);
     }
 }

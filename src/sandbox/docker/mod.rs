@@ -24,13 +24,15 @@
 //! other's containers.
 //!
 //! A kernel, forked from the user's fork-server template when there is one (`template.rs`),
-//! else `docker exec -d` of `sh -c 'echo $$ > /run/kernel/<dir>/pid; exec tini -s --
-//! python -m ipykernel_launcher -f ...'` with an `ipc` connection file in
-//! `/run/kernel/<dir>/`; the broker connects to the sockets on the host side of the bind
-//! mount. A watcher task per kernel polls the exec (`inspect_exec`, every 500 ms) and
-//! classifies its end (the [`ExitReason`](super::ExitReason) mapping is in `watch.rs`).
-//! Interrupts are a small exec (`kill -INT` of the recorded pid, the kernel's tini, which forwards it to the
-//! kernel, after checking that pid still runs this kernel).
+//! else `docker exec -d` of `sh -c '<wait for go>; tini -s -- sh -c "echo $$ >
+//! /run/kernel/<dir>/pid; exec python -m ipykernel_launcher -f ..."; echo $? > status'`
+//! (`exec::kernel_command`) with an `ipc` connection file in `/run/kernel/<dir>/`; the
+//! broker connects to the sockets on the host side of the bind mount. A watcher task per
+//! kernel polls the exec (`inspect_exec`, every 500 ms; under Podman also a pidfd on the
+//! exec's process, with the status file for how it ended) and classifies its end (the
+//! [`ExitReason`](super::ExitReason) mapping is in `watch.rs`). Interrupts are a small exec
+//! (`kill -INT` of the recorded pid, the kernel itself, after checking that pid still runs
+//! this kernel).
 //!
 //! No process outlives its session (see `exec.rs`: each kernel under its own `tini -s`, and
 //! a reaper exec when it ends); an OOM kill is attributed to one kernel (see `watch.rs`).
@@ -49,7 +51,10 @@
 //! connects to sockets the kernel creates). As another user, the session directory is
 //! made world-writable inside the broker's private (0700) runtime directory and the
 //! kernel runs with `umask 000`, so the broker can connect; the workspace is made 0777
-//! if it cannot be given to uid 1000. Rootless Docker/Podman (uid remapping) is untested.
+//! if it cannot be given to uid 1000. Rootless Podman is tested so (docs/HOSTS-podman.md:
+//! container uid 1000 is a subordinate uid the broker cannot chown to); rootless Docker is not.
+//! Whatever the engine, a new user container's cgroup must enforce the limits asked for
+//! (`container::verify_limits`), or the launch fails (`require_limits`).
 //!
 //! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
 //! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
@@ -133,10 +138,7 @@ const USER_NAME_BUDGET: usize = 32;
 const SESSION_DIR_LEN: usize = 12;
 /// How often a kernel's watcher asks the daemon whether the kernel still runs.
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
-/// Per-request timeout of the Docker client, in seconds.
-const API_TIMEOUT_SECS: u64 = 60;
-/// How long connecting to the daemon (version negotiation) may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long a helper exec (kill, reading a counter) may take.
 const EXEC_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long `terminate` waits for the kernel to be gone.
@@ -251,9 +253,12 @@ impl Sandbox for DockerSandbox {
     async fn check(&self) -> Result<(), SandboxError> {
         let inner = &self.inner;
         let docker = inner.client().await?;
-        timeout(CONNECT_TIMEOUT, docker.ping())
+        let limit = inner.cfg.api_timeout;
+        timeout(limit, docker.ping())
             .await
-            .map_err(|_| inner.unreachable("the daemon did not answer a ping within 10 s"))?
+            .map_err(|_| {
+                inner.unreachable(format!("the daemon did not answer a ping within {limit:?}"))
+            })?
             .map_err(|e| inner.unreachable(error_text(&e)))?;
         match docker.inspect_image(&inner.cfg.image).await {
             Ok(_) => {}
@@ -440,7 +445,8 @@ impl Inner {
             }
         };
         let session = spec.session_id.to_string();
-        // Only root can write the container's cgroup.
+        let exec_pidfd = self.exec_pidfd(&docker, &exec_id).await;
+        // Only root writes the container's cgroup (see `exec.rs`).
         let placeable = self.privileged.then_some(exec_id.as_str());
         let leaf = match place_kernel(&docker, placeable, &host_dir, &session, &spec.limits).await {
             Ok(leaf) => leaf,
@@ -461,6 +467,7 @@ impl Inner {
             host_dir,
             exec_id,
             forked: None,
+            exec_pidfd,
             leaf,
             limits: spec.limits,
             workspace,

@@ -390,6 +390,7 @@ impl Inner {
             host_dir,
             exec_id: String::new(),
             forked: Some(ForkedPid { host_pid, pidfd }),
+            exec_pidfd: None,
             leaf: Some(leaf),
             limits: spec.limits,
             workspace: self.workspace_path(user).map_err(|e| e.to_string())?,

@@ -30,7 +30,7 @@ use tokio::time::{sleep, timeout};
 
 use super::container::{container_reason, ContainerInfo};
 use super::daemon::{error_text, status_of};
-use super::exec::{exec_output, kernel_log_tail, reap, DockerKernel};
+use super::exec::{exec_output, kernel_log_tail, reap, recorded_status, DockerKernel};
 use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
@@ -229,7 +229,19 @@ async fn poll_exec(docker: &Docker, shared: &DockerKernel) -> Poll {
     let since = Instant::now();
     loop {
         match docker.inspect_exec(&shared.exec_id).await {
-            Ok(exec) if exec.running == Some(true) => return Poll::Running,
+            // Podman keeps saying "running" after the process ended (`engine.rs`): its
+            // pidfd says, and the kernel's command wrote the status.
+            Ok(exec) if exec.running == Some(true) => {
+                return match &shared.exec_pidfd {
+                    Some(fd) if pidfd_ended(fd) => {
+                        Poll::Ended(match recorded_status(&shared.host_dir) {
+                            Some(code) => classify_exec_end(docker, shared, Some(code)).await,
+                            None => classify_unreported_end(docker, shared).await,
+                        })
+                    }
+                    _ => Poll::Running,
+                }
+            }
             Ok(exec) => {
                 return Poll::Ended(classify_exec_end(docker, shared, exec.exit_code).await)
             }
@@ -327,8 +339,21 @@ pub(super) async fn classify_unreported_end(docker: &Docker, shared: &DockerKern
     }
 }
 
+/// Whether the process of `pidfd` has ended (it polls readable then), without waiting.
+fn pidfd_ended(pidfd: &OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one valid pollfd, with no timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// Why a kernel that ended unwatched under Podman has no exit status.
-pub const UNREPORTED_END: &str = "the kernel ended while no broker watched it, and the \
+pub const UNREPORTED_END: &str = "the kernel ended without a recorded exit status, and the \
      daemon (Podman) does not report how a detached exec ended";
 
 /// Exit code of an exec'd process as a reason (Docker reports signal N as 128 + N).

@@ -11,11 +11,12 @@ use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::docker::container::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
-use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
+use crate::sandbox::docker::exec::{endpoints_for, recorded_status, DockerKernel, LOST};
 use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
+use crate::sandbox::fork_server::pidfd_open;
 use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
@@ -90,6 +91,13 @@ impl Inner {
         let leaf = self
             .reopen_leaf(&docker, &container, &ticket, &limits)
             .await;
+        let engine = self.engine().await?;
+        // Under Podman, the watcher sees the end through a pidfd (`exec.rs`); a pid the
+        // exec no longer holds is told apart below.
+        let exec_pidfd = match (engine, ticket.exec_pid) {
+            (Engine::Podman, Some(pid)) => i32::try_from(pid).ok().and_then(|p| pidfd_open(p).ok()),
+            _ => None,
+        };
         let (watch, exit) = KernelWatch::new(session, ticket.user.clone(), LOST);
         let kernel = Arc::new(DockerKernel {
             watch,
@@ -99,12 +107,12 @@ impl Inner {
             host_dir,
             exec_id: ticket.exec_id.clone(),
             forked: None,
+            exec_pidfd,
             leaf,
             limits,
             workspace: self.workspaces.join(&ticket.user),
             quota_bytes,
         });
-        let engine = self.engine().await?;
         let ended = match docker.inspect_exec(&ticket.exec_id).await {
             Ok(e) if e.running == Some(true) => match (ticket.exec_pid, e.pid) {
                 (Some(kept), Some(now)) if kept != now => Some(ExitReason::Lost(format!(
@@ -114,7 +122,10 @@ impl Inner {
                 (_, Some(now)) if engine == Engine::Podman => {
                     match init_pid(&docker, &kernel.container).await {
                         Some(init) if exec_process_gone(now, init) => {
-                            Some(classify_unreported_end(&docker, &kernel).await)
+                            Some(match recorded_status(&kernel.host_dir) {
+                                Some(code) => classify_exec_end(&docker, &kernel, Some(code)).await,
+                                None => classify_unreported_end(&docker, &kernel).await,
+                            })
                         }
                         _ => None,
                     }
