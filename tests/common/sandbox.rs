@@ -307,6 +307,11 @@ impl DockerHarness {
         let mut cfg = DockerSandboxConfig::new(dir.path().join("data"));
         cfg.socket = docker_socket();
         cfg.cgroup_parent = docker_cgroup_parent();
+        // KB_DOCKER_FORK_SERVER=0: plain starts (an exec per kernel), as an unprivileged
+        // broker's, which the fork server (root only) otherwise hides from a root run.
+        if std::env::var("KB_DOCKER_FORK_SERVER").as_deref() == Ok("0") {
+            cfg.fork_server = false;
+        }
         // An emulated engine (scripts/vm) answers slowly while it removes containers.
         cfg.api_timeout = scaled(cfg.api_timeout).min(Duration::from_secs(600));
         tweak(&mut cfg);

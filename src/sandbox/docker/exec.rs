@@ -282,7 +282,14 @@ pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
         wait = wait_for_go(dir),
         log = kernel_log(dir)
     );
-    vec!["sh".to_string(), "-c".to_string(), script]
+    // The connection file as an argument of its own (the script's `$0`, unused): the exec's
+    // process is how the reaper (`REAPER`) recognises this kernel's subtree.
+    vec![
+        "sh".to_string(),
+        "-c".to_string(),
+        script,
+        format!("{d}/connection.json"),
+    ]
 }
 
 /// The file of a kernel's session directory its command writes the kernel's exit status to
@@ -595,6 +602,9 @@ mod tests {
             cmd[2]
         );
         assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
+        // The reaper's key: the connection file, an argument of the exec's own process.
+        assert_eq!(cmd[3], "/run/kernel/0123456789ab/connection.json");
+        assert_eq!(cmd.len(), 4);
     }
 
     #[test]

@@ -411,6 +411,14 @@ async fn kill_kernel(docker: &Docker, shared: &DockerKernel, reap_first: bool) {
     }
     let deadline = Instant::now() + TERMINATE_TIMEOUT;
     while Instant::now() < deadline {
+        // Under Podman the exec never reads as ended (`engine.rs`): its process's pidfd says.
+        if let Some(fd) = &shared.exec_pidfd {
+            if pidfd_ended(fd) {
+                return;
+            }
+            sleep(Duration::from_millis(100)).await;
+            continue;
+        }
         match docker.inspect_exec(&shared.exec_id).await {
             Ok(exec) if exec.running == Some(true) => {}
             Ok(_) => return,
