@@ -265,6 +265,26 @@ pub(crate) fn open_subdir(parent: BorrowedFd<'_>, name: &CStr) -> io::Result<Own
     )?)
 }
 
+/// `openat2` beneath `root` with no symlinks anywhere on the way (`flags`: `O_*`, with
+/// `O_CLOEXEC` added).
+pub(crate) fn open_beneath(
+    root: &OwnedFd,
+    rel: &Path,
+    flags: i32,
+    mode: u32,
+) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let flags = OFlags::from_bits_retain(flags as u32) | OFlags::CLOEXEC;
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    Ok(rustix::fs::openat2(
+        root,
+        rel,
+        flags,
+        Mode::from_raw_mode(mode),
+        resolve,
+    )?)
+}
+
 /// Bounds of a [`walk_tree`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WalkLimits {

@@ -378,18 +378,12 @@ fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), String> {
     };
     let number = |v: Option<&&str>| v.and_then(|v| v.parse::<i64>().ok());
     let mut missing = Vec::new();
-    if let Some(want) = wanted.memory {
-        let have = field("memory");
+    for (key, want) in [("memory", wanted.memory), ("pids", wanted.pids)] {
+        let Some(want) = want else { continue };
+        let have = field(key);
         match number(have.first()) {
             Some(n) if n > 0 && n <= want => {}
-            _ => missing.push(format!("memory {} (asked {want})", have.join(" "))),
-        }
-    }
-    if let Some(want) = wanted.pids {
-        let have = field("pids");
-        match number(have.first()) {
-            Some(n) if n > 0 && n <= want => {}
-            _ => missing.push(format!("pids {} (asked {want})", have.join(" "))),
+            _ => missing.push(format!("{key} {} (asked {want})", have.join(" "))),
         }
     }
     if let Some(want) = wanted.nano_cpus {

@@ -302,13 +302,10 @@ pub(super) const STATUS_FILE: &str = "status";
 /// symlink anywhere below the directory holding the session directories: the kernel can
 /// replace both its session directory and the file.
 pub(super) fn recorded_status(host_dir: &Path) -> Option<i64> {
-    use rustix::fs::{Mode, OFlags, ResolveFlags};
     let parent = fsutil::open_tree_root(host_dir.parent()?).ok()?;
-    let name = std::ffi::CString::new(host_dir.file_name()?.as_encoded_bytes()).ok()?;
-    let dir = fsutil::open_subdir(std::os::fd::AsFd::as_fd(&parent), &name).ok()?;
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
-    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-    let fd = rustix::fs::openat2(&dir, STATUS_FILE, flags, Mode::empty(), resolve).ok()?;
+    let rel = Path::new(host_dir.file_name()?).join(STATUS_FILE);
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let fd = fsutil::open_beneath(&parent, &rel, flags, 0).ok()?;
     let stat = rustix::fs::fstat(&fd).ok()?;
     if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
         return None;

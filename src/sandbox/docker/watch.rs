@@ -234,10 +234,7 @@ async fn poll_exec(docker: &Docker, shared: &DockerKernel) -> Poll {
             Ok(exec) if exec.running == Some(true) => {
                 return match &shared.exec_pidfd {
                     Some(fd) if pidfd_ended(fd) => {
-                        Poll::Ended(match recorded_status(&shared.host_dir) {
-                            Some(code) => classify_exec_end(docker, shared, Some(code)).await,
-                            None => classify_unreported_end(docker, shared).await,
-                        })
+                        Poll::Ended(classify_unreported_exec_end(docker, shared).await)
                     }
                     _ => Poll::Running,
                 }
@@ -318,11 +315,24 @@ pub(super) async fn classify_exec_end(
     exit_reason_from_code(code)
 }
 
+/// How a kernel ended whose exec's process is gone while the daemon says it runs (Podman:
+/// see `engine.rs`): by the status its command recorded ([`recorded_status`]), classified as
+/// an exec's end; without one, [`classify_unreported_end`].
+pub(super) async fn classify_unreported_exec_end(
+    docker: &Docker,
+    shared: &DockerKernel,
+) -> ExitReason {
+    match recorded_status(&shared.host_dir) {
+        Some(code) => classify_exec_end(docker, shared, Some(code)).await,
+        None => classify_unreported_end(docker, shared).await,
+    }
+}
+
 /// How a kernel ended whose exec the daemon never reported as ended (Podman: see
 /// `engine.rs`): its exit status is unknown, so only what the cgroups tell is said: killed
 /// for its memory if its leaf (else its container, unattributed kill) saw an OOM kill, else
 /// lost, saying why no more is known.
-pub(super) async fn classify_unreported_end(docker: &Docker, shared: &DockerKernel) -> ExitReason {
+async fn classify_unreported_end(docker: &Docker, shared: &DockerKernel) -> ExitReason {
     if let Some(reason) = container_reason(docker, &shared.container).await {
         return reason;
     }

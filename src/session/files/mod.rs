@@ -15,7 +15,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Serialize;
 
 use super::error::SessionError;
-use crate::sandbox::fsutil::{self, WalkLimits};
+use crate::sandbox::fsutil::{self, open_beneath, WalkLimits};
 use rustix::fs::{Mode, OFlags};
 
 mod change;
@@ -77,20 +77,6 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> SessionError {
         }
         _ => SessionError::Io(format!("could not {what} {}: {e}", path.display())),
     }
-}
-
-/// `openat2` beneath `root` with no symlinks anywhere on the way.
-fn open_beneath(root: &OwnedFd, rel: &Path, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
-    use rustix::fs::{Mode, OFlags, ResolveFlags};
-    let flags = OFlags::from_bits_retain(flags as u32) | OFlags::CLOEXEC;
-    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-    Ok(rustix::fs::openat2(
-        root,
-        rel,
-        flags,
-        Mode::from_raw_mode(mode),
-        resolve,
-    )?)
 }
 
 fn open_root(workspace: &Path) -> Result<OwnedFd, SessionError> {

@@ -11,9 +11,9 @@ use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::docker::container::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
-use crate::sandbox::docker::exec::{endpoints_for, recorded_status, DockerKernel, LOST};
+use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
 use crate::sandbox::docker::watch::{
-    classify_exec_end, classify_unreported_end, end_kernel, watch_kernel,
+    classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
 use crate::sandbox::fork_server::pidfd_open;
@@ -122,10 +122,7 @@ impl Inner {
                 (_, Some(now)) if engine == Engine::Podman => {
                     match init_pid(&docker, &kernel.container).await {
                         Some(init) if exec_process_gone(now, init) => {
-                            Some(match recorded_status(&kernel.host_dir) {
-                                Some(code) => classify_exec_end(&docker, &kernel, Some(code)).await,
-                                None => classify_unreported_end(&docker, &kernel).await,
-                            })
+                            Some(classify_unreported_exec_end(&docker, &kernel).await)
                         }
                         _ => None,
                     }
