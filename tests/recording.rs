@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use base64::Engine;
+use common::spawned::{SpawnedBroker, Stop};
 use common::*;
 use serde_json::{json, Value};
 
@@ -556,5 +557,87 @@ async fn large_displays_do_not_grow_the_recording_past_its_caps() {
     let cells = nb["cells"].as_array().unwrap();
     assert!(cells.iter().filter(|c| c["cell_type"] == "code").count() >= 4);
     assert!(cells.iter().any(|c| c["cell_type"] == "markdown"));
+    broker.stop().await;
+}
+
+/// `--database-url`: the recordings in PostgreSQL, through the API of a real broker: events
+/// with the chart put back, the notebook, the list; a broker killed with `kill -9` starts
+/// again and closes the session it left open, whose recording stays readable.
+#[tokio::test]
+async fn recordings_in_postgres_outlive_a_killed_broker() {
+    let url = pg::fresh_database().await;
+    let mut broker = SpawnedBroker::start(&["--database-url", &url], None);
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let x = api
+        .execute(
+            &id,
+            "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\nprint('hi')",
+        )
+        .await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let png = x["results"][0]["data"]["image/png"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // Acknowledged means recorded, in PostgreSQL too.
+    let evs = events(&api, &id, "type=display_data,stream").await;
+    assert_eq!(evs[0]["content"]["data"]["image/png"], png.as_str());
+    assert_eq!(evs[1]["content"]["text"], "hi\n");
+    let (status, nb) = api.get(&format!("/v1/sessions/{id}/notebook")).await;
+    assert_eq!(status, 200, "{nb}");
+    assert_eq!(
+        nb["cells"][0]["outputs"][0]["data"]["image/png"],
+        png.as_str()
+    );
+    let (status, list) = api.get("/v1/recordings").await;
+    assert_eq!(status, 200, "{list}");
+    assert!(list.to_string().contains(&id), "{list}");
+    // Private: bob sees none of it.
+    let (status, _) = broker
+        .api(BOB)
+        .get(&format!("/v1/sessions/{id}/events"))
+        .await;
+    assert_eq!(status, 404);
+
+    // Stored there, not in a file; the session's row names this broker's node.
+    assert!(!broker.data_dir().join("recordings.sqlite3").exists());
+    let node = std::fs::read_to_string(broker.data_dir().join("node-id")).unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let row = client
+        .query_one(
+            "SELECT node, (SELECT count(*) FROM blobs) FROM sessions WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), node.trim());
+    assert_eq!(row.get::<_, i64>(1), 1, "the chart, once");
+
+    broker.restart(Stop::Kill).await;
+    let api = broker.api(ALICE);
+    let evs = within(30, "the stale session closed", async {
+        loop {
+            let evs = events(&api, &id, "").await;
+            if evs.last().is_some_and(|e| e["kind"] == "broker_stopped") {
+                return evs;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(evs.iter().any(|e| e["msg_type"] == "display_data"));
+    let row = client
+        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some("broker_stopped")
+    );
     broker.stop().await;
 }

@@ -271,6 +271,14 @@ pub struct ServeArgs {
     /// SQLite file of the recordings [default: <data-dir>/recordings.sqlite3]
     #[arg(long, env = "KERNEL_BROKER_RECORD_DB")]
     pub record_db: Option<PathBuf>,
+    /// PostgreSQL for the recordings instead of the SQLite file, shared by the brokers of a
+    /// cluster: postgres://USER:PASSWORD@HOST:PORT/DATABASE (the schema is made and migrated at start)
+    #[arg(long, env = "KERNEL_BROKER_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// This broker's name among those sharing a database (its open sessions are its own)
+    /// [default: made on first start and kept in <data-dir>/node-id]
+    #[arg(long, env = "KERNEL_BROKER_NODE_ID")]
+    pub node_id: Option<String>,
     /// normal: a commit survives a killed broker; full: also a machine crash (an fsync per commit) [default: normal]
     #[arg(long, env = "KERNEL_BROKER_RECORD_SYNCHRONOUS")]
     pub record_synchronous: Option<Synchronous>,

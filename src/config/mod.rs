@@ -370,7 +370,7 @@ impl Settings {
             local,
             docker,
             kernels_dir,
-            recording: recording_config(&args, &file, &data_dir),
+            recording: recording_config(&args, &file, &data_dir)?,
             egress,
             data_dir,
             users,
@@ -497,13 +497,32 @@ fn recording_config(
     args: &ServeArgs,
     file: &ServeArgs,
     data_dir: &Path,
-) -> Option<RecordingConfig> {
+) -> Result<Option<RecordingConfig>, ConfigError> {
     if !either!(args, file, record).unwrap_or(true) {
-        return None;
+        return Ok(None);
     }
-    let path =
-        either!(args, file, record_db).unwrap_or_else(|| data_dir.join("recordings.sqlite3"));
+    let record_db = either!(args, file, record_db);
+    let database_url = either!(args, file, database_url).filter(|u| !u.is_empty());
+    if let Some(url) = &database_url {
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(ConfigError::Invalid(
+                "--database-url must be a postgres:// or postgresql:// URL".into(),
+            ));
+        }
+        if record_db.is_some() {
+            return Err(ConfigError::Invalid(
+                "--record-db (a SQLite file) and --database-url (PostgreSQL) both say where the recordings go: give one".into(),
+            ));
+        }
+    }
+    let path = record_db.unwrap_or_else(|| data_dir.join("recordings.sqlite3"));
     let mut c = RecordingConfig::new(path);
+    c.database_url = database_url;
+    c.node = match either!(args, file, node_id).filter(|n| !n.is_empty()) {
+        Some(n) => n,
+        None if c.database_url.is_some() => node_id(data_dir)?,
+        None => c.node,
+    };
     if let Some(days) = either!(args, file, retention_days) {
         c.retention = (days != 0).then(|| Duration::from_secs(days.saturating_mul(86_400)));
     }
@@ -512,7 +531,26 @@ fn recording_config(
         either!(args, file, record_max_execution_bytes).unwrap_or(c.max_execution_bytes);
     c.max_session_bytes =
         either!(args, file, record_max_session_bytes).unwrap_or(c.max_session_bytes);
-    Some(c)
+    Ok(Some(c))
+}
+
+/// This broker's node id, kept in `<data-dir>/node-id` (made on first start): stable across
+/// restarts on the same data directory, distinct between brokers with their own.
+fn node_id(data_dir: &Path) -> Result<String, ConfigError> {
+    let path = data_dir.join("node-id");
+    let invalid = |e: std::io::Error| {
+        ConfigError::Invalid(format!("the node id file {}: {e}", path.display()))
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(invalid(e)),
+    }
+    std::fs::create_dir_all(data_dir).map_err(invalid)?;
+    let id = uuid::Uuid::new_v4().to_string();
+    std::fs::write(&path, format!("{id}\n")).map_err(invalid)?;
+    Ok(id)
 }
 
 #[cfg(test)]

@@ -202,6 +202,38 @@ fn recording_settings() {
 }
 
 #[test]
+fn recordings_in_postgres() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let args = |url: &str, record_db: Option<&str>, node: Option<&str>| ServeArgs {
+        data_dir: Some(data.clone()),
+        database_url: Some(url.into()),
+        record_db: record_db.map(PathBuf::from),
+        node_id: node.map(str::to_string),
+        ..Default::default()
+    };
+    let resolve = |a| Settings::resolve(a, Some("tok-123456".into()));
+    let url = "postgres://kb:pw@db:5432/kb";
+    let r = resolve(args(url, None, None)).unwrap().recording.unwrap();
+    assert_eq!(r.database_url.as_deref(), Some(url));
+    // A node id made once and kept in the data directory.
+    let made = std::fs::read_to_string(data.join("node-id")).unwrap();
+    assert_eq!(r.node, made.trim());
+    assert!(uuid::Uuid::parse_str(&r.node).is_ok());
+    let again = resolve(args(url, None, None)).unwrap().recording.unwrap();
+    assert_eq!(again.node, r.node);
+    let named = resolve(args(url, None, Some("node-7"))).unwrap();
+    assert_eq!(named.recording.unwrap().node, "node-7");
+    for bad in [
+        args("mysql://db/kb", None, None),
+        args(url, Some("/x.sqlite3"), None),
+    ] {
+        let e = resolve(bad).unwrap_err().to_string();
+        assert!(e.contains("--database-url"), "{e}");
+    }
+}
+
+#[test]
 fn no_token_generates_one() {
     let s = Settings::resolve(ServeArgs::default(), None).unwrap();
     assert_eq!(s.token_source, TokenSource::Generated);

@@ -1,5 +1,5 @@
 //! Recording: every message of every session, and the broker's lifecycle events, kept in a
-//! SQLite file so a session can be read back, exported as a notebook, replayed and browsed
+//! SQLite file (or, with `--database-url`, in PostgreSQL, shared by a cluster's brokers) so a session can be read back, exported as a notebook, replayed and browsed
 //! after it has ended.
 //!
 //! The session layer reports through [`crate::session::Recorder`]; [`RecordingStore`]
@@ -46,10 +46,13 @@
 //! - [`notebook`]: the recording as cells and markers, and as an nbformat notebook (pure).
 
 pub mod blobs;
+mod db;
 pub mod event;
 pub mod notebook;
+mod postgres;
 mod queries;
 mod schema;
+mod sqlite;
 mod store;
 mod writer;
 
@@ -59,6 +62,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+pub use db::DbError;
 pub use queries::{EventQuery, EventsPage, RecordedEvent, RecordedKind, RecordingInfo};
 pub use store::{RecordingStats, RecordingStore};
 
@@ -77,8 +81,13 @@ pub enum Synchronous {
 /// Settings of the recording.
 #[derive(Debug, Clone)]
 pub struct RecordingConfig {
-    /// The SQLite file.
+    /// The SQLite file (unless `database_url` is set).
     pub path: PathBuf,
+    /// `postgres://...`: the recordings are in this PostgreSQL database instead of the file.
+    pub database_url: Option<String>,
+    /// This broker's node id: which open sessions in a shared database are its own (those
+    /// a killed broker left open are closed when it starts again).
+    pub node: String,
     /// Ended sessions older than this are deleted; `None` keeps them forever.
     pub retention: Option<Duration>,
     pub synchronous: Synchronous,
@@ -99,6 +108,8 @@ impl RecordingConfig {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
+            database_url: None,
+            node: "local".into(),
             retention: Some(Duration::from_secs(30 * 86_400)),
             synchronous: Synchronous::Normal,
             max_queue_bytes: 256 << 20,
@@ -127,19 +138,26 @@ pub enum RecordingError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the recordings database {location}: {source}")]
+    Connect {
+        /// The URL without its password.
+        location: String,
+        #[source]
+        source: DbError,
+    },
     #[error(
-        "the recordings file {path} has schema version {found}; this broker knows up to {known}"
+        "the recordings in {location} have schema version {found}; this broker knows up to {known}"
     )]
     SchemaTooNew {
-        path: PathBuf,
+        location: String,
         found: i64,
         known: i64,
     },
     #[error("recording store, {context}: {source}")]
-    Sqlite {
+    Db {
         context: &'static str,
         #[source]
-        source: rusqlite::Error,
+        source: DbError,
     },
     #[error("the recording writer has stopped")]
     WriterGone,

@@ -192,22 +192,22 @@ fn info_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RecordingInfo> {
     })
 }
 
-struct Row {
-    seq: i64,
-    time: i64,
-    direction: String,
-    channel: Option<String>,
-    msg_type: Option<String>,
-    msg_id: Option<String>,
-    parent_msg_id: Option<String>,
-    header: Option<String>,
-    parent_header: Option<String>,
-    parent_seq: Option<i64>,
-    metadata: Option<String>,
-    content: Option<String>,
-    kind: Option<String>,
-    has_blobs: bool,
-    buffers: Option<String>,
+pub(super) struct Row {
+    pub seq: i64,
+    pub time: i64,
+    pub direction: String,
+    pub channel: Option<String>,
+    pub msg_type: Option<String>,
+    pub msg_id: Option<String>,
+    pub parent_msg_id: Option<String>,
+    pub header: Option<String>,
+    pub parent_header: Option<String>,
+    pub parent_seq: Option<i64>,
+    pub metadata: Option<String>,
+    pub content: Option<String>,
+    pub kind: Option<String>,
+    pub has_blobs: bool,
+    pub buffers: Option<String>,
 }
 
 /// A page of session `id`'s events.
@@ -283,56 +283,79 @@ pub(super) fn read_events(
         .map_err(sqlite("read events"))?;
     let more = rows.len() > limit;
     rows.truncate(limit);
+    let mut lookup = SqliteLookup {
+        conn,
+        sid,
+        headers: HashMap::new(),
+    };
     let mut events = Vec::with_capacity(rows.len());
-    let mut parents = HashMap::new();
     for row in rows {
-        events.push(to_event(conn, sid, row, &mut parents)?);
+        events.push(to_event(row, &mut lookup)?);
     }
     Ok(EventsPage { events, more })
 }
 
-/// The header of event `seq` (the request a parent header refers to), cached per page.
-fn request_header(
-    conn: &Connection,
-    sid: i64,
-    seq: i64,
-    cache: &mut HashMap<i64, String>,
-) -> Result<String, RecordingError> {
-    if let Some(h) = cache.get(&seq) {
-        return Ok(h.clone());
-    }
-    let h: Option<String> = conn
-        .prepare_cached("SELECT header FROM events WHERE sid = ?1 AND seq = ?2")
-        .and_then(|mut st| st.query_row(params![sid, seq], |r| r.get(0)).optional())
-        .map_err(sqlite("read a parent header"))?
-        .flatten();
-    let h = h.unwrap_or_else(|| "{}".into());
-    cache.insert(seq, h.clone());
-    Ok(h)
+/// Where [`to_event`] finds what the writer took out of a row: blobs by SHA-256 and the
+/// headers of requests by sequence number (looked up one by one in SQLite, fetched for a
+/// whole page at once from PostgreSQL).
+pub(super) trait Lookup {
+    /// A blob as stored: whether it was base64 text, and its bytes.
+    fn blob(&mut self, sha: &str) -> Result<Option<(bool, Vec<u8>)>, RecordingError>;
+    /// The header of the session's event `seq`.
+    fn header(&mut self, seq: i64) -> Result<Option<String>, RecordingError>;
 }
 
-fn to_event(
-    conn: &Connection,
+/// Lookups on a SQLite connection; headers cached per page.
+struct SqliteLookup<'c> {
+    conn: &'c Connection,
     sid: i64,
-    row: Row,
-    parents: &mut HashMap<i64, String>,
-) -> Result<RecordedEvent, RecordingError> {
+    headers: HashMap<i64, Option<String>>,
+}
+
+impl Lookup for SqliteLookup<'_> {
+    fn blob(&mut self, sha: &str) -> Result<Option<(bool, Vec<u8>)>, RecordingError> {
+        self.conn
+            .prepare_cached("SELECT base64, data FROM blobs WHERE sha256 = ?1")
+            .and_then(|mut st| {
+                st.query_row([sha], |r| Ok((r.get(0)?, r.get(1)?)))
+                    .optional()
+            })
+            .map_err(sqlite("read a blob"))
+    }
+
+    fn header(&mut self, seq: i64) -> Result<Option<String>, RecordingError> {
+        if let Some(h) = self.headers.get(&seq) {
+            return Ok(h.clone());
+        }
+        let h: Option<String> = self
+            .conn
+            .prepare_cached("SELECT header FROM events WHERE sid = ?1 AND seq = ?2")
+            .and_then(|mut st| {
+                st.query_row(params![self.sid, seq], |r| r.get(0))
+                    .optional()
+            })
+            .map_err(sqlite("read a parent header"))?
+            .flatten();
+        self.headers.insert(seq, h.clone());
+        Ok(h)
+    }
+}
+
+/// A stored row as an event, with what the writer took out put back.
+pub(super) fn to_event(row: Row, lookup: &mut dyn Lookup) -> Result<RecordedEvent, RecordingError> {
     let mut content = row.content.unwrap_or_else(|| "{}".into());
     if row.has_blobs {
         if let Ok(mut v) = serde_json::from_str::<Value>(&content) {
             let mut failed = None;
-            blobs::reassemble(&mut v, &mut |sha| match blob_text(conn, sha) {
-                Ok(t) => t,
+            blobs::reassemble(&mut v, &mut |sha| match lookup.blob(sha) {
+                Ok(b) => b.map(|(b64, data)| Blob::text_of(&data, b64)),
                 Err(e) => {
                     failed = Some(e);
                     None
                 }
             });
             if let Some(e) = failed {
-                return Err(RecordingError::Sqlite {
-                    context: "read a blob",
-                    source: e,
-                });
+                return Err(e);
             }
             content = v.to_string();
         }
@@ -345,11 +368,10 @@ fn to_event(
         }
     } else {
         let mut buffers = Vec::new();
-        if let Some(list) = row.buffers {
-            let hashes: Vec<String> = serde_json::from_str(&list).unwrap_or_default();
-            for h in hashes {
-                let b = blob_bytes(conn, &h).map_err(sqlite("read a buffer"))?;
-                buffers.push(b.unwrap_or_default());
+        if let Some(list) = &row.buffers {
+            for h in buffer_hashes(list) {
+                let b = lookup.blob(&h)?;
+                buffers.push(b.map(|(_, data)| data).unwrap_or_default());
             }
         }
         RecordedKind::Message {
@@ -365,7 +387,7 @@ fn to_event(
             header: row.header.unwrap_or_else(|| "{}".into()),
             parent_header: match (row.parent_header, row.parent_seq) {
                 (Some(h), _) => h,
-                (None, Some(seq)) => request_header(conn, sid, seq, parents)?,
+                (None, Some(seq)) => lookup.header(seq)?.unwrap_or_else(|| "{}".into()),
                 (None, None) => "{}".into(),
             },
             metadata: row.metadata.unwrap_or_else(|| "{}".into()),
@@ -380,20 +402,7 @@ fn to_event(
     })
 }
 
-/// A blob's original string by SHA-256 (for readers).
-fn blob_text(conn: &Connection, sha: &str) -> rusqlite::Result<Option<String>> {
-    conn.prepare_cached("SELECT base64, data FROM blobs WHERE sha256 = ?1")?
-        .query_row([sha], |r| {
-            let b64: bool = r.get(0)?;
-            let data: Vec<u8> = r.get(1)?;
-            Ok(Blob::text_of(&data, b64))
-        })
-        .optional()
-}
-
-/// A blob's raw bytes (binary buffers).
-fn blob_bytes(conn: &Connection, sha: &str) -> rusqlite::Result<Option<Vec<u8>>> {
-    conn.prepare_cached("SELECT data FROM blobs WHERE sha256 = ?1")?
-        .query_row([sha], |r| r.get(0))
-        .optional()
+/// The SHA-256s of a message's binary buffers, as stored.
+pub(super) fn buffer_hashes(list: &str) -> Vec<String> {
+    serde_json::from_str(list).unwrap_or_default()
 }

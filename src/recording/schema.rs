@@ -83,7 +83,10 @@ const MIGRATIONS: &[&str] = &[
 ];
 
 pub(super) fn sqlite(context: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordingError {
-    move |source| RecordingError::Sqlite { context, source }
+    move |source| RecordingError::Db {
+        context,
+        source: source.into(),
+    }
 }
 
 /// Open (creating if needed) the recordings file for writing and bring its schema up to date.
@@ -124,7 +127,7 @@ pub(super) fn open(config: &RecordingConfig) -> Result<Connection, RecordingErro
         .map_err(open_err)?;
     if version > SCHEMA_VERSION {
         return Err(RecordingError::SchemaTooNew {
-            path: path.clone(),
+            location: path.display().to_string(),
             found: version,
             known: SCHEMA_VERSION,
         });

@@ -6,6 +6,10 @@ pub mod engine;
 pub mod forked;
 pub mod host;
 pub mod leftovers;
+/// A PostgreSQL database of its own for a test (the crate's own helper).
+#[allow(dead_code)]
+#[path = "../../src/recording/postgres/testing.rs"]
+pub mod pg;
 pub mod scale;
 pub mod spawned;
 

@@ -1,8 +1,9 @@
 //! The recording store: the handle the session layer reports to (it implements
 //! [`Recorder`]) and the API reads from. Reports go to the writer thread ([`super::writer`])
-//! through an unbounded channel whose memory is bounded by counting bytes; reads
-//! ([`super::queries`]) use a small pool of read-only connections on blocking threads (in
-//! WAL mode readers never wait for the writer, and see every committed batch).
+//! through an unbounded channel whose memory is bounded by counting bytes. Reads
+//! ([`super::queries`]) use a small pool of read-only connections to the SQLite file on
+//! blocking threads (in WAL mode readers never wait for the writer, and see every committed
+//! batch), or a pool of async PostgreSQL connections ([`super::postgres`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,8 +15,11 @@ use rusqlite::Connection;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
+use super::db::WriteDb;
 use super::event::{BrokerEvent, RecordingMarker};
+use super::postgres::{self, PgDb};
 use super::queries::{self, EventQuery, EventsPage, Readers, RecordedEvent, RecordingInfo};
+use super::sqlite::SqliteDb;
 use super::writer::{self, Counters, Item, Op, SessionKey};
 use super::{micros, schema, RecordingConfig, RecordingError};
 use crate::session::{Direction, LifecycleEvent, Recorder, Session};
@@ -47,29 +51,65 @@ pub struct RecordingStore {
     /// Reports dropped per session since its last `recording_gap` marker.
     gaps: Mutex<HashMap<Uuid, u64>>,
     gaps_pending: AtomicUsize,
-    readers: Arc<Readers>,
+    reads: Reads,
+}
+
+/// Where reads go.
+enum Reads {
+    Sqlite(Arc<Readers>),
+    Postgres(postgres::Pool),
 }
 
 impl RecordingStore {
-    /// Open (or create) the recordings file and start the writer thread.
+    /// Open (or create) the recordings (the file, or the PostgreSQL schema) and start the
+    /// writer thread.
     pub fn open(config: RecordingConfig) -> Result<Arc<Self>, RecordingError> {
-        let conn = schema::open(&config)?;
         let counters = Arc::new(Counters::default());
         let (tx, rx) = mpsc::channel();
-        let w = writer::Writer::new(conn, &config, counters.clone());
         let kept = config.kept_sessions.clone();
-        std::thread::Builder::new()
-            .name("recording-writer".into())
-            .spawn(move || w.run(rx, &kept))
-            .map_err(|source| RecordingError::Dir {
-                path: config.path.clone(),
-                source,
-            })?;
-        tracing::info!(path = %config.path.display(), "recording sessions");
+        let spawn_err = |source| RecordingError::Dir {
+            path: config.path.clone(),
+            source,
+        };
+        let reads = match &config.database_url {
+            None => {
+                let db = SqliteDb::new(schema::open(&config)?, config.path.clone());
+                let w = writer::Writer::new(Box::new(db), &config, counters.clone());
+                std::thread::Builder::new()
+                    .name("recording-writer".into())
+                    .spawn(move || w.run(rx, &kept))
+                    .map_err(spawn_err)?;
+                tracing::info!(path = %config.path.display(), "recording sessions");
+                Reads::Sqlite(Arc::new(Readers::new(config.path.clone())))
+            }
+            Some(url) => {
+                // The writer's connection lives on the writer thread, with a runtime of its
+                // own; it connects and migrates there, and says how that went.
+                let (opened_tx, opened) = mpsc::channel();
+                let (url_w, node, cfg) = (url.clone(), config.node.clone(), config.clone());
+                let c = counters.clone();
+                std::thread::Builder::new()
+                    .name("recording-writer".into())
+                    .spawn(move || match PgDb::open(&url_w, &node) {
+                        Ok(db) => {
+                            let _ = opened_tx.send(Ok(()));
+                            let db: Box<dyn WriteDb> = Box::new(db);
+                            writer::Writer::new(db, &cfg, c).run(rx, &kept)
+                        }
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(e));
+                        }
+                    })
+                    .map_err(spawn_err)?;
+                opened.recv().map_err(|_| RecordingError::WriterGone)??;
+                tracing::info!(db = %postgres::redact(url), node = %config.node, "recording sessions in PostgreSQL");
+                Reads::Postgres(postgres::Pool::new(url, READ_CONNECTIONS)?)
+            }
+        };
         Ok(Arc::new(Self {
             tx,
             counters,
-            readers: Arc::new(Readers::new(config.path.clone())),
+            reads,
             config,
             gaps: Mutex::new(HashMap::new()),
             gaps_pending: AtomicUsize::new(0),
@@ -106,10 +146,10 @@ impl RecordingStore {
     }
 
     async fn read<T: Send + 'static>(
-        &self,
+        readers: &Arc<Readers>,
         f: impl FnOnce(&Connection) -> Result<T, RecordingError> + Send + 'static,
     ) -> Result<T, RecordingError> {
-        let readers = self.readers.clone();
+        let readers = readers.clone();
         tokio::task::spawn_blocking(move || readers.with(f))
             .await
             .map_err(|e| RecordingError::Task(e.to_string()))?
@@ -117,7 +157,10 @@ impl RecordingStore {
 
     /// The recorded session `id`, whoever owns it.
     pub async fn info(&self, id: Uuid) -> Result<Option<RecordingInfo>, RecordingError> {
-        self.read(move |conn| queries::info(conn, id)).await
+        match &self.reads {
+            Reads::Sqlite(r) => Self::read(r, move |conn| queries::info(conn, id)).await,
+            Reads::Postgres(p) => p.info(id).await,
+        }
     }
 
     /// `user`'s recorded sessions, newest first.
@@ -126,20 +169,31 @@ impl RecordingStore {
         user: &str,
         limit: usize,
     ) -> Result<Vec<RecordingInfo>, RecordingError> {
-        let user = user.to_string();
-        self.read(move |conn| queries::list(conn, &user, limit))
-            .await
+        match &self.reads {
+            Reads::Sqlite(r) => {
+                let user = user.to_string();
+                Self::read(r, move |conn| queries::list(conn, &user, limit)).await
+            }
+            Reads::Postgres(p) => p.list(user, limit).await,
+        }
     }
 
     /// A page of session `id`'s events.
     pub async fn events(&self, id: Uuid, query: EventQuery) -> Result<EventsPage, RecordingError> {
-        self.read(move |conn| queries::read_events(conn, id, &query))
-            .await
+        match &self.reads {
+            Reads::Sqlite(r) => {
+                Self::read(r, move |conn| queries::read_events(conn, id, &query)).await
+            }
+            Reads::Postgres(p) => p.events(id, &query).await,
+        }
     }
 
     /// Every event of session `id`, in order.
     pub async fn all_events(&self, id: Uuid) -> Result<Vec<RecordedEvent>, RecordingError> {
-        self.read(move |conn| queries::all_events(conn, id)).await
+        match &self.reads {
+            Reads::Sqlite(r) => Self::read(r, move |conn| queries::all_events(conn, id)).await,
+            Reads::Postgres(p) => p.all_events(id).await,
+        }
     }
 
     /// Delete session `id`'s recording; false when there was none.
@@ -282,6 +336,9 @@ impl Recorder for RecordingStore {
         })
     }
 }
+
+/// Connections the reads of the API may hold at once, in PostgreSQL.
+const READ_CONNECTIONS: usize = 8;
 
 /// The longest an acknowledgement waits for the recording.
 const BARRIER_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);

@@ -53,18 +53,89 @@ fn msg(msg_type: &str, parent: &str, content: Value) -> Message {
     Message::new(msg_type, &content, Some(&parent_header), "k", "alice")
 }
 
-fn open_store(
-    tweak: impl FnOnce(&mut RecordingConfig),
-) -> (tempfile::TempDir, Arc<RecordingStore>) {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
-    tweak(&mut cfg);
-    (dir, RecordingStore::open(cfg).unwrap())
+/// Where a test's recordings are.
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    Sqlite,
+    Postgres,
 }
 
-#[tokio::test]
-async fn events_round_trip_in_order_with_blobs() {
-    let (_dir, store) = open_store(|_| {});
+/// A store on either database, and what it needs kept alive.
+struct TestStore {
+    store: Arc<RecordingStore>,
+    _dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for TestStore {
+    type Target = Arc<RecordingStore>;
+    fn deref(&self) -> &Self::Target {
+        &self.store
+    }
+}
+
+/// A config on a new, empty database of `backend`.
+async fn new_config(backend: Backend, dir: &tempfile::TempDir) -> RecordingConfig {
+    let mut cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
+    if let Backend::Postgres = backend {
+        cfg.database_url = Some(crate::recording::postgres::testing::fresh_database().await);
+    }
+    cfg
+}
+
+async fn open_store(backend: Backend, tweak: impl FnOnce(&mut RecordingConfig)) -> TestStore {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = new_config(backend, &dir).await;
+    tweak(&mut cfg);
+    TestStore {
+        store: RecordingStore::open(cfg).unwrap(),
+        _dir: dir,
+    }
+}
+
+/// One integer a query on the store's tables answers (the same SQL in both databases).
+async fn scalar(store: &RecordingStore, sql: &str) -> Option<i64> {
+    match &store.config.database_url {
+        None => {
+            let conn = schema::open_reader(&store.config.path).unwrap();
+            conn.query_row(sql, [], |r| r.get(0)).unwrap()
+        }
+        Some(url) => {
+            let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            client.query_one(sql, &[]).await.unwrap().get(0)
+        }
+    }
+}
+
+/// Runs a test once on each database.
+macro_rules! on_both {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test]
+            async fn sqlite() {
+                super::$name(super::Backend::Sqlite).await
+            }
+            #[tokio::test]
+            async fn postgres() {
+                super::$name(super::Backend::Postgres).await
+            }
+        }
+    )*};
+}
+
+on_both!(
+    events_round_trip_in_order_with_blobs,
+    every_message_type_is_capped_per_execution_with_one_marker,
+    an_image_shown_again_costs_only_its_reference,
+    the_session_cap_holds_across_executions,
+    an_overfull_queue_drops_and_marks_the_gap,
+    reopening_closes_stale_sessions_and_retention_deletes_old_ones,
+);
+
+async fn events_round_trip_in_order_with_blobs(backend: Backend) {
+    let store = open_store(backend, |_| {}).await;
     let id = Uuid::new_v4();
     let k = key(id);
     let req = msg(
@@ -123,16 +194,12 @@ async fn events_round_trip_in_order_with_blobs() {
         panic!()
     };
     assert_eq!(parent_header, req_header);
-    let conn = schema::open_reader(&store.config.path).unwrap();
-    let stored: (Option<String>, Option<i64>) = conn
-        .query_row(
-            "SELECT parent_header, parent_seq FROM events WHERE seq = 3",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
-    assert_eq!(stored, (None, Some(1)));
-    drop(conn);
+    let stored = scalar(
+        &store,
+        "SELECT parent_seq FROM events WHERE seq = 3 AND parent_header IS NULL",
+    )
+    .await;
+    assert_eq!(stored, Some(1));
     let RecordedKind::Message { content, .. } = &all[2].kind else {
         panic!()
     };
@@ -154,11 +221,7 @@ async fn events_round_trip_in_order_with_blobs() {
     assert!(info.ended_at.is_some());
 
     // One image, stored once.
-    let conn = schema::open_reader(&store.config.path).unwrap();
-    let n: i64 = conn
-        .query_row("SELECT count(*) FROM blobs", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(n, 1);
+    assert_eq!(scalar(&store, "SELECT count(*) FROM blobs").await, Some(1));
 
     // Filters and paging.
     let page = store
@@ -212,10 +275,11 @@ async fn events_round_trip_in_order_with_blobs() {
         store.events(id, EventQuery::default()).await,
         Err(RecordingError::NotFound(_))
     ));
-    let n: i64 = conn
-        .query_row("SELECT count(*) FROM blobs", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(n, 0, "the blob went with its last session");
+    assert_eq!(
+        scalar(&store, "SELECT count(*) FROM blobs").await,
+        Some(0),
+        "the blob went with its last session"
+    );
     store.close().await;
 }
 
@@ -238,9 +302,8 @@ fn display(parent: &str, text: String) -> Message {
     )
 }
 
-#[tokio::test]
-async fn every_message_type_is_capped_per_execution_with_one_marker() {
-    let (_dir, store) = open_store(|c| c.max_execution_bytes = 5000);
+async fn every_message_type_is_capped_per_execution_with_one_marker(backend: Backend) {
+    let store = open_store(backend, |c| c.max_execution_bytes = 5000).await;
     let id = Uuid::new_v4();
     let k = key(id);
     let mut requests = Vec::new();
@@ -312,9 +375,8 @@ async fn every_message_type_is_capped_per_execution_with_one_marker() {
     store.close().await;
 }
 
-#[tokio::test]
-async fn an_image_shown_again_costs_only_its_reference() {
-    let (_dir, store) = open_store(|c| c.max_execution_bytes = 20_000);
+async fn an_image_shown_again_costs_only_its_reference(backend: Backend) {
+    let store = open_store(backend, |c| c.max_execution_bytes = 20_000).await;
     let id = Uuid::new_v4();
     let k = key(id);
     let png = base64::engine::general_purpose::STANDARD.encode([7u8; 9000]);
@@ -348,9 +410,8 @@ async fn an_image_shown_again_costs_only_its_reference() {
     store.close().await;
 }
 
-#[tokio::test]
-async fn the_session_cap_holds_across_executions() {
-    let (_dir, store) = open_store(|c| c.max_session_bytes = 6000);
+async fn the_session_cap_holds_across_executions(backend: Backend) {
+    let store = open_store(backend, |c| c.max_session_bytes = 6000).await;
     let id = Uuid::new_v4();
     let k = key(id);
     for _ in 0..10 {
@@ -380,9 +441,8 @@ async fn the_session_cap_holds_across_executions() {
     store.close().await;
 }
 
-#[tokio::test]
-async fn an_overfull_queue_drops_and_marks_the_gap() {
-    let (_dir, store) = open_store(|c| c.max_queue_bytes = 0);
+async fn an_overfull_queue_drops_and_marks_the_gap(backend: Backend) {
+    let store = open_store(backend, |c| c.max_queue_bytes = 0).await;
     let id = Uuid::new_v4();
     let k = key(id);
     for _ in 0..3 {
@@ -396,7 +456,7 @@ async fn an_overfull_queue_drops_and_marks_the_gap() {
     ));
     // Room again: the next report is preceded by the marker.
     drop(store);
-    let (_dir, store) = open_store(|c| c.max_queue_bytes = 1 << 20);
+    let store = open_store(backend, |c| c.max_queue_bytes = 1 << 20).await;
     store.gaps.lock().unwrap().insert(id, 3);
     store.gaps_pending.store(1, Ordering::Release);
     store.report_event(k.clone(), LifecycleEvent::Interrupt);
@@ -420,16 +480,20 @@ async fn an_overfull_queue_drops_and_marks_the_gap() {
 /// What recording costs an execution: the report calls on the session's task, and the
 /// barrier wait before the acknowledgement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: cargo test --release --lib recording_cost -- --ignored --nocapture"]
+#[ignore = "a measurement: KB_TEST_POSTGRES_URL=... cargo test --release --lib recording_cost -- --ignored --nocapture"]
 async fn recording_cost() {
-    for sync in [Synchronous::Normal, Synchronous::Full] {
-        eprintln!("synchronous = {sync:?}");
-        measure_recording_cost(sync).await;
+    for (backend, sync) in [
+        (Backend::Sqlite, Synchronous::Normal),
+        (Backend::Sqlite, Synchronous::Full),
+        (Backend::Postgres, Synchronous::Normal),
+    ] {
+        eprintln!("{backend:?}, synchronous = {sync:?}");
+        measure_recording_cost(backend, sync).await;
     }
 }
 
-async fn measure_recording_cost(sync: Synchronous) {
-    let (_dir, store) = open_store(|c| c.synchronous = sync);
+async fn measure_recording_cost(backend: Backend, sync: Synchronous) {
+    let store = open_store(backend, |c| c.synchronous = sync).await;
     let k = key(Uuid::new_v4());
     let req = msg(
         "execute_request",
@@ -467,13 +531,12 @@ async fn measure_recording_cost(sync: Synchronous) {
     store.close().await;
 }
 
-#[tokio::test]
-async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones() {
+async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("r.sqlite3");
+    let cfg = new_config(backend, &dir).await;
     let id = Uuid::new_v4();
     {
-        let store = RecordingStore::open(RecordingConfig::new(&path)).unwrap();
+        let store = RecordingStore::open(cfg.clone()).unwrap();
         store.report_event(
             key(id),
             LifecycleEvent::SessionCreated {
@@ -484,7 +547,7 @@ async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones() {
         store.flush().await;
         // Not closed: as if the broker was killed.
     }
-    let store = RecordingStore::open(RecordingConfig::new(&path)).unwrap();
+    let store = RecordingStore::open(cfg.clone()).unwrap();
     // The writer closes stale sessions before anything else it does.
     store.flush().await;
     let info = store.info(id).await.unwrap().unwrap();
@@ -493,17 +556,200 @@ async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones() {
     assert_eq!(all.last().unwrap().type_name(), "broker_stopped");
     store.close().await;
 
-    let mut conn = schema::open(&RecordingConfig::new(&path)).unwrap();
+    // Retention: nothing ended a day ago; everything ended before now.
+    let mut db: Box<dyn WriteDb> = match backend {
+        Backend::Sqlite => Box::new(SqliteDb::new(schema::open(&cfg).unwrap(), cfg.path.clone())),
+        Backend::Postgres => {
+            let url = cfg.database_url.clone().unwrap();
+            // The writer's connection has a runtime of its own: made off this one.
+            tokio::task::spawn_blocking(move || PgDb::open(&url, "local").unwrap())
+                .await
+                .map(|db| Box::new(db) as Box<dyn WriteDb>)
+                .unwrap()
+        }
+    };
+    // (dropped there too: a runtime may not be dropped on this one)
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(
+            db.retention(micros(Utc::now()) - 86_400_000_000).unwrap(),
+            0
+        );
+        assert_eq!(db.retention(micros(Utc::now()) + 1).unwrap(), 1);
+    })
+    .await
+    .unwrap();
+    assert_eq!(scalar(&store, "SELECT count(*) FROM events").await, Some(0));
     assert_eq!(
-        writer::retention(&mut conn, micros(Utc::now()) - 86_400_000_000).unwrap(),
-        0
+        scalar(&store, "SELECT count(*) FROM sessions").await,
+        Some(0)
+    );
+}
+
+on_both!(a_kernels_nul_bytes_break_no_batch);
+
+/// A kernel's message whose ids decode to NUL (which PostgreSQL's text refuses, and one
+/// failed statement aborts a whole transaction there) is stored, and so is what other
+/// sessions report in the same batch.
+async fn a_kernels_nul_bytes_break_no_batch(backend: Backend) {
+    let store = open_store(backend, |_| {}).await;
+    let (hostile, other) = (Uuid::new_v4(), Uuid::new_v4());
+    let req = msg("execute_request", "", json!({"code": "x", "silent": false}));
+    store.report_message(key(hostile), Direction::ToKernel, Channel::Shell, &req);
+    let mut evil = msg(
+        "stream",
+        "p\0",
+        json!({"name": "stdout", "text": "a\u{0}b"}),
+    );
+    evil.msg_id = "id\0".into();
+    evil.msg_type = "str\0eam".into();
+    evil.parent_msg_id = Some("p\0".into());
+    evil.metadata = Bytes::from_static(b"\x00\xff not json");
+    store.report_message(key(hostile), Direction::FromKernel, Channel::Iopub, &evil);
+    store.report_event(key(other), LifecycleEvent::Interrupt);
+    store.flush().await;
+    assert_eq!(store.stats().errors, 0);
+    let all = store.all_events(hostile).await.unwrap();
+    assert_eq!(all.len(), 2);
+    let RecordedKind::Message {
+        msg_id,
+        msg_type,
+        content,
+        metadata,
+        ..
+    } = &all[1].kind
+    else {
+        panic!()
+    };
+    let nul = match backend {
+        Backend::Sqlite => "\0",
+        Backend::Postgres => "\u{fffd}",
+    };
+    assert_eq!(msg_id, &format!("id{nul}"));
+    assert_eq!(msg_type, &format!("str{nul}eam"));
+    // JSON escapes NUL: the content is kept as sent.
+    let c: Value = serde_json::from_str(content).unwrap();
+    assert_eq!(c["text"], "a\u{0}b");
+    assert!(serde_json::from_str::<Value>(metadata).unwrap().is_string());
+    assert_eq!(store.all_events(other).await.unwrap().len(), 1);
+    store.close().await;
+}
+
+/// Two brokers (nodes) on one PostgreSQL database: each sees the other's recordings; one
+/// that restarts closes only the sessions it left open; an image both stored outlives the
+/// deletion of one of them.
+#[tokio::test]
+async fn brokers_share_one_postgres_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a_cfg = new_config(Backend::Postgres, &dir).await;
+    a_cfg.node = "node-a".into();
+    let b_cfg = RecordingConfig {
+        node: "node-b".into(),
+        ..a_cfg.clone()
+    };
+    let png = base64::engine::general_purpose::STANDARD.encode(vec![9u8; 4000]);
+    let image = |parent: &str| {
+        msg(
+            "display_data",
+            parent,
+            json!({"data": {"image/png": png.clone()}, "metadata": {}, "transient": {}}),
+        )
+    };
+    let (sa, sb) = (Uuid::new_v4(), Uuid::new_v4());
+    let a = RecordingStore::open(a_cfg.clone()).unwrap();
+    let b = RecordingStore::open(b_cfg).unwrap();
+    for (store, id) in [(&a, sa), (&b, sb)] {
+        let req = msg(
+            "execute_request",
+            "",
+            json!({"code": "plot()", "silent": false}),
+        );
+        store.report_message(key(id), Direction::ToKernel, Channel::Shell, &req);
+        store.report_message(
+            key(id),
+            Direction::FromKernel,
+            Channel::Iopub,
+            &image(&req.msg_id),
+        );
+        store.flush().await;
+    }
+    assert_eq!(scalar(&a, "SELECT count(*) FROM blobs").await, Some(1));
+    // Either broker reads both.
+    for store in [&a, &b] {
+        let listed: Vec<Uuid> = store
+            .list("alice", 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|i| i.id)
+            .collect();
+        assert!(listed.contains(&sa) && listed.contains(&sb), "{listed:?}");
+        assert_eq!(store.all_events(sa).await.unwrap().len(), 2);
+    }
+    // Node a is killed (its session left open) and starts again: only its session is closed.
+    drop(a);
+    let a = RecordingStore::open(a_cfg).unwrap();
+    a.flush().await;
+    let info = |s: &Arc<RecordingStore>, id| {
+        let s = s.clone();
+        async move { s.info(id).await.unwrap().unwrap() }
+    };
+    assert_eq!(
+        info(&a, sa).await.end_reason.as_deref(),
+        Some("broker_stopped")
     );
     assert_eq!(
-        writer::retention(&mut conn, micros(Utc::now()) + 1).unwrap(),
-        1
+        info(&a, sb).await.end_reason,
+        None,
+        "node b's session is live"
     );
-    let n: i64 = conn
-        .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(n, 0);
+    // Deleting a's recording keeps the image b still shows.
+    assert!(a.delete(sa).await.unwrap());
+    assert_eq!(scalar(&a, "SELECT count(*) FROM blobs").await, Some(1));
+    let all = b.all_events(sb).await.unwrap();
+    let RecordedKind::Message { content, .. } = &all[1].kind else {
+        panic!()
+    };
+    let c: Value = serde_json::from_str(content).unwrap();
+    assert_eq!(c["data"]["image/png"], png.as_str());
+    assert!(b.delete(sb).await.unwrap());
+    assert_eq!(scalar(&a, "SELECT count(*) FROM blobs").await, Some(0));
+    a.close().await;
+    b.close().await;
+}
+
+/// Brokers starting together on a new database migrate it once; a database of a newer
+/// schema than this broker knows is refused, not written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_schema_is_migrated_once_and_a_newer_one_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = new_config(Backend::Postgres, &dir).await;
+    let opens: Vec<_> = (0..4)
+        .map(|i| {
+            let mut c = cfg.clone();
+            c.node = format!("n{i}");
+            tokio::task::spawn_blocking(move || RecordingStore::open(c).map(|_| ()))
+        })
+        .collect();
+    for o in opens {
+        o.await.unwrap().unwrap();
+    }
+    let store = RecordingStore::open(cfg.clone()).unwrap();
+    assert_eq!(
+        scalar(&store, "SELECT count(*) FROM schema_migrations").await,
+        Some(crate::recording::postgres::SCHEMA_VERSION)
+    );
+    scalar(
+        &store,
+        "INSERT INTO schema_migrations (version) VALUES (99) RETURNING version",
+    )
+    .await;
+    let err = tokio::task::spawn_blocking(move || RecordingStore::open(cfg).map(|_| ()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(err, RecordingError::SchemaTooNew { found: 99, .. }),
+        "{err}"
+    );
+    store.close().await;
 }

@@ -19,10 +19,10 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
-use rusqlite::{params, Connection};
 use serde_json::Value;
 
 use super::{SessionKey, Writer};
+use crate::recording::db::{DbError, EventRow, WriteDb};
 use crate::recording::event::RecordingMarker;
 
 /// Broker event details up to this size are kept past a cap.
@@ -131,7 +131,7 @@ impl Truncation {
 impl Writer {
     /// A client's `execute_request`: a fresh execution budget. The oldest one is forgotten
     /// (its marker written a last time).
-    pub(super) fn new_execution(&mut self, sid: i64, msg_id: &str) -> rusqlite::Result<()> {
+    pub(super) fn new_execution(&mut self, sid: i64, msg_id: &str) -> Result<(), DbError> {
         let b = self.budgets.entry(sid).or_default();
         b.executions.push_back(ExecutionBudget {
             msg_id: msg_id.to_string(),
@@ -141,7 +141,7 @@ impl Writer {
         if b.executions.len() > MAX_EXECUTIONS {
             if let Some(t) = b.executions.pop_front().and_then(|e| e.open) {
                 if t.dirty {
-                    write_marker(&self.conn, sid, &t)?;
+                    write_marker(self.db.as_mut(), sid, &t)?;
                 }
             }
         }
@@ -176,7 +176,7 @@ impl Writer {
         time: i64,
         cost: u64,
         raw: u64,
-    ) -> rusqlite::Result<bool> {
+    ) -> Result<bool, DbError> {
         let (max_exec, max_session) = (self.max_execution_bytes, self.max_session_bytes);
         let b = self.budgets.entry(sid).or_default();
         let session = b.session;
@@ -201,12 +201,9 @@ impl Writer {
             bytes: raw,
             dirty: false,
         };
-        self.conn
-            .prepare_cached(
-                "INSERT INTO events (sid, seq, time, direction, kind, content)
-                 VALUES (?1, ?2, ?3, 'broker', ?4, ?5)",
-            )?
-            .execute(params![sid, seq, time, t.kind(), t.detail().to_string()])?;
+        let detail = t.detail().to_string();
+        self.db
+            .insert_event(&EventRow::broker(sid, seq, time, t.kind(), &detail))?;
         tracing::info!(session = %key.id, scope, limit, msg_id = %t.msg_id, "recording: over the cap; not recording more");
         self.counters.truncated.fetch_add(1, Ordering::Relaxed);
         let b = self.budgets.entry(sid).or_default();
@@ -223,7 +220,7 @@ impl Writer {
         for (sid, b) in self.budgets.iter_mut() {
             for t in b.markers().filter(|t| t.dirty) {
                 t.dirty = false;
-                if let Err(e) = write_marker(&self.conn, *sid, t) {
+                if let Err(e) = write_marker(self.db.as_mut(), *sid, t) {
                     tracing::error!(error = %e, "recording: a truncation marker was not updated");
                 }
             }
@@ -252,10 +249,8 @@ impl Writer {
 }
 
 /// Rewrites a marker's row with its current counts.
-fn write_marker(conn: &Connection, sid: i64, t: &Truncation) -> rusqlite::Result<()> {
-    conn.prepare_cached("UPDATE events SET content = ?3 WHERE sid = ?1 AND seq = ?2")?
-        .execute(params![sid, t.seq, t.detail().to_string()])?;
-    Ok(())
+fn write_marker(db: &mut dyn WriteDb, sid: i64, t: &Truncation) -> Result<(), DbError> {
+    db.set_event_content(sid, t.seq, &t.detail().to_string())
 }
 
 #[cfg(test)]

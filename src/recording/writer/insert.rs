@@ -3,13 +3,13 @@
 //! buffers as blobs; a broker event's kind and detail. Each within the session's budgets
 //! ([`super::budget`]).
 
-use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::budget::KEPT_DETAIL_BYTES;
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
+use crate::recording::db::{DbError, EventRow};
 use crate::recording::event::BrokerEvent;
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
@@ -21,7 +21,7 @@ impl Writer {
         key: &SessionKey,
         time: i64,
         item: Item,
-    ) -> rusqlite::Result<(i64, Touched)> {
+    ) -> Result<(i64, Touched), DbError> {
         let sid = self.known(key)?.sid;
         match item {
             Item::Message {
@@ -42,7 +42,7 @@ impl Writer {
         direction: Direction,
         channel: Channel,
         msg: Message,
-    ) -> rusqlite::Result<(i64, Touched)> {
+    ) -> Result<(i64, Touched), DbError> {
         let mut touched = Touched::default();
         if direction == Direction::ToKernel
             && channel == Channel::Shell
@@ -134,30 +134,24 @@ impl Writer {
             Direction::ToKernel => "to_kernel",
             Direction::FromKernel => "from_kernel",
         };
-        self.conn
-            .prepare_cached(
-                "INSERT INTO events (sid, seq, time, direction, channel, msg_type, msg_id,
-                   parent_msg_id, header, parent_header, parent_seq, metadata, content,
-                   has_blobs, buffers)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-            )?
-            .execute(params![
-                sid,
-                seq,
-                time,
-                direction,
-                channel.as_str(),
-                msg.msg_type,
-                msg.msg_id,
-                msg.parent_msg_id,
-                header,
-                parent_header,
-                parent_seq,
-                metadata,
-                content,
-                !images.is_empty(),
-                buffers,
-            ])?;
+        self.db.insert_event(&EventRow {
+            sid,
+            seq,
+            time,
+            direction,
+            channel: Some(channel.as_str()),
+            msg_type: Some(&msg.msg_type),
+            msg_id: Some(&msg.msg_id),
+            parent_msg_id: msg.parent_msg_id.as_deref(),
+            header: Some(&header),
+            parent_header: parent_header.as_deref(),
+            parent_seq,
+            metadata: Some(&metadata),
+            content: &content,
+            kind: None,
+            has_blobs: !images.is_empty(),
+            buffers: buffers.as_deref(),
+        })?;
         touched.events = 1;
         Ok((sid, touched))
     }
@@ -169,7 +163,7 @@ impl Writer {
         sid: i64,
         time: i64,
         event: BrokerEvent,
-    ) -> rusqlite::Result<(i64, Touched)> {
+    ) -> Result<(i64, Touched), DbError> {
         let mut touched = Touched::default();
         let kind = event.kind().to_string();
         let mut detail = event.detail();
@@ -223,27 +217,22 @@ impl Writer {
         }
         touched.ended = event.end_reason().map(|reason| (time, reason));
         let (_, seq) = self.next_seq(key)?;
-        self.conn
-            .prepare_cached(
-                "INSERT INTO events (sid, seq, time, direction, kind, content, has_blobs)
-                 VALUES (?1, ?2, ?3, 'broker', ?4, ?5, ?6)",
-            )?
-            .execute(params![sid, seq, time, kind, text, !found.is_empty()])?;
+        self.db.insert_event(&EventRow {
+            has_blobs: !found.is_empty(),
+            ..EventRow::broker(sid, seq, time, &kind, &text)
+        })?;
         touched.events += 1;
         Ok((sid, touched))
     }
 
     /// Whether session `sid` stores no image or buffer `sha` yet (it would cost its bytes).
-    fn blob_is_new(&self, sid: i64, sha: &str) -> rusqlite::Result<bool> {
-        let found: Option<i64> = self
-            .conn
-            .prepare_cached("SELECT 1 FROM blob_refs WHERE sha256 = ?1 AND sid = ?2")?
-            .query_row(params![sha, sid], |r| r.get(0))
-            .optional()?;
-        Ok(found.is_none())
+    fn blob_is_new(&mut self, sid: i64, sha: &str) -> Result<bool, DbError> {
+        Ok(!self.db.has_blob_ref(sid, sha)?)
     }
 
-    /// equals (as JSON), or the text itself.
+    /// The parent header of a message from the kernel: a reference to the request's row
+    /// when it is the header of a recent request of the session (as JSON), or the text
+    /// itself.
     fn parent_of(
         &self,
         sid: i64,
@@ -302,19 +291,8 @@ impl Writer {
         base64: bool,
         data: &[u8],
         size: usize,
-    ) -> rusqlite::Result<()> {
-        self.conn
-            .prepare_cached(
-                "INSERT INTO blobs (sha256, base64, size, data) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (sha256) DO NOTHING",
-            )?
-            .execute(params![sha, base64, size as i64, data])?;
-        self.conn
-            .prepare_cached(
-                "INSERT INTO blob_refs (sha256, sid) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
-            )?
-            .execute(params![sha, sid])?;
-        Ok(())
+    ) -> Result<(), DbError> {
+        self.db.put_blob(sid, sha, base64, data, size as i64)
     }
 }
 

@@ -1,7 +1,8 @@
-//! The writer thread: the one connection that writes the recordings file. It takes the
-//! queued reports in batches (as many as are waiting, up to a bound) and stores each batch in
-//! one transaction, then answers the barriers of the batch. rusqlite is blocking, so this is
-//! a plain thread, not a task; it also runs the retention once at start and then daily.
+//! The writer thread: the one connection that writes the recordings (the SQLite file, or
+//! this broker's connection to PostgreSQL). It takes the queued reports in batches (as many
+//! as are waiting, up to a bound) and stores each batch in one transaction, then answers the
+//! barriers of the batch. Its database calls block ([`WriteDb`]), so this is a plain thread,
+//! not a task; it also runs the retention once at start and then daily.
 //!
 //! Layout: this file is the thread (batches, transactions, barriers, session rows);
 //! [`insert`] stores one report as rows (messages, broker events, blobs);
@@ -14,24 +15,21 @@ mod insert;
 mod retention;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use rusqlite::{params, Connection};
 use serde_json::Value;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
+use super::db::{DbError, SessionDelta, WriteDb};
 use super::event::BrokerEvent;
 use super::{RecordingConfig, RecordingError};
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
 
 use budget::Budget;
-#[cfg(test)]
-pub(super) use retention::retention;
 
 /// Who a report belongs to (enough to create the session's row on first sight).
 #[derive(Debug, Clone)]
@@ -91,17 +89,10 @@ struct Known {
 
 /// Per-session changes of one batch, applied to `sessions` once per batch. From one
 /// insert: what it stored (`events` is 0, 1 or 2 with a marker).
-#[derive(Default)]
-struct Touched {
-    events: i64,
-    cells: i64,
-    last: i64,
-    ended: Option<(i64, &'static str)>,
-}
+type Touched = SessionDelta;
 
 pub(super) struct Writer {
-    conn: Connection,
-    path: PathBuf,
+    db: Box<dyn WriteDb>,
     known: HashMap<Uuid, Known>,
     /// Headers of recent requests to kernels, per session row and msg_id: (seq, header).
     requests: HashMap<i64, HashMap<String, (i64, Value)>>,
@@ -121,10 +112,9 @@ const BATCH_BYTES: usize = 64 << 20;
 const MAX_REQUESTS: usize = 20_000;
 
 impl Writer {
-    pub fn new(conn: Connection, config: &RecordingConfig, counters: Arc<Counters>) -> Self {
+    pub fn new(db: Box<dyn WriteDb>, config: &RecordingConfig, counters: Arc<Counters>) -> Self {
         Self {
-            conn,
-            path: config.path.clone(),
+            db,
             known: HashMap::new(),
             requests: HashMap::new(),
             requests_len: 0,
@@ -170,7 +160,7 @@ impl Writer {
                 break;
             }
         }
-        tracing::debug!(path = %self.path.display(), "recording writer stopped");
+        tracing::debug!(db = %self.db.describe(), "recording writer stopped");
     }
 
     /// Store one batch in one transaction; false once told to stop.
@@ -181,7 +171,7 @@ impl Writer {
         let mut deletions = Vec::new();
         let mut stop = None;
         let mut touched: HashMap<i64, Touched> = HashMap::new();
-        let began = self.conn.execute_batch("BEGIN IMMEDIATE");
+        let began = self.db.begin();
         if let Err(e) = &began {
             tracing::error!(error = %e, "recording: could not begin a transaction");
         }
@@ -212,10 +202,9 @@ impl Writer {
                     }
                 }
                 Op::Barrier(tx) => barriers.push(tx),
-                Op::Delete { id, done } => {
-                    let r = self.delete(id);
-                    deletions.push((done, r));
-                }
+                // After the commit, each in a transaction of its own: in PostgreSQL a
+                // deletion takes a lock that batches (of every broker) take shared.
+                Op::Delete { id, done } => deletions.push((done, id)),
                 Op::Stop(tx) => {
                     stop = Some(tx);
                     break;
@@ -225,23 +214,7 @@ impl Writer {
         self.write_markers();
         let mut ended = Vec::new();
         for (sid, t) in &touched {
-            let r = self.conn.prepare_cached(
-                "UPDATE sessions SET events = events + ?2, cells = cells + ?3,
-                   last_event_at = max(coalesce(last_event_at, 0), ?4),
-                   ended_at = coalesce(?5, ended_at), end_reason = coalesce(?6, end_reason)
-                 WHERE sid = ?1",
-            );
-            let r = r.and_then(|mut st| {
-                st.execute(params![
-                    sid,
-                    t.events,
-                    t.cells,
-                    t.last,
-                    t.ended.map(|e| e.0),
-                    t.ended.map(|e| e.1)
-                ])
-            });
-            if let Err(e) = r {
+            if let Err(e) = self.db.update_session(*sid, t) {
                 tracing::error!(error = %e, "recording: session counters not updated");
             }
             if t.ended.is_some() {
@@ -249,10 +222,10 @@ impl Writer {
             }
         }
         if began.is_ok() {
-            if let Err(e) = self.conn.execute_batch("COMMIT") {
+            if let Err(e) = self.db.commit() {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, "recording: a batch could not be committed; its events are lost");
-                let _ = self.conn.execute_batch("ROLLBACK");
+                self.db.rollback();
                 // Sequence numbers handed out in the lost batch are free again, and the
                 // requests it recorded are gone.
                 self.known.clear();
@@ -279,12 +252,13 @@ impl Writer {
         for tx in barriers {
             let _ = tx.send(());
         }
-        for (done, r) in deletions {
+        for (done, id) in deletions {
+            let r = self.delete(id);
             let _ = done.send(r);
         }
         match stop {
             Some(tx) => {
-                let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
+                self.db.stop();
                 let _ = tx.send(());
                 false
             }
@@ -293,26 +267,14 @@ impl Writer {
     }
 
     /// The writer's entry of `key`'s session, creating the row if needed.
-    fn known(&mut self, key: &SessionKey) -> rusqlite::Result<&mut Known> {
+    fn known(&mut self, key: &SessionKey) -> Result<&mut Known, DbError> {
         use std::collections::hash_map::Entry;
         match self.known.entry(key.id) {
             Entry::Occupied(e) => Ok(e.into_mut()),
             Entry::Vacant(e) => {
-                let id = key.id.to_string();
-                self.conn
-                    .prepare_cached(
-                        "INSERT INTO sessions (id, user, kernel, created_at) VALUES (?1, ?2, ?3, ?4)
-                         ON CONFLICT (id) DO NOTHING",
-                    )?
-                    .execute(params![id, key.user, key.kernel, key.created_at])?;
-                let sid: i64 = self
-                    .conn
-                    .prepare_cached("SELECT sid FROM sessions WHERE id = ?1")?
-                    .query_row([&id], |r| r.get(0))?;
-                let last: i64 = self
-                    .conn
-                    .prepare_cached("SELECT coalesce(max(seq), 0) FROM events WHERE sid = ?1")?
-                    .query_row([sid], |r| r.get(0))?;
+                let (sid, last) =
+                    self.db
+                        .session(key.id, &key.user, &key.kernel, key.created_at)?;
                 Ok(e.insert(Known {
                     sid,
                     next_seq: last + 1,
@@ -322,7 +284,7 @@ impl Writer {
     }
 
     /// The row and next sequence number of `key`'s session, creating the row if needed.
-    fn next_seq(&mut self, key: &SessionKey) -> rusqlite::Result<(i64, i64)> {
+    fn next_seq(&mut self, key: &SessionKey) -> Result<(i64, i64), DbError> {
         let k = self.known(key)?;
         let seq = k.next_seq;
         k.next_seq += 1;
