@@ -26,6 +26,7 @@
 //!   [`mcp_stdio`]: `kernel-broker mcp`, MCP over stdio relayed to a broker's `/mcp`.
 
 pub mod api;
+pub mod cluster;
 pub mod config;
 pub mod descriptors;
 pub mod egress;

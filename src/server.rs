@@ -34,6 +34,8 @@ pub enum ServerError {
     Serve(#[source] std::io::Error),
     #[error(transparent)]
     Lock(#[from] crate::instance_lock::LockError),
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
     #[error("could not create the data directory {path}: {source}")]
     DataDir {
         path: std::path::PathBuf,
@@ -236,6 +238,10 @@ pub async fn serve(
             .collect();
         registry.adopt_kept(&users).await;
     }
+    let cluster = match &settings.cluster {
+        Some(c) => Some(crate::cluster::Cluster::join(c.clone()).await?),
+        None => None,
+    };
     let state = AppState {
         registry: registry.clone(),
         users: Arc::new(api::auth::Users::new(
@@ -262,6 +268,7 @@ pub async fn serve(
         )),
         stopping: Default::default(),
         egress,
+        cluster,
     };
     // Summarises and forgets the failed-authentication records whose window is over.
     let sweeper = {

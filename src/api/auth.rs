@@ -78,7 +78,7 @@ pub fn token_of(parts: &Parts) -> Option<String> {
     token_in(&parts.headers, &parts.uri)
 }
 
-fn token_in(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> Option<String> {
+pub fn token_in(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> Option<String> {
     if let Some(v) = headers.get(axum::http::header::AUTHORIZATION) {
         let v = v.to_str().ok()?.trim();
         let (scheme, rest) = v.split_once(' ')?;

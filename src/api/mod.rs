@@ -18,6 +18,7 @@
 pub mod auth;
 pub mod auth_failures;
 pub mod clients;
+mod cluster;
 /// E2B compatibility (`/e2b`): E2B's SDKs work unmodified against the broker.
 mod e2b;
 pub mod error;
@@ -87,6 +88,8 @@ pub struct AppState {
     /// The egress proxy, when some user has a network policy (its counters are in
     /// `/metrics`).
     pub egress: Option<Arc<crate::egress::Egress>>,
+    /// Cluster mode: the other nodes, for requests about sessions they hold.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 impl AppState {
@@ -133,6 +136,11 @@ pub fn router(state: AppState) -> Router {
             },
         )
         .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
+        // After authentication: only a known caller's request is forwarded.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            cluster::route,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             clients::body_deadline,

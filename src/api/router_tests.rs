@@ -84,6 +84,7 @@ fn state() -> AppState {
         auth_failures: Arc::new(super::auth_failures::AuthFailures::new(0)),
         stopping: Default::default(),
         egress: None,
+        cluster: None,
     }
 }
 

@@ -275,6 +275,10 @@ pub struct ServeArgs {
     /// cluster: postgres://USER:PASSWORD@HOST:PORT/DATABASE (the schema is made and migrated at start)
     #[arg(long, env = "KERNEL_BROKER_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
+    /// Cluster mode (with --database-url): how the other brokers reach this one,
+    /// http://HOST:PORT; a request for a session another broker holds is forwarded to it
+    #[arg(long, env = "KERNEL_BROKER_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
     /// This broker's name among those sharing a database (its open sessions are its own)
     /// [default: made on first start and kept in <data-dir>/node-id]
     #[arg(long, env = "KERNEL_BROKER_NODE_ID")]

@@ -97,6 +97,8 @@ pub struct Settings {
     pub docker: DockerSandboxConfig,
     /// The recording; `None` when recording is off.
     pub recording: Option<RecordingConfig>,
+    /// Cluster mode (`--advertise-url` with `--database-url`).
+    pub cluster: Option<crate::cluster::ClusterConfig>,
     pub users: Vec<User>,
     pub token_source: TokenSource,
     /// Network policies: who may reach which hosts through the egress proxy.
@@ -371,6 +373,7 @@ impl Settings {
             docker,
             kernels_dir,
             recording: recording_config(&args, &file, &data_dir)?,
+            cluster: cluster_config(&args, &file, &data_dir)?,
             egress,
             data_dir,
             users,
@@ -532,6 +535,39 @@ fn recording_config(
     c.max_session_bytes =
         either!(args, file, record_max_session_bytes).unwrap_or(c.max_session_bytes);
     Ok(Some(c))
+}
+
+/// Cluster mode's settings: with `--advertise-url`, which needs `--database-url`.
+fn cluster_config(
+    args: &ServeArgs,
+    file: &ServeArgs,
+    data_dir: &Path,
+) -> Result<Option<crate::cluster::ClusterConfig>, ConfigError> {
+    let Some(advertise_url) = either!(args, file, advertise_url).filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    let Some(database_url) = either!(args, file, database_url).filter(|u| !u.is_empty()) else {
+        return Err(ConfigError::Invalid(
+            "--advertise-url is for cluster mode, which needs --database-url".into(),
+        ));
+    };
+    let parsed: axum::http::Uri = advertise_url.parse().map_err(|_| {
+        ConfigError::Invalid(format!("--advertise-url {advertise_url:?} is not a URL"))
+    })?;
+    if parsed.scheme_str() != Some("http") || parsed.authority().is_none() {
+        return Err(ConfigError::Invalid(format!(
+            "--advertise-url must be http://HOST:PORT, not {advertise_url:?}"
+        )));
+    }
+    let node_id = match either!(args, file, node_id).filter(|n| !n.is_empty()) {
+        Some(n) => n,
+        None => node_id(data_dir)?,
+    };
+    Ok(Some(crate::cluster::ClusterConfig {
+        database_url,
+        node_id,
+        advertise_url: advertise_url.trim_end_matches('/').to_string(),
+    }))
 }
 
 /// This broker's node id, kept in `<data-dir>/node-id` (made on first start): stable across

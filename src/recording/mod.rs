@@ -167,6 +167,15 @@ pub enum RecordingError {
     Session(#[from] crate::session::SessionError),
 }
 
+/// Brings a PostgreSQL database's schema up to date (cluster mode does it at start too,
+/// recording or not).
+pub async fn migrate_postgres(
+    client: &tokio_postgres::Client,
+    url: &str,
+) -> Result<(), RecordingError> {
+    postgres::migrate(client, &postgres::redact(url)).await
+}
+
 /// Microseconds since the Unix epoch, as stored.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()

@@ -45,12 +45,28 @@ impl SpawnedBroker {
         Self::spawn(args, None, None)
     }
 
+    /// Start the binary listening on `addr`, chosen beforehand (a cluster node advertises
+    /// its address in its arguments).
+    pub fn start_on(addr: SocketAddr, args: &[&str]) -> Self {
+        let cgroup = format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple());
+        Self::spawn_on(args, None, Some(cgroup), Some(addr))
+    }
+
     fn spawn(args: &[&str], nofile: Option<u64>, cgroup: Option<String>) -> Self {
+        Self::spawn_on(args, nofile, cgroup, None)
+    }
+
+    fn spawn_on(
+        args: &[&str],
+        nofile: Option<u64>,
+        cgroup: Option<String>,
+        at: Option<SocketAddr>,
+    ) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let users = tmp.path().join("users.toml");
         std::fs::write(&users, super::users_toml()).unwrap();
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let (child, addr, log) = launch(tmp.path(), &args, nofile, cgroup.as_deref(), None);
+        let (child, addr, log) = launch(tmp.path(), &args, nofile, cgroup.as_deref(), at);
         SpawnedBroker {
             addr,
             child,

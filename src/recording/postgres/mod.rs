@@ -28,6 +28,7 @@ use tokio_postgres::{Client, NoTls, Statement};
 use uuid::Uuid;
 
 pub(super) use queries::Pool;
+pub(in crate::recording) use schema::migrate;
 #[cfg(test)]
 pub(in crate::recording) use schema::SCHEMA_VERSION;
 
@@ -38,7 +39,7 @@ use super::RecordingError;
 const BLOB_LOCK: i64 = 0x6b62_626c_6f62; // "kbblob"
 
 /// `url` without its password, for logs and errors.
-pub(super) fn redact(url: &str) -> String {
+pub(in crate::recording) fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return "(a PostgreSQL connection string)".into();
     };

@@ -1,4 +1,4 @@
-//! The recordings' tables in PostgreSQL and their versions. `schema_migrations` holds one
+//! The broker's tables in PostgreSQL (the recordings, and cluster mode's) and their versions. `schema_migrations` holds one
 //! row per version applied; a broker applies what is missing at start, all of it in one
 //! transaction under an advisory lock (brokers of a cluster start together; the first
 //! migrates, the others wait and find nothing to do), and refuses a database whose version
@@ -68,13 +68,29 @@ CREATE TABLE blob_refs (
 );
 CREATE INDEX blob_refs_by_session ON blob_refs (sid);
 "#,
+    // 2: cluster mode (`crate::cluster`): the nodes and their leases, the cluster's key.
+    r#"
+CREATE TABLE nodes (
+    id TEXT PRIMARY KEY,
+    advertise_url TEXT NOT NULL,
+    started_at BIGINT NOT NULL,
+    lease_until BIGINT NOT NULL
+);
+CREATE TABLE cluster_key (
+    id INT PRIMARY KEY CHECK (id = 1),
+    key TEXT NOT NULL
+);
+"#,
 ];
 
 /// The version this broker writes.
 pub(in crate::recording) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Brings the database up to [`SCHEMA_VERSION`].
-pub(super) async fn migrate(client: &Client, location: &str) -> Result<(), RecordingError> {
+pub(in crate::recording) async fn migrate(
+    client: &Client,
+    location: &str,
+) -> Result<(), RecordingError> {
     let err = |source: tokio_postgres::Error| RecordingError::Connect {
         location: location.to_string(),
         source: DbError::Postgres(source),

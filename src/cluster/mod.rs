@@ -1,0 +1,280 @@
+//! Cluster mode (`--database-url` with `--advertise-url`): brokers that share a PostgreSQL
+//! database serve each other's sessions. Each node registers itself in `nodes` (its id, the
+//! URL the others reach it at) and renews a lease there; the live nodes are its peers. A
+//! request for a session this node does not hold is forwarded, whole (streaming bodies and
+//! WebSockets included), to the peer that holds it (`crate::api::cluster`); which peer that
+//! is, a node asks the peers themselves, once per session (the answer is cached): the
+//! session's own node is the only truth about it, so nothing has to be kept in step.
+//!
+//! Node-to-node requests carry the cluster's key (made by the first node, kept in the
+//! database: only a node that can read the database knows it) in
+//! [`NODE_HEADER`]; a request with the key is served where it lands, never forwarded again,
+//! and a request with a wrong key is refused. The user's own credentials travel with it and
+//! are checked by the serving node as by any other.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use tokio_postgres::NoTls;
+use uuid::Uuid;
+
+use crate::sync::lock;
+
+/// The header of node-to-node requests: the cluster's key.
+pub const NODE_HEADER: &str = "x-kernel-broker-node";
+/// How long a node's registration lasts without renewal.
+pub const LEASE: Duration = Duration::from_secs(15);
+/// Sessions whose owner is remembered.
+const OWNERS: usize = 10_000;
+
+/// Cluster mode's settings.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub database_url: String,
+    pub node_id: String,
+    /// How the other nodes reach this one: `http://HOST:PORT`.
+    pub advertise_url: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster database: {0}")]
+    Db(#[from] tokio_postgres::Error),
+    #[error("cluster: {0}")]
+    Other(String),
+}
+
+/// This node's view of the cluster.
+pub struct Cluster {
+    config: ClusterConfig,
+    pool: deadpool_postgres::Pool,
+    key: String,
+    http: Client<HttpConnector, Body>,
+    /// Session → the advertise URL of the peer that holds it.
+    owners: Mutex<HashMap<Uuid, String>>,
+    /// The live peers, refreshed at most once a second.
+    peers: Mutex<(Instant, Vec<Peer>)>,
+}
+
+/// Another live node.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub id: String,
+    pub url: String,
+}
+
+fn now_micros() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+impl Cluster {
+    /// Joins the cluster: migrates the schema if needed, registers this node and starts
+    /// renewing its lease (until the process ends).
+    pub async fn join(config: ClusterConfig) -> Result<std::sync::Arc<Self>, ClusterError> {
+        let mut cfg = deadpool_postgres::Config::new();
+        cfg.url = Some(config.database_url.clone());
+        let mut pc = deadpool_postgres::PoolConfig::new(4);
+        pc.timeouts = deadpool_postgres::Timeouts {
+            wait: Some(Duration::from_secs(10)),
+            create: Some(Duration::from_secs(10)),
+            recycle: Some(Duration::from_secs(10)),
+        };
+        cfg.pool = Some(pc);
+        let pool = cfg
+            .create_pool(Some(deadpool_postgres::Runtime::Tokio1), NoTls)
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let client = pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(format!("connecting: {e}")))?;
+        crate::recording::migrate_postgres(&client, &config.database_url)
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let mut fresh = [0u8; 32];
+        rand::Rng::fill(&mut rand::thread_rng(), &mut fresh);
+        client
+            .execute(
+                "INSERT INTO cluster_key (id, key) VALUES (1, $1) ON CONFLICT (id) DO NOTHING",
+                &[&hex::encode(fresh)],
+            )
+            .await?;
+        let key: String = client
+            .query_one("SELECT key FROM cluster_key WHERE id = 1", &[])
+            .await?
+            .get(0);
+        client
+            .execute(
+                "INSERT INTO nodes (id, advertise_url, started_at, lease_until)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,
+                   started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until",
+                &[
+                    &config.node_id,
+                    &config.advertise_url,
+                    &now_micros(),
+                    &(now_micros() + LEASE.as_micros() as i64),
+                ],
+            )
+            .await?;
+        drop(client);
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        connector.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new()).build(connector);
+        let cluster = std::sync::Arc::new(Self {
+            config,
+            pool,
+            key,
+            http,
+            owners: Mutex::new(HashMap::new()),
+            peers: Mutex::new((Instant::now() - Duration::from_secs(60), Vec::new())),
+        });
+        tracing::info!(node = %cluster.config.node_id, url = %cluster.config.advertise_url, "joined the cluster");
+        let renew = std::sync::Arc::downgrade(&cluster);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(LEASE / 3);
+            loop {
+                every.tick().await;
+                let Some(c) = renew.upgrade() else { return };
+                if let Err(e) = c.renew().await {
+                    tracing::warn!(error = %e, "cluster: could not renew this node's lease");
+                }
+            }
+        });
+        Ok(cluster)
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.config.node_id
+    }
+
+    /// Whether `value` (of [`NODE_HEADER`]) is the cluster's key.
+    pub fn is_node(&self, value: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        value.ct_eq(self.key.as_bytes()).into()
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn http(&self) -> &Client<HttpConnector, Body> {
+        &self.http
+    }
+
+    async fn renew(&self) -> Result<(), ClusterError> {
+        let c = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        c.execute(
+            "UPDATE nodes SET lease_until = $2, advertise_url = $3 WHERE id = $1",
+            &[
+                &self.config.node_id,
+                &(now_micros() + LEASE.as_micros() as i64),
+                &self.config.advertise_url,
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The other live nodes (leases not lapsed).
+    pub async fn peers(&self) -> Vec<Peer> {
+        {
+            let p = lock(&self.peers);
+            if p.0.elapsed() < Duration::from_secs(1) {
+                return p.1.clone();
+            }
+        }
+        let fetched = async {
+            let c = self
+                .pool
+                .get()
+                .await
+                .map_err(|e| ClusterError::Other(e.to_string()))?;
+            let rows = c
+                .query(
+                    "SELECT id, advertise_url FROM nodes WHERE lease_until > $1 AND id <> $2
+                     ORDER BY id",
+                    &[&now_micros(), &self.config.node_id],
+                )
+                .await?;
+            Ok::<_, ClusterError>(
+                rows.iter()
+                    .map(|r| Peer {
+                        id: r.get(0),
+                        url: r.get(1),
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        }
+        .await;
+        match fetched {
+            Ok(peers) => {
+                *lock(&self.peers) = (Instant::now(), peers.clone());
+                peers
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cluster: could not read the nodes");
+                lock(&self.peers).1.clone()
+            }
+        }
+    }
+
+    pub fn owner_cached(&self, id: Uuid) -> Option<String> {
+        lock(&self.owners).get(&id).cloned()
+    }
+
+    pub fn remember_owner(&self, id: Uuid, url: String) {
+        let mut o = lock(&self.owners);
+        if o.len() >= OWNERS {
+            o.clear();
+        }
+        o.insert(id, url);
+    }
+
+    pub fn forget_owner(&self, id: Uuid) {
+        lock(&self.owners).remove(&id);
+    }
+
+    /// Sends `req` to `base` (a peer's URL) as a node-to-node request and returns its
+    /// answer, body streaming.
+    pub async fn send(
+        &self,
+        base: &str,
+        mut req: axum::http::Request<Body>,
+    ) -> Result<axum::http::Response<Body>, ClusterError> {
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+        let uri: axum::http::Uri = format!("{}{path}", base.trim_end_matches('/'))
+            .parse()
+            .map_err(|e| ClusterError::Other(format!("peer URL {base}: {e}")))?;
+        if let Some(authority) = uri.authority() {
+            let host = axum::http::HeaderValue::from_str(authority.as_str())
+                .map_err(|e| ClusterError::Other(e.to_string()))?;
+            req.headers_mut().insert(axum::http::header::HOST, host);
+        }
+        *req.uri_mut() = uri;
+        req.headers_mut().insert(
+            NODE_HEADER,
+            axum::http::HeaderValue::from_str(&self.key)
+                .map_err(|e| ClusterError::Other(e.to_string()))?,
+        );
+        let resp = self
+            .http
+            .request(req)
+            .await
+            .map_err(|e| ClusterError::Other(format!("{base}: {e}")))?;
+        Ok(resp.map(|b| Body::new(b.map_err(axum::Error::new))))
+    }
+}

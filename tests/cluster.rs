@@ -1,0 +1,202 @@
+//! Cluster mode (issue 16): three broker processes on one PostgreSQL database, each
+//! advertising its own address. A session created through one node is used through the
+//! others (REST, the agent WebSocket, the Jupyter kernels API and its channels), lists show
+//! every node's sessions, and node-to-node requests need the cluster's key.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::spawned::SpawnedBroker;
+use common::*;
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// `n` nodes of one cluster.
+async fn cluster(n: usize) -> Vec<SpawnedBroker> {
+    let url = pg::fresh_database().await;
+    (0..n)
+        .map(|_| {
+            let addr = free_addr();
+            let advertise = format!("http://{addr}");
+            SpawnedBroker::start_on(
+                addr,
+                &["--database-url", &url, "--advertise-url", &advertise],
+            )
+        })
+        .collect()
+}
+
+async fn ws_open(addr: SocketAddr, id: &str, token: &str) -> Ws {
+    let url = format!("ws://{addr}/v1/sessions/{id}/stream?token={token}");
+    let (ws, _) = within(30, "ws connect", tokio_tungstenite::connect_async(url))
+        .await
+        .unwrap();
+    ws
+}
+
+#[tokio::test]
+async fn any_node_serves_any_session() {
+    let nodes = cluster(3).await;
+    let (a, b, c) = (&nodes[0], &nodes[1], &nodes[2]);
+    let id = a.api(ALICE).create().await;
+
+    // State set through A, read through B and C: one kernel, wherever the request lands.
+    let x = a.api(ALICE).execute(&id, "x = 41").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let x = b.api(ALICE).execute(&id, "x += 1\nx").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    assert_eq!(x["results"][0]["data"]["text/plain"], "42");
+    let (status, s) = c.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["id"], id.as_str());
+
+    // The agent stream, through C.
+    let mut ws = ws_open(c.addr, &id, ALICE).await;
+    ws_send(
+        &mut ws,
+        json!({"type": "execute", "id": 7, "code": "print(x * 2)"}),
+    )
+    .await;
+    let mut out = String::new();
+    loop {
+        let f = ws_next(&mut ws).await;
+        if f["type"] == "stdout" {
+            out.push_str(f["text"].as_str().unwrap_or(""));
+        }
+        if f["type"] == "done" && f["id"] == 7 {
+            break;
+        }
+    }
+    assert_eq!(out, "84\n");
+    ws.close(None).await.unwrap();
+
+    // The Jupyter kernels API and its channels, through B.
+    let (status, k) = b.api(ALICE).get(&format!("/api/kernels/{id}")).await;
+    assert_eq!(status, 200, "{k}");
+    let url = format!("ws://{}/api/kernels/{id}/channels?token={ALICE}", b.addr);
+    let (mut ch, _) = within(30, "channels", tokio_tungstenite::connect_async(url))
+        .await
+        .unwrap();
+    let msg_id = uuid::Uuid::new_v4().to_string();
+    let req = json!({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "t",
+                   "session": "s", "date": "2026-01-01T00:00:00Z", "version": "5.3"},
+        "parent_header": {}, "metadata": {}, "channel": "shell",
+        "content": {"code": "x", "silent": false, "store_history": true,
+                    "user_expressions": {}, "allow_stdin": false},
+    });
+    ch.send(tokio_tungstenite::tungstenite::Message::Text(
+        req.to_string().into(),
+    ))
+    .await
+    .unwrap();
+    let result = within(60, "execute_result over channels", async {
+        loop {
+            let m = ch.next().await.unwrap().unwrap();
+            if let tokio_tungstenite::tungstenite::Message::Text(t) = m {
+                let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                if v["msg_type"] == "execute_result"
+                    && v["parent_header"]["msg_id"] == msg_id.as_str()
+                {
+                    return v;
+                }
+            }
+        }
+    })
+    .await;
+    assert_eq!(result["content"]["data"]["text/plain"], "42");
+    let _ = ch.close(None).await;
+
+    // Lists are the cluster's: a second session on C, both listed by A, B and C.
+    let id2 = c.api(ALICE).create().await;
+    for node in [a, b, c] {
+        let (status, list) = node.api(ALICE).get("/v1/sessions").await;
+        assert_eq!(status, 200, "{list}");
+        let ids: Vec<&str> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| s["id"].as_str())
+            .collect();
+        assert!(
+            ids.contains(&id.as_str()) && ids.contains(&id2.as_str()),
+            "{ids:?}"
+        );
+        let (_, kernels) = node.api(ALICE).get("/api/kernels").await;
+        assert_eq!(kernels.as_array().unwrap().len(), 2, "{kernels}");
+        // Private across nodes too: bob sees none of alice's.
+        let (_, theirs) = node.api(BOB).get("/v1/sessions").await;
+        assert_eq!(theirs, json!([]));
+        let (status, _) = node.api(BOB).get(&format!("/v1/sessions/{id}")).await;
+        assert_eq!(status, 404);
+    }
+    // The recording is read from the shared database by any node.
+    let (status, evs) = b
+        .api(ALICE)
+        .get(&format!("/v1/sessions/{id}/events?type=execute_request"))
+        .await;
+    assert_eq!(status, 200, "{evs}");
+    assert_eq!(
+        evs["events"].as_array().unwrap().len(),
+        4,
+        "REST twice, the stream, the channels"
+    );
+
+    // Deleted through B; then gone everywhere.
+    let (status, _) = b.api(ALICE).delete(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 204);
+    for node in [a, b, c] {
+        let (status, _) = node.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+        assert_eq!(status, 404);
+    }
+    for node in nodes {
+        node.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn node_to_node_requests_need_the_clusters_key() {
+    let nodes = cluster(2).await;
+    let client = reqwest::Client::new();
+    // A client posing as a node is refused, whatever it asks.
+    let r = client
+        .get(format!("http://{}/v1/sessions", nodes[0].addr))
+        .bearer_auth(ALICE)
+        .header("x-kernel-broker-node", "guess")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["code"],
+        "bad_node_key"
+    );
+    // Without credentials nothing is forwarded: 401 here.
+    let r = client
+        .get(format!(
+            "http://{}/v1/sessions/{}",
+            nodes[0].addr,
+            uuid::Uuid::new_v4()
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // An unknown session is 404 after asking the peers.
+    let (status, _) = nodes[1]
+        .api(ALICE)
+        .get(&format!("/v1/sessions/{}", uuid::Uuid::new_v4()))
+        .await;
+    assert_eq!(status, 404);
+    for node in nodes {
+        node.stop().await;
+    }
+}
