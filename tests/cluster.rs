@@ -7,7 +7,7 @@ mod common;
 
 use std::net::SocketAddr;
 
-use common::spawned::SpawnedBroker;
+use common::spawned::{SpawnedBroker, Stop};
 use common::*;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
@@ -19,19 +19,24 @@ fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
-/// `n` nodes of one cluster.
-async fn cluster(n: usize) -> Vec<SpawnedBroker> {
+/// `n` nodes of one cluster, and its database.
+async fn cluster_on(n: usize, extra: &[&str]) -> (Vec<SpawnedBroker>, String) {
     let url = pg::fresh_database().await;
-    (0..n)
-        .map(|_| {
-            let addr = free_addr();
-            let advertise = format!("http://{addr}");
-            SpawnedBroker::start_on(
-                addr,
-                &["--database-url", &url, "--advertise-url", &advertise],
-            )
-        })
-        .collect()
+    let nodes = (0..n).map(|_| node(&url, extra)).collect();
+    (nodes, url)
+}
+
+async fn cluster(n: usize) -> Vec<SpawnedBroker> {
+    cluster_on(n, &[]).await.0
+}
+
+/// A node joining the cluster of database `url`.
+fn node(url: &str, extra: &[&str]) -> SpawnedBroker {
+    let addr = free_addr();
+    let advertise = format!("http://{addr}");
+    let mut args = vec!["--database-url", url, "--advertise-url", &advertise];
+    args.extend(extra);
+    SpawnedBroker::start_on(addr, &args)
 }
 
 async fn ws_open(addr: SocketAddr, id: &str, token: &str) -> Ws {
@@ -198,5 +203,101 @@ async fn node_to_node_requests_need_the_clusters_key() {
     assert_eq!(status, 404);
     for node in nodes {
         node.stop().await;
+    }
+}
+
+/// `kill -9` of one node: within its lease its sessions are dead (reason "node lost") as every
+/// other node tells, their recordings stay readable, the other nodes' sessions go on, and a
+/// new node joins and takes sessions.
+#[tokio::test]
+async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
+    let (mut nodes, url) = cluster_on(3, &["--node-lease", "2"]).await;
+    let lost = nodes[0].api(ALICE).create().await;
+    let kept = nodes[1].api(ALICE).create().await;
+    for (i, id) in [(0, &lost), (1, &kept)] {
+        let x = nodes[i].api(ALICE).execute(id, "x = 'still here'").await;
+        assert_eq!(x["status"], "ok", "{x}");
+    }
+    nodes[0].halt(Stop::Kill).await;
+    let killed = std::time::Instant::now();
+
+    let (b, c) = (&nodes[1], &nodes[2]);
+    let s = within(30, "the lost node's session dead", async {
+        loop {
+            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{lost}")).await;
+            if status == 200 && s["state"] == "dead" {
+                return s;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    // The lease (2 s) and one sweep (a third of it) on top, with room for a busy machine.
+    assert!(
+        killed.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert!(
+        s["dead_reason"].as_str().unwrap().starts_with("node lost"),
+        "{s}"
+    );
+    let (status, s) = c.api(ALICE).get(&format!("/v1/sessions/{lost}")).await;
+    assert_eq!((status, &s["state"]), (200, &json!("dead")));
+    let (status, r) = c
+        .api(ALICE)
+        .post(
+            &format!("/v1/sessions/{lost}/execute"),
+            json!({"code": "x"}),
+        )
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (410, &json!("node_lost")),
+        "{r}"
+    );
+    let (status, _) = c.api(BOB).get(&format!("/v1/sessions/{lost}")).await;
+    assert_eq!(
+        status, 404,
+        "another user's lost session is nobody's business"
+    );
+    // Its recording is readable from the survivors, ended by the loss.
+    let (status, evs) = c
+        .api(ALICE)
+        .get(&format!("/v1/sessions/{lost}/events"))
+        .await;
+    assert_eq!(status, 200, "{evs}");
+    let evs = evs["events"].as_array().unwrap();
+    assert!(evs.iter().any(|e| e["msg_type"] == "execute_request"));
+    assert_eq!(evs.last().unwrap()["kind"], "node_lost");
+
+    // The others' sessions go on, through any node.
+    let x = c.api(ALICE).execute(&kept, "x").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "'still here'", "{x}");
+
+    // A new node joins and takes sessions, served through the others too.
+    let d = node(&url, &["--node-lease", "2"]);
+    let fresh = d.api(ALICE).create().await;
+    let x = b.api(ALICE).execute(&fresh, "1 + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
+    let (_, list) = c.api(ALICE).get("/v1/sessions").await;
+    let ids: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert!(
+        ids.contains(&kept.as_str()) && ids.contains(&fresh.as_str()),
+        "{ids:?}"
+    );
+
+    // The lost node restarts in place (same data directory, same node id) and rejoins.
+    nodes[0].resume();
+    let x = nodes[0].api(ALICE).execute(&kept, "x").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "'still here'", "{x}");
+    d.stop().await;
+    for n in nodes {
+        n.stop().await;
     }
 }

@@ -12,7 +12,7 @@
   const LAB_KEY = 'kernel-broker-jupyterlab-url';
   const POLL_MS = 1000;
   const LIST_MS = 3000;
-  const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped']);
+  const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped', 'node_lost']);
   const MARKERS = {
     session_created: 'session created',
     interrupt: 'interrupt requested',
@@ -22,6 +22,7 @@
     session_expired: 'session expired',
     session_closed: 'session closed',
     broker_stopped: 'broker stopped (session lost)',
+    node_lost: 'node lost (session lost)',
     recording_gap: 'gap in the recording',
     recording_truncated: 'output cut in the recording',
     egress_refused: 'network request refused',

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::auth::{token_in, Caller};
 use super::error::ApiError;
+use super::shapes::{iso, SessionJson, SessionStateJson};
 use super::AppState;
 use crate::cluster::{Cluster, NODE_HEADER};
 use crate::session::SessionError;
@@ -83,10 +84,60 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             };
             match owner {
                 Some(url) => forward(&cluster, id, &url, req).await,
-                None => next.run(req).await,
+                None => match lost_session(
+                    &state,
+                    &user.name,
+                    id,
+                    req.method() == Method::GET
+                        && req.uri().path().trim_end_matches('/') == format!("/v1/sessions/{id}"),
+                )
+                .await
+                {
+                    Some(answer) => answer,
+                    None => next.run(req).await,
+                },
             }
         }
     }
+}
+
+/// The reason a session of a lost node is dead.
+pub const NODE_LOST: &str =
+    "node lost: the node that held this session stopped renewing its lease; its kernel is gone with it (the recording stays readable)";
+
+/// A session of the caller's that no live node holds, whose node was lost: `GET` shows it
+/// `dead` with the reason; anything else it is asked is answered `410 node_lost`.
+async fn lost_session(state: &AppState, user: &str, id: Uuid, get_whole: bool) -> Option<Response> {
+    let info = state.recording.as_ref()?.info(id).await.ok()??;
+    if info.user != user || info.end_reason.as_deref() != Some("node_lost") {
+        return None;
+    }
+    if get_whole {
+        let at = info.last_event_at.unwrap_or(info.created_at);
+        let json = SessionJson {
+            id,
+            user: info.user,
+            kernel: info.kernel,
+            state: SessionStateJson::Dead,
+            created_at: iso(info.created_at),
+            last_activity: iso(at),
+            expires_at: None,
+            execution_count: info.cells,
+            connections: 0,
+            memory_limit_bytes: 0,
+            memory_used_bytes: None,
+            dead_reason: Some(NODE_LOST.into()),
+        };
+        return Some(axum::Json(json).into_response());
+    }
+    Some(
+        ApiError::new(
+            StatusCode::GONE,
+            "node_lost",
+            format!("session {id}: {NODE_LOST}"),
+        )
+        .into_response(),
+    )
 }
 
 /// The caller's credentials, as a header for a request of this node's own.

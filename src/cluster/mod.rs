@@ -27,7 +27,7 @@ use crate::sync::lock;
 
 /// The header of node-to-node requests: the cluster's key.
 pub const NODE_HEADER: &str = "x-kernel-broker-node";
-/// How long a node's registration lasts without renewal.
+/// How long a node's registration lasts without renewal, by default.
 pub const LEASE: Duration = Duration::from_secs(15);
 /// Sessions whose owner is remembered.
 const OWNERS: usize = 10_000;
@@ -39,6 +39,9 @@ pub struct ClusterConfig {
     pub node_id: String,
     /// How the other nodes reach this one: `http://HOST:PORT`.
     pub advertise_url: String,
+    /// How long this node's registration lasts without renewal (renewed every third of
+    /// it); a node whose lease lapsed is lost.
+    pub lease: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +69,10 @@ pub struct Cluster {
 pub struct Peer {
     pub id: String,
     pub url: String,
+}
+
+fn cluster_lease(c: &std::sync::Weak<Cluster>) -> Duration {
+    c.upgrade().map_or(LEASE, |c| c.config.lease)
 }
 
 fn now_micros() -> i64 {
@@ -112,12 +119,13 @@ impl Cluster {
                 "INSERT INTO nodes (id, advertise_url, started_at, lease_until)
                  VALUES ($1, $2, $3, $4)
                  ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,
-                   started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until",
+                   started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until,
+                   lost_at = NULL",
                 &[
                     &config.node_id,
                     &config.advertise_url,
                     &now_micros(),
-                    &(now_micros() + LEASE.as_micros() as i64),
+                    &(now_micros() + config.lease.as_micros() as i64),
                 ],
             )
             .await?;
@@ -137,16 +145,24 @@ impl Cluster {
         tracing::info!(node = %cluster.config.node_id, url = %cluster.config.advertise_url, "joined the cluster");
         let renew = std::sync::Arc::downgrade(&cluster);
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(LEASE / 3);
+            let lease = cluster_lease(&renew);
+            let mut every = tokio::time::interval(lease / 3);
             loop {
                 every.tick().await;
                 let Some(c) = renew.upgrade() else { return };
                 if let Err(e) = c.renew().await {
                     tracing::warn!(error = %e, "cluster: could not renew this node's lease");
                 }
+                if let Err(e) = c.sweep_lost().await {
+                    tracing::warn!(error = %e, "cluster: could not look for lost nodes");
+                }
             }
         });
         Ok(cluster)
+    }
+
+    pub fn lease(&self) -> Duration {
+        self.config.lease
     }
 
     pub fn node_id(&self) -> &str {
@@ -177,11 +193,42 @@ impl Cluster {
             "UPDATE nodes SET lease_until = $2, advertise_url = $3 WHERE id = $1",
             &[
                 &self.config.node_id,
-                &(now_micros() + LEASE.as_micros() as i64),
+                &(now_micros() + self.config.lease.as_micros() as i64),
                 &self.config.advertise_url,
             ],
         )
         .await?;
+        Ok(())
+    }
+
+    /// Nodes whose lease lapsed are lost: the first node to notice claims each (so it is
+    /// done once) and ends its sessions' recordings with `node_lost`; their kernels went
+    /// with the node, their recordings stay readable.
+    async fn sweep_lost(&self) -> Result<(), ClusterError> {
+        let c = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let now = now_micros();
+        let lost = c
+            .query(
+                "UPDATE nodes SET lost_at = $1
+                 WHERE lease_until < $1 AND lost_at IS NULL AND id <> $2 RETURNING id",
+                &[&now, &self.config.node_id],
+            )
+            .await?;
+        for row in lost {
+            let node: String = row.get(0);
+            match crate::recording::close_lost_node(&c, &node).await {
+                Ok(n) => {
+                    tracing::warn!(node = %node, sessions = n, "cluster: a node was lost (its lease lapsed); its sessions are dead")
+                }
+                Err(e) => {
+                    tracing::error!(node = %node, error = %e, "cluster: could not close a lost node's sessions")
+                }
+            }
+        }
         Ok(())
     }
 

@@ -279,6 +279,10 @@ pub struct ServeArgs {
     /// http://HOST:PORT; a request for a session another broker holds is forwarded to it
     #[arg(long, env = "KERNEL_BROKER_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
+    /// Cluster mode: seconds a node's registration lasts without renewal; a node silent that
+    /// long is lost, and its sessions dead [default: 15]
+    #[arg(long, env = "KERNEL_BROKER_NODE_LEASE")]
+    pub node_lease: Option<u64>,
     /// This broker's name among those sharing a database (its open sessions are its own)
     /// [default: made on first start and kept in <data-dir>/node-id]
     #[arg(long, env = "KERNEL_BROKER_NODE_ID")]

@@ -567,6 +567,8 @@ fn cluster_config(
         database_url,
         node_id,
         advertise_url: advertise_url.trim_end_matches('/').to_string(),
+        lease: either!(args, file, node_lease)
+            .map_or(crate::cluster::LEASE, |s| Duration::from_secs(s.max(1))),
     }))
 }
 

@@ -30,6 +30,9 @@ pub enum RecordingMarker {
     },
     /// The broker stopped (killed or crashed) without closing the session.
     BrokerStopped { reason: String },
+    /// Cluster mode: the node that held the session stopped renewing its lease; another
+    /// node closed the recording (the kernel is gone with its node).
+    NodeLost { node: String, reason: String },
 }
 
 impl RecordingMarker {
@@ -38,6 +41,7 @@ impl RecordingMarker {
             RecordingMarker::RecordingGap { .. } => "recording_gap",
             RecordingMarker::RecordingTruncated { .. } => "recording_truncated",
             RecordingMarker::BrokerStopped { .. } => "broker_stopped",
+            RecordingMarker::NodeLost { .. } => "node_lost",
         }
     }
 
@@ -45,7 +49,8 @@ impl RecordingMarker {
         match self {
             RecordingMarker::RecordingGap { reason, .. }
             | RecordingMarker::RecordingTruncated { reason, .. }
-            | RecordingMarker::BrokerStopped { reason } => reason,
+            | RecordingMarker::BrokerStopped { reason }
+            | RecordingMarker::NodeLost { reason, .. } => reason,
         }
     }
 

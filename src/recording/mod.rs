@@ -176,6 +176,20 @@ pub async fn migrate_postgres(
     postgres::migrate(client, &postgres::redact(url)).await
 }
 
+/// Cluster mode: ends the open recordings of a lost node with a `node_lost` marker; how
+/// many.
+pub async fn close_lost_node(
+    client: &tokio_postgres::Client,
+    node: &str,
+) -> Result<u64, RecordingError> {
+    postgres::close_node(client, node, micros(Utc::now()))
+        .await
+        .map_err(|source| RecordingError::Db {
+            context: "close a lost node's sessions",
+            source,
+        })
+}
+
 /// Microseconds since the Unix epoch, as stored.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()

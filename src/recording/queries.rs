@@ -28,7 +28,7 @@ pub struct RecordingInfo {
     pub kernel: String,
     pub created_at: DateTime<Utc>,
     pub ended_at: Option<DateTime<Utc>>,
-    /// `closed`, `expired` or `broker_stopped`.
+    /// `closed`, `expired`, `broker_stopped` or `node_lost`.
     pub end_reason: Option<String>,
     /// Code cells run (non-silent `execute_request`s).
     pub cells: u64,

@@ -42,6 +42,9 @@ fn marker_text(m: &Marker) -> String {
         BrokerEvent::Session(LifecycleEvent::KernelDied { .. }) => "The kernel died",
         BrokerEvent::Session(LifecycleEvent::SessionExpired) => "The session expired",
         BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => "The broker stopped",
+        BrokerEvent::Recording(RecordingMarker::NodeLost { .. }) => {
+            "The node that held the session was lost"
+        }
         BrokerEvent::Recording(RecordingMarker::RecordingGap { .. }) => {
             "Part of the recording is missing"
         }

@@ -443,6 +443,53 @@ impl WriteDb for PgDb {
     fn stop(&mut self) {}
 }
 
+/// Closes the open recordings of `node`, a lost node of the cluster: a `node_lost` marker
+/// ends each. In one transaction; how many. Several nodes may notice the same loss: the
+/// caller has claimed it first (`nodes.lost_at`), so it is done once.
+pub(in crate::recording) async fn close_node(
+    client: &Client,
+    node: &str,
+    now: i64,
+) -> Result<u64, DbError> {
+    let marker = super::event::RecordingMarker::NodeLost {
+        node: node.to_string(),
+        reason: format!(
+            "the node {node} that held this session stopped renewing its lease; its kernel is gone with it"
+        ),
+    };
+    let detail = marker.detail().to_string();
+    client.batch_execute("BEGIN").await?;
+    let r = async {
+        client
+            .execute(
+                "INSERT INTO events (sid, seq, time, direction, kind, content)
+                 SELECT s.sid, coalesce((SELECT max(seq) FROM events e WHERE e.sid = s.sid), 0) + 1,
+                        $2, 'broker', $3, $4
+                 FROM sessions s WHERE s.node = $1 AND s.ended_at IS NULL",
+                &[&node, &now, &marker.kind(), &detail],
+            )
+            .await?;
+        client
+            .execute(
+                "UPDATE sessions SET ended_at = $2, end_reason = 'node_lost', events = events + 1
+                 WHERE node = $1 AND ended_at IS NULL",
+                &[&node, &now],
+            )
+            .await
+    }
+    .await;
+    match r {
+        Ok(n) => {
+            client.batch_execute("COMMIT").await?;
+            Ok(n)
+        }
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(e.into())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,7 +74,10 @@ CREATE TABLE nodes (
     id TEXT PRIMARY KEY,
     advertise_url TEXT NOT NULL,
     started_at BIGINT NOT NULL,
-    lease_until BIGINT NOT NULL
+    lease_until BIGINT NOT NULL,
+    -- Set by the node that noticed the lease lapse (and closed the node's recordings);
+    -- cleared when the node joins again.
+    lost_at BIGINT
 );
 CREATE TABLE cluster_key (
     id INT PRIMARY KEY CHECK (id = 1),
