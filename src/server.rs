@@ -239,7 +239,18 @@ pub async fn serve(
         registry.adopt_kept(&users).await;
     }
     let cluster = match &settings.cluster {
-        Some(c) => Some(crate::cluster::Cluster::join(c.clone()).await?),
+        Some(c) => {
+            let cluster = crate::cluster::Cluster::join(c.clone()).await?;
+            let r = registry.clone();
+            cluster.set_load(move || {
+                let m = r.memory_use_all();
+                crate::cluster::Load {
+                    sessions: m.sessions as u64,
+                    memory_reserved: m.total_bytes(),
+                }
+            });
+            Some(cluster)
+        }
         None => None,
     };
     let state = AppState {

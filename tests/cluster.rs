@@ -301,3 +301,56 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
         n.stop().await;
     }
 }
+
+/// New sessions go to the node with the most headroom, whichever node is asked; a user's
+/// session quota counts every node's sessions.
+#[tokio::test]
+async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
+    let (nodes, url) = cluster_on(3, &["--node-lease", "3", "--max-sessions-per-user", "4"]).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(nodes[0].api(ALICE).create().await);
+        // A renewal (every second here) reports each node's load.
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    }
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let per_node: Vec<i64> = client
+        .query("SELECT sessions FROM nodes ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        per_node,
+        [1, 1, 1],
+        "three sessions asked of one node, one on each"
+    );
+
+    // The quota (4) holds across the nodes: none of them has more than two.
+    ids.push(nodes[2].api(ALICE).create().await);
+    let (status, body) = nodes[1].api(ALICE).post("/v1/sessions", json!({})).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "quota_exceeded");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("across the cluster"),
+        "{body}"
+    );
+    // Another user's sessions are not counted against it.
+    let (status, body) = nodes[1].api(BOB).post("/v1/sessions", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    // Each of alice's sessions works through one node, wherever it is.
+    for id in &ids {
+        let x = nodes[0].api(ALICE).execute(id, "6 * 7").await;
+        assert_eq!(x["results"][0]["data"]["text/plain"], "42", "{x}");
+    }
+    for n in nodes {
+        n.stop().await;
+    }
+}

@@ -30,12 +30,16 @@ enum Target {
     Session(Uuid),
     /// A list gathered from every node.
     List,
+    /// A new session: placed on the node with the most headroom, within the user's quota
+    /// counted across the cluster.
+    Create,
 }
 
 fn target(method: &Method, path: &str) -> Target {
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match parts.as_slice() {
         ["v1", "sessions"] | ["api", "kernels"] if method == Method::GET => Target::List,
+        ["v1", "sessions"] | ["api", "kernels"] if method == Method::POST => Target::Create,
         ["v1", "sessions", id, rest @ ..]
             if !matches!(rest.first(), Some(&("events" | "notebook" | "replay"))) =>
         {
@@ -68,6 +72,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     match target(req.method(), req.uri().path()) {
         Target::Here => next.run(req).await,
         Target::List => gather(&cluster, req, next).await,
+        Target::Create => create(&state, &cluster, &user, req, next).await,
         Target::Session(id) => {
             if !matches!(
                 state.registry.get(&user.name, id),
@@ -83,7 +88,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 }
             };
             match owner {
-                Some(url) => forward(&cluster, id, &url, req).await,
+                Some(url) => forward(&cluster, Some(id), &url, req).await,
                 None => match lost_session(
                     &state,
                     &user.name,
@@ -184,7 +189,7 @@ const HOP_BY_HOP: [&str; 6] = [
 ];
 
 /// Forwards `req` to the node at `url`, and its answer back (a WebSocket spliced through).
-async fn forward(cluster: &Cluster, id: Uuid, url: &str, mut req: Request) -> Response {
+async fn forward(cluster: &Cluster, id: Option<Uuid>, url: &str, mut req: Request) -> Response {
     let upgrade = req
         .headers()
         .get(header::UPGRADE)
@@ -199,17 +204,23 @@ async fn forward(cluster: &Cluster, id: Uuid, url: &str, mut req: Request) -> Re
     let mut resp = match cluster.send(url, req).await {
         Ok(r) => r,
         Err(e) => {
-            cluster.forget_owner(id);
-            tracing::warn!(session = %id, error = %e, "cluster: the session's node did not answer");
+            let what = match id {
+                Some(id) => {
+                    cluster.forget_owner(id);
+                    format!("the node that holds session {id}")
+                }
+                None => "the node chosen for the new session".into(),
+            };
+            tracing::warn!(error = %e, "cluster: {what} did not answer");
             return ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "node_unreachable",
-                format!("the node that holds session {id} did not answer: {e}"),
+                format!("{what} did not answer: {e}"),
             )
             .into_response();
         }
     };
-    if resp.status() == StatusCode::NOT_FOUND {
+    if let (Some(id), StatusCode::NOT_FOUND) = (id, resp.status()) {
         // Gone from there (deleted, or the node restarted): ask again next time.
         cluster.forget_owner(id);
     }
@@ -246,9 +257,29 @@ async fn gather(cluster: &Cluster, req: Request, next: Next) -> Response {
         return ApiError::internal("gathering the list", "this node's list is not a JSON array")
             .into_response();
     };
+    for list in peer_arrays(cluster, &auth, parts.uri.path()).await {
+        all.extend(list);
+    }
+    let mut resp = Response::from_parts(
+        lparts,
+        Body::from(serde_json::Value::Array(all).to_string()),
+    );
+    resp.headers_mut().remove(header::CONTENT_LENGTH);
+    resp
+}
+
+/// `GET path` of every peer with the caller's credentials: the JSON arrays they answer. A
+/// peer that does not answer is left out (and logged).
+async fn peer_arrays(
+    cluster: &Cluster,
+    auth: &HeaderValue,
+    path: &str,
+) -> Vec<Vec<serde_json::Value>> {
     let peers = cluster.peers().await;
     let asks = peers.iter().map(|peer| {
-        let mut r = axum::http::Request::get(parts.uri.path()).body(Body::empty()).unwrap_or_default();
+        let mut r = axum::http::Request::get(path)
+            .body(Body::empty())
+            .unwrap_or_default();
         r.headers_mut().insert(header::AUTHORIZATION, auth.clone());
         async move {
             match cluster.send(&peer.url, r).await {
@@ -264,14 +295,57 @@ async fn gather(cluster: &Cluster, req: Request, next: Next) -> Response {
             }
         }
     });
-    for list in futures::future::join_all(asks).await.into_iter().flatten() {
-        all.extend(list);
+    futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// A new session: the user's sessions are counted on every node (one creation of a user at
+/// a time in the cluster, under its lock), then it is made on the node with the most
+/// headroom.
+async fn create(
+    state: &AppState,
+    cluster: &Cluster,
+    user: &crate::api::auth::User,
+    req: Request,
+    next: Next,
+) -> Response {
+    let lock = match cluster.lock_user(&user.name).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cluster: no creation lock");
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "cluster_unavailable",
+                "the cluster's database does not answer; try again",
+            )
+            .into_response();
+        }
+    };
+    let Some(auth) = authorization(&req) else {
+        return next.run(req).await;
+    };
+    let elsewhere: usize = peer_arrays(cluster, &auth, "/v1/sessions")
+        .await
+        .iter()
+        .map(Vec::len)
+        .sum();
+    let here = state.registry.list(&user.name).len();
+    if here + elsewhere >= user.max_sessions {
+        return ApiError::from(SessionError::Quota(format!(
+            "user {} already has {} sessions across the cluster (the limit); delete one first",
+            user.name,
+            here + elsewhere
+        )))
+        .into_response();
     }
-    let mut resp = Response::from_parts(
-        lparts,
-        Body::from(serde_json::Value::Array(all).to_string()),
-    );
-    resp.headers_mut().remove(header::CONTENT_LENGTH);
+    let resp = match cluster.place().await {
+        Some(peer) => forward(cluster, None, &peer.url, req).await,
+        None => next.run(req).await,
+    };
+    drop(lock);
     resp
 }
 
@@ -299,7 +373,8 @@ mod tests {
         let id = Uuid::new_v4();
         let cases = [
             (Method::GET, "/v1/sessions".to_string(), Target::List),
-            (Method::POST, "/v1/sessions".into(), Target::Here),
+            (Method::POST, "/v1/sessions".into(), Target::Create),
+            (Method::POST, "/api/kernels".into(), Target::Create),
             (Method::GET, "/api/kernels".into(), Target::List),
             (
                 Method::GET,

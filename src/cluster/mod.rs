@@ -42,6 +42,42 @@ pub struct ClusterConfig {
     /// How long this node's registration lasts without renewal (renewed every third of
     /// it); a node whose lease lapsed is lost.
     pub lease: Duration,
+    /// Sessions this node is sized for (placement weighs its sessions against it).
+    pub session_capacity: u64,
+    /// Bytes of kernel memory this node is sized for [default: the machine's memory].
+    pub memory_capacity: Option<u64>,
+}
+
+/// A node's load, as placement weighs it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    pub sessions: u64,
+    /// The memory limits of its sessions and pooled kernels.
+    pub memory_reserved: u64,
+}
+
+/// How much room a node has: the smaller of its free shares of memory and of sessions.
+pub fn headroom(load: Load, memory_capacity: u64, session_capacity: u64) -> f64 {
+    let share = |used: u64, cap: u64| {
+        if cap == 0 {
+            0.0
+        } else {
+            1.0 - (used as f64 / cap as f64).min(1.0)
+        }
+    };
+    share(load.memory_reserved, memory_capacity).min(share(load.sessions, session_capacity))
+}
+
+/// The machine's memory (`MemTotal`).
+fn machine_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +98,9 @@ pub struct Cluster {
     owners: Mutex<HashMap<Uuid, String>>,
     /// The live peers, refreshed at most once a second.
     peers: Mutex<(Instant, Vec<Peer>)>,
+    /// This node's load now (set once the registry exists).
+    load: std::sync::OnceLock<Box<dyn Fn() -> Load + Send + Sync>>,
+    memory_capacity: u64,
 }
 
 /// Another live node.
@@ -134,7 +173,10 @@ impl Cluster {
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         connector.set_nodelay(true);
         let http = Client::builder(TokioExecutor::new()).build(connector);
+        let memory_capacity = config.memory_capacity.unwrap_or_else(machine_memory);
         let cluster = std::sync::Arc::new(Self {
+            memory_capacity,
+            load: std::sync::OnceLock::new(),
             config,
             pool,
             key,
@@ -183,22 +225,108 @@ impl Cluster {
         &self.http
     }
 
+    /// Where this node's load comes from (the registry).
+    pub fn set_load(&self, f: impl Fn() -> Load + Send + Sync + 'static) {
+        let _ = self.load.set(Box::new(f));
+    }
+
+    fn load_now(&self) -> Load {
+        self.load.get().map(|f| f()).unwrap_or_default()
+    }
+
     async fn renew(&self) -> Result<(), ClusterError> {
         let c = self
             .pool
             .get()
             .await
             .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let load = self.load_now();
         c.execute(
-            "UPDATE nodes SET lease_until = $2, advertise_url = $3 WHERE id = $1",
+            "UPDATE nodes SET lease_until = $2, advertise_url = $3, sessions = $4,
+               memory_reserved = $5, memory_capacity = $6, session_capacity = $7
+             WHERE id = $1",
             &[
                 &self.config.node_id,
                 &(now_micros() + self.config.lease.as_micros() as i64),
                 &self.config.advertise_url,
+                &(load.sessions as i64),
+                &(load.memory_reserved as i64),
+                &(self.memory_capacity as i64),
+                &(self.config.session_capacity as i64),
             ],
         )
         .await?;
         Ok(())
+    }
+
+    /// The node a new session goes to: the live node with the most headroom (this one's
+    /// load counted now, the others' as of their last renewal); `None` when it is this one.
+    pub async fn place(&self) -> Option<Peer> {
+        let c = match self.pool.get().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cluster: placement without the nodes table; here");
+                return None;
+            }
+        };
+        let rows = c
+            .query(
+                "SELECT id, advertise_url, sessions, memory_reserved, memory_capacity,
+                        session_capacity
+                 FROM nodes WHERE lease_until > $1 AND lost_at IS NULL AND NOT draining
+                   AND id <> $2",
+                &[&now_micros(), &self.config.node_id],
+            )
+            .await
+            .map_err(|e| tracing::warn!(error = %e, "cluster: placement failed; here"))
+            .ok()?;
+        let mut best: Option<(f64, Peer)> = None;
+        let here = headroom(
+            self.load_now(),
+            self.memory_capacity,
+            self.config.session_capacity,
+        );
+        for r in rows {
+            let load = Load {
+                sessions: r.get::<_, i64>(2).max(0) as u64,
+                memory_reserved: r.get::<_, i64>(3).max(0) as u64,
+            };
+            let h = headroom(
+                load,
+                r.get::<_, i64>(4).max(0) as u64,
+                r.get::<_, i64>(5).max(0) as u64,
+            );
+            if best.as_ref().is_none_or(|(b, _)| h > *b) {
+                best = Some((
+                    h,
+                    Peer {
+                        id: r.get(0),
+                        url: r.get(1),
+                    },
+                ));
+            }
+        }
+        // Ties stay here: no hop for nothing.
+        best.filter(|(h, _)| *h > here).map(|(_, p)| p)
+    }
+
+    /// Holds `user`'s creation lock for the cluster until the guard is dropped: one
+    /// session creation of a user at a time, cluster-wide, so the quota counted across nodes
+    /// holds. On a connection of its own: if this request is dropped half-way, the
+    /// connection closes and PostgreSQL releases the lock.
+    pub async fn lock_user(&self, user: &str) -> Result<UserLock, ClusterError> {
+        let (client, conn) = tokio_postgres::connect(&self.config.database_url, NoTls).await?;
+        let task = tokio::spawn(conn);
+        client
+            .execute(
+                "SELECT pg_advisory_lock(hashtext('kernel-broker user ' || $1))",
+                &[&user],
+            )
+            .await?;
+        Ok(UserLock {
+            _client: client,
+            task,
+        })
     }
 
     /// Nodes whose lease lapsed are lost: the first node to notice claims each (so it is
@@ -248,8 +376,8 @@ impl Cluster {
                 .map_err(|e| ClusterError::Other(e.to_string()))?;
             let rows = c
                 .query(
-                    "SELECT id, advertise_url FROM nodes WHERE lease_until > $1 AND id <> $2
-                     ORDER BY id",
+                    "SELECT id, advertise_url FROM nodes
+                     WHERE lease_until > $1 AND lost_at IS NULL AND id <> $2 ORDER BY id",
                     &[&now_micros(), &self.config.node_id],
                 )
                 .await?;
@@ -323,5 +451,40 @@ impl Cluster {
             .await
             .map_err(|e| ClusterError::Other(format!("{base}: {e}")))?;
         Ok(resp.map(|b| Body::new(b.map_err(axum::Error::new))))
+    }
+}
+
+/// A user's creation lock (see [`Cluster::lock_user`]); released when dropped.
+pub struct UserLock {
+    _client: tokio_postgres::Client,
+    task: tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+}
+
+impl Drop for UserLock {
+    fn drop(&mut self) {
+        // Closing the connection releases the lock.
+        self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headroom_is_the_scarcer_resource() {
+        let load = |sessions, memory_reserved| Load {
+            sessions,
+            memory_reserved,
+        };
+        assert_eq!(headroom(load(0, 0), 100, 10), 1.0);
+        assert_eq!(headroom(load(5, 10), 100, 10), 0.5);
+        assert_eq!(headroom(load(1, 90), 100, 10), 0.09999999999999998);
+        assert_eq!(headroom(load(20, 0), 100, 10), 0.0, "over capacity is none");
+        assert_eq!(
+            headroom(load(0, 0), 0, 10),
+            0.0,
+            "no capacity known is none"
+        );
     }
 }

@@ -283,6 +283,13 @@ pub struct ServeArgs {
     /// long is lost, and its sessions dead [default: 15]
     #[arg(long, env = "KERNEL_BROKER_NODE_LEASE")]
     pub node_lease: Option<u64>,
+    /// Cluster mode: sessions this node is sized for; a new session goes to the node with the
+    /// most headroom, its sessions and memory against its capacity [default: 1000]
+    #[arg(long, env = "KERNEL_BROKER_NODE_CAPACITY_SESSIONS")]
+    pub node_capacity_sessions: Option<u64>,
+    /// Cluster mode: bytes of kernel memory this node is sized for [default: the machine's memory]
+    #[arg(long, env = "KERNEL_BROKER_NODE_CAPACITY_MEMORY")]
+    pub node_capacity_memory: Option<u64>,
     /// This broker's name among those sharing a database (its open sessions are its own)
     /// [default: made on first start and kept in <data-dir>/node-id]
     #[arg(long, env = "KERNEL_BROKER_NODE_ID")]

@@ -569,6 +569,8 @@ fn cluster_config(
         advertise_url: advertise_url.trim_end_matches('/').to_string(),
         lease: either!(args, file, node_lease)
             .map_or(crate::cluster::LEASE, |s| Duration::from_secs(s.max(1))),
+        session_capacity: either!(args, file, node_capacity_sessions).unwrap_or(1000),
+        memory_capacity: either!(args, file, node_capacity_memory),
     }))
 }
 

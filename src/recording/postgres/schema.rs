@@ -77,7 +77,13 @@ CREATE TABLE nodes (
     lease_until BIGINT NOT NULL,
     -- Set by the node that noticed the lease lapse (and closed the node's recordings);
     -- cleared when the node joins again.
-    lost_at BIGINT
+    lost_at BIGINT,
+    -- Load and capacity, as of the last renewal (placement).
+    sessions BIGINT NOT NULL DEFAULT 0,
+    memory_reserved BIGINT NOT NULL DEFAULT 0,
+    memory_capacity BIGINT NOT NULL DEFAULT 0,
+    session_capacity BIGINT NOT NULL DEFAULT 0,
+    draining BOOLEAN NOT NULL DEFAULT false
 );
 CREATE TABLE cluster_key (
     id INT PRIMARY KEY CHECK (id = 1),
