@@ -354,3 +354,52 @@ async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
         n.stop().await;
     }
 }
+
+/// The cost of forwarding: `1+1` over REST through the session's own node and through
+/// another node, alternating. A measurement (BENCHMARKS.md), not a test of speed:
+/// `KB_TEST_POSTGRES_URL=... cargo nextest run --release --test cluster forward_cost --run-ignored only --no-capture`
+#[tokio::test]
+#[ignore = "a measurement"]
+async fn forward_cost() {
+    let (nodes, url) = cluster_on(2, &[]).await;
+    let id = nodes[0].api(ALICE).create().await;
+    // Where it landed: its recording names the node.
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let node: String = client
+        .query_one("SELECT node FROM sessions WHERE id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0);
+    let owner = nodes
+        .iter()
+        .position(|n| {
+            std::fs::read_to_string(n.data_dir().join("node-id"))
+                .unwrap()
+                .trim()
+                == node
+        })
+        .unwrap();
+    let (direct, other) = (&nodes[owner], &nodes[1 - owner]);
+    let (mut d, mut f) = (Vec::new(), Vec::new());
+    for i in 0..400 {
+        for (api, v) in [(direct.api(ALICE), &mut d), (other.api(ALICE), &mut f)] {
+            let t = std::time::Instant::now();
+            let x = api.execute(&id, "1+1").await;
+            if i >= 20 {
+                v.push(t.elapsed());
+            }
+            assert_eq!(x["status"], "ok");
+        }
+    }
+    for (what, mut v) in [("direct", d), ("forwarded", f)] {
+        v.sort();
+        let p = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
+        eprintln!("{what}: p50 {:?} p99 {:?}", p(0.5), p(0.99));
+    }
+    for n in nodes {
+        n.stop().await;
+    }
+}
