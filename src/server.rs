@@ -279,7 +279,7 @@ pub async fn serve(
         )),
         stopping: Default::default(),
         egress,
-        cluster,
+        cluster: cluster.clone(),
     };
     // Summarises and forgets the failed-authentication records whose window is over.
     let sweeper = {
@@ -310,8 +310,12 @@ pub async fn serve(
     // With --keep-sessions, the executions in flight are answered ("the broker restarted")
     // as soon as the stop begins, so the listener's drain does not wait for them.
     let detaching = registry.clone();
+    let drained = drain_on_signal(&cluster, &registry, settings.keep_sessions);
     let shutdown = async move {
-        shutdown.await;
+        tokio::select! {
+            _ = shutdown => {}
+            _ = drained.cancelled() => {}
+        }
         stopping.cancel();
         detaching.detach_all().await;
     };
@@ -325,6 +329,43 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Cluster mode: SIGUSR1 drains this node. It takes no new sessions (they are made on other
+/// nodes; `/healthz` answers 503 so load balancers look elsewhere), and stops once its
+/// sessions have ended, or at once with `--keep-sessions` (they are kept: the node restarts
+/// in place with them). The token is cancelled when it is time to stop.
+fn drain_on_signal(
+    cluster: &Option<Arc<crate::cluster::Cluster>>,
+    registry: &Registry,
+    keep_sessions: bool,
+) -> tokio_util::sync::CancellationToken {
+    let done = tokio_util::sync::CancellationToken::new();
+    let Some(cluster) = cluster.clone() else {
+        return done;
+    };
+    let mut usr1 =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGUSR1: no drain by signal");
+                return done;
+            }
+        };
+    let (registry, stop) = (registry.clone(), done.clone());
+    tokio::spawn(async move {
+        usr1.recv().await;
+        tracing::info!("draining: no new sessions here");
+        if let Err(e) = cluster.drain().await {
+            tracing::warn!(error = %e, "draining: the nodes table was not told (placement learns at the next renewal)");
+        }
+        while !keep_sessions && !registry.all().is_empty() {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+        tracing::info!(keep_sessions, "drained: stopping");
+        stop.cancel();
+    });
+    done
 }
 
 /// Removes the session records an earlier run with `--keep-sessions` left in `dir`.

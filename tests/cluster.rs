@@ -368,11 +368,19 @@ async fn forward_cost() {
         .await
         .unwrap();
     tokio::spawn(conn);
-    let node: String = client
-        .query_one("SELECT node FROM sessions WHERE id = $1", &[&id])
-        .await
-        .unwrap()
-        .get(0);
+    let node: String = within(10, "the session's recording", async {
+        loop {
+            let row = client
+                .query_opt("SELECT node FROM sessions WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+            if let Some(row) = row {
+                return row.get::<_, String>(0);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
     let owner = nodes
         .iter()
         .position(|n| {
@@ -399,6 +407,90 @@ async fn forward_cost() {
         let p = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
         eprintln!("{what}: p50 {:?} p99 {:?}", p(0.5), p(0.99));
     }
+    for n in nodes {
+        n.stop().await;
+    }
+}
+
+/// SIGUSR1 drains a node: `/healthz` says so (503), new sessions asked of it are made on the
+/// others, its sessions keep working (through any node), and it stops by itself once they
+/// have ended.
+#[tokio::test]
+async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() {
+    let (mut nodes, url) = cluster_on(2, &["--node-lease", "3"]).await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let node_of = |id: String| {
+        let client = &client;
+        async move {
+            // The recording's row (written as the session reports its creation).
+            within(10, "the session's recording", async {
+                loop {
+                    let row = client
+                        .query_opt("SELECT node FROM sessions WHERE id = $1", &[&id])
+                        .await
+                        .unwrap();
+                    if let Some(row) = row {
+                        return row.get::<_, String>(0);
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            })
+            .await
+        }
+    };
+    let ids: Vec<String> = nodes
+        .iter()
+        .map(|n| {
+            std::fs::read_to_string(n.data_dir().join("node-id"))
+                .unwrap()
+                .trim()
+                .to_string()
+        })
+        .collect();
+    // Equal headroom: the first session stays on the node asked.
+    let old = nodes[0].api(ALICE).create().await;
+    assert_eq!(node_of(old.clone()).await, ids[0]);
+
+    nodes[0].signal(libc::SIGUSR1);
+    let health = within(30, "draining in /healthz", async {
+        loop {
+            let r = reqwest::get(format!("http://{}/healthz", nodes[0].addr))
+                .await
+                .unwrap();
+            if r.status() == 503 {
+                return r.json::<Value>().await.unwrap();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert_eq!(health["status"], "draining");
+    let fresh = nodes[0].api(ALICE).create().await;
+    assert_eq!(
+        node_of(fresh.clone()).await,
+        ids[1],
+        "made on the other node"
+    );
+    let x = nodes[1].api(ALICE).execute(&old, "'still served'").await;
+    assert_eq!(
+        x["results"][0]["data"]["text/plain"], "'still served'",
+        "{x}"
+    );
+
+    // Its last session ends: it stops, cleanly.
+    let (status, _) = nodes[1]
+        .api(ALICE)
+        .delete(&format!("/v1/sessions/{old}"))
+        .await;
+    assert_eq!(status, 204);
+    let status = nodes[0].exited(60).await;
+    assert!(status.success(), "{status:?}");
+    let x = nodes[1].api(ALICE).execute(&fresh, "1").await;
+    assert_eq!(x["status"], "ok");
+    let _drained = nodes.remove(0);
     for n in nodes {
         n.stop().await;
     }

@@ -343,6 +343,12 @@ async fn create(
     }
     let resp = match cluster.place().await {
         Some(peer) => forward(cluster, None, &peer.url, req).await,
+        None if cluster.is_draining() => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "node_draining",
+            "this node is draining and no other node can take the session",
+        )
+        .into_response(),
         None => next.run(req).await,
     };
     drop(lock);

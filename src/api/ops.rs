@@ -32,22 +32,28 @@ struct HealthJson {
     /// The sandbox backend (`local` or `docker`).
     sandbox: String,
     sessions: usize,
-    /// Always `ok`.
+    /// `ok`, or `draining` (cluster mode: this node takes no new sessions; 503).
     status: &'static str,
 }
 
 /// Liveness (no token)
 #[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
-    responses((status = 200, description = "ok", body = HealthJson)))]
+    responses((status = 200, description = "ok", body = HealthJson),
+        (status = 503, description = "draining (cluster mode): no new sessions here", body = HealthJson)))]
 async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
     let sessions = state.registry.all().len();
+    let draining = state.cluster.as_ref().is_some_and(|c| c.is_draining());
     (
-        StatusCode::OK,
+        if draining {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::OK
+        },
         Json(HealthJson {
             pooled_kernels: state.registry.pooled(),
             sandbox: state.registry.sandbox().name().to_string(),
             sessions,
-            status: "ok",
+            status: if draining { "draining" } else { "ok" },
         }),
     )
 }

@@ -101,6 +101,8 @@ pub struct Cluster {
     /// This node's load now (set once the registry exists).
     load: std::sync::OnceLock<Box<dyn Fn() -> Load + Send + Sync>>,
     memory_capacity: u64,
+    /// Draining: no new sessions here (placement skips this node).
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// Another live node.
@@ -159,7 +161,7 @@ impl Cluster {
                  VALUES ($1, $2, $3, $4)
                  ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,
                    started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until,
-                   lost_at = NULL",
+                   lost_at = NULL, draining = false",
                 &[
                     &config.node_id,
                     &config.advertise_url,
@@ -177,6 +179,7 @@ impl Cluster {
         let cluster = std::sync::Arc::new(Self {
             memory_capacity,
             load: std::sync::OnceLock::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
             config,
             pool,
             key,
@@ -225,6 +228,18 @@ impl Cluster {
         &self.http
     }
 
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Drains this node: it takes no new sessions (those asked of it go to other nodes),
+    /// and says so in the nodes table at once.
+    pub async fn drain(&self) -> Result<(), ClusterError> {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.renew().await
+    }
+
     /// Where this node's load comes from (the registry).
     pub fn set_load(&self, f: impl Fn() -> Load + Send + Sync + 'static) {
         let _ = self.load.set(Box::new(f));
@@ -243,7 +258,7 @@ impl Cluster {
         let load = self.load_now();
         c.execute(
             "UPDATE nodes SET lease_until = $2, advertise_url = $3, sessions = $4,
-               memory_reserved = $5, memory_capacity = $6, session_capacity = $7
+               memory_reserved = $5, memory_capacity = $6, session_capacity = $7, draining = $8
              WHERE id = $1",
             &[
                 &self.config.node_id,
@@ -253,6 +268,7 @@ impl Cluster {
                 &(load.memory_reserved as i64),
                 &(self.memory_capacity as i64),
                 &(self.config.session_capacity as i64),
+                &self.is_draining(),
             ],
         )
         .await?;
@@ -260,7 +276,8 @@ impl Cluster {
     }
 
     /// The node a new session goes to: the live node with the most headroom (this one's
-    /// load counted now, the others' as of their last renewal); `None` when it is this one.
+    /// load counted now, the others' as of their last renewal); `None` when it is this one
+    /// (a draining node places every session elsewhere, or nowhere: `None` then too).
     pub async fn place(&self) -> Option<Peer> {
         let c = match self.pool.get().await {
             Ok(c) => c,
@@ -305,6 +322,9 @@ impl Cluster {
                     },
                 ));
             }
+        }
+        if self.is_draining() {
+            return best.map(|(_, p)| p);
         }
         // Ties stay here: no hop for nothing.
         best.filter(|(h, _)| *h > here).map(|(_, p)| p)

@@ -124,6 +124,26 @@ impl SpawnedBroker {
         self.log = log;
     }
 
+    /// Sends `signal` to the broker.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: a plain signal to the child we started.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Waits (at most `secs`) for the broker to exit by itself; its exit status.
+    pub async fn exited(&mut self, secs: u64) -> std::process::ExitStatus {
+        let child = &mut self.child;
+        within(secs, "the broker's exit", async {
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    return status;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await
+    }
+
     /// The broker's cgroup name, when the test chose it.
     pub fn cgroup_name(&self) -> Option<&str> {
         self.cgroup.as_deref()
