@@ -307,16 +307,29 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
 #[tokio::test]
 async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
     let (nodes, url) = cluster_on(3, &["--node-lease", "3", "--max-sessions-per-user", "4"]).await;
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.push(nodes[0].api(ALICE).create().await);
-        // A renewal (every second here) reports each node's load.
-        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-    }
     let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
+    let mut ids = Vec::new();
+    for i in 1..=3i64 {
+        ids.push(nodes[0].api(ALICE).create().await);
+        // Placement weighs the others' load as their renewals (every second here) report it.
+        within(30, "the load reported", async {
+            loop {
+                let n: i64 = client
+                    .query_one("SELECT sum(sessions)::bigint FROM nodes", &[])
+                    .await
+                    .unwrap()
+                    .get(0);
+                if n == i {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+    }
     let per_node: Vec<i64> = client
         .query("SELECT sessions FROM nodes ORDER BY id", &[])
         .await
