@@ -39,6 +39,40 @@ fn node(url: &str, extra: &[&str]) -> SpawnedBroker {
     SpawnedBroker::start_on(addr, &args)
 }
 
+/// `node`'s list of alice's sessions holds `ids`.
+async fn assert_lists(node: &SpawnedBroker, ids: &[&str]) {
+    let (status, list) = node.api(ALICE).get("/v1/sessions").await;
+    assert_eq!(status, 200, "{list}");
+    let listed: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert!(
+        ids.iter().all(|id| listed.contains(id)),
+        "{listed:?} lacks some of {ids:?}"
+    );
+}
+
+/// The node id in the recording of session `id` (written as the session reports its
+/// creation).
+async fn recorded_node(client: &tokio_postgres::Client, id: &str) -> String {
+    within(10, "the session's recording", async {
+        loop {
+            let row = client
+                .query_opt("SELECT node FROM sessions WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+            if let Some(row) = row {
+                return row.get::<_, String>(0);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
+
 async fn ws_open(addr: SocketAddr, id: &str, token: &str) -> Ws {
     let url = format!("ws://{addr}/v1/sessions/{id}/stream?token={token}");
     let (ws, _) = within(30, "ws connect", tokio_tungstenite::connect_async(url))
@@ -123,18 +157,7 @@ async fn any_node_serves_any_session() {
     // Lists are the cluster's: a second session on C, both listed by A, B and C.
     let id2 = c.api(ALICE).create().await;
     for node in [a, b, c] {
-        let (status, list) = node.api(ALICE).get("/v1/sessions").await;
-        assert_eq!(status, 200, "{list}");
-        let ids: Vec<&str> = list
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|s| s["id"].as_str())
-            .collect();
-        assert!(
-            ids.contains(&id.as_str()) && ids.contains(&id2.as_str()),
-            "{ids:?}"
-        );
+        assert_lists(node, &[&id, &id2]).await;
         let (_, kernels) = node.api(ALICE).get("/api/kernels").await;
         assert_eq!(kernels.as_array().unwrap().len(), 2, "{kernels}");
         // Private across nodes too: bob sees none of alice's.
@@ -280,17 +303,7 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
     let fresh = d.api(ALICE).create().await;
     let x = b.api(ALICE).execute(&fresh, "1 + 1").await;
     assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
-    let (_, list) = c.api(ALICE).get("/v1/sessions").await;
-    let ids: Vec<&str> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|s| s["id"].as_str())
-        .collect();
-    assert!(
-        ids.contains(&kept.as_str()) && ids.contains(&fresh.as_str()),
-        "{ids:?}"
-    );
+    assert_lists(c, &[&kept, &fresh]).await;
 
     // The lost node restarts in place (same data directory, same node id) and rejoins.
     nodes[0].resume();
@@ -381,19 +394,7 @@ async fn forward_cost() {
         .await
         .unwrap();
     tokio::spawn(conn);
-    let node: String = within(10, "the session's recording", async {
-        loop {
-            let row = client
-                .query_opt("SELECT node FROM sessions WHERE id = $1", &[&id])
-                .await
-                .unwrap();
-            if let Some(row) = row {
-                return row.get::<_, String>(0);
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    let node = recorded_node(&client, &id).await;
     let owner = nodes
         .iter()
         .position(|n| {
@@ -435,25 +436,6 @@ async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() 
         .await
         .unwrap();
     tokio::spawn(conn);
-    let node_of = |id: String| {
-        let client = &client;
-        async move {
-            // The recording's row (written as the session reports its creation).
-            within(10, "the session's recording", async {
-                loop {
-                    let row = client
-                        .query_opt("SELECT node FROM sessions WHERE id = $1", &[&id])
-                        .await
-                        .unwrap();
-                    if let Some(row) = row {
-                        return row.get::<_, String>(0);
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-            })
-            .await
-        }
-    };
     let ids: Vec<String> = nodes
         .iter()
         .map(|n| {
@@ -465,7 +447,7 @@ async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() 
         .collect();
     // Equal headroom: the first session stays on the node asked.
     let old = nodes[0].api(ALICE).create().await;
-    assert_eq!(node_of(old.clone()).await, ids[0]);
+    assert_eq!(recorded_node(&client, &old).await, ids[0]);
 
     nodes[0].signal(libc::SIGUSR1);
     let health = within(30, "draining in /healthz", async {
@@ -483,7 +465,7 @@ async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() 
     assert_eq!(health["status"], "draining");
     let fresh = nodes[0].api(ALICE).create().await;
     assert_eq!(
-        node_of(fresh.clone()).await,
+        recorded_node(&client, &fresh).await,
         ids[1],
         "made on the other node"
     );
