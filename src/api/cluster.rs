@@ -83,7 +83,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             let owner = match cluster.owner_cached(id) {
                 Some(url) => Some(url),
                 None => {
-                    let auth = authorization(&req);
+                    let auth = authorization(req.headers(), req.uri());
                     find_owner(&cluster, id, auth).await
                 }
             };
@@ -146,8 +146,8 @@ async fn lost_session(state: &AppState, user: &str, id: Uuid, get_whole: bool) -
 }
 
 /// The caller's credentials, as a header for a request of this node's own.
-fn authorization(req: &Request) -> Option<HeaderValue> {
-    let token = token_in(req.headers(), req.uri())?;
+fn authorization(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> Option<HeaderValue> {
+    let token = token_in(headers, uri)?;
     HeaderValue::from_str(&format!("Bearer {token}")).ok()
 }
 
@@ -246,7 +246,7 @@ async fn forward(cluster: &Cluster, id: Option<Uuid>, url: &str, mut req: Reques
 /// is left out (and logged) rather than failing the list.
 async fn gather(cluster: &Cluster, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
-    let auth = authorization(&Request::from_parts(parts.clone(), Body::empty()));
+    let auth = authorization(&parts.headers, &parts.uri);
     let local = next.run(Request::from_parts(parts.clone(), body)).await;
     if local.status() != StatusCode::OK {
         return local;
@@ -324,7 +324,7 @@ async fn create(
             .into_response();
         }
     };
-    let Some(auth) = authorization(&req) else {
+    let Some(auth) = authorization(req.headers(), req.uri()) else {
         return next.run(req).await;
     };
     let elsewhere: usize = peer_arrays(cluster, &auth, "/v1/sessions")

@@ -112,10 +112,6 @@ pub struct Peer {
     pub url: String,
 }
 
-fn cluster_lease(c: &std::sync::Weak<Cluster>) -> Duration {
-    c.upgrade().map_or(LEASE, |c| c.config.lease)
-}
-
 fn now_micros() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
@@ -124,17 +120,7 @@ impl Cluster {
     /// Joins the cluster: migrates the schema if needed, registers this node and starts
     /// renewing its lease (until the process ends).
     pub async fn join(config: ClusterConfig) -> Result<std::sync::Arc<Self>, ClusterError> {
-        let mut cfg = deadpool_postgres::Config::new();
-        cfg.url = Some(config.database_url.clone());
-        let mut pc = deadpool_postgres::PoolConfig::new(4);
-        pc.timeouts = deadpool_postgres::Timeouts {
-            wait: Some(Duration::from_secs(10)),
-            create: Some(Duration::from_secs(10)),
-            recycle: Some(Duration::from_secs(10)),
-        };
-        cfg.pool = Some(pc);
-        let pool = cfg
-            .create_pool(Some(deadpool_postgres::Runtime::Tokio1), NoTls)
+        let pool = crate::recording::postgres_pool(&config.database_url, 4)
             .map_err(|e| ClusterError::Other(e.to_string()))?;
         let client = pool
             .get()
@@ -188,9 +174,9 @@ impl Cluster {
             peers: Mutex::new((Instant::now() - Duration::from_secs(60), Vec::new())),
         });
         tracing::info!(node = %cluster.config.node_id, url = %cluster.config.advertise_url, "joined the cluster");
+        let lease = cluster.config.lease;
         let renew = std::sync::Arc::downgrade(&cluster);
         tokio::spawn(async move {
-            let lease = cluster_lease(&renew);
             let mut every = tokio::time::interval(lease / 3);
             loop {
                 every.tick().await;
@@ -206,26 +192,10 @@ impl Cluster {
         Ok(cluster)
     }
 
-    pub fn lease(&self) -> Duration {
-        self.config.lease
-    }
-
-    pub fn node_id(&self) -> &str {
-        &self.config.node_id
-    }
-
     /// Whether `value` (of [`NODE_HEADER`]) is the cluster's key.
     pub fn is_node(&self, value: &[u8]) -> bool {
         use subtle::ConstantTimeEq;
         value.ct_eq(self.key.as_bytes()).into()
-    }
-
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    pub fn http(&self) -> &Client<HttpConnector, Body> {
-        &self.http
     }
 
     pub fn is_draining(&self) -> bool {

@@ -176,6 +176,12 @@ pub async fn migrate_postgres(
     postgres::migrate(client, &postgres::redact(url)).await
 }
 
+/// A pool of connections to the PostgreSQL database at `url` (the recordings' readers use
+/// one; cluster mode another).
+pub fn postgres_pool(url: &str, size: usize) -> Result<deadpool_postgres::Pool, RecordingError> {
+    postgres::pool(url, size)
+}
+
 /// Cluster mode: ends the open recordings of a lost node with a `node_lost` marker; how
 /// many.
 pub async fn close_lost_node(

@@ -27,6 +27,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Statement};
 use uuid::Uuid;
 
+pub(in crate::recording) use queries::pool;
 pub(super) use queries::Pool;
 pub(in crate::recording) use schema::migrate;
 #[cfg(test)]

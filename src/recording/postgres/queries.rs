@@ -18,6 +18,29 @@ use crate::recording::queries::{
 };
 use crate::recording::{from_micros, RecordingError};
 
+/// A pool of up to `size` connections to `url`; none is opened before it is first asked
+/// for one. A database that does not answer fails the caller after 10 s, rather than
+/// holding it.
+pub(in crate::recording) fn pool(
+    url: &str,
+    size: usize,
+) -> Result<deadpool_postgres::Pool, RecordingError> {
+    let mut cfg = Config::new();
+    cfg.url = Some(url.to_string());
+    let mut pc = PoolConfig::new(size);
+    pc.timeouts = Timeouts {
+        wait: Some(Duration::from_secs(10)),
+        create: Some(Duration::from_secs(10)),
+        recycle: Some(Duration::from_secs(10)),
+    };
+    cfg.pool = Some(pc);
+    cfg.create_pool(Some(Runtime::Tokio1), NoTls)
+        .map_err(|e| RecordingError::Connect {
+            location: redact(url),
+            source: DbError::Pool(e.to_string()),
+        })
+}
+
 /// The readers' connections.
 pub(in crate::recording) struct Pool {
     pool: deadpool_postgres::Pool,
@@ -33,23 +56,9 @@ fn db_err(context: &'static str) -> impl Fn(tokio_postgres::Error) -> RecordingE
 impl Pool {
     /// A pool of up to `size` connections to `url`; none is opened before the first read.
     pub fn new(url: &str, size: usize) -> Result<Self, RecordingError> {
-        let mut cfg = Config::new();
-        cfg.url = Some(url.to_string());
-        let mut pc = PoolConfig::new(size);
-        // A database that does not answer fails the request, rather than holding it.
-        pc.timeouts = Timeouts {
-            wait: Some(Duration::from_secs(10)),
-            create: Some(Duration::from_secs(10)),
-            recycle: Some(Duration::from_secs(10)),
-        };
-        cfg.pool = Some(pc);
-        let pool =
-            cfg.create_pool(Some(Runtime::Tokio1), NoTls)
-                .map_err(|e| RecordingError::Connect {
-                    location: redact(url),
-                    source: DbError::Pool(e.to_string()),
-                })?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool: pool(url, size)?,
+        })
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, RecordingError> {

@@ -106,13 +106,14 @@ impl Writer {
         }
         for b in &images {
             let size = b.text().len();
-            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+            self.db
+                .put_blob(sid, &b.sha256, b.base64, &b.data, size as i64)?;
         }
         let buffers = if msg.buffers.is_empty() {
             None
         } else {
             for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
-                self.put_blob(sid, sha, false, b, b.len())?;
+                self.db.put_blob(sid, sha, false, b, b.len() as i64)?;
             }
             let hashes = buffer_shas.into_iter().map(Value::String).collect();
             Some(Value::Array(hashes).to_string())
@@ -213,7 +214,8 @@ impl Writer {
         }
         for b in &found {
             let size = b.text().len();
-            self.put_blob(sid, &b.sha256, b.base64, &b.data, size)?;
+            self.db
+                .put_blob(sid, &b.sha256, b.base64, &b.data, size as i64)?;
         }
         touched.ended = event.end_reason().map(|reason| (time, reason));
         let (_, seq) = self.next_seq(key)?;
@@ -282,17 +284,6 @@ impl Writer {
             return None;
         }
         Some((v.to_string(), found))
-    }
-
-    fn put_blob(
-        &mut self,
-        sid: i64,
-        sha: &str,
-        base64: bool,
-        data: &[u8],
-        size: usize,
-    ) -> Result<(), DbError> {
-        self.db.put_blob(sid, sha, base64, data, size as i64)
     }
 }
 
