@@ -490,3 +490,214 @@ async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() 
         n.stop().await;
     }
 }
+
+/// A raw HTTP request to `node`: status and body (as JSON when it is).
+async fn raw(
+    node: &SpawnedBroker,
+    method: reqwest::Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Value>,
+) -> (u16, reqwest::header::HeaderMap, String) {
+    let mut r = reqwest::Client::new().request(method, format!("http://{}{path}", node.addr));
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    if let Some(b) = body {
+        r = r
+            .header("content-type", "application/json")
+            .body(b.to_string());
+    }
+    let resp = within(120, path, r.send()).await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    (
+        status,
+        headers,
+        within(120, path, resp.text()).await.unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn e2b_sandboxes_are_served_through_any_node() {
+    use reqwest::Method as M;
+    let nodes = cluster(3).await;
+    let key = [("x-api-key", ALICE)];
+    let (status, _, created) = raw(
+        &nodes[0],
+        M::POST,
+        "/e2b/v2/sandboxes",
+        &key,
+        Some(json!({})),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let created: Value = serde_json::from_str(&created).unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let tok = created["envdAccessToken"].as_str().unwrap().to_string();
+    let inside = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+
+    // The code interpreter through every node: one kernel's state.
+    for (i, node) in nodes.iter().enumerate() {
+        let code = format!("n = globals().get('n', 0) + 1\nprint('node', {i}, 'n', n)");
+        let (status, _, text) = raw(
+            node,
+            M::POST,
+            "/e2b/sandbox/execute",
+            &inside,
+            Some(json!({"code": code})),
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains(&format!("node {i} n {}", i + 1)), "{text}");
+        assert!(
+            text.ends_with("{\"type\":\"end_of_execution\"}\n"),
+            "{text}"
+        );
+        // The control plane too: the sandbox and the lists.
+        let (status, _, one) = raw(node, M::GET, &format!("/e2b/sandboxes/{id}"), &key, None).await;
+        assert_eq!(status, 200, "{one}");
+        let (status, _, list) = raw(node, M::GET, "/e2b/v2/sandboxes", &key, None).await;
+        assert_eq!(status, 200, "{list}");
+        assert!(list.contains(&id), "{list}");
+        // Envd's files: written through one node, read through the next.
+        let (status, _, _) = raw(node, M::GET, "/e2b/sandbox/health", &inside, None).await;
+        assert_eq!(status, 204);
+    }
+
+    // A forged or foreign token is not forwarded: absent, in E2B's shape, on every node;
+    // bob's key sees nothing of alice's.
+    let forged = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", "0123abcd"),
+    ];
+    for node in &nodes {
+        let (status, _, body) = raw(
+            node,
+            M::POST,
+            "/e2b/sandbox/execute",
+            &forged,
+            Some(json!({"code": "1"})),
+        )
+        .await;
+        assert_eq!(status, 404, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["code"], 404, "{v}");
+        let (status, _, body) = raw(
+            node,
+            M::GET,
+            &format!("/e2b/sandboxes/{id}"),
+            &[("x-api-key", BOB)],
+            None,
+        )
+        .await;
+        assert_eq!(status, 404, "{body}");
+        let (_, _, list) = raw(node, M::GET, "/e2b/sandboxes", &[("x-api-key", BOB)], None).await;
+        assert_eq!(list, "[]");
+    }
+
+    // Killed through the last node: gone from all.
+    let (status, _, body) = raw(
+        &nodes[2],
+        M::DELETE,
+        &format!("/e2b/sandboxes/{id}"),
+        &key,
+        None,
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+    for node in &nodes {
+        let (status, _, body) =
+            raw(node, M::GET, &format!("/e2b/sandboxes/{id}"), &key, None).await;
+        assert_eq!(status, 404, "{body}");
+    }
+}
+
+/// The JSON-RPC messages of an MCP answer (JSON, or SSE events).
+fn mcp_messages(text: &str) -> Vec<Value> {
+    if let Ok(v) = serde_json::from_str(text) {
+        return vec![v];
+    }
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str(d.trim()).ok())
+        .collect()
+}
+
+#[tokio::test]
+async fn an_mcp_session_is_served_through_any_node() {
+    use reqwest::Method as M;
+    let nodes = cluster(3).await;
+    let bearer = format!("Bearer {ALICE}");
+    let base = [
+        ("authorization", bearer.as_str()),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "tests/cluster.rs", "version": "1"}}});
+    let (status, headers, body) = raw(&nodes[0], M::POST, "/mcp", &base, Some(init)).await;
+    assert_eq!(status, 200, "{body}");
+    let sid = headers["mcp-session-id"].to_str().unwrap().to_string();
+    assert!(sid.contains('.'), "cluster MCP ids name their node: {sid}");
+    let with = |sid: &str| {
+        let mut h = base.to_vec();
+        h.push((
+            "mcp-session-id",
+            Box::leak(sid.to_string().into_boxed_str()),
+        ));
+        h.push(("mcp-protocol-version", "2025-11-25"));
+        h
+    };
+    let h = with(&sid);
+    let (status, _, body) = raw(
+        &nodes[1],
+        M::POST,
+        "/mcp",
+        &h,
+        Some(json!({"jsonrpc": "2.0", "method": "notifications/initialized"})),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+
+    // The session's own kernel, used through each node in turn.
+    for (i, node) in nodes.iter().enumerate() {
+        let call = json!({"jsonrpc": "2.0", "id": i + 1, "method": "tools/call", "params": {
+            "name": "run_python", "arguments": {"code": format!("k = globals().get('k', 0) + 1\nprint('via', {i}, k)")}}});
+        let (status, _, body) = raw(node, M::POST, "/mcp", &h, Some(call)).await;
+        assert_eq!(status, 200, "{body}");
+        let answer = mcp_messages(&body)
+            .into_iter()
+            .find(|m| m["id"] == json!(i + 1))
+            .unwrap_or_else(|| panic!("no answer: {body}"));
+        assert!(
+            answer.to_string().contains(&format!("via {i} {}", i + 1)),
+            "{answer}"
+        );
+    }
+
+    // Another user's id is unknown on every node; so is one naming a node not in the cluster.
+    let bob = format!("Bearer {BOB}");
+    let ghost = format!("{}.{}", "Z2hvc3Q", uuid::Uuid::new_v4());
+    for node in &nodes {
+        let mut hb = with(&sid);
+        hb[0] = ("authorization", bob.as_str());
+        let ping = json!({"jsonrpc": "2.0", "id": 99, "method": "ping"});
+        let (status, _, body) = raw(node, M::POST, "/mcp", &hb, Some(ping.clone())).await;
+        assert_eq!(status, 404, "{body}");
+        let (status, _, body) = raw(node, M::POST, "/mcp", &with(&ghost), Some(ping)).await;
+        assert_eq!(status, 404, "{body}");
+    }
+
+    // Closed through the last node: unknown everywhere.
+    let (status, _, body) = raw(&nodes[2], M::DELETE, "/mcp", &h, None).await;
+    assert_eq!(status, 204, "{body}");
+    for node in &nodes {
+        let ping = json!({"jsonrpc": "2.0", "id": 100, "method": "ping"});
+        let (status, _, body) = raw(node, M::POST, "/mcp", &h, Some(ping)).await;
+        assert_eq!(status, 404, "{body}");
+    }
+}

@@ -67,6 +67,11 @@ impl Users {
             .find(|(_, u)| u.name == name)
             .map(|(_, u)| u.clone())
     }
+
+    /// The first user `pred` holds for (the cluster finds an E2B sandbox token's user).
+    pub fn find(&self, pred: impl Fn(&User) -> bool) -> Option<Arc<User>> {
+        self.0.iter().find(|(_, u)| pred(u)).map(|(_, u)| u.clone())
+    }
 }
 
 /// The authenticated caller.

@@ -14,7 +14,15 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 use uuid::Uuid;
 
-use super::auth::{token_in, Caller};
+use std::sync::Arc;
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use futures::StreamExt;
+use subtle::ConstantTimeEq;
+
+use super::auth::{Caller, User};
+use super::e2b::{access_token, E2bError, TokenKind};
 use super::error::ApiError;
 use super::shapes::{iso, SessionJson, SessionStateJson};
 use super::AppState;
@@ -28,6 +36,11 @@ enum Target {
     Here,
     /// About one session.
     Session(Uuid),
+    /// An E2B in-sandbox request (code interpreter, envd): the sandbox is named by the
+    /// `E2b-Sandbox-Id` header, the caller by the sandbox's access token.
+    Sandbox,
+    /// An MCP request; with an `Mcp-Session-Id`, served by the node that made that session.
+    Mcp,
     /// A list gathered from every node.
     List,
     /// A new session: placed on the node with the most headroom, within the user's quota
@@ -37,17 +50,83 @@ enum Target {
 
 fn target(method: &Method, path: &str) -> Target {
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let uuid = |id: &str| Uuid::parse_str(id).map_or(Target::Here, Target::Session);
     match parts.as_slice() {
-        ["v1", "sessions"] | ["api", "kernels"] if method == Method::GET => Target::List,
-        ["v1", "sessions"] | ["api", "kernels"] if method == Method::POST => Target::Create,
+        ["v1", "sessions"]
+        | ["api", "kernels"]
+        | ["e2b", "sandboxes"]
+        | ["e2b", "v2", "sandboxes"]
+            if method == Method::GET =>
+        {
+            Target::List
+        }
+        ["v1", "sessions"]
+        | ["api", "kernels"]
+        | ["e2b", "sandboxes"]
+        | ["e2b", "v2", "sandboxes"]
+            if method == Method::POST =>
+        {
+            Target::Create
+        }
         ["v1", "sessions", id, rest @ ..]
             if !matches!(rest.first(), Some(&("events" | "notebook" | "replay"))) =>
         {
-            Uuid::parse_str(id).map_or(Target::Here, Target::Session)
+            uuid(id)
         }
-        ["api", "kernels", id, ..] => Uuid::parse_str(id).map_or(Target::Here, Target::Session),
+        ["api", "kernels", id, ..]
+        | ["e2b", "sandboxes", id, ..]
+        | ["e2b", "v2", "sandboxes", id, ..] => uuid(id),
+        ["e2b", "sandbox", ..] => Target::Sandbox,
+        ["mcp"] => Target::Mcp,
         _ => Target::Here,
     }
+}
+
+/// The caller, as the cluster routes it: who it is, and whether its request speaks E2B
+/// (whose errors have a shape of their own).
+struct Routed {
+    user: Arc<User>,
+    e2b: bool,
+}
+
+/// Who is calling: the broker's token (the `auth` middleware made it a [`Caller`]); on the
+/// E2B control plane the API key; on E2B's in-sandbox routes the sandbox's access token
+/// (with the sandbox it names). `None`: served here, which answers the failure (and counts
+/// it against the client's address) as without a cluster.
+fn routed(state: &AppState, req: &Request, target: &Target) -> Option<(Routed, Option<Uuid>)> {
+    if let Some(Caller(user)) = req.extensions().get::<Caller>() {
+        let e2b = req.uri().path().starts_with("/e2b/");
+        return Some((
+            Routed {
+                user: user.clone(),
+                e2b,
+            },
+            None,
+        ));
+    }
+    if !req.uri().path().starts_with("/e2b/") {
+        return None;
+    }
+    let ip = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    if let Some(ip) = ip {
+        if state
+            .auth_failures
+            .check(ip, std::time::Instant::now())
+            .is_err()
+        {
+            return None;
+        }
+    }
+    if *target == Target::Sandbox {
+        let (id, user) = sandbox_owner(state, req.headers())?;
+        return Some((Routed { user, e2b: true }, Some(id)));
+    }
+    let key = req.headers().get("x-api-key")?.to_str().ok()?.trim();
+    let user = state.authenticate(key)?;
+    Some((Routed { user, e2b: true }, None))
 }
 
 /// The middleware.
@@ -66,43 +145,144 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         )
         .into_response();
     }
-    let Some(Caller(user)) = req.extensions().get::<Caller>().cloned() else {
+    let target = target(req.method(), req.uri().path());
+    if target == Target::Here || (target == Target::Sandbox && sandbox_is_here(&state, &req)) {
+        return next.run(req).await;
+    }
+    let Some((caller, sandbox)) = routed(&state, &req, &target) else {
         return next.run(req).await;
     };
-    match target(req.method(), req.uri().path()) {
+    match target {
         Target::Here => next.run(req).await,
-        Target::List => gather(&cluster, req, next).await,
-        Target::Create => create(&state, &cluster, &user, req, next).await,
-        Target::Session(id) => {
-            if !matches!(
-                state.registry.get(&user.name, id),
-                Err(SessionError::NotFound(_))
-            ) {
-                return next.run(req).await;
-            }
-            let owner = match cluster.owner_cached(id) {
-                Some(url) => Some(url),
-                None => {
-                    let auth = authorization(req.headers(), req.uri());
-                    find_owner(&cluster, id, auth).await
-                }
-            };
-            match owner {
-                Some(url) => forward(&cluster, Some(id), &url, req).await,
-                None => match lost_session(
-                    &state,
-                    &user.name,
-                    id,
-                    req.method() == Method::GET
-                        && req.uri().path().trim_end_matches('/') == format!("/v1/sessions/{id}"),
-                )
-                .await
-                {
-                    Some(answer) => answer,
-                    None => next.run(req).await,
-                },
-            }
+        Target::List => gather(&cluster, &caller, req, next).await,
+        Target::Create => create(&state, &cluster, &caller, req, next).await,
+        Target::Mcp => mcp(&state, &cluster, req, next).await,
+        Target::Sandbox => match sandbox {
+            Some(id) => session(&state, &cluster, &caller, id, req, next).await,
+            None => next.run(req).await,
+        },
+        Target::Session(id) => session(&state, &cluster, &caller, id, req, next).await,
+    }
+}
+
+/// A request about session `id` of the caller's: served here if it is here, else by the
+/// node that holds it; a session of a lost node answers so.
+async fn session(
+    state: &AppState,
+    cluster: &Cluster,
+    caller: &Routed,
+    id: Uuid,
+    req: Request,
+    next: Next,
+) -> Response {
+    if !matches!(
+        state.registry.get(&caller.user.name, id),
+        Err(SessionError::NotFound(_))
+    ) {
+        return next.run(req).await;
+    }
+    let owner = match cluster.owner_cached(id) {
+        Some(url) => Some(url),
+        None => find_owner(cluster, id, &caller.user).await,
+    };
+    if let Some(url) = owner {
+        return forward(state, cluster, Some(id), &url, caller.e2b, req).await;
+    }
+    if caller.e2b {
+        // E2B has no dead sandboxes: one that is gone is not found (answered here).
+        return next.run(req).await;
+    }
+    let get_whole = req.method() == Method::GET
+        && req.uri().path().trim_end_matches('/') == format!("/v1/sessions/{id}");
+    match lost_session(state, &caller.user.name, id, get_whole).await {
+        Some(answer) => answer,
+        None => next.run(req).await,
+    }
+}
+
+/// Whether the sandbox an E2B in-sandbox request names is held here (its handler then
+/// checks the token).
+fn sandbox_is_here(state: &AppState, req: &Request) -> bool {
+    let id = req
+        .headers()
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| Uuid::parse_str(v.trim()).ok());
+    id.is_some_and(|id| state.registry.all().iter().any(|s| s.id == id))
+}
+
+/// The sandbox an E2B in-sandbox request names and the user whose access token it carries:
+/// the token is an HMAC of the sandbox id keyed by the owner's broker token, so it is
+/// checked against each user's (never forwarded unchecked).
+fn sandbox_owner(state: &AppState, headers: &axum::http::HeaderMap) -> Option<(Uuid, Arc<User>)> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let id = Uuid::parse_str(header("e2b-sandbox-id")?).ok()?;
+    let (token, kind) = match (header("x-access-token"), header("e2b-traffic-access-token")) {
+        (Some(t), _) => (t, TokenKind::Envd),
+        (None, Some(t)) => (t, TokenKind::Traffic),
+        (None, None) => return None,
+    };
+    let user = state.users.find(|u| {
+        bool::from(
+            access_token(&u.token, id, kind)
+                .as_bytes()
+                .ct_eq(token.as_bytes()),
+        )
+    })?;
+    Some((id, user))
+}
+
+/// An MCP request. MCP sessions live in the memory of the node whose `initialize` made
+/// them; in cluster mode their ids name that node (`<node>.<id>`, the node's id in
+/// base64url, see [`crate::api::mcp`]), so a request of a session made elsewhere goes
+/// there, with no lookup. A node that is not in the cluster any more: the session is gone
+/// with it (`404`, as for any unknown MCP session: the client initializes again).
+async fn mcp(state: &AppState, cluster: &Cluster, req: Request, next: Next) -> Response {
+    let node = req
+        .headers()
+        .get(MCP_SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(mcp_session_node);
+    let Some(node) = node.filter(|n| n != cluster.node_id()) else {
+        return next.run(req).await;
+    };
+    match cluster.peers().await.into_iter().find(|p| p.id == node) {
+        Some(peer) => forward(state, cluster, None, &peer.url, false, req).await,
+        None => (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response(),
+    }
+}
+
+/// The header that names an MCP session.
+const MCP_SESSION_HEADER: &str = "mcp-session-id";
+
+/// An MCP session id as this node hands it out in cluster mode: `<node>.<id>`.
+pub fn mcp_session_id(node: &str, id: &str) -> String {
+    format!("{}.{id}", URL_SAFE_NO_PAD.encode(node))
+}
+
+/// The node named in an MCP session id of cluster mode, if any.
+pub fn mcp_session_node(wire: &str) -> Option<String> {
+    let (node, _) = wire.split_once('.')?;
+    String::from_utf8(URL_SAFE_NO_PAD.decode(node).ok()?).ok()
+}
+
+/// The id rmcp gave an MCP session, from the id on the wire: `<node>.<id>` of this node's,
+/// else the id as it is (it then matches no session here).
+pub fn mcp_local_id<'a>(node: &str, wire: &'a str) -> &'a str {
+    match wire.split_once('.') {
+        Some((n, id))
+            if URL_SAFE_NO_PAD
+                .decode(n)
+                .is_ok_and(|n| n == node.as_bytes()) =>
+        {
+            id
         }
+        _ => wire,
     }
 }
 
@@ -145,23 +325,29 @@ async fn lost_session(state: &AppState, user: &str, id: Uuid, get_whole: bool) -
     )
 }
 
-/// The caller's credentials, as a header for a request of this node's own.
-fn authorization(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> Option<HeaderValue> {
-    let token = token_in(headers, uri)?;
-    HeaderValue::from_str(&format!("Bearer {token}")).ok()
+/// The caller's credentials on a request of this node's own to a peer: the broker's token,
+/// as the broker's routes take it and as E2B's API key.
+fn credentials(user: &User) -> Option<axum::http::HeaderMap> {
+    let mut h = axum::http::HeaderMap::new();
+    h.insert(
+        header::AUTHORIZATION,
+        HeaderValue::from_str(&format!("Bearer {}", user.token)).ok()?,
+    );
+    h.insert("x-api-key", HeaderValue::from_str(&user.token).ok()?);
+    Some(h)
 }
 
 /// Asks every peer whether it holds session `id` of the caller; the URL of the one that does.
-async fn find_owner(cluster: &Cluster, id: Uuid, auth: Option<HeaderValue>) -> Option<String> {
-    let auth = auth?;
+async fn find_owner(cluster: &Cluster, id: Uuid, user: &User) -> Option<String> {
+    let creds = credentials(user)?;
     let peers = cluster.peers().await;
     let asks = peers.into_iter().map(|peer| {
-        let auth = auth.clone();
+        let creds = creds.clone();
         async move {
-            let probe = axum::http::Request::get(format!("/v1/sessions/{id}"))
-                .header(header::AUTHORIZATION, auth)
+            let mut probe = axum::http::Request::get(format!("/v1/sessions/{id}"))
                 .body(Body::empty())
                 .ok()?;
+            *probe.headers_mut() = creds;
             let resp = cluster.send(&peer.url, probe).await.ok()?;
             // 410: it held the session, which expired there; it says so best.
             matches!(resp.status(), StatusCode::OK | StatusCode::GONE).then_some(peer.url)
@@ -189,7 +375,14 @@ const HOP_BY_HOP: [&str; 6] = [
 ];
 
 /// Forwards `req` to the node at `url`, and its answer back (a WebSocket spliced through).
-async fn forward(cluster: &Cluster, id: Option<Uuid>, url: &str, mut req: Request) -> Response {
+async fn forward(
+    state: &AppState,
+    cluster: &Cluster,
+    id: Option<Uuid>,
+    url: &str,
+    e2b: bool,
+    mut req: Request,
+) -> Response {
     let upgrade = req
         .headers()
         .get(header::UPGRADE)
@@ -212,12 +405,12 @@ async fn forward(cluster: &Cluster, id: Option<Uuid>, url: &str, mut req: Reques
                 None => "the node chosen for the new session".into(),
             };
             tracing::warn!(error = %e, "cluster: {what} did not answer");
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "node_unreachable",
-                format!("{what} did not answer: {e}"),
-            )
-            .into_response();
+            let message = format!("{what} did not answer: {e}");
+            if e2b {
+                return E2bError::new(StatusCode::BAD_GATEWAY, message).into_response();
+            }
+            return ApiError::new(StatusCode::BAD_GATEWAY, "node_unreachable", message)
+                .into_response();
         }
     };
     if let (Some(id), StatusCode::NOT_FOUND) = (id, resp.status()) {
@@ -239,25 +432,43 @@ async fn forward(cluster: &Cluster, id: Option<Uuid>, url: &str, mut req: Reques
             }
         });
     }
+    let event_stream = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if event_stream {
+        // An SSE stream (MCP's) may stay open for as long as its session: it ends when this
+        // node stops, so the listener's drain does not wait for it (as on the node that
+        // holds it).
+        let stopping = state.stopping.clone();
+        let (parts, body) = resp.into_parts();
+        let stream = body
+            .into_data_stream()
+            .take_until(async move { stopping.cancelled().await });
+        return Response::from_parts(parts, Body::from_stream(stream));
+    }
     resp
 }
 
 /// A list answered here and by every peer, as one JSON array. A peer that does not answer
 /// is left out (and logged) rather than failing the list.
-async fn gather(cluster: &Cluster, req: Request, next: Next) -> Response {
+async fn gather(cluster: &Cluster, caller: &Routed, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
-    let auth = authorization(&parts.headers, &parts.uri);
     let local = next.run(Request::from_parts(parts.clone(), body)).await;
     if local.status() != StatusCode::OK {
         return local;
     }
-    let Some(auth) = auth else { return local };
     let (lparts, lbody) = local.into_parts();
     let Some(mut all) = json_array(lbody).await else {
-        return ApiError::internal("gathering the list", "this node's list is not a JSON array")
-            .into_response();
+        return refuse(
+            caller.e2b,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "gathering the list: this node's list is not a JSON array",
+        );
     };
-    for list in peer_arrays(cluster, &auth, parts.uri.path()).await {
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    for list in peer_arrays(cluster, &caller.user, path).await {
         all.extend(list);
     }
     let mut resp = Response::from_parts(
@@ -270,17 +481,16 @@ async fn gather(cluster: &Cluster, req: Request, next: Next) -> Response {
 
 /// `GET path` of every peer with the caller's credentials: the JSON arrays they answer. A
 /// peer that does not answer is left out (and logged).
-async fn peer_arrays(
-    cluster: &Cluster,
-    auth: &HeaderValue,
-    path: &str,
-) -> Vec<Vec<serde_json::Value>> {
+async fn peer_arrays(cluster: &Cluster, user: &User, path: &str) -> Vec<Vec<serde_json::Value>> {
+    let Some(creds) = credentials(user) else {
+        return Vec::new();
+    };
     let peers = cluster.peers().await;
     let asks = peers.iter().map(|peer| {
         let mut r = axum::http::Request::get(path)
             .body(Body::empty())
             .unwrap_or_default();
-        r.headers_mut().insert(header::AUTHORIZATION, auth.clone());
+        *r.headers_mut() = creds.clone();
         async move {
             match cluster.send(&peer.url, r).await {
                 Ok(resp) if resp.status() == StatusCode::OK => json_array(resp.into_body()).await,
@@ -302,53 +512,69 @@ async fn peer_arrays(
         .collect()
 }
 
+/// An error answered by the cluster layer: in E2B's shape on E2B's routes, else the
+/// broker's.
+fn refuse(
+    e2b: bool,
+    status: StatusCode,
+    code: &'static str,
+    message: impl Into<String>,
+) -> Response {
+    if e2b {
+        return E2bError::new(status, message).into_response();
+    }
+    ApiError::new(status, code, message).into_response()
+}
+
 /// A new session: the user's sessions are counted on every node (one creation of a user at
 /// a time in the cluster, under its lock), then it is made on the node with the most
 /// headroom.
 async fn create(
     state: &AppState,
     cluster: &Cluster,
-    user: &crate::api::auth::User,
+    caller: &Routed,
     req: Request,
     next: Next,
 ) -> Response {
+    let user = &caller.user;
     let lock = match cluster.lock_user(&user.name).await {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(error = %e, "cluster: no creation lock");
-            return ApiError::new(
+            return refuse(
+                caller.e2b,
                 StatusCode::SERVICE_UNAVAILABLE,
                 "cluster_unavailable",
                 "the cluster's database does not answer; try again",
-            )
-            .into_response();
+            );
         }
     };
-    let Some(auth) = authorization(req.headers(), req.uri()) else {
-        return next.run(req).await;
-    };
-    let elsewhere: usize = peer_arrays(cluster, &auth, "/v1/sessions")
+    let elsewhere: usize = peer_arrays(cluster, user, "/v1/sessions")
         .await
         .iter()
         .map(Vec::len)
         .sum();
     let here = state.registry.list(&user.name).len();
     if here + elsewhere >= user.max_sessions {
-        return ApiError::from(SessionError::Quota(format!(
+        let e = SessionError::Quota(format!(
             "user {} already has {} sessions across the cluster (the limit); delete one first",
             user.name,
             here + elsewhere
-        )))
-        .into_response();
+        ));
+        return if caller.e2b {
+            E2bError::from(e).into_response()
+        } else {
+            ApiError::from(e).into_response()
+        };
     }
     let resp = match cluster.place().await {
-        Some(peer) => forward(cluster, None, &peer.url, req).await,
-        None if cluster.is_draining() => ApiError::new(
+        Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,
+        None if cluster.is_draining() => refuse(
+            caller.e2b,
             StatusCode::SERVICE_UNAVAILABLE,
             "node_draining",
             "this node is draining and no other node can take the session",
-        )
-        .into_response(),
+        ),
         None => next.run(req).await,
     };
     drop(lock);
@@ -425,9 +651,42 @@ mod tests {
             (Method::GET, "/v1/sessions/not-a-uuid".into(), Target::Here),
             (Method::GET, "/healthz".into(), Target::Here),
             (Method::GET, "/v1/recordings".into(), Target::Here),
+            (Method::GET, "/e2b/sandboxes".into(), Target::List),
+            (Method::GET, "/e2b/v2/sandboxes".into(), Target::List),
+            (Method::POST, "/e2b/v2/sandboxes".into(), Target::Create),
+            (
+                Method::POST,
+                format!("/e2b/sandboxes/{id}/timeout"),
+                Target::Session(id),
+            ),
+            (
+                Method::POST,
+                format!("/e2b/v2/sandboxes/{id}/connect"),
+                Target::Session(id),
+            ),
+            (Method::POST, "/e2b/sandbox/execute".into(), Target::Sandbox),
+            (
+                Method::POST,
+                "/e2b/sandbox/process.Process/Start".into(),
+                Target::Sandbox,
+            ),
+            (Method::POST, "/mcp".into(), Target::Mcp),
+            (Method::DELETE, "/mcp".into(), Target::Mcp),
         ];
         for (m, p, want) in cases {
             assert_eq!(target(&m, &p), want, "{m} {p}");
         }
+    }
+
+    #[test]
+    fn mcp_session_ids_name_their_node() {
+        let wire = mcp_session_id("kernel-broker-1", "3f0c");
+        assert_eq!(mcp_session_node(&wire).as_deref(), Some("kernel-broker-1"));
+        assert_eq!(mcp_local_id("kernel-broker-1", &wire), "3f0c");
+        // Another node's id, or one of no node, is not this node's: it stays as it is.
+        assert_eq!(mcp_local_id("kernel-broker-2", &wire), wire);
+        assert_eq!(mcp_local_id("kernel-broker-1", "3f0c"), "3f0c");
+        assert_eq!(mcp_session_node("3f0c"), None);
+        assert_eq!(mcp_session_node("%%%.3f0c"), None);
     }
 }

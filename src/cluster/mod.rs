@@ -198,6 +198,11 @@ impl Cluster {
         value.ct_eq(self.key.as_bytes()).into()
     }
 
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.config.node_id
+    }
+
     pub fn is_draining(&self) -> bool {
         self.draining.load(std::sync::atomic::Ordering::Acquire)
     }

@@ -32,6 +32,7 @@ use utoipa_axum::router::OpenApiRouter;
 use super::AppState;
 use crate::session::SessionError;
 
+pub use auth::{access_token, TokenKind};
 pub use state::E2bState;
 
 /// The E2B routes, with their state.

@@ -141,11 +141,23 @@ async fn forward(
 ) -> Response {
     let endpoint = cell.0.get_or_init(|| Endpoint::new(&state)).clone();
     let user = caller.0.name.clone();
+    // In cluster mode the id on the wire names this node (`<node>.<id>`, so that any node
+    // can send the session's requests here); rmcp knows the id it made.
+    let node = state.cluster.as_ref().map(|c| c.node_id().to_string());
     let session = req
         .headers()
         .get(SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+        .map(|wire| match &node {
+            Some(node) => crate::api::cluster::mcp_local_id(node, wire).to_string(),
+            None => wire.to_string(),
+        });
+    if let (Some(id), Some(_)) = (&session, &node) {
+        match HeaderValue::from_str(id) {
+            Ok(v) => req.headers_mut().insert(SESSION_HEADER, v),
+            Err(_) => return session_not_found(),
+        };
+    }
     if let Some(id) = &session {
         if !endpoint.may_use(&user, id) {
             return session_not_found();
@@ -165,7 +177,22 @@ async fn forward(
         .and_then(|v: &HeaderValue| v.to_str().ok())
         .map(str::to_string);
     match (&session, created) {
-        (None, Some(id)) => endpoint.created(&user, id).await,
+        (None, Some(id)) => {
+            if let Some(node) = &node {
+                let wire = crate::api::cluster::mcp_session_id(node, &id);
+                match HeaderValue::from_str(&wire) {
+                    Ok(v) => response.headers_mut().insert(SESSION_HEADER, v),
+                    Err(_) => {
+                        return crate::api::error::ApiError::internal(
+                            "naming an MCP session",
+                            "the node id makes no header value",
+                        )
+                        .into_response()
+                    }
+                };
+            }
+            endpoint.created(&user, id).await
+        }
         (Some(id), _) if is_delete && response.status().is_success() => {
             lock(&endpoint.owners).remove(id);
             // rmcp answers 202; the Python SDK takes only 200 or 204 as "terminated" (and
