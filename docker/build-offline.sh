@@ -46,12 +46,13 @@ esac
 
 log() { printf '[build-offline] %s\n' "$*" >&2; }
 
-# Hash of everything that determines the image: docker/* (docs excluded) and
-# kernels/requirements.txt. .ci/docker-setup.sh compares it with the image label.
+# Hash of everything that determines the image: docker/* (docs and docker/broker/, the
+# broker image built on this one, excluded) and kernels/requirements.txt.
+# .ci/docker-setup.sh compares it with the image label.
 inputs_hash() {
     (
         cd "$repo"
-        { find docker -type f ! -name '*.md' -print; echo kernels/requirements.txt; } \
+        { find docker -path docker/broker -prune -o -type f ! -name '*.md' -print; echo kernels/requirements.txt; } \
             | LC_ALL=C sort | xargs sha256sum
     ) | sha256sum | cut -c1-64
 }
