@@ -249,6 +249,22 @@ pub async fn serve(
                     memory_reserved: m.total_bytes(),
                 }
             });
+            let r = registry.clone();
+            cluster.on_lost(move || {
+                let r = r.clone();
+                Box::pin(async move {
+                    let sessions = r.all();
+                    let n = sessions.len();
+                    futures::future::join_all(
+                        sessions.iter().map(|s| r.delete(&s.user.name, s.id)),
+                    )
+                    .await;
+                    tracing::warn!(
+                        sessions = n,
+                        "cluster: this node's sessions ended (the cluster had declared them dead)"
+                    );
+                })
+            });
             Some(cluster)
         }
         None => None,

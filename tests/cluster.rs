@@ -701,3 +701,235 @@ async fn an_mcp_session_is_served_through_any_node() {
         assert_eq!(status, 404, "{body}");
     }
 }
+
+/// A node that was paused past its lease (a stalled VM, a stopped process) comes back to
+/// find itself declared lost: it ends the sessions the cluster already counts as dead
+/// (their kernels must not live on beside the "dead" answer) and joins again; their
+/// recordings keep the loss as their end.
+#[tokio::test]
+async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
+    let (nodes, url) = cluster_on(2, &["--node-lease", "2"]).await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+    let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let id = b.api(ALICE).create().await;
+    assert_eq!(recorded_node(&client, &id).await, b_id.trim());
+    let x = a.api(ALICE).execute(&id, "x = 'on b'").await;
+    assert_eq!(x["status"], "ok", "{x}");
+
+    b.signal(libc::SIGSTOP);
+    let s = within(30, "the paused node's session dead", async {
+        loop {
+            let (status, s) = a.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            if status == 200 && s["state"] == "dead" {
+                return s;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert!(
+        s["dead_reason"].as_str().unwrap().starts_with("node lost"),
+        "{s}"
+    );
+    b.signal(libc::SIGCONT);
+
+    // B learns it was lost at its next renewal: the session ends there too, and B is a
+    // live node again.
+    within(30, "the paused node to end its session and rejoin", async {
+        loop {
+            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            let (hs, _) = b.api(ALICE).get("/healthz").await;
+            if status == 200 && s["state"] == "dead" && hs == 200 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let (status, r) = b
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"}))
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (410, &json!("node_lost")),
+        "{r}"
+    );
+    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
+    assert!(!list.to_string().contains(&id), "{list}");
+    let row = client
+        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some("node_lost")
+    );
+
+    // B takes sessions again, and its recordings go on.
+    let fresh = within(30, "a session made on B again", async {
+        loop {
+            let (status, s) = b.api(ALICE).post("/v1/sessions", json!({})).await;
+            if status == 201 {
+                let id = s["id"].as_str().unwrap().to_string();
+                if recorded_node(&client, &id).await == b_id.trim() {
+                    return id;
+                }
+                b.api(ALICE).delete(&format!("/v1/sessions/{id}")).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let x = a.api(ALICE).execute(&fresh, "1 + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
+    for n in nodes {
+        n.stop().await;
+    }
+}
+
+/// A TCP relay to PostgreSQL that can be cut (every connection through it broken, new ones
+/// refused) and restored: a node's network partition from the database.
+struct Cuttable {
+    url: String,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Cuttable {
+    /// A relay to the server of database `url`; `self.url` names the same database
+    /// through it.
+    async fn new(url: &str) -> Self {
+        let (head, rest) = url.rsplit_once('@').unwrap();
+        let (server, db) = rest.split_once('/').unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let me = Self {
+            url: format!("{head}@{}/{db}", listener.local_addr().unwrap()),
+            cut: Default::default(),
+            conns: Default::default(),
+        };
+        let (cut, conns, server) = (me.cut.clone(), me.conns.clone(), server.to_string());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    return;
+                };
+                if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue;
+                }
+                let server = server.clone();
+                conns.lock().unwrap().push(tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(&server).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                    }
+                }));
+            }
+        });
+        me
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A node cut off from the database stops serving its sessions once its lease is past (503
+/// `node_isolated`, `/healthz` 503 `isolated`: a load balancer looks elsewhere) while the
+/// others declare it lost; when it reaches the database again it learns it was lost, ends
+/// those sessions and joins again. No node ever serves a session the cluster counts as dead.
+// Multi-threaded: the relay must run while the test thread waits for a node to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
+    let (nodes, url) = cluster_on(1, &["--node-lease", "2"]).await;
+    let a = &nodes[0];
+    let relay = Cuttable::new(&url).await;
+    let b = node(&relay.url, &["--node-lease", "2"]);
+    let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let id = b.api(ALICE).create().await;
+    assert_eq!(recorded_node(&client, &id).await, b_id.trim());
+    let x = a.api(ALICE).execute(&id, "x = 'on b'").await;
+    assert_eq!(x["status"], "ok", "{x}");
+
+    relay.cut();
+    within(30, "the cut-off node to stop serving", async {
+        loop {
+            let (hs, h) = b.api(ALICE).get("/healthz").await;
+            if hs == 503 && h["status"] == "isolated" {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let (status, r) = b
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"}))
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (503, &json!("node_isolated")),
+        "{r}"
+    );
+    let (status, r) = b.api(ALICE).post("/v1/sessions", json!({})).await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (503, &json!("node_isolated")),
+        "{r}"
+    );
+    within(30, "the cut-off node's session dead on the other", async {
+        loop {
+            let (status, s) = a.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            if status == 200 && s["state"] == "dead" {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+
+    relay.restore();
+    within(60, "the node to end its session and rejoin", async {
+        loop {
+            let (hs, _) = b.api(ALICE).get("/healthz").await;
+            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            if hs == 200 && status == 200 && s["state"] == "dead" {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
+    assert!(!list.to_string().contains(&id), "{list}");
+    let row = client
+        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some("node_lost")
+    );
+    // Both serve again: a new session through B, used through A.
+    let fresh = b.api(ALICE).create().await;
+    let x = a.api(ALICE).execute(&fresh, "1 + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
+    b.stop().await;
+    for n in nodes {
+        n.stop().await;
+    }
+}

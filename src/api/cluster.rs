@@ -134,19 +134,31 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let Some(cluster) = state.cluster.clone() else {
         return next.run(req).await;
     };
-    if let Some(v) = req.headers().get(NODE_HEADER) {
-        if cluster.is_node(v.as_bytes()) {
-            return next.run(req).await;
-        }
-        return ApiError::new(
-            StatusCode::FORBIDDEN,
-            "bad_node_key",
-            "this node-to-node request does not carry the cluster's key",
-        )
-        .into_response();
-    }
     let target = target(req.method(), req.uri().path());
-    if target == Target::Here || (target == Target::Sandbox && sandbox_is_here(&state, &req)) {
+    let from_node = match req.headers().get(NODE_HEADER) {
+        Some(v) if cluster.is_node(v.as_bytes()) => true,
+        Some(_) => {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                "bad_node_key",
+                "this node-to-node request does not carry the cluster's key",
+            )
+            .into_response()
+        }
+        None => false,
+    };
+    if target != Target::Here && cluster.is_isolated() {
+        return refuse(
+            req.uri().path().starts_with("/e2b/"),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "node_isolated",
+            "this node cannot reach the cluster's database: it serves no session until it can (try another node)",
+        );
+    }
+    if from_node
+        || target == Target::Here
+        || (target == Target::Sandbox && sandbox_is_here(&state, &req))
+    {
         return next.run(req).await;
     }
     let Some((caller, sandbox)) = routed(&state, &req, &target) else {
@@ -181,7 +193,15 @@ async fn session(
     ) {
         return next.run(req).await;
     }
-    let owner = match cluster.owner_cached(id) {
+    let cached = match cluster.owner_cached(id) {
+        Some(url) if cluster.is_live(&url).await => Some(url),
+        Some(_) => {
+            cluster.forget_owner(id);
+            None
+        }
+        None => None,
+    };
+    let owner = match cached {
         Some(url) => Some(url),
         None => find_owner(cluster, id, &caller.user).await,
     };
@@ -340,28 +360,56 @@ fn credentials(user: &User) -> Option<axum::http::HeaderMap> {
 /// Asks every peer whether it holds session `id` of the caller; the URL of the one that does.
 async fn find_owner(cluster: &Cluster, id: Uuid, user: &User) -> Option<String> {
     let creds = credentials(user)?;
-    let peers = cluster.peers().await;
-    let asks = peers.into_iter().map(|peer| {
-        let creds = creds.clone();
-        async move {
+    let mut peers = cluster.peers().await;
+    loop {
+        if let Some(url) = ask_peers(cluster, id, &creds, &peers).await {
+            cluster.remember_owner(id, url.clone());
+            return Some(url);
+        }
+        // The list of peers may be a moment old: a node that joined since is asked too.
+        let fresh = cluster.fresh_peers().await;
+        if fresh.iter().all(|p| peers.iter().any(|q| q.url == p.url)) {
+            return None;
+        }
+        peers = fresh
+            .into_iter()
+            .filter(|p| !peers.iter().any(|q| q.url == p.url))
+            .collect();
+    }
+}
+
+/// How long a peer has to say whether it holds a session.
+const PROBE_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The first of `peers` to say it holds session `id` (each asked at once; one that does
+/// not answer within [`PROBE_TIME`] does not hold up the answer longer).
+async fn ask_peers(
+    cluster: &Cluster,
+    id: Uuid,
+    creds: &axum::http::HeaderMap,
+    peers: &[crate::cluster::Peer],
+) -> Option<String> {
+    let mut asks: futures::stream::FuturesUnordered<_> = peers
+        .iter()
+        .map(|peer| async move {
             let mut probe = axum::http::Request::get(format!("/v1/sessions/{id}"))
                 .body(Body::empty())
                 .ok()?;
-            *probe.headers_mut() = creds;
-            let resp = cluster.send(&peer.url, probe).await.ok()?;
+            *probe.headers_mut() = creds.clone();
+            let resp = tokio::time::timeout(PROBE_TIME, cluster.send(&peer.url, probe))
+                .await
+                .ok()?
+                .ok()?;
             // 410: it held the session, which expired there; it says so best.
-            matches!(resp.status(), StatusCode::OK | StatusCode::GONE).then_some(peer.url)
+            matches!(resp.status(), StatusCode::OK | StatusCode::GONE).then(|| peer.url.clone())
+        })
+        .collect();
+    while let Some(answer) = asks.next().await {
+        if answer.is_some() {
+            return answer;
         }
-    });
-    let found = futures::future::join_all(asks)
-        .await
-        .into_iter()
-        .flatten()
-        .next();
-    if let Some(url) = &found {
-        cluster.remember_owner(id, url.clone());
     }
-    found
+    None
 }
 
 /// Hop-by-hop headers: of one connection, not forwarded (but kept for a WebSocket's upgrade).
@@ -394,7 +442,15 @@ async fn forward(
     if !upgrade {
         req.headers_mut().remove(header::CONNECTION);
     }
-    let mut resp = match cluster.send(url, req).await {
+    // A node that stalls (paused, cut off) would hold the request for as long as it
+    // stalls: once it is no longer a live node, the request is given up.
+    let answered = tokio::select! {
+        r = cluster.send(url, req) => r,
+        () = cluster.until_gone(url) => Err(crate::cluster::ClusterError::Other(
+            "it stopped renewing its lease while the request waited".into(),
+        )),
+    };
+    let mut resp = match answered {
         Ok(r) => r,
         Err(e) => {
             let what = match id {

@@ -32,28 +32,33 @@ struct HealthJson {
     /// The sandbox backend (`local` or `docker`).
     sandbox: String,
     sessions: usize,
-    /// `ok`, or `draining` (cluster mode: this node takes no new sessions; 503).
+    /// `ok`; in cluster mode `draining` (this node takes no new sessions; 503) or
+    /// `isolated` (it cannot reach the cluster's database and serves no session; 503).
     status: &'static str,
 }
 
 /// Liveness (no token)
 #[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
     responses((status = 200, description = "ok", body = HealthJson),
-        (status = 503, description = "draining (cluster mode): no new sessions here", body = HealthJson)))]
+        (status = 503, description = "cluster mode: draining (no new sessions here) or isolated (cannot reach the cluster's database)", body = HealthJson)))]
 async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
     let sessions = state.registry.all().len();
-    let draining = state.cluster.as_ref().is_some_and(|c| c.is_draining());
+    let status = match &state.cluster {
+        Some(c) if c.is_isolated() => "isolated",
+        Some(c) if c.is_draining() => "draining",
+        _ => "ok",
+    };
     (
-        if draining {
-            StatusCode::SERVICE_UNAVAILABLE
-        } else {
+        if status == "ok" {
             StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
         },
         Json(HealthJson {
             pooled_kernels: state.registry.pooled(),
             sandbox: state.registry.sandbox().name().to_string(),
             sessions,
-            status: if draining { "draining" } else { "ok" },
+            status,
         }),
     )
 }

@@ -103,6 +103,18 @@ pub struct Cluster {
     memory_capacity: u64,
     /// Draining: no new sessions here (placement skips this node).
     draining: std::sync::atomic::AtomicBool,
+    /// The lease's health as this node sees it (see [`Cluster::is_isolated`]).
+    health: Mutex<Health>,
+    /// What ends this node's sessions when it learns it was declared lost.
+    on_lost:
+        std::sync::OnceLock<Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>>,
+}
+
+/// When this node last renewed its lease, and since when without a failure.
+struct Health {
+    renewed: Instant,
+    /// Since when every renewal succeeded (`None` right after a failure).
+    healthy_since: Option<Instant>,
 }
 
 /// Another live node.
@@ -110,6 +122,30 @@ pub struct Cluster {
 pub struct Peer {
     pub id: String,
     pub url: String,
+}
+
+/// Registers the node of `config` in `nodes`: live (a lease from now), not lost, not
+/// draining.
+async fn register(
+    client: &deadpool_postgres::Client,
+    config: &ClusterConfig,
+) -> Result<(), ClusterError> {
+    client
+        .execute(
+            "INSERT INTO nodes (id, advertise_url, started_at, lease_until)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,
+               started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until,
+               lost_at = NULL, draining = false",
+            &[
+                &config.node_id,
+                &config.advertise_url,
+                &now_micros(),
+                &(now_micros() + config.lease.as_micros() as i64),
+            ],
+        )
+        .await?;
+    Ok(())
 }
 
 fn now_micros() -> i64 {
@@ -141,21 +177,7 @@ impl Cluster {
             .query_one("SELECT key FROM cluster_key WHERE id = 1", &[])
             .await?
             .get(0);
-        client
-            .execute(
-                "INSERT INTO nodes (id, advertise_url, started_at, lease_until)
-                 VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,
-                   started_at = EXCLUDED.started_at, lease_until = EXCLUDED.lease_until,
-                   lost_at = NULL, draining = false",
-                &[
-                    &config.node_id,
-                    &config.advertise_url,
-                    &now_micros(),
-                    &(now_micros() + config.lease.as_micros() as i64),
-                ],
-            )
-            .await?;
+        register(&client, &config).await?;
         drop(client);
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
@@ -172,6 +194,11 @@ impl Cluster {
             http,
             owners: Mutex::new(HashMap::new()),
             peers: Mutex::new((Instant::now() - Duration::from_secs(60), Vec::new())),
+            health: Mutex::new(Health {
+                renewed: Instant::now(),
+                healthy_since: Some(Instant::now()),
+            }),
+            on_lost: std::sync::OnceLock::new(),
         });
         tracing::info!(node = %cluster.config.node_id, url = %cluster.config.advertise_url, "joined the cluster");
         let lease = cluster.config.lease;
@@ -181,15 +208,84 @@ impl Cluster {
             loop {
                 every.tick().await;
                 let Some(c) = renew.upgrade() else { return };
-                if let Err(e) = c.renew().await {
-                    tracing::warn!(error = %e, "cluster: could not renew this node's lease");
-                }
-                if let Err(e) = c.sweep_lost().await {
-                    tracing::warn!(error = %e, "cluster: could not look for lost nodes");
-                }
+                c.tend_lease().await;
             }
         });
         Ok(cluster)
+    }
+
+    /// One turn of the lease's upkeep: renew it; if this node was declared lost meanwhile
+    /// (it could not renew in time: paused, cut off from the database), end its sessions,
+    /// which the cluster already counts as dead, and join again; look for lost nodes, but
+    /// only after a whole lease of renewals without a failure, so that a node coming back
+    /// from an outage of the database (when every lease lapsed) does not declare the others
+    /// lost before they could renew.
+    async fn tend_lease(&self) {
+        match self.renew().await {
+            Ok(true) => {
+                let mut h = lock(&self.health);
+                h.renewed = Instant::now();
+                h.healthy_since.get_or_insert_with(Instant::now);
+            }
+            Ok(false) => {
+                tracing::error!(node = %self.config.node_id, "cluster: this node was declared lost (its lease lapsed); its sessions are dead: ending them, then joining again");
+                if let Some(end) = self.on_lost.get() {
+                    end().await;
+                }
+                lock(&self.owners).clear();
+                match self.register().await {
+                    Ok(()) => {
+                        let mut h = lock(&self.health);
+                        h.renewed = Instant::now();
+                        h.healthy_since = Some(Instant::now());
+                        tracing::info!(node = %self.config.node_id, "cluster: joined again");
+                    }
+                    Err(e) => {
+                        lock(&self.health).healthy_since = None;
+                        tracing::warn!(error = %e, "cluster: could not join again");
+                    }
+                }
+                return;
+            }
+            Err(e) => {
+                lock(&self.health).healthy_since = None;
+                tracing::warn!(error = %e, "cluster: could not renew this node's lease");
+                return;
+            }
+        }
+        let settled = lock(&self.health)
+            .healthy_since
+            .is_some_and(|t| t.elapsed() >= self.config.lease);
+        if settled {
+            if let Err(e) = self.sweep_lost().await {
+                tracing::warn!(error = %e, "cluster: could not look for lost nodes");
+            }
+        }
+    }
+
+    /// Registers this node (again): live, not lost, not draining.
+    async fn register(&self) -> Result<(), ClusterError> {
+        let c = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        register(&c, &self.config).await
+    }
+
+    /// What ends this node's sessions when it learns it was declared lost.
+    pub fn on_lost(
+        &self,
+        f: impl Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync + 'static,
+    ) {
+        let _ = self.on_lost.set(Box::new(f));
+    }
+
+    /// Whether this node could not renew its lease for longer than the lease: the others
+    /// may have declared it lost and its sessions dead, so it serves none of them (`503`)
+    /// until it renews again (and ends them if it was declared lost).
+    pub fn is_isolated(&self) -> bool {
+        lock(&self.health).renewed.elapsed() > self.config.lease
     }
 
     /// Whether `value` (of [`NODE_HEADER`]) is the cluster's key.
@@ -212,7 +308,7 @@ impl Cluster {
     pub async fn drain(&self) -> Result<(), ClusterError> {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
-        self.renew().await
+        self.renew().await.map(|_| ())
     }
 
     /// Where this node's load comes from (the registry).
@@ -224,30 +320,32 @@ impl Cluster {
         self.load.get().map(|f| f()).unwrap_or_default()
     }
 
-    async fn renew(&self) -> Result<(), ClusterError> {
+    /// Renews this node's lease (and reports its load); `false` if it was declared lost.
+    async fn renew(&self) -> Result<bool, ClusterError> {
         let c = self
             .pool
             .get()
             .await
             .map_err(|e| ClusterError::Other(e.to_string()))?;
         let load = self.load_now();
-        c.execute(
-            "UPDATE nodes SET lease_until = $2, advertise_url = $3, sessions = $4,
+        let n = c
+            .execute(
+                "UPDATE nodes SET lease_until = $2, advertise_url = $3, sessions = $4,
                memory_reserved = $5, memory_capacity = $6, session_capacity = $7, draining = $8
-             WHERE id = $1",
-            &[
-                &self.config.node_id,
-                &(now_micros() + self.config.lease.as_micros() as i64),
-                &self.config.advertise_url,
-                &(load.sessions as i64),
-                &(load.memory_reserved as i64),
-                &(self.memory_capacity as i64),
-                &(self.config.session_capacity as i64),
-                &self.is_draining(),
-            ],
-        )
-        .await?;
-        Ok(())
+             WHERE id = $1 AND lost_at IS NULL",
+                &[
+                    &self.config.node_id,
+                    &(now_micros() + self.config.lease.as_micros() as i64),
+                    &self.config.advertise_url,
+                    &(load.sessions as i64),
+                    &(load.memory_reserved as i64),
+                    &(self.memory_capacity as i64),
+                    &(self.config.session_capacity as i64),
+                    &self.is_draining(),
+                ],
+            )
+            .await?;
+        Ok(n == 1)
     }
 
     /// The node a new session goes to: the live node with the most headroom (this one's
@@ -353,6 +451,28 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// Whether the node at `url` is a live peer.
+    pub async fn is_live(&self, url: &str) -> bool {
+        self.peers().await.iter().any(|p| p.url == url)
+    }
+
+    /// Resolves once the node at `url` is no longer a live peer (checked every third of the
+    /// lease).
+    pub async fn until_gone(&self, url: &str) {
+        loop {
+            tokio::time::sleep(self.config.lease / 3).await;
+            if !self.is_live(url).await {
+                return;
+            }
+        }
+    }
+
+    /// The other live nodes, read from the database now.
+    pub async fn fresh_peers(&self) -> Vec<Peer> {
+        lock(&self.peers).0 = Instant::now() - Duration::from_secs(60);
+        self.peers().await
     }
 
     /// The other live nodes (leases not lapsed).

@@ -308,7 +308,8 @@ impl WriteDb for PgDb {
             "INSERT INTO events (sid, seq, time, direction, channel, msg_type, msg_id,
                parent_msg_id, header, parent_header, parent_seq, metadata, content, kind,
                has_blobs, buffers)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+             ON CONFLICT (sid, seq) DO NOTHING",
             vec![
                 Box::new(r.sid),
                 Box::new(r.seq),
@@ -351,7 +352,10 @@ impl WriteDb for PgDb {
         self.later(
             "UPDATE sessions SET events = events + $2, cells = cells + $3,
                last_event_at = greatest(coalesce(last_event_at, 0), $4),
-               ended_at = coalesce($5, ended_at), end_reason = coalesce($6, end_reason)
+               ended_at = CASE WHEN end_reason = 'node_lost' THEN ended_at
+                               ELSE coalesce($5, ended_at) END,
+               end_reason = CASE WHEN end_reason = 'node_lost' THEN end_reason
+                                 ELSE coalesce($6, end_reason) END
              WHERE sid = $1",
             vec![
                 Box::new(sid),
