@@ -250,6 +250,18 @@ pub async fn serve(
                 }
             });
             let r = registry.clone();
+            cluster.set_listed(move || {
+                r.all()
+                    .iter()
+                    .map(|s| crate::cluster::Listed {
+                        id: s.id,
+                        user: s.user.name.clone(),
+                        kernel: s.kernel_name.clone(),
+                        created_at: s.created_at.timestamp_micros(),
+                    })
+                    .collect()
+            });
+            let r = registry.clone();
             cluster.on_lost(move || {
                 let r = r.clone();
                 Box::pin(async move {

@@ -933,3 +933,124 @@ async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
         n.stop().await;
     }
 }
+
+/// The session directory in PostgreSQL: each node lists the sessions it holds (and takes
+/// off the ones that ended) at every renewal; the sessions of a lost node are marked so,
+/// and answered dead from it even with recording off (no recording to tell).
+#[tokio::test]
+async fn the_session_directory_knows_each_sessions_node_and_its_loss() {
+    let (mut nodes, url) = cluster_on(2, &["--node-lease", "2", "--record", "false"]).await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let ids: Vec<String> = (0..2)
+        .map(|i| std::fs::read_to_string(nodes[i].data_dir().join("node-id")).unwrap())
+        .map(|s| s.trim().to_string())
+        .collect();
+    let on_a = nodes[0].api(ALICE).create().await;
+    let on_b = nodes[1].api(ALICE).create().await;
+    let gone = nodes[1].api(ALICE).create().await;
+    let listed = |id: String| {
+        let client = &client;
+        async move {
+            client
+                .query_opt(
+                    "SELECT node, user_name, lost_at FROM cluster_sessions WHERE id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .map(|r| {
+                    (
+                        r.get::<_, String>(0),
+                        r.get::<_, String>(1),
+                        r.get::<_, Option<i64>>(2),
+                    )
+                })
+        }
+    };
+    within(30, "the directory to list the sessions", async {
+        loop {
+            let (a, b, g) = (
+                listed(on_a.clone()).await,
+                listed(on_b.clone()).await,
+                listed(gone.clone()).await,
+            );
+            if let (Some(a), Some(b), Some(_)) = (a, b, g) {
+                assert_eq!(a, (ids[0].clone(), "alice".to_string(), None));
+                assert_eq!(b, (ids[1].clone(), "alice".to_string(), None));
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    // Deleted: off the directory at the next renewal.
+    let (status, _) = nodes[0]
+        .api(ALICE)
+        .delete(&format!("/v1/sessions/{gone}"))
+        .await;
+    assert_eq!(status, 204);
+    within(30, "the deleted session off the directory", async {
+        while listed(gone.clone()).await.is_some() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    // Served through the other node as found in the directory.
+    let x = nodes[0].api(ALICE).execute(&on_b, "y = 2").await;
+    assert_eq!(x["status"], "ok", "{x}");
+
+    nodes[1].halt(Stop::Kill).await;
+    let s = within(
+        30,
+        "the lost node's session dead, with no recording",
+        async {
+            loop {
+                let (status, s) = nodes[0]
+                    .api(ALICE)
+                    .get(&format!("/v1/sessions/{on_b}"))
+                    .await;
+                if status == 200 && s["state"] == "dead" {
+                    return s;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        },
+    )
+    .await;
+    assert!(
+        s["dead_reason"].as_str().unwrap().starts_with("node lost"),
+        "{s}"
+    );
+    assert_eq!(s["kernel"], "python3", "{s}");
+    assert!(listed(on_b.clone()).await.unwrap().2.is_some());
+    let (status, r) = nodes[0]
+        .api(ALICE)
+        .post(
+            &format!("/v1/sessions/{on_b}/execute"),
+            json!({"code": "y"}),
+        )
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (410, &json!("node_lost")),
+        "{r}"
+    );
+    let (status, _) = nodes[0].api(BOB).get(&format!("/v1/sessions/{on_b}")).await;
+    assert_eq!(status, 404, "not bob's");
+    // The survivor's own session goes on.
+    let x = nodes[0].api(ALICE).execute(&on_a, "1 + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
+    // The lost node restarts in place: its lost sessions stay lost.
+    nodes[1].resume();
+    let (status, s) = nodes[1]
+        .api(ALICE)
+        .get(&format!("/v1/sessions/{on_b}"))
+        .await;
+    assert_eq!((status, &s["state"]), (200, &json!("dead")), "{s}");
+    for n in nodes {
+        n.stop().await;
+    }
+}

@@ -26,7 +26,7 @@ use super::e2b::{access_token, E2bError, TokenKind};
 use super::error::ApiError;
 use super::shapes::{iso, SessionJson, SessionStateJson};
 use super::AppState;
-use crate::cluster::{Cluster, NODE_HEADER};
+use crate::cluster::{Cluster, Directory, NODE_HEADER};
 use crate::session::SessionError;
 
 /// What a request is, for routing.
@@ -201,9 +201,25 @@ async fn session(
         }
         None => None,
     };
-    let owner = match cached {
-        Some(url) => Some(url),
-        None => find_owner(cluster, id, &caller.user).await,
+    // The session directory first; the peers themselves for a session made since its
+    // node last wrote the directory (or when the database does not answer).
+    let listed = match cached {
+        Some(url) => Directory::At(url),
+        None => cluster
+            .directory(id, &caller.user.name)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cluster: the session directory did not answer");
+                Directory::Unknown
+            }),
+    };
+    let owner = match &listed {
+        Directory::At(url) => {
+            cluster.remember_owner(id, url.clone());
+            Some(url.clone())
+        }
+        Directory::Lost { .. } => None,
+        Directory::Unknown => find_owner(cluster, id, &caller.user).await,
     };
     if let Some(url) = owner {
         return forward(state, cluster, Some(id), &url, caller.e2b, req).await;
@@ -214,10 +230,29 @@ async fn session(
     }
     let get_whole = req.method() == Method::GET
         && req.uri().path().trim_end_matches('/') == format!("/v1/sessions/{id}");
-    match lost_session(state, &caller.user.name, id, get_whole).await {
-        Some(answer) => answer,
-        None => next.run(req).await,
+    if let Some(answer) = lost_session(state, &caller.user.name, id, get_whole).await {
+        return answer;
     }
+    match listed {
+        Directory::Lost {
+            kernel,
+            created_at,
+            lost_at,
+        } => lost_answer(
+            id,
+            &caller.user.name,
+            kernel,
+            micros(created_at),
+            micros(lost_at),
+            0,
+            get_whole,
+        ),
+        _ => next.run(req).await,
+    }
+}
+
+fn micros(t: i64) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp_micros(t).unwrap_or_default()
 }
 
 /// Whether the sandbox an E2B in-sandbox request names is held here (its handler then
@@ -310,39 +345,59 @@ pub fn mcp_local_id<'a>(node: &str, wire: &'a str) -> &'a str {
 pub const NODE_LOST: &str =
     "node lost: the node that held this session stopped renewing its lease; its kernel is gone with it (the recording stays readable)";
 
-/// A session of the caller's that no live node holds, whose node was lost: `GET` shows it
-/// `dead` with the reason; anything else it is asked is answered `410 node_lost`.
+/// A session of the caller's that no live node holds, whose node was lost, as its recording
+/// tells: see [`lost_answer`].
 async fn lost_session(state: &AppState, user: &str, id: Uuid, get_whole: bool) -> Option<Response> {
     let info = state.recording.as_ref()?.info(id).await.ok()??;
     if info.user != user || info.end_reason.as_deref() != Some("node_lost") {
         return None;
     }
+    let at = info.last_event_at.unwrap_or(info.created_at);
+    Some(lost_answer(
+        id,
+        &info.user,
+        info.kernel,
+        info.created_at,
+        at,
+        info.cells,
+        get_whole,
+    ))
+}
+
+/// The answer about a session of a lost node: `GET` shows it `dead` with the reason;
+/// anything else it is asked is answered `410 node_lost`.
+fn lost_answer(
+    id: Uuid,
+    user: &str,
+    kernel: String,
+    created_at: chrono::DateTime<chrono::Utc>,
+    last_activity: chrono::DateTime<chrono::Utc>,
+    cells: u64,
+    get_whole: bool,
+) -> Response {
     if get_whole {
-        let at = info.last_event_at.unwrap_or(info.created_at);
         let json = SessionJson {
             id,
-            user: info.user,
-            kernel: info.kernel,
+            user: user.to_string(),
+            kernel,
             state: SessionStateJson::Dead,
-            created_at: iso(info.created_at),
-            last_activity: iso(at),
+            created_at: iso(created_at),
+            last_activity: iso(last_activity),
             expires_at: None,
-            execution_count: info.cells,
+            execution_count: cells,
             connections: 0,
             memory_limit_bytes: 0,
             memory_used_bytes: None,
             dead_reason: Some(NODE_LOST.into()),
         };
-        return Some(axum::Json(json).into_response());
+        return axum::Json(json).into_response();
     }
-    Some(
-        ApiError::new(
-            StatusCode::GONE,
-            "node_lost",
-            format!("session {id}: {NODE_LOST}"),
-        )
-        .into_response(),
+    ApiError::new(
+        StatusCode::GONE,
+        "node_lost",
+        format!("session {id}: {NODE_LOST}"),
     )
+    .into_response()
 }
 
 /// The caller's credentials on a request of this node's own to a peer: the broker's token,

@@ -2,9 +2,10 @@
 //! database serve each other's sessions. Each node registers itself in `nodes` (its id, the
 //! URL the others reach it at) and renews a lease there; the live nodes are its peers. A
 //! request for a session this node does not hold is forwarded, whole (streaming bodies and
-//! WebSockets included), to the peer that holds it (`crate::api::cluster`); which peer that
-//! is, a node asks the peers themselves, once per session (the answer is cached): the
-//! session's own node is the only truth about it, so nothing has to be kept in step.
+//! WebSockets included), to the peer that holds it (`crate::api::cluster`). Which peer that
+//! is, the session directory says (`cluster_sessions`: each node lists the sessions it holds
+//! at every renewal, and a lost node's are marked lost); for a session made since its node
+//! last wrote the directory, the node asks the peers themselves. Answers are cached.
 //!
 //! Node-to-node requests carry the cluster's key (made by the first node, kept in the
 //! database: only a node that can read the database knows it) in
@@ -105,6 +106,8 @@ pub struct Cluster {
     draining: std::sync::atomic::AtomicBool,
     /// The lease's health as this node sees it (see [`Cluster::is_isolated`]).
     health: Mutex<Health>,
+    /// This node's sessions now, for the session directory (set once the registry exists).
+    listed: std::sync::OnceLock<Box<dyn Fn() -> Vec<Listed> + Send + Sync>>,
     /// What ends this node's sessions when it learns it was declared lost.
     on_lost:
         std::sync::OnceLock<Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>>,
@@ -115,6 +118,32 @@ struct Health {
     renewed: Instant,
     /// Since when every renewal succeeded (`None` right after a failure).
     healthy_since: Option<Instant>,
+}
+
+/// A session of this node, as the session directory lists it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    pub id: Uuid,
+    pub user: String,
+    pub kernel: String,
+    /// Microseconds since the epoch.
+    pub created_at: i64,
+}
+
+/// What the session directory says of a session of a user's.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Directory {
+    /// Held by the live peer at this URL.
+    At(String),
+    /// Held by a node that was lost: dead.
+    Lost {
+        kernel: String,
+        created_at: i64,
+        lost_at: i64,
+    },
+    /// Not listed (not the user's, unknown, ended, or made since its node last wrote the
+    /// directory; or held here).
+    Unknown,
 }
 
 /// Another live node.
@@ -199,6 +228,7 @@ impl Cluster {
                 healthy_since: Some(Instant::now()),
             }),
             on_lost: std::sync::OnceLock::new(),
+            listed: std::sync::OnceLock::new(),
         });
         tracing::info!(node = %cluster.config.node_id, url = %cluster.config.advertise_url, "joined the cluster");
         let lease = cluster.config.lease;
@@ -253,6 +283,9 @@ impl Cluster {
                 return;
             }
         }
+        if let Err(e) = self.write_directory().await {
+            tracing::warn!(error = %e, "cluster: could not write this node's sessions to the directory");
+        }
         let settled = lock(&self.health)
             .healthy_since
             .is_some_and(|t| t.elapsed() >= self.config.lease);
@@ -261,6 +294,97 @@ impl Cluster {
                 tracing::warn!(error = %e, "cluster: could not look for lost nodes");
             }
         }
+    }
+
+    /// Where this node's sessions come from (the registry), for the session directory.
+    pub fn set_listed(&self, f: impl Fn() -> Vec<Listed> + Send + Sync + 'static) {
+        let _ = self.listed.set(Box::new(f));
+    }
+
+    /// Writes this node's sessions to the directory: the ones it holds now are listed
+    /// (under this node), the ones that ended are removed. Nothing is written once this
+    /// node was declared lost (its sessions stay listed as lost).
+    async fn write_directory(&self) -> Result<(), ClusterError> {
+        let sessions = self.listed.get().map(|f| f()).unwrap_or_default();
+        let ids: Vec<String> = sessions.iter().map(|s| s.id.to_string()).collect();
+        let users: Vec<String> = sessions.iter().map(|s| s.user.clone()).collect();
+        let kernels: Vec<String> = sessions.iter().map(|s| s.kernel.clone()).collect();
+        let created: Vec<i64> = sessions.iter().map(|s| s.created_at).collect();
+        let mut c = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let tx = c.transaction().await?;
+        let live = tx
+            .query_opt(
+                "SELECT 1 FROM nodes WHERE id = $1 AND lost_at IS NULL FOR SHARE",
+                &[&self.config.node_id],
+            )
+            .await?;
+        if live.is_none() {
+            return Ok(());
+        }
+        tx.execute(
+            "DELETE FROM cluster_sessions
+             WHERE node = $1 AND lost_at IS NULL AND NOT (id = ANY($2))",
+            &[&self.config.node_id, &ids],
+        )
+        .await?;
+        tx.execute(
+            "INSERT INTO cluster_sessions (id, node, user_name, kernel, created_at, seen_at)
+             SELECT u.id, $1, u.user_name, u.kernel, u.created_at, $6
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::int8[])
+               AS u(id, user_name, kernel, created_at)
+             ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, seen_at = EXCLUDED.seen_at,
+               lost_at = NULL",
+            &[
+                &self.config.node_id,
+                &ids,
+                &users,
+                &kernels,
+                &created,
+                &now_micros(),
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// What the session directory says of session `id` of `user`.
+    pub async fn directory(&self, id: Uuid, user: &str) -> Result<Directory, ClusterError> {
+        let c = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let row = c
+            .query_opt(
+                "SELECT s.kernel, s.created_at, s.lost_at, n.advertise_url,
+                   n.lease_until > $3 AND n.lost_at IS NULL AND n.id <> $4
+                 FROM cluster_sessions s LEFT JOIN nodes n ON n.id = s.node
+                 WHERE s.id = $1 AND s.user_name = $2",
+                &[&id.to_string(), &user, &now_micros(), &self.config.node_id],
+            )
+            .await?;
+        let Some(row) = row else {
+            return Ok(Directory::Unknown);
+        };
+        let lost_at: Option<i64> = row.get(2);
+        if let Some(lost_at) = lost_at {
+            return Ok(Directory::Lost {
+                kernel: row.get(0),
+                created_at: row.get(1),
+                lost_at,
+            });
+        }
+        let url: Option<String> = row.get(3);
+        let live: Option<bool> = row.get(4);
+        Ok(match (url, live) {
+            (Some(url), Some(true)) => Directory::At(url),
+            _ => Directory::Unknown,
+        })
     }
 
     /// Registers this node (again): live, not lost, not draining.
@@ -439,8 +563,24 @@ impl Cluster {
                 &[&now, &self.config.node_id],
             )
             .await?;
+        // The directory keeps a lost node's sessions (answered dead) for a week.
+        const KEEP_LOST: i64 = 7 * 24 * 3600 * 1_000_000;
+        c.execute(
+            "DELETE FROM cluster_sessions WHERE lost_at < $1",
+            &[&(now - KEEP_LOST)],
+        )
+        .await?;
         for row in lost {
             let node: String = row.get(0);
+            if let Err(e) = c
+                .execute(
+                    "UPDATE cluster_sessions SET lost_at = $2 WHERE node = $1 AND lost_at IS NULL",
+                    &[&node, &now],
+                )
+                .await
+            {
+                tracing::error!(node = %node, error = %e, "cluster: could not mark a lost node's sessions in the directory");
+            }
             match crate::recording::close_lost_node(&c, &node).await {
                 Ok(n) => {
                     tracing::warn!(node = %node, sessions = n, "cluster: a node was lost (its lease lapsed); its sessions are dead")

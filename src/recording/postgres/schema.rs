@@ -90,6 +90,20 @@ CREATE TABLE cluster_key (
     key TEXT NOT NULL
 );
 "#,
+    // 3: cluster mode's session directory: which node holds each session, written by the
+    // node (at every lease renewal); the sessions of a lost node are marked so.
+    r#"
+CREATE TABLE cluster_sessions (
+    id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    seen_at BIGINT NOT NULL,
+    lost_at BIGINT
+);
+CREATE INDEX cluster_sessions_by_node ON cluster_sessions (node);
+"#,
 ];
 
 /// The version this broker writes.
