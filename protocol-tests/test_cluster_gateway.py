@@ -14,7 +14,7 @@ import pytest
 
 from cluster_nodes import database, holder, node, node_id, pg_server, sql  # noqa: F401 (fixtures)
 from conftest import ALICE, BOB, wait_for
-from test_gateway import JupyterServer
+from test_gateway import JupyterServer, clients  # noqa: F401 (a fixture)
 from test_jupyter_client import parent_id
 
 def listed(broker, path, token=ALICE):
@@ -100,18 +100,6 @@ def jupyter(cluster):
     yield js
     js.stop()
 
-
-@pytest.fixture
-def clients():
-    opened = []
-
-    def track(c):
-        opened.append(c)
-        return c
-
-    yield track
-    for c in opened:
-        c.close()
 
 
 # ---------------------------------------------------------------------------------------

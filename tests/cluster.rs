@@ -81,6 +81,56 @@ async fn ws_open(addr: SocketAddr, id: &str, token: &str) -> Ws {
     ws
 }
 
+/// Waits (at most 30 s) until `node` answers session `id` as dead; its JSON.
+async fn until_dead(node: &SpawnedBroker, id: &str, what: &str) -> Value {
+    within(30, what, async {
+        loop {
+            let (status, s) = node.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            if status == 200 && s["state"] == "dead" {
+                return s;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await
+}
+
+/// Waits (at most `secs`) until `node` answers `/healthz` 200 and session `id` as dead: it
+/// ended the session and joined again.
+async fn until_rejoined_with_dead(node: &SpawnedBroker, id: &str, secs: u64) {
+    within(secs, "the node to end its session and rejoin", async {
+        loop {
+            let (hs, _) = node.api(ALICE).get("/healthz").await;
+            let (st, s) = node.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+            if hs == 200 && st == 200 && s["state"] == "dead" {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await
+}
+
+/// Session `id` was ended on `node` with the loss of its node: anything but `GET` answers
+/// `410 node_lost`, it is not listed, and its recording ends with `node_lost`.
+async fn assert_ended_as_lost(node: &SpawnedBroker, client: &tokio_postgres::Client, id: &str) {
+    let (status, r) = node
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"}))
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (410, &json!("node_lost")),
+        "{r}"
+    );
+    let (_, list) = node.api(ALICE).get("/v1/sessions").await;
+    assert!(!list.to_string().contains(id), "{list}");
+    assert_eq!(
+        pg_end_reason(client, id).await.as_deref(),
+        Some("node_lost")
+    );
+}
+
 #[tokio::test]
 async fn any_node_serves_any_session() {
     let nodes = cluster(3).await;
@@ -245,16 +295,7 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
     let killed = std::time::Instant::now();
 
     let (b, c) = (&nodes[1], &nodes[2]);
-    let s = within(30, "the lost node's session dead", async {
-        loop {
-            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{lost}")).await;
-            if status == 200 && s["state"] == "dead" {
-                return s;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    let s = until_dead(b, &lost, "the lost node's session dead").await;
     // The lease (2 s) and one sweep (a third of it) on top, with room for a busy machine.
     assert!(
         killed.elapsed() < std::time::Duration::from_secs(20),
@@ -721,16 +762,7 @@ async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
     assert_eq!(x["status"], "ok", "{x}");
 
     b.signal(libc::SIGSTOP);
-    let s = within(30, "the paused node's session dead", async {
-        loop {
-            let (status, s) = a.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
-            if status == 200 && s["state"] == "dead" {
-                return s;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    let s = until_dead(a, &id, "the paused node's session dead").await;
     assert!(
         s["dead_reason"].as_str().unwrap().starts_with("node lost"),
         "{s}"
@@ -739,36 +771,8 @@ async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
 
     // B learns it was lost at its next renewal: the session ends there too, and B is a
     // live node again.
-    within(30, "the paused node to end its session and rejoin", async {
-        loop {
-            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
-            let (hs, _) = b.api(ALICE).get("/healthz").await;
-            if status == 200 && s["state"] == "dead" && hs == 200 {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
-    let (status, r) = b
-        .api(ALICE)
-        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "x"}))
-        .await;
-    assert_eq!(
-        (status, &r["error"]["code"]),
-        (410, &json!("node_lost")),
-        "{r}"
-    );
-    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
-    assert!(!list.to_string().contains(&id), "{list}");
-    let row = client
-        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
-        .await
-        .unwrap();
-    assert_eq!(
-        row.get::<_, Option<String>>(0).as_deref(),
-        Some("node_lost")
-    );
+    until_rejoined_with_dead(b, &id, 30).await;
+    assert_ended_as_lost(b, &client, &id).await;
 
     // B takes sessions again, and its recordings go on.
     let fresh = within(30, "a session made on B again", async {
@@ -891,39 +895,11 @@ async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
         (503, &json!("node_isolated")),
         "{r}"
     );
-    within(30, "the cut-off node's session dead on the other", async {
-        loop {
-            let (status, s) = a.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
-            if status == 200 && s["state"] == "dead" {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    until_dead(a, &id, "the cut-off node's session dead on the other").await;
 
     relay.restore();
-    within(60, "the node to end its session and rejoin", async {
-        loop {
-            let (hs, _) = b.api(ALICE).get("/healthz").await;
-            let (status, s) = b.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
-            if hs == 200 && status == 200 && s["state"] == "dead" {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
-    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
-    assert!(!list.to_string().contains(&id), "{list}");
-    let row = client
-        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
-        .await
-        .unwrap();
-    assert_eq!(
-        row.get::<_, Option<String>>(0).as_deref(),
-        Some("node_lost")
-    );
+    until_rejoined_with_dead(&b, &id, 60).await;
+    assert_ended_as_lost(&b, &client, &id).await;
     // Both serve again: a new session through B, used through A.
     let fresh = b.api(ALICE).create().await;
     let x = a.api(ALICE).execute(&fresh, "1 + 1").await;
@@ -1003,21 +979,10 @@ async fn the_session_directory_knows_each_sessions_node_and_its_loss() {
     assert_eq!(x["status"], "ok", "{x}");
 
     nodes[1].halt(Stop::Kill).await;
-    let s = within(
-        30,
+    let s = until_dead(
+        &nodes[0],
+        &on_b,
         "the lost node's session dead, with no recording",
-        async {
-            loop {
-                let (status, s) = nodes[0]
-                    .api(ALICE)
-                    .get(&format!("/v1/sessions/{on_b}"))
-                    .await;
-                if status == 200 && s["state"] == "dead" {
-                    return s;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            }
-        },
     )
     .await;
     assert!(

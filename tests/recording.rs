@@ -631,12 +631,8 @@ async fn recordings_in_postgres_outlive_a_killed_broker() {
     })
     .await;
     assert!(evs.iter().any(|e| e["msg_type"] == "display_data"));
-    let row = client
-        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
-        .await
-        .unwrap();
     assert_eq!(
-        row.get::<_, Option<String>>(0).as_deref(),
+        pg_end_reason(&client, &id).await.as_deref(),
         Some("broker_stopped")
     );
     broker.stop().await;

@@ -426,3 +426,12 @@ macro_rules! on_both_backends {
         }
     };
 }
+
+/// How the recording of session `id` ended, as its row in PostgreSQL says.
+pub async fn pg_end_reason(client: &tokio_postgres::Client, id: &str) -> Option<String> {
+    client
+        .query_one("SELECT end_reason FROM sessions WHERE id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0)
+}
