@@ -81,6 +81,15 @@ async fn ws_open(addr: SocketAddr, id: &str, token: &str) -> Ws {
     ws
 }
 
+/// A connection to database `url`, for the test's own queries.
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
 /// Waits (at most 30 s) until `node` answers session `id` as dead; its JSON.
 async fn until_dead(node: &SpawnedBroker, id: &str, what: &str) -> Value {
     within(30, what, async {
@@ -361,10 +370,7 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
 #[tokio::test]
 async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
     let (nodes, url) = cluster_on(3, &["--node-lease", "3", "--max-sessions-per-user", "4"]).await;
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let mut ids = Vec::new();
     for i in 1..=3i64 {
         ids.push(nodes[0].api(ALICE).create().await);
@@ -431,10 +437,7 @@ async fn forward_cost() {
     let (nodes, url) = cluster_on(2, &[]).await;
     let id = nodes[0].api(ALICE).create().await;
     // Where it landed: its recording names the node.
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let node = recorded_node(&client, &id).await;
     let owner = nodes
         .iter()
@@ -473,10 +476,7 @@ async fn forward_cost() {
 #[tokio::test]
 async fn a_drained_node_takes_no_new_sessions_and_stops_when_its_sessions_end() {
     let (mut nodes, url) = cluster_on(2, &["--node-lease", "3"]).await;
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let ids: Vec<String> = nodes
         .iter()
         .map(|n| {
@@ -752,10 +752,7 @@ async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
     let (nodes, url) = cluster_on(2, &["--node-lease", "2"]).await;
     let (a, b) = (&nodes[0], &nodes[1]);
     let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let id = b.api(ALICE).create().await;
     assert_eq!(recorded_node(&client, &id).await, b_id.trim());
     let x = a.api(ALICE).execute(&id, "x = 'on b'").await;
@@ -860,10 +857,7 @@ async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
     let relay = Cuttable::new(&url).await;
     let b = node(&relay.url, &["--node-lease", "2"]);
     let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let id = b.api(ALICE).create().await;
     assert_eq!(recorded_node(&client, &id).await, b_id.trim());
     let x = a.api(ALICE).execute(&id, "x = 'on b'").await;
@@ -916,10 +910,7 @@ async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
 #[tokio::test]
 async fn the_session_directory_knows_each_sessions_node_and_its_loss() {
     let (mut nodes, url) = cluster_on(2, &["--node-lease", "2", "--record", "false"]).await;
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = connect(&url).await;
     let ids: Vec<String> = (0..2)
         .map(|i| std::fs::read_to_string(nodes[i].data_dir().join("node-id")).unwrap())
         .map(|s| s.trim().to_string())
