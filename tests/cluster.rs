@@ -369,38 +369,25 @@ async fn a_lost_nodes_sessions_turn_dead_and_the_rest_go_on() {
 /// session quota counts every node's sessions.
 #[tokio::test]
 async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
-    let (nodes, url) = cluster_on(3, &["--node-lease", "3", "--max-sessions-per-user", "4"]).await;
+    // A long lease: no renewal reports the nodes' load during the burst below.
+    let (nodes, url) = cluster_on(3, &["--node-lease", "60", "--max-sessions-per-user", "4"]).await;
     let client = connect(&url).await;
+    // A burst asked of one node: each placement is counted in the nodes table at once, so
+    // the next one sees it before any renewal could.
     let mut ids = Vec::new();
-    for i in 1..=3i64 {
+    for _ in 0..3 {
         ids.push(nodes[0].api(ALICE).create().await);
-        // Placement weighs the others' load as their renewals (every second here) report it.
-        within(30, "the load reported", async {
-            loop {
-                let n: i64 = client
-                    .query_one("SELECT sum(sessions)::bigint FROM nodes", &[])
-                    .await
-                    .unwrap()
-                    .get(0);
-                if n == i {
-                    return;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            }
-        })
-        .await;
     }
-    let per_node: Vec<i64> = client
-        .query("SELECT sessions FROM nodes ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let mut held = Vec::new();
+    for id in &ids {
+        held.push(recorded_node(&client, id).await);
+    }
+    held.sort();
+    held.dedup();
     assert_eq!(
-        per_node,
-        [1, 1, 1],
-        "three sessions asked of one node, one on each"
+        held.len(),
+        3,
+        "three sessions asked of one node at once, one on each: {held:?}"
     );
 
     // The quota (4) holds across the nodes: none of them has more than two.

@@ -678,7 +678,7 @@ async fn create(
             ApiError::from(e).into_response()
         };
     }
-    let resp = match cluster.place().await {
+    let resp = match cluster.place(user.limits.session_memory_bytes).await {
         Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,
         None if cluster.is_draining() => refuse(
             caller.e2b,

@@ -475,7 +475,7 @@ impl Cluster {
     /// The node a new session goes to: the live node with the most headroom (this one's
     /// load counted now, the others' as of their last renewal); `None` when it is this one
     /// (a draining node places every session elsewhere, or nowhere: `None` then too).
-    pub async fn place(&self) -> Option<Peer> {
+    pub async fn place(&self, memory: u64) -> Option<Peer> {
         let c = match self.pool.get().await {
             Ok(c) => c,
             Err(e) => {
@@ -520,11 +520,27 @@ impl Cluster {
                 ));
             }
         }
-        if self.is_draining() {
-            return best.map(|(_, p)| p);
+        let chosen = if self.is_draining() {
+            best.map(|(_, p)| p)
+        } else {
+            // Ties stay here: no hop for nothing.
+            best.filter(|(h, _)| *h > here).map(|(_, p)| p)
+        };
+        // The chosen node's row counts the session at once, so that the next placements,
+        // here and on every node, see it before that node's next renewal reports its load
+        // (a burst of creations would otherwise all go to the node that looked emptiest).
+        let id = chosen.as_ref().map_or(&self.config.node_id, |p| &p.id);
+        if let Err(e) = c
+            .execute(
+                "UPDATE nodes SET sessions = sessions + 1, memory_reserved = memory_reserved + $2
+                 WHERE id = $1",
+                &[id, &(memory.min(i64::MAX as u64) as i64)],
+            )
+            .await
+        {
+            tracing::warn!(error = %e, "cluster: the placement was not counted in the nodes table");
         }
-        // Ties stay here: no hop for nothing.
-        best.filter(|(h, _)| *h > here).map(|(_, p)| p)
+        chosen
     }
 
     /// Holds `user`'s creation lock for the cluster until the guard is dropped: one
