@@ -139,7 +139,7 @@ impl AppState {
 }
 
 /// The client's address, when the request came through the listener.
-fn peer(extensions: &axum::http::Extensions) -> Option<IpAddr> {
+pub(super) fn peer(extensions: &axum::http::Extensions) -> Option<IpAddr> {
     extensions
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip())

@@ -19,10 +19,9 @@ use std::sync::Arc;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use futures::StreamExt;
-use subtle::ConstantTimeEq;
 
-use super::auth::{Caller, User};
-use super::e2b::{access_token, E2bError, TokenKind};
+use super::auth::{peer, Caller, User};
+use super::e2b::{sandbox_headers, token_matches, E2bError};
 use super::error::ApiError;
 use super::shapes::{iso, SessionJson, SessionStateJson};
 use super::AppState;
@@ -107,11 +106,7 @@ fn routed(state: &AppState, req: &Request, target: &Target) -> Option<(Routed, O
     if !req.uri().path().starts_with("/e2b/") {
         return None;
     }
-    let ip = req
-        .extensions()
-        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip());
-    if let Some(ip) = ip {
+    if let Some(ip) = peer(req.extensions()) {
         if state
             .auth_failures
             .check(ip, std::time::Instant::now())
@@ -258,11 +253,9 @@ fn micros(t: i64) -> chrono::DateTime<chrono::Utc> {
 /// Whether the sandbox an E2B in-sandbox request names is held here (its handler then
 /// checks the token).
 fn sandbox_is_here(state: &AppState, req: &Request) -> bool {
-    let id = req
-        .headers()
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| Uuid::parse_str(v.trim()).ok());
+    let id = sandbox_headers(req.headers())
+        .0
+        .and_then(|v| Uuid::parse_str(v).ok());
     id.is_some_and(|id| state.registry.all().iter().any(|s| s.id == id))
 }
 
@@ -270,25 +263,12 @@ fn sandbox_is_here(state: &AppState, req: &Request) -> bool {
 /// the token is an HMAC of the sandbox id keyed by the owner's broker token, so it is
 /// checked against each user's (never forwarded unchecked).
 fn sandbox_owner(state: &AppState, headers: &axum::http::HeaderMap) -> Option<(Uuid, Arc<User>)> {
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-    };
-    let id = Uuid::parse_str(header("e2b-sandbox-id")?).ok()?;
-    let (token, kind) = match (header("x-access-token"), header("e2b-traffic-access-token")) {
-        (Some(t), _) => (t, TokenKind::Envd),
-        (None, Some(t)) => (t, TokenKind::Traffic),
-        (None, None) => return None,
-    };
-    let user = state.users.find(|u| {
-        bool::from(
-            access_token(&u.token, id, kind)
-                .as_bytes()
-                .ct_eq(token.as_bytes()),
-        )
-    })?;
+    let (id, token) = sandbox_headers(headers);
+    let id = Uuid::parse_str(id?).ok()?;
+    let (token, kind) = token?;
+    let user = state
+        .users
+        .find(|u| token_matches(&u.token, id, kind, token))?;
     Some((id, user))
 }
 

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use axum::extract::{ConnectInfo, FromRequestParts};
 use axum::http::request::Parts;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
@@ -50,6 +50,33 @@ pub fn access_token(key: &str, id: Uuid, kind: TokenKind) -> String {
     mac.update(b"\0");
     mac.update(id.as_bytes());
     hex::encode(mac.finalize().into_bytes())
+}
+
+/// What an in-sandbox request says of itself: the sandbox it names (`E2b-Sandbox-Id`, as
+/// sent) and the access token it carries with its kind (`X-Access-Token`, else
+/// `E2B-Traffic-Access-Token`).
+pub fn sandbox_headers(headers: &HeaderMap) -> (Option<&str>, Option<(&str, TokenKind)>) {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let token = match (header("x-access-token"), header("e2b-traffic-access-token")) {
+        (Some(t), _) => Some((t, TokenKind::Envd)),
+        (None, Some(t)) => Some((t, TokenKind::Traffic)),
+        (None, None) => None,
+    };
+    (header("e2b-sandbox-id"), token)
+}
+
+/// Whether `token` is the access token of `kind` for sandbox `id` of the user whose broker
+/// token is `key` (compared in constant time).
+pub fn token_matches(key: &str, id: Uuid, kind: TokenKind, token: &str) -> bool {
+    access_token(key, id, kind)
+        .as_bytes()
+        .ct_eq(token.as_bytes())
+        .into()
 }
 
 /// `Hmac::new_from_slice` fails only for MACs with a fixed key length; HMAC has none.
@@ -124,30 +151,20 @@ impl FromRequestParts<AppState> for SandboxCaller {
             .get::<Arc<E2bState>>()
             .cloned()
             .ok_or_else(|| E2bError::internal("e2b state", "the E2B router has no state"))?;
-        let header = |name: &str| {
-            parts
-                .headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(|s| s.trim().to_string())
-        };
-        let id = header("e2b-sandbox-id").ok_or_else(|| {
+        let (id, token) = sandbox_headers(&parts.headers);
+        let id = id.ok_or_else(|| {
             E2bError::bad_request(
                 "the E2b-Sandbox-Id header is missing (set E2B_SANDBOX_URL=BASE/e2b/sandbox)",
             )
         })?;
         let absent = || E2bError::not_found(format!("sandbox {id:?} not found"));
-        let (token, kind) = match (header("x-access-token"), header("e2b-traffic-access-token")) {
-            (Some(t), _) => (t, TokenKind::Envd),
-            (None, Some(t)) => (t, TokenKind::Traffic),
-            (None, None) => {
-                return Err(E2bError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "the sandbox's access token is missing (X-Access-Token)",
-                ))
-            }
-        };
-        let uuid = Uuid::parse_str(&id).map_err(|_| absent())?;
+        let (token, kind) = token.ok_or_else(|| {
+            E2bError::new(
+                StatusCode::UNAUTHORIZED,
+                "the sandbox's access token is missing (X-Access-Token)",
+            )
+        })?;
+        let uuid = Uuid::parse_str(id).map_err(|_| absent())?;
         let session = state
             .registry
             .all()
@@ -155,8 +172,7 @@ impl FromRequestParts<AppState> for SandboxCaller {
             .find(|s| s.id == uuid)
             .ok_or_else(absent)?;
         let user = state.users.by_name(&session.user.name).ok_or_else(absent)?;
-        let want = access_token(&user.token, uuid, kind);
-        if !bool::from(want.as_bytes().ct_eq(token.as_bytes())) {
+        if !token_matches(&user.token, uuid, kind, token) {
             return Err(absent());
         }
         Ok(Self { user, session, e2b })

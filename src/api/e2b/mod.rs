@@ -32,7 +32,7 @@ use utoipa_axum::router::OpenApiRouter;
 use super::AppState;
 use crate::session::SessionError;
 
-pub use auth::{access_token, TokenKind};
+pub use auth::{sandbox_headers, token_matches};
 pub use state::E2bState;
 
 /// The E2B routes, with their state.
