@@ -6,11 +6,13 @@ with fork-server starts (the default) and without (`--fork-server false --preloa
 
 For each mode, through the agent API (REST), same client:
   - pooled session -> the data-stack import cell answered;
-  - fresh session -> first matplotlib chart (plot + show of 100 points);
+  - fresh session -> first matplotlib chart (plot + show of 100 points), and a second chart
+    in the same session;
   - pool empty: session create -> first result (`1+1`);
   - private memory (USS) per idle kernel with the stack imported, and the template's;
   - `--sessions` live sessions over 4 users, each with pandas imported, running small cells
     concurrently: failures, p50/p99 and the total memory of the broker's cgroup.
+Once per run: matplotlib's own cost of the chart outside any kernel (the chart's floor).
 """
 
 import argparse
@@ -102,10 +104,45 @@ def cgroup_memory(base):
     return 0
 
 
+def pss(pid):
+    try:
+        return psutil.Process(pid).memory_full_info().pss
+    except psutil.Error:
+        return 0
+
+
 def kernel_pid(pids):
     """The kernel among a leaf's processes: the largest (a plain Docker kernel's leaf also
     holds its tini, a plain local one bwrap's init)."""
     return max(pids, key=uss)
+
+
+# The chart cell's own work as the inline backend does it (a figure, the plot, a tight PNG),
+# in the kernels' Python outside any kernel, after three warm-up charts: what no broker can
+# take off the chart figures above.
+CHART_FLOOR = """
+import statistics, time
+import matplotlib
+matplotlib.use("agg")
+import matplotlib.pyplot as plt
+from IPython.core.pylabtools import print_figure
+def chart():
+    start = time.perf_counter()
+    fig = plt.figure()
+    plt.plot(range(100))
+    print_figure(fig, "png", bbox_inches="tight")
+    plt.close(fig)
+    return time.perf_counter() - start
+for _ in range(3):
+    chart()
+print(statistics.median(chart() for _ in range(%d)) * 1000)
+"""
+
+
+def chart_floor(runs):
+    out = subprocess.run([str(bench.KERNEL_PYTHON), "-c", CHART_FLOOR % runs],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
 
 
 def measure(binary, fork, runs, sessions, backend):
@@ -119,7 +156,7 @@ def measure(binary, fork, runs, sessions, backend):
         s = b.create()  # starts the template (fork mode)
         b.client(s, "rest").execute("1")
         b.delete(s)
-        imports, charts = [], []
+        imports, charts, seconds = [], [], []
         for _ in range(runs):
             b.wait_pool(1)
             s = b.create()
@@ -130,9 +167,11 @@ def measure(binary, fork, runs, sessions, backend):
             s = b.create()
             c = b.client(s, "rest")
             charts.append(timed(c, CHART))
+            seconds.append(timed(c, CHART))
             b.delete(s)
         res["pooled_import_p50_ms"] = p(imports, 0.5)
         res["fresh_first_chart_p50_ms"] = p(charts, 0.5)
+        res["second_chart_p50_ms"] = p(seconds, 0.5)
     finally:
         b.stop()
 
@@ -160,8 +199,16 @@ def measure(binary, fork, runs, sessions, backend):
         base, by_leaf = leaves(b)
         kernel_uss = [uss(kernel_pid(pids)) for (u, leaf), pids in by_leaf.items()
                       if any(leaf == s.id for s in ids) and pids]
-        template_uss = [sum(uss(x) for x in pids) for (u, leaf), pids in by_leaf.items()
-                        if all(leaf != s.id for s in ids) and pids]
+        # The other leaves: each user's template (its sandbox's init and the template) and
+        # its stem (one process forked ahead of need). A stem shares all of its template's
+        # pages, so each one's USS leaves those out: their PSS sum is the pair's share.
+        others = [pids for (u, leaf), pids in by_leaf.items()
+                  if all(leaf != s.id for s in ids) and pids]
+        template_uss = [sum(uss(x) for x in pids) for pids in others if len(pids) > 1]
+        res["stems_uss_mb"] = [round(sum(uss(x) for x in pids) / 1e6, 1)
+                               for pids in others if len(pids) == 1]
+        res["templates_and_stems_pss_mb"] = round(
+            sum(pss(x) for pids in others for x in pids) / 1e6, 1)
         res["kernel_uss_mb_median"] = statistics.median(kernel_uss) / 1e6
         res["kernel_rss_mb_median"] = statistics.median(
             psutil.Process(kernel_pid(by_leaf[(u, s.id)])).memory_info().rss
@@ -223,7 +270,8 @@ def main():
     ap.add_argument("--mode", choices=["both", "fork", "plain"], default="both")
     ap.add_argument("--backend", choices=["local", "docker"], default="local")
     a = ap.parse_args()
-    out = []
+    out = [{"matplotlib_chart_floor_ms": chart_floor(max(a.runs, 9))}]
+    print(json.dumps(out[0]), flush=True)
     try:
         for fork in {"both": (False, True), "fork": (True,), "plain": (False,)}[a.mode]:
             # Plain kernels hold ~125 MB each: 300 of them do not fit this machine.

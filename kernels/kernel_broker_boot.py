@@ -8,12 +8,18 @@ kernel spec's Python:
     modules once, says ``{"ready": ...}`` on stdout, then serves requests read from stdin,
     one JSON object per line:
 
-    ``{"op": "fork", "id": ID, "args": [...], "env": {...}}``
+    ``{"op": "fork", "id": ID, "args": [...], "env": {...}, "connection_file": PATH}``
         forks a kernel; answers ``{"forked": ID, "pid": PID}`` (PID as seen in the
         sandbox). The child waits, doing nothing, until
     ``{"op": "go", "id": ID}``
         releases it (the broker has moved it into its own cgroup by then, so everything it
-        allocates is charged to it). It then becomes an ordinary ipykernel.
+        allocates is charged to it); answers ``{"released": ID}``. It then becomes an
+        ordinary ipykernel.
+    ``{"op": "fork", "id": ID}`` then ``{"op": "go", "id": ID, "kernel": {"args": ...,
+    "env": ..., "connection_file": ...}}``
+        the same, with the kernel named only when it is released: the broker forks a
+        child ahead of need (a stem), moves it into a cgroup leaf of its own while nobody
+        waits, and gives it a kernel to become when a session asks for one.
     ``{"op": "drop", "id": ID}``
         kills a child that was never released (the broker gave up on it).
 
@@ -213,7 +219,22 @@ def use_pythonpath(value):
         importlib.invalidate_caches()
 
 
-def child_main(request, go_fd):
+def read_release(go_fd):
+    """What the template writes on a child's pipe when the broker releases it: ``g``, the
+    kernel as a JSON line. Anything else (end of file: the broker gave up on this child, or
+    the template is gone) ends the child."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(go_fd, 65536)
+        if not chunk:
+            os._exit(1)
+        data += chunk
+    if not data.startswith(b"g"):
+        os._exit(1)
+    return json.loads(data[1:])
+
+
+def child_main(go_fd):
     """Runs in the forked child; never returns."""
     code = 1
     try:
@@ -221,8 +242,7 @@ def child_main(request, go_fd):
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if os.read(go_fd, 1) != b"g":
-            os._exit(1)  # the broker gave up on this kernel, or the template is gone
+        request = read_release(go_fd)
         os.close(go_fd)
         os.setsid()
         # stdin reads nothing; stdout only ever carries ipykernel's connection banner
@@ -278,6 +298,7 @@ class Template:
     def __init__(self, control_fd):
         self.children = {}  # pid -> id
         self.waiting = {}  # id -> the write end of the child's go pipe
+        self.kernels = {}  # id -> the kernel named at the fork, if it was
         self.out = os.fdopen(control_fd, "w", buffering=1)
 
     def say(self, obj):
@@ -290,19 +311,28 @@ class Template:
         pid = os.fork()
         if pid == 0:
             os.close(write_fd)
-            child_main(request, read_fd)
+            child_main(read_fd)
         os.close(read_fd)
         self.children[pid] = ident
         self.waiting[ident] = write_fd
+        if "args" in request:
+            self.kernels[ident] = {
+                k: request.get(k) for k in ("args", "env", "connection_file")
+            }
         self.say({"forked": ident, "pid": pid})
 
-    def release(self, ident, go):
+    def release(self, ident, kernel=None):
+        """Releases child `ident` to become `kernel`; without one, the child is given up
+        and ends."""
         fd = self.waiting.pop(ident, None)
+        self.kernels.pop(ident, None)
         if fd is None:
             return
         try:
-            if go:
-                os.write(fd, b"g")
+            if kernel is not None:
+                data = b"g" + json.dumps(kernel).encode() + b"\n"
+                while data:
+                    data = data[os.write(fd, data):]
         finally:
             os.close(fd)
 
@@ -316,7 +346,7 @@ class Template:
                 return
             ident = self.children.pop(pid, None)
             if ident is not None:
-                self.release(ident, False)
+                self.release(ident, None)
                 self.say({"exited": ident, "status": status})
 
     def handle(self, line):
@@ -326,9 +356,15 @@ class Template:
             if op == "fork":
                 self.fork(request)
             elif op == "go":
-                self.release(str(request["id"]), True)
+                ident = str(request["id"])
+                kernel = request.get("kernel") or self.kernels.get(ident)
+                if kernel is None:
+                    self.say({"error": "no kernel named for %r" % ident, "id": ident})
+                else:
+                    self.release(ident, kernel)
+                    self.say({"released": ident})
             elif op == "drop":
-                self.release(str(request["id"]), False)
+                self.release(str(request["id"]), None)
             else:
                 self.say({"error": "unknown op %r" % op})
         except Exception as e:

@@ -8,7 +8,8 @@
 //! lives. What is the same is here, written once:
 //!
 //! - [`ForkServer`]: the protocol client. Requests (`fork`, `go`, `drop`) are JSON lines on
-//!   the template's stdin; one reader task hands each answer (`forked`, `exited`, `error`)
+//!   the template's stdin; one reader task hands each answer (`forked`, `released`,
+//!   `exited`, `error`)
 //!   to whoever waits for it. The template's output is untrusted (user code runs in its
 //!   sandbox, same uid): lines are bounded ([`read_line`]) and anything not understood
 //!   breaks the template (it is not used again) rather than being guessed at.
@@ -87,6 +88,7 @@ pub async fn read_ready<R: AsyncBufRead + Unpin>(reader: &mut R) -> Result<Ready
 #[serde(untagged)]
 enum Said {
     Forked { forked: String, pid: i32 },
+    Released { released: String },
     Exited { exited: String, status: i32 },
     Error { error: String, id: Option<String> },
 }
@@ -95,6 +97,7 @@ enum Said {
 #[derive(Default)]
 struct Waiting {
     forks: HashMap<String, oneshot::Sender<Result<i32, String>>>,
+    releases: HashMap<String, oneshot::Sender<Result<(), String>>>,
     exits: HashMap<String, oneshot::Sender<i32>>,
 }
 
@@ -155,7 +158,12 @@ impl ForkServer {
 
     /// Whether a child it forked has not been reported ended yet.
     pub fn has_children(&self) -> bool {
-        !lock(&self.waiting).exits.is_empty()
+        self.children() > 0
+    }
+
+    /// How many children it forked have not been reported ended yet.
+    pub fn children(&self) -> usize {
+        lock(&self.waiting).exits.len()
     }
 
     async fn send(&self, request: serde_json::Value) -> Result<(), String> {
@@ -183,6 +191,19 @@ impl ForkServer {
         env: &HashMap<&str, &str>,
         connection_file: &str,
     ) -> Result<Child, String> {
+        let mut request = kernel_request(args, env, connection_file);
+        request["op"] = json!("fork");
+        request["id"] = json!(id);
+        self.fork_request(id, request).await
+    }
+
+    /// Asks for a child that is told what kernel to become only when it is released
+    /// ([`Self::go_as`]): a stem, forked and placed ahead of need.
+    pub async fn fork_stem(&self, id: &str) -> Result<Child, String> {
+        self.fork_request(id, json!({"op": "fork", "id": id})).await
+    }
+
+    async fn fork_request(&self, id: &str, request: serde_json::Value) -> Result<Child, String> {
         let (fork_tx, fork_rx) = oneshot::channel();
         let (exit_tx, exit_rx) = oneshot::channel();
         {
@@ -190,13 +211,6 @@ impl ForkServer {
             waiting.forks.insert(id.to_string(), fork_tx);
             waiting.exits.insert(id.to_string(), exit_tx);
         }
-        let request = json!({
-            "op": "fork",
-            "id": id,
-            "args": args,
-            "env": env,
-            "connection_file": connection_file,
-        });
         if let Err(e) = self.send(request).await {
             self.forget(id);
             self.set_broken();
@@ -232,6 +246,38 @@ impl ForkServer {
         sent
     }
 
+    /// Releases stem `id` to become the kernel of `args`, `env` and `connection_file` (as
+    /// [`Self::fork`] would have made it), once the template says it did: a template that
+    /// ended meanwhile fails the launch now, not after the kernel's ready timeout.
+    pub async fn go_as(
+        &self,
+        id: &str,
+        args: &[String],
+        env: &HashMap<&str, &str>,
+        connection_file: &str,
+    ) -> Result<(), String> {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiting).releases.insert(id.to_string(), tx);
+        let kernel = kernel_request(args, env, connection_file);
+        let sent = self
+            .send(json!({"op": "go", "id": id, "kernel": kernel}))
+            .await;
+        if let Err(e) = sent {
+            lock(&self.waiting).releases.remove(id);
+            self.set_broken();
+            return Err(e);
+        }
+        match timeout(FORK_TIMEOUT, rx).await {
+            Ok(Ok(released)) => released,
+            Ok(Err(_)) => Err("the template ended".into()),
+            Err(_) => {
+                lock(&self.waiting).releases.remove(id);
+                self.set_broken();
+                Err(format!("no answer within {FORK_TIMEOUT:?}"))
+            }
+        }
+    }
+
     /// Gives child `id` up (it is killed, never released); its end is no longer awaited.
     pub async fn drop_child(&self, id: &str) {
         self.forget(id);
@@ -241,8 +287,18 @@ impl ForkServer {
     fn forget(&self, id: &str) {
         let mut waiting = lock(&self.waiting);
         waiting.forks.remove(id);
+        waiting.releases.remove(id);
         waiting.exits.remove(id);
     }
+}
+
+/// What a child is to become: the kernel's part of a `fork` or `go` request.
+fn kernel_request(
+    args: &[String],
+    env: &HashMap<&str, &str>,
+    connection_file: &str,
+) -> serde_json::Value {
+    json!({"args": args, "env": env, "connection_file": connection_file})
 }
 
 /// Reads a template's lines until it ends, handing each answer to whoever waits for it.
@@ -260,6 +316,11 @@ async fn read_answers<R: AsyncBufRead + Unpin>(
                         let _ = tx.send(Ok(pid));
                     }
                 }
+                Ok(Said::Released { released }) => {
+                    if let Some(tx) = lock(&waiting).releases.remove(&released) {
+                        let _ = tx.send(Ok(()));
+                    }
+                }
                 Ok(Said::Exited { exited, status }) => {
                     if let Some(tx) = lock(&waiting).exits.remove(&exited) {
                         let _ = tx.send(status);
@@ -267,8 +328,13 @@ async fn read_answers<R: AsyncBufRead + Unpin>(
                 }
                 Ok(Said::Error { error, id }) => {
                     tracing::warn!(template = %name, %error, "the template refused a request");
-                    if let Some(tx) = id.and_then(|id| lock(&waiting).forks.remove(&id)) {
-                        let _ = tx.send(Err(error));
+                    let mut waiting = lock(&waiting);
+                    if let Some(id) = id {
+                        if let Some(tx) = waiting.forks.remove(&id) {
+                            let _ = tx.send(Err(error));
+                        } else if let Some(tx) = waiting.releases.remove(&id) {
+                            let _ = tx.send(Err(error));
+                        }
                     }
                 }
                 Err(_) => {
@@ -287,6 +353,7 @@ async fn read_answers<R: AsyncBufRead + Unpin>(
     // Waiters see their senders dropped: a fork fails, an exit is "unknown".
     let mut waiting = lock(&waiting);
     waiting.forks.clear();
+    waiting.releases.clear();
     waiting.exits.clear();
 }
 
@@ -521,6 +588,69 @@ mod tests {
             says.write_all(b"[1, 2]\n").await.unwrap();
         };
         let (ended, ()) = tokio::join!(fork, garbage);
+        assert_eq!(ended.err().as_deref(), Some("the template ended"));
+        assert!(!server.usable());
+    }
+
+    #[tokio::test]
+    async fn a_stem_is_told_its_kernel_when_it_is_released() {
+        let (control, requests) = tokio::io::duplex(4096);
+        let (mut says, answers) = tokio::io::duplex(4096);
+        let server = ForkServer::new(Box::new(control), BufReader::new(answers), "t".into());
+        let mut requests = BufReader::new(requests);
+        // The fork names no kernel.
+        let fork = server.fork_stem("7");
+        let answer = async {
+            let line = read_line(&mut requests).await.unwrap().unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+            assert_eq!(v, json!({"op": "fork", "id": "7"}));
+            says.write_all(b"{\"forked\": \"7\", \"pid\": 40}\n")
+                .await
+                .unwrap();
+        };
+        let (child, ()) = tokio::join!(fork, answer);
+        assert_eq!(child.unwrap().inner_pid, 40);
+        // The release does, and waits until the template says it released it.
+        let env = HashMap::from([("B", "2")]);
+        let args = vec![
+            "-f".to_string(),
+            "/run/kernel/7/connection.json".to_string(),
+        ];
+        let go = server.go_as("7", &args, &env, "/run/kernel/7/connection.json");
+        let answer = async {
+            let line = read_line(&mut requests).await.unwrap().unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+            assert_eq!(
+                (v["op"].as_str(), v["id"].as_str()),
+                (Some("go"), Some("7"))
+            );
+            assert_eq!(v["kernel"]["args"][1], "/run/kernel/7/connection.json");
+            assert_eq!(v["kernel"]["env"]["B"], "2");
+            assert_eq!(
+                v["kernel"]["connection_file"],
+                "/run/kernel/7/connection.json"
+            );
+            says.write_all(b"{\"released\": \"7\"}\n").await.unwrap();
+        };
+        let (released, ()) = tokio::join!(go, answer);
+        assert_eq!(released, Ok(()));
+        // A release the template refuses (its child is gone) fails the launch at once.
+        let go = server.go_as("8", &args, &env, "c");
+        let refuse = async {
+            read_line(&mut requests).await.unwrap().unwrap();
+            says.write_all(b"{\"error\": \"no kernel named for '8'\", \"id\": \"8\"}\n")
+                .await
+                .unwrap();
+        };
+        let (refused, ()) = tokio::join!(go, refuse);
+        assert!(refused.unwrap_err().contains("no kernel named"));
+        // A template that ends while a release waits fails it too.
+        let go = server.go_as("9", &args, &env, "c");
+        let end = async {
+            read_line(&mut requests).await.unwrap().unwrap();
+            drop(says);
+        };
+        let (ended, ()) = tokio::join!(go, end);
         assert_eq!(ended.err().as_deref(), Some("the template ended"));
         assert!(!server.usable());
     }

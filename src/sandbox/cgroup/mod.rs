@@ -296,6 +296,42 @@ impl Cgroups {
         Ok(leaf)
     }
 
+    /// Makes the leaf of a process placed ahead of need (a fork-server stem) the leaf of
+    /// `session`: renamed after it (in every hierarchy, or in none) and given `kernel`'s
+    /// limits. The user's limits are on the directory above since the leaf was made.
+    /// cgroup v1 only: v2 does not rename cgroups.
+    pub fn claim_leaf(
+        &self,
+        leaf: &mut Leaf,
+        session: Uuid,
+        kernel: &KernelLimits,
+    ) -> Result<(), SandboxError> {
+        let name = session.to_string();
+        let _tree = lock(&self.tree_lock);
+        let mut renamed: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(leaf.dirs.len());
+        for dir in &leaf.dirs {
+            let to = dir.with_file_name(&name);
+            if let Err(e) = std::fs::rename(dir, &to) {
+                for (from, to) in renamed.iter().rev() {
+                    let _ = std::fs::rename(to, from);
+                }
+                return Err(cgroup_err(dir, format!("cannot rename it to {name}: {e}")));
+            }
+            renamed.push((dir.clone(), to));
+        }
+        let mut procs_files = Vec::with_capacity(renamed.len());
+        for (_, to) in &renamed {
+            let procs = to.join("cgroup.procs");
+            procs_files.push(
+                CString::new(procs.as_os_str().as_bytes())
+                    .map_err(|_| cgroup_err(to, "the path contains a NUL byte"))?,
+            );
+        }
+        leaf.dirs = renamed.into_iter().map(|(_, to)| to).collect();
+        leaf.procs_files = procs_files;
+        limits::apply_kernel(self.version, &leaf.dirs, kernel)
+    }
+
     /// Kills what is left in `leaf`, removes it, and removes the user's directory when no
     /// other leaf is left in it.
     pub async fn remove_leaf(&self, leaf: &Leaf) {

@@ -13,6 +13,15 @@
 //! its own. The kernel's end is seen through that pidfd; its status comes from the template,
 //! which reaps it.
 //!
+//! Stems (cgroup v1): the fork and the move into a leaf are done ahead of need. After each
+//! launch the template forks one more child, a *stem*, which the broker moves into a leaf
+//! of its own and which waits, having run nothing but the fork, to be told what kernel to
+//! become; the next launch renames its leaf after the session, sets the session's limits
+//! and releases it with the kernel's arguments. The launch so skips the fork and the move,
+//! whose `cgroup.procs` write waits for an RCU grace period on v1 (~10 ms measured). A stem
+//! found dead (a kernel of the same user may kill it) is discarded and the launch forks;
+//! a stem ends with its template, and does not keep an idle template alive.
+//!
 //! What forked kernels of one user share that started ones do not: the template's pid, IPC
 //! and mount namespaces (so its `/tmp`) — the user's trust domain, as one container is for
 //! the Docker backend. Each forked kernel is non-dumpable and removes its connection file
@@ -26,24 +35,29 @@
 //! template that failed is not tried again for [`RETRY_AFTER`].
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use async_trait::async_trait;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{BufReader, Interest};
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::files::{endpoints_for, LaunchGuard};
+use super::files::endpoints_for;
 use super::output::Tail;
 use super::process::StartOptions;
 use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
-use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer};
+use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
+use crate::sandbox::fork_server::{
+    find_child, namespace_pid, pidfd_signal, read_ready, ForkServer,
+};
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
@@ -102,6 +116,213 @@ pub(super) struct Template {
     /// Its runtime directory on the host (`/run/kernel` inside).
     rundir: PathBuf,
     server: ForkServer,
+    /// A child forked and placed ahead of need, for the next launch.
+    stem: Mutex<Option<Stem>>,
+    /// Whether a stem is being made.
+    stemming: AtomicBool,
+    /// Set when it is ended: a stem made meanwhile is discarded, not kept.
+    ended: AtomicBool,
+}
+
+/// A child of a template, in a cgroup leaf of its own, waiting to be told which kernel to
+/// become. Its leaf is its own from the start: it has run nothing but the fork. Dropped
+/// before it became a kernel (a launch given up half-way), it is killed and its leaf
+/// removed.
+struct Stem {
+    /// Its id with the template, and the name of its runtime directory once it is a kernel.
+    name: String,
+    host_pid: i32,
+    /// These three are taken when it becomes a kernel (its reaper has them then); the leaf
+    /// also when it is discarded.
+    pidfd: Option<OwnedFd>,
+    status: Option<oneshot::Receiver<i32>>,
+    leaf: Option<Leaf>,
+    cgroups: Arc<Cgroups>,
+}
+
+impl Stem {
+    /// Kills it and removes its leaf.
+    async fn discard(mut self, server: &ForkServer) {
+        self.kill();
+        server.drop_child(&self.name).await;
+        if let Some(leaf) = self.leaf.take() {
+            self.cgroups.remove_leaf(&leaf).await;
+        }
+    }
+
+    fn kill(&self) {
+        if let Some(pidfd) = &self.pidfd {
+            let _ = pidfd_signal(pidfd, libc::SIGKILL);
+        }
+    }
+
+    /// Its pidfd, exit status and leaf, for the kernel it becomes.
+    fn into_parts(mut self) -> Option<(OwnedFd, oneshot::Receiver<i32>, Leaf)> {
+        Some((self.pidfd.take()?, self.status.take()?, self.leaf.take()?))
+    }
+
+    /// Whether it has ended (its pidfd polls readable).
+    fn ended(&self) -> bool {
+        let Some(pidfd) = &self.pidfd else {
+            return true;
+        };
+        let mut fd = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one valid pollfd, without waiting.
+        let n = unsafe { libc::poll(&mut fd, 1, 0) };
+        n != 0
+    }
+}
+
+impl Drop for Stem {
+    fn drop(&mut self) {
+        let Some(leaf) = self.leaf.take() else { return };
+        self.kill();
+        let cgroups = self.cgroups.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { cgroups.remove_leaf(&leaf).await });
+        }
+    }
+}
+
+impl Template {
+    fn take_stem(&self) -> Option<Stem> {
+        lock(&self.stem).take()
+    }
+
+    /// Makes the next stem in the background, unless there is one or one is on its way.
+    /// Only on cgroup v1: a stem's leaf becomes the session's by a rename, which v2 does not
+    /// allow (there a kernel is forked and moved when it is asked for).
+    fn ensure_stem(self: &Arc<Self>, user: &SandboxUser, cgroups: &Arc<Cgroups>) {
+        if cgroups.version() != CgroupVersion::V1
+            || self.ended.load(Ordering::SeqCst)
+            || !self.server.usable()
+            || lock(&self.stem).is_some()
+            || self.stemming.swap(true, Ordering::SeqCst)
+        {
+            return;
+        }
+        let (template, user, cgroups) = (self.clone(), user.clone(), cgroups.clone());
+        tokio::spawn(async move {
+            let limits = template_limits(&user);
+            match new_stem(&template, &user, Uuid::new_v4(), limits, &cgroups).await {
+                Ok(stem) => {
+                    *lock(&template.stem) = Some(stem);
+                    // `end` sets `ended` before it takes the stem: either it took this one,
+                    // or this sees it ended.
+                    if template.ended.load(Ordering::SeqCst) {
+                        if let Some(stem) = template.take_stem() {
+                            stem.discard(&template.server).await;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::info!(user = %user.name, error = %e, "no stem made; the next kernel is forked when asked")
+                }
+            }
+            template.stemming.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// A child of `template` in a new leaf named `leaf_name` with `limits`.
+async fn new_stem(
+    template: &Template,
+    user: &SandboxUser,
+    leaf_name: Uuid,
+    limits: KernelLimits,
+    cgroups: &Arc<Cgroups>,
+) -> Result<Stem, String> {
+    let server = &template.server;
+    let leaf = {
+        let (cg, name, user_limits) = (cgroups.clone(), user.name.clone(), user.limits.clone());
+        tokio::task::spawn_blocking(move || cg.create_leaf(&name, &user_limits, &limits, leaf_name))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?
+    };
+    let name = server.next_name();
+    let child = match server.fork_stem(&name).await {
+        Ok(child) => child,
+        Err(e) => {
+            cgroups.remove_leaf(&leaf).await;
+            return Err(e);
+        }
+    };
+    let inner_pid = child.inner_pid;
+    // The child waits for `go`; until then only the broker acts on it.
+    let Some((host_pid, pidfd)) = find_child(template.host_pid, inner_pid) else {
+        server.drop_child(&name).await;
+        server.set_broken();
+        cgroups.remove_leaf(&leaf).await;
+        return Err(format!("its child {inner_pid} is not among its processes"));
+    };
+    let stem = Stem {
+        name,
+        host_pid,
+        pidfd: Some(pidfd),
+        status: Some(child.status),
+        leaf: Some(leaf),
+        cgroups: cgroups.clone(),
+    };
+    // The move into the leaf waits for an RCU grace period (cgroup v1): off the runtime.
+    let (stem, entered) = tokio::task::spawn_blocking(move || {
+        let entered = stem
+            .leaf
+            .as_ref()
+            .map_or(Ok(()), |l| l.enter(stem.host_pid));
+        (stem, entered)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    if let Err(e) = entered {
+        stem.discard(server).await;
+        return Err(format!("cannot move it into its cgroup: {e}"));
+    }
+    Ok(stem)
+}
+
+/// Makes `stem` (made ahead of need) the child of `session`: alive, its leaf renamed after
+/// the session and given the session's limits.
+async fn claim(
+    stem: Stem,
+    template: &Template,
+    session: Uuid,
+    limits: KernelLimits,
+    cgroups: &Arc<Cgroups>,
+) -> Result<Stem, String> {
+    if stem.ended() {
+        stem.discard(&template.server).await;
+        return Err("it has ended".into());
+    }
+    let cg = cgroups.clone();
+    let (stem, claimed) = tokio::task::spawn_blocking(move || {
+        let mut stem = stem;
+        let claimed = match stem.leaf.as_mut() {
+            Some(leaf) => cg.claim_leaf(leaf, session, &limits),
+            None => Ok(()),
+        };
+        (stem, claimed)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    if let Err(e) = claimed {
+        stem.discard(&template.server).await;
+        return Err(e.to_string());
+    }
+    Ok(stem)
+}
+
+/// A template's own leaf limits, which a stem has until it is claimed: no memory limit of
+/// its own (the user's total binds it), one session's processes.
+fn template_limits(user: &SandboxUser) -> KernelLimits {
+    KernelLimits {
+        memory_bytes: 0,
+        pids: user.limits.session_pids,
+    }
 }
 
 #[async_trait]
@@ -109,8 +330,17 @@ impl TemplateHandle for Template {
     fn server(&self) -> &ForkServer {
         &self.server
     }
+    /// Its stem is not a kernel: a template with only a stem is idle.
+    fn has_children(&self) -> bool {
+        self.server.children() > usize::from(lock(&self.stem).is_some())
+    }
     async fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        let stem = self.take_stem();
         self.process.terminate().await;
+        if let Some(stem) = stem {
+            stem.discard(&self.server).await;
+        }
     }
 }
 
@@ -162,10 +392,7 @@ impl LocalSandbox {
             // pages a child touches before it is moved out), which grows with the number of
             // kernels; a limit of one session's size was reached at ~75 forks (measured),
             // and the template's end takes its forked kernels along.
-            limits: KernelLimits {
-                memory_bytes: 0,
-                pids: user.limits.session_pids,
-            },
+            limits: template_limits(user),
         };
         let script = format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
         let argv = boot::template_argv(boot.python, &script, boot.preload);
@@ -225,10 +452,17 @@ impl LocalSandbox {
             host_pid,
             rundir: self.run_base.join(id.to_string()),
             server,
+            stem: Mutex::new(None),
+            stemming: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
         })
     }
 
     /// A kernel forked from `template`: its own directory, connection file, key, leaf.
+    /// The template's stem is used when it has one (forked and placed in a leaf ahead of
+    /// need, so the launch skips the fork and the move into the leaf, which on cgroup v1
+    /// waits for an RCU grace period: ~10 ms); otherwise a child is forked and placed now.
+    /// Either way the next stem is made once this kernel is released.
     pub(super) async fn fork_kernel(
         &self,
         template: &Arc<Template>,
@@ -242,13 +476,51 @@ impl LocalSandbox {
         if self.kernels.contains(&session) {
             return Err(fail(format!("session {session} already has a kernel")));
         }
-        let name = template.server.next_name();
-        let dir = template.rundir.join(&name);
-        let inside = format!("{RUN_DIR_INSIDE}/{name}");
-        let endpoints = endpoints_for(&dir).map_err(&fail)?;
-        let ids = self.kernel_ids(user)?;
-        let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
-        {
+        let stem = match template.take_stem() {
+            Some(stem) => match claim(stem, template, session, spec.limits, cgroups).await {
+                Ok(stem) => Some(stem),
+                Err(e) => {
+                    tracing::info!(%session, error = %e, "the template's stem cannot be used; forking");
+                    None
+                }
+            },
+            None => None,
+        };
+        let stem = match stem {
+            Some(stem) => stem,
+            None => new_stem(template, user, session, spec.limits, cgroups)
+                .await
+                .map_err(&fail)?,
+        };
+        let launched = self
+            .release_stem(template, stem, spec, boot, cgroups)
+            .await
+            .map_err(&fail);
+        if launched.is_ok() {
+            template.ensure_stem(user, cgroups);
+        }
+        launched
+    }
+
+    /// Makes `stem` the kernel of `spec`: its runtime directory and connection file, its
+    /// reaper, and the release.
+    async fn release_stem(
+        &self,
+        template: &Arc<Template>,
+        stem: Stem,
+        spec: &LaunchSpec,
+        boot: &Bootable<'_>,
+        cgroups: &Arc<Cgroups>,
+    ) -> Result<Launched, String> {
+        let user = &spec.user;
+        let session = spec.session_id;
+        let server = &template.server;
+        let dir = template.rundir.join(&stem.name);
+        let inside = format!("{RUN_DIR_INSIDE}/{}", stem.name);
+        let prepared = async {
+            let endpoints = endpoints_for(&dir)?;
+            let ids = self.kernel_ids(user).map_err(|e| e.to_string())?;
+            let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
             let dir = dir.clone();
             tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
                 std::fs::DirBuilder::new()
@@ -262,99 +534,56 @@ impl LocalSandbox {
                 fsutil::write_connection_file(&dir, &connection, FileMode::Masked(0o600), ids)
             })
             .await
-            .map_err(|e| fail(e.to_string()))??;
-        }
-        let mut guard = LaunchGuard {
-            rundir: Some(dir.clone()),
-            leaf: None,
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+            Ok::<_, String>(endpoints)
         };
-        let leaf = {
-            let (cg, name, limits, kernel) = (
-                cgroups.clone(),
-                user.name.clone(),
-                user.limits.clone(),
-                spec.limits,
-            );
-            tokio::task::spawn_blocking(move || cg.create_leaf(&name, &limits, &kernel, session))
-                .await
-                .map_err(|e| fail(e.to_string()))??
+        let endpoints = match prepared.await {
+            Ok(endpoints) => endpoints,
+            Err(e) => {
+                stem.discard(server).await;
+                fsutil::remove_dir_logged(dir).await;
+                return Err(e);
+            }
         };
-        guard.leaf = Some((cgroups.clone(), leaf));
-
-        let connection_inside = format!("{inside}/connection.json");
-        let args: Vec<String> = boot
-            .args
-            .iter()
-            .map(|a| a.replace("{connection_file}", &connection_inside))
-            .collect();
-        let env: HashMap<&str, &str> = spec
-            .env
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        let id = session.to_string();
-        let server = &template.server;
-        let child = server
-            .fork(&id, &args, &env, &connection_inside)
-            .await
-            .map_err(&fail)?;
-        let inner_pid = child.inner_pid;
-        // The child waits for `go`; until then only the broker acts on it.
-        let found = find_child(template.host_pid, inner_pid);
-        let Some((host_pid, pidfd)) = found else {
-            server.drop_child(&id).await;
-            server.set_broken();
-            return Err(fail(format!(
-                "its child {inner_pid} is not among its processes"
-            )));
+        let workspace = match self.workspace_path(user) {
+            Ok(w) => w,
+            Err(e) => {
+                stem.discard(server).await;
+                fsutil::remove_dir_logged(dir).await;
+                return Err(e.to_string());
+            }
         };
-        let entered = guard
-            .leaf
-            .as_ref()
-            .map_or(Ok(()), |(_, l)| l.enter(host_pid));
-        if let Err(e) = entered {
-            kill(host_pid);
-            server.drop_child(&id).await;
-            return Err(fail(format!("cannot move it into its cgroup: {e}")));
-        }
-
+        let (name, host_pid) = (stem.name.clone(), stem.host_pid);
+        let Some((pidfd, status, leaf)) = stem.into_parts() else {
+            return Err("the stem was taken apart".into());
+        };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
         let kernel = Arc::new(LocalKernel {
             watch,
             init_pid: OnceLock::new(),
             bwrap_pid: None,
             kernel_pid: Some(host_pid),
-            memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
+            memory_usage: leaf.memory_usage_file(),
         });
-        let (cgroups, leaf) = guard
-            .leaf
-            .take()
-            .map_or((None, None), |(c, l)| (Some(c), Some(l)));
-        guard.rundir = None;
-        let workspace = self.workspace_path(user)?;
         // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
         // AsyncFd that owns it drops it.
         let pidfd = match unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) } {
             Ok(fd) => fd,
             Err(e) => {
                 kill(host_pid);
-                if let (Some(c), Some(l)) = (&cgroups, &leaf) {
-                    c.remove_leaf(l).await;
-                }
+                cgroups.remove_leaf(&leaf).await;
                 fsutil::remove_dir_logged(dir).await;
-                server.drop_child(&id).await;
-                return Err(fail(format!("cannot watch the kernel: {e}")));
+                server.drop_child(&name).await;
+                return Err(format!("cannot watch the kernel: {e}"));
             }
         };
         let reaper = Reaper {
-            process: Watched::Forked {
-                pidfd,
-                status: child.status,
-            },
+            process: Watched::Forked { pidfd, status },
             kernel: kernel.clone(),
             exit,
-            leaf,
-            cgroups,
+            leaf: Some(leaf),
+            cgroups: Some(cgroups.clone()),
             rundir: dir,
             limits: spec.limits,
             workspace,
@@ -366,9 +595,20 @@ impl LocalSandbox {
         self.kernels.insert(session, kernel.clone());
         tokio::spawn(reaper.run());
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
-        if let Err(e) = server.go(&id).await {
+        let connection_inside = format!("{inside}/connection.json");
+        let args: Vec<String> = boot
+            .args
+            .iter()
+            .map(|a| a.replace("{connection_file}", &connection_inside))
+            .collect();
+        let env: HashMap<&str, &str> = spec
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if let Err(e) = server.go_as(&name, &args, &env, &connection_inside).await {
             handle.terminate().await;
-            return Err(fail(e));
+            return Err(e);
         }
         tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
         Ok(Launched {
