@@ -358,7 +358,10 @@ class Template:
             elif op == "go":
                 ident = str(request["id"])
                 kernel = request.get("kernel") or self.kernels.get(ident)
-                if kernel is None:
+                if ident not in self.waiting:
+                    # Ended (and reaped) before its release: the launch learns it now.
+                    self.say({"error": "no child %r is waiting" % ident, "id": ident})
+                elif kernel is None:
                     self.say({"error": "no kernel named for %r" % ident, "id": ident})
                 else:
                     self.release(ident, kernel)
