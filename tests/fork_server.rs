@@ -286,8 +286,8 @@ fn inner_pid(host_pid: i32) -> i32 {
 /// Stems: after each fork the template forks the next kernel's process ahead of need and
 /// moves it into a leaf of its own (the slow part on cgroup v1); the next session's kernel
 /// is that process, its leaf renamed after the session and given the session's limits.
-/// A stem a hostile kernel kills is not used (the launch forks anew); the stems' leaves go
-/// with the template.
+/// A stem a hostile kernel kills or stops is not used (the launch forks anew); the stems'
+/// leaves go with the template.
 #[tokio::test]
 async fn each_kernel_is_forked_and_placed_ahead_of_need() {
     if !host::is_root() || !std::path::Path::new("/sys/fs/cgroup/pids").is_dir() {
@@ -361,9 +361,40 @@ async fn each_kernel_is_forked_and_placed_ahead_of_need() {
     })
     .await;
 
+    // One that stops the next stem (it would never answer once released): not used either.
+    let (stopped_leaf, stopped) = stem_of(&broker, "alice", template, &[&a, &b, &c]).await;
+    let v = api
+        .execute(
+            &a,
+            &format!("import os; os.kill({}, 19)", inner_pid(stopped)),
+        )
+        .await;
+    assert_eq!(v["status"], "ok", "{v}");
+    within(10, "the stem stopped", async {
+        while !std::fs::read_to_string(format!("/proc/{stopped}/stat"))
+            .unwrap_or_default()
+            .contains(") T ")
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let d = api.create().await;
+    assert_ne!(host_pid(&broker, "alice", &d), stopped);
+    assert_eq!(out(&api, &d, "print(2 + 2)").await, "4");
+    within(10, "the stopped stem's leaf removed", async {
+        while leaves(&broker, "alice")
+            .iter()
+            .any(|(n, _)| *n == stopped_leaf)
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+
     // With no session left the template ends (no grace), and its stem with it.
-    stem_of(&broker, "alice", template, &[&a, &b, &c]).await;
-    for id in [&a, &b, &c] {
+    stem_of(&broker, "alice", template, &[&a, &b, &c, &d]).await;
+    for id in [&a, &b, &c, &d] {
         api.delete(&format!("/v1/sessions/{id}")).await;
     }
     within(20, "alice's cgroup removed", async {

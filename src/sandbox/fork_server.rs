@@ -477,6 +477,17 @@ fn parse_parent(stat: &str) -> Option<i32> {
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The state letter of `pid` (`R`, `S`, `T` stopped, `Z` ended, ...), if it exists.
+pub fn state_of(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_state(&stat)
+}
+
+fn parse_state(stat: &str) -> Option<char> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().next()?.chars().next()
+}
+
 /// The innermost pid of a process (the last `NSpid` field), if the kernel reports it.
 pub fn namespace_pid(pid: i32) -> Option<i32> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -497,6 +508,9 @@ mod tests {
     fn procfs_fields_parse() {
         assert_eq!(parse_parent("42 (a b) c) S 7 42 42 0"), Some(7));
         assert_eq!(parse_parent("garbage"), None);
+        assert_eq!(parse_state("42 (a b) c) T 7 42 42 0"), Some('T'));
+        assert_eq!(parse_state("garbage"), None);
+        assert!(matches!(state_of(std::process::id() as i32), Some('R' | 'S')));
         let status = "Name:\tpython\nNSpid:\t12345\t57\nPPid:\t3\n";
         assert_eq!(parse_namespace_pid(status), Some(57));
         assert_eq!(parse_namespace_pid("NSpid:\t9\n"), Some(9));

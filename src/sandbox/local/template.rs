@@ -19,8 +19,9 @@
 //! become; the next launch renames its leaf after the session, sets the session's limits
 //! and releases it with the kernel's arguments. The launch so skips the fork and the move,
 //! whose `cgroup.procs` write waits for an RCU grace period on v1 (~10 ms measured). A stem
-//! found dead (a kernel of the same user may kill it) is discarded and the launch forks;
-//! a stem ends with its template, and does not keep an idle template alive.
+//! found dead or stopped (a kernel of the same user may kill or stop it) is discarded and
+//! the launch forks; a stem ends with its template, and does not keep an idle template
+//! alive.
 //!
 //! What forked kernels of one user share that started ones do not: the template's pid, IPC
 //! and mount namespaces (so its `/tmp`) — the user's trust domain, as one container is for
@@ -56,7 +57,7 @@ use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
 use crate::sandbox::fork_server::{
-    find_child, namespace_pid, pidfd_signal, read_ready, ForkServer,
+    find_child, namespace_pid, pidfd_signal, read_ready, state_of, ForkServer,
 };
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
@@ -161,11 +162,15 @@ impl Stem {
         Some((self.pidfd.take()?, self.status.take()?, self.leaf.take()?))
     }
 
-    /// Whether it has ended (its pidfd polls readable).
-    fn ended(&self) -> bool {
+    /// Whether it cannot become a kernel: it has ended (its pidfd polls readable), or is
+    /// stopped (a kernel of the same user may SIGSTOP it: released, it would never answer).
+    fn unusable(&self) -> bool {
         let Some(pidfd) = &self.pidfd else {
             return true;
         };
+        if !matches!(state_of(self.host_pid), Some('R' | 'S' | 'D')) {
+            return true;
+        }
         let mut fd = libc::pollfd {
             fd: pidfd.as_raw_fd(),
             events: libc::POLLIN,
@@ -294,9 +299,9 @@ async fn claim(
     limits: KernelLimits,
     cgroups: &Arc<Cgroups>,
 ) -> Result<Stem, String> {
-    if stem.ended() {
+    if stem.unusable() {
         stem.discard(&template.server).await;
-        return Err("it has ended".into());
+        return Err("it has ended or is stopped".into());
     }
     let cg = cgroups.clone();
     let (stem, claimed) = tokio::task::spawn_blocking(move || {
