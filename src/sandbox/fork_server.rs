@@ -510,7 +510,10 @@ mod tests {
         assert_eq!(parse_parent("garbage"), None);
         assert_eq!(parse_state("42 (a b) c) T 7 42 42 0"), Some('T'));
         assert_eq!(parse_state("garbage"), None);
-        assert!(matches!(state_of(std::process::id() as i32), Some('R' | 'S')));
+        assert!(matches!(
+            state_of(std::process::id() as i32),
+            Some('R' | 'S')
+        ));
         let status = "Name:\tpython\nNSpid:\t12345\t57\nPPid:\t3\n";
         assert_eq!(parse_namespace_pid(status), Some(57));
         assert_eq!(parse_namespace_pid("NSpid:\t9\n"), Some(9));
