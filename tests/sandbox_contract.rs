@@ -32,6 +32,7 @@ sandbox_contract!(
     an_exit_of_its_own_is_reported_to_every_waiter,
     dropping_the_handle_kills_the_kernel,
     shutdown_terminates_every_kernel,
+    a_tenants_environment_reaches_no_privileged_process,
 );
 
 async fn kernel_runs_isolated_as_its_uid_without_network_or_host_files(backend: &'static str) {
@@ -533,4 +534,109 @@ async fn fork_until_refused(k: &mut Kernel, max: usize) -> (usize, String) {
     let out = o.out();
     let (n, err) = out.split_once(' ').unwrap_or_else(|| panic!("{o:?}"));
     (n.parse().unwrap(), err.to_string())
+}
+
+/// A shared object that, wherever the loader preloads it, appends who it runs as (uid,
+/// euid, effective capabilities, executable) to each file named in `KB_MARKS`.
+const PRELOAD_SPY: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+__attribute__((constructor)) static void kb_spy(void) {
+    const char *marks = getenv("KB_MARKS");
+    char exe[512] = {0}, cap[64] = "?", line[256], list[4096] = {0};
+    if (!marks) return;
+    if (readlink("/proc/self/exe", exe, sizeof exe - 1) < 0) strcpy(exe, "?");
+    FILE *st = fopen("/proc/self/status", "r");
+    while (st && fgets(line, sizeof line, st))
+        if (!strncmp(line, "CapEff:", 7)) sscanf(line + 7, "%63s", cap);
+    if (st) fclose(st);
+    strncpy(list, marks, sizeof list - 1);
+    for (char *p = strtok(list, ":"); p; p = strtok(NULL, ":")) {
+        FILE *f = fopen(p, "a");
+        if (!f) continue;
+        fprintf(f, "uid=%d euid=%d cap=%s exe=%s\n", (int)getuid(), (int)geteuid(), cap, exe);
+        fclose(f);
+    }
+}
+"#;
+
+/// Issue 32, attacks 1 and 2: a tenant's environment (E2B's `envs`) given to a command
+/// reached bwrap (root on the host) and setpriv (root with every capability in the
+/// sandbox) before the drop, so `LD_PRELOAD` of an object in the workspace ran as root. The
+/// front doors refuse loader variables (tested in e2b.rs); this goes past them, straight to
+/// the sandbox, with the object named by its host path and its path in the sandbox: it
+/// must run only as the kernel's uid, without capabilities, and never in bwrap or setpriv.
+async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static str) {
+    use kernel_broker::sandbox::command::CommandSpec;
+    let Some(h) = Harness::new(backend) else {
+        return;
+    };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        // Docker runs commands in the user's container, which a session starts.
+        let _k = start(h.sandbox(), &alice).await;
+        let ws = h.workspace_of(&alice);
+        let build = tempfile::tempdir().unwrap();
+        let src = build.path().join("spy.c");
+        std::fs::write(&src, PRELOAD_SPY).unwrap();
+        let so = build.path().join("spy.so");
+        let cc = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(&src)
+            .output()
+            .expect("a C compiler (cc)");
+        assert!(cc.status.success(), "{cc:?}");
+        std::fs::copy(&so, ws.join("spy.so")).unwrap();
+        let host_mark = ws.join("spy-host.log");
+        let inside_mark = "/workspace/spy-inside.log";
+        let env = vec![
+            (
+                "LD_PRELOAD".to_string(),
+                format!("{}:/workspace/spy.so", ws.join("spy.so").display()),
+            ),
+            (
+                "KB_MARKS".to_string(),
+                format!("{}:{inside_mark}", host_mark.display()),
+            ),
+        ];
+        let spec = CommandSpec {
+            user: alice.clone(),
+            argv: vec!["/bin/true".into()],
+            env,
+            cwd: None,
+            limits: alice.limits.kernel(None),
+        };
+        let cmd = h
+            .sandbox()
+            .run_command(spec)
+            .await
+            .expect("run the command");
+        let exit = tokio::time::timeout(Duration::from_secs(60), cmd.control.wait())
+            .await
+            .expect("the command ends");
+        assert_eq!(exit.code, Some(0), "{exit:?}");
+        let mut lines = String::new();
+        for mark in [host_mark.clone(), ws.join("spy-inside.log")] {
+            lines.push_str(&std::fs::read_to_string(&mark).unwrap_or_default());
+        }
+        let uid = h.kernel_uid(&alice);
+        assert!(
+            !lines.is_empty(),
+            "the spy was never loaded, so this test would see nothing"
+        );
+        for line in lines.lines() {
+            assert!(
+                line.starts_with(&format!("uid={uid} euid={uid} cap=0000000000000000 ")),
+                "the preloaded object ran with privilege: {line}\n{lines}"
+            );
+            assert!(
+                !line.contains("bwrap") && !line.contains("setpriv"),
+                "{line}"
+            );
+        }
+    })
+    .await;
 }

@@ -15,6 +15,7 @@ pub mod cgroup;
 pub mod command;
 pub mod docker;
 pub mod egress;
+pub mod environ;
 pub mod exhaustion;
 pub(crate) mod fork_server;
 pub(crate) mod fsutil;

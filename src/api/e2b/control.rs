@@ -24,6 +24,7 @@ use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited, sandbox_user};
 use crate::api::AppState;
+use crate::sandbox::environ::check_user_env;
 use crate::session::{CreateOptions, Session};
 
 /// The envd version the broker presents: new enough for every call the pinned SDKs make
@@ -131,13 +132,10 @@ async fn do_create(
     }
     let timeout = timeout_secs(&state, req.timeout)?;
     let env: Vec<(String, String)> = req.env_vars.unwrap_or_default().into_iter().collect();
-    for (k, _) in &env {
-        if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(E2bError::bad_request(format!(
-                "envVars: {k:?} is not a valid environment variable name"
-            )));
-        }
-    }
+    // Refused here as a 400; and applied, like every tenant variable, only inside the
+    // sandbox after the drop (sandbox/environ.rs).
+    check_user_env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .map_err(|e| E2bError::bad_request(format!("envVars: {e}")))?;
     let user = caller.0 .0.clone();
     let session = state
         .registry

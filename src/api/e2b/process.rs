@@ -29,6 +29,7 @@ use super::state::Command;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
 use crate::sandbox::command::CommandSpec;
+use crate::sandbox::environ::check_user_env;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 /// How often a stream with nothing to say sends a keepalive event.
@@ -139,6 +140,11 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
     let config = req.process.unwrap_or_default();
     if config.cmd.is_empty() {
         return stream_error(ConnectError::invalid("process.cmd is empty"));
+    }
+    // A 400 before anything runs; what passes is still applied only after the sandbox's
+    // drop to the kernel's uid (sandbox/environ.rs).
+    if let Err(e) = check_user_env(config.envs.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
+        return stream_error(ConnectError::invalid(format!("process.envs: {e}")));
     }
     let mut argv = vec![config.cmd.clone()];
     argv.extend(config.args.iter().cloned());

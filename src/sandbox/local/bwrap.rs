@@ -115,6 +115,11 @@ pub(super) struct BwrapRequest<'a> {
     pub tmp_size: Option<u64>,
     pub resource_dir: Option<&'a Path>,
     pub argv: &'a [String],
+    /// A descriptor bwrap inherits holding the kernel's whole environment as a script
+    /// ([`crate::sandbox::environ`]): read by `/bin/sh` as the kernel's uid, after the drop,
+    /// which then changes to the workspace (bwrap, without capabilities by then, could not
+    /// enter the kernel's 0700 workspace). bwrap and setpriv run with an empty environment.
+    pub env_fd: RawFd,
 }
 
 /// Builds bwrap's file system arguments. bwrap creates missing parents of a mount point
@@ -224,6 +229,15 @@ pub(super) fn bwrap_args(
     if opts.die_with_parent {
         fs.flag("--die-with-parent");
     }
+    // As root, bwrap hands its child every capability unless told otherwise. The child is
+    // setpriv, which needs only these three to become the kernel's uid with none at all
+    // (setresuid, setgroups, and the bounding set); without setpriv it needs none.
+    fs.push(["--cap-drop", "ALL"]);
+    if opts.setpriv.is_some() && req.ids.is_some() {
+        for cap in ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"] {
+            fs.push(["--cap-add", cap]);
+        }
+    }
     fs.flag("--new-session");
     fs.push(["--hostname", HOSTNAME]);
 
@@ -296,7 +310,6 @@ pub(super) fn bwrap_args(
 
     fs.bind(req.rundir, Path::new(RUN_DIR_INSIDE));
     fs.bind(req.workspace, Path::new(WORKSPACE_INSIDE));
-    fs.push(["--chdir", WORKSPACE_INSIDE]);
 
     let mut args = fs.args;
     args.push("--".into());
@@ -314,12 +327,17 @@ pub(super) fn bwrap_args(
             args.push(a.into());
         }
     }
-    args.extend(req.argv.iter().map(OsString::from));
+    args.extend(
+        crate::sandbox::environ::apply_then_exec(req.env_fd, WORKSPACE_INSIDE, req.argv)
+            .into_iter()
+            .map(OsString::from),
+    );
     args
 }
 
-/// The kernel's whole environment (bwrap and setpriv pass it through unchanged); the
-/// broker's own environment is not inherited.
+/// The kernel's fixed environment: the first part of what the kernel's `/bin/sh` reads
+/// after the drop (`BwrapRequest::env_fd`); the broker's own environment is not inherited,
+/// and bwrap and setpriv see none of it.
 pub(super) fn kernel_env(python: &KernelPython, user: &str) -> Vec<(String, String)> {
     let login = login_name(user);
     let path = format!(

@@ -116,6 +116,7 @@ fn run(
         tmp_size,
         resource_dir,
         argv: &argv,
+        env_fd: 9,
     };
     text(&bwrap_args(opts, &host(), &req, seccomp))
 }
@@ -152,10 +153,9 @@ fn argv_cases() {
                     "--bounding-set=-all",
                     "--no-new-privs",
                     "--",
-                    "python",
-                    "-c",
-                    "pass",
+                    "/bin/sh",
                 ],
+                &["/workspace", "python", "-c", "pass"],
             ],
             absent: vec![&["--unshare-user"], &["--seccomp"], &["--size"]],
         },
@@ -166,7 +166,8 @@ fn argv_cases() {
                 &["--unshare-net"],
                 &["--unshare-user"],
                 &["--disable-userns"],
-                &["--", "python", "-c", "pass"],
+                &["--", "/bin/sh", "-c"],
+                &["/workspace", "python", "-c", "pass"],
             ],
             absent: vec![&["/usr/bin/setpriv"]],
         },
@@ -208,7 +209,8 @@ fn argv_cases() {
             present: vec![
                 &["--bind", "/run/kb/0000", "/run/kernel"],
                 &["--bind", "/data/workspaces/alice", "/workspace"],
-                &["--chdir", "/workspace"],
+                // The kernel's own shell changes there, after the drop.
+                &["/workspace", "python", "-c", "pass"],
                 &["--proc", "/proc", "--dev", "/dev"],
                 &["--perms", "1777", "--tmpfs", "/tmp"],
                 &["--perms", "1777", "--tmpfs", "/dev/shm"],
@@ -278,6 +280,7 @@ fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
         tmp_size: None,
         resource_dir: None,
         argv: &argv,
+        env_fd: 9,
     };
     let with = host().with_ca_file(Some(Path::new("/srv/site-ca.pem")));
     let args = text(&bwrap_args(&root(), &with, &req, None));
@@ -299,7 +302,50 @@ fn private_mounts_come_before_binds_that_may_land_on_them() {
     };
     assert!(at(&["--tmpfs", "/tmp"]) < at(&["--ro-bind", "/opt/py/3.11"]));
     // The command comes last, after the file system.
-    assert!(at(&["--chdir", "/workspace"]) < at(&["--", "/usr/bin/setpriv"]));
+    assert!(
+        at(&["--bind", "/data/workspaces/alice", "/workspace"]) < at(&["--", "/usr/bin/setpriv"])
+    );
+}
+
+/// bwrap as root keeps every capability for its child unless told: only what setpriv
+/// needs to drop to the kernel's uid survives, and nothing at all without setpriv. The
+/// environment is read after the drop: the command bwrap runs is setpriv with fixed
+/// arguments, then the shell that reads the environment's descriptor, then the kernel.
+#[test]
+fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
+    let argv = ["python".to_string(), "-c".to_string(), "pass".to_string()];
+    let req = BwrapRequest {
+        workspace: Path::new("/data/workspaces/alice"),
+        rundir: Path::new("/run/kb/0000"),
+        ids: Some((7, 7)),
+        tmp_size: None,
+        resource_dir: None,
+        argv: &argv,
+        env_fd: 9,
+    };
+    let args = text(&bwrap_args(&root(), &host(), &req, None));
+    let caps: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "--cap-add")
+        .map(|w| w[1].as_str())
+        .collect();
+    assert!(has(&args, &["--cap-drop", "ALL"]));
+    assert_eq!(caps, ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]);
+    let dash = args.iter().position(|a| a == "--").unwrap();
+    let after: Vec<&str> = args[dash + 1..].iter().map(String::as_str).collect();
+    assert_eq!(after[0], "/usr/bin/setpriv");
+    let sh = after.iter().position(|a| *a == "/bin/sh").unwrap();
+    assert_eq!(after[sh - 1], "--", "the shell is setpriv's command");
+    assert!(after[sh + 2].starts_with(". /proc/self/fd/9 "), "{after:?}");
+    assert_eq!(&after[sh + 3..], ["/workspace", "python", "-c", "pass"]);
+    assert!(
+        !args.iter().any(|a| a == "--chdir"),
+        "bwrap has no capability left to enter it"
+    );
+
+    let unpriv = text(&bwrap_args(&unprivileged(), &host(), &req, None));
+    assert!(has(&unpriv, &["--cap-drop", "ALL"]));
+    assert!(!unpriv.iter().any(|a| a == "--cap-add"));
 }
 
 #[test]

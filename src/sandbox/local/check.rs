@@ -2,6 +2,7 @@
 //! kernel would be (binds, uid switch, syscall filter), importing ipykernel, so a broken
 //! chain stops the broker before the first session needs it.
 
+use std::io;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use super::output::STDERR_TAIL_LINES;
 use super::process::inherit_fd;
 use super::{unavailable, LocalSandbox};
 use crate::sandbox::fsutil::remove_dir_logged;
-use crate::sandbox::SandboxError;
+use crate::sandbox::{environ, SandboxError};
 
 /// How long `check` lets its test run in the sandbox take.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -73,6 +74,11 @@ impl LocalSandbox {
             .seccomp_memfd()
             .map_err(|e| unavailable(format!("cannot pass the syscall filter: {e}")))?;
         let seccomp_fd = seccomp.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        let environment = environ::env_script(&kernel_env(&self.venv, "check"))
+            .map_err(io::Error::other)
+            .and_then(|script| environ::env_memfd(&script))
+            .map_err(|e| unavailable(format!("cannot pass the environment: {e}")))?;
+        let env_fd = std::os::fd::AsRawFd::as_raw_fd(&environment);
         let args = bwrap_args(
             &self.bwrap_opts,
             &HostRoot::probe(&self.cfg.extra_ro_binds),
@@ -83,24 +89,28 @@ impl LocalSandbox {
                 tmp_size: None,
                 resource_dir: None,
                 argv: &argv,
+                env_fd,
             },
             seccomp_fd,
         );
         let mut cmd = Command::new(&self.bwrap);
         cmd.args(&args)
             .env_clear()
-            .envs(kernel_env(&self.venv, "check"))
             .current_dir("/")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        if let Some(fd) = seccomp_fd {
-            // SAFETY: the closure only calls fcntl, which is async-signal-safe.
-            unsafe {
-                cmd.pre_exec(move || inherit_fd(fd));
-            }
+        // SAFETY: the closure only calls fcntl, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                inherit_fd(env_fd)?;
+                if let Some(fd) = seccomp_fd {
+                    inherit_fd(fd)?;
+                }
+                Ok(())
+            });
         }
         let output = match timeout(CHECK_TIMEOUT, cmd.output()).await {
             Ok(Ok(output)) => output,

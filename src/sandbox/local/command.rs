@@ -21,14 +21,14 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
+use super::bwrap::{bwrap_args, BwrapRequest, HostRoot};
 use super::files::{login_name, LaunchFiles, LaunchGuard};
 use super::process::{inherit_fd, join_cgroup, raise_oom_score};
 use super::LocalSandbox;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
 use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
-use crate::sandbox::{thread_env, SandboxError};
+use crate::sandbox::SandboxError;
 
 impl LocalSandbox {
     pub(super) async fn start_command(
@@ -90,6 +90,9 @@ impl LocalSandbox {
                 .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
         ];
         argv.extend(spec.argv.iter().cloned());
+        // The tenant's variables reach only the command's own shell, after the drop.
+        let environment = self.environment_memfd(&user, &spec.env)?;
+        let env_fd = environment.as_raw_fd();
         let request = BwrapRequest {
             workspace: &workspace,
             rundir: &rundir,
@@ -97,6 +100,7 @@ impl LocalSandbox {
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: None,
             argv: &argv,
+            env_fd,
         };
         let mut opts = self.bwrap_opts.clone();
         opts.die_with_parent = true;
@@ -111,11 +115,9 @@ impl LocalSandbox {
             seccomp_fd,
         );
         let mut cmd = Command::new(&self.bwrap);
+        // bwrap runs as root: an empty environment (see `environ.rs`).
         cmd.args(&args)
             .env_clear()
-            .envs(kernel_env(&self.venv, &user.name))
-            .envs(thread_env(&user.limits))
-            .envs(spec.env.iter().cloned())
             .current_dir("/")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -135,6 +137,7 @@ impl LocalSandbox {
                     join_cgroup(path)?;
                 }
                 raise_oom_score()?;
+                inherit_fd(env_fd)?;
                 if let Some(fd) = seccomp_fd {
                     inherit_fd(fd)?;
                 }
@@ -145,6 +148,7 @@ impl LocalSandbox {
             launch_err(&user, format!("cannot start {}: {e}", self.bwrap.display()))
         })?;
         drop(seccomp);
+        drop(environment);
         let pid = child.id().unwrap_or(0);
         let (stdin, stdout, stderr) =
             match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {

@@ -35,7 +35,8 @@ use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
-    thread_env, KernelProcess, LaunchSpec, Launched, SandboxError, KERNEL_OOM_SCORE_ADJ,
+    environ, thread_env, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
+    KERNEL_OOM_SCORE_ADJ,
 };
 
 /// How long bwrap may take to report the sandbox's init pid.
@@ -131,6 +132,11 @@ impl LocalSandbox {
             guard.leaf = Some((cg.clone(), leaf));
         }
 
+        // The kernel's whole environment, read only after the drop (`environ.rs`).
+        let mut env: Vec<(String, String)> = spec_env.into_iter().collect();
+        env.sort();
+        env.extend(spec.env.iter().cloned());
+        let environment = self.environment_memfd(&user, &env)?;
         let request = BwrapRequest {
             workspace: &workspace,
             rundir: &rundir,
@@ -139,6 +145,7 @@ impl LocalSandbox {
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: resource_dir.as_deref(),
             argv: &argv,
+            env_fd: environment.as_raw_fd(),
         };
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
         // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
@@ -152,7 +159,7 @@ impl LocalSandbox {
             None => None,
         };
         let (mut child, info, stderr_task, tail) =
-            self.spawn(&spec, &request, spec_env, leaf, status, options.control)?;
+            self.spawn(&spec, &request, environment, leaf, status, options.control)?;
         let control = match (child.stdin.take(), child.stdout.take()) {
             (Some(stdin), Some(stdout)) if options.control => Some((stdin, stdout)),
             _ => None,
@@ -239,7 +246,7 @@ impl LocalSandbox {
         &self,
         spec: &LaunchSpec,
         request: &BwrapRequest<'_>,
-        spec_env: HashMap<String, String>,
+        environment: OwnedFd,
         leaf: Option<&Leaf>,
         status: Option<OwnedFd>,
         control: bool,
@@ -254,6 +261,7 @@ impl LocalSandbox {
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let status_fd = status.as_ref().map(AsRawFd::as_raw_fd);
+        let env_fd = request.env_fd;
         let mut args = vec![OsString::from("--info-fd"), info_fd.to_string().into()];
         if let Some(fd) = status_fd {
             args.extend([OsString::from("--json-status-fd"), fd.to_string().into()]);
@@ -265,12 +273,9 @@ impl LocalSandbox {
             seccomp_fd,
         ));
         let mut cmd = Command::new(&self.bwrap);
+        // bwrap runs as root: an empty environment (see `environ.rs`).
         cmd.args(&args)
             .env_clear()
-            .envs(kernel_env(&self.venv, &user.name))
-            .envs(thread_env(&user.limits))
-            .envs(spec_env)
-            .envs(spec.env.iter().cloned())
             .current_dir("/")
             .stdin(if control {
                 Stdio::piped()
@@ -299,6 +304,7 @@ impl LocalSandbox {
                 // Let bwrap inherit the info pipe and the filter (created close-on-exec so
                 // that no other child of the broker does).
                 inherit_fd(info_fd)?;
+                inherit_fd(env_fd)?;
                 if let Some(fd) = seccomp_fd {
                     inherit_fd(fd)?;
                 }
@@ -315,6 +321,7 @@ impl LocalSandbox {
         // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
         drop(seccomp);
         drop(status);
+        drop(environment);
 
         let tail = Tail::default();
         // A template's stdout is its control channel, read by `template.rs`.
@@ -341,6 +348,23 @@ impl LocalSandbox {
     /// A memfd holding the syscall filter for one bwrap run (none without a filter).
     pub(super) fn seccomp_memfd(&self) -> io::Result<Option<OwnedFd>> {
         self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
+    }
+
+    /// The whole environment of a kernel or command of `user` as a sealed memfd for
+    /// `BwrapRequest::env_fd`: the fixed part, the thread caps, then `extra` (the spec's and
+    /// the tenant's; later entries win). Read only after the drop (`environ.rs`).
+    pub(super) fn environment_memfd(
+        &self,
+        user: &SandboxUser,
+        extra: &[(String, String)],
+    ) -> Result<OwnedFd, SandboxError> {
+        let mut env = kernel_env(&self.venv, &user.name);
+        env.extend(thread_env(&user.limits));
+        env.extend(extra.iter().cloned());
+        let script = environ::env_script(&env)
+            .map_err(|e| launch_err(user, format!("the environment is refused: {e}")))?;
+        environ::env_memfd(&script)
+            .map_err(|e| launch_err(user, format!("cannot pass the environment: {e}")))
     }
 }
 
