@@ -141,6 +141,20 @@ async fn control_plane_errors_have_e2bs_shape(sandbox: &'static str) {
         )
         .await;
     assert_eq!(s, 400, "{v}");
+    // Variables that steer the loader are refused before anything starts (issue 32).
+    for name in ["LD_PRELOAD", "LD_AUDIT", "GCONV_PATH", "GLIBC_TUNABLES"] {
+        let (s, v) = e
+            .control(
+                M::POST,
+                "/v2/sandboxes",
+                Some(ALICE),
+                Some(json!({"envVars": {name: "/workspace/x.so"}})),
+            )
+            .await;
+        assert_eq!(s, 400, "{v}");
+        e2b_error(&v, 400);
+        assert!(v["message"].as_str().unwrap().contains(name), "{v}");
+    }
     let (s, v) = e
         .control(M::GET, "/sandboxes/not-a-sandbox", Some(ALICE), None)
         .await;
@@ -439,6 +453,30 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
         .await;
     let end: Value = serde_json::from_slice(&out[5..]).unwrap();
     assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+    // A command's envs: loader variables refused before anything runs (issue 32).
+    let msg = br#"{"process": {"cmd": "/bin/true", "envs": {"LD_PRELOAD": "/workspace/x.so"}}}"#;
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg);
+    let (_, out) = e
+        .sandbox(
+            M::POST,
+            "/process.Process/Start",
+            &h,
+            framed,
+            "application/connect+json",
+        )
+        .await;
+    assert_eq!(out[0], 2, "an end-of-stream envelope, no start");
+    let end: Value = serde_json::from_slice(&out[5..]).unwrap();
+    assert_eq!(end["error"]["code"], "invalid_argument", "{end}");
+    assert!(
+        end["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("LD_PRELOAD"),
+        "{end}"
+    );
     let (s, out) = e
         .sandbox(
             M::POST,
