@@ -1,7 +1,7 @@
 """kernel-broker's kernel bootstrap: kernels born with the data stack already imported.
 
-The broker writes this file into a template's runtime directory and runs it with the
-kernel spec's Python:
+The broker writes this file into a directory no kernel can write and runs it with the kernel
+spec's Python, isolated (``python -I``):
 
 ``template --preload M,N``
     The fork server of one user and kernel spec, inside that user's sandbox. Imports the
@@ -207,12 +207,13 @@ def non_dumpable(name=None):
 
 
 def use_pythonpath(value):
-    """Puts the entries of a PYTHONPATH given to a forked kernel on sys.path, where Python
-    would have put them at start (after the script's directory): the template's sys.path
-    was made before this kernel's environment existed. The per-user packages directory
-    (egress: `pip install` into the workspace) arrives this way."""
+    """Puts the entries of a PYTHONPATH on sys.path, first, where Python would have put them
+    at start: the template runs isolated (``-I``: no script directory, no working directory,
+    PYTHON* variables not read, so nothing a kernel can write is on its path), and a forked
+    kernel's environment did not exist when the template's sys.path was made. The per-user
+    packages directory (egress: `pip install` into the workspace) arrives this way."""
     entries = [p for p in value.split(os.pathsep) if p and p not in sys.path]
-    sys.path[1:1] = entries
+    sys.path[0:0] = entries
     if entries:
         import importlib
 
@@ -431,6 +432,8 @@ def main():
     if mode != "template":
         raise SystemExit("kernel-broker boot: the only mode is 'template'")
     start = time.monotonic()
+    # Isolated mode read no PYTHONPATH: apply the template's own (see use_pythonpath).
+    use_pythonpath(os.environ.get("PYTHONPATH", ""))
     # stdout is the broker's control channel: nothing else may write to it, so what a
     # module prints while it is imported goes to stderr.
     template = Template(os.dup(1))

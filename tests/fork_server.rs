@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::forked::{link, links, out, parent_of};
+use common::forked::{link, links, out, parent_of, planted_modules_reach_no_later_session};
 use common::*;
 use serde_json::{json, Value};
 
@@ -406,5 +406,117 @@ async fn each_kernel_is_forked_and_placed_ahead_of_need() {
         }
     })
     .await;
+    broker.stop().await;
+}
+
+/// A loop in a forked kernel, as an attacker would write it: inotify on `/run/kernel` (its
+/// template's runtime directory, where the broker makes each next kernel's directory) and,
+/// as soon as a directory appears, move it aside and put a symlink to `victim` (a host
+/// directory) in its place. `swapped` counts its wins.
+fn stem_racer(victim: &str) -> String {
+    format!(
+        "import ctypes, os, struct, threading\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         _fd = libc.inotify_init1(0)\n\
+         assert _fd >= 0, ctypes.get_errno()\n\
+         assert libc.inotify_add_watch(_fd, b'/run/kernel', 0x100) >= 0, ctypes.get_errno()\n\
+         swapped = []\n\
+         def _race():\n\
+         \x20   while True:\n\
+         \x20       buf, i = os.read(_fd, 65536), 0\n\
+         \x20       while i < len(buf):\n\
+         \x20           _, mask, _, n = struct.unpack_from('iIII', buf, i)\n\
+         \x20           name = buf[i + 16:i + 16 + n].rstrip(b'\\0').decode()\n\
+         \x20           i += 16 + n\n\
+         \x20           if mask & 0x40000000 and not name.endswith('.aside'):\n\
+         \x20               p = '/run/kernel/' + name\n\
+         \x20               try:\n\
+         \x20                   os.rename(p, p + '.aside')\n\
+         \x20                   os.symlink({victim:?}, p)\n\
+         \x20                   swapped.append(name)\n\
+         \x20               except OSError:\n\
+         \x20                   pass\n\
+         threading.Thread(target=_race, daemon=True).start()\n\
+         print('racing')"
+    )
+}
+
+/// Issue 32, attack 4: the broker made the next kernel's directory in the template's
+/// runtime directory (the kernel's to write), then chowned it and wrote the connection
+/// file by path: a racer swapping the new directory for a symlink got a host directory
+/// chowned to its uid and the new kernel's key written into it. Now the directory is made,
+/// checked and written through descriptors; a swapped one fails that fork (the session
+/// starts plainly). The racer ran long enough here to win against the old code (it did
+/// within 15-71 launches), and must have swapped at least once.
+#[tokio::test]
+async fn a_racer_in_the_template_directory_never_redirects_the_brokers_writes() {
+    if !host::is_root() {
+        eprintln!("skipped: the kernel's directory is chowned only by a root broker");
+        return;
+    }
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let attacker = api.create().await;
+    let victim = tempfile::Builder::new()
+        .prefix("kb-stem-victim-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::set_permissions(victim.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(
+        out(
+            &api,
+            &attacker,
+            &stem_racer(victim.path().to_str().unwrap())
+        )
+        .await,
+        "racing"
+    );
+    let mut swaps = 0;
+    for _ in 0..80 {
+        // A swap the racer wins after the broker's writes breaks only that kernel (its
+        // sockets' directory is gone): the user's own sessions are the racer's to spoil.
+        let (status, v) = api.post("/v1/sessions", json!({})).await;
+        assert!(status == 201 || status == 503, "{status} {v}");
+        if let Some(id) = v["id"].as_str() {
+            api.delete(&format!("/v1/sessions/{id}")).await;
+        }
+        swaps = out(&api, &attacker, "print(len(swapped))")
+            .await
+            .parse::<usize>()
+            .unwrap();
+        if swaps >= 10 {
+            break;
+        }
+    }
+    let meta = std::fs::metadata(victim.path()).unwrap();
+    let inside: Vec<_> = std::fs::read_dir(victim.path())
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        swaps >= 1,
+        "the racer never swapped a directory: this test saw nothing"
+    );
+    assert_eq!(
+        meta.uid(),
+        0,
+        "a host directory was chowned to the kernel's uid"
+    );
+    assert!(
+        inside.is_empty(),
+        "the broker wrote into a host directory: {inside:?}"
+    );
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn planted_modules_reach_no_later_session_of_the_user() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let b = api.create().await;
+    planted_modules_reach_no_later_session(&api, &a, &b, true).await;
     broker.stop().await;
 }

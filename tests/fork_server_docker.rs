@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::forked::{link, links, out, parent_of};
+use common::forked::{link, links, out, parent_of, planted_modules_reach_no_later_session};
 use common::*;
 use serde_json::{json, Value};
 
@@ -295,5 +295,15 @@ async fn the_fork_server_can_be_turned_off() {
     let id = api.create().await;
     let (_, _, parent) = ancestry(&api, &id).await;
     assert_eq!(parent, "tini", "a plain start");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn planted_modules_reach_no_later_session_of_the_user() {
+    let broker = broker(|_| {}).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let b = api.create().await;
+    planted_modules_reach_no_later_session(&api, &a, &b, false).await;
     broker.stop().await;
 }

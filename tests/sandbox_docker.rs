@@ -444,3 +444,96 @@ async fn a_container_whose_limits_are_not_in_force_is_refused() {
     })
     .await;
 }
+
+/// A loop in the kernel, as an attacker would write it: it watches `/proc` for the shell of
+/// a new exec waiting for its `go` file (its argv names the session directory) and plants
+/// `go` there as a symlink to a host path, alternating between `victim` (a host file) and
+/// `created` (a host path that does not exist). `planted` counts its wins.
+fn go_racer(victim: &str, created: &str) -> String {
+    format!(
+        "import os, re, threading\n\
+         planted = []\n\
+         def _race(targets=({victim:?}, {created:?})):\n\
+         \x20   pat = re.compile(rb'/run/kernel/([A-Za-z0-9]+)/go')\n\
+         \x20   done = set()\n\
+         \x20   while True:\n\
+         \x20       for pid in os.listdir('/proc'):\n\
+         \x20           if not pid.isdigit():\n\
+         \x20               continue\n\
+         \x20           try:\n\
+         \x20               cmd = open('/proc/%s/cmdline' % pid, 'rb').read()\n\
+         \x20           except OSError:\n\
+         \x20               continue\n\
+         \x20           m = pat.search(cmd)\n\
+         \x20           if not m or m.group(1) in done:\n\
+         \x20               continue\n\
+         \x20           done.add(m.group(1))\n\
+         \x20           try:\n\
+         \x20               os.symlink(targets[len(planted) % 2], '/run/kernel/%s/go' % m.group(1).decode())\n\
+         \x20               planted.append(m.group(1))\n\
+         \x20           except OSError:\n\
+         \x20               pass\n\
+         threading.Thread(target=_race, daemon=True).start()"
+    )
+}
+
+/// Issue 32, attack 3: the broker (root on the host) wrote a waiting exec's `go` file with
+/// `std::fs::write`, which follows a symlink the kernel planted in its own session
+/// directory: any host file could be truncated or created as root. Now `go` is created
+/// through the directory's descriptor with `O_EXCL | O_NOFOLLOW`; a planted one fails that
+/// launch. The racer must have won at least once, or the test proves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_planted_go_symlink_is_never_followed() {
+    use kernel_broker::sandbox::command::CommandSpec;
+    let Some(h) = Harness::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let mut k = start(&h.sandbox, &alice).await;
+        let tag = Uuid::new_v4().simple().to_string();
+        let victim = std::path::PathBuf::from(format!("/tmp/kb-go-victim-{tag}"));
+        let created = std::path::PathBuf::from(format!("/tmp/kb-go-created-{tag}"));
+        std::fs::write(&victim, b"precious host data").unwrap();
+        let o = k
+            .run(&go_racer(
+                victim.to_str().unwrap(),
+                created.to_str().unwrap(),
+            ))
+            .await;
+        assert!(o.error.is_none(), "{o:?}");
+        let mut wins = 0;
+        for _ in 0..20 {
+            let spec = CommandSpec {
+                user: alice.clone(),
+                argv: vec!["/bin/true".into()],
+                env: vec![],
+                cwd: None,
+                limits: alice.limits.kernel(None),
+            };
+            // A lost race fails the command's start; a won one for the broker runs it.
+            if let Ok(cmd) = h.sandbox.run_command(spec).await {
+                timeout(Duration::from_secs(60), cmd.control.wait())
+                    .await
+                    .expect("the command ends");
+            }
+            wins = k.run("print(len(planted))").await.out().parse().unwrap();
+            if wins >= 4 {
+                break;
+            }
+        }
+        let intact = std::fs::read(&victim).unwrap();
+        let made = created.exists();
+        let _ = std::fs::remove_file(&victim);
+        let _ = std::fs::remove_file(&created);
+        assert!(
+            wins >= 1,
+            "the racer never planted a go file: this test saw nothing"
+        );
+        assert_eq!(
+            intact, b"precious host data",
+            "a host file was written through a planted go"
+        );
+        assert!(!made, "a host file was created through a planted go");
+        h.sandbox.shutdown().await;
+    })
+    .await;
+}

@@ -16,8 +16,31 @@ use serde_json::Value;
 
 /// The script, as shipped in `kernels/`.
 pub const BOOT_SCRIPT: &str = include_str!("../../kernels/kernel_broker_boot.py");
-/// Its file name in a runtime directory.
+/// Its file name.
 pub const BOOT_SCRIPT_NAME: &str = "kernel_broker_boot.py";
+
+/// Puts the script into `dir`, a directory only the broker can write (never one a kernel
+/// can: the script's directory must hold nothing a kernel planted), as a root-owned 0644
+/// file, replacing an older one atomically. Returns the script's path.
+///
+/// Run isolated (`-I`, [`template_argv`]), Python puts neither that directory nor the
+/// working directory on `sys.path`, so a kernel's import path holds nothing the kernel can
+/// write but what its own environment names (`PYTHONPATH`: the workspace's package
+/// directory), applied by the script itself.
+pub fn install_script(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+    use std::os::fd::AsFd;
+    let root = super::fsutil::open_tree_root(dir)?;
+    let fresh = format!(".{BOOT_SCRIPT_NAME}.{}", uuid::Uuid::new_v4().simple());
+    super::fsutil::write_new_file_at(
+        root.as_fd(),
+        std::path::Path::new(&fresh),
+        BOOT_SCRIPT.as_bytes(),
+        super::fsutil::FileMode::Exact(0o644),
+        None,
+    )?;
+    rustix::fs::renameat(&root, fresh.as_str(), &root, BOOT_SCRIPT_NAME)?;
+    Ok(dir.join(BOOT_SCRIPT_NAME))
+}
 /// What kernels import before their first cell by default: the data stack an agent's first
 /// cell asks for (matplotlib also draws a warm-up figure).
 pub const DEFAULT_PRELOAD: &[&str] = &["numpy", "pandas", "matplotlib"];
@@ -39,10 +62,12 @@ pub fn ipykernel_args(argv: &[String]) -> Option<(&str, &[String])> {
     .then(|| (python.as_str(), &argv[at + 2..]))
 }
 
-/// `python <script> template --preload M,N`: a fork server.
+/// `python -I <script> template --preload M,N`: a fork server, isolated (see
+/// [`install_script`]).
 pub fn template_argv(python: &str, script: &str, preload: &[String]) -> Vec<String> {
     vec![
         python.to_string(),
+        "-I".to_string(),
         script.to_string(),
         "template".to_string(),
         "--preload".to_string(),

@@ -10,8 +10,9 @@
 //!   refusal to a 400.
 //! - **Applied only after the drop** ([`env_script`]): the backends give privileged
 //!   helpers (bwrap, setpriv) a fixed, empty environment; the kernel's whole environment,
-//!   fixed and tenant parts alike, is read from a sealed memfd by `/bin/sh` running as the
-//!   kernel's uid, after `setpriv` dropped every capability. So even a variable this check
+//!   fixed and tenant parts alike, travels in a sealed memfd that bwrap copies into the
+//!   sandbox (`--file`) and `/bin/sh` reads as the kernel's uid, after `setpriv` dropped
+//!   every capability. So even a variable this check
 //!   missed could only affect a process that is the kernel's already.
 //!
 //! Pure but for [`env_memfd`], which only creates an anonymous file.
@@ -134,14 +135,14 @@ pub fn env_script(vars: &[(String, String)]) -> Result<Vec<u8>, EnvRefused> {
     Ok(out)
 }
 
-/// The command that, run as the kernel's uid, reads the script in descriptor `fd` into its
-/// environment, changes to `cwd`, closes the descriptor and becomes `argv`:
-/// `/bin/sh -c '...' NAME CWD argv...`.
-pub fn apply_then_exec(fd: i32, cwd: &str, argv: &[String]) -> Vec<String> {
+/// The command that, run as the kernel's uid, reads the script at `script` (a fixed path
+/// inside the sandbox, not quoted for a shell) into its environment, changes to `cwd` and
+/// becomes `argv`: `/bin/sh -c '...' CWD argv...`.
+pub fn apply_then_exec(script: &str, cwd: &str, argv: &[String]) -> Vec<String> {
     let mut out = vec![
         "/bin/sh".to_string(),
         "-c".to_string(),
-        format!(". /proc/self/fd/{fd} || exit 126; cd -- \"$0\" || exit 126; exec \"$@\" {fd}<&-"),
+        format!(". {script} || exit 126; cd -- \"$0\" || exit 126; exec \"$@\""),
         cwd.to_string(),
     ];
     out.extend(argv.iter().cloned());
@@ -149,15 +150,18 @@ pub fn apply_then_exec(fd: i32, cwd: &str, argv: &[String]) -> Vec<String> {
 }
 
 /// A close-on-exec memfd holding `script`, sealed against any change and positioned at
-/// its start, for the sandbox to inherit.
+/// its start, for the sandbox to inherit (bwrap copies it into the sandbox with `--file`
+/// and closes it before anything of the kernel's runs).
 pub fn env_memfd(script: &[u8]) -> io::Result<OwnedFd> {
     use rustix::fs::{fcntl_add_seals, memfd_create, MemfdFlags, SealFlags};
+    use std::io::Seek;
     let fd = memfd_create(
         "kernel-broker-env",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )?;
     let mut file = std::fs::File::from(fd);
     file.write_all(script)?;
+    file.rewind()?;
     fcntl_add_seals(
         &file,
         SealFlags::SEAL | SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE,
@@ -232,7 +236,8 @@ mod tests {
         assert!(env_script(&[("A".into(), "\0".into())]).is_err());
     }
 
-    /// The script read by a real `/bin/sh` gives back every value byte for byte.
+    /// The script read by a real `/bin/sh` gives back every value byte for byte, from the
+    /// memfd's start.
     #[test]
     fn a_shell_reads_the_script_back_exactly() {
         let vars = vec![
@@ -244,41 +249,28 @@ mod tests {
             ("PATH".to_string(), "/usr/bin:/bin".to_string()),
         ];
         let fd = env_memfd(&env_script(&vars).unwrap()).unwrap();
-        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        let mut copy = tempfile::NamedTempFile::new().unwrap();
+        std::io::copy(&mut std::fs::File::from(fd), &mut copy).unwrap();
         let argv = apply_then_exec(
-            raw,
+            copy.path().to_str().unwrap(),
             "/",
             &[
                 "/bin/sh".into(),
                 "-c".into(),
-                format!(
-                    "printf '%s\\0%s\\0' \"$A\" \"$B\"; pwd; \
-                     if [ -e /proc/$$/fd/{raw} ]; then echo open; else echo closed; fi"
-                ),
+                "printf '%s\\0%s\\0' \"$A\" \"$B\"; pwd".into(),
             ],
         );
-        let mut cmd = std::process::Command::new(&argv[0]);
-        cmd.args(&argv[1..]).env_clear();
-        // SAFETY: fcntl(2) on a descriptor this test owns; async-signal-safe.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                if libc::fcntl(raw, libc::F_SETFD, 0) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let out = cmd.output().unwrap();
+        let out = std::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .env_clear()
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{out:?}");
         let text = String::from_utf8(out.stdout).unwrap();
         let mut parts = text.split('\0');
         assert_eq!(parts.next(), Some(vars[0].1.as_str()));
         assert_eq!(parts.next(), Some(vars[1].1.as_str()));
-        assert_eq!(
-            parts.next(),
-            Some("/\nclosed\n"),
-            "the descriptor is closed before the command runs"
-        );
+        assert_eq!(parts.next(), Some("/\n"));
     }
 
     #[test]

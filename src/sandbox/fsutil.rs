@@ -13,7 +13,7 @@ use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -414,30 +414,82 @@ pub(crate) enum FileMode {
     Exact(u32),
 }
 
-/// Creates `path` (it must not exist), writes `contents` and, with `owner`, gives it to
-/// that uid and gid.
-pub(crate) fn write_new_file(
-    path: &Path,
+/// Creates the file `name` (one component) in the open directory `dir`, writes `contents`
+/// and, with `owner`, gives it to that uid and gid through its descriptor.
+///
+/// `O_CREAT | O_EXCL | O_NOFOLLOW`: whatever a kernel planted under that name (a symlink to
+/// a host file, a file of its own) makes this fail instead of being followed or written,
+/// and the owner and mode are set on what was opened, never on a path looked up again.
+/// This is how root writes into a directory a kernel can write (docs/SECURITY.md).
+pub(crate) fn write_new_file_at(
+    dir: BorrowedFd<'_>,
+    name: &Path,
     contents: &[u8],
     mode: FileMode,
     owner: Option<(u32, u32)>,
 ) -> io::Result<()> {
+    use rustix::fs::{fchmod, fchown, openat, Gid, Mode, OFlags, Uid};
     use std::io::Write;
     let (FileMode::Masked(bits) | FileMode::Exact(bits)) = mode;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(bits)
-        .open(path)?;
-    file.write_all(contents)?;
+    let fd = openat(
+        dir,
+        one_component(name)?,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(bits),
+    )?;
     if let Some((uid, gid)) = owner {
-        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+        fchown(&fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))?;
     }
     if let FileMode::Exact(bits) = mode {
         // The umask may have narrowed the mode.
-        file.set_permissions(std::fs::Permissions::from_mode(bits))?;
+        fchmod(&fd, Mode::from_raw_mode(bits))?;
     }
-    Ok(())
+    std::fs::File::from(fd).write_all(contents)
+}
+
+/// Makes the directory `name` (one component) in the open directory `parent` and returns it
+/// opened, with `mode` exactly and, with `owner`, given to that uid and gid through the
+/// descriptor. What is opened must be the directory this call made: one a kernel swapped
+/// in meanwhile (a symlink, or a directory of its own) is refused, so nothing of the kernel's
+/// choosing is chowned or written into.
+pub(crate) fn make_dir_at(
+    parent: BorrowedFd<'_>,
+    name: &Path,
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> io::Result<OwnedFd> {
+    use rustix::fs::{fchmod, fchown, fstat, mkdirat, Gid, Mode, Uid};
+    let name = one_component(name)?;
+    mkdirat(parent, name, Mode::from_raw_mode(mode))?;
+    let cname = std::ffi::CString::new(name.as_os_str().as_bytes())?;
+    let dir = open_subdir(parent, &cname)?;
+    let (euid, _) = current_ids();
+    if fstat(&dir)?.st_uid != euid {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} was replaced by a directory the broker did not make",
+                name.display()
+            ),
+        ));
+    }
+    fchmod(&dir, Mode::from_raw_mode(mode))?;
+    if let Some((uid, gid)) = owner {
+        fchown(&dir, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))?;
+    }
+    Ok(dir)
+}
+
+/// `name` if it is one plain path component (no `/`, not `.` or `..`).
+fn one_component(name: &Path) -> io::Result<&Path> {
+    let mut parts = name.components();
+    match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(_)), None) => Ok(name),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not one path component", name.display()),
+        )),
+    }
 }
 
 /// Removes a runtime directory off the async runtime; a missing one is fine, failures are
@@ -475,20 +527,22 @@ pub(crate) fn connection_file(spec: &LaunchSpec, ip: &str) -> serde_json::Value 
     })
 }
 
-/// Writes `connection` as `<dir>/connection.json` (a new file).
+/// Writes `connection` as `connection.json` (a new file) in the open directory `dir`, which
+/// is `path` (for errors).
 pub(crate) fn write_connection_file(
-    dir: &Path,
+    dir: BorrowedFd<'_>,
+    path: &Path,
     connection: &serde_json::Value,
     mode: FileMode,
     owner: Option<(u32, u32)>,
 ) -> Result<(), SandboxError> {
-    let path = dir.join("connection.json");
+    let path = path.join("connection.json");
     let text = serde_json::to_vec_pretty(connection).map_err(|e| SandboxError::Io {
         what: "cannot encode the connection file",
         path: path.clone(),
         source: io::Error::other(e),
     })?;
-    write_new_file(&path, &text, mode, owner)
+    write_new_file_at(dir, Path::new("connection.json"), &text, mode, owner)
         .map_err(io_err("cannot write the connection file", &path))
 }
 

@@ -119,7 +119,7 @@ impl WorkspaceImages {
             self.resize_image(&image, quota)?;
         }
         let image_str = image.as_os_str().to_owned();
-        run(Command::new("mount")
+        run(helper("mount")
             .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
             .arg(&image_str)
             .arg(dir))
@@ -165,7 +165,7 @@ impl WorkspaceImages {
             drop(f);
             // -m 0: no blocks reserved for root (the kernel never is root); no lazy init, so
             // the first writes are not slowed by background zeroing.
-            run(Command::new("mkfs.ext4")
+            run(helper("mkfs.ext4")
                 .args(["-q", "-F", "-m", "0", "-E"])
                 .arg(format!(
                     "root_owner={}:{},lazy_itable_init=0,lazy_journal_init=0",
@@ -195,10 +195,7 @@ impl WorkspaceImages {
             return Ok(());
         }
         // resize2fs wants a freshly checked file system; -p repairs only what is safe.
-        let check = Command::new("e2fsck")
-            .args(["-f", "-p"])
-            .arg(image)
-            .output();
+        let check = helper("e2fsck").args(["-f", "-p"]).arg(image).output();
         match check {
             // 0: clean, 1: errors corrected.
             Ok(out) if matches!(out.status.code(), Some(0 | 1)) => {}
@@ -218,12 +215,12 @@ impl WorkspaceImages {
                 .open(image)
                 .and_then(|f| f.set_len(quota))
                 .map_err(io_err("cannot grow the workspace image", image))?;
-            if let Err(e) = run(Command::new("resize2fs").arg(image).arg(&kib)) {
+            if let Err(e) = run(helper("resize2fs").arg(image).arg(&kib)) {
                 tracing::warn!(image = %image.display(), error = %e, "cannot grow the workspace file system; it keeps its old size");
             } else {
                 tracing::info!(image = %image.display(), from = size, to = quota, "workspace quota grown");
             }
-        } else if let Err(e) = run(Command::new("resize2fs").arg(image).arg(&kib)) {
+        } else if let Err(e) = run(helper("resize2fs").arg(image).arg(&kib)) {
             tracing::warn!(image = %image.display(), from = size, to = quota, error = %e, "cannot shrink the workspace below what it uses; it keeps its old size");
         } else {
             std::fs::OpenOptions::new()
@@ -250,10 +247,10 @@ impl WorkspaceImages {
     pub(crate) fn unmount_all(&self) {
         let mounted = std::mem::take(&mut lock(&self.settled).mounted);
         for dir in mounted {
-            if let Err(e) = run(Command::new("umount").arg(&dir)) {
+            if let Err(e) = run(helper("umount").arg(&dir)) {
                 // Still in use (a kernel that would not die): detach it now, and the kernel
                 // frees it when it goes.
-                let lazy = run(Command::new("umount").arg("-l").arg(&dir));
+                let lazy = run(helper("umount").arg("-l").arg(&dir));
                 tracing::warn!(workspace = %dir.display(), error = %e, detached = lazy.is_ok(), "cannot unmount the workspace file system");
             }
         }
@@ -285,6 +282,19 @@ fn is_mount_point(dir: &Path) -> Result<bool, SandboxError> {
 }
 
 /// Runs a short system command; its stderr in the error.
+/// A root helper (mount, mkfs, e2fsck, resize2fs, umount) with fixed inputs: no variable
+/// of the broker's environment (nothing a tenant could have placed there either), `/` as its
+/// working directory, and arguments the broker built from validated names
+/// (docs/SECURITY.md, "Privileged helpers").
+fn helper(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("LC_ALL", "C")
+        .current_dir("/");
+    cmd
+}
+
 fn run(cmd: &mut Command) -> Result<(), String> {
     let out = cmd
         .output()

@@ -93,3 +93,62 @@ pub async fn kernel_attacks_its_template(api: &Api, id: &str, template: impl std
         .await;
     assert!(matches!(v["status"].as_str(), Some("ok" | "dead")), "{v}");
 }
+
+/// Issue 32, attack 6: a forked kernel's import path held its template's runtime directory
+/// (the boot script's directory, `sys.path[0]`), which the kernel can write and the files
+/// API does not show: a module planted there ran in the user's later sessions. Session
+/// `attacker` plants a module in that directory and in every other directory on its
+/// `sys.path` it can write but the workspace; session `next`, forked from the same
+/// template, must not import it, and every entry of its path but the workspace's must be
+/// one it cannot write.
+///
+/// The places tried also include the directory of the script its parent (the template)
+/// runs. `writable_runtime_dir`: the backend gives the kernel a writable `/run/kernel` (the
+/// local template's runtime directory; Docker's is the broker's), so the attacker must
+/// have planted something there.
+pub async fn planted_modules_reach_no_later_session(
+    api: &Api,
+    attacker: &str,
+    next: &str,
+    writable_runtime_dir: bool,
+) {
+    let planted = out(
+        api,
+        attacker,
+        "import os, sys\n\
+         places = {'/run/kernel'} | {p for p in sys.path if p and os.path.isdir(p)}\n\
+         argv = open('/proc/%d/cmdline' % os.getppid(), 'rb').read().decode().split('\\0')\n\
+         places |= {os.path.dirname(a) for a in argv if a.endswith('.py')}\n\
+         done = []\n\
+         for d in sorted(places):\n\
+         \x20   if d in ('', '.') or os.path.realpath(d).startswith('/workspace'):\n\
+         \x20       continue\n\
+         \x20   try:\n\
+         \x20       open(os.path.join(d, 'kb_planted_probe.py'), 'w').write('PLANTED = True\\n')\n\
+         \x20       done.append(d)\n\
+         \x20   except OSError:\n\
+         \x20       pass\n\
+         print(done)",
+    )
+    .await;
+    assert!(
+        !writable_runtime_dir || planted.contains("/run/kernel"),
+        "the attacker could not even plant in its runtime directory: {planted}"
+    );
+    let imported = out(
+        api,
+        next,
+        "try:\n    import kb_planted_probe\n    print('imported', kb_planted_probe.__file__)\n\
+         except ModuleNotFoundError:\n    print('not found')",
+    )
+    .await;
+    assert_eq!(imported, "not found", "planted in {planted}");
+    let writable = out(
+        api,
+        next,
+        "import os, sys\n\
+         print([p for p in sys.path if p not in ('', '.') and not os.path.realpath(p).startswith('/workspace') and os.access(p or '.', os.W_OK)])",
+    )
+    .await;
+    assert_eq!(writable, "[]", "writable directories on the import path");
+}

@@ -62,7 +62,6 @@ impl Inner {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: Some(serde_json::Value::Null),
-            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await

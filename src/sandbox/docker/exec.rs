@@ -38,8 +38,7 @@
 //!
 
 use std::io;
-use std::os::fd::OwnedFd;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,7 +58,6 @@ use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
-use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{read_counter, Leaf};
 use crate::sandbox::fork_server::{pidfd_open, pidfd_signal};
 use crate::sandbox::fsutil::{self, io_err, FileMode};
@@ -346,8 +344,6 @@ pub(super) struct SessionFiles {
     pub privileged: bool,
     /// None for a template's directory.
     pub connection: Option<serde_json::Value>,
-    /// Write the bootstrap script ([`crate::sandbox::boot`]) too.
-    pub boot_script: bool,
 }
 
 impl SessionFiles {
@@ -359,31 +355,29 @@ impl SessionFiles {
         } else {
             (0o777, None)
         };
-        std::fs::DirBuilder::new()
-            .mode(mode)
-            .create(&self.dir)
-            .map_err(io_err(
-                "cannot create the session's runtime directory",
-                &self.dir,
-            ))?;
-        // The umask may have narrowed the mode.
-        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(mode)).map_err(
-            io_err("cannot set the runtime directory's permissions", &self.dir),
-        )?;
-        if let Some((uid, gid)) = owner {
-            std::os::unix::fs::chown(&self.dir, Some(uid), Some(gid))
-                .map_err(io_err("cannot chown the runtime directory", &self.dir))?;
-        }
-        if self.boot_script {
-            let path = self.dir.join(BOOT_SCRIPT_NAME);
-            fsutil::write_new_file(&path, BOOT_SCRIPT.as_bytes(), FileMode::Exact(0o644), None)
-                .map_err(io_err("cannot write the kernel's bootstrap script", &path))?;
-        }
+        let err = |what| io_err(what, &self.dir);
+        let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name()) else {
+            return Err(err("the session directory has no parent")(
+                io::ErrorKind::InvalidInput.into(),
+            ));
+        };
+        // Through descriptors (docs/SECURITY.md): made in the user's runtime directory (the
+        // broker's, 0711), chowned and written through the new directory's descriptor.
+        let parent = fsutil::open_tree_root(parent)
+            .map_err(err("cannot open the user's runtime directory"))?;
+        let dir = fsutil::make_dir_at(parent.as_fd(), Path::new(name), mode, owner)
+            .map_err(err("cannot create the session's runtime directory"))?;
         let Some(connection) = &self.connection else {
             return Ok(());
         };
         let file_mode = if self.privileged { 0o600 } else { 0o644 };
-        fsutil::write_connection_file(&self.dir, connection, FileMode::Exact(file_mode), owner)
+        fsutil::write_connection_file(
+            dir.as_fd(),
+            &self.dir,
+            connection,
+            FileMode::Exact(file_mode),
+            owner,
+        )
     }
 }
 

@@ -431,7 +431,6 @@ impl Inner {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: Some(connection_file(&spec, &dir)),
-            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await

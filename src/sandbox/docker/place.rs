@@ -4,6 +4,8 @@
 //! ([`wait_for_go`]) while the broker (root on the host) finds its host pid, makes the
 //! leaf and moves it there ([`leaf_for`]), then writes the word ([`let_go`]).
 
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -12,6 +14,7 @@ use bollard::Docker;
 use super::daemon::error_text;
 use super::RUN_DIR_INSIDE;
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::fsutil;
 use crate::sandbox::KernelLimits;
 
 /// The shell loop that waits for the broker's word ([`GO_FILE`] in the session directory).
@@ -70,10 +73,30 @@ pub(super) async fn place_kernel(
 }
 
 /// Writes the word a command waiting in [`wait_for_go`] waits for.
+///
+/// The session directory is the kernel's (its uid owns it, and its name shows in the
+/// waiting shell's argv): a kernel of the user may plant `go` as a symlink to any host file
+/// before the broker writes it. So the directory is opened beneath the user's runtime
+/// directory (the broker's) without following any symlink, and `go` is created in that
+/// descriptor with `O_CREAT | O_EXCL | O_NOFOLLOW`: a planted `go` fails the launch instead
+/// of being followed (docs/SECURITY.md).
 pub(super) fn let_go(host_dir: &Path) -> Result<(), String> {
     let go = host_dir.join(GO_FILE);
-    std::fs::write(&go, b"")
-        .map_err(|e| format!("cannot let the process start ({}): {e}", go.display()))
+    let fail = |e: std::io::Error| format!("cannot let the process start ({}): {e}", go.display());
+    let (Some(parent), Some(name)) = (host_dir.parent(), host_dir.file_name()) else {
+        return Err(fail(std::io::ErrorKind::InvalidInput.into()));
+    };
+    let parent = fsutil::open_tree_root(parent).map_err(fail)?;
+    let name = std::ffi::CString::new(name.as_bytes()).map_err(|e| fail(e.into()))?;
+    let dir = fsutil::open_subdir(parent.as_fd(), &name).map_err(fail)?;
+    fsutil::write_new_file_at(
+        dir.as_fd(),
+        Path::new(GO_FILE),
+        b"",
+        fsutil::FileMode::Exact(0o644),
+        None,
+    )
+    .map_err(fail)
 }
 
 /// Makes a leaf named `name` with `limits` in the container cgroup of host process `pid`

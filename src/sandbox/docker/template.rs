@@ -190,12 +190,21 @@ impl Inner {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: None,
-            boot_script: true,
         };
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        // The script goes into the user's runtime directory itself (the broker's, 0711, at
+        // /run/kernel in the container), never into a session directory, which the kernel
+        // owns and which would be the script's sys.path[0] (see `boot::install_script`).
+        let user_dir = self.user_run_dir(&user.name);
+        tokio::task::spawn_blocking(move || {
+            boot::install_script(&user_dir).map_err(crate::sandbox::fsutil::io_err(
+                "cannot install the kernels' bootstrap script",
+                &user_dir,
+            ))?;
+            files.write()
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
         let started = self
             .run_template(docker, container, spec, preload, &dir, &host_dir)
             .await;
@@ -231,7 +240,7 @@ impl Inner {
         host_dir: &std::path::Path,
     ) -> Result<(Template, crate::sandbox::fork_server::Ready), String> {
         let user = &spec.user;
-        let script = format!("{RUN_DIR_INSIDE}/{dir}/{BOOT_SCRIPT_NAME}");
+        let script = format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
         // Module names are checked (`boot::is_module_name`): nothing the shell reads.
         let command = format!(
             "{wait}exec {TINI_INSIDE} -s -- {}",
@@ -347,7 +356,6 @@ impl Inner {
             dir: host_dir.clone(),
             privileged: self.privileged,
             connection: Some(connection_file(spec, &dir)),
-            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await

@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 
 use super::files::login_name;
 use super::python::{KernelPython, PythonMount};
-use super::{HOME_INSIDE, HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE};
+use super::{
+    BOOT_DIR_INSIDE, ENV_FILE_INSIDE, HOME_INSIDE, HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE,
+};
 
 /// Host files that are harmless to show read-only in the sandbox's `/etc`, if present.
 const ETC_RO_FILES: &[&str] = &[
@@ -114,11 +116,15 @@ pub(super) struct BwrapRequest<'a> {
     pub ids: Option<(u32, u32)>,
     pub tmp_size: Option<u64>,
     pub resource_dir: Option<&'a Path>,
+    /// The host directory holding the bootstrap script, shown read-only at
+    /// [`BOOT_DIR_INSIDE`].
+    pub boot_dir: Option<&'a Path>,
     pub argv: &'a [String],
     /// A descriptor bwrap inherits holding the kernel's whole environment as a script
-    /// ([`crate::sandbox::environ`]): read by `/bin/sh` as the kernel's uid, after the drop,
-    /// which then changes to the workspace (bwrap, without capabilities by then, could not
-    /// enter the kernel's 0700 workspace). bwrap and setpriv run with an empty environment.
+    /// ([`crate::sandbox::environ`]): bwrap copies it to [`ENV_FILE_INSIDE`], and `/bin/sh`
+    /// reads it there as the kernel's uid, after the drop, then changes to the workspace
+    /// (bwrap, without capabilities by then, could not enter the kernel's 0700 workspace).
+    /// bwrap and setpriv run with an empty environment.
     pub env_fd: RawFd,
 }
 
@@ -297,6 +303,9 @@ pub(super) fn bwrap_args(
     if let Some(dir) = req.resource_dir {
         fs.ro_bind(dir, dir);
     }
+    if let Some(dir) = req.boot_dir {
+        fs.ro_bind(dir, Path::new(BOOT_DIR_INSIDE));
+    }
     fs.dir(Path::new("/etc"));
     for path in &host.etc_files {
         fs.ro_bind(path, path);
@@ -307,6 +316,15 @@ pub(super) fn bwrap_args(
     for name in ["passwd", "group", "hosts"] {
         fs.ro_bind(&req.rundir.join(name), &Path::new("/etc").join(name));
     }
+    // The kernel's environment, copied from the inherited descriptor (which bwrap closes)
+    // into the sandbox's own root: readable by the kernel, whose environment it is.
+    fs.push([
+        "--perms".to_string(),
+        "0444".to_string(),
+        "--file".to_string(),
+        req.env_fd.to_string(),
+        ENV_FILE_INSIDE.to_string(),
+    ]);
 
     fs.bind(req.rundir, Path::new(RUN_DIR_INSIDE));
     fs.bind(req.workspace, Path::new(WORKSPACE_INSIDE));
@@ -328,7 +346,7 @@ pub(super) fn bwrap_args(
         }
     }
     args.extend(
-        crate::sandbox::environ::apply_then_exec(req.env_fd, WORKSPACE_INSIDE, req.argv)
+        crate::sandbox::environ::apply_then_exec(ENV_FILE_INSIDE, WORKSPACE_INSIDE, req.argv)
             .into_iter()
             .map(OsString::from),
     );

@@ -115,6 +115,7 @@ fn run(
         ids,
         tmp_size,
         resource_dir,
+        boot_dir: None,
         argv: &argv,
         env_fd: 9,
     };
@@ -279,6 +280,7 @@ fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
         ids: Some((1, 1)),
         tmp_size: None,
         resource_dir: None,
+        boot_dir: None,
         argv: &argv,
         env_fd: 9,
     };
@@ -320,6 +322,7 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
         ids: Some((7, 7)),
         tmp_size: None,
         resource_dir: None,
+        boot_dir: None,
         argv: &argv,
         env_fd: 9,
     };
@@ -336,7 +339,14 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
     assert_eq!(after[0], "/usr/bin/setpriv");
     let sh = after.iter().position(|a| *a == "/bin/sh").unwrap();
     assert_eq!(after[sh - 1], "--", "the shell is setpriv's command");
-    assert!(after[sh + 2].starts_with(". /proc/self/fd/9 "), "{after:?}");
+    assert!(
+        after[sh + 2].starts_with(". /etc/kernel-broker.env "),
+        "{after:?}"
+    );
+    assert!(has(
+        &args,
+        &["--perms", "0444", "--file", "9", "/etc/kernel-broker.env"]
+    ));
     assert_eq!(&after[sh + 3..], ["/workspace", "python", "-c", "pass"]);
     assert!(
         !args.iter().any(|a| a == "--chdir"),

@@ -38,7 +38,6 @@ impl LocalSandbox {
             login: "check".to_string(),
             connection: serde_json::Value::Null,
             quota: None,
-            boot_script: false,
         };
         let prepared = tokio::task::spawn_blocking(move || files.write())
             .await
@@ -88,6 +87,7 @@ impl LocalSandbox {
                 ids,
                 tmp_size: None,
                 resource_dir: None,
+                boot_dir: None,
                 argv: &argv,
                 env_fd,
             },

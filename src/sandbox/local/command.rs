@@ -56,7 +56,6 @@ impl LocalSandbox {
                 self.workspace_images.clone(),
                 user.limits.workspace_quota_bytes,
             )),
-            boot_script: false,
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
@@ -99,6 +98,7 @@ impl LocalSandbox {
             ids,
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: None,
+            boot_dir: None,
             argv: &argv,
             env_fd,
         };

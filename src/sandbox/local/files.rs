@@ -6,7 +6,7 @@
 //! runtime directories live under `/run`, not in the data directory (see
 //! [`LocalSandboxConfig::run_dir`]).
 
-use std::os::unix::fs::DirBuilderExt;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -14,9 +14,8 @@ use uuid::Uuid;
 
 use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
 use super::{LocalSandboxConfig, BACKEND, HOME_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
-use crate::sandbox::boot::{BOOT_SCRIPT, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file, FileMode};
+use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file_at, FileMode};
 use crate::sandbox::workspace_fs::WorkspaceImages;
 use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sandbox::{KernelEndpoints, LaunchSpec, SandboxError};
@@ -69,33 +68,31 @@ pub(super) struct LaunchFiles {
     pub connection: serde_json::Value,
     /// The workspace's file system and its size (`None`: a scratch workspace).
     pub quota: Option<(Arc<WorkspaceImages>, u64)>,
-    /// Write the bootstrap script ([`crate::sandbox::boot`]) too.
-    pub boot_script: bool,
 }
 
 impl LaunchFiles {
     /// Writes everything; on failure removes the runtime directory if it created it.
     pub fn write(&self) -> Result<(), SandboxError> {
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&self.rundir)
-            .map_err(|source| SandboxError::Io {
-                what: "cannot create the runtime directory",
-                path: self.rundir.clone(),
-                source,
-            })?;
-        let result = self.write_in_rundir();
+        let err = |what| io_err(what, &self.rundir);
+        let (Some(base), Some(name)) = (self.rundir.parent(), self.rundir.file_name()) else {
+            return Err(err("the runtime directory has no parent")(
+                std::io::ErrorKind::InvalidInput.into(),
+            ));
+        };
+        // Through descriptors (docs/SECURITY.md): the directory is made in the broker's
+        // runtime base, given to the kernel's uid through its descriptor, and every file is
+        // created in that descriptor, never by a path looked up again.
+        let base = fsutil::open_tree_root(base).map_err(err("cannot open the runtime base"))?;
+        let dir = fsutil::make_dir_at(base.as_fd(), Path::new(name), 0o700, self.ids)
+            .map_err(err("cannot create the runtime directory"))?;
+        let result = self.write_in_rundir(dir.as_fd());
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&self.rundir);
         }
         result
     }
 
-    fn write_in_rundir(&self) -> Result<(), SandboxError> {
-        if let Some((uid, gid)) = self.ids {
-            std::os::unix::fs::chown(&self.rundir, Some(uid), Some(gid))
-                .map_err(io_err("cannot chown the runtime directory", &self.rundir))?;
-        }
+    fn write_in_rundir(&self, dir: BorrowedFd<'_>) -> Result<(), SandboxError> {
         // After the runtime directory: `check` puts its scratch workspace inside it.
         let quota = self.quota.as_ref().map(|(fs, bytes)| (&**fs, *bytes));
         prepare_workspace(&self.workspace, workspace_owner(self.ids), quota)?;
@@ -110,24 +107,27 @@ impl LaunchFiles {
         let hosts =
             format!("127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {HOSTNAME}\n");
         let pyvenv = PYVENV_CFG.to_string();
-        let boot = self
-            .boot_script
-            .then(|| (BOOT_SCRIPT_NAME, BOOT_SCRIPT.to_string()));
         for (name, text) in [
             ("passwd", passwd),
             ("group", group),
             ("hosts", hosts),
             (PYVENV_CFG_NAME, pyvenv),
-        ]
-        .into_iter()
-        .chain(boot)
-        {
-            let path = self.rundir.join(name);
-            write_new_file(&path, text.as_bytes(), FileMode::Masked(0o644), None)
-                .map_err(io_err("cannot write a sandbox /etc file", &path))?;
+        ] {
+            write_new_file_at(
+                dir,
+                Path::new(name),
+                text.as_bytes(),
+                FileMode::Masked(0o644),
+                None,
+            )
+            .map_err(io_err(
+                "cannot write a sandbox /etc file",
+                &self.rundir.join(name),
+            ))?;
         }
         if !self.connection.is_null() {
             fsutil::write_connection_file(
+                dir,
                 &self.rundir,
                 &self.connection,
                 FileMode::Masked(0o600),

@@ -75,6 +75,14 @@ use crate::sandbox::workspace_fs::prepare_workspace;
 pub(super) const BACKEND: &str = "local";
 /// Where the runtime directory appears inside the sandbox.
 pub(super) const RUN_DIR_INSIDE: &str = "/run/kernel";
+/// Where the bootstrap script is shown, read-only, from the runtime base's
+/// [`BOOT_DIR_NAME`]: a directory only the broker writes (never the kernel's runtime
+/// directory, which the kernel can write and which would be its `sys.path[0]`).
+pub(super) const BOOT_DIR_INSIDE: &str = "/opt/kernel-broker";
+/// The bootstrap script's directory in the runtime base (swept by no one: not a session's).
+pub(super) const BOOT_DIR_NAME: &str = "boot";
+/// The kernel's environment as a shell script, read after the drop (`environ.rs`).
+pub(super) const ENV_FILE_INSIDE: &str = "/etc/kernel-broker.env";
 /// The connection file inside the sandbox.
 pub(super) const CONNECTION_FILE_INSIDE: &str = "/run/kernel/connection.json";
 /// The `ip` of the connection file: ipykernel binds `ipc://{ip}-{port}`.

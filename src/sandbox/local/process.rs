@@ -28,10 +28,11 @@ use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, Laun
 use super::keep::{self, KeptKernels, Ticket};
 use super::output::{forward_output, Stream, Tail};
 use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
-use crate::sandbox::boot::BOOT_SCRIPT_NAME;
+use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::launch_err;
+use crate::sandbox::fsutil::{self, launch_err};
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
@@ -45,7 +46,7 @@ const INFO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How one sandbox is started, beyond its command.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct StartOptions {
-    /// Write the bootstrap script (`boot.rs`) into the runtime directory.
+    /// Show the bootstrap script (`boot.rs`) at [`super::BOOT_DIR_INSIDE`], read-only.
     pub boot_script: bool,
     /// Keep the command's stdin and stdout as a control channel (a fork-server template)
     /// instead of forwarding stdout to the log.
@@ -111,11 +112,24 @@ impl LocalSandbox {
                 self.workspace_images.clone(),
                 user.limits.workspace_quota_bytes,
             )),
-            boot_script: options.boot_script,
         };
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+        // The bootstrap script, in a directory of the broker's shown read-only.
+        let boot_dir = options
+            .boot_script
+            .then(|| self.run_base.join(BOOT_DIR_NAME));
+        let install = boot_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some(dir) = &install {
+                fsutil::create_private_dir(dir, Some(0o755))?;
+                boot::install_script(dir).map_err(fsutil::io_err(
+                    "cannot install the kernels' bootstrap script",
+                    dir,
+                ))?;
+            }
+            files.write()
+        })
+        .await
+        .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
         let mut guard = LaunchGuard {
             rundir: Some(rundir.clone()),
             leaf: None,
@@ -144,6 +158,7 @@ impl LocalSandbox {
             // /tmp's pages are the kernel's memory: no larger than its limit.
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: resource_dir.as_deref(),
+            boot_dir: boot_dir.as_deref(),
             argv: &argv,
             env_fd: environment.as_raw_fd(),
         };

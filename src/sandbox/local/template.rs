@@ -36,9 +36,8 @@
 //! template that failed is not tried again for [`RETRY_AFTER`].
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::DirBuilderExt;
-use std::path::PathBuf;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -53,7 +52,7 @@ use super::files::endpoints_for;
 use super::output::Tail;
 use super::process::StartOptions;
 use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
-use super::{LocalSandbox, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
+use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
 use crate::sandbox::fork_server::{
@@ -399,7 +398,7 @@ impl LocalSandbox {
             // and the template's end takes its forked kernels along.
             limits: template_limits(user),
         };
-        let script = format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
+        let script = format!("{BOOT_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
         let argv = boot::template_argv(boot.python, &script, boot.preload);
         let started = self
             .start_sandbox(
@@ -526,17 +525,27 @@ impl LocalSandbox {
             let endpoints = endpoints_for(&dir)?;
             let ids = self.kernel_ids(user).map_err(|e| e.to_string())?;
             let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
-            let dir = dir.clone();
+            let (rundir, name, dir) = (template.rundir.clone(), stem.name.clone(), dir.clone());
+            // The template's runtime directory is the kernel's to write: a kernel of the user
+            // may swap what this makes for a symlink at any moment. So everything goes
+            // through descriptors (docs/SECURITY.md): the kernel's directory is made in the
+            // opened template directory and must be the one made (never a symlink, never a
+            // directory of the kernel's), chowned through its descriptor, and the connection
+            // file is created in that descriptor.
             tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
-                std::fs::DirBuilder::new()
-                    .mode(0o700)
-                    .create(&dir)
+                let parent = fsutil::open_tree_root(&rundir).map_err(fsutil::io_err(
+                    "cannot open the template's directory",
+                    &rundir,
+                ))?;
+                let own = fsutil::make_dir_at(parent.as_fd(), Path::new(&name), 0o700, ids)
                     .map_err(fsutil::io_err("cannot create the kernel's directory", &dir))?;
-                if let Some((uid, gid)) = ids {
-                    std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
-                        .map_err(fsutil::io_err("cannot chown the kernel's directory", &dir))?;
-                }
-                fsutil::write_connection_file(&dir, &connection, FileMode::Masked(0o600), ids)
+                fsutil::write_connection_file(
+                    own.as_fd(),
+                    &dir,
+                    &connection,
+                    FileMode::Masked(0o600),
+                    ids,
+                )
             })
             .await
             .map_err(|e| e.to_string())?
