@@ -21,6 +21,8 @@ pub(crate) mod fork_server;
 pub(crate) mod fsutil;
 pub mod local;
 pub(crate) mod netns;
+#[cfg(test)]
+mod privileged_fs_tests;
 pub mod seccomp;
 pub(crate) mod template_slots;
 pub(crate) mod watched;

@@ -1,0 +1,133 @@
+//! The guard of issue 32's second rule (docs/SECURITY.md, "Root file operations"): no
+//! file operation by the broker follows a path a kernel can change. Root may write, chown
+//! or remove inside a kernel-writable directory only through descriptors
+//! (`fsutil::make_dir_at`, `fsutil::write_new_file_at`, `fsutil::open_beneath`,
+//! `fsutil::walk_tree`, `fsutil::chown_tree`). This test fails on every path-based
+//! `std::fs` (or `tokio::fs`) call that writes, creates, chowns, renames or removes in the
+//! sandbox and session code beyond the sites listed here, each with why a path is safe
+//! there. A new one must use a descriptor, or be added below with its reason.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Calls that resolve a path and change what they find there.
+const PATH_CALLS: &[&str] = &[
+    "fs::write(",
+    "create_dir(",
+    "create_dir_all(",
+    "remove_file(",
+    "remove_dir(",
+    "remove_dir_all(",
+    "fs::rename(",
+    "fs::set_permissions(",
+    "hard_link(",
+    "fs::copy(",
+    "File::create(",
+    "OpenOptions::new(",
+    "DirBuilder::new(",
+    "fs::chown(",
+    "fs::lchown(",
+    "fs::symlink(",
+    "remove_dir_logged(",
+    "tokio::fs::",
+];
+
+/// Where path-based calls stand, how many, and why each is safe.
+const ALLOWED: &[(&str, usize, &str)] = &[
+    ("src/sandbox/fsutil.rs", 4, "the broker's own state directories (data, workspaces, runtime base: parents the operator chose, checked to be the broker's); remove_dir_logged, whose std::fs::remove_dir_all opens the last component O_NOFOLLOW and walks by descriptor, called only on directories whose parents are the broker's"),
+    ("src/sandbox/workspace_fs.rs", 9, "images and mount points in the broker's 0700 workspaces directory; lost+found removed (rmdir, never follows) right after mkfs, before any kernel; the workspace's own mode set on the mount point, whose parent is the broker's"),
+    ("src/sandbox/docker/command.rs", 3, "remove_dir_logged of a command's session directory in the user's 0711 runtime directory"),
+    ("src/sandbox/docker/container.rs", 2, "the user's runtime directory itself, in the broker's runtime base"),
+    ("src/sandbox/docker/daemon.rs", 2, "the broker's own state (the daemon socket directory it made)"),
+    ("src/sandbox/docker/mod.rs", 2, "remove_dir_logged of session directories in the user's 0711 runtime directory"),
+    ("src/sandbox/docker/place.rs", 1, "rmdir of a cgroup leaf the broker made (cgroupfs; kernels cannot write it)"),
+    ("src/sandbox/docker/template.rs", 5, "remove_dir_logged of the template's and forked kernels' session directories (in the user's 0711 runtime directory); rmdir of cgroup leaves"),
+    ("src/sandbox/docker/watch.rs", 1, "remove_dir_logged of an ended kernel's session directory"),
+    ("src/sandbox/docker/keep/adopt.rs", 3, "rmdir of cgroup leaves; remove_dir_logged of a session directory"),
+    ("src/sandbox/docker/keep/mod.rs", 4, "the broker's 0700 ticket directory; remove_dir_logged of session directories"),
+    ("src/sandbox/docker/keep/ticket.rs", 3, "the broker's 0700 ticket directory"),
+    ("src/sandbox/cgroup/fs.rs", 7, "cgroupfs: the broker's hierarchy, which no kernel can write"),
+    ("src/sandbox/cgroup/limits.rs", 1, "cgroupfs"),
+    ("src/sandbox/cgroup/nested.rs", 3, "cgroupfs"),
+    ("src/sandbox/local/adopt.rs", 1, "remove_dir_logged of a runtime directory in the broker's runtime base"),
+    ("src/sandbox/local/check.rs", 1, "remove_dir_logged of the check's runtime directory"),
+    ("src/sandbox/local/command.rs", 1, "remove_dir_logged of a command's runtime directory"),
+    ("src/sandbox/local/files.rs", 4, "rmdir of cgroup leaves; remove_dir_all of runtime directories in the broker's runtime base (last component not followed)"),
+    ("src/sandbox/local/keep.rs", 4, "the broker's 0700 ticket directory"),
+    ("src/sandbox/local/mod.rs", 2, "rmdir of the broker's runtime base"),
+    ("src/sandbox/local/reaper.rs", 1, "remove_dir_logged of an ended kernel's runtime directory"),
+    ("src/sandbox/local/template.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
+    ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),
+];
+
+/// The library part of a source file: up to its test module.
+fn library_part(text: &str) -> &str {
+    text.find("\n#[cfg(test)]\nmod ")
+        .map_or(text, |at| &text[..at])
+}
+
+fn count_path_calls(text: &str) -> usize {
+    library_part(text)
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| PATH_CALLS.iter().map(|c| l.matches(c).count()).sum::<usize>())
+        .sum()
+}
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if name != "testing" && name != "tests" {
+                sources(&path, out);
+            }
+        } else if name.ends_with(".rs") && !name.ends_with("tests.rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn root_file_operations_by_path_stay_where_no_kernel_can_write() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src/sandbox", "src/session"] {
+        sources(&root.join(dir), &mut files);
+    }
+    let allowed: BTreeMap<&str, (usize, &str)> =
+        ALLOWED.iter().map(|(f, n, why)| (*f, (*n, *why))).collect();
+    let mut problems = Vec::new();
+    let mut seen = 0;
+    for path in &files {
+        let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+        let found = count_path_calls(&std::fs::read_to_string(path).unwrap());
+        let (limit, _) = allowed.get(rel.as_str()).copied().unwrap_or((0, ""));
+        if found > limit {
+            problems.push(format!(
+                "{rel}: {found} path-based file operations, {limit} allowed: use fsutil's \
+                 descriptor functions in any directory a kernel can write, or list the site \
+                 here with why a path is safe"
+            ));
+        } else if found < limit {
+            problems.push(format!(
+                "{rel}: {found} path-based file operations, {limit} listed: lower the count"
+            ));
+        }
+        seen += 1;
+    }
+    for (file, _) in &allowed {
+        if !root.join(file).exists() {
+            problems.push(format!("{file} is listed but gone"));
+        }
+    }
+    assert!(seen > 40, "only {seen} files read");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_guard_sees_what_it_must() {
+    let code = "fn f() {\n    std::fs::write(p, b\"\")?;\n    // std::fs::write(q)\n    std::os::unix::fs::chown(d, None, None)?;\n    tokio::fs::remove_file(x).await;\n}\n#[cfg(test)]\nmod tests {\n    std::fs::write(t, b\"\");\n}\n";
+    // write, chown, tokio::fs:: + remove_file; the comment and the test module are not counted.
+    assert_eq!(count_path_calls(code), 4);
+}
