@@ -156,7 +156,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KERNEL_BROKER_RESULT_LIMIT")]
     pub result_limit: Option<usize>,
     /// Largest message a kernel may send (all frames together), bytes; a kernel that sends a
-    /// bigger one is cut off and its session turns dead. 1 MiB to 1 GiB [default: 67108864]
+    /// bigger one is cut off and its session turns dead, except for output (stream, display
+    /// and result messages on iopub), which is cut to its first 256 KiB. 1 MiB to 1 GiB
+    /// [default: 67108864]
     #[arg(long, env = "KERNEL_BROKER_MAX_KERNEL_MESSAGE")]
     pub max_kernel_message: Option<u64>,
     /// Largest code of one execution, bytes [default: 1048576]
