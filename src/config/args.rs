@@ -216,13 +216,14 @@ pub struct ServeArgs {
     /// Default memory limit of one session (its kernel alone is killed past it; a create may ask for up to the user's total), bytes [default: 268435456]
     #[arg(long, env = "KERNEL_BROKER_SESSION_MEMORY_LIMIT")]
     pub session_memory_limit: Option<u64>,
-    /// Processes and threads of one session [default: 128]
+    /// Processes and threads of one session; keep 64 MiB + 3 MiB per process within the
+    /// session memory limit, so a fork bomb meets the pids limit first [default: 64]
     #[arg(long, env = "KERNEL_BROKER_SESSION_PIDS_LIMIT")]
     pub session_pids_limit: Option<u64>,
     /// Default CPU limit per user, cores [default: 1]
     #[arg(long, env = "KERNEL_BROKER_CPU_LIMIT")]
     pub cpu_limit: Option<f64>,
-    /// Default process and thread limit per user, all sessions together [default: 2560]
+    /// Default process and thread limit per user, all sessions together [default: 1280]
     #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
     pub pids_limit: Option<u64>,
     /// Default workspace disk quota per user, bytes; 0 = none [default: 1073741824]
