@@ -99,6 +99,20 @@ async fn the_namespace_is_clean_and_the_stack_is_already_there() {
     broker.stop().await;
 }
 
+/// A forked kernel's children cost it memory (each ~2.5 MiB of copied pages and page tables
+/// with the data stack preloaded): under the default limits a fork bomb must meet the pids
+/// limit, not the memory limit.
+#[tokio::test]
+async fn a_fork_bomb_in_a_forked_kernel_meets_the_pids_limit() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let (_, template) = pids(&api, &id).await;
+    assert_ne!(template, 1, "forked");
+    forked::a_fork_bomb_meets_the_pids_limit(&api, &id).await;
+    broker.stop().await;
+}
+
 #[tokio::test]
 async fn isolation_and_limits_hold_for_forked_kernels() {
     let broker = Broker::start("local", |a| {

@@ -118,6 +118,19 @@ async fn forked_kernels_are_kernels_of_their_own() {
     broker.stop().await;
 }
 
+/// Under the default limits a fork bomb in a forked kernel meets the pids limit, not the
+/// memory limit (see tests/fork_server.rs).
+#[tokio::test]
+async fn a_fork_bomb_in_a_forked_kernel_meets_the_pids_limit() {
+    let broker = broker(|_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let (_, _, parent) = ancestry(&api, &id).await;
+    assert_ne!(parent, "tini", "forked from the template");
+    forked::a_fork_bomb_meets_the_pids_limit(&api, &id).await;
+    broker.stop().await;
+}
+
 #[tokio::test]
 async fn the_namespace_is_clean_and_charts_arrive() {
     let broker = broker(|_| {}).await;

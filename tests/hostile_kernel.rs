@@ -12,6 +12,7 @@ on_both_backends!(
     a_streamed_giant_frame_does_not_grow_the_broker,
     a_flood_of_malformed_messages_is_dropped_and_the_session_lives,
     the_broker_never_connects_through_a_planted_symlink,
+    an_oversized_output_message_is_cut_and_the_session_lives,
 );
 
 use std::time::{Duration, Instant};
@@ -284,4 +285,79 @@ time.sleep(0.2)
     assert!(health.status().is_success());
     broker.stop().await;
     acceptor.abort();
+}
+
+/// Output is the kernel's business, not an attack: an iopub `stream` message over the
+/// kernel-message limit (1 MiB here, so one `write` of 3 MB makes one deterministically) is
+/// cut, not taken for a protocol violation, and an endless print loop after it ends with
+/// the timeout and a session that keeps its variables. The output limit is raised so the
+/// execution shows the end of the kept prefix and the marker after it.
+async fn an_oversized_output_message_is_cut_and_the_session_lives(sb: &'static str) {
+    let broker = Broker::start(sb, |a| {
+        a.max_kernel_message = Some(1 << 20);
+        a.output_limit = Some(1 << 20);
+    })
+    .await;
+    let alice = broker.api(ALICE);
+    let id = alice.create().await;
+    alice.execute(&id, "x = 41").await;
+    let code = "import sys\n\
+                sys.stdout.write('y' * 3_000_000)\n\
+                sys.stdout.flush()\n\
+                i = 0\n\
+                while True:\n    print(i)\n    i += 1";
+    let x = within(
+        60,
+        "the looping execution",
+        alice.execute_with(&id, serde_json::json!({"code": code, "timeout_seconds": 3})),
+    )
+    .await;
+    assert_eq!(x["status"], "timeout", "{}", short(&x));
+    assert_eq!(x["truncated"], true, "{}", short(&x));
+    let stdout = x["stdout"].as_str().unwrap_or_default();
+    assert!(stdout.starts_with("yyyy"), "{}", short(&x));
+    // The first 256 KiB of the message's content are kept: the text up to there, then
+    // the marker with the size the kernel sent.
+    let marker = stdout
+        .find("\n[kernel-broker: an output message of ")
+        .unwrap_or_else(|| panic!("the cut is not marked: {}", short(&x)));
+    assert!(
+        (200_000..262_144).contains(&marker) && stdout[..marker].bytes().all(|b| b == b'y'),
+        "{marker} characters before the marker: {}",
+        short(&x)
+    );
+    assert!(
+        stdout[marker..].contains(" bytes was cut to its first"),
+        "{}",
+        &stdout[marker..marker + 200]
+    );
+    // The session lives on with its variables.
+    let x = alice.execute(&id, "x + 1").await;
+    assert_eq!(text(&x), "42", "{x}");
+    // The recording says what was cut and how big it was.
+    let (status, v) = alice.get(&format!("/v1/sessions/{id}/events")).await;
+    assert_eq!(status, 200, "{v}");
+    let cut = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "output_cut")
+        .unwrap_or_else(|| panic!("no output_cut event in the recording"))
+        .clone();
+    assert_eq!(cut["detail"]["msg_type"], "stream", "{cut}");
+    assert!(
+        cut["detail"]["bytes"].as_u64().unwrap_or(0) > 3_000_000,
+        "{cut}"
+    );
+    broker.stop().await;
+}
+
+/// An execution with its (possibly long) stdout shortened, for assertion messages.
+fn short(x: &Value) -> String {
+    let mut x = x.clone();
+    if let Some(s) = x["stdout"].as_str() {
+        let head: String = s.chars().take(200).collect();
+        x["stdout"] = Value::String(format!("{head}... ({} chars)", s.len()));
+    }
+    x.to_string()
 }

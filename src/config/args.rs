@@ -156,7 +156,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KERNEL_BROKER_RESULT_LIMIT")]
     pub result_limit: Option<usize>,
     /// Largest message a kernel may send (all frames together), bytes; a kernel that sends a
-    /// bigger one is cut off and its session turns dead. 1 MiB to 1 GiB [default: 67108864]
+    /// bigger one is cut off and its session turns dead, except for output (stream, display
+    /// and result messages on iopub), which is cut to its first 256 KiB. 1 MiB to 1 GiB
+    /// [default: 67108864]
     #[arg(long, env = "KERNEL_BROKER_MAX_KERNEL_MESSAGE")]
     pub max_kernel_message: Option<u64>,
     /// Largest code of one execution, bytes [default: 1048576]
@@ -214,13 +216,14 @@ pub struct ServeArgs {
     /// Default memory limit of one session (its kernel alone is killed past it; a create may ask for up to the user's total), bytes [default: 268435456]
     #[arg(long, env = "KERNEL_BROKER_SESSION_MEMORY_LIMIT")]
     pub session_memory_limit: Option<u64>,
-    /// Processes and threads of one session [default: 128]
+    /// Processes and threads of one session; keep 64 MiB + 3 MiB per process within the
+    /// session memory limit, so a fork bomb meets the pids limit first [default: 64]
     #[arg(long, env = "KERNEL_BROKER_SESSION_PIDS_LIMIT")]
     pub session_pids_limit: Option<u64>,
     /// Default CPU limit per user, cores [default: 1]
     #[arg(long, env = "KERNEL_BROKER_CPU_LIMIT")]
     pub cpu_limit: Option<f64>,
-    /// Default process and thread limit per user, all sessions together [default: 2560]
+    /// Default process and thread limit per user, all sessions together [default: 1280]
     #[arg(long, env = "KERNEL_BROKER_PIDS_LIMIT")]
     pub pids_limit: Option<u64>,
     /// Default workspace disk quota per user, bytes; 0 = none [default: 1073741824]

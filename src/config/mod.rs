@@ -167,6 +167,18 @@ fn check_session_limits(l: &UserLimits, whose: &str) -> Result<(), ConfigError> 
             "{whose}: the session pids limit must be above 0"
         )));
     }
+    // Legal, but a fork bomb would end the kernel by OOM instead of meeting EAGAIN.
+    if let Some(needed) = l.memory_for_pids() {
+        tracing::warn!(
+            "{whose}: a session may have {} processes and threads but only {} MiB: a fork \
+             bomb would run the kernel out of memory (each process costs about {} MiB) before \
+             the pids limit stops it; give sessions at least {} MiB or fewer pids",
+            l.session_pids,
+            l.session_memory_bytes >> 20,
+            crate::sandbox::PROCESS_MEMORY >> 20,
+            needed.div_ceil(1 << 20)
+        );
+    }
     Ok(())
 }
 

@@ -114,7 +114,7 @@ fn session_limits_default_to_agreeing_values_and_can_be_set() {
     let bob = &s.users[1].limits;
     assert_eq!(s.users[1].max_sessions, 20);
     assert_eq!(bob.memory_bytes, 20 * (256 << 20));
-    assert_eq!(bob.pids, 20 * 128);
+    assert_eq!(bob.pids, 20 * 64);
     assert_eq!(
         (bob.session_memory_bytes, bob.session_pids),
         (512 << 20, 40)
@@ -122,7 +122,11 @@ fn session_limits_default_to_agreeing_values_and_can_be_set() {
     // A total below the default session size takes the session size down with it.
     let alice = &s.users[0].limits;
     assert_eq!(alice.session_memory_bytes, 128 << 20);
-    assert_eq!(alice.session_pids, 128);
+    assert_eq!(alice.session_pids, 64);
+    // Bob's limits keep a fork bomb to the pids limit; alice's smaller memory does not (the
+    // broker warns at start-up and lets it be).
+    assert_eq!(bob.memory_for_pids(), None);
+    assert_eq!(alice.memory_for_pids(), Some(256 << 20));
 
     let args = ServeArgs {
         session_memory_limit: Some(64 << 20),

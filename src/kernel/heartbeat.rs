@@ -166,8 +166,9 @@ async fn open(endpoint: &str, deadline: Instant) -> Result<Connection, super::Op
                     _ => continue,
                 },
                 Ok(Incoming::Ping(ctx)) => Heard::Ping(ctx),
-                // Closed, or broke the protocol: the loop sees the channel close.
-                Err(_) => return,
+                // Closed, or broke the protocol (a heartbeat never cuts, so a cut message
+                // cannot come): the loop sees the channel close.
+                Ok(Incoming::Cut(..)) | Err(_) => return,
             };
             if tx.send(h).await.is_err() {
                 return;

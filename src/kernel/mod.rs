@@ -10,6 +10,7 @@
 //! sandboxes or HTTP. A restarted kernel gets a brand-new client: an old DEALER of the
 //! `zeromq` crate silently loses messages to a kernel restarted on the same address.
 
+mod cut;
 mod heartbeat;
 mod log_limit;
 pub mod spec;
@@ -54,6 +55,12 @@ pub enum KernelEvent {
     },
     /// A socket failed for good.
     ChannelFailed(Channel, String),
+    /// An output message on iopub over the message limit, cut (see [`cut`]): its content
+    /// now says so; `bytes` is the size the kernel sent, all frames together.
+    OutputCut {
+        message: Message,
+        bytes: u64,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -333,7 +340,7 @@ impl KernelClient {
                         reason: why,
                     })
                 }
-                Ok(Some(KernelEvent::HeartbeatLost { .. })) => {}
+                Ok(Some(KernelEvent::HeartbeatLost { .. } | KernelEvent::OutputCut { .. })) => {}
             }
         }
         // Replies and statuses of the other probes may still follow; consumers ignore
@@ -510,6 +517,13 @@ impl Link {
             Err(why) => return self.fail(why.reason).await,
         };
         reader.set_budget(self.budget.clone());
+        if channel == Channel::Iopub {
+            // Output is the kernel's business: cut it when it is too big (see [`cut`]).
+            reader.cut_oversized(
+                Box::new(cut::OutputCutter::new(self.signer.clone())),
+                cut::cut_limits(self.limits.max_message),
+            );
+        }
         let _writer = AbortOnDrop(tokio::spawn(write_loop(writer, outgoing, channel)));
         loop {
             match reader.next().await {
@@ -530,6 +544,32 @@ impl Link {
                         }
                     }
                 },
+                Ok(Incoming::Cut(cut, permit)) => {
+                    let bytes = cut.bytes;
+                    let decoded = if cut.genuine {
+                        cut::replace_content(cut.frames, bytes)
+                    } else {
+                        Err(wire::WireError::BadSignature {
+                            msg_type: "cut output".into(),
+                        })
+                    };
+                    match decoded {
+                        Ok(message) => {
+                            if lock(&self.log).allow() {
+                                tracing::info!(channel = channel.as_str(), bytes, msg_type = %message.msg_type, "cut an output message over the limit");
+                            }
+                            let event = KernelEvent::OutputCut { message, bytes };
+                            if self.events.send((event, permit)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            if lock(&self.log).allow() {
+                                tracing::warn!(channel = channel.as_str(), bytes, error = %e, "dropped a cut message from the kernel");
+                            }
+                        }
+                    }
+                }
                 Ok(Incoming::Ping(context)) => {
                     let _ = pongs.try_send(Outgoing::Pong(context));
                 }

@@ -45,7 +45,10 @@ use uuid::Uuid;
 /// set it on the user's cgroup or container as a backstop.
 ///
 /// The defaults agree with each other: 20 sessions (the default per user) of 256 MiB fill
-/// the 5 GiB total, and 20 kernels of at most 128 processes and threads fit in 2,560.
+/// the 5 GiB total, and 20 kernels of at most 64 processes and threads fit in 1,280. And
+/// within one kernel the pids limit acts before the memory limit (see
+/// [`UserLimits::memory_for_pids`]): a fork bomb meets `EAGAIN` and the kernel survives,
+/// instead of the OOM killer ending the kernel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UserLimits {
@@ -67,9 +70,23 @@ pub struct UserLimits {
 /// Default memory of one session: the data stack (pandas, numpy, matplotlib) takes about
 /// 125 MB, which leaves room for about as much data.
 pub const DEFAULT_SESSION_MEMORY: u64 = 256 << 20;
-/// Default processes and threads of one session: an idle kernel has about 13, one with
-/// the data stack imported about 20 (BLAS threads are capped at the CPU limit).
-pub const DEFAULT_SESSION_PIDS: u64 = 128;
+/// Default processes and threads of one session: an idle kernel has 11 to 13, one with
+/// the data stack imported about 20 (BLAS threads are capped at the CPU limit), which
+/// leaves room for a pool of worker processes. It is as many as the default memory pays
+/// for (see [`UserLimits::memory_for_pids`]): with 128, a fork bomb in a kernel forked from
+/// a template with the data stack ran out of its 256 MiB at about 100 children, so the OOM
+/// killer ended the kernel before the pids limit stopped the bomb.
+pub const DEFAULT_SESSION_PIDS: u64 = 64;
+/// What one more process of a kernel costs its memory limit, rounded up: a child that a
+/// Python kernel forks (and that only sleeps) dirties pages (reference counts, the fork
+/// handlers) and needs page tables of its own, 1.8 to 2.1 MiB from a plain ipykernel and
+/// 2.2 to 2.7 MiB from a kernel forked from a template with numpy, pandas and matplotlib
+/// (measured through each kernel's memory cgroup, both backends alike).
+pub const PROCESS_MEMORY: u64 = 3 << 20;
+/// What a kernel's memory cgroup holds before its code does anything, with room: 23 MiB
+/// for a kernel forked from a template (the template's pages are charged to the
+/// template), 36 MiB for a plain ipykernel.
+pub const KERNEL_BASE_MEMORY: u64 = 64 << 20;
 /// Sessions per user by default (the session layer's quota; here for the defaults below).
 pub const DEFAULT_MAX_SESSIONS: u64 = 20;
 
@@ -87,6 +104,17 @@ impl Default for UserLimits {
 }
 
 impl UserLimits {
+    /// The memory one kernel needs so that its pids limit, not its memory limit, stops a
+    /// fork bomb, when the session memory limit is below it: `None` when the limits keep
+    /// that order. The defaults meet it exactly (64 MiB + 64 × 3 MiB = 256 MiB). A kernel
+    /// that holds much data of its own (a plain kernel that imported the data stack holds
+    /// about 125 MB) has less room for children, so this is a floor, not a promise.
+    pub fn memory_for_pids(&self) -> Option<u64> {
+        let needed =
+            KERNEL_BASE_MEMORY.saturating_add(self.session_pids.saturating_mul(PROCESS_MEMORY));
+        (needed > self.session_memory_bytes).then_some(needed)
+    }
+
     /// The limits of one of this user's kernels asking for `memory_bytes` (`None`: the
     /// user's default), each capped by the user's total.
     pub fn kernel(&self, memory_bytes: Option<u64>) -> KernelLimits {
@@ -378,4 +406,36 @@ pub enum SandboxError {
     },
     #[error("cgroup error ({path}): {reason}")]
     Cgroup { path: PathBuf, reason: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pids_limit_acts_before_the_memory_limit_by_default() {
+        // (session memory MiB, session pids, memory needed or None when in order)
+        let cases = [
+            (256, DEFAULT_SESSION_PIDS, None),
+            (256, 65, Some(64 + 65 * 3)),
+            // The limits before issue 32: memory ran out first.
+            (256, 128, Some(64 + 128 * 3)),
+            (1024, 128, None),
+            (64, 1, Some(67)),
+        ];
+        for (mib, pids, want) in cases {
+            let limits = UserLimits {
+                session_memory_bytes: mib << 20,
+                session_pids: pids,
+                ..UserLimits::default()
+            };
+            assert_eq!(
+                limits.memory_for_pids(),
+                want.map(|m: u64| m << 20),
+                "{mib} MiB, {pids} pids"
+            );
+        }
+        assert_eq!(UserLimits::default().memory_for_pids(), None);
+        assert_eq!(UserLimits::default().pids, 20 * 64);
+    }
 }

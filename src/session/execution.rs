@@ -290,6 +290,12 @@ impl Collector {
         r.status
     }
 
+    /// Some output of this execution was cut before it reached the collector (a message
+    /// over the kernel-message limit).
+    pub fn mark_truncated(&mut self) {
+        self.truncated = true;
+    }
+
     pub fn error(&self) -> Option<&ExecutionError> {
         self.error.as_ref()
     }

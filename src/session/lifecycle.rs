@@ -43,6 +43,16 @@ pub enum LifecycleEvent {
         msg_id: String,
         timeout_seconds: f64,
     },
+    /// An output message of the kernel (`msg_type`: stream, display_data, execute_result)
+    /// was over the kernel-message limit and was cut: `bytes` is the size the kernel sent.
+    /// The recorded message itself carries the cut content.
+    OutputCut {
+        msg_id: String,
+        #[serde(default)]
+        parent_msg_id: Option<String>,
+        msg_type: String,
+        bytes: u64,
+    },
     /// A client asked for an interrupt.
     Interrupt,
     /// The kernel was replaced by a new one (by request or after a timeout).
@@ -97,6 +107,7 @@ impl LifecycleEvent {
             LifecycleEvent::ExecutionStarted { .. } => "execution_started",
             LifecycleEvent::ExecutionDone { .. } => "execution_done",
             LifecycleEvent::ExecutionTimeout { .. } => "execution_timeout",
+            LifecycleEvent::OutputCut { .. } => "output_cut",
             LifecycleEvent::Interrupt => "interrupt",
             LifecycleEvent::KernelRestarted { .. } => "kernel_restarted",
             LifecycleEvent::KernelDied { .. } => "kernel_died",
@@ -204,6 +215,16 @@ mod tests {
                 },
                 "execution_timeout",
                 json!({"msg_id": "m", "timeout_seconds": 2.0}),
+            ),
+            (
+                LifecycleEvent::OutputCut {
+                    msg_id: "o".into(),
+                    parent_msg_id: Some("m".into()),
+                    msg_type: "stream".into(),
+                    bytes: 70_000_000,
+                },
+                "output_cut",
+                json!({"msg_id": "o", "parent_msg_id": "m", "msg_type": "stream", "bytes": 70_000_000}),
             ),
             (LifecycleEvent::Interrupt, "interrupt", json!({})),
             (

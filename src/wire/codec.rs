@@ -11,6 +11,17 @@ pub const DELIMITER: &[u8] = b"<IDS|MSG>";
 /// Decode and verify one multipart message. A message whose signature does not verify is
 /// an error: callers drop it and log, never act on it.
 pub fn decode(frames: Vec<Bytes>, signer: &Signer) -> Result<Message, WireError> {
+    decode_inner(frames, Some(signer))
+}
+
+/// Decode a message whose signature the caller has already verified over every byte while
+/// they streamed in ([`Signer::stream`]): a message too large to hold, whose frames are
+/// now cut short, so the signature no longer matches what is left of them.
+pub fn decode_stream_verified(frames: Vec<Bytes>) -> Result<Message, WireError> {
+    decode_inner(frames, None)
+}
+
+fn decode_inner(frames: Vec<Bytes>, signer: Option<&Signer>) -> Result<Message, WireError> {
     let total = frames.len();
     let split = frames
         .iter()
@@ -31,7 +42,7 @@ pub fn decode(frames: Vec<Bytes>, signer: &Signer) -> Result<Message, WireError>
     else {
         return Err(WireError::TooFewFrames { found: 0 });
     };
-    if !signer.verify(&signature, [&header, &parent, &metadata, &content]) {
+    if signer.is_some_and(|s| !s.verify(&signature, [&header, &parent, &metadata, &content])) {
         let msg_type = serde_json::from_slice::<serde_json::Value>(&header)
             .ok()
             .and_then(|h| h.get("msg_type").and_then(|t| t.as_str()).map(String::from))

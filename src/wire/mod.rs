@@ -9,9 +9,9 @@ mod codec;
 mod message;
 mod sign;
 
-pub use codec::{decode, encode, DELIMITER};
+pub use codec::{decode, decode_stream_verified, encode, DELIMITER};
 pub use message::{now_iso, Channel, Message};
-pub use sign::Signer;
+pub use sign::{SignatureStream, Signer};
 
 /// The protocol version the broker speaks and stamps on its own messages.
 pub const PROTOCOL_VERSION: &str = "5.3";

@@ -53,9 +53,45 @@ impl Signer {
         }
     }
 
+    /// A signature check fed piece by piece, for a message too large to hold whole: the
+    /// parts go through [`SignatureStream::update`] in order as their bytes arrive, so
+    /// bytes that are discarded after being read are still signed for.
+    pub fn stream(&self) -> SignatureStream {
+        SignatureStream {
+            mac: self.mac.clone(),
+        }
+    }
+
     /// Constant-time check of a received hex signature.
     pub fn verify(&self, signature: &[u8], parts: [&[u8]; 4]) -> bool {
         match self.digest(parts) {
+            None => true,
+            Some(mac) => match hex::decode(signature) {
+                Ok(raw) => mac.verify_slice(&raw).is_ok(),
+                Err(_) => false,
+            },
+        }
+    }
+}
+
+/// The HMAC of a message's four parts, computed as their bytes stream in (see
+/// [`Signer::stream`]).
+#[derive(Clone)]
+pub struct SignatureStream {
+    mac: Option<HmacSha256>,
+}
+
+impl SignatureStream {
+    /// More bytes of header, parent_header, metadata and content, in that order.
+    pub fn update(&mut self, bytes: &[u8]) {
+        if let Some(mac) = &mut self.mac {
+            mac.update(bytes);
+        }
+    }
+
+    /// Constant-time check of the received hex signature over everything fed.
+    pub fn verify(self, signature: &[u8]) -> bool {
+        match self.mac {
             None => true,
             Some(mac) => match hex::decode(signature) {
                 Ok(raw) => mac.verify_slice(&raw).is_ok(),
@@ -79,6 +115,27 @@ mod tests {
             "ca767b02c5bc061ed184a9a029e7f93a7f2f7ed4e8fe74120fc1212f0b008fa3"
         );
         assert!(s.verify(sig.as_bytes(), [b"{}", b"{}", b"{}", b"{}"]));
+    }
+
+    #[test]
+    fn a_streamed_signature_equals_the_whole_one() {
+        let s = Signer::new(b"secret");
+        let sig = s.sign([b"header", b"parent", b"meta", b"a long content"]);
+        let mut st = s.stream();
+        for piece in [
+            &b"head"[..],
+            b"er",
+            b"parentmeta",
+            b"a long",
+            b"",
+            b" content",
+        ] {
+            st.update(piece);
+        }
+        assert!(st.clone().verify(sig.as_bytes()));
+        st.update(b"!");
+        assert!(!st.verify(sig.as_bytes()));
+        assert!(Signer::new(b"").stream().verify(b""));
     }
 
     #[test]

@@ -152,3 +152,44 @@ pub async fn planted_modules_reach_no_later_session(
     .await;
     assert_eq!(writable, "[]", "writable directories on the import path");
 }
+
+/// A bounded fork bomb in the kernel of session `id`, under the broker's default limits:
+/// the kernel forks children that sleep, then exit, until `fork` fails. It must fail with
+/// `EAGAIN` (`BlockingIOError`: the pids limit) and not run the kernel out of memory first,
+/// and the kernel must survive with its variables. Returns how many children it forked.
+pub async fn a_fork_bomb_meets_the_pids_limit(api: &Api, id: &str) -> u64 {
+    out(api, id, "before_the_bomb = 41").await;
+    let code = "import os, time\n\
+                pids, err, t0 = [], None, time.time()\n\
+                try:\n\
+                \x20   while time.time() - t0 < 30 and len(pids) < 2000:\n\
+                \x20       pid = os.fork()\n\
+                \x20       if pid == 0:\n\
+                \x20           time.sleep(30); os._exit(0)\n\
+                \x20       pids.append(pid)\n\
+                except OSError as e:\n\
+                \x20   err = e\n\
+                for p in pids: os.kill(p, 9)\n\
+                for p in pids: os.waitpid(p, 0)\n\
+                print(len(pids), type(err).__name__)";
+    let x = api
+        .execute_with(
+            id,
+            serde_json::json!({"code": code, "timeout_seconds": 120}),
+        )
+        .await;
+    assert_eq!(x["status"], "ok", "the bomb ended the kernel: {x}");
+    let stdout = x["stdout"].as_str().unwrap_or_default().trim().to_string();
+    let (n, err) = stdout.split_once(' ').unwrap_or_else(|| panic!("{x}"));
+    assert_eq!(err, "BlockingIOError", "{x}");
+    let n: u64 = n.parse().unwrap();
+    let limit = kernel_broker::sandbox::DEFAULT_SESSION_PIDS;
+    assert!(n < limit, "forked {n} under a pids limit of {limit}");
+    // The kernel's own threads take some of the limit, the rest is the user's.
+    assert!(
+        n >= limit / 2,
+        "only {n} children under a pids limit of {limit}"
+    );
+    assert_eq!(out(api, id, "print(before_the_bomb + 1)").await, "42");
+    n
+}

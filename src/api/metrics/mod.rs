@@ -412,6 +412,7 @@ impl Metrics {
             LifecycleEvent::SessionExpired => self.expired(),
             LifecycleEvent::SessionCreated { .. }
             | LifecycleEvent::Interrupt
+            | LifecycleEvent::OutputCut { .. }
             | LifecycleEvent::SessionClosed
             | LifecycleEvent::SessionKept
             | LifecycleEvent::BrokerRestarted { .. }

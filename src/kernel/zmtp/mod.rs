@@ -22,13 +22,23 @@
 //! checked against the limits before the body is read, and the body buffer grows only as
 //! bytes actually arrive, so a peer that claims much and sends little costs nothing. A
 //! violation is a [`ZmtpError::Protocol`]: the caller drops the connection.
+//!
+//! Cutting ([`Reader::cut_oversized`]): on a connection whose big messages are the peer's
+//! normal business (a kernel's output on iopub), a message over the limit may instead be
+//! cut. The caller's [`Cutter`] decides from the frames before the one that crosses the
+//! limit whether this message may be cut (the zmtp layer knows frames, not what is in
+//! them); if so the rest of the message is read through a fixed buffer, a bounded prefix of
+//! it kept and the remainder discarded as it arrives, and the [`Cutter`] sees every byte
+//! (to verify a signature over what is discarded). A cut message still has a hard ceiling
+//! ([`CutLimits::max_total`]) and the frame-count limit; a claim past them is a violation
+//! like any other, before anything is read or allocated.
 
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod connect;
@@ -58,6 +68,45 @@ impl Default for Limits {
             max_frames: 1024,
         }
     }
+}
+
+/// Decides about, and watches, messages over [`Limits::max_message`] on a reader that may
+/// cut them (see [`Reader::cut_oversized`]).
+pub trait Cutter: Send + Sync {
+    /// The frame after `whole` (each frame complete) takes the message over the limit.
+    /// `true` lets the reader cut this message, and [`Cutter::feed`] then sees the rest of
+    /// it; `false` refuses it, and the connection fails as for any broken limit.
+    fn begin(&mut self, whole: &[Bytes]) -> bool;
+    /// Bytes of frame `index` (counted from the message's first frame) of the message being
+    /// cut, in order, kept or not: once with no bytes when the frame starts, then as they
+    /// arrive.
+    fn feed(&mut self, index: usize, piece: &[u8]);
+    /// The message being cut has ended: whether it is genuine (say, its signature verified
+    /// over every byte fed).
+    fn finish(&mut self) -> bool;
+}
+
+/// How much of a message being cut is kept, and the most it may claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CutLimits {
+    /// Bytes kept of the frames from the one that crossed the limit on, all together; never
+    /// more than the message limit leaves after the whole frames before them.
+    pub keep: u64,
+    /// The most a cut message may claim, all frames together. Past it the connection fails
+    /// as for any broken limit: reading a near-endless frame only to discard it would let a
+    /// peer hold the reader forever.
+    pub max_total: u64,
+}
+
+/// A message that was cut (see [`Reader::cut_oversized`]).
+#[derive(Debug)]
+pub struct CutMessage {
+    /// The whole frames before the limit was crossed, then the kept prefixes of the others.
+    pub frames: Vec<Bytes>,
+    /// The message's full size, all frames together.
+    pub bytes: u64,
+    /// What [`Cutter::finish`] said.
+    pub genuine: bool,
 }
 
 /// The ZeroMQ socket type we announce.
@@ -233,6 +282,8 @@ pub struct Reader<R> {
     limits: Limits,
     /// Bytes of messages the caller may hold at once (see [`Reader::set_budget`]).
     budget: Option<Arc<Semaphore>>,
+    /// Set by [`Reader::cut_oversized`].
+    cut: Option<(Box<dyn Cutter>, CutLimits)>,
 }
 
 /// What [`Reader::next`] found.
@@ -243,6 +294,9 @@ pub enum Incoming {
     Message(Vec<Bytes>, Option<OwnedSemaphorePermit>),
     /// A `PING`: answer with [`pong`] (its context is kept for the answer).
     Ping(Bytes),
+    /// A message over the limit that was cut (only with [`Reader::cut_oversized`]), and
+    /// the budget permits its kept bytes hold.
+    Cut(CutMessage, Option<OwnedSemaphorePermit>),
 }
 
 impl<R: AsyncRead + Unpin> Reader<R> {
@@ -251,7 +305,15 @@ impl<R: AsyncRead + Unpin> Reader<R> {
             io: BufReader::with_capacity(READ_CHUNK, io),
             limits,
             budget: None,
+            cut: None,
         }
+    }
+
+    /// Lets messages over [`Limits::max_message`] be cut instead of failing the connection,
+    /// when `cutter` agrees (see the module documentation). Without it, every message over
+    /// the limit is a protocol violation.
+    pub fn cut_oversized(&mut self, cutter: Box<dyn Cutter>, limits: CutLimits) {
+        self.cut = Some((cutter, limits));
     }
 
     /// Shares a byte budget with other readers: before a frame's body is read, permits for
@@ -304,12 +366,32 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         self.body(size).await
     }
 
+    /// Takes permits for `n` bytes from the budget, if one is set, into `held`.
+    async fn hold(&self, n: u64, held: &mut Option<OwnedSemaphorePermit>) -> Result<(), ZmtpError> {
+        if let Some(budget) = &self.budget {
+            // n <= max_message, which the caller keeps within u32 and the budget.
+            let n = u32::try_from(n).map_err(|_| protocol("frame size overflows"))?;
+            let permit = budget
+                .clone()
+                .acquire_many_owned(n)
+                .await
+                .map_err(|_| ZmtpError::Closed)?;
+            match held {
+                Some(h) => h.merge(permit),
+                None => *held = Some(permit),
+            }
+        }
+        Ok(())
+    }
+
     /// The next message or command. Commands other than PING are consumed here (an
     /// `ERROR` ends the connection).
     pub async fn next(&mut self) -> Result<Incoming, ZmtpError> {
         let mut frames: Vec<Bytes> = Vec::new();
         let mut total: u64 = 0;
         let mut held: Option<OwnedSemaphorePermit> = None;
+        // While a message is being cut: how many more of its bytes may be kept.
+        let mut cutting: Option<u64> = None;
         loop {
             let (flags, size) = match self.header().await {
                 Err(ZmtpError::Closed) if !frames.is_empty() => {
@@ -318,7 +400,7 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 r => r?,
             };
             if flags & FLAG_COMMAND != 0 {
-                if !frames.is_empty() || flags & FLAG_MORE != 0 {
+                if !frames.is_empty() || cutting.is_some() || flags & FLAG_MORE != 0 {
                     return Err(protocol("a command inside a multipart message"));
                 }
                 let body = self.command_body(size).await?;
@@ -347,32 +429,88 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                     self.limits.max_frames
                 )));
             }
+            let before = total;
             total = total.saturating_add(size);
-            if total > self.limits.max_message {
+            if cutting.is_none() && total > self.limits.max_message {
+                let may_cut = match &mut self.cut {
+                    Some((cutter, cut)) => total <= cut.max_total && cutter.begin(&frames),
+                    None => false,
+                };
+                if !may_cut {
+                    return Err(protocol(format!(
+                        "a message of at least {total} bytes, over the limit of {} bytes",
+                        self.limits.max_message
+                    )));
+                }
+                let keep = self.cut.as_ref().map_or(0, |(_, c)| c.keep);
+                // The whole frames plus what is kept stay within the message limit.
+                cutting = Some(keep.min(self.limits.max_message - before));
+            }
+            let Some(keep_left) = &mut cutting else {
+                self.hold(size, &mut held).await?;
+                frames.push(self.body(size).await?);
+                if flags & FLAG_MORE == 0 {
+                    return Ok(Incoming::Message(frames, held));
+                }
+                continue;
+            };
+            let max_total = self.cut.as_ref().map_or(0, |(_, c)| c.max_total);
+            if total > max_total {
                 return Err(protocol(format!(
-                    "a message of at least {total} bytes, over the limit of {} bytes",
-                    self.limits.max_message
+                    "a message of at least {total} bytes, over the limit of {max_total} bytes for a message that is cut"
                 )));
             }
-            if let Some(budget) = &self.budget {
-                // size <= max_message, which the caller keeps within u32 and the budget.
-                let n = u32::try_from(size).map_err(|_| protocol("frame size overflows"))?;
-                let permit = budget
-                    .clone()
-                    .acquire_many_owned(n)
-                    .await
-                    .map_err(|_| ZmtpError::Closed)?;
-                match &mut held {
-                    Some(h) => h.merge(permit),
-                    None => held = Some(permit),
-                }
-            }
-            frames.push(self.body(size).await?);
+            let keep = size.min(*keep_left);
+            *keep_left -= keep;
+            self.hold(keep, &mut held).await?;
+            let Some((cutter, _)) = &mut self.cut else {
+                return Err(protocol("cutting a message without a cutter"));
+            };
+            let index = frames.len();
+            frames.push(body_cut(&mut self.io, cutter.as_mut(), index, size, keep).await?);
             if flags & FLAG_MORE == 0 {
-                return Ok(Incoming::Message(frames, held));
+                let genuine = cutter.finish();
+                return Ok(Incoming::Cut(
+                    CutMessage {
+                        frames,
+                        bytes: total,
+                        genuine,
+                    },
+                    held,
+                ));
             }
         }
     }
+}
+
+/// Reads a frame body of `size` bytes through the reader's buffer, keeping the first
+/// `keep` and showing every byte to `cutter`: memory follows `keep`, not the size.
+async fn body_cut<R: AsyncRead + Unpin>(
+    io: &mut BufReader<R>,
+    cutter: &mut dyn Cutter,
+    index: usize,
+    size: u64,
+    keep: u64,
+) -> Result<Bytes, ZmtpError> {
+    // keep <= max_message, which the caller keeps within u32.
+    let keep = usize::try_from(keep).map_err(|_| protocol("frame size overflows"))?;
+    let mut kept = BytesMut::with_capacity(keep.min(READ_CHUNK));
+    let mut left = size;
+    cutter.feed(index, &[]);
+    while left > 0 {
+        let buf = io.fill_buf().await?;
+        if buf.is_empty() {
+            return Err(protocol("the connection ended inside a frame"));
+        }
+        let n = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let piece = &buf[..n];
+        cutter.feed(index, piece);
+        let room = keep.saturating_sub(kept.len()).min(n);
+        kept.extend_from_slice(&piece[..room]);
+        io.consume(n);
+        left -= n as u64;
+    }
+    Ok(kept.freeze())
 }
 
 /// The `PONG` answer to a `PING` with `context`.

@@ -238,3 +238,143 @@ async fn connect_ipc_refuses_a_planted_symlink_and_non_sockets() {
     std::fs::write(&file, b"x").unwrap();
     assert!(connect_ipc(&file).await.is_err());
 }
+
+/// A cutter that lets every message with at least `min_whole` whole frames be cut, and
+/// counts what it is fed.
+#[derive(Clone, Default)]
+struct Counting(Arc<std::sync::Mutex<CountingState>>);
+
+#[derive(Default)]
+struct CountingState {
+    min_whole: usize,
+    begun: usize,
+    fed: Vec<(usize, usize)>,
+}
+
+impl Cutter for Counting {
+    fn begin(&mut self, whole: &[Bytes]) -> bool {
+        let mut s = self.0.lock().unwrap();
+        s.begun += 1;
+        s.fed.clear();
+        whole.len() >= s.min_whole
+    }
+    fn feed(&mut self, index: usize, piece: &[u8]) {
+        let mut s = self.0.lock().unwrap();
+        match s.fed.last_mut() {
+            Some((i, n)) if *i == index => *n += piece.len(),
+            _ => s.fed.push((index, piece.len())),
+        }
+    }
+    fn finish(&mut self) -> bool {
+        true
+    }
+}
+
+async fn send_frame(peer: &mut DuplexStream, body: &[u8], more: bool) {
+    let (h, n) = frame_header(body.len(), more, false);
+    peer.write_all(&h[..n]).await.unwrap();
+    peer.write_all(body).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_oversized_message_is_cut_to_a_prefix_and_the_stream_stays_in_step() {
+    let limits = Limits {
+        max_message: 1000,
+        max_frames: 8,
+    };
+    let (mut r, _w, mut peer) = pair(limits).await;
+    let cutter = Counting::default();
+    cutter.0.lock().unwrap().min_whole = 2;
+    let budget = Arc::new(Semaphore::new(2000));
+    r.set_budget(budget.clone());
+    r.cut_oversized(
+        Box::new(cutter.clone()),
+        CutLimits {
+            keep: 300,
+            max_total: 1 << 20,
+        },
+    );
+    // Two small frames, then 200,000 bytes over two frames: far over the limit.
+    let big: Vec<u8> = (0..150_000u32).map(|i| (i % 251) as u8).collect();
+    let writer = tokio::spawn(async move {
+        send_frame(&mut peer, b"topic", true).await;
+        send_frame(&mut peer, &[7u8; 600], true).await;
+        send_frame(&mut peer, &big, true).await;
+        send_frame(&mut peer, &[9u8; 50_000], false).await;
+        // And a normal message after it.
+        send_frame(&mut peer, b"next", false).await;
+        peer
+    });
+    let Incoming::Cut(cut, permit) = r.next().await.unwrap() else {
+        panic!("the message was not cut");
+    };
+    assert_eq!(cut.bytes, 5 + 600 + 150_000 + 50_000);
+    assert!(cut.genuine);
+    let sizes: Vec<usize> = cut.frames.iter().map(|f| f.len()).collect();
+    // Whole frames, then 300 bytes kept of the rest, all from the first big frame.
+    assert_eq!(sizes, vec![5, 600, 300, 0]);
+    let expect: Vec<u8> = (0..300u32).map(|i| (i % 251) as u8).collect();
+    assert_eq!(&cut.frames[2][..], &expect[..]);
+    // What is held counts only what was kept.
+    assert_eq!(budget.available_permits(), 2000 - 905);
+    drop(permit);
+    {
+        let s = cutter.0.lock().unwrap();
+        assert_eq!(s.begun, 1);
+        // The cutter saw every byte of the frames it did not get whole.
+        assert_eq!(s.fed, vec![(2, 150_000), (3, 50_000)]);
+    }
+    match r.next().await.unwrap() {
+        Incoming::Message(m, _) => assert_eq!(m, vec![Bytes::from_static(b"next")]),
+        other => panic!("{other:?}"),
+    }
+    drop(writer.await.unwrap());
+}
+
+#[tokio::test]
+async fn a_cutting_reader_still_refuses_absurd_claims_and_what_its_cutter_refuses() {
+    let limits = Limits {
+        max_message: 1000,
+        max_frames: 8,
+    };
+    let cut = CutLimits {
+        keep: 100,
+        max_total: 10_000,
+    };
+    // A frame claiming 2^62 bytes: refused at its header, before the cutter is asked.
+    let (mut r, _w, mut peer) = pair(limits).await;
+    let cutter = Counting::default();
+    r.cut_oversized(Box::new(cutter.clone()), cut);
+    let mut h = vec![FLAG_MORE, 3, b'a', b'b', b'c', FLAG_LONG];
+    h.extend_from_slice(&(1u64 << 62).to_be_bytes());
+    peer.write_all(&h).await.unwrap();
+    let e = r.next().await.unwrap_err();
+    assert!(
+        matches!(e, ZmtpError::Protocol(ref m) if m.contains("over the limit")),
+        "{e}"
+    );
+    assert_eq!(cutter.0.lock().unwrap().begun, 0);
+
+    // Past the ceiling over several frames, each below it.
+    let (mut r, _w, mut peer) = pair(limits).await;
+    r.cut_oversized(Box::new(Counting::default()), cut);
+    let writer = tokio::spawn(async move {
+        for _ in 0..4 {
+            send_frame(&mut peer, &[0u8; 3000], true).await;
+        }
+        peer
+    });
+    let e = r.next().await.unwrap_err();
+    assert!(e.to_string().contains("message that is cut"), "{e}");
+    drop(writer);
+
+    // The cutter says no (too few whole frames): as without cutting.
+    let (mut r, _w, mut peer) = pair(limits).await;
+    let cutter = Counting::default();
+    cutter.0.lock().unwrap().min_whole = 2;
+    r.cut_oversized(Box::new(cutter.clone()), cut);
+    send_frame(&mut peer, &[0u8; 2000], false).await;
+    let e = r.next().await.unwrap_err();
+    assert!(e.to_string().contains("over the limit of 1000"), "{e}");
+    assert_eq!(cutter.0.lock().unwrap().begun, 1);
+}

@@ -227,7 +227,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(read(&user, "memory.max"), (5u64 << 30).to_string());
-        assert_eq!(read(&user, "pids.max"), "2560");
+        assert_eq!(read(&user, "pids.max"), "1280");
         assert_eq!(read(&user, "cpu.max"), "100000 100000");
         assert_eq!(read(&user, "memory.swap.max"), "0");
     }

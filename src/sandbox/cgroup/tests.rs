@@ -50,7 +50,7 @@ fn a_v2_launch_writes_the_users_totals_and_the_kernels_own_limits() {
     // The user's totals: a backstop above the kernels' own limits.
     assert_eq!(read(&user_dir, "memory.max"), (5u64 << 30).to_string());
     assert_eq!(read(&user_dir, "memory.swap.max"), "0");
-    assert_eq!(read(&user_dir, "pids.max"), "2560");
+    assert_eq!(read(&user_dir, "pids.max"), "1280");
     assert_eq!(read(&user_dir, "cpu.max"), "100000 100000");
     // The controllers were handed down to the leaves.
     assert!(read(&user_dir, "cgroup.subtree_control").starts_with('+'));

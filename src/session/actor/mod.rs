@@ -289,6 +289,7 @@ impl Actor {
         match ev {
             KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
             KernelEvent::Message(channel, m) => self.on_reply(channel, m),
+            KernelEvent::OutputCut { message, bytes } => self.on_output_cut(message, bytes),
             KernelEvent::HeartbeatLost { misses } => {
                 self.on_death(format!(
                     "the kernel stopped answering its heartbeat ({misses} misses)"

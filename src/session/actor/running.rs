@@ -15,6 +15,7 @@ use super::{record_send, Actor};
 use crate::session::execution::Execution;
 use crate::session::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
 use crate::session::lifecycle::LifecycleEvent;
+use crate::session::recorder::Direction;
 use crate::wire::{Channel, Message};
 
 pub(super) enum Phase {
@@ -217,6 +218,29 @@ impl Actor {
         });
         self.session.publish_iopub(m, agent);
         self.check_complete();
+    }
+
+    /// An output message over the kernel-message limit, cut by the kernel client (its
+    /// content now says so): recorded with an `output_cut` event saying how big it was, and
+    /// the execution it belongs to is marked truncated; otherwise it is output like any.
+    pub(super) fn on_output_cut(&mut self, m: Message, bytes: u64) {
+        self.recorder
+            .message(&self.session, Direction::FromKernel, Channel::Iopub, &m);
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::OutputCut {
+                msg_id: m.msg_id.clone(),
+                parent_msg_id: m.parent_msg_id.clone(),
+                msg_type: m.msg_type.clone(),
+                bytes,
+            },
+        );
+        if let Some(r) = self.running.as_mut() {
+            if m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()) {
+                r.collector.mark_truncated();
+            }
+        }
+        self.on_iopub(m);
     }
 
     pub(super) fn on_reply(&mut self, channel: Channel, m: Message) {

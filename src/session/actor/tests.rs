@@ -379,3 +379,59 @@ async fn a_user_interrupt_ends_the_execution_as_interrupted() {
     assert_eq!(x.status, ExecutionStatus::Interrupted, "{x:?}");
     assert_eq!(h.sandbox.launched().len(), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn output_over_the_message_limit_is_cut_and_the_session_carries_on() {
+    let mut c = config();
+    c.output_limit = 1 << 20;
+    // The smallest limit the configuration allows.
+    c.kernel.limits.max_message = 1 << 20;
+    let h = start(c).await;
+    assert_eq!(h.run("set x 1").await.status, ExecutionStatus::Ok);
+    let x = h.run("big 3000000").await;
+    assert_eq!(x.status, ExecutionStatus::Ok, "{}", &x.stdout[..100]);
+    assert!(x.truncated);
+    // The stream's first 256 KiB of content are kept, then the marker; the forged message
+    // (its signature fails over the discarded bytes) is dropped; the rest goes on.
+    let marker = x.stdout.find("\n[kernel-broker:").expect("a marker");
+    assert!(x.stdout[..marker].bytes().all(|b| b == b'y'));
+    assert!((250_000..262_144).contains(&marker), "{marker}");
+    assert!(
+        x.stdout[marker..].starts_with("\n[kernel-broker: an output message of "),
+        "{}",
+        &x.stdout[marker..]
+    );
+    assert!(
+        x.stdout.ends_with("characters]\ndone"),
+        "{}",
+        &x.stdout[marker..]
+    );
+    assert!(!x.stdout.contains("fff"));
+    assert_eq!(x.results.len(), 1);
+    let display = x.results[0].data["text/plain"].as_str().unwrap_or_default();
+    assert!(
+        display.starts_with("[kernel-broker: an output message (display_data) of ")
+            && display.ends_with(" bytes was cut]"),
+        "{display}"
+    );
+    let cuts: Vec<(String, u64)> = h
+        .recorder
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            LifecycleEvent::OutputCut {
+                msg_type, bytes, ..
+            } => Some((msg_type, bytes)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cuts.len(), 2, "{cuts:?}");
+    assert_eq!(cuts[0].0, "stream");
+    assert_eq!(cuts[1].0, "display_data");
+    assert!(cuts.iter().all(|(_, b)| *b > 3_000_000), "{cuts:?}");
+    // The session is alive, with its state.
+    let x = h.run("get x").await;
+    assert_eq!(x.stdout, "1", "{x:?}");
+    assert!(!x.truncated);
+    assert_eq!(h.session.state(), SessionState::Idle);
+}

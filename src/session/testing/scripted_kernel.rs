@@ -15,6 +15,9 @@
 //!   stdout and the closing `status: idle`; `noidle`: reply and never send the idle status.
 //! - `forge`: three `execute_reply`s on shell only: under a wrong key, with tampered
 //!   content, then the genuine one.
+//! - `big N`: on iopub, a stdout `stream` of `N` times `y`, a `display_data` whose text is
+//!   `N` times `d`, and a forged `stream` (wrong key) of `N` times `f`, each one message;
+//!   then `done` on stdout.
 //! - anything else: `ok`, no output.
 //!
 //! Executions are answered one at a time, in the order received, as a real kernel does:
@@ -385,6 +388,17 @@ impl Kernel {
                 }
             },
             "print" => self.stream(&req, arg).await,
+            "big" => {
+                let n = arg.parse().unwrap_or(0);
+                self.stream(&req, &"y".repeat(n)).await;
+                let display = json!({"data": {"text/plain": "d".repeat(n)}, "metadata": {}});
+                self.publish(&req, "display_data", display).await;
+                let forged = json!({"name": "stdout", "text": "f".repeat(n)});
+                let m = Message::new("stream", &forged, Some(&req.header), "kernel", "kernel");
+                let frames = wire::encode(&m, &Signer::new(b"not-the-key"));
+                let _ = self.iopub.send(zmq(frames)).await;
+                self.stream(&req, "done").await;
+            }
             "sleep" => {
                 self.running = Some((req, Wait::Interrupt));
                 return Step::Continue;
