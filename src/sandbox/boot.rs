@@ -151,7 +151,7 @@ mod tests {
     fn argv_shapes() {
         assert_eq!(
             template_argv("/py", "/b.py", &[]),
-            strings(&["/py", "/b.py", "template", "--preload", ""])
+            strings(&["/py", "-I", "/b.py", "template", "--preload", ""])
         );
     }
 
