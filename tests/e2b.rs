@@ -510,3 +510,164 @@ async fn a_command_ends_with_its_sandbox(sandbox: &'static str) {
     assert!(ps.stdout.is_empty(), "a command outlived its sandbox");
     b.stop().await;
 }
+
+/// A multipart body streamed to envd's `/files` over a raw socket, as an attacker sends it:
+/// `parts` of (file name, size) filled with `x`, written in 64 KiB chunks while the answer
+/// is read, so a broker that refuses early is heard without waiting for (or needing) the
+/// rest. The status the broker answered, and its body.
+async fn raw_multipart_upload(
+    addr: std::net::SocketAddr,
+    sandbox: &[(&str, &str)],
+    parts: Vec<(String, usize)>,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const BOUNDARY: &str = "kbtestboundary0123456789";
+    let head = |name: &str| {
+        format!(
+            "--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\n"
+        )
+    };
+    let tail = format!("--{BOUNDARY}--\r\n");
+    let length: usize = parts
+        .iter()
+        .map(|(name, size)| head(name).len() + size + 2)
+        .sum::<usize>()
+        + tail.len();
+    let mut request = format!(
+        "POST /e2b/sandbox/files HTTP/1.1\r\nHost: test\r\nContent-Type: multipart/form-data; \
+         boundary={BOUNDARY}\r\nContent-Length: {length}\r\n"
+    );
+    for (k, v) in sandbox {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str("\r\n");
+    let socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = socket.into_split();
+    let writer = tokio::spawn(async move {
+        let chunk = vec![b'x'; 64 << 10];
+        wr.write_all(request.as_bytes()).await?;
+        for (name, size) in parts {
+            wr.write_all(head(&name).as_bytes()).await?;
+            let mut left = size;
+            while left > 0 {
+                let n = left.min(chunk.len());
+                wr.write_all(&chunk[..n]).await?;
+                left -= n;
+            }
+            wr.write_all(b"\r\n").await?;
+        }
+        wr.write_all(tail.as_bytes()).await?;
+        Ok::<_, std::io::Error>(wr)
+    });
+    let mut answer = Vec::new();
+    let mut buf = vec![0u8; 16 << 10];
+    within(120, "the upload's answer", async {
+        loop {
+            let n = rd.read(&mut buf).await.unwrap();
+            answer.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&answer);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse().ok())?
+                    })
+                    .unwrap_or(0);
+                if body.len() >= length || n == 0 {
+                    break;
+                }
+            }
+            assert!(n > 0, "the broker closed without an answer");
+        }
+    })
+    .await;
+    writer.abort();
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text}"));
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+    (status, body.unwrap_or_default())
+}
+
+/// Issue 32, item 5: a multipart upload is read as it arrives, within the file limit per
+/// part and a bound on the whole body. Against a spawned broker with an 8 MiB file limit,
+/// four parallel uploads of one 256 MiB part each are answered 413 while the broker's peak
+/// memory grows by far less than one part; a body of several parts within the limit each
+/// but past it together, and one of more than 1000 empty parts, are refused too; and no
+/// refused upload leaves a file (or a partial one) in the workspace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn multipart_uploads_past_the_limit_cost_the_limit_not_their_size() {
+    const MIB: usize = 1 << 20;
+    let broker =
+        common::spawned::SpawnedBroker::start(&["--max-file-bytes", &(8 * MIB).to_string()], None);
+    let e = E2b {
+        http: reqwest::Client::new(),
+        base: format!("http://{}", broker.addr),
+    };
+    let sbx = e.create(ALICE, json!({})).await;
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let h = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+    // An upload within the limit is written (and warms what a first upload allocates).
+    let (s, body) = raw_multipart_upload(broker.addr, &h, vec![("ok.bin".into(), 8 * MIB)]).await;
+    assert_eq!(s, 200, "{body}");
+    let before = broker.peak_rss_bytes();
+
+    let uploads = (0..4).map(|i| {
+        let h = h.map(|(k, v)| (k, v.to_string()));
+        async move {
+            let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            raw_multipart_upload(broker.addr, &h, vec![(format!("big{i}.bin"), 256 * MIB)]).await
+        }
+    });
+    for (s, body) in futures::future::join_all(uploads).await {
+        assert_eq!(s, 413, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        e2b_error(&v, 413);
+    }
+    let grown = broker.peak_rss_bytes().saturating_sub(before);
+    eprintln!(
+        "peak broker memory {} MiB before, grew by {} MiB for 4 x 256 MiB parts",
+        before >> 20,
+        grown >> 20
+    );
+    assert!(
+        grown < 96 * MIB as u64,
+        "the broker's peak memory grew by {} MiB for uploads refused at 8 MiB",
+        grown >> 20
+    );
+
+    // Several parts within the limit each, past it together: refused, none written.
+    let parts = (0..3).map(|i| (format!("part{i}.bin"), 6 * MIB)).collect();
+    let (s, body) = raw_multipart_upload(broker.addr, &h, parts).await;
+    assert_eq!(s, 413, "{body}");
+    // Many tiny parts.
+    let parts = (0..1001).map(|i| (format!("tiny{i}"), 0)).collect();
+    let (s, body) = raw_multipart_upload(broker.addr, &h, parts).await;
+    assert_eq!(s, 413, "{body}");
+    assert!(body.contains("1000"), "{body}");
+
+    // The workspace holds the one good upload: no refused file, no partial one.
+    let (s, files) = broker
+        .api(ALICE)
+        .get(&format!("/v1/sessions/{id}/files"))
+        .await;
+    assert_eq!(s, 200, "{files}");
+    let names: Vec<&str> = files
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["ok.bin"], "{files}");
+    broker.stop().await;
+}

@@ -10,7 +10,7 @@
 //!   are not UTF-8; an empty body is `{}`.
 //!
 //! Also the small helpers the handlers of several files need ([`sandbox_user`],
-//! [`read_limited`], [`check_code`]).
+//! [`read_limited`] and [`collect_limited`], [`check_code`]).
 
 use std::sync::Arc;
 
@@ -19,6 +19,8 @@ use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
+use futures::{Stream, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
@@ -130,13 +132,35 @@ where
     }
 }
 
-/// Read a whole body, refusing more than `limit` bytes with 413.
+/// Read a whole body, refusing more than `limit` bytes with 413 (as soon as they arrive).
 pub async fn read_limited(body: Body, limit: usize, what: &str) -> ApiResult<Bytes> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::too_large(format!(
-            "the {what} is larger than the limit of {limit} bytes"
-        ))
-    })
+    let chunks = body.into_data_stream().map_err(|e| {
+        // A body cut short (the client left, a malformed chunk) is the client's doing.
+        ApiError::bad_request(format!("reading the request body failed: {e}"))
+    });
+    collect_limited(chunks, limit, what).await
+}
+
+/// Gather a stream of chunks (a body, a multipart field) into one buffer, refusing the
+/// first byte past `limit` with 413 as it arrives: what is held never exceeds `limit`,
+/// whatever the client sends or claims in a `Content-Length`. The one place request bytes
+/// are gathered before a size check.
+pub async fn collect_limited<S>(chunks: S, limit: usize, what: &str) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
+    let mut chunks = std::pin::pin!(chunks);
+    let mut out = BytesMut::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk?;
+        if chunk.len() > limit - out.len() {
+            return Err(ApiError::too_large(format!(
+                "the {what} is larger than the limit of {limit} bytes"
+            )));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
 }
 
 /// Parse JSON, answering 400 with serde's explanation. A body of only white space is `{}`,
@@ -211,5 +235,24 @@ mod tests {
         assert_eq!(e.message, "the file is larger than the limit of 10 bytes");
         let ok = read_limited(Body::from(vec![b'x'; 10]), 10, "file").await;
         assert_eq!(ok.unwrap().len(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_refused_at_the_first_byte_past_the_limit() {
+        // An endless stream: the refusal cannot wait for its end.
+        let endless = futures::stream::repeat_with(|| Ok(Bytes::from_static(b"abcd")));
+        let e = collect_limited(endless, 10, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let parts = futures::stream::iter([b"abcd", b"efgh"].map(|c| Ok(Bytes::from_static(c))));
+        assert_eq!(
+            &collect_limited(parts, 8, "file").await.unwrap()[..],
+            b"abcdefgh"
+        );
+        let parts = futures::stream::iter([b"abcd", b"efgh"].map(|c| Ok(Bytes::from_static(c))));
+        let e = collect_limited(parts, 7, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let broken = futures::stream::iter([Err(ApiError::bad_request("cut short"))]);
+        let e = collect_limited(broken, 7, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 }
