@@ -671,3 +671,141 @@ async fn multipart_uploads_past_the_limit_cost_the_limit_not_their_size() {
     assert_eq!(names, ["ok.bin"], "{files}");
     broker.stop().await;
 }
+
+/// `process.Process/Start` of `cmd` (through `/bin/sh -c`) on a raw socket whose answer is
+/// never read: a client that does not read its command's output. The socket is returned so
+/// the test decides when the client leaves.
+async fn start_unread_command(
+    addr: std::net::SocketAddr,
+    sandbox: &[(&str, &str)],
+    cmd: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}}).to_string();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg.as_bytes());
+    let mut request = format!(
+        "POST /e2b/sandbox/process.Process/Start HTTP/1.1\r\nHost: test\r\n\
+         Content-Type: application/connect+json\r\nContent-Length: {}\r\n",
+        framed.len()
+    );
+    for (k, v) in sandbox {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str("\r\n");
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // A small receive buffer, as a client that reads nothing would leave it full anyway:
+    // what the broker holds is then what it buffers itself.
+    socket.set_nodelay(true).unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    socket.write_all(&framed).await.unwrap();
+    socket
+}
+
+/// Issue 32, item 5 ("unread command output streams cost ~16 MiB each with no total
+/// bound"): eight commands of one user each write 64 MB to clients that never read. The
+/// broker's memory grows by a bounded amount (the user's output budget and the
+/// connections' buffers, not 16 MiB a command), the commands are back-pressured (they do
+/// not finish while nobody reads), another user's command runs meanwhile, and once the
+/// clients leave the commands run to their end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unread_command_output_costs_a_bounded_budget_per_user() {
+    const MIB: u64 = 1 << 20;
+    const COMMANDS: usize = 8;
+    let broker = common::spawned::SpawnedBroker::start(&[], None);
+    let e = E2b {
+        http: reqwest::Client::new(),
+        base: format!("http://{}", broker.addr),
+    };
+    let sbx = e.create(ALICE, json!({})).await;
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let h = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+    let before = broker.peak_rss_bytes();
+    let mut clients = Vec::new();
+    for i in 0..COMMANDS {
+        let cmd = format!("head -c 64000000 /dev/zero; touch done{i}");
+        clients.push(start_unread_command(broker.addr, &h, &cmd).await);
+    }
+    let done = |files: &Value| {
+        files
+            .as_array()
+            .map(|fs| {
+                fs.iter()
+                    .filter(|f| f["path"].as_str().is_some_and(|p| p.starts_with("done")))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let alice = broker.api(ALICE);
+    // Without a bound the broker reads all 512 MB (dropping what a client cannot take) and
+    // the commands end within seconds; with back-pressure none ends while nobody reads.
+    // Watched for ten seconds, or until every command ended.
+    let started = std::time::Instant::now();
+    let mut ended = 0;
+    while started.elapsed() < std::time::Duration::from_secs(10) && ended < COMMANDS {
+        let (_, files) = alice.get(&format!("/v1/sessions/{id}/files")).await;
+        ended = done(&files);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let grown = broker.peak_rss_bytes().saturating_sub(before);
+    eprintln!(
+        "peak broker memory {} MiB before, grew by {} MiB for {COMMANDS} unread commands; {ended} ended",
+        before >> 20,
+        grown >> 20
+    );
+    assert_eq!(
+        ended, 0,
+        "commands ran to their end with nobody reading their output"
+    );
+    assert!(
+        grown < 48 * MIB,
+        "the broker grew by {} MiB for unread command output",
+        grown >> 20
+    );
+
+    // Another user's command is not held up by alice's budget.
+    let bob_sbx = e.create(BOB, json!({})).await;
+    let (bid, btok) = (
+        bob_sbx["sandboxID"].as_str().unwrap(),
+        bob_sbx["envdAccessToken"].as_str().unwrap(),
+    );
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo bob-was-here"]}});
+    let msg = msg.to_string();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg.as_bytes());
+    let (s, out) = e
+        .sandbox(
+            reqwest::Method::POST,
+            "/process.Process/Start",
+            &[("E2b-Sandbox-Id", bid), ("X-Access-Token", btok)],
+            framed,
+            "application/connect+json",
+        )
+        .await;
+    assert_eq!(s, 200);
+    let text = String::from_utf8_lossy(&out);
+    use base64::Engine;
+    let said = base64::engine::general_purpose::STANDARD.encode("bob-was-here\n");
+    assert!(text.contains(&said), "{text}");
+    assert!(text.contains("\"end\""), "{text}");
+
+    // The clients leave: nobody listens, the commands run to their end.
+    drop(clients);
+    within(120, "the commands to end once their clients left", async {
+        loop {
+            let (_, files) = alice.get(&format!("/v1/sessions/{id}/files")).await;
+            if done(&files) == COMMANDS {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    broker.stop().await;
+}

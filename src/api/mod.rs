@@ -10,7 +10,8 @@
 //! `listener` (the accept loop and its caps), `clients` (client time limits, the body
 //! deadline, WebSocket places), `ws_liveness` (WebSocket ping/pong), `user_load` (each
 //! user's requests and WebSockets under their caps), `auth_failures` (the throttle on
-//! failed authentications).
+//! failed authentications), `output_budget` (each user's bytes of output held for clients
+//! that have not read it).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.
@@ -31,6 +32,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 mod ops;
+mod output_budget;
 mod recording;
 mod sessions;
 pub mod shapes;

@@ -14,6 +14,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use crate::api::output_budget::OutputBudgets;
 use crate::sandbox::command::CommandControl;
 use crate::session::{Registry, Session, SessionEvent, SessionState};
 use crate::sync::lock;
@@ -38,12 +39,26 @@ pub struct Command {
     pub control: Arc<dyn CommandControl>,
     pub stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     /// Its events (`start` is not repeated), for `Start` and every `Connect`.
-    pub events: broadcast::Sender<serde_json::Value>,
+    pub events: Arc<super::process::Fanout>,
 }
 
-#[derive(Default)]
 pub struct E2bState {
     sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
+    /// What each user's commands' unread output may hold of the broker's memory.
+    pub command_output: OutputBudgets,
+}
+
+/// Bytes of command output (as sent: Connect envelopes) a user's clients may leave unread,
+/// all her commands together; past it her commands wait on their pipes.
+pub const COMMAND_OUTPUT_BUDGET: usize = 8 << 20;
+
+impl Default for E2bState {
+    fn default() -> Self {
+        Self {
+            sandboxes: Mutex::default(),
+            command_output: OutputBudgets::new(COMMAND_OUTPUT_BUDGET),
+        }
+    }
 }
 
 impl E2bState {
