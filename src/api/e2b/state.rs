@@ -46,7 +46,13 @@ pub struct E2bState {
     sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
     /// What each user's commands' unread output may hold of the broker's memory.
     pub command_output: OutputBudgets,
+    /// What each user's executions' unread output (`/execute` lines) may hold.
+    pub execution_output: OutputBudgets,
 }
+
+/// Bytes of `/execute` NDJSON lines a user's clients may leave unread, all her executions
+/// together; past it lines are cut with a marker.
+pub const EXECUTION_OUTPUT_BUDGET: usize = 8 << 20;
 
 /// Bytes of command output (as sent: Connect envelopes) a user's clients may leave unread,
 /// all her commands together; past it her commands wait on their pipes.
@@ -57,6 +63,7 @@ impl Default for E2bState {
         Self {
             sandboxes: Mutex::default(),
             command_output: OutputBudgets::new(COMMAND_OUTPUT_BUDGET),
+            execution_output: OutputBudgets::new(EXECUTION_OUTPUT_BUDGET),
         }
     }
 }
