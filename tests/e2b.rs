@@ -926,3 +926,74 @@ async fn unread_execution_output_is_cut_with_a_marker_within_a_budget() {
     drop(clients);
     broker.stop().await;
 }
+
+/// An octet-stream upload to envd's `/files` that declares `declared` bytes, sends `sent`
+/// of them and stalls: an upload in progress, holding what the broker has read of it.
+async fn stalled_upload(
+    addr: std::net::SocketAddr,
+    sandbox: &[(&str, &str)],
+    path: &str,
+    declared: usize,
+    sent: usize,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut request = format!(
+        "POST /e2b/sandbox/files?path={path} HTTP/1.1\r\nHost: test\r\n\
+         Content-Type: application/octet-stream\r\nContent-Length: {declared}\r\n"
+    );
+    for (k, v) in sandbox {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str("\r\n");
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    // A refusal may close the connection before all is sent; its answer is still read.
+    let _ = socket.write_all(&vec![b'x'; sent]).await;
+    socket
+}
+
+/// Uploads in progress of one user hold at most twice the file limit of the broker's
+/// memory together: three stalled uploads (limit 8 MiB) that have sent 7 MiB, 7 MiB and
+/// 2 MiB + 1 byte cannot all be held; one is refused with 429 `quota_exceeded`, and once
+/// they are gone the user uploads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_uploads_of_a_user_share_a_memory_budget() {
+    use tokio::io::AsyncReadExt;
+    const MIB: usize = 1 << 20;
+    let broker =
+        common::spawned::SpawnedBroker::start(&["--max-file-bytes", &(8 * MIB).to_string()], None);
+    let e = E2b {
+        http: reqwest::Client::new(),
+        base: format!("http://{}", broker.addr),
+    };
+    let sbx = e.create(ALICE, json!({})).await;
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let h = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", tok.as_str()),
+    ];
+    let mut uploads = Vec::new();
+    for (i, sent) in [7 * MIB, 7 * MIB, 2 * MIB + 1].into_iter().enumerate() {
+        uploads.push(stalled_upload(broker.addr, &h, &format!("s{i}"), 8 * MIB, sent).await);
+    }
+    // The first answer any of them gets.
+    let answer = within(60, "an answer to one of the stalled uploads", async {
+        let reads = uploads.iter_mut().map(|s| {
+            Box::pin(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap();
+                String::from_utf8_lossy(&buf[..n]).into_owned()
+            })
+        });
+        futures::future::select_all(reads).await.0
+    })
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    assert!(answer.contains("uploads in progress"), "{answer}");
+    drop(uploads);
+    let (s, body) =
+        raw_multipart_upload(broker.addr, &h, vec![("after.bin".into(), 8 * MIB)]).await;
+    assert_eq!(s, 200, "{body}");
+    broker.stop().await;
+}

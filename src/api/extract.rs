@@ -26,6 +26,7 @@ use uuid::Uuid;
 
 use super::auth::Caller;
 use super::error::{ApiError, ApiResult, JupyterError};
+use super::output_budget::ByteBudgets;
 use super::AppState;
 use crate::sandbox::SandboxUser;
 use crate::session::Session;
@@ -149,6 +150,18 @@ pub async fn collect_limited<S>(chunks: S, limit: usize, what: &str) -> ApiResul
 where
     S: Stream<Item = Result<Bytes, ApiError>>,
 {
+    collect(chunks, limit, what, None).await
+}
+
+async fn collect<S>(
+    chunks: S,
+    limit: usize,
+    what: &str,
+    mut budget: Option<&mut UploadBudget>,
+) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
     let mut chunks = std::pin::pin!(chunks);
     let mut out = BytesMut::new();
     while let Some(chunk) = chunks.next().await {
@@ -158,9 +171,75 @@ where
                 "the {what} is larger than the limit of {limit} bytes"
             )));
         }
+        if let Some(b) = budget.as_deref_mut() {
+            b.take(chunk.len())?;
+        }
         out.extend_from_slice(&chunk);
     }
     Ok(out.freeze())
+}
+
+/// The per-user budgets of upload bytes in the broker's memory: room for two uploads of the
+/// largest file at once per user.
+pub fn upload_budgets(max_file_bytes: usize) -> ByteBudgets {
+    ByteBudgets::new(max_file_bytes.saturating_mul(2))
+}
+
+/// What one request's uploaded bytes hold of its user's upload budget, until it is dropped
+/// (after the files are written). Each upload is bounded by the file limit; this bounds
+/// what all of a user's uploads in progress hold together, so parallel uploads cannot add
+/// up to more than a few files' worth of the broker's memory. Past it the upload is
+/// refused (429) rather than made to wait: waiting uploads could hold the budget between
+/// them with none able to finish.
+pub struct UploadBudget {
+    budget: Arc<tokio::sync::Semaphore>,
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl UploadBudget {
+    pub fn of(state: &AppState, user: &str) -> Self {
+        Self {
+            budget: state.uploads.of(user),
+            held: None,
+        }
+    }
+
+    fn take(&mut self, bytes: usize) -> ApiResult<()> {
+        let n = u32::try_from(bytes).unwrap_or(u32::MAX);
+        let permit = self.budget.clone().try_acquire_many_owned(n).map_err(|_| {
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "quota_exceeded",
+                "the user's uploads in progress hold all the memory the broker gives them; \
+                 retry once one has finished",
+            )
+        })?;
+        match &mut self.held {
+            Some(h) => h.merge(permit),
+            None => self.held = Some(permit),
+        }
+        Ok(())
+    }
+}
+
+/// [`read_limited`] for an upload: also within the user's [`UploadBudget`].
+pub async fn read_upload(body: Body, limit: usize, budget: &mut UploadBudget) -> ApiResult<Bytes> {
+    let chunks = body
+        .into_data_stream()
+        .map_err(|e| ApiError::bad_request(format!("reading the request body failed: {e}")));
+    collect(chunks, limit, "file", Some(budget)).await
+}
+
+/// [`collect_limited`] for an upload's part: also within the user's [`UploadBudget`].
+pub async fn collect_upload<S>(
+    chunks: S,
+    limit: usize,
+    budget: &mut UploadBudget,
+) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
+    collect(chunks, limit, "file", Some(budget)).await
 }
 
 /// Parse JSON, answering 400 with serde's explanation. A body of only white space is `{}`,

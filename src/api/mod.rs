@@ -32,7 +32,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 mod ops;
-mod output_budget;
+pub mod output_budget;
 mod recording;
 mod sessions;
 pub mod shapes;
@@ -92,6 +92,9 @@ pub struct AppState {
     pub egress: Option<Arc<crate::egress::Egress>>,
     /// Cluster mode: the other nodes, for requests about sessions they hold.
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// What each user's uploads in progress may hold of the broker's memory
+    /// ([`extract::upload_budgets`]).
+    pub uploads: Arc<output_budget::ByteBudgets>,
 }
 
 impl AppState {

@@ -20,12 +20,12 @@ use crate::sync::lock;
 
 /// The budgets of every user with output in flight. A budget lives while something holds
 /// it (a running command's readers), so idle users cost nothing.
-pub struct OutputBudgets {
+pub struct ByteBudgets {
     bytes: usize,
     by_user: Mutex<HashMap<String, Weak<Semaphore>>>,
 }
 
-impl OutputBudgets {
+impl ByteBudgets {
     /// Budgets of `bytes` each.
     pub fn new(bytes: usize) -> Self {
         Self {
@@ -139,7 +139,7 @@ mod tests {
 
     #[test]
     fn each_user_has_one_budget_while_it_is_held() {
-        let budgets = OutputBudgets::new(100);
+        let budgets = ByteBudgets::new(100);
         let a = budgets.of("alice");
         let a2 = budgets.of("alice");
         assert!(Arc::ptr_eq(&a, &a2));

@@ -20,7 +20,7 @@ use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
 use super::{inside_path, workspace_relative, E2bError, E2bResult};
 use crate::api::error::ApiError;
-use crate::api::extract::{collect_limited, read_limited};
+use crate::api::extract::{collect_upload, read_limited, read_upload, UploadBudget};
 use crate::api::AppState;
 use crate::session::files::{self, Entry, EntryKind};
 use crate::session::SessionError;
@@ -94,7 +94,8 @@ fn file_error(e: SessionError, path: &str) -> E2bError {
 ///
 /// Each file is refused past `--max-file-bytes` (413) as its bytes arrive; a multipart body
 /// is also refused (413) past `--max-file-bytes` plus 1 MiB in all (several files of one
-/// request together) or past 1000 files. A refused upload writes nothing.
+/// request together) or past 1000 files; 429 while the user's uploads in progress hold twice
+/// `--max-file-bytes`. A refused upload writes nothing.
 #[utoipa::path(post, operation_id = "e2b_upload", path = "/e2b/sandbox/files", tag = "e2b", security(()),
     params(("path" = Option<String>, Query, description = "`/workspace/...` or relative to it")),
     responses((status = 200, description = "`[{path, name, type}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
@@ -116,6 +117,8 @@ async fn upload(
         ));
     }
     let max = state.limits.max_file_bytes;
+    // Held until the files are written.
+    let mut budget = UploadBudget::of(&state, &caller.session.user.name);
     let mut uploads: Vec<(String, axum::body::Bytes)> = Vec::new();
     if content_type.starts_with("multipart/form-data") {
         // Every part is held until the last has arrived (nothing is written unless the
@@ -158,7 +161,7 @@ async fn upload(
             };
             // Read as it arrives, refused at the first byte past the limit: a part far
             // larger than the limit costs the limit, not its size.
-            let data = collect_limited(field.map_err(multipart_error), max, "file").await?;
+            let data = collect_upload(field.map_err(multipart_error), max, &mut budget).await?;
             uploads.push((path, data));
         }
     } else {
@@ -166,7 +169,7 @@ async fn upload(
             .path
             .clone()
             .ok_or_else(|| E2bError::bad_request("the path parameter is missing"))?;
-        let data = read_limited(request.into_body(), max, "file").await?;
+        let data = read_upload(request.into_body(), max, &mut budget).await?;
         uploads.push((path, data));
     }
     let ws = workspace(&state, &caller).await?;

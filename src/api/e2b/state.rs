@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
-use crate::api::output_budget::OutputBudgets;
+use crate::api::output_budget::ByteBudgets;
 use crate::sandbox::command::CommandControl;
 use crate::session::{Registry, Session, SessionEvent, SessionState};
 use crate::sync::lock;
@@ -45,9 +45,9 @@ pub struct Command {
 pub struct E2bState {
     sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
     /// What each user's commands' unread output may hold of the broker's memory.
-    pub command_output: OutputBudgets,
+    pub command_output: ByteBudgets,
     /// What each user's executions' unread output (`/execute` lines) may hold.
-    pub execution_output: OutputBudgets,
+    pub execution_output: ByteBudgets,
 }
 
 /// Bytes of `/execute` NDJSON lines a user's clients may leave unread, all her executions
@@ -62,8 +62,8 @@ impl Default for E2bState {
     fn default() -> Self {
         Self {
             sandboxes: Mutex::default(),
-            command_output: OutputBudgets::new(COMMAND_OUTPUT_BUDGET),
-            execution_output: OutputBudgets::new(EXECUTION_OUTPUT_BUDGET),
+            command_output: ByteBudgets::new(COMMAND_OUTPUT_BUDGET),
+            execution_output: ByteBudgets::new(EXECUTION_OUTPUT_BUDGET),
         }
     }
 }
