@@ -308,6 +308,7 @@ pub async fn serve(
         stopping: Default::default(),
         egress,
         cluster: cluster.clone(),
+        uploads: Arc::new(api::extract::upload_budgets(settings.max_file_bytes)),
     };
     // Summarises and forgets the failed-authentication records whose window is over.
     let sweeper = {

@@ -637,3 +637,78 @@ async fn recordings_in_postgres_outlive_a_killed_broker() {
     );
     broker.stop().await;
 }
+
+/// Issue 32, item 7: a session id proposed through the Jupyter API (`KERNEL_ID`, Enterprise
+/// Gateway's convention) is refused with 409 `session_exists` when any session had it:
+/// another user's ended one (whose recording stays as it was), the proposer's own ended
+/// one, a live one, and an ended one only the recordings know of (after a restart). A
+/// fresh id is taken as proposed.
+async fn proposed_ids_are_never_reused(broker: &mut SpawnedBroker) {
+    let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
+    let propose = |id: &str| json!({"name": "python3", "env": {"KERNEL_ID": id}});
+    let refused = |(status, v): (u16, Value), what: &str| {
+        assert_eq!(status, 409, "{what}: {v}");
+        assert_eq!(v["error"]["code"], "session_exists", "{what}: {v}");
+        assert!(
+            v["error"]["message"].as_str().is_some_and(|m| m.len() > 20),
+            "{what}: {v}"
+        );
+    };
+    let ended = alice.create().await;
+    assert_eq!(
+        alice.execute(&ended, "secret = 41 + 1").await["status"],
+        "ok"
+    );
+    let (status, _) = alice.delete(&format!("/v1/sessions/{ended}")).await;
+    assert_eq!(status, 204);
+    let before = events(&alice, &ended, "").await;
+
+    refused(
+        bob.post("/api/kernels", propose(&ended)).await,
+        "another user's ended session",
+    );
+    refused(
+        alice.post("/api/kernels", propose(&ended)).await,
+        "the user's own ended session",
+    );
+    let live = alice.create().await;
+    refused(
+        bob.post("/api/kernels", propose(&live)).await,
+        "another user's live session",
+    );
+    refused(
+        alice.post("/api/kernels", propose(&live)).await,
+        "the user's own live session",
+    );
+    let fresh = uuid::Uuid::new_v4().to_string();
+    let (status, k) = bob.post("/api/kernels", propose(&fresh)).await;
+    assert_eq!(status, 201, "{k}");
+    assert_eq!(k["id"], fresh.as_str());
+
+    // Only the recordings know the ended session now.
+    broker.restart(Stop::Term).await;
+    let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
+    refused(
+        bob.post("/api/kernels", propose(&ended)).await,
+        "an ended session after a restart",
+    );
+    // Its recording is as it was: still alice's, nothing added.
+    assert_eq!(events(&alice, &ended, "").await, before);
+    let (status, _) = bob.get(&format!("/v1/sessions/{ended}/events")).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn proposed_ids_are_never_reused_sqlite() {
+    let mut broker = SpawnedBroker::start(&[], None);
+    proposed_ids_are_never_reused(&mut broker).await;
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn proposed_ids_are_never_reused_postgres() {
+    let url = pg::fresh_database().await;
+    let mut broker = SpawnedBroker::start(&["--database-url", &url], None);
+    proposed_ids_are_never_reused(&mut broker).await;
+    broker.stop().await;
+}

@@ -4,7 +4,7 @@
 mod common;
 
 on_both_backends!(
-    proposed_kernel_ids_do_not_reveal_other_sessions,
+    proposed_kernel_ids_of_other_sessions_are_refused,
     notebook_and_agent_share_a_kernel,
     warm_pool_hands_over_prestarted_kernels,
     state_persists_and_outputs_are_returned,
@@ -939,9 +939,10 @@ async fn notebook_and_agent_share_a_kernel(sb: &'static str) {
     broker.stop().await;
 }
 
-/// A kernel id proposed through the Jupyter API that another user's session holds is ignored:
-/// the answer must not reveal that the session exists.
-async fn proposed_kernel_ids_do_not_reveal_other_sessions(sb: &'static str) {
+/// A kernel id proposed through the Jupyter API that another user's session holds is
+/// refused with 409 (ids are never reused, issue 32 item 7), and the session stays its
+/// owner's: the proposer still cannot reach it.
+async fn proposed_kernel_ids_of_other_sessions_are_refused(sb: &'static str) {
     let broker = Broker::start(sb, |_| {}).await;
     let alice_id = broker.api(ALICE).create().await;
     let bob = broker.api(BOB);
@@ -951,8 +952,8 @@ async fn proposed_kernel_ids_do_not_reveal_other_sessions(sb: &'static str) {
             json!({"name": "python3", "env": {"KERNEL_ID": alice_id}}),
         )
         .await;
-    assert_eq!(status, 201, "{k}");
-    assert_ne!(k["id"], alice_id.as_str());
+    assert_eq!(status, 409, "{k}");
+    assert_eq!(k["error"]["code"], "session_exists", "{k}");
     let (status, _) = bob.get(&format!("/api/kernels/{alice_id}")).await;
     assert_eq!(status, 404);
     let fresh = uuid::Uuid::new_v4().to_string();

@@ -89,6 +89,12 @@ impl From<SessionError> for ApiError {
                 Self::new(StatusCode::CONFLICT, "file_conflict", message)
             }
             SessionError::Io(_) => Self::internal("file access", message),
+            SessionError::IdTaken { .. } => {
+                Self::new(StatusCode::CONFLICT, "session_exists", message)
+            }
+            SessionError::IdUnverified { source, .. } => {
+                Self::internal("check a proposed session id", source)
+            }
         }
     }
 }

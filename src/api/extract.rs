@@ -10,7 +10,7 @@
 //!   are not UTF-8; an empty body is `{}`.
 //!
 //! Also the small helpers the handlers of several files need ([`sandbox_user`],
-//! [`read_limited`], [`check_code`]).
+//! [`read_limited`] and [`collect_limited`], [`check_code`]).
 
 use std::sync::Arc;
 
@@ -19,11 +19,14 @@ use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
+use futures::{Stream, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
 use super::auth::Caller;
 use super::error::{ApiError, ApiResult, JupyterError};
+use super::output_budget::ByteBudgets;
 use super::AppState;
 use crate::sandbox::SandboxUser;
 use crate::session::Session;
@@ -130,13 +133,113 @@ where
     }
 }
 
-/// Read a whole body, refusing more than `limit` bytes with 413.
+/// Read a whole body, refusing more than `limit` bytes with 413 (as soon as they arrive).
 pub async fn read_limited(body: Body, limit: usize, what: &str) -> ApiResult<Bytes> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::too_large(format!(
-            "the {what} is larger than the limit of {limit} bytes"
-        ))
-    })
+    let chunks = body.into_data_stream().map_err(|e| {
+        // A body cut short (the client left, a malformed chunk) is the client's doing.
+        ApiError::bad_request(format!("reading the request body failed: {e}"))
+    });
+    collect_limited(chunks, limit, what).await
+}
+
+/// Gather a stream of chunks (a body, a multipart field) into one buffer, refusing the
+/// first byte past `limit` with 413 as it arrives: what is held never exceeds `limit`,
+/// whatever the client sends or claims in a `Content-Length`. The one place request bytes
+/// are gathered before a size check.
+pub async fn collect_limited<S>(chunks: S, limit: usize, what: &str) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
+    collect(chunks, limit, what, None).await
+}
+
+async fn collect<S>(
+    chunks: S,
+    limit: usize,
+    what: &str,
+    mut budget: Option<&mut UploadBudget>,
+) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
+    let mut chunks = std::pin::pin!(chunks);
+    let mut out = BytesMut::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk?;
+        if chunk.len() > limit - out.len() {
+            return Err(ApiError::too_large(format!(
+                "the {what} is larger than the limit of {limit} bytes"
+            )));
+        }
+        if let Some(b) = budget.as_deref_mut() {
+            b.take(chunk.len())?;
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
+}
+
+/// The per-user budgets of upload bytes in the broker's memory: room for two uploads of the
+/// largest file at once per user.
+pub fn upload_budgets(max_file_bytes: usize) -> ByteBudgets {
+    ByteBudgets::new(max_file_bytes.saturating_mul(2))
+}
+
+/// What one request's uploaded bytes hold of its user's upload budget, until it is dropped
+/// (after the files are written). Each upload is bounded by the file limit; this bounds
+/// what all of a user's uploads in progress hold together, so parallel uploads cannot add
+/// up to more than a few files' worth of the broker's memory. Past it the upload is
+/// refused (429) rather than made to wait: waiting uploads could hold the budget between
+/// them with none able to finish.
+pub struct UploadBudget {
+    budget: Arc<tokio::sync::Semaphore>,
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl UploadBudget {
+    pub fn of(state: &AppState, user: &str) -> Self {
+        Self {
+            budget: state.uploads.of(user),
+            held: None,
+        }
+    }
+
+    fn take(&mut self, bytes: usize) -> ApiResult<()> {
+        let n = u32::try_from(bytes).unwrap_or(u32::MAX);
+        let permit = self.budget.clone().try_acquire_many_owned(n).map_err(|_| {
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "quota_exceeded",
+                "the user's uploads in progress hold all the memory the broker gives them; \
+                 retry once one has finished",
+            )
+        })?;
+        match &mut self.held {
+            Some(h) => h.merge(permit),
+            None => self.held = Some(permit),
+        }
+        Ok(())
+    }
+}
+
+/// [`read_limited`] for an upload: also within the user's [`UploadBudget`].
+pub async fn read_upload(body: Body, limit: usize, budget: &mut UploadBudget) -> ApiResult<Bytes> {
+    let chunks = body
+        .into_data_stream()
+        .map_err(|e| ApiError::bad_request(format!("reading the request body failed: {e}")));
+    collect(chunks, limit, "file", Some(budget)).await
+}
+
+/// [`collect_limited`] for an upload's part: also within the user's [`UploadBudget`].
+pub async fn collect_upload<S>(
+    chunks: S,
+    limit: usize,
+    budget: &mut UploadBudget,
+) -> ApiResult<Bytes>
+where
+    S: Stream<Item = Result<Bytes, ApiError>>,
+{
+    collect(chunks, limit, "file", Some(budget)).await
 }
 
 /// Parse JSON, answering 400 with serde's explanation. A body of only white space is `{}`,
@@ -211,5 +314,24 @@ mod tests {
         assert_eq!(e.message, "the file is larger than the limit of 10 bytes");
         let ok = read_limited(Body::from(vec![b'x'; 10]), 10, "file").await;
         assert_eq!(ok.unwrap().len(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_refused_at_the_first_byte_past_the_limit() {
+        // An endless stream: the refusal cannot wait for its end.
+        let endless = futures::stream::repeat_with(|| Ok(Bytes::from_static(b"abcd")));
+        let e = collect_limited(endless, 10, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let parts = futures::stream::iter([b"abcd", b"efgh"].map(|c| Ok(Bytes::from_static(c))));
+        assert_eq!(
+            &collect_limited(parts, 8, "file").await.unwrap()[..],
+            b"abcdefgh"
+        );
+        let parts = futures::stream::iter([b"abcd", b"efgh"].map(|c| Ok(Bytes::from_static(c))));
+        let e = collect_limited(parts, 7, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let broken = futures::stream::iter([Err(ApiError::bad_request("cut short"))]);
+        let e = collect_limited(broken, 7, "file").await.unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 }

@@ -14,7 +14,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::error::{ApiError, ApiResult};
-use super::extract::{read_limited, BodyLimit, JsonBody, OwnedSession};
+use super::extract::{read_upload, BodyLimit, JsonBody, OwnedSession, UploadBudget};
 use super::shapes::{ErrorBody, ErrorResponse, FileJson};
 use super::AppState;
 use crate::session::files;
@@ -100,7 +100,8 @@ async fn get_file(
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 201, description = "written"),
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
-        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse)))]
+        (status = 404, response = ErrorResponse), (status = 413, response = ErrorResponse),
+        (status = 429, description = "the user's uploads in progress hold all the memory the broker gives them (twice `--max-file-bytes`); retry once one has finished", body = ErrorBody)))]
 async fn put_file(
     State(state): State<AppState>,
     owned: OwnedSession,
@@ -109,7 +110,8 @@ async fn put_file(
 ) -> ApiResult<StatusCode> {
     let session = owned.session;
     files::clean_relative(&path)?;
-    let data = read_limited(body, state.limits.max_file_bytes, "file").await?;
+    let mut budget = UploadBudget::of(&state, &session.user.name);
+    let data = read_upload(body, state.limits.max_file_bytes, &mut budget).await?;
     session.touch();
     let ws = workspace_of(&state, &session).await?;
     let owner = state.registry.sandbox().workspace_owner(&session.user);

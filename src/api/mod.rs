@@ -10,7 +10,8 @@
 //! `listener` (the accept loop and its caps), `clients` (client time limits, the body
 //! deadline, WebSocket places), `ws_liveness` (WebSocket ping/pong), `user_load` (each
 //! user's requests and WebSockets under their caps), `auth_failures` (the throttle on
-//! failed authentications).
+//! failed authentications), `output_budget` (each user's bytes of output held for clients
+//! that have not read it).
 //!
 //! Architecture invariant: only this layer knows HTTP, status codes and the external JSON
 //! shapes; it holds the session [`Registry`] and never names a sandbox backend.
@@ -31,6 +32,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 mod ops;
+pub mod output_budget;
 mod recording;
 mod sessions;
 pub mod shapes;
@@ -90,6 +92,9 @@ pub struct AppState {
     pub egress: Option<Arc<crate::egress::Egress>>,
     /// Cluster mode: the other nodes, for requests about sessions they hold.
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// What each user's uploads in progress may hold of the broker's memory
+    /// ([`extract::upload_budgets`]).
+    pub uploads: Arc<output_budget::ByteBudgets>,
 }
 
 impl AppState {

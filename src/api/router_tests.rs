@@ -85,6 +85,7 @@ fn state() -> AppState {
         stopping: Default::default(),
         egress: None,
         cluster: None,
+        uploads: Arc::new(super::extract::upload_budgets(1000)),
     }
 }
 

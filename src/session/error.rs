@@ -37,4 +37,16 @@ pub enum SessionError {
     FileConflict(String),
     #[error("{0}")]
     Io(String),
+    /// A proposed session id that a session has (live or ended, of any user, here or in
+    /// the recordings): ids are never reused, so one recording never holds two sessions.
+    #[error("session id {id} is taken (a session id is never reused); propose another id or none")]
+    IdTaken { id: Uuid },
+    /// Whether a proposed id is taken could not be told (the recordings could not be read):
+    /// refused rather than risk a reuse.
+    #[error("could not check whether session id {id} was used before")]
+    IdUnverified {
+        id: Uuid,
+        #[source]
+        source: super::recorder::BoxError,
+    },
 }

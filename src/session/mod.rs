@@ -55,6 +55,6 @@ pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
-pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
+pub use recorder::{BoxError, Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};

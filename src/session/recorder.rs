@@ -3,6 +3,7 @@
 //! a higher one subscribes).
 
 use serde::Serialize;
+use uuid::Uuid;
 
 use super::handle::Session;
 use super::lifecycle::LifecycleEvent;
@@ -28,7 +29,17 @@ pub trait Recorder: Send + Sync + 'static {
     /// Resolves once everything reported before the call is stored durably. Results are
     /// acknowledged to clients only after it.
     fn barrier(&self) -> futures::future::BoxFuture<'static, ()>;
+    /// Whether session `id` was ever reported here and stored (live or ended, whoever
+    /// owned it): a proposed session id is refused when it is, so one session's recording
+    /// never receives another's executions. Those that store nothing know nothing.
+    fn is_recorded(&self, id: Uuid) -> futures::future::BoxFuture<'static, Result<bool, BoxError>> {
+        let _ = id;
+        Box::pin(std::future::ready(Ok(false)))
+    }
 }
+
+/// An error from below the session layer that it passes on with its cause.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Records nothing.
 pub struct NoRecorder;
@@ -62,6 +73,18 @@ impl Recorder for Recorders {
         let all: Vec<_> = self.0.iter().map(|r| r.barrier()).collect();
         Box::pin(async move {
             futures::future::join_all(all).await;
+        })
+    }
+
+    fn is_recorded(&self, id: Uuid) -> futures::future::BoxFuture<'static, Result<bool, BoxError>> {
+        let all: Vec<_> = self.0.iter().map(|r| r.is_recorded(id)).collect();
+        Box::pin(async move {
+            for known in futures::future::join_all(all).await {
+                if known? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
         })
     }
 }

@@ -195,6 +195,18 @@ impl SpawnedBroker {
         kib * 1024
     }
 
+    /// The most resident memory the broker process has had so far (`VmHWM`), in bytes: a
+    /// peak no sampling can miss.
+    pub fn peak_rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap();
+        kib * 1024
+    }
+
     /// SIGTERM, and the broker must stop cleanly within a minute.
     pub async fn stop(mut self) {
         // SAFETY: a plain signal to the child we started.

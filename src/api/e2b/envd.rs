@@ -6,6 +6,7 @@
 //! belongs to the kernel's uid).
 
 use axum::body::Body;
+use axum::extract::multipart::MultipartError;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -18,10 +19,12 @@ use utoipa_axum::routes;
 use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
 use super::{inside_path, workspace_relative, E2bError, E2bResult};
-use crate::api::extract::read_limited;
+use crate::api::error::ApiError;
+use crate::api::extract::{collect_upload, read_limited, read_upload, UploadBudget};
 use crate::api::AppState;
 use crate::session::files::{self, Entry, EntryKind};
 use crate::session::SessionError;
+use futures::TryStreamExt;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -36,6 +39,12 @@ pub fn routes() -> OpenApiRouter<AppState> {
 async fn health() -> StatusCode {
     StatusCode::NO_CONTENT
 }
+
+/// Bytes of a multipart upload beyond its files' own: boundaries, part headers, preamble.
+const MULTIPART_OVERHEAD: usize = 1 << 20;
+
+/// Files in one multipart upload at most (each costs a write and a line of the answer).
+const MAX_PARTS: usize = 1000;
 
 #[derive(Deserialize)]
 struct FileQuery {
@@ -82,6 +91,11 @@ fn file_error(e: SessionError, path: &str) -> E2bError {
 
 /// Upload files (envd): multipart field `file` (its file name is the path without
 /// `?path=`) or one octet-stream body
+///
+/// Each file is refused past `--max-file-bytes` (413) as its bytes arrive; a multipart body
+/// is also refused (413) past `--max-file-bytes` plus 1 MiB in all (several files of one
+/// request together) or past 1000 files; 429 while the user's uploads in progress hold twice
+/// `--max-file-bytes`. A refused upload writes nothing.
 #[utoipa::path(post, operation_id = "e2b_upload", path = "/e2b/sandbox/files", tag = "e2b", security(()),
     params(("path" = Option<String>, Query, description = "`/workspace/...` or relative to it")),
     responses((status = 200, description = "`[{path, name, type}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
@@ -103,16 +117,38 @@ async fn upload(
         ));
     }
     let max = state.limits.max_file_bytes;
+    // Held until the files are written.
+    let mut budget = UploadBudget::of(&state, &caller.session.user.name);
     let mut uploads: Vec<(String, axum::body::Bytes)> = Vec::new();
     if content_type.starts_with("multipart/form-data") {
-        let mut form = Multipart::from_request(request, &state)
+        // Every part is held until the last has arrived (nothing is written unless the
+        // whole upload is good), so the whole body is bounded, not only each part: part
+        // headers, boundaries and preamble are buffered by the parser, and many parts
+        // each within the limit would add up.
+        let total = max.saturating_add(MULTIPART_OVERHEAD);
+        let (parts, body) = request.into_parts();
+        let limited =
+            Request::from_parts(parts, Body::new(http_body_util::Limited::new(body, total)));
+        let mut form = Multipart::from_request(limited, &state)
             .await
             .map_err(|e| E2bError::bad_request(format!("invalid multipart body: {e}")))?;
-        while let Some(field) = form
-            .next_field()
-            .await
-            .map_err(|e| E2bError::bad_request(format!("invalid multipart body: {e}")))?
-        {
+        let multipart_error = move |e: MultipartError| -> ApiError {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::too_large(format!(
+                    "the upload is larger than the limit of {total} bytes (the files of one \
+                     request together, headers included); send large files one per request"
+                ))
+            } else {
+                ApiError::bad_request(format!("invalid multipart body: {}", e.body_text()))
+            }
+        };
+        while let Some(field) = form.next_field().await.map_err(multipart_error)? {
+            if uploads.len() == MAX_PARTS {
+                return Err(E2bError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("an upload holds at most {MAX_PARTS} files"),
+                ));
+            }
             let name = field.file_name().map(str::to_string);
             let path = match (&q.path, name) {
                 (Some(p), _) => p.clone(),
@@ -123,16 +159,9 @@ async fn upload(
                     ))
                 }
             };
-            let data = field
-                .bytes()
-                .await
-                .map_err(|e| E2bError::bad_request(format!("reading the upload failed: {e}")))?;
-            if data.len() > max {
-                return Err(E2bError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("the file is larger than the limit of {max} bytes"),
-                ));
-            }
+            // Read as it arrives, refused at the first byte past the limit: a part far
+            // larger than the limit costs the limit, not its size.
+            let data = collect_upload(field.map_err(multipart_error), max, &mut budget).await?;
             uploads.push((path, data));
         }
     } else {
@@ -140,7 +169,7 @@ async fn upload(
             .path
             .clone()
             .ok_or_else(|| E2bError::bad_request("the path parameter is missing"))?;
-        let data = read_limited(request.into_body(), max, "file").await?;
+        let data = read_upload(request.into_body(), max, &mut budget).await?;
         uploads.push((path, data));
     }
     let ws = workspace(&state, &caller).await?;

@@ -21,6 +21,7 @@ use uuid::Uuid;
 use super::auth::SandboxCaller;
 use super::{E2bError, E2bResult, WORKDIR};
 use crate::api::extract::{check_code, parse_json, read_limited, sandbox_user};
+use crate::api::output_budget::{CutQueue, Held};
 use crate::api::AppState;
 use crate::session::{ExecRequest, ExecutionStatus, OutputEvent, Session};
 
@@ -136,6 +137,19 @@ fn event_line(ev: OutputEvent) -> Option<Value> {
     })
 }
 
+/// The line that stands for `n` lines a client did not read in time (on stderr, where
+/// E2B's SDKs show it to the user).
+fn left_out(n: u64) -> Bytes {
+    line(&json!({
+        "type": "stderr",
+        "text": format!(
+            "[kernel-broker: {n} output(s) of this execution were not sent: the client did not \
+             read them in time and its user's unread output reached the broker's limit]\n"
+        ),
+        "timestamp": now_nanos(),
+    }))
+}
+
 fn line(v: &Value) -> Bytes {
     let mut s = v.to_string();
     s.push('\n');
@@ -182,7 +196,14 @@ async fn execute(
         stream: Some(out_tx),
         done: done_tx,
     })?;
-    let (line_tx, line_rx) = mpsc::channel::<Bytes>(64);
+    // The lines wait for the client in a queue under the user's execution-output budget,
+    // cut with a marker past it (never waited on: the actor does not wait on a client
+    // either, and a wait here would only move the loss into its queue, unmarked).
+    let budgets = &caller.e2b.execution_output;
+    let (mut lines, line_rx) = CutQueue::new(
+        budgets.of(&caller.session.user.name),
+        super::state::EXECUTION_OUTPUT_BUDGET,
+    );
     tokio::spawn(async move {
         let mut open = true;
         let finished = loop {
@@ -191,14 +212,13 @@ async fn execute(
                 ev = out_rx.recv(), if open => match ev {
                     Some(ev) => {
                         if let Some(v) = event_line(ev) {
-                            // A failed send means the client is gone: the next turn sees it.
-                            let _ = line_tx.send(line(&v)).await;
+                            lines.push(line(&v), left_out);
                         }
                     }
                     None => open = false,
                 },
                 exec = &mut done_rx => break exec.ok(),
-                _ = line_tx.closed() => {
+                _ = lines.closed() => {
                     // The client went away mid-execution: interrupt it, as E2B does.
                     let _ = session.interrupt().await;
                     return;
@@ -208,36 +228,35 @@ async fn execute(
         // Output sent before the end is in the channel already.
         while let Ok(ev) = out_rx.try_recv() {
             if let Some(v) = event_line(ev) {
-                let _ = line_tx.send(line(&v)).await;
+                lines.push(line(&v), left_out);
             }
         }
         let Some(exec) = finished else { return };
         // Lines the stream missed (a slow client's events are dropped, never awaited)
         // are not repeated; the end says how it went.
+        let mut last = Vec::new();
         if matches!(
             exec.status,
             ExecutionStatus::Timeout | ExecutionStatus::Dead
         ) {
             if let Some(e) = &exec.error {
                 let v = json!({"type": "error", "name": e.ename, "value": e.evalue, "traceback": e.traceback.join("\n")});
-                let _ = line_tx.send(line(&v)).await;
+                last.push(line(&v));
             }
         }
         if let Some(n) = exec.execution_count {
-            let _ = line_tx
-                .send(line(
-                    &json!({"type": "number_of_executions", "execution_count": n}),
-                ))
-                .await;
+            last.push(line(
+                &json!({"type": "number_of_executions", "execution_count": n}),
+            ));
         }
-        let _ = line_tx
-            .send(line(&json!({"type": "end_of_execution"})))
-            .await;
+        last.push(line(&json!({"type": "end_of_execution"})));
+        lines.finish(last, left_out);
     });
+    // A line's budget is let go when the connection takes it.
     let stream = futures::stream::unfold(line_rx, |mut rx| async move {
         rx.recv()
             .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+            .map(|Held(b, _budget)| (Ok::<_, std::convert::Infallible>(b), rx))
     });
     Ok((
         StatusCode::OK,

@@ -14,10 +14,11 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -30,6 +31,7 @@ use crate::api::extract::read_limited;
 use crate::api::AppState;
 use crate::sandbox::command::CommandSpec;
 use crate::sandbox::environ::check_user_env;
+use crate::sync::lock;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 /// How often a stream with nothing to say sends a keepalive event.
@@ -103,18 +105,113 @@ async fn process(
     }
 }
 
-fn stream_response(rx: mpsc::Receiver<Bytes>) -> Response {
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+/// A Connect stream of `first`, then what `events` brings until the command's end (or until
+/// the client leaves: the body is dropped, and with it the receiver and the budget its
+/// unread events held); keepalives while nothing happens. An event's budget permits are let
+/// go when the connection takes its bytes, so a client that does not read holds what the
+/// connection buffers (hyper's write buffer) plus what waits here, within its user's budget.
+fn stream_response(first: Bytes, events: mpsc::UnboundedReceiver<Event>) -> Response {
+    enum Next {
+        First(Bytes, mpsc::UnboundedReceiver<Event>),
+        Events(mpsc::UnboundedReceiver<Event>),
+        Done,
+    }
+    let stream = futures::stream::unfold(Next::First(first, events), |next| async move {
+        let mut rx = match next {
+            Next::First(first, rx) => return Some((first, Next::Events(rx))),
+            Next::Events(rx) => rx,
+            Next::Done => return None,
+        };
+        match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+            Err(_) => Some((
+                envelope(&json!({"event": {"keepalive": {}}})),
+                Next::Events(rx),
+            )),
+            Ok(Some(Event::Output(bytes, _budget))) => Some((bytes, Next::Events(rx))),
+            Ok(Some(Event::End(bytes))) => {
+                let mut last = bytes.to_vec();
+                last.extend_from_slice(&end_stream(None));
+                Some((Bytes::from(last), Next::Done))
+            }
+            // The command was forgotten without an end (its sandbox ended first).
+            Ok(None) => Some((end_stream(None), Next::Done)),
+        }
     });
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(stream),
+        Body::from_stream(stream.map(Ok::<_, std::convert::Infallible>)),
     )
         .into_response()
+}
+
+/// What a command's clients are sent after `start`.
+pub enum Event {
+    /// A `data` envelope, with the user's budget permits its bytes hold (shared by every
+    /// client it was sent to: let go once the last has taken it).
+    Output(Bytes, Arc<OwnedSemaphorePermit>),
+    /// The `end` envelope.
+    End(Bytes),
+}
+
+/// A command's output on its way to its clients (the `Start` stream and any `Connect`
+/// ones), each with a queue of its own. The queues are unbounded in count and bounded in
+/// bytes by the user's command-output budget ([`super::state::COMMAND_OUTPUT_BUDGET`]):
+/// the readers of the command's pipes take permits before publishing, so when the user's
+/// clients leave that much unread, the readers wait, the pipes fill and the command blocks
+/// on its write, as with any pipe nobody reads. Back-pressure rather than cutting: nothing
+/// is lost (a cut would corrupt what a command writes, binary or not, and a client that
+/// reads late would get a hole), and what waits is the user's own processes; her other
+/// commands share the wait, another user's do not. The slowest client sets the pace, as
+/// with `tee`.
+#[derive(Default)]
+pub struct Fanout {
+    inner: std::sync::Mutex<FanoutInner>,
+}
+
+#[derive(Default)]
+struct FanoutInner {
+    clients: Vec<mpsc::UnboundedSender<Event>>,
+    /// The `end` envelope, once the command ended: a late `Connect` gets it at once.
+    ended: Option<Bytes>,
+}
+
+impl Fanout {
+    /// A new client's queue: the events from now on.
+    fn subscribe(&self) -> mpsc::UnboundedReceiver<Event> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut inner = lock(&self.inner);
+        match &inner.ended {
+            Some(end) => {
+                let _ = tx.send(Event::End(end.clone()));
+            }
+            None => inner.clients.push(tx),
+        }
+        rx
+    }
+
+    /// Whether any client listens (output nobody listens to is not held).
+    fn listened(&self) -> bool {
+        let mut inner = lock(&self.inner);
+        inner.clients.retain(|c| !c.is_closed());
+        !inner.clients.is_empty()
+    }
+
+    fn publish(&self, bytes: Bytes, budget: OwnedSemaphorePermit) {
+        let budget = Arc::new(budget);
+        lock(&self.inner)
+            .clients
+            .retain(|c| c.send(Event::Output(bytes.clone(), budget.clone())).is_ok());
+    }
+
+    /// The command's end: sent to every client, whose queues then close.
+    fn end(&self, bytes: Bytes) {
+        let mut inner = lock(&self.inner);
+        for c in inner.clients.drain(..) {
+            let _ = c.send(Event::End(bytes.clone()));
+        }
+        inner.ended = Some(bytes);
+    }
 }
 
 /// A stream that is only an error (Connect answers stream errors in the end envelope).
@@ -164,7 +261,9 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         Ok(r) => r,
         Err(e) => return stream_error(ConnectError::new("failed_precondition", e.to_string())),
     };
-    let (events, first) = broadcast::channel(256);
+    let events = Arc::new(Fanout::default());
+    let first = events.subscribe();
+    let budget = caller.e2b.command_output.of(&caller.session.user.name);
     let cmd = Arc::new(Command {
         pid: running.pid,
         tag: req.tag,
@@ -191,8 +290,13 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         running.control,
     );
     tokio::spawn(async move {
-        let out = tokio::spawn(pump(running.stdout, "stdout", events.clone()));
-        let err = tokio::spawn(pump(running.stderr, "stderr", events.clone()));
+        let out = tokio::spawn(pump(
+            running.stdout,
+            "stdout",
+            events.clone(),
+            budget.clone(),
+        ));
+        let err = tokio::spawn(pump(running.stderr, "stderr", events.clone(), budget));
         let _ = out.await;
         let _ = err.await;
         let exit = control.wait().await;
@@ -216,63 +320,44 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         if let Some(e) = error {
             end["error"] = e.into();
         }
-        let _ = events.send(json!({"event": {"end": end}}));
+        events.end(envelope(&json!({"event": {"end": end}})));
         e2b.with(sandbox, |m| m.commands.remove(&pid));
     });
-    let (tx, rx) = mpsc::channel(64);
-    let start = json!({"event": {"start": {"pid": pid}}});
-    tokio::spawn(forward(start, first, tx));
-    stream_response(rx)
+    stream_response(envelope(&json!({"event": {"start": {"pid": pid}}})), first)
 }
 
+/// Bytes read from a command's pipe at once.
+const CHUNK: usize = 32 << 10;
+
+/// Reads one of a command's pipes into `events` until it closes. Each chunk's envelope takes
+/// its size in permits of the user's `budget` before it is published, waiting while the
+/// budget is spent (and not reading the pipe meanwhile: that is the back-pressure, see
+/// [`Fanout`]). With no client listening, output is not held.
 async fn pump(
     mut from: Box<dyn AsyncRead + Send + Unpin>,
     stream: &'static str,
-    events: broadcast::Sender<Value>,
+    events: Arc<Fanout>,
+    budget: Arc<Semaphore>,
 ) {
-    let mut buf = vec![0u8; 32 << 10];
+    let mut buf = vec![0u8; CHUNK];
     loop {
-        match from.read(&mut buf).await {
+        let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => return,
-            Ok(n) => {
-                let _ = events.send(json!({"event": {"data": {stream: B64.encode(&buf[..n])}}}));
-            }
-        }
-    }
-}
-
-/// Sends `first` (if any), then the command's events, to a client stream until the
-/// command's `end` (or the client leaves); keepalives while nothing happens.
-async fn forward(first: Value, mut events: broadcast::Receiver<Value>, tx: mpsc::Sender<Bytes>) {
-    if !first.is_null() && tx.send(envelope(&first)).await.is_err() {
-        return;
-    }
-    loop {
-        let ev = tokio::select! {
-            ev = events.recv() => ev,
-            _ = tokio::time::sleep(KEEPALIVE) => {
-                if tx.send(envelope(&json!({"event": {"keepalive": {}}}))).await.is_err() { return; }
-                continue;
-            }
-            _ = tx.closed() => return,
+            Ok(n) => n,
         };
-        match ev {
-            Ok(v) => {
-                let is_end = v["event"].get("end").is_some();
-                if tx.send(envelope(&v)).await.is_err() {
-                    return;
-                }
-                if is_end {
-                    break;
-                }
-            }
-            Err(broadcast::error::RecvError::Lagged(n)) => {
-                tracing::warn!(missed = n, "a command's client fell behind; output dropped");
-            }
-            Err(broadcast::error::RecvError::Closed) => break,
+        if !events.listened() {
+            continue;
         }
+        let bytes = envelope(&json!({"event": {"data": {stream: B64.encode(&buf[..n])}}}));
+        // An envelope of a chunk (~44 KiB) is far below any budget, and below u32::MAX.
+        let Ok(size) = u32::try_from(bytes.len()) else {
+            return;
+        };
+        let Ok(permit) = budget.clone().acquire_many_owned(size).await else {
+            return;
+        };
+        events.publish(bytes, permit);
     }
-    let _ = tx.send(end_stream(None)).await;
 }
 
 fn find(caller: &SandboxCaller, sel: &Selector) -> Result<Arc<Command>, ConnectError> {
@@ -301,10 +386,10 @@ fn connect(caller: &SandboxCaller, bytes: &[u8]) -> Response {
         Ok(c) => c,
         Err(e) => return stream_error(e),
     };
-    let (tx, rx) = mpsc::channel(64);
-    let start = json!({"event": {"start": {"pid": cmd.pid}}});
-    tokio::spawn(forward(start, cmd.events.subscribe(), tx));
-    stream_response(rx)
+    stream_response(
+        envelope(&json!({"event": {"start": {"pid": cmd.pid}}})),
+        cmd.events.subscribe(),
+    )
 }
 
 fn list(caller: &SandboxCaller) -> Value {

@@ -14,6 +14,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use crate::api::output_budget::ByteBudgets;
 use crate::sandbox::command::CommandControl;
 use crate::session::{Registry, Session, SessionEvent, SessionState};
 use crate::sync::lock;
@@ -38,12 +39,33 @@ pub struct Command {
     pub control: Arc<dyn CommandControl>,
     pub stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     /// Its events (`start` is not repeated), for `Start` and every `Connect`.
-    pub events: broadcast::Sender<serde_json::Value>,
+    pub events: Arc<super::process::Fanout>,
 }
 
-#[derive(Default)]
 pub struct E2bState {
     sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
+    /// What each user's commands' unread output may hold of the broker's memory.
+    pub command_output: ByteBudgets,
+    /// What each user's executions' unread output (`/execute` lines) may hold.
+    pub execution_output: ByteBudgets,
+}
+
+/// Bytes of `/execute` NDJSON lines a user's clients may leave unread, all her executions
+/// together; past it lines are cut with a marker.
+pub const EXECUTION_OUTPUT_BUDGET: usize = 8 << 20;
+
+/// Bytes of command output (as sent: Connect envelopes) a user's clients may leave unread,
+/// all her commands together; past it her commands wait on their pipes.
+pub const COMMAND_OUTPUT_BUDGET: usize = 8 << 20;
+
+impl Default for E2bState {
+    fn default() -> Self {
+        Self {
+            sandboxes: Mutex::default(),
+            command_output: ByteBudgets::new(COMMAND_OUTPUT_BUDGET),
+            execution_output: ByteBudgets::new(EXECUTION_OUTPUT_BUDGET),
+        }
+    }
 }
 
 impl E2bState {

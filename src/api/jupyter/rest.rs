@@ -156,7 +156,8 @@ pub struct StartBody {
     #[serde(default)]
     name: Option<String>,
     /// Only `KERNEL_ID` is read: a client may propose the kernel's id (Enterprise
-    /// Gateway's convention).
+    /// Gateway's convention); an id any session had (live or ended, of any user) is
+    /// refused with 409 `session_exists`.
     #[serde(default)]
     #[schema(value_type = Object)]
     env: HashMap<String, Value>,
@@ -178,6 +179,7 @@ impl BodyLimit for StartBody {
     responses((status = 201, description = "created; `Location` is the kernel's URL", body = KernelJson),
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
         (status = 404, description = "no such kernel spec", body = ErrorBody),
+        (status = 409, description = "`session_exists`: the proposed `KERNEL_ID` is a session's, live or ended, of any user (ids are never reused)", body = ErrorBody),
         (status = 413, response = ErrorResponse), (status = 429, response = ErrorResponse),
         (status = 503, response = ErrorResponse)))]
 pub(super) async fn start_kernel(

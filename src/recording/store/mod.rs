@@ -22,7 +22,7 @@ use super::queries::{self, EventQuery, EventsPage, Readers, RecordedEvent, Recor
 use super::sqlite::SqliteDb;
 use super::writer::{self, Counters, Item, Op, SessionKey};
 use super::{micros, schema, RecordingConfig, RecordingError};
-use crate::session::{Direction, LifecycleEvent, Recorder, Session};
+use crate::session::{BoxError, Direction, LifecycleEvent, Recorder, Session};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
@@ -54,10 +54,20 @@ pub struct RecordingStore {
     reads: Reads,
 }
 
-/// Where reads go.
+/// Where reads go. Cheap to clone (a lookup that outlives the borrow of the store).
+#[derive(Clone)]
 enum Reads {
     Sqlite(Arc<Readers>),
-    Postgres(postgres::Pool),
+    Postgres(Arc<postgres::Pool>),
+}
+
+impl Reads {
+    async fn info(&self, id: Uuid) -> Result<Option<RecordingInfo>, RecordingError> {
+        match self {
+            Reads::Sqlite(r) => RecordingStore::read(r, move |conn| queries::info(conn, id)).await,
+            Reads::Postgres(p) => p.info(id).await,
+        }
+    }
 }
 
 impl RecordingStore {
@@ -103,7 +113,7 @@ impl RecordingStore {
                     .map_err(spawn_err)?;
                 opened.recv().map_err(|_| RecordingError::WriterGone)??;
                 tracing::info!(db = %postgres::redact(url), node = %config.node, "recording sessions in PostgreSQL");
-                Reads::Postgres(postgres::Pool::new(url, READ_CONNECTIONS)?)
+                Reads::Postgres(Arc::new(postgres::Pool::new(url, READ_CONNECTIONS)?))
             }
         };
         Ok(Arc::new(Self {
@@ -157,10 +167,7 @@ impl RecordingStore {
 
     /// The recorded session `id`, whoever owns it.
     pub async fn info(&self, id: Uuid) -> Result<Option<RecordingInfo>, RecordingError> {
-        match &self.reads {
-            Reads::Sqlite(r) => Self::read(r, move |conn| queries::info(conn, id)).await,
-            Reads::Postgres(p) => p.info(id).await,
-        }
+        self.reads.info(id).await
     }
 
     /// `user`'s recorded sessions, newest first.
@@ -315,6 +322,18 @@ impl Recorder for RecordingStore {
             return;
         }
         self.report_event(key_of(session), event.clone());
+    }
+
+    /// After a barrier, so that every session this broker made before the call is in the
+    /// store (its row is written with its first report, at its creation); in PostgreSQL
+    /// the rows of every node of a cluster are there too.
+    fn is_recorded(&self, id: Uuid) -> BoxFuture<'static, Result<bool, BoxError>> {
+        let barrier = self.barrier();
+        let reads = self.reads.clone();
+        Box::pin(async move {
+            barrier.await;
+            Ok(reads.info(id).await?.is_some())
+        })
     }
 
     fn barrier(&self) -> BoxFuture<'static, ()> {

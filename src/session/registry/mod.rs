@@ -184,18 +184,20 @@ impl Registry {
             None => Some(cfg.idle_timeout),
         };
         let limits = session_limits(user, opts.memory_limit_bytes)?;
-        let mut id = opts.id.unwrap_or_else(Uuid::new_v4);
-        let mut proposed = opts.id;
+        let id = opts.id.unwrap_or_else(Uuid::new_v4);
+        let proposed = opts.id;
         {
             let mut t = self.table();
+            // The atomic check: under the table's lock, an id live, ended lately or being
+            // created is taken, and this create reserves it (`creating_ids`) before the
+            // lock is let go, so two creates proposing one id cannot both pass. A taken
+            // id is refused, never swapped for a fresh one silently: the client asked for
+            // this id and would otherwise talk to another session than it thinks.
             if t.sessions.contains_key(&id)
                 || t.tombstones.contains_key(&id)
                 || t.creating_ids.contains(&id)
             {
-                // A proposed id that is taken (perhaps by another user: saying so would tell
-                // that it exists) is ignored; the session gets a fresh one.
-                id = Uuid::new_v4();
-                proposed = None;
+                return Err(SessionError::IdTaken { id });
             }
             let live = t
                 .sessions
@@ -214,6 +216,20 @@ impl Registry {
             t.creating_ids.insert(id);
         }
         let reserved = id;
+        // A session that ended long ago (or on another node of a cluster) is only in the
+        // recordings; asked after the reservation, so no create of this id can start
+        // meanwhile. Random ids are not asked: a fresh v4 UUID names no session.
+        if proposed.is_some() {
+            let taken = match self.inner.recorder.is_recorded(id).await {
+                Ok(false) => None,
+                Ok(true) => Some(SessionError::IdTaken { id }),
+                Err(source) => Some(SessionError::IdUnverified { id, source }),
+            };
+            if let Some(e) = taken {
+                self.release(&user.name, reserved);
+                return Err(e);
+            }
+        }
         // A ready kernel from the warm pool, unless the client chose the id or other
         // limits than the pool's.
         let pooled = match proposed {
@@ -239,19 +255,29 @@ impl Registry {
         };
         {
             let mut t = self.table();
-            t.creating_ids.remove(&reserved);
-            if let Some(n) = t.creating.get_mut(&user.name) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    t.creating.remove(&user.name);
-                }
-            }
+            Self::unreserve(&mut t, &user.name, reserved);
             if let Ok(s) = &result {
                 t.sessions.insert(s.id, s.clone());
             }
         }
         self.inner.notify.notify_one();
         result
+    }
+
+    /// Gives back what a create reserved (its place in the user's quota, its id).
+    fn release(&self, user: &str, reserved: Uuid) {
+        Self::unreserve(&mut self.table(), user, reserved);
+        self.inner.notify.notify_one();
+    }
+
+    fn unreserve(t: &mut Table, user: &str, reserved: Uuid) {
+        t.creating_ids.remove(&reserved);
+        if let Some(n) = t.creating.get_mut(user) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                t.creating.remove(user);
+            }
+        }
     }
 
     /// Reserves the memory of a new session of `user`: from what is free, else after

@@ -68,16 +68,50 @@ async fn another_users_session_is_not_found() {
     assert!(registry.list("bob").is_empty());
     assert_eq!(registry.list("alice").len(), 1);
 
-    // Proposing a taken id gets a fresh one (and tells nothing about the owner).
+    // Proposing a live session's id is refused, and the session is untouched.
     let opts = CreateOptions {
         id: Some(s.id),
         ..Default::default()
     };
-    let b = within(registry.create(&user("bob"), 5, opts))
-        .await
-        .expect("create");
-    assert_ne!(b.id, s.id);
+    let b = within(registry.create(&user("bob"), 5, opts)).await;
+    assert!(matches!(b, Err(SessionError::IdTaken { id }) if id == s.id));
     assert_eq!(registry.get("alice", s.id).map(|x| x.id).ok(), Some(s.id));
+    within(registry.shutdown()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_session_id_is_never_reused() {
+    let (registry, _, _) = registry(config());
+    let (alice, bob) = (user("alice"), user("bob"));
+    let propose = |id| CreateOptions {
+        id: Some(id),
+        ..Default::default()
+    };
+    // Two creates proposing one new id at once: exactly one gets it.
+    let fresh = uuid::Uuid::new_v4();
+    let (a, b) = within(futures::future::join(
+        registry.create(&alice, 5, propose(fresh)),
+        registry.create(&bob, 5, propose(fresh)),
+    ))
+    .await;
+    let won = [&a, &b].iter().filter(|r| r.is_ok()).count();
+    assert_eq!(won, 1, "{:?} {:?}", a.map(|s| s.id), b.map(|s| s.id));
+    assert!([a, b]
+        .into_iter()
+        .any(|r| matches!(r, Err(SessionError::IdTaken { id }) if id == fresh)));
+    let owner = ["alice", "bob"]
+        .into_iter()
+        .find(|u| registry.get(u, fresh).is_ok())
+        .expect("the winner's session");
+    // Ended (deleted: no tombstone, only its recording): refused to anyone, its owner too.
+    within(registry.delete(owner, fresh)).await.expect("delete");
+    for u in [&alice, &bob] {
+        let r = within(registry.create(u, 5, propose(fresh))).await;
+        assert!(matches!(r, Err(SessionError::IdTaken { id }) if id == fresh));
+    }
+    // A refusal gives back its place in the quota: one session left, it can be created.
+    let r = within(registry.create(&alice, 1, CreateOptions::default())).await;
+    assert!(r.is_ok());
     within(registry.shutdown()).await;
 }
 

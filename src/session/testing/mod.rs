@@ -46,6 +46,8 @@ pub fn config() -> SessionConfig {
 pub struct TestRecorder {
     events: Mutex<Vec<LifecycleEvent>>,
     replies: watch::Sender<usize>,
+    /// Sessions it was told of, as a store that keeps ended sessions' recordings.
+    sessions: Mutex<std::collections::HashSet<uuid::Uuid>>,
 }
 
 impl TestRecorder {
@@ -53,6 +55,7 @@ impl TestRecorder {
         Arc::new(Self {
             events: Mutex::new(Vec::new()),
             replies: watch::channel(0).0,
+            sessions: Mutex::default(),
         })
     }
 
@@ -77,11 +80,19 @@ impl Recorder for TestRecorder {
         }
     }
 
-    fn event(&self, _: &Session, event: &LifecycleEvent) {
+    fn event(&self, session: &Session, event: &LifecycleEvent) {
+        lock(&self.sessions).insert(session.id);
         lock(&self.events).push(event.clone());
     }
 
     fn barrier(&self) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(std::future::ready(()))
+    }
+
+    fn is_recorded(
+        &self,
+        id: uuid::Uuid,
+    ) -> futures::future::BoxFuture<'static, Result<bool, super::BoxError>> {
+        Box::pin(std::future::ready(Ok(lock(&self.sessions).contains(&id))))
     }
 }
