@@ -89,6 +89,44 @@ impl E2b {
     }
 }
 
+/// A sandbox as E2B's SDK holds it after create: its id and envd access token.
+struct Sbx {
+    id: String,
+    token: String,
+}
+
+impl Sbx {
+    /// The headers that reach the sandbox's in-sandbox servers.
+    fn headers(&self) -> [(&'static str, &str); 2] {
+        [
+            ("E2b-Sandbox-Id", self.id.as_str()),
+            ("X-Access-Token", self.token.as_str()),
+        ]
+    }
+}
+
+impl E2b {
+    /// A new sandbox of the user of `key`, created with `body`.
+    async fn sandbox_of(&self, key: &str, body: Value) -> Sbx {
+        let v = self.create(key, body).await;
+        Sbx {
+            id: v["sandboxID"].as_str().unwrap().to_string(),
+            token: v["envdAccessToken"].as_str().unwrap().to_string(),
+        }
+    }
+}
+
+/// A broker of its own, a process (so its memory can be read), started with `args`, and an
+/// E2B client of it.
+fn spawned_e2b(args: &[&str]) -> (common::spawned::SpawnedBroker, E2b) {
+    let broker = common::spawned::SpawnedBroker::start(args, None);
+    let e = E2b {
+        http: reqwest::Client::new(),
+        base: format!("http://{}", broker.addr),
+    };
+    (broker, e)
+}
+
 fn e2b_error(v: &Value, status: u16) {
     assert_eq!(v["code"], json!(status), "{v}");
     assert!(
@@ -333,13 +371,8 @@ async fn sandbox_tokens_are_bound_to_sandbox_and_user(sandbox: &'static str) {
 async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
     let b = Broker::start(sandbox, |_| {}).await;
     let e = E2b::new(&b);
-    let sbx = e.create(ALICE, json!({})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let h = sbx.headers();
     use reqwest::Method as M;
     let json_err = |body: &[u8]| -> Value { serde_json::from_slice(body).unwrap() };
     for (body, status, needle) in [
@@ -505,13 +538,8 @@ async fn a_command_ends_with_its_sandbox(sandbox: &'static str) {
     let b = Broker::start(sandbox, |_| {}).await;
     let e = E2b::new(&b);
     // A short deadline: the sandbox ends by itself, taking its command along.
-    let sbx = e.create(ALICE, json!({"timeout": 4})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let sbx = e.sandbox_of(ALICE, json!({"timeout": 4})).await;
+    let (id, h) = (&sbx.id, sbx.headers());
     let marker = format!(
         "sleep 31{}",
         &id[..4]
@@ -643,19 +671,9 @@ async fn raw_multipart_upload(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn multipart_uploads_past_the_limit_cost_the_limit_not_their_size() {
     const MIB: usize = 1 << 20;
-    let broker =
-        common::spawned::SpawnedBroker::start(&["--max-file-bytes", &(8 * MIB).to_string()], None);
-    let e = E2b {
-        http: reqwest::Client::new(),
-        base: format!("http://{}", broker.addr),
-    };
-    let sbx = e.create(ALICE, json!({})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let (broker, e) = spawned_e2b(&["--max-file-bytes", &(8 * MIB).to_string()]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let (id, h) = (&sbx.id, sbx.headers());
     // An upload within the limit is written (and warms what a first upload allocates).
     let (s, body) = raw_multipart_upload(broker.addr, &h, vec![("ok.bin".into(), 8 * MIB)]).await;
     assert_eq!(s, 200, "{body}");
@@ -758,18 +776,9 @@ async fn start_unread_command(
 async fn unread_command_output_costs_a_bounded_budget_per_user() {
     const MIB: u64 = 1 << 20;
     const COMMANDS: usize = 8;
-    let broker = common::spawned::SpawnedBroker::start(&[], None);
-    let e = E2b {
-        http: reqwest::Client::new(),
-        base: format!("http://{}", broker.addr),
-    };
-    let sbx = e.create(ALICE, json!({})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let (broker, e) = spawned_e2b(&[]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let (id, h) = (&sbx.id, sbx.headers());
     let before = broker.peak_rss_bytes();
     let mut clients = Vec::new();
     for i in 0..COMMANDS {
@@ -889,18 +898,9 @@ async fn start_unread_execution(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unread_execution_output_is_cut_with_a_marker_within_a_budget() {
     // Without the recording, whose queue (a bound of its own) has no part in this.
-    let broker = common::spawned::SpawnedBroker::start(&["--record", "false"], None);
-    let e = E2b {
-        http: reqwest::Client::new(),
-        base: format!("http://{}", broker.addr),
-    };
-    let sbx = e.create(ALICE, json!({})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let (broker, e) = spawned_e2b(&["--record", "false"]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let (id, h) = (&sbx.id, sbx.headers());
     let mut contexts = vec![id.clone()];
     for _ in 0..2 {
         let (s, out) = e
@@ -1005,19 +1005,9 @@ async fn stalled_upload(
 async fn parallel_uploads_of_a_user_share_a_memory_budget() {
     use tokio::io::AsyncReadExt;
     const MIB: usize = 1 << 20;
-    let broker =
-        common::spawned::SpawnedBroker::start(&["--max-file-bytes", &(8 * MIB).to_string()], None);
-    let e = E2b {
-        http: reqwest::Client::new(),
-        base: format!("http://{}", broker.addr),
-    };
-    let sbx = e.create(ALICE, json!({})).await;
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let tok = sbx["envdAccessToken"].as_str().unwrap().to_string();
-    let h = [
-        ("E2b-Sandbox-Id", id.as_str()),
-        ("X-Access-Token", tok.as_str()),
-    ];
+    let (broker, e) = spawned_e2b(&["--max-file-bytes", &(8 * MIB).to_string()]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let h = sbx.headers();
     let mut uploads = Vec::new();
     for (i, sent) in [7 * MIB, 7 * MIB, 2 * MIB + 1].into_iter().enumerate() {
         uploads.push(stalled_upload(broker.addr, &h, &format!("s{i}"), 8 * MIB, sent).await);

@@ -396,7 +396,11 @@ impl Harness {
     /// session, not per user: there, every live kernel's).
     pub fn runtime_dirs(&self, user: &SandboxUser) -> Vec<PathBuf> {
         match self {
-            Harness::Local(h) => subdirs(h.sandbox.run_base()),
+            // Not the bootstrap script's own directory.
+            Harness::Local(h) => subdirs(h.sandbox.run_base())
+                .into_iter()
+                .filter(|d| !d.ends_with("boot"))
+                .collect(),
             // A kernel's session directory, not the user's fork-server template's (`t...`,
             // never a hex digit), which lives on with the user's container.
             Harness::Docker(h) => subdirs(&h.sandbox.run_base().join(&user.name))

@@ -334,6 +334,15 @@ impl LocalSandbox {
         &self.run_base
     }
 
+    /// Under /run (root) the base is outside the data directory: leave nothing behind. The
+    /// bootstrap script's directory goes (the broker's own; a template reads the script only
+    /// when it starts), then the base if that left it empty (a kept kernel's runtime
+    /// directory stays, and so does the base); the next start creates them again.
+    fn remove_run_base(&self) {
+        let _ = std::fs::remove_dir_all(self.run_base.join(BOOT_DIR_NAME));
+        let _ = std::fs::remove_dir(&self.run_base);
+    }
+
     /// Names of the kernel specs found in `kernels_dir`, the default first.
     pub fn kernel_names(&self) -> Vec<String> {
         self.specs.names()
@@ -610,7 +619,7 @@ impl Sandbox for LocalSandbox {
             if let Some(Some(cgroups)) = self.started.get() {
                 cgroups.remove_base_if_unused();
             }
-            let _ = std::fs::remove_dir(&self.run_base);
+            self.remove_run_base();
             tracing::info!(
                 kernels = released,
                 "kernels kept running for the next start"
@@ -623,9 +632,7 @@ impl Sandbox for LocalSandbox {
         if let Some(Some(cgroups)) = self.started.get() {
             cgroups.remove_base_if_unused();
         }
-        // Under /run (root) the base is outside the data directory: leave nothing behind.
-        // Only an empty directory goes; the next start creates it again.
-        let _ = std::fs::remove_dir(&self.run_base);
+        self.remove_run_base();
         // The kernels are gone, so nothing holds the workspace file systems.
         let images = self.workspace_images.clone();
         if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
