@@ -640,6 +640,61 @@ async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static s
                 "{line}"
             );
         }
+
+        // Nor do its arguments: while a command runs, every host process whose command
+        // line holds the command's (marked) argument is the kernel's uid, none root's.
+        let marker = format!("kb-arg-marker-{}", Uuid::new_v4().simple());
+        let spec = CommandSpec {
+            user: alice.clone(),
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "sleep 30".into(),
+                marker.clone(),
+            ],
+            env: vec![],
+            cwd: None,
+            limits: alice.limits.kernel(None),
+        };
+        let cmd = h
+            .sandbox()
+            .run_command(spec)
+            .await
+            .expect("run the command");
+        let holders = |marker: &str| -> Vec<(i32, u32)> {
+            let mut found = Vec::new();
+            for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                    continue;
+                };
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                if !String::from_utf8_lossy(&cmdline).contains(marker) {
+                    continue;
+                }
+                use std::os::unix::fs::MetadataExt;
+                if let Ok(meta) = std::fs::metadata(format!("/proc/{pid}")) {
+                    found.push((pid, meta.uid()));
+                }
+            }
+            found
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut seen = holders(&marker);
+        while seen.is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            seen = holders(&marker);
+        }
+        cmd.control.kill().await;
+        assert!(
+            !seen.is_empty(),
+            "the command never showed: this check saw nothing"
+        );
+        for (pid, owner) in &seen {
+            assert_eq!(
+                *owner, uid,
+                "process {pid} holding the tenant's argument runs as {owner}: {seen:?}"
+            );
+        }
     })
     .await;
 }

@@ -8,7 +8,7 @@
 //!   or glibc reads as an instruction (`LD_*`, `GCONV_PATH`, `GLIBC_TUNABLES`, ...: glibc's
 //!   own list of variables it drops in secure-execution mode). The front doors map the
 //!   refusal to a 400.
-//! - **Applied only after the drop** ([`env_script`]): the backends give privileged
+//! - **Applied only after the drop** ([`launch_script`]): the backends give privileged
 //!   helpers (bwrap, setpriv) a fixed, empty environment; the kernel's whole environment,
 //!   fixed and tenant parts alike, travels in a sealed memfd that bwrap copies into the
 //!   sandbox (`--file`) and `/bin/sh` reads as the kernel's uid, after `setpriv` dropped
@@ -113,12 +113,26 @@ pub fn check_user_env<'a>(
     Ok(())
 }
 
-/// A POSIX shell script that exports `vars` (later ones win) and nothing else: each value
-/// in single quotes, a quote in it as `'\''`, so no byte of a value is ever read as shell
-/// syntax. A name that is not a plain identifier, or a value with NUL, is an error: the
-/// caller checked them already, and a script must not be built around one it did not.
-pub fn env_script(vars: &[(String, String)]) -> Result<Vec<u8>, EnvRefused> {
-    let mut out = Vec::with_capacity(vars.iter().map(|(k, v)| k.len() + v.len() + 12).sum());
+/// A POSIX shell script that exports `vars` (later ones win) and then sets the positional
+/// parameters to `argv` (`set -- ...`), for [`apply_then_exec`]'s shell to `exec "$@"`: the
+/// command a kernel or command runs travels here too, never in the argv of a privileged
+/// process. Each value and argument in single quotes, a quote in it as `'\''`, so no byte of
+/// one is ever read as shell syntax. A name that is not a plain identifier, or a NUL, is an
+/// error: the caller checked them already, and a script must not be built around one it did
+/// not.
+pub fn launch_script(vars: &[(String, String)], argv: &[String]) -> Result<Vec<u8>, EnvRefused> {
+    fn quoted(out: &mut Vec<u8>, value: &str) {
+        out.push(b'\'');
+        out.extend_from_slice(value.replace('\'', r"'\''").as_bytes());
+        out.push(b'\'');
+    }
+    let mut out = Vec::with_capacity(
+        vars.iter()
+            .map(|(k, v)| k.len() + v.len() + 12)
+            .sum::<usize>()
+            + argv.iter().map(|a| a.len() + 3).sum::<usize>()
+            + 8,
+    );
     for (name, value) in vars {
         if !is_env_name(name) {
             return Err(EnvRefused::BadName { name: name.clone() });
@@ -128,25 +142,35 @@ pub fn env_script(vars: &[(String, String)]) -> Result<Vec<u8>, EnvRefused> {
         }
         out.extend_from_slice(b"export ");
         out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(b"='");
-        out.extend_from_slice(value.replace('\'', r"'\''").as_bytes());
-        out.extend_from_slice(b"'\n");
+        out.push(b'=');
+        quoted(&mut out, value);
+        out.push(b'\n');
     }
+    out.extend_from_slice(b"set --");
+    for arg in argv {
+        if arg.contains('\0') {
+            return Err(EnvRefused::NulInValue {
+                name: "an argument".into(),
+            });
+        }
+        out.push(b' ');
+        quoted(&mut out, arg);
+    }
+    out.push(b'\n');
     Ok(out)
 }
 
 /// The command that, run as the kernel's uid, reads the script at `script` (a fixed path
-/// inside the sandbox, not quoted for a shell) into its environment, changes to `cwd` and
-/// becomes `argv`: `/bin/sh -c '...' CWD argv...`.
-pub fn apply_then_exec(script: &str, cwd: &str, argv: &[String]) -> Vec<String> {
-    let mut out = vec![
+/// inside the sandbox, not quoted for a shell) into its environment and positional
+/// parameters ([`launch_script`]), changes to `cwd` and becomes the command:
+/// `/bin/sh -c '...' CWD`. Nothing a tenant chose is in it.
+pub fn apply_then_exec(script: &str, cwd: &str) -> Vec<String> {
+    vec![
         "/bin/sh".to_string(),
         "-c".to_string(),
         format!(". {script} || exit 126; cd -- \"$0\" || exit 126; exec \"$@\""),
         cwd.to_string(),
-    ];
-    out.extend(argv.iter().cloned());
-    out
+    ]
 }
 
 /// A close-on-exec memfd holding `script`, sealed against any change and positioned at
@@ -222,22 +246,27 @@ mod tests {
     }
 
     #[test]
-    fn the_script_quotes_every_value() {
-        let script = env_script(&[
-            ("A".into(), "it's $HOME `x` \"q\" \\n\nline".into()),
-            ("B".into(), String::new()),
-        ])
+    fn the_script_quotes_every_value_and_argument() {
+        let script = launch_script(
+            &[
+                ("A".into(), "it's $HOME `x` \"q\" \\n\nline".into()),
+                ("B".into(), String::new()),
+            ],
+            &["sh".into(), "-c".into(), "echo 'hi'".into()],
+        )
         .unwrap();
         assert_eq!(
             String::from_utf8(script).unwrap(),
-            "export A='it'\\''s $HOME `x` \"q\" \\n\nline'\nexport B=''\n"
+            "export A='it'\\''s $HOME `x` \"q\" \\n\nline'\nexport B=''\n\
+             set -- 'sh' '-c' 'echo '\\''hi'\\'''\n"
         );
-        assert!(env_script(&[("A B".into(), "x".into())]).is_err());
-        assert!(env_script(&[("A".into(), "\0".into())]).is_err());
+        assert!(launch_script(&[("A B".into(), "x".into())], &[]).is_err());
+        assert!(launch_script(&[("A".into(), "\0".into())], &[]).is_err());
+        assert!(launch_script(&[], &["\0".into()]).is_err());
     }
 
-    /// The script read by a real `/bin/sh` gives back every value byte for byte, from the
-    /// memfd's start.
+    /// The script read by a real `/bin/sh` gives back every value and argument byte for
+    /// byte, from the memfd's start, and the shell becomes the command in `cwd`.
     #[test]
     fn a_shell_reads_the_script_back_exactly() {
         let vars = vec![
@@ -248,20 +277,22 @@ mod tests {
             ("B".to_string(), "é ✓ '' '".to_string()),
             ("PATH".to_string(), "/usr/bin:/bin".to_string()),
         ];
-        let fd = env_memfd(&env_script(&vars).unwrap()).unwrap();
+        let argv = [
+            "/bin/sh".to_string(),
+            "-c".to_string(),
+            "printf '%s\\0%s\\0%s\\0' \"$A\" \"$B\" \"$0\"; pwd".to_string(),
+            "it's; $(id) \n".to_string(),
+        ];
+        let fd = env_memfd(&launch_script(&vars, &argv).unwrap()).unwrap();
         let mut copy = tempfile::NamedTempFile::new().unwrap();
         std::io::copy(&mut std::fs::File::from(fd), &mut copy).unwrap();
-        let argv = apply_then_exec(
-            copy.path().to_str().unwrap(),
-            "/",
-            &[
-                "/bin/sh".into(),
-                "-c".into(),
-                "printf '%s\\0%s\\0' \"$A\" \"$B\"; pwd".into(),
-            ],
+        let shell = apply_then_exec(copy.path().to_str().unwrap(), "/");
+        assert!(
+            !shell.iter().any(|a| a.contains("printf")),
+            "the command is not in the shell's argv"
         );
-        let out = std::process::Command::new(&argv[0])
-            .args(&argv[1..])
+        let out = std::process::Command::new(&shell[0])
+            .args(&shell[1..])
             .env_clear()
             .output()
             .unwrap();
@@ -270,6 +301,7 @@ mod tests {
         let mut parts = text.split('\0');
         assert_eq!(parts.next(), Some(vars[0].1.as_str()));
         assert_eq!(parts.next(), Some(vars[1].1.as_str()));
+        assert_eq!(parts.next(), Some(argv[3].as_str()));
         assert_eq!(parts.next(), Some("/\n"));
     }
 

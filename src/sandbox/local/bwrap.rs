@@ -119,12 +119,12 @@ pub(super) struct BwrapRequest<'a> {
     /// The host directory holding the bootstrap script, shown read-only at
     /// [`BOOT_DIR_INSIDE`].
     pub boot_dir: Option<&'a Path>,
-    pub argv: &'a [String],
-    /// A descriptor bwrap inherits holding the kernel's whole environment as a script
-    /// ([`crate::sandbox::environ`]): bwrap copies it to [`ENV_FILE_INSIDE`], and `/bin/sh`
-    /// reads it there as the kernel's uid, after the drop, then changes to the workspace
-    /// (bwrap, without capabilities by then, could not enter the kernel's 0700 workspace).
-    /// bwrap and setpriv run with an empty environment.
+    /// A descriptor bwrap inherits holding the kernel's whole environment **and its
+    /// command** as a script ([`crate::sandbox::environ::launch_script`]): bwrap copies it to
+    /// [`ENV_FILE_INSIDE`], and `/bin/sh` reads it there as the kernel's uid, after the drop,
+    /// changes to the workspace (bwrap, without capabilities by then, could not enter the
+    /// kernel's 0700 workspace) and becomes the command. bwrap and setpriv run with an empty
+    /// environment and no argument a tenant chose.
     pub env_fd: RawFd,
 }
 
@@ -346,7 +346,7 @@ pub(super) fn bwrap_args(
         }
     }
     args.extend(
-        crate::sandbox::environ::apply_then_exec(ENV_FILE_INSIDE, WORKSPACE_INSIDE, req.argv)
+        crate::sandbox::environ::apply_then_exec(ENV_FILE_INSIDE, WORKSPACE_INSIDE)
             .into_iter()
             .map(OsString::from),
     );

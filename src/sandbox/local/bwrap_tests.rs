@@ -100,6 +100,9 @@ fn unprivileged() -> BwrapOptions {
     }
 }
 
+/// The shell that reads the kernel's environment and command after the drop.
+const SHELL: &str = ". /etc/kernel-broker.env || exit 126; cd -- \"$0\" || exit 126; exec \"$@\"";
+
 /// One run: options, tmpfs size, uid, resource dir, seccomp fd → the argv.
 fn run(
     opts: &BwrapOptions,
@@ -108,7 +111,6 @@ fn run(
     resource_dir: Option<&Path>,
     seccomp: Option<RawFd>,
 ) -> Vec<String> {
-    let argv = ["python".to_string(), "-c".to_string(), "pass".to_string()];
     let req = BwrapRequest {
         workspace: Path::new("/data/workspaces/alice"),
         rundir: Path::new("/run/kb/0000"),
@@ -116,7 +118,6 @@ fn run(
         tmp_size,
         resource_dir,
         boot_dir: None,
-        argv: &argv,
         env_fd: 9,
     };
     text(&bwrap_args(opts, &host(), &req, seccomp))
@@ -156,7 +157,7 @@ fn argv_cases() {
                     "--",
                     "/bin/sh",
                 ],
-                &["/workspace", "python", "-c", "pass"],
+                &["--", "/bin/sh", "-c", SHELL, "/workspace"],
             ],
             absent: vec![&["--unshare-user"], &["--seccomp"], &["--size"]],
         },
@@ -168,7 +169,7 @@ fn argv_cases() {
                 &["--unshare-user"],
                 &["--disable-userns"],
                 &["--", "/bin/sh", "-c"],
-                &["/workspace", "python", "-c", "pass"],
+                &["--", "/bin/sh", "-c", SHELL, "/workspace"],
             ],
             absent: vec![&["/usr/bin/setpriv"]],
         },
@@ -211,7 +212,7 @@ fn argv_cases() {
                 &["--bind", "/run/kb/0000", "/run/kernel"],
                 &["--bind", "/data/workspaces/alice", "/workspace"],
                 // The kernel's own shell changes there, after the drop.
-                &["/workspace", "python", "-c", "pass"],
+                &["--", "/bin/sh", "-c", SHELL, "/workspace"],
                 &["--proc", "/proc", "--dev", "/dev"],
                 &["--perms", "1777", "--tmpfs", "/tmp"],
                 &["--perms", "1777", "--tmpfs", "/dev/shm"],
@@ -273,7 +274,6 @@ fn argv_cases() {
 
 #[test]
 fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
-    let argv = ["python".to_string()];
     let req = BwrapRequest {
         workspace: Path::new("/data/workspaces/alice"),
         rundir: Path::new("/run/kb/0000"),
@@ -281,7 +281,6 @@ fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
         tmp_size: None,
         resource_dir: None,
         boot_dir: None,
-        argv: &argv,
         env_fd: 9,
     };
     let with = host().with_ca_file(Some(Path::new("/srv/site-ca.pem")));
@@ -315,7 +314,6 @@ fn private_mounts_come_before_binds_that_may_land_on_them() {
 /// arguments, then the shell that reads the environment's descriptor, then the kernel.
 #[test]
 fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
-    let argv = ["python".to_string(), "-c".to_string(), "pass".to_string()];
     let req = BwrapRequest {
         workspace: Path::new("/data/workspaces/alice"),
         rundir: Path::new("/run/kb/0000"),
@@ -323,7 +321,6 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
         tmp_size: None,
         resource_dir: None,
         boot_dir: None,
-        argv: &argv,
         env_fd: 9,
     };
     let args = text(&bwrap_args(&root(), &host(), &req, None));
@@ -347,7 +344,11 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
         &args,
         &["--perms", "0444", "--file", "9", "/etc/kernel-broker.env"]
     ));
-    assert_eq!(&after[sh + 3..], ["/workspace", "python", "-c", "pass"]);
+    assert_eq!(
+        &after[sh + 3..],
+        ["/workspace"],
+        "nothing a tenant chose: the command is in the script"
+    );
     assert!(
         !args.iter().any(|a| a == "--chdir"),
         "bwrap has no capability left to enter it"

@@ -73,7 +73,7 @@ impl LocalSandbox {
             .seccomp_memfd()
             .map_err(|e| unavailable(format!("cannot pass the syscall filter: {e}")))?;
         let seccomp_fd = seccomp.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
-        let environment = environ::env_script(&kernel_env(&self.venv, "check"))
+        let environment = environ::launch_script(&kernel_env(&self.venv, "check"), &argv)
             .map_err(io::Error::other)
             .and_then(|script| environ::env_memfd(&script))
             .map_err(|e| unavailable(format!("cannot pass the environment: {e}")))?;
@@ -88,7 +88,6 @@ impl LocalSandbox {
                 tmp_size: None,
                 resource_dir: None,
                 boot_dir: None,
-                argv: &argv,
                 env_fd,
             },
             seccomp_fd,

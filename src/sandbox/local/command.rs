@@ -89,8 +89,9 @@ impl LocalSandbox {
                 .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
         ];
         argv.extend(spec.argv.iter().cloned());
-        // The tenant's variables reach only the command's own shell, after the drop.
-        let environment = self.environment_memfd(&user, &spec.env)?;
+        // The tenant's variables and command reach only the command's own shell, after the
+        // drop.
+        let environment = self.environment_memfd(&user, &spec.env, &argv)?;
         let env_fd = environment.as_raw_fd();
         let request = BwrapRequest {
             workspace: &workspace,
@@ -99,7 +100,6 @@ impl LocalSandbox {
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: None,
             boot_dir: None,
-            argv: &argv,
             env_fd,
         };
         let mut opts = self.bwrap_opts.clone();

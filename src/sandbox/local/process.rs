@@ -150,7 +150,7 @@ impl LocalSandbox {
         let mut env: Vec<(String, String)> = spec_env.into_iter().collect();
         env.sort();
         env.extend(spec.env.iter().cloned());
-        let environment = self.environment_memfd(&user, &env)?;
+        let environment = self.environment_memfd(&user, &env, &argv)?;
         let request = BwrapRequest {
             workspace: &workspace,
             rundir: &rundir,
@@ -159,7 +159,6 @@ impl LocalSandbox {
             tmp_size: Some(spec.limits.memory_bytes).filter(|b| *b > 0),
             resource_dir: resource_dir.as_deref(),
             boot_dir: boot_dir.as_deref(),
-            argv: &argv,
             env_fd: environment.as_raw_fd(),
         };
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
@@ -365,18 +364,19 @@ impl LocalSandbox {
         self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
     }
 
-    /// The whole environment of a kernel or command of `user` as a sealed memfd for
-    /// `BwrapRequest::env_fd`: the fixed part, the thread caps, then `extra` (the spec's and
-    /// the tenant's; later entries win). Read only after the drop (`environ.rs`).
+    /// The whole environment of a kernel or command of `user` and its `argv`, as a sealed
+    /// memfd for `BwrapRequest::env_fd`: the fixed part, the thread caps, then `extra` (the
+    /// spec's and the tenant's; later entries win). Read only after the drop (`environ.rs`).
     pub(super) fn environment_memfd(
         &self,
         user: &SandboxUser,
         extra: &[(String, String)],
+        argv: &[String],
     ) -> Result<OwnedFd, SandboxError> {
         let mut env = kernel_env(&self.venv, &user.name);
         env.extend(thread_env(&user.limits));
         env.extend(extra.iter().cloned());
-        let script = environ::env_script(&env)
+        let script = environ::launch_script(&env, argv)
             .map_err(|e| launch_err(user, format!("the environment is refused: {e}")))?;
         environ::env_memfd(&script)
             .map_err(|e| launch_err(user, format!("cannot pass the environment: {e}")))
