@@ -179,6 +179,9 @@ pub fn zmtp_reader(data: &[u8]) {
                         assert!(total as u64 <= limits.max_message, "over the byte limit");
                     }
                     Incoming::Ping(context) => assert!(context.len() <= 16, "a long context"),
+                    // Only a reader given a cutter may cut an oversized message; this one
+                    // has none, so an oversized message must be an error.
+                    Incoming::Cut(..) => panic!("a reader without a cutter cut a message"),
                 }
             }
         })
