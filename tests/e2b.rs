@@ -127,6 +127,14 @@ fn spawned_e2b(args: &[&str]) -> (common::spawned::SpawnedBroker, E2b) {
     (broker, e)
 }
 
+/// `msg` as one Connect envelope of a streaming request (flags 0, big-endian length).
+fn connect_envelope(msg: &[u8]) -> Vec<u8> {
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg);
+    framed
+}
+
 fn e2b_error(v: &Value, status: u16) {
     assert_eq!(v["code"], json!(status), "{v}");
     assert!(
@@ -472,9 +480,7 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
     let end: Value = serde_json::from_slice(&out[5..]).unwrap();
     assert_eq!(end["error"]["code"], "invalid_argument", "{end}");
     let msg = br#"{"process": {"cmd": "/bin/true"}, "pty": {"size": {"cols": 80, "rows": 24}}}"#;
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg);
+    let framed = connect_envelope(msg);
     let (_, out) = e
         .sandbox(
             M::POST,
@@ -488,9 +494,7 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
     assert_eq!(end["error"]["code"], "unimplemented", "{end}");
     // A command's envs: loader variables refused before anything runs (issue 32).
     let msg = br#"{"process": {"cmd": "/bin/true", "envs": {"LD_PRELOAD": "/workspace/x.so"}}}"#;
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg);
+    let framed = connect_envelope(msg);
     let (_, out) = e
         .sandbox(
             M::POST,
@@ -548,9 +552,7 @@ async fn a_command_ends_with_its_sandbox(sandbox: &'static str) {
             .collect::<String>()
     );
     let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", marker]}}).to_string();
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg.as_bytes());
+    let framed = connect_envelope(msg.as_bytes());
     let http = reqwest::Client::new();
     let mut req = http
         .post(b.url("/e2b/sandbox/process.Process/Start"))
@@ -745,9 +747,7 @@ async fn start_unread_command(
 ) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt;
     let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}}).to_string();
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg.as_bytes());
+    let framed = connect_envelope(msg.as_bytes());
     let mut request = format!(
         "POST /e2b/sandbox/process.Process/Start HTTP/1.1\r\nHost: test\r\n\
          Content-Type: application/connect+json\r\nContent-Length: {}\r\n",
@@ -830,9 +830,7 @@ async fn unread_command_output_costs_a_bounded_budget_per_user() {
     );
     let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo bob-was-here"]}});
     let msg = msg.to_string();
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg.as_bytes());
+    let framed = connect_envelope(msg.as_bytes());
     let (s, out) = e
         .sandbox(
             reqwest::Method::POST,
