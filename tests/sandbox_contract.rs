@@ -602,13 +602,15 @@ async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static s
                 format!("{}:{inside_mark}", host_mark.display()),
             ),
         ];
-        let spec = CommandSpec {
+        // A command of alice's, as E2B's commands.run asks for one.
+        let command = |argv: Vec<String>, env: Vec<(String, String)>| CommandSpec {
             user: alice.clone(),
-            argv: vec!["/bin/true".into()],
+            argv,
             env,
             cwd: None,
             limits: alice.limits.kernel(None),
         };
+        let spec = command(vec!["/bin/true".into()], env);
         let cmd = h
             .sandbox()
             .run_command(spec)
@@ -642,18 +644,15 @@ async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static s
         // holds the command's (marked) argument is root's, bwrap or setpriv. (Its owner on
         // the host is the kernel's uid, or what a rootless engine maps it to.)
         let marker = format!("kb-arg-marker-{}", Uuid::new_v4().simple());
-        let spec = CommandSpec {
-            user: alice.clone(),
-            argv: vec![
+        let spec = command(
+            vec![
                 "/bin/sh".into(),
                 "-c".into(),
                 "sleep 30".into(),
                 marker.clone(),
             ],
-            env: vec![],
-            cwd: None,
-            limits: alice.limits.kernel(None),
-        };
+            vec![],
+        );
         let cmd = h
             .sandbox()
             .run_command(spec)
