@@ -105,18 +105,15 @@ else
     KB_ENGINE=podman docker/build-offline.sh
 fi
 
-# 4. the suites, against Podman (tests/common/engine.rs)
+# 4. the suites, against Podman (tests/it/common/engine.rs)
 export KB_DOCKER_SOCKET="unix://$SOCKET"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
 our_containers() { podman ps -a --filter label=org.kernel-broker.managed=true --format '{{.Names}}'; }
 before="$(DOCKER_HOST="$KB_DOCKER_SOCKET" scripts/leftovers | sort)"
 status=0
-# One binary per run: a filter after several `--test`s would apply to all of them.
-for run in "sandbox_contract docker::" sandbox_docker fork_server_docker keep_docker; do
-    set -- $run
-    log "cargo nextest run --test $*"
-    cargo nextest run --no-fail-fast --test "$@" || status=1
-done
+suites='test(/^sandbox_contract::docker::/) | test(/^(sandbox_docker|fork_server_docker|keep_docker)::/)'
+log "cargo nextest run --test it -E '$suites'"
+cargo nextest run --no-fail-fast --test it -E "$suites" || status=1
 
 # 5. nothing left behind
 stop_service

@@ -2,7 +2,7 @@
 //! directions and channels, recordings that outlive deletion and expiry, privacy, images
 //! stored once, replay of deterministic and non-deterministic sessions.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

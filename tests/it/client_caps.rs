@@ -3,7 +3,7 @@
 //! authenticate is throttled; a client that never reads its WebSocket costs bounded broker
 //! memory while everyone else carries on. Runs against a real broker with real kernels.
 
-mod common;
+use crate::common;
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! offending kernel off with a clear reason, never follow a planted symlink, and keep every
 //! other session working.
 
-mod common;
+use crate::common;
 
 on_both_backends!(
     a_frame_claiming_exabytes_cuts_the_kernel_off_and_nothing_else,

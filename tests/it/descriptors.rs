@@ -1,7 +1,8 @@
 //! A kernel is never declared dead because the broker ran out of descriptors (issue 18).
 //!
-//! This file holds one test on purpose: it lowers the descriptor limit of its own process,
-//! which would starve any test running beside it in the same binary.
+//! This module holds one test on purpose: it lowers the descriptor limit of its own process,
+//! which would starve any test running beside it in the same process. nextest (the way the
+//! suites run) gives every test a process of its own; under `cargo test`, run it alone.
 //!
 //! The heartbeat runs against the scripted kernel (real ZeroMQ sockets of the `zeromq`
 //! crate, shared through `#[path]` as in kernel_client.rs) with every descriptor taken.
@@ -11,10 +12,7 @@ use std::time::Duration;
 
 use kernel_broker::kernel::{ConnectOptions, Heartbeat, KernelClient, KernelEvent, KernelEvents};
 
-use kernel_broker as broker;
-#[allow(dead_code)]
-#[path = "../src/session/testing/scripted_kernel.rs"]
-mod scripted_kernel;
+use crate::scripted_kernel;
 use scripted_kernel::{HeartbeatMode, ScriptedKernel};
 
 const INTERVAL: Duration = Duration::from_millis(200);

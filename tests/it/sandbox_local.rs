@@ -4,10 +4,9 @@
 //! view of the host, the syscall filter, mountinfo, the startup sweep), mostly through
 //! `launch_command` scripts. What both backends promise is in `sandbox_contract.rs`; the
 //! harness (one data directory and cgroup name per test, cleaned up even when an
-//! assertion fails; the skip convention) is `tests/common/sandbox.rs`.
+//! assertion fails; the skip convention) is `tests/it/common/sandbox.rs`.
 
-#[path = "common/sandbox.rs"]
-mod common;
+use crate::common::sandbox as common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -8,10 +8,9 @@
 //!
 //! What only one backend does (cgroup files, seccomp, bwrap's mounts; containers, the
 //! reaper exec, idle containers) is tested in `sandbox_local.rs` and `sandbox_docker.rs`.
-//! The harness is `tests/common/sandbox.rs`.
+//! The harness is `tests/it/common/sandbox.rs`.
 
-#[path = "common/sandbox.rs"]
-mod common;
+use crate::common::sandbox as common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! others (REST, the agent WebSocket, the Jupyter kernels API and its channels), lists show
 //! every node's sessions, and node-to-node requests need the cluster's key.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 
@@ -666,7 +666,7 @@ async fn an_mcp_session_is_served_through_any_node() {
     ];
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "tests/cluster.rs", "version": "1"}}});
+        "clientInfo": {"name": "tests/it/cluster.rs", "version": "1"}}});
     let (status, headers, body) = raw(&nodes[0], M::POST, "/mcp", &base, Some(init)).await;
     assert_eq!(status, 200, "{body}");
     let sid = headers["mcp-session-id"].to_str().unwrap().to_string();

@@ -3,7 +3,7 @@
 //! connections while existing sessions carry on; a stalled body gets a 408; a WebSocket
 //! client that stops answering pings is dropped. Runs against a real broker.
 
-mod common;
+use crate::common;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};

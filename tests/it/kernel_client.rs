@@ -9,11 +9,7 @@ use std::time::Duration;
 use kernel_broker::kernel::{ConnectOptions, KernelClient, KernelEndpoints, KernelEvent};
 use kernel_broker::wire::Channel;
 
-// The scripted kernel names the crate as `super::broker`.
-use kernel_broker as broker;
-#[allow(dead_code)]
-#[path = "../src/session/testing/scripted_kernel.rs"]
-mod scripted_kernel;
+use crate::scripted_kernel;
 
 const KEY: &str = "fake-kernel-key";
 

@@ -3,7 +3,7 @@
 //! way, the kernel's caches kept out of the listed workspace, no host path in what the kernel
 //! shows, and the README's walkthrough followed by `examples/agent_session.py`.
 
-mod common;
+use crate::common;
 
 on_both_backends!(
     uploads_belong_to_the_kernel,

@@ -6,7 +6,7 @@
 //! carol's limits (connections, bytes) refuse past them. The recording holds the requests,
 //! `/metrics` counts them.
 
-mod common;
+use crate::common;
 
 use std::net::ToSocketAddrs;
 

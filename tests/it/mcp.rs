@@ -7,7 +7,7 @@
 //! open streams ending when the broker stops. The official SDKs drive the happy paths in
 //! protocol-tests/test_mcp*.py.
 
-mod common;
+use crate::common;
 
 use common::{within, Broker, ALICE, BOB};
 use serde_json::{json, Value};
@@ -112,7 +112,7 @@ impl Mcp {
             .post(
                 &json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
                 "protocolVersion": "2025-11-25", "capabilities": {},
-                "clientInfo": {"name": "tests/mcp.rs", "version": "1"}}}),
+                "clientInfo": {"name": "tests/it/mcp.rs", "version": "1"}}}),
             )
             .await;
         assert_eq!(r.status(), 200);

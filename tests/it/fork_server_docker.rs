@@ -9,7 +9,7 @@
 //! The broker runs as root on the host, so the tests read the kernels' host processes in
 //! `/proc` and their leaves in the cgroup file system, as the broker does.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -119,7 +119,7 @@ async fn forked_kernels_are_kernels_of_their_own() {
 }
 
 /// Under the default limits a fork bomb in a forked kernel meets the pids limit, not the
-/// memory limit (see tests/fork_server.rs).
+/// memory limit (see tests/it/fork_server.rs).
 #[tokio::test]
 async fn a_fork_bomb_in_a_forked_kernel_meets_the_pids_limit() {
     let broker = broker(|_| {}).await;

@@ -5,10 +5,9 @@
 //! missing. What both backends promise is in `sandbox_contract.rs`; the harness (one data
 //! directory, hence data-dir hash, container names and labels per test; containers
 //! force-removed even when an assertion fails; the skip and `KB_REQUIRE_DOCKER`
-//! convention) is `tests/common/sandbox.rs`.
+//! convention) is `tests/it/common/sandbox.rs`.
 
-#[path = "common/sandbox.rs"]
-mod common;
+use crate::common::sandbox as common;
 
 use std::time::Duration;
 

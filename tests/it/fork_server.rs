@@ -3,7 +3,7 @@
 //! random generators, a clean namespace with the data stack already imported), isolated and
 //! limited exactly as started ones, and a broken template falls back to a plain start.
 
-mod common;
+use crate::common;
 
 use common::forked::{link, links, out, parent_of, planted_modules_reach_no_later_session};
 use common::*;

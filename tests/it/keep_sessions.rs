@@ -3,7 +3,7 @@
 //! back with their kernels, variables, workspace, execution counts and idle deadlines, on
 //! both backends.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

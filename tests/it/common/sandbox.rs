@@ -12,8 +12,7 @@
 //! `no-docker` profile, `.config/nextest.toml`), and nextest reports them as skipped.
 #![allow(dead_code)]
 
-#[path = "engine.rs"]
-pub mod engine;
+pub use super::engine;
 
 #[allow(unused_imports)] // not every test binary asks which engine runs
 pub use engine::{docker_cgroup_parent, docker_cli, docker_socket, is_podman};
@@ -44,11 +43,9 @@ pub const DOCKER_KERNEL_UID: u32 = 1000;
 /// A test's whole bound on this machine ([`scaled`] elsewhere).
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 
-#[path = "host.rs"]
-mod host;
+use super::host;
 pub use host::{delegated_cgroup, euid, is_root};
-#[path = "scale.rs"]
-mod scale;
+use super::scale;
 pub use scale::scaled;
 
 pub fn repo() -> PathBuf {
@@ -149,7 +146,7 @@ impl LocalHarness {
         cfg.cgroup_name = cgroup_name.clone();
         // The contract of a sandbox's own kernels (one sandbox, one runtime directory and
         // one process tree per kernel); kernels forked from a template are tested through
-        // the API in tests/fork_server.rs.
+        // the API in tests/it/fork_server.rs.
         cfg.fork_server = false;
         cfg.launch_timeout = scaled(cfg.launch_timeout);
         let sandbox = LocalSandbox::new(cfg).expect("LocalSandbox::new");

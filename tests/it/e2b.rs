@@ -3,7 +3,7 @@
 //! Connect's for RPCs) with a sentence, nothing hangs, another user's sandbox is absent,
 //! and a sandbox ends at its deadline. The SDKs' happy paths are protocol-tests/test_e2b.py.
 
-mod common;
+use crate::common;
 
 on_both_backends!(
     control_plane_errors_have_e2bs_shape,

@@ -1,7 +1,7 @@
 //! The session API against real kernels in the real local sandbox: persistence, outputs,
 //! charts, input(), interrupt, timeouts, restart, death, limits, isolation, expiry, bad input.
 
-mod common;
+use crate::common;
 
 on_both_backends!(
     proposed_kernel_ids_of_other_sessions_are_refused,

@@ -6,9 +6,11 @@ pub mod engine;
 pub mod forked;
 pub mod host;
 pub mod leftovers;
+#[macro_use]
+pub mod sandbox;
 /// A PostgreSQL database of its own for a test (the crate's own helper).
 #[allow(dead_code)]
-#[path = "../../src/recording/postgres/testing.rs"]
+#[path = "../../../src/recording/postgres/testing.rs"]
 pub mod pg;
 pub mod scale;
 pub mod spawned;

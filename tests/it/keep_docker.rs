@@ -9,8 +9,7 @@
 //! removes its containers and unmounts its workspaces even when an assertion fails.
 //! Without Docker they fail and say why; the `no-docker` nextest profile leaves them out.
 
-#[path = "common/sandbox.rs"]
-mod common;
+use crate::common::sandbox as common;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Brokers side by side (issue 11): a second broker on a data directory in use refuses to
 //! start and names the running one; the running one is untouched.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! and the default limits let a user reach the default number of sessions with the data
 //! stack imported (issue 20).
 
-mod common;
+use crate::common;
 
 on_both_backends!(
     more_sessions_than_the_memory_total_allows_end_alive_or_refused,
