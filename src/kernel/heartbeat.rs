@@ -17,8 +17,9 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::time::{timeout, Instant};
 
+use super::link::{open_connection, AbortOnDrop, OpenFailed, ZmtpWriter};
 use super::zmtp::{self, Incoming, SocketType};
-use super::{open_connection, AbortOnDrop, Heartbeat, KernelEvent, MessageLimits, ZmtpWriter};
+use super::{Heartbeat, KernelEvent, MessageLimits};
 
 /// The heartbeat echoes a few bytes; nothing bigger is accepted on it.
 const LIMITS: MessageLimits = MessageLimits {
@@ -153,7 +154,7 @@ async fn beat(
 
 /// Connect, and read the connection in a task of its own (a ZMTP read cannot be cut short
 /// by a timeout without losing its place in the stream).
-async fn open(endpoint: &str, deadline: Instant) -> Result<Connection, super::OpenFailed> {
+async fn open(endpoint: &str, deadline: Instant) -> Result<Connection, OpenFailed> {
     let (mut reader, writer) =
         open_connection(endpoint, SocketType::Req, None, LIMITS, deadline).await?;
     let (tx, heard) = mpsc::channel(8);
