@@ -41,3 +41,6 @@ pub mod server;
 pub mod session;
 pub mod sync;
 pub mod wire;
+
+#[cfg(test)]
+mod architecture_tests;
