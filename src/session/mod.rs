@@ -49,12 +49,12 @@ mod testing;
 
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
-pub use error::SessionError;
+pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
-pub use recorder::{BoxError, Direction, NoRecorder, Recorder, Recorders};
+pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};
