@@ -161,8 +161,8 @@ pub enum RecordingError {
     },
     #[error("the recording writer has stopped")]
     WriterGone,
-    #[error("a recording task failed: {0}")]
-    Task(String),
+    #[error("a recording task failed")]
+    Task(#[source] tokio::task::JoinError),
     #[error(transparent)]
     Session(#[from] crate::session::SessionError),
 }

@@ -162,7 +162,7 @@ impl RecordingStore {
         let readers = readers.clone();
         tokio::task::spawn_blocking(move || readers.with(f))
             .await
-            .map_err(|e| RecordingError::Task(e.to_string()))?
+            .map_err(RecordingError::Task)?
     }
 
     /// The recorded session `id`, whoever owns it.
