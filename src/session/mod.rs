@@ -21,7 +21,8 @@
 //! - `actor/`: the task that owns a kernel: commands, restart and death in `mod.rs`, the
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
-//!   tombstones in `expiry.rs`.
+//!   tombstones in `expiry.rs`; [`Registry::report`] for what happens outside the actor.
+//! - `egress`: the egress proxy's reports, recorded through the registry.
 //! - `testing/` (tests only): a scripted kernel and a fake sandbox.
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
@@ -31,6 +32,7 @@
 mod actor;
 mod command;
 mod config;
+mod egress;
 mod error;
 mod event;
 pub mod execution;

@@ -297,7 +297,7 @@ impl RecordingStore {
     }
 
     fn report_event(&self, key: SessionKey, event: LifecycleEvent) {
-        self.report(key, Item::Event(BrokerEvent::Session(event)));
+        self.report(key, Item::Event(BrokerEvent::Session(event.into())));
     }
 }
 

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::recording::{RecordedEvent, RecordedKind};
-use crate::session::Direction;
+use crate::session::{Direction, LifecycleEvent};
 
 fn msg(
     seq: i64,
@@ -247,7 +247,9 @@ impl Rec {
         self
     }
 
+    /// An event as the session reports it, stored as the recording stores it.
     fn event(self, event: LifecycleEvent) -> Self {
+        let event = StoredEvent::from(event);
         self.broker(event.kind(), event.detail())
     }
 

@@ -6,6 +6,7 @@ use super::*;
 on_both!(
     events_round_trip_in_order_with_blobs,
     a_kernels_nul_bytes_break_no_batch,
+    file_and_command_events_are_stored_and_read_back,
 );
 
 async fn events_round_trip_in_order_with_blobs(backend: Backend) {
@@ -183,4 +184,64 @@ async fn a_kernels_nul_bytes_break_no_batch(backend: Backend) {
 async fn page(store: &RecordingStore, id: Uuid, query: EventQuery) -> (Vec<i64>, bool) {
     let page = store.events(id, query).await.unwrap();
     (page.events.iter().map(|e| e.seq).collect(), page.more)
+}
+
+/// A workspace change and a command run, as the session layer reports them: stored with
+/// their own kinds, read back typed, and neither a cell nor a marker of the timeline.
+async fn file_and_command_events_are_stored_and_read_back(backend: Backend) {
+    let store = open_store(backend, |_| {}).await;
+    let id = Uuid::new_v4();
+    let events = [
+        LifecycleEvent::FileWritten {
+            path: "data/a.csv".into(),
+            bytes: 12,
+        },
+        LifecycleEvent::FileRenamed {
+            from: "data/a.csv".into(),
+            to: "b.csv".into(),
+        },
+        LifecycleEvent::FileRemoved {
+            path: "b.csv".into(),
+        },
+        LifecycleEvent::CommandStarted {
+            pid: 7,
+            argv: vec!["ls".into(), "-l".into()],
+            cwd: None,
+        },
+        LifecycleEvent::CommandEnded {
+            pid: 7,
+            exit_code: Some(0),
+            signal: None,
+            seconds: 0.5,
+        },
+    ];
+    for e in &events {
+        store.report_event(key(id), e.clone());
+    }
+    store.flush().await;
+    let all = store.all_events(id).await.unwrap();
+    assert_eq!(
+        types(&all),
+        [
+            "file_written",
+            "file_renamed",
+            "file_removed",
+            "command_started",
+            "command_ended"
+        ]
+    );
+    for (stored, reported) in all.iter().zip(&events) {
+        let RecordedKind::Broker { kind, detail } = &stored.kind else {
+            panic!("{stored:?}")
+        };
+        assert_eq!(
+            crate::recording::event::BrokerEvent::parse(kind, detail),
+            crate::recording::event::BrokerEvent::Session(reported.clone().into())
+        );
+    }
+    assert!(crate::recording::notebook::timeline(&all).is_empty());
+    let info = store.info(id).await.unwrap().unwrap();
+    assert_eq!(info.cells, 0);
+    assert_eq!(info.events, 5);
+    store.close().await;
 }
