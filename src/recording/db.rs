@@ -17,6 +17,10 @@ pub enum DbError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Pool(String),
+    /// A session's row, just inserted or found, was not there when read back in the same
+    /// transaction (another broker deleted it in between).
+    #[error("the row of session {id} vanished")]
+    SessionRowVanished { id: String },
 }
 
 /// One row of `events`, as the writer stores it.
@@ -57,6 +61,16 @@ impl<'a> EventRow<'a> {
     }
 }
 
+/// One row of `blobs`, as the writer stores it.
+pub(super) struct BlobRow<'a> {
+    pub sha256: &'a str,
+    /// Whether `data` is the decoded bytes of a base64 string (put back encoded).
+    pub base64: bool,
+    pub data: &'a [u8],
+    /// The bytes it stands for in the recording (the base64 text's length).
+    pub size: i64,
+}
+
 /// What a batch changed of one session's row.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct SessionDelta {
@@ -92,14 +106,7 @@ pub(super) trait WriteDb: Send {
     /// Whether session row `sid` already stores blob `sha`.
     fn has_blob_ref(&mut self, sid: i64, sha: &str) -> Result<bool, DbError>;
     /// Stores a blob (once per SHA-256) and session row `sid`'s reference to it.
-    fn put_blob(
-        &mut self,
-        sid: i64,
-        sha: &str,
-        base64: bool,
-        data: &[u8],
-        size: i64,
-    ) -> Result<(), DbError>;
+    fn put_blob(&mut self, sid: i64, blob: &BlobRow<'_>) -> Result<(), DbError>;
     fn insert_event(&mut self, row: &EventRow<'_>) -> Result<(), DbError>;
     /// Rewrites the content of event `seq` (a truncation marker's counts).
     fn set_event_content(&mut self, sid: i64, seq: i64, content: &str) -> Result<(), DbError>;
