@@ -80,8 +80,10 @@ pub(super) struct SessionDelta {
     pub ended: Option<(i64, &'static str)>,
 }
 
-/// The `broker_stopped` marker written into sessions a killed broker left open.
+/// The `broker_stopped` marker written into sessions a killed broker left open, and the
+/// sessions it kept (`--keep-sessions`), which stay open.
 pub(super) struct StaleMarker<'a> {
+    pub kept: &'a HashSet<Uuid>,
     pub now: i64,
     pub kind: &'a str,
     pub detail: &'a str,
@@ -114,13 +116,9 @@ pub(super) trait WriteDb: Send {
     /// Deletes session `id`'s recording, in a transaction of its own (never inside a
     /// batch's); whether there was one.
     fn delete(&mut self, id: Uuid) -> Result<bool, DbError>;
-    /// Closes the sessions this broker left open (all but `kept`) with `marker`, in a
+    /// Closes the sessions this broker left open (all but `marker.kept`) with `marker`, in a
     /// transaction of its own; how many.
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError>;
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError>;
     /// Deletes every session that ended before `cutoff`; how many.
     fn retention(&mut self, cutoff: i64) -> Result<usize, DbError>;
     /// The writer stops: last housekeeping.

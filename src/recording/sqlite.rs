@@ -1,7 +1,6 @@
 //! The writer's statements on the embedded SQLite file (the default). The tables are in
 //! [`super::schema`]; one broker writes the file, so "this broker's sessions" are all of them.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension};
@@ -154,11 +153,8 @@ impl WriteDb for SqliteDb {
         Ok(true)
     }
 
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError> {
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError> {
+        let kept = marker.kept;
         let tx = self.conn.transaction()?;
         let stale: Vec<i64> = {
             let mut st = tx.prepare("SELECT sid, id FROM sessions WHERE ended_at IS NULL")?;

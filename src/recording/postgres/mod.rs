@@ -21,7 +21,7 @@ mod schema;
 pub(crate) mod testing;
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Statement};
@@ -375,11 +375,8 @@ impl WriteDb for PgDb {
         })
     }
 
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError> {
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError> {
+        let kept = marker.kept;
         self.reconnect_if_closed()?;
         self.batch("BEGIN")?;
         let r = (|| {
