@@ -8,13 +8,13 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, ApiLimits, AppState};
 use crate::config::{SandboxKind, Settings, TokenSource};
-use crate::egress::{Egress, EgressEvent, EgressObserver};
+use crate::egress::Egress;
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::docker::DockerSandbox;
 use crate::sandbox::egress::EgressSandbox;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
-use crate::session::{LifecycleEvent, Registry};
+use crate::session::Registry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -93,60 +93,6 @@ fn with_egress(
     (wrapped, Some(egress))
 }
 
-/// Puts what the egress proxy reports into the session's recording.
-struct EgressRecorder {
-    registry: Registry,
-    recorder: Arc<dyn crate::session::Recorder>,
-}
-
-impl EgressObserver for EgressRecorder {
-    fn report(&self, session: uuid::Uuid, user: &str, event: EgressEvent) {
-        // A session already gone (its kernel's last connection closing) has nothing to
-        // record into.
-        let Ok(s) = self.registry.get(user, session) else {
-            return;
-        };
-        let event = match event {
-            EgressEvent::Allowed {
-                method,
-                host,
-                port,
-                address,
-            } => LifecycleEvent::EgressAllowed {
-                method,
-                host,
-                port,
-                address,
-            },
-            EgressEvent::Refused {
-                method,
-                host,
-                port,
-                reason,
-            } => LifecycleEvent::EgressRefused {
-                method,
-                host,
-                port,
-                reason,
-            },
-            EgressEvent::Closed {
-                host,
-                port,
-                bytes_sent,
-                bytes_received,
-                seconds,
-            } => LifecycleEvent::EgressClosed {
-                host,
-                port,
-                bytes_sent,
-                bytes_received,
-                seconds,
-            },
-        };
-        self.recorder.event(&s, &event);
-    }
-}
-
 /// The recording store, unless recording is off.
 pub fn open_recording(
     settings: &Settings,
@@ -218,13 +164,11 @@ pub async fn serve(
         sandbox,
         settings.session.clone(),
         kernelspecs.names(),
-        recorder.clone(),
+        recorder,
     );
     if let Some(egress) = &egress {
-        egress.observe(Arc::new(EgressRecorder {
-            registry: registry.clone(),
-            recorder: recorder.clone(),
-        }));
+        // The proxy's reports reach the recording through the session layer, as the rest.
+        egress.observe(Arc::new(registry.clone()));
     }
     if settings.keep_sessions {
         let users: Vec<_> = settings

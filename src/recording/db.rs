@@ -17,6 +17,10 @@ pub enum DbError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Pool(String),
+    /// A session's row, just inserted or found, was not there when read back in the same
+    /// transaction (another broker deleted it in between).
+    #[error("the row of session {id} vanished")]
+    SessionRowVanished { id: String },
 }
 
 /// One row of `events`, as the writer stores it.
@@ -57,6 +61,16 @@ impl<'a> EventRow<'a> {
     }
 }
 
+/// One row of `blobs`, as the writer stores it.
+pub(super) struct BlobRow<'a> {
+    pub sha256: &'a str,
+    /// Whether `data` is the decoded bytes of a base64 string (put back encoded).
+    pub base64: bool,
+    pub data: &'a [u8],
+    /// The bytes it stands for in the recording (the base64 text's length).
+    pub size: i64,
+}
+
 /// What a batch changed of one session's row.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct SessionDelta {
@@ -66,8 +80,10 @@ pub(super) struct SessionDelta {
     pub ended: Option<(i64, &'static str)>,
 }
 
-/// The `broker_stopped` marker written into sessions a killed broker left open.
+/// The `broker_stopped` marker written into sessions a killed broker left open, and the
+/// sessions it kept (`--keep-sessions`), which stay open.
 pub(super) struct StaleMarker<'a> {
+    pub kept: &'a HashSet<Uuid>,
     pub now: i64,
     pub kind: &'a str,
     pub detail: &'a str,
@@ -92,14 +108,7 @@ pub(super) trait WriteDb: Send {
     /// Whether session row `sid` already stores blob `sha`.
     fn has_blob_ref(&mut self, sid: i64, sha: &str) -> Result<bool, DbError>;
     /// Stores a blob (once per SHA-256) and session row `sid`'s reference to it.
-    fn put_blob(
-        &mut self,
-        sid: i64,
-        sha: &str,
-        base64: bool,
-        data: &[u8],
-        size: i64,
-    ) -> Result<(), DbError>;
+    fn put_blob(&mut self, sid: i64, blob: &BlobRow<'_>) -> Result<(), DbError>;
     fn insert_event(&mut self, row: &EventRow<'_>) -> Result<(), DbError>;
     /// Rewrites the content of event `seq` (a truncation marker's counts).
     fn set_event_content(&mut self, sid: i64, seq: i64, content: &str) -> Result<(), DbError>;
@@ -107,13 +116,9 @@ pub(super) trait WriteDb: Send {
     /// Deletes session `id`'s recording, in a transaction of its own (never inside a
     /// batch's); whether there was one.
     fn delete(&mut self, id: Uuid) -> Result<bool, DbError>;
-    /// Closes the sessions this broker left open (all but `kept`) with `marker`, in a
+    /// Closes the sessions this broker left open (all but `marker.kept`) with `marker`, in a
     /// transaction of its own; how many.
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError>;
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError>;
     /// Deletes every session that ended before `cutoff`; how many.
     fn retention(&mut self, cutoff: i64) -> Result<usize, DbError>;
     /// The writer stops: last housekeeping.

@@ -1,16 +1,16 @@
 //! Broker events read back from a recording, typed.
 //!
 //! A recording holds two sorts of broker events: what the session layer reported (a
-//! [`LifecycleEvent`]) and the recording's own markers (a gap when the writer fell behind, a
+//! [`StoredEvent`], converted from its `LifecycleEvent`) and the recording's own markers (a gap when the writer fell behind, a
 //! cut when a budget was reached, the broker's stop). Both are stored as a `kind` and a JSON
 //! `detail`; this is where they become types again, for the writer's budgets, the notebook
 //! export and replay. Stored kind names are read and written here and in
-//! [`LifecycleEvent`] only: the rest of the recording matches on the types.
+//! [`StoredEvent`] only: the rest of the recording matches on the types.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::session::LifecycleEvent;
+use super::stored::{from_tagged, stored_detail, StoredEvent};
 
 /// The recording's own markers, in their stored form (tag = `kind`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,14 +56,14 @@ impl RecordingMarker {
 
     /// The stored `detail`: every field but the tag.
     pub fn detail(&self) -> Value {
-        crate::session::lifecycle::stored_detail(self)
+        stored_detail(self)
     }
 }
 
 /// A stored broker event, typed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BrokerEvent {
-    Session(LifecycleEvent),
+    Session(StoredEvent),
     Recording(RecordingMarker),
     /// A kind this version does not know (written by a newer broker), or an `execution_*`
     /// detail the recording's budget cut to `{msg_id, recording_truncated, bytes}`: only
@@ -109,9 +109,9 @@ impl BrokerEvent {
     pub fn execution_msg_id(&self) -> Option<&str> {
         match self {
             BrokerEvent::Session(
-                LifecycleEvent::ExecutionStarted { msg_id, .. }
-                | LifecycleEvent::ExecutionDone { msg_id, .. }
-                | LifecycleEvent::ExecutionTimeout { msg_id, .. },
+                StoredEvent::ExecutionStarted { msg_id, .. }
+                | StoredEvent::ExecutionDone { msg_id, .. }
+                | StoredEvent::ExecutionTimeout { msg_id, .. },
             ) => Some(msg_id),
             BrokerEvent::Unreadable { .. } => self.cut_execution().map(|(_, id)| id),
             _ => None,
@@ -140,8 +140,8 @@ impl BrokerEvent {
     /// How the session ends with this event (`sessions.end_reason`), if it does.
     pub fn end_reason(&self) -> Option<&'static str> {
         match self {
-            BrokerEvent::Session(LifecycleEvent::SessionClosed) => Some("closed"),
-            BrokerEvent::Session(LifecycleEvent::SessionExpired) => Some("expired"),
+            BrokerEvent::Session(StoredEvent::SessionClosed) => Some("closed"),
+            BrokerEvent::Session(StoredEvent::SessionExpired) => Some("expired"),
             _ => None,
         }
     }
@@ -150,17 +150,12 @@ impl BrokerEvent {
     pub fn parse(kind: &str, detail: &str) -> Self {
         let detail: Value = serde_json::from_str(detail).unwrap_or(Value::Null);
         let msg_id = detail["msg_id"].as_str().map(str::to_string);
-        if let Some(e) = LifecycleEvent::from_stored(kind, detail.clone()) {
+        if let Some(e) = StoredEvent::from_stored(kind, detail.clone()) {
             return BrokerEvent::Session(e);
         }
-        let mut object = match detail {
-            Value::Object(o) => o,
-            _ => serde_json::Map::new(),
-        };
-        object.insert("kind".into(), kind.into());
-        match serde_json::from_value(Value::Object(object)) {
-            Ok(m) => BrokerEvent::Recording(m),
-            Err(_) => BrokerEvent::Unreadable {
+        match from_tagged(kind, detail) {
+            Some(m) => BrokerEvent::Recording(m),
+            None => BrokerEvent::Unreadable {
                 kind: kind.to_string(),
                 msg_id,
             },
@@ -203,7 +198,7 @@ mod tests {
     fn lifecycle_events_unknown_kinds_and_cut_details() {
         assert_eq!(
             BrokerEvent::parse("kernel_died", r#"{"reason": "oom"}"#),
-            BrokerEvent::Session(LifecycleEvent::KernelDied {
+            BrokerEvent::Session(StoredEvent::KernelDied {
                 reason: "oom".into()
             })
         );
@@ -224,7 +219,7 @@ mod tests {
         );
         assert!(matches!(
             BrokerEvent::parse("interrupt", "not json"),
-            BrokerEvent::Session(LifecycleEvent::Interrupt)
+            BrokerEvent::Session(StoredEvent::Interrupt)
         ));
     }
 
@@ -234,7 +229,7 @@ mod tests {
             kind: kind.into(),
             msg_id: Some("m".into()),
         };
-        let timeout = BrokerEvent::Session(LifecycleEvent::ExecutionTimeout {
+        let timeout = BrokerEvent::Session(StoredEvent::ExecutionTimeout {
             msg_id: "m".into(),
             timeout_seconds: 1.0,
         });
@@ -260,19 +255,19 @@ mod tests {
             (cut("from_the_future"), None, None, None),
             (gap, None, None, None),
             (
-                BrokerEvent::Session(LifecycleEvent::SessionClosed),
+                BrokerEvent::Session(StoredEvent::SessionClosed),
                 None,
                 None,
                 Some("closed"),
             ),
             (
-                BrokerEvent::Session(LifecycleEvent::SessionExpired),
+                BrokerEvent::Session(StoredEvent::SessionExpired),
                 None,
                 None,
                 Some("expired"),
             ),
             (
-                BrokerEvent::Session(LifecycleEvent::Interrupt),
+                BrokerEvent::Session(StoredEvent::Interrupt),
                 None,
                 None,
                 None,

@@ -41,7 +41,9 @@
 //! - `schema`: tables, indexes, the schema version and migrations; opening the file.
 //! - `queries`: reads: a session's events (paged, filtered), the recordings list, info.
 //! - [`blobs`]: images and buffers taken out of events and put back (pure).
-//! - [`event`]: stored broker events read back typed (lifecycle events and the
+//! - [`stored`]: the recording's own stored types ([`stored::StoredEvent`]), converted from
+//!   what the session layer reports; their serde form is what is on disk, versioned.
+//! - [`event`]: stored broker events read back typed (stored session events and the
 //!   recording's own markers).
 //! - [`notebook`]: the recording as cells and markers, and as an nbformat notebook (pure).
 
@@ -54,6 +56,7 @@ mod queries;
 mod schema;
 mod sqlite;
 mod store;
+pub mod stored;
 mod writer;
 
 use std::path::PathBuf;
@@ -161,8 +164,8 @@ pub enum RecordingError {
     },
     #[error("the recording writer has stopped")]
     WriterGone,
-    #[error("a recording task failed: {0}")]
-    Task(String),
+    #[error("a recording task failed")]
+    Task(#[source] tokio::task::JoinError),
     #[error(transparent)]
     Session(#[from] crate::session::SessionError),
 }

@@ -86,6 +86,25 @@ pub struct EventQuery {
     pub channels: Vec<String>,
 }
 
+impl EventQuery {
+    /// The first of the pages that read a whole session, in order ([`EventQuery::next_page`]).
+    pub(crate) fn whole_session() -> Self {
+        EventQuery {
+            after: 0,
+            limit: 10_000,
+            ..Default::default()
+        }
+    }
+
+    /// Moves this query past `page`; whether there is more to read.
+    pub(crate) fn next_page(&mut self, page: &EventsPage) -> bool {
+        if let Some(last) = page.events.last() {
+            self.after = last.seq;
+        }
+        page.more
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EventsPage {
     pub events: Vec<RecordedEvent>,
@@ -157,18 +176,12 @@ pub(super) fn all_events(
     id: Uuid,
 ) -> Result<Vec<RecordedEvent>, RecordingError> {
     let mut all = Vec::new();
-    let mut query = EventQuery {
-        after: 0,
-        limit: 10_000,
-        ..Default::default()
-    };
+    let mut query = EventQuery::whole_session();
     loop {
         let page = read_events(conn, id, &query)?;
-        if let Some(last) = page.events.last() {
-            query.after = last.seq;
-        }
+        let more = query.next_page(&page);
         all.extend(page.events);
-        if !page.more {
+        if !more {
             return Ok(all);
         }
     }

@@ -1,13 +1,12 @@
 //! The writer's statements on the embedded SQLite file (the default). The tables are in
 //! [`super::schema`]; one broker writes the file, so "this broker's sessions" are all of them.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
-use super::db::{DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
+use super::db::{BlobRow, DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
 
 pub(super) struct SqliteDb {
     conn: Connection,
@@ -71,20 +70,14 @@ impl WriteDb for SqliteDb {
         Ok(found.is_some())
     }
 
-    fn put_blob(
-        &mut self,
-        sid: i64,
-        sha: &str,
-        base64: bool,
-        data: &[u8],
-        size: i64,
-    ) -> Result<(), DbError> {
+    fn put_blob(&mut self, sid: i64, blob: &BlobRow<'_>) -> Result<(), DbError> {
+        let sha = blob.sha256;
         self.conn
             .prepare_cached(
                 "INSERT INTO blobs (sha256, base64, size, data) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (sha256) DO NOTHING",
             )?
-            .execute(params![sha, base64, size, data])?;
+            .execute(params![sha, blob.base64, blob.size, blob.data])?;
         self.conn
             .prepare_cached(
                 "INSERT INTO blob_refs (sha256, sid) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
@@ -160,11 +153,8 @@ impl WriteDb for SqliteDb {
         Ok(true)
     }
 
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError> {
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError> {
+        let kept = marker.kept;
         let tx = self.conn.transaction()?;
         let stale: Vec<i64> = {
             let mut st = tx.prepare("SELECT sid, id FROM sessions WHERE ended_at IS NULL")?;

@@ -261,3 +261,272 @@ fn outputs_are_observed_like_executions() {
     assert_eq!(o.results, vec![(true, json!({"text/plain": "1"}))]);
     assert_eq!(o.error, Some(("E".into(), "v".into())));
 }
+
+/// A recording as the broker stored it before the recording had its own stored types: each
+/// broker event's `kind` and `detail` text exactly as written then (an `execution_started`
+/// from before `queue_wait_seconds`, the Execution inside `execution_done`), with the
+/// kernel's messages around them.
+fn previous_form_recording() -> Vec<crate::recording::RecordedEvent> {
+    use crate::recording::{RecordedEvent, RecordedKind};
+    use crate::session::Direction;
+    let time = |seq: i64| chrono::DateTime::from_timestamp(1_700_000_000 + seq, 0).unwrap();
+    let broker = |seq: i64, kind: &str, detail: &str| RecordedEvent {
+        seq,
+        time: time(seq),
+        kind: RecordedKind::Broker {
+            kind: kind.into(),
+            detail: detail.into(),
+        },
+    };
+    let message = |seq: i64,
+                   direction,
+                   channel: &str,
+                   msg_type: &str,
+                   parent: Option<&str>,
+                   content: &str| {
+        RecordedEvent {
+            seq,
+            time: time(seq),
+            kind: RecordedKind::Message {
+                direction,
+                channel: channel.into(),
+                msg_type: msg_type.into(),
+                msg_id: if parent.is_none() {
+                    format!("req{seq}")
+                } else {
+                    format!("k{seq}")
+                },
+                parent_msg_id: parent.map(str::to_string),
+                header: "{}".into(),
+                parent_header: "{}".into(),
+                metadata: "{}".into(),
+                content: content.into(),
+                buffers: Vec::new(),
+            },
+        }
+    };
+    use Direction::{FromKernel, ToKernel};
+    vec![
+        broker(
+            1,
+            "session_created",
+            r#"{"kernel":"python3","idle_timeout_seconds":3600}"#,
+        ),
+        message(
+            2,
+            ToKernel,
+            "shell",
+            "execute_request",
+            None,
+            r#"{"code":"import math\nprint(math.pi)\nmath.e","silent":false,"store_history":true}"#,
+        ),
+        broker(
+            3,
+            "execution_started",
+            r#"{"msg_id":"req2","code":"import math\nprint(math.pi)\nmath.e","timeout_seconds":30.0}"#,
+        ),
+        message(
+            4,
+            FromKernel,
+            "iopub",
+            "status",
+            Some("req2"),
+            r#"{"execution_state":"busy"}"#,
+        ),
+        message(
+            5,
+            FromKernel,
+            "iopub",
+            "execute_input",
+            Some("req2"),
+            r#"{"code":"import math\nprint(math.pi)\nmath.e","execution_count":1}"#,
+        ),
+        message(
+            6,
+            FromKernel,
+            "iopub",
+            "stream",
+            Some("req2"),
+            r#"{"name":"stdout","text":"3.141592653589793\n"}"#,
+        ),
+        message(
+            7,
+            FromKernel,
+            "iopub",
+            "display_data",
+            Some("req2"),
+            r#"{"data":{"image/png":"iVBORw0KGgo=","text/plain":"<Figure size 640x480 with 1 Axes>"},"metadata":{},"transient":{}}"#,
+        ),
+        message(
+            8,
+            FromKernel,
+            "iopub",
+            "execute_result",
+            Some("req2"),
+            r#"{"data":{"text/plain":"2.718281828459045"},"metadata":{},"execution_count":1}"#,
+        ),
+        message(
+            9,
+            FromKernel,
+            "shell",
+            "execute_reply",
+            Some("req2"),
+            r#"{"status":"ok","execution_count":1,"user_expressions":{},"payload":[]}"#,
+        ),
+        message(
+            10,
+            FromKernel,
+            "iopub",
+            "status",
+            Some("req2"),
+            r#"{"execution_state":"idle"}"#,
+        ),
+        broker(
+            11,
+            "execution_done",
+            concat!(
+                r#"{"msg_id":"req2","execution":{"status":"ok","execution_count":1,"#,
+                r#""stdout":"3.141592653589793\n","stderr":"","results":["#,
+                r#"{"data":{"image/png":"iVBORw0KGgo=","text/plain":"<Figure size 640x480 with 1 Axes>"},"metadata":{},"is_main_result":false},"#,
+                r#"{"data":{"text/plain":"2.718281828459045"},"metadata":{},"is_main_result":true}],"#,
+                r#""error":null,"truncated":false,"duration_ms":12.5}}"#
+            ),
+        ),
+        message(
+            12,
+            ToKernel,
+            "shell",
+            "execute_request",
+            None,
+            r#"{"code":"1/0","silent":false}"#,
+        ),
+        broker(
+            13,
+            "execution_started",
+            r#"{"msg_id":"req12","code":"1/0","timeout_seconds":30.0,"queue_wait_seconds":0.001}"#,
+        ),
+        message(
+            14,
+            FromKernel,
+            "iopub",
+            "error",
+            Some("req12"),
+            r#"{"ename":"ZeroDivisionError","evalue":"division by zero","traceback":["\u001b[0;31mZeroDivisionError\u001b[0m: division by zero"]}"#,
+        ),
+        message(
+            15,
+            FromKernel,
+            "shell",
+            "execute_reply",
+            Some("req12"),
+            r#"{"status":"error","execution_count":2,"ename":"ZeroDivisionError","evalue":"division by zero","traceback":[]}"#,
+        ),
+        broker(
+            16,
+            "execution_done",
+            concat!(
+                r#"{"msg_id":"req12","execution":{"status":"error","execution_count":2,"stdout":"","stderr":"","results":[],"#,
+                r#""error":{"ename":"ZeroDivisionError","evalue":"division by zero","traceback":["ZeroDivisionError: division by zero"]},"#,
+                r#""truncated":false,"duration_ms":3.0}}"#
+            ),
+        ),
+        broker(
+            17,
+            "egress_allowed",
+            r#"{"method":"CONNECT","host":"pypi.org","port":443,"address":"151.101.0.223:443"}"#,
+        ),
+        broker(18, "kernel_restarted", r#"{"reason":"restart requested"}"#),
+        broker(19, "session_closed", "{}"),
+    ]
+}
+
+/// What an earlier broker stored still reads back typed, exports as a notebook and replays.
+#[test]
+fn a_recording_in_the_previous_stored_form_reads_exports_and_replays() {
+    use crate::recording::event::BrokerEvent;
+    use crate::recording::notebook::{cells, notebook, timeline, Entry};
+    use crate::recording::stored::StoredEvent;
+    use crate::recording::{RecordedKind, RecordingInfo};
+
+    let events = previous_form_recording();
+    // Every broker event reads back typed, none as unreadable.
+    for e in &events {
+        if let RecordedKind::Broker { kind, detail } = &e.kind {
+            let event = BrokerEvent::parse(kind, detail);
+            assert!(
+                matches!(event, BrokerEvent::Session(_)),
+                "{kind}: {event:?}"
+            );
+            assert_eq!(event.kind(), kind);
+        }
+    }
+    assert_eq!(
+        BrokerEvent::parse(
+            "execution_started",
+            r#"{"msg_id":"req2","code":"x","timeout_seconds":30.0}"#
+        ),
+        BrokerEvent::Session(StoredEvent::ExecutionStarted {
+            msg_id: "req2".into(),
+            code: "x".into(),
+            timeout_seconds: 30.0,
+            queue_wait_seconds: 0.0,
+        })
+    );
+
+    // The timeline: two cells with their Executions, then the restart.
+    let entries = timeline(&events);
+    assert_eq!(entries.len(), 3);
+    assert!(matches!(&entries[2], Entry::Marker(m) if m.kind() == "kernel_restarted"));
+    let cells = cells(&events);
+    let [a, b] = &cells[..] else {
+        panic!("{cells:?}")
+    };
+    assert_eq!(a.code, "import math\nprint(math.pi)\nmath.e");
+    assert_eq!(a.execution_count, Some(1));
+    assert_eq!(a.timeout_seconds, Some(30.0));
+    let x = a.execution.as_ref().unwrap();
+    assert_eq!(x.status, ExecutionStatus::Ok);
+    assert_eq!(x.stdout, "3.141592653589793\n");
+    assert_eq!(x.results.len(), 2);
+    assert!(x.results[1].is_main_result);
+    assert_eq!(x.duration_ms, 12.5);
+    assert_eq!(a.outputs.len(), 3);
+    let y = b.execution.as_ref().unwrap();
+    assert_eq!(y.status, ExecutionStatus::Error);
+    assert_eq!(y.error.as_ref().unwrap().ename, "ZeroDivisionError");
+
+    // The notebook.
+    let info = RecordingInfo {
+        id: uuid::Uuid::nil(),
+        user: "alice".into(),
+        kernel: "python3".into(),
+        created_at: chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        ended_at: None,
+        end_reason: Some("closed".into()),
+        cells: 2,
+        events: events.len() as u64,
+        last_event_at: None,
+    };
+    let nb = notebook(&info, &events);
+    let nb_cells = nb["cells"].as_array().unwrap();
+    assert_eq!(nb_cells.len(), 3);
+    assert_eq!(nb_cells[0]["cell_type"], "code");
+    assert_eq!(nb_cells[0]["execution_count"], 1);
+    assert_eq!(
+        nb_cells[0]["metadata"]["kernel_broker"],
+        json!({"status": "ok", "duration_ms": 12.5})
+    );
+    assert_eq!(nb_cells[0]["outputs"][0]["text"], "3.141592653589793\n");
+    assert_eq!(nb_cells[1]["metadata"]["kernel_broker"]["status"], "error");
+    assert_eq!(nb_cells[2]["cell_type"], "markdown");
+
+    // Replay: a run that answers what was recorded is the same; another one is not.
+    let same = compare_cell(a, x, 1 << 20);
+    assert!(same.same_output, "{}", same.diff);
+    assert_eq!(same.recorded_status, Some(ExecutionStatus::Ok));
+    let mut other = x.clone();
+    other.stdout = "3.14\n".into();
+    let differs = compare_cell(a, &other, 1 << 20);
+    assert!(!differs.same_output);
+    assert!(differs.diff.contains("3.14"), "{}", differs.diff);
+}

@@ -4,6 +4,9 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+/// An error from below the session layer that it passes on with its cause.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Errors of the session layer, each with what the caller can do.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -47,6 +50,6 @@ pub enum SessionError {
     IdUnverified {
         id: Uuid,
         #[source]
-        source: super::recorder::BoxError,
+        source: BoxError,
     },
 }

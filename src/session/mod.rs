@@ -21,7 +21,8 @@
 //! - `actor/`: the task that owns a kernel: commands, restart and death in `mod.rs`, the
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
-//!   tombstones in `expiry.rs`.
+//!   tombstones in `expiry.rs`; [`Registry::report`] for what happens outside the actor.
+//! - `egress`: the egress proxy's reports, recorded through the registry.
 //! - `testing/` (tests only): a scripted kernel and a fake sandbox.
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
@@ -31,6 +32,7 @@
 mod actor;
 mod command;
 mod config;
+mod egress;
 mod error;
 mod event;
 pub mod execution;
@@ -49,12 +51,12 @@ mod testing;
 
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
-pub use error::SessionError;
+pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
-pub use recorder::{BoxError, Direction, NoRecorder, Recorder, Recorders};
+pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};

@@ -5,6 +5,7 @@
 use serde::Serialize;
 use uuid::Uuid;
 
+use super::error::BoxError;
 use super::handle::Session;
 use super::lifecycle::LifecycleEvent;
 use crate::wire::{Channel, Message};
@@ -37,9 +38,6 @@ pub trait Recorder: Send + Sync + 'static {
         Box::pin(std::future::ready(Ok(false)))
     }
 }
-
-/// An error from below the session layer that it passes on with its cause.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Records nothing.
 pub struct NoRecorder;

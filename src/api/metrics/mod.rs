@@ -419,7 +419,12 @@ impl Metrics {
             // Egress is counted where its limits are kept (`Snapshot::egress`).
             | LifecycleEvent::EgressAllowed { .. }
             | LifecycleEvent::EgressRefused { .. }
-            | LifecycleEvent::EgressClosed { .. } => {}
+            | LifecycleEvent::EgressClosed { .. }
+            | LifecycleEvent::FileWritten { .. }
+            | LifecycleEvent::FileRemoved { .. }
+            | LifecycleEvent::FileRenamed { .. }
+            | LifecycleEvent::CommandStarted { .. }
+            | LifecycleEvent::CommandEnded { .. } => {}
         }
     }
 

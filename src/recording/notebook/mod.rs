@@ -22,7 +22,8 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use super::event::BrokerEvent;
-use crate::session::{Execution, LifecycleEvent};
+use crate::recording::stored::StoredEvent;
+use crate::session::Execution;
 
 pub use nbformat::notebook;
 pub use timeline::{cells, timeline};
@@ -68,7 +69,7 @@ impl Marker {
     pub fn reason(&self) -> &str {
         match &self.event {
             BrokerEvent::Session(
-                LifecycleEvent::KernelRestarted { reason } | LifecycleEvent::KernelDied { reason },
+                StoredEvent::KernelRestarted { reason } | StoredEvent::KernelDied { reason },
             ) => reason,
             BrokerEvent::Recording(m) => m.reason(),
             _ => "",

@@ -10,8 +10,9 @@ use serde_json::{json, Map, Value};
 use super::timeline::{parse, timeline};
 use super::{Entry, Marker};
 use crate::recording::event::{BrokerEvent, RecordingMarker};
+use crate::recording::stored::StoredEvent;
 use crate::recording::{RecordedEvent, RecordedKind, RecordingInfo};
-use crate::session::{Direction, LifecycleEvent};
+use crate::session::Direction;
 
 /// A cell id nbformat 4.5 accepts (`^[a-zA-Z0-9-_]+$`, 1 to 64 characters), unique.
 pub(super) fn cell_id(seed: &str, used: &mut HashSet<String>) -> String {
@@ -38,9 +39,9 @@ fn iso(t: DateTime<Utc>) -> String {
 fn marker_text(m: &Marker) -> String {
     let reason = m.reason();
     let what = match &m.event {
-        BrokerEvent::Session(LifecycleEvent::KernelRestarted { .. }) => "The kernel was restarted",
-        BrokerEvent::Session(LifecycleEvent::KernelDied { .. }) => "The kernel died",
-        BrokerEvent::Session(LifecycleEvent::SessionExpired) => "The session expired",
+        BrokerEvent::Session(StoredEvent::KernelRestarted { .. }) => "The kernel was restarted",
+        BrokerEvent::Session(StoredEvent::KernelDied { .. }) => "The kernel died",
+        BrokerEvent::Session(StoredEvent::SessionExpired) => "The session expired",
         BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => "The broker stopped",
         BrokerEvent::Recording(RecordingMarker::NodeLost { .. }) => {
             "The node that held the session was lost"

@@ -17,8 +17,9 @@ use serde_json::Value;
 use super::outputs::{mimebundle, object, output_of, push_output};
 use super::{Entry, Marker, RecordedCell};
 use crate::recording::event::{BrokerEvent, ExecutionPhase};
+use crate::recording::stored::StoredEvent;
 use crate::recording::{RecordedEvent, RecordedKind};
-use crate::session::{Direction, LifecycleEvent};
+use crate::session::Direction;
 
 pub(super) fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or(Value::Null)
@@ -94,7 +95,7 @@ impl Timeline {
 
     fn broker(&mut self, event: BrokerEvent, time: DateTime<Utc>) {
         match event {
-            BrokerEvent::Session(LifecycleEvent::ExecutionStarted {
+            BrokerEvent::Session(StoredEvent::ExecutionStarted {
                 msg_id,
                 code,
                 timeout_seconds,
@@ -105,24 +106,24 @@ impl Timeline {
                     c.timeout_seconds = Some(timeout_seconds);
                 }
             }
-            BrokerEvent::Session(LifecycleEvent::ExecutionDone { msg_id, execution }) => {
+            BrokerEvent::Session(StoredEvent::ExecutionDone { msg_id, execution }) => {
                 if let Some(c) = self.cell(&msg_id) {
                     c.finished_at = Some(time);
                     if c.execution_count.is_none() {
                         c.execution_count = execution.execution_count;
                     }
-                    c.execution = Some(execution);
+                    c.execution = Some(execution.into());
                 }
             }
-            BrokerEvent::Session(LifecycleEvent::ExecutionTimeout { msg_id, .. }) => {
+            BrokerEvent::Session(StoredEvent::ExecutionTimeout { msg_id, .. }) => {
                 if let Some(c) = self.cell(&msg_id) {
                     c.timed_out = true;
                 }
             }
             BrokerEvent::Session(
-                LifecycleEvent::KernelRestarted { .. }
-                | LifecycleEvent::KernelDied { .. }
-                | LifecycleEvent::SessionExpired,
+                StoredEvent::KernelRestarted { .. }
+                | StoredEvent::KernelDied { .. }
+                | StoredEvent::SessionExpired,
             )
             | BrokerEvent::Recording(_) => {
                 self.entries.push(Entry::Marker(Marker { event, time }));

@@ -21,7 +21,7 @@ mod schema;
 pub(crate) mod testing;
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Statement};
@@ -33,7 +33,7 @@ pub(in crate::recording) use schema::migrate;
 #[cfg(test)]
 pub(in crate::recording) use schema::SCHEMA_VERSION;
 
-use super::db::{DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
+use super::db::{BlobRow, DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
 use super::RecordingError;
 
 /// Held shared by every batch, exclusively by every deletion (see the module's doc).
@@ -270,7 +270,7 @@ impl WriteDb for PgDb {
         )?;
         let row = rows
             .first()
-            .ok_or_else(|| DbError::Pool("a session's row vanished".into()))?;
+            .ok_or_else(|| DbError::SessionRowVanished { id: id.clone() })?;
         Ok((row.get(0), row.get(1)))
     }
 
@@ -282,18 +282,12 @@ impl WriteDb for PgDb {
         Ok(!rows.is_empty())
     }
 
-    fn put_blob(
-        &mut self,
-        sid: i64,
-        sha: &str,
-        base64: bool,
-        data: &[u8],
-        size: i64,
-    ) -> Result<(), DbError> {
+    fn put_blob(&mut self, sid: i64, blob: &BlobRow<'_>) -> Result<(), DbError> {
+        let sha = blob.sha256;
         self.execute(
             "INSERT INTO blobs (sha256, base64, size, data) VALUES ($1, $2, $3, $4)
              ON CONFLICT (sha256) DO NOTHING",
-            &[&sha, &base64, &size, &data],
+            &[&sha, &blob.base64, &blob.size, &blob.data],
         )?;
         self.execute(
             "INSERT INTO blob_refs (sha256, sid) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -381,11 +375,8 @@ impl WriteDb for PgDb {
         })
     }
 
-    fn close_stale(
-        &mut self,
-        kept: &HashSet<Uuid>,
-        marker: &StaleMarker<'_>,
-    ) -> Result<usize, DbError> {
+    fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError> {
+        let kept = marker.kept;
         self.reconnect_if_closed()?;
         self.batch("BEGIN")?;
         let r = (|| {

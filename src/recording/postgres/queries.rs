@@ -105,18 +105,12 @@ impl Pool {
     /// Every event of session `id`, in order (read in pages).
     pub async fn all_events(&self, id: Uuid) -> Result<Vec<RecordedEvent>, RecordingError> {
         let mut all = Vec::new();
-        let mut query = EventQuery {
-            after: 0,
-            limit: 10_000,
-            ..Default::default()
-        };
+        let mut query = EventQuery::whole_session();
         loop {
             let page = self.events(id, &query).await?;
-            if let Some(last) = page.events.last() {
-                query.after = last.seq;
-            }
+            let more = query.next_page(&page);
             all.extend(page.events);
-            if !page.more {
+            if !more {
                 return Ok(all);
             }
         }

@@ -162,7 +162,7 @@ impl RecordingStore {
         let readers = readers.clone();
         tokio::task::spawn_blocking(move || readers.with(f))
             .await
-            .map_err(|e| RecordingError::Task(e.to_string()))?
+            .map_err(RecordingError::Task)?
     }
 
     /// The recorded session `id`, whoever owns it.
@@ -297,7 +297,7 @@ impl RecordingStore {
     }
 
     fn report_event(&self, key: SessionKey, event: LifecycleEvent) {
-        self.report(key, Item::Event(BrokerEvent::Session(event)));
+        self.report(key, Item::Event(BrokerEvent::Session(event.into())));
     }
 }
 

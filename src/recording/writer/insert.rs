@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 use super::budget::KEPT_DETAIL_BYTES;
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
-use crate::recording::db::{DbError, EventRow};
+use crate::recording::db::{BlobRow, DbError, EventRow};
 use crate::recording::event::BrokerEvent;
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
@@ -105,15 +105,19 @@ impl Writer {
             return Ok((sid, touched));
         }
         for b in &images {
-            let size = b.text().len();
-            self.db
-                .put_blob(sid, &b.sha256, b.base64, &b.data, size as i64)?;
+            self.db.put_blob(sid, &image_row(b))?;
         }
         let buffers = if msg.buffers.is_empty() {
             None
         } else {
             for (sha, b) in buffer_shas.iter().zip(&msg.buffers) {
-                self.db.put_blob(sid, sha, false, b, b.len() as i64)?;
+                let row = BlobRow {
+                    sha256: sha,
+                    base64: false,
+                    data: b,
+                    size: b.len() as i64,
+                };
+                self.db.put_blob(sid, &row)?;
             }
             let hashes = buffer_shas.into_iter().map(Value::String).collect();
             Some(Value::Array(hashes).to_string())
@@ -213,9 +217,7 @@ impl Writer {
             }
         }
         for b in &found {
-            let size = b.text().len();
-            self.db
-                .put_blob(sid, &b.sha256, b.base64, &b.data, size as i64)?;
+            self.db.put_blob(sid, &image_row(b))?;
         }
         touched.ended = event.end_reason().map(|reason| (time, reason));
         let (_, seq) = self.next_seq(key)?;
@@ -284,6 +286,16 @@ impl Writer {
             return None;
         }
         Some((v.to_string(), found))
+    }
+}
+
+/// The row of an image taken out of a message or event; its size is its text's length.
+fn image_row(b: &Blob) -> BlobRow<'_> {
+    BlobRow {
+        sha256: &b.sha256,
+        base64: b.base64,
+        data: &b.data,
+        size: b.text().len() as i64,
     }
 }
 

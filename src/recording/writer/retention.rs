@@ -33,11 +33,12 @@ impl Writer {
         };
         let detail = marker.detail().to_string();
         let stale = StaleMarker {
+            kept,
             now: micros(chrono::Utc::now()),
             kind: marker.kind(),
             detail: &detail,
         };
-        match self.db.close_stale(kept, &stale) {
+        match self.db.close_stale(&stale) {
             Ok(0) => {}
             Ok(n) => tracing::info!(
                 sessions = n,

@@ -405,6 +405,13 @@ impl Registry {
         (session, commands_rx)
     }
 
+    /// Reports something that happened to `session` outside its actor (an egress request of
+    /// its kernel, a workspace file changed or a command run through the API) to the
+    /// recording, through the same [`Recorder`] as the actor's own events.
+    pub fn report(&self, session: &Session, event: &LifecycleEvent) {
+        self.inner.recorder.event(session, event);
+    }
+
     /// The caller's session `id`. Another user's session answers as a missing one.
     pub fn get(&self, user: &str, id: Uuid) -> Result<Arc<Session>, SessionError> {
         let t = self.table();

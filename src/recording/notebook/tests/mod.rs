@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::recording::{RecordedEvent, RecordedKind};
-use crate::session::Direction;
+use crate::session::{Direction, LifecycleEvent};
 
 fn msg(
     seq: i64,
@@ -180,23 +180,16 @@ impl Rec {
         self.0.len() as i64 + 1
     }
 
-    fn request(mut self, id: &str, code: &str) -> Self {
-        let content = json!({"code": code, "silent": false});
-        let e = msg(
-            self.seq(),
-            Direction::ToKernel,
-            "shell",
-            "execute_request",
-            id,
-            None,
-            content,
-        );
-        self.0.push(e);
-        self
+    fn request(self, id: &str, code: &str) -> Self {
+        self.execute_request(id, code, false)
     }
 
-    fn silent(mut self, id: &str, code: &str) -> Self {
-        let content = json!({"code": code, "silent": true});
+    fn silent(self, id: &str, code: &str) -> Self {
+        self.execute_request(id, code, true)
+    }
+
+    fn execute_request(mut self, id: &str, code: &str, silent: bool) -> Self {
+        let content = json!({"code": code, "silent": silent});
         let e = msg(
             self.seq(),
             Direction::ToKernel,
@@ -247,7 +240,9 @@ impl Rec {
         self
     }
 
+    /// An event as the session reports it, stored as the recording stores it.
     fn event(self, event: LifecycleEvent) -> Self {
+        let event = StoredEvent::from(event);
         self.broker(event.kind(), event.detail())
     }
 

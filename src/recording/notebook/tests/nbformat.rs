@@ -9,19 +9,24 @@ use super::super::nbformat::cell_id;
 use super::*;
 use crate::recording::RecordingInfo;
 
-#[test]
-fn notebook_has_cells_markers_and_metadata() {
-    let info = RecordingInfo {
+/// A recording's info, as the notebook's header reads it.
+fn info(cells: u64, events: u64) -> RecordingInfo {
+    RecordingInfo {
         id: Uuid::nil(),
         user: "alice".into(),
         kernel: "python3".into(),
         created_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
         ended_at: None,
         end_reason: None,
-        cells: 3,
-        events: 20,
+        cells,
+        events,
         last_event_at: None,
-    };
+    }
+}
+
+#[test]
+fn notebook_has_cells_markers_and_metadata() {
+    let info = info(3, 20);
     let nb = notebook(&info, &recording());
     assert_eq!(nb["nbformat"], 4);
     assert_eq!(nb["nbformat_minor"], 5);
@@ -57,17 +62,7 @@ fn ids_are_valid_and_unique() {
 
 #[test]
 fn markers_in_the_notebook() {
-    let info = RecordingInfo {
-        id: Uuid::nil(),
-        user: "alice".into(),
-        kernel: "python3".into(),
-        created_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
-        ended_at: None,
-        end_reason: None,
-        cells: 0,
-        events: 10,
-        last_event_at: None,
-    };
+    let info = info(0, 10);
     let nb = notebook(&info, &markers().0);
     let got: Vec<String> = nb["cells"]
         .as_array()

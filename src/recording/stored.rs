@@ -1,0 +1,427 @@
+//! The recording's own stored form of what the session layer reports.
+//!
+//! A recording outlives the broker that wrote it (sessions and recordings are kept across
+//! restarts and upgrades), so what is on disk must not change when a session type does:
+//! [`StoredEvent`] and [`StoredExecution`] are this layer's types, converted from the
+//! session's [`LifecycleEvent`] and [`Execution`] when reported, and their serde form is the
+//! stored one (the tag is the stored `kind`, the other fields its `detail`).
+//!
+//! Versions of the stored form: version 1 is what brokers wrote before these types existed
+//! (the session layer's serde form), and it is still the form written: every kind and field
+//! below reads what version 1 wrote. Kinds added later (`file_*`, `command_*`) are new kinds,
+//! which an older broker reads back as unreadable events rather than misreading them; a field
+//! added to a kind must be optional (`#[serde(default)]`) so that what was written before it
+//! still reads. The tests at the end hold each kind's stored form as written.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::session::execution::{ExecutionError, ResultItem};
+use crate::session::{Execution, ExecutionStatus, LifecycleEvent};
+
+/// What the session layer reported, as the recording stores it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StoredEvent {
+    SessionCreated {
+        kernel: String,
+        idle_timeout_seconds: Option<u64>,
+    },
+    KernelStarted {
+        startup_seconds: f64,
+        #[serde(default)]
+        pooled: bool,
+    },
+    ExecutionStarted {
+        msg_id: String,
+        code: String,
+        timeout_seconds: f64,
+        #[serde(default)]
+        queue_wait_seconds: f64,
+    },
+    ExecutionDone {
+        msg_id: String,
+        execution: StoredExecution,
+    },
+    ExecutionTimeout {
+        msg_id: String,
+        timeout_seconds: f64,
+    },
+    OutputCut {
+        msg_id: String,
+        #[serde(default)]
+        parent_msg_id: Option<String>,
+        msg_type: String,
+        bytes: u64,
+    },
+    Interrupt,
+    KernelRestarted {
+        reason: String,
+    },
+    KernelDied {
+        reason: String,
+    },
+    SessionExpired,
+    SessionClosed,
+    SessionKept,
+    BrokerRestarted {
+        down_seconds: f64,
+        kernel_alive: bool,
+    },
+    EgressAllowed {
+        method: String,
+        host: String,
+        port: u16,
+        address: String,
+    },
+    EgressRefused {
+        method: String,
+        host: String,
+        port: u16,
+        reason: String,
+    },
+    EgressClosed {
+        host: String,
+        port: u16,
+        bytes_sent: u64,
+        bytes_received: u64,
+        seconds: f64,
+    },
+    /// A workspace file written through the broker (an upload, an E2B write).
+    FileWritten {
+        path: String,
+        bytes: u64,
+    },
+    /// A workspace file or empty directory removed through the broker.
+    FileRemoved {
+        path: String,
+    },
+    /// A workspace entry moved through the broker.
+    FileRenamed {
+        from: String,
+        to: String,
+    },
+    /// A command started in the session's sandbox.
+    CommandStarted {
+        pid: u32,
+        argv: Vec<String>,
+        #[serde(default)]
+        cwd: Option<String>,
+    },
+    /// A command ended: its exit code or the signal that ended it.
+    CommandEnded {
+        pid: u32,
+        #[serde(default)]
+        exit_code: Option<i32>,
+        #[serde(default)]
+        signal: Option<i32>,
+        seconds: f64,
+    },
+}
+
+/// How an execution ended, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoredStatus {
+    Ok,
+    Error,
+    Timeout,
+    Interrupted,
+    Dead,
+}
+
+/// A `display_data` or `execute_result` of an execution, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredResult {
+    pub data: Value,
+    pub metadata: Value,
+    pub is_main_result: bool,
+}
+
+/// An execution's error, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredError {
+    pub ename: String,
+    pub evalue: String,
+    pub traceback: Vec<String>,
+}
+
+/// What an agent execution was answered, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredExecution {
+    pub status: StoredStatus,
+    pub execution_count: Option<u64>,
+    pub stdout: String,
+    pub stderr: String,
+    pub results: Vec<StoredResult>,
+    pub error: Option<StoredError>,
+    pub truncated: bool,
+    pub duration_ms: f64,
+}
+
+impl StoredEvent {
+    /// The stored `kind` (the serde tag).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoredEvent::SessionCreated { .. } => "session_created",
+            StoredEvent::KernelStarted { .. } => "kernel_started",
+            StoredEvent::ExecutionStarted { .. } => "execution_started",
+            StoredEvent::ExecutionDone { .. } => "execution_done",
+            StoredEvent::ExecutionTimeout { .. } => "execution_timeout",
+            StoredEvent::OutputCut { .. } => "output_cut",
+            StoredEvent::Interrupt => "interrupt",
+            StoredEvent::KernelRestarted { .. } => "kernel_restarted",
+            StoredEvent::KernelDied { .. } => "kernel_died",
+            StoredEvent::SessionExpired => "session_expired",
+            StoredEvent::SessionClosed => "session_closed",
+            StoredEvent::SessionKept => "session_kept",
+            StoredEvent::BrokerRestarted { .. } => "broker_restarted",
+            StoredEvent::EgressAllowed { .. } => "egress_allowed",
+            StoredEvent::EgressRefused { .. } => "egress_refused",
+            StoredEvent::EgressClosed { .. } => "egress_closed",
+            StoredEvent::FileWritten { .. } => "file_written",
+            StoredEvent::FileRemoved { .. } => "file_removed",
+            StoredEvent::FileRenamed { .. } => "file_renamed",
+            StoredEvent::CommandStarted { .. } => "command_started",
+            StoredEvent::CommandEnded { .. } => "command_ended",
+        }
+    }
+
+    /// The stored `detail`: every field but the tag, as a JSON object.
+    pub fn detail(&self) -> Value {
+        stored_detail(self)
+    }
+
+    /// Reads a stored `kind` and `detail` back. `None` for a kind this version does not know
+    /// or a detail that does not fit it.
+    pub fn from_stored(kind: &str, detail: Value) -> Option<Self> {
+        from_tagged(kind, detail)
+    }
+}
+
+/// A `kind`-tagged enum's fields without the tag: the `detail` a recording stores.
+pub(crate) fn stored_detail(tagged: &impl Serialize) -> Value {
+    let mut v = serde_json::to_value(tagged).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("kind");
+    }
+    v
+}
+
+/// The inverse of [`stored_detail`]: a stored `kind` and `detail` as a `kind`-tagged enum
+/// (a null detail is an empty one). `None` when they do not fit it.
+pub(crate) fn from_tagged<T: serde::de::DeserializeOwned>(kind: &str, detail: Value) -> Option<T> {
+    let mut object = match detail {
+        Value::Object(o) => o,
+        Value::Null => serde_json::Map::new(),
+        _ => return None,
+    };
+    object.insert("kind".into(), kind.into());
+    serde_json::from_value(Value::Object(object)).ok()
+}
+
+impl From<&LifecycleEvent> for StoredEvent {
+    fn from(event: &LifecycleEvent) -> Self {
+        event.clone().into()
+    }
+}
+
+impl From<LifecycleEvent> for StoredEvent {
+    fn from(event: LifecycleEvent) -> Self {
+        use LifecycleEvent as L;
+        match event {
+            L::SessionCreated {
+                kernel,
+                idle_timeout_seconds,
+            } => StoredEvent::SessionCreated {
+                kernel,
+                idle_timeout_seconds,
+            },
+            L::KernelStarted {
+                startup_seconds,
+                pooled,
+            } => StoredEvent::KernelStarted {
+                startup_seconds,
+                pooled,
+            },
+            L::ExecutionStarted {
+                msg_id,
+                code,
+                timeout_seconds,
+                queue_wait_seconds,
+            } => StoredEvent::ExecutionStarted {
+                msg_id,
+                code,
+                timeout_seconds,
+                queue_wait_seconds,
+            },
+            L::ExecutionDone { msg_id, execution } => StoredEvent::ExecutionDone {
+                msg_id,
+                execution: execution.into(),
+            },
+            L::ExecutionTimeout {
+                msg_id,
+                timeout_seconds,
+            } => StoredEvent::ExecutionTimeout {
+                msg_id,
+                timeout_seconds,
+            },
+            L::OutputCut {
+                msg_id,
+                parent_msg_id,
+                msg_type,
+                bytes,
+            } => StoredEvent::OutputCut {
+                msg_id,
+                parent_msg_id,
+                msg_type,
+                bytes,
+            },
+            L::Interrupt => StoredEvent::Interrupt,
+            L::KernelRestarted { reason } => StoredEvent::KernelRestarted { reason },
+            L::KernelDied { reason } => StoredEvent::KernelDied { reason },
+            L::SessionExpired => StoredEvent::SessionExpired,
+            L::SessionClosed => StoredEvent::SessionClosed,
+            L::SessionKept => StoredEvent::SessionKept,
+            L::BrokerRestarted {
+                down_seconds,
+                kernel_alive,
+            } => StoredEvent::BrokerRestarted {
+                down_seconds,
+                kernel_alive,
+            },
+            L::EgressAllowed {
+                method,
+                host,
+                port,
+                address,
+            } => StoredEvent::EgressAllowed {
+                method,
+                host,
+                port,
+                address,
+            },
+            L::EgressRefused {
+                method,
+                host,
+                port,
+                reason,
+            } => StoredEvent::EgressRefused {
+                method,
+                host,
+                port,
+                reason,
+            },
+            L::EgressClosed {
+                host,
+                port,
+                bytes_sent,
+                bytes_received,
+                seconds,
+            } => StoredEvent::EgressClosed {
+                host,
+                port,
+                bytes_sent,
+                bytes_received,
+                seconds,
+            },
+            L::FileWritten { path, bytes } => StoredEvent::FileWritten { path, bytes },
+            L::FileRemoved { path } => StoredEvent::FileRemoved { path },
+            L::FileRenamed { from, to } => StoredEvent::FileRenamed { from, to },
+            L::CommandStarted { pid, argv, cwd } => StoredEvent::CommandStarted { pid, argv, cwd },
+            L::CommandEnded {
+                pid,
+                exit_code,
+                signal,
+                seconds,
+            } => StoredEvent::CommandEnded {
+                pid,
+                exit_code,
+                signal,
+                seconds,
+            },
+        }
+    }
+}
+
+impl From<ExecutionStatus> for StoredStatus {
+    fn from(s: ExecutionStatus) -> Self {
+        match s {
+            ExecutionStatus::Ok => StoredStatus::Ok,
+            ExecutionStatus::Error => StoredStatus::Error,
+            ExecutionStatus::Timeout => StoredStatus::Timeout,
+            ExecutionStatus::Interrupted => StoredStatus::Interrupted,
+            ExecutionStatus::Dead => StoredStatus::Dead,
+        }
+    }
+}
+
+impl From<StoredStatus> for ExecutionStatus {
+    fn from(s: StoredStatus) -> Self {
+        match s {
+            StoredStatus::Ok => ExecutionStatus::Ok,
+            StoredStatus::Error => ExecutionStatus::Error,
+            StoredStatus::Timeout => ExecutionStatus::Timeout,
+            StoredStatus::Interrupted => ExecutionStatus::Interrupted,
+            StoredStatus::Dead => ExecutionStatus::Dead,
+        }
+    }
+}
+
+impl From<Execution> for StoredExecution {
+    fn from(x: Execution) -> Self {
+        StoredExecution {
+            status: x.status.into(),
+            execution_count: x.execution_count,
+            stdout: x.stdout,
+            stderr: x.stderr,
+            results: x
+                .results
+                .into_iter()
+                .map(|r| StoredResult {
+                    data: r.data,
+                    metadata: r.metadata,
+                    is_main_result: r.is_main_result,
+                })
+                .collect(),
+            error: x.error.map(|e| StoredError {
+                ename: e.ename,
+                evalue: e.evalue,
+                traceback: e.traceback,
+            }),
+            truncated: x.truncated,
+            duration_ms: x.duration_ms,
+        }
+    }
+}
+
+impl From<StoredExecution> for Execution {
+    /// The Execution the agent was answered, as read back (replay compares with it).
+    fn from(x: StoredExecution) -> Self {
+        Execution {
+            status: x.status.into(),
+            execution_count: x.execution_count,
+            stdout: x.stdout,
+            stderr: x.stderr,
+            results: x
+                .results
+                .into_iter()
+                .map(|r| ResultItem {
+                    data: r.data,
+                    metadata: r.metadata,
+                    is_main_result: r.is_main_result,
+                })
+                .collect(),
+            error: x.error.map(|e| ExecutionError {
+                ename: e.ename,
+                evalue: e.evalue,
+                traceback: e.traceback,
+            }),
+            truncated: x.truncated,
+            duration_ms: x.duration_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
