@@ -8,7 +8,7 @@ pub mod host;
 pub mod leftovers;
 /// A PostgreSQL database of its own for a test (the crate's own helper).
 #[allow(dead_code)]
-#[path = "../../src/recording/postgres/testing.rs"]
+#[path = "../../src/db/postgres/testing.rs"]
 pub mod pg;
 pub mod scale;
 pub mod spawned;
