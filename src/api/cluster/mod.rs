@@ -53,23 +53,14 @@ enum Target {
 fn target(method: &Method, path: &str) -> Target {
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let uuid = |id: &str| Uuid::parse_str(id).map_or(Target::Here, Target::Session);
+    // The collections of sessions, in each protocol: listed with GET, added to with POST.
+    let collection = matches!(
+        parts.as_slice(),
+        ["v1", "sessions"] | ["api", "kernels"] | ["e2b", "sandboxes"] | ["e2b", "v2", "sandboxes"]
+    );
     match parts.as_slice() {
-        ["v1", "sessions"]
-        | ["api", "kernels"]
-        | ["e2b", "sandboxes"]
-        | ["e2b", "v2", "sandboxes"]
-            if method == Method::GET =>
-        {
-            Target::List
-        }
-        ["v1", "sessions"]
-        | ["api", "kernels"]
-        | ["e2b", "sandboxes"]
-        | ["e2b", "v2", "sandboxes"]
-            if method == Method::POST =>
-        {
-            Target::Create
-        }
+        _ if collection && method == Method::GET => Target::List,
+        _ if collection && method == Method::POST => Target::Create,
         ["v1", "sessions", id, rest @ ..]
             if !matches!(rest.first(), Some(&("events" | "notebook" | "replay"))) =>
         {
@@ -203,6 +194,7 @@ mod tests {
             (Method::POST, "/v1/sessions", Target::Create),
             (Method::POST, "/api/kernels", Target::Create),
             (Method::GET, "/api/kernels", Target::List),
+            (Method::DELETE, "/v1/sessions", Target::Here),
             (Method::GET, "/v1/sessions/ID", session),
             (Method::POST, "/v1/sessions/ID/execute", session),
             (Method::GET, "/v1/sessions/ID/stream", session),
