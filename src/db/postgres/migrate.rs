@@ -105,3 +105,72 @@ pub async fn migrate(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two owners' tables, as each owner brings them.
+    const FIRST: &[Migration] = &[Migration {
+        version: 1,
+        sql: "CREATE TABLE first_owner (id INT);",
+    }];
+    const SECOND: &[Migration] = &[
+        Migration {
+            version: 3,
+            sql: "ALTER TABLE second_owner ADD COLUMN b INT;",
+        },
+        Migration {
+            version: 2,
+            sql: "CREATE TABLE second_owner (a INT);",
+        },
+    ];
+
+    async fn versions(client: &Client) -> Vec<i64> {
+        client
+            .query(
+                "SELECT version FROM schema_migrations ORDER BY version",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn each_owner_applies_its_own_versions_once_and_a_newer_database_is_refused() {
+        let url = super::super::testing::fresh_database().await;
+        let client = super::super::connect(&url, "test").await.unwrap();
+        // An owner may come first with a later version (the cluster joining a database the
+        // recording has not opened yet); its steps run in their versions' order.
+        migrate(&client, "db", "second", SECOND).await.unwrap();
+        assert_eq!(versions(&client).await, [2, 3]);
+        migrate(&client, "db", "first", FIRST).await.unwrap();
+        migrate(&client, "db", "second", SECOND).await.unwrap();
+        assert_eq!(versions(&client).await, [1, 2, 3]);
+        client
+            .execute("INSERT INTO first_owner (id) VALUES (1)", &[])
+            .await
+            .unwrap();
+        client
+            .execute("INSERT INTO second_owner (a, b) VALUES (1, 2)", &[])
+            .await
+            .unwrap();
+
+        client
+            .execute(
+                "INSERT INTO schema_migrations (version) VALUES ($1)",
+                &[&(SCHEMA_VERSION + 1)],
+            )
+            .await
+            .unwrap();
+        let err = migrate(&client, "db", "first", FIRST).await.unwrap_err();
+        assert!(
+            matches!(err, MigrateError::TooNew { found, known, .. }
+                if found == SCHEMA_VERSION + 1 && known == SCHEMA_VERSION),
+            "{err}"
+        );
+    }
+}
