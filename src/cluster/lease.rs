@@ -161,7 +161,7 @@ impl Cluster {
     /// done once) and ends its sessions' recordings with `node_lost` (through
     /// [`Cluster::on_node_lost`]); their kernels went with the node, their recordings stay
     /// readable.
-    async fn sweep_lost(&self) -> Result<(), ClusterError> {
+    pub(super) async fn sweep_lost(&self) -> Result<(), ClusterError> {
         let c = self.client().await?;
         let now = now_micros();
         let lost = c

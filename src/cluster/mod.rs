@@ -221,3 +221,6 @@ impl Cluster {
 fn now_micros() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
+
+#[cfg(test)]
+mod tests;
