@@ -1,13 +1,13 @@
 //! Cluster mode (`--database-url` with `--advertise-url`): brokers that share a PostgreSQL
 //! database serve each other's sessions. Each node registers itself in `nodes` (its id, the
-//! URL the others reach it at) and renews a lease there ([`lease`]); the live nodes are its
-//! peers ([`peers`]). A request for a session this node does not hold is forwarded, whole
+//! URL the others reach it at) and renews a lease there (`lease.rs`); the live nodes are its
+//! peers (`peers.rs`). A request for a session this node does not hold is forwarded, whole
 //! (streaming bodies and WebSockets included), to the peer that holds it: that is the api
 //! layer's work (`crate::api::cluster`), this module builds no request. Which peer that is,
-//! the session directory says ([`directory`]: each node lists the sessions it holds at every
+//! the session directory says (`directory.rs`: each node lists the sessions it holds at every
 //! renewal, and a lost node's are marked lost); for a session made since its node last wrote
 //! the directory, the api layer asks the peers themselves. Answers are cached. A new session
-//! goes to the node with the most headroom ([`placement`]).
+//! goes to the node with the most headroom (`placement.rs`).
 //!
 //! Node-to-node requests carry the cluster's key (made by the first node, kept in the
 //! database: only a node that can read the database knows it, [`Cluster::key`]); a request
