@@ -8,11 +8,11 @@ use axum::response::{IntoResponse, Response};
 
 use super::forward::forward;
 use super::lists::peer_arrays;
+use super::peer::Node;
 use super::{refuse, Routed};
 use crate::api::e2b::E2bError;
 use crate::api::error::ApiError;
 use crate::api::AppState;
-use crate::cluster::Cluster;
 use crate::session::SessionError;
 
 /// A new session: the user's sessions are counted on every node (one creation of a user at
@@ -20,7 +20,7 @@ use crate::session::SessionError;
 /// headroom.
 pub(super) async fn create(
     state: &AppState,
-    cluster: &Cluster,
+    cluster: &Node,
     caller: &Routed,
     req: Request,
     next: Next,

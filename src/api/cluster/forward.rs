@@ -8,11 +8,11 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use uuid::Uuid;
 
-use super::peer::{send, PeerError};
+use super::peer::Node;
+use super::peer::PeerError;
 use crate::api::e2b::E2bError;
 use crate::api::error::ApiError;
 use crate::api::AppState;
-use crate::cluster::Cluster;
 
 /// Hop-by-hop headers: of one connection, not forwarded (but kept for a WebSocket's upgrade).
 const HOP_BY_HOP: [&str; 6] = [
@@ -27,7 +27,7 @@ const HOP_BY_HOP: [&str; 6] = [
 /// Forwards `req` to the node at `url`, and its answer back (a WebSocket spliced through).
 pub(super) async fn forward(
     state: &AppState,
-    cluster: &Cluster,
+    cluster: &Node,
     id: Option<Uuid>,
     url: &str,
     e2b: bool,
@@ -47,7 +47,7 @@ pub(super) async fn forward(
     // A node that stalls (paused, cut off) would hold the request for as long as it
     // stalls: once it is no longer a live node, the request is given up.
     let answered = tokio::select! {
-        r = send(cluster, url, req) => r,
+        r = cluster.send(url, req) => r,
         () = cluster.until_gone(url) => Err(PeerError::Gone),
     };
     let mut resp = match answered {

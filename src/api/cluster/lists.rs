@@ -8,19 +8,14 @@ use axum::middleware::Next;
 use axum::response::Response;
 use http_body_util::BodyExt;
 
-use super::peer::{credentials, send};
+use super::peer::credentials;
+use super::peer::Node;
 use super::{refuse, Routed};
 use crate::api::auth::User;
-use crate::cluster::Cluster;
 
 /// A list answered here and by every peer, as one JSON array. A peer that does not answer
 /// is left out (and logged) rather than failing the list.
-pub(super) async fn gather(
-    cluster: &Cluster,
-    caller: &Routed,
-    req: Request,
-    next: Next,
-) -> Response {
+pub(super) async fn gather(cluster: &Node, caller: &Routed, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     let local = next.run(Request::from_parts(parts.clone(), body)).await;
     if local.status() != StatusCode::OK {
@@ -50,7 +45,7 @@ pub(super) async fn gather(
 /// `GET path` of every peer with the caller's credentials: the JSON arrays they answer. A
 /// peer that does not answer is left out (and logged).
 pub(super) async fn peer_arrays(
-    cluster: &Cluster,
+    cluster: &Node,
     user: &User,
     path: &str,
 ) -> Vec<Vec<serde_json::Value>> {
@@ -64,7 +59,7 @@ pub(super) async fn peer_arrays(
             .unwrap_or_default();
         *r.headers_mut() = creds.clone();
         async move {
-            match send(cluster, &peer.url, r).await {
+            match cluster.send(&peer.url, r).await {
                 Ok(resp) if resp.status() == StatusCode::OK => json_array(resp.into_body()).await,
                 Ok(resp) => {
                     tracing::warn!(node = %peer.id, status = %resp.status(), "cluster: a node's list failed");

@@ -9,15 +9,15 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 
 use super::forward::forward;
+use super::peer::Node;
 use crate::api::AppState;
-use crate::cluster::Cluster;
 
 /// An MCP request. MCP sessions live in the memory of the node whose `initialize` made
 /// them; in cluster mode their ids name that node (`<node>.<id>`, the node's id in
 /// base64url, see [`crate::api::mcp`]), so a request of a session made elsewhere goes
 /// there, with no lookup. A node that is not in the cluster any more: the session is gone
 /// with it (`404`, as for any unknown MCP session: the client initializes again).
-pub(super) async fn mcp(state: &AppState, cluster: &Cluster, req: Request, next: Next) -> Response {
+pub(super) async fn mcp(state: &AppState, cluster: &Node, req: Request, next: Next) -> Response {
     let node = req
         .headers()
         .get(MCP_SESSION_HEADER)

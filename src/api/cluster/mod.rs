@@ -30,6 +30,7 @@ use super::AppState;
 
 pub use mcp::{mcp_local_id, mcp_session_id};
 pub use peer::NODE_HEADER;
+use peer::{Node, PeerClient};
 
 /// What a request is, for routing.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -118,11 +119,29 @@ fn routed(state: &AppState, req: &Request, target: &Target) -> Option<(Routed, O
     Some((Routed { user, e2b: true }, None))
 }
 
+/// The middleware's state: the app's, and the client of this node's requests to its peers.
+#[derive(Clone)]
+pub struct Routing {
+    state: AppState,
+    client: PeerClient,
+}
+
+impl Routing {
+    pub fn new(state: AppState) -> Self {
+        Self {
+            state,
+            client: PeerClient::new(),
+        }
+    }
+}
+
 /// The middleware.
-pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
+pub async fn route(State(routing): State<Routing>, req: Request, next: Next) -> Response {
+    let Routing { state, client } = routing;
     let Some(cluster) = state.cluster.clone() else {
         return next.run(req).await;
     };
+    let cluster = Node::new(cluster, client);
     let target = target(req.method(), req.uri().path());
     let from_node = match req.headers().get(NODE_HEADER) {
         Some(v) if cluster.is_node(v.as_bytes()) => true,

@@ -6,12 +6,13 @@ use axum::http::StatusCode;
 use futures::StreamExt;
 use uuid::Uuid;
 
-use super::peer::{credentials, send};
+use super::peer::credentials;
+use super::peer::Node;
 use crate::api::auth::User;
-use crate::cluster::{Cluster, Peer};
+use crate::cluster::Peer;
 
 /// Asks every peer whether it holds session `id` of the caller; the URL of the one that does.
-pub(super) async fn find_owner(cluster: &Cluster, id: Uuid, user: &User) -> Option<String> {
+pub(super) async fn find_owner(cluster: &Node, id: Uuid, user: &User) -> Option<String> {
     let creds = credentials(user)?;
     let mut peers = cluster.peers().await;
     loop {
@@ -37,7 +38,7 @@ const PROBE_TIME: std::time::Duration = std::time::Duration::from_secs(5);
 /// The first of `peers` to say it holds session `id` (each asked at once; one that does
 /// not answer within [`PROBE_TIME`] does not hold up the answer longer).
 async fn ask_peers(
-    cluster: &Cluster,
+    cluster: &Node,
     id: Uuid,
     creds: &axum::http::HeaderMap,
     peers: &[Peer],
@@ -49,7 +50,7 @@ async fn ask_peers(
                 .body(Body::empty())
                 .ok()?;
             *probe.headers_mut() = creds.clone();
-            let resp = tokio::time::timeout(PROBE_TIME, send(cluster, &peer.url, probe))
+            let resp = tokio::time::timeout(PROBE_TIME, cluster.send(&peer.url, probe))
                 .await
                 .ok()?
                 .ok()?;

@@ -2,7 +2,7 @@
 //! cluster's key in [`NODE_HEADER`] (a request with it is served where it lands, never
 //! forwarded again) and, for a request of this node's own, the caller's credentials.
 
-use std::sync::OnceLock;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -38,53 +38,83 @@ pub(super) enum PeerError {
     Gone,
 }
 
-/// The client every request to a peer goes through. One per process (a broker is one per
-/// process): it is only a pool of connections to the peers, made on first use.
-fn client() -> &'static Client<HttpConnector, Body> {
-    static CLIENT: OnceLock<Client<HttpConnector, Body>> = OnceLock::new();
-    CLIENT.get_or_init(|| {
+/// The client of node-to-node requests: a pool of connections to the peers.
+#[derive(Clone)]
+pub struct PeerClient(Client<HttpConnector, Body>);
+
+impl PeerClient {
+    pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         connector.set_nodelay(true);
-        Client::builder(TokioExecutor::new()).build(connector)
-    })
+        Self(Client::builder(TokioExecutor::new()).build(connector))
+    }
 }
 
-/// Sends `req` to `base` (a peer's URL) as a node-to-node request of `cluster` and returns
-/// its answer, body streaming.
-pub(super) async fn send(
-    cluster: &Cluster,
-    base: &str,
-    mut req: Request<Body>,
-) -> Result<Response<Body>, PeerError> {
-    let path = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| "/".into());
-    let uri: Uri = format!("{}{path}", base.trim_end_matches('/'))
-        .parse()
-        .map_err(|source| PeerError::Url {
-            base: base.to_string(),
-            source,
-        })?;
-    if let Some(authority) = uri.authority() {
-        let host = HeaderValue::from_str(authority.as_str()).map_err(PeerError::Header)?;
-        req.headers_mut().insert(header::HOST, host);
+impl Default for PeerClient {
+    fn default() -> Self {
+        Self::new()
     }
-    *req.uri_mut() = uri;
-    req.headers_mut().insert(
-        NODE_HEADER,
-        HeaderValue::from_str(cluster.key()).map_err(PeerError::Header)?,
-    );
-    let resp = client()
-        .request(req)
-        .await
-        .map_err(|source| PeerError::Request {
-            base: base.to_string(),
-            source,
-        })?;
-    Ok(resp.map(|b| Body::new(b.map_err(axum::Error::new))))
+}
+
+/// This node of the cluster as its routing sees it: the cluster, and the client its
+/// requests to the peers go through.
+pub(super) struct Node {
+    cluster: Arc<Cluster>,
+    client: PeerClient,
+}
+
+impl std::ops::Deref for Node {
+    type Target = Cluster;
+
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl Node {
+    pub(super) fn new(cluster: Arc<Cluster>, client: PeerClient) -> Self {
+        Self { cluster, client }
+    }
+
+    /// Sends `req` to `base` (a peer's URL) as a node-to-node request and returns its
+    /// answer, body streaming.
+    pub(super) async fn send(
+        &self,
+        base: &str,
+        mut req: Request<Body>,
+    ) -> Result<Response<Body>, PeerError> {
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+        let uri: Uri = format!("{}{path}", base.trim_end_matches('/'))
+            .parse()
+            .map_err(|source| PeerError::Url {
+                base: base.to_string(),
+                source,
+            })?;
+        if let Some(authority) = uri.authority() {
+            let host = HeaderValue::from_str(authority.as_str()).map_err(PeerError::Header)?;
+            req.headers_mut().insert(header::HOST, host);
+        }
+        *req.uri_mut() = uri;
+        req.headers_mut().insert(
+            NODE_HEADER,
+            HeaderValue::from_str(self.cluster.key()).map_err(PeerError::Header)?,
+        );
+        let resp = self
+            .client
+            .0
+            .request(req)
+            .await
+            .map_err(|source| PeerError::Request {
+                base: base.to_string(),
+                source,
+            })?;
+        Ok(resp.map(|b| Body::new(b.map_err(axum::Error::new))))
+    }
 }
 
 /// The caller's credentials on a request of this node's own to a peer: the broker's token,

@@ -13,18 +13,19 @@ use uuid::Uuid;
 use super::forward::forward;
 use super::lost::{lost_answer, lost_session, micros};
 use super::owner::find_owner;
+use super::peer::Node;
 use super::Routed;
 use crate::api::auth::User;
 use crate::api::e2b::{sandbox_headers, token_matches};
 use crate::api::AppState;
-use crate::cluster::{Cluster, Directory};
+use crate::cluster::Directory;
 use crate::session::SessionError;
 
 /// A request about session `id` of the caller's: served here if it is here, else by the
 /// node that holds it; a session of a lost node answers so.
 pub(super) async fn session(
     state: &AppState,
-    cluster: &Cluster,
+    cluster: &Node,
     caller: &Routed,
     id: Uuid,
     req: Request,
