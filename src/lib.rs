@@ -13,10 +13,14 @@
 //!   their allowed hosts through (policy, address filter, limits); knows no sandbox.
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
+//! - [`db`]: the PostgreSQL database the recording and cluster mode share: connections,
+//!   pools, the schema's versions (each owner's tables are its own; this layer applies them).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry;
 //!   it reports a typed `LifecycleEvent` to whoever listens (the recording, the metrics).
 //! - [`recording`]: every message and lifecycle event of every session in a SQLite file;
 //!   notebook export. It subscribes to the session layer.
+//! - [`cluster`]: cluster mode: this node's lease, its peers, the session directory,
+//!   placement (PostgreSQL only; the requests to peers are the api layer's).
 //! - [`replay`]: a recording's cells run again in a new session and compared with what was
 //!   recorded. It drives sessions and reads recordings, so it sits above both.
 //! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
@@ -28,6 +32,7 @@
 pub mod api;
 pub mod cluster;
 pub mod config;
+pub mod db;
 pub mod descriptors;
 pub mod egress;
 pub mod instance_lock;

@@ -205,6 +205,13 @@ pub async fn serve(
                     })
                     .collect()
             });
+            cluster.on_node_lost(Box::new(|client, node| {
+                Box::pin(async move {
+                    crate::recording::close_lost_node(client, node)
+                        .await
+                        .map_err(Into::into)
+                })
+            }));
             let r = registry.clone();
             cluster.on_lost(move || {
                 let r = r.clone();

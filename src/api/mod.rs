@@ -143,7 +143,7 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::Extension(ops::OpenApiJson(openapi::document_json())))
         // After authentication: only a known caller's request is forwarded.
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            cluster::Routing::new(state.clone()),
             cluster::route,
         ))
         .layer(axum::middleware::from_fn_with_state(

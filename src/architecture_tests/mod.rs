@@ -9,8 +9,8 @@ use std::path::Path;
 mod reading;
 
 use reading::{
-    absolute, collect, named_paths, product_code, signature_returns_string_error, sources,
-    strongly_connected,
+    absolute, collect, crate_paths, named_paths, product_code, signature_returns_string_error,
+    sources, strongly_connected,
 };
 
 /// Each top-level module and the top-level modules it may name (`crate::<module>`): the
@@ -250,6 +250,54 @@ fn only_the_api_serves_http() {
 }
 
 #[test]
+fn the_cluster_names_no_http_crate() {
+    // Its requests to peers are the api layer's (api/cluster/peer.rs).
+    let http = [
+        "axum",
+        "hyper",
+        "hyper_util",
+        "http",
+        "http_body",
+        "http_body_util",
+        "reqwest",
+        "tower",
+        "tower_http",
+    ];
+    let mut wrong = BTreeSet::new();
+    for src in sources()
+        .iter()
+        .filter(|s| s.module.first().is_some_and(|m| m == "cluster"))
+    {
+        for path in named_paths(&src.code).iter().chain(&crate_paths(&src.code)) {
+            if path.first().is_some_and(|c| http.contains(&c.as_str())) {
+                wrong.insert(format!(
+                    "src/{} names {}",
+                    src.rel.display(),
+                    path.join("::")
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "HTTP in the cluster layer:\n{}",
+        join(&wrong)
+    );
+}
+
+#[test]
+fn every_schema_version_has_one_owner() {
+    let mut versions: Vec<i64> = crate::recording::POSTGRES_MIGRATIONS
+        .iter()
+        .chain(crate::cluster::schema::MIGRATIONS)
+        .map(|m| m.version)
+        .collect();
+    versions.sort();
+    let want: Vec<i64> = (1..=crate::db::postgres::SCHEMA_VERSION).collect();
+    assert_eq!(versions, want);
+}
+
+#[test]
 fn the_session_layer_names_no_sandbox_backend() {
     let mut wrong = BTreeSet::new();
     for src in sources()
@@ -328,6 +376,11 @@ fn the_checks_see_what_they_look_for() {
         BTreeSet::from([0]),
     ];
     assert_eq!(strongly_connected(&edges), vec![vec![0, 1]]);
+    let crates = crate_paths("use hyper::Client;\nlet b = axum::body::Body::empty();");
+    assert_eq!(
+        crates,
+        vec![vec!["hyper".to_string()], vec!["axum".to_string()]]
+    );
     assert!(signature_returns_string_error(
         "pub fn f(x: u8)\n    -> Result<Vec<u8>, String> {",
         0

@@ -132,6 +132,26 @@ pub(super) fn named_paths(code: &str) -> Vec<Vec<String>> {
     paths
 }
 
+/// The paths of other crates the code names (`hyper::Client`, `use axum::{..}`): every
+/// `name::` not preceded by an identifier character or `:`.
+pub(super) fn crate_paths(code: &str) -> Vec<Vec<String>> {
+    let mut paths = Vec::new();
+    let bytes = code.as_bytes();
+    let mut from = 0;
+    while let Some(i) = code[from..].find("::") {
+        let at = from + i;
+        from = at + 2;
+        let start = code[..at]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .map_or(0, |p| p + 1);
+        if start == at || (start > 0 && bytes[start - 1] == b':') {
+            continue;
+        }
+        paths.push(vec![code[start..at].to_string()]);
+    }
+    paths
+}
+
 /// The byte offset of the next `use ` declaration (at a line's start, `pub`/`pub(crate)` too).
 pub(super) fn find_use(code: &str) -> Option<usize> {
     let mut offset = 0;

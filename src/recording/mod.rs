@@ -170,20 +170,8 @@ pub enum RecordingError {
     Session(#[from] crate::session::SessionError),
 }
 
-/// Brings a PostgreSQL database's schema up to date (cluster mode does it at start too,
-/// recording or not).
-pub async fn migrate_postgres(
-    client: &tokio_postgres::Client,
-    url: &str,
-) -> Result<(), RecordingError> {
-    postgres::migrate(client, &postgres::redact(url)).await
-}
-
-/// A pool of connections to the PostgreSQL database at `url` (the recordings' readers use
-/// one; cluster mode another).
-pub fn postgres_pool(url: &str, size: usize) -> Result<deadpool_postgres::Pool, RecordingError> {
-    postgres::pool(url, size)
-}
+/// The recording's tables in PostgreSQL (the database layer applies them).
+pub use postgres::MIGRATIONS as POSTGRES_MIGRATIONS;
 
 /// Cluster mode: ends the open recordings of a lost node with a `node_lost` marker; how
 /// many.

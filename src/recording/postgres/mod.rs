@@ -17,19 +17,16 @@
 
 mod queries;
 mod schema;
-#[cfg(test)]
-pub(crate) mod testing;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 use uuid::Uuid;
 
-pub(in crate::recording) use queries::pool;
 pub(super) use queries::Pool;
-pub(in crate::recording) use schema::migrate;
+pub use schema::MIGRATIONS;
 #[cfg(test)]
 pub(in crate::recording) use schema::SCHEMA_VERSION;
 
@@ -39,19 +36,7 @@ use super::RecordingError;
 /// Held shared by every batch, exclusively by every deletion (see the module's doc).
 const BLOB_LOCK: i64 = 0x6b62_626c_6f62; // "kbblob"
 
-/// `url` without its password, for logs and errors.
-pub(in crate::recording) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "(a PostgreSQL connection string)".into();
-    };
-    match rest.rsplit_once('@') {
-        Some((auth, host)) => {
-            let user = auth.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}@{host}")
-        }
-        None => url.to_string(),
-    }
-}
+pub(in crate::recording) use crate::db::postgres::redact;
 
 /// Text as PostgreSQL can store it: NUL replaced by U+FFFD.
 fn text(s: &str) -> Cow<'_, str> {
@@ -66,15 +51,9 @@ fn opt_text(s: Option<&str>) -> Option<Cow<'_, str>> {
     s.map(text)
 }
 
-/// Connects and brings the schema up to date (on the caller's runtime).
+/// Connects (on the caller's runtime).
 async fn connect(url: &str) -> Result<Client, DbError> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "recording: the PostgreSQL connection ended");
-        }
-    });
-    Ok(client)
+    Ok(crate::db::postgres::connect(url, "recording").await?)
 }
 
 /// The writer's connection.
@@ -489,23 +468,6 @@ pub(in crate::recording) async fn close_node(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn passwords_stay_out_of_logs() {
-        let cases = [
-            (
-                "postgres://kb:secret@db:5432/kb",
-                "postgres://kb@db:5432/kb",
-            ),
-            ("postgresql://kb@db/kb", "postgresql://kb@db/kb"),
-            ("postgres://db/kb", "postgres://db/kb"),
-            ("host=db password=x", "(a PostgreSQL connection string)"),
-            ("postgres://a:b@c@h/d", "postgres://a@h/d"),
-        ];
-        for (url, want) in cases {
-            assert_eq!(redact(url), want, "{url}");
-        }
-    }
 
     #[test]
     fn nul_never_reaches_postgres() {

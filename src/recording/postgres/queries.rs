@@ -2,12 +2,8 @@
 //! SQLite file, async on a pool. A page's blobs and parent headers are fetched in two
 //! queries for the whole page, then put back by the same code as SQLite's.
 
-use std::collections::HashMap;
-use std::time::Duration;
-
-use deadpool_postgres::{Config, PoolConfig, Runtime, Timeouts};
 use serde_json::Value;
-use tokio_postgres::NoTls;
+use std::collections::HashMap;
 use uuid::Uuid;
 
 use super::redact;
@@ -21,24 +17,11 @@ use crate::recording::{from_micros, RecordingError};
 /// A pool of up to `size` connections to `url`; none is opened before it is first asked
 /// for one. A database that does not answer fails the caller after 10 s, rather than
 /// holding it.
-pub(in crate::recording) fn pool(
-    url: &str,
-    size: usize,
-) -> Result<deadpool_postgres::Pool, RecordingError> {
-    let mut cfg = Config::new();
-    cfg.url = Some(url.to_string());
-    let mut pc = PoolConfig::new(size);
-    pc.timeouts = Timeouts {
-        wait: Some(Duration::from_secs(10)),
-        create: Some(Duration::from_secs(10)),
-        recycle: Some(Duration::from_secs(10)),
-    };
-    cfg.pool = Some(pc);
-    cfg.create_pool(Some(Runtime::Tokio1), NoTls)
-        .map_err(|e| RecordingError::Connect {
-            location: redact(url),
-            source: DbError::Pool(e.to_string()),
-        })
+fn pool(url: &str, size: usize) -> Result<deadpool_postgres::Pool, RecordingError> {
+    crate::db::postgres::pool(url, size).map_err(|e| RecordingError::Connect {
+        location: redact(url),
+        source: DbError::Pool(e.to_string()),
+    })
 }
 
 /// The readers' connections.

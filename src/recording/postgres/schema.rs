@@ -1,8 +1,6 @@
-//! The broker's tables in PostgreSQL (the recordings, and cluster mode's) and their versions. `schema_migrations` holds one
-//! row per version applied; a broker applies what is missing at start, all of it in one
-//! transaction under an advisory lock (brokers of a cluster start together; the first
-//! migrates, the others wait and find nothing to do), and refuses a database whose version
-//! is newer than it knows rather than writing it wrongly.
+//! The recording's tables in PostgreSQL, as migrations the database layer applies
+//! ([`crate::db::postgres::migrate`], which keeps the versions in `schema_migrations`; the
+//! recording has version 1 of the sequence every owner shares).
 //!
 //! The tables are those of the SQLite file ([`crate::recording::schema`]) in PostgreSQL's
 //! types, plus `sessions.node`: the broker that records the session (a broker that starts
@@ -10,16 +8,16 @@
 
 use tokio_postgres::Client;
 
+use crate::db::postgres::{self as pg, MigrateError, Migration};
 use crate::recording::db::DbError;
 use crate::recording::RecordingError;
 
-/// Held while migrating.
-const MIGRATION_LOCK: i64 = 0x6b62_6d69_6772; // "kbmigr"
-
-/// `MIGRATIONS[i]` brings the database to version `i + 1`.
-const MIGRATIONS: &[&str] = &[
-    // 1: the recordings.
-    r#"
+/// The recording's migrations.
+pub const MIGRATIONS: &[Migration] = &[
+    // The recordings.
+    Migration {
+        version: 1,
+        sql: r#"
 CREATE TABLE sessions (
     sid BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     id TEXT NOT NULL UNIQUE,
@@ -68,102 +66,33 @@ CREATE TABLE blob_refs (
 );
 CREATE INDEX blob_refs_by_session ON blob_refs (sid);
 "#,
-    // 2: cluster mode (`crate::cluster`): the nodes and their leases, the cluster's key.
-    r#"
-CREATE TABLE nodes (
-    id TEXT PRIMARY KEY,
-    advertise_url TEXT NOT NULL,
-    started_at BIGINT NOT NULL,
-    lease_until BIGINT NOT NULL,
-    -- Set by the node that noticed the lease lapse (and closed the node's recordings);
-    -- cleared when the node joins again.
-    lost_at BIGINT,
-    -- Load and capacity, as of the last renewal (placement).
-    sessions BIGINT NOT NULL DEFAULT 0,
-    memory_reserved BIGINT NOT NULL DEFAULT 0,
-    memory_capacity BIGINT NOT NULL DEFAULT 0,
-    session_capacity BIGINT NOT NULL DEFAULT 0,
-    draining BOOLEAN NOT NULL DEFAULT false
-);
-CREATE TABLE cluster_key (
-    id INT PRIMARY KEY CHECK (id = 1),
-    key TEXT NOT NULL
-);
-"#,
-    // 3: cluster mode's session directory: which node holds each session, written by the
-    // node (at every lease renewal); the sessions of a lost node are marked so.
-    r#"
-CREATE TABLE cluster_sessions (
-    id TEXT PRIMARY KEY,
-    node TEXT NOT NULL,
-    user_name TEXT NOT NULL,
-    kernel TEXT NOT NULL,
-    created_at BIGINT NOT NULL,
-    seen_at BIGINT NOT NULL,
-    lost_at BIGINT
-);
-CREATE INDEX cluster_sessions_by_node ON cluster_sessions (node);
-"#,
+    },
 ];
 
-/// The version this broker writes.
+/// How many versions of the schema are the recording's (all applied once a store opened).
+#[cfg(test)]
 pub(in crate::recording) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// Brings the database up to [`SCHEMA_VERSION`].
+/// Brings the recording's tables up to date.
 pub(in crate::recording) async fn migrate(
     client: &Client,
     location: &str,
 ) -> Result<(), RecordingError> {
-    let err = |source: tokio_postgres::Error| RecordingError::Connect {
-        location: location.to_string(),
-        source: DbError::Postgres(source),
-    };
-    client
-        .batch_execute(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
-             CREATE TABLE IF NOT EXISTS schema_migrations (
-                 version BIGINT PRIMARY KEY,
-                 applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
-             );"
-        ))
+    pg::migrate(client, location, "recording", MIGRATIONS)
         .await
-        .map_err(err)?;
-    let r = async {
-        let found: i64 = client
-            .query_one(
-                "SELECT coalesce(max(version), 0) FROM schema_migrations",
-                &[],
-            )
-            .await
-            .map_err(err)?
-            .get(0);
-        if found > SCHEMA_VERSION {
-            return Err(RecordingError::SchemaTooNew {
-                location: location.to_string(),
+        .map_err(|e| match e {
+            MigrateError::TooNew {
+                location,
                 found,
-                known: SCHEMA_VERSION,
-            });
-        }
-        for (i, step) in MIGRATIONS.iter().enumerate().skip(found.max(0) as usize) {
-            let version = i as i64 + 1;
-            client.batch_execute(step).await.map_err(err)?;
-            client
-                .execute(
-                    "INSERT INTO schema_migrations (version) VALUES ($1)",
-                    &[&version],
-                )
-                .await
-                .map_err(err)?;
-            tracing::info!(db = %location, version, "recording: PostgreSQL schema migrated");
-        }
-        Ok(())
-    }
-    .await;
-    match r {
-        Ok(()) => client.batch_execute("COMMIT").await.map_err(err),
-        Err(e) => {
-            let _ = client.batch_execute("ROLLBACK").await;
-            Err(e)
-        }
-    }
+                known,
+            } => RecordingError::SchemaTooNew {
+                location,
+                found,
+                known,
+            },
+            MigrateError::Query { location, source } => RecordingError::Connect {
+                location,
+                source: DbError::Postgres(source),
+            },
+        })
 }

@@ -10,7 +10,7 @@ pub mod leftovers;
 pub mod sandbox;
 /// A PostgreSQL database of its own for a test (the crate's own helper).
 #[allow(dead_code)]
-#[path = "../../../src/recording/postgres/testing.rs"]
+#[path = "../../../src/db/postgres/testing.rs"]
 pub mod pg;
 pub mod scale;
 pub mod spawned;

@@ -44,8 +44,8 @@ pub const DOCKER_KERNEL_UID: u32 = 1000;
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 
 use super::host;
-pub use host::{delegated_cgroup, euid, is_root};
 use super::scale;
+pub use host::{delegated_cgroup, euid, is_root};
 pub use scale::scaled;
 
 pub fn repo() -> PathBuf {

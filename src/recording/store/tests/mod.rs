@@ -82,7 +82,7 @@ impl std::ops::Deref for TestStore {
 async fn new_config(backend: Backend, dir: &tempfile::TempDir) -> RecordingConfig {
     let mut cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
     if let Backend::Postgres = backend {
-        cfg.database_url = Some(crate::recording::postgres::testing::fresh_database().await);
+        cfg.database_url = Some(crate::db::postgres::testing::fresh_database().await);
     }
     cfg
 }

@@ -1,0 +1,71 @@
+//! A new session in cluster mode: the user's quota counted across the nodes (under the
+//! user's creation lock), then placed on the node with the most headroom.
+
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::forward::forward;
+use super::lists::peer_arrays;
+use super::peer::Node;
+use super::{refuse, Routed};
+use crate::api::e2b::E2bError;
+use crate::api::error::ApiError;
+use crate::api::AppState;
+use crate::session::SessionError;
+
+/// A new session: the user's sessions are counted on every node (one creation of a user at
+/// a time in the cluster, under its lock), then it is made on the node with the most
+/// headroom.
+pub(super) async fn create(
+    state: &AppState,
+    cluster: &Node,
+    caller: &Routed,
+    req: Request,
+    next: Next,
+) -> Response {
+    let user = &caller.user;
+    let lock = match cluster.lock_user(&user.name).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cluster: no creation lock");
+            return refuse(
+                caller.e2b,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "cluster_unavailable",
+                "the cluster's database does not answer; try again",
+            );
+        }
+    };
+    let elsewhere: usize = peer_arrays(cluster, user, "/v1/sessions")
+        .await
+        .iter()
+        .map(Vec::len)
+        .sum();
+    let here = state.registry.list(&user.name).len();
+    if here + elsewhere >= user.max_sessions {
+        let e = SessionError::Quota(format!(
+            "user {} already has {} sessions across the cluster (the limit); delete one first",
+            user.name,
+            here + elsewhere
+        ));
+        return if caller.e2b {
+            E2bError::from(e).into_response()
+        } else {
+            ApiError::from(e).into_response()
+        };
+    }
+    let resp = match cluster.place(user.limits.session_memory_bytes).await {
+        Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,
+        None if cluster.is_draining() => refuse(
+            caller.e2b,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "node_draining",
+            "this node is draining and no other node can take the session",
+        ),
+        None => next.run(req).await,
+    };
+    drop(lock);
+    resp
+}
