@@ -39,6 +39,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "sandbox",
             "kernel",
+            "egress",
             "wire",
             "sync",
             "descriptors",

@@ -105,7 +105,7 @@ impl Defaults {
             (Some(EgressMode::Allow) | None, Some(list)) => Some(
                 Policy::parse(&list, ports.as_deref(), "--egress-allow")
                     .and_then(|p| p.with_exempt(&exempt))
-                    .map_err(ConfigError::Invalid)?,
+                    ?,
             ),
             (Some(EgressMode::None) | None, None) => None,
         };
@@ -113,9 +113,10 @@ impl Defaults {
             .iter()
             .find_map(|n| crate::egress::check_exemption(n).err())
         {
-            return Err(ConfigError::Invalid(format!(
-                "--egress-allow-networks: {bad}"
-            )));
+            return Err(ConfigError::EgressNetwork {
+                what: "--egress-allow-networks",
+                source: bad,
+            });
         }
         Ok(Self {
             policy,
@@ -139,16 +140,14 @@ impl Defaults {
             Some([]) => None,
             Some(list) => Some(
                 Policy::parse(list, ports, &format!("egress_allow of user {name}"))
-                    .and_then(|p| p.with_exempt(&self.exempt))
-                    .map_err(ConfigError::Invalid)?,
+                    .and_then(|p| p.with_exempt(&self.exempt))?,
             ),
             None => match (&self.policy, entry.ports) {
                 (Some(_), Some(own)) => {
                     let list = self.default_patterns();
                     Some(
                         Policy::parse(&list, Some(own), &format!("egress_ports of user {name}"))
-                            .and_then(|p| p.with_exempt(&self.exempt))
-                            .map_err(ConfigError::Invalid)?,
+                            .and_then(|p| p.with_exempt(&self.exempt))?,
                     )
                 }
                 (p, _) => p.clone(),

@@ -48,6 +48,14 @@ pub enum ConfigError {
     Parse { path: PathBuf, reason: String },
     #[error("invalid setting: {0}")]
     Invalid(String),
+    #[error("invalid setting: {0}")]
+    Egress(#[from] crate::egress::PolicyError),
+    #[error("invalid setting: {what}: {source}")]
+    EgressNetwork {
+        what: &'static str,
+        #[source]
+        source: crate::egress::PolicyError,
+    },
 }
 
 #[derive(Debug, Deserialize)]

@@ -12,6 +12,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+use super::error::PolicyError;
+
 /// Why an address is not public.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocked(&'static str);
@@ -108,15 +110,13 @@ const NEVER: &[&str] = &[
 ];
 
 /// Checks a network an operator exempts from the filter (`--egress-allow-networks`).
-pub fn check_exemption(net: &IpNet) -> Result<(), String> {
+pub fn check_exemption(net: &IpNet) -> Result<(), PolicyError> {
     for never in NEVER {
         let Ok(never) = never.parse::<IpNet>() else {
             continue;
         };
         if never.contains(net) || net.contains(&never) || net.contains(&never.network()) {
-            return Err(format!(
-                "{net} reaches into {never}, which the egress proxy never connects to"
-            ));
+            return Err(PolicyError::ReachesNever { net: *net, never });
         }
     }
     Ok(())

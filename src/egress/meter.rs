@@ -95,17 +95,22 @@ impl UserMeter {
 
     /// Takes a connection place; `Err` with the refusal when all are taken. Counted before
     /// the check, so two at once cannot both take the last place.
-    pub fn connect(self: &Arc<Self>) -> Result<ConnectionPlace, String> {
+    pub fn connect(self: &Arc<Self>) -> Result<ConnectionPlace, ConnectionLimitReached> {
         let before = self.open.fetch_add(1, Ordering::AcqRel);
         let place = ConnectionPlace(self.clone());
         let max = self.egress.limits.max_connections;
         if max > 0 && before >= max {
-            return Err(format!(
-                "egress connection limit reached: this user may have {max} connections open"
-            ));
+            return Err(ConnectionLimitReached { max });
         }
         Ok(place)
     }
+}
+
+/// A user has as many egress connections open as it may.
+#[derive(Debug, thiserror::Error)]
+#[error("egress connection limit reached: this user may have {max} connections open")]
+pub struct ConnectionLimitReached {
+    pub max: usize,
 }
 
 /// A connection's place under the user's cap, given back on drop.

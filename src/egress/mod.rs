@@ -20,6 +20,7 @@
 //! server turns it into recording events).
 
 mod address;
+mod error;
 mod meter;
 mod policy;
 mod proxy;
@@ -32,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub use address::{check as check_address, check_exemption, Blocked};
+pub use error::PolicyError;
 pub use ipnet::IpNet;
 pub use meter::{UserLimits as EgressLimits, UserUsage};
 pub use policy::{Policy, Refusal, DEFAULT_PORTS};

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::address::{self, Blocked};
+use super::error::PolicyError;
 
 /// The ports allowed when a policy names none: plain HTTP and HTTPS.
 pub const DEFAULT_PORTS: [u16; 2] = [80, 443];
@@ -70,20 +71,30 @@ impl std::fmt::Display for Refusal {
 impl Policy {
     /// A policy from the allowlist's patterns and ports (`None` or empty: 80 and 443).
     /// `what` names the setting in errors (`--egress-allow`, `egress_allow of user x`).
-    pub fn parse(patterns: &[String], ports: Option<&[u16]>, what: &str) -> Result<Self, String> {
+    pub fn parse(
+        patterns: &[String],
+        ports: Option<&[u16]>,
+        what: &str,
+    ) -> Result<Self, PolicyError> {
         if patterns.is_empty() {
-            return Err(format!("{what} is empty: list at least one host"));
+            return Err(PolicyError::Empty { what: what.into() });
         }
         let hosts = patterns
             .iter()
-            .map(|p| parse_pattern(p).map_err(|e| format!("{what}: {p:?}: {e}")))
+            .map(|p| {
+                parse_pattern(p).map_err(|why| PolicyError::BadPattern {
+                    what: what.into(),
+                    pattern: p.clone(),
+                    why,
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let ports: BTreeSet<u16> = match ports {
             Some(list) if !list.is_empty() => list.iter().copied().collect(),
             _ => DEFAULT_PORTS.into_iter().collect(),
         };
         if ports.contains(&0) {
-            return Err(format!("{what}: port 0 is not a port"));
+            return Err(PolicyError::PortZero { what: what.into() });
         }
         Ok(Self {
             patterns: patterns.to_vec(),
@@ -131,7 +142,7 @@ impl Policy {
 
     /// The policy with non-public networks the proxy may connect to anyway; each must
     /// pass `address::check_exemption`.
-    pub fn with_exempt(mut self, nets: &[IpNet]) -> Result<Self, String> {
+    pub fn with_exempt(mut self, nets: &[IpNet]) -> Result<Self, PolicyError> {
         for n in nets {
             address::check_exemption(n)?;
         }
@@ -341,11 +352,16 @@ mod tests {
             ("-bad.org", "not a valid host name"),
         ];
         for (pattern, want) in cases {
-            let err = Policy::parse(&[pattern.to_string()], None, "egress_allow").unwrap_err();
+            let err = Policy::parse(&[pattern.to_string()], None, "egress_allow")
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(want), "{pattern:?}: {err}");
             assert!(err.starts_with("egress_allow: "), "{err}");
         }
-        assert!(Policy::parse(&[], None, "x").unwrap_err().contains("empty"));
+        assert!(Policy::parse(&[], None, "x")
+            .unwrap_err()
+            .to_string()
+            .contains("empty"));
         assert!(Policy::parse(&["a.org".into()], Some(&[0]), "x").is_err());
     }
 }

@@ -91,7 +91,8 @@ pub(super) async fn accept_loop(listener: TcpListener, ctx: Arc<Context>, stop: 
 async fn serve_connection(mut stream: TcpStream, ctx: Arc<Context>) {
     let place = match ctx.meter.connect() {
         Ok(place) => place,
-        Err(why) => {
+        Err(limit) => {
+            let why = limit.to_string();
             // Refused before its request is read: the answer is written as bytes, and the
             // client reads it as the answer to whatever it sends.
             ctx.refused("-", "", 0, why.clone());
