@@ -59,8 +59,8 @@ use super::{
     PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::cgroup::{read_counter, Leaf};
-use crate::sandbox::fork_server::{pidfd_open, pidfd_signal};
 use crate::sandbox::fsutil::{self, io_err, FileMode};
+use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
     thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
@@ -143,7 +143,7 @@ impl BackendKernel for DockerKernel {
         }
         if let Some(forked) = &shared.forked {
             // Straight to the kernel: no tini of its own stands between.
-            pidfd_signal(&forked.pidfd, libc::SIGINT)
+            pidfd::signal(&forked.pidfd, pidfd::Signal::INT)
                 .map_err(|e| fail(format!("cannot signal process {}: {e}", forked.host_pid)))?;
             tracing::debug!(session = %shared.watch.session_id, "sent SIGINT to the forked kernel");
             return Ok(());
@@ -180,7 +180,7 @@ impl Inner {
             return None;
         }
         let opened = match exec_pid(docker, exec_id).await {
-            Ok(pid) => pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
+            Ok(pid) => pidfd::open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
             Err(e) => Err(e),
         };
         match opened {

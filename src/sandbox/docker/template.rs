@@ -60,8 +60,10 @@ use super::{
 };
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer};
+use crate::sandbox::fork_server::{find_child, read_ready, ForkServer};
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched};
@@ -318,9 +320,7 @@ impl Inner {
             Err(e) => return fail(leaf, format!("the template: {e}")).await,
         };
         // Its Python is tini's child, `ready.pid` inside the container.
-        let host_pid = crate::sandbox::fork_server::children_of(tini)
-            .into_iter()
-            .find(|pid| namespace_pid(*pid) == Some(ready.pid));
+        let host_pid = child_with_namespace_pid(tini, ready.pid);
         let Some(host_pid) = host_pid else {
             return fail(leaf, "the template's process was not found".into()).await;
         };
@@ -415,7 +415,7 @@ impl Inner {
         let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
         if let Err(e) = template.server.go(&id).await {
             handle.terminate().await;
-            return Err(e);
+            return Err(e.to_string());
         }
         Ok(Launched {
             endpoints,
@@ -448,7 +448,10 @@ impl Inner {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         let server = &template.server;
-        let child = server.fork(&id, &args, &env, &connection).await?;
+        let child = server
+            .fork(&id, &args, &env, &connection)
+            .await
+            .map_err(|e| e.to_string())?;
         let Some((host_pid, pidfd)) = find_child(template.host_pid, child.inner_pid) else {
             server.drop_child(&id).await;
             server.set_broken();
@@ -478,7 +481,7 @@ impl Inner {
         match placed {
             Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
             Err(e) => {
-                let _ = crate::sandbox::fork_server::pidfd_signal(&pidfd, libc::SIGKILL);
+                let _ = pidfd::signal(&pidfd, pidfd::Signal::KILL);
                 server.drop_child(&spec.session_id.to_string()).await;
                 Err(format!(
                     "cannot move the forked kernel into its cgroup: {e}"

@@ -18,8 +18,9 @@ use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
 use crate::sandbox::cgroup::{read_counter, Cgroups, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
-use crate::sandbox::fork_server::{children_of, forked_status, namespace_pid};
+use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::procfs::{children_of, namespace_pid};
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
 use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
 

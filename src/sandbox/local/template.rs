@@ -36,7 +36,7 @@
 //! template that failed is not tried again for [`RETRY_AFTER`].
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -55,10 +55,10 @@ use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
-use crate::sandbox::fork_server::{
-    find_child, namespace_pid, pidfd_signal, read_ready, state_of, ForkServer,
-};
+use crate::sandbox::fork_server::{find_child, read_ready, ForkServer};
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::{namespace_pid, state_of};
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
@@ -152,7 +152,7 @@ impl Stem {
 
     fn kill(&self) {
         if let Some(pidfd) = &self.pidfd {
-            let _ = pidfd_signal(pidfd, libc::SIGKILL);
+            let _ = pidfd::signal(pidfd, pidfd::Signal::KILL);
         }
     }
 
@@ -170,14 +170,8 @@ impl Stem {
         if !matches!(state_of(self.host_pid), Some('R' | 'S' | 'D')) {
             return true;
         }
-        let mut fd = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll(2) on one valid pollfd, without waiting.
-        let n = unsafe { libc::poll(&mut fd, 1, 0) };
-        n != 0
+        // A poll that fails counts as ended: the stem is not trusted with a kernel.
+        pidfd::ended(pidfd).unwrap_or(true)
     }
 }
 
@@ -253,7 +247,7 @@ async fn new_stem(
         Ok(child) => child,
         Err(e) => {
             cgroups.remove_leaf(&leaf).await;
-            return Err(e);
+            return Err(e.to_string());
         }
     };
     let inner_pid = child.inner_pid;
@@ -424,7 +418,7 @@ impl LocalSandbox {
             Ok(r) => r,
             Err(e) => {
                 process.terminate().await;
-                return Err(fail(e));
+                return Err(fail(e.to_string()));
             }
         };
         let host_pid = started
@@ -622,7 +616,7 @@ impl LocalSandbox {
             .collect();
         if let Err(e) = server.go_as(&name, &args, &env, &connection_inside).await {
             handle.terminate().await;
-            return Err(e);
+            return Err(e.to_string());
         }
         tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
         Ok(Launched {

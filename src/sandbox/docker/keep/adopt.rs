@@ -16,8 +16,8 @@ use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
-use crate::sandbox::fork_server::pidfd_open;
 use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
 use crate::sync::lock;
@@ -95,7 +95,9 @@ impl Inner {
         // Under Podman, the watcher sees the end through a pidfd (`exec.rs`); a pid the
         // exec no longer holds is told apart below.
         let exec_pidfd = match (engine, ticket.exec_pid) {
-            (Engine::Podman, Some(pid)) => i32::try_from(pid).ok().and_then(|p| pidfd_open(p).ok()),
+            (Engine::Podman, Some(pid)) => {
+                i32::try_from(pid).ok().and_then(|p| pidfd::open(p).ok())
+            }
             _ => None,
         };
         let (watch, exit) = KernelWatch::new(session, ticket.user.clone(), LOST);
