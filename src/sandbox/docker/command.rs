@@ -22,10 +22,12 @@ use tokio::sync::watch;
 use tokio::time::timeout;
 use uuid::Uuid;
 
-use super::container::ContainerInfo;
 use super::daemon::error_text;
-use super::exec::{exec_output, SessionFiles, REAPER};
+use super::exec::SessionFiles;
 use super::place::place_kernel;
+use super::reaper::REAPER;
+use super::running::exec_output;
+use super::running::ContainerInfo;
 use super::{Inner, EXEC_TIMEOUT, PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};

@@ -48,11 +48,11 @@ use tokio::io::{BufReader, Interest};
 use tokio_util::io::StreamReader;
 use uuid::Uuid;
 
-use super::container::ContainerInfo;
 use super::exec::{
     base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
 };
 use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
+use super::running::ContainerInfo;
 use super::watch::watch_forked;
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,

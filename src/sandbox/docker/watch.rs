@@ -28,9 +28,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 use tokio::time::{sleep, timeout};
 
-use super::container::{container_reason, ContainerInfo};
 use super::daemon::{error_text, status_of};
-use super::exec::{exec_output, kernel_log_tail, reap, recorded_status, DockerKernel};
+use super::exec::{recorded_status, DockerKernel};
+use super::reaper::{kernel_log_tail, reap};
+use super::running::{container_reason, exec_output, ContainerInfo};
 use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};

@@ -8,10 +8,10 @@ use bollard::Docker;
 
 use super::ticket::{is_cgroup_dir, Ticket};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::docker::container::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
 use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
+use crate::sandbox::docker::running::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
