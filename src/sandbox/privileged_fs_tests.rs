@@ -56,7 +56,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/keep.rs", 4, "the broker's 0700 ticket directory"),
     ("src/sandbox/local/mod.rs", 2, "the broker's runtime base and its boot/ directory (the broker's own, 0700 base), at shutdown"),
     ("src/sandbox/local/reaper.rs", 1, "remove_dir_logged of an ended kernel's runtime directory"),
-    ("src/sandbox/local/template.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
+    ("src/sandbox/local/template/mod.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
     ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),
 ];
 
