@@ -17,19 +17,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use bollard::exec::{CreateExecOptions, StartExecOptions};
+use bollard::exec::CreateExecOptions;
 use bollard::Docker;
 use tokio::time::timeout;
 
 use super::daemon::error_text;
 use super::engine::Engine;
 use super::place::{exec_pid, wait_for_go};
-use super::running::{exec_output, ContainerInfo};
+use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, MAX_SOCKET_PATH, PYTHON_INSIDE, RUN_DIR_INSIDE,
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
-use crate::sandbox::cgroup::{read_counter, Leaf};
+use crate::sandbox::cgroup::Leaf;
 use crate::sandbox::fsutil::{self, io_err, FileMode};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
@@ -90,11 +90,8 @@ impl BackendKernel for DockerKernel {
         &self.watch
     }
 
-    fn memory_used(&self) -> Option<u64> {
-        if self.watch.has_exited() {
-            return None;
-        }
-        read_counter(&self.leaf.as_ref()?.memory_usage_file()?)
+    fn memory_usage_file(&self) -> Option<PathBuf> {
+        self.leaf.as_ref()?.memory_usage_file()
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.
@@ -194,22 +191,13 @@ impl Inner {
                     self.advice(&e)
                 )
             })?;
-        docker
-            .start_exec(
-                &exec.id,
-                Some(StartExecOptions {
-                    detach: true,
-                    ..Default::default()
-                }),
+        start_exec(docker, &exec.id, true).await.map_err(|e| {
+            format!(
+                "cannot start the kernel in {}: {}",
+                container.name,
+                self.advice(&e)
             )
-            .await
-            .map_err(|e| {
-                format!(
-                    "cannot start the kernel in {}: {}",
-                    container.name,
-                    self.advice(&e)
-                )
-            })?;
+        })?;
         Ok(exec.id)
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use bollard::errors::Error as DockerError;
-use bollard::exec::{CreateExecOptions, StartExecResults};
+use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
 use bollard::Docker;
 use futures::StreamExt;
 
@@ -111,4 +111,22 @@ pub(super) async fn exec_output(
     }
     let code = docker.inspect_exec(&exec.id).await?.exit_code.unwrap_or(-1);
     Ok((code, String::from_utf8_lossy(&text).into_owned()))
+}
+
+/// Starts exec `exec_id`: attached (its streams come back in the result) or, with `detach`,
+/// left to run on its own.
+pub(super) async fn start_exec(
+    docker: &Docker,
+    exec_id: &str,
+    detach: bool,
+) -> Result<StartExecResults, DockerError> {
+    docker
+        .start_exec(
+            exec_id,
+            Some(StartExecOptions {
+                detach,
+                ..Default::default()
+            }),
+        )
+        .await
 }

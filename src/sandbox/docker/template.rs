@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bollard::container::LogOutput;
-use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::unix::AsyncFd;
@@ -52,7 +52,7 @@ use super::exec::{
     base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
 };
 use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
-use super::running::ContainerInfo;
+use super::running::{start_exec, ContainerInfo};
 use super::watch::watch_forked;
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
@@ -264,14 +264,7 @@ impl Inner {
             )
             .await
             .map_err(|e| format!("cannot create the template's exec: {}", self.advice(&e)))?;
-        let attached = docker
-            .start_exec(
-                &exec.id,
-                Some(StartExecOptions {
-                    detach: false,
-                    ..Default::default()
-                }),
-            )
+        let attached = start_exec(docker, &exec.id, false)
             .await
             .map_err(|e| format!("cannot start the template: {}", self.advice(&e)))?;
         let StartExecResults::Attached { output, input } = attached else {
