@@ -127,7 +127,7 @@ impl Inner {
             Ok(leaf) => leaf.map(Arc::new),
             Err(e) => {
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_err(&user, e.to_string()));
             }
         };
         // Demultiplex the exec's output into two pipes the caller reads.

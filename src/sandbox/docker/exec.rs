@@ -149,7 +149,7 @@ impl Inner {
         }
         let opened = match exec_pid(docker, exec_id).await {
             Ok(pid) => pidfd::open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
-            Err(e) => Err(e),
+            Err(e) => Err(e.to_string()),
         };
         match opened {
             Ok(fd) => Some(fd),

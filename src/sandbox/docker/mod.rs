@@ -457,7 +457,7 @@ impl Inner {
                 // The kernel waits for a word that cannot come: it ends by itself; the
                 // reaper of a later end, or the container's removal, takes what is left.
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_err(&user, e.to_string()));
             }
         };
 

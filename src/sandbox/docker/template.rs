@@ -274,7 +274,8 @@ impl Inner {
         // (the leaf's removal) takes nothing else along.
         let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec.id))
             .await
-            .map_err(|_| "the daemon did not report the template's pid".to_string())??;
+            .map_err(|_| "the daemon did not report the template's pid".to_string())?
+            .map_err(|e| e.to_string())?;
         let limits = KernelLimits {
             memory_bytes: 0,
             pids: user.limits.session_pids,
@@ -283,13 +284,14 @@ impl Inner {
         let (cgroup, leaf) =
             tokio::task::spawn_blocking(move || leaf_for(tini, &leaf_name, &limits))
                 .await
-                .map_err(|e| e.to_string())??;
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
         let fail = |leaf: Leaf, why: String| async move {
             ContainerCgroup::remove_leaf(&leaf).await;
             Err(why)
         };
         if let Err(e) = let_go(host_dir) {
-            return fail(leaf, e).await;
+            return fail(leaf, e.to_string()).await;
         }
         let name = format!("{}/{}", user.name, spec.kernel_name);
         let log_name = name.clone();
