@@ -34,14 +34,8 @@ mod protocol;
 
 pub use protocol::{read_ready, Child, ForkServer, Ready};
 
-/// How long a template may take to import its modules and say it is ready.
-pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a fork may take to be answered.
-pub const FORK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a template that failed is left alone before the next try.
 pub const RETRY_AFTER: Duration = Duration::from_secs(60);
-/// The longest line the broker reads from a template (they are short JSON objects).
-pub const MAX_LINE: usize = 16 * 1024;
 /// How long a forked kernel's status may take to arrive from its template after the
 /// kernel ended (the template reaps at once; only a dead template never reports).
 pub const FORKED_STATUS_TIMEOUT: Duration = Duration::from_secs(2);

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
@@ -16,8 +17,14 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
 use tokio::time::timeout;
 
-use super::{FORK_TIMEOUT, MAX_LINE, READY_TIMEOUT};
 use crate::sync::lock;
+
+/// How long a template may take to import its modules and say it is ready.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a fork may take to be answered.
+pub const FORK_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest line the broker reads from a template (they are short JSON objects).
+pub const MAX_LINE: usize = 16 * 1024;
 
 /// A template's first line.
 #[derive(Debug, Deserialize)]
