@@ -9,7 +9,7 @@
 //!
 //! - `protocol.rs`: [`ForkServer`], the protocol client. Requests are JSON lines on the
 //!   template's stdin; one reader task hands each answer to whoever waits for it. The
-//!   template's output is untrusted: lines are bounded ([`read_line`]) and anything not
+//!   template's output is untrusted: lines are bounded ([`protocol::read_line`]) and anything not
 //!   understood breaks the template rather than being guessed at.
 //! - [`find_child`]: the host pid of the template's child that has a given pid inside the
 //!   sandbox, with a pidfd opened on it and re-checked after opening, so the pidfd is that
