@@ -15,7 +15,7 @@ use bollard::Docker;
 
 use super::daemon::error_text;
 use super::RUN_DIR_INSIDE;
-use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::cgroup::{CgroupNotFound, ContainerCgroup, Leaf};
 use crate::sandbox::fsutil;
 use crate::sandbox::{KernelLimits, SandboxError};
 
@@ -30,9 +30,8 @@ pub(super) enum PlaceError {
     ExecEnded,
     #[error("the daemon did not report the kernel exec's pid")]
     NoPid,
-    /// The process's container cgroup was not found (`ContainerCgroup::of_process`).
     #[error("{0}")]
-    NoContainerCgroup(String),
+    NoContainerCgroup(#[source] CgroupNotFound),
     /// The leaf was not made, or the process not moved into it.
     #[error("{0}")]
     Leaf(#[source] SandboxError),

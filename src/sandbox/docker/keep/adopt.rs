@@ -193,7 +193,7 @@ impl Inner {
             if !kept.iter().all(|d| d.is_dir()) {
                 return Err("the kept leaf is gone".into());
             }
-            let cgroup = ContainerCgroup::of_process(pid)?;
+            let cgroup = ContainerCgroup::of_process(pid).map_err(|e| e.to_string())?;
             let leaf = cgroup
                 .create_leaf(&session.to_string(), &limits)
                 .map_err(|e| e.to_string())?;
