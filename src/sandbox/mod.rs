@@ -21,8 +21,10 @@ pub(crate) mod fork_server;
 pub(crate) mod fsutil;
 pub mod local;
 pub(crate) mod netns;
+pub(crate) mod pidfd;
 #[cfg(test)]
 mod privileged_fs_tests;
+pub(crate) mod procfs;
 pub mod seccomp;
 pub(crate) mod template_slots;
 pub(crate) mod watched;

@@ -34,7 +34,7 @@ const PATH_CALLS: &[&str] = &[
 
 /// Where path-based calls stand, how many, and why each is safe.
 const ALLOWED: &[(&str, usize, &str)] = &[
-    ("src/sandbox/fsutil.rs", 4, "the broker's own state directories (data, workspaces, runtime base: parents the operator chose, checked to be the broker's); remove_dir_logged, whose std::fs::remove_dir_all opens the last component O_NOFOLLOW and walks by descriptor, called only on directories whose parents are the broker's"),
+    ("src/sandbox/fsutil/mod.rs", 4, "the broker's own state directories (data, workspaces, runtime base: parents the operator chose, checked to be the broker's); remove_dir_logged, whose std::fs::remove_dir_all opens the last component O_NOFOLLOW and walks by descriptor, called only on directories whose parents are the broker's"),
     ("src/sandbox/workspace_fs.rs", 9, "images and mount points in the broker's 0700 workspaces directory; lost+found removed (rmdir, never follows) right after mkfs, before any kernel; the workspace's own mode set on the mount point, whose parent is the broker's"),
     ("src/sandbox/docker/command.rs", 3, "remove_dir_logged of a command's session directory in the user's 0711 runtime directory"),
     ("src/sandbox/docker/container.rs", 2, "the user's runtime directory itself, in the broker's runtime base"),
@@ -56,7 +56,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/keep.rs", 4, "the broker's 0700 ticket directory"),
     ("src/sandbox/local/mod.rs", 2, "the broker's runtime base and its boot/ directory (the broker's own, 0700 base), at shutdown"),
     ("src/sandbox/local/reaper.rs", 1, "remove_dir_logged of an ended kernel's runtime directory"),
-    ("src/sandbox/local/template.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
+    ("src/sandbox/local/template/mod.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
     ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),
 ];
 

@@ -13,6 +13,7 @@
 //!   end them all.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,6 +24,7 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::cgroup::read_counter;
 use super::{ExitReason, KernelProcess, SandboxError};
 use crate::sync::lock;
 
@@ -145,9 +147,17 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn watch(&self) -> &KernelWatch;
     /// Delivers SIGINT to the kernel (and nothing else in its sandbox).
     async fn interrupt(&self) -> Result<(), SandboxError>;
-    /// The kernel's memory use now (see [`KernelProcess::memory_used`]).
-    fn memory_used(&self) -> Option<u64> {
+    /// The file that counts the kernel's memory use (its cgroup leaf's), if it has one.
+    fn memory_usage_file(&self) -> Option<PathBuf> {
         None
+    }
+    /// The kernel's memory use now (see [`KernelProcess::memory_used`]): none once it has
+    /// ended (its leaf's counter then says nothing about it).
+    fn memory_used(&self) -> Option<u64> {
+        if self.watch().has_exited() {
+            return None;
+        }
+        read_counter(&self.memory_usage_file()?)
     }
     /// A host process in the kernel's network namespace (see [`KernelProcess::network_pid`]).
     async fn network_pid(&self) -> Option<i32> {

@@ -54,7 +54,7 @@ mod nested;
 #[cfg(test)]
 mod tests;
 
-pub use nested::ContainerCgroup;
+pub use nested::{CgroupNotFound, ContainerCgroup};
 
 use std::collections::HashSet;
 use std::ffi::CString;

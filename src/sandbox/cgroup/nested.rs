@@ -26,6 +26,7 @@
 //! cgroupfs (below), since a test host runs only one of the two versions.
 
 use std::ffi::CString;
+use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -39,6 +40,21 @@ const INIT_LEAF: &str = "init";
 /// How often enabling the v2 controllers is retried while execs keep arriving.
 const ENABLE_ATTEMPTS: usize = 20;
 
+/// Why the container cgroup of a process was not found.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupNotFound {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the process is in no cgroup v2 and in no v1 memory and pids cgroups")]
+    NotInCgroup,
+    #[error("no cgroup2 file system is mounted")]
+    NoCgroup2Mount,
+}
+
 /// A container's cgroup directories (v1: memory then pids; v2: one). Never empty: only
 /// [`ContainerCgroup::from_texts`] makes one, with one or two directories.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,17 +65,18 @@ pub struct ContainerCgroup {
 
 impl ContainerCgroup {
     /// The cgroup of host process `pid` (a process of the container).
-    pub fn of_process(pid: i32) -> Result<Self, String> {
-        let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-            .map_err(|e| format!("cannot read /proc/{pid}/cgroup: {e}"))?;
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo")
-            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+    pub fn of_process(pid: i32) -> Result<Self, CgroupNotFound> {
+        let read = |path: PathBuf| {
+            std::fs::read_to_string(&path).map_err(|source| CgroupNotFound::Read { path, source })
+        };
+        let own = read(PathBuf::from(format!("/proc/{pid}/cgroup")))?;
+        let mounts = read(PathBuf::from("/proc/self/mountinfo"))?;
         Self::from_texts(&own, &parse_mountinfo(&mounts))
     }
 
     /// The directories of the cgroup that `/proc/<pid>/cgroup` (`proc_cgroup`) names, under
     /// the mounts given. v1 when both `memory` and `pids` hierarchies are mounted; else v2.
-    fn from_texts(proc_cgroup: &str, mounts: &[Mount]) -> Result<Self, String> {
+    fn from_texts(proc_cgroup: &str, mounts: &[Mount]) -> Result<Self, CgroupNotFound> {
         let v1_dir = |ctrl: &str| -> Option<PathBuf> {
             let path = proc_cgroup.lines().find_map(|l| {
                 let mut parts = l.splitn(3, ':');
@@ -80,11 +97,11 @@ impl ContainerCgroup {
         let path = proc_cgroup
             .lines()
             .find_map(|l| l.strip_prefix("0::"))
-            .ok_or("the process is in no cgroup v2 and in no v1 memory and pids cgroups")?;
+            .ok_or(CgroupNotFound::NotInCgroup)?;
         let m = mounts
             .iter()
             .find(|m| m.fs_type == "cgroup2")
-            .ok_or("no cgroup2 file system is mounted")?;
+            .ok_or(CgroupNotFound::NoCgroup2Mount)?;
         let mut dir = join_cgroup_path(&m.mount_point, &m.root, path);
         // A process already moved into our v2 `init/` leaf names that leaf.
         if dir.file_name().is_some_and(|n| n == INIT_LEAF) {

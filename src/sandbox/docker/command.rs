@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -22,10 +22,11 @@ use tokio::sync::watch;
 use tokio::time::timeout;
 use uuid::Uuid;
 
-use super::container::ContainerInfo;
 use super::daemon::error_text;
-use super::exec::{exec_output, SessionFiles, REAPER};
+use super::exec::SessionFiles;
 use super::place::place_kernel;
+use super::reaper::REAPER;
+use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{Inner, EXEC_TIMEOUT, PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
@@ -112,14 +113,7 @@ impl Inner {
             )
             .await
             .map_err(|e| fail("cannot create the command's exec", e))?;
-        let started = docker
-            .start_exec(
-                &exec.id,
-                Some(StartExecOptions {
-                    detach: false,
-                    ..Default::default()
-                }),
-            )
+        let started = start_exec(&docker, &exec.id, false)
             .await
             .map_err(|e| fail("cannot start the command", e))?;
         let StartExecResults::Attached { mut output, input } = started else {
@@ -133,7 +127,7 @@ impl Inner {
             Ok(leaf) => leaf.map(Arc::new),
             Err(e) => {
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_err(&user, e.to_string()));
             }
         };
         // Demultiplex the exec's output into two pipes the caller reads.

@@ -1,6 +1,6 @@
 //! A kernel in its user's container: the exec that runs it (its command, connection file
-//! and session directory), its own cgroup leaf, its interrupt, helper execs, and the reaper
-//! that ends what it started.
+//! and session directory), its own cgroup leaf, and its interrupt. What ends what it
+//! started is `reaper.rs`; one-off commands in the container are `running.rs`.
 //!
 //! Memory and processes are the kernel's own: the kernel's command first waits for a `go`
 //! file in its session directory; the broker meanwhile moves the exec's
@@ -10,57 +10,28 @@
 //! only one its leaf's OOM killer can pick. Where the broker cannot manage cgroups (not
 //! root, rootless daemons) it says so once in the log and writes `go` anyway: the kernel
 //! then runs under the container's (the user's) limits only.
-//!
-//! No process outlives its session. The container outlives each session, so a kernel's
-//! end must take along everything the kernel started, whatever it did to escape (a new
-//! session, a double fork, ignoring SIGTERM/SIGINT/SIGHUP), without touching the user's
-//! other sessions in the same container. Two mechanisms, both unprivileged and both inside
-//! the container (so they work the same with rootless Docker or Podman, where the host
-//! cannot signal the container's processes):
-//! - Each kernel runs under its own `tini -s`, a child subreaper: a daemon that double-forks
-//!   is reparented to its kernel's tini, not to the container's PID 1, so it stays in its
-//!   session's process subtree (and another session's end leaves it alone). tini also
-//!   reaps those orphans when they exit, so zombies do not pile up against the pids limit.
-//! - When a kernel ends (killed by the broker, or by itself), a reaper exec ([`REAPER`],
-//!   a short python script reading `/proc`) kills, until a scan finds none left, the
-//!   process subtree of that kernel's exec and every orphan reparented to PID 1 (all of
-//!   whose session has ended: a live session's orphans go to its tini), sparing PID 1's
-//!   own `sleep infinity`. Each round SIGSTOPs every target before SIGKILLing any, so a
-//!   process that forks in a loop cannot outrun it. The exec of a kernel is recognised by
-//!   parent pid 0 (only `docker exec` makes those; a kernel cannot) and its argv holding
-//!   its connection file, never by the pid file, which the kernel can overwrite. Other
-//!   execs (other kernels, interrupts, counters) are never targets. One reaper per
-//!   container at a time (`ContainerInfo::reaping`). Measured: ~0.1 s for a kernel with a
-//!   new-session child, a daemon, a signal-deaf process and a fork runner.
-//!   Limits: a process of the session that ptraces another session's tini could hide
-//!   under it (same uid: one trust domain, as said above); on shutdown the container is
-//!   removed whole instead.
-//!
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use bollard::errors::Error as DockerError;
-use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::exec::CreateExecOptions;
 use bollard::Docker;
-use futures::StreamExt;
 use tokio::time::timeout;
 
-use super::container::{container_reason, ContainerInfo};
 use super::daemon::error_text;
 use super::engine::Engine;
 use super::place::{exec_pid, wait_for_go};
+use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{
-    Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, LOG_TAIL_BYTES, MAX_EXEC_OUTPUT, MAX_SOCKET_PATH,
-    PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE, WORKSPACE_INSIDE,
+    Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, MAX_SOCKET_PATH, PYTHON_INSIDE, RUN_DIR_INSIDE,
+    TINI_INSIDE, WORKSPACE_INSIDE,
 };
-use crate::sandbox::cgroup::{read_counter, Leaf};
-use crate::sandbox::fork_server::{pidfd_open, pidfd_signal};
+use crate::sandbox::cgroup::Leaf;
 use crate::sandbox::fsutil::{self, io_err, FileMode};
+use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
     thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
@@ -119,16 +90,13 @@ impl BackendKernel for DockerKernel {
         &self.watch
     }
 
-    fn memory_used(&self) -> Option<u64> {
-        if self.watch.has_exited() {
-            return None;
-        }
-        read_counter(&self.leaf.as_ref()?.memory_usage_file()?)
+    fn memory_usage_file(&self) -> Option<PathBuf> {
+        self.leaf.as_ref()?.memory_usage_file()
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.
     async fn network_pid(&self) -> Option<i32> {
-        super::container::init_pid(&self.docker, &self.container).await
+        super::running::init_pid(&self.docker, &self.container).await
     }
 
     async fn interrupt(&self) -> Result<(), SandboxError> {
@@ -143,7 +111,7 @@ impl BackendKernel for DockerKernel {
         }
         if let Some(forked) = &shared.forked {
             // Straight to the kernel: no tini of its own stands between.
-            pidfd_signal(&forked.pidfd, libc::SIGINT)
+            pidfd::signal(&forked.pidfd, pidfd::Signal::INT)
                 .map_err(|e| fail(format!("cannot signal process {}: {e}", forked.host_pid)))?;
             tracing::debug!(session = %shared.watch.session_id, "sent SIGINT to the forked kernel");
             return Ok(());
@@ -180,8 +148,8 @@ impl Inner {
             return None;
         }
         let opened = match exec_pid(docker, exec_id).await {
-            Ok(pid) => pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
-            Err(e) => Err(e),
+            Ok(pid) => pidfd::open(pid).map_err(|e| format!("pidfd_open({pid}): {e}")),
+            Err(e) => Err(e.to_string()),
         };
         match opened {
             Ok(fd) => Some(fd),
@@ -223,22 +191,13 @@ impl Inner {
                     self.advice(&e)
                 )
             })?;
-        docker
-            .start_exec(
-                &exec.id,
-                Some(StartExecOptions {
-                    detach: true,
-                    ..Default::default()
-                }),
+        start_exec(docker, &exec.id, true).await.map_err(|e| {
+            format!(
+                "cannot start the kernel in {}: {}",
+                container.name,
+                self.advice(&e)
             )
-            .await
-            .map_err(|e| {
-                format!(
-                    "cannot start the kernel in {}: {}",
-                    container.name,
-                    self.advice(&e)
-                )
-            })?;
+        })?;
         Ok(exec.id)
     }
 }
@@ -379,168 +338,6 @@ impl SessionFiles {
             owner,
         )
     }
-}
-
-/// The reaper, run by the container's python (`-I -S`: no site, no current directory on
-/// the path, since `/workspace` is the kernel's) as the kernels' uid. Arguments: the ended
-/// kernel's connection file and log. It kills, until a scan of `/proc` finds none left:
-/// the process subtree of the exec whose argv holds that connection file (exec processes
-/// have parent 0 in the container's pid namespace; a kernel cannot make one), and every
-/// descendant of PID 1 except its first child (the container's `sleep infinity`, started
-/// before any exec, so no later process can have an earlier start time). Each round
-/// stops every target before killing any, so a forking process cannot outrun it; zombies
-/// are skipped (their parent reaps them). Prints `killed rounds`, exits 2 if processes
-/// were still appearing after the time limit.
-pub(super) const REAPER: &str = r#"
-import os, signal, sys, time
-conn, log, limit = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
-me = os.getpid()
-def scan():
-    procs = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rindex(b")") + 2:].split()
-        procs[int(name)] = (rest[0], int(rest[1]), int(rest[19]))
-    return procs
-def targets():
-    procs = scan()
-    children = {}
-    for pid, (_, ppid, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    roots = []
-    for pid in children.get(0, []):
-        if pid in (1, me):
-            continue
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if conn in argv:
-            roots.append(pid)
-    orphans = sorted(children.get(1, []), key=lambda p: (procs[p][2], p))
-    roots += orphans[1:]
-    found, stack = [], roots
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
-        if procs[pid][0] != b"Z":
-            found.append(pid)
-    return found
-def send(pids, sig):
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-try:
-    os.unlink(log)
-except OSError:
-    pass
-killed, rounds, deadline = set(), 0, time.monotonic() + limit
-while True:
-    found = targets()
-    if not found:
-        break
-    send(found, signal.SIGSTOP)
-    send(found, signal.SIGKILL)
-    killed.update(found)
-    rounds += 1
-    if time.monotonic() > deadline:
-        print(len(killed), rounds, "still", len(found))
-        sys.exit(2)
-    time.sleep(0.01)
-print(len(killed), rounds)
-"#;
-
-/// Runs [`REAPER`] in the kernel's container for this kernel, one reaper per container at
-/// a time. Called when a kernel is killed and when it ended by itself (then only its
-/// orphans are left). Failures are logged: a removed container has nothing left to reap.
-pub(super) async fn reap(docker: &Docker, shared: &DockerKernel) {
-    let conn = format!("{RUN_DIR_INSIDE}/{}/connection.json", shared.dir);
-    let log = kernel_log(&shared.dir);
-    let limit = REAP_LIMIT_SECS.to_string();
-    let cmd = [PYTHON_INSIDE, "-I", "-S", "-c", REAPER, &conn, &log, &limit];
-    let _serial = shared.container.reaping.lock().await;
-    let started = Instant::now();
-    let limit = EXEC_TIMEOUT + Duration::from_secs(u64::from(REAP_LIMIT_SECS));
-    match timeout(limit, exec_output(docker, &shared.container.id, &cmd)).await {
-        Ok(Ok((0, out))) => tracing::debug!(
-            session = %shared.watch.session_id,
-            killed_rounds = %out.trim(),
-            ms = started.elapsed().as_millis() as u64,
-            "reaped the kernel's processes"
-        ),
-        Ok(Ok((code, out))) => {
-            if container_reason(docker, &shared.container).await.is_some() {
-                // The container is gone (removed under the reaper): nothing is left.
-                tracing::debug!(session = %shared.watch.session_id, code, "reaper ended with its container");
-            } else {
-                tracing::warn!(
-                    session = %shared.watch.session_id,
-                    code,
-                    output = %out.trim(),
-                    "the reaper did not reach a fixed point; processes of the session may be left"
-                );
-            }
-        }
-        Ok(Err(e)) => {
-            tracing::debug!(session = %shared.watch.session_id, error = %error_text(&e), "reaper exec failed")
-        }
-        Err(_) => tracing::warn!(session = %shared.watch.session_id, "the reaper exec timed out"),
-    }
-}
-
-/// The end of a dead kernel's stdout/stderr (from the container's `/tmp`), then removes it.
-pub(super) async fn kernel_log_tail(docker: &Docker, shared: &DockerKernel) -> String {
-    let log = kernel_log(&shared.dir);
-    let script = format!("tail -c {LOG_TAIL_BYTES} {log} 2>/dev/null; rm -f {log}");
-    match timeout(
-        EXEC_TIMEOUT,
-        exec_output(docker, &shared.container.id, &["sh", "-c", &script]),
-    )
-    .await
-    {
-        Ok(Ok((_, out))) => out.trim().replace('\n', " | "),
-        _ => String::new(),
-    }
-}
-
-/// Runs a command in the container and collects its output (cut at [`MAX_EXEC_OUTPUT`])
-/// and exit code.
-pub(super) async fn exec_output(
-    docker: &Docker,
-    container: &str,
-    cmd: &[&str],
-) -> Result<(i64, String), DockerError> {
-    let exec = docker
-        .create_exec(
-            container,
-            CreateExecOptions {
-                cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
-                attach_stdout: Some(true),
-                attach_stderr: Some(true),
-                ..Default::default()
-            },
-        )
-        .await?;
-    let mut text = Vec::new();
-    if let StartExecResults::Attached { mut output, .. } = docker.start_exec(&exec.id, None).await?
-    {
-        while let Some(chunk) = output.next().await {
-            let bytes = chunk?.into_bytes();
-            let room = MAX_EXEC_OUTPUT.saturating_sub(text.len());
-            text.extend_from_slice(&bytes[..bytes.len().min(room)]);
-        }
-    }
-    let code = docker.inspect_exec(&exec.id).await?.exit_code.unwrap_or(-1);
-    Ok((code, String::from_utf8_lossy(&text).into_owned()))
 }
 
 #[cfg(test)]

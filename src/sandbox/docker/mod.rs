@@ -54,7 +54,7 @@
 //! if it cannot be given to uid 1000. Rootless Podman is tested so (docs/HOSTS-podman.md:
 //! container uid 1000 is a subordinate uid the broker cannot chown to); rootless Docker is not.
 //! Whatever the engine, a new user container's cgroup must enforce the limits asked for
-//! (`container::verify_limits`), or the launch fails (`require_limits`).
+//! (`limits::verify_limits`), or the launch fails (`require_limits`).
 //!
 //! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
 //! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
@@ -71,7 +71,10 @@ mod daemon;
 mod engine;
 mod exec;
 mod keep;
+mod limits;
 mod place;
+mod reaper;
+mod running;
 mod template;
 mod watch;
 
@@ -88,11 +91,12 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub use self::config::DockerSandboxConfig;
-use self::container::{choose_run_base, ContainerInfo};
+use self::container::choose_run_base;
 use self::daemon::{error_text, socket_path, status_of};
 use self::engine::Engine;
 use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
 use self::place::place_kernel;
+use self::running::ContainerInfo;
 use self::watch::watch_kernel;
 use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
@@ -453,7 +457,7 @@ impl Inner {
                 // The kernel waits for a word that cannot come: it ends by itself; the
                 // reaper of a later end, or the container's removal, takes what is left.
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_err(&user, e.to_string()));
             }
         };
 

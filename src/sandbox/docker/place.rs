@@ -4,18 +4,46 @@
 //! ([`wait_for_go`]) while the broker (root on the host) finds its host pid, makes the
 //! leaf and moves it there ([`leaf_for`]), then writes the word ([`let_go`]).
 
+use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use bollard::errors::Error as DockerError;
 use bollard::Docker;
 
 use super::daemon::error_text;
 use super::RUN_DIR_INSIDE;
-use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::cgroup::{CgroupNotFound, ContainerCgroup, Leaf};
 use crate::sandbox::fsutil;
-use crate::sandbox::KernelLimits;
+use crate::sandbox::{KernelLimits, SandboxError};
+
+/// Why a process was not placed in a leaf of its own, or not let go.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum PlaceError {
+    #[error("the broker does not run as root")]
+    NotRoot,
+    #[error("cannot inspect the kernel's exec: {}", error_text(.0))]
+    Inspect(#[source] DockerError),
+    #[error("the kernel's exec ended before it was placed")]
+    ExecEnded,
+    #[error("the daemon did not report the kernel exec's pid")]
+    NoPid,
+    #[error("{0}")]
+    NoContainerCgroup(#[source] CgroupNotFound),
+    /// The leaf was not made, or the process not moved into it.
+    #[error("{0}")]
+    Leaf(#[source] SandboxError),
+    #[error("placing the kernel failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    #[error("cannot let the process start ({}): {source}", path.display())]
+    LetGo {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
 
 /// The shell loop that waits for the broker's word ([`GO_FILE`] in the session directory).
 pub(super) fn wait_for_go(dir: &str) -> String {
@@ -40,10 +68,10 @@ pub(super) async fn place_kernel(
     host_dir: &Path,
     session: &str,
     limits: &KernelLimits,
-) -> Result<Option<Leaf>, String> {
+) -> Result<Option<Leaf>, PlaceError> {
     let pid = match exec_id {
         Some(id) => exec_pid(docker, id).await,
-        None => Err("the broker does not run as root".to_string()),
+        None => Err(PlaceError::NotRoot),
     };
     let leaf = match pid {
         Ok(pid) => {
@@ -51,7 +79,7 @@ pub(super) async fn place_kernel(
             let limits = *limits;
             tokio::task::spawn_blocking(move || leaf_for(pid, &session, &limits).map(|(_, l)| l))
                 .await
-                .map_err(|e| format!("placing the kernel failed: {e}"))
+                .map_err(PlaceError::Task)
                 .and_then(|r| r)
         }
         Err(e) => Err(e),
@@ -80,9 +108,11 @@ pub(super) async fn place_kernel(
 /// directory (the broker's) without following any symlink, and `go` is created in that
 /// descriptor with `O_CREAT | O_EXCL | O_NOFOLLOW`: a planted `go` fails the launch instead
 /// of being followed (docs/SECURITY.md).
-pub(super) fn let_go(host_dir: &Path) -> Result<(), String> {
-    let go = host_dir.join(GO_FILE);
-    let fail = |e: std::io::Error| format!("cannot let the process start ({}): {e}", go.display());
+pub(super) fn let_go(host_dir: &Path) -> Result<(), PlaceError> {
+    let fail = |source: io::Error| PlaceError::LetGo {
+        path: host_dir.join(GO_FILE),
+        source,
+    };
     let (Some(parent), Some(name)) = (host_dir.parent(), host_dir.file_name()) else {
         return Err(fail(std::io::ErrorKind::InvalidInput.into()));
     };
@@ -105,42 +135,40 @@ pub(super) fn leaf_for(
     pid: i32,
     name: &str,
     limits: &KernelLimits,
-) -> Result<(ContainerCgroup, Leaf), String> {
-    let cgroup = ContainerCgroup::of_process(pid)?;
-    let leaf = cgroup
-        .create_leaf(name, limits)
-        .map_err(|e| e.to_string())?;
+) -> Result<(ContainerCgroup, Leaf), PlaceError> {
+    let cgroup = ContainerCgroup::of_process(pid).map_err(PlaceError::NoContainerCgroup)?;
+    let leaf = cgroup.create_leaf(name, limits).map_err(PlaceError::Leaf)?;
     if let Err(e) = ContainerCgroup::enter(&leaf, pid) {
         for dir in leaf.dirs() {
             let _ = std::fs::remove_dir(dir);
         }
-        return Err(e.to_string());
+        return Err(PlaceError::Leaf(e));
     }
     Ok((cgroup, leaf))
 }
 
 /// The host pid of an exec's first process (the daemon knows it once the exec started).
-pub(super) async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, String> {
+pub(super) async fn exec_pid(docker: &Docker, exec_id: &str) -> Result<i32, PlaceError> {
     // An attached exec's start returns once the streams are attached, maybe before its
     // process runs: until then the daemon reports it neither running nor exited.
     for _ in 0..250 {
         let exec = docker
             .inspect_exec(exec_id)
             .await
-            .map_err(|e| format!("cannot inspect the kernel's exec: {}", error_text(&e)))?;
+            .map_err(PlaceError::Inspect)?;
         match exec.pid.and_then(|p| i32::try_from(p).ok()) {
             Some(pid) if pid > 0 => return Ok(pid),
             _ if exec.running == Some(false) && exec.exit_code.is_some() => {
-                return Err("the kernel's exec ended before it was placed".to_string())
+                return Err(PlaceError::ExecEnded)
             }
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
-    Err("the daemon did not report the kernel exec's pid".to_string())
+    Err(PlaceError::NoPid)
 }
 
 /// Kernels without a leaf of their own are worth one warning, not one per launch.
-fn warn_once_unplaced(why: &str) {
+fn warn_once_unplaced(why: &PlaceError) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     WARNED.call_once(|| {
         tracing::warn!(

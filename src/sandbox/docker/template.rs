@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bollard::container::LogOutput;
-use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::unix::AsyncFd;
@@ -48,11 +48,11 @@ use tokio::io::{BufReader, Interest};
 use tokio_util::io::StreamReader;
 use uuid::Uuid;
 
-use super::container::ContainerInfo;
 use super::exec::{
     base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
 };
 use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
+use super::running::{start_exec, ContainerInfo};
 use super::watch::watch_forked;
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
@@ -60,8 +60,10 @@ use super::{
 };
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::fork_server::{find_child, namespace_pid, read_ready, ForkServer};
+use crate::sandbox::fork_server::{find_child, read_ready, ForkServer};
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched};
@@ -262,14 +264,7 @@ impl Inner {
             )
             .await
             .map_err(|e| format!("cannot create the template's exec: {}", self.advice(&e)))?;
-        let attached = docker
-            .start_exec(
-                &exec.id,
-                Some(StartExecOptions {
-                    detach: false,
-                    ..Default::default()
-                }),
-            )
+        let attached = start_exec(docker, &exec.id, false)
             .await
             .map_err(|e| format!("cannot start the template: {}", self.advice(&e)))?;
         let StartExecResults::Attached { output, input } = attached else {
@@ -279,7 +274,8 @@ impl Inner {
         // (the leaf's removal) takes nothing else along.
         let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec.id))
             .await
-            .map_err(|_| "the daemon did not report the template's pid".to_string())??;
+            .map_err(|_| "the daemon did not report the template's pid".to_string())?
+            .map_err(|e| e.to_string())?;
         let limits = KernelLimits {
             memory_bytes: 0,
             pids: user.limits.session_pids,
@@ -288,13 +284,14 @@ impl Inner {
         let (cgroup, leaf) =
             tokio::task::spawn_blocking(move || leaf_for(tini, &leaf_name, &limits))
                 .await
-                .map_err(|e| e.to_string())??;
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
         let fail = |leaf: Leaf, why: String| async move {
             ContainerCgroup::remove_leaf(&leaf).await;
             Err(why)
         };
         if let Err(e) = let_go(host_dir) {
-            return fail(leaf, e).await;
+            return fail(leaf, e.to_string()).await;
         }
         let name = format!("{}/{}", user.name, spec.kernel_name);
         let log_name = name.clone();
@@ -318,9 +315,7 @@ impl Inner {
             Err(e) => return fail(leaf, format!("the template: {e}")).await,
         };
         // Its Python is tini's child, `ready.pid` inside the container.
-        let host_pid = crate::sandbox::fork_server::children_of(tini)
-            .into_iter()
-            .find(|pid| namespace_pid(*pid) == Some(ready.pid));
+        let host_pid = child_with_namespace_pid(tini, ready.pid);
         let Some(host_pid) = host_pid else {
             return fail(leaf, "the template's process was not found".into()).await;
         };
@@ -415,7 +410,7 @@ impl Inner {
         let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
         if let Err(e) = template.server.go(&id).await {
             handle.terminate().await;
-            return Err(e);
+            return Err(e.to_string());
         }
         Ok(Launched {
             endpoints,
@@ -448,7 +443,10 @@ impl Inner {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         let server = &template.server;
-        let child = server.fork(&id, &args, &env, &connection).await?;
+        let child = server
+            .fork(&id, &args, &env, &connection)
+            .await
+            .map_err(|e| e.to_string())?;
         let Some((host_pid, pidfd)) = find_child(template.host_pid, child.inner_pid) else {
             server.drop_child(&id).await;
             server.set_broken();
@@ -478,7 +476,7 @@ impl Inner {
         match placed {
             Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
             Err(e) => {
-                let _ = crate::sandbox::fork_server::pidfd_signal(&pidfd, libc::SIGKILL);
+                let _ = pidfd::signal(&pidfd, pidfd::Signal::KILL);
                 server.drop_child(&spec.session_id.to_string()).await;
                 Err(format!(
                     "cannot move the forked kernel into its cgroup: {e}"

@@ -28,14 +28,16 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 use tokio::time::{sleep, timeout};
 
-use super::container::{container_reason, ContainerInfo};
 use super::daemon::{error_text, status_of};
-use super::exec::{exec_output, kernel_log_tail, reap, recorded_status, DockerKernel};
+use super::exec::{recorded_status, DockerKernel};
+use super::reaper::{kernel_log_tail, reap};
+use super::running::{container_reason, exec_output, ContainerInfo};
 use super::{Inner, DAEMON_GRACE, EXEC_TIMEOUT, POLL_INTERVAL, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::pidfd;
 use crate::sandbox::watched::ExitPublisher;
 use crate::sandbox::ExitReason;
 use crate::sync::lock;
@@ -233,7 +235,7 @@ async fn poll_exec(docker: &Docker, shared: &DockerKernel) -> Poll {
             // pidfd says, and the kernel's command wrote the status.
             Ok(exec) if exec.running == Some(true) => {
                 return match &shared.exec_pidfd {
-                    Some(fd) if pidfd_ended(fd) => {
+                    Some(fd) if pidfd::ended(fd).unwrap_or(false) => {
                         Poll::Ended(classify_unreported_exec_end(docker, shared).await)
                     }
                     _ => Poll::Running,
@@ -349,19 +351,6 @@ async fn classify_unreported_end(docker: &Docker, shared: &DockerKernel) -> Exit
     }
 }
 
-/// Whether the process of `pidfd` has ended (it polls readable then), without waiting.
-fn pidfd_ended(pidfd: &OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: poll(2) on one valid pollfd, with no timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
-}
-
 /// Why a kernel that ended unwatched under Podman has no exit status.
 pub const UNREPORTED_END: &str = "the kernel ended without a recorded exit status, and the \
      daemon (Podman) does not report how a detached exec ended";
@@ -423,7 +412,7 @@ async fn kill_kernel(docker: &Docker, shared: &DockerKernel, reap_first: bool) {
     while Instant::now() < deadline {
         // Under Podman the exec never reads as ended (`engine.rs`): its process's pidfd says.
         if let Some(fd) = &shared.exec_pidfd {
-            if pidfd_ended(fd) {
+            if pidfd::ended(fd).unwrap_or(false) {
                 return;
             }
             sleep(Duration::from_millis(100)).await;

@@ -171,7 +171,7 @@ pub(super) fn open_pidfd(pid: i32, start: u64) -> Option<OwnedFd> {
     if pid <= 0 {
         return None;
     }
-    let fd = crate::sandbox::fork_server::pidfd_open(pid).ok()?;
+    let fd = crate::sandbox::pidfd::open(pid).ok()?;
     (start_time(pid) == Some(start)).then_some(fd)
 }
 

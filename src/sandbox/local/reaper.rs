@@ -16,10 +16,11 @@ use tokio::process::Child;
 
 use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
-use crate::sandbox::cgroup::{read_counter, Cgroups, Leaf};
+use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
-use crate::sandbox::fork_server::{children_of, forked_status, namespace_pid};
+use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::procfs::{children_of, namespace_pid};
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
 use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
 
@@ -47,11 +48,8 @@ impl BackendKernel for LocalKernel {
         &self.watch
     }
 
-    fn memory_used(&self) -> Option<u64> {
-        if self.watch.has_exited() {
-            return None;
-        }
-        read_counter(self.memory_usage.as_deref()?)
+    fn memory_usage_file(&self) -> Option<PathBuf> {
+        self.memory_usage.clone()
     }
 
     /// The sandbox's init (a plain start: one network namespace per kernel) or the forked

@@ -8,16 +8,16 @@ use bollard::Docker;
 
 use super::ticket::{is_cgroup_dir, Ticket};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::docker::container::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
 use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
+use crate::sandbox::docker::running::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
-use crate::sandbox::fork_server::pidfd_open;
 use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
 use crate::sync::lock;
@@ -95,7 +95,9 @@ impl Inner {
         // Under Podman, the watcher sees the end through a pidfd (`exec.rs`); a pid the
         // exec no longer holds is told apart below.
         let exec_pidfd = match (engine, ticket.exec_pid) {
-            (Engine::Podman, Some(pid)) => i32::try_from(pid).ok().and_then(|p| pidfd_open(p).ok()),
+            (Engine::Podman, Some(pid)) => {
+                i32::try_from(pid).ok().and_then(|p| pidfd::open(p).ok())
+            }
             _ => None,
         };
         let (watch, exit) = KernelWatch::new(session, ticket.user.clone(), LOST);
@@ -191,7 +193,7 @@ impl Inner {
             if !kept.iter().all(|d| d.is_dir()) {
                 return Err("the kept leaf is gone".into());
             }
-            let cgroup = ContainerCgroup::of_process(pid)?;
+            let cgroup = ContainerCgroup::of_process(pid).map_err(|e| e.to_string())?;
             let leaf = cgroup
                 .create_leaf(&session.to_string(), &limits)
                 .map_err(|e| e.to_string())?;

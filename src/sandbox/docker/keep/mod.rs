@@ -49,9 +49,9 @@ use uuid::Uuid;
 
 use self::ticket::{load_tickets, sweep_runtime, ticket_path, write_ticket, TICKET_VERSION};
 pub(crate) use self::ticket::{session_dir, Ticket};
-use super::container::ContainerInfo;
 use super::daemon::error_text;
 use super::exec::DockerKernel;
+use super::running::ContainerInfo;
 use super::{unavailable, Inner, UserSlot, LABEL_USER};
 use crate::sandbox::fsutil::{create_private_dir, remove_dir_logged};
 use crate::sandbox::{AdoptError, KernelLimits, SandboxError, SandboxUser};

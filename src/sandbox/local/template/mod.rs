@@ -36,7 +36,7 @@
 //! template that failed is not tried again for [`RETRY_AFTER`].
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -45,7 +45,6 @@ use std::time::Instant;
 use async_trait::async_trait;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{BufReader, Interest};
-use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use super::files::endpoints_for;
@@ -54,17 +53,18 @@ use super::process::StartOptions;
 use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
-use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
-use crate::sandbox::fork_server::{
-    find_child, namespace_pid, pidfd_signal, read_ready, state_of, ForkServer,
-};
+use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::fork_server::{read_ready, ForkServer};
 use crate::sandbox::fsutil::{self, launch_err, FileMode};
+use crate::sandbox::procfs::namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{
-    KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
-};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser};
 use crate::sync::lock;
+
+mod stem;
+
+use self::stem::{claim, new_stem, template_limits, Stem};
 
 /// The templates of one sandbox, by user and kernel spec.
 #[derive(Default)]
@@ -122,211 +122,6 @@ pub(super) struct Template {
     stemming: AtomicBool,
     /// Set when it is ended: a stem made meanwhile is discarded, not kept.
     ended: AtomicBool,
-}
-
-/// A child of a template, in a cgroup leaf of its own, waiting to be told which kernel to
-/// become. Its leaf is its own from the start: it has run nothing but the fork. Dropped
-/// before it became a kernel (a launch given up half-way), it is killed and its leaf
-/// removed.
-struct Stem {
-    /// Its id with the template, and the name of its runtime directory once it is a kernel.
-    name: String,
-    host_pid: i32,
-    /// These three are taken when it becomes a kernel (its reaper has them then); the leaf
-    /// also when it is discarded.
-    pidfd: Option<OwnedFd>,
-    status: Option<oneshot::Receiver<i32>>,
-    leaf: Option<Leaf>,
-    cgroups: Arc<Cgroups>,
-}
-
-impl Stem {
-    /// Kills it and removes its leaf.
-    async fn discard(mut self, server: &ForkServer) {
-        self.kill();
-        server.drop_child(&self.name).await;
-        if let Some(leaf) = self.leaf.take() {
-            self.cgroups.remove_leaf(&leaf).await;
-        }
-    }
-
-    fn kill(&self) {
-        if let Some(pidfd) = &self.pidfd {
-            let _ = pidfd_signal(pidfd, libc::SIGKILL);
-        }
-    }
-
-    /// Its pidfd, exit status and leaf, for the kernel it becomes.
-    fn into_parts(mut self) -> Option<(OwnedFd, oneshot::Receiver<i32>, Leaf)> {
-        Some((self.pidfd.take()?, self.status.take()?, self.leaf.take()?))
-    }
-
-    /// Whether it cannot become a kernel: it has ended (its pidfd polls readable), or is
-    /// stopped (a kernel of the same user may SIGSTOP it: released, it would never answer).
-    fn unusable(&self) -> bool {
-        let Some(pidfd) = &self.pidfd else {
-            return true;
-        };
-        if !matches!(state_of(self.host_pid), Some('R' | 'S' | 'D')) {
-            return true;
-        }
-        let mut fd = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll(2) on one valid pollfd, without waiting.
-        let n = unsafe { libc::poll(&mut fd, 1, 0) };
-        n != 0
-    }
-}
-
-impl Drop for Stem {
-    fn drop(&mut self) {
-        let Some(leaf) = self.leaf.take() else { return };
-        self.kill();
-        let cgroups = self.cgroups.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { cgroups.remove_leaf(&leaf).await });
-        }
-    }
-}
-
-impl Template {
-    fn take_stem(&self) -> Option<Stem> {
-        lock(&self.stem).take()
-    }
-
-    /// Makes the next stem in the background, unless there is one or one is on its way.
-    /// Only on cgroup v1: a stem's leaf becomes the session's by a rename, which v2 does not
-    /// allow (there a kernel is forked and moved when it is asked for).
-    fn ensure_stem(self: &Arc<Self>, user: &SandboxUser, cgroups: &Arc<Cgroups>) {
-        if cgroups.version() != CgroupVersion::V1
-            || self.ended.load(Ordering::SeqCst)
-            || !self.server.usable()
-            || lock(&self.stem).is_some()
-            || self.stemming.swap(true, Ordering::SeqCst)
-        {
-            return;
-        }
-        let (template, user, cgroups) = (self.clone(), user.clone(), cgroups.clone());
-        tokio::spawn(async move {
-            let limits = template_limits(&user);
-            match new_stem(&template, &user, Uuid::new_v4(), limits, &cgroups).await {
-                Ok(stem) => {
-                    *lock(&template.stem) = Some(stem);
-                    // `end` sets `ended` before it takes the stem: either it took this one,
-                    // or this sees it ended.
-                    if template.ended.load(Ordering::SeqCst) {
-                        if let Some(stem) = template.take_stem() {
-                            stem.discard(&template.server).await;
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::info!(user = %user.name, error = %e, "no stem made; the next kernel is forked when asked")
-                }
-            }
-            template.stemming.store(false, Ordering::SeqCst);
-        });
-    }
-}
-
-/// A child of `template` in a new leaf named `leaf_name` with `limits`.
-async fn new_stem(
-    template: &Template,
-    user: &SandboxUser,
-    leaf_name: Uuid,
-    limits: KernelLimits,
-    cgroups: &Arc<Cgroups>,
-) -> Result<Stem, String> {
-    let server = &template.server;
-    let leaf = {
-        let (cg, name, user_limits) = (cgroups.clone(), user.name.clone(), user.limits.clone());
-        tokio::task::spawn_blocking(move || cg.create_leaf(&name, &user_limits, &limits, leaf_name))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?
-    };
-    let name = server.next_name();
-    let child = match server.fork_stem(&name).await {
-        Ok(child) => child,
-        Err(e) => {
-            cgroups.remove_leaf(&leaf).await;
-            return Err(e);
-        }
-    };
-    let inner_pid = child.inner_pid;
-    // The child waits for `go`; until then only the broker acts on it.
-    let Some((host_pid, pidfd)) = find_child(template.host_pid, inner_pid) else {
-        server.drop_child(&name).await;
-        server.set_broken();
-        cgroups.remove_leaf(&leaf).await;
-        return Err(format!("its child {inner_pid} is not among its processes"));
-    };
-    let stem = Stem {
-        name,
-        host_pid,
-        pidfd: Some(pidfd),
-        status: Some(child.status),
-        leaf: Some(leaf),
-        cgroups: cgroups.clone(),
-    };
-    // The move into the leaf waits for an RCU grace period (cgroup v1): off the runtime.
-    let (stem, entered) = tokio::task::spawn_blocking(move || {
-        let entered = stem
-            .leaf
-            .as_ref()
-            .map_or(Ok(()), |l| l.enter(stem.host_pid));
-        (stem, entered)
-    })
-    .await
-    .map_err(|e| e.to_string())?;
-    if let Err(e) = entered {
-        stem.discard(server).await;
-        return Err(format!("cannot move it into its cgroup: {e}"));
-    }
-    Ok(stem)
-}
-
-/// Makes `stem` (made ahead of need) the child of `session`: alive, its leaf renamed after
-/// the session and given the session's limits.
-async fn claim(
-    stem: Stem,
-    template: &Template,
-    session: Uuid,
-    limits: KernelLimits,
-    cgroups: &Arc<Cgroups>,
-) -> Result<Stem, String> {
-    if stem.unusable() {
-        stem.discard(&template.server).await;
-        return Err("it has ended or is stopped".into());
-    }
-    let cg = cgroups.clone();
-    let (stem, claimed) = tokio::task::spawn_blocking(move || {
-        let mut stem = stem;
-        let claimed = match stem.leaf.as_mut() {
-            Some(leaf) => cg.claim_leaf(leaf, session, &limits),
-            None => Ok(()),
-        };
-        (stem, claimed)
-    })
-    .await
-    .map_err(|e| e.to_string())?;
-    if let Err(e) = claimed {
-        stem.discard(&template.server).await;
-        return Err(e.to_string());
-    }
-    Ok(stem)
-}
-
-/// A template's own leaf limits, which a stem has until it is claimed: no memory limit of
-/// its own (the user's total binds it), one session's processes.
-fn template_limits(user: &SandboxUser) -> KernelLimits {
-    KernelLimits {
-        memory_bytes: 0,
-        pids: user.limits.session_pids,
-    }
 }
 
 #[async_trait]
@@ -424,7 +219,7 @@ impl LocalSandbox {
             Ok(r) => r,
             Err(e) => {
                 process.terminate().await;
-                return Err(fail(e));
+                return Err(fail(e.to_string()));
             }
         };
         let host_pid = started
@@ -622,7 +417,7 @@ impl LocalSandbox {
             .collect();
         if let Err(e) = server.go_as(&name, &args, &env, &connection_inside).await {
             handle.terminate().await;
-            return Err(e);
+            return Err(e.to_string());
         }
         tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
         Ok(Launched {

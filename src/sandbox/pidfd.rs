@@ -1,0 +1,61 @@
+//! Process descriptors (pidfds): a handle on one process that never names another one
+//! after its pid is reused. The broker watches forked kernels, Podman execs and kept
+//! kernels through them and signals through them (an interrupt or a kill never reaches a
+//! process that took a dead kernel's pid).
+//!
+//! Built on rustix's `pidfd_open`, `pidfd_send_signal` and `poll`, so this file holds no
+//! `unsafe`.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::process::{pidfd_open, pidfd_send_signal, Pid, PidfdFlags};
+
+pub use rustix::process::Signal;
+
+/// A pidfd of host process `pid` (non-blocking: it polls readable once the process ended).
+pub fn open(pid: i32) -> io::Result<OwnedFd> {
+    // A pid that is not positive names no one process (and rustix asks for one that is).
+    let pid =
+        Pid::from_raw(pid.max(0)).ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+    Ok(pidfd_open(pid, PidfdFlags::NONBLOCK)?)
+}
+
+/// Sends `signal` to the process of `pidfd` (never to a process that reused its pid).
+pub fn signal(pidfd: impl AsFd, signal: Signal) -> io::Result<()> {
+    Ok(pidfd_send_signal(pidfd, signal)?)
+}
+
+/// Whether the process of `pidfd` has ended (its pidfd polls readable then), without
+/// waiting.
+pub fn ended(pidfd: impl AsFd) -> io::Result<bool> {
+    let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    let n = poll(&mut fds, Some(&now))?;
+    let ready = PollFlags::IN | PollFlags::HUP | PollFlags::ERR;
+    Ok(n > 0 && fds[0].revents().intersects(ready))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pidfd_polls_readable_once_its_process_ended() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let fd = open(child.id() as i32).unwrap();
+        assert!(!ended(&fd).unwrap());
+        signal(&fd, Signal::KILL).unwrap();
+        child.wait().unwrap();
+        assert!(ended(&fd).unwrap());
+        assert!(open(0).is_err());
+        assert!(open(-1).is_err());
+    }
+}

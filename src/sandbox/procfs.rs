@@ -1,0 +1,98 @@
+//! The few procfs readings the sandboxes rest on: a process's children, its parent, its
+//! state letter, and its pid inside its innermost pid namespace (`NSpid`), which is what ties
+//! a pid inside a sandbox to the host's.
+//!
+//! procfs is read by hand: the few fields needed (`task/<tid>/children`, the last `NSpid`
+//! of `status`, the parent and state in `stat`) do not justify a procfs crate.
+
+/// The children of `pid` (of its main thread): `/proc/<pid>/task/<pid>/children`, or a
+/// scan of `/proc` where the kernel does not provide that file.
+pub fn children_of(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|| children_by_scan(pid))
+}
+
+/// The host pid of the child of `parent` that is `inner` in its pid namespace, if any.
+pub fn child_with_namespace_pid(parent: i32, inner: i32) -> Option<i32> {
+    children_of(parent)
+        .into_iter()
+        .find(|pid| namespace_pid(*pid) == Some(inner))
+}
+
+/// Children of `pid` by scanning `/proc` (when `/proc/<pid>/task/<pid>/children` is missing).
+fn children_by_scan(parent: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| parent_of(*pid) == Some(parent))
+        .collect()
+}
+
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+pub fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_parent(&stat)
+}
+
+/// `pid (comm) state ppid ...`; comm may contain spaces and parentheses.
+fn parse_parent(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The state letter of `pid` (`R`, `S`, `T` stopped, `Z` ended, ...), if it exists.
+pub fn state_of(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_state(&stat)
+}
+
+fn parse_state(stat: &str) -> Option<char> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().next()?.chars().next()
+}
+
+/// The innermost pid of a process (the last `NSpid` field), if the kernel reports it.
+pub fn namespace_pid(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_namespace_pid(&status)
+}
+
+fn parse_namespace_pid(status: &str) -> Option<i32> {
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    line.split_whitespace().last()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn procfs_fields_parse() {
+        assert_eq!(parse_parent("42 (a b) c) S 7 42 42 0"), Some(7));
+        assert_eq!(parse_parent("garbage"), None);
+        assert_eq!(parse_state("42 (a b) c) T 7 42 42 0"), Some('T'));
+        assert_eq!(parse_state("garbage"), None);
+        assert!(matches!(
+            state_of(std::process::id() as i32),
+            Some('R' | 'S')
+        ));
+        let status = "Name:\tpython\nNSpid:\t12345\t57\nPPid:\t3\n";
+        assert_eq!(parse_namespace_pid(status), Some(57));
+        assert_eq!(parse_namespace_pid("NSpid:\t9\n"), Some(9));
+        assert_eq!(parse_namespace_pid("Name:\tx\n"), None);
+        // This process: its own pid in its own namespace is what getpid says when the test
+        // runs in the init namespace; in any case its parent is known.
+        let me = std::process::id() as i32;
+        assert!(namespace_pid(me).is_some());
+        assert!(parent_of(me).is_some());
+    }
+}
