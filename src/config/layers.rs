@@ -185,7 +185,7 @@ pub(super) fn cluster_config(
             "--advertise-url is for cluster mode, which needs --database-url".into(),
         ));
     };
-    let parsed: axum::http::Uri = advertise_url.parse().map_err(|_| {
+    let parsed: http::Uri = advertise_url.parse().map_err(|_| {
         ConfigError::Invalid(format!("--advertise-url {advertise_url:?} is not a URL"))
     })?;
     if parsed.scheme_str() != Some("http") || parsed.authority().is_none() {
