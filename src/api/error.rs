@@ -92,6 +92,10 @@ impl From<SessionError> for ApiError {
             SessionError::IdTaken { .. } => {
                 Self::new(StatusCode::CONFLICT, "session_exists", message)
             }
+            SessionError::WorkspaceUnavailable { source, .. } => {
+                Self::internal("workspace", source)
+            }
+            SessionError::TaskFailed { op, source } => Self::internal(op, source),
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

@@ -41,6 +41,20 @@ pub enum SessionError {
     /// the recordings): ids are never reused, so one recording never holds two sessions.
     #[error("session id {id} is taken (a session id is never reused); propose another id or none")]
     IdTaken { id: Uuid },
+    /// The user's workspace could not be found or made (the sandbox's answer).
+    #[error("could not reach the workspace of user {user}")]
+    WorkspaceUnavailable {
+        user: String,
+        #[source]
+        source: crate::sandbox::SandboxError,
+    },
+    /// Work handed to the blocking pool did not finish (it panicked).
+    #[error("could not {op}: the task did not finish")]
+    TaskFailed {
+        op: &'static str,
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// Whether a proposed id is taken could not be told (the recordings could not be read):
     /// refused rather than risk a reuse.
     #[error("could not check whether session id {id} was used before")]

@@ -22,6 +22,8 @@
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
 //!   tombstones in `expiry.rs`.
+//! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
+//!   through `files`), from `Registry::workspace`.
 //! - `testing/` (tests only): a scripted kernel and a fake sandbox.
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
@@ -46,6 +48,7 @@ mod registry;
 mod state;
 #[cfg(test)]
 mod testing;
+mod workspace;
 
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
@@ -58,3 +61,4 @@ pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{BoxError, Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
 pub use state::{SessionInfo, SessionState};
+pub use workspace::Workspace;

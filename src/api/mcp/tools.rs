@@ -20,7 +20,7 @@ use super::content;
 use super::server::{Call, Made, McpServer};
 use crate::api::extract::sandbox_user;
 use crate::api::shapes::{FileJson, SessionJson};
-use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError};
+use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError, Workspace};
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
 type Outcome = Result<CallToolResult, ErrorData>;
@@ -103,6 +103,23 @@ pub struct DeleteSessionArgs {
 /// registry answers both as `NotFound`).
 fn session_error(e: SessionError) -> String {
     e.to_string()
+}
+
+/// The workspace of `session`; not reaching it is the broker's fault, a protocol error.
+fn workspace(call: &Call, session: &Session) -> Result<Workspace, ErrorData> {
+    call.state.registry.workspace(session).map_err(|e| match e {
+        SessionError::WorkspaceUnavailable { source, .. } => internal("workspace", source),
+        other => internal("workspace", other),
+    })
+}
+
+/// A file operation's result with a task that did not finish as a protocol error (the
+/// broker's fault); what the caller can fix stays for the tool's answer.
+fn internal_or<T>(r: Result<T, SessionError>) -> Result<Result<T, SessionError>, ErrorData> {
+    match r {
+        Err(SessionError::TaskFailed { op, source }) => Err(internal(op, source)),
+        other => Ok(other),
+    }
 }
 
 fn parse_id(id: &str) -> Result<uuid::Uuid, String> {
@@ -270,17 +287,9 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let sandbox = call.state.registry.sandbox();
-        let ws = match sandbox.workspace(&session.user) {
-            Ok(ws) => ws,
-            Err(e) => return Err(internal("workspace", e)),
-        };
-        let owner = sandbox.workspace_owner(&session.user);
-        let (path, len) = (args.path.clone(), data.len());
-        let written = tokio::task::spawn_blocking(move || files::write(&ws, &path, &data, owner))
-            .await
-            .map_err(|e| internal("write file", e))?;
-        Ok(match written {
+        let ws = workspace(&call, &session)?;
+        let len = data.len();
+        Ok(match internal_or(ws.write(&args.path, data).await)? {
             Ok(_) => text(format!(
                 "wrote {len} bytes to {} in the workspace",
                 args.path
@@ -295,18 +304,9 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let ws = call
-            .state
-            .registry
-            .sandbox()
-            .workspace(&session.user)
-            .map_err(|e| internal("workspace", e))?;
         let max = call.state.limits.max_file_bytes;
-        let path = args.path.clone();
-        let read = tokio::task::spawn_blocking(move || files::read(&ws, &path, max))
-            .await
-            .map_err(|e| internal("read file", e))?;
-        Ok(match read {
+        let read = workspace(&call, &session)?.read(&args.path, max).await;
+        Ok(match internal_or(read)? {
             Ok(bytes) => CallToolResult::success(vec![content::file_content(&args.path, bytes)]),
             Err(e) => tool_error(session_error(e)),
         })
@@ -318,16 +318,8 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let ws = call
-            .state
-            .registry
-            .sandbox()
-            .workspace(&session.user)
-            .map_err(|e| internal("workspace", e))?;
-        let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
-            .await
-            .map_err(|e| internal("list files", e))?;
-        match listing {
+        let listing = workspace(&call, &session)?.list(10_000).await;
+        match internal_or(listing)? {
             Ok(listing) => {
                 let files: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
                 json_text(&serde_json::json!({"files": files, "truncated": listing.truncated}))
