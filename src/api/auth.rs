@@ -29,7 +29,7 @@ use super::error::{ApiError, JupyterError};
 use super::metrics::Refused;
 use super::user_load::Kind;
 use super::AppState;
-use crate::sandbox::UserLimits;
+use crate::session::UserLimits;
 
 /// One user of the broker: a name, its token, its limits (read from the users file or the
 /// environment by `config`).

@@ -96,6 +96,9 @@ impl From<SessionError> for ApiError {
                 Self::internal("workspace", source)
             }
             SessionError::TaskFailed { op, source } => Self::internal(op, source),
+            SessionError::CommandNotStarted { source, .. } => {
+                Self::internal("start a command", source)
+            }
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

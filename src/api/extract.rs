@@ -28,7 +28,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ApiResult, JupyterError};
 use super::output_budget::ByteBudgets;
 use super::AppState;
-use crate::sandbox::SandboxUser;
+use crate::session::SandboxUser;
 use crate::session::Session;
 
 /// The sandbox identity of a caller (the session layer's view of a user).

@@ -48,6 +48,14 @@ pub enum SessionError {
         #[source]
         source: crate::sandbox::SandboxError,
     },
+    /// A command could not be started in the session's sandbox (its message is the
+    /// sandbox's, as the client reads it).
+    #[error("{source}")]
+    CommandNotStarted {
+        session: Uuid,
+        #[source]
+        source: crate::sandbox::SandboxError,
+    },
     /// Work handed to the blocking pool did not finish (it panicked).
     #[error("could not {op}: the task did not finish")]
     TaskFailed {

@@ -22,6 +22,8 @@
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
 //!   tombstones in `expiry.rs`.
+//! - `run_command`: a command run in a session's sandbox beside its kernel
+//!   (`Registry::run_command`).
 //! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
 //!   through `files`), from `Registry::workspace`.
 //! - `testing/` (tests only): a scripted kernel and a fake sandbox.
@@ -45,11 +47,14 @@ mod memory;
 mod pool;
 mod recorder;
 mod registry;
+mod run_command;
 mod state;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 mod workspace;
 
+/// The sandbox's plain data the front doors name: who a session is for, and their limits.
+pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
 pub use error::SessionError;
@@ -60,5 +65,8 @@ pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{BoxError, Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
+pub use run_command::{
+    check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, RunningCommand,
+};
 pub use state::{SessionInfo, SessionState};
 pub use workspace::Workspace;

@@ -24,7 +24,7 @@ use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited, sandbox_user};
 use crate::api::AppState;
-use crate::sandbox::environ::check_user_env;
+use crate::session::check_user_env;
 use crate::session::{CreateOptions, Session};
 
 /// The envd version the broker presents: new enough for every call the pinned SDKs make

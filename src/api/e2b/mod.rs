@@ -5,7 +5,7 @@
 //! An E2B sandbox is a session of the key's user (same id: it shows in `/v1/sessions`,
 //! `/api/kernels` and the UI, and is recorded); its contexts are more sessions of that
 //! user; its working directory is the user's workspace (`/workspace`); its commands run
-//! in the user's sandbox through [`Sandbox::run_command`](crate::sandbox::Sandbox). E2B's
+//! in the user's sandbox through `Registry::run_command` (the sandbox's `run_command`). E2B's
 //! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
 //! then unless extended.
 //!

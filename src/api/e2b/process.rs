@@ -1,7 +1,7 @@
 //! envd's Connect process service (JSON): `Start` (server streaming: `start`, `data`,
 //! `end` events, keepalives), `Connect` (the events of a running command), `List`,
 //! `SendInput`, `CloseStdin`, `SendSignal`. A command runs in the user's sandbox through
-//! [`Sandbox::run_command`](crate::sandbox::Sandbox::run_command), isolated and limited
+//! `Registry::run_command` (the sandbox's `run_command`), isolated and limited
 //! as the user's kernels are, never on the host; it ends with its sandbox. Pseudo
 //! terminals (`pty`), `Update` and `StreamInput` are not supported.
 
@@ -29,8 +29,7 @@ use super::connect::{
 use super::state::Command;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::sandbox::command::CommandSpec;
-use crate::sandbox::environ::check_user_env;
+use crate::session::{check_user_env, CommandRequest};
 use crate::sync::lock;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
@@ -250,14 +249,12 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         .with(caller.session.id, |m| m.env.clone())
         .unwrap_or_default();
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let spec = CommandSpec {
-        user: caller.session.user.clone(),
+    let request = CommandRequest {
         argv,
         env,
         cwd: config.cwd.clone().filter(|c| !c.is_empty()),
-        limits: caller.session.limits,
     };
-    let running = match state.registry.sandbox().run_command(spec).await {
+    let running = match state.registry.run_command(&caller.session, request).await {
         Ok(r) => r,
         Err(e) => return stream_error(ConnectError::new("failed_precondition", e.to_string())),
     };

@@ -15,8 +15,7 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use crate::api::output_budget::ByteBudgets;
-use crate::sandbox::command::CommandControl;
-use crate::session::{Registry, Session, SessionEvent, SessionState};
+use crate::session::{CommandControl, Registry, Session, SessionEvent, SessionState};
 use crate::sync::lock;
 
 /// One sandbox's E2B side.
