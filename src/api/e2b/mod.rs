@@ -12,11 +12,13 @@
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`);
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
-//! Connect process service (commands); `connect.rs` the Connect framing; `auth.rs` keys
+//! Connect process service (commands), `command.rs` a running command and its output's
+//! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `auth.rs` keys
 //! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
 //! beyond its session (template, metadata, contexts, commands).
 
 mod auth;
+mod command;
 mod connect;
 mod control;
 mod envd;

@@ -12,10 +12,11 @@ use rmcp::model::{ListResourcesResult, ReadResourceResult, Resource, ResourceCon
 use rmcp::ErrorData;
 use uuid::Uuid;
 
+use super::call::{internal, workspace, Call};
 use super::content::{resource_contents, workspace_uri, WORKSPACE_PREFIX};
-use super::server::{Call, McpServer};
+use super::server::McpServer;
 use crate::recording::notebook;
-use crate::session::{files, Session, SessionError, Workspace};
+use crate::session::{files, Session, SessionError};
 
 const SESSIONS_PREFIX: &str = "kernel-broker://sessions/";
 const NOTEBOOK_SUFFIX: &str = "/notebook.ipynb";
@@ -27,19 +28,6 @@ fn not_found(uri: &str, why: impl std::fmt::Display) -> ErrorData {
         format!("no resource {uri}: {why}"),
         Some(serde_json::json!({ "uri": uri })),
     )
-}
-
-/// The workspace of `session`; not reaching it is the broker's fault.
-fn workspace(call: &Call, session: &Session) -> Result<Workspace, ErrorData> {
-    call.state.registry.workspace(session).map_err(|e| match e {
-        SessionError::WorkspaceUnavailable { source, .. } => internal("workspace", source),
-        other => internal("workspace", other),
-    })
-}
-
-fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
-    tracing::error!(%context, error = %e, "MCP resources: internal error");
-    ErrorData::internal_error("the broker hit an internal error; it is logged", None)
 }
 
 impl McpServer {

@@ -1,5 +1,4 @@
-//! The tools' arguments (their JSON schemas, written for a model to read) and their work,
-//! done through the session layer exactly as the REST handlers do it (`sessions.rs`,
+//! The tools' work (their arguments are in `args.rs`), done through the session layer exactly as the REST handlers do it (`sessions.rs`,
 //! `files.rs`): the same registry calls, limits, ownership and recording.
 //!
 //! What the caller can fix (an unknown session, code over the limit, a missing file, a full
@@ -12,15 +11,17 @@ use std::sync::Arc;
 use base64::Engine;
 use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam};
 use rmcp::ErrorData;
-use schemars::JsonSchema;
-use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot};
 
+use super::args::{
+    CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
+};
+use super::call::{internal_or, workspace, Call, Made};
 use super::content;
-use super::server::{Call, Made, McpServer};
+use super::server::McpServer;
 use crate::api::extract::sandbox_user;
 use crate::api::shapes::{FileJson, SessionJson};
-use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError, Workspace};
+use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError};
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
 type Outcome = Result<CallToolResult, ErrorData>;
@@ -40,86 +41,10 @@ fn json_text(value: &impl serde::Serialize) -> Outcome {
         .map_err(|e| ErrorData::internal_error(format!("serialise the answer: {e}"), None))
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RunPythonArgs {
-    /// Python source to run, as in a notebook cell (the last expression's value is the
-    /// result; `%magics` and `!shell` work).
-    pub code: String,
-    /// A session id from create_session or list_sessions; leave it out to use this
-    /// connection's own session (created on first use).
-    pub session_id: Option<String>,
-    /// Seconds before the run is interrupted (default and maximum: the broker's).
-    #[schemars(range(min = 0.001))]
-    pub timeout_seconds: Option<f64>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct UploadFileArgs {
-    /// Where to write, relative to the workspace (e.g. `data/sales.csv`); no `..`.
-    pub path: String,
-    /// The file's bytes, base64-encoded.
-    pub content_base64: String,
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReadFileArgs {
-    /// The file to read, relative to the workspace.
-    pub path: String,
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema, Default)]
-#[serde(deny_unknown_fields)]
-pub struct SessionArgs {
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema, Default)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSessionArgs {
-    /// A kernel spec name (default: the broker's default kernel).
-    pub kernel: Option<String>,
-    /// Seconds without activity before the session expires (capped by the broker).
-    pub idle_timeout_seconds: Option<u64>,
-    /// The kernel's memory limit in bytes (default: the user's per-kernel default).
-    pub memory_limit_bytes: Option<u64>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DeleteSessionArgs {
-    /// The session to shut down.
-    pub session_id: String,
-}
-
 /// How a session error reads to a model; a foreign session reads as a missing one (the
 /// registry answers both as `NotFound`).
 fn session_error(e: SessionError) -> String {
     e.to_string()
-}
-
-/// The workspace of `session`; not reaching it is the broker's fault, a protocol error.
-fn workspace(call: &Call, session: &Session) -> Result<Workspace, ErrorData> {
-    call.state.registry.workspace(session).map_err(|e| match e {
-        SessionError::WorkspaceUnavailable { source, .. } => internal("workspace", source),
-        other => internal("workspace", other),
-    })
-}
-
-/// A file operation's result with a task that did not finish as a protocol error (the
-/// broker's fault); what the caller can fix stays for the tool's answer.
-fn internal_or<T>(r: Result<T, SessionError>) -> Result<Result<T, SessionError>, ErrorData> {
-    match r {
-        Err(SessionError::TaskFailed { op, source }) => Err(internal(op, source)),
-        other => Ok(other),
-    }
 }
 
 fn parse_id(id: &str) -> Result<uuid::Uuid, String> {
@@ -405,10 +330,4 @@ impl McpServer {
             },
         )
     }
-}
-
-/// A failure of the broker itself: logged, and a JSON-RPC internal error.
-fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
-    tracing::error!(%context, error = %e, "MCP tool: internal error");
-    ErrorData::internal_error("the broker hit an internal error; it is logged", None)
 }
