@@ -92,6 +92,8 @@ impl From<SessionError> for ApiError {
             SessionError::IdTaken { .. } => {
                 Self::new(StatusCode::CONFLICT, "session_exists", message)
             }
+            SessionError::CodeTooLarge { .. } => Self::too_large(message),
+            SessionError::InvalidTimeout { .. } => Self::bad_request(message),
             SessionError::WorkspaceUnavailable { source, .. } => {
                 Self::internal("workspace", source)
             }

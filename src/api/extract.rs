@@ -10,7 +10,7 @@
 //!   are not UTF-8; an empty body is `{}`.
 //!
 //! Also the small helpers the handlers of several files need ([`sandbox_user`],
-//! [`read_limited`] and [`collect_limited`], [`check_code`]).
+//! [`read_limited`] and [`collect_limited`]).
 
 use std::sync::Arc;
 
@@ -251,18 +251,6 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8], what: &str) -> ApiResult<T>
     }
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON in the {what}: {e}")))
-}
-
-/// Refuse code over the configured limit (REST execute and the agent stream's execute).
-pub fn check_code(state: &AppState, code: &str) -> ApiResult<()> {
-    if code.len() > state.limits.max_code_bytes {
-        return Err(ApiError::too_large(format!(
-            "the code has {} bytes; the limit is {}",
-            code.len(),
-            state.limits.max_code_bytes
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

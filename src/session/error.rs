@@ -41,6 +41,12 @@ pub enum SessionError {
     /// the recordings): ids are never reused, so one recording never holds two sessions.
     #[error("session id {id} is taken (a session id is never reused); propose another id or none")]
     IdTaken { id: Uuid },
+    /// Code over the broker's limit for one execution.
+    #[error("the code has {bytes} bytes; the limit is {limit}")]
+    CodeTooLarge { bytes: usize, limit: usize },
+    /// A timeout that is not a positive number of seconds.
+    #[error("timeout_seconds must be a positive number")]
+    InvalidTimeout { seconds: f64 },
     /// The user's workspace could not be found or made (the sandbox's answer).
     #[error("could not reach the workspace of user {user}")]
     WorkspaceUnavailable {

@@ -22,6 +22,8 @@
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
 //!   tombstones in `expiry.rs`.
+//! - `execute`: [`ExecuteRequest`], the one way a front door runs code (limits checked
+//!   once), through `Session::submit` / `Session::run`.
 //! - `run_command`: a command run in a session's sandbox beside its kernel
 //!   (`Registry::run_command`).
 //! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
@@ -37,6 +39,7 @@ mod command;
 mod config;
 mod error;
 mod event;
+mod execute;
 pub mod execution;
 pub mod files;
 mod handle;
@@ -59,6 +62,7 @@ pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
 pub use error::SessionError;
 pub use event::SessionEvent;
+pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use base64::Engine;
 use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam};
 use rmcp::ErrorData;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::args::{
     CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
@@ -21,7 +21,9 @@ use super::content;
 use super::server::McpServer;
 use crate::api::extract::sandbox_user;
 use crate::api::shapes::{FileJson, SessionJson};
-use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError};
+use crate::session::{
+    files, CreateOptions, ExecuteRequest, Origin, Session, SessionError, Timeout,
+};
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
 type Outcome = Result<CallToolResult, ErrorData>;
@@ -116,36 +118,33 @@ impl McpServer {
     }
 
     pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
-        let limits = &call.state.limits;
-        if args.code.len() > limits.max_code_bytes {
-            return Ok(tool_error(format!(
-                "the code has {} bytes; the limit is {}: run it in smaller parts, or upload it as a file and exec it",
-                args.code.len(),
-                limits.max_code_bytes
-            )));
-        }
-        let timeout = match call.state.execution_timeout(args.timeout_seconds) {
-            Ok(t) => t,
-            Err(e) => return Ok(tool_error(e.message)),
+        let timeout = Timeout::Asked(args.timeout_seconds);
+        let limits = call.state.execution_limits();
+        let request = match ExecuteRequest::new(args.code, timeout, Origin::Mcp, &limits) {
+            Ok(r) => r,
+            Err(e @ SessionError::CodeTooLarge { .. }) => {
+                return Ok(tool_error(format!(
+                    "{e}: run it in smaller parts, or upload it as a file and exec it"
+                )))
+            }
+            Err(e) => return Ok(tool_error(session_error(e))),
         };
         let session = match self.session(&call, args.session_id.as_deref(), true).await {
             Ok(s) => s,
             Err(m) => return Ok(tool_error(m)),
         };
         let progress = call.context.meta.get_progress_token();
-        let (done, mut finished) = oneshot::channel();
         // Output is streamed only to a client that asked for progress; the actor drops
         // what does not fit the queue (it never waits for us), the result still has it all.
         let (out_tx, mut out_rx) = mpsc::channel(256);
-        if let Err(e) = session.execute(ExecRequest {
-            code: args.code,
-            timeout,
-            allow_stdin: false,
-            stream: progress.is_some().then_some(out_tx),
-            done,
-        }) {
-            return Ok(tool_error(session_error(e)));
-        }
+        let request = match progress {
+            Some(_) => request.streaming(out_tx),
+            None => request,
+        };
+        let mut finished = match session.submit(request) {
+            Ok(done) => done,
+            Err(e) => return Ok(tool_error(session_error(e))),
+        };
         let mut streaming = progress.is_some();
         let mut interrupted = false;
         let mut count = 0u32;
