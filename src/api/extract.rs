@@ -33,11 +33,7 @@ use crate::session::Session;
 
 /// The sandbox identity of a caller (the session layer's view of a user).
 pub fn sandbox_user(caller: &Caller) -> SandboxUser {
-    SandboxUser {
-        name: caller.0.name.clone(),
-        index: caller.0.index,
-        limits: caller.0.limits.clone(),
-    }
+    caller.0.sandbox_user()
 }
 
 /// A session id from a path: anything but a UUID is a session that does not exist.

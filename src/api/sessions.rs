@@ -13,7 +13,7 @@ use utoipa_axum::routes;
 
 use super::auth::Caller;
 use super::error::ApiResult;
-use super::extract::{sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession};
+use super::extract::{session_id, BodyLimit, JsonBody, OwnedSession};
 use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, SessionJson};
 use super::AppState;
 use crate::session::{CreateOptions, ExecuteRequest, Origin, Timeout};
@@ -68,16 +68,12 @@ async fn create(
 ) -> ApiResult<Response> {
     let session = state
         .registry
-        .create(
-            &sandbox_user(&caller),
-            caller.0.max_sessions,
-            CreateOptions {
-                kernel: req.kernel,
-                idle_timeout_seconds: req.idle_timeout_seconds,
-                id: None,
-                memory_limit_bytes: req.memory_limit_bytes,
-            },
-        )
+        .create_session(caller.0.create_request(CreateOptions {
+            kernel: req.kernel,
+            idle_timeout_seconds: req.idle_timeout_seconds,
+            id: None,
+            memory_limit_bytes: req.memory_limit_bytes,
+        }))
         .await?;
     let location = format!("/v1/sessions/{}", session.id);
     Ok((

@@ -22,6 +22,8 @@
 //!   execution in flight (deadlines, completion) in `running.rs`.
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
 //!   tombstones in `expiry.rs`.
+//! - `create`: [`CreateRequest`], the one way a front door makes a session
+//!   (`Registry::create_session`).
 //! - `execute`: [`ExecuteRequest`], the one way a front door runs code (limits checked
 //!   once), through `Session::submit` / `Session::run`.
 //! - `run_command`: a command run in a session's sandbox beside its kernel
@@ -37,6 +39,7 @@
 mod actor;
 mod command;
 mod config;
+mod create;
 mod error;
 mod event;
 mod execute;
@@ -60,6 +63,7 @@ mod workspace;
 pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
+pub use create::CreateRequest;
 pub use error::SessionError;
 pub use event::SessionEvent;
 pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};

@@ -22,7 +22,7 @@ use uuid::Uuid;
 use super::auth::{access_token, ApiKeyUser, TokenKind};
 use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
-use crate::api::extract::{parse_json, read_limited, sandbox_user};
+use crate::api::extract::{parse_json, read_limited};
 use crate::api::AppState;
 use crate::session::check_user_env;
 use crate::session::{CreateOptions, Session};
@@ -139,11 +139,7 @@ async fn do_create(
     let user = caller.0 .0.clone();
     let session = state
         .registry
-        .create(
-            &sandbox_user(&caller.0),
-            user.max_sessions,
-            session_options(&state),
-        )
+        .create_session(user.create_request(session_options(&state)))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
     if !env.is_empty() {

@@ -20,7 +20,7 @@ use uuid::Uuid;
 
 use super::auth::SandboxCaller;
 use super::{E2bError, E2bResult, WORKDIR};
-use crate::api::extract::{parse_json, read_limited, sandbox_user};
+use crate::api::extract::{parse_json, read_limited};
 use crate::api::output_budget::{CutQueue, Held};
 use crate::api::AppState;
 use crate::session::{ExecuteRequest, ExecutionStatus, Origin, OutputEvent, Session, Timeout};
@@ -293,14 +293,10 @@ async fn create_context(
             "a context working directory other than {WORKDIR} ({cwd:?})"
         )));
     }
-    let user = sandbox_user(&crate::api::auth::Caller(caller.user.clone()));
+    let options = super::control::session_options(&state);
     let session = state
         .registry
-        .create(
-            &user,
-            caller.user.max_sessions,
-            super::control::session_options(&state),
-        )
+        .create_session(caller.user.create_request(options))
         .await?;
     let deadline_left = caller
         .session

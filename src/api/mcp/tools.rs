@@ -19,7 +19,6 @@ use super::args::{
 use super::call::{internal_or, workspace, Call, Made};
 use super::content;
 use super::server::McpServer;
-use crate::api::extract::sandbox_user;
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::session::{
     files, CreateOptions, ExecuteRequest, Origin, Session, SessionError, Timeout,
@@ -91,16 +90,7 @@ impl McpServer {
         let session = call
             .state
             .registry
-            .create(
-                &sandbox_user(&call.caller),
-                call.caller.0.max_sessions,
-                CreateOptions {
-                    kernel: None,
-                    idle_timeout_seconds: None,
-                    id: None,
-                    memory_limit_bytes: None,
-                },
-            )
+            .create_session(call.caller.0.create_request(CreateOptions::default()))
             .await
             .map_err(session_error)?;
         tracing::info!(session = %session.id, user = %user, "MCP session made its session");
@@ -300,16 +290,12 @@ impl McpServer {
         let created = call
             .state
             .registry
-            .create(
-                &sandbox_user(&call.caller),
-                call.caller.0.max_sessions,
-                CreateOptions {
-                    kernel: args.kernel,
-                    idle_timeout_seconds: args.idle_timeout_seconds,
-                    id: None,
-                    memory_limit_bytes: args.memory_limit_bytes,
-                },
-            )
+            .create_session(call.caller.0.create_request(CreateOptions {
+                kernel: args.kernel,
+                idle_timeout_seconds: args.idle_timeout_seconds,
+                id: None,
+                memory_limit_bytes: args.memory_limit_bytes,
+            }))
             .await;
         match created {
             Ok(session) => json_text(&SessionJson::from(session.info())),
