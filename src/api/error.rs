@@ -70,17 +70,28 @@ impl From<SessionError> for ApiError {
                 Self::new(StatusCode::NOT_FOUND, "session_not_found", message)
             }
             SessionError::Expired { .. } => Self::new(StatusCode::GONE, "session_expired", message),
-            SessionError::Quota(_) => {
+            SessionError::TooManySessions { .. }
+            | SessionError::TooManySessionsInCluster { .. }
+            | SessionError::NoMemoryLeft { .. }
+            | SessionError::ExecutionsWaiting { .. }
+            | SessionError::RequestsWaiting { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
             }
-            SessionError::KernelUnavailable(_) | SessionError::Closed(_) => Self::new(
+            SessionError::ShuttingDown
+            | SessionError::LaunchTimedOut { .. }
+            | SessionError::LaunchFailed { .. }
+            | SessionError::DiedBeforeReady { .. }
+            | SessionError::ConnectFailed { .. }
+            | SessionError::KernelNotRunning
+            | SessionError::InterruptFailed { .. }
+            | SessionError::Closed(_) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "kernel_unavailable",
                 message,
             ),
-            SessionError::UnknownKernel(_) | SessionError::BadRequest(_) => {
-                Self::bad_request(message)
-            }
+            SessionError::UnknownKernel(_)
+            | SessionError::InvalidMemoryLimit { .. }
+            | SessionError::BadRequest(_) => Self::bad_request(message),
             SessionError::NotFoundFile(_) => {
                 Self::new(StatusCode::NOT_FOUND, "file_not_found", message)
             }

@@ -1,8 +1,14 @@
 //! [`SessionError`]: the session layer's one error type; each message says what the caller
 //! can do, and the api layer maps each variant to a status code.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
+
+use super::memory::human_bytes;
+use crate::kernel::KernelError;
+use crate::sandbox::{ExitReason, SandboxError};
 
 /// Errors of the session layer, each with what the caller can do.
 #[derive(Debug, thiserror::Error)]
@@ -17,10 +23,85 @@ pub enum SessionError {
         at: DateTime<Utc>,
         idle_secs: u64,
     },
-    #[error("{0}")]
-    Quota(String),
-    #[error("could not start a kernel: {0}")]
-    KernelUnavailable(String),
+    /// The user has as many live sessions as they may.
+    #[error("user {user} already has {live} sessions (the limit); delete one first")]
+    TooManySessions { user: String, live: usize },
+    /// The user has as many live sessions as they may, counted on every node.
+    #[error(
+        "user {user} already has {live} sessions across the cluster (the limit); delete one first"
+    )]
+    TooManySessionsInCluster { user: String, live: usize },
+    /// The user's memory total has no room for the new session's limit.
+    #[error(
+        "not enough memory left for a new session: {user}'s {sessions} sessions use {} of {} \
+         (their memory limits; {} more held by pooled kernels) and this one asks for {}; \
+         delete a session or ask for less (memory_limit_bytes)",
+        human_bytes(*.used), human_bytes(*.total), human_bytes(*.pooled), human_bytes(*.asked)
+    )]
+    NoMemoryLeft {
+        user: String,
+        sessions: usize,
+        /// Bytes of the user's sessions' memory limits.
+        used: u64,
+        /// The user's memory total.
+        total: u64,
+        /// Bytes held by the user's pooled kernels.
+        pooled: u64,
+        /// The new session's memory limit.
+        asked: u64,
+    },
+    /// A memory limit outside what the user may ask for.
+    #[error(
+        "memory_limit_bytes must be between {} and {user}'s memory limit, {} ({total} bytes); \
+         {asked} was asked",
+        human_bytes(*.min), human_bytes(*.total)
+    )]
+    InvalidMemoryLimit {
+        user: String,
+        asked: u64,
+        /// The least a session may ask for.
+        min: u64,
+        /// The user's memory total.
+        total: u64,
+    },
+    /// The session's execute queue is full.
+    #[error(
+        "session {session} already has {waiting} executions waiting (the limit); wait for some to finish"
+    )]
+    ExecutionsWaiting { session: Uuid, waiting: usize },
+    /// The session's command queue is full.
+    #[error("session {session} has too many requests waiting; wait for some to finish")]
+    RequestsWaiting { session: Uuid },
+    /// The broker is stopping and starts no kernel.
+    #[error("could not start a kernel: the broker is shutting down")]
+    ShuttingDown,
+    /// The sandbox did not start the kernel in time.
+    #[error("could not start a kernel: the sandbox did not start the kernel within {limit:?}")]
+    LaunchTimedOut { limit: Duration },
+    /// The sandbox refused or failed the launch.
+    #[error("could not start a kernel: {source}")]
+    LaunchFailed {
+        #[source]
+        source: SandboxError,
+    },
+    /// The kernel process ended before it answered.
+    #[error("could not start a kernel: {reason} before it was ready")]
+    DiedBeforeReady { reason: ExitReason },
+    /// The kernel could not be connected to.
+    #[error("could not start a kernel: {source}")]
+    ConnectFailed {
+        #[source]
+        source: KernelError,
+    },
+    /// An interrupt with no kernel running.
+    #[error("could not start a kernel: the kernel is not running")]
+    KernelNotRunning,
+    /// The interrupt signal could not be delivered.
+    #[error("could not start a kernel: {source}")]
+    InterruptFailed {
+        #[source]
+        source: SandboxError,
+    },
     #[error("unknown kernel {0:?}; see /api/kernelspecs")]
     UnknownKernel(String),
     #[error("session {0} is shutting down")]
@@ -52,7 +133,7 @@ pub enum SessionError {
     WorkspaceUnavailable {
         user: String,
         #[source]
-        source: crate::sandbox::SandboxError,
+        source: SandboxError,
     },
     /// A command could not be started in the session's sandbox (its message is the
     /// sandbox's, as the client reads it).
@@ -60,7 +141,7 @@ pub enum SessionError {
     CommandNotStarted {
         session: Uuid,
         #[source]
-        source: crate::sandbox::SandboxError,
+        source: SandboxError,
     },
     /// Work handed to the blocking pool did not finish (it panicked).
     #[error("could not {op}: the task did not finish")]
@@ -77,4 +158,57 @@ pub enum SessionError {
         #[source]
         source: super::recorder::BoxError,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The messages clients read are what they were when these variants held strings.
+    #[test]
+    fn messages_read_as_before() {
+        let id = Uuid::nil();
+        for (e, want) in [
+            (
+                SessionError::TooManySessions { user: "alice".into(), live: 2 },
+                "user alice already has 2 sessions (the limit); delete one first",
+            ),
+            (
+                SessionError::NoMemoryLeft {
+                    user: "alice".into(),
+                    sessions: 2,
+                    used: 768 << 20,
+                    total: 768 << 20,
+                    pooled: 0,
+                    asked: 256 << 20,
+                },
+                "not enough memory left for a new session: alice's 2 sessions use 768 MiB of 768 MiB \
+                 (their memory limits; 0 MiB more held by pooled kernels) and this one asks for 256 MiB; \
+                 delete a session or ask for less (memory_limit_bytes)",
+            ),
+            (
+                SessionError::InvalidMemoryLimit {
+                    user: "alice".into(),
+                    asked: 1,
+                    min: 16 << 20,
+                    total: 1 << 30,
+                },
+                "memory_limit_bytes must be between 16 MiB and alice's memory limit, 1024 MiB (1073741824 bytes); 1 was asked",
+            ),
+            (
+                SessionError::ExecutionsWaiting { session: id, waiting: 3 },
+                "session 00000000-0000-0000-0000-000000000000 already has 3 executions waiting (the limit); wait for some to finish",
+            ),
+            (
+                SessionError::LaunchTimedOut { limit: Duration::from_secs(2) },
+                "could not start a kernel: the sandbox did not start the kernel within 2s",
+            ),
+            (
+                SessionError::KernelNotRunning,
+                "could not start a kernel: the kernel is not running",
+            ),
+        ] {
+            assert_eq!(e.to_string(), want);
+        }
+    }
 }

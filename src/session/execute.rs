@@ -109,7 +109,7 @@ impl ExecuteRequest {
 
 impl Session {
     /// Queues `request`; its result comes on the receiver once it finished (and was
-    /// recorded). A full queue is [`SessionError::Quota`].
+    /// recorded). A full queue is [`SessionError::ExecutionsWaiting`].
     pub fn submit(
         &self,
         request: ExecuteRequest,
