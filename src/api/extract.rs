@@ -9,8 +9,8 @@
 //!   ([`BodyLimit`]): `413` past it, `400` for malformed JSON, unknown fields or bytes that
 //!   are not UTF-8; an empty body is `{}`.
 //!
-//! Also the small helpers the handlers of several files need ([`sandbox_user`],
-//! [`read_limited`] and [`collect_limited`]).
+//! Also the small helpers the handlers of several files need ([`read_limited`] and
+//! [`collect_limited`]).
 
 use std::sync::Arc;
 
@@ -28,13 +28,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ApiResult, JupyterError};
 use super::output_budget::ByteBudgets;
 use super::AppState;
-use crate::session::SandboxUser;
 use crate::session::Session;
-
-/// The sandbox identity of a caller (the session layer's view of a user).
-pub fn sandbox_user(caller: &Caller) -> SandboxUser {
-    caller.0.sandbox_user()
-}
 
 /// A session id from a path: anything but a UUID is a session that does not exist.
 pub fn session_id(id: &str) -> ApiResult<Uuid> {
