@@ -1,6 +1,7 @@
 //! [`SessionError`]: the session layer's one error type; each message says what the caller
 //! can do, and the api layer maps each variant to a status code.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -106,18 +107,63 @@ pub enum SessionError {
     UnknownKernel(String),
     #[error("session {0} is shutting down")]
     Closed(Uuid),
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    NotFoundFile(String),
-    #[error("{0}")]
-    TooLarge(String),
-    /// A file operation that would replace or discard something: a move onto an existing
-    /// path, the delete of a directory that is not empty.
-    #[error("{0}")]
-    FileConflict(String),
-    #[error("{0}")]
-    Io(String),
+    /// A client's path that cannot name a workspace file (absolute, `..`, NUL, empty).
+    #[error("invalid file path {path:?}: {why}")]
+    InvalidPath { path: String, why: &'static str },
+    /// Nothing at the path.
+    #[error("no file {} in the workspace", path.display())]
+    NoSuchFile { path: PathBuf },
+    /// The path goes through a symbolic link (the files API follows none).
+    #[error(
+        "{} leads through a symbolic link; the files API does not follow links",
+        path.display()
+    )]
+    ThroughSymlink { path: PathBuf },
+    /// The workspace's disk quota is used up.
+    #[error(
+        "{} does not fit: the workspace is full (its disk quota is used up)",
+        path.display()
+    )]
+    WorkspaceFull { path: PathBuf },
+    /// A directory where a file was meant.
+    #[error("{} is a directory", path.display())]
+    IsDirectory { path: PathBuf },
+    /// A fifo, socket or device where a file was meant.
+    #[error("{} is not a regular file", path.display())]
+    NotRegularFile { path: PathBuf },
+    /// A file where a directory was meant.
+    #[error("{} is not a directory", path.display())]
+    NotDirectory { path: PathBuf },
+    /// A path with no last component to act on.
+    #[error("{} names no file", path.display())]
+    NamesNoFile { path: PathBuf },
+    /// A file larger than the files API serves.
+    #[error(
+        "{} has {size} bytes, more than the {max} the files API serves",
+        path.display()
+    )]
+    FileTooLarge {
+        path: PathBuf,
+        size: u64,
+        max: usize,
+    },
+    /// A directory moved into itself.
+    #[error("cannot move {} into itself ({})", from.display(), to.display())]
+    MoveIntoItself { from: PathBuf, to: PathBuf },
+    /// The delete of a directory that is not empty (the API never deletes a tree).
+    #[error("{} is a directory that is not empty", path.display())]
+    DirectoryNotEmpty { path: PathBuf },
+    /// A move onto an existing path (the API never replaces).
+    #[error("{} exists already", path.display())]
+    DestinationExists { path: PathBuf },
+    /// Any other failure of a workspace file operation.
+    #[error("could not {op} {}: {source}", path.display())]
+    FileIo {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// A proposed session id that a session has (live or ended, of any user, here or in
     /// the recordings): ids are never reused, so one recording never holds two sessions.
     #[error("session id {id} is taken (a session id is never reused); propose another id or none")]
@@ -202,6 +248,37 @@ mod tests {
             (
                 SessionError::LaunchTimedOut { limit: Duration::from_secs(2) },
                 "could not start a kernel: the sandbox did not start the kernel within 2s",
+            ),
+            (
+                SessionError::InvalidPath {
+                    path: "../x".into(),
+                    why: "names no file",
+                },
+                "invalid file path \"../x\": names no file",
+            ),
+            (
+                SessionError::NoSuchFile { path: "a/b".into() },
+                "no file a/b in the workspace",
+            ),
+            (
+                SessionError::ThroughSymlink { path: "l/x".into() },
+                "l/x leads through a symbolic link; the files API does not follow links",
+            ),
+            (
+                SessionError::FileTooLarge {
+                    path: "a".into(),
+                    size: 5,
+                    max: 3,
+                },
+                "a has 5 bytes, more than the 3 the files API serves",
+            ),
+            (
+                SessionError::FileIo {
+                    op: "read",
+                    path: "a".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                },
+                "could not read a: Input/output error (os error 5)",
             ),
             (
                 SessionError::KernelNotRunning,

@@ -19,7 +19,7 @@ use utoipa_axum::routes;
 use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
 use super::{inside_path, workspace_relative, E2bError, E2bResult};
-use crate::api::error::ApiError;
+use crate::api::error::{file_error_kind, ApiError, FileErrorKind};
 use crate::api::extract::{collect_upload, read_limited, read_upload, UploadBudget};
 use crate::api::AppState;
 use crate::session::files::{Entry, EntryKind};
@@ -77,7 +77,7 @@ async fn download(
 
 fn file_error(e: SessionError, path: &str) -> E2bError {
     match e {
-        SessionError::NotFoundFile(_) => E2bError::not_found(format!("path {path:?} not found")),
+        SessionError::NoSuchFile { .. } => E2bError::not_found(format!("path {path:?} not found")),
         other => other.into(),
     }
 }
@@ -222,12 +222,14 @@ fn permissions(mode: u32) -> String {
 }
 
 fn fs_error(e: SessionError) -> ConnectError {
-    match e {
-        SessionError::NotFoundFile(m) => ConnectError::not_found(m),
-        SessionError::BadRequest(m) => ConnectError::invalid(m),
-        SessionError::FileConflict(m) => ConnectError::new("already_exists", m),
-        SessionError::TooLarge(m) => ConnectError::new("resource_exhausted", m),
-        other => {
+    let message = e.to_string();
+    match file_error_kind(&e) {
+        Some(FileErrorKind::NotFound) => ConnectError::not_found(message),
+        Some(FileErrorKind::Invalid) => ConnectError::invalid(message),
+        Some(FileErrorKind::Conflict) => ConnectError::new("already_exists", message),
+        Some(FileErrorKind::TooLarge) => ConnectError::new("resource_exhausted", message),
+        _ => {
+            let other = e;
             tracing::warn!(error = %other, "E2B filesystem call failed");
             ConnectError::new("internal", other.to_string())
         }

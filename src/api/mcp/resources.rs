@@ -89,7 +89,7 @@ impl McpServer {
                 .read(path, max)
                 .await
                 .map_err(|e| match e {
-                    SessionError::Io(m) => internal("read file", m),
+                    e @ SessionError::FileIo { .. } => internal("read file", e),
                     SessionError::TaskFailed { op, source } => internal(op, source),
                     other => not_found(uri, other),
                 })?;
