@@ -8,12 +8,13 @@
 //!
 //! Layout (each file uses only those listed before it, so there is no import circle; this
 //! file only declares them and re-exports their public types):
+//! - `memory`: the memory ledger (each kernel's reservation of its user's total) and
+//!   `human_bytes`, which the error messages use.
 //! - `execution`: gathering one execution's output under the limits; `lifecycle`: the typed
 //!   events reported to the [`Recorder`]; `error`, `config`, `state`: [`SessionError`],
 //!   [`SessionConfig`], [`SessionState`]; `files`: workspace files beneath a descriptor.
 //! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `command`:
 //!   what a handle asks of its actor ([`ExecRequest`] among them).
-//! - `memory`: the memory ledger (each kernel's reservation of its user's total).
 //! - `handle`: the [`Session`] handle (status, activity, broadcast, command queue);
 //!   `recorder`: the [`Recorder`] the layer reports to.
 //! - `launch`: a kernel launched in the sandbox and connected (`Live`, `start_kernel`).
@@ -30,7 +31,7 @@
 //!   (`Registry::run_command`).
 //! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
 //!   through `files`), from `Registry::workspace`.
-//! - `testing/` (tests only): a scripted kernel and a fake sandbox.
+//! - `testing/` (tests only): a scripted kernel, a fake sandbox, a sandbox where nothing runs.
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
 //! `Arc<dyn Sandbox>`) and knows nothing of HTTP; the API layer maps [`SessionError`] to
