@@ -29,7 +29,7 @@ use super::error::{ApiError, JupyterError};
 use super::metrics::Refused;
 use super::user_load::Kind;
 use super::AppState;
-use crate::sandbox::UserLimits;
+use crate::session::{CreateOptions, CreateRequest, SandboxUser, UserLimits};
 
 /// One user of the broker: a name, its token, its limits (read from the users file or the
 /// environment by `config`).
@@ -41,6 +41,26 @@ pub struct User {
     pub index: u32,
     pub limits: UserLimits,
     pub max_sessions: usize,
+}
+
+impl User {
+    /// The user as the sandbox knows them (name, uid slot, limits).
+    pub fn sandbox_user(&self) -> SandboxUser {
+        SandboxUser {
+            name: self.name.clone(),
+            index: self.index,
+            limits: self.limits.clone(),
+        }
+    }
+
+    /// A session for this user, with what the client asked for.
+    pub fn create_request(&self, options: CreateOptions) -> CreateRequest {
+        CreateRequest {
+            user: self.sandbox_user(),
+            max_sessions: self.max_sessions,
+            options,
+        }
+    }
 }
 
 /// Every user with the SHA-256 of its token, computed once: each authentication compares

@@ -70,33 +70,92 @@ impl From<SessionError> for ApiError {
                 Self::new(StatusCode::NOT_FOUND, "session_not_found", message)
             }
             SessionError::Expired { .. } => Self::new(StatusCode::GONE, "session_expired", message),
-            SessionError::Quota(_) => {
+            SessionError::TooManySessions { .. }
+            | SessionError::TooManySessionsInCluster { .. }
+            | SessionError::NoMemoryLeft { .. }
+            | SessionError::ExecutionsWaiting { .. }
+            | SessionError::RequestsWaiting { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
             }
-            SessionError::KernelUnavailable(_) | SessionError::Closed(_) => Self::new(
+            SessionError::ShuttingDown
+            | SessionError::LaunchTimedOut { .. }
+            | SessionError::LaunchFailed { .. }
+            | SessionError::DiedBeforeReady { .. }
+            | SessionError::ConnectFailed { .. }
+            | SessionError::KernelNotRunning
+            | SessionError::InterruptFailed { .. }
+            | SessionError::Closed(_) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "kernel_unavailable",
                 message,
             ),
-            SessionError::UnknownKernel(_) | SessionError::BadRequest(_) => {
+            SessionError::UnknownKernel(_) | SessionError::InvalidMemoryLimit { .. } => {
                 Self::bad_request(message)
             }
-            SessionError::NotFoundFile(_) => {
-                Self::new(StatusCode::NOT_FOUND, "file_not_found", message)
-            }
-            SessionError::TooLarge(_) => Self::too_large(message),
-            SessionError::FileConflict(_) => {
-                Self::new(StatusCode::CONFLICT, "file_conflict", message)
-            }
-            SessionError::Io(_) => Self::internal("file access", message),
             SessionError::IdTaken { .. } => {
                 Self::new(StatusCode::CONFLICT, "session_exists", message)
+            }
+            SessionError::CodeTooLarge { .. } => Self::too_large(message),
+            SessionError::InvalidTimeout { .. } => Self::bad_request(message),
+            SessionError::WorkspaceUnavailable { source, .. } => {
+                Self::internal("workspace", source)
+            }
+            SessionError::TaskFailed { op, source } => Self::internal(op, source),
+            SessionError::CommandNotStarted { source, .. } => {
+                Self::internal("start a command", source)
             }
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }
+            // The workspace file errors (`file_error_kind` names them all).
+            e => match file_error_kind(&e) {
+                Some(FileErrorKind::NotFound) => {
+                    Self::new(StatusCode::NOT_FOUND, "file_not_found", message)
+                }
+                Some(FileErrorKind::Invalid) => Self::bad_request(message),
+                Some(FileErrorKind::TooLarge) => Self::too_large(message),
+                Some(FileErrorKind::Conflict) => {
+                    Self::new(StatusCode::CONFLICT, "file_conflict", message)
+                }
+                Some(FileErrorKind::Failed) | None => Self::internal("file access", message),
+            },
         }
     }
+}
+
+/// What a workspace file error means to a client (each front door answers it in its own
+/// protocol: REST statuses here, Connect codes in E2B's envd).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileErrorKind {
+    /// Nothing there.
+    NotFound,
+    /// A path or a target the files API refuses.
+    Invalid,
+    /// Over a size limit or the workspace's quota.
+    TooLarge,
+    /// It would replace or discard something.
+    Conflict,
+    /// The broker's own failure.
+    Failed,
+}
+
+/// The kind of a workspace file error; `None` for the other session errors.
+pub fn file_error_kind(e: &SessionError) -> Option<FileErrorKind> {
+    use SessionError as E;
+    Some(match e {
+        E::NoSuchFile { .. } => FileErrorKind::NotFound,
+        E::InvalidPath { .. }
+        | E::ThroughSymlink { .. }
+        | E::IsDirectory { .. }
+        | E::NotRegularFile { .. }
+        | E::NotDirectory { .. }
+        | E::NamesNoFile { .. }
+        | E::MoveIntoItself { .. } => FileErrorKind::Invalid,
+        E::WorkspaceFull { .. } | E::FileTooLarge { .. } => FileErrorKind::TooLarge,
+        E::DirectoryNotEmpty { .. } | E::DestinationExists { .. } => FileErrorKind::Conflict,
+        E::FileIo { .. } => FileErrorKind::Failed,
+        _ => return None,
+    })
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;

@@ -9,8 +9,8 @@
 //!   ([`BodyLimit`]): `413` past it, `400` for malformed JSON, unknown fields or bytes that
 //!   are not UTF-8; an empty body is `{}`.
 //!
-//! Also the small helpers the handlers of several files need ([`sandbox_user`],
-//! [`read_limited`] and [`collect_limited`], [`check_code`]).
+//! Also the small helpers the handlers of several files need ([`read_limited`] and
+//! [`collect_limited`]).
 
 use std::sync::Arc;
 
@@ -28,17 +28,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ApiResult, JupyterError};
 use super::output_budget::ByteBudgets;
 use super::AppState;
-use crate::sandbox::SandboxUser;
 use crate::session::Session;
-
-/// The sandbox identity of a caller (the session layer's view of a user).
-pub fn sandbox_user(caller: &Caller) -> SandboxUser {
-    SandboxUser {
-        name: caller.0.name.clone(),
-        index: caller.0.index,
-        limits: caller.0.limits.clone(),
-    }
-}
 
 /// A session id from a path: anything but a UUID is a session that does not exist.
 pub fn session_id(id: &str) -> ApiResult<Uuid> {
@@ -251,18 +241,6 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8], what: &str) -> ApiResult<T>
     }
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON in the {what}: {e}")))
-}
-
-/// Refuse code over the configured limit (REST execute and the agent stream's execute).
-pub fn check_code(state: &AppState, code: &str) -> ApiResult<()> {
-    if code.len() > state.limits.max_code_bytes {
-        return Err(ApiError::too_large(format!(
-            "the code has {} bytes; the limit is {}",
-            code.len(),
-            state.limits.max_code_bytes
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

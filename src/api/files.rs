@@ -1,7 +1,7 @@
 //! The workspace files of a session's user under `/v1/sessions/{id}/files`: list, download,
-//! upload, delete, move. Every path goes through `session::files`, which resolves it beneath
-//! the workspace with no symlink followed; what is created belongs to the user's kernel
-//! identity (`Sandbox::workspace_owner`), so the kernel can overwrite, move and delete it.
+//! upload, delete, move. Every path goes through the session's [`Workspace`](crate::session::Workspace),
+//! which resolves it beneath the workspace with no symlink followed; what is created belongs
+//! to the user's kernel identity, so the kernel can overwrite, move and delete it.
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -13,26 +13,17 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::error::{ApiError, ApiResult};
+use super::error::ApiResult;
 use super::extract::{read_upload, BodyLimit, JsonBody, OwnedSession, UploadBudget};
 use super::shapes::{ErrorBody, ErrorResponse, FileJson};
 use super::AppState;
 use crate::session::files;
-use crate::session::Session;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(list_files))
         .routes(routes!(get_file, put_file, delete_file, move_file))
         .layer(axum::extract::DefaultBodyLimit::disable())
-}
-
-async fn workspace_of(state: &AppState, session: &Session) -> ApiResult<std::path::PathBuf> {
-    state
-        .registry
-        .sandbox()
-        .workspace(&session.user)
-        .map_err(|e| ApiError::internal("workspace", e))
 }
 
 /// Response header of `GET /v1/sessions/{id}/files`: `true` when the listing was cut short.
@@ -49,10 +40,7 @@ const FILES_TRUNCATED: &str = "x-files-truncated";
 async fn list_files(State(state): State<AppState>, owned: OwnedSession) -> ApiResult<Response> {
     let session = owned.session;
     session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
-        .await
-        .map_err(|e| ApiError::internal("list files", e))??;
+    let listing = state.registry.workspace(&session)?.list(10_000).await?;
     // The body stays a plain array (compatible); a cut-short listing says so in a header.
     let truncated = if listing.truncated { "true" } else { "false" };
     let body: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
@@ -72,11 +60,11 @@ async fn get_file(
 ) -> ApiResult<Response> {
     let session = owned.session;
     session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let max = state.limits.max_file_bytes;
-    let (file, size) = tokio::task::spawn_blocking(move || files::open_for_read(&ws, &path, max))
-        .await
-        .map_err(|e| ApiError::internal("read file", e))??;
+    let (file, size) = state
+        .registry
+        .workspace(&session)?
+        .open_for_read(&path, state.limits.max_file_bytes)
+        .await?;
     // Streamed from the file as the client reads: a slow reader holds a chunk of memory,
     // not the whole file. The size read at opening is all that is sent, whatever the kernel
     // appends meanwhile.
@@ -113,11 +101,11 @@ async fn put_file(
     let mut budget = UploadBudget::of(&state, &session.user.name);
     let data = read_upload(body, state.limits.max_file_bytes, &mut budget).await?;
     session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let owner = state.registry.sandbox().workspace_owner(&session.user);
-    tokio::task::spawn_blocking(move || files::write(&ws, &path, &data, owner))
-        .await
-        .map_err(|e| ApiError::internal("write file", e))??;
+    state
+        .registry
+        .workspace(&session)?
+        .write(&path, data)
+        .await?;
     Ok(StatusCode::CREATED)
 }
 
@@ -140,10 +128,7 @@ async fn delete_file(
     let session = owned.session;
     files::clean_relative(&path)?;
     session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    tokio::task::spawn_blocking(move || files::remove(&ws, &path))
-        .await
-        .map_err(|e| ApiError::internal("delete file", e))??;
+    state.registry.workspace(&session)?.remove(&path).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -184,12 +169,8 @@ async fn move_file(
     files::clean_relative(&path)?;
     let to = files::clean_relative(&body.path)?;
     session.touch();
-    let ws = workspace_of(&state, &session).await?;
-    let owner = state.registry.sandbox().workspace_owner(&session.user);
-    let dest = body.path;
-    tokio::task::spawn_blocking(move || files::rename(&ws, &path, &dest, owner))
-        .await
-        .map_err(|e| ApiError::internal("move file", e))??;
+    let workspace = state.registry.workspace(&session)?;
+    workspace.rename(&path, &body.path).await?;
     Ok(Json(MovedJson {
         path: to.to_string_lossy().into_owned(),
     }))

@@ -54,7 +54,7 @@ use std::time::Duration;
 use axum::Router;
 use utoipa_axum::router::OpenApiRouter;
 
-use crate::session::Registry;
+use crate::session::{ExecutionLimits, Registry};
 
 /// Limits the API enforces on requests.
 #[derive(Debug, Clone)]
@@ -98,16 +98,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The execution timeout for a request's value, capped by the configured maximum.
-    pub fn execution_timeout(&self, requested: Option<f64>) -> Result<Duration, error::ApiError> {
-        match requested {
-            None => Ok(self.limits.execution_timeout),
-            Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(
-                s.min(self.limits.max_execution_timeout.as_secs_f64()),
-            )),
-            Some(_) => Err(error::ApiError::bad_request(
-                "timeout_seconds must be a positive number",
-            )),
+    /// The bounds every execution is checked against (`session::ExecuteRequest::new`).
+    pub fn execution_limits(&self) -> ExecutionLimits {
+        ExecutionLimits {
+            max_code_bytes: self.limits.max_code_bytes,
+            default_timeout: self.limits.execution_timeout,
+            max_timeout: self.limits.max_execution_timeout,
         }
     }
 }

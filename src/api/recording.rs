@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
-use super::extract::{path_id, sandbox_user, session_id};
+use super::extract::{path_id, session_id};
 use super::shapes::{
     iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson, SessionStateJson,
 };
@@ -360,7 +360,7 @@ async fn replay_of(
     let outcome = replay::replay(
         &store,
         &state.registry,
-        &sandbox_user(&caller),
+        &caller.0.sandbox_user(),
         caller.0.max_sessions,
         info.id,
     )

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
 use serde_json::Value;
@@ -17,33 +16,10 @@ use uuid::Uuid;
 use super::{router, ApiLimits, AppState};
 use crate::api::auth::User;
 use crate::kernel::spec::KernelSpecs;
-use crate::sandbox::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser, UserLimits};
-use crate::session::{NoRecorder, Registry, SessionConfig};
+use crate::session::testing::NoKernels;
+use crate::session::{NoRecorder, Registry, SessionConfig, UserLimits};
 
 const ALICE: &str = "alice-token";
-
-/// A sandbox where nothing can run.
-struct NoKernels;
-
-#[async_trait]
-impl Sandbox for NoKernels {
-    fn name(&self) -> &'static str {
-        "local"
-    }
-    async fn check(&self) -> Result<(), SandboxError> {
-        Ok(())
-    }
-    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
-        Err(SandboxError::Launch {
-            user: spec.user.name,
-            reason: "this test sandbox runs nothing".into(),
-        })
-    }
-    fn workspace(&self, _user: &SandboxUser) -> Result<PathBuf, SandboxError> {
-        Ok(std::env::temp_dir())
-    }
-    async fn shutdown(&self) {}
-}
 
 fn user(name: &str, token: &str, index: u32) -> Arc<User> {
     Arc::new(User {
@@ -315,14 +291,11 @@ async fn every_documented_route_is_served() {
     }
 }
 
-/// The other direction: a route can only be added with its documentation, because every
-/// file registers routes through `utoipa_axum::routes!`. A plain axum `.route(` would be
-/// served without being documented.
-#[test]
-fn routes_are_only_registered_with_their_documentation() {
+/// Every source file under `src/api` but this one, with its text.
+fn api_sources() -> Vec<(PathBuf, String)> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/api");
     let mut stack = vec![PathBuf::from(dir)];
-    let mut files = 0;
+    let mut out = Vec::new();
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d).unwrap() {
             let path = entry.unwrap().path();
@@ -334,15 +307,39 @@ fn routes_are_only_registered_with_their_documentation() {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
-            files += 1;
-            for needle in [".route(", ".route_service(", ".nest(", "routing::get"] {
-                assert!(
-                    !text.contains(needle),
-                    "{} uses `{needle}`: register routes with `.routes(routes!(handler))` so they are documented",
-                    path.display()
-                );
-            }
+            out.push((path, text));
         }
     }
-    assert!(files > 10);
+    assert!(out.len() > 10);
+    out
+}
+
+/// The other direction: a route can only be added with its documentation, because every
+/// file registers routes through `utoipa_axum::routes!`. A plain axum `.route(` would be
+/// served without being documented.
+#[test]
+fn routes_are_only_registered_with_their_documentation() {
+    for (path, text) in api_sources() {
+        for needle in [".route(", ".route_service(", ".nest(", "routing::get"] {
+            assert!(
+                !text.contains(needle),
+                "{} uses `{needle}`: register routes with `.routes(routes!(handler))` so they are documented",
+                path.display()
+            );
+        }
+    }
+}
+
+/// The front doors reach sessions only through the session layer: no file of the api
+/// layer names the sandbox (what it needs, the session layer offers or re-exports).
+#[test]
+fn the_api_layer_never_names_the_sandbox() {
+    let needle = ["crate", "::sandbox"].concat();
+    for (path, text) in api_sources() {
+        assert!(
+            !text.contains(&needle),
+            "{} names `{needle}`: go through the session layer (`crate::session`)",
+            path.display()
+        );
+    }
 }

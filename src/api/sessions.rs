@@ -13,10 +13,10 @@ use utoipa_axum::routes;
 
 use super::auth::Caller;
 use super::error::ApiResult;
-use super::extract::{check_code, sandbox_user, session_id, BodyLimit, JsonBody, OwnedSession};
+use super::extract::{session_id, BodyLimit, JsonBody, OwnedSession};
 use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, SessionJson};
 use super::AppState;
-use crate::session::CreateOptions;
+use crate::session::{CreateOptions, ExecuteRequest, Origin, Timeout};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -68,16 +68,12 @@ async fn create(
 ) -> ApiResult<Response> {
     let session = state
         .registry
-        .create(
-            &sandbox_user(&caller),
-            caller.0.max_sessions,
-            CreateOptions {
-                kernel: req.kernel,
-                idle_timeout_seconds: req.idle_timeout_seconds,
-                id: None,
-                memory_limit_bytes: req.memory_limit_bytes,
-            },
-        )
+        .create_session(caller.0.create_request(CreateOptions {
+            kernel: req.kernel,
+            idle_timeout_seconds: req.idle_timeout_seconds,
+            id: None,
+            memory_limit_bytes: req.memory_limit_bytes,
+        }))
         .await?;
     let location = format!("/v1/sessions/{}", session.id);
     Ok((
@@ -165,9 +161,9 @@ async fn execute(
     owned: OwnedSession,
     JsonBody(req): JsonBody<ExecuteBody>,
 ) -> ApiResult<Json<ExecutionJson>> {
-    check_code(&state, &req.code)?;
-    let timeout = state.execution_timeout(req.timeout_seconds)?;
-    let execution = owned.session.execute_wait(req.code, timeout).await?;
+    let timeout = Timeout::Asked(req.timeout_seconds);
+    let request = ExecuteRequest::new(req.code, timeout, Origin::Rest, &state.execution_limits())?;
+    let execution = owned.session.run(request).await?;
     Ok(Json(execution.into()))
 }
 

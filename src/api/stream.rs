@@ -26,11 +26,13 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::clients::{websocket_place, WebSocketPlace};
-use super::extract::{check_code, OwnedSession};
+use super::extract::OwnedSession;
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
 use super::ws_liveness::Liveness;
 use super::AppState;
-use crate::session::{ExecRequest, OutputEvent, Session, SessionEvent, SessionState};
+use crate::session::{
+    ExecuteRequest, Origin, OutputEvent, Session, SessionEvent, SessionState, Timeout,
+};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(upgrade))
@@ -404,29 +406,18 @@ async fn start_execution(
     let fail = |message: String| {
         json!({"type": "protocol_error", "id": id, "message": message}).to_string()
     };
-    if let Err(e) = check_code(state, &code) {
-        let _ = out.send(fail(e.message)).await;
-        return previous;
-    }
-    let timeout = match state.execution_timeout(timeout_seconds) {
-        Ok(t) => t,
+    let timeout = Timeout::Asked(timeout_seconds);
+    let (stream_tx, mut stream_rx) = mpsc::channel(OUT_QUEUE);
+    let submitted =
+        ExecuteRequest::new(code, timeout, Origin::WebSocket, &state.execution_limits())
+            .and_then(|request| session.submit(request.streaming(stream_tx).with_stdin()));
+    let done_rx = match submitted {
+        Ok(done) => done,
         Err(e) => {
-            let _ = out.send(fail(e.message)).await;
+            let _ = out.send(fail(e.to_string())).await;
             return previous;
         }
     };
-    let (stream_tx, mut stream_rx) = mpsc::channel(OUT_QUEUE);
-    let (done_tx, done_rx) = oneshot::channel();
-    if let Err(e) = session.execute(ExecRequest {
-        code,
-        timeout,
-        allow_stdin: true,
-        stream: Some(stream_tx),
-        done: done_tx,
-    }) {
-        let _ = out.send(fail(e.to_string())).await;
-        return previous;
-    }
     let out = out.clone();
     let (sent_tx, sent_rx) = oneshot::channel();
     tokio::spawn(async move {

@@ -1,11 +1,17 @@
 //! [`SessionError`]: the session layer's one error type; each message says what the caller
 //! can do, and the api layer maps each variant to a status code.
 
+use std::path::PathBuf;
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 /// An error from below the session layer that it passes on with its cause.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use super::memory::human_bytes;
+use crate::kernel::KernelError;
+use crate::sandbox::{ExitReason, SandboxError};
 
 /// Errors of the session layer, each with what the caller can do.
 #[derive(Debug, thiserror::Error)]
@@ -20,30 +26,178 @@ pub enum SessionError {
         at: DateTime<Utc>,
         idle_secs: u64,
     },
-    #[error("{0}")]
-    Quota(String),
-    #[error("could not start a kernel: {0}")]
-    KernelUnavailable(String),
+    /// The user has as many live sessions as they may.
+    #[error("user {user} already has {live} sessions (the limit); delete one first")]
+    TooManySessions { user: String, live: usize },
+    /// The user has as many live sessions as they may, counted on every node.
+    #[error(
+        "user {user} already has {live} sessions across the cluster (the limit); delete one first"
+    )]
+    TooManySessionsInCluster { user: String, live: usize },
+    /// The user's memory total has no room for the new session's limit.
+    #[error(
+        "not enough memory left for a new session: {user}'s {sessions} sessions use {} of {} \
+         (their memory limits; {} more held by pooled kernels) and this one asks for {}; \
+         delete a session or ask for less (memory_limit_bytes)",
+        human_bytes(*.used), human_bytes(*.total), human_bytes(*.pooled), human_bytes(*.asked)
+    )]
+    NoMemoryLeft {
+        user: String,
+        sessions: usize,
+        /// Bytes of the user's sessions' memory limits.
+        used: u64,
+        /// The user's memory total.
+        total: u64,
+        /// Bytes held by the user's pooled kernels.
+        pooled: u64,
+        /// The new session's memory limit.
+        asked: u64,
+    },
+    /// A memory limit outside what the user may ask for.
+    #[error(
+        "memory_limit_bytes must be between {} and {user}'s memory limit, {} ({total} bytes); \
+         {asked} was asked",
+        human_bytes(*.min), human_bytes(*.total)
+    )]
+    InvalidMemoryLimit {
+        user: String,
+        asked: u64,
+        /// The least a session may ask for.
+        min: u64,
+        /// The user's memory total.
+        total: u64,
+    },
+    /// The session's execute queue is full.
+    #[error(
+        "session {session} already has {waiting} executions waiting (the limit); wait for some to finish"
+    )]
+    ExecutionsWaiting { session: Uuid, waiting: usize },
+    /// The session's command queue is full.
+    #[error("session {session} has too many requests waiting; wait for some to finish")]
+    RequestsWaiting { session: Uuid },
+    /// The broker is stopping and starts no kernel.
+    #[error("could not start a kernel: the broker is shutting down")]
+    ShuttingDown,
+    /// The sandbox did not start the kernel in time.
+    #[error("could not start a kernel: the sandbox did not start the kernel within {limit:?}")]
+    LaunchTimedOut { limit: Duration },
+    /// The sandbox refused or failed the launch.
+    #[error("could not start a kernel: {source}")]
+    LaunchFailed {
+        #[source]
+        source: SandboxError,
+    },
+    /// The kernel process ended before it answered.
+    #[error("could not start a kernel: {reason} before it was ready")]
+    DiedBeforeReady { reason: ExitReason },
+    /// The kernel could not be connected to.
+    #[error("could not start a kernel: {source}")]
+    ConnectFailed {
+        #[source]
+        source: KernelError,
+    },
+    /// An interrupt with no kernel running.
+    #[error("could not start a kernel: the kernel is not running")]
+    KernelNotRunning,
+    /// The interrupt signal could not be delivered.
+    #[error("could not start a kernel: {source}")]
+    InterruptFailed {
+        #[source]
+        source: SandboxError,
+    },
     #[error("unknown kernel {0:?}; see /api/kernelspecs")]
     UnknownKernel(String),
     #[error("session {0} is shutting down")]
     Closed(Uuid),
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    NotFoundFile(String),
-    #[error("{0}")]
-    TooLarge(String),
-    /// A file operation that would replace or discard something: a move onto an existing
-    /// path, the delete of a directory that is not empty.
-    #[error("{0}")]
-    FileConflict(String),
-    #[error("{0}")]
-    Io(String),
+    /// A client's path that cannot name a workspace file (absolute, `..`, NUL, empty).
+    #[error("invalid file path {path:?}: {why}")]
+    InvalidPath { path: String, why: &'static str },
+    /// Nothing at the path.
+    #[error("no file {} in the workspace", path.display())]
+    NoSuchFile { path: PathBuf },
+    /// The path goes through a symbolic link (the files API follows none).
+    #[error(
+        "{} leads through a symbolic link; the files API does not follow links",
+        path.display()
+    )]
+    ThroughSymlink { path: PathBuf },
+    /// The workspace's disk quota is used up.
+    #[error(
+        "{} does not fit: the workspace is full (its disk quota is used up)",
+        path.display()
+    )]
+    WorkspaceFull { path: PathBuf },
+    /// A directory where a file was meant.
+    #[error("{} is a directory", path.display())]
+    IsDirectory { path: PathBuf },
+    /// A fifo, socket or device where a file was meant.
+    #[error("{} is not a regular file", path.display())]
+    NotRegularFile { path: PathBuf },
+    /// A file where a directory was meant.
+    #[error("{} is not a directory", path.display())]
+    NotDirectory { path: PathBuf },
+    /// A path with no last component to act on.
+    #[error("{} names no file", path.display())]
+    NamesNoFile { path: PathBuf },
+    /// A file larger than the files API serves.
+    #[error(
+        "{} has {size} bytes, more than the {max} the files API serves",
+        path.display()
+    )]
+    FileTooLarge {
+        path: PathBuf,
+        size: u64,
+        max: usize,
+    },
+    /// A directory moved into itself.
+    #[error("cannot move {} into itself ({})", from.display(), to.display())]
+    MoveIntoItself { from: PathBuf, to: PathBuf },
+    /// The delete of a directory that is not empty (the API never deletes a tree).
+    #[error("{} is a directory that is not empty", path.display())]
+    DirectoryNotEmpty { path: PathBuf },
+    /// A move onto an existing path (the API never replaces).
+    #[error("{} exists already", path.display())]
+    DestinationExists { path: PathBuf },
+    /// Any other failure of a workspace file operation.
+    #[error("could not {op} {}: {source}", path.display())]
+    FileIo {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// A proposed session id that a session has (live or ended, of any user, here or in
     /// the recordings): ids are never reused, so one recording never holds two sessions.
     #[error("session id {id} is taken (a session id is never reused); propose another id or none")]
     IdTaken { id: Uuid },
+    /// Code over the broker's limit for one execution.
+    #[error("the code has {bytes} bytes; the limit is {limit}")]
+    CodeTooLarge { bytes: usize, limit: usize },
+    /// A timeout that is not a positive number of seconds.
+    #[error("timeout_seconds must be a positive number")]
+    InvalidTimeout { seconds: f64 },
+    /// The user's workspace could not be found or made (the sandbox's answer).
+    #[error("could not reach the workspace of user {user}")]
+    WorkspaceUnavailable {
+        user: String,
+        #[source]
+        source: SandboxError,
+    },
+    /// A command could not be started in the session's sandbox (its message is the
+    /// sandbox's, as the client reads it).
+    #[error("{source}")]
+    CommandNotStarted {
+        session: Uuid,
+        #[source]
+        source: SandboxError,
+    },
+    /// Work handed to the blocking pool did not finish (it panicked).
+    #[error("could not {op}: the task did not finish")]
+    TaskFailed {
+        op: &'static str,
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// Whether a proposed id is taken could not be told (the recordings could not be read):
     /// refused rather than risk a reuse.
     #[error("could not check whether session id {id} was used before")]
@@ -52,4 +206,88 @@ pub enum SessionError {
         #[source]
         source: BoxError,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The messages clients read are what they were when these variants held strings.
+    #[test]
+    fn messages_read_as_before() {
+        let id = Uuid::nil();
+        for (e, want) in [
+            (
+                SessionError::TooManySessions { user: "alice".into(), live: 2 },
+                "user alice already has 2 sessions (the limit); delete one first",
+            ),
+            (
+                SessionError::NoMemoryLeft {
+                    user: "alice".into(),
+                    sessions: 2,
+                    used: 768 << 20,
+                    total: 768 << 20,
+                    pooled: 0,
+                    asked: 256 << 20,
+                },
+                "not enough memory left for a new session: alice's 2 sessions use 768 MiB of 768 MiB \
+                 (their memory limits; 0 MiB more held by pooled kernels) and this one asks for 256 MiB; \
+                 delete a session or ask for less (memory_limit_bytes)",
+            ),
+            (
+                SessionError::InvalidMemoryLimit {
+                    user: "alice".into(),
+                    asked: 1,
+                    min: 16 << 20,
+                    total: 1 << 30,
+                },
+                "memory_limit_bytes must be between 16 MiB and alice's memory limit, 1024 MiB (1073741824 bytes); 1 was asked",
+            ),
+            (
+                SessionError::ExecutionsWaiting { session: id, waiting: 3 },
+                "session 00000000-0000-0000-0000-000000000000 already has 3 executions waiting (the limit); wait for some to finish",
+            ),
+            (
+                SessionError::LaunchTimedOut { limit: Duration::from_secs(2) },
+                "could not start a kernel: the sandbox did not start the kernel within 2s",
+            ),
+            (
+                SessionError::InvalidPath {
+                    path: "../x".into(),
+                    why: "names no file",
+                },
+                "invalid file path \"../x\": names no file",
+            ),
+            (
+                SessionError::NoSuchFile { path: "a/b".into() },
+                "no file a/b in the workspace",
+            ),
+            (
+                SessionError::ThroughSymlink { path: "l/x".into() },
+                "l/x leads through a symbolic link; the files API does not follow links",
+            ),
+            (
+                SessionError::FileTooLarge {
+                    path: "a".into(),
+                    size: 5,
+                    max: 3,
+                },
+                "a has 5 bytes, more than the 3 the files API serves",
+            ),
+            (
+                SessionError::FileIo {
+                    op: "read",
+                    path: "a".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                },
+                "could not read a: Input/output error (os error 5)",
+            ),
+            (
+                SessionError::KernelNotRunning,
+                "could not start a kernel: the kernel is not running",
+            ),
+        ] {
+            assert_eq!(e.to_string(), want);
+        }
+    }
 }

@@ -422,10 +422,9 @@ impl Session {
 
     fn send(&self, cmd: Command) -> Result<(), SessionError> {
         self.commands.try_send(cmd).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SessionError::Quota(format!(
-                "session {} has too many requests waiting; wait for some to finish",
-                self.id
-            )),
+            mpsc::error::TrySendError::Full(_) => {
+                SessionError::RequestsWaiting { session: self.id }
+            }
             mpsc::error::TrySendError::Closed(_) => SessionError::Closed(self.id),
         })
     }
@@ -435,10 +434,10 @@ impl Session {
         let queued = self.pending.fetch_add(1, Ordering::AcqRel);
         if queued >= self.max_queue {
             self.pending_dec();
-            return Err(SessionError::Quota(format!(
-                "session {} already has {} executions waiting (the limit); wait for some to finish",
-                self.id, queued
-            )));
+            return Err(SessionError::ExecutionsWaiting {
+                session: self.id,
+                waiting: queued,
+            });
         }
         self.touch();
         self.send(Command::Execute(req))

@@ -48,19 +48,13 @@ pub(crate) async fn start_kernel(
     let limit = sandbox.launch_timeout();
     let launched = timeout(limit, sandbox.launch(spec))
         .await
-        .map_err(|_| {
-            SessionError::KernelUnavailable(format!(
-                "the sandbox did not start the kernel within {limit:?}"
-            ))
-        })?
-        .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
+        .map_err(|_| SessionError::LaunchTimedOut { limit })?
+        .map_err(|source| SessionError::LaunchFailed { source })?;
     let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
     let connect = KernelClient::connect(&launched.endpoints, &key, &user, options, limit);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
-    let before_ready = |reason: ExitReason| {
-        SessionError::KernelUnavailable(format!("{reason} before it was ready"))
-    };
+    let before_ready = |reason: ExitReason| SessionError::DiedBeforeReady { reason };
     let outcome = tokio::select! {
         r = connect => match r {
             Ok(connected) => Ok(connected),
@@ -68,7 +62,7 @@ pub(crate) async fn start_kernel(
             // (which names what ran out) says more than the broken socket, once known.
             Err(e) => match timeout(DEATH_REPORT, p.wait()).await {
                 Ok(reason) => Err(before_ready(reason)),
-                Err(_) => Err(SessionError::KernelUnavailable(e.to_string())),
+                Err(_) => Err(SessionError::ConnectFailed { source: e }),
             },
         },
         reason = p.wait() => Err(before_ready(reason)),

@@ -8,12 +8,13 @@
 //!
 //! Layout (each file uses only those listed before it, so there is no import circle; this
 //! file only declares them and re-exports their public types):
+//! - `memory`: the memory ledger (each kernel's reservation of its user's total) and
+//!   `human_bytes`, which the error messages use.
 //! - `execution`: gathering one execution's output under the limits; `lifecycle`: the typed
 //!   events reported to the [`Recorder`]; `error`, `config`, `state`: [`SessionError`],
 //!   [`SessionConfig`], [`SessionState`]; `files`: workspace files beneath a descriptor.
 //! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `command`:
 //!   what a handle asks of its actor ([`ExecRequest`] among them).
-//! - `memory`: the memory ledger (each kernel's reservation of its user's total).
 //! - `handle`: the [`Session`] handle (status, activity, broadcast, command queue);
 //!   `recorder`: the [`Recorder`] the layer reports to.
 //! - `launch`: a kernel launched in the sandbox and connected (`Live`, `start_kernel`).
@@ -23,7 +24,15 @@
 //! - `registry/`: create (quotas), get (ownership), delete, shutdown; idle expiry and
 //!   tombstones in `expiry.rs`; [`Registry::report`] for what happens outside the actor.
 //! - `egress`: the egress proxy's reports, recorded through the registry.
-//! - `testing/` (tests only): a scripted kernel and a fake sandbox.
+//! - `create`: [`CreateRequest`], the one way a front door makes a session
+//!   (`Registry::create_session`).
+//! - `execute`: [`ExecuteRequest`], the one way a front door runs code (limits checked
+//!   once), through `Session::submit` / `Session::run`.
+//! - `run_command`: a command run in a session's sandbox beside its kernel
+//!   (`Registry::run_command`).
+//! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
+//!   through `files`), from `Registry::workspace`.
+//! - `testing/` (tests only): a scripted kernel, a fake sandbox, a sandbox where nothing runs.
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
 //! `Arc<dyn Sandbox>`) and knows nothing of HTTP; the API layer maps [`SessionError`] to
@@ -32,9 +41,11 @@
 mod actor;
 mod command;
 mod config;
+mod create;
 mod egress;
 mod error;
 mod event;
+mod execute;
 pub mod execution;
 pub mod files;
 mod handle;
@@ -45,18 +56,28 @@ mod memory;
 mod pool;
 mod recorder;
 mod registry;
+mod run_command;
 mod state;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
+mod workspace;
 
+/// The sandbox's plain data the front doors name: who a session is for, and their limits.
+pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig};
+pub use create::CreateRequest;
 pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;
+pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, CreateOptions, Registry};
+pub use run_command::{
+    check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, RunningCommand,
+};
 pub use state::{SessionInfo, SessionState};
+pub use workspace::Workspace;

@@ -45,11 +45,10 @@ pub(super) async fn create(
         .sum();
     let here = state.registry.list(&user.name).len();
     if here + elsewhere >= user.max_sessions {
-        let e = SessionError::Quota(format!(
-            "user {} already has {} sessions across the cluster (the limit); delete one first",
-            user.name,
-            here + elsewhere
-        ));
+        let e = SessionError::TooManySessionsInCluster {
+            user: user.name.clone(),
+            live: here + elsewhere,
+        };
         return if caller.e2b {
             E2bError::from(e).into_response()
         } else {

@@ -22,9 +22,9 @@ use uuid::Uuid;
 use super::auth::{access_token, ApiKeyUser, TokenKind};
 use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
-use crate::api::extract::{parse_json, read_limited, sandbox_user};
+use crate::api::extract::{parse_json, read_limited};
 use crate::api::AppState;
-use crate::sandbox::environ::check_user_env;
+use crate::session::check_user_env;
 use crate::session::{CreateOptions, Session};
 
 /// The envd version the broker presents: new enough for every call the pinned SDKs make
@@ -139,11 +139,7 @@ async fn do_create(
     let user = caller.0 .0.clone();
     let session = state
         .registry
-        .create(
-            &sandbox_user(&caller.0),
-            user.max_sessions,
-            session_options(&state),
-        )
+        .create_session(user.create_request(session_options(&state)))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
     if !env.is_empty() {

@@ -2,7 +2,7 @@
 //! upload (`/files`, multipart or octet-stream), and the Connect filesystem service
 //! (`ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`; watching is not supported). Paths are
 //! the sandbox's: `/workspace/...` or relative to it (`super::workspace_relative`), and go
-//! through `session::files` (beneath the workspace, no symlink followed; what is created
+//! through the session's `Workspace` (beneath the workspace, no symlink followed; what is created
 //! belongs to the kernel's uid).
 
 use axum::body::Body;
@@ -19,11 +19,11 @@ use utoipa_axum::routes;
 use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
 use super::{inside_path, workspace_relative, E2bError, E2bResult};
-use crate::api::error::ApiError;
+use crate::api::error::{file_error_kind, ApiError, FileErrorKind};
 use crate::api::extract::{collect_upload, read_limited, read_upload, UploadBudget};
 use crate::api::AppState;
-use crate::session::files::{self, Entry, EntryKind};
-use crate::session::SessionError;
+use crate::session::files::{Entry, EntryKind};
+use crate::session::{SessionError, Workspace};
 use futures::TryStreamExt;
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -51,12 +51,8 @@ struct FileQuery {
     path: Option<String>,
 }
 
-async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<std::path::PathBuf> {
-    state
-        .registry
-        .sandbox()
-        .workspace(&caller.session.user)
-        .map_err(|e| E2bError::internal("workspace", e))
+async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<Workspace> {
+    Ok(state.registry.workspace(&caller.session)?)
 }
 
 /// Download a file (envd)
@@ -75,16 +71,13 @@ async fn download(
     let ws = workspace(&state, &caller).await?;
     let max = state.limits.max_file_bytes;
     caller.session.touch();
-    let data = tokio::task::spawn_blocking(move || files::read(&ws, &rel, max))
-        .await
-        .map_err(|e| E2bError::internal("read file", e))?
-        .map_err(|e| file_error(e, &path))?;
+    let data = ws.read(&rel, max).await.map_err(|e| file_error(e, &path))?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }
 
 fn file_error(e: SessionError, path: &str) -> E2bError {
     match e {
-        SessionError::NotFoundFile(_) => E2bError::not_found(format!("path {path:?} not found")),
+        SessionError::NoSuchFile { .. } => E2bError::not_found(format!("path {path:?} not found")),
         other => other.into(),
     }
 }
@@ -173,19 +166,11 @@ async fn upload(
         uploads.push((path, data));
     }
     let ws = workspace(&state, &caller).await?;
-    let owner = state
-        .registry
-        .sandbox()
-        .workspace_owner(&caller.session.user);
     caller.session.touch();
     let mut out = Vec::new();
     for (path, data) in uploads {
         let rel = workspace_relative(&path)?;
-        let ws = ws.clone();
-        let rel2 = rel.clone();
-        tokio::task::spawn_blocking(move || files::write(&ws, &rel2, &data, owner))
-            .await
-            .map_err(|e| E2bError::internal("write file", e))??;
+        ws.write(&rel, data).await?;
         let name = rel.rsplit('/').next().unwrap_or(&rel).to_string();
         out.push(json!({"path": inside_path(&rel), "name": name, "type": "file"}));
     }
@@ -237,16 +222,24 @@ fn permissions(mode: u32) -> String {
 }
 
 fn fs_error(e: SessionError) -> ConnectError {
-    match e {
-        SessionError::NotFoundFile(m) => ConnectError::not_found(m),
-        SessionError::BadRequest(m) => ConnectError::invalid(m),
-        SessionError::FileConflict(m) => ConnectError::new("already_exists", m),
-        SessionError::TooLarge(m) => ConnectError::new("resource_exhausted", m),
-        other => {
+    let message = e.to_string();
+    match file_error_kind(&e) {
+        Some(FileErrorKind::NotFound) => ConnectError::not_found(message),
+        Some(FileErrorKind::Invalid) => ConnectError::invalid(message),
+        Some(FileErrorKind::Conflict) => ConnectError::new("already_exists", message),
+        Some(FileErrorKind::TooLarge) => ConnectError::new("resource_exhausted", message),
+        _ => {
+            let other = e;
             tracing::warn!(error = %other, "E2B filesystem call failed");
             ConnectError::new("internal", other.to_string())
         }
     }
+}
+
+/// `{"entry": ...}` for the entry at `rel`: what `Stat`, `MakeDir` and `Move` answer.
+async fn entry_answer(ws: &Workspace, rel: &str) -> Result<Value, ConnectError> {
+    let e = ws.stat(rel).await.map_err(fs_error)?;
+    Ok(json!({"entry": entry_json(&e)}))
 }
 
 fn rel_of(path: &str) -> Result<String, ConnectError> {
@@ -295,69 +288,42 @@ async fn filesystem_call(
     let ws = workspace(state, caller)
         .await
         .map_err(|e| ConnectError::new("internal", e.message))?;
-    let owner = state
-        .registry
-        .sandbox()
-        .workspace_owner(&caller.session.user);
     caller.session.touch();
-    let blocking = |f: Box<dyn FnOnce() -> Result<Value, ConnectError> + Send>| async move {
-        tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| ConnectError::new("internal", e.to_string()))?
-    };
     match method {
         "ListDir" => {
             let req: PathReq = unary_request(&bytes)?;
             let rel = rel_of(&req.path)?;
             let depth = req.depth.unwrap_or(1).clamp(1, 64) as usize;
-            blocking(Box::new(move || {
-                let (entries, _) = files::list_dir(&ws, &rel, depth).map_err(fs_error)?;
-                Ok(json!({"entries": entries.iter().map(entry_json).collect::<Vec<_>>()}))
-            }))
-            .await
+            let (entries, _) = ws.list_dir(&rel, depth).await.map_err(fs_error)?;
+            Ok(json!({"entries": entries.iter().map(entry_json).collect::<Vec<_>>()}))
         }
         "Stat" => {
             let req: PathReq = unary_request(&bytes)?;
             let rel = rel_of(&req.path)?;
-            blocking(Box::new(move || {
-                let e = files::stat(&ws, &rel).map_err(fs_error)?;
-                Ok(json!({"entry": entry_json(&e)}))
-            }))
-            .await
+            entry_answer(&ws, &rel).await
         }
         "MakeDir" => {
             let req: PathReq = unary_request(&bytes)?;
             let rel = rel_of(&req.path)?;
-            blocking(Box::new(move || {
-                if !files::make_dir(&ws, &rel, owner).map_err(fs_error)? {
-                    return Err(ConnectError::new(
-                        "already_exists",
-                        format!("directory {} already exists", inside_path(&rel)),
-                    ));
-                }
-                let e = files::stat(&ws, &rel).map_err(fs_error)?;
-                Ok(json!({"entry": entry_json(&e)}))
-            }))
-            .await
+            if !ws.make_dir(&rel).await.map_err(fs_error)? {
+                return Err(ConnectError::new(
+                    "already_exists",
+                    format!("directory {} already exists", inside_path(&rel)),
+                ));
+            }
+            entry_answer(&ws, &rel).await
         }
         "Remove" => {
             let req: PathReq = unary_request(&bytes)?;
             let rel = rel_of(&req.path)?;
-            blocking(Box::new(move || {
-                files::remove(&ws, &rel).map_err(fs_error)?;
-                Ok(json!({}))
-            }))
-            .await
+            ws.remove(&rel).await.map_err(fs_error)?;
+            Ok(json!({}))
         }
         "Move" => {
             let req: MoveReq = unary_request(&bytes)?;
             let (from, to) = (rel_of(&req.source)?, rel_of(&req.destination)?);
-            blocking(Box::new(move || {
-                files::rename(&ws, &from, &to, owner).map_err(fs_error)?;
-                let e = files::stat(&ws, &to).map_err(fs_error)?;
-                Ok(json!({"entry": entry_json(&e)}))
-            }))
-            .await
+            ws.rename(&from, &to).await.map_err(fs_error)?;
+            entry_answer(&ws, &to).await
         }
         other => Err(ConnectError::unimplemented(format!(
             "filesystem.Filesystem/{other} is not supported by kernel-broker (watching directories is not)"

@@ -13,17 +13,17 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::SandboxCaller;
 use super::{E2bError, E2bResult, WORKDIR};
-use crate::api::extract::{check_code, parse_json, read_limited, sandbox_user};
+use crate::api::extract::{parse_json, read_limited};
 use crate::api::output_budget::{CutQueue, Held};
 use crate::api::AppState;
-use crate::session::{ExecRequest, ExecutionStatus, OutputEvent, Session};
+use crate::session::{ExecuteRequest, ExecutionStatus, Origin, OutputEvent, Session, Timeout};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -182,20 +182,17 @@ async fn execute(
             "env_vars for one execution (set envs when creating the sandbox)",
         ));
     }
-    check_code(&state, &req.code)?;
-    let session = context_session(&state, &caller, req.context_id.as_deref())?;
     // The SDK sends no execution timeout (it enforces its own by closing the
     // connection); the broker's maximum is the backstop.
-    let timeout = state.limits.max_execution_timeout;
+    let request = ExecuteRequest::new(
+        req.code,
+        Timeout::Maximum,
+        Origin::E2b,
+        &state.execution_limits(),
+    )?;
+    let session = context_session(&state, &caller, req.context_id.as_deref())?;
     let (out_tx, mut out_rx) = mpsc::channel::<OutputEvent>(256);
-    let (done_tx, mut done_rx) = oneshot::channel();
-    session.execute(ExecRequest {
-        code: req.code,
-        timeout,
-        allow_stdin: false,
-        stream: Some(out_tx),
-        done: done_tx,
-    })?;
+    let mut done_rx = session.submit(request.streaming(out_tx))?;
     // The lines wait for the client in a queue under the user's execution-output budget,
     // cut with a marker past it (never waited on: the actor does not wait on a client
     // either, and a wait here would only move the loss into its queue, unmarked).
@@ -296,14 +293,10 @@ async fn create_context(
             "a context working directory other than {WORKDIR} ({cwd:?})"
         )));
     }
-    let user = sandbox_user(&crate::api::auth::Caller(caller.user.clone()));
+    let options = super::control::session_options(&state);
     let session = state
         .registry
-        .create(
-            &user,
-            caller.user.max_sessions,
-            super::control::session_options(&state),
-        )
+        .create_session(caller.user.create_request(options))
         .await?;
     let deadline_left = caller
         .session

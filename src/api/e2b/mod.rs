@@ -5,18 +5,20 @@
 //! An E2B sandbox is a session of the key's user (same id: it shows in `/v1/sessions`,
 //! `/api/kernels` and the UI, and is recorded); its contexts are more sessions of that
 //! user; its working directory is the user's workspace (`/workspace`); its commands run
-//! in the user's sandbox through [`Sandbox::run_command`](crate::sandbox::Sandbox). E2B's
+//! in the user's sandbox through `Registry::run_command` (the sandbox's `run_command`). E2B's
 //! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
 //! then unless extended.
 //!
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`);
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
-//! Connect process service (commands); `connect.rs` the Connect framing; `auth.rs` keys
+//! Connect process service (commands), `command.rs` a running command and its output's
+//! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `auth.rs` keys
 //! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
 //! beyond its session (template, metadata, contexts, commands).
 
 mod auth;
+mod command;
 mod connect;
 mod control;
 mod envd;

@@ -1,7 +1,7 @@
 //! envd's Connect process service (JSON): `Start` (server streaming: `start`, `data`,
 //! `end` events, keepalives), `Connect` (the events of a running command), `List`,
 //! `SendInput`, `CloseStdin`, `SendSignal`. A command runs in the user's sandbox through
-//! [`Sandbox::run_command`](crate::sandbox::Sandbox::run_command), isolated and limited
+//! `Registry::run_command` (the sandbox's `run_command`), isolated and limited
 //! as the user's kernels are, never on the host; it ends with its sandbox. Pseudo
 //! terminals (`pty`), `Update` and `StreamInput` are not supported.
 
@@ -18,20 +18,18 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::auth::SandboxCaller;
+use super::command::{Command, Event, Fanout};
 use super::connect::{
     end_stream, envelope, stream_request, unary_request, ConnectError, MAX_MESSAGE,
 };
-use super::state::Command;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::sandbox::command::CommandSpec;
-use crate::sandbox::environ::check_user_env;
-use crate::sync::lock;
+use crate::session::{check_user_env, CommandRequest};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 /// How often a stream with nothing to say sends a keepalive event.
@@ -145,75 +143,6 @@ fn stream_response(first: Bytes, events: mpsc::UnboundedReceiver<Event>) -> Resp
         .into_response()
 }
 
-/// What a command's clients are sent after `start`.
-pub enum Event {
-    /// A `data` envelope, with the user's budget permits its bytes hold (shared by every
-    /// client it was sent to: let go once the last has taken it).
-    Output(Bytes, Arc<OwnedSemaphorePermit>),
-    /// The `end` envelope.
-    End(Bytes),
-}
-
-/// A command's output on its way to its clients (the `Start` stream and any `Connect`
-/// ones), each with a queue of its own. The queues are unbounded in count and bounded in
-/// bytes by the user's command-output budget ([`super::state::COMMAND_OUTPUT_BUDGET`]):
-/// the readers of the command's pipes take permits before publishing, so when the user's
-/// clients leave that much unread, the readers wait, the pipes fill and the command blocks
-/// on its write, as with any pipe nobody reads. Back-pressure rather than cutting: nothing
-/// is lost (a cut would corrupt what a command writes, binary or not, and a client that
-/// reads late would get a hole), and what waits is the user's own processes; her other
-/// commands share the wait, another user's do not. The slowest client sets the pace, as
-/// with `tee`.
-#[derive(Default)]
-pub struct Fanout {
-    inner: std::sync::Mutex<FanoutInner>,
-}
-
-#[derive(Default)]
-struct FanoutInner {
-    clients: Vec<mpsc::UnboundedSender<Event>>,
-    /// The `end` envelope, once the command ended: a late `Connect` gets it at once.
-    ended: Option<Bytes>,
-}
-
-impl Fanout {
-    /// A new client's queue: the events from now on.
-    fn subscribe(&self) -> mpsc::UnboundedReceiver<Event> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut inner = lock(&self.inner);
-        match &inner.ended {
-            Some(end) => {
-                let _ = tx.send(Event::End(end.clone()));
-            }
-            None => inner.clients.push(tx),
-        }
-        rx
-    }
-
-    /// Whether any client listens (output nobody listens to is not held).
-    fn listened(&self) -> bool {
-        let mut inner = lock(&self.inner);
-        inner.clients.retain(|c| !c.is_closed());
-        !inner.clients.is_empty()
-    }
-
-    fn publish(&self, bytes: Bytes, budget: OwnedSemaphorePermit) {
-        let budget = Arc::new(budget);
-        lock(&self.inner)
-            .clients
-            .retain(|c| c.send(Event::Output(bytes.clone(), budget.clone())).is_ok());
-    }
-
-    /// The command's end: sent to every client, whose queues then close.
-    fn end(&self, bytes: Bytes) {
-        let mut inner = lock(&self.inner);
-        for c in inner.clients.drain(..) {
-            let _ = c.send(Event::End(bytes.clone()));
-        }
-        inner.ended = Some(bytes);
-    }
-}
-
 /// A stream that is only an error (Connect answers stream errors in the end envelope).
 fn stream_error(e: ConnectError) -> Response {
     (
@@ -250,14 +179,12 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         .with(caller.session.id, |m| m.env.clone())
         .unwrap_or_default();
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let spec = CommandSpec {
-        user: caller.session.user.clone(),
+    let request = CommandRequest {
         argv,
         env,
         cwd: config.cwd.clone().filter(|c| !c.is_empty()),
-        limits: caller.session.limits,
     };
-    let running = match state.registry.sandbox().run_command(spec).await {
+    let running = match state.registry.run_command(&caller.session, request).await {
         Ok(r) => r,
         Err(e) => return stream_error(ConnectError::new("failed_precondition", e.to_string())),
     };

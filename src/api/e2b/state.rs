@@ -14,8 +14,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use super::command::Command;
 use crate::api::output_budget::ByteBudgets;
-use crate::sandbox::command::CommandControl;
 use crate::session::{Registry, Session, SessionEvent, SessionState};
 use crate::sync::lock;
 
@@ -28,18 +28,6 @@ pub struct SandboxMeta {
     /// Context sessions besides the sandbox's own (its default context).
     pub contexts: Vec<Uuid>,
     pub commands: HashMap<u32, Arc<Command>>,
-}
-
-/// A running command of a sandbox.
-pub struct Command {
-    pub pid: u32,
-    pub tag: Option<String>,
-    /// The request's process config, echoed by `List`.
-    pub config: serde_json::Value,
-    pub control: Arc<dyn CommandControl>,
-    pub stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
-    /// Its events (`start` is not repeated), for `Start` and every `Connect`.
-    pub events: Arc<super::process::Fanout>,
 }
 
 pub struct E2bState {

@@ -174,8 +174,34 @@ fn encode_v1(channel: Channel, m: &Message) -> Vec<u8> {
     out
 }
 
+/// Why a client's frame was refused (logged; the frame is dropped).
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("not a Jupyter message: {0}")]
+    NotAMessage(#[source] serde_json::Error),
+    #[error("unknown channel {0:?}")]
+    UnknownChannel(String),
+    #[error("bad channel")]
+    BadChannel,
+    #[error("{0}")]
+    BadMessage(#[source] crate::wire::WireError),
+    #[error("the header needs msg_id and msg_type")]
+    MissingIds,
+    #[error("bad offsets")]
+    BadOffsets,
+    /// The frame ends inside its table of offsets (`binary`: legacy; `v1`).
+    #[error("truncated {framing} frame")]
+    Truncated { framing: &'static str },
+    #[error("bad part count {0}")]
+    BadPartCount(usize),
+    #[error("bad offset count {0}")]
+    BadOffsetCount(usize),
+    #[error("bad JSON part: {0}")]
+    BadJsonPart(#[source] serde_json::Error),
+}
+
 /// A client's message, or why it was refused.
-pub type Decoded = Result<(Channel, Message), String>;
+pub type Decoded = Result<(Channel, Message), FrameError>;
 
 /// Decode a client's binary frame in the connection's framing.
 pub fn decode_binary(framing: Framing, b: &[u8]) -> Decoded {
@@ -207,10 +233,10 @@ pub fn decode_legacy_json(text: &[u8], buffers: Vec<Bytes>) -> Decoded {
         #[serde(default)]
         channel: Option<String>,
     }
-    let f: Frame =
-        serde_json::from_slice(text).map_err(|e| format!("not a Jupyter message: {e}"))?;
+    let f: Frame = serde_json::from_slice(text).map_err(FrameError::NotAMessage)?;
     let channel = f.channel.as_deref().unwrap_or("shell");
-    let channel = Channel::parse(channel).ok_or_else(|| format!("unknown channel {channel:?}"))?;
+    let channel =
+        Channel::parse(channel).ok_or_else(|| FrameError::UnknownChannel(channel.to_string()))?;
     let msg = Message::from_parts(
         Vec::new(),
         Bytes::copy_from_slice(f.header.get().as_bytes()),
@@ -219,31 +245,31 @@ pub fn decode_legacy_json(text: &[u8], buffers: Vec<Bytes>) -> Decoded {
         raw_json(f.content),
         buffers,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(FrameError::BadMessage)?;
     if msg.msg_id.is_empty() || msg.msg_type.is_empty() {
-        return Err("the header needs msg_id and msg_type".into());
+        return Err(FrameError::MissingIds);
     }
     Ok((channel, msg))
 }
 
 /// The byte range `offsets[i]..offsets[i + 1]` of `b`, checked.
-fn part<'b>(b: &'b [u8], offsets: &[usize], i: usize) -> Result<&'b [u8], String> {
+fn part<'b>(b: &'b [u8], offsets: &[usize], i: usize) -> Result<&'b [u8], FrameError> {
     let (s, e) = (offsets[i], offsets[i + 1]);
     if s > e || e > b.len() {
-        return Err("bad offsets".into());
+        return Err(FrameError::BadOffsets);
     }
     Ok(&b[s..e])
 }
 
 fn decode_legacy_binary(b: &[u8]) -> Decoded {
-    let be32 = |i: usize| -> Result<usize, String> {
+    let be32 = |i: usize| -> Result<usize, FrameError> {
         b.get(i..i + 4)
             .map(|s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]) as usize)
-            .ok_or_else(|| "truncated binary frame".to_string())
+            .ok_or(FrameError::Truncated { framing: "binary" })
     };
     let n = be32(0)?;
     if n == 0 || n > MAX_PARTS {
-        return Err(format!("bad part count {n}"));
+        return Err(FrameError::BadPartCount(n));
     }
     let mut offsets = (0..n)
         .map(|i| be32(4 * (i + 1)))
@@ -257,23 +283,23 @@ fn decode_legacy_binary(b: &[u8]) -> Decoded {
 }
 
 fn decode_v1(b: &[u8]) -> Decoded {
-    let le64 = |i: usize| -> Result<usize, String> {
+    let le64 = |i: usize| -> Result<usize, FrameError> {
         b.get(i..i + 8)
             .map(|s| u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]) as usize)
-            .ok_or_else(|| "truncated v1 frame".to_string())
+            .ok_or(FrameError::Truncated { framing: "v1" })
     };
     let count = le64(0)?;
     if !(6..=MAX_PARTS).contains(&count) {
-        return Err(format!("bad offset count {count}"));
+        return Err(FrameError::BadOffsetCount(count));
     }
     let offsets = (0..count)
         .map(|i| le64(8 * (i + 1)))
         .collect::<Result<Vec<_>, _>>()?;
+    let channel = std::str::from_utf8(part(b, &offsets, 0)?).map_err(|_| FrameError::BadChannel)?;
     let channel =
-        std::str::from_utf8(part(b, &offsets, 0)?).map_err(|_| "bad channel".to_string())?;
-    let channel = Channel::parse(channel).ok_or_else(|| format!("unknown channel {channel:?}"))?;
-    let valid = |p: &[u8]| -> Result<Bytes, String> {
-        serde_json::from_slice::<&RawValue>(p).map_err(|e| format!("bad JSON part: {e}"))?;
+        Channel::parse(channel).ok_or_else(|| FrameError::UnknownChannel(channel.to_string()))?;
+    let valid = |p: &[u8]| -> Result<Bytes, FrameError> {
+        serde_json::from_slice::<&RawValue>(p).map_err(FrameError::BadJsonPart)?;
         Ok(Bytes::copy_from_slice(p))
     };
     let header = valid(part(b, &offsets, 1)?)?;
@@ -284,9 +310,9 @@ fn decode_v1(b: &[u8]) -> Decoded {
         .map(|i| part(b, &offsets, i).map(Bytes::copy_from_slice))
         .collect::<Result<Vec<_>, _>>()?;
     let msg = Message::from_parts(Vec::new(), header, parent, metadata, content, buffers)
-        .map_err(|e| e.to_string())?;
+        .map_err(FrameError::BadMessage)?;
     if msg.msg_id.is_empty() || msg.msg_type.is_empty() {
-        return Err("the header needs msg_id and msg_type".into());
+        return Err(FrameError::MissingIds);
     }
     Ok((channel, msg))
 }

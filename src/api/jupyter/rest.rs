@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::api::auth::Caller;
 use crate::api::error::{ApiError, JupyterError};
-use crate::api::extract::{sandbox_user, BodyLimit, JsonBody, OwnedKernel};
+use crate::api::extract::{BodyLimit, JsonBody, OwnedKernel};
 use crate::api::shapes::{iso, ErrorBody, ErrorResponse};
 use crate::api::AppState;
 use crate::kernel::spec::KernelSpec;
@@ -204,16 +204,11 @@ pub(super) async fn start_kernel(
     }
     let session = state
         .registry
-        .create(
-            &sandbox_user(&caller),
-            caller.0.max_sessions,
-            CreateOptions {
-                kernel,
-                idle_timeout_seconds: None,
-                id,
-                memory_limit_bytes: None,
-            },
-        )
+        .create_session(caller.0.create_request(CreateOptions {
+            kernel,
+            id,
+            ..CreateOptions::default()
+        }))
         .await
         .map_err(ApiError::from)?;
     let location = format!("/api/kernels/{}", session.id);

@@ -14,11 +14,14 @@
 //! - every response stream ends when the broker stops ([`AppState::stopping`]), so an open
 //!   SSE stream cannot hold up the listener's drain.
 //!
-//! Layout: `server` (the per-MCP-session handler: tools, resources, the session it made),
-//! `tools` (each tool's work on the session layer), `content` (an execution as MCP content),
+//! Layout: `args` (the tools' arguments and schemas), `call` (a call's context, the session
+//! an MCP session made, the internal failure), `server` (the per-MCP-session handler:
+//! tools, resources), `tools` (each tool's work on the session layer), `content` (an execution as MCP content),
 //! `resources` (workspace files and notebooks as resources). The stdio relay of
 //! `kernel-broker mcp` is `crate::mcp_stdio`.
 
+mod args;
+mod call;
 mod content;
 mod resources;
 mod server;

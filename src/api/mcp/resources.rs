@@ -12,8 +12,9 @@ use rmcp::model::{ListResourcesResult, ReadResourceResult, Resource, ResourceCon
 use rmcp::ErrorData;
 use uuid::Uuid;
 
+use super::call::{internal, workspace, Call};
 use super::content::{resource_contents, workspace_uri, WORKSPACE_PREFIX};
-use super::server::{Call, McpServer};
+use super::server::McpServer;
 use crate::recording::notebook;
 use crate::session::{files, Session, SessionError};
 
@@ -27,11 +28,6 @@ fn not_found(uri: &str, why: impl std::fmt::Display) -> ErrorData {
         format!("no resource {uri}: {why}"),
         Some(serde_json::json!({ "uri": uri })),
     )
-}
-
-fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
-    tracing::error!(%context, error = %e, "MCP resources: internal error");
-    ErrorData::internal_error("the broker hit an internal error; it is logged", None)
 }
 
 impl McpServer {
@@ -50,15 +46,9 @@ impl McpServer {
     ) -> Result<ListResourcesResult, ErrorData> {
         let mut resources = Vec::new();
         if let Some(session) = self.any_session(&call).await {
-            let ws = call
-                .state
-                .registry
-                .sandbox()
-                .workspace(&session.user)
-                .map_err(|e| internal("workspace", e))?;
-            let listing = tokio::task::spawn_blocking(move || files::list(&ws, MAX_LISTED))
+            let listing = workspace(&call, &session)?
+                .list(MAX_LISTED)
                 .await
-                .map_err(|e| internal("list files", e))?
                 .map_err(|e| internal("list files", e))?;
             for f in listing.files {
                 resources.push(
@@ -94,19 +84,13 @@ impl McpServer {
                 .any_session(&call)
                 .await
                 .ok_or_else(|| not_found(uri, "no live session yet (run_python makes one)"))?;
-            let ws = call
-                .state
-                .registry
-                .sandbox()
-                .workspace(&session.user)
-                .map_err(|e| internal("workspace", e))?;
             let max = call.state.limits.max_file_bytes;
-            let rel = path.to_string();
-            let bytes = tokio::task::spawn_blocking(move || files::read(&ws, &rel, max))
+            let bytes = workspace(&call, &session)?
+                .read(path, max)
                 .await
-                .map_err(|e| internal("read file", e))?
                 .map_err(|e| match e {
-                    SessionError::Io(m) => internal("read file", m),
+                    e @ SessionError::FileIo { .. } => internal("read file", e),
+                    SessionError::TaskFailed { op, source } => internal(op, source),
                     other => not_found(uri, other),
                 })?;
             return Ok(ReadResourceResult::new(vec![resource_contents(uri, bytes)]));

@@ -17,13 +17,11 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler};
-use uuid::Uuid;
 
-use super::tools::{
+use super::args::{
     CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
 };
-use crate::api::auth::Caller;
-use crate::api::AppState;
+use super::call::{Call, OwnSession};
 
 /// What the server tells a model about itself at `initialize`.
 const INSTRUCTIONS: &str = "Runs Python in persistent, sandboxed Jupyter (IPython) kernels. \
@@ -32,76 +30,6 @@ Without session_id, calls use this connection's own session, created on first us
 Files live in the user's workspace (the kernel's working directory, /workspace): upload with \
 upload_file, read with read_file or list_files. Charts from matplotlib come back as PNG \
 images. The session's notebook (.ipynb) is a resource.";
-
-/// The caller, the broker's state, and the request's cancellation and progress handles.
-pub struct Call {
-    pub state: AppState,
-    pub caller: Caller,
-    pub context: RequestContext<RoleServer>,
-}
-
-impl Call {
-    fn of(context: RequestContext<RoleServer>) -> Result<Self, ErrorData> {
-        // `forward` (mod.rs) put both into every request before rmcp saw it, and rmcp hands
-        // the request's HTTP parts to the handler; their absence is a wiring bug.
-        let parts = context.extensions.get::<axum::http::request::Parts>();
-        let state = parts.and_then(|p| p.extensions.get::<AppState>()).cloned();
-        let caller = parts.and_then(|p| p.extensions.get::<Caller>()).cloned();
-        match (state, caller) {
-            (Some(state), Some(caller)) => Ok(Self {
-                state,
-                caller,
-                context,
-            }),
-            _ => Err(ErrorData::internal_error(
-                "the request reached the MCP handler without the broker's context",
-                None,
-            )),
-        }
-    }
-}
-
-/// The broker session of an MCP session (for calls without `session_id`).
-#[derive(Default)]
-pub struct OwnSession(tokio::sync::Mutex<Option<Made>>);
-
-/// A session this MCP session made, and what deleting it needs.
-pub struct Made {
-    pub id: Uuid,
-    pub user: String,
-    pub state: AppState,
-}
-
-impl OwnSession {
-    /// The async mutex is held across the create on purpose: two first calls at once make
-    /// one session, the second waits for it. Nothing else takes this lock.
-    pub fn slot(&self) -> &tokio::sync::Mutex<Option<Made>> {
-        &self.0
-    }
-}
-
-impl Drop for OwnSession {
-    /// The MCP session ended (DELETE /mcp, or idle past its keep-alive): its broker session
-    /// goes too, so it stops holding the user's quota. The recording stays.
-    fn drop(&mut self) {
-        let Some(made) = self.0.get_mut().take() else {
-            return;
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move {
-                    if let Err(e) = made.state.registry.delete(&made.user, made.id).await {
-                        tracing::debug!(session = %made.id, error = %e, "MCP session's own session already gone");
-                    }
-                });
-            }
-            // Only at process exit, when the registry's shutdown ends every session anyway.
-            Err(_) => {
-                tracing::debug!(session = %made.id, "no runtime to delete the MCP session's own session")
-            }
-        }
-    }
-}
 
 /// The handler of one MCP session.
 #[derive(Clone)]

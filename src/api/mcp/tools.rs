@@ -1,5 +1,4 @@
-//! The tools' arguments (their JSON schemas, written for a model to read) and their work,
-//! done through the session layer exactly as the REST handlers do it (`sessions.rs`,
+//! The tools' work (their arguments are in `args.rs`), done through the session layer exactly as the REST handlers do it (`sessions.rs`,
 //! `files.rs`): the same registry calls, limits, ownership and recording.
 //!
 //! What the caller can fix (an unknown session, code over the limit, a missing file, a full
@@ -12,15 +11,18 @@ use std::sync::Arc;
 use base64::Engine;
 use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam};
 use rmcp::ErrorData;
-use schemars::JsonSchema;
-use serde::Deserialize;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use super::args::{
+    CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
+};
+use super::call::{internal_or, workspace, Call, Made};
 use super::content;
-use super::server::{Call, Made, McpServer};
-use crate::api::extract::sandbox_user;
+use super::server::McpServer;
 use crate::api::shapes::{FileJson, SessionJson};
-use crate::session::{files, CreateOptions, ExecRequest, Session, SessionError};
+use crate::session::{
+    files, CreateOptions, ExecuteRequest, Origin, Session, SessionError, Timeout,
+};
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
 type Outcome = Result<CallToolResult, ErrorData>;
@@ -38,65 +40,6 @@ fn json_text(value: &impl serde::Serialize) -> Outcome {
     serde_json::to_string_pretty(value)
         .map(text)
         .map_err(|e| ErrorData::internal_error(format!("serialise the answer: {e}"), None))
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RunPythonArgs {
-    /// Python source to run, as in a notebook cell (the last expression's value is the
-    /// result; `%magics` and `!shell` work).
-    pub code: String,
-    /// A session id from create_session or list_sessions; leave it out to use this
-    /// connection's own session (created on first use).
-    pub session_id: Option<String>,
-    /// Seconds before the run is interrupted (default and maximum: the broker's).
-    #[schemars(range(min = 0.001))]
-    pub timeout_seconds: Option<f64>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct UploadFileArgs {
-    /// Where to write, relative to the workspace (e.g. `data/sales.csv`); no `..`.
-    pub path: String,
-    /// The file's bytes, base64-encoded.
-    pub content_base64: String,
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReadFileArgs {
-    /// The file to read, relative to the workspace.
-    pub path: String,
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema, Default)]
-#[serde(deny_unknown_fields)]
-pub struct SessionArgs {
-    /// A session id; leave it out to use this connection's own session.
-    pub session_id: Option<String>,
-}
-
-#[derive(Deserialize, JsonSchema, Default)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSessionArgs {
-    /// A kernel spec name (default: the broker's default kernel).
-    pub kernel: Option<String>,
-    /// Seconds without activity before the session expires (capped by the broker).
-    pub idle_timeout_seconds: Option<u64>,
-    /// The kernel's memory limit in bytes (default: the user's per-kernel default).
-    pub memory_limit_bytes: Option<u64>,
-}
-
-#[derive(Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DeleteSessionArgs {
-    /// The session to shut down.
-    pub session_id: String,
 }
 
 /// How a session error reads to a model; a foreign session reads as a missing one (the
@@ -147,16 +90,7 @@ impl McpServer {
         let session = call
             .state
             .registry
-            .create(
-                &sandbox_user(&call.caller),
-                call.caller.0.max_sessions,
-                CreateOptions {
-                    kernel: None,
-                    idle_timeout_seconds: None,
-                    id: None,
-                    memory_limit_bytes: None,
-                },
-            )
+            .create_session(call.caller.0.create_request(CreateOptions::default()))
             .await
             .map_err(session_error)?;
         tracing::info!(session = %session.id, user = %user, "MCP session made its session");
@@ -174,36 +108,33 @@ impl McpServer {
     }
 
     pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
-        let limits = &call.state.limits;
-        if args.code.len() > limits.max_code_bytes {
-            return Ok(tool_error(format!(
-                "the code has {} bytes; the limit is {}: run it in smaller parts, or upload it as a file and exec it",
-                args.code.len(),
-                limits.max_code_bytes
-            )));
-        }
-        let timeout = match call.state.execution_timeout(args.timeout_seconds) {
-            Ok(t) => t,
-            Err(e) => return Ok(tool_error(e.message)),
+        let timeout = Timeout::Asked(args.timeout_seconds);
+        let limits = call.state.execution_limits();
+        let request = match ExecuteRequest::new(args.code, timeout, Origin::Mcp, &limits) {
+            Ok(r) => r,
+            Err(e @ SessionError::CodeTooLarge { .. }) => {
+                return Ok(tool_error(format!(
+                    "{e}: run it in smaller parts, or upload it as a file and exec it"
+                )))
+            }
+            Err(e) => return Ok(tool_error(session_error(e))),
         };
         let session = match self.session(&call, args.session_id.as_deref(), true).await {
             Ok(s) => s,
             Err(m) => return Ok(tool_error(m)),
         };
         let progress = call.context.meta.get_progress_token();
-        let (done, mut finished) = oneshot::channel();
         // Output is streamed only to a client that asked for progress; the actor drops
         // what does not fit the queue (it never waits for us), the result still has it all.
         let (out_tx, mut out_rx) = mpsc::channel(256);
-        if let Err(e) = session.execute(ExecRequest {
-            code: args.code,
-            timeout,
-            allow_stdin: false,
-            stream: progress.is_some().then_some(out_tx),
-            done,
-        }) {
-            return Ok(tool_error(session_error(e)));
-        }
+        let request = match progress {
+            Some(_) => request.streaming(out_tx),
+            None => request,
+        };
+        let mut finished = match session.submit(request) {
+            Ok(done) => done,
+            Err(e) => return Ok(tool_error(session_error(e))),
+        };
         let mut streaming = progress.is_some();
         let mut interrupted = false;
         let mut count = 0u32;
@@ -270,17 +201,9 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let sandbox = call.state.registry.sandbox();
-        let ws = match sandbox.workspace(&session.user) {
-            Ok(ws) => ws,
-            Err(e) => return Err(internal("workspace", e)),
-        };
-        let owner = sandbox.workspace_owner(&session.user);
-        let (path, len) = (args.path.clone(), data.len());
-        let written = tokio::task::spawn_blocking(move || files::write(&ws, &path, &data, owner))
-            .await
-            .map_err(|e| internal("write file", e))?;
-        Ok(match written {
+        let ws = workspace(&call, &session)?;
+        let len = data.len();
+        Ok(match internal_or(ws.write(&args.path, data).await)? {
             Ok(_) => text(format!(
                 "wrote {len} bytes to {} in the workspace",
                 args.path
@@ -295,18 +218,9 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let ws = call
-            .state
-            .registry
-            .sandbox()
-            .workspace(&session.user)
-            .map_err(|e| internal("workspace", e))?;
         let max = call.state.limits.max_file_bytes;
-        let path = args.path.clone();
-        let read = tokio::task::spawn_blocking(move || files::read(&ws, &path, max))
-            .await
-            .map_err(|e| internal("read file", e))?;
-        Ok(match read {
+        let read = workspace(&call, &session)?.read(&args.path, max).await;
+        Ok(match internal_or(read)? {
             Ok(bytes) => CallToolResult::success(vec![content::file_content(&args.path, bytes)]),
             Err(e) => tool_error(session_error(e)),
         })
@@ -318,16 +232,8 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         session.touch();
-        let ws = call
-            .state
-            .registry
-            .sandbox()
-            .workspace(&session.user)
-            .map_err(|e| internal("workspace", e))?;
-        let listing = tokio::task::spawn_blocking(move || files::list(&ws, 10_000))
-            .await
-            .map_err(|e| internal("list files", e))?;
-        match listing {
+        let listing = workspace(&call, &session)?.list(10_000).await;
+        match internal_or(listing)? {
             Ok(listing) => {
                 let files: Vec<FileJson> = listing.files.into_iter().map(FileJson::from).collect();
                 json_text(&serde_json::json!({"files": files, "truncated": listing.truncated}))
@@ -384,16 +290,12 @@ impl McpServer {
         let created = call
             .state
             .registry
-            .create(
-                &sandbox_user(&call.caller),
-                call.caller.0.max_sessions,
-                CreateOptions {
-                    kernel: args.kernel,
-                    idle_timeout_seconds: args.idle_timeout_seconds,
-                    id: None,
-                    memory_limit_bytes: args.memory_limit_bytes,
-                },
-            )
+            .create_session(call.caller.0.create_request(CreateOptions {
+                kernel: args.kernel,
+                idle_timeout_seconds: args.idle_timeout_seconds,
+                id: None,
+                memory_limit_bytes: args.memory_limit_bytes,
+            }))
             .await;
         match created {
             Ok(session) => json_text(&SessionJson::from(session.info())),
@@ -413,10 +315,4 @@ impl McpServer {
             },
         )
     }
-}
-
-/// A failure of the broker itself: logged, and a JSON-RPC internal error.
-fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
-    tracing::error!(%context, error = %e, "MCP tool: internal error");
-    ErrorData::internal_error("the broker hit an internal error; it is logged", None)
 }

@@ -255,9 +255,7 @@ impl Actor {
 
     async fn interrupt(&mut self) -> Result<(), SessionError> {
         let Some(k) = &self.kernel else {
-            return Err(SessionError::KernelUnavailable(
-                "the kernel is not running".into(),
-            ));
+            return Err(SessionError::KernelNotRunning);
         };
         let m = k
             .client
@@ -276,7 +274,7 @@ impl Actor {
             k.process
                 .interrupt()
                 .await
-                .map_err(|e| SessionError::KernelUnavailable(e.to_string()))?;
+                .map_err(|source| SessionError::InterruptFailed { source })?;
         }
         Ok(())
     }

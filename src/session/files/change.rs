@@ -13,7 +13,7 @@ use super::{clean_relative, io_err, make_parents, open_beneath, open_root};
 use crate::session::error::SessionError;
 
 /// Deletes the file (or symlink, or empty directory) at `rel`. A directory that is not
-/// empty is refused ([`SessionError::FileConflict`]): the API never deletes a tree.
+/// empty is refused ([`SessionError::DirectoryNotEmpty`]): the API never deletes a tree.
 pub fn remove(workspace: &Path, rel: &str) -> Result<(), SessionError> {
     let rel = clean_relative(rel)?;
     let root = open_root(workspace)?;
@@ -29,16 +29,16 @@ pub fn remove(workspace: &Path, rel: &str) -> Result<(), SessionError> {
     // Were the entry swapped between the stat and the unlink (a directory for a file, say),
     // the unlink fails (EISDIR / ENOTDIR) rather than acting on anything but this name.
     rustix::fs::unlinkat(&parent, name, flags).map_err(|e| match e {
-        rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST => SessionError::FileConflict(
-            format!("{} is a directory that is not empty", rel.display()),
-        ),
+        rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST => {
+            SessionError::DirectoryNotEmpty { path: rel.clone() }
+        }
         e => io_err("delete", &rel, e.into()),
     })
 }
 
 /// Moves (renames) `from` to `to`, both relative to the workspace; `to`'s missing parent
 /// directories are created (owned by `owner`, as uploads are). An existing `to` is never
-/// replaced ([`SessionError::FileConflict`]); moving a directory into itself is refused.
+/// replaced ([`SessionError::DestinationExists`]); moving a directory into itself is refused.
 pub fn rename(
     workspace: &Path,
     from: &str,
@@ -48,11 +48,7 @@ pub fn rename(
     let from = clean_relative(from)?;
     let to = clean_relative(to)?;
     if to.starts_with(&from) {
-        return Err(SessionError::BadRequest(format!(
-            "cannot move {} into itself ({})",
-            from.display(),
-            to.display()
-        )));
+        return Err(SessionError::MoveIntoItself { from, to });
     }
     let root = open_root(workspace)?;
     let from_parent = open_parent(&root, workspace, &from)?;
@@ -72,7 +68,7 @@ pub fn rename(
     )
     .map_err(|e| match e {
         rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY => {
-            SessionError::FileConflict(format!("{} exists already", to.display()))
+            SessionError::DestinationExists { path: to.clone() }
         }
         // The source's parent changed between the two opens and the move: its name is gone.
         e => io_err("move", &from, e.into()),
@@ -94,8 +90,9 @@ fn open_parent(
 
 /// The last component of a cleaned path (never empty, never `..`: `clean_relative`).
 fn last_component(rel: &Path) -> Result<&std::ffi::OsStr, SessionError> {
-    rel.file_name()
-        .ok_or_else(|| SessionError::BadRequest(format!("{} names no file", rel.display())))
+    rel.file_name().ok_or_else(|| SessionError::NamesNoFile {
+        path: rel.to_path_buf(),
+    })
 }
 
 #[cfg(test)]
@@ -110,18 +107,21 @@ mod tests {
         write(ws.path(), "d/a.csv", b"1", None).unwrap();
         assert!(matches!(
             remove(ws.path(), "d"),
-            Err(SessionError::FileConflict(_))
+            Err(SessionError::DirectoryNotEmpty { .. })
         ));
         remove(ws.path(), "d/a.csv").unwrap();
         assert!(matches!(
             remove(ws.path(), "d/a.csv"),
-            Err(SessionError::NotFoundFile(_))
+            Err(SessionError::NoSuchFile { .. })
         ));
         remove(ws.path(), "d").unwrap();
         assert!(!ws.path().join("d").exists());
         for bad in ["", ".", "..", "/etc/passwd", "d/../../x"] {
             assert!(
-                matches!(remove(ws.path(), bad), Err(SessionError::BadRequest(_))),
+                matches!(
+                    remove(ws.path(), bad),
+                    Err(SessionError::InvalidPath { .. })
+                ),
                 "{bad:?}"
             );
         }
@@ -139,7 +139,7 @@ mod tests {
         // Through a linked directory: refused, on both sides of a move.
         assert!(matches!(
             remove(ws.path(), "dirlink/secret"),
-            Err(SessionError::BadRequest(_))
+            Err(SessionError::ThroughSymlink { .. })
         ));
         assert!(rename(ws.path(), "dirlink/secret", "stolen", None).is_err());
         assert!(rename(ws.path(), "mine.txt", "dirlink/planted", None).is_err());
@@ -169,18 +169,18 @@ mod tests {
         assert_eq!(read(ws.path(), "archive/2024/a.csv", 10).unwrap(), b"a");
         assert!(matches!(
             rename(ws.path(), "b.csv", "archive/2024/a.csv", None),
-            Err(SessionError::FileConflict(_))
+            Err(SessionError::DestinationExists { .. })
         ));
         assert_eq!(read(ws.path(), "archive/2024/a.csv", 10).unwrap(), b"a");
         assert!(matches!(
             rename(ws.path(), "nope", "x/y", None),
-            Err(SessionError::NotFoundFile(_))
+            Err(SessionError::NoSuchFile { .. })
         ));
         // A missing source makes no directory for its destination.
         assert!(!ws.path().join("x").exists());
         assert!(matches!(
             rename(ws.path(), "archive", "archive/inner", None),
-            Err(SessionError::BadRequest(_))
+            Err(SessionError::MoveIntoItself { .. })
         ));
         rename(ws.path(), "archive", "old", None).unwrap();
         let paths: Vec<String> = list(ws.path(), 10)

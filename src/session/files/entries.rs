@@ -100,7 +100,7 @@ pub fn list_dir(
     } else {
         open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0).map_err(|e| {
             if e.raw_os_error() == Some(libc::ENOTDIR) {
-                SessionError::BadRequest(format!("{} is not a directory", rel.display()))
+                SessionError::NotDirectory { path: rel.clone() }
             } else {
                 io_err("list", &rel, e)
             }
@@ -179,7 +179,7 @@ mod tests {
         assert_eq!(stat(ws.path(), "").unwrap().kind, EntryKind::Directory);
         assert!(matches!(
             stat(ws.path(), "nope"),
-            Err(SessionError::NotFoundFile(_))
+            Err(SessionError::NoSuchFile { .. })
         ));
         let (one, _) = list_dir(ws.path(), "a", 1).unwrap();
         let names: Vec<_> = one.iter().map(|e| e.rel.display().to_string()).collect();

@@ -33,7 +33,10 @@ pub struct FileEntry {
 
 /// Validate a client's relative path: no absolute paths, no `..`, no NUL, not empty.
 pub fn clean_relative(path: &str) -> Result<PathBuf, SessionError> {
-    let bad = |why: &str| SessionError::BadRequest(format!("invalid file path {path:?}: {why}"));
+    let bad = |why: &'static str| SessionError::InvalidPath {
+        path: path.to_string(),
+        why,
+    };
     if path.is_empty() || path.len() > 4096 || path.contains('\0') {
         return Err(bad("empty, too long, or contains NUL"));
     }
@@ -55,27 +58,22 @@ pub fn clean_relative(path: &str) -> Result<PathBuf, SessionError> {
     Ok(out)
 }
 
-fn io_err(what: &str, path: &Path, e: std::io::Error) -> SessionError {
+fn io_err(op: &'static str, path: &Path, e: std::io::Error) -> SessionError {
+    let path = path.to_path_buf();
     match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            SessionError::NotFoundFile(format!("no file {} in the workspace", path.display()))
-        }
+        std::io::ErrorKind::NotFound => SessionError::NoSuchFile { path },
         _ if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::EXDEV) => {
-            SessionError::BadRequest(format!(
-                "{} leads through a symbolic link; the files API does not follow links",
-                path.display()
-            ))
+            SessionError::ThroughSymlink { path }
         }
         _ if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
-            SessionError::TooLarge(format!(
-                "{} does not fit: the workspace is full (its disk quota is used up)",
-                path.display()
-            ))
+            SessionError::WorkspaceFull { path }
         }
-        _ if e.raw_os_error() == Some(libc::EISDIR) => {
-            SessionError::BadRequest(format!("{} is a directory", path.display()))
-        }
-        _ => SessionError::Io(format!("could not {what} {}: {e}", path.display())),
+        _ if e.raw_os_error() == Some(libc::EISDIR) => SessionError::IsDirectory { path },
+        _ => SessionError::FileIo {
+            op,
+            path,
+            source: e,
+        },
     }
 }
 
@@ -105,7 +103,7 @@ pub fn write(
     let parent = make_parents(&root, workspace, &rel, owner)?;
     let name = rel
         .file_name()
-        .ok_or_else(|| SessionError::BadRequest("the path names no file".into()))?;
+        .ok_or_else(|| SessionError::NamesNoFile { path: rel.clone() })?;
     // A symlink in the target's place is refused, as everywhere in this API (were one
     // swapped in after this check, the rename replaces the link itself: still harmless).
     if let Ok(st) = rustix::fs::statat(&parent, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
@@ -159,8 +157,13 @@ pub(super) fn make_parents(
                         .map_err(|e| io_err("open", p, e))?,
                     None => root.try_clone().map_err(|e| io_err("open", workspace, e))?,
                 };
-                let name = CString::new(dir.file_name().unwrap_or_default().as_bytes())
-                    .map_err(|_| SessionError::BadRequest("bad path".into()))?;
+                let name =
+                    CString::new(dir.file_name().unwrap_or_default().as_bytes()).map_err(|_| {
+                        SessionError::InvalidPath {
+                            path: dir.display().to_string(),
+                            why: "contains NUL",
+                        }
+                    })?;
                 // SAFETY: valid dirfd and NUL-terminated name.
                 let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
                 if rc != 0 {
@@ -198,24 +201,17 @@ pub fn open_for_read(
     let f = std::fs::File::from(fd);
     let meta = f.metadata().map_err(|e| io_err("read", &rel, e))?;
     if meta.is_dir() {
-        return Err(SessionError::BadRequest(format!(
-            "{} is a directory",
-            rel.display()
-        )));
+        return Err(SessionError::IsDirectory { path: rel });
     }
     if !meta.is_file() {
-        return Err(SessionError::BadRequest(format!(
-            "{} is not a regular file",
-            rel.display()
-        )));
+        return Err(SessionError::NotRegularFile { path: rel });
     }
     if meta.size() > max as u64 {
-        return Err(SessionError::TooLarge(format!(
-            "{} has {} bytes, more than the {} the files API serves",
-            rel.display(),
-            meta.size(),
-            max
-        )));
+        return Err(SessionError::FileTooLarge {
+            path: rel,
+            size: meta.size(),
+            max,
+        });
     }
     Ok((f, meta.size()))
 }
@@ -319,11 +315,11 @@ mod tests {
         assert_eq!(read(ws.path(), "data/in.csv", 100).unwrap(), b"a,b\n1,2\n");
         assert!(matches!(
             read(ws.path(), "data/in.csv", 3),
-            Err(SessionError::TooLarge(_))
+            Err(SessionError::FileTooLarge { .. })
         ));
         assert!(matches!(
             read(ws.path(), "nope", 3),
-            Err(SessionError::NotFoundFile(_))
+            Err(SessionError::NoSuchFile { .. })
         ));
         let outside = tempfile::tempdir().unwrap();
         std::fs::write(outside.path().join("secret"), b"s").unwrap();

@@ -24,7 +24,7 @@ use super::error::SessionError;
 use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::LifecycleEvent;
-use super::memory::{human_bytes, Holder, Ledger, MemoryUse, Reservation};
+use super::memory::{Holder, Ledger, MemoryUse, Reservation};
 use super::pool::Pool;
 use super::recorder::Recorder;
 use super::state::SessionState;
@@ -160,9 +160,7 @@ impl Registry {
         opts: CreateOptions,
     ) -> Result<Arc<Session>, SessionError> {
         if self.inner.shutdown.is_cancelled() {
-            return Err(SessionError::KernelUnavailable(
-                "the broker is shutting down".into(),
-            ));
+            return Err(SessionError::ShuttingDown);
         }
         let kernel_name = match opts.kernel {
             Some(k) if !self.inner.kernels.contains(&k) => {
@@ -206,11 +204,10 @@ impl Registry {
                 .count();
             let creating = t.creating.get(&user.name).copied().unwrap_or(0);
             if live + creating >= max_sessions {
-                return Err(SessionError::Quota(format!(
-                    "user {} already has {} sessions (the limit); delete one first",
-                    user.name,
-                    live + creating
-                )));
+                return Err(SessionError::TooManySessions {
+                    user: user.name.clone(),
+                    live: live + creating,
+                });
             }
             *t.creating.entry(user.name.clone()).or_default() += 1;
             t.creating_ids.insert(id);
@@ -307,17 +304,14 @@ impl Registry {
             }
         }
         let used = self.inner.ledger.usage(&user.name);
-        Err(SessionError::Quota(format!(
-            "not enough memory left for a new session: {}'s {} sessions use {} of {} \
-             (their memory limits; {} more held by pooled kernels) and this one asks for {}; \
-             delete a session or ask for less (memory_limit_bytes)",
-            user.name,
-            used.sessions,
-            human_bytes(used.session_bytes),
-            human_bytes(user.limits.memory_bytes),
-            human_bytes(used.pooled_bytes),
-            human_bytes(limits.memory_bytes),
-        )))
+        Err(SessionError::NoMemoryLeft {
+            user: user.name.clone(),
+            sessions: used.sessions,
+            used: used.session_bytes,
+            total: user.limits.memory_bytes,
+            pooled: used.pooled_bytes,
+            asked: limits.memory_bytes,
+        })
     }
 
     async fn launch(
@@ -511,14 +505,12 @@ fn session_limits(
     if let Some(asked) = memory_limit_bytes {
         let total = user.limits.memory_bytes;
         if asked < MIN_SESSION_MEMORY || (total > 0 && asked > total) {
-            return Err(SessionError::BadRequest(format!(
-                "memory_limit_bytes must be between {} and {}'s memory limit, {} ({} bytes); \
-                 {asked} was asked",
-                human_bytes(MIN_SESSION_MEMORY),
-                user.name,
-                human_bytes(total),
-                total
-            )));
+            return Err(SessionError::InvalidMemoryLimit {
+                user: user.name.clone(),
+                asked,
+                min: MIN_SESSION_MEMORY,
+                total,
+            });
         }
     }
     Ok(user.limits.kernel(memory_limit_bytes))

@@ -38,7 +38,7 @@ async fn each_user_has_a_quota_of_sessions() {
     within(create(&alice)).await.expect("second");
     let third = within(create(&alice)).await;
     assert!(
-        matches!(&third, Err(SessionError::Quota(m)) if m.contains("already has 2 sessions")),
+        matches!(&third, Err(e @ SessionError::TooManySessions { .. }) if e.to_string().contains("already has 2 sessions")),
         "{:?}",
         third.map(|s| s.id)
     );
@@ -263,8 +263,8 @@ async fn memory_is_admitted_against_the_users_total_and_comes_back() {
     assert_eq!(small.info().memory_limit_bytes, 256 << 20);
     let refused = within(create(None)).await;
     assert!(
-        matches!(&refused, Err(SessionError::Quota(m)) if m.contains("alice's 2 sessions use 768 MiB of 768 MiB")
-            && m.contains("this one asks for 256 MiB")),
+        matches!(&refused, Err(e @ SessionError::NoMemoryLeft { .. }) if e.to_string().contains("alice's 2 sessions use 768 MiB of 768 MiB")
+            && e.to_string().contains("this one asks for 256 MiB")),
         "{:?}",
         refused.map(|s| s.id)
     );
@@ -272,7 +272,7 @@ async fn memory_is_admitted_against_the_users_total_and_comes_back() {
     for bad in [Some(1 << 30), Some(1 << 20)] {
         assert!(matches!(
             within(create(bad)).await,
-            Err(SessionError::BadRequest(_))
+            Err(SessionError::InvalidMemoryLimit { .. })
         ));
     }
     assert_eq!(registry.memory_use("alice").session_bytes, 768 << 20);

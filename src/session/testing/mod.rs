@@ -1,8 +1,10 @@
 //! Test support for the session layer (compiled only for tests): a scripted kernel that
 //! needs no Python (`scripted_kernel`), a fake sandbox that launches it (`fake_sandbox`),
+//! a sandbox where nothing can run (`no_kernels`, for the api layer's router tests),
 //! a recorder that remembers what it was told, and settings fit for paused time.
 
 pub mod fake_sandbox;
+mod no_kernels;
 pub mod scripted_kernel;
 
 use std::sync::{Arc, Mutex};
@@ -20,6 +22,7 @@ use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
 pub use fake_sandbox::FakeSandbox;
+pub use no_kernels::NoKernels;
 
 /// Session settings for tests under paused time. The heartbeat is effectively off: under
 /// paused time the clock jumps whenever the runtime idles, and a heartbeat's own timeout

@@ -1,0 +1,65 @@
+//! The tools' arguments: their JSON schemas (through `schemars`), written for a model to
+//! read. Their own file so that the server (which declares the tools) and the tools (which
+//! do the work) each use them without using each other.
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunPythonArgs {
+    /// Python source to run, as in a notebook cell (the last expression's value is the
+    /// result; `%magics` and `!shell` work).
+    pub code: String,
+    /// A session id from create_session or list_sessions; leave it out to use this
+    /// connection's own session (created on first use).
+    pub session_id: Option<String>,
+    /// Seconds before the run is interrupted (default and maximum: the broker's).
+    #[schemars(range(min = 0.001))]
+    pub timeout_seconds: Option<f64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UploadFileArgs {
+    /// Where to write, relative to the workspace (e.g. `data/sales.csv`); no `..`.
+    pub path: String,
+    /// The file's bytes, base64-encoded.
+    pub content_base64: String,
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileArgs {
+    /// The file to read, relative to the workspace.
+    pub path: String,
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SessionArgs {
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionArgs {
+    /// A kernel spec name (default: the broker's default kernel).
+    pub kernel: Option<String>,
+    /// Seconds without activity before the session expires (capped by the broker).
+    pub idle_timeout_seconds: Option<u64>,
+    /// The kernel's memory limit in bytes (default: the user's per-kernel default).
+    pub memory_limit_bytes: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteSessionArgs {
+    /// The session to shut down.
+    pub session_id: String,
+}

@@ -1,0 +1,129 @@
+//! [`Workspace`]: a session's workspace files as the front doors reach them, async. Every
+//! operation resolves its path beneath the workspace with no symlink followed
+//! (`session::files`), runs on the blocking pool, and creates what it creates as the user's
+//! kernel identity (`Sandbox::workspace_owner`), so the kernel can overwrite, move and
+//! delete it. The REST files API, E2B's envd and MCP's tools and resources all go through
+//! it; none of them names the sandbox.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::error::SessionError;
+use super::files::{self, Entry, Listing};
+use super::handle::Session;
+use super::registry::Registry;
+
+/// The workspace of one session's user.
+#[derive(Clone)]
+pub struct Workspace {
+    root: Arc<PathBuf>,
+    /// Who owns what the broker creates here (the kernel's uid and gid); `None`: as it falls.
+    owner: Option<(u32, u32)>,
+}
+
+impl Registry {
+    /// The workspace of `session`'s user.
+    pub fn workspace(&self, session: &Session) -> Result<Workspace, SessionError> {
+        let sandbox = self.sandbox();
+        let root = sandbox.workspace(&session.user).map_err(|source| {
+            SessionError::WorkspaceUnavailable {
+                user: session.user.name.clone(),
+                source,
+            }
+        })?;
+        Ok(Workspace {
+            root: Arc::new(root),
+            owner: sandbox.workspace_owner(&session.user),
+        })
+    }
+}
+
+/// Runs `work` on the blocking pool; a task that did not finish (it panicked) is
+/// [`SessionError::TaskFailed`].
+async fn blocking<T: Send + 'static>(
+    op: &'static str,
+    work: impl FnOnce() -> Result<T, SessionError> + Send + 'static,
+) -> Result<T, SessionError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|source| SessionError::TaskFailed { op, source })?
+}
+
+impl Workspace {
+    /// The regular files under the workspace, at most `limit` (see [`files::list`]).
+    pub async fn list(&self, limit: usize) -> Result<Listing, SessionError> {
+        let root = self.root.clone();
+        blocking("list files", move || files::list(&root, limit)).await
+    }
+
+    /// `rel` opened for reading, with its size at opening; refused past `max` bytes.
+    pub async fn open_for_read(
+        &self,
+        rel: &str,
+        max: usize,
+    ) -> Result<(std::fs::File, u64), SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("read file", move || files::open_for_read(&root, &rel, max)).await
+    }
+
+    /// The bytes of `rel`; refused past `max` bytes.
+    pub async fn read(&self, rel: &str, max: usize) -> Result<Vec<u8>, SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("read file", move || files::read(&root, &rel, max)).await
+    }
+
+    /// Writes `data` to `rel`, creating its parent directories.
+    pub async fn write(
+        &self,
+        rel: &str,
+        data: impl AsRef<[u8]> + Send + 'static,
+    ) -> Result<(), SessionError> {
+        let (root, rel, owner) = (self.root.clone(), rel.to_string(), self.owner);
+        blocking("write file", move || {
+            files::write(&root, &rel, data.as_ref(), owner)
+        })
+        .await
+    }
+
+    /// Deletes the file, symlink or empty directory at `rel`.
+    pub async fn remove(&self, rel: &str) -> Result<(), SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("delete file", move || files::remove(&root, &rel)).await
+    }
+
+    /// Moves `from` to `to`, never replacing; `to`'s missing directories are created.
+    pub async fn rename(&self, from: &str, to: &str) -> Result<(), SessionError> {
+        let (root, owner) = (self.root.clone(), self.owner);
+        let (from, to) = (from.to_string(), to.to_string());
+        blocking("move file", move || files::rename(&root, &from, &to, owner)).await
+    }
+
+    /// The entries under the directory `rel`, `depth` levels down, and whether a bound cut
+    /// the listing short.
+    pub async fn list_dir(
+        &self,
+        rel: &str,
+        depth: usize,
+    ) -> Result<(Vec<Entry>, bool), SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("list a directory", move || {
+            files::list_dir(&root, &rel, depth)
+        })
+        .await
+    }
+
+    /// The entry at `rel` ("" is the workspace itself).
+    pub async fn stat(&self, rel: &str) -> Result<Entry, SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("stat", move || files::stat(&root, &rel)).await
+    }
+
+    /// Makes the directory `rel` and its parents; `false` when it already was there.
+    pub async fn make_dir(&self, rel: &str) -> Result<bool, SessionError> {
+        let (root, rel, owner) = (self.root.clone(), rel.to_string(), self.owner);
+        blocking("make a directory", move || {
+            files::make_dir(&root, &rel, owner)
+        })
+        .await
+    }
+}
