@@ -28,7 +28,7 @@ use uuid::Uuid;
 
 use crate::recording::notebook;
 use crate::recording::{RecordingError, RecordingStore};
-use crate::sandbox::SandboxUser;
+use crate::session::SandboxUser;
 use crate::session::{CreateOptions, ExecutionStatus, Registry, Session};
 
 pub use compare::{compare, compare_cell, render, Observed};
