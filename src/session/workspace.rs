@@ -3,7 +3,8 @@
 //! (`session::files`), runs on the blocking pool, and creates what it creates as the user's
 //! kernel identity (`Sandbox::workspace_owner`), so the kernel can overwrite, move and
 //! delete it. The REST files API, E2B's envd and MCP's tools and resources all go through
-//! it; none of them names the sandbox.
+//! it; none of them names the sandbox. What it changes (written, removed, moved) is reported
+//! to the recording as the session's events, as its kernel's own messages are.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use super::error::SessionError;
 use super::files::{self, Entry, Listing};
 use super::handle::Session;
+use super::lifecycle::LifecycleEvent;
 use super::registry::Registry;
 
 /// The workspace of one session's user.
@@ -19,11 +21,14 @@ pub struct Workspace {
     root: Arc<PathBuf>,
     /// Who owns what the broker creates here (the kernel's uid and gid); `None`: as it falls.
     owner: Option<(u32, u32)>,
+    /// Where changes are reported: the registry, for the session they were made through.
+    registry: Registry,
+    session: Arc<Session>,
 }
 
 impl Registry {
     /// The workspace of `session`'s user.
-    pub fn workspace(&self, session: &Session) -> Result<Workspace, SessionError> {
+    pub fn workspace(&self, session: &Arc<Session>) -> Result<Workspace, SessionError> {
         let sandbox = self.sandbox();
         let root = sandbox.workspace(&session.user).map_err(|source| {
             SessionError::WorkspaceUnavailable {
@@ -34,6 +39,8 @@ impl Registry {
         Ok(Workspace {
             root: Arc::new(root),
             owner: sandbox.workspace_owner(&session.user),
+            registry: self.clone(),
+            session: session.clone(),
         })
     }
 }
@@ -78,24 +85,41 @@ impl Workspace {
         rel: &str,
         data: impl AsRef<[u8]> + Send + 'static,
     ) -> Result<(), SessionError> {
-        let (root, rel, owner) = (self.root.clone(), rel.to_string(), self.owner);
+        let (root, path, owner) = (self.root.clone(), rel.to_string(), self.owner);
+        let bytes = data.as_ref().len() as u64;
         blocking("write file", move || {
-            files::write(&root, &rel, data.as_ref(), owner)
+            files::write(&root, &path, data.as_ref(), owner)
         })
-        .await
+        .await?;
+        self.report(LifecycleEvent::FileWritten {
+            path: rel.to_string(),
+            bytes,
+        });
+        Ok(())
+    }
+
+    fn report(&self, event: LifecycleEvent) {
+        self.registry.report(&self.session, &event);
     }
 
     /// Deletes the file, symlink or empty directory at `rel`.
     pub async fn remove(&self, rel: &str) -> Result<(), SessionError> {
-        let (root, rel) = (self.root.clone(), rel.to_string());
-        blocking("delete file", move || files::remove(&root, &rel)).await
+        let (root, path) = (self.root.clone(), rel.to_string());
+        blocking("delete file", move || files::remove(&root, &path)).await?;
+        self.report(LifecycleEvent::FileRemoved {
+            path: rel.to_string(),
+        });
+        Ok(())
     }
 
     /// Moves `from` to `to`, never replacing; `to`'s missing directories are created.
     pub async fn rename(&self, from: &str, to: &str) -> Result<(), SessionError> {
         let (root, owner) = (self.root.clone(), self.owner);
         let (from, to) = (from.to_string(), to.to_string());
-        blocking("move file", move || files::rename(&root, &from, &to, owner)).await
+        let (f, t) = (from.clone(), to.clone());
+        blocking("move file", move || files::rename(&root, &f, &t, owner)).await?;
+        self.report(LifecycleEvent::FileRenamed { from, to });
+        Ok(())
     }
 
     /// The entries under the directory `rel`, `depth` levels down, and whether a bound cut

@@ -1030,3 +1030,95 @@ async fn parallel_uploads_of_a_user_share_a_memory_budget() {
     assert_eq!(s, 200, "{body}");
     broker.stop().await;
 }
+
+/// What E2B's commands and the files API change in a sandbox is in its recording, through
+/// the session layer like the kernel's messages: a command's start (its argv) and its end
+/// (exit code), each file written, moved and removed (issue 33).
+#[tokio::test]
+async fn commands_and_file_changes_are_recorded() {
+    let (broker, e) = spawned_e2b(&[]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", "exit 3"]}}).to_string();
+    let (s, out) = e
+        .sandbox(
+            reqwest::Method::POST,
+            "/process.Process/Start",
+            &sbx.headers(),
+            connect_envelope(msg.as_bytes()),
+            "application/connect+json",
+        )
+        .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
+    assert!(String::from_utf8_lossy(&out).contains("\"end\""));
+
+    let alice = broker.api(ALICE);
+    let http = reqwest::Client::new();
+    let put = http
+        .put(format!(
+            "http://{}/v1/sessions/{}/files/notes.txt",
+            broker.addr, sbx.id
+        ))
+        .bearer_auth(ALICE)
+        .body("twelve bytes")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201);
+    let moved = http
+        .patch(format!(
+            "http://{}/v1/sessions/{}/files/notes.txt",
+            broker.addr, sbx.id
+        ))
+        .bearer_auth(ALICE)
+        .json(&json!({"path": "kept/notes.txt"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(moved.status(), 200);
+    let (s, _) = alice
+        .delete(&format!("/v1/sessions/{}/files/kept/notes.txt", sbx.id))
+        .await;
+    assert_eq!(s, 204);
+
+    let (s, v) = alice.get(&format!("/v1/sessions/{}/events", sbx.id)).await;
+    assert_eq!(s, 200, "{v}");
+    let broker_events: Vec<&Value> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["direction"] == "broker")
+        .collect();
+    let find = |kind: &str| {
+        broker_events
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} in {v}"))
+            .get("detail")
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let started = find("command_started");
+    assert_eq!(
+        started["argv"],
+        json!(["/bin/sh", "-c", "exit 3"]),
+        "{started}"
+    );
+    let ended = find("command_ended");
+    assert_eq!(ended["exit_code"], 3, "{ended}");
+    assert_eq!(ended["pid"], started["pid"]);
+    let written = find("file_written");
+    assert_eq!(written["path"], "notes.txt", "{written}");
+    assert_eq!(written["bytes"], 12);
+    let renamed = find("file_renamed");
+    assert_eq!(renamed["from"], "notes.txt");
+    assert_eq!(renamed["to"], "kept/notes.txt");
+    assert_eq!(find("file_removed")["path"], "kept/notes.txt");
+    let kinds: Vec<&str> = broker_events
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    let at = |k: &str| kinds.iter().position(|x| *x == k).unwrap();
+    assert!(at("command_started") < at("command_ended"));
+    assert!(at("file_written") < at("file_renamed") && at("file_renamed") < at("file_removed"));
+    broker.stop().await;
+}

@@ -3,6 +3,8 @@
 //! failures both the tools and the resources answer alike (the broker's own fault is a
 //! JSON-RPC internal error, logged).
 
+use std::sync::Arc;
+
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use uuid::Uuid;
@@ -88,7 +90,7 @@ pub fn internal(context: &str, e: impl std::fmt::Display) -> ErrorData {
 }
 
 /// The workspace of `session`; not reaching it is the broker's fault, a protocol error.
-pub fn workspace(call: &Call, session: &Session) -> Result<Workspace, ErrorData> {
+pub fn workspace(call: &Call, session: &Arc<Session>) -> Result<Workspace, ErrorData> {
     call.state.registry.workspace(session).map_err(|e| match e {
         SessionError::WorkspaceUnavailable { source, .. } => internal("workspace", source),
         other => internal("workspace", other),
