@@ -2,7 +2,8 @@
 //!
 //! # Layout
 //!
-//! Layers, bottom up; a module uses only those below it (see `ARCHITECTURE.md`):
+//! Layers, bottom up; a module uses only those below it (see `ARCHITECTURE.md`; the
+//! table is checked by `architecture_tests`):
 //!
 //! - [`sync`]: the poison-tolerant `lock` every layer uses; [`descriptors`]: the process's
 //!   descriptor limit, its budget, and telling its exhaustion apart from a peer's failure.
@@ -13,18 +14,21 @@
 //!   their allowed hosts through (policy, address filter, limits); knows no sandbox.
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
-//! - [`db`]: the PostgreSQL database the recording and cluster mode share: connections,
-//!   pools, the schema's versions (each owner's tables are its own; this layer applies them).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry;
 //!   it reports a typed `LifecycleEvent` to whoever listens (the recording, the metrics).
-//! - [`recording`]: every message and lifecycle event of every session in a SQLite file;
-//!   notebook export. It subscribes to the session layer.
+//! - [`recording`]: every message and lifecycle event of every session, in SQLite (WAL) or
+//!   PostgreSQL (`--database-url`), in types of its own; notebook export. It hears the
+//!   session layer through its `Recorder` trait.
+//! - [`db`]: the PostgreSQL database the recording and cluster mode share: connections,
+//!   pools, the schema's versions (each owner's tables are its own; this layer applies them).
 //! - [`cluster`]: cluster mode: this node's lease, its peers, the session directory,
 //!   placement (PostgreSQL only; the requests to peers are the api layer's).
 //! - [`replay`]: a recording's cells run again in a new session and compared with what was
 //!   recorded. It drives sessions and reads recordings, so it sits above both.
-//! - [`api`]: the HTTP surface (agent REST + WebSocket, Jupyter-compatible API). Only this
-//!   layer knows HTTP and the external JSON shapes.
+//! - [`api`]: the HTTP surface (agent REST + WebSocket, the Jupyter API, E2B's protocol,
+//!   MCP), each a thin translation to the session layer's requests. Only this layer serves
+//!   HTTP and knows the external JSON shapes (the egress proxy and the Docker client speak
+//!   HTTP as clients of their own protocols).
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
 //!   and drains them on shutdown; [`instance_lock`]: one broker per data directory;
 //!   [`mcp_stdio`]: `kernel-broker mcp`, MCP over stdio relayed to a broker's `/mcp`.

@@ -3,8 +3,14 @@
 //! kernels API (`/api`), the session browser (`/ui/`), operations endpoints (`/healthz`,
 //! `/metrics`), and the API document (`/openapi.json`).
 //!
-//! Layout: one file per group of routes (`sessions`, `stream`, `recording`, `jupyter/`,
-//! `ui`, `ops`); the plumbing they share: `auth` (tokens), `extract` (the owned-session and
+//! Each front door is a thin translation of its protocol to the session layer's requests
+//! (`session::{CreateRequest, ExecuteRequest, Workspace, CommandRequest}`) and back.
+//!
+//! Layout: one file per group of routes (`sessions`, `files`, `stream`, `recording`,
+//! `jupyter/` (kernels API, the WebSocket pump, the framings), `e2b/` (E2B's control plane,
+//! `/execute`, envd's files and the Connect process service), `mcp/` (the official SDK's
+//! service: tools, resources, content), `cluster/` (forwarding to the node that holds a
+//! session; `peer.rs` the node-to-node client), `ui`, `ops`); the plumbing they share: `auth` (tokens), `extract` (the owned-session and
 //! JSON-body extractors), `shapes` (the JSON the API answers with), `error`, `metrics`,
 //! `openapi` (the document generated from the handlers); and the connections themselves:
 //! `listener` (the accept loop and its caps), `clients` (client time limits, the body

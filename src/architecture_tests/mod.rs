@@ -200,26 +200,29 @@ fn no_source_file_is_longer_than_the_limit() {
     );
 }
 
-#[test]
-fn the_wire_layer_does_no_io() {
-    let mut wrong = BTreeSet::new();
-    for src in sources()
-        .iter()
-        .filter(|s| s.module.first().is_some_and(|m| m == "wire"))
-    {
-        for io in [
-            "tokio",
-            "std::fs",
-            "std::net",
-            "std::io::Read",
-            "std::io::Write",
-            "zeromq",
-        ] {
-            if src.code.contains(io) {
-                wrong.insert(format!("src/{} names {io}", src.rel.display()));
-            }
+/// `src/<file> names <needle>` for each file `select` takes (by its module path) whose code
+/// holds one of `needles`.
+fn naming(select: impl Fn(&[String]) -> bool, needles: &[&str]) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for src in sources().iter().filter(|s| select(&s.module)) {
+        for needle in needles.iter().filter(|n| src.code.contains(*n)) {
+            found.insert(format!("src/{} names {needle}", src.rel.display()));
         }
     }
+    found
+}
+
+#[test]
+fn the_wire_layer_does_no_io() {
+    let io = [
+        "tokio",
+        "std::fs",
+        "std::net",
+        "std::io::Read",
+        "std::io::Write",
+        "zeromq",
+    ];
+    let wrong = naming(|m| m.first().is_some_and(|t| t == "wire"), &io);
     assert!(
         wrong.is_empty(),
         "the wire layer must do no I/O:\n{}",
@@ -231,18 +234,8 @@ fn the_wire_layer_does_no_io() {
 fn only_the_api_serves_http() {
     // The web framework (routes, extractors, responses) is the api layer's; server.rs only
     // hands it the listener.
-    let mut wrong = BTreeSet::new();
-    for src in sources() {
-        let top = src.module.first().map(String::as_str).unwrap_or("");
-        if matches!(top, "api" | "server") {
-            continue;
-        }
-        for word in ["axum", "utoipa", "tower_http"] {
-            if src.code.contains(&format!("{word}::")) {
-                wrong.insert(format!("src/{} names {word}", src.rel.display()));
-            }
-        }
-    }
+    let outside = |m: &[String]| !matches!(m.first().map(String::as_str), Some("api" | "server"));
+    let wrong = naming(outside, &["axum::", "utoipa::", "tower_http::"]);
     assert!(
         wrong.is_empty(),
         "HTTP serving outside src/api:\n{}",

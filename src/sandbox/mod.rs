@@ -6,6 +6,35 @@
 //! kernel over ZeroMQ `ipc://` sockets in a runtime directory the sandbox shares with the
 //! kernel, so the kernel needs no network at all.
 //!
+//! Layout:
+//! - Both backends: `command.rs` (the types of [`Sandbox::run_command`]), `boot.rs` (the
+//!   kernel bootstrap script, compiled in; which specs it starts; the preload list),
+//!   `environ.rs` (a tenant's environment checked, and written for the kernel to read after
+//!   the privilege drop), `watched.rs` (the one kernel handle: a watcher task owns the
+//!   process, kills it on request, cleans up, then publishes the `ExitReason`),
+//!   `fork_server/` (the fork-server template protocol's client, the host pid of a
+//!   template's child, a forked kernel's end), `pidfd.rs` and `procfs.rs` (process handles
+//!   and readings), `cgroup/` (the user's totals and a leaf per kernel with its own memory
+//!   and pids limits, v1 and v2; `nested.rs`: the same inside a container's cgroup),
+//!   `exhaustion.rs` (which resource ended a kernel), `seccomp.rs` (the syscall filter),
+//!   `egress.rs` and `netns.rs` (a user's network policy: proxy variables and a listener in
+//!   the kernel's network namespace), `fsutil/` (root's file operations, by descriptor where
+//!   a kernel can write), `workspace_fs.rs` (a workspace is its own ext4 file system of the
+//!   user's quota), `template_slots.rs`.
+//! - [`local`]: each kernel under bubblewrap (pid, net, ipc, uts, mount namespaces; only
+//!   `lo`), dropped by setpriv to a per-user uid: `bwrap.rs` (the argv and mount plan, pure),
+//!   `python.rs` (the kernels' Python at neutral paths), `files.rs` (runtime directory,
+//!   connection file), `process.rs` (spawn into the cgroup leaf), `reaper.rs` (exit and
+//!   cleanup), `template/` (fork-server templates and, on cgroup v1, stems forked ahead of
+//!   need), `keep.rs` and `adopt.rs` (`--keep-sessions`), `command.rs`, `check.rs`, `host.rs`.
+//! - `docker`: one container per user, a kernel an exec under its own `tini -s`:
+//!   `container.rs` (the container's spec and lifecycle), `limits.rs` (the check that its
+//!   cgroup enforces what was asked), `exec.rs` (the kernel's exec and its exit status),
+//!   `running.rs` (what the daemon says of a container or exec), `place.rs` (a process moved
+//!   into its own leaf), `reaper.rs` (nothing outlives its session), `template.rs`,
+//!   `watch.rs` (exec poller, OOM attribution), `daemon.rs`, `engine.rs` (Docker or
+//!   Podman), `keep/` (`--keep-sessions`).
+//!
 //! Architecture invariant: this layer knows nothing of sessions, HTTP or the Jupyter
 //! messages themselves; it only knows processes, users, limits and files. The session layer
 //! holds an `Arc<dyn Sandbox>` and never names a backend.
