@@ -1,7 +1,7 @@
 //! Router tests without a socket (axum's `oneshot`): authentication, the owned-session
 //! extractor, the JSON body extractor, the fallback, and that every route of the document
 //! is served. The registry runs on a fake sandbox whose launches fail: these tests are of
-//! the api layer alone (real kernels are in tests/sessions.rs).
+//! the api layer alone (real kernels are in tests/it/sessions.rs).
 
 use std::path::PathBuf;
 use std::sync::Arc;

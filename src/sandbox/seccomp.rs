@@ -43,7 +43,7 @@
 //! What the filter must not deny: the calls `setpriv` makes inside the sandbox after bwrap
 //! installed the filter, to drop from root to the kernel's uid (`setresuid`, `setresgid`,
 //! `setgroups`, `capset`, `prctl`), and everything Python, threads, `subprocess`,
-//! `multiprocessing` (fork) and numpy use. The tests in `tests/sandbox_local.rs` check both.
+//! `multiprocessing` (fork) and numpy use. The tests in `tests/it/sandbox_local.rs` check both.
 //!
 //! Architecture: the program checks `seccomp_data.arch` first and kills the process for a
 //! syscall of any other ABI (32-bit x86 on an x86_64 host, say), whose numbers mean other

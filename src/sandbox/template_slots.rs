@@ -1,5 +1,5 @@
 //! The fork-server templates of a sandbox, one per user and kernel spec, for both backends
-//! (`local/template.rs`, `docker/template.rs`): a template is started by the first launch
+//! (`local/template/`, `docker/template.rs`): a template is started by the first launch
 //! that needs it (later launches of that user and spec wait for it), replaced when it
 //! stopped working, and not tried again for [`RETRY_AFTER`] after a failure, so a broken
 //! template costs one failed start a minute, not one per launch.

@@ -2,7 +2,7 @@
 //! (`kernels/kernel_broker_boot.py template`) and finding the kernels it forks.
 //!
 //! Both backends run a template per user and kernel spec inside the user's sandbox (local:
-//! a bwrap sandbox of its own, `local/template.rs`; Docker: an exec in the user's container,
+//! a bwrap sandbox of its own, `local/template/`; Docker: an exec in the user's container,
 //! `docker/template.rs`) and differ only in how its stdin and stdout reach the broker (pipes
 //! of a child process; the Docker API's attached exec) and where a forked kernel's leaf
 //! lives. What is the same is here, written once:

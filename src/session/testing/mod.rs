@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-// The scripted kernel names the crate through this alias, so tests/kernel_client.rs can
+// The scripted kernel names the crate through this alias, so tests/it/kernel_client.rs can
 // include the same file under its own name for the crate.
 use crate as broker;
 

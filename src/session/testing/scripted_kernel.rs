@@ -3,7 +3,7 @@
 //! for the heartbeat) bound on `ipc://` endpoints in a directory. It needs no Python, so
 //! tests of the kernel client and of the session actor run in milliseconds and do exactly
 //! what the script says. Shared by the session layer's unit tests and, through `#[path]`,
-//! by tests/kernel_client.rs; so it names the crate only as `super::broker`.
+//! by tests/it/kernel_client.rs; so it names the crate only as `super::broker`.
 //!
 //! The code of an `execute_request` is a one-word command and its argument:
 //! - `set NAME VALUE`: remember a variable (the state a restart loses); `get NAME`: print
@@ -42,7 +42,7 @@ pub struct ScriptedKernel {
     received: watch::Receiver<Vec<String>>,
     interrupts: watch::Receiver<usize>,
     exited: watch::Receiver<Option<i32>>,
-    // Used by tests/descriptors.rs, not by the session layer's own tests.
+    // Used by tests/it/descriptors.rs, not by the session layer's own tests.
     #[allow(dead_code)]
     heartbeat: watch::Sender<HeartbeatMode>,
     task: JoinHandle<()>,
