@@ -257,26 +257,36 @@ fn the_cluster_names_no_http_crate() {
         "tower",
         "tower_http",
     ];
-    let mut wrong = BTreeSet::new();
-    for src in sources()
-        .iter()
-        .filter(|s| s.module.first().is_some_and(|m| m == "cluster"))
-    {
-        for path in named_paths(&src.code).iter().chain(&crate_paths(&src.code)) {
-            if path.first().is_some_and(|c| http.contains(&c.as_str())) {
-                wrong.insert(format!(
-                    "src/{} names {}",
-                    src.rel.display(),
-                    path.join("::")
-                ));
-            }
-        }
-    }
+    let wrong = paths_named_in("cluster", |path| {
+        path.first()
+            .is_some_and(|c| http.contains(&c.as_str()))
+            .then(|| path.join("::"))
+    });
     assert!(
         wrong.is_empty(),
         "HTTP in the cluster layer:\n{}",
         join(&wrong)
     );
+}
+
+/// `src/<file> names <what>` for every path (of this crate, resolved, or of another crate)
+/// that a file of the top-level module `top` names and `bad` describes.
+fn paths_named_in(top: &str, bad: impl Fn(&[String]) -> Option<String>) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for src in sources()
+        .iter()
+        .filter(|s| s.module.first().is_some_and(|m| m == top))
+    {
+        let ours = named_paths(&src.code).into_iter().filter_map(|p| {
+            absolute(&p, &src.module).map(|a| [vec!["crate".to_string()], a].concat())
+        });
+        for path in ours.chain(crate_paths(&src.code)) {
+            if let Some(what) = bad(&path) {
+                found.insert(format!("src/{} names {what}", src.rel.display()));
+            }
+        }
+    }
+    found
 }
 
 #[test]
@@ -293,25 +303,13 @@ fn every_schema_version_has_one_owner() {
 
 #[test]
 fn the_session_layer_names_no_sandbox_backend() {
-    let mut wrong = BTreeSet::new();
-    for src in sources()
-        .iter()
-        .filter(|s| s.module.first().is_some_and(|m| m == "session"))
-    {
-        for path in named_paths(&src.code) {
-            let Some(abs) = absolute(&path, &src.module) else {
-                continue;
-            };
-            if abs.len() > 1 && abs[0] == "sandbox" && matches!(abs[1].as_str(), "local" | "docker")
-            {
-                wrong.insert(format!(
-                    "src/{} names crate::{}",
-                    src.rel.display(),
-                    abs.join("::")
-                ));
-            }
-        }
-    }
+    let wrong = paths_named_in("session", |path| {
+        (path.len() > 2
+            && path[0] == "crate"
+            && path[1] == "sandbox"
+            && matches!(path[2].as_str(), "local" | "docker"))
+        .then(|| path.join("::"))
+    });
     assert!(
         wrong.is_empty(),
         "the session layer holds an Arc<dyn Sandbox>:\n{}",
