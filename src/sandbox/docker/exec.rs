@@ -30,7 +30,7 @@ use super::{
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::cgroup::Leaf;
-use crate::sandbox::fsutil::{self, io_err, FileMode};
+use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
@@ -286,15 +286,12 @@ pub(super) fn connection_file(spec: &LaunchSpec, dir: &str) -> serde_json::Value
 }
 
 /// The host-side endpoints of a session directory; fails if a socket path is too long.
-pub(super) fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, String> {
-    fsutil::ipc_endpoints(host_dir, MAX_SOCKET_PATH, |longest| {
-        format!(
-            "the socket path {longest} is too long ({} bytes; unix sockets allow {}); \
-             configure a shorter run_dir or use a shorter user name",
-            longest.len(),
-            MAX_SOCKET_PATH - 1
-        )
-    })
+pub(super) fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, SocketPathError> {
+    fsutil::ipc_endpoints(
+        host_dir,
+        MAX_SOCKET_PATH,
+        "configure a shorter run_dir or use a shorter user name",
+    )
 }
 
 /// What a launch writes on the host: the session directory and the connection file.
@@ -352,7 +349,10 @@ mod tests {
         );
         assert_eq!(ep.hb, "ipc:///var/lib/kb/run-docker/alice/0123456789ab/k-5");
         let long = Path::new("/").join("x".repeat(90)).join("0123456789ab");
-        assert!(endpoints_for(&long).unwrap_err().contains("too long"));
+        assert!(endpoints_for(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("too long"));
     }
 
     #[test]

@@ -346,7 +346,7 @@ impl Inner {
         let session = spec.session_id;
         let dir = keep::session_dir(session);
         let host_dir = self.user_run_dir(&user.name).join(&dir);
-        let endpoints = endpoints_for(&host_dir)?;
+        let endpoints = endpoints_for(&host_dir).map_err(|e| e.to_string())?;
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,

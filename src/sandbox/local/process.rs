@@ -32,7 +32,7 @@ use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, launch_err};
+use crate::sandbox::fsutil::{self, launch_err, launch_failed};
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
@@ -98,7 +98,7 @@ impl LocalSandbox {
         let workspace = self.workspace_path(&user)?;
         let ids = self.kernel_ids(&user)?;
         let rundir = self.run_base.join(session.to_string());
-        let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(&user, e))?;
+        let endpoints = endpoints_for(&rundir).map_err(|e| launch_failed(&user, e))?;
 
         // Workspace, runtime directory, connection file, /etc files. On failure `write`
         // removes what it created; from then on the guard does, until the reaper takes over.

@@ -16,7 +16,7 @@ use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_failed, remove_dir_logged};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
@@ -87,7 +87,7 @@ impl Inner {
         }
 
         let host_dir = self.user_run_dir(&ticket.user).join(&ticket.session_dir);
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(user, e))?;
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(user, e))?;
         let leaf = self
             .reopen_leaf(&docker, &container, &ticket, &limits)
             .await;

@@ -317,7 +317,7 @@ impl LocalSandbox {
         let dir = template.rundir.join(&stem.name);
         let inside = format!("{RUN_DIR_INSIDE}/{}", stem.name);
         let prepared = async {
-            let endpoints = endpoints_for(&dir)?;
+            let endpoints = endpoints_for(&dir).map_err(|e| e.to_string())?;
             let ids = self.kernel_ids(user).map_err(|e| e.to_string())?;
             let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
             let (rundir, name, dir) = (template.rundir.clone(), stem.name.clone(), dir.clone());
