@@ -444,7 +444,7 @@ impl Inner {
             Ok(id) => id,
             Err(e) => {
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_failed(&user, e));
             }
         };
         let session = spec.session_id.to_string();
@@ -489,7 +489,7 @@ impl Inner {
             // is killed right after; a kernel that could not be kept is not launched.
             if let Err(e) = self.keep_ticket(&shared).await {
                 process.terminate().await;
-                return Err(launch_err(&user, e));
+                return Err(launch_failed(&user, e));
             }
         }
         tracing::info!(

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bollard::container::LogOutput;
-use bollard::exec::{CreateExecOptions, StartExecResults};
+use bollard::exec::StartExecResults;
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::unix::AsyncFd;
@@ -49,14 +49,14 @@ use tokio_util::io::StreamReader;
 use uuid::Uuid;
 
 use super::exec::{
-    base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
+    base_env, connection_file, create_kernel_exec, endpoints_for, DockerKernel, ForkedPid,
+    SessionFiles, HISTORY, LOST,
 };
 use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
 use super::running::{start_exec, ContainerInfo};
 use super::watch::watch_forked;
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
-    WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
@@ -249,22 +249,11 @@ impl Inner {
             boot::template_argv(PYTHON_INSIDE, &script, preload).join(" "),
             wait = wait_for_go(dir),
         );
-        let exec = docker
-            .create_exec(
-                &container.id,
-                CreateExecOptions {
-                    cmd: Some(vec!["sh".to_string(), "-c".to_string(), command]),
-                    env: Some(base_env(&user.limits)),
-                    working_dir: Some(WORKSPACE_INSIDE.to_string()),
-                    attach_stdin: Some(true),
-                    attach_stdout: Some(true),
-                    attach_stderr: Some(true),
-                    ..Default::default()
-                },
-            )
+        let cmd = vec!["sh".to_string(), "-c".to_string(), command];
+        let exec_id = create_kernel_exec(docker, &container.id, cmd, base_env(&user.limits), true)
             .await
             .map_err(|e| format!("cannot create the template's exec: {}", self.advice(&e)))?;
-        let attached = start_exec(docker, &exec.id, false)
+        let attached = start_exec(docker, &exec_id, false)
             .await
             .map_err(|e| format!("cannot start the template: {}", self.advice(&e)))?;
         let StartExecResults::Attached { output, input } = attached else {
@@ -272,7 +261,7 @@ impl Inner {
         };
         // Its own leaf before it runs: everything it does is charged there, and its end
         // (the leaf's removal) takes nothing else along.
-        let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec.id))
+        let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec_id))
             .await
             .map_err(|_| "the daemon did not report the template's pid".to_string())?
             .map_err(|e| e.to_string())?;
