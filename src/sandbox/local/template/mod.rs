@@ -54,8 +54,8 @@ use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fork_server::{read_ready, ForkServer, RequestFailed};
-use crate::sandbox::fsutil::{self, launch_err, launch_failed, FileMode, SocketPathError};
+use crate::sandbox::fork_server::{read_ready, ForkServer, NotReady, RequestFailed};
+use crate::sandbox::fsutil::{self, launch_failed, FileMode, SocketPathError};
 use crate::sandbox::procfs::namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
@@ -85,6 +85,17 @@ enum ForkError {
     Unwatchable(#[source] std::io::Error),
     #[error(transparent)]
     Release(#[from] RequestFailed),
+}
+
+/// Why a started template cannot serve forks.
+#[derive(Debug, thiserror::Error)]
+enum TemplateNotStarted {
+    #[error("the template: no control channel")]
+    NoControlChannel,
+    #[error("the template: {0}")]
+    NotReady(#[source] NotReady),
+    #[error("the template: its process was not found")]
+    ProcessNotFound,
 }
 
 /// A fork from the template that failed, as a launch reports it.
@@ -235,17 +246,17 @@ impl LocalSandbox {
             )
             .await?;
         let process = started.launched.process;
-        let fail = |why: String| launch_err(user, format!("the template: {why}"));
+        let fail = |why: TemplateNotStarted| launch_failed(user, why);
         let Some((stdin, stdout)) = started.control else {
             process.terminate().await;
-            return Err(fail("no control channel".into()));
+            return Err(fail(TemplateNotStarted::NoControlChannel));
         };
         let mut stdout = BufReader::new(stdout);
         let ready = match read_ready(&mut stdout).await {
             Ok(r) => r,
             Err(e) => {
                 process.terminate().await;
-                return Err(fail(e.to_string()));
+                return Err(fail(TemplateNotStarted::NotReady(e)));
             }
         };
         let host_pid = started
@@ -256,7 +267,7 @@ impl LocalSandbox {
             .filter(|pid| namespace_pid(*pid) == Some(ready.pid));
         let Some(host_pid) = host_pid else {
             process.terminate().await;
-            return Err(fail("its process was not found".into()));
+            return Err(fail(TemplateNotStarted::ProcessNotFound));
         };
         let server = ForkServer::new(
             Box::new(stdin),
