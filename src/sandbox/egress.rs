@@ -123,19 +123,36 @@ impl EgressSandbox {
         user: &str,
         session: Uuid,
         port: u16,
-    ) -> Result<ServeGuard, String> {
+    ) -> Result<ServeGuard, NotAttached> {
         let pid = process
             .network_pid()
             .await
-            .ok_or("the sandbox cannot name the kernel's network namespace")?;
-        let listener = super::netns::listen_in(pid, port).await.map_err(|e| {
-            format!("cannot open the egress proxy's port {port} in the sandbox: {e}")
-        })?;
+            .ok_or(NotAttached::NoNetworkNamespace)?;
+        let listener = super::netns::listen_in(pid, port)
+            .await
+            .map_err(|source| NotAttached::Listen { port, source })?;
         self.egress
             .serve(listener, user, session)
-            .map_err(|e| format!("cannot serve the egress proxy: {e}"))?
-            .ok_or_else(|| format!("user {user} has no egress policy"))
+            .map_err(NotAttached::Serve)?
+            .ok_or_else(|| NotAttached::NoPolicy(user.to_string()))
     }
+}
+
+/// Why a kernel could not be given its way out through the proxy.
+#[derive(Debug, thiserror::Error)]
+enum NotAttached {
+    #[error("the sandbox cannot name the kernel's network namespace")]
+    NoNetworkNamespace,
+    #[error("cannot open the egress proxy's port {port} in the sandbox: {source}")]
+    Listen {
+        port: u16,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot serve the egress proxy: {0}")]
+    Serve(#[source] std::io::Error),
+    #[error("user {0} has no egress policy")]
+    NoPolicy(String),
 }
 
 /// A kernel with its egress listener: the listener ends with the handle.
@@ -210,7 +227,7 @@ impl Sandbox for EgressSandbox {
             Ok(guard) => Ok(EgressKernel::wrap(launched, guard)),
             Err(reason) => {
                 launched.process.terminate().await;
-                Err(super::fsutil::launch_err(&sandbox_user, reason))
+                Err(super::fsutil::launch_failed(&sandbox_user, reason))
             }
         }
     }
@@ -244,7 +261,7 @@ impl Sandbox for EgressSandbox {
         {
             Ok(guard) => Ok(EgressKernel::wrap(launched, guard)),
             Err(why) => {
-                tracing::warn!(%session, user, why, "adopted kernel runs without egress");
+                tracing::warn!(%session, user, %why, "adopted kernel runs without egress");
                 Ok(launched)
             }
         }

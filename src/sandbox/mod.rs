@@ -428,6 +428,13 @@ pub enum SandboxError {
     },
     #[error("could not launch the kernel for user {user}: {reason}")]
     Launch { user: String, reason: String },
+    /// A launch step failed with an error of its own, kept as the source.
+    #[error("could not launch the kernel for user {user}: {source}")]
+    LaunchFailed {
+        user: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("{what} at {path}: {source}")]
     Io {
         what: &'static str,

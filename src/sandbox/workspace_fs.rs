@@ -154,14 +154,13 @@ impl WorkspaceImages {
                 "cannot create the workspace images directory",
                 &self.images,
             ))?;
-        let made = (|| {
+        let made = (|| -> Result<(), ImageNotMade> {
             let f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
-                .open(image)
-                .map_err(|e| e.to_string())?;
-            f.set_len(quota).map_err(|e| e.to_string())?;
+                .open(image)?;
+            f.set_len(quota)?;
             drop(f);
             // -m 0: no blocks reserved for root (the kernel never is root); no lazy init, so
             // the first writes are not slowed by background zeroing.
@@ -171,7 +170,8 @@ impl WorkspaceImages {
                     "root_owner={}:{},lazy_itable_init=0,lazy_journal_init=0",
                     owner.0, owner.1
                 ))
-                .arg(image))
+                .arg(image))?;
+            Ok(())
         })();
         made.map_err(|e| {
             let _ = std::fs::remove_file(image);
@@ -295,19 +295,45 @@ fn helper(program: &str) -> Command {
     cmd
 }
 
-fn run(cmd: &mut Command) -> Result<(), String> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+/// Why a root helper did not do its job.
+#[derive(Debug, thiserror::Error)]
+enum HelperFailed {
+    #[error("cannot run {program:?}: {source}")]
+    NotRun {
+        program: std::ffi::OsString,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{program:?} failed ({status}): {stderr}")]
+    Exited {
+        program: std::ffi::OsString,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+}
+
+/// Why a workspace image could not be made: its file, or `mkfs.ext4` on it.
+#[derive(Debug, thiserror::Error)]
+enum ImageNotMade {
+    #[error(transparent)]
+    File(#[from] std::io::Error),
+    #[error(transparent)]
+    Mkfs(#[from] HelperFailed),
+}
+
+fn run(cmd: &mut Command) -> Result<(), HelperFailed> {
+    let out = cmd.output().map_err(|source| HelperFailed::NotRun {
+        program: cmd.get_program().to_owned(),
+        source,
+    })?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "{:?} failed ({}): {}",
-            cmd.get_program(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(HelperFailed::Exited {
+            program: cmd.get_program().to_owned(),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
     }
 }
 

@@ -115,18 +115,34 @@ pub struct Leaf {
     procs_files: Vec<CString>,
 }
 
+/// Why [`Cgroups::detect`] found no hierarchy to use.
+#[derive(Debug, thiserror::Error)]
+pub enum DetectError {
+    #[error("the cgroup name {0:?} is not a single directory name")]
+    NameNotADirectory(String),
+    #[error("cannot read /proc/self/mountinfo: {0}")]
+    MountInfo(#[source] std::io::Error),
+    #[error("cannot find the broker's own cgroup in /proc/self/cgroup")]
+    OwnCgroupUnknown,
+    #[error("the host uses cgroup v1, which cannot be delegated to an unprivileged broker")]
+    V1Unprivileged,
+    #[error(
+        "no cgroup hierarchy offers the memory, cpu and pids controllers \
+         (neither a cgroup2 mount with all three nor cgroup v1 mounts of each)"
+    )]
+    ControllersMissing,
+}
+
 impl Cgroups {
     /// Finds the hierarchies to use, without writing anything. `name` is the directory the
     /// broker's tree lives in (`kernel-broker`); `privileged` is whether the broker runs as
     /// root (unprivileged brokers need a delegated v2 cgroup).
-    pub fn detect(name: &str, privileged: bool) -> Result<Self, String> {
+    pub fn detect(name: &str, privileged: bool) -> Result<Self, DetectError> {
         if !is_path_component(name) {
-            return Err(format!(
-                "the cgroup name {name:?} is not a single directory name"
-            ));
+            return Err(DetectError::NameNotADirectory(name.to_string()));
         }
-        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
-            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        let mountinfo =
+            std::fs::read_to_string("/proc/self/mountinfo").map_err(DetectError::MountInfo)?;
         let mounts = parse_mountinfo(&mountinfo);
 
         // v2 when the unified hierarchy carries all three controllers.
@@ -138,8 +154,7 @@ impl Cgroups {
                 let parent = if privileged {
                     m.mount_point.clone()
                 } else {
-                    let own = read_own_cgroup_v2()
-                        .ok_or("cannot find the broker's own cgroup in /proc/self/cgroup")?;
+                    let own = read_own_cgroup_v2().ok_or(DetectError::OwnCgroupUnknown)?;
                     // Already stepped aside into the leaf (by an earlier broker of this
                     // service, or another one sharing its cgroup): the delegated cgroup is
                     // the one above.
@@ -168,15 +183,8 @@ impl Cgroups {
                 v2_parent: None,
                 tree_lock: Mutex::new(()),
             }),
-            (Some(_), Some(_), Some(_)) => Err(
-                "the host uses cgroup v1, which cannot be delegated to an unprivileged broker"
-                    .to_string(),
-            ),
-            _ => Err(
-                "no cgroup hierarchy offers the memory, cpu and pids controllers \
-                 (neither a cgroup2 mount with all three nor cgroup v1 mounts of each)"
-                    .to_string(),
-            ),
+            (Some(_), Some(_), Some(_)) => Err(DetectError::V1Unprivileged),
+            _ => Err(DetectError::ControllersMissing),
         }
     }
 

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::daemon::status_of;
 use super::engine::Engine;
-use super::limits::{resource_limits, verify_limits};
+use super::limits::{resource_limits, verify_limits, LimitsNotApplied};
 use super::running::{describe_state, ContainerInfo};
 use super::{
     unavailable, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
@@ -30,7 +30,7 @@ use super::{
     MAX_SOCKET_PATH, RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET,
     WORKSPACE_INSIDE,
 };
-use crate::sandbox::fsutil::{self, io_err, launch_err};
+use crate::sandbox::fsutil::{self, io_err, launch_err, launch_failed};
 use crate::sandbox::workspace_fs::prepare_workspace;
 use crate::sandbox::{SandboxError, SandboxUser, KERNEL_OOM_SCORE_ADJ};
 use crate::sync::lock;
@@ -222,14 +222,12 @@ impl Inner {
         if let Err(why) = verify_limits(docker, &created.id, &user.limits).await {
             if self.cfg.require_limits {
                 self.remove_container(docker, &created.id).await;
-                return Err(launch_err(
+                return Err(launch_failed(
                     user,
-                    format!(
-                        "the engine did not apply the user's limits to the container {name}: \
-                         {why}; a rootless engine on cgroup v1, or one without a cgroup it may \
-                         write, cannot (docs/HOSTS-podman.md, --docker-cgroup-parent); \
-                         require_limits = false runs kernels without them"
-                    ),
+                    LimitsNotApplied {
+                        container: name,
+                        source: why,
+                    },
                 ));
             }
             tracing::warn!(container = %name, %why, "the user's container runs WITHOUT the limits the engine was asked for (require_limits = false)");

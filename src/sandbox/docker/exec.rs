@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use bollard::errors::Error as DockerError;
 use bollard::exec::CreateExecOptions;
 use bollard::Docker;
 use tokio::time::timeout;
@@ -30,7 +31,7 @@ use super::{
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::cgroup::Leaf;
-use crate::sandbox::fsutil::{self, io_err, FileMode};
+use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
@@ -167,39 +168,66 @@ impl Inner {
         container: &ContainerInfo,
         spec: &LaunchSpec,
         dir: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, ExecError> {
         let mut env = base_env(&spec.user.limits);
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
-        let exec = docker
-            .create_exec(
-                &container.id,
-                CreateExecOptions {
-                    cmd: Some(kernel_command(dir, self.privileged)),
-                    env: Some(env),
-                    working_dir: Some(WORKSPACE_INSIDE.to_string()),
-                    attach_stdin: Some(false),
-                    attach_stdout: Some(false),
-                    attach_stderr: Some(false),
-                    ..Default::default()
-                },
-            )
+        let cmd = kernel_command(dir, self.privileged);
+        let exec_id = create_kernel_exec(docker, &container.id, cmd, env, false)
             .await
-            .map_err(|e| {
-                format!(
-                    "cannot create the kernel's exec in {}: {}",
-                    container.name,
-                    self.advice(&e)
-                )
+            .map_err(|source| ExecError::Create {
+                container: container.name.clone(),
+                advice: self.advice(&source),
+                source,
             })?;
-        start_exec(docker, &exec.id, true).await.map_err(|e| {
-            format!(
-                "cannot start the kernel in {}: {}",
-                container.name,
-                self.advice(&e)
-            )
-        })?;
-        Ok(exec.id)
+        start_exec(docker, &exec_id, true)
+            .await
+            .map_err(|source| ExecError::Start {
+                container: container.name.clone(),
+                advice: self.advice(&source),
+                source,
+            })?;
+        Ok(exec_id)
     }
+}
+
+/// Why a kernel's exec did not start; `advice` is what the engine's refusal means here.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ExecError {
+    #[error("cannot create the kernel's exec in {container}: {advice}")]
+    Create {
+        container: String,
+        advice: String,
+        #[source]
+        source: DockerError,
+    },
+    #[error("cannot start the kernel in {container}: {advice}")]
+    Start {
+        container: String,
+        advice: String,
+        #[source]
+        source: DockerError,
+    },
+}
+
+/// Creates an exec of `cmd` set up as every kernel process is (its environment, the
+/// workspace as working directory), with its stdio attached when `attach`; returns its id.
+pub(super) async fn create_kernel_exec(
+    docker: &Docker,
+    container_id: &str,
+    cmd: Vec<String>,
+    env: Vec<String>,
+    attach: bool,
+) -> Result<String, DockerError> {
+    let options = CreateExecOptions {
+        cmd: Some(cmd),
+        env: Some(env),
+        working_dir: Some(WORKSPACE_INSIDE.to_string()),
+        attach_stdin: Some(attach),
+        attach_stdout: Some(attach),
+        attach_stderr: Some(attach),
+        ..Default::default()
+    };
+    Ok(docker.create_exec(container_id, options).await?.id)
 }
 
 /// What every kernel's process gets in its environment (a forked kernel from its
@@ -286,15 +314,12 @@ pub(super) fn connection_file(spec: &LaunchSpec, dir: &str) -> serde_json::Value
 }
 
 /// The host-side endpoints of a session directory; fails if a socket path is too long.
-pub(super) fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, String> {
-    fsutil::ipc_endpoints(host_dir, MAX_SOCKET_PATH, |longest| {
-        format!(
-            "the socket path {longest} is too long ({} bytes; unix sockets allow {}); \
-             configure a shorter run_dir or use a shorter user name",
-            longest.len(),
-            MAX_SOCKET_PATH - 1
-        )
-    })
+pub(super) fn endpoints_for(host_dir: &Path) -> Result<KernelEndpoints, SocketPathError> {
+    fsutil::ipc_endpoints(
+        host_dir,
+        MAX_SOCKET_PATH,
+        "configure a shorter run_dir or use a shorter user name",
+    )
 }
 
 /// What a launch writes on the host: the session directory and the connection file.
@@ -352,7 +377,10 @@ mod tests {
         );
         assert_eq!(ep.hb, "ipc:///var/lib/kb/run-docker/alice/0123456789ab/k-5");
         let long = Path::new("/").join("x".repeat(90)).join("0123456789ab");
-        assert!(endpoints_for(&long).unwrap_err().contains("too long"));
+        assert!(endpoints_for(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("too long"));
     }
 
     #[test]

@@ -10,6 +10,38 @@ use super::running::exec_output;
 use super::EXEC_TIMEOUT;
 use crate::sandbox::UserLimits;
 
+/// Why [`verify_limits`] could not confirm the container's limits.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LimitsUnverified {
+    #[error("reading them took longer than {0:?}")]
+    ReadTimedOut(std::time::Duration),
+    #[error("cannot read them: {}", error_text(.0))]
+    ReadFailed(#[source] bollard::errors::Error),
+    #[error("cannot read them (exit {code}): {output}")]
+    ReadExited { code: i64, output: String },
+    #[error(transparent)]
+    NotInForce(#[from] NotInForce),
+}
+
+/// The limits the container's cgroup does not enforce, each as `<name> <found> (asked ..)`.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("in force: {}", .0.join(", "))]
+pub(super) struct NotInForce(Vec<String>);
+
+/// The engine accepted a user's limits for a container but does not enforce them.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the engine did not apply the user's limits to the container {container}: {source}; a \
+     rootless engine on cgroup v1, or one without a cgroup it may write, cannot \
+     (docs/HOSTS-podman.md, --docker-cgroup-parent); require_limits = false runs kernels \
+     without them"
+)]
+pub(super) struct LimitsNotApplied {
+    pub container: String,
+    #[source]
+    pub source: LimitsUnverified,
+}
+
 /// Docker's resource settings for a user's limits (0 means unlimited).
 pub(super) struct ResourceLimits {
     pub memory: Option<i64>,
@@ -33,7 +65,7 @@ pub(super) async fn verify_limits(
     docker: &Docker,
     container: &str,
     limits: &UserLimits,
-) -> Result<(), String> {
+) -> Result<(), LimitsUnverified> {
     let wanted = resource_limits(limits);
     if wanted.memory.is_none() && wanted.pids.is_none() && wanted.nano_cpus.is_none() {
         return Ok(());
@@ -43,12 +75,15 @@ pub(super) async fn verify_limits(
         exec_output(docker, container, &["sh", "-c", ENFORCED_LIMITS_SCRIPT]),
     )
     .await
-    .map_err(|_| format!("reading them took longer than {EXEC_TIMEOUT:?}"))?
-    .map_err(|e| format!("cannot read them: {}", error_text(&e)))?;
+    .map_err(|_| LimitsUnverified::ReadTimedOut(EXEC_TIMEOUT))?
+    .map_err(LimitsUnverified::ReadFailed)?;
     if code != 0 {
-        return Err(format!("cannot read them (exit {code}): {}", out.trim()));
+        return Err(LimitsUnverified::ReadExited {
+            code,
+            output: out.trim().to_string(),
+        });
     }
-    check_enforced(&out, &wanted)
+    Ok(check_enforced(&out, &wanted)?)
 }
 
 /// Prints `memory <limit>`, `pids <limit>` and `cpu <quota> <period>` as the container's own
@@ -67,7 +102,7 @@ const ENFORCED_LIMITS_SCRIPT: &str = "\
 
 /// Compares what [`ENFORCED_LIMITS_SCRIPT`] printed with the limits asked for. The kernel
 /// rounds a memory limit down to a page; a limit tighter than asked is in force too.
-fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), String> {
+fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), NotInForce> {
     let field = |key: &str| -> Vec<&str> {
         out.lines()
             .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
@@ -99,7 +134,7 @@ fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), String> {
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(format!("in force: {}", missing.join(", ")))
+        Err(NotInForce(missing))
     }
 }
 
@@ -146,11 +181,13 @@ mod tests {
         );
         // Accepted but not applied (rootless Podman on cgroup v1): each one is named.
         let ignored = "memory 9223372036854771712\npids max\ncpu -1 100000\n";
-        let err = check_enforced(ignored, &wanted).unwrap_err();
+        let err = check_enforced(ignored, &wanted).unwrap_err().to_string();
         assert!(err.contains("memory 9223372036854771712"), "{err}");
         assert!(err.contains("pids max"), "{err}");
         assert!(err.contains("cpu -1 100000"), "{err}");
-        let err = check_enforced("memory max\npids 256\ncpu max 100000", &wanted).unwrap_err();
+        let err = check_enforced("memory max\npids 256\ncpu max 100000", &wanted)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("memory max") && err.contains("cpu max"),
             "{err}"
@@ -159,8 +196,9 @@ mod tests {
         // Unreadable files, or a looser CPU quota.
         assert!(check_enforced("memory none\npids none\ncpu none", &wanted).is_err());
         assert!(check_enforced("", &wanted).is_err());
-        let err =
-            check_enforced("memory 1073741824\npids 256\ncpu 100000 100000", &wanted).unwrap_err();
+        let err = check_enforced("memory 1073741824\npids 256\ncpu 100000 100000", &wanted)
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("in force: cpu 100000 100000"), "{err}");
         // Nothing asked, nothing checked.
         let none = ResourceLimits {

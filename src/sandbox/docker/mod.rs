@@ -98,7 +98,7 @@ use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOS
 use self::place::place_kernel;
 use self::running::ContainerInfo;
 use self::watch::watch_kernel;
-use super::fsutil::{self, absolute, current_ids, launch_err, remove_dir_logged};
+use super::fsutil::{self, absolute, current_ids, launch_err, launch_failed, remove_dir_logged};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
 use super::{
@@ -430,7 +430,7 @@ impl Inner {
 
         let dir = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&user.name).join(&dir);
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(&user, e))?;
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&user, e))?;
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,
@@ -444,7 +444,7 @@ impl Inner {
             Ok(id) => id,
             Err(e) => {
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e));
+                return Err(launch_failed(&user, e));
             }
         };
         let session = spec.session_id.to_string();
@@ -489,7 +489,7 @@ impl Inner {
             // is killed right after; a kernel that could not be kept is not launched.
             if let Err(e) = self.keep_ticket(&shared).await {
                 process.terminate().await;
-                return Err(launch_err(&user, e));
+                return Err(launch_failed(&user, e));
             }
         }
         tracing::info!(

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bollard::container::LogOutput;
-use bollard::exec::{CreateExecOptions, StartExecResults};
+use bollard::exec::StartExecResults;
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::unix::AsyncFd;
@@ -49,24 +49,24 @@ use tokio_util::io::StreamReader;
 use uuid::Uuid;
 
 use super::exec::{
-    base_env, connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, HISTORY, LOST,
+    base_env, connection_file, create_kernel_exec, endpoints_for, DockerKernel, ForkedPid,
+    SessionFiles, HISTORY, LOST,
 };
-use super::place::{exec_pid, leaf_for, let_go, wait_for_go};
+use super::place::{exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
 use super::running::{start_exec, ContainerInfo};
 use super::watch::watch_forked;
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
-    WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::fork_server::{find_child, read_ready, ForkServer};
-use crate::sandbox::fsutil::remove_dir_logged;
+use crate::sandbox::fork_server::{find_child, read_ready, ForkServer, NotReady, RequestFailed};
+use crate::sandbox::fsutil::{remove_dir_logged, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched};
+use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// Bytes of one stderr frame of a template kept for the broker's log.
 const MAX_LOG_FRAME: usize = 2000;
@@ -117,6 +117,48 @@ impl TemplateHandle for Template {
     async fn end(&self) {
         Template::end(self).await
     }
+}
+
+/// Why a user's template did not start, or a kernel was not forked from it (logged; the
+/// kernel is then started plainly).
+#[derive(Debug, thiserror::Error)]
+enum TemplateError {
+    #[error(transparent)]
+    Files(#[from] SandboxError),
+    #[error(transparent)]
+    Interrupted(#[from] tokio::task::JoinError),
+    #[error("cannot create the template's exec: {advice}")]
+    ExecNotCreated {
+        advice: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("cannot start the template: {advice}")]
+    ExecNotStarted {
+        advice: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("the daemon did not attach the template's stdin and stdout")]
+    NotAttached,
+    #[error("the daemon did not report the template's pid")]
+    PidNotReported,
+    #[error(transparent)]
+    Place(#[from] PlaceError),
+    #[error("the template: {0}")]
+    NotReady(#[source] NotReady),
+    #[error("the template's process was not found")]
+    ProcessNotFound,
+    #[error(transparent)]
+    SocketPath(#[from] SocketPathError),
+    #[error(transparent)]
+    Request(#[from] RequestFailed),
+    #[error("the template's child {0} is not among its processes")]
+    ChildNotFound(i32),
+    #[error("cannot move the forked kernel into its cgroup: {0}")]
+    NotMoved(#[source] SandboxError),
+    #[error("cannot watch the forked kernel: {0}")]
+    Unwatchable(#[source] std::io::Error),
 }
 
 impl Inner {
@@ -183,7 +225,7 @@ impl Inner {
         container: &ContainerInfo,
         spec: &LaunchSpec,
         preload: &[String],
-    ) -> Result<Template, String> {
+    ) -> Result<Template, TemplateError> {
         let user = &spec.user;
         let started_at = Instant::now();
         let dir = format!("t{}", &Uuid::new_v4().simple().to_string()[..11]);
@@ -204,9 +246,7 @@ impl Inner {
             ))?;
             files.write()
         })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
+        .await??;
         let started = self
             .run_template(docker, container, spec, preload, &dir, &host_dir)
             .await;
@@ -240,7 +280,7 @@ impl Inner {
         preload: &[String],
         dir: &str,
         host_dir: &std::path::Path,
-    ) -> Result<(Template, crate::sandbox::fork_server::Ready), String> {
+    ) -> Result<(Template, crate::sandbox::fork_server::Ready), TemplateError> {
         let user = &spec.user;
         let script = format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
         // Module names are checked (`boot::is_module_name`): nothing the shell reads.
@@ -249,49 +289,40 @@ impl Inner {
             boot::template_argv(PYTHON_INSIDE, &script, preload).join(" "),
             wait = wait_for_go(dir),
         );
-        let exec = docker
-            .create_exec(
-                &container.id,
-                CreateExecOptions {
-                    cmd: Some(vec!["sh".to_string(), "-c".to_string(), command]),
-                    env: Some(base_env(&user.limits)),
-                    working_dir: Some(WORKSPACE_INSIDE.to_string()),
-                    attach_stdin: Some(true),
-                    attach_stdout: Some(true),
-                    attach_stderr: Some(true),
-                    ..Default::default()
-                },
-            )
+        let cmd = vec!["sh".to_string(), "-c".to_string(), command];
+        let exec_id = create_kernel_exec(docker, &container.id, cmd, base_env(&user.limits), true)
             .await
-            .map_err(|e| format!("cannot create the template's exec: {}", self.advice(&e)))?;
-        let attached = start_exec(docker, &exec.id, false)
+            .map_err(|source| TemplateError::ExecNotCreated {
+                advice: self.advice(&source),
+                source,
+            })?;
+        let attached = start_exec(docker, &exec_id, false)
             .await
-            .map_err(|e| format!("cannot start the template: {}", self.advice(&e)))?;
+            .map_err(|source| TemplateError::ExecNotStarted {
+                advice: self.advice(&source),
+                source,
+            })?;
         let StartExecResults::Attached { output, input } = attached else {
-            return Err("the daemon did not attach the template's stdin and stdout".into());
+            return Err(TemplateError::NotAttached);
         };
         // Its own leaf before it runs: everything it does is charged there, and its end
         // (the leaf's removal) takes nothing else along.
-        let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec.id))
+        let tini = tokio::time::timeout(EXEC_TIMEOUT, exec_pid(docker, &exec_id))
             .await
-            .map_err(|_| "the daemon did not report the template's pid".to_string())?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| TemplateError::PidNotReported)??;
         let limits = KernelLimits {
             memory_bytes: 0,
             pids: user.limits.session_pids,
         };
         let leaf_name = format!("kb-template-{dir}");
         let (cgroup, leaf) =
-            tokio::task::spawn_blocking(move || leaf_for(tini, &leaf_name, &limits))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-        let fail = |leaf: Leaf, why: String| async move {
+            tokio::task::spawn_blocking(move || leaf_for(tini, &leaf_name, &limits)).await??;
+        let fail = |leaf: Leaf, why: TemplateError| async move {
             ContainerCgroup::remove_leaf(&leaf).await;
             Err(why)
         };
         if let Err(e) = let_go(host_dir) {
-            return fail(leaf, e.to_string()).await;
+            return fail(leaf, e.into()).await;
         }
         let name = format!("{}/{}", user.name, spec.kernel_name);
         let log_name = name.clone();
@@ -312,12 +343,12 @@ impl Inner {
         let mut answers = BufReader::new(StreamReader::new(Box::pin(stdout)));
         let ready = match read_ready(&mut answers).await {
             Ok(r) => r,
-            Err(e) => return fail(leaf, format!("the template: {e}")).await,
+            Err(e) => return fail(leaf, TemplateError::NotReady(e)).await,
         };
         // Its Python is tini's child, `ready.pid` inside the container.
         let host_pid = child_with_namespace_pid(tini, ready.pid);
         let Some(host_pid) = host_pid else {
-            return fail(leaf, "the template's process was not found".into()).await;
+            return fail(leaf, TemplateError::ProcessNotFound).await;
         };
         let server = ForkServer::new(Box::new(input), answers, name);
         Ok((
@@ -341,7 +372,7 @@ impl Inner {
         docker: &Docker,
         container: &Arc<ContainerInfo>,
         spec: &LaunchSpec,
-    ) -> Result<Launched, String> {
+    ) -> Result<Launched, TemplateError> {
         let user = &spec.user;
         let session = spec.session_id;
         let dir = keep::session_dir(session);
@@ -352,10 +383,7 @@ impl Inner {
             privileged: self.privileged,
             connection: Some(connection_file(spec, &dir)),
         };
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        tokio::task::spawn_blocking(move || files.write()).await??;
         let forked = self
             .fork_into_leaf(template, spec, &dir)
             .await
@@ -369,11 +397,11 @@ impl Inner {
         };
         let id = session.to_string();
         // The watcher's own copy: the kernel's handle keeps the other for interrupts.
-        let watch_fd = pidfd.try_clone().map_err(|e| e.to_string()).and_then(|fd| {
+        let watch_fd = pidfd.try_clone().and_then(|fd| {
             // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
             // AsyncFd that owns it drops it.
             unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.into_parts().1)
         });
         let watch_fd = match watch_fd {
             Ok(fd) => fd,
@@ -381,7 +409,7 @@ impl Inner {
                 ContainerCgroup::remove_leaf(&leaf).await;
                 template.server.drop_child(&id).await;
                 remove_dir_logged(host_dir).await;
-                return Err(format!("cannot watch the forked kernel: {e}"));
+                return Err(TemplateError::Unwatchable(e));
             }
         };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
@@ -396,7 +424,7 @@ impl Inner {
             exec_pidfd: None,
             leaf: Some(leaf),
             limits: spec.limits,
-            workspace: self.workspace_path(user).map_err(|e| e.to_string())?,
+            workspace: self.workspace_path(user)?,
             quota_bytes: user.limits.workspace_quota_bytes,
         });
         self.kernels.insert(session, shared.clone());
@@ -410,7 +438,7 @@ impl Inner {
         let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
         if let Err(e) = template.server.go(&id).await {
             handle.terminate().await;
-            return Err(e.to_string());
+            return Err(e.into());
         }
         Ok(Launched {
             endpoints,
@@ -432,7 +460,7 @@ impl Inner {
             std::os::fd::OwnedFd,
             Leaf,
         ),
-        String,
+        TemplateError,
     > {
         let id = spec.session_id.to_string();
         let connection = format!("{RUN_DIR_INSIDE}/{dir}/connection.json");
@@ -443,44 +471,34 @@ impl Inner {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         let server = &template.server;
-        let child = server
-            .fork(&id, &args, &env, &connection)
-            .await
-            .map_err(|e| e.to_string())?;
+        let child = server.fork(&id, &args, &env, &connection).await?;
         let Some((host_pid, pidfd)) = find_child(template.host_pid, child.inner_pid) else {
             server.drop_child(&id).await;
             server.set_broken();
-            return Err(format!(
-                "the template's child {} is not among its processes",
-                child.inner_pid
-            ));
+            return Err(TemplateError::ChildNotFound(child.inner_pid));
         };
         let (cgroup, limits) = (template.cgroup.clone(), spec.limits);
-        let placed = tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
-            let leaf = cgroup
-                .create_leaf(&id, &limits)
-                .map_err(|e| e.to_string())?;
+        let placed = tokio::task::spawn_blocking(move || -> Result<Leaf, SandboxError> {
+            let leaf = cgroup.create_leaf(&id, &limits)?;
             match ContainerCgroup::enter(&leaf, host_pid) {
                 Ok(()) => Ok(leaf),
                 Err(e) => {
                     for dir in leaf.dirs() {
                         let _ = std::fs::remove_dir(dir);
                     }
-                    Err(e.to_string())
+                    Err(e)
                 }
             }
         })
         .await
-        .map_err(|e| e.to_string())
-        .and_then(|r| r);
+        .map_err(TemplateError::Interrupted)
+        .and_then(|r| r.map_err(TemplateError::NotMoved));
         match placed {
             Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
             Err(e) => {
                 let _ = pidfd::signal(&pidfd, pidfd::Signal::KILL);
                 server.drop_child(&spec.session_id.to_string()).await;
-                Err(format!(
-                    "cannot move the forked kernel into its cgroup: {e}"
-                ))
+                Err(e)
             }
         }
     }

@@ -32,7 +32,7 @@ use crate::sandbox::procfs::{child_with_namespace_pid, namespace_pid, parent_of}
 
 mod protocol;
 
-pub use protocol::{read_ready, Child, ForkServer, Ready};
+pub use protocol::{read_ready, Child, ForkServer, NotReady, Ready, RequestFailed};
 
 /// How long a template that failed is left alone before the next try.
 pub const RETRY_AFTER: Duration = Duration::from_secs(60);

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{io_err, write_new_file_at, FileMode};
 use crate::sandbox::{KernelEndpoints, LaunchSpec, SandboxError};
@@ -51,20 +51,41 @@ pub(crate) fn write_connection_file(
         .map_err(io_err("cannot write the connection file", &path))
 }
 
+/// Why a runtime directory cannot hold the kernel's sockets.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SocketPathError {
+    #[error("the runtime directory {} is not UTF-8", .0.display())]
+    NotUtf8(PathBuf),
+    /// `longest` is not shorter than `limit` bytes; `advice` says what to configure.
+    #[error(
+        "the socket path {longest} is too long ({} bytes, the limit is {limit}); {advice}",
+        longest.len()
+    )]
+    TooLong {
+        longest: String,
+        limit: usize,
+        advice: &'static str,
+    },
+}
+
 /// The host-side endpoints of the sockets `<rundir>/k-<port>`. Fails if `rundir` is not
-/// UTF-8, or with `too_long(<the longest socket path>)` if that path is not shorter than
-/// `max_socket_path`.
+/// UTF-8, or if the longest socket path is not shorter than `max_socket_path` (`advice`
+/// then says what to configure).
 pub(crate) fn ipc_endpoints(
     rundir: &Path,
     max_socket_path: usize,
-    too_long: impl FnOnce(&str) -> String,
-) -> Result<KernelEndpoints, String> {
+    advice: &'static str,
+) -> Result<KernelEndpoints, SocketPathError> {
     let dir = rundir
         .to_str()
-        .ok_or_else(|| format!("the runtime directory {} is not UTF-8", rundir.display()))?;
+        .ok_or_else(|| SocketPathError::NotUtf8(rundir.to_path_buf()))?;
     let longest = format!("{dir}/k-{HB_PORT}");
     if longest.len() >= max_socket_path {
-        return Err(too_long(&longest));
+        return Err(SocketPathError::TooLong {
+            longest,
+            limit: max_socket_path,
+            advice,
+        });
     }
     let ep = |port: u16| format!("ipc://{dir}/k-{port}");
     Ok(KernelEndpoints {

@@ -40,6 +40,17 @@ pub(crate) fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> Sandb
     }
 }
 
+/// [`SandboxError::LaunchFailed`] for `user`, keeping the step's error as the source.
+pub(crate) fn launch_failed(
+    user: &SandboxUser,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    SandboxError::LaunchFailed {
+        user: user.name.clone(),
+        source: source.into(),
+    }
+}
+
 /// Wraps an I/O error as [`SandboxError::Io`] saying what failed where (for `map_err`).
 pub(crate) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> SandboxError {
     let path = path.to_path_buf();
@@ -48,8 +59,10 @@ pub(crate) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) 
 
 /// The broker's effective uid and gid.
 pub(crate) fn current_ids() -> (u32, u32) {
-    // SAFETY: geteuid(2) and getegid(2) cannot fail and have no preconditions.
-    unsafe { (libc::geteuid(), libc::getegid()) }
+    (
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    )
 }
 
 /// `path` made absolute against the current directory (not resolving symlinks).

@@ -18,7 +18,7 @@ use super::output::Tail;
 use super::reaper::{LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_err, launch_failed, remove_dir_logged};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
 
@@ -40,7 +40,7 @@ impl LocalSandbox {
         }
         let workspace = self.workspace_path(user)?;
         let rundir = self.run_base.join(session.to_string());
-        let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(user, e))?;
+        let endpoints = endpoints_for(&rundir).map_err(|e| launch_failed(user, e))?;
         let leaf = cgroups
             .as_ref()
             .and_then(|c| c.existing_leaf(&user.name, session));

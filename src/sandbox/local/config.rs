@@ -98,8 +98,7 @@ impl LocalSandboxConfig {
         if let Some(dir) = &cfg.run_dir {
             cfg.run_dir = Some(absolute(dir)?);
         }
-        // SAFETY: geteuid(2) cannot fail and has no preconditions.
-        let euid = unsafe { libc::geteuid() };
+        let euid = rustix::process::geteuid().as_raw();
         choose_run_base(&cfg, euid == 0, euid)
     }
 }

@@ -15,7 +15,9 @@ use uuid::Uuid;
 use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
 use super::{LocalSandboxConfig, BACKEND, HOME_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, current_ids, io_err, write_new_file_at, FileMode};
+use crate::sandbox::fsutil::{
+    self, current_ids, io_err, write_new_file_at, FileMode, SocketPathError,
+};
 use crate::sandbox::workspace_fs::WorkspaceImages;
 use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sandbox::{KernelEndpoints, LaunchSpec, SandboxError};
@@ -144,14 +146,8 @@ pub(super) fn connection_file(spec: &LaunchSpec) -> serde_json::Value {
 }
 
 /// The host-side endpoints for a runtime directory; fails if a socket path would be too long.
-pub(super) fn endpoints_for(rundir: &Path) -> Result<KernelEndpoints, String> {
-    fsutil::ipc_endpoints(rundir, MAX_SOCKET_PATH, |longest| {
-        format!(
-            "the socket path {longest} is too long ({} bytes, the limit is {MAX_SOCKET_PATH}); \
-             configure a shorter run_dir",
-            longest.len()
-        )
-    })
+pub(super) fn endpoints_for(rundir: &Path) -> Result<KernelEndpoints, SocketPathError> {
+    fsutil::ipc_endpoints(rundir, MAX_SOCKET_PATH, "configure a shorter run_dir")
 }
 
 /// Picks the runtime base directory (see [`LocalSandboxConfig::run_dir`]).
@@ -261,7 +257,10 @@ mod tests {
         assert_eq!(ep.control, format!("ipc:///var/lib/kb/run/{id}/k-4"));
         assert_eq!(ep.hb, format!("ipc:///var/lib/kb/run/{id}/k-5"));
         let long = Path::new("/").join("x".repeat(60)).join(id.to_string());
-        assert!(endpoints_for(&long).unwrap_err().contains("too long"));
+        assert!(endpoints_for(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("too long"));
     }
 
     #[test]

@@ -65,7 +65,7 @@ use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_
 use self::host::{discover_python, find_program};
 use self::reaper::LocalKernel;
 use super::boot;
-use super::cgroup::Cgroups;
+use super::cgroup::{Cgroups, DetectError};
 use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
@@ -117,7 +117,7 @@ pub struct LocalSandbox {
     workspaces: PathBuf,
     /// The workspaces' file systems (the per-user disk quota).
     workspace_images: Arc<WorkspaceImages>,
-    cgroups: Result<Arc<Cgroups>, String>,
+    cgroups: Result<Arc<Cgroups>, DetectError>,
     /// Startup work (cgroup setup, sweeping what an earlier run left), done once before the
     /// first launch; holds the cgroups to use (none when limits are off).
     started: OnceCell<Option<Arc<Cgroups>>>,
@@ -306,7 +306,7 @@ impl LocalSandbox {
                         }
                         Err(e) => self.without_limits(e.to_string())?,
                     },
-                    Err(reason) => self.without_limits(reason.clone())?,
+                    Err(reason) => self.without_limits(reason.to_string())?,
                 };
                 Ok(cgroups)
             })

@@ -32,7 +32,7 @@ use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, launch_err};
+use crate::sandbox::fsutil::{self, launch_err, launch_failed};
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{
@@ -98,7 +98,7 @@ impl LocalSandbox {
         let workspace = self.workspace_path(&user)?;
         let ids = self.kernel_ids(&user)?;
         let rundir = self.run_base.join(session.to_string());
-        let endpoints = endpoints_for(&rundir).map_err(|e| launch_err(&user, e))?;
+        let endpoints = endpoints_for(&rundir).map_err(|e| launch_failed(&user, e))?;
 
         // Workspace, runtime directory, connection file, /etc files. On failure `write`
         // removes what it created; from then on the guard does, until the reaper takes over.
@@ -219,10 +219,7 @@ impl LocalSandbox {
                 if let Some(kept) = &self.kept {
                     if let Err(e) = write_ticket(kept, session, &user.name, bwrap_pid, pid).await {
                         handle.terminate().await;
-                        return Err(launch_err(
-                            &user,
-                            format!("cannot record the kernel for --keep-sessions: {e}"),
-                        ));
+                        return Err(launch_failed(&user, NotRecorded(e)));
                     }
                 }
             }
@@ -230,11 +227,8 @@ impl LocalSandbox {
                 // bwrap failed before the sandbox existed; explain with what it wrote.
                 handle.terminate().await;
                 let _ = timeout(Duration::from_secs(2), stderr_task).await;
-                let tail = tail.lines();
-                return Err(launch_err(
-                    &user,
-                    format!("the sandbox did not start ({why}): {}", tail.join(" | ")),
-                ));
+                let stderr = tail.lines().join(" | ");
+                return Err(launch_failed(&user, NotStarted { why, stderr }));
             }
         }
         tracing::info!(
@@ -464,17 +458,17 @@ async fn write_ticket(
 }
 
 /// Reads bwrap's `--info-fd` report and returns the host pid of the sandbox's init.
-async fn read_init_pid(fd: OwnedFd) -> Result<i32, String> {
-    let mut rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)
-        .map_err(|e| format!("cannot read bwrap's info pipe: {e}"))?;
+async fn read_init_pid(fd: OwnedFd) -> Result<i32, NoInitPid> {
+    let mut rx =
+        tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(NoInitPid::PipeUnusable)?;
     let mut buf = Vec::new();
     match timeout(INFO_TIMEOUT, rx.read_to_end(&mut buf)).await {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(format!("reading bwrap's info pipe failed: {e}")),
-        Err(_) => return Err(format!("bwrap did not report within {INFO_TIMEOUT:?}")),
+        Ok(Err(e)) => return Err(NoInitPid::ReadFailed(e)),
+        Err(_) => return Err(NoInitPid::TimedOut(INFO_TIMEOUT)),
     }
     if buf.is_empty() {
-        return Err("bwrap exited before creating the sandbox".to_string());
+        return Err(NoInitPid::ExitedEarly);
     }
     #[derive(Deserialize)]
     struct Info {
@@ -483,5 +477,34 @@ async fn read_init_pid(fd: OwnedFd) -> Result<i32, String> {
     }
     serde_json::from_slice::<Info>(&buf)
         .map(|info| info.child_pid)
-        .map_err(|e| format!("bwrap's info report is not understood: {e}"))
+        .map_err(NoInitPid::NotUnderstood)
 }
+
+/// Why bwrap's report did not name the sandbox's init.
+#[derive(Debug, thiserror::Error)]
+enum NoInitPid {
+    #[error("cannot read bwrap's info pipe: {0}")]
+    PipeUnusable(#[source] io::Error),
+    #[error("reading bwrap's info pipe failed: {0}")]
+    ReadFailed(#[source] io::Error),
+    #[error("bwrap did not report within {0:?}")]
+    TimedOut(Duration),
+    #[error("bwrap exited before creating the sandbox")]
+    ExitedEarly,
+    #[error("bwrap's info report is not understood: {0}")]
+    NotUnderstood(#[source] serde_json::Error),
+}
+
+/// A sandbox that bwrap did not start; `stderr`: the last lines it wrote.
+#[derive(Debug, thiserror::Error)]
+#[error("the sandbox did not start ({why}): {stderr}")]
+struct NotStarted {
+    #[source]
+    why: NoInitPid,
+    stderr: String,
+}
+
+/// A kernel launched with `--keep-sessions` whose ticket could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot record the kernel for --keep-sessions: {0}")]
+struct NotRecorded(#[source] io::Error);

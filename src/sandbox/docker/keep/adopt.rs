@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use bollard::Docker;
 
 use super::ticket::{is_cgroup_dir, Ticket};
-use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use crate::sandbox::cgroup::{CgroupNotFound, ContainerCgroup, Leaf};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
 use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
@@ -16,7 +16,7 @@ use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
 use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_failed, remove_dir_logged};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
@@ -87,7 +87,7 @@ impl Inner {
         }
 
         let host_dir = self.user_run_dir(&ticket.user).join(&ticket.session_dir);
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_err(user, e))?;
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(user, e))?;
         let leaf = self
             .reopen_leaf(&docker, &container, &ticket, &limits)
             .await;
@@ -189,19 +189,17 @@ impl Inner {
         let info = docker.inspect_container(&container.id, None).await.ok()?;
         let pid = i32::try_from(info.state?.pid?).ok().filter(|p| *p > 0)?;
         let (kept, session, limits) = (ticket.leaf.clone(), ticket.session_id, *limits);
-        let reopened = tokio::task::spawn_blocking(move || -> Result<Leaf, String> {
+        let reopened = tokio::task::spawn_blocking(move || -> Result<Leaf, LeafNotReopened> {
             if !kept.iter().all(|d| d.is_dir()) {
-                return Err("the kept leaf is gone".into());
+                return Err(LeafNotReopened::Gone);
             }
-            let cgroup = ContainerCgroup::of_process(pid).map_err(|e| e.to_string())?;
-            let leaf = cgroup
-                .create_leaf(&session.to_string(), &limits)
-                .map_err(|e| e.to_string())?;
+            let cgroup = ContainerCgroup::of_process(pid)?;
+            let leaf = cgroup.create_leaf(&session.to_string(), &limits)?;
             if leaf.dirs() != kept.as_slice() {
                 for dir in leaf.dirs().iter().filter(|d| !kept.contains(d)) {
                     let _ = std::fs::remove_dir(dir);
                 }
-                return Err(format!("the kept leaf {kept:?} is not the container's"));
+                return Err(LeafNotReopened::NotTheContainers(kept));
             }
             Ok(leaf)
         })
@@ -232,4 +230,17 @@ impl Inner {
         .await;
         self.remove_ticket(ticket.session_id).await;
     }
+}
+
+/// Why an adopted kernel's kept cgroup leaf could not be opened again.
+#[derive(Debug, thiserror::Error)]
+enum LeafNotReopened {
+    #[error("the kept leaf is gone")]
+    Gone,
+    #[error(transparent)]
+    NoContainerCgroup(#[from] CgroupNotFound),
+    #[error(transparent)]
+    Leaf(#[from] crate::sandbox::SandboxError),
+    #[error("the kept leaf {0:?} is not the container's")]
+    NotTheContainers(Vec<std::path::PathBuf>),
 }

@@ -57,6 +57,23 @@ use crate::sandbox::fsutil::{create_private_dir, remove_dir_logged};
 use crate::sandbox::{AdoptError, KernelLimits, SandboxError, SandboxUser};
 use crate::sync::lock;
 
+/// Why a launched kernel's ticket could not be written (the kernel is then not launched).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum TicketNotKept {
+    #[error("cannot inspect the kernel's exec: {}", error_text(.0))]
+    ExecUninspectable(#[source] bollard::errors::Error),
+    #[error("{0}")]
+    NoDirectory(#[source] crate::sandbox::SandboxError),
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("writing the kernel's ticket failed: {0}")]
+    Interrupted(#[source] tokio::task::JoinError),
+}
+
 /// The tickets' directory under the data directory.
 const TICKETS_DIR: &str = "kept-docker";
 
@@ -148,15 +165,10 @@ impl Inner {
     }
 
     /// Writes the ticket of a kernel just launched (see the module comment).
-    pub(super) async fn keep_ticket(&self, kernel: &DockerKernel) -> Result<(), String> {
+    pub(super) async fn keep_ticket(&self, kernel: &DockerKernel) -> Result<(), TicketNotKept> {
         let exec_pid = match kernel.docker.inspect_exec(&kernel.exec_id).await {
             Ok(exec) => exec.pid,
-            Err(e) => {
-                return Err(format!(
-                    "cannot inspect the kernel's exec: {}",
-                    error_text(&e)
-                ))
-            }
+            Err(e) => return Err(TicketNotKept::ExecUninspectable(e)),
         };
         let ticket = Ticket {
             version: TICKET_VERSION,
@@ -179,16 +191,14 @@ impl Inner {
         };
         let dir = self.tickets_dir();
         tokio::task::spawn_blocking(move || {
-            create_private_dir(&dir, Some(0o700)).map_err(|e| e.to_string())?;
-            write_ticket(&dir, &ticket).map_err(|e| {
-                format!(
-                    "cannot write {}: {e}",
-                    ticket_path(&dir, ticket.session_id).display()
-                )
+            create_private_dir(&dir, Some(0o700)).map_err(TicketNotKept::NoDirectory)?;
+            write_ticket(&dir, &ticket).map_err(|source| TicketNotKept::Write {
+                path: ticket_path(&dir, ticket.session_id),
+                source,
             })
         })
         .await
-        .map_err(|e| format!("writing the kernel's ticket failed: {e}"))?
+        .map_err(TicketNotKept::Interrupted)?
     }
 
     /// Removes a kernel's ticket (it ended for real). Failures are logged.

@@ -38,10 +38,39 @@ pub(crate) struct Ticket {
     pub quota_bytes: u64,
 }
 
+/// Why a file in the tickets directory is not a usable ticket (it is then removed).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TicketRefused {
+    #[error("not a ticket's name")]
+    NotATicketName,
+    #[error("{0}")]
+    Unreadable(#[source] io::Error),
+    #[error("{0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("unknown ticket version {0}")]
+    UnknownVersion(u32),
+    #[error("the ticket names another session than its file")]
+    OtherSession,
+    #[error("{0:?} is not a user name")]
+    NotAUserName(String),
+    #[error("{0:?} is not the user's container")]
+    NotTheUsersContainer(String),
+    #[error("{0:?} is not the session's directory")]
+    NotTheSessionsDirectory(String),
+    #[error("a container or exec id is not hexadecimal")]
+    IdNotHexadecimal,
+    #[error("{0:?} are not the session's cgroup leaf")]
+    NotTheSessionsLeaf(Vec<PathBuf>),
+}
+
 impl Ticket {
     /// Checks a ticket read from `<session>.json` against what the broker derives itself
     /// (`container_name` of a user).
-    fn check(&self, session: Uuid, container_name: &dyn Fn(&str) -> String) -> Result<(), String> {
+    fn check(
+        &self,
+        session: Uuid,
+        container_name: &dyn Fn(&str) -> String,
+    ) -> Result<(), TicketRefused> {
         let id_ok = |id: &str| {
             !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_hexdigit())
         };
@@ -57,25 +86,23 @@ impl Ticket {
                 })
         };
         if self.version != TICKET_VERSION {
-            Err(format!("unknown ticket version {}", self.version))
+            Err(TicketRefused::UnknownVersion(self.version))
         } else if self.session_id != session {
-            Err("the ticket names another session than its file".into())
+            Err(TicketRefused::OtherSession)
         } else if !is_container_safe(&self.user) {
-            Err(format!("{:?} is not a user name", self.user))
+            Err(TicketRefused::NotAUserName(self.user.clone()))
         } else if self.container_name != container_name(&self.user) {
-            Err(format!(
-                "{:?} is not the user's container",
-                self.container_name
+            Err(TicketRefused::NotTheUsersContainer(
+                self.container_name.clone(),
             ))
         } else if self.session_dir != session_dir(session) {
-            Err(format!(
-                "{:?} is not the session's directory",
-                self.session_dir
+            Err(TicketRefused::NotTheSessionsDirectory(
+                self.session_dir.clone(),
             ))
         } else if !id_ok(&self.container_id) || !id_ok(&self.exec_id) {
-            Err("a container or exec id is not hexadecimal".into())
+            Err(TicketRefused::IdNotHexadecimal)
         } else if self.leaf.len() > 2 || !self.leaf.iter().all(leaf_ok) {
-            Err(format!("{:?} are not the session's cgroup leaf", self.leaf))
+            Err(TicketRefused::NotTheSessionsLeaf(self.leaf.clone()))
         } else {
             Ok(())
         }
@@ -108,10 +135,10 @@ pub(crate) fn write_ticket(dir: &Path, ticket: &Ticket) -> io::Result<()> {
 }
 
 /// Reads one ticket: a regular file of the broker's, at most [`MAX_TICKET_BYTES`]. Blocking.
-fn read_ticket(path: &Path) -> Result<Ticket, String> {
-    let bytes =
-        crate::private_file::read_capped(path, MAX_TICKET_BYTES).map_err(|e| e.to_string())?;
-    serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+fn read_ticket(path: &Path) -> Result<Ticket, TicketRefused> {
+    let bytes = crate::private_file::read_capped(path, MAX_TICKET_BYTES)
+        .map_err(TicketRefused::Unreadable)?;
+    serde_json::from_slice(&bytes).map_err(TicketRefused::NotJson)
 }
 
 /// Every ticket in `dir`, checked; what is not a valid ticket is removed (logged).
@@ -135,7 +162,7 @@ pub(crate) fn load_tickets(
             Some(session) => {
                 read_ticket(&path).and_then(|t| t.check(session, container_name).map(|()| t))
             }
-            None => Err("not a ticket's name".into()),
+            None => Err(TicketRefused::NotATicketName),
         };
         match checked {
             Ok(ticket) => {

@@ -54,8 +54,8 @@ use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fork_server::{read_ready, ForkServer};
-use crate::sandbox::fsutil::{self, launch_err, FileMode};
+use crate::sandbox::fork_server::{read_ready, ForkServer, NotReady, RequestFailed};
+use crate::sandbox::fsutil::{self, launch_failed, FileMode, SocketPathError};
 use crate::sandbox::procfs::namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
@@ -64,7 +64,44 @@ use crate::sync::lock;
 
 mod stem;
 
-use self::stem::{claim, new_stem, template_limits, Stem};
+use self::stem::{claim, new_stem, template_limits, Stem, StemError};
+
+/// Why a kernel could not be forked from its template.
+#[derive(Debug, thiserror::Error)]
+enum ForkError {
+    #[error("session {0} already has a kernel")]
+    SessionHasKernel(Uuid),
+    #[error(transparent)]
+    Stem(StemError),
+    #[error(transparent)]
+    SocketPath(#[from] SocketPathError),
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    #[error(transparent)]
+    Interrupted(#[from] tokio::task::JoinError),
+    #[error("the stem was taken apart")]
+    StemTakenApart,
+    #[error("cannot watch the kernel: {0}")]
+    Unwatchable(#[source] std::io::Error),
+    #[error(transparent)]
+    Release(#[from] RequestFailed),
+}
+
+/// Why a started template cannot serve forks.
+#[derive(Debug, thiserror::Error)]
+enum TemplateNotStarted {
+    #[error("the template: no control channel")]
+    NoControlChannel,
+    #[error("the template: {0}")]
+    NotReady(#[source] NotReady),
+    #[error("the template: its process was not found")]
+    ProcessNotFound,
+}
+
+/// A fork from the template that failed, as a launch reports it.
+#[derive(Debug, thiserror::Error)]
+#[error("forking from the template: {0}")]
+struct ForkFailed(#[source] ForkError);
 
 /// The templates of one sandbox, by user and kernel spec.
 #[derive(Default)]
@@ -209,17 +246,17 @@ impl LocalSandbox {
             )
             .await?;
         let process = started.launched.process;
-        let fail = |why: String| launch_err(user, format!("the template: {why}"));
+        let fail = |why: TemplateNotStarted| launch_failed(user, why);
         let Some((stdin, stdout)) = started.control else {
             process.terminate().await;
-            return Err(fail("no control channel".into()));
+            return Err(fail(TemplateNotStarted::NoControlChannel));
         };
         let mut stdout = BufReader::new(stdout);
         let ready = match read_ready(&mut stdout).await {
             Ok(r) => r,
             Err(e) => {
                 process.terminate().await;
-                return Err(fail(e.to_string()));
+                return Err(fail(TemplateNotStarted::NotReady(e)));
             }
         };
         let host_pid = started
@@ -230,7 +267,7 @@ impl LocalSandbox {
             .filter(|pid| namespace_pid(*pid) == Some(ready.pid));
         let Some(host_pid) = host_pid else {
             process.terminate().await;
-            return Err(fail("its process was not found".into()));
+            return Err(fail(TemplateNotStarted::ProcessNotFound));
         };
         let server = ForkServer::new(
             Box::new(stdin),
@@ -271,9 +308,9 @@ impl LocalSandbox {
     ) -> Result<Launched, SandboxError> {
         let user = &spec.user;
         let session = spec.session_id;
-        let fail = |why: String| launch_err(user, format!("forking from the template: {why}"));
+        let fail = |e: ForkError| launch_failed(user, ForkFailed(e));
         if self.kernels.contains(&session) {
-            return Err(fail(format!("session {session} already has a kernel")));
+            return Err(fail(ForkError::SessionHasKernel(session)));
         }
         let stem = match template.take_stem() {
             Some(stem) => match claim(stem, template, session, spec.limits, cgroups).await {
@@ -289,7 +326,7 @@ impl LocalSandbox {
             Some(stem) => stem,
             None => new_stem(template, user, session, spec.limits, cgroups)
                 .await
-                .map_err(&fail)?,
+                .map_err(|e| fail(ForkError::Stem(e)))?,
         };
         let launched = self
             .release_stem(template, stem, spec, boot, cgroups)
@@ -310,7 +347,7 @@ impl LocalSandbox {
         spec: &LaunchSpec,
         boot: &Bootable<'_>,
         cgroups: &Arc<Cgroups>,
-    ) -> Result<Launched, String> {
+    ) -> Result<Launched, ForkError> {
         let user = &spec.user;
         let session = spec.session_id;
         let server = &template.server;
@@ -318,7 +355,7 @@ impl LocalSandbox {
         let inside = format!("{RUN_DIR_INSIDE}/{}", stem.name);
         let prepared = async {
             let endpoints = endpoints_for(&dir)?;
-            let ids = self.kernel_ids(user).map_err(|e| e.to_string())?;
+            let ids = self.kernel_ids(user)?;
             let connection = fsutil::connection_file(spec, &format!("{inside}/k"));
             let (rundir, name, dir) = (template.rundir.clone(), stem.name.clone(), dir.clone());
             // The template's runtime directory is the kernel's to write: a kernel of the user
@@ -342,10 +379,8 @@ impl LocalSandbox {
                     ids,
                 )
             })
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-            Ok::<_, String>(endpoints)
+            .await??;
+            Ok::<_, ForkError>(endpoints)
         };
         let endpoints = match prepared.await {
             Ok(endpoints) => endpoints,
@@ -360,12 +395,12 @@ impl LocalSandbox {
             Err(e) => {
                 stem.discard(server).await;
                 fsutil::remove_dir_logged(dir).await;
-                return Err(e.to_string());
+                return Err(e.into());
             }
         };
         let (name, host_pid) = (stem.name.clone(), stem.host_pid);
         let Some((pidfd, status, leaf)) = stem.into_parts() else {
-            return Err("the stem was taken apart".into());
+            return Err(ForkError::StemTakenApart);
         };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
         let kernel = Arc::new(LocalKernel {
@@ -384,7 +419,7 @@ impl LocalSandbox {
                 cgroups.remove_leaf(&leaf).await;
                 fsutil::remove_dir_logged(dir).await;
                 server.drop_child(&name).await;
-                return Err(format!("cannot watch the kernel: {e}"));
+                return Err(ForkError::Unwatchable(e.into_parts().1));
             }
         };
         let reaper = Reaper {
@@ -417,7 +452,7 @@ impl LocalSandbox {
             .collect();
         if let Err(e) = server.go_as(&name, &args, &env, &connection_inside).await {
             handle.terminate().await;
-            return Err(e.to_string());
+            return Err(e.into());
         }
         tracing::info!(%session, user = %user.name, kernel = %spec.kernel_name, pid = host_pid, "kernel forked from its template");
         Ok(Launched {

@@ -9,15 +9,33 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tokio::sync::oneshot;
+use tokio::task::JoinError;
 use uuid::Uuid;
 
 use super::Template;
 use crate::sandbox::cgroup::{CgroupVersion, Cgroups, Leaf};
-use crate::sandbox::fork_server::{find_child, ForkServer};
+use crate::sandbox::fork_server::{find_child, ForkServer, RequestFailed};
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::state_of;
-use crate::sandbox::{KernelLimits, SandboxUser};
+use crate::sandbox::{KernelLimits, SandboxError, SandboxUser};
 use crate::sync::lock;
+
+/// Why a stem could not be made or claimed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum StemError {
+    #[error(transparent)]
+    Leaf(SandboxError),
+    #[error(transparent)]
+    Fork(RequestFailed),
+    #[error("its child {0} is not among its processes")]
+    ChildNotFound(i32),
+    #[error("cannot move it into its cgroup: {0}")]
+    NotMoved(#[source] SandboxError),
+    #[error("it has ended or is stopped")]
+    Unusable,
+    #[error(transparent)]
+    Interrupted(JoinError),
+}
 
 /// A child of a template, in a cgroup leaf of its own, waiting to be told which kernel to
 /// become. Its leaf is its own from the start: it has run nothing but the fork. Dropped
@@ -128,21 +146,21 @@ pub(super) async fn new_stem(
     leaf_name: Uuid,
     limits: KernelLimits,
     cgroups: &Arc<Cgroups>,
-) -> Result<Stem, String> {
+) -> Result<Stem, StemError> {
     let server = &template.server;
     let leaf = {
         let (cg, name, user_limits) = (cgroups.clone(), user.name.clone(), user.limits.clone());
         tokio::task::spawn_blocking(move || cg.create_leaf(&name, &user_limits, &limits, leaf_name))
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?
+            .map_err(StemError::Interrupted)?
+            .map_err(StemError::Leaf)?
     };
     let name = server.next_name();
     let child = match server.fork_stem(&name).await {
         Ok(child) => child,
         Err(e) => {
             cgroups.remove_leaf(&leaf).await;
-            return Err(e.to_string());
+            return Err(StemError::Fork(e));
         }
     };
     let inner_pid = child.inner_pid;
@@ -151,7 +169,7 @@ pub(super) async fn new_stem(
         server.drop_child(&name).await;
         server.set_broken();
         cgroups.remove_leaf(&leaf).await;
-        return Err(format!("its child {inner_pid} is not among its processes"));
+        return Err(StemError::ChildNotFound(inner_pid));
     };
     let stem = Stem {
         name,
@@ -170,10 +188,10 @@ pub(super) async fn new_stem(
         (stem, entered)
     })
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(StemError::Interrupted)?;
     if let Err(e) = entered {
         stem.discard(server).await;
-        return Err(format!("cannot move it into its cgroup: {e}"));
+        return Err(StemError::NotMoved(e));
     }
     Ok(stem)
 }
@@ -186,10 +204,10 @@ pub(super) async fn claim(
     session: Uuid,
     limits: KernelLimits,
     cgroups: &Arc<Cgroups>,
-) -> Result<Stem, String> {
+) -> Result<Stem, StemError> {
     if stem.unusable() {
         stem.discard(&template.server).await;
-        return Err("it has ended or is stopped".into());
+        return Err(StemError::Unusable);
     }
     let cg = cgroups.clone();
     let (stem, claimed) = tokio::task::spawn_blocking(move || {
@@ -201,10 +219,10 @@ pub(super) async fn claim(
         (stem, claimed)
     })
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(StemError::Interrupted)?;
     if let Err(e) = claimed {
         stem.discard(&template.server).await;
-        return Err(e.to_string());
+        return Err(StemError::Leaf(e));
     }
     Ok(stem)
 }
