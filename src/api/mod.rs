@@ -43,10 +43,6 @@ mod recording;
 mod sessions;
 pub mod shapes;
 mod stream;
-/// The agent stream's frame parser, for the fuzz harness only (`fuzz/`).
-#[cfg(feature = "fuzzing")]
-#[doc(hidden)]
-pub use stream::fuzz_client_frame;
 mod ui;
 pub mod user_load;
 mod ws_liveness;

@@ -230,6 +230,49 @@ fn the_wire_layer_does_no_io() {
     );
 }
 
+/// The decoders the fuzz harness compiles from their own files (`fuzz/src/lib.rs`), without
+/// the rest of the crate: each may name only these modules.
+const STANDALONE: &[&[&str]] = &[
+    &["wire"],
+    &["kernel", "zmtp"],
+    &["api", "jupyter", "framing"],
+    &["api", "stream", "frame"],
+];
+
+#[test]
+fn the_fuzzed_decoders_stand_alone() {
+    let standalone = |m: &[String]| {
+        STANDALONE
+            .iter()
+            .any(|s| m.starts_with(&s.iter().map(|p| p.to_string()).collect::<Vec<_>>()))
+    };
+    let mut wrong = BTreeSet::new();
+    let mut seen = 0;
+    for src in sources()
+        .iter()
+        .filter(|s| standalone(&s.module) && s.module.last().is_none_or(|m| m != "tests"))
+    {
+        seen += 1;
+        for path in named_paths(&src.code) {
+            if let Some(target) = absolute(&path, &src.module) {
+                if !standalone(&target) {
+                    wrong.insert(format!(
+                        "src/{} names crate::{}",
+                        src.rel.display(),
+                        target.join("::")
+                    ));
+                }
+            }
+        }
+    }
+    assert!(seen >= 8, "the standalone files were not found ({seen})");
+    assert!(
+        wrong.is_empty(),
+        "the fuzz harness compiles these files alone (fuzz/src/lib.rs):\n{}",
+        join(&wrong)
+    );
+}
+
 #[test]
 fn only_the_api_serves_http() {
     // The web framework (routes, extractors, responses) is the api layer's; server.rs only

@@ -19,12 +19,14 @@ use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
-use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+mod frame;
+
+use self::frame::{parse_client_frame, ClientFrame};
 use super::clients::{websocket_place, WebSocketPlace};
 use super::extract::OwnedSession;
 use super::shapes::{ErrorResponse, ExecutionJson, SessionStateJson};
@@ -63,35 +65,6 @@ async fn upgrade(
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
     ws.max_message_size(max_frame)
         .on_upgrade(move |socket| serve(socket, session, state, place))
-}
-
-#[derive(Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum ClientFrame {
-    Execute {
-        id: Value,
-        code: String,
-        #[serde(default)]
-        timeout_seconds: Option<f64>,
-    },
-    InputReply {
-        value: String,
-    },
-    Interrupt {},
-}
-
-/// One client text frame, parsed; the one place the stream reads a client's JSON (the fuzz
-/// harness drives it through [`fuzz_client_frame`]).
-fn parse_client_frame(text: &str) -> Result<ClientFrame, serde_json::Error> {
-    serde_json::from_str(text)
-}
-
-/// For the fuzz harness (`fuzz/`, built with the `fuzzing` feature): the frame parser on
-/// arbitrary text; `true` when it took the frame.
-#[cfg(feature = "fuzzing")]
-#[doc(hidden)]
-pub fn fuzz_client_frame(text: &str) -> bool {
-    parse_client_frame(text).is_ok()
 }
 
 /// Events of one execution between the session actor and its forwarding task.
