@@ -4,12 +4,9 @@
 use crate::common;
 
 on_both_backends!(
-    proposed_kernel_ids_of_other_sessions_are_refused,
-    notebook_and_agent_share_a_kernel,
     warm_pool_hands_over_prestarted_kernels,
     state_persists_and_outputs_are_returned,
     matplotlib_charts_arrive_as_png,
-    websocket_streams_output_input_and_errors,
     interrupt_stops_running_code_and_keeps_state,
     timeout_interrupts_then_restarts_a_stubborn_kernel,
     restart_clears_state,
@@ -18,16 +15,25 @@ on_both_backends!(
     the_sandbox_has_no_network_and_no_host_files,
     users_cannot_see_or_touch_each_others_sessions,
     idle_sessions_expire_and_release_everything,
-    activity_postpones_expiry,
-    bad_input_gets_clear_errors,
     long_output_is_cut_and_endless_output_is_bounded,
     files_move_between_api_and_kernel,
     listing_files_never_follows_a_swapped_in_symlink,
     the_workspace_quota_stops_writes_and_uploads,
-    executions_run_one_at_a_time_in_order,
     quotas_are_enforced,
     shutdown_closes_every_kernel,
     a_frozen_kernel_is_declared_dead_by_its_heartbeat,
+);
+
+// What the session layer and the API do alike whatever runs the kernel (ownership and
+// validation at the API, the actor's queue, the stream, the idle timer) runs once, on the
+// local sandbox; the sandbox's own behaviour runs on both above.
+on_one_backend!(
+    proposed_kernel_ids_of_other_sessions_are_refused,
+    notebook_and_agent_share_a_kernel,
+    websocket_streams_output_input_and_errors,
+    activity_postpones_expiry,
+    bad_input_gets_clear_errors,
+    executions_run_one_at_a_time_in_order,
 );
 
 use std::time::Duration;

@@ -434,6 +434,16 @@ macro_rules! on_both_backends {
     };
 }
 
+/// Tests of what does not depend on the sandbox backend: once, on the local sandbox
+/// (`<suite>::backend_independent::<test>`).
+macro_rules! on_one_backend {
+    ($($name:ident),* $(,)?) => {
+        mod backend_independent {
+            $(#[tokio::test] async fn $name() { super::$name("local").await })*
+        }
+    };
+}
+
 /// How the recording of session `id` ended, as its row in PostgreSQL says.
 pub async fn pg_end_reason(client: &tokio_postgres::Client, id: &str) -> Option<String> {
     client
