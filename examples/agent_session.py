@@ -3,7 +3,8 @@
 a load -> profile -> fix -> plot analysis, step by step, each step seeing the variables of
 the steps before. Saves the chart it receives as a PNG.
 
-    pip install websocket-client requests
+    # in a virtual environment (README, "The same over the WebSocket stream"):
+    pip install websocket-client==1.9.2 requests==2.34.2
     KERNEL_BROKER_TOKEN=... python3 examples/agent_session.py [--url http://127.0.0.1:8888] [--out chart.png]
 """
 import argparse

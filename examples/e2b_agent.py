@@ -4,7 +4,8 @@ environment variables point it at the broker. It uploads a CSV, profiles it with
 hits a KeyError, fixes it, plots, downloads the chart, and runs a shell command in the
 same sandbox.
 
-    pip install e2b-code-interpreter==2.11.5
+    # in a virtual environment (README, "Using kernel-broker from E2B's SDK"):
+    pip install e2b==2.63.0 e2b-code-interpreter==2.11.5
     export E2B_API_URL=http://127.0.0.1:8888/e2b
     export E2B_SANDBOX_URL=http://127.0.0.1:8888/e2b/sandbox
     export E2B_API_KEY=<your kernel-broker token>

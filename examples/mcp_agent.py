@@ -3,12 +3,13 @@
 kernel-broker and runs a load -> profile -> fix -> plot analysis with `run_python`, each step
 seeing the variables of the steps before, and saves the chart it receives as image content.
 
+    # in a virtual environment (README, "The same over the WebSocket stream"):
     pip install mcp==2.3.0
     # Streamable HTTP, straight to the broker:
     KERNEL_BROKER_TOKEN=... python3 examples/mcp_agent.py --url http://127.0.0.1:8888
     # stdio, through `kernel-broker mcp` (what a stdio-only host runs):
     KERNEL_BROKER_TOKEN=... python3 examples/mcp_agent.py --url http://127.0.0.1:8888 \\
-        --stdio target/debug/kernel-broker
+        --stdio target/release/kernel-broker   # the binary scripts/serve builds
 """
 import argparse
 import asyncio

@@ -72,13 +72,10 @@ impl InstanceLock {
         }
         file.set_len(0).map_err(io_err)?;
         file.rewind().map_err(io_err)?;
-        let started = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let started = chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC");
         write!(
             file,
-            "pid {}\nlistening on {listen}\nstarted at unix time {started}\n",
+            "pid {}\nlistening on {listen}\nstarted {started}\n",
             std::process::id()
         )
         .and_then(|()| file.flush())

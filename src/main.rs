@@ -37,6 +37,17 @@ async fn main() -> anyhow::Result<()> {
                 }
             });
         }
+        Command::Token(args) => {
+            let dir = args.data_dir.unwrap_or_else(|| ".data".into());
+            match kernel_broker::config::token::kept_token(&dir)? {
+                Some(token) => println!("{token}"),
+                None => anyhow::bail!(
+                    "no token is kept in {}: a broker makes one there at its first start with no \
+                     users file and no KERNEL_BROKER_TOKEN (give its --data-dir if it is not ./.data)",
+                    dir.display()
+                ),
+            }
+        }
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use crate::session::Registry;
 pub enum ServerError {
     #[error(transparent)]
     Sandbox(#[from] crate::sandbox::SandboxError),
-    #[error("could not listen on {addr}: {source}")]
+    #[error("could not listen on {addr}: {source} (another broker or program may use it: give this one another address with --listen)")]
     Listen {
         addr: std::net::SocketAddr,
         #[source]
@@ -36,6 +36,8 @@ pub enum ServerError {
     Lock(#[from] crate::instance_lock::LockError),
     #[error(transparent)]
     Cluster(#[from] crate::cluster::ClusterError),
+    #[error(transparent)]
+    Token(#[from] crate::config::token::TokenFileError),
     #[error("could not create the data directory {path}: {source}")]
     DataDir {
         path: std::path::PathBuf,
@@ -137,6 +139,14 @@ pub async fn serve(
     // Before anything is swept: the leftovers under this data directory are ours only if
     // no other broker is running on it.
     let _lock = crate::instance_lock::InstanceLock::acquire(&settings.data_dir, &addr.to_string())?;
+    let mut settings = settings;
+    if settings.token_source == TokenSource::Generated {
+        // Made on the first run on this data directory, then kept (config/token.rs).
+        let (token, made) =
+            crate::config::token::keep_or_reuse(&settings.data_dir, &settings.users[0].token)?;
+        settings.users[0].token = token;
+        settings.token_source = TokenSource::Kept { made };
+    }
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
@@ -146,7 +156,6 @@ pub async fn serve(
         // swept its kernels): their records must not bring them back later.
         forget_kept_sessions(&settings.data_dir.join("sessions"));
     }
-    let mut settings = settings;
     if let (Some(dir), Some(recording)) = (&settings.session.keep_dir, &mut settings.recording) {
         // The recordings of kept sessions stay open, to be continued.
         recording.kept_sessions = kept_session_ids(dir);
@@ -272,11 +281,13 @@ pub async fn serve(
             }
         })
     };
-    if settings.token_source == TokenSource::Generated {
-        // Printed once, as Jupyter does, so the operator can connect.
+    if let TokenSource::Kept { made } = settings.token_source {
+        // Printed at every start, as Jupyter does, so the operator can connect.
         eprintln!(
-            "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; generated token for user 'default':\n    {0}\n    e.g. curl -H 'Authorization: Bearer {0}' http://{1}/v1/sessions\n    session browser: http://{1}/ui/?token={0}",
-            settings.users[0].token, addr
+            "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; the token of user 'default' ({how} {path}; `kernel-broker token` prints it):\n    {token}\n    e.g. curl -H 'Authorization: Bearer {token}' http://{addr}/v1/sessions\n    session browser: http://{addr}/ui/?token={token}",
+            how = if made { "made now and kept in" } else { "kept in" },
+            path = settings.data_dir.join(crate::config::token::TOKEN_FILE).display(),
+            token = settings.users[0].token,
         );
     }
     // One line says where everything is (the address first: scripts and tests read it).

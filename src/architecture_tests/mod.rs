@@ -67,6 +67,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "config",
         &[
+            "private_file",
             "api",
             "cluster",
             "recording",

@@ -29,6 +29,17 @@ pub enum Command {
     /// Serve MCP over stdio for a host that launches stdio servers, relayed to a running
     /// broker's /mcp (Streamable HTTP) as the token's user.
     Mcp(McpArgs),
+    /// Print the token a broker made and kept in its data directory (when it runs with no
+    /// users file and no KERNEL_BROKER_TOKEN), e.g. `export KERNEL_BROKER_TOKEN=$(kernel-broker token)`.
+    Token(TokenArgs),
+}
+
+/// Flags of `token`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenArgs {
+    /// The broker's data directory [default: ./.data]
+    #[arg(long, env = "KERNEL_BROKER_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
 }
 
 /// Flags of `mcp`.

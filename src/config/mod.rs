@@ -21,6 +21,7 @@ macro_rules! either {
 mod args;
 mod egress;
 mod layers;
+pub mod token;
 
 use layers::{
     check_preload, client_limits, cluster_config, docker_config, local_config, recording_config,
@@ -34,7 +35,7 @@ use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
 use crate::session::SessionConfig;
-pub use args::{Cli, Command, EgressMode, McpArgs, SandboxKind, ServeArgs};
+pub use args::{Cli, Command, EgressMode, McpArgs, SandboxKind, ServeArgs, TokenArgs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -91,8 +92,12 @@ struct UserEntry {
 pub enum TokenSource {
     UsersFile(PathBuf),
     Environment,
-    /// Generated at start: print it once.
+    /// To be made at the first start on the data directory, then kept there (`token.rs`).
     Generated,
+    /// Kept in the data directory (`made`: at this start).
+    Kept {
+        made: bool,
+    },
 }
 
 /// The resolved settings the broker runs with. Each layer's settings are its own config type
