@@ -162,6 +162,21 @@ def test_stdio_relay_says_what_is_wrong(broker):
         assert p.wait(20) == 1
         assert "is the token right?" in p.stderr.read()
         p.stdin.close()
+    # The host writes its request and closes stdin at once (as `echo ... | kernel-broker mcp`
+    # does): the request is still answered with the error, and the exit is still 1.
+    for url, token in [(broker.url, "not-a-token"), ("http://127.0.0.1:1", ALICE)]:
+        p = subprocess.run([BINARY, "mcp", "--url", url, "--token", token],
+                           input=init, capture_output=True, text=True, timeout=30)
+        answer = json.loads(p.stdout.splitlines()[0])
+        assert answer["id"] == 1 and answer["error"]["code"] == -32603, (url, p.stdout)
+        assert p.returncode == 1, (url, p.returncode, p.stderr)
+        assert "is the token right?" in p.stderr, p.stderr
+    # A good token and a running broker: the answer, then exit 0 soon after stdin ends.
+    p = subprocess.run([BINARY, "mcp", "--url", broker.url, "--token", ALICE],
+                       input=init, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    answer = json.loads(p.stdout.splitlines()[0])
+    assert answer["id"] == 1 and answer["result"]["serverInfo"]["name"] == "kernel-broker", answer
     p = subprocess.run([BINARY, "mcp", "--url", "https://example.org", "--token", ALICE],
                        input="", capture_output=True, text=True, timeout=20)
     assert p.returncode == 1 and "must be the broker's http:// address" in p.stderr, p.stderr

@@ -14,12 +14,17 @@
 //! so the host never waits for an answer that cannot come. Logs go to stderr only: stdout
 //! is the protocol.
 
-use rmcp::model::{ClientRequest, ErrorData, JsonRpcMessage, ServerJsonRpcMessage};
+use std::collections::HashSet;
+
+use rmcp::model::{ClientRequest, ErrorData, JsonRpcMessage, RequestId, ServerJsonRpcMessage};
 use rmcp::transport::async_rw::AsyncRwTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, Transport};
 use rmcp::RoleServer;
 use tokio::task::JoinSet;
+
+/// How long the relay waits, once one side is done, for what is still in flight.
+const CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Why the relay stopped other than the host closing stdin.
 #[derive(Debug, thiserror::Error)]
@@ -61,10 +66,45 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
     // Sends to the broker in flight; a failed one ends with the error answer it owes the
     // host, and whether it was the `initialize`.
     let mut sends: JoinSet<Option<(ServerJsonRpcMessage, bool)>> = JoinSet::new();
+    // The host's requests the broker has not answered yet.
+    let mut pending: HashSet<RequestId> = HashSet::new();
     let outcome = loop {
         tokio::select! {
             from_host = host.receive() => {
-                let Some(message) = from_host else { break Ok(()) };
+                let Some(message) = from_host else {
+                    // The host is done. What it sent last may still be on its way: wait for
+                    // those sends (bounded); one the broker did not take is answered with its
+                    // error, and the relay then says the broker is gone rather than
+                    // exiting 0 as if all went well.
+                    let mut failed = false;
+                    let drain = async {
+                        while let Some(done) = sends.join_next().await {
+                            if let Ok(Some((answer, _))) = done {
+                                failed = true;
+                                settle(&mut pending, &answer);
+                                let _ = host.send(answer).await;
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(CLOSE_WITHIN, drain).await;
+                    if failed {
+                        break Err(RelayError::BrokerGone(endpoint.clone()));
+                    }
+                    // The answers the broker still owes to the host's requests are relayed
+                    // for a while (a host that wrote a request and closed stdin at once,
+                    // `echo ... | kernel-broker mcp`, gets its answer).
+                    let deadline = tokio::time::Instant::now() + CLOSE_WITHIN;
+                    while !pending.is_empty() {
+                        let Ok(Some(message)) = tokio::time::timeout_at(deadline, broker.receive()).await else {
+                            break;
+                        };
+                        settle(&mut pending, &message);
+                        if host.send(message).await.is_err() {
+                            break;
+                        }
+                    }
+                    break Ok(());
+                };
                 let (request_id, initialize) = match &message {
                     JsonRpcMessage::Request(r) => (
                         Some(r.id.clone()),
@@ -72,6 +112,9 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
                     ),
                     _ => (None, false),
                 };
+                if let Some(id) = &request_id {
+                    pending.insert(id.clone());
+                }
                 let send = broker.send(message);
                 sends.spawn(async move {
                     let error = send.await.err()?;
@@ -96,15 +139,17 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
                             }
                         }
                     };
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+                    let _ = tokio::time::timeout(CLOSE_WITHIN, drain).await;
                     break Err(RelayError::BrokerGone(endpoint.clone()));
                 };
+                settle(&mut pending, &message);
                 if let Err(e) = host.send(message).await {
                     break Err(RelayError::Stdout(e));
                 }
             }
             Some(done) = sends.join_next(), if !sends.is_empty() => {
                 if let Ok(Some((answer, initialize))) = done {
+                    settle(&mut pending, &answer);
                     if let Err(e) = host.send(answer).await {
                         break Err(RelayError::Stdout(e));
                     }
@@ -119,11 +164,30 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
     sends.abort_all();
     // Ends the MCP session at the broker (rmcp's client sends the DELETE), so the session
     // it made for this host is deleted now rather than at its idle timeout.
-    if let Err(e) = broker.close().await {
-        tracing::debug!(error = %e, "closing the broker's side");
+    // Bounded: a broker that does not answer the DELETE must not keep the host waiting for
+    // the relay to exit.
+    match tokio::time::timeout(CLOSE_WITHIN, broker.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "closing the broker's side"),
+        Err(_) => tracing::warn!("the broker did not end the MCP session in time; exiting"),
     }
-    let _ = host.close().await;
+    let _ = tokio::time::timeout(CLOSE_WITHIN, host.close()).await;
     outcome
+}
+
+/// Takes the request an answer of the broker's (or the relay's) settles off `pending`.
+fn settle(pending: &mut HashSet<RequestId>, message: &ServerJsonRpcMessage) {
+    match message {
+        JsonRpcMessage::Response(r) => {
+            pending.remove(&r.id);
+        }
+        JsonRpcMessage::Error(e) => {
+            if let Some(id) = &e.id {
+                pending.remove(id);
+            }
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]
