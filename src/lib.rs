@@ -31,15 +31,19 @@
 //!   HTTP as clients of their own protocols).
 //! - [`config`]: settings from flags, environment, TOML; [`server`]: wires the layers together
 //!   and drains them on shutdown; [`instance_lock`]: one broker per data directory;
-//!   [`mcp_stdio`]: `kernel-broker mcp`, MCP over stdio relayed to a broker's `/mcp`.
+//!   [`mcp_stdio`]: `kernel-broker mcp`, MCP over stdio relayed to a broker's `/mcp`;
+//!   [`cli`]: the command line client (`sessions`, `exec`, `files`, `kill`) of a running
+//!   broker's agent API; [`kept_token`]: the generated token kept in the data directory.
 
 pub mod api;
+pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod db;
 pub mod descriptors;
 pub mod egress;
 pub mod instance_lock;
+pub mod kept_token;
 pub mod kernel;
 pub mod mcp_stdio;
 pub mod private_file;

@@ -37,9 +37,17 @@ async fn main() -> anyhow::Result<()> {
                 }
             });
         }
+        Command::Sessions { client, json } => {
+            exit_with(kernel_broker::cli::sessions(&client, json).await)
+        }
+        Command::Exec(args) => exit_with(kernel_broker::cli::exec(&args).await),
+        Command::Files(args) => exit_with(kernel_broker::cli::files(&args).await),
+        Command::Kill { client, session } => {
+            exit_with(kernel_broker::cli::kill(&client, &session).await)
+        }
         Command::Token(args) => {
             let dir = args.data_dir.unwrap_or_else(|| ".data".into());
-            match kernel_broker::config::token::kept_token(&dir)? {
+            match kernel_broker::kept_token::kept_token(&dir)? {
                 Some(token) => println!("{token}"),
                 None => anyhow::bail!(
                     "no token is kept in {}: a broker makes one there at its first start with no \
@@ -50,6 +58,17 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Ends a client command: its error on stderr and its exit status.
+fn exit_with(outcome: Result<(), kernel_broker::cli::CliError>) {
+    if let Err(e) = outcome {
+        // An execution that did not succeed printed its error already.
+        if !matches!(e, kernel_broker::cli::CliError::Execution(_)) {
+            eprintln!("kernel-broker: {e}");
+        }
+        std::process::exit(e.status());
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed now, before the broker says it

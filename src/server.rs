@@ -37,7 +37,7 @@ pub enum ServerError {
     #[error(transparent)]
     Cluster(#[from] crate::cluster::ClusterError),
     #[error(transparent)]
-    Token(#[from] crate::config::token::TokenFileError),
+    Token(#[from] crate::kept_token::TokenFileError),
     #[error("could not create the data directory {path}: {source}")]
     DataDir {
         path: std::path::PathBuf,
@@ -141,9 +141,9 @@ pub async fn serve(
     let _lock = crate::instance_lock::InstanceLock::acquire(&settings.data_dir, &addr.to_string())?;
     let mut settings = settings;
     if settings.token_source == TokenSource::Generated {
-        // Made on the first run on this data directory, then kept (config/token.rs).
+        // Made on the first run on this data directory, then kept (kept_token.rs).
         let (token, made) =
-            crate::config::token::keep_or_reuse(&settings.data_dir, &settings.users[0].token)?;
+            crate::kept_token::keep_or_reuse(&settings.data_dir, &settings.users[0].token)?;
         settings.users[0].token = token;
         settings.token_source = TokenSource::Kept { made };
     }
@@ -286,7 +286,7 @@ pub async fn serve(
         eprintln!(
             "kernel-broker: no users file and no KERNEL_BROKER_TOKEN; the token of user 'default' ({how} {path}; `kernel-broker token` prints it):\n    {token}\n    e.g. curl -H 'Authorization: Bearer {token}' http://{addr}/v1/sessions\n    session browser: http://{addr}/ui/?token={token}",
             how = if made { "made now and kept in" } else { "kept in" },
-            path = settings.data_dir.join(crate::config::token::TOKEN_FILE).display(),
+            path = settings.data_dir.join(crate::kept_token::TOKEN_FILE).display(),
             token = settings.users[0].token,
         );
     }

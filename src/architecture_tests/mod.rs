@@ -20,6 +20,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("descriptors", &[]),
     ("private_file", &[]),
     ("instance_lock", &[]),
+    ("kept_token", &["private_file"]),
+    ("cli", &["kept_token"]),
     ("wire", &["sync"]),
     ("kernel", &["wire", "sync", "descriptors"]),
     ("egress", &["sync"]),
@@ -67,7 +69,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "config",
         &[
-            "private_file",
+            "cli",
             "api",
             "cluster",
             "recording",
@@ -91,6 +93,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "kernel",
             "descriptors",
             "instance_lock",
+            "kept_token",
             "sync",
         ],
     ),

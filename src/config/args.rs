@@ -32,6 +32,26 @@ pub enum Command {
     /// Print the token a broker made and kept in its data directory (when it runs with no
     /// users file and no KERNEL_BROKER_TOKEN), e.g. `export KERNEL_BROKER_TOKEN=$(kernel-broker token)`.
     Token(TokenArgs),
+    /// List your live sessions at a running broker.
+    Sessions {
+        #[command(flatten)]
+        client: crate::cli::ClientArgs,
+        /// The API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run code in a session (`new` for a new one) and print its output; charts are saved
+    /// to files. The exit status is 0 when the execution ended `ok`.
+    Exec(crate::cli::ExecArgs),
+    /// The files of a session's workspace: ls, get, put, rm.
+    Files(crate::cli::FilesArgs),
+    /// End a session.
+    Kill {
+        #[command(flatten)]
+        client: crate::cli::ClientArgs,
+        /// A session of yours (its id, or the start of it).
+        session: String,
+    },
 }
 
 /// Flags of `token`.

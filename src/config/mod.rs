@@ -21,7 +21,6 @@ macro_rules! either {
 mod args;
 mod egress;
 mod layers;
-pub mod token;
 
 use layers::{
     check_preload, client_limits, cluster_config, docker_config, local_config, recording_config,
@@ -92,7 +91,7 @@ struct UserEntry {
 pub enum TokenSource {
     UsersFile(PathBuf),
     Environment,
-    /// To be made at the first start on the data directory, then kept there (`token.rs`).
+    /// To be made at the first start on the data directory, then kept there (`kept_token`).
     Generated,
     /// Kept in the data directory (`made`: at this start).
     Kept {

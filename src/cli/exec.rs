@@ -1,0 +1,122 @@
+//! `kernel-broker exec SESSION CODE|-`: runs code in a session of the caller's (or in a new
+//! one: `new`) and prints what it gave: stdout to stdout, stderr and the error's traceback to
+//! stderr, each result's text to stdout, charts (`image/png`) saved to files whose paths are
+//! printed. The exit status says how the execution ended (0: `ok`).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use base64::Engine;
+use serde_json::{json, Value};
+
+use super::{resolve_session, CliError, Client, ClientArgs};
+
+/// What `exec` was asked.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExecArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// A session of yours (its id, or the start of it), or `new` for a new session.
+    pub session: String,
+    /// The code, or `-` to read it from standard input.
+    pub code: String,
+    /// Seconds before the execution is interrupted [default: the broker's]
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Where charts are saved.
+    #[arg(long, default_value = ".")]
+    pub charts: PathBuf,
+}
+
+pub async fn exec(args: &ExecArgs) -> Result<(), CliError> {
+    let client = Client::new(&args.client)?;
+    let code = if args.code == "-" {
+        let mut code = String::new();
+        std::io::stdin()
+            .read_to_string(&mut code)
+            .map_err(|e| CliError::Local(format!("cannot read the code from stdin: {e}")))?;
+        code
+    } else {
+        args.code.clone()
+    };
+    let id = if args.session == "new" {
+        let made = client
+            .json(reqwest::Method::POST, "/v1/sessions", Some(json!({})))
+            .await?;
+        let id = made["id"].as_str().unwrap_or_default().to_string();
+        eprintln!("session {id}");
+        id
+    } else {
+        resolve_session(&client, &args.session).await?
+    };
+    let mut body = json!({ "code": code });
+    if let Some(t) = args.timeout {
+        body["timeout_seconds"] = t.into();
+    }
+    let x = client
+        .json(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id}/execute"),
+            Some(body),
+        )
+        .await?;
+    print_execution(&x, &args.charts)?;
+    match x["status"].as_str() {
+        Some("ok") => Ok(()),
+        other => Err(CliError::Execution(other.unwrap_or("unknown").to_string())),
+    }
+}
+
+/// Prints an Execution (docs/API.md) as a terminal shows a cell's output; charts are saved
+/// in `charts` and their paths printed on stderr.
+pub(crate) fn print_execution(x: &Value, charts: &Path) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    let mut err = std::io::stderr().lock();
+    let _ = out.write_all(x["stdout"].as_str().unwrap_or_default().as_bytes());
+    let _ = err.write_all(x["stderr"].as_str().unwrap_or_default().as_bytes());
+    let count = x["execution_count"].as_u64().unwrap_or(0);
+    for (i, result) in x["results"].as_array().into_iter().flatten().enumerate() {
+        let data = &result["data"];
+        if let Some(png) = data["image/png"].as_str() {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(png.trim())
+                .map_err(|e| CliError::Local(format!("a chart that is not base64: {e}")))?;
+            let path = charts.join(format!("chart-{count}-{}.png", i + 1));
+            std::fs::write(&path, bytes).map_err(|e| {
+                CliError::Local(format!("cannot save the chart to {}: {e}", path.display()))
+            })?;
+            let _ = writeln!(err, "chart saved: {}", path.display());
+        } else if let Some(text) = data["text/plain"].as_str() {
+            let _ = writeln!(out, "{text}");
+        }
+    }
+    if let Some(error) = x["error"].as_object() {
+        let traceback: Vec<&str> = error
+            .get("traceback")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        if traceback.is_empty() {
+            let _ = writeln!(
+                err,
+                "{}: {}",
+                error
+                    .get("ename")
+                    .and_then(Value::as_str)
+                    .unwrap_or("Error"),
+                error.get("evalue").and_then(Value::as_str).unwrap_or("")
+            );
+        } else {
+            let _ = writeln!(err, "{}", traceback.join("\n"));
+        }
+    }
+    if x["truncated"] == true {
+        let _ = writeln!(
+            err,
+            "[output cut at the broker's limits; the recording keeps all of it]"
+        );
+    }
+    Ok(())
+}
