@@ -178,7 +178,9 @@ impl Session {
     }
 
     /// Changes the status in one step under the watch's own lock (so a reader never sees
-    /// half a change), wakes its waiters, and broadcasts the new state if it changed.
+    /// half a change), wakes its waiters, and broadcasts the new state if it changed: the
+    /// WebSocket and Jupyter streams need every transition, in order with the iopub
+    /// messages, where a watch keeps only the latest.
     fn update(&self, change: impl FnOnce(&mut SessionStatus)) {
         let mut moved = None;
         self.status.send_modify(|s| {

@@ -252,4 +252,30 @@ mod tests {
         kept.remove(a).await;
         assert_eq!(kept.load_all().len(), 1);
     }
+
+    #[tokio::test]
+    async fn a_record_file_writes_changes_only_and_nothing_after_its_removal() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = KeptSessions::open(&dir.path().join("sessions")).unwrap();
+        let id = Uuid::new_v4();
+        let file = RecordFile::new(kept.clone());
+        let first = record(id, 1);
+        file.save(|| first.clone()).await;
+        // The same record but for its time is not written again.
+        std::fs::remove_file(kept.path(id)).unwrap();
+        file.save(|| SessionRecord {
+            saved_at: Utc::now(),
+            ..first.clone()
+        })
+        .await;
+        assert!(
+            kept.load_all().is_empty(),
+            "an unchanged record was written"
+        );
+        file.save(|| record(id, 2)).await;
+        assert_eq!(kept.load_all()[0].execution_count, 2);
+        file.remove(id).await;
+        file.save(|| record(id, 3)).await;
+        assert!(kept.load_all().is_empty(), "written after its removal");
+    }
 }
