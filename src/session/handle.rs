@@ -6,12 +6,13 @@
 //!
 //! Its mutable parts, after mini-redis's `Shared { state: Mutex<State>, .. }`:
 //! - [`SessionStatus`] in a `tokio::sync::watch`: the actor publishes every change (state,
-//!   busy, execution count, death) through the handle's setters, and activity is recorded
-//!   there by whoever sees it ([`Session::touch`]). Readers take `borrow()`, waiters
+//!   busy, execution count, death) through the handle's setters; activity
+//!   ([`Session::touch`]) and the fixed deadline ([`Session::set_deadline`]) are recorded
+//!   there by whoever sees them. Readers take `borrow()`, waiters
 //!   `changed()` ([`Session::wait_for`]): neither takes the state lock.
 //! - `State`, under one std `Mutex`: what changes with the kernel (its process, key,
-//!   memory reservation) and the fixed deadline. Each critical section is a field update
-//!   or a clone, never an await or a file read.
+//!   memory reservation). Each critical section is a field update or a clone, never an
+//!   await or a file read; only the memory reading takes it among the readers.
 //! - The record file (`--keep-sessions`): `kept::RecordFile`, which orders its writes
 //!   under the one lock held across awaits, on purpose (see there).
 //! - Counters that change alone stay atomics (see the fields).
@@ -36,8 +37,7 @@ use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, SandboxUser};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
-/// What changes with the kernel, and the fixed deadline: under one std `Mutex`, never held
-/// across an await.
+/// What changes with the kernel: under one std `Mutex`, never held across an await.
 struct State {
     /// The session's share of its user's memory, given back once its kernel is gone.
     memory: Option<Reservation>,
@@ -45,9 +45,6 @@ struct State {
     process: Option<Arc<dyn KernelProcess>>,
     /// The HMAC key of the kernel now (for the session's record, `--keep-sessions`).
     kernel_key: String,
-    /// A fixed end, besides the idle timeout: the session expires then whatever it does
-    /// (E2B's sandbox timeout; `None`: none).
-    deadline: Option<(Instant, DateTime<Utc>)>,
 }
 
 /// A handle to one session. Cheap to share; the kernel itself lives in the session's task.
@@ -135,7 +132,6 @@ impl Session {
                 memory: Some(parts.memory),
                 process: None,
                 kernel_key: String::new(),
-                deadline: None,
             }),
             status: watch::Sender::new(SessionStatus::starting(
                 last_activity,
@@ -196,7 +192,6 @@ impl Session {
     pub fn info(&self) -> SessionInfo {
         // Read before the status: a file read, not to be done under any lock.
         let memory_used = self.memory_used();
-        let deadline = self.locked().deadline;
         let s = self.status.borrow();
         let expires_at = match (self.idle_timeout, s.state) {
             (
@@ -210,7 +205,7 @@ impl Session {
                 .map(|t| s.last_activity + t),
             _ => None,
         };
-        let expires_at = match (deadline, expires_at) {
+        let expires_at = match (s.deadline, expires_at) {
             (Some((_, fixed)), Some(idle)) => Some(fixed.min(idle)),
             (Some((_, fixed)), None) if !s.ended() => Some(fixed),
             (_, idle) => idle,
@@ -529,19 +524,19 @@ impl Session {
                 Utc::now() + chrono::Duration::from_std(left).unwrap_or_default(),
             )
         });
-        self.locked().deadline = wall;
+        self.update(|s| s.deadline = wall);
         self.notify_registry.notify_one();
     }
 
     /// The fixed end set by [`Self::set_deadline`], if any.
     pub fn deadline(&self) -> Option<DateTime<Utc>> {
-        self.locked().deadline.map(|(_, wall)| wall)
+        self.status.borrow().deadline.map(|(_, wall)| wall)
     }
 
     /// When this session expires if nothing happens, or `None` if it cannot expire now.
     pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<Instant> {
-        let fixed = self.locked().deadline.map(|(at, _)| at);
         let s = self.status.borrow();
+        let fixed = s.deadline.map(|(at, _)| at);
         let idle = match (self.idle_timeout, s.state) {
             (_, SessionState::Expired | SessionState::Closed) => return None,
             (None, _) => None,

@@ -31,9 +31,10 @@ impl SessionState {
     }
 }
 
-/// A session's status: what its actor publishes through a `tokio::sync::watch` (see
-/// `Session::status`), so that readers (lists, metrics, the expiry task, WebSocket clients)
-/// take a copy with `borrow()` and waiters use `changed()`, never a lock of the session's.
+/// A session's status: what its actor publishes (with activity and the fixed deadline,
+/// which the front doors set) through a `tokio::sync::watch` (see `Session::status`), so
+/// that readers (lists, metrics, the expiry task, WebSocket clients) take a copy with
+/// `borrow()` and waiters use `changed()`, never a lock of the session's.
 #[derive(Debug, Clone)]
 pub struct SessionStatus {
     pub state: SessionState,
@@ -47,6 +48,9 @@ pub struct SessionStatus {
     pub execution_count: u64,
     /// Why the kernel died, while the session is dead.
     pub dead_reason: Option<String>,
+    /// A fixed end besides the idle timeout, on both clocks: the session expires then
+    /// whatever it does (E2B's sandbox timeout; `None`: none).
+    pub deadline: Option<(Instant, DateTime<Utc>)>,
 }
 
 impl SessionStatus {
@@ -65,6 +69,7 @@ impl SessionStatus {
             kernel_busy: false,
             execution_count,
             dead_reason: None,
+            deadline: None,
         }
     }
 
