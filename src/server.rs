@@ -350,8 +350,16 @@ fn drain_on_signal(
         if let Err(e) = cluster.drain().await {
             tracing::warn!(error = %e, "draining: the nodes table was not told (placement learns at the next renewal)");
         }
-        while !keep_sessions && !registry.all().is_empty() {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        // A session leaves the registry as it ends: wait for those there now to end, then
+        // look again for any created meanwhile.
+        if !keep_sessions {
+            loop {
+                let sessions = registry.all();
+                if sessions.is_empty() {
+                    break;
+                }
+                futures::future::join_all(sessions.iter().map(|s| s.ended())).await;
+            }
         }
         tracing::info!(keep_sessions, "drained: stopping");
         stop.cancel();

@@ -3,13 +3,26 @@
 //! its event broadcast with the iopub byte budget, its client count and the sending side of
 //! the actor's command queue. The kernel itself lives in the session's actor task
 //! (`actor/`); the handle never touches it, so it is cheap to share and never awaits one.
+//!
+//! Its mutable parts, after mini-redis's `Shared { state: Mutex<State>, .. }`:
+//! - [`SessionStatus`] in a `tokio::sync::watch`: the actor publishes every change (state,
+//!   busy, execution count, death) through the handle's setters; activity
+//!   ([`Session::touch`]) and the fixed deadline ([`Session::set_deadline`]) are recorded
+//!   there by whoever sees them. Readers take `borrow()`, waiters
+//!   `changed()` ([`Session::wait_for`]): neither takes the state lock.
+//! - `State`, under one std `Mutex`: what changes with the kernel (its process, key,
+//!   memory reservation). Each critical section is a field update or a clone, never an
+//!   await or a file read; only the memory reading takes it among the readers.
+//! - The record file (`--keep-sessions`): `kept::RecordFile`, which orders its writes
+//!   under the one lock held across awaits, on purpose (see there).
+//! - Counters that change alone stay atomics (see the fields).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::{broadcast, mpsc, oneshot, Notify};
+use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -17,21 +30,21 @@ use super::command::{Command, ExecRequest, ReplyRoute};
 use super::error::SessionError;
 use super::event::{EventBudget, SessionEvent};
 use super::execution::Execution;
-use super::kept::{KeptSessions, SessionRecord};
+use super::kept::{KeptSessions, RecordFile, SessionRecord};
 use super::memory::Reservation;
-use super::state::{SessionInfo, SessionState};
+use super::state::{SessionInfo, SessionState, SessionStatus};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, SandboxUser};
 use crate::sync::lock;
 use crate::wire::{Channel, Message};
 
-struct Status {
-    state: SessionState,
-    last_activity: DateTime<Utc>,
-    last_activity_at: Instant,
-    busy_since: Option<Instant>,
-    kernel_busy: bool,
-    execution_count: u64,
-    dead_reason: Option<String>,
+/// What changes with the kernel: under one std `Mutex`, never held across an await.
+struct State {
+    /// The session's share of its user's memory, given back once its kernel is gone.
+    memory: Option<Reservation>,
+    /// The kernel process now (set at start and restart), to read its memory use.
+    process: Option<Arc<dyn KernelProcess>>,
+    /// The HMAC key of the kernel now (for the session's record, `--keep-sessions`).
+    kernel_key: String,
 }
 
 /// A handle to one session. Cheap to share; the kernel itself lives in the session's task.
@@ -44,33 +57,28 @@ pub struct Session {
     pub idle_timeout: Option<Duration>,
     /// The kernel's own limits (every kernel of this session, across restarts).
     pub limits: KernelLimits,
-    /// The session's share of its user's memory, given back once its kernel is gone.
-    memory: Mutex<Option<Reservation>>,
-    /// The kernel process now (set at start and restart), to read its memory use.
-    process: Mutex<Option<Arc<dyn KernelProcess>>>,
-    /// The HMAC key of the kernel now (for the session's record, `--keep-sessions`).
-    kernel_key: Mutex<String>,
-    /// Where the session's record is kept (`--keep-sessions`), and the last one written.
-    kept: Option<Arc<KeptSessions>>,
-    /// Held across each write or removal of the record, so they land in order; `true` once
-    /// the record is removed for good (nothing is written after).
-    record_io: tokio::sync::Mutex<bool>,
-    last_saved: Mutex<Option<SessionRecord>>,
-    status: Mutex<Status>,
+    state: Mutex<State>,
+    /// The status the actor publishes; read with `borrow()`, waited on with `changed()`.
+    status: watch::Sender<SessionStatus>,
+    /// The session's record (`--keep-sessions`).
+    record_file: Option<RecordFile>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
     /// Bytes of iopub messages in the event ring and its receivers.
     event_budget: EventBudget,
+    // The three counters below stay atomics: each changes alone, nothing else is read or
+    // written with it, and they are on hot paths (every iopub message, every execute,
+    // every WebSocket client) where a lock would only add waiting.
     /// Messages left out of the broadcast for the budget (for one summary log line each
     /// time the count doubles).
     events_dropped: AtomicUsize,
+    /// Executions queued and not yet started: taken and checked in one step, so two
+    /// requests at once cannot both take the last place.
     pending: AtomicUsize,
+    /// WebSocket clients attached (counted by [`ConnectionGuard`]s).
     connections: AtomicUsize,
     max_queue: usize,
     notify_registry: Arc<Notify>,
-    /// A fixed end, besides the idle timeout: the session expires then whatever it does
-    /// (E2B's sandbox timeout; `None`: none).
-    deadline: Mutex<Option<(Instant, DateTime<Utc>)>>,
 }
 
 /// What a session is made of besides its id and owner (see [`Session::new`]).
@@ -120,21 +128,17 @@ impl Session {
             created_at,
             idle_timeout: parts.idle_timeout,
             limits: parts.limits,
-            memory: Mutex::new(Some(parts.memory)),
-            process: Mutex::new(None),
-            kernel_key: Mutex::new(String::new()),
-            kept: parts.kept,
-            record_io: tokio::sync::Mutex::new(false),
-            last_saved: Mutex::new(None),
-            status: Mutex::new(Status {
-                state: SessionState::Starting,
+            state: Mutex::new(State {
+                memory: Some(parts.memory),
+                process: None,
+                kernel_key: String::new(),
+            }),
+            status: watch::Sender::new(SessionStatus::starting(
                 last_activity,
                 last_activity_at,
-                busy_since: None,
-                kernel_busy: false,
                 execution_count,
-                dead_reason: None,
-            }),
+            )),
+            record_file: parts.kept.map(RecordFile::new),
             commands: parts.commands,
             events,
             event_budget: EventBudget::new(parts.event_budget),
@@ -143,18 +147,52 @@ impl Session {
             connections: AtomicUsize::new(0),
             max_queue: parts.max_queue,
             notify_registry: parts.notify_registry,
-            deadline: Mutex::new(None),
         }
     }
 
-    fn status(&self) -> MutexGuard<'_, Status> {
-        lock(&self.status)
+    fn locked(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// The session's status now: a copy, read without the state lock.
+    pub fn status(&self) -> SessionStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Waits until the session's status satisfies `done` (checked at once, then at each
+    /// change the actor publishes) and returns it.
+    pub async fn wait_for(&self, mut done: impl FnMut(&SessionStatus) -> bool) -> SessionStatus {
+        let mut changes = self.status.subscribe();
+        let seen = changes.wait_for(|s| done(s)).await.map(|s| s.clone());
+        // The sender is this handle's own field, alive while `self` is: it cannot close.
+        seen.unwrap_or_else(|_| self.status())
+    }
+
+    /// Waits until the session is over (shut down or expired).
+    pub async fn ended(&self) {
+        self.wait_for(SessionStatus::ended).await;
+    }
+
+    /// Changes the status in one step under the watch's own lock (so a reader never sees
+    /// half a change), wakes its waiters, and broadcasts the new state if it changed: the
+    /// WebSocket and Jupyter streams need every transition, in order with the iopub
+    /// messages, where a watch keeps only the latest.
+    fn update(&self, change: impl FnOnce(&mut SessionStatus)) {
+        let mut moved = None;
+        self.status.send_modify(|s| {
+            let before = s.state;
+            change(s);
+            moved = (s.state != before).then_some(s.state);
+        });
+        if let Some(state) = moved {
+            self.publish(SessionEvent::State(state));
+        }
     }
 
     pub fn info(&self) -> SessionInfo {
-        // Read before the status lock: a file read, not to be done under it.
+        // Read before the status: a file read, not to be done under any lock.
         let memory_used = self.memory_used();
-        let s = self.status();
+        let s = self.status.borrow();
         let expires_at = match (self.idle_timeout, s.state) {
             (
                 Some(t),
@@ -167,13 +205,9 @@ impl Session {
                 .map(|t| s.last_activity + t),
             _ => None,
         };
-        let expires_at = match (*lock(&self.deadline), expires_at) {
+        let expires_at = match (s.deadline, expires_at) {
             (Some((_, fixed)), Some(idle)) => Some(fixed.min(idle)),
-            (Some((_, fixed)), None)
-                if !matches!(s.state, SessionState::Expired | SessionState::Closed) =>
-            {
-                Some(fixed)
-            }
+            (Some((_, fixed)), None) if !s.ended() => Some(fixed),
             (_, idle) => idle,
         };
         SessionInfo {
@@ -198,23 +232,26 @@ impl Session {
     /// The kernel's memory use now, as its cgroup counts it (`None`: no kernel, or the
     /// backend cannot tell).
     pub fn memory_used(&self) -> Option<u64> {
-        let process = lock(&self.process).clone()?;
+        let process = self.locked().process.clone()?;
         process.memory_used()
     }
 
     /// The kernel the session runs now (its process handle and key); with
     /// `--keep-sessions` the session's record is written before this returns.
     pub(crate) async fn set_kernel(&self, process: Arc<dyn KernelProcess>, key: &str) {
-        *lock(&self.process) = Some(process);
-        *lock(&self.kernel_key) = key.to_string();
+        {
+            let mut state = self.locked();
+            state.process = Some(process);
+            state.kernel_key = key.to_string();
+        }
         self.persist(false).await;
     }
 
     /// The session's record as of now (`--keep-sessions`); `stopped` when the broker is
     /// letting go of it.
     pub(crate) fn record(&self, stopped: bool) -> SessionRecord {
-        let key = lock(&self.kernel_key).clone();
-        let s = self.status();
+        let key = self.locked().kernel_key.clone();
+        let s = self.status.borrow();
         SessionRecord {
             id: self.id,
             user: self.user.name.clone(),
@@ -237,122 +274,78 @@ impl Session {
     /// Writes the session's record if sessions are kept and anything in it changed since
     /// the last write (always when `stopped`).
     pub(crate) async fn persist(&self, stopped: bool) {
-        let Some(kept) = &self.kept else { return };
-        let forgotten = self.record_io.lock().await;
-        if *forgotten {
-            return;
+        if let Some(file) = &self.record_file {
+            file.save(|| self.record(stopped)).await;
         }
-        let record = self.record(stopped);
-        {
-            let mut last = lock(&self.last_saved);
-            let same = last.as_ref().is_some_and(|l| {
-                SessionRecord {
-                    saved_at: record.saved_at,
-                    ..l.clone()
-                } == record
-            });
-            if same {
-                return;
-            }
-            *last = Some(record.clone());
-        }
-        kept.save(record).await;
-        drop(forgotten);
     }
 
     /// Removes the session's record: it is gone for good.
     pub(crate) async fn forget_record(&self) {
-        if let Some(kept) = &self.kept {
-            let mut forgotten = self.record_io.lock().await;
-            *forgotten = true;
-            kept.remove(self.id).await;
+        if let Some(file) = &self.record_file {
+            file.remove(self.id).await;
         }
     }
 
     /// Gives the session's memory back to its user; call once the kernel is gone.
     pub(crate) fn release_memory(&self) {
-        lock(&self.process).take();
-        lock(&self.memory).take();
+        let (process, memory) = {
+            let mut state = self.locked();
+            (state.process.take(), state.memory.take())
+        };
+        // Dropped outside the lock: the reservation goes back to the ledger's own.
+        drop((process, memory));
     }
 
     pub fn state(&self) -> SessionState {
-        self.status().state
+        self.status.borrow().state
     }
 
     /// Why the kernel died, when the session is dead.
     pub fn dead_reason(&self) -> Option<String> {
-        self.status().dead_reason.clone()
+        self.status.borrow().dead_reason.clone()
     }
 
     /// Record activity now.
     pub fn touch(&self) {
-        let mut s = self.status();
-        s.last_activity = Utc::now();
-        s.last_activity_at = Instant::now();
-        drop(s);
+        self.update(|s| {
+            s.last_activity = Utc::now();
+            s.last_activity_at = Instant::now();
+        });
         self.notify_registry.notify_one();
     }
 
     pub(crate) fn set_state(&self, state: SessionState) {
-        let mut s = self.status();
-        if s.state == state {
-            return;
-        }
-        s.state = state;
-        if state != SessionState::Dead {
-            s.dead_reason = None;
-        }
-        drop(s);
-        self.publish(SessionEvent::State(state));
+        self.update(|s| s.set_state(state));
     }
 
     pub(crate) fn set_busy(&self, busy: bool) {
-        {
-            let mut s = self.status();
-            s.busy_since = if busy { Some(Instant::now()) } else { None };
-        }
-        self.refresh_state();
+        self.update(|s| {
+            s.busy_since = busy.then(Instant::now);
+            s.refresh();
+        });
     }
 
     pub(crate) fn set_kernel_busy(&self, busy: bool) {
-        self.status().kernel_busy = busy;
-        self.refresh_state();
-    }
-
-    fn refresh_state(&self) {
-        let next = {
-            let s = self.status();
-            if !matches!(s.state, SessionState::Idle | SessionState::Busy) {
-                return;
-            }
-            if s.busy_since.is_some() || s.kernel_busy {
-                SessionState::Busy
-            } else {
-                SessionState::Idle
-            }
-        };
-        self.set_state(next);
+        self.update(|s| {
+            s.kernel_busy = busy;
+            s.refresh();
+        });
     }
 
     pub(crate) fn set_dead(&self, reason: String) {
-        {
-            let mut s = self.status();
-            s.busy_since = None;
-            s.kernel_busy = false;
-        }
-        self.set_state(SessionState::Dead);
-        self.status().dead_reason = Some(reason);
+        self.update(|s| s.set_dead(reason));
     }
 
     pub(crate) fn set_execution_count(&self, n: u64) {
-        self.status().execution_count = n;
+        self.update(|s| s.execution_count = n);
     }
 
     pub(crate) fn reset_execution_count(&self) {
-        let mut s = self.status();
-        s.execution_count = 0;
-        s.kernel_busy = false;
-        s.busy_since = None;
+        self.update(|s| {
+            s.execution_count = 0;
+            s.kernel_busy = false;
+            s.busy_since = None;
+        });
     }
 
     pub(crate) fn pending_dec(&self) {
@@ -531,19 +524,19 @@ impl Session {
                 Utc::now() + chrono::Duration::from_std(left).unwrap_or_default(),
             )
         });
-        *lock(&self.deadline) = wall;
+        self.update(|s| s.deadline = wall);
         self.notify_registry.notify_one();
     }
 
     /// The fixed end set by [`Self::set_deadline`], if any.
     pub fn deadline(&self) -> Option<DateTime<Utc>> {
-        lock(&self.deadline).map(|(_, wall)| wall)
+        self.status.borrow().deadline.map(|(_, wall)| wall)
     }
 
     /// When this session expires if nothing happens, or `None` if it cannot expire now.
     pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<Instant> {
-        let fixed = lock(&self.deadline).map(|(at, _)| at);
-        let s = self.status();
+        let s = self.status.borrow();
+        let fixed = s.deadline.map(|(at, _)| at);
         let idle = match (self.idle_timeout, s.state) {
             (_, SessionState::Expired | SessionState::Closed) => return None,
             (None, _) => None,

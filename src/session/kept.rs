@@ -10,8 +10,8 @@
 //! Records are written whenever the kernel changes (creation, restart) and at the broker's
 //! stop, and refreshed every few seconds while anything else changes (execution count,
 //! activity), so after a `kill -9` the adopted state is at most that old. Each write is
-//! atomic (temporary file and rename) and runs on a blocking thread; the session serialises
-//! its own writes and removal (see `Session::persist`), so they land in order and nothing
+//! atomic (temporary file and rename) and runs on a blocking thread; a session's
+//! [`RecordFile`] serialises its own writes and removal, so they land in order and nothing
 //! is written after the removal.
 
 use std::io;
@@ -133,6 +133,68 @@ impl KeptSessions {
     }
 }
 
+/// One session's record, as its handle writes it: writes and the removal in the order
+/// they are asked for, nothing after the removal, and no write that would change nothing.
+///
+/// Its lock is held across each write or removal of the file: that is what it is for. Two
+/// writes (an execution's count, a restart's new key) or a write and the removal must land
+/// in the order they were asked for; a tokio `Mutex` is exactly that queue. It guards
+/// nothing anyone else reads (the session's status and state have their own homes), so no
+/// reader ever waits on a file.
+pub(crate) struct RecordFile {
+    kept: Arc<KeptSessions>,
+    written: tokio::sync::Mutex<Written>,
+}
+
+struct Written {
+    /// The last record written, to skip writes that would change nothing.
+    last: Option<SessionRecord>,
+    /// `true` once the record is removed for good.
+    forgotten: bool,
+}
+
+impl RecordFile {
+    pub fn new(kept: Arc<KeptSessions>) -> Self {
+        Self {
+            kept,
+            written: tokio::sync::Mutex::new(Written {
+                last: None,
+                forgotten: false,
+            }),
+        }
+    }
+
+    /// Writes the record `now` makes (asked for once it is this write's turn, so it is the
+    /// latest), unless it says what the last one did but for its time, or the record is
+    /// removed.
+    pub async fn save(&self, now: impl FnOnce() -> SessionRecord) {
+        let mut written = self.written.lock().await;
+        if written.forgotten {
+            return;
+        }
+        let record = now();
+        let same = written.last.as_ref().is_some_and(|l| {
+            SessionRecord {
+                saved_at: record.saved_at,
+                ..l.clone()
+            } == record
+        });
+        if same {
+            return;
+        }
+        written.last = Some(record.clone());
+        self.kept.save(record).await;
+        drop(written);
+    }
+
+    /// Removes session `id`'s record for good.
+    pub async fn remove(&self, id: Uuid) {
+        let mut written = self.written.lock().await;
+        written.forgotten = true;
+        self.kept.remove(id).await;
+    }
+}
+
 fn read_record(path: &Path) -> io::Result<SessionRecord> {
     let bytes = private_file::read_capped(path, MAX_RECORD)?;
     serde_json::from_slice(&bytes).map_err(io::Error::other)
@@ -189,5 +251,31 @@ mod tests {
         );
         kept.remove(a).await;
         assert_eq!(kept.load_all().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_record_file_writes_changes_only_and_nothing_after_its_removal() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = KeptSessions::open(&dir.path().join("sessions")).unwrap();
+        let id = Uuid::new_v4();
+        let file = RecordFile::new(kept.clone());
+        let first = record(id, 1);
+        file.save(|| first.clone()).await;
+        // The same record but for its time is not written again.
+        std::fs::remove_file(kept.path(id)).unwrap();
+        file.save(|| SessionRecord {
+            saved_at: Utc::now(),
+            ..first.clone()
+        })
+        .await;
+        assert!(
+            kept.load_all().is_empty(),
+            "an unchanged record was written"
+        );
+        file.save(|| record(id, 2)).await;
+        assert_eq!(kept.load_all()[0].execution_count, 2);
+        file.remove(id).await;
+        file.save(|| record(id, 3)).await;
+        assert!(kept.load_all().is_empty(), "written after its removal");
     }
 }

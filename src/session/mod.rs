@@ -12,9 +12,12 @@
 //!   `human_bytes`, which the error messages use.
 //! - `execution`: gathering one execution's output under the limits; `lifecycle`: the typed
 //!   events reported to the [`Recorder`]; `error`, `config`, `state`: [`SessionError`],
-//!   [`SessionConfig`], [`SessionState`]; `files`: workspace files beneath a descriptor.
+//!   [`SessionConfig`], [`SessionState`] and the [`SessionStatus`] an actor publishes;
+//!   `files`: workspace files beneath a descriptor.
 //! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `command`:
 //!   what a handle asks of its actor ([`ExecRequest`] among them).
+//! - `kept`: the records of sessions kept across restarts (`--keep-sessions`), each
+//!   session's written in order through its `RecordFile`.
 //! - `handle`: the [`Session`] handle (status, activity, broadcast, command queue);
 //!   `recorder`: the [`Recorder`] the layer reports to.
 //! - `launch`: a kernel launched in the sandbox and connected (`Live`, `start_kernel`).
@@ -33,6 +36,13 @@
 //! - `workspace`: [`Workspace`], a session's files as the front doors reach them (async,
 //!   through `files`), from `Registry::workspace`.
 //! - `testing/` (tests only): a scripted kernel, a fake sandbox, a sandbox where nothing runs.
+//!
+//! Locks: a session's status lives in a `tokio::sync::watch` its actor publishes to, so
+//! readers (lists, metrics, expiry, WebSocket status) `borrow()` a copy and waiters (the
+//! end of an E2B sandbox, the drain) await `changed()` instead of polling; the rest of a
+//! handle's mutable state is one std `Mutex` held for a field update, never across an
+//! await. The one lock held across awaits is a session's record file, which orders its
+//! writes (`kept::RecordFile`).
 //!
 //! Architecture invariant: this layer never names a sandbox backend (it holds an
 //! `Arc<dyn Sandbox>`) and knows nothing of HTTP; the API layer maps [`SessionError`] to
@@ -79,5 +89,5 @@ pub use registry::{Adopted, CreateOptions, Registry};
 pub use run_command::{
     check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, RunningCommand,
 };
-pub use state::{SessionInfo, SessionState};
+pub use state::{SessionInfo, SessionState, SessionStatus};
 pub use workspace::Workspace;

@@ -11,12 +11,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
-use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::command::Command;
 use crate::api::output_budget::ByteBudgets;
-use crate::session::{Registry, Session, SessionEvent, SessionState};
+use crate::session::{Registry, Session};
 use crate::sync::lock;
 
 /// One sandbox's E2B side.
@@ -86,21 +85,8 @@ impl E2bState {
     /// contexts and commands end too.
     pub fn watch(self: &Arc<Self>, registry: Registry, session: Arc<Session>) {
         let state = self.clone();
-        let mut events = session.subscribe();
         tokio::spawn(async move {
-            loop {
-                if matches!(
-                    session.state(),
-                    SessionState::Expired | SessionState::Closed
-                ) {
-                    break;
-                }
-                match events.recv().await {
-                    Ok(SessionEvent::State(SessionState::Expired | SessionState::Closed)) => break,
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(broadcast::error::RecvError::Closed) => break,
-                }
-            }
+            session.ended().await;
             state.end(&registry, &session.user.name, session.id).await;
         });
     }

@@ -435,3 +435,39 @@ async fn output_over_the_message_limit_is_cut_and_the_session_carries_on() {
     assert!(!x.truncated);
     assert_eq!(h.session.state(), SessionState::Idle);
 }
+
+#[tokio::test(start_paused = true)]
+async fn waiters_see_the_status_the_actor_publishes() {
+    let h = start(config()).await;
+    let before = h.session.status().last_activity_at;
+    let first = h.submit("gate first", Duration::from_secs(60));
+    let busy = within(h.session.wait_for(|s| s.state == SessionState::Busy)).await;
+    assert!(busy.busy_since.is_some(), "{busy:?}");
+    assert!(busy.last_activity_at >= before);
+    let kernel = h.sandbox.kernel(0);
+    within(kernel.kernel.wait_received(1)).await;
+    within(h.recorder.wait_replies(1)).await;
+    kernel.kernel.release();
+    let idle = within(
+        h.session
+            .wait_for(|s| s.state == SessionState::Idle && s.execution_count == 1),
+    )
+    .await;
+    assert_eq!(idle.busy_since, None);
+    assert_eq!(done(first).await.stdout, "first");
+    assert_eq!(h.session.state(), SessionState::Idle);
+
+    // A session that dies is seen dead, with its reason, by whoever waits.
+    let dead = tokio::spawn({
+        let session = h.session.clone();
+        async move { session.wait_for(|s| s.state == SessionState::Dead).await }
+    });
+    assert_eq!(h.run("die 3").await.status, ExecutionStatus::Dead);
+    let dead = within(dead).await.expect("the waiter ends");
+    assert!(
+        dead.dead_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("exited with code 3")),
+        "{dead:?}"
+    );
+}

@@ -326,3 +326,27 @@ async fn the_pool_uses_only_free_room_and_makes_way_for_sessions() {
         .expect("delete");
     within(registry.shutdown()).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn waiters_see_a_deleted_session_end() {
+    let (registry, _, _) = registry(config());
+    let s = within(registry.create(&user("alice"), 5, CreateOptions::default()))
+        .await
+        .expect("create");
+    let waiter = tokio::spawn({
+        let s = s.clone();
+        async move { s.ended().await }
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_secs(60), s.ended())
+            .await
+            .is_err(),
+        "a live session has not ended"
+    );
+    within(registry.delete("alice", s.id))
+        .await
+        .expect("delete");
+    within(waiter).await.expect("the waiter ends");
+    assert_eq!(s.state(), SessionState::Closed);
+    within(registry.shutdown()).await;
+}
