@@ -41,6 +41,7 @@ async fn main() -> anyhow::Result<()> {
             exit_with(kernel_broker::cli::sessions(&client, json).await)
         }
         Command::Exec(args) => exit_with(kernel_broker::cli::exec(&args).await),
+        Command::Console(args) => exit_with(kernel_broker::cli::console(&args).await),
         Command::Files(args) => exit_with(kernel_broker::cli::files(&args).await),
         Command::Kill { client, session } => {
             exit_with(kernel_broker::cli::kill(&client, &session).await)

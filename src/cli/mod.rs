@@ -1,4 +1,4 @@
-//! The command line client: `kernel-broker sessions`, `exec`, `files`, `kill` against a
+//! The command line client: `kernel-broker sessions`, `exec`, `console`, `files`, `kill` against a
 //! running broker's agent API (`/v1`, docs/API.md), as the user of a token. The URL and the
 //! token come from flags or `KERNEL_BROKER_URL` / `KERNEL_BROKER_TOKEN`; without a token the
 //! one a broker keeps in `./.data` (`kernel-broker token`) is used when there is one.
@@ -9,6 +9,7 @@
 //! execution's `error`, `timeout`, `interrupted` or `dead`; an API error), 2 when the broker
 //! cannot be reached or refused the token.
 
+mod console;
 mod exec;
 mod files;
 mod sessions;
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+pub use console::{console, ConsoleArgs};
 pub use exec::{exec, ExecArgs};
 pub use files::{files, FilesAction, FilesArgs};
 pub use sessions::{kill, sessions};

@@ -43,6 +43,9 @@ pub enum Command {
     /// Run code in a session (`new` for a new one) and print its output; charts are saved
     /// to files. The exit status is 0 when the execution ended `ok`.
     Exec(crate::cli::ExecArgs),
+    /// An interactive prompt attached to a live session (as `jupyter console --existing`):
+    /// Ctrl-C interrupts, charts are saved to files, Ctrl-D leaves with the session alive.
+    Console(crate::cli::ConsoleArgs),
     /// The files of a session's workspace: ls, get, put, rm.
     Files(crate::cli::FilesArgs),
     /// End a session.

@@ -6,6 +6,7 @@
 use crate::common;
 
 use std::path::Path;
+use std::time::Duration;
 use std::process::Output;
 
 use common::spawned::SpawnedBroker;
@@ -208,5 +209,145 @@ async fn sessions_exec_files_and_kill_against_a_running_broker() {
     let o = cli(&url, "", cwd, &["sessions"], "").await;
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("no token"), "{}", text(&o.stderr));
+    broker.stop().await;
+}
+
+/// `kernel-broker console` on a real terminal (a pseudo-terminal the test drives as a
+/// person would type): cells one line and several, state kept between them, output as it
+/// comes, `input()` answered at the prompt, a chart saved to a file, an error's traceback,
+/// Ctrl-C interrupting a running cell with the variables kept, and Ctrl-D leaving with the
+/// session still alive.
+#[tokio::test]
+async fn console_on_a_terminal() {
+    use std::io::{Read, Write};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    use std::sync::{Arc, Mutex};
+
+    let broker = SpawnedBroker::start(&[], None);
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let charts = tempfile::tempdir().unwrap();
+
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty fills the two descriptors; no name, termios or window size given.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened and are owned here alone.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let slave_fd = slave.as_raw_fd();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
+    cmd.args(["console", &id[..8], "--charts"])
+        .arg(charts.path())
+        .env("KERNEL_BROKER_URL", format!("http://{}", broker.addr))
+        .env("KERNEL_BROKER_TOKEN", ALICE)
+        .stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave.try_clone().unwrap());
+    // SAFETY: setsid and the TIOCSCTTY ioctl are async-signal-safe: the terminal becomes the
+    // child's controlling terminal, so Ctrl-C on it is SIGINT to the child, as in a shell.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0 || libc::ioctl(slave_fd, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    drop(slave);
+    let screen = Arc::new(Mutex::new(String::new()));
+    let mut reader = std::fs::File::from(master.try_clone().unwrap());
+    {
+        let screen = screen.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = reader.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                screen
+                    .lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+    }
+    let mut keys = std::fs::File::from(master);
+    let mut seen = 0usize;
+    // Waits until `text` shows after what was already looked at; the screen from there.
+    let mut expect = |text: &str| {
+        let deadline = std::time::Instant::now() + scaled(Duration::from_secs(60));
+        loop {
+            {
+                let s = screen.lock().unwrap();
+                if let Some(at) = s[seen..].find(text) {
+                    seen += at + text.len();
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{text:?} never showed; the terminal shows:\n{}",
+                    &*s
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut typed = |keys_: &str| keys.write_all(keys_.as_bytes()).unwrap();
+
+    expect(&format!("session {id}"));
+    expect(">>> ");
+    typed("x = 41\r");
+    expect(">>> ");
+    typed("print(x + 1)\r");
+    expect("42");
+    typed("for i in range(2):\r");
+    expect("... ");
+    typed("    print('lo' + 'op', i)\r");
+    expect("... ");
+    typed("\r");
+    expect("loop 1");
+    typed("name = input('who? ')\r");
+    expect("who? ");
+    typed("ada\r");
+    expect(">>> ");
+    typed("print(name.upper())\r");
+    expect("ADA");
+    typed("import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()\r");
+    expect("[chart saved: ");
+    typed("1 / 0\r");
+    expect("ZeroDivisionError");
+    typed("import time; print('sl' + 'eeping', flush=True); time.sleep(600)\r");
+    expect("sleeping");
+    typed("\x03");
+    expect("KeyboardInterrupt");
+    expect(">>> ");
+    typed("print(x * 2)\r");
+    expect("82");
+    expect(">>> ");
+    typed("\x04");
+    let status = within(
+        30,
+        "the console to leave",
+        tokio::task::spawn_blocking(move || child.wait()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(status.success(), "{status}");
+    let png: Vec<_> = std::fs::read_dir(charts.path()).unwrap().collect();
+    assert_eq!(png.len(), 1, "{png:?}");
+    // The session lives on, with its variables.
+    let v = api.execute(&id, "x").await;
+    assert_eq!(v["results"][0]["data"]["text/plain"], "41", "{v}");
     broker.stop().await;
 }
