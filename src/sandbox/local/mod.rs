@@ -63,6 +63,7 @@ use self::bwrap::BwrapOptions;
 pub use self::config::{instance_defaults, LocalSandboxConfig};
 use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
 use self::host::{discover_python, find_program};
+use self::process::SandboxCommand;
 use self::reaper::LocalKernel;
 use super::boot;
 use super::cgroup::{Cgroups, DetectError};
@@ -255,8 +256,12 @@ impl LocalSandbox {
     ) -> Result<Launched, SandboxError> {
         let cgroups = self.startup().await?;
         let argv = self.substitute_argv(&argv, None);
-        self.launch_argv(spec, argv, HashMap::new(), None, cgroups)
-            .await
+        let command = SandboxCommand {
+            argv,
+            env: HashMap::new(),
+            resource_dir: None,
+        };
+        self.launch_argv(spec, command, cgroups).await
     }
 
     /// Does the startup work once: creates the directories, removes runtime directories and
@@ -443,8 +448,12 @@ impl Sandbox for LocalSandbox {
             }
         }
         tracing::debug!(kernel = %spec.kernel_name, interrupt_mode = ?kspec.interrupt_mode, ?argv, "launching kernel");
-        self.launch_argv(spec, argv, kspec.env.clone(), resource_dir, cgroups)
-            .await
+        let command = SandboxCommand {
+            argv,
+            env: kspec.env.clone(),
+            resource_dir,
+        };
+        self.launch_argv(spec, command, cgroups).await
     }
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
