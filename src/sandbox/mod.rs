@@ -48,6 +48,7 @@ pub mod environ;
 pub mod exhaustion;
 pub(crate) mod fork_server;
 pub(crate) mod fsutil;
+pub mod launch_error;
 pub mod local;
 pub(crate) mod netns;
 pub(crate) mod pidfd;
@@ -245,6 +246,7 @@ impl LaunchSpec {
 }
 
 pub use crate::kernel::KernelEndpoints;
+pub use launch_error::{LaunchRefusal, StepFailed};
 
 /// What adopting a kernel an earlier run of the broker kept (`--keep-sessions`) needs: the
 /// session it serves, its user and its limits, as the session layer recorded them.
@@ -413,7 +415,10 @@ pub trait Sandbox: Send + Sync {
     ) -> Result<command::RunningCommand, SandboxError> {
         Err(SandboxError::Launch {
             user: spec.user.name,
-            reason: format!("the {} sandbox cannot run commands", self.name()),
+            reason: LaunchRefusal::CannotRun {
+                backend: self.name(),
+                what: "commands",
+            },
         })
     }
 }
@@ -427,7 +432,7 @@ pub enum SandboxError {
         reason: String,
     },
     #[error("could not launch the kernel for user {user}: {reason}")]
-    Launch { user: String, reason: String },
+    Launch { user: String, reason: LaunchRefusal },
     /// A launch step failed with an error of its own, kept as the source.
     #[error("could not launch the kernel for user {user}: {source}")]
     LaunchFailed {

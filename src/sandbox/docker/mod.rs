@@ -98,9 +98,12 @@ use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOS
 use self::place::place_kernel;
 use self::running::ContainerInfo;
 use self::watch::watch_kernel;
-use super::fsutil::{self, absolute, current_ids, launch_err, launch_failed, remove_dir_logged};
+use super::fsutil::{
+    self, absolute, current_ids, launch_err, launch_failed, launch_step, remove_dir_logged,
+};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
+use super::LaunchRefusal;
 use super::{
     AdoptError, AdoptSpec, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
 };
@@ -299,7 +302,7 @@ impl Sandbox for DockerSandbox {
             }
         });
         rx.await
-            .map_err(|_| launch_err(&user, "the launch task failed"))?
+            .map_err(|e| launch_step(&user, "the launch task failed", e))?
     }
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
@@ -374,11 +377,7 @@ impl Inner {
         if !is_container_safe(&user.name) {
             return Err(launch_err(
                 user,
-                format!(
-                    "the user name {:?} is not usable in a container name (letters, digits, \
-                     `_`, `.`, `-`)",
-                    user.name
-                ),
+                LaunchRefusal::UserNameNotAContainer(user.name.clone()),
             ));
         }
         Ok(self.workspaces.join(&user.name))
@@ -393,10 +392,7 @@ impl Inner {
         if spec.kernel_name != "python3" {
             return Err(launch_err(
                 &user,
-                format!(
-                    "the docker image provides only the python3 kernel, not {:?}",
-                    spec.kernel_name
-                ),
+                LaunchRefusal::KernelNotInImage(spec.kernel_name.clone()),
             ));
         }
         let workspace = self.workspace_path(&user)?;
@@ -410,7 +406,7 @@ impl Inner {
         let started = Instant::now();
         let mut guard = slot.container.lock().await;
         if self.shutdown.is_cancelled() {
-            return Err(launch_err(&user, "the broker is shutting down"));
+            return Err(launch_err(&user, LaunchRefusal::ShuttingDown));
         }
         let (container, cold) = match self.running_container(&docker, &mut guard).await? {
             Some(c) => (c, false),
@@ -438,7 +434,7 @@ impl Inner {
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+            .map_err(|e| launch_step(&user, "preparing files failed", e))??;
 
         let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
             Ok(id) => id,
@@ -457,7 +453,7 @@ impl Inner {
                 // The kernel waits for a word that cannot come: it ends by itself; the
                 // reaper of a later end, or the container's removal, takes what is left.
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e.to_string()));
+                return Err(launch_failed(&user, e));
             }
         };
 

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::{SandboxError, SandboxUser};
+use super::{LaunchRefusal, SandboxError, SandboxUser, StepFailed};
 
 mod connection;
 mod descriptors;
@@ -32,12 +32,27 @@ pub(crate) fn unavailable(backend: &'static str, reason: impl Into<String>) -> S
     }
 }
 
-/// A launch for `user` failed.
-pub(crate) fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
+/// A launch for `user` was ruled out.
+pub(crate) fn launch_err(user: &SandboxUser, reason: LaunchRefusal) -> SandboxError {
     SandboxError::Launch {
         user: user.name.clone(),
-        reason: reason.into(),
+        reason,
     }
+}
+
+/// A launch step for `user` failed: `step` says which, its error is kept as the source.
+pub(crate) fn launch_step(
+    user: &SandboxUser,
+    step: impl Into<std::borrow::Cow<'static, str>>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    launch_failed(
+        user,
+        StepFailed {
+            step: step.into(),
+            source: source.into(),
+        },
+    )
 }
 
 /// [`SandboxError::LaunchFailed`] for `user`, keeping the step's error as the source.

@@ -18,7 +18,7 @@ use super::output::Tail;
 use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fsutil::{launch_err, launch_failed, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
 
@@ -52,7 +52,7 @@ impl LocalSandbox {
                 // SAFETY: an OwnedFd is a valid open descriptor that stays the same until
                 // the AsyncFd that owns it drops it.
                 pidfd: unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-                    .map_err(|e| launch_err(user, format!("cannot watch the kept kernel: {e}")))?,
+                    .map_err(|e| launch_step(user, "cannot watch the kept kernel", e))?,
                 status,
             },
             None => Watched::Gone { status },

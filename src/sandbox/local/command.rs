@@ -26,7 +26,8 @@ use super::process::Prepared;
 use super::LocalSandbox;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_err, launch_step, remove_dir_logged};
+use crate::sandbox::LaunchRefusal;
 use crate::sandbox::SandboxError;
 
 impl LocalSandbox {
@@ -37,7 +38,7 @@ impl LocalSandbox {
         let cgroups = self.startup().await?;
         let user = spec.user.clone();
         if spec.argv.is_empty() {
-            return Err(launch_err(&user, "the command is empty"));
+            return Err(launch_err(&user, LaunchRefusal::EmptyCommand));
         }
         // A runtime directory and a leaf named like a kernel's: the start-up sweeps of the
         // next run remove what a crash leaves, as they do for kernels.
@@ -86,7 +87,7 @@ impl LocalSandbox {
         opts.die_with_parent = true;
         let seccomp = self
             .seccomp_memfd()
-            .map_err(|e| launch_err(&user, format!("cannot pass the syscall filter: {e}")))?;
+            .map_err(|e| launch_step(&user, "cannot pass the syscall filter", e))?;
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
         let args: Vec<OsString> = bwrap_args(
             &opts,
@@ -100,21 +101,16 @@ impl LocalSandbox {
             [Some(env_fd), seccomp_fd].into_iter().flatten().collect(),
         );
         cmd.stdin(Stdio::piped()).kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|e| {
-            launch_err(&user, format!("cannot start {}: {e}", self.bwrap.display()))
-        })?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| launch_step(&user, format!("cannot start {}", self.bwrap.display()), e))?;
         drop(seccomp);
         drop(environment);
         let pid = child.id().unwrap_or(0);
         let (stdin, stdout, stderr) =
             match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
                 (Some(i), Some(o), Some(e)) => (i, o, e),
-                _ => {
-                    return Err(launch_err(
-                        &user,
-                        "the command's standard streams are missing",
-                    ))
-                }
+                _ => return Err(launch_err(&user, LaunchRefusal::NoStandardStreams)),
             };
         let (cgroups, leaf) = guard.disarm();
         let leaf = leaf.map(Arc::new);

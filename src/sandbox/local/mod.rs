@@ -71,6 +71,7 @@ use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
+use super::LaunchRefusal;
 use super::{AdoptError, AdoptSpec, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::workspace_fs::prepare_workspace;
@@ -343,7 +344,7 @@ impl LocalSandbox {
             .uid_base
             .checked_add(user.index)
             .and_then(|id| id.checked_add(1))
-            .ok_or_else(|| launch_err(user, "uid_base + user index overflows a uid"))?;
+            .ok_or_else(|| launch_err(user, LaunchRefusal::UidOverflow))?;
         Ok(Some((id, id)))
     }
 
@@ -351,10 +352,7 @@ impl LocalSandbox {
         if !is_safe_component(&user.name) {
             return Err(launch_err(
                 user,
-                format!(
-                    "the user name {:?} is not usable as a directory name",
-                    user.name
-                ),
+                LaunchRefusal::UserNameNotADirectory(user.name.clone()),
             ));
         }
         Ok(self.workspaces.join(&user.name))
@@ -404,12 +402,11 @@ impl Sandbox for LocalSandbox {
         let kspec = self.specs.get(&spec.kernel_name).ok_or_else(|| {
             launch_err(
                 &spec.user,
-                format!(
-                    "no kernel spec named {:?} in {} (found: {})",
-                    spec.kernel_name,
-                    self.cfg.kernels_dir.display(),
-                    self.kernel_names().join(", ")
-                ),
+                LaunchRefusal::UnknownKernel {
+                    name: spec.kernel_name.clone(),
+                    dir: self.cfg.kernels_dir.clone(),
+                    found: self.kernel_names().join(", "),
+                },
             )
         })?;
         let uses_resource_dir = kspec.argv.iter().any(|a| a.contains("{resource_dir}"));

@@ -33,9 +33,10 @@ use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, launch_err, launch_failed};
+use crate::sandbox::fsutil::{self, launch_err, launch_failed, launch_step};
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::WatchedKernel;
+use crate::sandbox::LaunchRefusal;
 use crate::sandbox::{
     environ, thread_env, KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError,
     SandboxUser, KERNEL_OOM_SCORE_ADJ,
@@ -110,10 +111,7 @@ impl LocalSandbox {
         let user = spec.user.clone();
         let session = spec.session_id;
         if self.kernels.contains(&session) {
-            return Err(launch_err(
-                &user,
-                format!("session {session} already has a kernel"),
-            ));
+            return Err(launch_err(&user, LaunchRefusal::SessionHasKernel(session)));
         }
         let endpoints = endpoints_for(&self.run_base.join(session.to_string()))
             .map_err(|e| launch_failed(&user, e))?;
@@ -155,12 +153,10 @@ impl LocalSandbox {
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
         // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
         let status = match &self.kept {
-            Some(kept) => Some(kept.open_status(session).map_err(|e| {
-                launch_err(
-                    &user,
-                    format!("cannot create the kernel's status file: {e}"),
-                )
-            })?),
+            Some(kept) => Some(
+                kept.open_status(session)
+                    .map_err(|e| launch_step(&user, "cannot create the kernel's status file", e))?,
+            ),
             None => None,
         };
         let (mut child, info, stderr_task, tail) =
@@ -241,11 +237,11 @@ impl LocalSandbox {
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
         let (info_read, info_write) =
-            io::pipe().map_err(|e| launch_err(user, format!("cannot create a pipe: {e}")))?;
+            io::pipe().map_err(|e| launch_step(user, "cannot create a pipe", e))?;
         let info_fd = info_write.as_raw_fd();
         let seccomp = self
             .seccomp_memfd()
-            .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
+            .map_err(|e| launch_step(user, "cannot pass the syscall filter", e))?;
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let status_fd = status.as_ref().map(AsRawFd::as_raw_fd);
@@ -278,7 +274,7 @@ impl LocalSandbox {
         .kill_on_drop(self.kept.is_none());
         let mut child = cmd
             .spawn()
-            .map_err(|e| launch_err(user, format!("cannot start {}: {e}", self.bwrap.display())))?;
+            .map_err(|e| launch_step(user, format!("cannot start {}", self.bwrap.display()), e))?;
         drop(info_write);
         // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
         drop(seccomp);
@@ -348,7 +344,7 @@ impl LocalSandbox {
             files.write()
         })
         .await
-        .map_err(|e| launch_err(user, format!("preparing files failed: {e}")))??;
+        .map_err(|e| launch_step(user, "preparing files failed", e))??;
         let mut guard = LaunchGuard {
             rundir: Some(rundir.clone()),
             leaf: None,
@@ -359,7 +355,7 @@ impl LocalSandbox {
                 cg2.create_leaf(&name, &user_limits, &limits, id)
             })
             .await
-            .map_err(|e| launch_err(user, format!("creating the cgroup failed: {e}")))??;
+            .map_err(|e| launch_step(user, "creating the cgroup failed", e))??;
             guard.leaf = Some((cg.clone(), leaf));
         }
         Ok(Prepared {
@@ -426,9 +422,8 @@ impl LocalSandbox {
         env.extend(thread_env(&user.limits));
         env.extend(extra.iter().cloned());
         let script = environ::launch_script(&env, argv)
-            .map_err(|e| launch_err(user, format!("the environment is refused: {e}")))?;
-        environ::env_memfd(&script)
-            .map_err(|e| launch_err(user, format!("cannot pass the environment: {e}")))
+            .map_err(|e| launch_step(user, "the environment is refused", e))?;
+        environ::env_memfd(&script).map_err(|e| launch_step(user, "cannot pass the environment", e))
     }
 }
 
