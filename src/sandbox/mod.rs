@@ -426,10 +426,15 @@ pub trait Sandbox: Send + Sync {
 /// Errors of the sandbox layer; each message tells the operator what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
+    /// The backend cannot work here. `reason` is the sentence for the operator (what is
+    /// missing, what to do), which already tells the cause's text; the cause itself, when
+    /// an error of its own, is kept as the source.
     #[error("the {backend} sandbox is not usable: {reason}")]
     Unavailable {
         backend: &'static str,
         reason: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
     #[error("could not launch the kernel for user {user}: {reason}")]
     Launch { user: String, reason: LaunchRefusal },

@@ -25,7 +25,7 @@ use super::engine::Engine;
 use super::limits::{resource_limits, verify_limits, LimitsNotApplied};
 use super::running::{describe_state, ContainerInfo};
 use super::{
-    unavailable, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
+    unavailable_by, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
     KERNEL_GID, KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER,
     MAX_SOCKET_PATH, RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET,
     WORKSPACE_INSIDE,
@@ -153,7 +153,7 @@ impl Inner {
                 *slot = None;
                 Ok(None)
             }
-            Err(e) => Err(unavailable(self.advice(&e))),
+            Err(e) => Err(unavailable_by(self.advice(&e), e)),
         }
     }
 

@@ -277,11 +277,12 @@ impl Sandbox for DockerSandbox {
                 )))
             }
             Err(e) => {
-                return Err(unavailable(format!(
+                let reason = format!(
                     "cannot inspect the kernel image {}: {}",
                     inner.cfg.image,
                     inner.advice(&e)
-                )))
+                );
+                return Err(unavailable_by(reason, e));
             }
         }
         inner.startup().await
@@ -560,6 +561,14 @@ fn is_container_safe(name: &str) -> bool {
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
     fsutil::unavailable(BACKEND, reason)
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+fn unavailable_by(
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    fsutil::unavailable_by(BACKEND, reason, source)
 }
 
 /// The workspace belongs to the image's `kernel` user; only root can give it away.

@@ -29,6 +29,20 @@ pub(crate) fn unavailable(backend: &'static str, reason: impl Into<String>) -> S
     SandboxError::Unavailable {
         backend,
         reason: reason.into(),
+        source: None,
+    }
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+pub(crate) fn unavailable_by(
+    backend: &'static str,
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    SandboxError::Unavailable {
+        backend,
+        reason: reason.into(),
+        source: Some(source.into()),
     }
 }
 
@@ -144,7 +158,7 @@ pub(crate) async fn prepare_state_dirs(
         sweep(&base)
     })
     .await
-    .map_err(|e| unavailable(backend, format!("startup task failed: {e}")))??;
+    .map_err(|e| unavailable_by(backend, format!("startup task failed: {e}"), e))??;
     if swept > 0 {
         tracing::info!(count = swept, dir = %run_base.display(), "removed runtime directories left by an earlier run");
     }

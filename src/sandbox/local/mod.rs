@@ -158,7 +158,7 @@ impl LocalSandbox {
         let help = std::process::Command::new(&bwrap)
             .arg("--help")
             .output()
-            .map_err(|e| unavailable(format!("cannot run {}: {e}", bwrap.display())))?;
+            .map_err(|e| unavailable_by(format!("cannot run {}: {e}", bwrap.display()), e))?;
         let help = String::from_utf8_lossy(&help.stdout);
         let setpriv = if privileged {
             let path = find_program("setpriv")
@@ -178,7 +178,8 @@ impl LocalSandbox {
         let specs = match &cfg.kernel_specs {
             Some(specs) => specs.clone(),
             None => Arc::new(
-                KernelSpecs::load(&cfg.kernels_dir).map_err(|e| unavailable(e.to_string()))?,
+                KernelSpecs::load(&cfg.kernels_dir)
+                    .map_err(|e| unavailable_by(e.to_string(), e))?,
             ),
         };
         let run_base = choose_run_base(&cfg, privileged, euid)?;
@@ -189,8 +190,12 @@ impl LocalSandbox {
             }
         }
         let cgroups = Cgroups::detect(&cfg.cgroup_name, privileged).map(Arc::new);
-        let seccomp = SyscallFilter::for_host()
-            .map_err(|e| unavailable(format!("cannot compile the kernels' syscall filter: {e}")))?;
+        let seccomp = SyscallFilter::for_host().map_err(|e| {
+            unavailable_by(
+                format!("cannot compile the kernels' syscall filter: {e}"),
+                e,
+            )
+        })?;
         if seccomp.is_none() {
             tracing::warn!(
                 arch = std::env::consts::ARCH,
@@ -277,8 +282,8 @@ impl LocalSandbox {
                         let kept = kept.clone();
                         tokio::task::spawn_blocking(move || kept.load())
                             .await
-                            .map_err(|e| unavailable(format!("startup task failed: {e}")))?
-                            .map_err(|e| unavailable(format!("cannot read the kept kernels: {e}")))?
+                            .map_err(|e| unavailable_by(format!("startup task failed: {e}"), e))?
+                            .map_err(|e| unavailable_by(format!("cannot read the kept kernels: {e}"), e))?
                     }
                     None => {
                         // This run does not keep kernels: the sweeps below end what an
@@ -545,4 +550,12 @@ impl Sandbox for LocalSandbox {
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
     fsutil::unavailable(BACKEND, reason)
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+fn unavailable_by(
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    fsutil::unavailable_by(BACKEND, reason, source)
 }
