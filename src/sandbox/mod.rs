@@ -452,8 +452,15 @@ pub enum SandboxError {
         #[source]
         source: std::io::Error,
     },
+    /// `reason` tells what failed (with the cause's text); the cause, when an error of its
+    /// own, is kept as the source.
     #[error("cgroup error ({path}): {reason}")]
-    Cgroup { path: PathBuf, reason: String },
+    Cgroup {
+        path: PathBuf,
+        reason: String,
+        #[source]
+        source: Option<std::io::Error>,
+    },
 }
 
 #[cfg(test)]
