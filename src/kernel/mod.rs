@@ -87,11 +87,35 @@ pub struct Heartbeat {
     pub max_misses: u32,
 }
 
-/// How the broker connects to kernels: heartbeat and message limits.
+/// How the broker connects to kernels: heartbeat, message limits, and where readiness is
+/// asked.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ConnectOptions {
     pub heartbeat: Heartbeat,
     pub limits: MessageLimits,
+    pub readiness: Readiness,
+}
+
+/// Which kernel is being reached, which decides the channel its readiness is asked on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Readiness {
+    /// A kernel just started: readiness is asked on shell.
+    #[default]
+    Fresh,
+    /// A kernel that has been running (adopted after a broker restart, `--keep-sessions`):
+    /// it may be busy with code a client sent before the restart, and its shell answers
+    /// nothing until that code ends, so readiness is asked on control (ipykernel answers
+    /// `kernel_info_request` there too, busy or not).
+    Running,
+}
+
+impl Readiness {
+    fn channel(self) -> Channel {
+        match self {
+            Readiness::Fresh => Channel::Shell,
+            Readiness::Running => Channel::Control,
+        }
+    }
 }
 
 impl Default for Heartbeat {
@@ -173,6 +197,7 @@ impl KernelEvents {
 impl KernelClient {
     /// Connect to a kernel and wait until it answers `kernel_info_request` and its iopub
     /// output reaches us. Returns the client, the event stream, and the kernel_info reply.
+    /// `options.readiness` says on which channel readiness is asked.
     pub async fn connect(
         endpoints: &KernelEndpoints,
         key: &str,
@@ -180,48 +205,12 @@ impl KernelClient {
         options: ConnectOptions,
         ready_timeout: Duration,
     ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
-        Self::connect_probing(
-            endpoints,
-            key,
-            username,
-            options,
-            ready_timeout,
-            Channel::Shell,
-        )
-        .await
-    }
-
-    /// [`Self::connect`] to a kernel that has been running (adopted after a broker restart,
-    /// `--keep-sessions`): it may be busy with code a client sent before the restart, and
-    /// its shell answers nothing until that code ends, so readiness is asked on control
-    /// (ipykernel answers `kernel_info_request` there too, busy or not).
-    pub async fn connect_running(
-        endpoints: &KernelEndpoints,
-        key: &str,
-        username: &str,
-        options: ConnectOptions,
-        ready_timeout: Duration,
-    ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
-        Self::connect_probing(
-            endpoints,
-            key,
-            username,
-            options,
-            ready_timeout,
-            Channel::Control,
-        )
-        .await
-    }
-
-    async fn connect_probing(
-        endpoints: &KernelEndpoints,
-        key: &str,
-        username: &str,
-        options: ConnectOptions,
-        ready_timeout: Duration,
-        probe: Channel,
-    ) -> Result<(KernelClient, KernelEvents, Message), KernelError> {
-        let ConnectOptions { heartbeat, limits } = options;
+        let ConnectOptions {
+            heartbeat,
+            limits,
+            readiness,
+        } = options;
+        let probe = readiness.channel();
         let deadline = Instant::now() + ready_timeout;
         let signer = Signer::new(key.as_bytes());
         let identity = hex::encode(rand::random::<[u8; 16]>()).into_bytes();

@@ -15,8 +15,15 @@ pub enum DbError {
     Sqlite(#[from] rusqlite::Error),
     #[error(transparent)]
     Postgres(#[from] tokio_postgres::Error),
-    #[error("{0}")]
-    Pool(String),
+    /// No pool could be made of the URL.
+    #[error(transparent)]
+    CreatePool(#[from] crate::db::postgres::PoolError),
+    /// The pool gave no connection (the server did not answer in time, or refused).
+    #[error(transparent)]
+    Checkout(#[from] deadpool_postgres::PoolError),
+    /// The writer thread's runtime could not be built.
+    #[error("cannot start the database runtime: {0}")]
+    Runtime(#[source] std::io::Error),
     /// A session's row, just inserted or found, was not there when read back in the same
     /// transaction (another broker deleted it in between).
     #[error("the row of session {id} vanished")]

@@ -48,6 +48,7 @@ pub mod environ;
 pub mod exhaustion;
 pub(crate) mod fork_server;
 pub(crate) mod fsutil;
+pub mod launch_error;
 pub mod local;
 pub(crate) mod netns;
 pub(crate) mod pidfd;
@@ -245,6 +246,7 @@ impl LaunchSpec {
 }
 
 pub use crate::kernel::KernelEndpoints;
+pub use launch_error::{LaunchRefusal, StepFailed};
 
 /// What adopting a kernel an earlier run of the broker kept (`--keep-sessions`) needs: the
 /// session it serves, its user and its limits, as the session layer recorded them.
@@ -413,7 +415,10 @@ pub trait Sandbox: Send + Sync {
     ) -> Result<command::RunningCommand, SandboxError> {
         Err(SandboxError::Launch {
             user: spec.user.name,
-            reason: format!("the {} sandbox cannot run commands", self.name()),
+            reason: LaunchRefusal::CannotRun {
+                backend: self.name(),
+                what: "commands",
+            },
         })
     }
 }
@@ -421,13 +426,18 @@ pub trait Sandbox: Send + Sync {
 /// Errors of the sandbox layer; each message tells the operator what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
+    /// The backend cannot work here. `reason` is the sentence for the operator (what is
+    /// missing, what to do), which already tells the cause's text; the cause itself, when
+    /// an error of its own, is kept as the source.
     #[error("the {backend} sandbox is not usable: {reason}")]
     Unavailable {
         backend: &'static str,
         reason: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
     #[error("could not launch the kernel for user {user}: {reason}")]
-    Launch { user: String, reason: String },
+    Launch { user: String, reason: LaunchRefusal },
     /// A launch step failed with an error of its own, kept as the source.
     #[error("could not launch the kernel for user {user}: {source}")]
     LaunchFailed {
@@ -442,8 +452,15 @@ pub enum SandboxError {
         #[source]
         source: std::io::Error,
     },
+    /// `reason` tells what failed (with the cause's text); the cause, when an error of its
+    /// own, is kept as the source.
     #[error("cgroup error ({path}): {reason}")]
-    Cgroup { path: PathBuf, reason: String },
+    Cgroup {
+        path: PathBuf,
+        reason: String,
+        #[source]
+        source: Option<std::io::Error>,
+    },
 }
 
 #[cfg(test)]

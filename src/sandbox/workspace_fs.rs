@@ -27,7 +27,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use super::fsutil::{chown_tree, current_ids, io_err, unavailable};
+use super::fsutil::{chown_tree, current_ids, io_err, unavailable, unavailable_by};
 use super::SandboxError;
 use crate::sync::lock;
 
@@ -124,9 +124,10 @@ impl WorkspaceImages {
             .arg(&image_str)
             .arg(dir))
         .map_err(|e| {
-            unavailable(
+            unavailable_by(
                 self.backend,
                 format!("cannot mount the workspace {}: {e}", dir.display()),
+                e,
             )
         })?;
         settled.mounted.push(dir.to_path_buf());
@@ -175,12 +176,13 @@ impl WorkspaceImages {
         })();
         made.map_err(|e| {
             let _ = std::fs::remove_file(image);
-            unavailable(
+            unavailable_by(
                 self.backend,
                 format!(
                     "cannot create the workspace file system {} (is e2fsprogs installed?): {e}",
                     image.display()
                 ),
+                e,
             )
         })
     }

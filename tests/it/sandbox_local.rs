@@ -726,7 +726,7 @@ async fn unknown_kernels_and_bad_user_names_are_refused() {
         s.kernel_name = "julia".into();
         match h.sandbox.launch(s).await {
             Err(SandboxError::Launch { reason, .. }) => {
-                assert!(reason.contains("python3"), "{reason}")
+                assert!(reason.to_string().contains("python3"), "{reason}")
             }
             Err(e) => panic!("unexpected error {e}"),
             Ok(_) => panic!("launched an unknown kernel"),

@@ -20,6 +20,7 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::{access_token, ApiKeyUser, TokenKind};
+use super::documented::{v2, ControlErrors};
 use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited};
@@ -36,11 +37,11 @@ const DEFAULT_TIMEOUT: u64 = 300;
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(create, list))
-        .routes(routes!(create_v2, list_v2))
+        .routes(v2(routes!(create, list)))
         .routes(routes!(get_one, kill))
         .routes(routes!(set_timeout))
         .routes(routes!(connect))
-        .routes(routes!(connect_v2))
+        .routes(v2(routes!(connect)))
 }
 
 /// What `POST /sandboxes` takes (unknown fields are ignored, as E2B's API does: the
@@ -119,9 +120,12 @@ fn detail_json(session: &Session, meta: Option<&SandboxMeta>) -> Value {
     })
 }
 
-async fn do_create(
-    state: AppState,
-    e2b: Arc<E2bState>,
+/// Create a sandbox (E2B)
+#[utoipa::path(post, operation_id = "e2b_create", path = "/e2b/sandboxes", tag = "e2b", security(()),
+    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), ControlErrors))]
+async fn create(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
     caller: ApiKeyUser,
     body: axum::body::Body,
 ) -> E2bResult<Response> {
@@ -183,30 +187,6 @@ async fn do_create(
         .into_response())
 }
 
-/// Create a sandbox (E2B)
-#[utoipa::path(post, operation_id = "e2b_create", path = "/e2b/sandboxes", tag = "e2b", security(()),
-    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn create(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    body: axum::body::Body,
-) -> E2bResult<Response> {
-    do_create(state, e2b, caller, body).await
-}
-
-/// Create a sandbox (E2B, v2)
-#[utoipa::path(post, operation_id = "e2b_create_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
-    responses((status = 201, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn create_v2(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    body: axum::body::Body,
-) -> E2bResult<Response> {
-    do_create(state, e2b, caller, body).await
-}
-
 #[derive(Deserialize)]
 struct ListQuery {
     /// `key=value&...`, URL-encoded.
@@ -214,11 +194,14 @@ struct ListQuery {
     state: Option<String>,
 }
 
-fn do_list(
-    state: &AppState,
-    e2b: &E2bState,
-    caller: &ApiKeyUser,
-    q: ListQuery,
+/// The caller's sandboxes (E2B)
+#[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
+    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), ControlErrors))]
+async fn list(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Query(q): Query<ListQuery>,
 ) -> Json<Vec<Value>> {
     let want: Vec<(String, String)> = q
         .metadata
@@ -258,30 +241,6 @@ fn do_list(
     Json(out)
 }
 
-/// The caller's sandboxes (E2B)
-#[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
-    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn list(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    Query(q): Query<ListQuery>,
-) -> Json<Vec<Value>> {
-    do_list(&state, &e2b, &caller, q)
-}
-
-/// The caller's sandboxes (E2B, v2)
-#[utoipa::path(get, operation_id = "e2b_list_v2", path = "/e2b/v2/sandboxes", tag = "e2b", security(()),
-    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn list_v2(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    Query(q): Query<ListQuery>,
-) -> Json<Vec<Value>> {
-    do_list(&state, &e2b, &caller, q)
-}
-
 /// The caller's sandbox `id`: another user's, or a session the E2B API did not make,
 /// answers as absent.
 fn owned(
@@ -302,7 +261,7 @@ fn owned(
 
 /// One sandbox (E2B)
 #[utoipa::path(get, operation_id = "e2b_get_one", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `SandboxDetail`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "E2B's `SandboxDetail`", body = serde_json::Value), ControlErrors))]
 async fn get_one(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -318,7 +277,7 @@ async fn get_one(
 
 /// Kill a sandbox (E2B): its session, contexts and commands end
 #[utoipa::path(delete, operation_id = "e2b_kill", path = "/e2b/sandboxes/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "killed"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 204, description = "killed"), ControlErrors))]
 async fn kill(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -357,7 +316,7 @@ fn extend(state: &AppState, e2b: &E2bState, session: &Session, secs: u64) -> E2b
 
 /// Set a sandbox's timeout (E2B): it now ends `timeout` seconds from now
 #[utoipa::path(post, operation_id = "e2b_set_timeout", path = "/e2b/sandboxes/{id}/timeout", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "set"), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 204, description = "set"), ControlErrors))]
 async fn set_timeout(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -377,11 +336,14 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-async fn do_connect(
-    state: AppState,
-    e2b: Arc<E2bState>,
+/// Connect to a running sandbox (E2B)
+#[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), ControlErrors))]
+async fn connect(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
     caller: ApiKeyUser,
-    id: String,
+    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> E2bResult<Response> {
     let session = owned(&state, &e2b, &caller, &id)?;
@@ -398,30 +360,4 @@ async fn do_connect(
         Json(sandbox_json(&caller.0 .0.token, &session, &template)),
     )
         .into_response())
-}
-
-/// Connect to a running sandbox (E2B)
-#[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn connect(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    Path(id): Path<String>,
-    body: axum::body::Body,
-) -> E2bResult<Response> {
-    do_connect(state, e2b, caller, id, body).await
-}
-
-/// Connect to a running sandbox (E2B, v2)
-#[utoipa::path(post, operation_id = "e2b_connect_v2", path = "/e2b/v2/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}`", body = serde_json::Value), (status = 401, description = "no or unknown X-API-KEY", body = serde_json::Value), (status = 404, description = "no such sandbox of the caller's", body = serde_json::Value), (status = 413, description = "body too large", body = serde_json::Value), (status = 429, description = "too many failed authentications, or a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
-async fn connect_v2(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    Path(id): Path<String>,
-    body: axum::body::Body,
-) -> E2bResult<Response> {
-    do_connect(state, e2b, caller, id, body).await
 }

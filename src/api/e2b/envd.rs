@@ -18,6 +18,7 @@ use utoipa_axum::routes;
 
 use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
+use super::documented::SandboxErrors;
 use super::{inside_path, workspace_relative, E2bError, E2bResult};
 use crate::api::error::{file_error_kind, ApiError, FileErrorKind};
 use crate::api::extract::{collect_upload, read_limited, read_upload, UploadBudget};
@@ -35,7 +36,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
 
 /// envd's health check
 #[utoipa::path(get, operation_id = "e2b_health", path = "/e2b/sandbox/health", tag = "e2b", security(()),
-    responses((status = 204, description = "envd is up"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 204, description = "envd is up"), SandboxErrors))]
 async fn health() -> StatusCode {
     StatusCode::NO_CONTENT
 }
@@ -58,7 +59,7 @@ async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<Worksp
 /// Download a file (envd)
 #[utoipa::path(get, operation_id = "e2b_download", path = "/e2b/sandbox/files", tag = "e2b", security(()),
     params(("path" = String, Query, description = "`/workspace/...` or relative to it")),
-    responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>), SandboxErrors))]
 async fn download(
     State(state): State<AppState>,
     caller: SandboxCaller,
@@ -91,7 +92,7 @@ fn file_error(e: SessionError, path: &str) -> E2bError {
 /// `--max-file-bytes`. A refused upload writes nothing.
 #[utoipa::path(post, operation_id = "e2b_upload", path = "/e2b/sandbox/files", tag = "e2b", security(()),
     params(("path" = Option<String>, Query, description = "`/workspace/...` or relative to it")),
-    responses((status = 200, description = "`[{path, name, type}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "`[{path, name, type}]`", body = serde_json::Value), SandboxErrors))]
 async fn upload(
     State(state): State<AppState>,
     caller: SandboxCaller,
@@ -263,7 +264,7 @@ struct MoveReq {
 /// envd's Connect filesystem service (JSON): `ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`
 #[utoipa::path(post, operation_id = "e2b_filesystem", path = "/e2b/sandbox/filesystem.Filesystem/{method}", tag = "e2b", security(()),
     params(("method" = String, Path)),
-    responses((status = 200, description = "the method's response message", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "the method's response message", body = serde_json::Value), SandboxErrors))]
 async fn filesystem(
     State(state): State<AppState>,
     axum::extract::Path(method): axum::extract::Path<String>,

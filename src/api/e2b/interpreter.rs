@@ -19,6 +19,7 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::SandboxCaller;
+use super::documented::SandboxErrors;
 use super::{E2bError, E2bResult, WORKDIR};
 use crate::api::extract::{parse_json, read_limited};
 use crate::api::output_budget::{CutQueue, Held};
@@ -158,7 +159,7 @@ fn line(v: &Value) -> Bytes {
 
 /// Run code (E2B's code interpreter): NDJSON as it runs
 #[utoipa::path(post, operation_id = "e2b_execute", path = "/e2b/sandbox/execute", tag = "e2b", security(()),
-    responses((status = 200, description = "newline-delimited JSON: stdout, stderr, result, error, number_of_executions, end_of_execution", content_type = "application/x-ndjson", body = String), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "newline-delimited JSON: stdout, stderr, result, error, number_of_executions, end_of_execution", content_type = "application/x-ndjson", body = String), SandboxErrors))]
 async fn execute(
     State(state): State<AppState>,
     caller: SandboxCaller,
@@ -275,7 +276,7 @@ fn context_json(id: Uuid) -> Value {
 
 /// Create a context: another kernel in the same sandbox
 #[utoipa::path(post, operation_id = "e2b_create_context", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
-    responses((status = 200, description = "`{id, language, cwd}`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "`{id, language, cwd}`", body = serde_json::Value), SandboxErrors))]
 async fn create_context(
     State(state): State<AppState>,
     caller: SandboxCaller,
@@ -318,7 +319,7 @@ async fn create_context(
 
 /// The sandbox's contexts
 #[utoipa::path(get, operation_id = "e2b_list_contexts", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
-    responses((status = 200, description = "`[{id, language, cwd}]`", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "`[{id, language, cwd}]`", body = serde_json::Value), SandboxErrors))]
 async fn list_contexts(caller: SandboxCaller) -> Json<Vec<Value>> {
     let mut ids = vec![caller.session.id];
     ids.extend(
@@ -332,7 +333,7 @@ async fn list_contexts(caller: SandboxCaller) -> Json<Vec<Value>> {
 
 /// Remove a context (its kernel ends)
 #[utoipa::path(delete, operation_id = "e2b_delete_context", path = "/e2b/sandbox/contexts/{id}", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "removed"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 204, description = "removed"), SandboxErrors))]
 async fn delete_context(
     State(state): State<AppState>,
     caller: SandboxCaller,
@@ -353,7 +354,7 @@ async fn delete_context(
 
 /// Restart a context's kernel (its state is cleared)
 #[utoipa::path(post, operation_id = "e2b_restart_context", path = "/e2b/sandbox/contexts/{id}/restart", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 204, description = "restarted"), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 204, description = "restarted"), SandboxErrors))]
 async fn restart_context(
     State(state): State<AppState>,
     caller: SandboxCaller,

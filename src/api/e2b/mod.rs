@@ -13,7 +13,8 @@
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
 //! Connect process service (commands), `command.rs` a running command and its output's
-//! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `auth.rs` keys
+//! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `documented.rs` what the routes' documentation
+//! shares (error answers, the `/v2` aliases); `auth.rs` keys
 //! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
 //! beyond its session (template, metadata, contexts, commands).
 
@@ -21,6 +22,7 @@ mod auth;
 mod command;
 mod connect;
 mod control;
+mod documented;
 mod envd;
 mod interpreter;
 mod process;

@@ -27,6 +27,7 @@ use super::command::{Command, Event, Fanout};
 use super::connect::{
     end_stream, envelope, stream_request, unary_request, ConnectError, MAX_MESSAGE,
 };
+use super::documented::SandboxErrors;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
 use crate::session::{check_user_env, CommandRequest};
@@ -74,7 +75,7 @@ struct SelectReq {
 /// envd's Connect process service: `Start`, `Connect` (streams), `List`, `SendInput`, `CloseStdin`, `SendSignal`
 #[utoipa::path(post, operation_id = "e2b_process", path = "/e2b/sandbox/process.Process/{method}", tag = "e2b", security(()),
     params(("method" = String, Path)),
-    responses((status = 200, description = "the response message, or for `Start`/`Connect` a Connect stream (`application/connect+json`)", body = serde_json::Value), (status = 400, description = "E2B error `{code, message}` (Connect's on RPC routes)", body = serde_json::Value), (status = 401, description = "no access token", body = serde_json::Value), (status = 404, description = "no such sandbox (or a token that is not its), file or context", body = serde_json::Value), (status = 409, description = "already exists", body = serde_json::Value), (status = 413, description = "too large", body = serde_json::Value), (status = 429, description = "a quota", body = serde_json::Value), (status = 501, description = "not supported, said so", body = serde_json::Value), (status = 503, description = "the kernel could not start", body = serde_json::Value)))]
+    responses((status = 200, description = "the response message, or for `Start`/`Connect` a Connect stream (`application/connect+json`)", body = serde_json::Value), SandboxErrors))]
 async fn process(
     State(state): State<AppState>,
     Path(method): Path<String>,

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
@@ -135,13 +135,43 @@ fn session_not_found() -> Response {
     (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response()
 }
 
-/// Hand a request to the MCP service after authentication and the ownership check.
-async fn forward(
+/// A request to `/mcp`, whatever its method, with what [`forward`] needs: the caller
+/// (authenticated first, as its own extractor would be) and the router's endpoint.
+struct McpRequest {
     state: AppState,
     caller: Caller,
     cell: EndpointCell,
-    mut req: Request,
-) -> Response {
+    req: Request,
+}
+
+impl FromRequest<AppState> for McpRequest {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let caller = Caller::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let Extension(cell) = Extension::<EndpointCell>::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self {
+            state: state.clone(),
+            caller,
+            cell,
+            req: Request::from_parts(parts, body),
+        })
+    }
+}
+
+/// Hand a request to the MCP service after authentication and the ownership check.
+async fn forward(request: McpRequest) -> Response {
+    let McpRequest {
+        state,
+        caller,
+        cell,
+        mut req,
+    } = request;
     let endpoint = cell.0.get_or_init(|| Endpoint::new(&state)).clone();
     let user = caller.0.name.clone();
     // In cluster mode the id on the wire names this node (`<node>.<id>`, so that any node
@@ -229,13 +259,8 @@ async fn forward(
         (status = 404, description = "no such MCP session of the caller's (closed, expired or never created): initialize again"),
         (status = 406, description = "the Accept header allows neither application/json nor text/event-stream"),
         (status = 413, description = "the message is larger than the limit")))]
-async fn mcp_post(
-    State(state): State<AppState>,
-    caller: Caller,
-    Extension(endpoint): Extension<EndpointCell>,
-    req: Request,
-) -> Response {
-    forward(state, caller, endpoint, req).await
+async fn mcp_post(request: McpRequest) -> Response {
+    forward(request).await
 }
 
 /// MCP: open the session's SSE stream
@@ -248,13 +273,8 @@ async fn mcp_post(
         (status = 401, response = ErrorResponse),
         (status = 404, description = "no such MCP session of the caller's"),
         (status = 406, description = "the Accept header does not allow text/event-stream")))]
-async fn mcp_get(
-    State(state): State<AppState>,
-    caller: Caller,
-    Extension(endpoint): Extension<EndpointCell>,
-    req: Request,
-) -> Response {
-    forward(state, caller, endpoint, req).await
+async fn mcp_get(request: McpRequest) -> Response {
+    forward(request).await
 }
 
 /// MCP: end the session
@@ -266,11 +286,6 @@ async fn mcp_get(
         (status = 400, description = "no Mcp-Session-Id"),
         (status = 401, response = ErrorResponse),
         (status = 404, description = "no such MCP session of the caller's")))]
-async fn mcp_delete(
-    State(state): State<AppState>,
-    caller: Caller,
-    Extension(endpoint): Extension<EndpointCell>,
-    req: Request,
-) -> Response {
-    forward(state, caller, endpoint, req).await
+async fn mcp_delete(request: McpRequest) -> Response {
+    forward(request).await
 }

@@ -84,7 +84,7 @@ impl PgDb {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| err(DbError::Pool(e.to_string())))?;
+            .map_err(|e| err(DbError::Runtime(e)))?;
         let client = rt.block_on(connect(url)).map_err(err)?;
         rt.block_on(schema::migrate(&client, &location))?;
         Ok(Self {

@@ -20,7 +20,7 @@ use crate::recording::{from_micros, RecordingError};
 fn pool(url: &str, size: usize) -> Result<deadpool_postgres::Pool, RecordingError> {
     crate::db::postgres::pool(url, size).map_err(|e| RecordingError::Connect {
         location: redact(url),
-        source: DbError::Pool(e.to_string()),
+        source: DbError::CreatePool(e),
     })
 }
 
@@ -47,7 +47,7 @@ impl Pool {
     async fn client(&self) -> Result<deadpool_postgres::Client, RecordingError> {
         self.pool.get().await.map_err(|e| RecordingError::Db {
             context: "connect for a read",
-            source: DbError::Pool(e.to_string()),
+            source: DbError::Checkout(e),
         })
     }
 

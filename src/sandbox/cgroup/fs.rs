@@ -16,6 +16,20 @@ pub(super) fn cgroup_err(path: &Path, reason: impl std::fmt::Display) -> Sandbox
     SandboxError::Cgroup {
         path: path.to_path_buf(),
         reason: reason.to_string(),
+        source: None,
+    }
+}
+
+/// [`cgroup_err`] because of the I/O error `source`, kept as the error's source.
+pub(super) fn cgroup_io_err(
+    path: &Path,
+    reason: impl std::fmt::Display,
+    source: io::Error,
+) -> SandboxError {
+    SandboxError::Cgroup {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+        source: Some(source),
     }
 }
 
@@ -27,13 +41,17 @@ pub(super) fn mkdir(dir: &Path) -> Result<(), SandboxError> {
     match std::fs::create_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(cgroup_err(dir, format!("cannot create the cgroup: {e}"))),
+        Err(e) => Err(cgroup_io_err(
+            dir,
+            format!("cannot create the cgroup: {e}"),
+            e,
+        )),
     }
 }
 
 pub(super) fn write_file(path: &Path, value: &str) -> Result<(), SandboxError> {
     std::fs::write(path, value)
-        .map_err(|e| cgroup_err(path, format!("cannot write {value:?}: {e}")))
+        .map_err(|e| cgroup_io_err(path, format!("cannot write {value:?}: {e}"), e))
 }
 
 pub(super) fn write_limit(path: &Path, value: &str) -> Result<(), SandboxError> {

@@ -66,8 +66,8 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use self::fs::{
-    cgroup_err, enable_controllers, is_path_component, mkdir, move_all_processes, read_trimmed,
-    rmdir_if_unused, rmdir_retrying, subdirs,
+    cgroup_err, cgroup_io_err, enable_controllers, is_path_component, mkdir, move_all_processes,
+    read_trimmed, rmdir_if_unused, rmdir_retrying, subdirs,
 };
 use self::mountinfo::{join_cgroup_path, parse_mountinfo, read_own_cgroup_v2};
 use super::{KernelLimits, SandboxError, UserLimits};
@@ -221,7 +221,7 @@ impl Cgroups {
                 let mut last = Some(e);
                 for _ in 0..5 {
                     let others = move_all_processes(parent, &own_leaf)
-                        .map_err(|e| cgroup_err(&own_leaf, e))?;
+                        .map_err(|e| cgroup_io_err(&own_leaf, e.to_string(), e))?;
                     tracing::info!(cgroup = %own_leaf.display(), others, "moved the broker's processes into their own leaf cgroup");
                     last = enable_controllers(parent).err();
                     if last.is_none() {
@@ -243,7 +243,7 @@ impl Cgroups {
         for base in &self.bases {
             mkdir(base)?;
             if self.version == CgroupVersion::V2 {
-                enable_controllers(base).map_err(|e| cgroup_err(base, e))?;
+                enable_controllers(base).map_err(|e| cgroup_io_err(base, e.to_string(), e))?;
             }
         }
         Ok(())
@@ -272,7 +272,8 @@ impl Cgroups {
             let user_dir = base.join(user);
             mkdir(&user_dir)?;
             if self.version == CgroupVersion::V2 {
-                enable_controllers(&user_dir).map_err(|e| cgroup_err(&user_dir, e))?;
+                enable_controllers(&user_dir)
+                    .map_err(|e| cgroup_io_err(&user_dir, e.to_string(), e))?;
             }
             dirs.push((user_dir.clone(), user_dir.join(&session)));
         }
@@ -323,7 +324,11 @@ impl Cgroups {
                 for (from, to) in renamed.iter().rev() {
                     let _ = std::fs::rename(to, from);
                 }
-                return Err(cgroup_err(dir, format!("cannot rename it to {name}: {e}")));
+                return Err(cgroup_io_err(
+                    dir,
+                    format!("cannot rename it to {name}: {e}"),
+                    e,
+                ));
             }
             renamed.push((dir.clone(), to));
         }

@@ -30,7 +30,9 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::fs::{cgroup_err, is_path_component, mkdir, read_trimmed, rmdir_retrying, write_file};
+use super::fs::{
+    cgroup_err, cgroup_io_err, is_path_component, mkdir, read_trimmed, rmdir_retrying, write_file,
+};
 use super::mountinfo::{join_cgroup_path, parse_mountinfo, Mount};
 use super::{limits, CgroupVersion, Leaf};
 use crate::sandbox::{KernelLimits, SandboxError};
@@ -205,9 +207,10 @@ fn move_all(from: &Path, to: &Path) -> Result<(), SandboxError> {
     for pid in procs.lines().map(str::trim).filter(|p| !p.is_empty()) {
         if let Err(e) = std::fs::write(to.join("cgroup.procs"), pid) {
             if e.raw_os_error() != Some(libc::ESRCH) {
-                return Err(cgroup_err(
+                return Err(cgroup_io_err(
                     to,
                     format!("cannot move the container's process {pid}: {e}"),
+                    e,
                 ));
             }
         }

@@ -30,8 +30,8 @@ use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{Inner, EXEC_TIMEOUT, PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
-use crate::sandbox::{thread_env, SandboxError};
+use crate::sandbox::fsutil::{launch_err, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::{thread_env, LaunchRefusal, SandboxError};
 
 /// How long the command waits for its `go` file (20 ms rounds), as a kernel does.
 const GO_ROUNDS: u32 = 1500;
@@ -43,7 +43,7 @@ impl Inner {
     ) -> Result<RunningCommand, SandboxError> {
         let user = spec.user.clone();
         if spec.argv.is_empty() {
-            return Err(launch_err(&user, "the command is empty"));
+            return Err(launch_err(&user, LaunchRefusal::EmptyCommand));
         }
         self.startup().await?;
         let docker = self.client().await?;
@@ -52,9 +52,7 @@ impl Inner {
             let mut guard = slot.container.lock().await;
             self.running_container(&docker, &mut guard)
                 .await?
-                .ok_or_else(|| {
-                    launch_err(&user, "the user's container is not running (no session)")
-                })?
+                .ok_or_else(|| launch_err(&user, LaunchRefusal::NoContainer))?
         };
         let id = Uuid::new_v4();
         let dir = format!("c{}", &id.simple().to_string()[..12]);
@@ -66,7 +64,7 @@ impl Inner {
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+            .map_err(|e| launch_step(&user, "preparing files failed", e))??;
         let marker = format!("{RUN_DIR_INSIDE}/{dir}/connection.json");
         // The exec becomes `tini -s -- sh -c ... MARKER CWD command...`: the marker stays in
         // the argv of the exec's process (the reaper's key), and the inner `sh` changes to
@@ -95,9 +93,7 @@ impl Inner {
                 .map(|(k, v)| format!("{k}={v}")),
         );
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
-        let fail = |what: &str, e: bollard::errors::Error| {
-            launch_err(&user, format!("{what}: {}", error_text(&e)))
-        };
+        let fail = |what: &'static str, e: bollard::errors::Error| launch_step(&user, what, e);
         let exec = docker
             .create_exec(
                 &container.id,
@@ -118,7 +114,7 @@ impl Inner {
             .map_err(|e| fail("cannot start the command", e))?;
         let StartExecResults::Attached { mut output, input } = started else {
             remove_dir_logged(host_dir).await;
-            return Err(launch_err(&user, "the command's exec did not attach"));
+            return Err(launch_err(&user, LaunchRefusal::ExecNotAttached));
         };
         let placeable = self.privileged.then_some(exec.id.as_str());
         let leaf = match place_kernel(&docker, placeable, &host_dir, &id.to_string(), &spec.limits)
@@ -127,7 +123,7 @@ impl Inner {
             Ok(leaf) => leaf.map(Arc::new),
             Err(e) => {
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e.to_string()));
+                return Err(launch_failed(&user, e));
             }
         };
         // Demultiplex the exec's output into two pipes the caller reads.

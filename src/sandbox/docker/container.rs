@@ -25,12 +25,12 @@ use super::engine::Engine;
 use super::limits::{resource_limits, verify_limits, LimitsNotApplied};
 use super::running::{describe_state, ContainerInfo};
 use super::{
-    unavailable, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
+    unavailable_by, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
     KERNEL_GID, KERNEL_UID, LABEL_DATA_DIR, LABEL_DATA_DIR_HASH, LABEL_MANAGED, LABEL_USER,
     MAX_SOCKET_PATH, RUN_DIR_INSIDE, SESSION_DIR_LEN, TMPFS_OPTIONS, USER_NAME_BUDGET,
     WORKSPACE_INSIDE,
 };
-use crate::sandbox::fsutil::{self, io_err, launch_err, launch_failed};
+use crate::sandbox::fsutil::{self, io_err, launch_failed, launch_step};
 use crate::sandbox::workspace_fs::prepare_workspace;
 use crate::sandbox::{SandboxError, SandboxUser, KERNEL_OOM_SCORE_ADJ};
 use crate::sync::lock;
@@ -153,7 +153,7 @@ impl Inner {
                 *slot = None;
                 Ok(None)
             }
-            Err(e) => Err(unavailable(self.advice(&e))),
+            Err(e) => Err(unavailable_by(self.advice(&e), e)),
         }
     }
 
@@ -177,7 +177,7 @@ impl Inner {
                 prepare_user_run_dir(&run_dir)
             })
             .await
-            .map_err(|e| launch_err(user, format!("preparing directories failed: {e}")))??;
+            .map_err(|e| launch_step(user, "preparing directories failed", e))??;
         }
         let name = self.container_name(&user.name);
         // A container of that name can only be left from a crash in the middle of a launch.
@@ -204,19 +204,25 @@ impl Inner {
             )
             .await
             .map_err(|e| {
-                launch_err(
-                    user,
-                    format!("cannot create the container {name}: {}", self.advice(&e)),
-                )
+                let why = Advised {
+                    advice: self.advice(&e),
+                    source: e,
+                };
+                launch_step(user, format!("cannot create the container {name}"), why)
             })?;
         for warning in &created.warnings {
             tracing::warn!(container = %name, "docker: {warning}");
         }
         if let Err(e) = docker.start_container(&created.id, None).await {
             self.remove_container(docker, &created.id).await;
-            return Err(launch_err(
+            let why = Advised {
+                advice: self.advice(&e),
+                source: e,
+            };
+            return Err(launch_step(
                 user,
-                format!("cannot start the container {name}: {}", self.advice(&e)),
+                format!("cannot start the container {name}"),
+                why,
             ));
         }
         if let Err(why) = verify_limits(docker, &created.id, &user.limits).await {
@@ -463,4 +469,14 @@ mod tests {
             assert_eq!(h.pids_limit, case.pids, "{:?}", case.limits);
         }
     }
+}
+
+/// A Docker error told with the operator's advice ([`DockerSandbox::advice`]), the error
+/// kept as the source.
+#[derive(Debug, thiserror::Error)]
+#[error("{advice}")]
+struct Advised {
+    advice: String,
+    #[source]
+    source: bollard::errors::Error,
 }

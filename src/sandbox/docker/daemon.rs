@@ -13,7 +13,7 @@ use bollard::Docker;
 use tokio::time::timeout;
 
 use super::engine::Engine;
-use super::{unavailable, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
+use super::{unavailable, unavailable_by, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
 use crate::sandbox::fsutil;
 use crate::sandbox::SandboxError;
 
@@ -116,7 +116,7 @@ impl Inner {
                 let stale = self
                     .our_containers(&docker)
                     .await
-                    .map_err(|e| unavailable(self.advice(&e)))?;
+                    .map_err(|e| unavailable_by(self.advice(&e), e))?;
                 for id in &stale {
                     self.remove_container(&docker, id).await;
                 }

@@ -98,9 +98,12 @@ use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOS
 use self::place::place_kernel;
 use self::running::ContainerInfo;
 use self::watch::watch_kernel;
-use super::fsutil::{self, absolute, current_ids, launch_err, launch_failed, remove_dir_logged};
+use super::fsutil::{
+    self, absolute, current_ids, launch_err, launch_failed, launch_step, remove_dir_logged,
+};
 use super::watched::{KernelTable, KernelWatch, WatchedKernel};
 use super::workspace_fs::WorkspaceImages;
+use super::LaunchRefusal;
 use super::{
     AdoptError, AdoptSpec, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
 };
@@ -274,11 +277,12 @@ impl Sandbox for DockerSandbox {
                 )))
             }
             Err(e) => {
-                return Err(unavailable(format!(
+                let reason = format!(
                     "cannot inspect the kernel image {}: {}",
                     inner.cfg.image,
                     inner.advice(&e)
-                )))
+                );
+                return Err(unavailable_by(reason, e));
             }
         }
         inner.startup().await
@@ -299,7 +303,7 @@ impl Sandbox for DockerSandbox {
             }
         });
         rx.await
-            .map_err(|_| launch_err(&user, "the launch task failed"))?
+            .map_err(|e| launch_step(&user, "the launch task failed", e))?
     }
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
@@ -374,11 +378,7 @@ impl Inner {
         if !is_container_safe(&user.name) {
             return Err(launch_err(
                 user,
-                format!(
-                    "the user name {:?} is not usable in a container name (letters, digits, \
-                     `_`, `.`, `-`)",
-                    user.name
-                ),
+                LaunchRefusal::UserNameNotAContainer(user.name.clone()),
             ));
         }
         Ok(self.workspaces.join(&user.name))
@@ -393,10 +393,7 @@ impl Inner {
         if spec.kernel_name != "python3" {
             return Err(launch_err(
                 &user,
-                format!(
-                    "the docker image provides only the python3 kernel, not {:?}",
-                    spec.kernel_name
-                ),
+                LaunchRefusal::KernelNotInImage(spec.kernel_name.clone()),
             ));
         }
         let workspace = self.workspace_path(&user)?;
@@ -410,7 +407,7 @@ impl Inner {
         let started = Instant::now();
         let mut guard = slot.container.lock().await;
         if self.shutdown.is_cancelled() {
-            return Err(launch_err(&user, "the broker is shutting down"));
+            return Err(launch_err(&user, LaunchRefusal::ShuttingDown));
         }
         let (container, cold) = match self.running_container(&docker, &mut guard).await? {
             Some(c) => (c, false),
@@ -438,7 +435,7 @@ impl Inner {
         };
         tokio::task::spawn_blocking(move || files.write())
             .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
+            .map_err(|e| launch_step(&user, "preparing files failed", e))??;
 
         let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
             Ok(id) => id,
@@ -457,7 +454,7 @@ impl Inner {
                 // The kernel waits for a word that cannot come: it ends by itself; the
                 // reaper of a later end, or the container's removal, takes what is left.
                 remove_dir_logged(host_dir).await;
-                return Err(launch_err(&user, e.to_string()));
+                return Err(launch_failed(&user, e));
             }
         };
 
@@ -564,6 +561,14 @@ fn is_container_safe(name: &str) -> bool {
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
     fsutil::unavailable(BACKEND, reason)
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+fn unavailable_by(
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    fsutil::unavailable_by(BACKEND, reason, source)
 }
 
 /// The workspace belongs to the image's `kernel` user; only root can give it away.

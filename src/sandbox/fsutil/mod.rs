@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::{SandboxError, SandboxUser};
+use super::{LaunchRefusal, SandboxError, SandboxUser, StepFailed};
 
 mod connection;
 mod descriptors;
@@ -29,15 +29,44 @@ pub(crate) fn unavailable(backend: &'static str, reason: impl Into<String>) -> S
     SandboxError::Unavailable {
         backend,
         reason: reason.into(),
+        source: None,
     }
 }
 
-/// A launch for `user` failed.
-pub(crate) fn launch_err(user: &SandboxUser, reason: impl Into<String>) -> SandboxError {
+/// [`unavailable`] because of `source`, kept as the error's source.
+pub(crate) fn unavailable_by(
+    backend: &'static str,
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    SandboxError::Unavailable {
+        backend,
+        reason: reason.into(),
+        source: Some(source.into()),
+    }
+}
+
+/// A launch for `user` was ruled out.
+pub(crate) fn launch_err(user: &SandboxUser, reason: LaunchRefusal) -> SandboxError {
     SandboxError::Launch {
         user: user.name.clone(),
-        reason: reason.into(),
+        reason,
     }
+}
+
+/// A launch step for `user` failed: `step` says which, its error is kept as the source.
+pub(crate) fn launch_step(
+    user: &SandboxUser,
+    step: impl Into<std::borrow::Cow<'static, str>>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    launch_failed(
+        user,
+        StepFailed {
+            step: step.into(),
+            source: source.into(),
+        },
+    )
 }
 
 /// [`SandboxError::LaunchFailed`] for `user`, keeping the step's error as the source.
@@ -129,7 +158,7 @@ pub(crate) async fn prepare_state_dirs(
         sweep(&base)
     })
     .await
-    .map_err(|e| unavailable(backend, format!("startup task failed: {e}")))??;
+    .map_err(|e| unavailable_by(backend, format!("startup task failed: {e}"), e))??;
     if swept > 0 {
         tracing::info!(count = swept, dir = %run_base.display(), "removed runtime directories left by an earlier run");
     }

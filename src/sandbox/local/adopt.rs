@@ -7,7 +7,7 @@
 //! pidfd, and a kill goes to the leaf and the sandbox's init (checked to be the same
 //! process), never to a pid that may have been reused.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -15,11 +15,11 @@ use tokio::io::Interest;
 use super::files::endpoints_for;
 use super::keep::{is_same_process, open_pidfd, KeptKernels, Ticket};
 use super::output::Tail;
-use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
-use crate::sandbox::fsutil::{launch_err, launch_failed, remove_dir_logged};
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
 
 impl LocalSandbox {
@@ -52,41 +52,30 @@ impl LocalSandbox {
                 // SAFETY: an OwnedFd is a valid open descriptor that stays the same until
                 // the AsyncFd that owns it drops it.
                 pidfd: unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-                    .map_err(|e| launch_err(user, format!("cannot watch the kept kernel: {e}")))?,
+                    .map_err(|e| launch_step(user, "cannot watch the kept kernel", e))?,
                 status,
             },
             None => Watched::Gone { status },
         };
         let ended = matches!(process, Watched::Gone { .. });
 
-        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
-        let init_pid = OnceLock::new();
-        if !ended {
-            let _ = init_pid.set(ticket.init_pid);
-        }
-        let kernel = Arc::new(LocalKernel {
-            watch,
-            init_pid,
+        let kernel = Reaped {
+            session,
+            user: user.name.clone(),
+            process,
+            init_pid: (!ended).then_some(ticket.init_pid),
             bwrap_pid: None,
             kernel_pid: None,
-            memory_usage: leaf.as_ref().and_then(|l| l.memory_usage_file()),
-        });
-        let reaper = Reaper {
-            process,
-            kernel: kernel.clone(),
-            exit,
             leaf,
             cgroups,
             rundir,
             limits: spec.limits,
             workspace: workspace.clone(),
             quota_bytes: user.limits.workspace_quota_bytes,
-            table: self.kernels.clone(),
             tail: Tail::default(),
             kept: Some(kept.clone()),
-        };
-        self.kernels.insert(session, kernel.clone());
-        tokio::spawn(reaper.run());
+        }
+        .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
         if ended {
             // Classified and reclaimed by the reaper, as any end.

@@ -15,7 +15,7 @@ use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::LaunchFiles;
 use super::output::STDERR_TAIL_LINES;
 use super::process::inherit_fd;
-use super::{unavailable, LocalSandbox};
+use super::{unavailable, unavailable_by, LocalSandbox};
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::{environ, SandboxError};
 
@@ -41,10 +41,13 @@ impl LocalSandbox {
         };
         let prepared = tokio::task::spawn_blocking(move || files.write())
             .await
-            .map_err(|e| unavailable(format!("preparing the test run failed: {e}")))?;
+            .map_err(|e| unavailable_by(format!("preparing the test run failed: {e}"), e))?;
         let result = match prepared {
             Ok(()) => self.run_smoke_test(&rundir, &workspace, ids).await,
-            Err(e) => Err(unavailable(format!("preparing the test run failed: {e}"))),
+            Err(e) => Err(unavailable_by(
+                format!("preparing the test run failed: {e}"),
+                e,
+            )),
         };
         remove_dir_logged(rundir).await;
         result
@@ -71,12 +74,12 @@ impl LocalSandbox {
         );
         let seccomp = self
             .seccomp_memfd()
-            .map_err(|e| unavailable(format!("cannot pass the syscall filter: {e}")))?;
+            .map_err(|e| unavailable_by(format!("cannot pass the syscall filter: {e}"), e))?;
         let seccomp_fd = seccomp.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let environment = environ::launch_script(&kernel_env(&self.venv, "check"), &argv)
             .map_err(io::Error::other)
             .and_then(|script| environ::env_memfd(&script))
-            .map_err(|e| unavailable(format!("cannot pass the environment: {e}")))?;
+            .map_err(|e| unavailable_by(format!("cannot pass the environment: {e}"), e))?;
         let env_fd = std::os::fd::AsRawFd::as_raw_fd(&environment);
         let args = bwrap_args(
             &self.bwrap_opts,
@@ -113,7 +116,7 @@ impl LocalSandbox {
         }
         let output = match timeout(CHECK_TIMEOUT, cmd.output()).await {
             Ok(Ok(output)) => output,
-            Ok(Err(e)) => return Err(unavailable(format!("cannot run {}: {e}", self.bwrap.display()))),
+            Ok(Err(e)) => return Err(unavailable_by(format!("cannot run {}: {e}", self.bwrap.display()), e)),
             Err(_) => {
                 return Err(unavailable(format!(
                     "a test run of the kernels' Python in the sandbox took longer than {CHECK_TIMEOUT:?}"

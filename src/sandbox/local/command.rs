@@ -10,24 +10,24 @@
 //! init → `sh` changing to the working directory → the command. Killing kills the whole
 //! leaf, so whatever the command started goes with it.
 
-use std::ffi::{CString, OsString};
+use std::ffi::OsString;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, BwrapRequest, HostRoot};
-use super::files::{login_name, LaunchFiles, LaunchGuard};
-use super::process::{inherit_fd, join_cgroup, raise_oom_score};
+use super::process::Prepared;
 use super::LocalSandbox;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
-use crate::sandbox::fsutil::{launch_err, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_err, launch_step, remove_dir_logged};
+use crate::sandbox::LaunchRefusal;
 use crate::sandbox::SandboxError;
 
 impl LocalSandbox {
@@ -38,45 +38,26 @@ impl LocalSandbox {
         let cgroups = self.startup().await?;
         let user = spec.user.clone();
         if spec.argv.is_empty() {
-            return Err(launch_err(&user, "the command is empty"));
+            return Err(launch_err(&user, LaunchRefusal::EmptyCommand));
         }
-        let workspace = self.workspace_path(&user)?;
-        let ids = self.kernel_ids(&user)?;
         // A runtime directory and a leaf named like a kernel's: the start-up sweeps of the
         // next run remove what a crash leaves, as they do for kernels.
         let id = Uuid::new_v4();
-        let rundir = self.run_base.join(id.to_string());
-        let files = LaunchFiles {
-            workspace: workspace.clone(),
-            rundir: rundir.clone(),
+        let Prepared {
+            workspace,
             ids,
-            login: login_name(&user.name),
-            connection: serde_json::Value::Null,
-            quota: Some((
-                self.workspace_images.clone(),
-                user.limits.workspace_quota_bytes,
-            )),
-        };
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
-        let mut guard = LaunchGuard {
-            rundir: Some(rundir.clone()),
-            leaf: None,
-        };
-        if let Some(cg) = &cgroups {
-            let (cg2, name, limits, own) = (
-                cg.clone(),
-                user.name.clone(),
-                user.limits.clone(),
+            rundir,
+            mut guard,
+        } = self
+            .prepare_launch(
+                &user,
+                id,
+                serde_json::Value::Null,
                 spec.limits,
-            );
-            let leaf =
-                tokio::task::spawn_blocking(move || cg2.create_leaf(&name, &limits, &own, id))
-                    .await
-                    .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
-            guard.leaf = Some((cg.clone(), leaf));
-        }
+                None,
+                cgroups.as_ref(),
+            )
+            .await?;
 
         // `sh` changes to the working directory, then becomes the command: bwrap's own
         // `--chdir` is the workspace, and a missing directory must fail as the command.
@@ -106,7 +87,7 @@ impl LocalSandbox {
         opts.die_with_parent = true;
         let seccomp = self
             .seccomp_memfd()
-            .map_err(|e| launch_err(&user, format!("cannot pass the syscall filter: {e}")))?;
+            .map_err(|e| launch_step(&user, "cannot pass the syscall filter", e))?;
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
         let args: Vec<OsString> = bwrap_args(
             &opts,
@@ -114,57 +95,25 @@ impl LocalSandbox {
             &request,
             seccomp_fd,
         );
-        let mut cmd = Command::new(&self.bwrap);
-        // bwrap runs as root: an empty environment (see `environ.rs`).
-        cmd.args(&args)
-            .env_clear()
-            .current_dir("/")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let procs: Vec<CString> = guard
-            .leaf
-            .as_ref()
-            .map(|(_, l)| l.procs_files().to_vec())
-            .unwrap_or_default();
-        // SAFETY: as for a kernel's spawn (process.rs): between fork and exec only
-        // async-signal-safe calls on data prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                for path in &procs {
-                    join_cgroup(path)?;
-                }
-                raise_oom_score()?;
-                inherit_fd(env_fd)?;
-                if let Some(fd) = seccomp_fd {
-                    inherit_fd(fd)?;
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().map_err(|e| {
-            launch_err(&user, format!("cannot start {}: {e}", self.bwrap.display()))
-        })?;
+        let mut cmd = self.bwrap_command(
+            &args,
+            guard.leaf.as_ref().map(|(_, l)| l),
+            [Some(env_fd), seccomp_fd].into_iter().flatten().collect(),
+        );
+        cmd.stdin(Stdio::piped()).kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| launch_step(&user, format!("cannot start {}", self.bwrap.display()), e))?;
         drop(seccomp);
         drop(environment);
         let pid = child.id().unwrap_or(0);
         let (stdin, stdout, stderr) =
             match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
                 (Some(i), Some(o), Some(e)) => (i, o, e),
-                _ => {
-                    return Err(launch_err(
-                        &user,
-                        "the command's standard streams are missing",
-                    ))
-                }
+                _ => return Err(launch_err(&user, LaunchRefusal::NoStandardStreams)),
             };
-        let (cgroups, leaf) = guard
-            .leaf
-            .take()
-            .map_or((None, None), |(c, l)| (Some(c), Some(Arc::new(l))));
-        guard.rundir = None;
+        let (cgroups, leaf) = guard.disarm();
+        let leaf = leaf.map(Arc::new);
         let (exit_tx, exit_rx) = watch::channel(None);
         let control = Arc::new(LocalCommand {
             leaf: leaf.clone(),

@@ -34,6 +34,17 @@ pub(super) struct LaunchGuard {
     pub leaf: Option<(Arc<Cgroups>, Leaf)>,
 }
 
+impl LaunchGuard {
+    /// The leaf and its cgroups, for the reaper that owns them (and the runtime directory)
+    /// from now on: the guard removes nothing any more.
+    pub fn disarm(&mut self) -> (Option<Arc<Cgroups>>, Option<Leaf>) {
+        self.rundir = None;
+        self.leaf
+            .take()
+            .map_or((None, None), |(c, l)| (Some(c), Some(l)))
+    }
+}
+
 impl Drop for LaunchGuard {
     fn drop(&mut self) {
         if let Some((cgroups, leaf)) = self.leaf.take() {

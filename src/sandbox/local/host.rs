@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use super::python::KernelPython;
-use super::unavailable;
+use super::{unavailable, unavailable_by};
 use crate::sandbox::SandboxError;
 
 /// Runs the interpreter once to learn its venv and installation directories, which the
@@ -20,10 +20,11 @@ pub(super) fn discover_python(python: &Path) -> Result<KernelPython, SandboxErro
         .stdin(Stdio::null())
         .output()
         .map_err(|e| {
-            unavailable(format!(
+            let reason = format!(
                 "cannot run the kernels' Python {}: {e}; create it with kernels/setup.sh",
                 python.display()
-            ))
+            );
+            unavailable_by(reason, e)
         })?;
     if !output.status.success() {
         return Err(unavailable(format!(

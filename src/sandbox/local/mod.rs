@@ -63,6 +63,7 @@ use self::bwrap::BwrapOptions;
 pub use self::config::{instance_defaults, LocalSandboxConfig};
 use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
 use self::host::{discover_python, find_program};
+use self::process::SandboxCommand;
 use self::reaper::LocalKernel;
 use super::boot;
 use super::cgroup::{Cgroups, DetectError};
@@ -70,6 +71,7 @@ use super::fsutil::{self, absolute, launch_err};
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
+use super::LaunchRefusal;
 use super::{AdoptError, AdoptSpec, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
 use crate::kernel::spec::KernelSpecs;
 use crate::sandbox::workspace_fs::prepare_workspace;
@@ -156,7 +158,7 @@ impl LocalSandbox {
         let help = std::process::Command::new(&bwrap)
             .arg("--help")
             .output()
-            .map_err(|e| unavailable(format!("cannot run {}: {e}", bwrap.display())))?;
+            .map_err(|e| unavailable_by(format!("cannot run {}: {e}", bwrap.display()), e))?;
         let help = String::from_utf8_lossy(&help.stdout);
         let setpriv = if privileged {
             let path = find_program("setpriv")
@@ -176,7 +178,8 @@ impl LocalSandbox {
         let specs = match &cfg.kernel_specs {
             Some(specs) => specs.clone(),
             None => Arc::new(
-                KernelSpecs::load(&cfg.kernels_dir).map_err(|e| unavailable(e.to_string()))?,
+                KernelSpecs::load(&cfg.kernels_dir)
+                    .map_err(|e| unavailable_by(e.to_string(), e))?,
             ),
         };
         let run_base = choose_run_base(&cfg, privileged, euid)?;
@@ -187,8 +190,12 @@ impl LocalSandbox {
             }
         }
         let cgroups = Cgroups::detect(&cfg.cgroup_name, privileged).map(Arc::new);
-        let seccomp = SyscallFilter::for_host()
-            .map_err(|e| unavailable(format!("cannot compile the kernels' syscall filter: {e}")))?;
+        let seccomp = SyscallFilter::for_host().map_err(|e| {
+            unavailable_by(
+                format!("cannot compile the kernels' syscall filter: {e}"),
+                e,
+            )
+        })?;
         if seccomp.is_none() {
             tracing::warn!(
                 arch = std::env::consts::ARCH,
@@ -255,8 +262,12 @@ impl LocalSandbox {
     ) -> Result<Launched, SandboxError> {
         let cgroups = self.startup().await?;
         let argv = self.substitute_argv(&argv, None);
-        self.launch_argv(spec, argv, HashMap::new(), None, cgroups)
-            .await
+        let command = SandboxCommand {
+            argv,
+            env: HashMap::new(),
+            resource_dir: None,
+        };
+        self.launch_argv(spec, command, cgroups).await
     }
 
     /// Does the startup work once: creates the directories, removes runtime directories and
@@ -271,8 +282,8 @@ impl LocalSandbox {
                         let kept = kept.clone();
                         tokio::task::spawn_blocking(move || kept.load())
                             .await
-                            .map_err(|e| unavailable(format!("startup task failed: {e}")))?
-                            .map_err(|e| unavailable(format!("cannot read the kept kernels: {e}")))?
+                            .map_err(|e| unavailable_by(format!("startup task failed: {e}"), e))?
+                            .map_err(|e| unavailable_by(format!("cannot read the kept kernels: {e}"), e))?
                     }
                     None => {
                         // This run does not keep kernels: the sweeps below end what an
@@ -338,7 +349,7 @@ impl LocalSandbox {
             .uid_base
             .checked_add(user.index)
             .and_then(|id| id.checked_add(1))
-            .ok_or_else(|| launch_err(user, "uid_base + user index overflows a uid"))?;
+            .ok_or_else(|| launch_err(user, LaunchRefusal::UidOverflow))?;
         Ok(Some((id, id)))
     }
 
@@ -346,10 +357,7 @@ impl LocalSandbox {
         if !is_safe_component(&user.name) {
             return Err(launch_err(
                 user,
-                format!(
-                    "the user name {:?} is not usable as a directory name",
-                    user.name
-                ),
+                LaunchRefusal::UserNameNotADirectory(user.name.clone()),
             ));
         }
         Ok(self.workspaces.join(&user.name))
@@ -399,12 +407,11 @@ impl Sandbox for LocalSandbox {
         let kspec = self.specs.get(&spec.kernel_name).ok_or_else(|| {
             launch_err(
                 &spec.user,
-                format!(
-                    "no kernel spec named {:?} in {} (found: {})",
-                    spec.kernel_name,
-                    self.cfg.kernels_dir.display(),
-                    self.kernel_names().join(", ")
-                ),
+                LaunchRefusal::UnknownKernel {
+                    name: spec.kernel_name.clone(),
+                    dir: self.cfg.kernels_dir.clone(),
+                    found: self.kernel_names().join(", "),
+                },
             )
         })?;
         let uses_resource_dir = kspec.argv.iter().any(|a| a.contains("{resource_dir}"));
@@ -443,8 +450,12 @@ impl Sandbox for LocalSandbox {
             }
         }
         tracing::debug!(kernel = %spec.kernel_name, interrupt_mode = ?kspec.interrupt_mode, ?argv, "launching kernel");
-        self.launch_argv(spec, argv, kspec.env.clone(), resource_dir, cgroups)
-            .await
+        let command = SandboxCommand {
+            argv,
+            env: kspec.env.clone(),
+            resource_dir,
+        };
+        self.launch_argv(spec, command, cgroups).await
     }
 
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError> {
@@ -539,4 +550,12 @@ impl Sandbox for LocalSandbox {
 
 fn unavailable(reason: impl Into<String>) -> SandboxError {
     fsutil::unavailable(BACKEND, reason)
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+fn unavailable_by(
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    fsutil::unavailable_by(BACKEND, reason, source)
 }

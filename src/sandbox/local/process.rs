@@ -14,7 +14,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -22,22 +22,24 @@ use tokio::io::AsyncReadExt;
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
+use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, LaunchGuard};
 use super::keep::{self, KeptKernels, Ticket};
 use super::output::{forward_output, Stream, Tail};
-use super::reaper::{LocalKernel, Reaper, Watched, LOST};
+use super::reaper::{LocalKernel, Reaped, Watched};
 use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::fsutil::{self, launch_err, launch_failed};
+use crate::sandbox::fsutil::{self, launch_err, launch_failed, launch_step};
 use crate::sandbox::seccomp::SyscallFilter;
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::watched::WatchedKernel;
+use crate::sandbox::LaunchRefusal;
 use crate::sandbox::{
-    environ, thread_env, KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser,
-    KERNEL_OOM_SCORE_ADJ,
+    environ, thread_env, KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError,
+    SandboxUser, KERNEL_OOM_SCORE_ADJ,
 };
 
 /// How long bwrap may take to report the sandbox's init pid.
@@ -53,6 +55,14 @@ pub(super) struct StartOptions {
     pub control: bool,
 }
 
+/// What a sandbox runs: the command, the kernel spec's environment, and the spec's
+/// resource directory (shown read-only).
+pub(super) struct SandboxCommand {
+    pub argv: Vec<String>,
+    pub env: HashMap<String, String>,
+    pub resource_dir: Option<PathBuf>,
+}
+
 /// A started sandbox, with what a template needs beyond the handle.
 pub(super) struct Started {
     pub launched: Launched,
@@ -60,20 +70,28 @@ pub(super) struct Started {
     pub control: Option<(ChildStdin, ChildStdout)>,
 }
 
+/// What [`LocalSandbox::prepare_launch`] made ready.
+pub(super) struct Prepared {
+    pub workspace: PathBuf,
+    pub ids: Option<(u32, u32)>,
+    pub rundir: PathBuf,
+    pub guard: LaunchGuard,
+}
+
 impl LocalSandbox {
+    /// Starts `command` in a sandbox of its own as a kernel (its output forwarded to the
+    /// log).
     pub(super) async fn launch_argv(
         &self,
         spec: LaunchSpec,
-        argv: Vec<String>,
-        spec_env: HashMap<String, String>,
-        resource_dir: Option<PathBuf>,
+        command: SandboxCommand,
         cgroups: Option<Arc<Cgroups>>,
     ) -> Result<Launched, SandboxError> {
         let options = StartOptions {
-            boot_script: argv.iter().any(|a| a.ends_with(BOOT_SCRIPT_NAME)),
+            boot_script: command.argv.iter().any(|a| a.ends_with(BOOT_SCRIPT_NAME)),
             control: false,
         };
-        self.start_sandbox(spec, argv, spec_env, resource_dir, cgroups, options)
+        self.start_sandbox(spec, command, cgroups, options)
             .await
             .map(|started| started.launched)
     }
@@ -81,70 +99,41 @@ impl LocalSandbox {
     pub(super) async fn start_sandbox(
         &self,
         spec: LaunchSpec,
-        argv: Vec<String>,
-        spec_env: HashMap<String, String>,
-        resource_dir: Option<PathBuf>,
+        command: SandboxCommand,
         cgroups: Option<Arc<Cgroups>>,
         options: StartOptions,
     ) -> Result<Started, SandboxError> {
+        let SandboxCommand {
+            argv,
+            env: spec_env,
+            resource_dir,
+        } = command;
         let user = spec.user.clone();
         let session = spec.session_id;
         if self.kernels.contains(&session) {
-            return Err(launch_err(
-                &user,
-                format!("session {session} already has a kernel"),
-            ));
+            return Err(launch_err(&user, LaunchRefusal::SessionHasKernel(session)));
         }
-        let workspace = self.workspace_path(&user)?;
-        let ids = self.kernel_ids(&user)?;
-        let rundir = self.run_base.join(session.to_string());
-        let endpoints = endpoints_for(&rundir).map_err(|e| launch_failed(&user, e))?;
-
-        // Workspace, runtime directory, connection file, /etc files. On failure `write`
-        // removes what it created; from then on the guard does, until the reaper takes over.
-        let files = LaunchFiles {
-            workspace: workspace.clone(),
-            rundir: rundir.clone(),
-            ids,
-            login: login_name(&user.name),
-            connection: connection_file(&spec),
-            quota: Some((
-                self.workspace_images.clone(),
-                user.limits.workspace_quota_bytes,
-            )),
-        };
+        let endpoints = endpoints_for(&self.run_base.join(session.to_string()))
+            .map_err(|e| launch_failed(&user, e))?;
         // The bootstrap script, in a directory of the broker's shown read-only.
         let boot_dir = options
             .boot_script
             .then(|| self.run_base.join(BOOT_DIR_NAME));
-        let install = boot_dir.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Some(dir) = &install {
-                fsutil::create_private_dir(dir, Some(0o755))?;
-                boot::install_script(dir).map_err(fsutil::io_err(
-                    "cannot install the kernels' bootstrap script",
-                    dir,
-                ))?;
-            }
-            files.write()
-        })
-        .await
-        .map_err(|e| launch_err(&user, format!("preparing files failed: {e}")))??;
-        let mut guard = LaunchGuard {
-            rundir: Some(rundir.clone()),
-            leaf: None,
-        };
-
-        if let Some(cg) = &cgroups {
-            let (cg2, name, limits) = (cg.clone(), user.name.clone(), user.limits.clone());
-            let kernel_limits = spec.limits;
-            let leaf = tokio::task::spawn_blocking(move || {
-                cg2.create_leaf(&name, &limits, &kernel_limits, session)
-            })
-            .await
-            .map_err(|e| launch_err(&user, format!("creating the cgroup failed: {e}")))??;
-            guard.leaf = Some((cg.clone(), leaf));
-        }
+        let Prepared {
+            workspace,
+            ids,
+            rundir,
+            mut guard,
+        } = self
+            .prepare_launch(
+                &user,
+                session,
+                connection_file(&spec),
+                spec.limits,
+                boot_dir.clone(),
+                cgroups.as_ref(),
+            )
+            .await?;
 
         // The kernel's whole environment, read only after the drop (`environ.rs`).
         let mut env: Vec<(String, String)> = spec_env.into_iter().collect();
@@ -164,12 +153,10 @@ impl LocalSandbox {
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
         // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
         let status = match &self.kept {
-            Some(kept) => Some(kept.open_status(session).map_err(|e| {
-                launch_err(
-                    &user,
-                    format!("cannot create the kernel's status file: {e}"),
-                )
-            })?),
+            Some(kept) => Some(
+                kept.open_status(session)
+                    .map_err(|e| launch_step(&user, "cannot create the kernel's status file", e))?,
+            ),
             None => None,
         };
         let (mut child, info, stderr_task, tail) =
@@ -182,35 +169,24 @@ impl LocalSandbox {
 
         // From here the reaper owns the leaf and the runtime directory, and the handle's
         // drop (also when this future is dropped half-way) kills the kernel.
-        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
-        let kernel = Arc::new(LocalKernel {
-            watch,
-            init_pid: OnceLock::new(),
+        let (cgroups, leaf) = guard.disarm();
+        let kernel = Reaped {
+            session,
+            user: user.name.clone(),
+            process: Watched::Child(child),
+            init_pid: None,
             bwrap_pid,
             kernel_pid: None,
-            memory_usage: guard.leaf.as_ref().and_then(|(_, l)| l.memory_usage_file()),
-        });
-        let (cgroups, leaf) = guard
-            .leaf
-            .take()
-            .map_or((None, None), |(c, l)| (Some(c), Some(l)));
-        guard.rundir = None;
-        let reaper = Reaper {
-            process: Watched::Child(child),
-            kernel: kernel.clone(),
-            exit,
             leaf,
             cgroups,
             rundir,
             limits: spec.limits,
             workspace: workspace.clone(),
             quota_bytes: user.limits.workspace_quota_bytes,
-            table: self.kernels.clone(),
             tail: tail.clone(),
             kept: self.kept.clone(),
-        };
-        self.kernels.insert(session, kernel.clone());
-        tokio::spawn(reaper.run());
+        }
+        .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel.clone(), TERMINATE_TIMEOUT);
 
         match read_init_pid(info).await {
@@ -261,11 +237,11 @@ impl LocalSandbox {
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
         let (info_read, info_write) =
-            io::pipe().map_err(|e| launch_err(user, format!("cannot create a pipe: {e}")))?;
+            io::pipe().map_err(|e| launch_step(user, "cannot create a pipe", e))?;
         let info_fd = info_write.as_raw_fd();
         let seccomp = self
             .seccomp_memfd()
-            .map_err(|e| launch_err(user, format!("cannot pass the syscall filter: {e}")))?;
+            .map_err(|e| launch_step(user, "cannot pass the syscall filter", e))?;
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let status_fd = status.as_ref().map(AsRawFd::as_raw_fd);
@@ -280,51 +256,25 @@ impl LocalSandbox {
             request,
             seccomp_fd,
         ));
-        let mut cmd = Command::new(&self.bwrap);
-        // bwrap runs as root: an empty environment (see `environ.rs`).
-        cmd.args(&args)
-            .env_clear()
-            .current_dir("/")
-            .stdin(if control {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Keep terminal signals (Ctrl-C on the broker) away from kernels; the broker
-            // shuts them down itself.
-            .process_group(0)
-            // A kept kernel must outlive this process, however it ends; otherwise the
-            // child is killed if its handle is ever dropped unreaped.
-            .kill_on_drop(self.kept.is_none());
-
-        let procs: Vec<CString> = leaf.map(|l| l.procs_files().to_vec()).unwrap_or_default();
-        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-        // functions (open, write, close, fcntl) on data prepared before the fork; it does not
-        // allocate (iterating a Vec and building an io::Error from errno do not).
-        unsafe {
-            cmd.pre_exec(move || {
-                for path in &procs {
-                    join_cgroup(path)?;
-                }
-                raise_oom_score()?;
-                // Let bwrap inherit the info pipe and the filter (created close-on-exec so
-                // that no other child of the broker does).
-                inherit_fd(info_fd)?;
-                inherit_fd(env_fd)?;
-                if let Some(fd) = seccomp_fd {
-                    inherit_fd(fd)?;
-                }
-                if let Some(fd) = status_fd {
-                    inherit_fd(fd)?;
-                }
-                Ok(())
-            });
-        }
+        let mut cmd = self.bwrap_command(
+            &args,
+            leaf,
+            [Some(info_fd), Some(env_fd), seccomp_fd, status_fd]
+                .into_iter()
+                .flatten()
+                .collect(),
+        );
+        cmd.stdin(if control {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        // A kept kernel must outlive this process, however it ends; otherwise the child is
+        // killed if its handle is ever dropped unreaped.
+        .kill_on_drop(self.kept.is_none());
         let mut child = cmd
             .spawn()
-            .map_err(|e| launch_err(user, format!("cannot start {}: {e}", self.bwrap.display())))?;
+            .map_err(|e| launch_step(user, format!("cannot start {}", self.bwrap.display()), e))?;
         drop(info_write);
         // bwrap has its own copy; it reads the filter and closes it before the kernel runs.
         drop(seccomp);
@@ -353,6 +303,107 @@ impl LocalSandbox {
         Ok((child, OwnedFd::from(info_read), stderr_task, tail))
     }
 
+    /// The host side of a launch before bwrap starts: the workspace, the runtime directory
+    /// of `id` and its files (`connection` the connection file's JSON; `Null`: none), the
+    /// bootstrap script in `boot_dir` if given, then a cgroup leaf for `id` with `limits`.
+    /// The guard removes the directory and the leaf if the launch fails before a reaper
+    /// takes them ([`LaunchGuard::disarm`]).
+    pub(super) async fn prepare_launch(
+        &self,
+        user: &SandboxUser,
+        id: Uuid,
+        connection: serde_json::Value,
+        limits: KernelLimits,
+        boot_dir: Option<PathBuf>,
+        cgroups: Option<&Arc<Cgroups>>,
+    ) -> Result<Prepared, SandboxError> {
+        let workspace = self.workspace_path(user)?;
+        let ids = self.kernel_ids(user)?;
+        let rundir = self.run_base.join(id.to_string());
+        // On failure `write` removes what it created; from then on the guard does, until
+        // the reaper takes over.
+        let files = LaunchFiles {
+            workspace: workspace.clone(),
+            rundir: rundir.clone(),
+            ids,
+            login: login_name(&user.name),
+            connection,
+            quota: Some((
+                self.workspace_images.clone(),
+                user.limits.workspace_quota_bytes,
+            )),
+        };
+        tokio::task::spawn_blocking(move || {
+            if let Some(dir) = &boot_dir {
+                fsutil::create_private_dir(dir, Some(0o755))?;
+                boot::install_script(dir).map_err(fsutil::io_err(
+                    "cannot install the kernels' bootstrap script",
+                    dir,
+                ))?;
+            }
+            files.write()
+        })
+        .await
+        .map_err(|e| launch_step(user, "preparing files failed", e))??;
+        let mut guard = LaunchGuard {
+            rundir: Some(rundir.clone()),
+            leaf: None,
+        };
+        if let Some(cg) = cgroups {
+            let (cg2, name, user_limits) = (cg.clone(), user.name.clone(), user.limits.clone());
+            let leaf = tokio::task::spawn_blocking(move || {
+                cg2.create_leaf(&name, &user_limits, &limits, id)
+            })
+            .await
+            .map_err(|e| launch_step(user, "creating the cgroup failed", e))??;
+            guard.leaf = Some((cg.clone(), leaf));
+        }
+        Ok(Prepared {
+            workspace,
+            ids,
+            rundir,
+            guard,
+        })
+    }
+
+    /// bwrap with `args`, as a kernel's and a command's sandbox both start: an empty
+    /// environment (bwrap runs as root, see `environ.rs`), run from `/`, stdout and stderr
+    /// piped, in its own process group (terminal signals such as Ctrl-C on the broker stay
+    /// away from kernels; the broker ends them itself). Between fork and exec it joins
+    /// `leaf`, raises its OOM score, and inherits `fds` (created close-on-exec so that no
+    /// other child of the broker does).
+    pub(super) fn bwrap_command(
+        &self,
+        args: &[OsString],
+        leaf: Option<&Leaf>,
+        fds: Vec<RawFd>,
+    ) -> Command {
+        let mut cmd = Command::new(&self.bwrap);
+        cmd.args(args)
+            .env_clear()
+            .current_dir("/")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let procs: Vec<CString> = leaf.map(|l| l.procs_files().to_vec()).unwrap_or_default();
+        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+        // functions (open, write, close, fcntl) on data prepared before the fork; it does not
+        // allocate (iterating a Vec and building an io::Error from errno do not).
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &procs {
+                    join_cgroup(path)?;
+                }
+                raise_oom_score()?;
+                for fd in &fds {
+                    inherit_fd(*fd)?;
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
     /// A memfd holding the syscall filter for one bwrap run (none without a filter).
     pub(super) fn seccomp_memfd(&self) -> io::Result<Option<OwnedFd>> {
         self.seccomp.as_ref().map(SyscallFilter::memfd).transpose()
@@ -371,15 +422,14 @@ impl LocalSandbox {
         env.extend(thread_env(&user.limits));
         env.extend(extra.iter().cloned());
         let script = environ::launch_script(&env, argv)
-            .map_err(|e| launch_err(user, format!("the environment is refused: {e}")))?;
-        environ::env_memfd(&script)
-            .map_err(|e| launch_err(user, format!("cannot pass the environment: {e}")))
+            .map_err(|e| launch_step(user, "the environment is refused", e))?;
+        environ::env_memfd(&script).map_err(|e| launch_step(user, "cannot pass the environment", e))
     }
 }
 
 /// Writes `0` to a `cgroup.procs` file: moves the calling process. Runs between fork and
 /// exec: async-signal-safe calls only.
-pub(super) fn join_cgroup(path: &CString) -> io::Result<()> {
+fn join_cgroup(path: &CString) -> io::Result<()> {
     // SAFETY: `path` is a valid NUL-terminated string; the buffer passed to write is a
     // static one-byte slice; `fd` is closed exactly once.
     unsafe {
@@ -400,7 +450,7 @@ pub(super) fn join_cgroup(path: &CString) -> io::Result<()> {
 /// Writes [`KERNEL_OOM_SCORE_ADJ`] to `/proc/self/oom_score_adj`: the host's OOM killer
 /// picks kernels before the broker. Runs between fork and exec: async-signal-safe calls
 /// only (the value is a constant, formatted at compile time).
-pub(super) fn raise_oom_score() -> io::Result<()> {
+fn raise_oom_score() -> io::Result<()> {
     const PATH: &[u8] = b"/proc/self/oom_score_adj\0";
     const VALUE: &[u8] = b"500";
     const _: () = assert!(KERNEL_OOM_SCORE_ADJ == 500);

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use async_trait::async_trait;
 use tokio::io::unix::AsyncFd;
 use tokio::process::Child;
+use uuid::Uuid;
 
 use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
@@ -137,8 +138,65 @@ impl Watched {
     }
 }
 
+/// A kernel to hand to its reaper, however it came: started in its own sandbox
+/// (`process.rs`), forked from a template (`template/`) or adopted (`adopt.rs`).
+pub(super) struct Reaped {
+    pub session: Uuid,
+    pub user: String,
+    pub process: Watched,
+    /// The sandbox's init, when it is known now (an adopted kernel); a started one sets it
+    /// once bwrap reports it.
+    pub init_pid: Option<i32>,
+    pub bwrap_pid: Option<i32>,
+    pub kernel_pid: Option<i32>,
+    pub leaf: Option<Leaf>,
+    pub cgroups: Option<Arc<Cgroups>>,
+    pub rundir: PathBuf,
+    pub limits: KernelLimits,
+    pub workspace: PathBuf,
+    pub quota_bytes: u64,
+    pub tail: Tail,
+    pub kept: Option<Arc<KeptKernels>>,
+}
+
+impl Reaped {
+    /// Registers the kernel in `table` and spawns its reaper, which owns the leaf and the
+    /// runtime directory from now on. Returns what a handle and the launch share.
+    pub fn spawn(self, table: &KernelTable<LocalKernel>) -> Arc<LocalKernel> {
+        let (watch, exit) = KernelWatch::new(self.session, self.user, LOST);
+        let init_pid = OnceLock::new();
+        if let Some(pid) = self.init_pid {
+            let _ = init_pid.set(pid);
+        }
+        let kernel = Arc::new(LocalKernel {
+            watch,
+            init_pid,
+            bwrap_pid: self.bwrap_pid,
+            kernel_pid: self.kernel_pid,
+            memory_usage: self.leaf.as_ref().and_then(Leaf::memory_usage_file),
+        });
+        let reaper = Reaper {
+            process: self.process,
+            kernel: kernel.clone(),
+            exit,
+            leaf: self.leaf,
+            cgroups: self.cgroups,
+            rundir: self.rundir,
+            limits: self.limits,
+            workspace: self.workspace,
+            quota_bytes: self.quota_bytes,
+            table: table.clone(),
+            tail: self.tail,
+            kept: self.kept,
+        };
+        table.insert(self.session, kernel.clone());
+        tokio::spawn(reaper.run());
+        kernel
+    }
+}
+
 /// Owns the bwrap child: waits for it (or kills it), classifies the exit, cleans up.
-pub(super) struct Reaper {
+struct Reaper {
     pub process: Watched,
     pub kernel: Arc<LocalKernel>,
     pub exit: ExitPublisher,
@@ -157,7 +215,7 @@ pub(super) struct Reaper {
 }
 
 impl Reaper {
-    pub async fn run(mut self) {
+    async fn run(mut self) {
         let status = tokio::select! {
             status = self.process.wait() => status,
             () = self.kernel.watch.kill_requested() => {

@@ -21,7 +21,7 @@ use chrono::Utc;
 use tokio::time::timeout;
 
 use super::Registry;
-use crate::kernel::KernelClient;
+use crate::kernel::{ConnectOptions, KernelClient, Readiness};
 use crate::sandbox::{AdoptError, AdoptSpec, KernelLimits, KernelProcess, SandboxUser};
 use crate::session::actor::Actor;
 use crate::session::handle::{Restored, Session};
@@ -149,18 +149,15 @@ impl Registry {
         };
         let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
         let limit = self.inner.sandbox.launch_timeout();
-        let options = self.inner.config.kernel;
+        let options = ConnectOptions {
+            readiness: Readiness::Running,
+            ..self.inner.config.kernel
+        };
         // Raced against the kernel's end: a kernel that dies while it is being reached
         // (it was ending as the broker came back) is told by its exit, not by a timeout.
         let connecting = timeout(
             limit,
-            KernelClient::connect_running(
-                &launched.endpoints,
-                &record.key,
-                &user.name,
-                options,
-                limit,
-            ),
+            KernelClient::connect(&launched.endpoints, &record.key, &user.name, options, limit),
         );
         let connected = tokio::select! {
             connected = connecting => connected,

@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use super::scripted_kernel::ScriptedKernel;
 use crate::sandbox::watched::{ExitPublisher, KernelWatch};
 use crate::sandbox::{
-    ExitReason, KernelLimits, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError,
-    SandboxUser,
+    ExitReason, KernelLimits, KernelProcess, LaunchRefusal, LaunchSpec, Launched, Sandbox,
+    SandboxError, SandboxUser,
 };
 use crate::sync::lock;
 
@@ -121,7 +121,10 @@ impl Sandbox for FakeSandbox {
         if self.refuse.load(Ordering::Acquire) {
             return Err(SandboxError::Launch {
                 user: spec.user.name,
-                reason: "refused by the test".into(),
+                reason: LaunchRefusal::CannotRun {
+                    backend: "fake",
+                    what: "kernels while the test refuses them",
+                },
             });
         }
         let n = lock(&self.launched).len();

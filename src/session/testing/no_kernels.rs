@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use async_trait::async_trait;
 
-use crate::sandbox::{LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use crate::sandbox::{LaunchRefusal, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
 
 /// A sandbox where nothing can run.
 pub struct NoKernels;
@@ -22,7 +22,10 @@ impl Sandbox for NoKernels {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError> {
         Err(SandboxError::Launch {
             user: spec.user.name,
-            reason: "this test sandbox runs nothing".into(),
+            reason: LaunchRefusal::CannotRun {
+                backend: "test",
+                what: "anything",
+            },
         })
     }
     fn workspace(&self, _user: &SandboxUser) -> Result<PathBuf, SandboxError> {

@@ -15,7 +15,7 @@ use crate::sandbox::docker::running::{container_reason, init_pid, ContainerInfo}
 use crate::sandbox::docker::watch::{
     classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
 };
-use crate::sandbox::docker::{unavailable, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
+use crate::sandbox::docker::{unavailable_by, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
 use crate::sandbox::fsutil::{launch_failed, remove_dir_logged};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
@@ -140,10 +140,8 @@ impl Inner {
             Err(e) => {
                 drop(guard);
                 lock(&self.kept).insert(session, ticket);
-                return Err(AdoptError::Failed(unavailable(format!(
-                    "cannot inspect a kept kernel's exec: {}",
-                    error_text(&e)
-                ))));
+                let reason = format!("cannot inspect a kept kernel's exec: {}", error_text(&e));
+                return Err(AdoptError::Failed(unavailable_by(reason, e)));
             }
         };
         if let Some(reason) = ended {

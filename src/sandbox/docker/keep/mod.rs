@@ -52,7 +52,7 @@ pub(crate) use self::ticket::{session_dir, Ticket};
 use super::daemon::error_text;
 use super::exec::DockerKernel;
 use super::running::ContainerInfo;
-use super::{unavailable, Inner, UserSlot, LABEL_USER};
+use super::{unavailable_by, Inner, UserSlot, LABEL_USER};
 use crate::sandbox::fsutil::{create_private_dir, remove_dir_logged};
 use crate::sandbox::{AdoptError, KernelLimits, SandboxError, SandboxUser};
 use crate::sync::lock;
@@ -94,7 +94,7 @@ impl Inner {
             Ok::<_, SandboxError>(load_tickets(&dir, &name))
         })
         .await
-        .map_err(|e| unavailable(format!("loading the kept kernels failed: {e}")))??;
+        .map_err(|e| unavailable_by(format!("loading the kept kernels failed: {e}"), e))??;
         let wanted: HashMap<&str, &Ticket> = tickets
             .values()
             .map(|t| (t.container_id.as_str(), t))
@@ -102,7 +102,7 @@ impl Inner {
         let containers = self
             .our_container_summaries(docker)
             .await
-            .map_err(|e| unavailable(self.advice(&e)))?;
+            .map_err(|e| unavailable_by(self.advice(&e), e))?;
         let (mut kept_users, mut removed) = (HashSet::new(), 0);
         for c in containers {
             let Some(id) = c.id else { continue };

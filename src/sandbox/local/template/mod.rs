@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
@@ -49,8 +49,8 @@ use uuid::Uuid;
 
 use super::files::endpoints_for;
 use super::output::Tail;
-use super::process::StartOptions;
-use super::reaper::{sandbox_command_pid, LocalKernel, Reaper, Watched, LOST};
+use super::process::{SandboxCommand, StartOptions};
+use super::reaper::{sandbox_command_pid, Reaped, Watched};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
@@ -58,7 +58,7 @@ use crate::sandbox::fork_server::{read_ready, ForkServer, NotReady, RequestFaile
 use crate::sandbox::fsutil::{self, launch_failed, FileMode, SocketPathError};
 use crate::sandbox::procfs::namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError, SandboxUser};
 use crate::sync::lock;
 
@@ -235,9 +235,11 @@ impl LocalSandbox {
         let started = self
             .start_sandbox(
                 template_spec,
-                argv,
-                boot.spec_env.clone(),
-                None,
+                SandboxCommand {
+                    argv,
+                    env: boot.spec_env.clone(),
+                    resource_dir: None,
+                },
                 Some(cgroups.clone()),
                 StartOptions {
                     boot_script: true,
@@ -402,14 +404,6 @@ impl LocalSandbox {
         let Some((pidfd, status, leaf)) = stem.into_parts() else {
             return Err(ForkError::StemTakenApart);
         };
-        let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
-        let kernel = Arc::new(LocalKernel {
-            watch,
-            init_pid: OnceLock::new(),
-            bwrap_pid: None,
-            kernel_pid: Some(host_pid),
-            memory_usage: leaf.memory_usage_file(),
-        });
         // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
         // AsyncFd that owns it drops it.
         let pidfd = match unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) } {
@@ -422,22 +416,23 @@ impl LocalSandbox {
                 return Err(ForkError::Unwatchable(e.into_parts().1));
             }
         };
-        let reaper = Reaper {
+        let kernel = Reaped {
+            session,
+            user: user.name.clone(),
             process: Watched::Forked { pidfd, status },
-            kernel: kernel.clone(),
-            exit,
+            init_pid: None,
+            bwrap_pid: None,
+            kernel_pid: Some(host_pid),
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
             rundir: dir,
             limits: spec.limits,
             workspace,
             quota_bytes: user.limits.workspace_quota_bytes,
-            table: self.kernels.clone(),
             tail: Tail::default(),
             kept: None,
-        };
-        self.kernels.insert(session, kernel.clone());
-        tokio::spawn(reaper.run());
+        }
+        .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
         let connection_inside = format!("{inside}/connection.json");
         let args: Vec<String> = boot
