@@ -152,21 +152,25 @@ async fn read_cell(
 
 /// Whether a first line starts a block that goes on until an empty line.
 fn opens_block(line: &str) -> bool {
-    let t = line.trim_end();
     let mut depth = 0i32;
     let mut quote: Option<char> = None;
-    for c in t.chars() {
+    let mut code_end = line.len();
+    for (i, c) in line.char_indices() {
         match (quote, c) {
             (Some(q), c) if c == q => quote = None,
             (Some(_), _) => {}
             (None, '\'' | '"') => quote = Some(c),
-            (None, '#') => break,
+            (None, '#') => {
+                code_end = i;
+                break;
+            }
             (None, '(' | '[' | '{') => depth += 1,
             (None, ')' | ']' | '}') => depth -= 1,
             _ => {}
         }
     }
-    depth > 0 || t.ends_with(':') || t.ends_with('\\') || t.starts_with('@')
+    let code = line[..code_end].trim_end();
+    depth > 0 || code.ends_with(':') || code.ends_with('\\') || code.starts_with('@')
 }
 
 async fn send<S>(to: &mut S, frame: &Value) -> Result<(), CliError>

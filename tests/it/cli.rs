@@ -6,8 +6,8 @@
 use crate::common;
 
 use std::path::Path;
-use std::time::Duration;
 use std::process::Output;
+use std::time::Duration;
 
 use common::spawned::SpawnedBroker;
 use common::*;
