@@ -299,7 +299,7 @@ pub(super) fn read_events(
         }
         fetched.insert(w.before, messages);
     }
-    complete_executions(&mut events, q, &fetched);
+    complete_executions(&mut events, &fetched);
     Ok(EventsPage { events, more })
 }
 
@@ -480,7 +480,9 @@ fn stored_once(e: &RecordedEvent) -> Option<(StoredDone, ExecutionWindow)> {
     let RecordedKind::Broker { kind, detail } = &e.kind else {
         return None;
     };
-    if kind != "execution_done" {
+    // A version-1 detail (the whole execution) is not parsed only to be refused, unless its
+    // output happens to say `"outcome"`.
+    if kind != "execution_done" || !detail.contains("\"outcome\"") {
         return None;
     }
     let done: StoredDone = serde_json::from_str(detail).ok()?;
@@ -505,22 +507,19 @@ pub(super) fn executions_to_fetch(page: &[RecordedEvent], q: &EventQuery) -> Vec
 }
 
 /// Puts the whole execution back into every `execution_done` of `page` stored once (version
-/// 2), so that it reads as version 1 did: rebuilt from the page's own messages, or from
-/// those `fetched` for it (by its sequence number; see [`executions_to_fetch`]).
+/// 2), so that it reads as version 1 did: rebuilt from the messages `fetched` for it (by
+/// its sequence number; see [`executions_to_fetch`]), or else from the page's own.
 pub(super) fn complete_executions(
     page: &mut [RecordedEvent],
-    q: &EventQuery,
     fetched: &HashMap<i64, Vec<RecordedEvent>>,
 ) {
-    let to_fetch = executions_to_fetch(page, q);
     for i in 0..page.len() {
         let Some((done, w)) = stored_once(&page[i]) else {
             continue;
         };
-        let messages: Vec<&RecordedEvent> = if to_fetch.contains(&w) {
-            fetched.get(&w.before).into_iter().flatten().collect()
-        } else {
-            page[..i].iter().filter(|e| e.seq > w.after).collect()
+        let messages: Vec<&RecordedEvent> = match fetched.get(&w.before) {
+            Some(messages) => messages.iter().collect(),
+            None => page[..i].iter().filter(|e| e.seq > w.after).collect(),
         };
         let parts = messages.into_iter().filter_map(|e| match &e.kind {
             RecordedKind::Message {

@@ -153,7 +153,7 @@ impl Pool {
             let rows = rows.iter().map(event_row).collect();
             fetched.insert(w.before, to_events(&c, sid, rows).await?);
         }
-        complete_executions(&mut events, q, &fetched);
+        complete_executions(&mut events, &fetched);
         Ok(EventsPage { events, more })
     }
 }
