@@ -35,11 +35,7 @@ pub(super) fn rebuild<'a>(
             _ => {}
         }
     }
-    let note = outcome.error.clone().map(|e| ExecutionError {
-        ename: e.ename,
-        evalue: e.evalue,
-        traceback: e.traceback,
-    });
+    let note = outcome.error.clone().map(ExecutionError::from);
     let mut x =
         StoredExecution::from(collector.finish(outcome.status.into(), note, outcome.duration_ms));
     // Also what no message says: a message cut before the collector (`output_cut`), and a

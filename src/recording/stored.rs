@@ -453,13 +453,20 @@ impl From<StoredExecution> for Execution {
                     is_main_result: r.is_main_result,
                 })
                 .collect(),
-            error: x.error.map(|e| ExecutionError {
-                ename: e.ename,
-                evalue: e.evalue,
-                traceback: e.traceback,
-            }),
+            error: x.error.map(Into::into),
             truncated: x.truncated,
             duration_ms: x.duration_ms,
+        }
+    }
+}
+
+impl From<StoredError> for ExecutionError {
+    /// The error the agent was answered (the kernel's, or the broker's own), as read back.
+    fn from(e: StoredError) -> Self {
+        ExecutionError {
+            ename: e.ename,
+            evalue: e.evalue,
+            traceback: e.traceback,
         }
     }
 }
