@@ -42,10 +42,29 @@ pub(super) struct InFlight {
 }
 
 /// The executions in flight, per session row (an agent's executions run one at a time).
-#[derive(Default)]
 pub(super) struct Executions {
     by_session: HashMap<i64, InFlight>,
     held_bytes: usize,
+    max_held_bytes: usize,
+}
+
+impl Default for Executions {
+    fn default() -> Self {
+        Self {
+            by_session: HashMap::new(),
+            held_bytes: 0,
+            max_held_bytes: MAX_HELD_BYTES,
+        }
+    }
+}
+
+impl InFlight {
+    /// Marks it lost, letting go of what it held; the bytes it held.
+    fn lose(&mut self) -> usize {
+        self.lost = true;
+        self.held = Vec::new();
+        std::mem::take(&mut self.bytes)
+    }
 }
 
 impl Executions {
@@ -84,17 +103,12 @@ impl Executions {
     /// Holds a recorded message that [`Executions::wants`]; `content` as a reader will see
     /// it.
     pub(super) fn hold(&mut self, sid: i64, channel: Channel, msg_type: &str, content: Bytes) {
-        let over = self.held_bytes + content.len() > MAX_HELD_BYTES;
+        let over = self.held_bytes + content.len() > self.max_held_bytes;
         let Some(x) = self.by_session.get_mut(&sid) else {
             return;
         };
-        if over {
-            x.lost = true;
-        }
-        if x.lost {
-            self.held_bytes -= x.bytes;
-            x.bytes = 0;
-            x.held = Vec::new();
+        if x.lost || over {
+            self.held_bytes -= x.lose();
             return;
         }
         x.bytes += content.len();
@@ -106,7 +120,7 @@ impl Executions {
     pub(super) fn dropped(&mut self, sid: i64, parent: Option<&str>) {
         if let Some(x) = self.by_session.get_mut(&sid) {
             if parent == Some(x.msg_id.as_str()) {
-                x.lost = true;
+                self.held_bytes -= x.lose();
             }
         }
     }
@@ -114,15 +128,16 @@ impl Executions {
     /// Reports of session `sid` were lost (whatever their parent).
     pub(super) fn lost(&mut self, sid: i64) {
         if let Some(x) = self.by_session.get_mut(&sid) {
-            x.lost = true;
+            self.held_bytes -= x.lose();
         }
     }
 
     /// A batch was lost with its commit: every execution in flight may miss messages.
     pub(super) fn all_lost(&mut self) {
         for x in self.by_session.values_mut() {
-            x.lost = true;
+            x.lose();
         }
+        self.held_bytes = 0;
     }
 
     /// Session `sid` ended.
@@ -160,5 +175,101 @@ impl Executions {
             outcome,
         };
         serde_json::to_value(done).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recording::stored::StoredStatus;
+
+    fn output(parent: &str, text: &str) -> Message {
+        let parent_header = Bytes::from(serde_json::json!({"msg_id": parent}).to_string());
+        let content = serde_json::json!({"name": "stdout", "text": text});
+        Message::new("stream", &content, Some(&parent_header), "k", "alice")
+    }
+
+    fn execution(stdout: &str) -> StoredExecution {
+        StoredExecution {
+            status: StoredStatus::Ok,
+            execution_count: None,
+            stdout: stdout.into(),
+            stderr: String::new(),
+            results: Vec::new(),
+            error: None,
+            truncated: false,
+            duration_ms: 1.0,
+        }
+    }
+
+    /// Runs `m` through the writer's steps for session 1: wanted, then held.
+    fn record(x: &mut Executions, m: &Message) {
+        if x.wants(1, Direction::FromKernel, Channel::Iopub, m) {
+            x.hold(1, Channel::Iopub, &m.msg_type, m.content.clone());
+        }
+    }
+
+    #[test]
+    fn an_execution_is_stored_once_unless_it_lost_a_message_or_held_too_much() {
+        let limits = (100, 100);
+        // (what befalls the execution between its messages, stored once)
+        let cases: [(&str, bool); 6] = [
+            ("nothing", true),
+            ("a message of it dropped", false),
+            ("a message of another dropped", true),
+            ("a gap in the session", false),
+            ("a failed commit", false),
+            ("over the bound", false),
+        ];
+        for (what, once) in cases {
+            let mut x = Executions {
+                // Room for one of its two messages.
+                max_held_bytes: if what == "over the bound" {
+                    40
+                } else {
+                    1 << 20
+                },
+                ..Default::default()
+            };
+            x.start(1, "m", 2);
+            record(&mut x, &output("m", "a"));
+            record(&mut x, &output("other", "not this one's"));
+            match what {
+                "a message of it dropped" => x.dropped(1, Some("m")),
+                "a message of another dropped" => x.dropped(1, Some("other")),
+                "a gap in the session" => x.lost(1),
+                "a failed commit" => x.all_lost(),
+                _ => {}
+            }
+            record(&mut x, &output("m", "b"));
+            let done = x.done(1, "m", &execution("ab"), limits);
+            assert_eq!(done.is_some(), once, "{what}: {done:?}");
+            assert_eq!(x.held_bytes, 0, "{what}");
+            assert!(x.by_session.is_empty(), "{what}");
+        }
+    }
+
+    #[test]
+    fn only_the_execution_in_flight_is_stored_once() {
+        let mut x = Executions::default();
+        assert_eq!(
+            x.done(1, "m", &execution(""), (1, 1)),
+            None,
+            "never started"
+        );
+        x.start(1, "m", 2);
+        record(&mut x, &output("m", "a"));
+        assert_eq!(
+            x.done(1, "n", &execution(""), (1, 1)),
+            None,
+            "another one's end"
+        );
+        x.forget(1);
+        assert_eq!(x.held_bytes, 0);
+        assert_eq!(
+            x.done(1, "m", &execution("a"), (1, 1)),
+            None,
+            "its session ended"
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! What recording costs an execution (a measurement, ignored by default).
+//! What recording costs an execution: time, and bytes stored (measurements, ignored by
+//! default).
 
 use super::*;
 
