@@ -2,9 +2,10 @@
 //! stored once: its messages, and in `execution_done` only its outcome (version 2, see
 //! [`crate::recording::stored`]), from which and the messages a reader rebuilds it
 //! ([`crate::recording::rebuild`]). For that the writer holds, from an execution's
-//! `execution_started` to its `execution_done`, the messages of it that it recorded (their
-//! bytes shared with the reports, not copied), and at the end checks that they rebuild the
-//! very execution the session answered.
+//! `execution_started` to its `execution_done`, the messages of it that it recorded (a
+//! message's bytes shared with its report, not copied, unless its images were taken out:
+//! then the text a reader gets back), and at the end checks that they rebuild the very
+//! execution the session answered.
 //!
 //! When the messages were not all recorded, the execution could not be read back from
 //! them, so `execution_done` keeps the whole execution (version 1): the writer knows when
