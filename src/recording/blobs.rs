@@ -1,6 +1,7 @@
 //! Large images kept apart from the events that carry them. A chart appears in a
-//! `display_data` message and again in the Execution of `execution_done`; both events then
-//! refer to one row of `blobs`, keyed by the SHA-256 of the base64 text.
+//! `display_data` message, and again wherever it is shown again (or in the Execution of an
+//! `execution_done` stored whole); every event then refers to one row of `blobs`, keyed by
+//! the SHA-256 of the base64 text.
 //!
 //! In a stored document a blob is the object `{"$blob": "<sha256 hex>"}` in place of the
 //! string. Only image values (`image/*` keys whose value is a string, except SVG, which is

@@ -17,9 +17,12 @@
 //! `--record-synchronous full` fsyncs every commit and closes that gap too, at the price of
 //! one fsync per batch.
 //!
-//! What is kept small: base64 images in `display_data` / `execute_result` and in the
-//! Execution of `execution_done` are stored once per distinct image in `blobs` (by SHA-256)
-//! and put back on read ([`blobs`]). Memory is bounded: when more than
+//! What is kept small: an execution is stored once, as its messages; its `execution_done`
+//! keeps only what they do not say (status, count, duration...), and the execution is
+//! rebuilt from them on read (`rebuild`; the whole execution is stored instead when the
+//! writer could not record all of its messages, see `writer::in_flight`). Base64 images in
+//! `display_data` / `execute_result` (and in a whole Execution) are stored once per distinct
+//! image in `blobs` (by SHA-256) and put back on read ([`blobs`]). Memory is bounded: when more than
 //! [`RecordingConfig::max_queue_bytes`] wait for the writer, reports are dropped and counted,
 //! and the recording gets a `recording_gap` marker. The file is bounded per session: the
 //! writer counts the bytes each session stores (every message type and broker event, each
@@ -37,9 +40,12 @@
 //! - `store`: the handle ([`RecordingStore`]): reports queued to the writer (bounded in
 //!   bytes), the [`crate::session::Recorder`] implementation, reads on blocking threads.
 //! - `writer`: the writer thread (batches, transactions, barriers); how a report becomes
-//!   rows; the per-execution and per-session budgets; retention and deletion.
+//!   rows; the per-execution and per-session budgets; the executions in flight (what
+//!   decides how an `execution_done` is stored); retention and deletion.
 //! - `schema`: tables, indexes, the schema version and migrations; opening the file.
 //! - `queries`: reads: a session's events (paged, filtered), the recordings list, info.
+//! - `rebuild`: an execution stored once, rebuilt from its messages and its outcome with
+//!   the session layer's collector; whether one can be stored so (pure).
 //! - [`blobs`]: images and buffers taken out of events and put back (pure).
 //! - [`stored`]: the recording's own stored types ([`stored::StoredEvent`]), converted from
 //!   what the session layer reports; their serde form is what is on disk, versioned.
@@ -53,6 +59,7 @@ pub mod event;
 pub mod notebook;
 mod postgres;
 mod queries;
+mod rebuild;
 mod schema;
 mod sqlite;
 mod store;

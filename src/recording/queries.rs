@@ -1,7 +1,9 @@
 //! Reading recordings back: the recorded sessions (one, or a user's list), a page of a
 //! session's events with filters, every event in order. Rows become [`RecordedEvent`]s with
 //! what the writer took out put back: images and buffers from `blobs`, a parent header
-//! stored as a reference from the request's row. Plain functions over a read-only
+//! stored as a reference from the request's row, the execution of an `execution_done`
+//! stored once rebuilt from its messages (read from the page, or read for it when the page
+//! does not hold them: [`complete_executions`]). Plain functions over a read-only
 //! connection; [`Readers`] keeps a few of those for the store's blocking reads (in WAL mode
 //! a reader never waits for the writer and sees every committed batch).
 
@@ -15,7 +17,9 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::blobs::{self, Blob};
+use super::rebuild::{rebuild, Part};
 use super::schema::{open_reader, sqlite};
+use super::stored::{StoredDone, StoredEvent};
 use super::{from_micros, RecordingError};
 use crate::session::Direction;
 use crate::sync::lock;
@@ -237,11 +241,11 @@ pub(super) fn read_events(
     let Some(sid) = sid else {
         return Err(RecordingError::NotFound(id));
     };
-    let mut sql = String::from(
-        "SELECT seq, time, direction, channel, msg_type, msg_id, parent_msg_id, header, parent_header,
-                metadata, content, kind, has_blobs, buffers, parent_seq
-         FROM events WHERE sid = ? AND seq > ?",
-    );
+    let mut sql = String::from(concat!(
+        "SELECT ",
+        row_columns!(),
+        " FROM events WHERE sid = ? AND seq > ?"
+    ));
     let mut args: Vec<Sql> = vec![Sql::Integer(sid), Sql::Integer(q.after)];
     let marks = |n: usize| vec!["?"; n].join(", ");
     if !q.types.is_empty() {
@@ -269,7 +273,60 @@ pub(super) fn read_events(
     sql.push_str(" ORDER BY seq LIMIT ?");
     let limit = q.limit.max(1);
     args.push(Sql::Integer(limit as i64 + 1));
-    let mut st = conn.prepare_cached(&sql).map_err(sqlite("read events"))?;
+    let mut rows = select_rows(conn, &sql, args)?;
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let mut lookup = SqliteLookup {
+        conn,
+        sid,
+        headers: HashMap::new(),
+    };
+    let mut events = Vec::with_capacity(rows.len());
+    for row in rows {
+        events.push(to_event(row, &mut lookup)?);
+    }
+    let mut fetched = HashMap::new();
+    for w in executions_to_fetch(&events, q) {
+        let args = vec![
+            Sql::Integer(sid),
+            Sql::Integer(w.after),
+            Sql::Integer(w.before),
+            Sql::Text(w.msg_id),
+        ];
+        let mut messages = Vec::new();
+        for row in select_rows(conn, EXECUTION_SELECT, args)? {
+            messages.push(to_event(row, &mut lookup)?);
+        }
+        fetched.insert(w.before, messages);
+    }
+    complete_executions(&mut events, &fetched);
+    Ok(EventsPage { events, more })
+}
+
+/// The columns of [`Row`], in its order.
+macro_rules! row_columns {
+    () => {
+        "seq, time, direction, channel, msg_type, msg_id, parent_msg_id, header, parent_header,
+         metadata, content, kind, has_blobs, buffers, parent_seq"
+    };
+}
+pub(super) use row_columns;
+
+/// The messages of an execution stored once (see [`ExecutionWindow`]): `?1` the session
+/// row, `?2` and `?3` the window, `?4` the request's msg_id.
+const EXECUTION_SELECT: &str = concat!(
+    "SELECT ",
+    row_columns!(),
+    " FROM events WHERE sid = ?1 AND seq > ?2 AND seq < ?3 AND parent_msg_id = ?4
+       AND direction = 'from_kernel' ORDER BY seq"
+);
+
+fn select_rows(
+    conn: &Connection,
+    sql: &str,
+    args: Vec<rusqlite::types::Value>,
+) -> Result<Vec<Row>, RecordingError> {
+    let mut st = conn.prepare_cached(sql).map_err(sqlite("read events"))?;
     let rows = st
         .query_map(rusqlite::params_from_iter(args), |r| {
             Ok(Row {
@@ -291,21 +348,8 @@ pub(super) fn read_events(
             })
         })
         .map_err(sqlite("read events"))?;
-    let mut rows: Vec<Row> = rows
-        .collect::<Result<_, _>>()
-        .map_err(sqlite("read events"))?;
-    let more = rows.len() > limit;
-    rows.truncate(limit);
-    let mut lookup = SqliteLookup {
-        conn,
-        sid,
-        headers: HashMap::new(),
-    };
-    let mut events = Vec::with_capacity(rows.len());
-    for row in rows {
-        events.push(to_event(row, &mut lookup)?);
-    }
-    Ok(EventsPage { events, more })
+    rows.collect::<Result<_, _>>()
+        .map_err(sqlite("read events"))
 }
 
 /// Where [`to_event`] finds what the writer took out of a row: blobs by SHA-256 and the
@@ -418,4 +462,87 @@ pub(super) fn to_event(row: Row, lookup: &mut dyn Lookup) -> Result<RecordedEven
 /// The SHA-256s of a message's binary buffers, as stored.
 pub(super) fn buffer_hashes(list: &str) -> Vec<String> {
     serde_json::from_str(list).unwrap_or_default()
+}
+
+/// Where the messages of an execution stored once are (see [`super::rebuild`]): the
+/// session's events between `after` (its `execution_started`) and `before` (its
+/// `execution_done`) from the kernel whose parent is `msg_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ExecutionWindow {
+    pub msg_id: String,
+    pub after: i64,
+    pub before: i64,
+}
+
+/// The execution stored once of a broker event, if it is one: its detail and where its
+/// messages are.
+fn stored_once(e: &RecordedEvent) -> Option<(StoredDone, ExecutionWindow)> {
+    let RecordedKind::Broker { kind, detail } = &e.kind else {
+        return None;
+    };
+    // A version-1 detail (the whole execution) is not parsed only to be refused, unless its
+    // output happens to say `"outcome"`.
+    if kind != "execution_done" || !detail.contains("\"outcome\"") {
+        return None;
+    }
+    let done: StoredDone = serde_json::from_str(detail).ok()?;
+    let window = ExecutionWindow {
+        msg_id: done.msg_id.clone(),
+        after: done.outcome.started_seq,
+        before: e.seq,
+    };
+    Some((done, window))
+}
+
+/// The executions stored once in `page` (read with `q`) whose messages the page does not
+/// hold: it holds them all when it is unfiltered and starts before the execution (a page
+/// is every event in a range of sequence numbers).
+pub(super) fn executions_to_fetch(page: &[RecordedEvent], q: &EventQuery) -> Vec<ExecutionWindow> {
+    let unfiltered = q.types.is_empty() && q.channels.is_empty();
+    page.iter()
+        .filter_map(stored_once)
+        .map(|(_, w)| w)
+        .filter(|w| !(unfiltered && q.after <= w.after))
+        .collect()
+}
+
+/// Puts the whole execution back into every `execution_done` of `page` stored once (version
+/// 2), so that it reads as version 1 did: rebuilt from the messages `fetched` for it (by
+/// its sequence number; see [`executions_to_fetch`]), or else from the page's own.
+pub(super) fn complete_executions(
+    page: &mut [RecordedEvent],
+    fetched: &HashMap<i64, Vec<RecordedEvent>>,
+) {
+    for i in 0..page.len() {
+        let Some((done, w)) = stored_once(&page[i]) else {
+            continue;
+        };
+        let messages: Vec<&RecordedEvent> = match fetched.get(&w.before) {
+            Some(messages) => messages.iter().collect(),
+            None => page[..i].iter().filter(|e| e.seq > w.after).collect(),
+        };
+        let parts = messages.into_iter().filter_map(|e| match &e.kind {
+            RecordedKind::Message {
+                direction: Direction::FromKernel,
+                channel,
+                msg_type,
+                parent_msg_id: Some(parent),
+                content,
+                ..
+            } if *parent == w.msg_id => Some(Part {
+                channel,
+                msg_type,
+                content: content.as_bytes(),
+            }),
+            _ => None,
+        });
+        let execution = rebuild(&done.outcome, parts);
+        let whole = StoredEvent::ExecutionDone {
+            msg_id: done.msg_id,
+            execution,
+        };
+        if let RecordedKind::Broker { detail, .. } = &mut page[i].kind {
+            *detail = whole.detail().to_string();
+        }
+    }
 }

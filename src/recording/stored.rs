@@ -7,11 +7,20 @@
 //! stored one (the tag is the stored `kind`, the other fields its `detail`).
 //!
 //! Versions of the stored form: version 1 is what brokers wrote before these types existed
-//! (the session layer's serde form), and it is still the form written: every kind and field
-//! below reads what version 1 wrote. Kinds added later (`file_*`, `command_*`) are new kinds,
-//! which an older broker reads back as unreadable events rather than misreading them; a field
-//! added to a kind must be optional (`#[serde(default)]`) so that what was written before it
-//! still reads. The tests at the end hold each kind's stored form as written.
+//! (the session layer's serde form): every kind and field below reads what version 1 wrote.
+//! Kinds added later (`file_*`, `command_*`) are new kinds, which an older broker reads back
+//! as unreadable events rather than misreading them; a field added to a kind must be
+//! optional (`#[serde(default)]`) so that what was written before it still reads.
+//!
+//! Version 2 stores an execution once: `execution_done` holds `{msg_id, outcome}`
+//! ([`StoredDone`]: status, count, duration and what else its messages do not carry) instead
+//! of `{msg_id, execution}`, and the execution is rebuilt from its recorded messages on read
+//! (`super::rebuild`), so that every reader above the queries sees the version-1 form
+//! ([`StoredEvent::ExecutionDone`]) whichever was written. The writer still writes the
+//! version-1 form when it cannot vouch for the messages (it dropped some of the execution's
+//! messages at a cap, the queue dropped reports, or they do not rebuild the very execution the
+//! session answered). Readers take both. The tests at the end hold each kind's stored form
+//! as written.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -159,6 +168,36 @@ pub struct StoredExecution {
     pub duration_ms: f64,
 }
 
+/// Version 2 of `execution_done`'s detail: the execution's outcome only, for an execution
+/// whose messages were all recorded. Its output (stdout, stderr, results, the kernel's
+/// error, the count) is in its messages, and read back from them (`super::rebuild`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredDone {
+    pub msg_id: String,
+    pub outcome: StoredOutcome,
+}
+
+/// What an execution's messages do not say about it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredOutcome {
+    pub status: StoredStatus,
+    /// The sequence number of its `execution_started`: its messages are those after it (and
+    /// before the `execution_done`) whose parent is its request.
+    pub started_seq: i64,
+    pub execution_count: Option<u64>,
+    pub truncated: bool,
+    pub duration_ms: f64,
+    /// The broker's own error (a timeout, a dead kernel...), which replaced the kernel's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<StoredError>,
+    /// The limits the output was gathered under, when they cut it (characters of stdout and
+    /// of stderr; bytes of results); none means nothing was cut.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_limit: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_limit: Option<u64>,
+}
+
 impl StoredEvent {
     /// The stored `kind` (the serde tag).
     pub fn kind(&self) -> &'static str {
@@ -255,7 +294,9 @@ impl From<LifecycleEvent> for StoredEvent {
                 timeout_seconds,
                 queue_wait_seconds,
             },
-            L::ExecutionDone { msg_id, execution } => StoredEvent::ExecutionDone {
+            L::ExecutionDone {
+                msg_id, execution, ..
+            } => StoredEvent::ExecutionDone {
                 msg_id,
                 execution: execution.into(),
             },
@@ -412,13 +453,20 @@ impl From<StoredExecution> for Execution {
                     is_main_result: r.is_main_result,
                 })
                 .collect(),
-            error: x.error.map(|e| ExecutionError {
-                ename: e.ename,
-                evalue: e.evalue,
-                traceback: e.traceback,
-            }),
+            error: x.error.map(Into::into),
             truncated: x.truncated,
             duration_ms: x.duration_ms,
+        }
+    }
+}
+
+impl From<StoredError> for ExecutionError {
+    /// The error the agent was answered (the kernel's, or the broker's own), as read back.
+    fn from(e: StoredError) -> Self {
+        ExecutionError {
+            ename: e.ename,
+            evalue: e.evalue,
+            traceback: e.traceback,
         }
     }
 }

@@ -25,10 +25,14 @@ pub enum LifecycleEvent {
         timeout_seconds: f64,
         queue_wait_seconds: f64,
     },
-    /// An agent execution ended; `execution` is what the agent was answered.
+    /// An agent execution ended; `execution` is what the agent was answered, its output
+    /// gathered under `output_limit` and `result_limit` (the recording rebuilds it from the
+    /// messages with them).
     ExecutionDone {
         msg_id: String,
         execution: Execution,
+        output_limit: usize,
+        result_limit: usize,
     },
     /// An agent execution passed its timeout and is being interrupted.
     ExecutionTimeout {

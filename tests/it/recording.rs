@@ -712,3 +712,96 @@ async fn proposed_ids_are_never_reused_postgres() {
     proposed_ids_are_never_reused(&mut broker).await;
     broker.stop().await;
 }
+
+/// An execution is stored once (its `execution_done` keeps only its outcome) and reads back
+/// as the session answered it: stdout, stderr, results with a PNG, the count; an error and
+/// its status; in every read (all events, filtered, a page without its messages).
+/// `stored_once` says how many `execution_done` rows hold only an outcome.
+async fn executions_are_stored_once_and_read_back_whole(
+    broker: &SpawnedBroker,
+    stored_once: impl AsyncFn() -> i64,
+) {
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let cells = [
+        "import sys\nimport matplotlib.pyplot as plt\nprint('x' * 1000)\n\
+         print('careful', file=sys.stderr)\nplt.plot([1, 3, 2])\nplt.show()\n6 * 7",
+        "raise ValueError('bad')",
+    ];
+    let mut answers = Vec::new();
+    for code in cells {
+        answers.push(api.execute(&id, code).await);
+    }
+    let (a, b) = (&answers[0], &answers[1]);
+    assert_eq!(a["status"], "ok", "{a}");
+    assert_eq!(a["stdout"], format!("{}\n", "x".repeat(1000)).as_str());
+    assert_eq!(a["stderr"], "careful\n");
+    assert!(a["results"][0]["data"]["image/png"].is_string(), "{a}");
+    assert_eq!(a["results"][1]["data"]["text/plain"], "42");
+    assert_eq!(b["status"], "error", "{b}");
+    assert_eq!(b["error"]["ename"], "ValueError");
+    assert_eq!(stored_once().await, 2);
+
+    let all = events(&api, &id, "").await;
+    let dones: Vec<&Value> = all
+        .iter()
+        .filter(|e| e["kind"] == "execution_done")
+        .collect();
+    let filtered = events(&api, &id, "type=execution_done").await;
+    assert_eq!(filtered.len(), 2);
+    for (i, answer) in answers.iter().enumerate() {
+        let seq = dones[i]["seq"].as_i64().unwrap();
+        let page = events(&api, &id, &format!("after={}&limit=1", seq - 1)).await;
+        for read in [dones[i], &filtered[i], &page[0]] {
+            let x = &read["detail"]["execution"];
+            let fields = x.as_object().unwrap();
+            assert_eq!(fields.len(), 8, "{x}");
+            for (k, v) in fields {
+                assert_eq!(&answer[k], v, "{k}: {x}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn executions_are_stored_once_sqlite() {
+    let broker = SpawnedBroker::start(&[], None);
+    let db = broker.data_dir().join("recordings.sqlite3");
+    executions_are_stored_once_and_read_back_whole(&broker, async || {
+        let conn =
+            rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .unwrap();
+        conn.query_row(
+            "SELECT count(*) FROM events WHERE kind = 'execution_done'
+               AND content LIKE '%\"outcome\"%' AND content NOT LIKE '%\"stdout\"%'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    })
+    .await;
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn executions_are_stored_once_postgres() {
+    let url = pg::fresh_database().await;
+    let broker = SpawnedBroker::start(&["--database-url", &url], None);
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    executions_are_stored_once_and_read_back_whole(&broker, async || {
+        client
+            .query_one(
+                "SELECT count(*) FROM events WHERE kind = 'execution_done'
+                   AND content LIKE '%\"outcome\"%' AND content NOT LIKE '%\"stdout\"%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    })
+    .await;
+    broker.stop().await;
+}

@@ -142,6 +142,8 @@ fn lifecycle_events_feed_the_families() {
         LifecycleEvent::ExecutionDone {
             msg_id: "m".into(),
             execution,
+            output_limit: 10_000,
+            result_limit: 1 << 20,
         },
         LifecycleEvent::ExecutionTimeout {
             msg_id: "m".into(),

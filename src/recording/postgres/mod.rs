@@ -169,10 +169,21 @@ impl PgDb {
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<T, DbError>,
     ) -> Result<T, DbError> {
+        self.transaction(
+            &format!("BEGIN; SELECT pg_advisory_xact_lock({BLOB_LOCK});"),
+            f,
+        )
+    }
+
+    /// Runs `f` in a transaction of its own, begun with `begin`: committed if `f` succeeds,
+    /// else rolled back.
+    fn transaction<T>(
+        &mut self,
+        begin: &str,
+        f: impl FnOnce(&mut Self) -> Result<T, DbError>,
+    ) -> Result<T, DbError> {
         self.reconnect_if_closed()?;
-        self.batch(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock({BLOB_LOCK});"
-        ))?;
+        self.batch(begin)?;
         match f(self) {
             Ok(v) => {
                 self.batch("COMMIT")?;
@@ -356,11 +367,9 @@ impl WriteDb for PgDb {
 
     fn close_stale(&mut self, marker: &StaleMarker<'_>) -> Result<usize, DbError> {
         let kept = marker.kept;
-        self.reconnect_if_closed()?;
-        self.batch("BEGIN")?;
-        let r = (|| {
-            let node = self.node.clone();
-            let rows = self.query(
+        self.transaction("BEGIN", |db| {
+            let node = db.node.clone();
+            let rows = db.query(
                 "SELECT sid, id FROM sessions WHERE ended_at IS NULL AND node = $1",
                 &[&node],
             )?;
@@ -372,13 +381,13 @@ impl WriteDb for PgDb {
                 .map(|r| r.get(0))
                 .collect();
             for sid in &stale {
-                self.execute(
+                db.execute(
                     "INSERT INTO events (sid, seq, time, direction, kind, content)
                      SELECT $1, coalesce(max(seq), 0) + 1, $2, 'broker', $3, $4
                      FROM events WHERE sid = $1",
                     &[sid, &marker.now, &marker.kind, &marker.detail],
                 )?;
-                self.execute(
+                db.execute(
                     "UPDATE sessions SET ended_at = $2, end_reason = 'broker_stopped',
                        events = events + 1
                      WHERE sid = $1",
@@ -386,17 +395,7 @@ impl WriteDb for PgDb {
                 )?;
             }
             Ok(stale.len())
-        })();
-        match r {
-            Ok(n) => {
-                self.batch("COMMIT")?;
-                Ok(n)
-            }
-            Err(e) => {
-                let _ = self.batch("ROLLBACK");
-                Err(e)
-            }
-        }
+        })
     }
 
     fn retention(&mut self, cutoff: i64) -> Result<usize, DbError> {

@@ -1,6 +1,7 @@
 //! Reading recordings back from PostgreSQL: what [`crate::recording::queries`] does on the
 //! SQLite file, async on a pool. A page's blobs and parent headers are fetched in two
-//! queries for the whole page, then put back by the same code as SQLite's.
+//! queries for the whole page, then put back by the same code as SQLite's; so are the
+//! executions stored once.
 
 use serde_json::Value;
 use std::collections::HashMap;
@@ -10,7 +11,8 @@ use super::redact;
 use crate::recording::blobs;
 use crate::recording::db::DbError;
 use crate::recording::queries::{
-    buffer_hashes, to_event, EventQuery, EventsPage, Lookup, RecordedEvent, RecordingInfo, Row,
+    buffer_hashes, complete_executions, executions_to_fetch, row_columns, to_event, EventQuery,
+    EventsPage, Lookup, RecordedEvent, RecordingInfo, Row,
 };
 use crate::recording::{from_micros, RecordingError};
 
@@ -141,60 +143,77 @@ impl Pool {
         let mut rows: Vec<Row> = rows.iter().map(event_row).collect();
         let more = rows.len() > limit;
         rows.truncate(limit);
-
-        // What the page refers to, fetched at once.
-        let mut shas = Vec::new();
-        let mut seqs = Vec::new();
-        for r in &rows {
-            if r.has_blobs {
-                if let Some(v) = r
-                    .content
-                    .as_deref()
-                    .and_then(|c| serde_json::from_str::<Value>(c).ok())
-                {
-                    shas.extend(blobs::references(&v));
-                }
-            }
-            if let Some(list) = &r.buffers {
-                shas.extend(buffer_hashes(list));
-            }
-            if let (None, Some(seq)) = (&r.parent_header, r.parent_seq) {
-                seqs.push(seq);
-            }
-        }
-        let mut found = Prefetched::default();
-        if !shas.is_empty() {
-            shas.sort();
-            shas.dedup();
-            for r in c
-                .query(
-                    "SELECT sha256, base64, data FROM blobs WHERE sha256 = ANY($1)",
-                    &[&shas],
-                )
+        let mut events = to_events(&c, sid, rows).await?;
+        let mut fetched = HashMap::new();
+        for w in executions_to_fetch(&events, q) {
+            let rows = c
+                .query(EXECUTION_SELECT, &[&sid, &w.after, &w.before, &w.msg_id])
                 .await
-                .map_err(db_err("read blobs"))?
-            {
-                found.blobs.insert(r.get(0), (r.get(1), r.get(2)));
-            }
+                .map_err(db_err("read an execution's messages"))?;
+            let rows = rows.iter().map(event_row).collect();
+            fetched.insert(w.before, to_events(&c, sid, rows).await?);
         }
-        if !seqs.is_empty() {
-            for r in c
-                .query(
-                    "SELECT seq, header FROM events WHERE sid = $1 AND seq = ANY($2)",
-                    &[&sid, &seqs],
-                )
-                .await
-                .map_err(db_err("read parent headers"))?
-            {
-                found.headers.insert(r.get(0), r.get(1));
-            }
-        }
-        let events = rows
-            .into_iter()
-            .map(|row| to_event(row, &mut found))
-            .collect::<Result<_, _>>()?;
+        complete_executions(&mut events, &fetched);
         Ok(EventsPage { events, more })
     }
+}
+
+/// Rows of session row `sid` as events, what they refer to fetched at once.
+async fn to_events(
+    c: &deadpool_postgres::Client,
+    sid: i64,
+    rows: Vec<Row>,
+) -> Result<Vec<RecordedEvent>, RecordingError> {
+    // What the rows refer to, fetched at once.
+    let mut shas = Vec::new();
+    let mut seqs = Vec::new();
+    for r in &rows {
+        if r.has_blobs {
+            if let Some(v) = r
+                .content
+                .as_deref()
+                .and_then(|c| serde_json::from_str::<Value>(c).ok())
+            {
+                shas.extend(blobs::references(&v));
+            }
+        }
+        if let Some(list) = &r.buffers {
+            shas.extend(buffer_hashes(list));
+        }
+        if let (None, Some(seq)) = (&r.parent_header, r.parent_seq) {
+            seqs.push(seq);
+        }
+    }
+    let mut found = Prefetched::default();
+    if !shas.is_empty() {
+        shas.sort();
+        shas.dedup();
+        for r in c
+            .query(
+                "SELECT sha256, base64, data FROM blobs WHERE sha256 = ANY($1)",
+                &[&shas],
+            )
+            .await
+            .map_err(db_err("read blobs"))?
+        {
+            found.blobs.insert(r.get(0), (r.get(1), r.get(2)));
+        }
+    }
+    if !seqs.is_empty() {
+        for r in c
+            .query(
+                "SELECT seq, header FROM events WHERE sid = $1 AND seq = ANY($2)",
+                &[&sid, &seqs],
+            )
+            .await
+            .map_err(db_err("read parent headers"))?
+        {
+            found.headers.insert(r.get(0), r.get(1));
+        }
+    }
+    rows.into_iter()
+        .map(|row| to_event(row, &mut found))
+        .collect()
 }
 
 /// A page's blobs and parent headers.
@@ -216,13 +235,24 @@ impl Lookup for Prefetched {
 
 /// A page of events: `$4` the types (none: all), `$5` whether to filter by channel, `$6` the
 /// kernel channels and `$7` whether broker events are among them.
-const EVENTS_SELECT: &str = "SELECT seq, time, direction, channel, msg_type, msg_id, parent_msg_id,
-       header, parent_header, metadata, content, kind, has_blobs, buffers, parent_seq
-     FROM events
+const EVENTS_SELECT: &str = concat!(
+    "SELECT ",
+    row_columns!(),
+    " FROM events
      WHERE sid = $1 AND seq > $2
        AND (cardinality($4::text[]) = 0 OR msg_type = ANY($4) OR kind = ANY($4))
        AND (NOT $5 OR channel = ANY($6) OR ($7 AND direction = 'broker'))
-     ORDER BY seq LIMIT $3";
+     ORDER BY seq LIMIT $3"
+);
+
+/// The messages of an execution stored once: `$1` the session row, `$2` and `$3` the
+/// window, `$4` the request's msg_id (see `ExecutionWindow`).
+const EXECUTION_SELECT: &str = concat!(
+    "SELECT ",
+    row_columns!(),
+    " FROM events WHERE sid = $1 AND seq > $2 AND seq < $3 AND parent_msg_id = $4
+       AND direction = 'from_kernel' ORDER BY seq"
+);
 
 const INFO_SELECT: &str = r#"SELECT id, "user", kernel, created_at, ended_at, end_reason, cells, events, last_event_at FROM sessions"#;
 

@@ -242,9 +242,12 @@ impl RecordingStore {
             return;
         }
         if self.gaps_pending.load(Ordering::Acquire) > 0 {
-            let dropped = lock(&self.gaps).remove(&key.id);
-            if let Some(n) = dropped {
-                self.gaps_pending.fetch_sub(1, Ordering::AcqRel);
+            // The marker is queued under the lock, and only then is it no longer pending:
+            // a report that finds none pending comes after it, so the writer learns of the
+            // gap before any later report of the session (its execution's end, say: see
+            // `writer::in_flight`).
+            let mut gaps = lock(&self.gaps);
+            if let Some(n) = gaps.remove(&key.id) {
                 self.marker(
                     &key,
                     time,
@@ -254,6 +257,7 @@ impl RecordingStore {
                             .into(),
                     },
                 );
+                self.gaps_pending.fetch_sub(1, Ordering::AcqRel);
             }
         }
         self.send(Op::Record {
@@ -297,7 +301,18 @@ impl RecordingStore {
     }
 
     fn report_event(&self, key: SessionKey, event: LifecycleEvent) {
-        self.report(key, Item::Event(BrokerEvent::Session(event.into())));
+        let item = match event {
+            LifecycleEvent::ExecutionDone {
+                output_limit,
+                result_limit,
+                ..
+            } => Item::Done {
+                event: BrokerEvent::Session(event.into()),
+                limits: (output_limit, result_limit),
+            },
+            event => Item::Event(BrokerEvent::Session(event.into())),
+        };
+        self.report(key, item);
     }
 }
 
@@ -371,7 +386,7 @@ fn item_size(item: &Item) -> usize {
                 + msg.content.len()
                 + msg.buffers.iter().map(|b| b.len()).sum::<usize>()
         }
-        Item::Event(event) => 128 + event.kind().len() + json_len(event),
+        Item::Event(event) | Item::Done { event, .. } => 128 + event.kind().len() + json_len(event),
     }
 }
 

@@ -51,6 +51,8 @@ fn stored_form_round_trips() {
             LifecycleEvent::ExecutionDone {
                 msg_id: "m".into(),
                 execution: execution(),
+                output_limit: 10_000,
+                result_limit: 1 << 20,
             },
             "execution_done",
             json!({"msg_id": "m", "execution": {

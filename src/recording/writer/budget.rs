@@ -161,6 +161,7 @@ impl Writer {
         t.bytes += raw;
         t.dirty = true;
         self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+        self.executions.dropped(sid, parent);
         true
     }
 
@@ -212,6 +213,7 @@ impl Writer {
         } else {
             b.execution(parent).open = Some(t);
         }
+        self.executions.dropped(sid, parent);
         Ok(false)
     }
 

@@ -3,6 +3,7 @@
 //! buffers as blobs; a broker event's kind and detail. Each within the session's budgets
 //! ([`super::budget`]).
 
+use bytes::Bytes;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -10,7 +11,8 @@ use super::budget::KEPT_DETAIL_BYTES;
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
 use crate::recording::db::{BlobRow, DbError, EventRow};
-use crate::recording::event::BrokerEvent;
+use crate::recording::event::{BrokerEvent, RecordingMarker};
+use crate::recording::stored::StoredEvent;
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
 
@@ -29,7 +31,8 @@ impl Writer {
                 channel,
                 msg,
             } => self.insert_message(key, sid, time, direction, channel, msg),
-            Item::Event(event) => self.insert_event(key, sid, time, event),
+            Item::Event(event) => self.insert_event(key, sid, time, event, None),
+            Item::Done { event, limits } => self.insert_event(key, sid, time, event, Some(limits)),
         }
     }
 
@@ -64,6 +67,9 @@ impl Writer {
             return Ok((sid, touched));
         }
         let mut content = json_text(&msg.content);
+        let held = self.executions.wants(sid, direction, channel, &msg);
+        // What a reader will see of the content: the text with its images put back.
+        let mut seen = None;
         let mut images = Vec::new();
         if direction == Direction::FromKernel
             && channel == Channel::Iopub
@@ -73,9 +79,10 @@ impl Writer {
             )
             && content.len() >= self.blob_threshold
         {
-            if let Some((text, found)) = self.extract_blobs(&content) {
+            if let Some((text, found, whole)) = self.extract_blobs(&content, held) {
                 content = text;
                 images = found;
+                seen = whole;
             }
         }
         let header = json_text(&msg.header);
@@ -135,15 +142,20 @@ impl Writer {
                 self.remember_request(sid, &msg.msg_id, seq, v);
             }
         }
-        let direction = match direction {
+        let direction_name = match direction {
             Direction::ToKernel => "to_kernel",
             Direction::FromKernel => "from_kernel",
         };
+        let content_seen = held.then(|| match seen {
+            Some(text) => Bytes::from(text),
+            None if content.as_bytes() == &msg.content[..] => msg.content.clone(),
+            None => Bytes::from(content.clone()),
+        });
         self.db.insert_event(&EventRow {
             sid,
             seq,
             time,
-            direction,
+            direction: direction_name,
             channel: Some(channel.as_str()),
             msg_type: Some(&msg.msg_type),
             msg_id: Some(&msg.msg_id),
@@ -157,6 +169,9 @@ impl Writer {
             has_blobs: !images.is_empty(),
             buffers: buffers.as_deref(),
         })?;
+        if let Some(content) = content_seen {
+            self.executions.hold(sid, channel, &msg.msg_type, content);
+        }
         touched.events = 1;
         Ok((sid, touched))
     }
@@ -168,10 +183,22 @@ impl Writer {
         sid: i64,
         time: i64,
         event: BrokerEvent,
+        limits: Option<(usize, usize)>,
     ) -> Result<(i64, Touched), DbError> {
         let mut touched = Touched::default();
         let kind = event.kind().to_string();
-        let mut detail = event.detail();
+        let once = match (&event, limits) {
+            (
+                BrokerEvent::Session(StoredEvent::ExecutionDone { msg_id, execution }),
+                Some(limits),
+            ) => self.executions.done(sid, msg_id, execution, limits),
+            _ => None,
+        };
+        if let BrokerEvent::Recording(RecordingMarker::RecordingGap { .. }) = &event {
+            // The queue dropped reports of this session: of its execution in flight, perhaps.
+            self.executions.lost(sid);
+        }
+        let mut detail = once.unwrap_or_else(|| event.detail());
         let raw = value_len(&detail);
         let parent = event.execution_msg_id().map(str::to_string);
         let parent = parent.as_deref();
@@ -225,6 +252,11 @@ impl Writer {
             has_blobs: !found.is_empty(),
             ..EventRow::broker(sid, seq, time, &kind, &text)
         })?;
+        if let (true, BrokerEvent::Session(StoredEvent::ExecutionStarted { msg_id, .. })) =
+            (kept, &event)
+        {
+            self.executions.start(sid, msg_id, seq);
+        }
         touched.events += 1;
         Ok((sid, touched))
     }
@@ -278,14 +310,20 @@ impl Writer {
     }
 
     /// The images of a message's content, taken out (the text with references, and the
-    /// blobs); `None` when it is not JSON or holds no image.
-    fn extract_blobs(&self, content: &str) -> Option<(String, Vec<Blob>)> {
+    /// blobs; with `whole`, also the text a reader gets back, the images put back in);
+    /// `None` when it is not JSON or holds no image.
+    fn extract_blobs(
+        &self,
+        content: &str,
+        whole: bool,
+    ) -> Option<(String, Vec<Blob>, Option<String>)> {
         let mut v = serde_json::from_str::<Value>(content).ok()?;
+        let seen = whole.then(|| v.to_string());
         let found = blobs::extract(&mut v, self.blob_threshold);
         if found.is_empty() {
             return None;
         }
-        Some((v.to_string(), found))
+        Some((v.to_string(), found, seen))
     }
 }
 

@@ -6,11 +6,14 @@
 //!
 //! Layout: this file is the thread (batches, transactions, barriers, session rows);
 //! [`insert`] stores one report as rows (messages, broker events, blobs);
-//! [`budget`] bounds what each session and execution stores; [`retention`] deletes
-//! recordings (on request, past the retention) and closes those a killed broker left open.
+//! [`budget`] bounds what each session and execution stores; [`in_flight`] holds the
+//! messages of agent executions in flight, so that an execution is stored once;
+//! [`retention`] deletes recordings (on request, past the retention) and closes those a
+//! killed broker left open.
 //! The tables are in [`super::schema`].
 
 mod budget;
+mod in_flight;
 mod insert;
 mod retention;
 
@@ -50,6 +53,12 @@ pub(super) enum Item {
     /// A lifecycle event of the session or a marker of the recording (never
     /// [`BrokerEvent::Unreadable`]: that is only read back).
     Event(BrokerEvent),
+    /// An agent execution's end (an `execution_done`), with the output and result limits
+    /// its output was gathered under.
+    Done {
+        event: BrokerEvent,
+        limits: (usize, usize),
+    },
 }
 
 // Records are nearly every op: boxing them would cost an allocation each.
@@ -104,6 +113,8 @@ pub(super) struct Writer {
     budgets: HashMap<i64, Budget>,
     max_execution_bytes: u64,
     max_session_bytes: u64,
+    /// Agent executions in flight (see [`in_flight`]).
+    executions: in_flight::Executions,
 }
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -124,6 +135,7 @@ impl Writer {
             budgets: HashMap::new(),
             max_execution_bytes: config.max_execution_bytes,
             max_session_bytes: config.max_session_bytes,
+            executions: Default::default(),
         }
     }
 
@@ -196,6 +208,10 @@ impl Writer {
                             }
                         }
                         Err(e) => {
+                            // What it held may be part of an execution in flight.
+                            if let Some(k) = self.known.get(&key.id) {
+                                self.executions.lost(k.sid);
+                            }
                             self.counters.errors.fetch_add(1, Ordering::Relaxed);
                             tracing::error!(session = %key.id, error = %e, "recording: an event was not stored");
                         }
@@ -234,12 +250,15 @@ impl Writer {
                 for b in self.budgets.values_mut() {
                     b.forget_markers();
                 }
+                // And the messages of executions in flight with them.
+                self.executions.all_lost();
             }
         }
         // Ended sessions get no more events; forget them (a late one re-reads the row).
         self.known.retain(|_, k| !ended.contains(&k.sid));
         for sid in &ended {
             self.budgets.remove(sid);
+            self.executions.forget(*sid);
             if let Some(m) = self.requests.remove(sid) {
                 self.requests_len -= m.len();
             }

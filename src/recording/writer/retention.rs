@@ -15,6 +15,7 @@ impl Writer {
     pub(super) fn delete(&mut self, id: Uuid) -> Result<bool, RecordingError> {
         if let Some(k) = self.known.remove(&id) {
             self.budgets.remove(&k.sid);
+            self.executions.forget(k.sid);
             if let Some(m) = self.requests.remove(&k.sid) {
                 self.requests_len -= m.len();
             }

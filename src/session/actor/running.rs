@@ -153,6 +153,8 @@ impl Actor {
             &LifecycleEvent::ExecutionDone {
                 msg_id: r.msg_id.clone(),
                 execution: exec.clone(),
+                output_limit: self.config.output_limit,
+                result_limit: self.config.result_limit,
             },
         );
         // Acknowledge only once the recording holds everything up to here.

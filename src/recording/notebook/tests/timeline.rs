@@ -177,6 +177,8 @@ fn which_requests_are_cells() {
                 .event(LifecycleEvent::ExecutionDone {
                     msg_id: "a".into(),
                     execution: execution("timeout", 3),
+                    output_limit: 10_000,
+                    result_limit: 1 << 20,
                 }),
             "cell 0 a \"sleep(9)\" #3 timeout=5 timed_out finished agent=timeout\n",
         ),
@@ -199,6 +201,8 @@ fn which_requests_are_cells() {
                 LifecycleEvent::ExecutionDone {
                     msg_id: "a".into(),
                     execution: execution("ok", 3),
+                    output_limit: 10_000,
+                    result_limit: 1 << 20,
                 },
             ),
             "cell 0 a \"x\" #7 reply=ok finished agent=ok\n",

@@ -3,8 +3,8 @@
 //! either database, reports as the session layer makes them); each file a concept:
 //! `round_trip` (events and sessions read back, blobs, paging, hostile bytes), `budgets`
 //! (the per-execution and per-session caps, the queue bound), `housekeeping` (stale sessions,
-//! retention), `postgres` (brokers sharing one database, its migration), `cost` (a
-//! measurement).
+//! retention), `postgres` (brokers sharing one database, its migration), `once` (an
+//! execution stored once, read back whole), `cost` (measurements).
 
 use super::*;
 use base64::Engine;
@@ -41,6 +41,8 @@ fn done(msg_id: &str, execution: Value) -> LifecycleEvent {
     LifecycleEvent::ExecutionDone {
         msg_id: msg_id.into(),
         execution: serde_json::from_value::<Execution>(x).unwrap(),
+        output_limit: 10_000,
+        result_limit: 16 << 20,
     }
 }
 
@@ -153,5 +155,6 @@ fn display(parent: &str, text: String) -> Message {
 mod budgets;
 mod cost;
 mod housekeeping;
+mod once;
 mod postgres;
 mod round_trip;
