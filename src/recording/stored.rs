@@ -199,6 +199,26 @@ pub struct StoredOutcome {
 }
 
 impl StoredEvent {
+    /// Whether a user or a kernel can make this event as often as it likes (file changes,
+    /// commands, egress, interrupts, cut outputs), unlike a lifecycle event, which comes a
+    /// few times in a session's life. The recording's budget counts these against the
+    /// session's cap and drops them past it (`writer::budget`).
+    pub fn is_repeatable(&self) -> bool {
+        matches!(
+            self,
+            StoredEvent::Interrupt
+                | StoredEvent::OutputCut { .. }
+                | StoredEvent::EgressAllowed { .. }
+                | StoredEvent::EgressRefused { .. }
+                | StoredEvent::EgressClosed { .. }
+                | StoredEvent::FileWritten { .. }
+                | StoredEvent::FileRemoved { .. }
+                | StoredEvent::FileRenamed { .. }
+                | StoredEvent::CommandStarted { .. }
+                | StoredEvent::CommandEnded { .. }
+        )
+    }
+
     /// The stored `kind` (the serde tag).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -805,3 +805,69 @@ async fn executions_are_stored_once_postgres() {
     .await;
     broker.stop().await;
 }
+
+/// What an API user makes the broker record without running code (file writes, interrupts)
+/// is bounded like the kernel's output: past the session's cap it is dropped and counted,
+/// not kept as lifecycle events are. A user who writes a file or interrupts in a loop must
+/// not grow the recording without end (issue 33).
+#[tokio::test]
+async fn a_flood_of_file_writes_and_interrupts_stops_at_the_session_cap() {
+    const CAP: u64 = 64 << 10;
+    let broker = Broker::start("local", |a| {
+        a.record_max_session_bytes = Some(CAP);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    api.execute(&id, "1").await;
+    let before = recording_file_size(&broker.data_dir);
+    let http = reqwest::Client::new();
+    // Each write is recorded as a `file_written` of ~250 bytes: 1500 are ~6 caps' worth.
+    let long = "n".repeat(180);
+    for i in 0..1500 {
+        let put = http
+            .put(format!(
+                "http://{}/v1/sessions/{id}/files/{long}{i}.txt",
+                broker.addr
+            ))
+            .bearer_auth(ALICE)
+            .body("x")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(put.status(), 201);
+    }
+    for _ in 0..300 {
+        let (s, v) = api
+            .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+            .await;
+        assert!(s < 300, "{s} {v}");
+    }
+    // The session lives on, and what it does next is still answered.
+    assert_eq!(
+        api.execute(&id, "6 * 7").await["results"][0]["data"]["text/plain"],
+        "42"
+    );
+    let grew = recording_file_size(&broker.data_dir) - before;
+    eprintln!("1500 file writes and 300 interrupts grew the recording by {grew} bytes (cap {CAP})");
+    assert!(
+        grew <= CAP + (64 << 10),
+        "the recording grew by {grew} bytes over a session cap of {CAP}"
+    );
+    let evs = events(&api, &id, "limit=5000").await;
+    let written = evs.iter().filter(|e| e["kind"] == "file_written").count();
+    assert!(
+        written > 10 && written < 1500,
+        "{written} file writes recorded"
+    );
+    let marker = &evs[position(
+        &evs,
+        |e| e["kind"] == "recording_truncated" && e["detail"]["scope"] == "session",
+        "a session marker",
+    )]["detail"];
+    assert!(
+        marker["dropped_messages"].as_u64().unwrap() >= 1500 - written as u64,
+        "{marker}"
+    );
+    broker.stop().await;
+}

@@ -13,7 +13,10 @@
 //! up to date at each commit). Broker events are kept (they end sessions and cells), but
 //! past a cap `execution_*` details are cut to `{msg_id, recording_truncated, bytes}`,
 //! others over [`KEPT_DETAIL_BYTES`] likewise; past the session cap `execution_*` events
-//! are dropped too. A new execution has a fresh budget; the session cap stays in force. So
+//! are dropped too. What a user or kernel can make as often as it likes (file changes,
+//! commands, egress, interrupts, cut outputs: `StoredEvent::is_repeatable`) is no lifecycle
+//! event: it counts against the session's cap only and is dropped past it, counted by the
+//! session's marker. A new execution has a fresh budget; the session cap stays in force. So
 //! a session stores at most `max_session_bytes` plus ~200 bytes per later lifecycle event.
 
 use std::collections::VecDeque;
@@ -91,6 +94,15 @@ impl Budget {
     }
 }
 
+/// What became of a repeatable broker event ([`Writer::charge_repeatable`]).
+pub(super) enum Repeatable {
+    Stored,
+    /// Over the session's cap: counted by its marker.
+    Dropped,
+    /// Over the session's cap just now: its marker was stored, counting this event.
+    DroppedAtNewMarker,
+}
+
 /// A `recording_truncated` marker being counted.
 struct Truncation {
     seq: i64,
@@ -163,6 +175,55 @@ impl Writer {
         self.counters.truncated.fetch_add(1, Ordering::Relaxed);
         self.executions.dropped(sid, parent);
         true
+    }
+
+    /// A repeatable broker event (`StoredEvent::is_repeatable`: file changes, commands,
+    /// egress, interrupts): charged to the session's cap only, never to an execution's, and
+    /// past the session's cap dropped and counted by its marker.
+    pub(super) fn charge_repeatable(
+        &mut self,
+        key: &SessionKey,
+        sid: i64,
+        time: i64,
+        cost: u64,
+        raw: u64,
+    ) -> Result<Repeatable, DbError> {
+        let max_session = self.max_session_bytes;
+        let b = self.budgets.entry(sid).or_default();
+        if let Some(t) = b.session_open.as_mut() {
+            t.dropped += 1;
+            t.bytes += raw;
+            t.dirty = true;
+            self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+            return Ok(Repeatable::Dropped);
+        }
+        if b.session + cost <= max_session {
+            b.session += cost;
+            return Ok(Repeatable::Stored);
+        }
+        // The marker names the latest execution, as a session marker does.
+        let latest = b
+            .executions
+            .back()
+            .map(|e| e.msg_id.clone())
+            .unwrap_or_default();
+        let (_, seq) = self.next_seq(key)?;
+        let t = Truncation {
+            seq,
+            scope: "session",
+            msg_id: latest,
+            limit: max_session,
+            dropped: 1,
+            bytes: raw,
+            dirty: false,
+        };
+        let detail = t.detail().to_string();
+        self.db
+            .insert_event(&EventRow::broker(sid, seq, time, t.kind(), &detail))?;
+        tracing::info!(session = %key.id, limit = max_session, "recording: over the session's cap; not recording more");
+        self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+        self.budgets.entry(sid).or_default().session_open = Some(t);
+        Ok(Repeatable::DroppedAtNewMarker)
     }
 
     /// Charges `cost` to session `sid` and the execution of `parent` if it fits both caps.

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::budget::KEPT_DETAIL_BYTES;
+use super::budget::{Repeatable, KEPT_DETAIL_BYTES};
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
 use crate::recording::db::{BlobRow, DbError, EventRow};
@@ -211,38 +211,50 @@ impl Writer {
                 cost += b.data.len();
             }
         }
-        let open = self.open_scope(sid, parent);
-        let kept = match open {
-            Some(_) => false,
-            None if self.charge(key, sid, parent, time, cost as u64, raw)? => true,
-            None => {
-                // Over a cap now: the marker is stored and counts this event.
-                touched.events += 1;
-                false
-            }
-        };
-        if !kept {
-            let scope = self.open_scope(sid, parent);
-            let drop = execution && scope == Some("session");
-            let cut = !drop && (execution || text.len() > KEPT_DETAIL_BYTES);
-            if open.is_some() && (drop || cut) {
-                self.dropping(sid, parent, raw);
-            } else if open.is_none() && !drop && !cut {
-                // The marker counted this event, but it is stored whole after all.
-                self.undrop(sid, parent, raw);
-            }
-            if drop {
-                return Ok((sid, touched));
-            }
-            if cut {
-                let mut short = json!({"recording_truncated": true, "bytes": raw});
-                if let Some(id) = parent {
-                    short["msg_id"] = id.into();
+        let kept = if matches!(&event, BrokerEvent::Session(e) if e.is_repeatable()) {
+            match self.charge_repeatable(key, sid, time, cost as u64, raw)? {
+                Repeatable::Stored => true,
+                Repeatable::Dropped => return Ok((sid, touched)),
+                Repeatable::DroppedAtNewMarker => {
+                    touched.events += 1;
+                    return Ok((sid, touched));
                 }
-                text = short.to_string();
-                found.clear();
             }
-        }
+        } else {
+            let open = self.open_scope(sid, parent);
+            let kept = match open {
+                Some(_) => false,
+                None if self.charge(key, sid, parent, time, cost as u64, raw)? => true,
+                None => {
+                    // Over a cap now: the marker is stored and counts this event.
+                    touched.events += 1;
+                    false
+                }
+            };
+            if !kept {
+                let scope = self.open_scope(sid, parent);
+                let drop = execution && scope == Some("session");
+                let cut = !drop && (execution || text.len() > KEPT_DETAIL_BYTES);
+                if open.is_some() && (drop || cut) {
+                    self.dropping(sid, parent, raw);
+                } else if open.is_none() && !drop && !cut {
+                    // The marker counted this event, but it is stored whole after all.
+                    self.undrop(sid, parent, raw);
+                }
+                if drop {
+                    return Ok((sid, touched));
+                }
+                if cut {
+                    let mut short = json!({"recording_truncated": true, "bytes": raw});
+                    if let Some(id) = parent {
+                        short["msg_id"] = id.into();
+                    }
+                    text = short.to_string();
+                    found.clear();
+                }
+            }
+            kept
+        };
         for b in &found {
             self.db.put_blob(sid, &image_row(b))?;
         }
