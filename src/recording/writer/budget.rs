@@ -207,21 +207,7 @@ impl Writer {
             .back()
             .map(|e| e.msg_id.clone())
             .unwrap_or_default();
-        let (_, seq) = self.next_seq(key)?;
-        let t = Truncation {
-            seq,
-            scope: "session",
-            msg_id: latest,
-            limit: max_session,
-            dropped: 1,
-            bytes: raw,
-            dirty: false,
-        };
-        let detail = t.detail().to_string();
-        self.db
-            .insert_event(&EventRow::broker(sid, seq, time, t.kind(), &detail))?;
-        tracing::info!(session = %key.id, limit = max_session, "recording: over the session's cap; not recording more");
-        self.counters.truncated.fetch_add(1, Ordering::Relaxed);
+        let t = self.store_marker(key, sid, time, ("session", max_session), latest, raw)?;
         self.budgets.entry(sid).or_default().session_open = Some(t);
         Ok(Repeatable::DroppedAtNewMarker)
     }
@@ -253,6 +239,28 @@ impl Writer {
             return Ok(true);
         };
         let msg_id = e.msg_id.clone();
+        let t = self.store_marker(key, sid, time, (scope, limit), msg_id, raw)?;
+        let b = self.budgets.entry(sid).or_default();
+        if scope == "session" {
+            b.session_open = Some(t);
+        } else {
+            b.execution(parent).open = Some(t);
+        }
+        self.executions.dropped(sid, parent);
+        Ok(false)
+    }
+
+    /// Stores a new `recording_truncated` marker of `scope` (at this place in the session),
+    /// counting the report of `raw` bytes that reached the cap as its first drop.
+    fn store_marker(
+        &mut self,
+        key: &SessionKey,
+        sid: i64,
+        time: i64,
+        (scope, limit): (&'static str, u64),
+        msg_id: String,
+        raw: u64,
+    ) -> Result<Truncation, DbError> {
         let (_, seq) = self.next_seq(key)?;
         let t = Truncation {
             seq,
@@ -268,14 +276,7 @@ impl Writer {
             .insert_event(&EventRow::broker(sid, seq, time, t.kind(), &detail))?;
         tracing::info!(session = %key.id, scope, limit, msg_id = %t.msg_id, "recording: over the cap; not recording more");
         self.counters.truncated.fetch_add(1, Ordering::Relaxed);
-        let b = self.budgets.entry(sid).or_default();
-        if scope == "session" {
-            b.session_open = Some(t);
-        } else {
-            b.execution(parent).open = Some(t);
-        }
-        self.executions.dropped(sid, parent);
-        Ok(false)
+        Ok(t)
     }
 
     /// Brings the open markers' counts up to date (inside the batch's transaction).
