@@ -107,7 +107,9 @@ async fn beat(
     if conn.is_none() {
         match timeout(interval, open(endpoint, deadline)).await {
             Ok(Ok(c)) => *conn = Some(c),
-            Ok(Err(failed)) if failed.exhausted => return Beat::BrokerShort(failed.reason),
+            Ok(Err(failed)) if failed.exhausted => {
+                return Beat::BrokerShort(failed.error.to_string())
+            }
             Ok(Err(_)) | Err(_) => return Beat::Missed,
         }
     }

@@ -28,28 +28,44 @@ pub(super) fn endpoint_of(endpoints: &KernelEndpoints, channel: Channel) -> &str
     }
 }
 
+/// Why a kernel channel could not be opened, or was cut off.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    #[error("{0} is not an ipc:// endpoint")]
+    NotIpc(String),
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The handshake failed, or the kernel broke the protocol.
+    #[error(transparent)]
+    Protocol(#[from] ZmtpError),
+}
+
 /// The unix socket path of an `ipc://` endpoint; the broker reaches kernels through no
 /// other transport.
-fn ipc_path(endpoint: &str) -> Result<&Path, String> {
+fn ipc_path(endpoint: &str) -> Result<&Path, ChannelError> {
     endpoint
         .strip_prefix("ipc://")
         .map(Path::new)
-        .ok_or_else(|| format!("{endpoint} is not an ipc:// endpoint"))
+        .ok_or_else(|| ChannelError::NotIpc(endpoint.to_string()))
 }
 
 /// Why a connection to a kernel endpoint could not be made.
 #[derive(Debug)]
 pub(super) struct OpenFailed {
-    pub(super) reason: String,
+    pub(super) error: ChannelError,
     /// The broker itself ran out of descriptors or memory (see
     /// [`crate::descriptors::is_exhaustion`]): nothing is known of the kernel.
     pub(super) exhausted: bool,
 }
 
 impl OpenFailed {
-    fn kernel(reason: String) -> Self {
+    fn kernel(error: impl Into<ChannelError>) -> Self {
         Self {
-            reason,
+            error: error.into(),
             exhausted: false,
         }
     }
@@ -79,7 +95,10 @@ pub(super) async fn open_connection(
             Err(e) => {
                 return Err(OpenFailed {
                     exhausted: crate::descriptors::is_exhaustion(&e),
-                    reason: format!("cannot connect to {}: {e}", path.display()),
+                    error: ChannelError::Connect {
+                        path: path.to_path_buf(),
+                        source: e,
+                    },
                 })
             }
         }
@@ -89,7 +108,7 @@ pub(super) async fn open_connection(
         .max(Duration::from_millis(100));
     zmtp::handshake(stream, socket_type, identity, limits, left)
         .await
-        .map_err(|e| OpenFailed::kernel(e.to_string()))
+        .map_err(OpenFailed::kernel)
 }
 
 type ZmtpReader = zmtp::Reader<tokio::io::ReadHalf<tokio::net::UnixStream>>;
@@ -109,7 +128,7 @@ pub(super) struct Link {
 }
 
 impl Link {
-    async fn fail(&self, why: String) {
+    async fn fail(&self, why: ChannelError) {
         let _ = self
             .events
             .send((KernelEvent::ChannelFailed(self.channel, why), None))
@@ -136,7 +155,7 @@ impl Link {
         .await
         {
             Ok(c) => c,
-            Err(why) => return self.fail(why.reason).await,
+            Err(why) => return self.fail(why.error).await,
         };
         reader.set_budget(self.budget.clone());
         if channel == Channel::Iopub {
@@ -207,7 +226,7 @@ impl Link {
                     if lock(&self.log).allow() {
                         tracing::warn!(channel = channel.as_str(), error = %e, "cutting off the kernel");
                     }
-                    return self.fail(e.to_string()).await;
+                    return self.fail(e.into()).await;
                 }
             }
         }

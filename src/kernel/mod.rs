@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
 use crate::wire::{self, Channel, Message, Signer};
+pub use link::ChannelError;
 use link::{endpoint_of, Link};
 use log_limit::LogLimit;
 use zmtp::SocketType;
@@ -54,7 +55,7 @@ pub enum KernelEvent {
         misses: u32,
     },
     /// A socket failed for good.
-    ChannelFailed(Channel, String),
+    ChannelFailed(Channel, ChannelError),
     /// An output message on iopub over the message limit, cut (see [`cut`]): its content
     /// now says so; `bytes` is the size the kernel sent, all frames together.
     OutputCut {
@@ -65,11 +66,12 @@ pub enum KernelEvent {
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    #[error("could not connect the {channel} channel to {endpoint}: {reason}")]
+    #[error("could not connect the {channel} channel to {endpoint}: {source}")]
     Connect {
         channel: &'static str,
         endpoint: String,
-        reason: String,
+        #[source]
+        source: ChannelError,
     },
     #[error("the kernel did not become ready within {0:?}")]
     NotReady(Duration),
@@ -326,7 +328,7 @@ impl KernelClient {
                     return Err(KernelError::Connect {
                         channel: ch.as_str(),
                         endpoint: endpoint_of(endpoints, ch).to_string(),
-                        reason: why,
+                        source: why,
                     })
                 }
                 Ok(Some(KernelEvent::HeartbeatLost { .. } | KernelEvent::OutputCut { .. })) => {}
