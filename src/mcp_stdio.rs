@@ -76,18 +76,7 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
                     // those sends (bounded); one the broker did not take is answered with its
                     // error, and the relay then says the broker is gone rather than
                     // exiting 0 as if all went well.
-                    let mut failed = false;
-                    let drain = async {
-                        while let Some(done) = sends.join_next().await {
-                            if let Ok(Some((answer, _))) = done {
-                                failed = true;
-                                settle(&mut pending, &answer);
-                                let _ = host.send(answer).await;
-                            }
-                        }
-                    };
-                    let _ = tokio::time::timeout(CLOSE_WITHIN, drain).await;
-                    if failed {
+                    if answer_failed_sends(&mut sends, &mut host, &mut pending).await {
                         break Err(RelayError::BrokerGone(endpoint.clone()));
                     }
                     // The answers the broker still owes to the host's requests are relayed
@@ -132,14 +121,7 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
                     // The client gave up: the sends still in flight fail at once; the host
                     // gets their error answers before the relay stops (bounded, in case one
                     // does not).
-                    let drain = async {
-                        while let Some(done) = sends.join_next().await {
-                            if let Ok(Some((answer, _))) = done {
-                                let _ = host.send(answer).await;
-                            }
-                        }
-                    };
-                    let _ = tokio::time::timeout(CLOSE_WITHIN, drain).await;
+                    answer_failed_sends(&mut sends, &mut host, &mut pending).await;
                     break Err(RelayError::BrokerGone(endpoint.clone()));
                 };
                 settle(&mut pending, &message);
@@ -173,6 +155,27 @@ pub async fn relay(url: &str, token: &str) -> Result<(), RelayError> {
     }
     let _ = tokio::time::timeout(CLOSE_WITHIN, host.close()).await;
     outcome
+}
+
+/// Waits (at most [`CLOSE_WITHIN`]) for the sends to the broker still in flight; each the
+/// broker did not take is answered to the host with its error. Whether any failed.
+async fn answer_failed_sends<T: Transport<RoleServer>>(
+    sends: &mut JoinSet<Option<(ServerJsonRpcMessage, bool)>>,
+    host: &mut T,
+    pending: &mut HashSet<RequestId>,
+) -> bool {
+    let mut failed = false;
+    let drain = async {
+        while let Some(done) = sends.join_next().await {
+            if let Ok(Some((answer, _))) = done {
+                failed = true;
+                settle(pending, &answer);
+                let _ = host.send(answer).await;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(CLOSE_WITHIN, drain).await;
+    failed
 }
 
 /// Takes the request an answer of the broker's (or the relay's) settles off `pending`.
