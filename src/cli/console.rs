@@ -12,14 +12,13 @@
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
-use base64::Engine;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::{resolve_session, CliError, Client, ClientArgs};
+use super::{error_text, resolve_session, save_chart, CliError, Client, ClientArgs};
 
 /// What `console` was asked.
 #[derive(Debug, Clone, clap::Args)]
@@ -201,34 +200,17 @@ fn show(frame: &Value, cell: u64, charts: &std::path::Path, saved: &mut u64) -> 
         Some("display" | "result") => {
             let data = &frame["data"];
             if let Some(png) = data["image/png"].as_str() {
-                match base64::engine::general_purpose::STANDARD.decode(png.trim()) {
-                    Ok(bytes) => {
-                        *saved += 1;
-                        let path = charts.join(format!("chart-{cell}-{saved}.png"));
-                        match std::fs::write(&path, bytes) {
-                            Ok(()) => println!("[chart saved: {}]", path.display()),
-                            Err(e) => eprintln!("[cannot save the chart: {e}]"),
-                        }
-                    }
-                    Err(e) => eprintln!("[a chart that is not base64: {e}]"),
+                *saved += 1;
+                let path = charts.join(format!("chart-{cell}-{saved}.png"));
+                match save_chart(png, &path) {
+                    Ok(()) => println!("[chart saved: {}]", path.display()),
+                    Err(e) => eprintln!("[{e}]"),
                 }
             } else if let Some(t) = data["text/plain"].as_str() {
                 println!("{t}");
             }
         }
-        Some("error") => {
-            let traceback: Vec<&str> = frame["traceback"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .collect();
-            if traceback.is_empty() {
-                eprintln!("{}: {}", text("ename"), text("evalue"));
-            } else {
-                eprintln!("{}", traceback.join("\n"));
-            }
-        }
+        Some("error") => eprintln!("{}", error_text(frame)),
         Some("input_request") => {
             return Shown::Input {
                 prompt: text("prompt"),

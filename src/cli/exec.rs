@@ -6,10 +6,9 @@
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use base64::Engine;
 use serde_json::{json, Value};
 
-use super::{resolve_session, CliError, Client, ClientArgs};
+use super::{error_text, resolve_session, save_chart, CliError, Client, ClientArgs};
 
 /// What `exec` was asked.
 #[derive(Debug, Clone, clap::Args)]
@@ -78,39 +77,15 @@ pub(crate) fn print_execution(x: &Value, charts: &Path) -> Result<(), CliError> 
     for (i, result) in x["results"].as_array().into_iter().flatten().enumerate() {
         let data = &result["data"];
         if let Some(png) = data["image/png"].as_str() {
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(png.trim())
-                .map_err(|e| CliError::Local(format!("a chart that is not base64: {e}")))?;
             let path = charts.join(format!("chart-{count}-{}.png", i + 1));
-            std::fs::write(&path, bytes).map_err(|e| {
-                CliError::Local(format!("cannot save the chart to {}: {e}", path.display()))
-            })?;
+            save_chart(png, &path)?;
             let _ = writeln!(err, "chart saved: {}", path.display());
         } else if let Some(text) = data["text/plain"].as_str() {
             let _ = writeln!(out, "{text}");
         }
     }
-    if let Some(error) = x["error"].as_object() {
-        let traceback: Vec<&str> = error
-            .get("traceback")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
-        if traceback.is_empty() {
-            let _ = writeln!(
-                err,
-                "{}: {}",
-                error
-                    .get("ename")
-                    .and_then(Value::as_str)
-                    .unwrap_or("Error"),
-                error.get("evalue").and_then(Value::as_str).unwrap_or("")
-            );
-        } else {
-            let _ = writeln!(err, "{}", traceback.join("\n"));
-        }
+    if x["error"].is_object() {
+        let _ = writeln!(err, "{}", error_text(&x["error"]));
     }
     if x["truncated"] == true {
         let _ = writeln!(

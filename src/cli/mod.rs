@@ -171,6 +171,36 @@ impl Client {
     }
 }
 
+/// Writes a chart (`image/png`, base64, as the API gives it) to `path`.
+pub(crate) fn save_chart(png: &str, path: &std::path::Path) -> Result<(), CliError> {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(png.trim())
+        .map_err(|e| CliError::Local(format!("a chart that is not base64: {e}")))?;
+    std::fs::write(path, bytes)
+        .map_err(|e| CliError::Local(format!("cannot save the chart to {}: {e}", path.display())))
+}
+
+/// What an error shows: its traceback, or `ename: evalue` when it has none (an
+/// Execution's `error`, or the stream's `error` frame: both have these fields).
+pub(crate) fn error_text(error: &Value) -> String {
+    let traceback: Vec<&str> = error["traceback"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if traceback.is_empty() {
+        format!(
+            "{}: {}",
+            error["ename"].as_str().unwrap_or("Error"),
+            error["evalue"].as_str().unwrap_or("")
+        )
+    } else {
+        traceback.join("\n")
+    }
+}
+
 /// A session id as the user typed it: a whole id, or the start of one of theirs (as the
 /// session browser shows 8 characters).
 pub(crate) async fn resolve_session(client: &Client, given: &str) -> Result<String, CliError> {
