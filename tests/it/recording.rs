@@ -839,17 +839,14 @@ async fn a_flood_of_file_changes_stops_at_the_session_cap() {
     }
     // And 300 moves, each a `file_renamed`.
     for i in 0..300 {
-        let moved = http
-            .patch(format!(
-                "http://{}/v1/sessions/{id}/files/{long}{i}.txt",
-                broker.addr
-            ))
-            .bearer_auth(ALICE)
-            .json(&json!({ "path": format!("moved/{i}.txt") }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(moved.status(), 200);
+        let (s, v) = api
+            .call(
+                reqwest::Method::PATCH,
+                &format!("/v1/sessions/{id}/files/{long}{i}.txt"),
+                Some(json!({ "path": format!("moved/{i}.txt") })),
+            )
+            .await;
+        assert_eq!(s, 200, "{v}");
     }
     // The session lives on, and what it does next is answered.
     print_until_seen(&api, &id, "still here").await;
