@@ -116,6 +116,13 @@ struct Truncation {
 }
 
 impl Truncation {
+    /// One more report of `raw` bytes dropped under this marker.
+    fn count(&mut self, raw: u64) {
+        self.dropped += 1;
+        self.bytes += raw;
+        self.dirty = true;
+    }
+
     fn marker(&self) -> RecordingMarker {
         let reason = match self.scope {
             "execution" => "this execution's recording went over its cap; later messages of it are not recorded",
@@ -169,9 +176,7 @@ impl Writer {
         else {
             return false;
         };
-        t.dropped += 1;
-        t.bytes += raw;
-        t.dirty = true;
+        t.count(raw);
         self.counters.truncated.fetch_add(1, Ordering::Relaxed);
         self.executions.dropped(sid, parent);
         true
@@ -191,9 +196,7 @@ impl Writer {
         let max_session = self.max_session_bytes;
         let b = self.budgets.entry(sid).or_default();
         if let Some(t) = b.session_open.as_mut() {
-            t.dropped += 1;
-            t.bytes += raw;
-            t.dirty = true;
+            t.count(raw);
             self.counters.truncated.fetch_add(1, Ordering::Relaxed);
             return Ok(Repeatable::Dropped);
         }
