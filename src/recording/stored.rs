@@ -22,6 +22,8 @@
 //! session answered). Readers take both. The tests at the end hold each kind's stored form
 //! as written.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -35,6 +37,13 @@ pub enum StoredEvent {
     SessionCreated {
         kernel: String,
         idle_timeout_seconds: Option<u64>,
+        /// The front door that made it (`rest`, `jupyter`, `e2b`, `mcp`); absent in
+        /// recordings made before it was kept.
+        #[serde(default)]
+        front_door: Option<String>,
+        /// What its client said about it (text to text).
+        #[serde(default)]
+        metadata: BTreeMap<String, String>,
     },
     KernelStarted {
         startup_seconds: f64,
@@ -71,7 +80,16 @@ pub enum StoredEvent {
         reason: String,
     },
     SessionExpired,
-    SessionClosed,
+    /// Who or what closed it (`EndedBy`'s names); absent in recordings made before it was
+    /// kept.
+    SessionClosed {
+        #[serde(default)]
+        by: Option<String>,
+    },
+    /// A front door that did not make the session let go of it; it went on.
+    SessionDetached {
+        by: String,
+    },
     SessionKept,
     BrokerRestarted {
         down_seconds: f64,
@@ -232,7 +250,8 @@ impl StoredEvent {
             StoredEvent::KernelRestarted { .. } => "kernel_restarted",
             StoredEvent::KernelDied { .. } => "kernel_died",
             StoredEvent::SessionExpired => "session_expired",
-            StoredEvent::SessionClosed => "session_closed",
+            StoredEvent::SessionClosed { .. } => "session_closed",
+            StoredEvent::SessionDetached { .. } => "session_detached",
             StoredEvent::SessionKept => "session_kept",
             StoredEvent::BrokerRestarted { .. } => "broker_restarted",
             StoredEvent::EgressAllowed { .. } => "egress_allowed",
@@ -292,9 +311,12 @@ impl From<LifecycleEvent> for StoredEvent {
             L::SessionCreated {
                 kernel,
                 idle_timeout_seconds,
+                provenance,
             } => StoredEvent::SessionCreated {
                 kernel,
                 idle_timeout_seconds,
+                front_door: Some(provenance.front_door.as_str().to_string()),
+                metadata: provenance.metadata.entries().clone(),
             },
             L::KernelStarted {
                 startup_seconds,
@@ -342,7 +364,12 @@ impl From<LifecycleEvent> for StoredEvent {
             L::KernelRestarted { reason } => StoredEvent::KernelRestarted { reason },
             L::KernelDied { reason } => StoredEvent::KernelDied { reason },
             L::SessionExpired => StoredEvent::SessionExpired,
-            L::SessionClosed => StoredEvent::SessionClosed,
+            L::SessionClosed { by } => StoredEvent::SessionClosed {
+                by: Some(by.as_str().to_string()),
+            },
+            L::SessionDetached { by } => StoredEvent::SessionDetached {
+                by: by.as_str().to_string(),
+            },
             L::SessionKept => StoredEvent::SessionKept,
             L::BrokerRestarted {
                 down_seconds,

@@ -39,7 +39,12 @@ async fn events_round_trip_in_order_with_blobs(backend: Backend) {
             json!({"results": [{"data": {"image/png": png}}]}),
         ),
     );
-    store.report_event(k.clone(), LifecycleEvent::SessionClosed);
+    store.report_event(
+        k.clone(),
+        LifecycleEvent::SessionClosed {
+            by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+        },
+    );
     store.flush().await;
 
     let all = store.all_events(id).await.unwrap();
