@@ -172,6 +172,20 @@ def test_sdk_calls_the_issue_lists(e2b_env):
     finally:
         sbx.kill()
     assert sbx.sandbox_id not in [s["id"] for s in e2b_env.api("GET", "/v1/sessions").json()]
+    # The recordings say which front door made each session, with the sandbox's metadata,
+    # and who ended it: the kill, and the context's removal.
+    def broker_events(sid):
+        r = e2b_env.api("GET", f"/v1/sessions/{sid}/events?channel=broker")
+        assert r.status_code == 200, r.text
+        return [(e["kind"], e["detail"]) for e in r.json()["events"]]
+
+    sandbox = broker_events(sbx.sandbox_id)
+    created = [d for k, d in sandbox if k == "session_created"]
+    assert created[0]["front_door"] == "e2b" and created[0]["metadata"] == {"purpose": "kb-test"}
+    assert [d for k, d in sandbox if k == "session_closed"] == [{"by": "e2b"}], sandbox
+    context = broker_events(ctx.id)
+    assert [d["metadata"] for k, d in context if k == "session_created"] == [{"sandbox": sbx.sandbox_id}]
+    assert [d for k, d in context if k == "session_closed"] == [{"by": "e2b"}], context
 
 
 def test_timeout_ends_the_sandbox_unless_extended(e2b_env):

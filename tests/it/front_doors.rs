@@ -12,7 +12,7 @@ use crate::common::*;
 /// The broker events of session `id`, kind and detail.
 async fn broker_events(api: &Api, id: &str) -> Vec<(String, Value)> {
     let (status, v) = api
-        .get(&format!("/v1/sessions/{id}/events?channels=broker"))
+        .get(&format!("/v1/sessions/{id}/events?channel=broker"))
         .await;
     assert_eq!(status, 200, "{v}");
     v["events"]
@@ -21,7 +21,7 @@ async fn broker_events(api: &Api, id: &str) -> Vec<(String, Value)> {
         .iter()
         .map(|e| {
             (
-                e["kind"].as_str().unwrap_or_default().to_string(),
+                e["kind"].as_str().expect("a broker event").to_string(),
                 e["detail"].clone(),
             )
         })
