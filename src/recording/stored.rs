@@ -135,7 +135,9 @@ pub enum StoredEvent {
         #[serde(default)]
         cwd: Option<String>,
     },
-    /// A command ended: its exit code or the signal that ended it.
+    /// A command ended: its exit code or the signal that ended it, and what it printed
+    /// (its start and end past a bound; `*_bytes` all it printed). Recordings made before the
+    /// output was kept have none.
     CommandEnded {
         pid: u32,
         #[serde(default)]
@@ -143,6 +145,14 @@ pub enum StoredEvent {
         #[serde(default)]
         signal: Option<i32>,
         seconds: f64,
+        #[serde(default)]
+        stdout: String,
+        #[serde(default)]
+        stderr: String,
+        #[serde(default)]
+        stdout_bytes: u64,
+        #[serde(default)]
+        stderr_bytes: u64,
     },
 }
 
@@ -422,11 +432,17 @@ impl From<LifecycleEvent> for StoredEvent {
                 exit_code,
                 signal,
                 seconds,
+                stdout,
+                stderr,
             } => StoredEvent::CommandEnded {
                 pid,
                 exit_code,
                 signal,
                 seconds,
+                stdout: stdout.text,
+                stderr: stderr.text,
+                stdout_bytes: stdout.bytes,
+                stderr_bytes: stderr.bytes,
             },
         }
     }

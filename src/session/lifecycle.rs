@@ -110,13 +110,24 @@ pub enum LifecycleEvent {
         argv: Vec<String>,
         cwd: Option<String>,
     },
-    /// Command `pid` ended, with its exit code or the signal that ended it, after `seconds`.
+    /// Command `pid` ended, with its exit code or the signal that ended it, after `seconds`,
+    /// and what it printed (bounded).
     CommandEnded {
         pid: u32,
         exit_code: Option<i32>,
         signal: Option<i32>,
         seconds: f64,
+        stdout: CommandOutput,
+        stderr: CommandOutput,
     },
+}
+
+/// What a command printed on one stream: the text kept (its start and end when it printed
+/// more than the bound, with what was left out said between them) and the bytes it printed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommandOutput {
+    pub text: String,
+    pub bytes: u64,
 }
 
 impl From<EgressEvent> for LifecycleEvent {

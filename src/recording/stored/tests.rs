@@ -232,9 +232,18 @@ fn file_and_command_kinds_round_trip() {
                 exit_code: Some(0),
                 signal: None,
                 seconds: 0.25,
+                stdout: crate::session::lifecycle::CommandOutput {
+                    text: "a\n".into(),
+                    bytes: 2,
+                },
+                stderr: crate::session::lifecycle::CommandOutput {
+                    text: "oops\n".into(),
+                    bytes: 5,
+                },
             },
             "command_ended",
-            json!({"pid": 42, "exit_code": 0, "signal": null, "seconds": 0.25}),
+            json!({"pid": 42, "exit_code": 0, "signal": null, "seconds": 0.25,
+                   "stdout": "a\n", "stderr": "oops\n", "stdout_bytes": 2, "stderr_bytes": 5}),
         ),
     ];
     for (event, kind, detail) in cases {

@@ -218,6 +218,11 @@ async fn file_and_command_events_are_stored_and_read_back(backend: Backend) {
             exit_code: Some(0),
             signal: None,
             seconds: 0.5,
+            stdout: crate::session::lifecycle::CommandOutput {
+                text: "total 0\n".into(),
+                bytes: 8,
+            },
+            stderr: Default::default(),
         },
     ];
     for e in &events {
