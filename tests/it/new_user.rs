@@ -137,7 +137,13 @@ async fn delete_and_move_follow_no_symlink(sb: &'static str) {
         let (status, body) = patch(&api, &id, from, to).await;
         assert_eq!(status, 400, "{from} -> {to}: {body}");
     }
-    // Bad paths and conflicts.
+    // Bad paths and conflicts. A name longer than the filesystem takes is the client's
+    // mistake (400), on every verb.
+    let long = "n".repeat(256);
+    assert_eq!(put(&api, &broker, &id, &long, "x").await, 400);
+    assert_eq!(api.get(&files(&long)).await.0, 400);
+    assert_eq!(api.delete(&files(&long)).await.0, 400);
+    assert_eq!(patch(&api, &id, "keep.txt", &long).await.0, 400);
     assert_eq!(patch(&api, &id, "keep.txt", "../x").await.0, 400);
     assert_eq!(patch(&api, &id, "keep.txt", "d/inner.txt").await.0, 409);
     assert_eq!(api.delete(&files("d")).await.0, 409);

@@ -43,6 +43,11 @@ pub fn clean_relative(path: &str) -> Result<PathBuf, SessionError> {
     let mut out = PathBuf::new();
     for c in Path::new(path).components() {
         match c {
+            // A name longer than the filesystem takes (NAME_MAX) is the client's mistake, not
+            // an I/O failure of the broker's.
+            Component::Normal(part) if part.len() > 255 => {
+                return Err(bad("has a name longer than 255 bytes"))
+            }
             Component::Normal(part) => out.push(part),
             Component::CurDir => {}
             _ => {
@@ -303,9 +308,22 @@ mod tests {
     fn paths_are_cleaned() {
         assert_eq!(clean_relative("a/b.csv").unwrap(), PathBuf::from("a/b.csv"));
         assert_eq!(clean_relative("./a").unwrap(), PathBuf::from("a"));
-        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\0b", "."] {
+        let long_name = format!("a/{}", "n".repeat(256));
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "a\0b",
+            ".",
+            &long_name,
+        ] {
             assert!(clean_relative(bad).is_err(), "{bad:?}");
         }
+        let longest = "n".repeat(255);
+        assert!(clean_relative(&longest).is_ok());
+        let e = clean_relative(&long_name).unwrap_err().to_string();
+        assert!(e.contains("longer than 255 bytes"), "{e}");
     }
 
     #[test]
