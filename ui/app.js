@@ -1,10 +1,13 @@
-// kernel-broker's session browser. Plain JavaScript, no build step.
+// kernel-broker's session browser: the page. Plain JavaScript, no build step (common.js,
+// events.js and list.js come first and share `KB`).
 //
-// Reads GET /v1/recordings (the list), GET /v1/sessions (live sessions' memory use and
-// limit) and GET /v1/sessions/{id}/events (one session),
-// rebuilds the cells from the recorded messages the way the notebook export does, and
-// polls for new events every second while the session is live. Every piece of kernel
-// output is inserted as text; images only as data: URLs.
+// Reads GET /v1/recordings (the list, with the search and filters of list.js), GET
+// /v1/sessions (live sessions' memory use and limit) and GET /v1/sessions/{id}/events (one
+// session), rebuilds the cells from the recorded messages the way the notebook export does,
+// shows every other event (files, commands, network, closes) between them, and polls for new
+// events every second while the session is live. Interrupt, Restart and Delete act on a live
+// session through the REST API. Every piece of kernel output is inserted as text; images
+// only as data: URLs.
 'use strict';
 
 (function () {
@@ -12,21 +15,6 @@
   const LAB_KEY = 'kernel-broker-jupyterlab-url';
   const POLL_MS = 1000;
   const LIST_MS = 3000;
-  const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped', 'node_lost']);
-  const MARKERS = {
-    session_created: 'session created',
-    interrupt: 'interrupt requested',
-    execution_timeout: 'execution timed out',
-    kernel_restarted: 'kernel restarted',
-    kernel_died: 'kernel died',
-    session_expired: 'session expired',
-    session_closed: 'session closed',
-    broker_stopped: 'broker stopped (session lost)',
-    node_lost: 'node lost (session lost)',
-    recording_gap: 'gap in the recording',
-    recording_truncated: 'output cut in the recording',
-    egress_refused: 'network request refused',
-  };
 
   // ---- login page ---------------------------------------------------------------------
   if (document.body.dataset.page === 'login') {
@@ -36,7 +24,14 @@
       sessionStorage.removeItem(TOKEN_KEY);
       document.getElementById('login-message').textContent = 'That token was not accepted; try again.';
     } else if (stored) {
-      location.replace('./?token=' + encodeURIComponent(stored) + location.hash);
+      params.set('token', stored);
+      location.replace('./?' + params.toString() + location.hash);
+      return;
+    }
+    // The form sends the token alone: keep the search and filters of the link it came from.
+    const form = document.querySelector('form');
+    for (const [k, v] of params) {
+      if (k !== 'token') form.append(Object.assign(document.createElement('input'), { type: 'hidden', name: k, value: v }));
     }
     return;
   }
@@ -52,21 +47,8 @@
   const token = sessionStorage.getItem(TOKEN_KEY) || '';
 
   // ---- helpers --------------------------------------------------------------------------
-  function el(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (v === null || v === undefined || v === false) continue;
-      if (k === 'class') e.className = v;
-      else if (k === 'text') e.textContent = v;
-      else if (k.startsWith('on')) e.addEventListener(k.slice(2), v);
-      else e.setAttribute(k, v === true ? '' : String(v));
-    }
-    for (const c of children) {
-      if (c === null || c === undefined || c === false) continue;
-      e.append(c instanceof Node ? c : document.createTextNode(String(c)));
-    }
-    return e;
-  }
+  const { el, clock, when, ago, duration, joinText, stripAnsi, metadataParts, frontDoor } = KB;
+  const EV = KB.events;
 
   function status(text, isError) {
     const s = document.getElementById('status');
@@ -99,27 +81,6 @@
 
   const getJSON = async (path) => (await api(path)).json();
 
-  const stripAnsi = (s) => String(s).replace(/\u001b\[[0-9;?]*[ -/]*[@-~]/g, '').replace(/\u001b\][^\u0007]*(\u0007|\u001b\\)/g, '');
-
-  function clock(t) {
-    if (!t) return '';
-    const d = new Date(t);
-    return d.toLocaleTimeString([], { hour12: false }) + '.' + String(d.getMilliseconds()).padStart(3, '0');
-  }
-
-  function when(t) {
-    return t ? new Date(t).toLocaleString([], { hour12: false }) : '';
-  }
-
-  function duration(ms) {
-    if (ms === null || ms === undefined || isNaN(ms)) return '';
-    if (ms < 1000) return ms.toFixed(ms < 10 ? 1 : 0) + ' ms';
-    if (ms < 60000) return (ms / 1000).toFixed(2) + ' s';
-    return Math.floor(ms / 60000) + ' min ' + Math.round((ms % 60000) / 1000) + ' s';
-  }
-
-  const joinText = (v) => (Array.isArray(v) ? v.join('') : typeof v === 'string' ? v : JSON.stringify(v, null, 1));
-
   // ---- the session list -------------------------------------------------------------------
   let recordings = [];
   // The caller's live sessions by id (GET /v1/sessions): their memory use and limit.
@@ -133,42 +94,63 @@
     return used + mib(s.memory_limit_bytes) + ' memory';
   }
 
+  // The search and filters (list.js), from the address bar at first.
+  let filters = KB.list.fromURL();
+  // Answers to list requests can arrive out of order: only the newest request's is shown.
+  let listRequest = 0;
+
   async function loadList() {
+    const mine = ++listRequest;
+    const f = filters;
     try {
-      const [recs, sessions] = await Promise.all([getJSON('v1/recordings'), getJSON('v1/sessions')]);
+      const [recs, sessions] = await Promise.all([getJSON(KB.list.path(f)), getJSON('v1/sessions')]);
+      if (mine !== listRequest) return;
+      if (!Array.isArray(recs)) throw new ApiError('GET /v1/recordings did not answer a list');
       recordings = recs;
       live = new Map(sessions.map((s) => [s.id, s]));
       renderList();
-      if (current) {
-        const r = recordings.find((x) => x.id === current.id);
-        if (r) updateHeader(r);
-      }
+      if (current) updateHeader();
+      if (listFailed) { listFailed = false; status(''); }
     } catch (e) {
+      if (mine !== listRequest) return;
+      listFailed = true;
       status(e.message, true);
+      if (e instanceof ApiError && KB.list.active(f)) showListMessage('The search was refused: ' + e.message);
     }
+  }
+  let listFailed = false;
+
+  function showListMessage(text) {
+    recordings = [];
+    document.getElementById('session-list').replaceChildren(el('li', { class: 'empty error-text', text }));
+    document.getElementById('list-count').textContent = '';
   }
 
   function renderList() {
     const ul = document.getElementById('session-list');
-    ul.replaceChildren(...recordings.map((r) => el('li', {
-      class: 'session' + (current && current.id === r.id ? ' selected' : ''),
-      'data-id': r.id,
-      title: r.id,
-      onclick: () => { location.hash = r.id; },
-    },
-    el('span', { class: 'state state-' + r.state, text: r.state }),
-    el('span', { class: 'created', text: when(r.created_at) }),
-    el('span', { class: 'count', text: r.cells + (r.cells === 1 ? ' cell' : ' cells') }),
-    el('code', { class: 'sid', text: r.id.slice(0, 8) }),
-    el('span', { class: 'mem', text: memoryText(live.get(r.id)) }))));
-    if (!recordings.length) ul.append(el('li', { class: 'empty', text: 'No recorded sessions yet.' }));
+    ul.replaceChildren(...recordings.map((r) => KB.list.entry(r, {
+      selected: current && current.id === r.id,
+      mem: memoryText(live.get(r.id)),
+      q: filters.q,
+    })));
+    if (!recordings.length) ul.append(KB.list.empty(filters));
+    document.getElementById('list-count').textContent = recordings.length ? '(' + recordings.length + ')' : '';
+  }
+
+  function search(f) {
+    filters = f;
+    KB.list.toURL(f);
+    loadList();
   }
 
   // ---- one session --------------------------------------------------------------------------
   let current = null;
 
   function newModel() {
-    return { entries: [], byMsg: new Map(), cells: [], dirty: new Set(), ended: false, clearPending: new Set() };
+    return {
+      entries: [], byMsg: new Map(), cells: [], dirty: new Set(), ended: false, endedBy: null,
+      clearPending: new Set(), commands: new Map(), created: null,
+    };
   }
 
   function ensureCell(m, msgId, code, time) {
@@ -186,10 +168,37 @@
     return c;
   }
 
-  function addMarker(m, ev) {
-    const mk = { kind: 'marker', name: ev.kind, time: ev.time, detail: ev.detail || {} };
-    m.entries.push(mk);
-    m.dirty.add(mk);
+  function push(m, entry) {
+    m.entries.push(entry);
+    m.dirty.add(entry);
+    return entry;
+  }
+
+  // A broker event that is not an execution's: a command (its start and end become one
+  // entry, matched by pid), a network connection allowed or closed (folded into a group with
+  // its neighbours), or a line of its own.
+  function addEvent(m, ev) {
+    const d = ev.detail && typeof ev.detail === 'object' ? ev.detail : {};
+    if (ev.kind === 'command_started') {
+      const cmd = push(m, { kind: 'command', time: ev.time, start: d, end: null });
+      m.commands.set(String(d.pid), cmd);
+      return;
+    }
+    if (ev.kind === 'command_ended') {
+      const cmd = m.commands.get(String(d.pid));
+      m.commands.delete(String(d.pid));
+      if (cmd) { cmd.end = d; m.dirty.add(cmd); } else push(m, { kind: 'command', time: ev.time, start: null, end: d });
+      return;
+    }
+    if (EV.FOLDED.has(ev.kind)) {
+      const last = m.entries[m.entries.length - 1];
+      const line = { time: ev.time, kind: ev.kind, text: EV.egressLine(ev.kind, d) };
+      if (last && last.kind === 'egress') { last.lines.push(line); m.dirty.add(last); } else push(m, { kind: 'egress', time: ev.time, lines: [line] });
+      return;
+    }
+    if (ev.kind === 'session_created') m.created = d;
+    if (ev.kind === 'session_closed') m.endedBy = d.by || null;
+    push(m, { kind: 'marker', name: ev.kind, time: ev.time, detail: d });
   }
 
   function pushOutput(c, o) {
@@ -228,8 +237,13 @@
         const c = m.byMsg.get(d.msg_id);
         if (c) { c.timedOut = true; m.dirty.add(c); }
       }
-      if (MARKERS[ev.kind]) addMarker(m, ev);
-      if (ENDED.has(ev.kind)) m.ended = true;
+      addEvent(m, ev);
+      if (EV.ENDED.has(ev.kind)) {
+        m.ended = true;
+        m.endedKind = ev.kind;
+        // Commands still without an end now never get one: they were cut off.
+        for (const cmd of m.commands.values()) m.dirty.add(cmd);
+      }
       return;
     }
     const content = ev.content || {};
@@ -329,11 +343,38 @@
   }
 
   function renderMarker(mk) {
-    const reason = mk.detail && (mk.detail.reason || (mk.detail.timeout_seconds ? 'limit ' + mk.detail.timeout_seconds + ' s' : ''));
-    return el('div', { class: 'marker marker-' + mk.name },
+    const x = EV.describe(mk.name, mk.detail);
+    return el('div', { class: 'marker marker-' + mk.name + ' tone-' + x.tone, 'data-kind': mk.name },
       el('span', { class: 'time', text: clock(mk.time) }),
-      el('span', { class: 'what', text: MARKERS[mk.name] || mk.name }),
-      reason ? el('span', { class: 'reason', text: reason }) : null);
+      el('span', { class: 'what', text: x.what }),
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
+  }
+
+  function renderCommand(cmd, ended) {
+    const x = EV.command(cmd.start, cmd.end, ended);
+    return el('div', { class: 'marker command tone-' + x.tone + (x.running ? ' running' : ''), 'data-kind': 'command', 'data-pid': String((cmd.start || cmd.end).pid) },
+      el('span', { class: 'time', text: clock(cmd.time) }),
+      el('span', { class: 'what', text: x.what }),
+      el('code', { class: 'argv', text: x.line }),
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
+  }
+
+  // Allowed and closed network connections, folded: a summary line, the rest on demand.
+  function renderEgress(g) {
+    const allowed = g.lines.filter((l) => l.kind === 'egress_allowed').length;
+    return el('details', { class: 'marker egress tone-quiet', 'data-kind': 'egress' },
+      el('summary', {},
+        el('span', { class: 'time', text: clock(g.time) }),
+        el('span', { class: 'what', text: 'network' }),
+        el('span', { class: 'detail', text: allowed + (allowed === 1 ? ' connection allowed' : ' connections allowed') + ', ' + (g.lines.length - allowed) + ' closed' })),
+      el('ul', {}, ...g.lines.map((l) => el('li', {}, el('span', { class: 'time', text: clock(l.time) }), ' ', l.text))));
+  }
+
+  function renderEntry(entry, m) {
+    if (entry.kind === 'cell') return renderCell(entry);
+    if (entry.kind === 'command') return renderCommand(entry, m.ended);
+    if (entry.kind === 'egress') return renderEgress(entry);
+    return renderMarker(entry);
   }
 
   function renderDirty() {
@@ -343,8 +384,10 @@
     const changed = m.dirty.size > 0;
     for (const entry of m.entries) {
       if (!m.dirty.has(entry)) continue;
-      const node = entry.kind === 'cell' ? renderCell(entry) : renderMarker(entry);
+      const node = renderEntry(entry, m);
       const old = current.nodes.get(entry);
+      // A folded group keeps whether the reader opened it.
+      if (old && old.tagName === 'DETAILS' && old.open) node.open = true;
       if (old) old.replaceWith(node); else timeline.append(node);
       current.nodes.set(entry, node);
     }
@@ -355,16 +398,30 @@
       current.detail.scrollTop = current.detail.scrollHeight;
     }
     current.liveBadge.hidden = m.ended;
+    if (m.created && !current.doorEl.textContent) {
+      current.doorEl.textContent = frontDoor(m.created.front_door) ? 'via ' + frontDoor(m.created.front_door) : '';
+      const meta = metadataParts(m.created.metadata);
+      current.metaEl.textContent = meta.join(' · ');
+      current.metaEl.title = KB.clip(meta.join('\n'), 1000);
+    }
+    updateHeader();
   }
 
-  function updateHeader(r) {
+  // The open session's state: the live sessions' list says it while it lives; then the
+  // recordings' list, or the recording's own end.
+  function updateHeader() {
     if (!current) return;
-    current.stateEl.textContent = r.state;
-    current.stateEl.className = 'state state-' + r.state;
-    current.live = r.live;
-    current.memEl.textContent = memoryText(live.get(current.id));
     const s = live.get(current.id);
+    const r = recordings.find((x) => x.id === current.id);
+    const m = current.model;
+    let state = s ? s.state : r ? r.state : m.endedKind === 'session_expired' ? 'expired' : m.ended ? 'closed' : current.stateEl.textContent;
+    if (m.ended && s === undefined && (state === 'idle' || state === 'busy' || state === 'starting')) state = 'closed';
+    current.stateEl.textContent = state;
+    current.stateEl.className = 'state state-' + KB.clip(state, 20);
+    current.memEl.textContent = memoryText(s);
     current.memEl.title = s && s.dead_reason ? s.dead_reason : '';
+    // Actions only on a live session: one the broker still holds, whose recording has not ended.
+    current.actions.hidden = !s || m.ended;
   }
 
   function move(delta) {
@@ -484,6 +541,39 @@
     }
   }
 
+  // Interrupt, Restart and Delete: the REST API with the page's token. The buttons wait for
+  // the answer (disabled meanwhile); a failure is shown, never swallowed.
+  async function act(what) {
+    const session = current;
+    const id = session.id;
+    const short = id.slice(0, 8);
+    const ask = {
+      restart: 'Restart the kernel of session ' + short + '? Its variables are lost.',
+      delete: 'Delete session ' + short + '? Its kernel is shut down (the recording is kept).',
+    }[what];
+    if (ask && !window.confirm(ask)) return;
+    const req = {
+      interrupt: ['v1/sessions/' + id + '/interrupt', 'POST', 'interrupt sent to session ' + short],
+      restart: ['v1/sessions/' + id + '/restart', 'POST', 'session ' + short + ' restarted'],
+      delete: ['v1/sessions/' + id, 'DELETE', 'session ' + short + ' deleted'],
+    }[what];
+    for (const b of session.actions.querySelectorAll('button')) b.disabled = true;
+    session.actions.dataset.busy = what;
+    status(what + '…');
+    try {
+      await api(req[0], { method: req[1] });
+      status(req[2]);
+      if (what === 'delete') live.delete(id);
+    } catch (e) {
+      status(what + ' failed: ' + e.message, true);
+    } finally {
+      for (const b of session.actions.querySelectorAll('button')) b.disabled = false;
+      delete session.actions.dataset.busy;
+      if (current === session) updateHeader();
+      loadList();
+    }
+  }
+
   function open(id) {
     stopFollowing();
     const detail = document.getElementById('detail');
@@ -492,7 +582,9 @@
       id, after: 0, model: newModel(), nodes: new Map(), cursor: -1, timer: null, detail,
     };
     current = session;
-    session.stateEl = el('span', { class: 'state state-' + r.state, text: r.state });
+    session.stateEl = el('span', { class: 'state state-' + KB.clip(r.state, 20), text: r.state });
+    session.doorEl = el('span', { class: 'door', text: r.front_door ? 'via ' + frontDoor(r.front_door) : '' });
+    session.metaEl = el('span', { class: 'meta', text: metadataParts(r.metadata).join(' · ') });
     session.cellCount = el('span', { class: 'count' });
     session.memEl = el('span', { class: 'mem', text: memoryText(live.get(id)) });
     session.position = el('span', { class: 'position' });
@@ -500,32 +592,39 @@
     session.liveBadge = el('span', { class: 'live', text: '● live' });
     session.timeline = el('div', { id: 'timeline' });
     session.labInput = el('input', {
-      type: 'url', id: 'jupyterlab-url', size: 28, value: localStorage.getItem(LAB_KEY) || '',
+      type: 'url', id: 'jupyterlab-url', value: localStorage.getItem(LAB_KEY) || '',
       placeholder: 'JupyterLab URL with ?token=', title: 'The URL `jupyter lab` printed, with its token',
     });
-    session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook in JupyterLab' });
+    session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook ↗', title: 'The notebook in JupyterLab' });
+    session.actions = el('div', { class: 'actions', hidden: true },
+      el('button', { type: 'button', id: 'action-interrupt', title: 'Interrupt the running execution', onclick: () => act('interrupt'), text: 'Interrupt' }),
+      el('button', { type: 'button', id: 'action-restart', title: 'Restart the kernel (its state is lost)', onclick: () => act('restart'), text: 'Restart' }),
+      el('button', { type: 'button', id: 'action-delete', class: 'danger', title: 'End the session', onclick: () => act('delete'), text: 'Delete' }));
     detail.dataset.loaded = 'false';
     detail.dataset.session = id;
     detail.replaceChildren(
       el('div', { class: 'session-head' },
-        el('h2', {}, 'Session ', el('code', { text: id })),
+        el('div', { class: 'title-row' },
+          el('h2', {}, 'Session ', el('code', { text: id })),
+          session.actions),
         el('div', { class: 'facts' },
-          session.stateEl, session.liveBadge,
+          session.stateEl, session.liveBadge, session.doorEl,
           el('span', { text: r.kernel || '' }),
-          el('span', { text: r.created_at ? 'created ' + when(r.created_at) : '' }),
-          session.cellCount, session.memEl)),
+          el('span', { class: 'created', text: r.created_at ? 'created ' + when(r.created_at) : '' }),
+          session.cellCount, session.memEl, session.metaEl)),
       el('div', { class: 'toolbar' },
         el('button', { type: 'button', title: 'Previous cell (k)', onclick: () => move(-1), text: '◀' }),
         el('button', { type: 'button', title: 'Next cell (j)', onclick: () => move(1), text: '▶' }),
         session.position,
-        el('label', {}, session.follow, ' follow'),
+        el('label', { class: 'follow' }, session.follow, ' follow'),
         el('button', { type: 'button', onclick: downloadNotebook, text: 'Download .ipynb' }),
-        el('button', { type: 'button', onclick: replay, text: 'Replay in a new session' }),
+        el('button', { type: 'button', onclick: replay, title: 'Replay in a new session', text: 'Replay' }),
         session.labInput,
         el('button', { type: 'button', id: 'open-in-jupyterlab', onclick: openInJupyterLab, text: 'Open in JupyterLab' }),
         session.labLink),
       session.timeline);
     renderList();
+    updateHeader();
     poll(session);
   }
 
@@ -545,6 +644,7 @@
   });
   window.addEventListener('hashchange', route);
 
+  KB.list.bindForm(filters, search);
   loadList().then(route);
   setInterval(loadList, LIST_MS);
 })();
