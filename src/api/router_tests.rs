@@ -294,7 +294,7 @@ async fn the_root_redirects_to_the_session_browser() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body["error"]["code"], "not_found");
     // The page's scripts are served without a token; nothing else under their route.
-    for name in ["common.js", "events.js", "list.js", "app.js"] {
+    for name in ["common.js", "events.js", "list.js", "timeline.js", "app.js"] {
         let (status, content_type, _) = call(Method::GET, &format!("/ui/{name}"), None, "").await;
         assert_eq!(status, StatusCode::OK, "{name}");
         assert!(content_type.starts_with("text/javascript"), "{name}");

@@ -24,12 +24,13 @@ use super::AppState;
 const INDEX: &str = include_str!("../../ui/index.html");
 const LOGIN: &str = include_str!("../../ui/login.html");
 /// The page's scripts by file name, in the order the page loads them: `common.js` (what the
-/// others use), `events.js` (the timeline's events), `list.js` (search, filters, the list),
-/// `app.js` (the page).
-const SCRIPTS: [(&str, &str); 4] = [
+/// others use), `events.js` (broker events described), `list.js` (search, filters, the
+/// list), `timeline.js` (a session's events as cells and events), `app.js` (the page).
+const SCRIPTS: [(&str, &str); 5] = [
     ("common.js", include_str!("../../ui/common.js")),
     ("events.js", include_str!("../../ui/events.js")),
     ("list.js", include_str!("../../ui/list.js")),
+    ("timeline.js", include_str!("../../ui/timeline.js")),
     ("app.js", include_str!("../../ui/app.js")),
 ];
 const STYLE: &str = include_str!("../../ui/style.css");
@@ -109,7 +110,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
 
 /// One of the session browser's scripts (no token: code without data)
 #[utoipa::path(get, operation_id = "ui_script", path = "/ui/{script}", tag = "ui", security(()),
-    params(("script" = String, Path, description = "`common.js`, `events.js`, `list.js` or `app.js`")),
+    params(("script" = String, Path, description = "`common.js`, `events.js`, `list.js`, `timeline.js` or `app.js`")),
     responses((status = 200, description = "JavaScript", content_type = "text/javascript", body = String),
         (status = 404, description = "no such file", body = ErrorBody)))]
 async fn script(Path(name): Path<String>) -> Response {
