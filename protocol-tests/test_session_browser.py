@@ -179,6 +179,41 @@ def test_the_list_shows_front_doors_metadata_errors_and_hostile_text_as_text(bro
         e = entry(browser, sbx.sandbox_id)
         assert e.find_element(By.CSS_SELECTOR, ".door").text == "E2B"
         assert f"team=e2b-{tag}" in e.find_element(By.CSS_SELECTOR, ".meta").text
+    mcp = pytest.importorskip("mcp")
+    from test_mcp import http_client
+
+    async def through_mcp():
+        async with http_client(broker) as client:
+            await client.call_tool("run_python", {"code": f"print('mcp-{tag}')"})
+    asyncio.run(through_mcp())
+    made = [r for r in recordings(broker, q=f"mcp-{tag}") if r["front_door"] == "mcp"]
+    assert len(made) == 1, made
+    wait(browser, lambda d: made[0]["id"] in listed(d), timeout=15, what="the MCP session")
+    m = entry(browser, made[0]["id"])
+    assert m.find_element(By.CSS_SELECTOR, ".door").text == "MCP"
+    client = made[0]["metadata"].get("client")
+    assert client and client in m.find_element(By.CSS_SELECTOR, ".meta").text, made[0]
+
+
+def test_hostile_code_output_and_file_names_stay_text(broker, browser, tmp_path):
+    sid = create_rest(broker)
+    execute(broker, sid, f"s = {HOSTILE!r} + {LONG!r}\nprint(s)\n{HOSTILE!r}")
+    name = 'x<img src=x onerror="window.__pwned=2">' + "N" * 200 + ".txt"
+    r = broker.api("PUT", f"/v1/sessions/{sid}/files/" + requests.utils.quote(name), data=b"hi")
+    assert r.status_code == 201, r.text
+    open_page(browser, broker, sid=sid)
+    wait(browser, lambda d: marker(d, "file_written"), what="the upload in the timeline")
+    cell = browser.find_element(By.CSS_SELECTOR, "#timeline .cell")
+    assert HOSTILE in cell.find_element(By.CSS_SELECTOR, ".code").text
+    assert HOSTILE + LONG in cell.find_element(By.CSS_SELECTOR, ".stream.stdout").text
+    assert "onerror" in marker(browser, "file_written").text
+    assert not browser.find_elements(By.CSS_SELECTOR, "img[src='x']")
+    assert browser.execute_script("return window.__pwned") is None
+    for scroller in ("detail", "sessions"):
+        assert browser.execute_script("const n = document.getElementById(arguments[0]);"
+                                      "return n.scrollWidth <= n.clientWidth + 1", scroller), f"#{scroller} scrolls sideways"
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    shoot(browser, tmp_path, "hostile-1280")
 
 
 def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser):
@@ -346,6 +381,34 @@ def test_the_timeline_shows_a_refused_network_request(fresh_broker, browser):
     text = marker(browser, "egress_refused").text
     assert "network request refused" in text and "forbidden.example.net:80" in text, text
     assert "not allowed" in text
+
+
+def test_the_timeline_shows_jupyter_letting_go_and_an_expiry(broker, browser):
+    # Jupyter's DELETE on a session the REST API made: after the front-door change it lets go
+    # and the session goes on (session_detached); before it, the session ends.
+    sid = create_rest(broker)
+    assert broker.api("DELETE", f"/api/kernels/{sid}").status_code == 204
+    open_page(browser, broker, sid=sid)
+    if broker.api("GET", f"/v1/sessions/{sid}").status_code == 200:
+        wait(browser, lambda d: marker(d, "session_detached"), what="the detach")
+        assert "the Jupyter API let go of the session; it goes on" in marker(browser, "session_detached").text
+        assert browser.find_element(By.ID, "action-delete").is_displayed()
+        assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
+        wait(browser, lambda d: marker(d, "session_closed"), what="the close")
+        assert "by the REST API" in marker(browser, "session_closed").text
+    else:
+        wait(browser, lambda d: marker(d, "session_closed"), what="the close")
+
+    # An idle session that expires: the timeline says so, the state is expired, no actions.
+    r = broker.api("POST", "/v1/sessions", json={"idle_timeout_seconds": 1})
+    assert r.status_code == 201, r.text
+    short = r.json()["id"]
+    wait_for(lambda: broker.api("GET", f"/v1/sessions/{short}").status_code == 410, timeout=60, what="the expiry")
+    open_page(browser, broker, sid=short)
+    wait(browser, lambda d: marker(d, "session_expired"), what="the expiry in the timeline")
+    wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".session-head .state").text == "expired",
+         what="the expired state")
+    assert not browser.find_element(By.CSS_SELECTOR, ".session-head .actions").is_displayed()
 
 
 # ---- actions on a live session --------------------------------------------------------------
