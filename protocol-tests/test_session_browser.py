@@ -310,6 +310,110 @@ def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser
         assert not {ok, bad, jup} & {r["id"] for r in recordings(broker, BOB, **params)}
 
 
+# The page's side of the contract, whatever the server does with it: what it sends, and how
+# it draws the contract's fields (answers stubbed in the page's fetch).
+STUB = """
+window.__sent = [];
+const realFetch = window.fetch;
+window.fetch = (url, opts) => {
+  window.__sent.push(String(url));
+  if (window.__answer && String(url).includes('v1/recordings')) {
+    return Promise.resolve(new Response(JSON.stringify(window.__answer), {status: 200, headers: {'Content-Type': 'application/json'}}));
+  }
+  return realFetch(url, opts);
+};
+"""
+
+
+def sent_recordings(driver):
+    from urllib.parse import parse_qs, urlsplit
+    urls = [u for u in driver.execute_script("return window.__sent") if "v1/recordings" in u]
+    return {k: v[0] for k, v in parse_qs(urlsplit(urls[-1]).query).items()} if urls else None
+
+
+def test_the_page_sends_the_search_and_filters_it_shows(broker, browser):
+    open_page(browser, broker)
+    browser.execute_script(STUB)
+    q = browser.find_element(By.ID, "q")
+    q.send_keys("KeyError\n")
+    wait(browser, lambda d: (sent_recordings(d) or {}).get("q") == "KeyError", what="q sent")
+    for id_, value, key in [("f-state", "expired", "state"), ("f-front-door", "e2b", "front_door"),
+                            ("f-has-errors", "true", "has_errors")]:
+        browser.execute_script("const s = document.getElementById(arguments[0]); s.value = arguments[1];"
+                               "s.dispatchEvent(new Event('change'));", id_, value)
+        wait(browser, lambda d: (sent_recordings(d) or {}).get(key) == value, what=f"{key} sent")
+    browser.execute_script("const i = document.getElementById('f-since'); i.value = '2026-01-02T03:04';"
+                           "i.dispatchEvent(new Event('change'));")
+    wait(browser, lambda d: "since" in (sent_recordings(d) or {}), what="since sent")
+    since = sent_recordings(browser)["since"]
+    assert since.endswith("Z") and since.startswith("2026-01-0"), since
+    assert sent_recordings(browser) == {"q": "KeyError", "state": "expired", "front_door": "e2b",
+                                        "has_errors": "true", "since": since}
+    url = browser.current_url
+    for part in ("q=KeyError", "state=expired", "front_door=e2b", "has_errors=true", "since="):
+        assert part in url, url
+    # Clear empties the form, the request and the address bar.
+    browser.find_element(By.ID, "f-clear").click()
+    wait(browser, lambda d: sent_recordings(d) == {}, what="nothing sent")
+    assert "?" not in browser.current_url.split("#")[0] or browser.current_url.split("#")[0].endswith("?")
+
+
+def test_the_list_draws_the_contract_fields_as_text(broker, browser, tmp_path):
+    sid = create_rest(broker)
+    open_page(browser, broker)
+    browser.execute_script(STUB)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - 300))
+    base = {"kernel": "python3", "created_at": now, "ended_at": None, "end_reason": None,
+            "last_event_at": now, "cells": 3, "events": 40}
+    answer = [
+        {**base, "id": sid, "state": "idle", "live": True, "front_door": "e2b", "errors": 2, "ended_by": None,
+         "metadata": {"team": "billing", "evil": HOSTILE, "long": LONG},
+         "matches": [{"seq": 4, "field": "code", "snippet": "df['price'] " + HOSTILE},
+                     {"seq": 9, "field": "error", "snippet": "KeyError: 'PRICE'"},
+                     {"seq": 12, "field": "output", "snippet": LONG[:150] + " price"}]},
+        {**base, "id": str(uuid.uuid4()), "state": "closed", "live": False, "front_door": "mcp", "errors": 0,
+         "ended_by": "mcp", "metadata": {"client": "claude-code", "client_version": "2.1"}},
+        {**base, "id": str(uuid.uuid4()), "state": "expired", "live": False, "front_door": None, "errors": 0,
+         "ended_by": "idle_expiry", "metadata": {}},
+    ]
+    browser.execute_script("window.__answer = arguments[0];", answer)
+    browser.find_element(By.ID, "q").send_keys("price\n")
+    wait(browser, lambda d: len(listed(d)) == 3, what="the stubbed list")
+    a, b, c = browser.find_elements(By.CSS_SELECTOR, "#session-list li.session")
+    assert a.find_element(By.CSS_SELECTOR, ".door").text == "E2B"
+    assert "team=billing" in a.find_element(By.CSS_SELECTOR, ".meta").text
+    assert HOSTILE in a.find_element(By.CSS_SELECTOR, ".meta").get_attribute("textContent")
+    errors = a.find_element(By.CSS_SELECTOR, ".errors")
+    assert errors.text == "2 errors" and "some" in errors.get_attribute("class")
+    assert a.find_element(By.CSS_SELECTOR, ".last").text == "5 min ago"
+    assert "last activity" in a.find_element(By.CSS_SELECTOR, ".last").get_attribute("title")
+    matches = a.find_elements(By.CSS_SELECTOR, ".match")
+    assert [m.get_attribute("data-field") for m in matches] == ["code", "error", "output"]
+    assert [m.text for m in matches[1].find_elements(By.CSS_SELECTOR, "mark")] == ["PRICE"]
+    assert HOSTILE in matches[0].get_attribute("textContent")
+    assert b.find_element(By.CSS_SELECTOR, ".door").text == "MCP"
+    assert b.find_element(By.CSS_SELECTOR, ".meta").text == "claude-code 2.1"
+    assert "ended by MCP" in b.text
+    assert "some" not in b.find_element(By.CSS_SELECTOR, ".errors").get_attribute("class")
+    assert not c.find_elements(By.CSS_SELECTOR, ".door") and not c.find_elements(By.CSS_SELECTOR, ".meta")
+    assert "ended by idle expiry" in c.text
+    assert not browser.find_elements(By.CSS_SELECTOR, "#sessions img")
+    assert browser.execute_script("return window.__pwned") is None
+    assert browser.execute_script("const n = document.getElementById('sessions');"
+                                  "return n.scrollWidth <= n.clientWidth + 1"), "the list scrolls sideways"
+    for li in (a, b, c):
+        no_overlaps(browser, li.find_elements(By.CSS_SELECTOR, ":scope > *"), "list entry")
+        for line in li.find_elements(By.CSS_SELECTOR, ":scope > .line"):
+            no_overlaps(browser, line.find_elements(By.CSS_SELECTOR, ":scope > *"), "list entry line")
+    shoot(browser, tmp_path, "list-contract-1280")
+    # An empty answer says so.
+    browser.execute_script("window.__answer = [];")
+    browser.find_element(By.ID, "q").send_keys("x\n")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#session-list li.empty"), what="the empty list")
+    assert browser.find_element(By.CSS_SELECTOR, "#session-list li.empty").text == \
+        "No sessions match this search and these filters."
+
+
 def test_the_search_parameters_are_checked(broker):
     create_rest(broker)
     needs_search(broker)
