@@ -8,10 +8,12 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::budget::{Repeatable, KEPT_DETAIL_BYTES};
+use super::search::Noted;
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
-use crate::recording::db::{BlobRow, DbError, EventRow};
+use crate::recording::db::{BlobRow, DbError, EventRow, IndexText};
 use crate::recording::event::{BrokerEvent, RecordingMarker};
+use crate::recording::search::MatchField;
 use crate::recording::stored::StoredEvent;
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
@@ -172,6 +174,8 @@ impl Writer {
         if let Some(content) = content_seen {
             self.executions.hold(sid, channel, &msg.msg_type, content);
         }
+        let noted = self.search.message(sid, seq, direction, channel, &msg);
+        self.note(noted, &mut touched)?;
         touched.events = 1;
         Ok((sid, touched))
     }
@@ -269,8 +273,71 @@ impl Writer {
         {
             self.executions.start(sid, msg_id, seq);
         }
+        let noted = self.search.event(sid, seq, &event);
+        self.note(noted, &mut touched)?;
+        self.note_session(sid, seq, &event)?;
         touched.events += 1;
         Ok((sid, touched))
+    }
+
+    /// Stores what the search index noted of a report.
+    fn note(&mut self, noted: Noted, touched: &mut Touched) -> Result<(), DbError> {
+        for row in &noted.texts {
+            self.db.index_text(row)?;
+        }
+        touched.errors += noted.errors;
+        Ok(())
+    }
+
+    /// What a lifecycle event says of the session as a whole: which front door made it and
+    /// with what metadata (`session_created`), who or what ended it (`session_closed`'s
+    /// `by`, `idle_expiry`). Read from the stored detail, so that a detail without them
+    /// (written before they existed) reads as unknown.
+    fn note_session(&mut self, sid: i64, seq: i64, event: &BrokerEvent) -> Result<(), DbError> {
+        let BrokerEvent::Session(e) = event else {
+            return Ok(());
+        };
+        match e {
+            StoredEvent::SessionCreated { .. } => {
+                let detail = e.detail();
+                let front_door = detail
+                    .get("front_door")
+                    .and_then(Value::as_str)
+                    .map(|s| capped(s, 64));
+                // String values only, as many as fit the bound, whole.
+                let mut metadata = serde_json::Map::new();
+                let mut bytes = 0;
+                let given = detail.get("metadata").and_then(Value::as_object);
+                for (k, v) in given.into_iter().flatten() {
+                    let Some(text) = v.as_str() else { continue };
+                    bytes += k.len() + text.len() + 8;
+                    if bytes > METADATA_BYTES {
+                        break;
+                    }
+                    metadata.insert(k.clone(), v.clone());
+                }
+                let values: Vec<&str> = metadata.values().filter_map(Value::as_str).collect();
+                if !values.is_empty() {
+                    self.db.index_text(&IndexText {
+                        sid,
+                        seq,
+                        field: MatchField::Metadata,
+                        text: capped(&values.join("\n"), METADATA_BYTES),
+                    })?;
+                }
+                let metadata = Value::Object(metadata).to_string();
+                self.db.set_origin(sid, front_door.as_deref(), &metadata)?;
+            }
+            StoredEvent::SessionExpired => self.db.set_ended_by(sid, "idle_expiry")?,
+            _ if event.end_reason().is_some() => {
+                let detail = e.detail();
+                if let Some(by) = detail.get("by").and_then(Value::as_str) {
+                    self.db.set_ended_by(sid, &capped(by, 64))?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Whether session `sid` stores no image or buffer `sha` yet (it would cost its bytes).
@@ -337,6 +404,18 @@ impl Writer {
         }
         Some((v.to_string(), found, seen))
     }
+}
+
+/// Metadata kept per session (as JSON) and indexed, in bytes.
+const METADATA_BYTES: usize = 16 << 10;
+
+/// `s`, at most `max` bytes of it (cut at a character's boundary).
+fn capped(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 /// The row of an image taken out of a message or event; its size is its text's length.

@@ -1,0 +1,134 @@
+//! The recordings list on PostgreSQL: what [`crate::recording::listing`] does on the SQLite
+//! file, with `ILIKE` over `search_text` (through `pg_trgm`'s GIN index when there is one,
+//! see [`super::schema::trigram_index`]).
+
+use std::collections::HashMap;
+
+use tokio_postgres::types::ToSql;
+use uuid::Uuid;
+
+use super::queries::Pool;
+use crate::recording::db::DbError;
+use crate::recording::queries::RecordingInfo;
+use crate::recording::search::{
+    ended_by, filter_sql, like_pattern, metadata_of, snippet, ListQuery, ListedRecording,
+    MatchField, SearchMatch, SqlArg, MATCHES_PER_SESSION,
+};
+use crate::recording::{from_micros, RecordingError};
+
+fn db_err(context: &'static str) -> impl Fn(tokio_postgres::Error) -> RecordingError {
+    move |source| RecordingError::Db {
+        context,
+        source: DbError::Postgres(source),
+    }
+}
+
+/// A value bound to a statement.
+type Param = Box<dyn ToSql + Sync + Send>;
+
+fn refs(params: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
+    params
+        .iter()
+        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
+        .collect()
+}
+
+impl Pool {
+    /// `q.user`'s recorded sessions that pass `q`'s filters and hold its search text,
+    /// newest first, with where they matched.
+    pub async fn list_filtered(
+        &self,
+        q: &ListQuery,
+    ) -> Result<Vec<ListedRecording>, RecordingError> {
+        let mut params: Vec<Param> = Vec::new();
+        let mut conditions = filter_sql(q, "\"user\"", |a| {
+            params.push(match a {
+                SqlArg::Int(i) => Box::new(i),
+                SqlArg::Text(t) => Box::new(t.replace('\0', "\u{fffd}")),
+            });
+            format!("${}", params.len())
+        });
+        if let Some(text) = &q.q {
+            params.push(Box::new(like_pattern(text)));
+            conditions.push_str(&format!(
+                " AND s.sid IN (SELECT t2.sid FROM search_text t2 WHERE t2.text ILIKE ${})",
+                params.len()
+            ));
+        }
+        params.push(Box::new(q.limit as i64));
+        let sql = format!(
+            r#"SELECT s.id, s."user", s.kernel, s.created_at, s.ended_at, s.end_reason, s.cells,
+                      s.events, s.last_event_at, s.front_door, s.metadata, s.errors, s.ended_by,
+                      s.sid
+               FROM sessions s WHERE {conditions}
+               ORDER BY s.created_at DESC, s.sid DESC LIMIT ${}"#,
+            params.len()
+        );
+        let c = self.client().await?;
+        let rows = c
+            .query(&sql, &refs(&params))
+            .await
+            .map_err(db_err("list sessions"))?;
+        let rows: Vec<(i64, ListedRecording)> = rows
+            .iter()
+            .map(|r| {
+                let ended_at = r.get::<_, Option<i64>>(4);
+                let end_reason: Option<String> = r.get(5);
+                let listed = ListedRecording {
+                    ended_by: ended_by(ended_at.is_some(), r.get(12), end_reason.as_deref()),
+                    info: RecordingInfo {
+                        id: Uuid::parse_str(r.get(0)).unwrap_or_default(),
+                        user: r.get(1),
+                        kernel: r.get(2),
+                        created_at: from_micros(r.get(3)),
+                        ended_at: ended_at.map(from_micros),
+                        end_reason,
+                        cells: r.get::<_, i64>(6).max(0) as u64,
+                        events: r.get::<_, i64>(7).max(0) as u64,
+                        last_event_at: r.get::<_, Option<i64>>(8).map(from_micros),
+                    },
+                    front_door: r.get(9),
+                    metadata: metadata_of(r.get(10)),
+                    errors: r.get::<_, i64>(11).max(0) as u64,
+                    matches: Vec::new(),
+                };
+                (r.get::<_, i64>(13), listed)
+            })
+            .collect();
+        let Some(text) = q.q.as_deref().filter(|_| !rows.is_empty()) else {
+            return Ok(rows.into_iter().map(|(_, l)| l).collect());
+        };
+        let sids: Vec<i64> = rows.iter().map(|(sid, _)| *sid).collect();
+        let found = c
+            .query(
+                &format!(
+                    "SELECT sid, seq, field, text FROM (
+                         SELECT t.sid, t.seq, t.field, t.text,
+                                row_number() OVER (PARTITION BY t.sid ORDER BY t.seq) AS n
+                         FROM search_text t WHERE t.sid = ANY($2) AND t.text ILIKE $1
+                     ) m WHERE n <= {MATCHES_PER_SESSION} ORDER BY sid, seq"
+                ),
+                &[&like_pattern(text), &sids],
+            )
+            .await
+            .map_err(db_err("find matches"))?;
+        let mut by_sid: HashMap<i64, Vec<SearchMatch>> = HashMap::new();
+        for r in &found {
+            let Some(field) = MatchField::parse(r.get(2)) else {
+                continue;
+            };
+            by_sid.entry(r.get(0)).or_default().push(SearchMatch {
+                seq: r.get(1),
+                field,
+                snippet: snippet(r.get(3), text),
+            });
+        }
+        Ok(rows
+            .into_iter()
+            .map(|(sid, mut l)| {
+                l.matches = by_sid.remove(&sid).unwrap_or_default();
+                l
+            })
+            .collect())
+    }
+}
