@@ -229,7 +229,7 @@ def test_hostile_code_output_and_file_names_stay_text(broker, browser, tmp_path)
     shoot(browser, tmp_path, "hostile-1280")
 
 
-def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser):
+def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser, tmp_path):
     tag = uuid.uuid4().hex[:10]
     ok = create_rest(broker, {"purpose": f"ok-{tag}"}) or create_rest(broker)
     execute(broker, ok, f"value_{tag} = 41\nprint('out-' + '{tag}'.upper())")
@@ -273,6 +273,7 @@ def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser
     # Each filter, with the search text `tag` (in all three sessions' code or output).
     search(tag)
     wait(browser, lambda d: set(listed(d)) == {ok, bad, jup}, what="all three")
+    shoot(browser, tmp_path, "search-1280")
 
     def select(id_, value, expect, what):
         browser.execute_script("const s = document.getElementById(arguments[0]); s.value = arguments[1];"
@@ -614,10 +615,14 @@ def test_the_layout_holds_at_common_widths(broker, browser, tmp_path, size):
     w, h = size
     browser.set_window_size(w, h)
     sid = create_rest(broker, {"agent": "layout " + LONG[:300], "evil": HOSTILE}) or create_rest(broker)
-    execute(broker, sid, "print('layout')\n" + "1/0")
-    open_page(browser, broker, sid=sid)
+    tag = uuid.uuid4().hex[:8]
+    execute(broker, sid, f"print('layout-{tag} ' + 'L' * 400)\n" + "1/0")
+    # With a search active, so that the entry has its snippets.
+    open_page(browser, broker, f"q=layout-{tag}", sid=sid)
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f"#session-list li[data-id='{sid}']"), what="the entry")
     wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-loaded") == "true", what="the timeline")
+    browser.find_element(By.TAG_NAME, "body").send_keys("j")
+    wait(browser, lambda d: "cell 1 of 1" in d.find_element(By.CSS_SELECTOR, ".toolbar .position").text, what="the position")
     # The JupyterLab link as it appears after "Open in JupyterLab".
     browser.execute_script("const a = document.getElementById('jupyterlab-link'); a.href = 'http://127.0.0.1:8888/lab/tree/x.ipynb'; a.hidden = false;"
                            "document.getElementById('jupyterlab-url').value = 'http://127.0.0.1:8888/lab?token=' + 'a'.repeat(48);")

@@ -12,6 +12,7 @@ KB.events = (function () {
   const BY = {
     rest: 'the REST API', jupyter: 'the Jupyter API', e2b: 'the E2B API', mcp: 'MCP',
     stream: 'the agent stream', broker_shutdown: 'the broker shutting down', idle_expiry: 'idle expiry',
+    expired: 'idle expiry', broker_stopped: 'the broker stopping', node_lost: 'a lost node',
   };
   const by = (b) => (b ? BY[b] || clip(b, 60) : '');
 

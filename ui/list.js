@@ -130,7 +130,8 @@ KB.list = (function () {
     const errors = typeof r.errors === 'number' ? r.errors : null;
     const meta = metadataParts(r.metadata);
     const last = r.last_event_at || r.ended_at || r.created_at;
-    const ended = r.ended_by ? 'ended by ' + (KB.events.by(r.ended_by)) : '';
+    // Who ended it; a bare "closed" (a recording from before closes said who) says nothing more than the state.
+    const ended = r.ended_by && r.ended_by !== 'closed' ? 'ended by ' + KB.events.by(r.ended_by) : '';
     const matches = Array.isArray(r.matches) ? r.matches.slice(0, 3) : [];
     return el('li', {
       class: 'session' + (opts.selected ? ' selected' : ''),
