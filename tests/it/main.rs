@@ -34,6 +34,7 @@ mod mcp;
 mod memory;
 mod new_user;
 mod recording;
+mod recording_search;
 mod sandbox_contract;
 mod sandbox_docker;
 mod sandbox_local;
