@@ -25,6 +25,7 @@ mod e2b;
 mod egress;
 mod fork_server;
 mod fork_server_docker;
+mod front_doors;
 mod hostile_kernel;
 mod instances;
 mod keep_docker;
