@@ -25,14 +25,18 @@ use super::search::{
 use super::{from_micros, RecordingError};
 
 /// Matching rows read from the trigram index before the text counts as common.
-pub(super) const CANDIDATES: usize = 2000;
+pub(super) const CANDIDATES: usize = 10_000;
 
 /// A row of `search_text` the trigram index matched: rowid, session row, seq.
 type Candidate = (i64, i64, i64);
 
-/// The rows that hold `q` (at most [`CANDIDATES`]), or `None` when there are more or the
-/// trigram index cannot answer it.
-fn candidates(conn: &Connection, q: &str) -> Result<Option<Vec<Candidate>>, RecordingError> {
+/// The rows that hold `q` (at most `cap`), or `None` when there are more or the trigram
+/// index cannot answer it.
+fn candidates(
+    conn: &Connection,
+    q: &str,
+    cap: usize,
+) -> Result<Option<Vec<Candidate>>, RecordingError> {
     if !trigram_ok(q) {
         return Ok(None);
     }
@@ -43,21 +47,22 @@ fn candidates(conn: &Connection, q: &str) -> Result<Option<Vec<Candidate>>, Reco
         )
         .map_err(sqlite("search"))?;
     let rows = st
-        .query_map(params![fts_phrase(q), CANDIDATES as i64 + 1], |r| {
+        .query_map(params![fts_phrase(q), cap as i64 + 1], |r| {
             Ok((r.get(0)?, r.get(1)?, r.get(2)?))
         })
         .map_err(sqlite("search"))?;
     let rows = rows
         .collect::<Result<Vec<Candidate>, _>>()
         .map_err(sqlite("search"))?;
-    Ok((rows.len() <= CANDIDATES).then_some(rows))
+    Ok((rows.len() <= cap).then_some(rows))
 }
 
 /// `q.user`'s recorded sessions that pass `q`'s filters and hold its search text, newest
-/// first, with where they matched.
+/// first, with where they matched; text in more than `cap` rows counts as common.
 pub(super) fn list(
     conn: &Connection,
     q: &ListQuery,
+    cap: usize,
 ) -> Result<Vec<ListedRecording>, RecordingError> {
     let mut args: Vec<Sql> = Vec::new();
     let mut conditions = filter_sql(q, "user", |a| {
@@ -69,7 +74,7 @@ pub(super) fn list(
     });
     let found = match &q.q {
         None => None,
-        Some(text) => Some((text, candidates(conn, text)?)),
+        Some(text) => Some((text, candidates(conn, text, cap)?)),
     };
     match &found {
         None => {}

@@ -173,6 +173,22 @@ async fn the_list_is_searched_and_filtered(broker: &SpawnedBroker) {
         Vec::<String>::new()
     );
 
+    // Metadata given at creation is listed and searched.
+    let (status, made) = alice
+        .post(
+            "/v1/sessions",
+            serde_json::json!({"metadata": {"ticket": "JIRA-4242", "agent": "triage"}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{made}");
+    let m = made["id"].as_str().unwrap().to_string();
+    let found = listed(&alice, "q=jira-4242").await;
+    assert_eq!(ids_of(&found), vec![m.clone()]);
+    assert_eq!(found[0]["metadata"]["ticket"], "JIRA-4242");
+    assert_eq!(found[0]["matches"][0]["field"], "metadata");
+    assert_eq!(found[0]["matches"][0]["snippet"], "triage\nJIRA-4242");
+    assert_eq!(ids(&bob, "q=jira").await, Vec::<String>::new());
+
     // Another user's sessions never match; theirs are found by them.
     assert_eq!(ids(&bob, "q=needle").await, vec![c.clone()]);
     assert_eq!(ids(&bob, "q=zebra").await, Vec::<String>::new());

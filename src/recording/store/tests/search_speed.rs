@@ -97,7 +97,8 @@ async fn fill(store: &RecordingStore, sessions: usize) {
             store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &idle);
         }
         if i % 4 < 2 {
-            store.report_event(k.clone(), LifecycleEvent::SessionClosed);
+            let by = crate::session::EndedBy::Client(crate::session::FrontDoor::Rest);
+            store.report_event(k.clone(), LifecycleEvent::SessionClosed { by });
         }
         if i % 200 == 199 {
             store.flush().await;
