@@ -133,6 +133,10 @@ def test_sdk_calls_the_issue_lists(e2b_env):
         assert r.stdout.splitlines()[0] == "hi" and "oops" in r.stderr
         assert "/workspace" in r.stdout
         assert "hi" in "".join(out)
+        # A command that prints without bound reaches the client whole; its recording keeps
+        # only the start and the end.
+        r = sbx.commands.run("yes 0123456789 | head -c 3000000; echo; echo THE-END")
+        assert len(r.stdout) == 3000000 + len("\nTHE-END\n")
         from e2b.sandbox.commands.command_handle import CommandExitException
 
         with pytest.raises(CommandExitException) as ei:
@@ -172,6 +176,32 @@ def test_sdk_calls_the_issue_lists(e2b_env):
     finally:
         sbx.kill()
     assert sbx.sandbox_id not in [s["id"] for s in e2b_env.api("GET", "/v1/sessions").json()]
+    # The recordings say which front door made each session, with the sandbox's metadata,
+    # and who ended it: the kill, and the context's removal.
+    def broker_events(sid):
+        r = e2b_env.api("GET", f"/v1/sessions/{sid}/events?channel=broker")
+        assert r.status_code == 200, r.text
+        return [(e["kind"], e["detail"]) for e in r.json()["events"]]
+
+    sandbox = broker_events(sbx.sandbox_id)
+    created = [d for k, d in sandbox if k == "session_created"]
+    assert created[0]["front_door"] == "e2b" and created[0]["metadata"] == {"purpose": "kb-test"}
+    assert [d for k, d in sandbox if k == "session_closed"] == [{"by": "e2b"}], sandbox
+    # Each command's end, with what it printed (bounded) and how it ended.
+    ended = [d for k, d in sandbox if k == "command_ended"]
+    hi = [d for d in ended if d["stdout"].startswith("hi\n")]
+    assert len(hi) == 1 and hi[0]["stderr"] == "oops\n" and hi[0]["exit_code"] == 0, ended
+    assert hi[0]["stdout_bytes"] == len(hi[0]["stdout"].encode()), hi
+    assert any(d["exit_code"] == 3 for d in ended), ended
+    flood = [d for d in ended if d["stdout_bytes"] == 3000009]
+    assert len(flood) == 1, [d["stdout_bytes"] for d in ended]
+    kept = flood[0]["stdout"]
+    assert kept.startswith("0123456789\n") and kept.endswith("THE-END\n"), kept[-200:]
+    assert "bytes not kept" in kept and len(kept) < 17_000, len(kept)
+    assert any(d["stdout"] == "got hello\n" for d in ended), ended
+    context = broker_events(ctx.id)
+    assert [d["metadata"] for k, d in context if k == "session_created"] == [{"sandbox": sbx.sandbox_id}]
+    assert [d for k, d in context if k == "session_closed"] == [{"by": "e2b"}], context
 
 
 def test_timeout_ends_the_sandbox_unless_extended(e2b_env):

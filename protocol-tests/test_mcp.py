@@ -50,6 +50,10 @@ def test_flow_over_streamable_http(broker):
             made = [s for s in sessions(broker) if s["id"] not in before]
             assert len(made) == 1, made
             own = made[0]["id"]
+            # Made by MCP, with the client's name and version from its initialize.
+            assert made[0]["front_door"] == "mcp", made
+            # (the SDK's own name when the client gives none: mcp.client.session's default)
+            assert made[0]["metadata"] == {"client": "mcp", "client_version": "0.1.0"}, made
             listed = json.loads(texts(await client.call_tool("list_sessions", {}))[0])
             mine = [s for s in listed["sessions"] if s["this_connection"]]
             assert [s["id"] for s in mine] == [own]
@@ -72,6 +76,14 @@ def test_flow_over_streamable_http(broker):
                 break
             await asyncio.sleep(0.1)
         assert own not in {s["id"] for s in sessions(broker)}
+        # (the session leaves the list first, then its kernel stops and the close is recorded)
+        for _ in range(100):
+            closed = [e["detail"] for e in broker.api(
+                "GET", f"/v1/sessions/{own}/events?type=session_closed").json()["events"]]
+            if closed:
+                break
+            await asyncio.sleep(0.1)
+        assert closed == [{"by": "mcp_session_ended"}], closed
         # Replayable like any recorded session: the cells run again in a new session, and
         # the chart and the KeyError come back as recorded.
         r = broker.api("POST", f"/v1/sessions/{own}/replay", timeout=120)

@@ -7,16 +7,22 @@ Why a button and not JupyterLab's kernel picker: jupyter_server's gateway client
 (GatewayMappingKernelManager.list_kernels) lists only the gateway kernels that Jupyter server
 itself started or attached, so a kernel the agent started is never offered there until a
 Jupyter session names it (POST /api/sessions {"kernel": {"id"}}): that is what the button does.
+
+Stopping JupyterLab afterwards shuts down the kernels it knows; the agent's session is not
+JupyterLab's to end (its front door made it), so the broker only detaches Jupyter from it.
 """
 import subprocess
 import sys
 
 import pytest
+import requests
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from conftest import ALICE, REPO
+
+AUTH = {"Authorization": f"Bearer {ALICE}"}
 from test_gateway import VENV_BIN, JupyterServer
 from test_ui import browser, create, execute, wait  # noqa: F401  (browser is a fixture)
 
@@ -96,6 +102,22 @@ def test_open_in_jupyterlab_from_the_session_browser(broker, lab, browser):
     # ...and the agent sees what the person did, in the same kernel.
     x = execute(broker, sid, "agent_total + 1")
     assert x["results"][0]["data"]["text/plain"] == "1235", x
+
+    # The person stops JupyterLab (SIGTERM): it shuts down the kernels it knows, the agent's
+    # among them. The session is the agent's (its front door made it): Jupyter only lets go.
+    lab.stop()
+    assert lab.proc.returncode is not None
+    info = requests.get(f"{broker.url}/v1/sessions/{sid}", headers=AUTH, timeout=30)
+    assert info.status_code == 200 and info.json()["state"] == "idle", info.text
+    x = execute(broker, sid, "print(agent_total + 2)")
+    assert x["stdout"] == "1236\n", x
+    events = requests.get(f"{broker.url}/v1/sessions/{sid}/events?channel=broker",
+                          headers=AUTH, timeout=30).json()["events"]
+    kinds = [e["kind"] for e in events]
+    assert "session_detached" in kinds, f"JupyterLab's shutdown reached the broker: {kinds}"
+    assert all(e["detail"] == {"by": "jupyter"} for e in events
+               if e["kind"] == "session_detached"), events
+    assert "session_closed" not in kinds, kinds
 
 
 def test_open_in_jupyterlab_from_the_command_line(broker, lab):

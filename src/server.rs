@@ -14,7 +14,7 @@ use crate::sandbox::docker::DockerSandbox;
 use crate::sandbox::egress::EgressSandbox;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
-use crate::session::Registry;
+use crate::session::{EndedBy, Registry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -228,7 +228,9 @@ pub async fn serve(
                     let sessions = r.all();
                     let n = sessions.len();
                     futures::future::join_all(
-                        sessions.iter().map(|s| r.delete(&s.user.name, s.id)),
+                        sessions
+                            .iter()
+                            .map(|s| r.delete(&s.user.name, s.id, EndedBy::NodeLost)),
                     )
                     .await;
                     tracing::warn!(

@@ -89,9 +89,9 @@ impl From<SessionError> for ApiError {
                 "kernel_unavailable",
                 message,
             ),
-            SessionError::UnknownKernel(_) | SessionError::InvalidMemoryLimit { .. } => {
-                Self::bad_request(message)
-            }
+            SessionError::UnknownKernel(_)
+            | SessionError::InvalidMemoryLimit { .. }
+            | SessionError::InvalidMetadata(_) => Self::bad_request(message),
             SessionError::IdTaken { .. } => {
                 Self::new(StatusCode::CONFLICT, "session_exists", message)
             }

@@ -16,7 +16,11 @@ use super::error::ApiResult;
 use super::extract::{session_id, BodyLimit, JsonBody, OwnedSession};
 use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, SessionJson};
 use super::AppState;
-use crate::session::{CreateOptions, ExecuteRequest, Origin, Timeout};
+use std::collections::BTreeMap;
+
+use crate::session::{
+    CreateOptions, EndedBy, ExecuteRequest, FrontDoor, Metadata, Origin, Provenance, Timeout,
+};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -42,6 +46,11 @@ pub struct CreateBody {
     /// fit). At least 16 MiB and at most the user's total; the user's default when absent.
     #[schema(minimum = 16777216)]
     memory_limit_bytes: Option<u64>,
+    /// What the client says about the session (an agent's name, a run id): text shown in
+    /// the session browser and searched there, never interpreted. At most 32 entries, keys
+    /// of 1 to 64 bytes, values of at most 1024 bytes.
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
 }
 
 impl BodyLimit for CreateBody {
@@ -73,6 +82,8 @@ async fn create(
             idle_timeout_seconds: req.idle_timeout_seconds,
             id: None,
             memory_limit_bytes: req.memory_limit_bytes,
+            provenance:
+                Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
         }))
         .await?;
     let location = format!("/v1/sessions/{}", session.id);
@@ -121,7 +132,11 @@ async fn delete(
     // session deleted meanwhile), so the id is only parsed here.
     state
         .registry
-        .delete(&caller.0.name, session_id(&id)?)
+        .delete(
+            &caller.0.name,
+            session_id(&id)?,
+            EndedBy::Client(FrontDoor::Rest),
+        )
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -5,6 +5,8 @@
 //! boundary). Each shape derives `ToSchema`, so `/openapi.json` is generated from the same
 //! types the handlers return.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
@@ -52,6 +54,14 @@ pub struct SessionJson {
     /// ran out of memory (limit 256 MiB)"); `null` otherwise.
     #[schema(required = true)]
     pub dead_reason: Option<String>,
+    /// The front door that made the session, which owns its life: `rest`, `jupyter`, `e2b`
+    /// or `mcp`. A Jupyter client's shutdown of a session it did not make only detaches it.
+    /// `null` only for a session of a lost cluster node.
+    #[schema(required = true)]
+    pub front_door: Option<&'static str>,
+    /// What the client said about the session at creation (the agent API's `metadata`,
+    /// E2B's sandbox metadata, the MCP client's name and version), text to text.
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl From<SessionInfo> for SessionJson {
@@ -69,6 +79,8 @@ impl From<SessionInfo> for SessionJson {
             memory_limit_bytes: i.memory_limit_bytes,
             memory_used_bytes: i.memory_used_bytes,
             dead_reason: i.dead_reason,
+            front_door: Some(i.provenance.front_door.as_str()),
+            metadata: i.provenance.metadata.entries().clone(),
         }
     }
 }
@@ -386,6 +398,7 @@ mod tests {
             memory_limit_bytes: 256 << 20,
             memory_used_bytes: Some(52 << 20),
             dead_reason: None,
+            provenance: Default::default(),
         };
         assert_eq!(
             serde_json::to_string(&SessionJson::from(info)).unwrap(),
@@ -393,7 +406,7 @@ mod tests {
              \"state\":\"idle\",\"created_at\":\"2024-05-01T12:00:00.000000Z\",\
              \"last_activity\":\"2024-05-01T12:00:00.000000Z\",\"expires_at\":null,\
              \"execution_count\":0,\"connections\":1,\"memory_limit_bytes\":268435456,\
-             \"memory_used_bytes\":54525952,\"dead_reason\":null}"
+             \"memory_used_bytes\":54525952,\"dead_reason\":null,\"front_door\":\"rest\",\"metadata\":{}}"
         );
     }
 }

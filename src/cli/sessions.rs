@@ -23,8 +23,8 @@ pub async fn sessions(args: &ClientArgs, json: bool) -> Result<(), CliError> {
         return Ok(());
     }
     println!(
-        "{:<36}  {:<8}  {:<8}  {:>5}  {:>9}  {:<20}  LAST ACTIVITY",
-        "ID", "STATE", "KERNEL", "CELLS", "MEMORY", "CREATED"
+        "{:<36}  {:<8}  {:<7}  {:<8}  {:>5}  {:>9}  {:<20}  LAST ACTIVITY",
+        "ID", "STATE", "MADE BY", "KERNEL", "CELLS", "MEMORY", "CREATED"
     );
     for s in &rows {
         println!("{}", row(s));
@@ -45,9 +45,10 @@ fn row(s: &Value) -> String {
         .map(|b| format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64))
         .unwrap_or_else(|| "-".into());
     format!(
-        "{:<36}  {:<8}  {:<8}  {:>5}  {:>9}  {:<20}  {}",
+        "{:<36}  {:<8}  {:<7}  {:<8}  {:>5}  {:>9}  {:<20}  {}",
         text("id"),
         text("state"),
+        text("front_door"),
         text("kernel"),
         s["execution_count"].as_u64().unwrap_or(0),
         memory,
@@ -75,11 +76,12 @@ mod tests {
     fn a_row_shows_what_the_api_said_and_dashes_for_what_it_did_not() {
         let line = super::row(&json!({
             "id": "6a1f7f0e-4f0a-4b44-9c57-8f7f5b7b1d2e", "state": "idle", "kernel": "python3",
+            "front_door": "e2b",
             "execution_count": 3, "memory_used_bytes": 99614720,
             "created_at": "2026-11-22T00:53:19.123456Z", "last_activity": null
         }));
         assert!(
-            line.starts_with("6a1f7f0e-4f0a-4b44-9c57-8f7f5b7b1d2e  idle "),
+            line.starts_with("6a1f7f0e-4f0a-4b44-9c57-8f7f5b7b1d2e  idle      e2b      python3"),
             "{line}"
         );
         assert!(line.contains(" 95 MiB  2026-11-22 00:53:19   -"), "{line}");

@@ -140,7 +140,7 @@ impl BrokerEvent {
     /// How the session ends with this event (`sessions.end_reason`), if it does.
     pub fn end_reason(&self) -> Option<&'static str> {
         match self {
-            BrokerEvent::Session(StoredEvent::SessionClosed) => Some("closed"),
+            BrokerEvent::Session(StoredEvent::SessionClosed { .. }) => Some("closed"),
             BrokerEvent::Session(StoredEvent::SessionExpired) => Some("expired"),
             _ => None,
         }
@@ -255,7 +255,7 @@ mod tests {
             (cut("from_the_future"), None, None, None),
             (gap, None, None, None),
             (
-                BrokerEvent::Session(StoredEvent::SessionClosed),
+                BrokerEvent::Session(StoredEvent::SessionClosed { by: None }),
                 None,
                 None,
                 Some("closed"),

@@ -22,6 +22,8 @@
 //! session answered). Readers take both. The tests at the end hold each kind's stored form
 //! as written.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -35,6 +37,13 @@ pub enum StoredEvent {
     SessionCreated {
         kernel: String,
         idle_timeout_seconds: Option<u64>,
+        /// The front door that made it (`rest`, `jupyter`, `e2b`, `mcp`); absent in
+        /// recordings made before it was kept.
+        #[serde(default)]
+        front_door: Option<String>,
+        /// What its client said about it (text to text).
+        #[serde(default)]
+        metadata: BTreeMap<String, String>,
     },
     KernelStarted {
         startup_seconds: f64,
@@ -71,7 +80,16 @@ pub enum StoredEvent {
         reason: String,
     },
     SessionExpired,
-    SessionClosed,
+    /// Who or what closed it (`EndedBy`'s names); absent in recordings made before it was
+    /// kept.
+    SessionClosed {
+        #[serde(default)]
+        by: Option<String>,
+    },
+    /// A front door that did not make the session let go of it; it went on.
+    SessionDetached {
+        by: String,
+    },
     SessionKept,
     BrokerRestarted {
         down_seconds: f64,
@@ -117,7 +135,9 @@ pub enum StoredEvent {
         #[serde(default)]
         cwd: Option<String>,
     },
-    /// A command ended: its exit code or the signal that ended it.
+    /// A command ended: its exit code or the signal that ended it, and what it printed
+    /// (its start and end past a bound; `*_bytes` all it printed). Recordings made before the
+    /// output was kept have none.
     CommandEnded {
         pid: u32,
         #[serde(default)]
@@ -125,6 +145,14 @@ pub enum StoredEvent {
         #[serde(default)]
         signal: Option<i32>,
         seconds: f64,
+        #[serde(default)]
+        stdout: String,
+        #[serde(default)]
+        stderr: String,
+        #[serde(default)]
+        stdout_bytes: u64,
+        #[serde(default)]
+        stderr_bytes: u64,
     },
 }
 
@@ -232,7 +260,8 @@ impl StoredEvent {
             StoredEvent::KernelRestarted { .. } => "kernel_restarted",
             StoredEvent::KernelDied { .. } => "kernel_died",
             StoredEvent::SessionExpired => "session_expired",
-            StoredEvent::SessionClosed => "session_closed",
+            StoredEvent::SessionClosed { .. } => "session_closed",
+            StoredEvent::SessionDetached { .. } => "session_detached",
             StoredEvent::SessionKept => "session_kept",
             StoredEvent::BrokerRestarted { .. } => "broker_restarted",
             StoredEvent::EgressAllowed { .. } => "egress_allowed",
@@ -292,9 +321,12 @@ impl From<LifecycleEvent> for StoredEvent {
             L::SessionCreated {
                 kernel,
                 idle_timeout_seconds,
+                provenance,
             } => StoredEvent::SessionCreated {
                 kernel,
                 idle_timeout_seconds,
+                front_door: Some(provenance.front_door.as_str().to_string()),
+                metadata: provenance.metadata.entries().clone(),
             },
             L::KernelStarted {
                 startup_seconds,
@@ -342,7 +374,12 @@ impl From<LifecycleEvent> for StoredEvent {
             L::KernelRestarted { reason } => StoredEvent::KernelRestarted { reason },
             L::KernelDied { reason } => StoredEvent::KernelDied { reason },
             L::SessionExpired => StoredEvent::SessionExpired,
-            L::SessionClosed => StoredEvent::SessionClosed,
+            L::SessionClosed { by } => StoredEvent::SessionClosed {
+                by: Some(by.as_str().to_string()),
+            },
+            L::SessionDetached { by } => StoredEvent::SessionDetached {
+                by: by.as_str().to_string(),
+            },
             L::SessionKept => StoredEvent::SessionKept,
             L::BrokerRestarted {
                 down_seconds,
@@ -395,11 +432,17 @@ impl From<LifecycleEvent> for StoredEvent {
                 exit_code,
                 signal,
                 seconds,
+                stdout,
+                stderr,
             } => StoredEvent::CommandEnded {
                 pid,
                 exit_code,
                 signal,
                 seconds,
+                stdout: stdout.text,
+                stderr: stderr.text,
+                stdout_bytes: stdout.bytes,
+                stderr_bytes: stderr.bytes,
             },
         }
     }

@@ -8,7 +8,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::error::SessionError;
 use super::execution::{Execution, OutputEvent};
-use super::state::SessionState;
+use super::front_door::SessionEnd;
 use crate::wire::{Channel, Message};
 
 /// A request to run code.
@@ -38,7 +38,7 @@ pub(super) enum Command {
         route: ReplyRoute,
     },
     Shutdown {
-        state: SessionState,
+        end: SessionEnd,
         done: oneshot::Sender<()>,
     },
     /// The broker stops with `--keep-sessions`: answer what waits, let go of the kernel

@@ -67,6 +67,9 @@ pub enum SessionError {
         /// The user's memory total.
         total: u64,
     },
+    /// A session's metadata outside its bounds (see `Metadata::new`).
+    #[error("metadata: {0}")]
+    InvalidMetadata(String),
     /// The session's execute queue is full.
     #[error(
         "session {session} already has {waiting} executions waiting (the limit); wait for some to finish"

@@ -30,6 +30,7 @@ use super::command::{Command, ExecRequest, ReplyRoute};
 use super::error::SessionError;
 use super::event::{EventBudget, SessionEvent};
 use super::execution::Execution;
+use super::front_door::{Provenance, SessionEnd};
 use super::kept::{KeptSessions, RecordFile, SessionRecord};
 use super::memory::Reservation;
 use super::state::{SessionInfo, SessionState, SessionStatus};
@@ -57,6 +58,8 @@ pub struct Session {
     pub idle_timeout: Option<Duration>,
     /// The kernel's own limits (every kernel of this session, across restarts).
     pub limits: KernelLimits,
+    /// The front door that made it (which owns its life) and its client's metadata.
+    pub provenance: Provenance,
     state: Mutex<State>,
     /// The status the actor publishes; read with `borrow()`, waited on with `changed()`.
     status: watch::Sender<SessionStatus>,
@@ -86,6 +89,7 @@ pub(super) struct HandleParts {
     pub kernel_name: String,
     pub idle_timeout: Option<Duration>,
     pub limits: KernelLimits,
+    pub provenance: Provenance,
     pub memory: Reservation,
     pub commands: mpsc::Sender<Command>,
     /// Bytes of iopub messages the event broadcast may hold at once.
@@ -128,6 +132,7 @@ impl Session {
             created_at,
             idle_timeout: parts.idle_timeout,
             limits: parts.limits,
+            provenance: parts.provenance,
             state: Mutex::new(State {
                 memory: Some(parts.memory),
                 process: None,
@@ -226,6 +231,7 @@ impl Session {
                 _ => None,
             },
             dead_reason: s.dead_reason.clone(),
+            provenance: self.provenance.clone(),
         }
     }
 
@@ -268,6 +274,8 @@ impl Session {
                 .flatten(),
             saved_at: Utc::now(),
             stopped,
+            front_door: self.provenance.front_door,
+            metadata: self.provenance.metadata.clone(),
         }
     }
 
@@ -484,19 +492,19 @@ impl Session {
         })
     }
 
-    /// Ask the actor to shut down into `state` and wait until it has.
-    pub(super) async fn shutdown(&self, state: SessionState) {
+    /// Ask the actor to end the session as `end` says and wait until it has.
+    pub(super) async fn shutdown(&self, end: SessionEnd) {
         let (tx, rx) = oneshot::channel();
         // Shutdown must get through even when the queue is full.
         if self
             .commands
-            .send(Command::Shutdown { state, done: tx })
+            .send(Command::Shutdown { end, done: tx })
             .await
             .is_ok()
         {
             let _ = rx.await;
         }
-        self.set_state(state);
+        self.set_state(end.state());
     }
 
     /// Ask the actor to let go of the kernel, alive, and stop (`--keep-sessions`); waits

@@ -22,6 +22,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use super::front_door::{FrontDoor, Metadata};
 use crate::private_file;
 
 /// The largest record read back (they are well under 1 KiB).
@@ -49,6 +50,11 @@ pub struct SessionRecord {
     /// Written by the broker's orderly stop (not after a crash or `kill -9`).
     #[serde(default)]
     pub stopped: bool,
+    /// The front door that made the session (records before it knew: `rest`).
+    #[serde(default)]
+    pub front_door: FrontDoor,
+    #[serde(default)]
+    pub metadata: Metadata,
 }
 
 /// The records' directory.
@@ -219,6 +225,8 @@ mod tests {
             dead_reason: None,
             saved_at: Utc::now(),
             stopped: false,
+            front_door: FrontDoor::E2b,
+            metadata: Metadata::default(),
         }
     }
 

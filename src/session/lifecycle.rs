@@ -5,6 +5,7 @@
 //! on disk, only the recording's conversion does.
 
 use super::execution::Execution;
+use super::front_door::{EndedBy, FrontDoor, Provenance};
 use crate::egress::EgressEvent;
 
 /// Something that happened to a session, in the order it happened.
@@ -14,6 +15,8 @@ pub enum LifecycleEvent {
     SessionCreated {
         kernel: String,
         idle_timeout_seconds: Option<u64>,
+        /// The front door that made it, and what its client said about it.
+        provenance: Provenance,
     },
     /// The session got a kernel (at creation or after a restart): how long it waited for
     /// one, and whether a pre-started one from the warm pool was ready.
@@ -56,8 +59,11 @@ pub enum LifecycleEvent {
     KernelDied { reason: String },
     /// The session was closed for idleness.
     SessionExpired,
-    /// The session was closed by its user or by the broker's shutdown.
-    SessionClosed,
+    /// The session was closed: by whom or what.
+    SessionClosed { by: EndedBy },
+    /// A front door that did not make the session was asked to end it (JupyterLab
+    /// shutting down its kernels): it let go of the session, which goes on.
+    SessionDetached { by: FrontDoor },
     /// The broker stopped and kept the session (`--keep-sessions`): its kernel runs on.
     SessionKept,
     /// A new run of the broker adopted the session; `down_seconds` since the last sign of
@@ -104,13 +110,24 @@ pub enum LifecycleEvent {
         argv: Vec<String>,
         cwd: Option<String>,
     },
-    /// Command `pid` ended, with its exit code or the signal that ended it, after `seconds`.
+    /// Command `pid` ended, with its exit code or the signal that ended it, after `seconds`,
+    /// and what it printed (bounded).
     CommandEnded {
         pid: u32,
         exit_code: Option<i32>,
         signal: Option<i32>,
         seconds: f64,
+        stdout: CommandOutput,
+        stderr: CommandOutput,
     },
+}
+
+/// What a command printed on one stream: the text kept (its start and end when it printed
+/// more than the bound, with what was left out said between them) and the bytes it printed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommandOutput {
+    pub text: String,
+    pub bytes: u64,
 }
 
 impl From<EgressEvent> for LifecycleEvent {

@@ -58,6 +58,7 @@ mod event;
 mod execute;
 pub mod execution;
 pub mod files;
+mod front_door;
 mod handle;
 mod kept;
 mod launch;
@@ -81,11 +82,12 @@ pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;
 pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
+pub use front_door::{EndedBy, FrontDoor, Metadata, Provenance, SessionEnd};
 pub use handle::{ConnectionGuard, Session};
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
-pub use registry::{Adopted, CreateOptions, Registry};
+pub use registry::{Adopted, Closing, CreateOptions, Registry};
 pub use run_command::{
     check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, RunningCommand,
 };

@@ -6,6 +6,8 @@ use serde::Serialize;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use super::front_door::{Provenance, SessionEnd};
+
 /// The lifecycle state of a session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -110,6 +112,16 @@ impl SessionStatus {
     }
 }
 
+impl SessionEnd {
+    /// The session's state once it has ended so.
+    pub fn state(self) -> SessionState {
+        match self {
+            SessionEnd::Closed(_) => SessionState::Closed,
+            SessionEnd::Expired => SessionState::Expired,
+        }
+    }
+}
+
 /// A snapshot of a session, as the API shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct SessionInfo {
@@ -129,6 +141,8 @@ pub struct SessionInfo {
     pub memory_used_bytes: Option<u64>,
     /// Why the kernel died, while the session is dead.
     pub dead_reason: Option<String>,
+    /// The front door that made it, and what its client said about it.
+    pub provenance: Provenance,
 }
 
 #[cfg(test)]

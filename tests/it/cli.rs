@@ -68,7 +68,15 @@ async fn sessions_exec_files_and_kill_against_a_running_broker() {
         .unwrap_or_else(|| panic!("no session id in {}", text(&o.stderr)));
 
     let o = run(&["sessions"], "").await;
-    assert!(text(&o.stdout).contains(&id), "{}", text(&o.stdout));
+    let line = text(&o.stdout)
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .map(str::to_string);
+    assert!(
+        line.as_deref().is_some_and(|l| l.contains(" rest ")),
+        "the session, made by the REST API: {}",
+        text(&o.stdout)
+    );
     let o = run(&["sessions", "--json"], "").await;
     let list: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(list[0]["id"], id.as_str());

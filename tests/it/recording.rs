@@ -181,7 +181,14 @@ async fn recordings_outlive_deletion_and_stay_private() {
     );
     let (status, nb) = alice.get(&format!("/v1/sessions/{id}/notebook")).await;
     assert_eq!(status, 200);
-    assert_eq!(nb["cells"].as_array().unwrap().len(), 2);
+    let cells = nb["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 3, "two code cells and who closed the session");
+    assert_eq!(cells[2]["cell_type"], "markdown");
+    assert!(
+        cells[2]["source"].to_string().contains("closed by rest"),
+        "{}",
+        cells[2]
+    );
     let (_, list) = alice.get("/v1/recordings").await;
     let mine = list
         .as_array()

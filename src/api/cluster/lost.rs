@@ -62,6 +62,8 @@ pub(super) fn lost_answer(
             memory_limit_bytes: 0,
             memory_used_bytes: None,
             dead_reason: Some(NODE_LOST.into()),
+            front_door: None,
+            metadata: Default::default(),
         };
         return axum::Json(json).into_response();
     }

@@ -26,7 +26,7 @@ use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited};
 use crate::api::AppState;
 use crate::session::check_user_env;
-use crate::session::{CreateOptions, Session};
+use crate::session::{CreateOptions, EndedBy, FrontDoor, Metadata, Provenance, Session};
 
 /// The envd version the broker presents: new enough for every call the pinned SDKs make
 /// (octet-stream uploads 0.5.7, closing stdin 0.5.2, no `username` parameter 0.4.0).
@@ -69,11 +69,29 @@ pub(super) fn max_timeout(state: &AppState) -> u64 {
 /// but the longest idle timeout as a backstop. The fixed deadline is not in the session's
 /// record, so after a restart with `--keep-sessions` a sandbox would otherwise live
 /// forever; every move of the deadline is activity, so the backstop never comes first.
-pub(super) fn session_options(state: &AppState) -> CreateOptions {
+pub(super) fn session_options(state: &AppState, metadata: Metadata) -> CreateOptions {
     CreateOptions {
         idle_timeout_seconds: Some(state.registry.config().max_idle_timeout.as_secs()),
+        provenance: Provenance::new(FrontDoor::E2b).with_metadata(metadata),
         ..Default::default()
     }
+}
+
+/// E2B's sandbox metadata as the session's: values as text (a string as it is, anything
+/// else as its JSON), within the session metadata's bounds (a 400 beyond them).
+fn metadata_of(given: Option<&serde_json::Map<String, Value>>) -> E2bResult<Metadata> {
+    let entries = given
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| {
+            let text = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (k.clone(), text)
+        })
+        .collect();
+    Metadata::new(entries).map_err(|e| E2bError::bad_request(e.to_string()))
 }
 
 fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
@@ -140,10 +158,11 @@ async fn create(
     // sandbox after the drop (sandbox/environ.rs).
     check_user_env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .map_err(|e| E2bError::bad_request(format!("envVars: {e}")))?;
+    let metadata = metadata_of(req.metadata.as_ref())?;
     let user = caller.0 .0.clone();
     let session = state
         .registry
-        .create_session(user.create_request(session_options(&state)))
+        .create_session(user.create_request(session_options(&state, metadata)))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
     if !env.is_empty() {
@@ -161,7 +180,10 @@ async fn create(
             .execute_wait(code, state.limits.execution_timeout)
             .await?;
         if run.error.is_some() {
-            let _ = state.registry.delete(&user.name, session.id).await;
+            let _ = state
+                .registry
+                .delete(&user.name, session.id, EndedBy::SetupFailed)
+                .await;
             return Err(E2bError::internal("envVars", "setting envVars failed"));
         }
     }
@@ -287,7 +309,10 @@ async fn kill(
     let session = owned(&state, &e2b, &caller, &id)?;
     let user = caller.0 .0.name.clone();
     e2b.end(&state.registry, &user, session.id).await;
-    state.registry.delete(&user, session.id).await?;
+    state
+        .registry
+        .delete(&user, session.id, EndedBy::Client(FrontDoor::E2b))
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -24,7 +24,10 @@ use super::{E2bError, E2bResult, WORKDIR};
 use crate::api::extract::{parse_json, read_limited};
 use crate::api::output_budget::{CutQueue, Held};
 use crate::api::AppState;
-use crate::session::{ExecuteRequest, ExecutionStatus, Origin, OutputEvent, Session, Timeout};
+use crate::session::{
+    EndedBy, ExecuteRequest, ExecutionStatus, FrontDoor, Metadata, Origin, OutputEvent, Session,
+    Timeout,
+};
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -294,7 +297,8 @@ async fn create_context(
             "a context working directory other than {WORKDIR} ({cwd:?})"
         )));
     }
-    let options = super::control::session_options(&state);
+    let sandbox = Metadata::lenient([("sandbox".to_string(), caller.session.id.to_string())]);
+    let options = super::control::session_options(&state, sandbox);
     let session = state
         .registry
         .create_session(caller.user.create_request(options))
@@ -311,7 +315,10 @@ async fn create_context(
         .with(caller.session.id, |m| m.contexts.push(session.id))
         .is_some();
     if !known {
-        let _ = state.registry.delete(&caller.user.name, session.id).await;
+        let _ = state
+            .registry
+            .delete(&caller.user.name, session.id, EndedBy::SandboxEnded)
+            .await;
         return Err(E2bError::not_found("the sandbox has ended"));
     }
     Ok(Json(context_json(session.id)))
@@ -348,7 +355,14 @@ async fn delete_context(
     caller.e2b.with(caller.session.id, |m| {
         m.contexts.retain(|c| *c != session.id)
     });
-    state.registry.delete(&caller.user.name, session.id).await?;
+    state
+        .registry
+        .delete(
+            &caller.user.name,
+            session.id,
+            EndedBy::Client(FrontDoor::E2b),
+        )
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

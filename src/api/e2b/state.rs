@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::command::Command;
 use crate::api::output_budget::ByteBudgets;
-use crate::session::{Registry, Session};
+use crate::session::{EndedBy, Registry, Session};
 use crate::sync::lock;
 
 /// One sandbox's E2B side.
@@ -77,7 +77,7 @@ impl E2bState {
             cmd.control.kill().await;
         }
         for ctx in meta.contexts {
-            let _ = registry.delete(user, ctx).await;
+            let _ = registry.delete(user, ctx, EndedBy::SandboxEnded).await;
         }
     }
 

@@ -34,7 +34,7 @@ use crate::api::extract::OwnedKernel;
 use crate::api::shapes::ErrorResponse;
 use crate::api::ws_liveness::Liveness;
 use crate::api::AppState;
-use crate::session::{Session, SessionEvent, SessionState};
+use crate::session::{FrontDoor, LifecycleEvent, Session, SessionEvent, SessionState};
 use crate::wire::{Channel, Message};
 
 /// How long a disconnected client's subscription waits for it to come back.
@@ -212,6 +212,11 @@ async fn serve_channels(
                 if channel == Channel::Iopub || channel == Channel::Heartbeat {
                     continue;
                 }
+                if let Some(reply) = let_go(&state, &session, channel, &msg) {
+                    // Answered as the kernel would have; the kernel never sees it.
+                    let _ = replies_tx.try_send((Channel::Control, Arc::new(reply)));
+                    continue;
+                }
                 if let Err(e) = session.forward(channel, msg, replies_tx.clone()) {
                     tracing::debug!(session = %session.id, error = %e, "client message not forwarded");
                 }
@@ -317,6 +322,46 @@ async fn write_to_client(
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
     held
+}
+
+/// A Jupyter client's `shutdown_request` (not a restart) for a session another front door
+/// made: Jupyter lets go of the session instead of ending it (the front door that made a
+/// session owns its life; see `Registry::end_or_detach`). The detach is recorded and the
+/// `shutdown_reply` the client waits for is returned; `None` for anything else, which goes
+/// to the kernel as it is.
+fn let_go(state: &AppState, session: &Session, channel: Channel, msg: &Message) -> Option<Message> {
+    if channel != Channel::Control
+        || msg.msg_type != "shutdown_request"
+        || session.provenance.front_door == FrontDoor::Jupyter
+    {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Shutdown {
+        #[serde(default)]
+        restart: bool,
+    }
+    // A request that does not parse is the kernel's to refuse, as before.
+    let asked: Shutdown = msg.parse_content().ok()?;
+    if asked.restart {
+        return None;
+    }
+    state.registry.report(
+        session,
+        &LifecycleEvent::SessionDetached {
+            by: FrontDoor::Jupyter,
+        },
+    );
+    tracing::info!(session = %session.id, owner = session.provenance.front_door.as_str(), "a Jupyter client's shutdown_request let go of a session it did not make");
+    let mut reply = Message::new(
+        "shutdown_reply",
+        &json!({"status": "ok", "restart": false}),
+        Some(&msg.header),
+        &session.id.to_string(),
+        "kernel-broker",
+    );
+    reply.metadata = Bytes::from_static(b"{}");
+    Some(reply)
 }
 
 /// An iopub status message made by the broker (restart, readiness and death announcements).

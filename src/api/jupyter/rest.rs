@@ -21,7 +21,7 @@ use crate::api::extract::{BodyLimit, JsonBody, OwnedKernel};
 use crate::api::shapes::{iso, ErrorBody, ErrorResponse};
 use crate::api::AppState;
 use crate::kernel::spec::KernelSpec;
-use crate::session::{CreateOptions, SessionInfo, SessionState};
+use crate::session::{CreateOptions, FrontDoor, Provenance, SessionInfo, SessionState};
 
 type JResult<T> = Result<T, JupyterError>;
 
@@ -207,6 +207,7 @@ pub(super) async fn start_kernel(
         .create_session(caller.0.create_request(CreateOptions {
             kernel,
             id,
+            provenance: Provenance::new(FrontDoor::Jupyter),
             ..CreateOptions::default()
         }))
         .await
@@ -228,9 +229,13 @@ pub(super) async fn get_kernel(kernel: OwnedKernel) -> Json<KernelJson> {
     Json(KernelJson::from(&kernel.session.info()))
 }
 
-/// Jupyter: shut down
+/// Jupyter: shut down (a kernel another front door made is only let go of)
+///
+/// The front door that made a session owns its life: a kernel made through this API ends;
+/// an agent's session (made through the agent API, E2B or MCP) that JupyterLab attached is
+/// detached instead, and goes on (recorded as `session_detached {by: "jupyter"}`).
 #[utoipa::path(delete, path = "/api/kernels/{id}", tag = "jupyter", params(("id" = uuid::Uuid, Path)),
-    responses((status = 204, description = "deleted"), (status = 401, response = ErrorResponse),
+    responses((status = 204, description = "deleted, or detached when another front door made it"), (status = 401, response = ErrorResponse),
         (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse)))]
 pub(super) async fn delete_kernel(
     State(state): State<AppState>,
@@ -239,7 +244,7 @@ pub(super) async fn delete_kernel(
     let id = kernel.session.id;
     state
         .registry
-        .delete(&kernel.caller.0.name, id)
+        .end_or_detach(&kernel.caller.0.name, id, FrontDoor::Jupyter)
         .await
         .map_err(ApiError::from)?;
     state.jupyter_clients.forget_kernel(id);
@@ -295,6 +300,7 @@ mod tests {
                 memory_limit_bytes: 1 << 28,
                 memory_used_bytes: None,
                 dead_reason: None,
+                provenance: Default::default(),
             };
             let before = json!({
                 "id": info.id,

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::api::auth::Caller;
 use crate::api::AppState;
-use crate::session::{Session, SessionError, Workspace};
+use crate::session::{EndedBy, FrontDoor, Metadata, Provenance, Session, SessionError, Workspace};
 
 /// The caller, the broker's state, and the request's cancellation and progress handles.
 pub struct Call {
@@ -21,6 +21,22 @@ pub struct Call {
 }
 
 impl Call {
+    /// What a session this call makes is: MCP's, with the client's name and version from
+    /// its `initialize` (as the client gave them: cut to the metadata's bounds).
+    pub fn provenance(&self) -> Provenance {
+        let client = self.context.peer.peer_info();
+        let metadata = client.map(|info| {
+            Metadata::lenient([
+                ("client".to_string(), info.client_info.name.clone()),
+                (
+                    "client_version".to_string(),
+                    info.client_info.version.clone(),
+                ),
+            ])
+        });
+        Provenance::new(FrontDoor::Mcp).with_metadata(metadata.unwrap_or_default())
+    }
+
     pub fn of(context: RequestContext<RoleServer>) -> Result<Self, ErrorData> {
         // `forward` (mod.rs) put both into every request before rmcp saw it, and rmcp hands
         // the request's HTTP parts to the handler; their absence is a wiring bug.
@@ -70,7 +86,11 @@ impl Drop for OwnSession {
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
-                    if let Err(e) = made.state.registry.delete(&made.user, made.id).await {
+                    if let Err(e) = made
+                        .state
+                        .registry
+                        .delete(&made.user, made.id, EndedBy::McpSessionEnded)
+                        .await {
                         tracing::debug!(session = %made.id, error = %e, "MCP session's own session already gone");
                     }
                 });

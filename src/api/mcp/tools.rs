@@ -21,7 +21,8 @@ use super::content;
 use super::server::McpServer;
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::session::{
-    files, CreateOptions, ExecuteRequest, Origin, Session, SessionError, Timeout,
+    files, CreateOptions, EndedBy, ExecuteRequest, FrontDoor, Origin, Session, SessionError,
+    Timeout,
 };
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
@@ -90,7 +91,10 @@ impl McpServer {
         let session = call
             .state
             .registry
-            .create_session(call.caller.0.create_request(CreateOptions::default()))
+            .create_session(call.caller.0.create_request(CreateOptions {
+                provenance: call.provenance(),
+                ..CreateOptions::default()
+            }))
             .await
             .map_err(session_error)?;
         tracing::info!(session = %session.id, user = %user, "MCP session made its session");
@@ -295,6 +299,7 @@ impl McpServer {
                 idle_timeout_seconds: args.idle_timeout_seconds,
                 id: None,
                 memory_limit_bytes: args.memory_limit_bytes,
+                provenance: call.provenance(),
             }))
             .await;
         match created {
@@ -309,7 +314,12 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         Ok(
-            match call.state.registry.delete(&call.caller.0.name, id).await {
+            match call
+                .state
+                .registry
+                .delete(&call.caller.0.name, id, EndedBy::Client(FrontDoor::Mcp))
+                .await
+            {
                 Ok(()) => text(format!("deleted session {id}")),
                 Err(e) => tool_error(session_error(e)),
             },

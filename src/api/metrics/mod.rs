@@ -416,7 +416,8 @@ impl Metrics {
             LifecycleEvent::SessionCreated { .. }
             | LifecycleEvent::Interrupt
             | LifecycleEvent::OutputCut { .. }
-            | LifecycleEvent::SessionClosed
+            | LifecycleEvent::SessionClosed { .. }
+            | LifecycleEvent::SessionDetached { .. }
             | LifecycleEvent::SessionKept
             | LifecycleEvent::BrokerRestarted { .. }
             // Egress is counted where its limits are kept (`Snapshot::egress`).

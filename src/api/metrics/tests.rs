@@ -128,6 +128,7 @@ fn lifecycle_events_feed_the_families() {
         LifecycleEvent::SessionCreated {
             kernel: "python3".into(),
             idle_timeout_seconds: None,
+            provenance: Default::default(),
         },
         LifecycleEvent::KernelStarted {
             startup_seconds: 0.3,
@@ -153,7 +154,9 @@ fn lifecycle_events_feed_the_families() {
         LifecycleEvent::KernelRestarted { reason: "r".into() },
         LifecycleEvent::KernelDied { reason: "d".into() },
         LifecycleEvent::SessionExpired,
-        LifecycleEvent::SessionClosed,
+        LifecycleEvent::SessionClosed {
+            by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+        },
     ] {
         m.observe(&event);
     }

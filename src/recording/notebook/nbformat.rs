@@ -38,21 +38,31 @@ fn iso(t: DateTime<Utc>) -> String {
 /// A marker's markdown: what happened, when, and why.
 fn marker_text(m: &Marker) -> String {
     let reason = m.reason();
-    let what = match &m.event {
-        BrokerEvent::Session(StoredEvent::KernelRestarted { .. }) => "The kernel was restarted",
-        BrokerEvent::Session(StoredEvent::KernelDied { .. }) => "The kernel died",
-        BrokerEvent::Session(StoredEvent::SessionExpired) => "The session expired",
-        BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => "The broker stopped",
+    let what: std::borrow::Cow<str> = match &m.event {
+        BrokerEvent::Session(StoredEvent::KernelRestarted { .. }) => {
+            "The kernel was restarted".into()
+        }
+        BrokerEvent::Session(StoredEvent::KernelDied { .. }) => "The kernel died".into(),
+        BrokerEvent::Session(StoredEvent::SessionExpired) => "The session expired".into(),
+        BrokerEvent::Session(StoredEvent::SessionClosed { by: Some(by) }) => {
+            format!("The session was closed by {by}").into()
+        }
+        BrokerEvent::Session(StoredEvent::SessionDetached { by }) => {
+            format!("{by} let go of the session, which went on (another front door made it)").into()
+        }
+        BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => {
+            "The broker stopped".into()
+        }
         BrokerEvent::Recording(RecordingMarker::NodeLost { .. }) => {
-            "The node that held the session was lost"
+            "The node that held the session was lost".into()
         }
         BrokerEvent::Recording(RecordingMarker::RecordingGap { .. }) => {
-            "Part of the recording is missing"
+            "Part of the recording is missing".into()
         }
         BrokerEvent::Recording(RecordingMarker::RecordingTruncated { .. }) => {
-            "Output of a cell was cut in the recording"
+            "Output of a cell was cut in the recording".into()
         }
-        other => other.kind(),
+        other => other.kind().into(),
     };
     let mut s = format!("*[kernel-broker, {}] {what}", iso(m.time));
     if !reason.is_empty() {

@@ -123,7 +123,9 @@ impl Timeline {
             BrokerEvent::Session(
                 StoredEvent::KernelRestarted { .. }
                 | StoredEvent::KernelDied { .. }
-                | StoredEvent::SessionExpired,
+                | StoredEvent::SessionExpired
+                | StoredEvent::SessionClosed { by: Some(_) }
+                | StoredEvent::SessionDetached { .. },
             )
             | BrokerEvent::Recording(_) => {
                 self.entries.push(Entry::Marker(Marker { event, time }));

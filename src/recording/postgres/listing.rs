@@ -1,6 +1,6 @@
 //! The recordings list on PostgreSQL: what [`crate::recording::listing`] does on the SQLite
-//! file, with `ILIKE` over `search_text` (through `pg_trgm`'s GIN index when there is one,
-//! see [`super::schema::trigram_index`]).
+//! file, the same two ways, with `ILIKE` over `search_text` (through `pg_trgm`'s GIN index
+//! when there is one, see [`super::schema::trigram_index`]).
 
 use std::collections::HashMap;
 
@@ -35,10 +35,11 @@ fn refs(params: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
 
 impl Pool {
     /// `q.user`'s recorded sessions that pass `q`'s filters and hold its search text,
-    /// newest first, with where they matched.
+    /// newest first, with where they matched; text in more than `cap` rows counts as common.
     pub async fn list_filtered(
         &self,
         q: &ListQuery,
+        cap: usize,
     ) -> Result<Vec<ListedRecording>, RecordingError> {
         let mut params: Vec<Param> = Vec::new();
         let mut conditions = filter_sql(q, "\"user\"", |a| {
@@ -48,12 +49,33 @@ impl Pool {
             });
             format!("${}", params.len())
         });
+        let c = self.client().await?;
         if let Some(text) = &q.q {
-            params.push(Box::new(like_pattern(text)));
-            conditions.push_str(&format!(
-                " AND s.sid IN (SELECT t2.sid FROM search_text t2 WHERE t2.text ILIKE ${})",
-                params.len()
-            ));
+            // As on SQLite (see `crate::recording::listing`): the sessions of the matching
+            // rows when they are few, else a walk through the caller's sessions, newest
+            // first, looking in each one's rows.
+            let pattern = like_pattern(text);
+            let rows = c
+                .query(
+                    "SELECT sid FROM search_text WHERE text ILIKE $1 LIMIT $2",
+                    &[&pattern, &(cap as i64 + 1)],
+                )
+                .await
+                .map_err(db_err("search"))?;
+            if rows.len() <= cap {
+                let mut sids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+                sids.sort_unstable();
+                sids.dedup();
+                params.push(Box::new(sids));
+                conditions.push_str(&format!(" AND s.sid = ANY(${})", params.len()));
+            } else {
+                params.push(Box::new(pattern));
+                conditions.push_str(&format!(
+                    " AND EXISTS (SELECT 1 FROM search_text t2
+                                  WHERE t2.sid = s.sid AND t2.text ILIKE ${})",
+                    params.len()
+                ));
+            }
         }
         params.push(Box::new(q.limit as i64));
         let sql = format!(
@@ -64,7 +86,6 @@ impl Pool {
                ORDER BY s.created_at DESC, s.sid DESC LIMIT ${}"#,
             params.len()
         );
-        let c = self.client().await?;
         let rows = c
             .query(&sql, &refs(&params))
             .await

@@ -190,9 +190,19 @@ impl RecordingStore {
     /// The sessions `query` asks for (always of its user), filtered and searched in the
     /// database, newest first.
     pub async fn find(&self, query: ListQuery) -> Result<Vec<ListedRecording>, RecordingError> {
+        self.find_capped(query, listing::CANDIDATES).await
+    }
+
+    /// [`RecordingStore::find`], text in more than `cap` rows counting as common (see
+    /// `listing`): tests take both ways with few rows.
+    async fn find_capped(
+        &self,
+        query: ListQuery,
+        cap: usize,
+    ) -> Result<Vec<ListedRecording>, RecordingError> {
         match &self.reads {
-            Reads::Sqlite(r) => Self::read(r, move |conn| listing::list(conn, &query)).await,
-            Reads::Postgres(p) => p.list_filtered(&query).await,
+            Reads::Sqlite(r) => Self::read(r, move |conn| listing::list(conn, &query, cap)).await,
+            Reads::Postgres(p) => p.list_filtered(&query, cap).await,
         }
     }
 

@@ -25,9 +25,10 @@ fn stored_form_round_trips() {
             LifecycleEvent::SessionCreated {
                 kernel: "python3".into(),
                 idle_timeout_seconds: Some(60),
+                provenance: Default::default(),
             },
             "session_created",
-            json!({"kernel": "python3", "idle_timeout_seconds": 60}),
+            json!({"kernel": "python3", "idle_timeout_seconds": 60, "front_door": "rest", "metadata": {}}),
         ),
         (
             LifecycleEvent::KernelStarted {
@@ -93,7 +94,20 @@ fn stored_form_round_trips() {
             json!({"reason": "oom"}),
         ),
         (LifecycleEvent::SessionExpired, "session_expired", json!({})),
-        (LifecycleEvent::SessionClosed, "session_closed", json!({})),
+        (
+            LifecycleEvent::SessionClosed {
+                by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+            },
+            "session_closed",
+            json!({"by": "rest"}),
+        ),
+        (
+            LifecycleEvent::SessionDetached {
+                by: crate::session::FrontDoor::Jupyter,
+            },
+            "session_detached",
+            json!({"by": "jupyter"}),
+        ),
         (LifecycleEvent::SessionKept, "session_kept", json!({})),
         (
             LifecycleEvent::BrokerRestarted {
@@ -218,9 +232,18 @@ fn file_and_command_kinds_round_trip() {
                 exit_code: Some(0),
                 signal: None,
                 seconds: 0.25,
+                stdout: crate::session::lifecycle::CommandOutput {
+                    text: "a\n".into(),
+                    bytes: 2,
+                },
+                stderr: crate::session::lifecycle::CommandOutput {
+                    text: "oops\n".into(),
+                    bytes: 5,
+                },
             },
             "command_ended",
-            json!({"pid": 42, "exit_code": 0, "signal": null, "seconds": 0.25}),
+            json!({"pid": 42, "exit_code": 0, "signal": null, "seconds": 0.25,
+                   "stdout": "a\n", "stderr": "oops\n", "stdout_bytes": 2, "stderr_bytes": 5}),
         ),
     ];
     for (event, kind, detail) in cases {

@@ -291,49 +291,44 @@ impl Writer {
 
     /// What a lifecycle event says of the session as a whole: which front door made it and
     /// with what metadata (`session_created`), who or what ended it (`session_closed`'s
-    /// `by`, `idle_expiry`). Read from the stored detail, so that a detail without them
-    /// (written before they existed) reads as unknown.
+    /// `by`, `idle_expiry`). A recording made before they were kept has none of them.
     fn note_session(&mut self, sid: i64, seq: i64, event: &BrokerEvent) -> Result<(), DbError> {
         let BrokerEvent::Session(e) = event else {
             return Ok(());
         };
         match e {
-            StoredEvent::SessionCreated { .. } => {
-                let detail = e.detail();
-                let front_door = detail
-                    .get("front_door")
-                    .and_then(Value::as_str)
-                    .map(|s| capped(s, 64));
-                // String values only, as many as fit the bound, whole.
-                let mut metadata = serde_json::Map::new();
+            StoredEvent::SessionCreated {
+                front_door,
+                metadata,
+                ..
+            } => {
+                // The session layer bounds metadata; the row keeps at most METADATA_BYTES
+                // of it anyway, whole entries.
+                let mut kept = serde_json::Map::new();
                 let mut bytes = 0;
-                let given = detail.get("metadata").and_then(Value::as_object);
-                for (k, v) in given.into_iter().flatten() {
-                    let Some(text) = v.as_str() else { continue };
-                    bytes += k.len() + text.len() + 8;
+                for (k, v) in metadata {
+                    bytes += k.len() + v.len() + 8;
                     if bytes > METADATA_BYTES {
                         break;
                     }
-                    metadata.insert(k.clone(), v.clone());
+                    kept.insert(k.clone(), Value::String(v.clone()));
                 }
-                let values: Vec<&str> = metadata.values().filter_map(Value::as_str).collect();
+                let values: Vec<&str> = kept.values().filter_map(Value::as_str).collect();
                 if !values.is_empty() {
                     self.db.index_text(&IndexText {
                         sid,
                         seq,
                         field: MatchField::Metadata,
-                        text: capped(&values.join("\n"), METADATA_BYTES),
+                        text: values.join("\n"),
                     })?;
                 }
-                let metadata = Value::Object(metadata).to_string();
+                let front_door = front_door.as_deref().map(|d| capped(d, 64));
+                let metadata = Value::Object(kept).to_string();
                 self.db.set_origin(sid, front_door.as_deref(), &metadata)?;
             }
             StoredEvent::SessionExpired => self.db.set_ended_by(sid, "idle_expiry")?,
-            _ if event.end_reason().is_some() => {
-                let detail = e.detail();
-                if let Some(by) = detail.get("by").and_then(Value::as_str) {
-                    self.db.set_ended_by(sid, &capped(by, 64))?;
-                }
+            StoredEvent::SessionClosed { by: Some(by) } => {
+                self.db.set_ended_by(sid, &capped(by, 64))?
             }
             _ => {}
         }

@@ -450,7 +450,7 @@ mod tests {
         assert_eq!(n.texts[0].seq, 1);
         // Idle of another execution flushes nothing.
         assert!(out(&mut ix, 3, &idle("a")).texts.is_empty());
-        let closed = BrokerEvent::Session(StoredEvent::SessionClosed);
+        let closed = BrokerEvent::Session(StoredEvent::SessionClosed { by: None });
         let n = ix.event(1, 4, &closed);
         assert_eq!(n.texts[0].text, "two");
         assert!(ix.end(1).is_none());

@@ -24,6 +24,7 @@ use super::config::SessionConfig;
 use super::error::SessionError;
 use super::event::SessionEvent;
 use super::execution::{failed, ExecutionError, ExecutionStatus};
+use super::front_door::{EndedBy, SessionEnd};
 use super::handle::Session;
 use super::launch::{start_kernel, Live};
 use super::lifecycle::LifecycleEvent;
@@ -136,8 +137,8 @@ impl Actor {
             tokio::select! {
                 cmd = self.commands.recv() => {
                     match cmd {
-                        Some(Command::Shutdown { state, done }) => {
-                            self.shutdown(state).await;
+                        Some(Command::Shutdown { end, done }) => {
+                            self.shutdown(end).await;
                             let _ = done.send(());
                             return;
                         }
@@ -148,7 +149,7 @@ impl Actor {
                         }
                         Some(cmd) => self.on_command(cmd).await,
                         None => {
-                            self.shutdown(SessionState::Closed).await;
+                            self.shutdown(SessionEnd::Closed(EndedBy::BrokerShutdown)).await;
                             return;
                         }
                     }
@@ -455,10 +456,10 @@ impl Actor {
             .event(&self.session, &LifecycleEvent::SessionKept);
     }
 
-    async fn shutdown(&mut self, state: SessionState) {
-        let why = match state {
-            SessionState::Expired => "the session expired",
-            _ => "the session was shut down",
+    async fn shutdown(&mut self, end: SessionEnd) {
+        let why = match end {
+            SessionEnd::Expired => "the session expired",
+            SessionEnd::Closed(_) => "the session was shut down",
         };
         let note = ExecutionError {
             ename: "SessionClosed".into(),
@@ -488,11 +489,10 @@ impl Actor {
             let _ = timeout(Duration::from_millis(500), k.process.wait()).await;
             k.process.terminate().await;
         }
-        self.session.set_state(state);
-        let kind = if state == SessionState::Expired {
-            LifecycleEvent::SessionExpired
-        } else {
-            LifecycleEvent::SessionClosed
+        self.session.set_state(end.state());
+        let kind = match end {
+            SessionEnd::Expired => LifecycleEvent::SessionExpired,
+            SessionEnd::Closed(by) => LifecycleEvent::SessionClosed { by },
         };
         self.recorder.event(&self.session, &kind);
     }

@@ -58,6 +58,7 @@ async fn start(config: SessionConfig) -> Harness {
             kernel_name: "script".into(),
             idle_timeout: None,
             limits: alice.limits.kernel(None),
+            provenance: Default::default(),
             memory,
             commands,
             event_budget: 1 << 20,

@@ -17,8 +17,8 @@ use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
 use super::Registry;
+use crate::session::front_door::SessionEnd;
 use crate::session::handle::Session;
-use crate::session::state::SessionState;
 
 /// What is left of an expired session until `forget_at`.
 pub(super) struct Tombstone {
@@ -49,7 +49,7 @@ impl Registry {
         // The expiry task plans its next wake-up with this tombstone's time in it.
         self.inner.notify.notify_one();
         tracing::info!(session = %session.id, user = %session.user.name, "session expired");
-        session.shutdown(SessionState::Expired).await;
+        session.shutdown(SessionEnd::Expired).await;
         self.after_removal(&session).await;
     }
 

@@ -20,10 +20,11 @@ use std::time::Duration;
 use chrono::Utc;
 use tokio::time::timeout;
 
-use super::Registry;
+use super::{Registry, Shape};
 use crate::kernel::{ConnectOptions, KernelClient, Readiness};
 use crate::sandbox::{AdoptError, AdoptSpec, KernelLimits, KernelProcess, SandboxUser};
 use crate::session::actor::Actor;
+use crate::session::front_door::Provenance;
 use crate::session::handle::{Restored, Session};
 use crate::session::kept::SessionRecord;
 use crate::session::launch::Live;
@@ -212,7 +213,16 @@ impl Registry {
         let (session, commands_rx) = self.new_session(
             record.id,
             user,
-            (record.kernel.clone(), idle_timeout, limits, memory),
+            Shape {
+                kernel_name: record.kernel.clone(),
+                idle_timeout,
+                limits,
+                memory,
+                provenance: Provenance {
+                    front_door: record.front_door,
+                    metadata: record.metadata.clone(),
+                },
+            },
             Some(Restored {
                 created_at: record.created_at,
                 last_activity: record.last_activity,

@@ -21,6 +21,7 @@ use super::actor::Actor;
 use super::command::Command;
 use super::config::SessionConfig;
 use super::error::SessionError;
+use super::front_door::{EndedBy, FrontDoor, Provenance, SessionEnd};
 use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::LifecycleEvent;
@@ -65,6 +66,15 @@ pub struct Registry {
     inner: Arc<Inner>,
 }
 
+/// What asking a front door to end a session did ([`Registry::end_or_detach`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closing {
+    /// The front door made the session: it ended.
+    Ended,
+    /// Another front door made it: this one let go of it, and it goes on.
+    Detached,
+}
+
 /// What a new session asks for.
 #[derive(Debug, Clone, Default)]
 pub struct CreateOptions {
@@ -76,10 +86,19 @@ pub struct CreateOptions {
     /// The kernel's memory limit in bytes (`None`: the user's default session limit); at
     /// least 16 MiB and at most the user's total.
     pub memory_limit_bytes: Option<u64>,
+    /// The front door asking (it owns the session's life) and its client's metadata.
+    pub provenance: Provenance,
 }
 
-/// What a new session is: its kernel spec, idle timeout, limits and memory reservation.
-type Shape = (String, Option<Duration>, KernelLimits, Reservation);
+/// What a new session is: its kernel spec, idle timeout, limits, memory reservation and
+/// provenance.
+struct Shape {
+    kernel_name: String,
+    idle_timeout: Option<Duration>,
+    limits: KernelLimits,
+    memory: Reservation,
+    provenance: Provenance,
+}
 
 /// The smallest memory limit a session may ask for.
 pub const MIN_SESSION_MEMORY: u64 = 16 << 20;
@@ -245,8 +264,14 @@ impl Registry {
         };
         let result = match admitted {
             Ok((id, pooled, memory)) => {
-                let parts = (kernel_name, idle_timeout, limits, memory);
-                self.launch(id, user, parts, pooled).await
+                let shape = Shape {
+                    kernel_name,
+                    idle_timeout,
+                    limits,
+                    memory,
+                    provenance: opts.provenance,
+                };
+                self.launch(id, user, shape, pooled).await
             }
             Err(e) => Err(e),
         };
@@ -318,13 +343,12 @@ impl Registry {
         &self,
         id: Uuid,
         user: &SandboxUser,
-        (kernel_name, idle_timeout, limits, memory): Shape,
+        shape: Shape,
         pooled: Option<Live>,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
         let cfg = &self.inner.config;
-        let (session, commands_rx) =
-            self.new_session(id, user, (kernel_name, idle_timeout, limits, memory), None);
+        let (session, commands_rx) = self.new_session(id, user, shape, None);
         let from_pool = pooled.is_some();
         let live = match pooled {
             Some(live) => live,
@@ -352,7 +376,8 @@ impl Registry {
             &session,
             &LifecycleEvent::SessionCreated {
                 kernel: session.kernel_name.clone(),
-                idle_timeout_seconds: idle_timeout.map(|t| t.as_secs()),
+                idle_timeout_seconds: session.idle_timeout.map(|t| t.as_secs()),
+                provenance: session.provenance.clone(),
             },
         );
         self.inner.recorder.event(
@@ -373,7 +398,7 @@ impl Registry {
         &self,
         id: Uuid,
         user: &SandboxUser,
-        (kernel_name, idle_timeout, limits, memory): Shape,
+        shape: Shape,
         restored: Option<Restored>,
     ) -> (Arc<Session>, mpsc::Receiver<Command>) {
         let cfg = &self.inner.config;
@@ -382,10 +407,11 @@ impl Registry {
             id,
             user.clone(),
             HandleParts {
-                kernel_name,
-                idle_timeout,
-                limits,
-                memory,
+                kernel_name: shape.kernel_name,
+                idle_timeout: shape.idle_timeout,
+                limits: shape.limits,
+                provenance: shape.provenance,
+                memory: shape.memory,
                 commands: commands_tx,
                 // Two of the largest messages a kernel may send.
                 event_budget: usize::try_from(cfg.kernel.limits.max_message.saturating_mul(2))
@@ -446,14 +472,33 @@ impl Registry {
         self.table().sessions.values().cloned().collect()
     }
 
-    /// Shut a session down and forget it.
-    pub async fn delete(&self, user: &str, id: Uuid) -> Result<(), SessionError> {
+    /// Shut a session down and forget it; `by` is recorded as who ended it.
+    pub async fn delete(&self, user: &str, id: Uuid, by: EndedBy) -> Result<(), SessionError> {
         let session = self.get(user, id)?;
         self.table().sessions.remove(&id);
-        session.shutdown(SessionState::Closed).await;
+        session.shutdown(SessionEnd::Closed(by)).await;
         self.after_removal(&session).await;
-        tracing::info!(session = %id, user, "session deleted");
+        tracing::info!(session = %id, user, by = by.as_str(), "session deleted");
         Ok(())
+    }
+
+    /// A client of `door` asks to end session `id`: the session ends if `door` made it;
+    /// otherwise `door` only lets go of it (recorded as `session_detached`) and the session
+    /// goes on, for the front door that owns it.
+    pub async fn end_or_detach(
+        &self,
+        user: &str,
+        id: Uuid,
+        door: FrontDoor,
+    ) -> Result<Closing, SessionError> {
+        let session = self.get(user, id)?;
+        if session.provenance.front_door == door {
+            self.delete(user, id, EndedBy::Client(door)).await?;
+            return Ok(Closing::Ended);
+        }
+        self.report(&session, &LifecycleEvent::SessionDetached { by: door });
+        tracing::info!(session = %id, user, by = door.as_str(), owner = session.provenance.front_door.as_str(), "front door let go of a session it did not make");
+        Ok(Closing::Detached)
     }
 
     async fn after_removal(&self, session: &Session) {
@@ -489,7 +534,8 @@ impl Registry {
         self.inner.shutdown.cancel();
         let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
         let n = sessions.len();
-        futures::future::join_all(sessions.iter().map(|s| s.shutdown(SessionState::Closed))).await;
+        let end = SessionEnd::Closed(EndedBy::BrokerShutdown);
+        futures::future::join_all(sessions.iter().map(|s| s.shutdown(end))).await;
         sessions.iter().for_each(|s| s.release_memory());
         self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;

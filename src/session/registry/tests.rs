@@ -8,7 +8,9 @@ use std::time::Duration;
 use super::{CreateOptions, Registry};
 use crate::session::testing::fake_sandbox::user;
 use crate::session::testing::{config, FakeSandbox, TestRecorder};
-use crate::session::{LifecycleEvent, SessionConfig, SessionError, SessionState};
+use crate::session::{
+    EndedBy, FrontDoor, LifecycleEvent, SessionConfig, SessionError, SessionState,
+};
 
 fn registry(config: SessionConfig) -> (Registry, Arc<FakeSandbox>, Arc<TestRecorder>) {
     let sandbox = FakeSandbox::new();
@@ -45,7 +47,7 @@ async fn each_user_has_a_quota_of_sessions() {
     // Another user's quota is their own.
     within(create(&bob)).await.expect("bob's first");
     // Deleting one makes room.
-    within(registry.delete("alice", a1.id))
+    within(registry.delete("alice", a1.id, EndedBy::Client(FrontDoor::Rest)))
         .await
         .expect("delete");
     within(create(&alice)).await.expect("room again");
@@ -62,7 +64,7 @@ async fn another_users_session_is_not_found() {
     assert!(registry.get("alice", s.id).is_ok());
     assert!(matches!(registry.get("bob", s.id), Err(SessionError::NotFound(id)) if id == s.id));
     assert!(matches!(
-        within(registry.delete("bob", s.id)).await,
+        within(registry.delete("bob", s.id, EndedBy::Client(FrontDoor::Rest))).await,
         Err(SessionError::NotFound(_))
     ));
     assert!(registry.list("bob").is_empty());
@@ -104,7 +106,9 @@ async fn a_session_id_is_never_reused() {
         .find(|u| registry.get(u, fresh).is_ok())
         .expect("the winner's session");
     // Ended (deleted: no tombstone, only its recording): refused to anyone, its owner too.
-    within(registry.delete(owner, fresh)).await.expect("delete");
+    within(registry.delete(owner, fresh, EndedBy::Client(FrontDoor::Rest)))
+        .await
+        .expect("delete");
     for u in [&alice, &bob] {
         let r = within(registry.create(u, 5, propose(fresh))).await;
         assert!(matches!(r, Err(SessionError::IdTaken { id }) if id == fresh));
@@ -276,7 +280,7 @@ async fn memory_is_admitted_against_the_users_total_and_comes_back() {
         ));
     }
     assert_eq!(registry.memory_use("alice").session_bytes, 768 << 20);
-    within(registry.delete("alice", big.id))
+    within(registry.delete("alice", big.id, EndedBy::Client(FrontDoor::Rest)))
         .await
         .expect("delete");
     assert_eq!(registry.memory_use("alice").session_bytes, 256 << 20);
@@ -321,7 +325,7 @@ async fn the_pool_uses_only_free_room_and_makes_way_for_sessions() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(sandbox.launched().len(), 3);
     assert_eq!(registry.memory_use("alice").pooled, 0);
-    within(registry.delete("alice", second.id))
+    within(registry.delete("alice", second.id, EndedBy::Client(FrontDoor::Rest)))
         .await
         .expect("delete");
     within(registry.shutdown()).await;
@@ -343,7 +347,7 @@ async fn waiters_see_a_deleted_session_end() {
             .is_err(),
         "a live session has not ended"
     );
-    within(registry.delete("alice", s.id))
+    within(registry.delete("alice", s.id, EndedBy::Client(FrontDoor::Rest)))
         .await
         .expect("delete");
     within(waiter).await.expect("the waiter ends");

@@ -341,7 +341,7 @@ fn check(cases: Vec<(&str, Rec, &str)>) {
 
 fn markers() -> Rec {
     Rec::default()
-        .event(LifecycleEvent::SessionCreated { kernel: "python3".into(), idle_timeout_seconds: Some(60) })
+        .event(LifecycleEvent::SessionCreated { kernel: "python3".into(), idle_timeout_seconds: Some(60) , provenance: Default::default()})
         .event(LifecycleEvent::Interrupt)
         .event(LifecycleEvent::KernelRestarted { reason: "by request".into() })
         .event(LifecycleEvent::KernelDied { reason: "out of memory".into() })
@@ -354,7 +354,7 @@ fn markers() -> Rec {
             json!({"scope": "execution", "msg_id": "a", "limit_bytes": 10, "dropped_messages": 2, "dropped_bytes": 30, "reason": "over its cap"}),
         )
         .event(LifecycleEvent::SessionExpired)
-        .event(LifecycleEvent::SessionClosed)
+        .event(LifecycleEvent::SessionClosed { by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest) })
         .broker("broker_stopped", json!({"reason": "killed"}))
         .broker("from_the_future", json!({"reason": "?"}))
 }

@@ -86,6 +86,7 @@ fn markers_in_the_notebook() {
             format!("markdown recording_gap *[kernel-broker, {}] Part of the recording is missing: the writer fell behind*", t(5)),
             format!("markdown recording_truncated *[kernel-broker, {}] Output of a cell was cut in the recording: over its cap*", t(6)),
             format!("markdown session_expired *[kernel-broker, {}] The session expired*", t(7)),
+            format!("markdown session_closed *[kernel-broker, {}] The session was closed by rest*", t(8)),
             format!("markdown broker_stopped *[kernel-broker, {}] The broker stopped: killed*", t(9)),
         ]
     );

@@ -239,8 +239,8 @@ fn details_cut_by_the_budget() {
 #[test]
 fn session_and_recording_markers() {
     check(vec![(
-        "restart, death, expiry and each of the recording's markers; nothing else",
+        "restart, death, expiry, the close (who closed it) and each of the recording's markers; nothing else",
         markers(),
-        "marker kernel_restarted: by request\nmarker kernel_died: out of memory\nmarker recording_gap: the writer fell behind\nmarker recording_truncated: over its cap\nmarker session_expired\nmarker broker_stopped: killed\n",
+        "marker kernel_restarted: by request\nmarker kernel_died: out of memory\nmarker recording_gap: the writer fell behind\nmarker recording_truncated: over its cap\nmarker session_expired\nmarker session_closed\nmarker broker_stopped: killed\n",
     )]);
 }

@@ -130,7 +130,12 @@ async fn the_session_cap_holds_across_executions(backend: Backend) {
         store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &m);
         store.report_event(k.clone(), done(&req.msg_id, json!({})));
     }
-    store.report_event(k.clone(), LifecycleEvent::SessionClosed);
+    store.report_event(
+        k.clone(),
+        LifecycleEvent::SessionClosed {
+            by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+        },
+    );
     store.flush().await;
     let all = store.all_events(id).await.unwrap();
     let t = types(&all);

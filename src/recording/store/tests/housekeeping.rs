@@ -16,6 +16,7 @@ async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones(backend:
             LifecycleEvent::SessionCreated {
                 kernel: "python3".into(),
                 idle_timeout_seconds: None,
+                provenance: Default::default(),
             },
         );
         store.flush().await;

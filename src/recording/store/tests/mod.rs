@@ -5,7 +5,7 @@
 //! (the per-execution and per-session caps, the queue bound), `housekeeping` (stale sessions,
 //! retention), `postgres` (brokers sharing one database, its migration), `once` (an
 //! execution stored once, read back whole), `cost` (measurements), `search` (the list,
-//! filtered and searched).
+//! filtered and searched), `search_speed` (its speed over many sessions).
 
 use super::*;
 use base64::Engine;
@@ -160,3 +160,4 @@ mod once;
 mod postgres;
 mod round_trip;
 mod search;
+mod search_speed;

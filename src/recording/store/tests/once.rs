@@ -160,7 +160,12 @@ async fn an_execution_stored_once_reads_back_as_the_session_answered(backend: Ba
         json!({"name": "stdout", "text": "late\n"}),
     );
     store.report_message(k.clone(), Direction::FromKernel, Channel::Iopub, &late);
-    store.report_event(k.clone(), LifecycleEvent::SessionClosed);
+    store.report_event(
+        k.clone(),
+        LifecycleEvent::SessionClosed {
+            by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+        },
+    );
     store.flush().await;
 
     assert_eq!(stored_once(&store).await, Some(1));

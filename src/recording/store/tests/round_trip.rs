@@ -39,7 +39,12 @@ async fn events_round_trip_in_order_with_blobs(backend: Backend) {
             json!({"results": [{"data": {"image/png": png}}]}),
         ),
     );
-    store.report_event(k.clone(), LifecycleEvent::SessionClosed);
+    store.report_event(
+        k.clone(),
+        LifecycleEvent::SessionClosed {
+            by: crate::session::EndedBy::Client(crate::session::FrontDoor::Rest),
+        },
+    );
     store.flush().await;
 
     let all = store.all_events(id).await.unwrap();
@@ -213,6 +218,11 @@ async fn file_and_command_events_are_stored_and_read_back(backend: Backend) {
             exit_code: Some(0),
             signal: None,
             seconds: 0.5,
+            stdout: crate::session::lifecycle::CommandOutput {
+                text: "total 0\n".into(),
+                bytes: 8,
+            },
+            stderr: Default::default(),
         },
     ];
     for e in &events {

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::recording::search::{ListQuery, ListedRecording, MatchField, StateFilter};
+use crate::session::{EndedBy, FrontDoor, Metadata, Provenance};
 
 /// One execution of session `k`, as a Jupyter client or an agent runs it: the request,
 /// its printed text, an error if any, idle.
@@ -40,6 +41,13 @@ fn ids(found: &[ListedRecording]) -> Vec<Uuid> {
 }
 
 async fn sessions_are_found_by_text_and_filters(backend: Backend) {
+    // Common text (in more rows than the cap) is looked for another way: both find the same.
+    for cap in [crate::recording::listing::CANDIDATES, 0] {
+        found_by_text_and_filters(backend, cap).await;
+    }
+}
+
+async fn found_by_text_and_filters(backend: Backend, cap: usize) {
     let store = open_store(backend, |_| {}).await;
     let t0 = Utc::now();
     let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
@@ -52,11 +60,16 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
         user: "bob".into(),
         ..key(c)
     };
+    let metadata = Metadata::lenient([
+        ("team".to_string(), "Ópera Blue".to_string()),
+        ("client".to_string(), "my-agent".to_string()),
+    ]);
     store.report_event(
         ka.clone(),
         LifecycleEvent::SessionCreated {
             kernel: "python3".into(),
             idle_timeout_seconds: None,
+            provenance: Provenance::new(FrontDoor::E2b).with_metadata(metadata),
         },
     );
     execute(
@@ -67,7 +80,12 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
         None,
     );
     execute(&store, &kb, "1 / 0", "", Some("ZeroDivisionError"));
-    store.report_event(kb.clone(), LifecycleEvent::SessionClosed);
+    store.report_event(
+        kb.clone(),
+        LifecycleEvent::SessionClosed {
+            by: EndedBy::Client(FrontDoor::Rest),
+        },
+    );
     execute(
         &store,
         &kc,
@@ -81,7 +99,7 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
         let mut q = ListQuery::of("alice", 200);
         f(&mut q);
         let store = store.store.clone();
-        async move { store.find(q).await.unwrap() }
+        async move { store.find_capped(q, cap).await.unwrap() }
     };
     let text = |s: &'static str| move |q: &mut ListQuery| q.q = Some(s.to_string());
 
@@ -89,8 +107,13 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
     let all = find(&|_| {}).await;
     assert_eq!(ids(&all), vec![b, a]);
     assert_eq!((all[0].errors, all[1].errors), (1, 0));
-    assert_eq!(all[0].ended_by.as_deref(), Some("closed"));
+    assert_eq!(all[0].ended_by.as_deref(), Some("rest"));
     assert_eq!(all[1].ended_by, None);
+    assert_eq!(all[1].front_door.as_deref(), Some("e2b"));
+    assert_eq!(all[1].metadata["team"], "Ópera Blue");
+    assert_eq!(all[1].metadata.len(), 2);
+    assert_eq!(all[0].front_door, None);
+    assert!(all[0].metadata.is_empty());
     assert!(all.iter().all(|l| l.matches.is_empty()));
 
     // Text: case-insensitive, in code, output and error; through the trigram index and,
@@ -152,6 +175,15 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
         ids(&find(&|q| q.front_door = Some("rest".into())).await),
         Vec::<Uuid>::new()
     );
+    assert_eq!(
+        ids(&find(&|q| q.front_door = Some("e2b".into())).await),
+        vec![a]
+    );
+    // Metadata values are searched.
+    let found = find(&text("my-AGENT")).await;
+    assert_eq!(ids(&found), vec![a]);
+    assert_eq!(found[0].matches[0].field, MatchField::Metadata);
+    assert_eq!(found[0].matches[0].snippet, "my-agent\nÓpera Blue");
     assert_eq!(ids(&find(&|q| q.since = Some(t0)).await), vec![b, a]);
     let later = Utc::now() + chrono::Duration::hours(1);
     assert_eq!(
@@ -181,7 +213,7 @@ async fn sessions_are_found_by_text_and_filters(backend: Backend) {
     // Bob finds his own only.
     let mut q = ListQuery::of("bob", 10);
     q.q = Some("needle".into());
-    assert_eq!(ids(&store.find(q).await.unwrap()), vec![c]);
+    assert_eq!(ids(&store.find_capped(q, cap).await.unwrap()), vec![c]);
 
     // A deleted recording leaves nothing in the index.
     assert!(store.delete(a).await.unwrap());
