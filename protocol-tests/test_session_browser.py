@@ -144,7 +144,8 @@ def test_the_root_leads_to_the_session_browser(broker):
 
 def test_the_list_shows_front_doors_metadata_errors_and_hostile_text_as_text(broker, browser, tmp_path):
     tag = uuid.uuid4().hex[:10]
-    rest = create_rest(broker, {"agent": f"billing-{tag}", "evil": HOSTILE, "long": LONG})
+    # Metadata values are at most 1 KiB: two long ones make 2 KiB.
+    rest = create_rest(broker, {"agent": f"billing-{tag}", "evil": HOSTILE, "long": LONG[:1000], "more": LONG[:1000]})
     if rest is None:
         pytest.skip("POST /v1/sessions refuses `metadata`: the front-door change has not landed here yet")
     execute(broker, rest, f"print('rest-{tag}')")
@@ -470,6 +471,8 @@ def test_the_timeline_shows_files_commands_and_the_close(broker, browser, tmp_pa
         assert "echo from-a-command; exit 3" in cmd.find_element(By.CSS_SELECTOR, ".argv").text
         wait(browser, lambda d: "exit code 3" in marker(d, "command").text, what="the command's end")
         assert " s" in marker(browser, "command").text
+        # What it printed, as command_ended keeps it.
+        assert marker(browser, "command").find_element(By.CSS_SELECTOR, ".command-output.stdout").text == "from-a-command"
         # A command that keeps running says so.
         handle = sbx.commands.run("sleep 300", background=True)
         wait(browser, lambda d: any("running" in m.text for m in
@@ -614,7 +617,7 @@ def test_actions_are_disabled_while_a_request_runs(broker, browser):
 def test_the_layout_holds_at_common_widths(broker, browser, tmp_path, size):
     w, h = size
     browser.set_window_size(w, h)
-    sid = create_rest(broker, {"agent": "layout " + LONG[:300], "evil": HOSTILE}) or create_rest(broker)
+    sid = create_rest(broker, {"agent": "layout " + LONG[:1000], "evil": HOSTILE})
     tag = uuid.uuid4().hex[:8]
     execute(broker, sid, f"print('layout-{tag} ' + 'L' * 400)\n" + "1/0")
     # With a search active, so that the entry has its snippets.

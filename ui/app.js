@@ -209,13 +209,18 @@
       ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
   }
 
+  // A command: its line and outcome, then what it printed (as the recording kept it).
   function renderCommand(cmd, ended) {
     const x = EV.command(cmd.start, cmd.end, ended);
-    return el('div', { class: 'marker command tone-' + x.tone + (x.running ? ' running' : ''), 'data-kind': 'command', 'data-pid': String((cmd.start || cmd.end).pid) },
+    const end = cmd.end || {};
+    const printed = ['stdout', 'stderr'].filter((k) => typeof end[k] === 'string' && end[k])
+      .map((k) => el('pre', { class: 'command-output ' + k, text: end[k] }));
+    return el('div', { class: 'marker command tone-' + x.tone + (x.running ? ' running' : ''), 'data-kind': 'command', 'data-pid': KB.str((cmd.start || end).pid) },
       el('span', { class: 'time', text: clock(cmd.time) }),
       el('span', { class: 'what', text: x.what }),
       el('code', { class: 'argv', text: x.line }),
-      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })),
+      ...printed);
   }
 
   // Allowed and closed network connections, folded: a summary line, the rest on demand.

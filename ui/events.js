@@ -13,6 +13,8 @@ KB.events = (function () {
     rest: 'the REST API', jupyter: 'the Jupyter API', e2b: 'the E2B API', mcp: 'MCP',
     stream: 'the agent stream', broker_shutdown: 'the broker shutting down', idle_expiry: 'idle expiry',
     expired: 'idle expiry', broker_stopped: 'the broker stopping', node_lost: 'a lost node',
+    mcp_session_ended: 'the end of its MCP session', sandbox_ended: 'the end of its E2B sandbox',
+    setup_failed: 'a failed setup',
   };
   const by = (b) => (b ? BY[b] || clip(b, 60) : '');
 
