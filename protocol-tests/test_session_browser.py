@@ -39,12 +39,9 @@ def shoot(driver, tmp_path, name):
 
 
 def create_rest(b, metadata=None, token=ALICE):
-    """A REST session; with `metadata` when the broker takes it (None when it refuses the
-    field: the front-door change has not landed)."""
+    """A REST session, with `metadata` if given."""
     body = {"metadata": metadata} if metadata is not None else {}
     r = b.api("POST", "/v1/sessions", token, json=body)
-    if r.status_code == 400 and metadata is not None:
-        return None
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
@@ -61,17 +58,8 @@ def recordings(b, token=ALICE, **params):
     return r.json()
 
 
-def needs_search(b):
-    """Skips unless the server answers the search contract (front_door, errors, ...)."""
-    recs = recordings(b)
-    if not recs or "front_door" not in recs[0] or "errors" not in recs[0]:
-        pytest.skip("GET /v1/recordings answers without front_door/errors: the server side "
-                    "of the search (branch wt-search) has not landed here yet")
-
-
-def front_doors_recorded(b, sid):
-    """Whether the broker records the front door that made a session (the lead's change)."""
-    return any(r["id"] == sid and r.get("front_door") for r in recordings(b))
+def front_door_of(b, sid):
+    return next(r["front_door"] for r in recordings(b) if r["id"] == sid)
 
 
 def closed_by(b, sid):
@@ -146,14 +134,11 @@ def test_the_list_shows_front_doors_metadata_errors_and_hostile_text_as_text(bro
     tag = uuid.uuid4().hex[:10]
     # Metadata values are at most 1 KiB: two long ones make 2 KiB.
     rest = create_rest(broker, {"agent": f"billing-{tag}", "evil": HOSTILE, "long": LONG[:1000], "more": LONG[:1000]})
-    if rest is None:
-        pytest.skip("POST /v1/sessions refuses `metadata`: the front-door change has not landed here yet")
     execute(broker, rest, f"print('rest-{tag}')")
     execute(broker, rest, f"raise KeyError('missing-{tag}')")
     execute(broker, rest, f"s = {HOSTILE!r} + {LONG!r}\nprint(s)")
     jup = create_jupyter(broker)
     execute(broker, jup, f"print('jupyter-{tag}')")
-    needs_search(broker)
 
     open_page(browser, broker, f"q={tag}")
     wait(browser, lambda d: {rest, jup} <= set(listed(d)), what="both sessions")
@@ -193,7 +178,7 @@ def test_the_list_shows_front_doors_metadata_errors_and_hostile_text_as_text(bro
         e = entry(browser, sbx.sandbox_id)
         assert e.find_element(By.CSS_SELECTOR, ".door").text == "E2B"
         assert f"team=e2b-{tag}" in e.find_element(By.CSS_SELECTOR, ".meta").text
-    mcp = pytest.importorskip("mcp")
+    pytest.importorskip("mcp")
     from test_mcp import http_client
 
     async def through_mcp():
@@ -232,14 +217,13 @@ def test_hostile_code_output_and_file_names_stay_text(broker, browser, tmp_path)
 
 def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser, tmp_path):
     tag = uuid.uuid4().hex[:10]
-    ok = create_rest(broker, {"purpose": f"ok-{tag}"}) or create_rest(broker)
+    ok = create_rest(broker, {"purpose": f"ok-{tag}"})
     execute(broker, ok, f"value_{tag} = 41\nprint('out-' + '{tag}'.upper())")
     bad = create_rest(broker)
     execute(broker, bad, f"class Err{tag}(Exception): pass\nraise Err{tag}('boom')")
     jup = create_jupyter(broker)
     execute(broker, jup, f"print('jup-{tag}')")
     assert broker.api("DELETE", f"/api/kernels/{jup}").status_code == 204
-    needs_search(broker)
 
     open_page(browser, broker)
     wait(browser, lambda d: {ok, bad} <= set(listed(d)), what="the sessions")
@@ -284,10 +268,10 @@ def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser
     select("f-has-errors", "true", {bad}, "has_errors=true")
     select("f-has-errors", "false", {ok, jup}, "has_errors=false")
     select("f-has-errors", "", {ok, bad, jup}, "errors or not")
-    if front_doors_recorded(broker, jup):
-        select("f-front-door", "jupyter", {jup}, "front_door=jupyter")
-        select("f-front-door", "rest", {ok, bad}, "front_door=rest")
-        select("f-front-door", "", {ok, bad, jup}, "any front door")
+    assert (front_door_of(broker, jup), front_door_of(broker, ok)) == ("jupyter", "rest")
+    select("f-front-door", "jupyter", {jup}, "front_door=jupyter")
+    select("f-front-door", "rest", {ok, bad}, "front_door=rest")
+    select("f-front-door", "", {ok, bad, jup}, "any front door")
     select("f-state", "live", {ok, bad}, "state=live")
     select("f-state", "ended", {jup}, "state=ended")
     select("f-state", "closed", {jup}, "state=closed")
@@ -313,12 +297,10 @@ def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser
     assert browser.find_element(By.ID, "q").get_attribute("value") == tag
     assert browser.find_element(By.ID, "f-state").get_attribute("value") == "live"
     # A shared link (a new tab that has the token) opens the same list.
-    door = "&front_door=rest" if front_doors_recorded(broker, jup) else ""
-    browser.get(url.split("#")[0] + door + "&has_errors=true")
+    browser.get(url.split("#")[0] + "&front_door=rest&has_errors=true")
     wait(browser, lambda d: listed(d) == [bad], what="the shared link's list")
     assert browser.find_element(By.ID, "f-has-errors").get_attribute("value") == "true"
-    if door:
-        assert browser.find_element(By.ID, "f-front-door").get_attribute("value") == "rest"
+    assert browser.find_element(By.ID, "f-front-door").get_attribute("value") == "rest"
 
     # Bad values from a link: the server's 400 is shown, naming the parameter.
     browser.get(f"{broker.url}/ui/?since=yesterday")
@@ -435,7 +417,6 @@ def test_the_list_draws_the_contract_fields_as_text(broker, browser, tmp_path):
 
 def test_the_search_parameters_are_checked(broker):
     create_rest(broker)
-    needs_search(broker)
     for params, name in [({"q": "x" * 201}, "q"), ({"state": "asleep"}, "state"),
                          ({"front_door": "window"}, "front_door"), ({"has_errors": "yes"}, "has_errors"),
                          ({"since": "yesterday"}, "since"), ({"until": "2026-13-01T00:00:00Z"}, "until"),
@@ -488,8 +469,8 @@ def test_the_timeline_shows_files_commands_and_the_close(broker, browser, tmp_pa
         sbx.kill()
     wait(browser, lambda d: marker(d, "session_closed"), timeout=15, what="the close")
     closed = marker(browser, "session_closed").text
-    if closed_by(broker, sid):  # once the broker records who closed it
-        assert "by the E2B API" in closed, closed
+    assert closed_by(broker, sid) == "e2b"
+    assert "session closed by the E2B API" in closed, closed
     assert marker(browser, "session_created")
     shoot(browser, tmp_path, "timeline-e2b-1280")
 
@@ -509,20 +490,18 @@ def test_the_timeline_shows_a_refused_network_request(fresh_broker, browser):
 
 
 def test_the_timeline_shows_jupyter_letting_go_and_an_expiry(broker, browser):
-    # Jupyter's DELETE on a session the REST API made: after the front-door change it lets go
-    # and the session goes on (session_detached); before it, the session ends.
+    # Jupyter's DELETE on a session the REST API made lets go of it; the session goes on
+    # (session_detached) until its owner ends it.
     sid = create_rest(broker)
     assert broker.api("DELETE", f"/api/kernels/{sid}").status_code == 204
+    assert broker.api("GET", f"/v1/sessions/{sid}").status_code == 200
     open_page(browser, broker, sid=sid)
-    if broker.api("GET", f"/v1/sessions/{sid}").status_code == 200:
-        wait(browser, lambda d: marker(d, "session_detached"), what="the detach")
-        assert "the Jupyter API let go of the session; it goes on" in marker(browser, "session_detached").text
-        assert browser.find_element(By.ID, "action-delete").is_displayed()
-        assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
-        wait(browser, lambda d: marker(d, "session_closed"), what="the close")
-        assert "by the REST API" in marker(browser, "session_closed").text
-    else:
-        wait(browser, lambda d: marker(d, "session_closed"), what="the close")
+    wait(browser, lambda d: marker(d, "session_detached"), what="the detach")
+    assert "the Jupyter API let go of the session; it goes on" in marker(browser, "session_detached").text
+    assert browser.find_element(By.ID, "action-delete").is_displayed()
+    assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
+    wait(browser, lambda d: marker(d, "session_closed"), what="the close")
+    assert "session closed by the REST API" in marker(browser, "session_closed").text
 
     # An idle session that expires: the timeline says so, the state is expired, no actions.
     r = broker.api("POST", "/v1/sessions", json={"idle_timeout_seconds": 1})
