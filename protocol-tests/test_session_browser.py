@@ -232,6 +232,10 @@ def test_search_and_filters_are_sent_and_kept_in_the_address_bar(broker, browser
         q = browser.find_element(By.ID, "q")
         q.clear()
         q.send_keys(text + "\n")
+        # The list shows this search's answer, not the one before.
+        want = "q=" + requests.utils.quote(text, safe="")
+        wait(browser, lambda d: d.find_element(By.ID, "session-list").get_attribute("data-query")
+             .split("?")[-1].split("&")[0] == want, what=f"the answer to {text}")
 
     # By code, by output, by error name.
     search(f"value_{tag}")

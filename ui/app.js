@@ -128,6 +128,8 @@
 
   function renderList() {
     const ul = document.getElementById('session-list');
+    // What this list answers (for a reader's tools and the tests: the search it shows).
+    ul.dataset.query = KB.list.path(filters);
     ul.replaceChildren(...recordings.map((r) => KB.list.entry(r, {
       selected: current && current.id === r.id,
       mem: memoryText(live.get(r.id)),

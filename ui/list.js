@@ -107,11 +107,18 @@ KB.list = (function () {
     });
   }
 
-  // The snippet with each occurrence of the search text marked (case-insensitive).
+  // Characters kept before the first match: the entry shows two lines of a snippet, and the
+  // match must be on them.
+  const LEAD = 30;
+
+  // The snippet on one line (its whitespace collapsed), starting shortly before the first
+  // match, with each occurrence of the search text marked (case-insensitive).
   function marked(snippet, q) {
     const out = el('span', { class: 'snippet' });
-    const s = String(snippet || '');
-    const needle = (q || '').toLowerCase();
+    let s = String(snippet || '').replace(/\s+/g, ' ');
+    const needle = (q || '').replace(/\s+/g, ' ').toLowerCase();
+    const first = needle ? s.toLowerCase().indexOf(needle) : -1;
+    if (first > LEAD) s = '…' + s.slice(first - LEAD + 1);
     if (!needle) { out.append(s); return out; }
     const lower = s.toLowerCase();
     let at = 0;
@@ -137,7 +144,9 @@ KB.list = (function () {
       class: 'session' + (opts.selected ? ' selected' : ''),
       'data-id': r.id,
       title: r.id,
+      tabindex: 0,
       onclick: () => { location.hash = r.id; },
+      onkeydown: (e) => { if (e.key === 'Enter') location.hash = r.id; },
     },
     el('div', { class: 'line head' },
       el('span', { class: 'state state-' + clip(r.state, 20), text: clip(r.state, 20) }),
