@@ -519,6 +519,69 @@ def test_the_timeline_shows_jupyter_letting_go_and_an_expiry(broker, browser):
     assert not browser.find_element(By.CSS_SELECTOR, ".session-head .actions").is_displayed()
 
 
+def test_the_timeline_draws_every_kind_of_event(broker, browser, tmp_path):
+    """Events a test broker cannot easily produce (network allowed, a death, a broker
+    restart, a gap, a cut command), answered by a stubbed events API."""
+    open_page(browser, broker)
+    sid = str(uuid.uuid4())
+    t = lambda n: f"2026-11-27T03:00:{n:02d}.000000Z"  # noqa: E731
+    ev = lambda n, kind, detail=None: {"seq": n, "time": t(n), "direction": "broker", "kind": kind,  # noqa: E731
+                                       "detail": detail or {}}
+    events = [
+        ev(1, "session_created", {"kernel": "python3", "front_door": "mcp", "metadata": {"client": "claude-code"}}),
+        ev(2, "egress_allowed", {"method": "CONNECT", "host": "pypi.org", "port": 443, "address": "151.101.0.223"}),
+        ev(3, "egress_closed", {"host": "pypi.org", "port": 443, "bytes_sent": 900, "bytes_received": 40960, "seconds": 1.5}),
+        ev(4, "egress_allowed", {"method": "GET", "host": "files.pythonhosted.org", "port": 443, "address": "x"}),
+        ev(5, "egress_refused", {"method": "CONNECT", "host": "evil.example", "port": 443,
+                                 "reason": "host not allowed by policy: evil.example"}),
+        ev(6, "command_started", {"pid": 7, "argv": ["/bin/bash", "-l", "-c", HOSTILE], "cwd": "/workspace"}),
+        ev(7, "command_ended", {"pid": 99, "exit_code": 0, "signal": None, "seconds": 0.5}),
+        ev(8, "interrupt"),
+        ev(9, "kernel_died", {"reason": "the kernel was killed because it ran out of memory (limit 256 MiB)"}),
+        ev(10, "kernel_restarted", {"reason": "restart requested"}),
+        ev(11, "broker_restarted", {"down_seconds": 3.2, "kernel_alive": True}),
+        ev(12, "recording_gap", {"dropped": 12}),
+        ev(13, "output_cut", {"msg_id": "m", "msg_type": "stream", "bytes": 70000000}),
+        ev(14, "session_detached", {"by": "jupyter"}),
+        ev(15, HOSTILE, {"x": HOSTILE}),
+        ev(16, "session_closed", {"by": "mcp_session_ended"}),
+    ]
+    browser.execute_script(STUB + """
+window.__events = arguments[0];
+const stubbed = window.fetch;
+window.fetch = (url, opts) => String(url).includes('/events?')
+  ? Promise.resolve(new Response(JSON.stringify({events: String(url).includes('after=0') ? window.__events : [], next_after: null}),
+      {status: 200, headers: {'Content-Type': 'application/json'}}))
+  : stubbed(url, opts);
+location.hash = arguments[1];
+""", events, sid)
+    wait(browser, lambda d: marker(d, "session_closed"), what="the stubbed timeline")
+    assert kinds(browser) == ["session_created", "egress", "egress_refused", "command", "command", "interrupt",
+                              "kernel_died", "kernel_restarted", "broker_restarted", "recording_gap",
+                              "output_cut", "session_detached", HOSTILE, "session_closed"]
+    assert "session created via MCP" in marker(browser, "session_created").text
+    assert "claude-code" in marker(browser, "session_created").text
+    group = marker(browser, "egress")
+    assert "2 connections allowed, 1 closed" in group.text
+    group.find_element(By.TAG_NAME, "summary").click()
+    lines = [li.text for li in group.find_elements(By.CSS_SELECTOR, "li")]
+    assert len(lines) == 3 and "allowed CONNECT pypi.org:443" in lines[0] and "received 40.0 KiB" in lines[1], lines
+    assert "evil.example:443" in marker(browser, "egress_refused").text
+    started, ended = browser.find_elements(By.CSS_SELECTOR, "#timeline .marker[data-kind='command']")
+    assert HOSTILE in started.text and "no end recorded (cut off)" in started.text
+    assert "its start was not recorded" in ended.text and "exit code 0" in ended.text
+    assert "ran out of memory" in marker(browser, "kernel_died").text
+    assert "down 3.20 s" in marker(browser, "broker_restarted").text
+    assert "12 events not recorded" in marker(browser, "recording_gap").text
+    assert "the Jupyter API let go of the session; it goes on" in marker(browser, "session_detached").text
+    assert "session closed by the end of its MCP session" in marker(browser, "session_closed").text
+    assert not browser.find_elements(By.CSS_SELECTOR, "img[src='x']")
+    assert browser.execute_script("return window.__pwned") is None
+    assert browser.find_element(By.CSS_SELECTOR, ".session-head .state").text == "closed"
+    assert not browser.find_element(By.CSS_SELECTOR, ".session-head .actions").is_displayed()
+    shoot(browser, tmp_path, "timeline-every-kind-1280")
+
+
 # ---- actions on a live session --------------------------------------------------------------
 
 def test_interrupt_restart_and_delete_from_the_page(broker, browser, tmp_path):
