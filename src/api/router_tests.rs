@@ -276,6 +276,13 @@ async fn the_root_redirects_to_the_session_browser() {
         ("/", Some(ALICE), "/ui/"),
         ("/?token=alice-token", None, "/ui/?token=alice-token"),
         ("/ui", None, "/ui/"),
+        // A hostile query stays a query of the page: encoded as it came, never a new
+        // header line or another site.
+        (
+            "/?q=%0d%0aSet-Cookie:%20x=1&next=//evil.example",
+            None,
+            "/ui/?q=%0d%0aSet-Cookie:%20x=1&next=//evil.example",
+        ),
     ] {
         let mut req = Request::builder().uri(uri);
         if let Some(t) = token {
