@@ -3,6 +3,7 @@
 //! snippets.
 
 use super::*;
+use crate::recording::postgres::MIGRATIONS;
 use crate::recording::search::{ListQuery, ListedRecording, MatchField, StateFilter};
 use crate::session::{EndedBy, FrontDoor, Metadata, Provenance};
 
@@ -230,3 +231,137 @@ async fn found_by_text_and_filters(backend: Backend, cap: usize) {
 }
 
 on_both!(sessions_are_found_by_text_and_filters);
+
+/// A PostgreSQL database of the recording's first version, with sessions in it: migrated,
+/// its sessions get their failures, front door and closer, and their code, error names and
+/// printed text are found.
+#[tokio::test]
+async fn a_postgres_database_of_version_1_is_migrated_and_indexed() {
+    let url = crate::db::postgres::testing::fresh_database().await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    crate::db::postgres::migrate(&client, "test", "recording", &MIGRATIONS[..1])
+        .await
+        .unwrap();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let sid = |id: Uuid, created: i64, ended: Option<i64>| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    r#"INSERT INTO sessions (id, "user", kernel, node, created_at, ended_at, end_reason)
+                       VALUES ($1, 'alice', 'python3', 'n', $2, $3, CASE WHEN $3::BIGINT IS NULL THEN NULL ELSE 'closed' END)
+                       RETURNING sid"#,
+                    &[&id.to_string(), &created, &ended],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    // Recent: the retention at start would delete an old ended one.
+    let now = micros(Utc::now());
+    let (sa, sb) = (
+        sid(a, now, Some(now + 9)).await,
+        sid(b, now + 1, None).await,
+    );
+    let event = |sid: i64, seq: i64, direction: &'static str, what: &'static str, content: &str| {
+        let (client, content) = (&client, content.to_string());
+        let (msg_type, kind) = if direction == "broker" {
+            (None, Some(what))
+        } else {
+            (Some(what), None)
+        };
+        async move {
+            client
+                .execute(
+                    "INSERT INTO events (sid, seq, time, direction, msg_type, kind, content)
+                     VALUES ($1, $2, 0, $3, $4, $5, $6)",
+                    &[&sid, &seq, &direction, &msg_type, &kind, &content],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    event(
+        sa,
+        1,
+        "broker",
+        "session_created",
+        r#"{"kernel": "python3", "front_door": "mcp", "metadata": {"client": "claude"}}"#,
+    )
+    .await;
+    event(
+        sa,
+        2,
+        "to_kernel",
+        "execute_request",
+        r#"{"code": "import pandas"}"#,
+    )
+    .await;
+    event(
+        sa,
+        3,
+        "from_kernel",
+        "stream",
+        r#"{"name": "stdout", "text": "Hello Output"}"#,
+    )
+    .await;
+    event(
+        sa,
+        4,
+        "from_kernel",
+        "error",
+        r#"{"ename": "ZeroDivisionError", "evalue": "division by zero"}"#,
+    )
+    .await;
+    event(
+        sa,
+        5,
+        "broker",
+        "execution_done",
+        r#"{"msg_id": "m", "outcome": {"status": "error"}}"#,
+    )
+    .await;
+    event(
+        sa,
+        6,
+        "broker",
+        "execution_done",
+        r#"{"msg_id": "n", "execution": {"status": "dead"}}"#,
+    )
+    .await;
+    event(sa, 7, "broker", "session_closed", r#"{"by": "mcp"}"#).await;
+    event(sb, 1, "to_kernel", "execute_request", "not json").await;
+    event(sb, 2, "from_kernel", "stream", r#"{"text": "\u0000 nul"}"#).await;
+
+    let mut cfg = RecordingConfig::new("unused.sqlite3");
+    cfg.database_url = Some(url);
+    let store = RecordingStore::open(cfg).unwrap();
+    let find = |text: &str| {
+        let mut q = ListQuery::of("alice", 10);
+        q.q = Some(text.to_string());
+        let store = store.clone();
+        async move { store.find(q).await.unwrap() }
+    };
+    let all = store.find(ListQuery::of("alice", 10)).await.unwrap();
+    assert_eq!(ids(&all), vec![b, a]);
+    let old = &all[1];
+    assert_eq!(old.errors, 2);
+    assert_eq!(old.front_door.as_deref(), Some("mcp"));
+    assert_eq!(old.metadata["client"], "claude");
+    assert_eq!(old.ended_by.as_deref(), Some("mcp"));
+    assert_eq!((all[0].errors, all[0].ended_by.as_deref()), (0, None));
+    for (text, field) in [
+        ("PANDAS", MatchField::Code),
+        ("o outp", MatchField::Output),
+        ("zerodivision", MatchField::Error),
+    ] {
+        let found = find(text).await;
+        assert_eq!(ids(&found), vec![a], "{text}");
+        assert_eq!(found[0].matches[0].field, field, "{text}");
+    }
+    store.close().await;
+}
