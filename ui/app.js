@@ -122,17 +122,26 @@
 
   function showListMessage(text) {
     recordings = [];
+    drawn = '';
     document.getElementById('session-list').replaceChildren(el('li', { class: 'empty error-text', text }));
     document.getElementById('list-count').textContent = '';
   }
 
+  // What the list last drew: polling redraws it only when something shown changed (the
+  // relative times by the minute), so that focus and hover survive the poll.
+  let drawn = '';
+
   function renderList() {
     const ul = document.getElementById('session-list');
+    const mems = recordings.map((r) => memoryText(live.get(r.id)));
+    const key = JSON.stringify([KB.list.path(filters), current && current.id, recordings, mems, Math.floor(Date.now() / 60000)]);
+    if (key === drawn) return;
+    drawn = key;
     // What this list answers (for a reader's tools and the tests: the search it shows).
     ul.dataset.query = KB.list.path(filters);
-    ul.replaceChildren(...recordings.map((r) => KB.list.entry(r, {
+    ul.replaceChildren(...recordings.map((r, i) => KB.list.entry(r, {
       selected: current && current.id === r.id,
-      mem: memoryText(live.get(r.id)),
+      mem: mems[i],
       q: filters.q,
     })));
     if (!recordings.length) ul.append(KB.list.empty(filters));
