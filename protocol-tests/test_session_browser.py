@@ -419,6 +419,25 @@ def test_the_list_draws_the_contract_fields_as_text(broker, browser, tmp_path):
         "No sessions match this search and these filters."
 
 
+def test_a_shared_link_keeps_its_search_and_session_through_the_sign_in(broker, browser):
+    sid = create_rest(broker)
+    # A fresh browser has no token: the sign-in form, then the link's list.
+    browser.get(f"{broker.url}/ui/?q=share-me&state=live#{sid}")
+    field = wait(browser, lambda d: d.find_elements(By.NAME, "token"), what="the token form")[0]
+    field.send_keys(ALICE + "\n")
+    wait(browser, lambda d: d.find_elements(By.ID, "q"), what="the page")
+    wait(browser, lambda d: d.find_element(By.ID, "q").get_attribute("value") == "share-me", what="the search kept")
+    assert browser.find_element(By.ID, "f-state").get_attribute("value") == "live"
+    assert "token=" not in browser.current_url and "q=share-me" in browser.current_url
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") == sid,
+         what="the link's session open")
+    # A reload (the token only in the tab's storage now) keeps them too.
+    browser.refresh()
+    wait(browser, lambda d: d.find_elements(By.ID, "q")
+         and d.find_element(By.ID, "q").get_attribute("value") == "share-me", what="the search after a reload")
+    assert "state=live" in browser.current_url
+
+
 def test_the_search_parameters_are_checked(broker):
     create_rest(broker)
     for params, name in [({"q": "x" * 201}, "q"), ({"state": "asleep"}, "state"),

@@ -28,8 +28,9 @@
       location.replace('./?' + params.toString() + location.hash);
       return;
     }
-    // The form sends the token alone: keep the search and filters of the link it came from.
+    // The form sends the token alone: keep the search, filters and session of the link it came from.
     const form = document.querySelector('form');
+    form.action = './' + location.hash;
     for (const [k, v] of params) {
       if (k !== 'token') form.append(Object.assign(document.createElement('input'), { type: 'hidden', name: k, value: v }));
     }
