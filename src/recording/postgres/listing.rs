@@ -53,7 +53,9 @@ impl Pool {
         if let Some(text) = &q.q {
             // As on SQLite (see `crate::recording::listing`): the sessions of the matching
             // rows when they are few, else a walk through the caller's sessions, newest
-            // first, looking in each one's rows.
+            // first, looking in each one's rows. Where a session's own rows are meant (the
+            // walk, the page's matches), `text || ''` keeps the planner from the trigram
+            // index, which for common text would read every matching row of every session.
             let pattern = like_pattern(text);
             let rows = c
                 .query(
@@ -72,7 +74,7 @@ impl Pool {
                 params.push(Box::new(pattern));
                 conditions.push_str(&format!(
                     " AND EXISTS (SELECT 1 FROM search_text t2
-                                  WHERE t2.sid = s.sid AND t2.text ILIKE ${})",
+                                  WHERE t2.sid = s.sid AND (t2.text || '') ILIKE ${})",
                     params.len()
                 ));
             }
@@ -126,7 +128,7 @@ impl Pool {
                     "SELECT sid, seq, field, text FROM (
                          SELECT t.sid, t.seq, t.field, t.text,
                                 row_number() OVER (PARTITION BY t.sid ORDER BY t.seq) AS n
-                         FROM search_text t WHERE t.sid = ANY($2) AND t.text ILIKE $1
+                         FROM search_text t WHERE t.sid = ANY($2) AND (t.text || '') ILIKE $1
                      ) m WHERE n <= {MATCHES_PER_SESSION} ORDER BY sid, seq"
                 ),
                 &[&like_pattern(text), &sids],
