@@ -236,3 +236,55 @@ async fn the_list_is_searched_and_filtered_postgres() {
     the_list_is_searched_and_filtered(&broker).await;
     broker.stop().await;
 }
+
+/// A recordings file of version 2 (before the search index) with a session in it: the
+/// broker of this version migrates it, and the session's code, output and error are found,
+/// its failure counted, its front door and closer shown.
+#[tokio::test]
+async fn a_version_2_recordings_file_is_searched_after_the_upgrade() {
+    let mut broker = SpawnedBroker::start(&[], None);
+    let alice = broker.api(ALICE);
+    let id = alice.create().await;
+    let x = alice.execute(&id, "print('upgraded ' + 'needle')").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let x = alice.execute(&id, "raise KeyError('gone')").await;
+    assert_eq!(x["status"], "error", "{x}");
+    let (status, _) = alice.delete(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 204);
+    broker.halt(common::spawned::Stop::Term).await;
+    // What version 3 added, taken away again.
+    let db = broker.data_dir().join("recordings.sqlite3");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "DROP TRIGGER search_text_added; DROP TRIGGER search_text_removed;
+         DROP TABLE search_fts; DROP TABLE search_text;
+         ALTER TABLE sessions DROP COLUMN front_door; ALTER TABLE sessions DROP COLUMN metadata;
+         ALTER TABLE sessions DROP COLUMN errors; ALTER TABLE sessions DROP COLUMN ended_by;
+         PRAGMA user_version = 2;",
+    )
+    .unwrap();
+    drop(conn);
+    broker.resume();
+    let alice = broker.api(ALICE);
+    let found = listed(&alice, "q=upgraded%20needle").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    let r = &found[0];
+    assert_eq!(r["id"], id.as_str());
+    assert_eq!(r["matches"][0]["field"], "output", "{r}");
+    assert_eq!(r["matches"][0]["snippet"], "upgraded needle\n", "{r}");
+    assert_eq!(
+        (r["errors"].as_u64(), &r["ended_by"]),
+        (Some(1), &Value::from("rest"))
+    );
+    assert_eq!(r["front_door"], "rest");
+    let found = listed(&alice, "q=keyerror").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0]["matches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["field"] == "error"));
+    assert_eq!(ids(&alice, "q=raise%20KeyError").await, vec![id.clone()]);
+    assert_eq!(ids(&alice, "has_errors=true").await, vec![id]);
+    broker.stop().await;
+}

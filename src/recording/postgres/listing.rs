@@ -50,6 +50,9 @@ impl Pool {
             format!("${}", params.len())
         });
         let c = self.client().await?;
+        // The walk: a lateral probe of each session, newest first, which the page's limit
+        // stops (an EXISTS let the planner scan every session's rows at once).
+        let mut lateral = String::new();
         if let Some(text) = &q.q {
             // As on SQLite (see `crate::recording::listing`): the sessions of the matching
             // rows when they are few, else a walk through the caller's sessions, newest
@@ -72,11 +75,11 @@ impl Pool {
                 conditions.push_str(&format!(" AND s.sid = ANY(${})", params.len()));
             } else {
                 params.push(Box::new(pattern));
-                conditions.push_str(&format!(
-                    " AND EXISTS (SELECT 1 FROM search_text t2
-                                  WHERE t2.sid = s.sid AND (t2.text || '') ILIKE ${})",
+                lateral = format!(
+                    " CROSS JOIN LATERAL (SELECT 1 FROM search_text t2
+                        WHERE t2.sid = s.sid AND (t2.text || '') ILIKE ${} LIMIT 1) hit",
                     params.len()
-                ));
+                );
             }
         }
         params.push(Box::new(q.limit as i64));
@@ -84,7 +87,7 @@ impl Pool {
             r#"SELECT s.id, s."user", s.kernel, s.created_at, s.ended_at, s.end_reason, s.cells,
                       s.events, s.last_event_at, s.front_door, s.metadata, s.errors, s.ended_by,
                       s.sid
-               FROM sessions s WHERE {conditions}
+               FROM sessions s{lateral} WHERE {conditions}
                ORDER BY s.created_at DESC, s.sid DESC LIMIT ${}"#,
             params.len()
         );
@@ -125,11 +128,12 @@ impl Pool {
         let found = c
             .query(
                 &format!(
-                    "SELECT sid, seq, field, text FROM (
-                         SELECT t.sid, t.seq, t.field, t.text,
-                                row_number() OVER (PARTITION BY t.sid ORDER BY t.seq) AS n
-                         FROM search_text t WHERE t.sid = ANY($2) AND (t.text || '') ILIKE $1
-                     ) m WHERE n <= {MATCHES_PER_SESSION} ORDER BY sid, seq"
+                    "SELECT p.sid, m.seq, m.field, m.text FROM unnest($2::BIGINT[]) AS p(sid)
+                     CROSS JOIN LATERAL (
+                         SELECT t.seq, t.field, t.text FROM search_text t
+                         WHERE t.sid = p.sid AND (t.text || '') ILIKE $1
+                         ORDER BY t.seq LIMIT {MATCHES_PER_SESSION}
+                     ) m ORDER BY p.sid, m.seq"
                 ),
                 &[&like_pattern(text), &sids],
             )

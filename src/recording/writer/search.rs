@@ -41,6 +41,19 @@ pub(super) struct Noted {
     pub errors: i64,
 }
 
+/// A result or display, as far as the index reads it.
+#[derive(Default, serde::Deserialize)]
+struct Shown {
+    #[serde(default)]
+    data: ShownData,
+}
+
+#[derive(Default, serde::Deserialize)]
+struct ShownData {
+    #[serde(rename = "text/plain", default)]
+    plain: Option<Value>,
+}
+
 /// The output of the execution a session is printing.
 struct Output {
     parent: String,
@@ -167,10 +180,11 @@ impl SearchIndex {
                         }
                     }
                     "execute_result" | "display_data" | "update_display_data" => {
-                        let c = content();
-                        let plain = c.pointer("/data/text~1plain");
-                        let text = match plain {
-                            Some(Value::String(s)) => s.clone(),
+                        // Only the text is read: the images beside it are skipped, not
+                        // built.
+                        let shown: Shown = serde_json::from_slice(&msg.content).unwrap_or_default();
+                        let text = match shown.data.plain {
+                            Some(Value::String(s)) => s,
                             Some(Value::Array(lines)) => {
                                 lines.iter().filter_map(Value::as_str).collect()
                             }
