@@ -1,10 +1,13 @@
-// kernel-broker's session browser. Plain JavaScript, no build step.
+// kernel-broker's session browser: the page. Plain JavaScript, no build step (common.js,
+// events.js, list.js and timeline.js come first and share `KB`).
 //
-// Reads GET /v1/recordings (the list), GET /v1/sessions (live sessions' memory use and
-// limit) and GET /v1/sessions/{id}/events (one session),
-// rebuilds the cells from the recorded messages the way the notebook export does, and
-// polls for new events every second while the session is live. Every piece of kernel
-// output is inserted as text; images only as data: URLs.
+// Reads GET /v1/recordings (the list, with the search and filters of list.js), GET
+// /v1/sessions (live sessions' memory use and limit) and GET /v1/sessions/{id}/events (one
+// session), rebuilds its cells from the recorded messages (timeline.js) the way the notebook
+// export does, draws every other event (files, commands, network, closes) between them, and polls for new
+// events every second while the session is live. Interrupt, Restart and Delete act on a live
+// session through the REST API. Every piece of kernel output is inserted as text; images
+// only as data: URLs.
 'use strict';
 
 (function () {
@@ -12,21 +15,6 @@
   const LAB_KEY = 'kernel-broker-jupyterlab-url';
   const POLL_MS = 1000;
   const LIST_MS = 3000;
-  const ENDED = new Set(['session_closed', 'session_expired', 'broker_stopped', 'node_lost']);
-  const MARKERS = {
-    session_created: 'session created',
-    interrupt: 'interrupt requested',
-    execution_timeout: 'execution timed out',
-    kernel_restarted: 'kernel restarted',
-    kernel_died: 'kernel died',
-    session_expired: 'session expired',
-    session_closed: 'session closed',
-    broker_stopped: 'broker stopped (session lost)',
-    node_lost: 'node lost (session lost)',
-    recording_gap: 'gap in the recording',
-    recording_truncated: 'output cut in the recording',
-    egress_refused: 'network request refused',
-  };
 
   // ---- login page ---------------------------------------------------------------------
   if (document.body.dataset.page === 'login') {
@@ -36,7 +24,15 @@
       sessionStorage.removeItem(TOKEN_KEY);
       document.getElementById('login-message').textContent = 'That token was not accepted; try again.';
     } else if (stored) {
-      location.replace('./?token=' + encodeURIComponent(stored) + location.hash);
+      params.set('token', stored);
+      location.replace('./?' + params.toString() + location.hash);
+      return;
+    }
+    // The form sends the token alone: keep the search, filters and session of the link it came from.
+    const form = document.querySelector('form');
+    form.action = './' + location.hash;
+    for (const [k, v] of params) {
+      if (k !== 'token') form.append(Object.assign(document.createElement('input'), { type: 'hidden', name: k, value: v }));
     }
     return;
   }
@@ -52,21 +48,8 @@
   const token = sessionStorage.getItem(TOKEN_KEY) || '';
 
   // ---- helpers --------------------------------------------------------------------------
-  function el(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (v === null || v === undefined || v === false) continue;
-      if (k === 'class') e.className = v;
-      else if (k === 'text') e.textContent = v;
-      else if (k.startsWith('on')) e.addEventListener(k.slice(2), v);
-      else e.setAttribute(k, v === true ? '' : String(v));
-    }
-    for (const c of children) {
-      if (c === null || c === undefined || c === false) continue;
-      e.append(c instanceof Node ? c : document.createTextNode(String(c)));
-    }
-    return e;
-  }
+  const { el, clock, when, ago, duration, joinText, stripAnsi, metadataParts, frontDoor } = KB;
+  const EV = KB.events;
 
   function status(text, isError) {
     const s = document.getElementById('status');
@@ -99,27 +82,6 @@
 
   const getJSON = async (path) => (await api(path)).json();
 
-  const stripAnsi = (s) => String(s).replace(/\u001b\[[0-9;?]*[ -/]*[@-~]/g, '').replace(/\u001b\][^\u0007]*(\u0007|\u001b\\)/g, '');
-
-  function clock(t) {
-    if (!t) return '';
-    const d = new Date(t);
-    return d.toLocaleTimeString([], { hour12: false }) + '.' + String(d.getMilliseconds()).padStart(3, '0');
-  }
-
-  function when(t) {
-    return t ? new Date(t).toLocaleString([], { hour12: false }) : '';
-  }
-
-  function duration(ms) {
-    if (ms === null || ms === undefined || isNaN(ms)) return '';
-    if (ms < 1000) return ms.toFixed(ms < 10 ? 1 : 0) + ' ms';
-    if (ms < 60000) return (ms / 1000).toFixed(2) + ' s';
-    return Math.floor(ms / 60000) + ' min ' + Math.round((ms % 60000) / 1000) + ' s';
-  }
-
-  const joinText = (v) => (Array.isArray(v) ? v.join('') : typeof v === 'string' ? v : JSON.stringify(v, null, 1));
-
   // ---- the session list -------------------------------------------------------------------
   let recordings = [];
   // The caller's live sessions by id (GET /v1/sessions): their memory use and limit.
@@ -133,145 +95,68 @@
     return used + mib(s.memory_limit_bytes) + ' memory';
   }
 
+  // The search and filters (list.js), from the address bar at first.
+  let filters = KB.list.fromURL();
+  // Answers to list requests can arrive out of order: only the newest request's is shown.
+  let listRequest = 0;
+
   async function loadList() {
+    const mine = ++listRequest;
+    const f = filters;
     try {
-      const [recs, sessions] = await Promise.all([getJSON('v1/recordings'), getJSON('v1/sessions')]);
+      const [recs, sessions] = await Promise.all([getJSON(KB.list.path(f)), getJSON('v1/sessions')]);
+      if (mine !== listRequest) return;
+      if (!Array.isArray(recs)) throw new ApiError('GET /v1/recordings did not answer a list');
       recordings = recs;
       live = new Map(sessions.map((s) => [s.id, s]));
       renderList();
-      if (current) {
-        const r = recordings.find((x) => x.id === current.id);
-        if (r) updateHeader(r);
-      }
+      if (current) updateHeader();
+      if (listFailed) { listFailed = false; status(''); }
     } catch (e) {
+      if (mine !== listRequest) return;
+      listFailed = true;
       status(e.message, true);
+      if (e instanceof ApiError && KB.list.active(f)) showListMessage('The search was refused: ' + e.message);
     }
   }
+  let listFailed = false;
+
+  function showListMessage(text) {
+    recordings = [];
+    drawn = '';
+    document.getElementById('session-list').replaceChildren(el('li', { class: 'empty error-text', text }));
+    document.getElementById('list-count').textContent = '';
+  }
+
+  // What the list last drew: polling redraws it only when something shown changed (the
+  // relative times by the minute), so that focus and hover survive the poll.
+  let drawn = '';
 
   function renderList() {
     const ul = document.getElementById('session-list');
-    ul.replaceChildren(...recordings.map((r) => el('li', {
-      class: 'session' + (current && current.id === r.id ? ' selected' : ''),
-      'data-id': r.id,
-      title: r.id,
-      onclick: () => { location.hash = r.id; },
-    },
-    el('span', { class: 'state state-' + r.state, text: r.state }),
-    el('span', { class: 'created', text: when(r.created_at) }),
-    el('span', { class: 'count', text: r.cells + (r.cells === 1 ? ' cell' : ' cells') }),
-    el('code', { class: 'sid', text: r.id.slice(0, 8) }),
-    el('span', { class: 'mem', text: memoryText(live.get(r.id)) }))));
-    if (!recordings.length) ul.append(el('li', { class: 'empty', text: 'No recorded sessions yet.' }));
+    const mems = recordings.map((r) => memoryText(live.get(r.id)));
+    const key = JSON.stringify([KB.list.path(filters), current && current.id, recordings, mems, Math.floor(Date.now() / 60000)]);
+    if (key === drawn) return;
+    drawn = key;
+    // What this list answers (for a reader's tools and the tests: the search it shows).
+    ul.dataset.query = KB.list.path(filters);
+    ul.replaceChildren(...recordings.map((r, i) => KB.list.entry(r, {
+      selected: current && current.id === r.id,
+      mem: mems[i],
+      q: filters.q,
+    })));
+    if (!recordings.length) ul.append(KB.list.empty(filters));
+    document.getElementById('list-count').textContent = recordings.length ? '(' + recordings.length + ')' : '';
+  }
+
+  function search(f) {
+    filters = f;
+    KB.list.toURL(f);
+    loadList();
   }
 
   // ---- one session --------------------------------------------------------------------------
   let current = null;
-
-  function newModel() {
-    return { entries: [], byMsg: new Map(), cells: [], dirty: new Set(), ended: false, clearPending: new Set() };
-  }
-
-  function ensureCell(m, msgId, code, time) {
-    let c = m.byMsg.get(msgId);
-    if (c) return c;
-    c = {
-      kind: 'cell', index: m.cells.length, msgId, code: code || '', start: time, end: null,
-      count: null, outputs: [], status: null, durationMs: null, timedOut: false, done: false,
-      note: null, replay: null,
-    };
-    m.byMsg.set(msgId, c);
-    m.cells.push(c);
-    m.entries.push(c);
-    m.dirty.add(c);
-    return c;
-  }
-
-  function addMarker(m, ev) {
-    const mk = { kind: 'marker', name: ev.kind, time: ev.time, detail: ev.detail || {} };
-    m.entries.push(mk);
-    m.dirty.add(mk);
-  }
-
-  function pushOutput(c, o) {
-    const last = c.outputs[c.outputs.length - 1];
-    if (o.type === 'stream' && last && last.type === 'stream' && last.name === o.name) {
-      last.text += o.text;
-    } else {
-      c.outputs.push(o);
-    }
-  }
-
-  function apply(m, ev) {
-    if (ev.direction === 'broker') {
-      const d = ev.detail || {};
-      if (ev.kind === 'execution_started') {
-        const c = ensureCell(m, d.msg_id, d.code, ev.time);
-        c.timeout = d.timeout_seconds;
-        return;
-      }
-      if (ev.kind === 'execution_done') {
-        const c = m.byMsg.get(d.msg_id);
-        const x = d.execution;
-        if (c && x) {
-          c.status = x.status;
-          c.durationMs = x.duration_ms;
-          c.end = ev.time;
-          c.done = true;
-          if (x.execution_count !== null && x.execution_count !== undefined) c.count = x.execution_count;
-          // The broker's own word (a timeout, a death) when the kernel's error does not say it.
-          if (x.status !== 'ok' && x.error && !c.outputs.some((o) => o.type === 'error' && o.ename === x.error.ename)) c.note = x.error;
-          m.dirty.add(c);
-        }
-        return;
-      }
-      if (ev.kind === 'execution_timeout') {
-        const c = m.byMsg.get(d.msg_id);
-        if (c) { c.timedOut = true; m.dirty.add(c); }
-      }
-      if (MARKERS[ev.kind]) addMarker(m, ev);
-      if (ENDED.has(ev.kind)) m.ended = true;
-      return;
-    }
-    const content = ev.content || {};
-    if (ev.direction === 'to_kernel') {
-      if (ev.channel === 'shell' && ev.msg_type === 'execute_request' && !content.silent) {
-        ensureCell(m, ev.msg_id, content.code, ev.time);
-      }
-      return;
-    }
-    const c = ev.parent_msg_id && m.byMsg.get(ev.parent_msg_id);
-    if (!c) return;
-    m.dirty.add(c);
-    if (ev.channel === 'shell' && ev.msg_type === 'execute_reply') {
-      if (content.execution_count !== undefined) c.count = content.execution_count;
-      c.replyStatus = content.status;
-      if (!c.end) c.end = ev.time;
-      return;
-    }
-    if (ev.channel !== 'iopub') return;
-    switch (ev.msg_type) {
-      case 'execute_input':
-        c.count = content.execution_count;
-        c.inputAt = ev.time;
-        return;
-      case 'status':
-        if (content.execution_state === 'idle' && c.replyStatus && !c.status) c.status = c.replyStatus;
-        return;
-      case 'clear_output':
-        if (content.wait) m.clearPending.add(c); else c.outputs = [];
-        return;
-      case 'stream':
-      case 'display_data':
-      case 'execute_result':
-      case 'error':
-        if (m.clearPending.delete(c)) c.outputs = [];
-        if (ev.msg_type === 'stream') pushOutput(c, { type: 'stream', name: content.name === 'stderr' ? 'stderr' : 'stdout', text: content.text || '' });
-        else if (ev.msg_type === 'error') pushOutput(c, { type: 'error', ename: content.ename, evalue: content.evalue, traceback: content.traceback || [] });
-        else pushOutput(c, { type: ev.msg_type === 'execute_result' ? 'result' : 'display', data: content.data || {} });
-        return;
-      default:
-    }
-  }
 
   function renderData(data) {
     const box = el('div', { class: 'data' });
@@ -329,11 +214,43 @@
   }
 
   function renderMarker(mk) {
-    const reason = mk.detail && (mk.detail.reason || (mk.detail.timeout_seconds ? 'limit ' + mk.detail.timeout_seconds + ' s' : ''));
-    return el('div', { class: 'marker marker-' + mk.name },
+    const x = EV.describe(mk.name, mk.detail);
+    return el('div', { class: 'marker marker-' + mk.name + ' tone-' + x.tone, 'data-kind': mk.name },
       el('span', { class: 'time', text: clock(mk.time) }),
-      el('span', { class: 'what', text: MARKERS[mk.name] || mk.name }),
-      reason ? el('span', { class: 'reason', text: reason }) : null);
+      el('span', { class: 'what', text: x.what }),
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
+  }
+
+  // A command: its line and outcome, then what it printed (as the recording kept it).
+  function renderCommand(cmd, ended) {
+    const x = EV.command(cmd.start, cmd.end, ended);
+    const end = cmd.end || {};
+    const printed = ['stdout', 'stderr'].filter((k) => typeof end[k] === 'string' && end[k])
+      .map((k) => el('pre', { class: 'command-output ' + k, text: end[k] }));
+    return el('div', { class: 'marker command tone-' + x.tone + (x.running ? ' running' : ''), 'data-kind': 'command', 'data-pid': KB.str((cmd.start || end).pid) },
+      el('span', { class: 'time', text: clock(cmd.time) }),
+      el('span', { class: 'what', text: x.what }),
+      el('code', { class: 'argv', text: x.line }),
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })),
+      ...printed);
+  }
+
+  // Allowed and closed network connections, folded: a summary line, the rest on demand.
+  function renderEgress(g) {
+    const allowed = g.lines.filter((l) => l.kind === 'egress_allowed').length;
+    return el('details', { class: 'marker egress tone-quiet', 'data-kind': 'egress' },
+      el('summary', {},
+        el('span', { class: 'time', text: clock(g.time) }),
+        el('span', { class: 'what', text: 'network' }),
+        el('span', { class: 'detail', text: allowed + (allowed === 1 ? ' connection allowed' : ' connections allowed') + ', ' + (g.lines.length - allowed) + ' closed' })),
+      el('ul', {}, ...g.lines.map((l) => el('li', {}, el('span', { class: 'time', text: clock(l.time) }), ' ', l.text))));
+  }
+
+  function renderEntry(entry, m) {
+    if (entry.kind === 'cell') return renderCell(entry);
+    if (entry.kind === 'command') return renderCommand(entry, m.ended);
+    if (entry.kind === 'egress') return renderEgress(entry);
+    return renderMarker(entry);
   }
 
   function renderDirty() {
@@ -343,8 +260,10 @@
     const changed = m.dirty.size > 0;
     for (const entry of m.entries) {
       if (!m.dirty.has(entry)) continue;
-      const node = entry.kind === 'cell' ? renderCell(entry) : renderMarker(entry);
+      const node = renderEntry(entry, m);
       const old = current.nodes.get(entry);
+      // A folded group keeps whether the reader opened it.
+      if (old && old.tagName === 'DETAILS' && old.open) node.open = true;
       if (old) old.replaceWith(node); else timeline.append(node);
       current.nodes.set(entry, node);
     }
@@ -355,16 +274,30 @@
       current.detail.scrollTop = current.detail.scrollHeight;
     }
     current.liveBadge.hidden = m.ended;
+    if (m.created && !current.doorEl.textContent) {
+      current.doorEl.textContent = frontDoor(m.created.front_door) ? 'via ' + frontDoor(m.created.front_door) : '';
+      const meta = metadataParts(m.created.metadata);
+      current.metaEl.textContent = meta.join(' · ');
+      current.metaEl.title = KB.clip(meta.join('\n'), 1000);
+    }
+    updateHeader();
   }
 
-  function updateHeader(r) {
+  // The open session's state: the live sessions' list says it while it lives; then the
+  // recordings' list, or the recording's own end.
+  function updateHeader() {
     if (!current) return;
-    current.stateEl.textContent = r.state;
-    current.stateEl.className = 'state state-' + r.state;
-    current.live = r.live;
-    current.memEl.textContent = memoryText(live.get(current.id));
     const s = live.get(current.id);
+    const r = recordings.find((x) => x.id === current.id);
+    const m = current.model;
+    let state = s ? s.state : r ? r.state : m.endedKind === 'session_expired' ? 'expired' : m.ended ? 'closed' : current.stateEl.textContent;
+    if (m.ended && s === undefined && (state === 'idle' || state === 'busy' || state === 'starting')) state = 'closed';
+    current.stateEl.textContent = state;
+    current.stateEl.className = 'state state-' + KB.clip(state, 20);
+    current.memEl.textContent = memoryText(s);
     current.memEl.title = s && s.dead_reason ? s.dead_reason : '';
+    // Actions only on a live session: one the broker still holds, whose recording has not ended.
+    current.actions.hidden = !s || m.ended;
   }
 
   function move(delta) {
@@ -468,7 +401,7 @@
         const page = await getJSON('v1/sessions/' + session.id + '/events?after=' + session.after + '&limit=1000');
         if (current !== session) return;
         for (const ev of page.events) {
-          apply(session.model, ev);
+          KB.timeline.apply(session.model, ev);
           session.after = ev.seq;
         }
         renderDirty();
@@ -484,15 +417,50 @@
     }
   }
 
+  // Interrupt, Restart and Delete: the REST API with the page's token. The buttons wait for
+  // the answer (disabled meanwhile); a failure is shown, never swallowed.
+  async function act(what) {
+    const session = current;
+    const id = session.id;
+    const short = id.slice(0, 8);
+    const ask = {
+      restart: 'Restart the kernel of session ' + short + '? Its variables are lost.',
+      delete: 'Delete session ' + short + '? Its kernel is shut down (the recording is kept).',
+    }[what];
+    if (ask && !window.confirm(ask)) return;
+    const req = {
+      interrupt: ['v1/sessions/' + id + '/interrupt', 'POST', 'interrupt sent to session ' + short],
+      restart: ['v1/sessions/' + id + '/restart', 'POST', 'session ' + short + ' restarted'],
+      delete: ['v1/sessions/' + id, 'DELETE', 'session ' + short + ' deleted'],
+    }[what];
+    for (const b of session.actions.querySelectorAll('button')) b.disabled = true;
+    session.actions.dataset.busy = what;
+    status(what + '…');
+    try {
+      await api(req[0], { method: req[1] });
+      status(req[2]);
+      if (what === 'delete') live.delete(id);
+    } catch (e) {
+      status(what + ' failed: ' + e.message, true);
+    } finally {
+      for (const b of session.actions.querySelectorAll('button')) b.disabled = false;
+      delete session.actions.dataset.busy;
+      if (current === session) updateHeader();
+      loadList();
+    }
+  }
+
   function open(id) {
     stopFollowing();
     const detail = document.getElementById('detail');
     const r = recordings.find((x) => x.id === id) || { id, state: '', kernel: '', created_at: null };
     const session = {
-      id, after: 0, model: newModel(), nodes: new Map(), cursor: -1, timer: null, detail,
+      id, after: 0, model: KB.timeline.newModel(), nodes: new Map(), cursor: -1, timer: null, detail,
     };
     current = session;
-    session.stateEl = el('span', { class: 'state state-' + r.state, text: r.state });
+    session.stateEl = el('span', { class: 'state state-' + KB.clip(r.state, 20), text: r.state });
+    session.doorEl = el('span', { class: 'door', text: r.front_door ? 'via ' + frontDoor(r.front_door) : '' });
+    session.metaEl = el('span', { class: 'meta', text: metadataParts(r.metadata).join(' · ') });
     session.cellCount = el('span', { class: 'count' });
     session.memEl = el('span', { class: 'mem', text: memoryText(live.get(id)) });
     session.position = el('span', { class: 'position' });
@@ -500,32 +468,39 @@
     session.liveBadge = el('span', { class: 'live', text: '● live' });
     session.timeline = el('div', { id: 'timeline' });
     session.labInput = el('input', {
-      type: 'url', id: 'jupyterlab-url', size: 28, value: localStorage.getItem(LAB_KEY) || '',
+      type: 'url', id: 'jupyterlab-url', value: localStorage.getItem(LAB_KEY) || '',
       placeholder: 'JupyterLab URL with ?token=', title: 'The URL `jupyter lab` printed, with its token',
     });
-    session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook in JupyterLab' });
+    session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook ↗', title: 'The notebook in JupyterLab' });
+    session.actions = el('div', { class: 'actions', hidden: true },
+      el('button', { type: 'button', id: 'action-interrupt', title: 'Interrupt the running execution', onclick: () => act('interrupt'), text: 'Interrupt' }),
+      el('button', { type: 'button', id: 'action-restart', title: 'Restart the kernel (its state is lost)', onclick: () => act('restart'), text: 'Restart' }),
+      el('button', { type: 'button', id: 'action-delete', class: 'danger', title: 'End the session', onclick: () => act('delete'), text: 'Delete' }));
     detail.dataset.loaded = 'false';
     detail.dataset.session = id;
     detail.replaceChildren(
       el('div', { class: 'session-head' },
-        el('h2', {}, 'Session ', el('code', { text: id })),
+        el('div', { class: 'title-row' },
+          el('h2', {}, 'Session ', el('code', { text: id })),
+          session.actions),
         el('div', { class: 'facts' },
-          session.stateEl, session.liveBadge,
+          session.stateEl, session.liveBadge, session.doorEl,
           el('span', { text: r.kernel || '' }),
-          el('span', { text: r.created_at ? 'created ' + when(r.created_at) : '' }),
-          session.cellCount, session.memEl)),
+          el('span', { class: 'created', text: r.created_at ? 'created ' + when(r.created_at) : '' }),
+          session.cellCount, session.memEl, session.metaEl)),
       el('div', { class: 'toolbar' },
         el('button', { type: 'button', title: 'Previous cell (k)', onclick: () => move(-1), text: '◀' }),
         el('button', { type: 'button', title: 'Next cell (j)', onclick: () => move(1), text: '▶' }),
         session.position,
-        el('label', {}, session.follow, ' follow'),
+        el('label', { class: 'follow' }, session.follow, ' follow'),
         el('button', { type: 'button', onclick: downloadNotebook, text: 'Download .ipynb' }),
-        el('button', { type: 'button', onclick: replay, text: 'Replay in a new session' }),
+        el('button', { type: 'button', onclick: replay, title: 'Replay in a new session', text: 'Replay' }),
         session.labInput,
         el('button', { type: 'button', id: 'open-in-jupyterlab', onclick: openInJupyterLab, text: 'Open in JupyterLab' }),
         session.labLink),
       session.timeline);
     renderList();
+    updateHeader();
     poll(session);
   }
 
@@ -545,6 +520,7 @@
   });
   window.addEventListener('hashchange', route);
 
+  KB.list.bindForm(filters, search);
   loadList().then(route);
   setInterval(loadList, LIST_MS);
 })();

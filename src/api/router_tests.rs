@@ -266,6 +266,52 @@ async fn operations_answer() {
     );
 }
 
+/// `GET /` leads a browser to the session browser, with or without a token, keeping the
+/// query (`?token=`); other methods on `/` and other unknown paths are still 404/405. The
+/// page's scripts are served by name, and only they.
+#[tokio::test]
+async fn the_root_redirects_to_the_session_browser() {
+    for (uri, token, to) in [
+        ("/", None, "/ui/"),
+        ("/", Some(ALICE), "/ui/"),
+        ("/?token=alice-token", None, "/ui/?token=alice-token"),
+        ("/ui", None, "/ui/"),
+        // A hostile query stays a query of the page: encoded as it came, never a new
+        // header line or another site.
+        (
+            "/?q=%0d%0aSet-Cookie:%20x=1&next=//evil.example",
+            None,
+            "/ui/?q=%0d%0aSet-Cookie:%20x=1&next=//evil.example",
+        ),
+    ] {
+        let mut req = Request::builder().uri(uri);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let resp = router(state())
+            .oneshot(req.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::TEMPORARY_REDIRECT, "{uri}");
+        assert_eq!(resp.headers()[header::LOCATION], to, "{uri}");
+    }
+    let (status, _, _) = call(Method::POST, "/", Some(ALICE), "").await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    let (status, _, body) = call(Method::GET, "/index.html", Some(ALICE), "").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body["error"]["code"], "not_found");
+    // The page's scripts are served without a token; nothing else under their route.
+    for name in ["common.js", "events.js", "list.js", "timeline.js", "app.js"] {
+        let (status, content_type, _) = call(Method::GET, &format!("/ui/{name}"), None, "").await;
+        assert_eq!(status, StatusCode::OK, "{name}");
+        assert!(content_type.starts_with("text/javascript"), "{name}");
+    }
+    for name in ["nope.js", "login.html", "..%2Fapp.js", "app.js.map"] {
+        let (status, _, _) = call(Method::GET, &format!("/ui/{name}"), None, "").await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{name}");
+    }
+}
+
 /// Every operation of the document reaches a handler (not the fallback, not 405).
 #[tokio::test]
 async fn every_documented_route_is_served() {

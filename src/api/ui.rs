@@ -1,5 +1,6 @@
 //! The replay UI: `GET /ui/`, a page to browse the caller's recorded sessions and step
-//! through one, following it live. Plain HTML, CSS and JavaScript from `ui/`, built into
+//! through one, following it live (`GET /` leads there: a browser user who opens the
+//! broker's address expects it). Plain HTML, CSS and JavaScript from `ui/`, built into
 //! the binary with `include_str!` (no build step, nothing to deploy beside the binary).
 //!
 //! The page itself needs a token (`?token=`, or a header); without one it answers 401 with a
@@ -9,7 +10,7 @@
 //! Content-Security-Policy keeps kernel output from running script: the page inserts output
 //! as text, images as `data:` URLs only.
 
-use axum::extract::RawQuery;
+use axum::extract::{Path, RawQuery};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use utoipa_axum::router::OpenApiRouter;
@@ -17,11 +18,21 @@ use utoipa_axum::routes;
 
 use super::auth::Caller;
 use super::error::ApiError;
+use super::shapes::ErrorBody;
 use super::AppState;
 
 const INDEX: &str = include_str!("../../ui/index.html");
 const LOGIN: &str = include_str!("../../ui/login.html");
-const APP_JS: &str = include_str!("../../ui/app.js");
+/// The page's scripts by file name, in the order the page loads them: `common.js` (what the
+/// others use), `events.js` (broker events described), `list.js` (search, filters, the
+/// list), `timeline.js` (a session's events as cells and events), `app.js` (the page).
+const SCRIPTS: [(&str, &str); 5] = [
+    ("common.js", include_str!("../../ui/common.js")),
+    ("events.js", include_str!("../../ui/events.js")),
+    ("list.js", include_str!("../../ui/list.js")),
+    ("timeline.js", include_str!("../../ui/timeline.js")),
+    ("app.js", include_str!("../../ui/app.js")),
+];
 const STYLE: &str = include_str!("../../ui/style.css");
 
 /// `connect-src` also names loopback servers: "Open in JupyterLab" calls a Jupyter server on
@@ -32,17 +43,30 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
+        .routes(routes!(root))
         .routes(routes!(to_slash))
         .routes(routes!(index))
         .routes(routes!(index_html))
-        .routes(routes!(app_js))
+        .routes(routes!(script))
         .routes(routes!(style_css))
+}
+
+/// The broker's root: the session browser
+#[utoipa::path(get, operation_id = "root_redirect", path = "/", tag = "ui", security(()),
+    responses((status = 307, description = "to `/ui/`, keeping the query")))]
+async fn root(RawQuery(query): RawQuery) -> Redirect {
+    to_ui(query)
 }
 
 /// The session browser's address without its slash
 #[utoipa::path(get, operation_id = "ui_redirect", path = "/ui", tag = "ui", security(()),
     responses((status = 307, description = "to `/ui/`, keeping the query")))]
 async fn to_slash(RawQuery(query): RawQuery) -> Redirect {
+    to_ui(query)
+}
+
+/// A temporary redirect to the page, with the query it came with (`?token=` among it).
+fn to_ui(query: Option<String>) -> Redirect {
     match query {
         Some(q) => Redirect::temporary(&format!("/ui/?{q}")),
         None => Redirect::temporary("/ui/"),
@@ -84,11 +108,16 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     r
 }
 
-/// The session browser's script (no token: code without data)
-#[utoipa::path(get, operation_id = "ui_script", path = "/ui/app.js", tag = "ui", security(()),
-    responses((status = 200, description = "JavaScript", content_type = "text/javascript", body = String)))]
-async fn app_js() -> Response {
-    asset("text/javascript; charset=utf-8", APP_JS)
+/// One of the session browser's scripts (no token: code without data)
+#[utoipa::path(get, operation_id = "ui_script", path = "/ui/{script}", tag = "ui", security(()),
+    params(("script" = String, Path, description = "`common.js`, `events.js`, `list.js`, `timeline.js` or `app.js`")),
+    responses((status = 200, description = "JavaScript", content_type = "text/javascript", body = String),
+        (status = 404, description = "no such file", body = ErrorBody)))]
+async fn script(Path(name): Path<String>) -> Response {
+    match SCRIPTS.iter().find(|(n, _)| *n == name) {
+        Some((_, body)) => asset("text/javascript; charset=utf-8", body),
+        None => ApiError::not_found("no such file of the session browser").into_response(),
+    }
 }
 
 /// The session browser's style sheet (no token)

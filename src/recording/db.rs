@@ -8,6 +8,8 @@ use std::collections::HashSet;
 
 use uuid::Uuid;
 
+use super::search::MatchField;
+
 /// An error of either database.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -68,6 +70,16 @@ impl<'a> EventRow<'a> {
     }
 }
 
+/// One row of `search_text` (the search index), as the writer stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct IndexText {
+    pub sid: i64,
+    /// The event that holds the text (an execution's output: its first output message).
+    pub seq: i64,
+    pub field: MatchField,
+    pub text: String,
+}
+
 /// One row of `blobs`, as the writer stores it.
 pub(super) struct BlobRow<'a> {
     pub sha256: &'a str,
@@ -83,6 +95,8 @@ pub(super) struct BlobRow<'a> {
 pub(super) struct SessionDelta {
     pub events: i64,
     pub cells: i64,
+    /// Executions that failed (see `writer::search`).
+    pub errors: i64,
     pub last: i64,
     pub ended: Option<(i64, &'static str)>,
 }
@@ -120,6 +134,17 @@ pub(super) trait WriteDb: Send {
     /// Rewrites the content of event `seq` (a truncation marker's counts).
     fn set_event_content(&mut self, sid: i64, seq: i64, content: &str) -> Result<(), DbError>;
     fn update_session(&mut self, sid: i64, delta: &SessionDelta) -> Result<(), DbError>;
+    /// Adds a row to the search index (`search_text`).
+    fn index_text(&mut self, row: &IndexText) -> Result<(), DbError>;
+    /// Sets which front door made session row `sid` and its metadata (a JSON object).
+    fn set_origin(
+        &mut self,
+        sid: i64,
+        front_door: Option<&str>,
+        metadata: &str,
+    ) -> Result<(), DbError>;
+    /// Sets who or what ended session row `sid`.
+    fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError>;
     /// Deletes session `id`'s recording, in a transaction of its own (never inside a
     /// batch's); whether there was one.
     fn delete(&mut self, id: Uuid) -> Result<bool, DbError>;

@@ -43,7 +43,9 @@
 //!   rows; the per-execution and per-session budgets; the executions in flight (what
 //!   decides how an `execution_done` is stored); retention and deletion.
 //! - `schema`: tables, indexes, the schema version and migrations; opening the file.
-//! - `queries`: reads: a session's events (paged, filtered), the recordings list, info.
+//! - `queries`: reads: a session's events (paged, filtered), info.
+//! - `listing`: the recordings list, filtered and searched in the database; [`search`]: its
+//!   filters, the escaping of a search's text and the snippets of its matches (pure).
 //! - `rebuild`: an execution stored once, rebuilt from its messages and its outcome with
 //!   the session layer's collector; whether one can be stored so (pure).
 //! - [`blobs`]: images and buffers taken out of events and put back (pure).
@@ -56,11 +58,13 @@
 pub mod blobs;
 mod db;
 pub mod event;
+mod listing;
 pub mod notebook;
 mod postgres;
 mod queries;
 mod rebuild;
 mod schema;
+pub mod search;
 mod sqlite;
 mod store;
 pub mod stored;
@@ -74,6 +78,7 @@ use uuid::Uuid;
 
 pub use db::DbError;
 pub use queries::{EventQuery, EventsPage, RecordedEvent, RecordedKind, RecordingInfo};
+pub use search::{ListQuery, ListedRecording, MatchField, SearchMatch, StateFilter};
 pub use store::{RecordingStats, RecordingStore};
 
 /// How hard a commit tries to reach the disk (SQLite's `synchronous` pragma). Also the

@@ -1,9 +1,13 @@
 //! The recordings file's schema: its tables and indexes, its version, the migrations from
 //! older versions, and opening the file (the writer's connection and the readers').
 //!
-//! The schema (version 2, [`SCHEMA_VERSION`], kept in SQLite's `user_version`):
+//! The schema (version 3, [`SCHEMA_VERSION`], kept in SQLite's `user_version`):
 //! - `sessions`: one row per recorded session: `id`, `user`, `kernel`, `created_at`,
-//!   `ended_at`, `end_reason` (`closed`, `expired`, `broker_stopped`), counters.
+//!   `ended_at`, `end_reason` (`closed`, `expired`, `broker_stopped`), counters; and, kept as
+//!   the writer goes: `front_door` (`rest`, `jupyter`, `e2b`, `mcp`; from `session_created`),
+//!   `metadata` (a JSON object of strings, from `session_created`), `errors` (executions
+//!   that ended in an error, a timeout or with a dead kernel), `ended_by` (`session_closed`'s
+//!   `by`, or `idle_expiry`).
 //! - `events`: one row per message or broker event, `(sid, seq)` in order; `time` in
 //!   microseconds since the epoch; the four JSON parts of a message as text (for a broker
 //!   event, `content` holds its detail and `kind` its name). A kernel message whose
@@ -12,10 +16,24 @@
 //!   read.
 //! - `blobs`: images taken out of events (see [`super::blobs`]) and binary buffers, once
 //!   per SHA-256; `blob_refs` says which sessions use which, so deletion can collect them.
+//! - `search_text`: the search index's text (`sid`, `seq` of the event that holds it,
+//!   `field`: `code`, `output`, `error` or `metadata`; see `writer::search`), and
+//!   `search_fts`, an FTS5 table over it with the `trigram` tokenizer (case-insensitive
+//!   substrings of three characters or more), kept in step by triggers.
 //!
-//! Versions: 1 had no `events.parent_seq` (every parent header stored as text); 2 added it.
-//! A file of an older version is migrated when opened for writing; a file of a newer
-//! version is refused ([`RecordingError::SchemaTooNew`]) rather than written wrongly.
+//! Versions: 1 had no `events.parent_seq` (every parent header stored as text); 2 added it;
+//! 3 added the session's front door, metadata, failures and who ended it, and the search
+//! index. Migrating to 3 fills what the events say: the code of every `execute_request`, the
+//! name and value of every `error` message (not its traceback), the text of `stream`
+//! messages (the first 4096 characters of each, a row per message), the count of failed
+//! agent executions, and the front door, metadata and closer when the events carry them; not
+//! the `text/plain` of results and displays, the metadata values as search text, nor the
+//! failures of executions run through Jupyter, which only sessions recorded from then on
+//! have.
+//! A new file is made at version 2 and brought to the current version by the same
+//! migrations, so a new file and a migrated one are alike. A file of an older version is
+//! migrated when opened for writing; a file of a newer version is refused
+//! ([`RecordingError::SchemaTooNew`]) rather than written wrongly.
 
 use std::path::Path;
 use std::time::Duration;
@@ -25,9 +43,9 @@ use rusqlite::Connection;
 use super::{RecordingConfig, RecordingError, Synchronous};
 
 /// The version this broker writes.
-pub(super) const SCHEMA_VERSION: i64 = 2;
+pub(super) const SCHEMA_VERSION: i64 = 3;
 
-/// The current schema, for a new file.
+/// The schema of version 2, from which a new file is migrated.
 const SCHEMA: &str = "
 CREATE TABLE sessions (
     sid INTEGER PRIMARY KEY,
@@ -80,6 +98,59 @@ CREATE INDEX blob_refs_by_session ON blob_refs(sid);
 const MIGRATIONS: &[&str] = &[
     // 1 -> 2: parent headers stored as a reference to the request's row.
     "ALTER TABLE events ADD COLUMN parent_seq INTEGER;",
+    // 2 -> 3: who made and ended a session, its failures, the search index.
+    "ALTER TABLE sessions ADD COLUMN front_door TEXT;
+     ALTER TABLE sessions ADD COLUMN metadata TEXT;
+     ALTER TABLE sessions ADD COLUMN errors INTEGER NOT NULL DEFAULT 0;
+     ALTER TABLE sessions ADD COLUMN ended_by TEXT;
+     CREATE TABLE search_text (
+         sid INTEGER NOT NULL,
+         seq INTEGER NOT NULL,
+         field TEXT NOT NULL,
+         text TEXT NOT NULL
+     );
+     CREATE INDEX search_text_by_session ON search_text(sid, seq);
+     CREATE VIRTUAL TABLE search_fts USING fts5(
+         text, content = 'search_text', content_rowid = 'rowid', tokenize = 'trigram'
+     );
+     CREATE TRIGGER search_text_added AFTER INSERT ON search_text BEGIN
+         INSERT INTO search_fts (rowid, text) VALUES (new.rowid, new.text);
+     END;
+     CREATE TRIGGER search_text_removed AFTER DELETE ON search_text BEGIN
+         INSERT INTO search_fts (search_fts, rowid, text) VALUES ('delete', old.rowid, old.text);
+     END;
+     INSERT INTO search_text (sid, seq, field, text)
+       SELECT sid, seq, 'code', json_extract(content, '$.code') FROM events
+       WHERE direction = 'to_kernel' AND msg_type = 'execute_request' AND json_valid(content)
+         AND trim(coalesce(json_extract(content, '$.code'), '')) <> '';
+     INSERT INTO search_text (sid, seq, field, text)
+       SELECT sid, seq, 'error',
+              coalesce(json_extract(content, '$.ename'), '') || ': '
+              || coalesce(json_extract(content, '$.evalue'), '')
+       FROM events
+       WHERE direction = 'from_kernel' AND msg_type = 'error' AND json_valid(content);
+     INSERT INTO search_text (sid, seq, field, text)
+       SELECT sid, seq, 'output', substr(json_extract(content, '$.text'), 1, 4096) FROM events
+       WHERE direction = 'from_kernel' AND msg_type = 'stream' AND json_valid(content)
+         AND trim(coalesce(json_extract(content, '$.text'), '')) <> '';
+     UPDATE sessions SET errors = (
+         SELECT count(*) FROM events e
+         WHERE e.sid = sessions.sid AND e.kind = 'execution_done' AND json_valid(e.content)
+           AND coalesce(json_extract(e.content, '$.outcome.status'),
+                        json_extract(e.content, '$.execution.status'))
+               IN ('error', 'timeout', 'dead'));
+     UPDATE sessions SET
+         front_door = (SELECT json_extract(e.content, '$.front_door') FROM events e
+                       WHERE e.sid = sessions.sid AND e.kind = 'session_created'
+                         AND json_valid(e.content) ORDER BY e.seq LIMIT 1),
+         metadata = (SELECT json_extract(e.content, '$.metadata') FROM events e
+                     WHERE e.sid = sessions.sid AND e.kind = 'session_created'
+                       AND json_valid(e.content)
+                       AND json_type(e.content, '$.metadata') = 'object'
+                     ORDER BY e.seq LIMIT 1),
+         ended_by = (SELECT json_extract(e.content, '$.by') FROM events e
+                     WHERE e.sid = sessions.sid AND e.kind = 'session_closed'
+                       AND json_valid(e.content) ORDER BY e.seq DESC LIMIT 1);",
 ];
 
 pub(super) fn sqlite(context: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordingError {
@@ -137,13 +208,13 @@ pub(super) fn open(config: &RecordingConfig) -> Result<Connection, RecordingErro
     if version < 0 {
         return Ok(conn);
     }
-    if version == 0 {
-        conn.execute_batch(&format!(
-            "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
-        ))
-        .map_err(open_err)?;
-        return Ok(conn);
-    }
+    let version = if version == 0 {
+        conn.execute_batch(&format!("BEGIN; {SCHEMA} PRAGMA user_version = 2; COMMIT;"))
+            .map_err(open_err)?;
+        2
+    } else {
+        version
+    };
     // Each step in its own transaction, so a failed step leaves a file of the version before.
     for (i, step) in MIGRATIONS.iter().enumerate() {
         let from = i as i64 + 1;
@@ -199,9 +270,8 @@ mod tests {
     fn a_version_1_file_is_migrated() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
-        let conn = open(&cfg).unwrap();
-        conn.execute_batch("ALTER TABLE events DROP COLUMN parent_seq; PRAGMA user_version = 1;")
-            .unwrap();
+        let conn = Connection::open(&cfg.path).unwrap();
+        conn.execute_batch(&version_1()).unwrap();
         drop(conn);
         let conn = open(&cfg).unwrap();
         let v: i64 = conn
@@ -253,6 +323,90 @@ mod tests {
             .unwrap();
         assert_eq!(user, "alice");
         // Opening again is a no-op.
+        drop(conn);
+        open(&cfg).unwrap();
+    }
+
+    /// A version-2 file: its sessions get their failures, front door and closer, and their
+    /// code, errors and printed text become searchable.
+    #[test]
+    fn a_version_2_file_is_migrated_and_indexed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
+        {
+            let conn = Connection::open(&cfg.path).unwrap();
+            conn.execute_batch(&format!("{SCHEMA} PRAGMA user_version = 2;"))
+                .unwrap();
+            conn.execute_batch(
+                r#"INSERT INTO sessions (sid, id, user, kernel, created_at, ended_at, end_reason)
+                     VALUES (1, 's1', 'alice', 'python3', 5, 9, 'closed'),
+                            (2, 's2', 'alice', 'python3', 6, NULL, NULL);
+                   INSERT INTO events (sid, seq, time, direction, msg_type, kind, content) VALUES
+                     (1, 1, 5, 'broker', NULL, 'session_created',
+                      '{"kernel": "python3", "front_door": "e2b", "metadata": {"team": "Blue"}}'),
+                     (1, 2, 6, 'to_kernel', 'execute_request', NULL, '{"code": "import pandas"}'),
+                     (1, 3, 6, 'from_kernel', 'stream', NULL, '{"name": "stdout", "text": "Hello Output"}'),
+                     (1, 4, 6, 'from_kernel', 'error', NULL,
+                      '{"ename": "ZeroDivisionError", "evalue": "division by zero", "traceback": []}'),
+                     (1, 5, 7, 'broker', NULL, 'execution_done',
+                      '{"msg_id": "m", "outcome": {"status": "error", "started_seq": 1}}'),
+                     (1, 6, 7, 'broker', NULL, 'execution_done',
+                      '{"msg_id": "n", "execution": {"status": "timeout"}}'),
+                     (1, 7, 8, 'broker', NULL, 'execution_done',
+                      '{"msg_id": "o", "outcome": {"status": "ok"}}'),
+                     (1, 8, 9, 'broker', NULL, 'session_closed', '{"by": "rest"}'),
+                     (2, 1, 6, 'to_kernel', 'execute_request', NULL, 'not json'),
+                     (2, 2, 6, 'broker', NULL, 'session_created', '{"kernel": "python3"}');"#,
+            )
+            .unwrap();
+        }
+        let conn = open(&cfg).unwrap();
+        let v: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        let row = |sid: i64| -> (i64, Option<String>, Option<String>, Option<String>) {
+            conn.query_row(
+                "SELECT errors, front_door, metadata, ended_by FROM sessions WHERE sid = ?1",
+                [sid],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap()
+        };
+        assert_eq!(
+            row(1),
+            (
+                2,
+                Some("e2b".into()),
+                Some(r#"{"team":"Blue"}"#.into()),
+                Some("rest".into())
+            )
+        );
+        assert_eq!(row(2), (0, None, None, None));
+        let found = |q: &str| -> Vec<(i64, i64, String)> {
+            let mut st = conn
+                .prepare(
+                    "SELECT t.sid, t.seq, t.field FROM search_fts f
+                     JOIN search_text t ON t.rowid = f.rowid
+                     WHERE search_fts MATCH ?1 ORDER BY t.sid, t.seq",
+                )
+                .unwrap();
+            let rows = st
+                .query_map([crate::recording::search::fts_phrase(q)], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })
+                .unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        // Case-insensitive substrings, through the trigram index.
+        assert_eq!(found("PANDA"), vec![(1, 2, "code".to_string())]);
+        assert_eq!(found("o outp"), vec![(1, 3, "output".to_string())]);
+        assert_eq!(found("zerodivision"), vec![(1, 4, "error".to_string())]);
+        assert!(found("NEAR(a b)").is_empty());
+        // Deleting the rows takes them out of the index.
+        conn.execute("DELETE FROM search_text WHERE sid = 1", [])
+            .unwrap();
+        assert!(found("pandas").is_empty());
         drop(conn);
         open(&cfg).unwrap();
     }

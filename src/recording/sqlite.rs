@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
-use super::db::{BlobRow, DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
+use super::db::{BlobRow, DbError, EventRow, IndexText, SessionDelta, StaleMarker, WriteDb};
+use super::search::without_nul;
 
 pub(super) struct SqliteDb {
     conn: Connection,
@@ -127,7 +128,8 @@ impl WriteDb for SqliteDb {
             .prepare_cached(
                 "UPDATE sessions SET events = events + ?2, cells = cells + ?3,
                    last_event_at = max(coalesce(last_event_at, 0), ?4),
-                   ended_at = coalesce(?5, ended_at), end_reason = coalesce(?6, end_reason)
+                   ended_at = coalesce(?5, ended_at), end_reason = coalesce(?6, end_reason),
+                   errors = errors + ?7
                  WHERE sid = ?1",
             )?
             .execute(params![
@@ -136,8 +138,42 @@ impl WriteDb for SqliteDb {
                 t.cells,
                 t.last,
                 t.ended.map(|e| e.0),
-                t.ended.map(|e| e.1)
+                t.ended.map(|e| e.1),
+                t.errors,
             ])?;
+        Ok(())
+    }
+
+    fn index_text(&mut self, row: &IndexText) -> Result<(), DbError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO search_text (sid, seq, field, text) VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![
+                row.sid,
+                row.seq,
+                row.field.as_str(),
+                without_nul(&row.text)
+            ])?;
+        Ok(())
+    }
+
+    fn set_origin(
+        &mut self,
+        sid: i64,
+        front_door: Option<&str>,
+        metadata: &str,
+    ) -> Result<(), DbError> {
+        self.conn
+            .prepare_cached("UPDATE sessions SET front_door = ?2, metadata = ?3 WHERE sid = ?1")?
+            .execute(params![sid, front_door, metadata])?;
+        Ok(())
+    }
+
+    fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError> {
+        self.conn
+            .prepare_cached("UPDATE sessions SET ended_by = ?2 WHERE sid = ?1")?
+            .execute(params![sid, by])?;
         Ok(())
     }
 
@@ -224,6 +260,8 @@ fn delete_sid(conn: &Connection, sid: i64) -> rusqlite::Result<()> {
     conn.prepare_cached("DELETE FROM events WHERE sid = ?1")?
         .execute([sid])?;
     conn.prepare_cached("DELETE FROM blob_refs WHERE sid = ?1")?
+        .execute([sid])?;
+    conn.prepare_cached("DELETE FROM search_text WHERE sid = ?1")?
         .execute([sid])?;
     for h in &hashes {
         conn.prepare_cached(

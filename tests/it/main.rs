@@ -35,6 +35,7 @@ mod mcp;
 mod memory;
 mod new_user;
 mod recording;
+mod recording_search;
 mod sandbox_contract;
 mod sandbox_docker;
 mod sandbox_local;

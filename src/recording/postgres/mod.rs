@@ -15,6 +15,7 @@
 //! kernel can make a statement fail, and with it the batch (an error aborts a whole
 //! transaction in PostgreSQL, every session's events with it).
 
+mod listing;
 mod queries;
 mod schema;
 
@@ -30,7 +31,7 @@ pub use schema::MIGRATIONS;
 #[cfg(test)]
 pub(in crate::recording) use schema::SCHEMA_VERSION;
 
-use super::db::{BlobRow, DbError, EventRow, SessionDelta, StaleMarker, WriteDb};
+use super::db::{BlobRow, DbError, EventRow, IndexText, SessionDelta, StaleMarker, WriteDb};
 use super::RecordingError;
 
 /// Held shared by every batch, exclusively by every deletion (see the module's doc).
@@ -87,6 +88,7 @@ impl PgDb {
             .map_err(|e| err(DbError::Runtime(e)))?;
         let client = rt.block_on(connect(url)).map_err(err)?;
         rt.block_on(schema::migrate(&client, &location))?;
+        rt.block_on(schema::trigram_index(&client, &location));
         Ok(Self {
             rt,
             client,
@@ -198,6 +200,7 @@ impl PgDb {
 
     fn delete_sid(&mut self, sid: i64) -> Result<(), DbError> {
         self.execute("DELETE FROM events WHERE sid = $1", &[&sid])?;
+        self.execute("DELETE FROM search_text WHERE sid = $1", &[&sid])?;
         let hashes: Vec<String> = self
             .query(
                 "DELETE FROM blob_refs WHERE sid = $1 RETURNING sha256",
@@ -339,7 +342,8 @@ impl WriteDb for PgDb {
                ended_at = CASE WHEN end_reason = 'node_lost' THEN ended_at
                                ELSE coalesce($5, ended_at) END,
                end_reason = CASE WHEN end_reason = 'node_lost' THEN end_reason
-                                 ELSE coalesce($6, end_reason) END
+                                 ELSE coalesce($6, end_reason) END,
+               errors = errors + $7
              WHERE sid = $1",
             vec![
                 Box::new(sid),
@@ -348,7 +352,46 @@ impl WriteDb for PgDb {
                 Box::new(t.last),
                 Box::new(ended_at),
                 Box::new(reason.map(str::to_string)),
+                Box::new(t.errors),
             ],
+        );
+        Ok(())
+    }
+
+    fn index_text(&mut self, row: &IndexText) -> Result<(), DbError> {
+        self.later(
+            "INSERT INTO search_text (sid, seq, field, text) VALUES ($1, $2, $3, $4)",
+            vec![
+                Box::new(row.sid),
+                Box::new(row.seq),
+                Box::new(row.field.as_str().to_string()),
+                Box::new(text(&row.text).into_owned()),
+            ],
+        );
+        Ok(())
+    }
+
+    fn set_origin(
+        &mut self,
+        sid: i64,
+        front_door: Option<&str>,
+        metadata: &str,
+    ) -> Result<(), DbError> {
+        self.later(
+            "UPDATE sessions SET front_door = $2, metadata = $3 WHERE sid = $1",
+            vec![
+                Box::new(sid),
+                Box::new(opt_text(front_door).map(Cow::into_owned)),
+                Box::new(text(metadata).into_owned()),
+            ],
+        );
+        Ok(())
+    }
+
+    fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError> {
+        self.later(
+            "UPDATE sessions SET ended_by = $2 WHERE sid = $1",
+            vec![Box::new(sid), Box::new(text(by).into_owned())],
         );
         Ok(())
     }

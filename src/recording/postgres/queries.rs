@@ -46,7 +46,7 @@ impl Pool {
         })
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Client, RecordingError> {
+    pub(super) async fn client(&self) -> Result<deadpool_postgres::Client, RecordingError> {
         self.pool.get().await.map_err(|e| RecordingError::Db {
             context: "connect for a read",
             source: DbError::Checkout(e),

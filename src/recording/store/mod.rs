@@ -17,8 +17,10 @@ use uuid::Uuid;
 
 use super::db::WriteDb;
 use super::event::{BrokerEvent, RecordingMarker};
+use super::listing;
 use super::postgres::{self, PgDb};
 use super::queries::{self, EventQuery, EventsPage, Readers, RecordedEvent, RecordingInfo};
+use super::search::{ListQuery, ListedRecording};
 use super::sqlite::SqliteDb;
 use super::writer::{self, Counters, Item, Op, SessionKey};
 use super::{micros, schema, RecordingConfig, RecordingError};
@@ -182,6 +184,25 @@ impl RecordingStore {
                 Self::read(r, move |conn| queries::list(conn, &user, limit)).await
             }
             Reads::Postgres(p) => p.list(user, limit).await,
+        }
+    }
+
+    /// The sessions `query` asks for (always of its user), filtered and searched in the
+    /// database, newest first.
+    pub async fn find(&self, query: ListQuery) -> Result<Vec<ListedRecording>, RecordingError> {
+        self.find_capped(query, listing::CANDIDATES).await
+    }
+
+    /// [`RecordingStore::find`], text in more than `cap` rows counting as common (see
+    /// `listing`): tests take both ways with few rows.
+    async fn find_capped(
+        &self,
+        query: ListQuery,
+        cap: usize,
+    ) -> Result<Vec<ListedRecording>, RecordingError> {
+        match &self.reads {
+            Reads::Sqlite(r) => Self::read(r, move |conn| listing::list(conn, &query, cap)).await,
+            Reads::Postgres(p) => p.list_filtered(&query, cap).await,
         }
     }
 

@@ -8,10 +8,12 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::budget::{Repeatable, KEPT_DETAIL_BYTES};
+use super::search::Noted;
 use super::{Item, SessionKey, Touched, Writer, MAX_REQUESTS};
 use crate::recording::blobs::{self, Blob};
-use crate::recording::db::{BlobRow, DbError, EventRow};
+use crate::recording::db::{BlobRow, DbError, EventRow, IndexText};
 use crate::recording::event::{BrokerEvent, RecordingMarker};
+use crate::recording::search::MatchField;
 use crate::recording::stored::StoredEvent;
 use crate::session::Direction;
 use crate::wire::{Channel, Message};
@@ -172,6 +174,8 @@ impl Writer {
         if let Some(content) = content_seen {
             self.executions.hold(sid, channel, &msg.msg_type, content);
         }
+        let noted = self.search.message(sid, seq, direction, channel, &msg);
+        self.note(noted, &mut touched)?;
         touched.events = 1;
         Ok((sid, touched))
     }
@@ -269,8 +273,66 @@ impl Writer {
         {
             self.executions.start(sid, msg_id, seq);
         }
+        let noted = self.search.event(sid, seq, &event);
+        self.note(noted, &mut touched)?;
+        self.note_session(sid, seq, &event)?;
         touched.events += 1;
         Ok((sid, touched))
+    }
+
+    /// Stores what the search index noted of a report.
+    fn note(&mut self, noted: Noted, touched: &mut Touched) -> Result<(), DbError> {
+        for row in &noted.texts {
+            self.db.index_text(row)?;
+        }
+        touched.errors += noted.errors;
+        Ok(())
+    }
+
+    /// What a lifecycle event says of the session as a whole: which front door made it and
+    /// with what metadata (`session_created`), who or what ended it (`session_closed`'s
+    /// `by`, `idle_expiry`). A recording made before they were kept has none of them.
+    fn note_session(&mut self, sid: i64, seq: i64, event: &BrokerEvent) -> Result<(), DbError> {
+        let BrokerEvent::Session(e) = event else {
+            return Ok(());
+        };
+        match e {
+            StoredEvent::SessionCreated {
+                front_door,
+                metadata,
+                ..
+            } => {
+                // The session layer bounds metadata; the row keeps at most METADATA_BYTES
+                // of it anyway, whole entries.
+                let mut kept = serde_json::Map::new();
+                let mut bytes = 0;
+                for (k, v) in metadata {
+                    bytes += k.len() + v.len() + 8;
+                    if bytes > METADATA_BYTES {
+                        break;
+                    }
+                    kept.insert(k.clone(), Value::String(v.clone()));
+                }
+                let values: Vec<&str> = kept.values().filter_map(Value::as_str).collect();
+                if !values.is_empty() {
+                    self.db.index_text(&IndexText {
+                        sid,
+                        seq,
+                        field: MatchField::Metadata,
+                        text: values.join("\n"),
+                    })?;
+                }
+                let front_door = front_door.as_deref().map(|d| capped(d, 64));
+                let metadata = Value::Object(kept).to_string();
+                self.db.set_origin(sid, front_door.as_deref(), &metadata)?;
+            }
+            StoredEvent::SessionExpired => self.db.set_ended_by(sid, "idle_expiry")?,
+            StoredEvent::SessionClosed { by: Some(by) } => {
+                self.db.set_ended_by(sid, &capped(by, 64))?
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Whether session `sid` stores no image or buffer `sha` yet (it would cost its bytes).
@@ -337,6 +399,18 @@ impl Writer {
         }
         Some((v.to_string(), found, seen))
     }
+}
+
+/// Metadata kept per session (as JSON) and indexed, in bytes.
+const METADATA_BYTES: usize = 16 << 10;
+
+/// `s`, at most `max` bytes of it (cut at a character's boundary).
+fn capped(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 /// The row of an image taken out of a message or event; its size is its text's length.

@@ -8,6 +8,7 @@
 //! [`insert`] stores one report as rows (messages, broker events, blobs);
 //! [`budget`] bounds what each session and execution stores; [`in_flight`] holds the
 //! messages of agent executions in flight, so that an execution is stored once;
+//! [`search`] says what goes into the search index and the session's counts of failures;
 //! [`retention`] deletes recordings (on request, past the retention) and closes those a
 //! killed broker left open.
 //! The tables are in [`super::schema`].
@@ -16,6 +17,7 @@ mod budget;
 mod in_flight;
 mod insert;
 mod retention;
+mod search;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -115,6 +117,8 @@ pub(super) struct Writer {
     max_session_bytes: u64,
     /// Agent executions in flight (see [`in_flight`]).
     executions: in_flight::Executions,
+    /// Output being gathered for the search index (see [`search`]).
+    search: search::SearchIndex,
 }
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -136,6 +140,7 @@ impl Writer {
             max_execution_bytes: config.max_execution_bytes,
             max_session_bytes: config.max_session_bytes,
             executions: Default::default(),
+            search: Default::default(),
         }
     }
 
@@ -202,6 +207,7 @@ impl Writer {
                             let e = touched.entry(sid).or_default();
                             e.events += t.events;
                             e.cells += t.cells;
+                            e.errors += t.errors;
                             e.last = e.last.max(time);
                             if t.ended.is_some() {
                                 e.ended = t.ended;
@@ -252,6 +258,7 @@ impl Writer {
                 }
                 // And the messages of executions in flight with them.
                 self.executions.all_lost();
+                self.search.clear();
             }
         }
         // Ended sessions get no more events; forget them (a late one re-reads the row).
@@ -259,6 +266,7 @@ impl Writer {
         for sid in &ended {
             self.budgets.remove(sid);
             self.executions.forget(*sid);
+            self.search.end(*sid);
             if let Some(m) = self.requests.remove(sid) {
                 self.requests_len -= m.len();
             }

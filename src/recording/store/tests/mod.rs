@@ -4,7 +4,8 @@
 //! `round_trip` (events and sessions read back, blobs, paging, hostile bytes), `budgets`
 //! (the per-execution and per-session caps, the queue bound), `housekeeping` (stale sessions,
 //! retention), `postgres` (brokers sharing one database, its migration), `once` (an
-//! execution stored once, read back whole), `cost` (measurements).
+//! execution stored once, read back whole), `cost` (measurements), `search` (the list,
+//! filtered and searched), `search_speed` (its speed over many sessions).
 
 use super::*;
 use base64::Engine;
@@ -158,3 +159,5 @@ mod housekeeping;
 mod once;
 mod postgres;
 mod round_trip;
+mod search;
+mod search_speed;

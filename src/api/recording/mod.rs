@@ -3,6 +3,13 @@
 //! (`GET /v1/recordings`). They read the recording store, not the registry, so they keep
 //! answering after a session expired or was deleted. A recording of another user answers
 //! exactly as a missing one (404 `session_not_found`).
+//!
+//! Layout: this file is a session's recording; [`list`] is the caller's recordings, filtered
+//! and searched.
+
+mod list;
+
+use list::store;
 
 use std::sync::Arc;
 
@@ -22,9 +29,7 @@ use uuid::Uuid;
 use super::auth::{url_query, Caller};
 use super::error::{ApiError, ApiResult};
 use super::extract::{path_id, session_id};
-use super::shapes::{
-    iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson, SessionStateJson,
-};
+use super::shapes::{iso, ErrorBody, ErrorResponse, ExecutionStatusJson, SessionJson};
 use super::AppState;
 use crate::recording::{
     notebook, EventQuery, RecordedEvent, RecordedKind, RecordingError, RecordingInfo,
@@ -38,7 +43,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(events, delete_events))
         .routes(routes!(notebook_of))
         .routes(routes!(replay_of))
-        .routes(routes!(list))
+        .merge(list::routes())
 }
 
 impl From<RecordingError> for ApiError {
@@ -57,16 +62,6 @@ fn not_found(id: impl std::fmt::Display) -> ApiError {
         "session_not_found",
         format!("no session {id}"),
     )
-}
-
-fn store(state: &AppState) -> ApiResult<&Arc<RecordingStore>> {
-    state.recording.as_ref().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "recording_disabled",
-            "this broker does not record sessions (it runs with --record false)",
-        )
-    })
 }
 
 /// The caller's recording `{id}`, as an extractor: another user's, a missing one, or any
@@ -388,69 +383,4 @@ async fn replay_of(
         Json(body),
     )
         .into_response())
-}
-
-/// A recorded session, as `/v1/recordings` lists it.
-#[derive(Serialize, ToSchema)]
-#[schema(as = Recording)]
-struct RecordingJson {
-    id: Uuid,
-    kernel: String,
-    /// The live session's state, or `closed` / `expired` once it ended.
-    state: SessionStateJson,
-    live: bool,
-    created_at: String,
-    #[schema(required = true)]
-    ended_at: Option<String>,
-    #[schema(required = true)]
-    end_reason: Option<String>,
-    #[schema(required = true)]
-    last_event_at: Option<String>,
-    cells: u64,
-    events: u64,
-}
-
-/// The caller's recorded sessions
-#[utoipa::path(get, operation_id = "list_recordings", path = "/v1/recordings", tag = "recordings",
-    params(("limit" = Option<usize>, Query, description = "at most this many, newest first (default 200)")),
-    responses((status = 200, description = "ok", body = Vec<RecordingJson>),
-        (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
-        (status = 404, description = "recording is off", body = ErrorBody)))]
-async fn list(
-    State(state): State<AppState>,
-    caller: Caller,
-    RawQuery(query): RawQuery,
-) -> ApiResult<Json<Vec<RecordingJson>>> {
-    let query = query.unwrap_or_default();
-    let limit = number_param::<usize>(&query, "limit")?
-        .unwrap_or(200)
-        .clamp(1, 10_000);
-    let store = store(&state)?.clone();
-    // Sessions created a moment ago may still be queued for the writer.
-    store.flush().await;
-    let rows = store.list(&caller.0.name, limit).await?;
-    Ok(Json(
-        rows.into_iter()
-            .map(|r| {
-                let session = state.registry.get(&caller.0.name, r.id).ok();
-                let state = match (&session, r.end_reason.as_deref()) {
-                    (Some(s), _) => s.state().into(),
-                    (None, Some("expired")) => SessionStateJson::Expired,
-                    (None, _) => SessionStateJson::Closed,
-                };
-                RecordingJson {
-                    id: r.id,
-                    kernel: r.kernel,
-                    state,
-                    live: session.is_some(),
-                    created_at: iso(r.created_at),
-                    ended_at: r.ended_at.map(iso),
-                    end_reason: r.end_reason,
-                    last_event_at: r.last_event_at.map(iso),
-                    cells: r.cells,
-                    events: r.events,
-                }
-            })
-            .collect(),
-    ))
 }
