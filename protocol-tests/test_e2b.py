@@ -363,7 +363,7 @@ def test_health_reflects_the_sandbox(e2b_env):
     assert bob.is_running() is False
 
 
-def test_killing_a_sandbox_drops_its_streams(e2b_env):
+def test_killing_a_sandbox_drops_its_streams(any_backend):
     import threading
 
     from e2b import SandboxNotRunningException, TimeoutException
@@ -422,7 +422,7 @@ def test_killing_a_sandbox_drops_its_streams_async(e2b_env):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_command_deadlines_are_honoured(e2b_env):
+def test_command_deadlines_are_honoured(any_backend):
     from e2b import TimeoutException
     from e2b_code_interpreter import AsyncSandbox, Sandbox
 
@@ -645,6 +645,8 @@ def test_javascript_sdk_lifecycle(e2b_env):
     # timeoutMs: the SDK's TimeoutError at the deadline, and the command is gone.
     assert report["deadline"].startswith("TimeoutError"), report
     assert report["deadlineMs"] < 6000 and report["listedAfterDeadline"] == 0, report
+    assert report["codeTimeout"].startswith("TimeoutError"), report
+    assert report["afterCodeTimeout"] == "2" and report["afterCodeTimeoutMs"] < 5000, report
     assert 280 < report["leftAfterShortConnect"] <= 300, report
     assert 880 < report["leftAfterLongConnect"] <= 900, report
     ids = report["ids"]

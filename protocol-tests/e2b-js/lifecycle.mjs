@@ -30,6 +30,12 @@ try {
   for (let i = 0; i < 30 && (await sbx.commands.list()).length > 0; i++) await sleep(100)
   report.listedAfterDeadline = (await sbx.commands.list()).length
 
+  // run_code's timeoutMs is the SDK's own; the broker interrupts the kernel when it gives up.
+  report.codeTimeout = await outcome(sbx.runCode('import time; time.sleep(30)', { timeoutMs: 2000 }))
+  t0 = Date.now()
+  report.afterCodeTimeout = (await sbx.runCode('1 + 1', { timeoutMs: 10_000 })).text
+  report.afterCodeTimeoutMs = Date.now() - t0
+
   // connect never shortens the sandbox's deadline; a longer one extends it.
   const left = async () => ((await sbx.getInfo()).endAt.getTime() - Date.now()) / 1000
   await Sandbox.connect(sbx.sandboxId, { timeoutMs: 10_000 })
