@@ -404,6 +404,21 @@ def test_killing_a_sandbox_drops_its_streams(any_backend):
     assert seen["code_s"] < 20 and seen["cmd_s"] < 20, seen
 
 
+def test_a_sandbox_reaching_its_timeout_drops_its_streams(e2b_env):
+    from e2b import SandboxNotRunningException, TimeoutException
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=4)
+    h = sbx.commands.run("sleep 60", background=True)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException) as ei:
+        sbx.run_code("import time; time.sleep(60)")
+    assert "killed" in str(ei.value) and time.monotonic() - t0 < 20
+    with pytest.raises(SandboxNotRunningException):
+        h.wait()
+    assert sbx.is_running() is False
+
+
 def test_killing_a_sandbox_drops_its_streams_async(e2b_env):
     from e2b import SandboxNotRunningException, TimeoutException
     from e2b_code_interpreter import AsyncSandbox

@@ -54,7 +54,7 @@ async fn health(State(state): State<AppState>, request: axum::extract::Request) 
     };
     let (mut parts, _) = request.into_parts();
     let running = match SandboxCaller::from_request_parts(&mut parts, &state).await {
-        Ok(caller) => !super::process::sandbox_gone(&caller.e2b, &caller.session),
+        Ok(caller) => !super::process::sandbox_gone(&state.registry, &caller.e2b, &caller.session),
         Err(_) => false,
     };
     if running {

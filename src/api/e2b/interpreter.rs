@@ -211,9 +211,13 @@ async fn execute(
     // and the SDKs (which then find `/health` answering 502) raise their "the sandbox was
     // killed" error instead of returning a cut execution as if it were whole.
     let dropped = Arc::new(AtomicBool::new(false));
-    let (e2b, sandbox) = (caller.e2b.clone(), caller.session.clone());
+    let (e2b, sandbox, registry) = (
+        caller.e2b.clone(),
+        caller.session.clone(),
+        state.registry.clone(),
+    );
     let drop_flag = dropped.clone();
-    let gone = move || super::process::sandbox_gone(&e2b, &sandbox);
+    let gone = move || super::process::sandbox_gone(&registry, &e2b, &sandbox);
     tokio::spawn(async move {
         let mut open = true;
         let finished = loop {

@@ -32,7 +32,7 @@ use super::documented::SandboxErrors;
 use super::E2bState;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::session::{check_user_env, CommandControl, CommandRequest, Session};
+use crate::session::{check_user_env, CommandControl, CommandRequest, Registry, Session};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 /// How often a stream with nothing to say sends a keepalive event.
@@ -98,7 +98,7 @@ async fn process(
     caller.session.touch();
     let result = match method.as_str() {
         "Start" => return start(&state, &caller, &bytes, deadline).await,
-        "Connect" => return connect(&caller, &bytes, deadline),
+        "Connect" => return connect(&state, &caller, &bytes, deadline),
         "List" => Ok(list(&caller)),
         "SendInput" => send_input(&caller, &bytes).await,
         "CloseStdin" => close_stdin(&caller, &bytes).await,
@@ -125,22 +125,23 @@ struct StreamEnds {
     /// The sandbox, to tell a stream dropped by the sandbox's end from a command's end.
     sandbox: Arc<Session>,
     e2b: Arc<E2bState>,
+    registry: Registry,
 }
 
 impl StreamEnds {
-    fn of(caller: &SandboxCaller, deadline: Option<Instant>) -> Self {
+    fn of(state: &AppState, caller: &SandboxCaller, deadline: Option<Instant>) -> Self {
         Self {
             deadline,
             kill: None,
             sandbox: caller.session.clone(),
             e2b: caller.e2b.clone(),
+            registry: state.registry.clone(),
         }
     }
 
-    /// Whether the sandbox has ended (killed: its record is gone first; or its session
-    /// ended at its deadline).
+    /// Whether the sandbox has ended.
     fn sandbox_gone(&self) -> bool {
-        sandbox_gone(&self.e2b, &self.sandbox)
+        sandbox_gone(&self.registry, &self.e2b, &self.sandbox)
     }
 
     /// What E2B's proxy ends a Connect stream with when the sandbox under it goes away:
@@ -158,9 +159,12 @@ impl StreamEnds {
 }
 
 /// Whether sandbox `session` has ended: killed (its E2B record is removed before anything
-/// of it is ended) or its session over.
-pub(super) fn sandbox_gone(e2b: &E2bState, session: &Session) -> bool {
-    e2b.with(session.id, |_| ()).is_none() || session.status().ended()
+/// of it is ended), or expired or deleted (the registry lets go of a session before its
+/// kernel is shut down, and the session's status says so only once it is).
+pub(super) fn sandbox_gone(registry: &Registry, e2b: &E2bState, session: &Session) -> bool {
+    e2b.with(session.id, |_| ()).is_none()
+        || session.status().ended()
+        || registry.get(&session.user.name, session.id).is_err()
 }
 
 /// A Connect stream of `first`, then what `events` brings until the command's end (or until
@@ -343,7 +347,7 @@ async fn start(
         });
     }
     // Reads both streams into events, then the end; forgets the command once it ended.
-    let ends = StreamEnds::of(caller, None);
+    let ends = StreamEnds::of(state, caller, None);
     let (e2b, sandbox, pid, control) = (
         caller.e2b.clone(),
         caller.session.id,
@@ -394,7 +398,7 @@ async fn start(
         e2b.with(sandbox, |m| m.commands.remove(&pid));
         events.end(last);
     });
-    let mut ends = StreamEnds::of(caller, deadline);
+    let mut ends = StreamEnds::of(state, caller, deadline);
     ends.kill = Some(cmd.control.clone());
     stream_response(
         envelope(&json!({"event": {"start": {"pid": pid}}})),
@@ -454,7 +458,12 @@ fn find(caller: &SandboxCaller, sel: &Selector) -> Result<Arc<Command>, ConnectE
         .ok_or_else(|| ConnectError::not_found("no such process (it may have ended)"))
 }
 
-fn connect(caller: &SandboxCaller, bytes: &[u8], deadline: Option<Instant>) -> Response {
+fn connect(
+    state: &AppState,
+    caller: &SandboxCaller,
+    bytes: &[u8],
+    deadline: Option<Instant>,
+) -> Response {
     let req: SelectReq = match stream_request(bytes) {
         Ok(r) => r,
         Err(e) => return stream_error(e),
@@ -466,7 +475,7 @@ fn connect(caller: &SandboxCaller, bytes: &[u8], deadline: Option<Instant>) -> R
     stream_response(
         envelope(&json!({"event": {"start": {"pid": cmd.pid}}})),
         cmd.events.subscribe(),
-        StreamEnds::of(caller, deadline),
+        StreamEnds::of(state, caller, deadline),
     )
 }
 
