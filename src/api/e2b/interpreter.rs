@@ -2,7 +2,9 @@
 //! newline-delimited JSON as the code runs (`stdout`, `stderr`, `result`, `error`, then
 //! `number_of_executions` and `end_of_execution`); contexts are more sessions of the
 //! sandbox's user (`/contexts`). The SDK's own timeout closes the connection: a client
-//! that goes away mid-execution has the kernel interrupted, as E2B's server does.
+//! that goes away mid-execution has the kernel interrupted, as E2B's server does. When the
+//! sandbox ends mid-execution (killed, or at its deadline) the body fails instead of ending,
+//! so the connection drops as E2B's does and the SDKs raise "the sandbox was killed".
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

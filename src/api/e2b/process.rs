@@ -4,6 +4,11 @@
 //! `Registry::run_command` (the sandbox's `run_command`), isolated and limited
 //! as the user's kernels are, never on the host; it ends with its sandbox. Pseudo
 //! terminals (`pty`), `Update` and `StreamInput` are not supported.
+//!
+//! Lifecycle, as envd and E2B's proxy: `Connect-Timeout-Ms` is a call's deadline (a
+//! `Start`'s command is killed then and its stream ends `deadline_exceeded`); a stream whose
+//! sandbox ends under it ends `unavailable` ("the connection to sandbox ... ended before the
+//! stream completed"), which the SDKs check against `/health` and report as the sandbox's end.
 
 use std::sync::Arc;
 use std::time::Duration;
