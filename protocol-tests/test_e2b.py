@@ -323,6 +323,314 @@ def test_other_users_sandbox_answers_as_absent(e2b_env):
         sbx.kill()
 
 
+# Lifecycle (issue 35): what E2B's SDKs see when a sandbox ends, deadlines, and listing.
+
+
+def _raw_health(base, sandbox_id, token):
+    return requests.get(
+        f"{base}/e2b/sandbox/health",
+        headers={"E2b-Sandbox-Id": sandbox_id, "X-Access-Token": token},
+    )
+
+
+def test_health_reflects_the_sandbox(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create()
+    bob = Sandbox.create(api_key=BOB)
+    try:
+        assert sbx.is_running()
+        base = e2b_env.url
+        # Another user's sandbox, a token that is not the sandbox's, a sandbox that never
+        # was: each "not running", in the same words, nothing more.
+        unknown = "00000000-0000-4000-8000-000000000000"
+        answers = [
+            _raw_health(base, bob.sandbox_id, sbx._envd_access_token),
+            _raw_health(base, bob.sandbox_id, "0" * 64),
+            _raw_health(base, unknown, sbx._envd_access_token),
+            _raw_health(base, "not-a-uuid", "x"),
+        ]
+        for r, sid in zip(answers, [bob.sandbox_id, bob.sandbox_id, unknown, "not-a-uuid"]):
+            assert r.status_code == 502, r.text
+            assert r.json() == {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}
+        assert bob.is_running()
+        r = requests.get(f"{base}/e2b/sandbox/health")
+        assert r.status_code == 400
+    finally:
+        bob.kill()
+    sbx.kill()
+    assert sbx.is_running() is False
+    assert bob.is_running() is False
+
+
+def test_killing_a_sandbox_drops_its_streams(any_backend):
+    import threading
+
+    from e2b import SandboxNotRunningException, TimeoutException
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create()
+    seen = {}
+
+    def run(name, call):
+        t0 = time.monotonic()
+        try:
+            seen[name] = call()
+        except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+            seen[name] = e
+        seen[name + "_s"] = time.monotonic() - t0
+
+    ctx = sbx.create_code_context()
+    threads = [
+        threading.Thread(target=run, args=("code", lambda: sbx.run_code("import time; time.sleep(60)"))),
+        threading.Thread(target=run, args=("ctx", lambda: sbx.run_code("import time; time.sleep(60)", context=ctx))),
+        threading.Thread(target=run, args=("cmd", lambda: sbx.commands.run("sleep 60"))),
+    ]
+    background = sbx.commands.run("sleep 60", background=True)
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    sbx.kill()
+    for t in threads:
+        t.join(30)
+    # As against E2B: the code interpreter's "the sandbox was killed" TimeoutException, and
+    # envd's streams a SandboxNotRunningException (a TimeoutException too).
+    assert isinstance(seen["code"], TimeoutException), repr(seen["code"])
+    assert "killed" in str(seen["code"]), seen["code"]
+    assert isinstance(seen["ctx"], TimeoutException) and "killed" in str(seen["ctx"]), repr(seen["ctx"])
+    assert isinstance(seen["cmd"], SandboxNotRunningException), repr(seen["cmd"])
+    with pytest.raises(SandboxNotRunningException):
+        background.wait()
+    assert seen["code_s"] < 20 and seen["cmd_s"] < 20, seen
+
+
+def test_a_sandbox_reaching_its_timeout_drops_its_streams(e2b_env):
+    from e2b import SandboxNotRunningException, TimeoutException
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=4)
+    h = sbx.commands.run("sleep 60", background=True)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException) as ei:
+        sbx.run_code("import time; time.sleep(60)")
+    assert "killed" in str(ei.value) and time.monotonic() - t0 < 20
+    with pytest.raises(SandboxNotRunningException):
+        h.wait()
+    assert sbx.is_running() is False
+
+
+def test_killing_a_sandbox_drops_its_streams_async(e2b_env):
+    from e2b import SandboxNotRunningException, TimeoutException
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create()
+        code = asyncio.create_task(sbx.run_code("import time; time.sleep(60)"))
+        cmd = asyncio.create_task(sbx.commands.run("sleep 60"))
+        await asyncio.sleep(3)
+        await sbx.kill()
+        got = await asyncio.gather(code, cmd, return_exceptions=True)
+        assert isinstance(got[0], TimeoutException) and "killed" in str(got[0]), repr(got[0])
+        assert isinstance(got[1], SandboxNotRunningException), repr(got[1])
+        assert await sbx.is_running() is False
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_command_deadlines_are_honoured(any_backend):
+    from e2b import TimeoutException
+    from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+    sbx = Sandbox.create()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutException):
+            sbx.commands.run("sleep 10; echo late > late.txt", timeout=2)
+        assert time.monotonic() - t0 < 6
+        # Killed at its deadline, as envd runs it: it never got to write.
+        h = sbx.commands.run("sleep 10; echo late > late2.txt", background=True, timeout=2)
+        with pytest.raises(TimeoutException):
+            h.wait()
+        time.sleep(9)
+        assert not sbx.files.exists("late.txt")
+        assert not sbx.files.exists("late2.txt")
+        assert sbx.commands.list() == []
+        # A deadline the command beats changes nothing.
+        assert sbx.commands.run("echo quick", timeout=30).stdout == "quick\n"
+    finally:
+        sbx.kill()
+
+    async def main():
+        a = await AsyncSandbox.create()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutException):
+                await a.commands.run("sleep 10", timeout=2)
+            assert time.monotonic() - t0 < 6
+            assert await a.commands.list() == []
+        finally:
+            await a.kill()
+
+    asyncio.run(main())
+
+
+def _connect_call(base, sbx, method, message, timeout_header):
+    body = json.dumps(message).encode()
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "X-Access-Token": sbx._envd_access_token,
+        "Content-Type": "application/connect+json",
+    }
+    if timeout_header is not None:
+        headers["Connect-Timeout-Ms"] = timeout_header
+    r = requests.post(
+        f"{base}/e2b/sandbox/process.Process/{method}",
+        data=b"\x00" + len(body).to_bytes(4, "big") + body,
+        headers=headers,
+        timeout=30,
+    )
+    frames, raw = [], r.content
+    while raw:
+        flags, n = raw[0], int.from_bytes(raw[1:5], "big")
+        frames.append((flags, json.loads(raw[5 : 5 + n])))
+        raw = raw[5 + n :]
+    return r.status_code, frames
+
+
+def test_hostile_connect_timeouts_are_refused(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create()
+    try:
+        start = {"process": {"cmd": "/bin/bash", "args": ["-c", "echo ran >> ran.txt"]}}
+        for bad in ["abc", "-5", "1.5", "99999999999", "1" * 1000, ""]:
+            status, frames = _connect_call(e2b_env.url, sbx, "Start", start, bad)
+            assert status == 200 and len(frames) == 1, (bad, frames)
+            flags, end = frames[0]
+            assert flags == 2 and end["error"]["code"] == "invalid_argument", (bad, end)
+            assert "timeout" in end["error"]["message"]
+        assert not sbx.files.exists("ran.txt")
+        # The longest a Connect deadline can be (10 digits, ~115 days) is a deadline like any.
+        status, frames = _connect_call(e2b_env.url, sbx, "Start", start, "9999999999")
+        end = [f for _, f in frames if "event" in f and "end" in f["event"]]
+        assert end and end[0]["event"]["end"]["exitCode"] == 0, frames
+        assert frames[-1] == (2, {})
+        # A unary call with a garbage deadline: Connect's 400.
+        r = requests.post(
+            f"{e2b_env.url}/e2b/sandbox/process.Process/List",
+            json={},
+            headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token, "Connect-Timeout-Ms": "soon"},
+        )
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    finally:
+        sbx.kill()
+
+
+def test_connect_never_shortens_the_deadline(e2b_env):
+    import datetime
+
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        def left():
+            end = sbx.get_info().end_at
+            return (end - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+
+        assert 280 < left() <= 300
+        again = Sandbox.connect(sbx.sandbox_id, timeout=10)
+        assert 280 < left() <= 300, left()
+        assert again.run_code("1 + 1").text == "2"
+        Sandbox.connect(sbx.sandbox_id, timeout=900)
+        assert 880 < left() <= 900, left()
+        # set_timeout is the call that shortens.
+        sbx.set_timeout(30)
+        assert 20 < left() <= 30, left()
+    finally:
+        sbx.kill()
+
+
+def test_list_pages_filters_and_orders(e2b_env):
+    import datetime
+    import uuid
+
+    from e2b import SandboxQuery, SandboxState
+    from e2b.exceptions import SandboxException
+    from e2b_code_interpreter import Sandbox
+
+    tag = uuid.uuid4().hex
+    made = []
+    try:
+        for i in range(3):
+            made.append(Sandbox.create(metadata={"suite": tag, "i": str(i)}))
+            time.sleep(0.05)
+        made.append(Sandbox.create(template="other-template", metadata={"suite": tag, "i": "3"}))
+        bob = Sandbox.create(api_key=BOB, metadata={"suite": tag})
+        made.append(bob)
+        ids = [s.sandbox_id for s in made[:4]]
+        query = SandboxQuery(metadata={"suite": tag})
+
+        def all_pages(paginator):
+            pages = []
+            while paginator.has_next:
+                pages.append([s.sandbox_id for s in paginator.next_items()])
+            return pages
+
+        # Newest first, two a page, the next page named by the x-next-token header.
+        pages = all_pages(Sandbox.list(query=query, limit=2))
+        assert pages == [ids[::-1][:2], ids[::-1][2:]], pages
+        assert all_pages(Sandbox.list(query=query, limit=3, order="asc")) == [ids[:3], ids[3:]]
+        assert all_pages(Sandbox.list(query=query, limit=100)) == [ids[::-1]]
+        # A page that ends exactly at the last sandbox has no next token.
+        p = Sandbox.list(query=query, limit=4)
+        assert len(p.next_items()) == 4 and not p.has_next
+        # Filters: started after, template, state (nothing is ever paused here).
+        after = Sandbox.get_info(ids[1]).started_at
+        got = Sandbox.list(query=SandboxQuery(metadata={"suite": tag}, started_after=after)).next_items()
+        assert sorted(s.sandbox_id for s in got) == sorted(ids[1:])
+        got = Sandbox.list(query=SandboxQuery(metadata={"suite": tag}, template="other-template")).next_items()
+        assert [s.sandbox_id for s in got] == [ids[3]]
+        got = Sandbox.list(query=SandboxQuery(metadata={"suite": tag}, state=[SandboxState.PAUSED])).next_items()
+        assert got == []
+        got = Sandbox.list(query=SandboxQuery(metadata={"suite": tag}, state=[SandboxState.RUNNING, SandboxState.PAUSED])).next_items()
+        assert len(got) == 4
+        # Bob sees only his own, whatever token he forges.
+        assert [s.sandbox_id for s in Sandbox.list(query=query, api_key=BOB).next_items()] == [bob.sandbox_id]
+        p = Sandbox.list(query=query, limit=1)
+        p.next_items()
+        stolen = p.next_token
+        assert stolen
+        got = Sandbox.list(query=query, next_token=stolen, api_key=BOB).next_items()
+        assert got == [], got
+        import base64
+
+        far = base64.urlsafe_b64encode(b"2999-01-01T00:00:00Z__zzzzzzzz").decode()
+        got = Sandbox.list(query=query, next_token=far, api_key=BOB).next_items()
+        assert [s.sandbox_id for s in got] == [bob.sandbox_id]
+        # Hostile parameters: E2B's 400s.
+        base = e2b_env.url
+        for params in [
+            {"limit": "0"}, {"limit": "-1"}, {"limit": str(10**9)}, {"limit": "ten"},
+            {"nextToken": "not base64!"}, {"nextToken": base64.urlsafe_b64encode(b"garbage").decode()},
+            {"nextToken": stolen, "order": "asc"}, {"order": "sideways"},
+            {"startedAfter": "yesterday"}, {"state": "sleeping"}, {"metadata": "novalue"},
+        ]:
+            r = requests.get(f"{base}/e2b/v2/sandboxes", params=params, headers={"X-API-KEY": ALICE})
+            assert r.status_code == 400, (params, r.status_code, r.text)
+            assert r.json()["code"] == 400 and r.json()["message"]
+        # What the SDK raises for E2B's 400: a SandboxException with its status.
+        with pytest.raises(SandboxException) as ei:
+            Sandbox.list(query=query, limit=10**9).next_items()
+        assert ei.value.status_code == 400 and "limit" in str(ei.value)
+        r = requests.get(f"{base}/e2b/v2/sandboxes", params={"limit": "100", "metadata": f"suite={tag}"}, headers={"X-API-KEY": ALICE})
+        assert r.status_code == 200 and "x-next-token" not in r.headers
+        r = requests.get(f"{base}/e2b/v2/sandboxes", params={"limit": "1", "metadata": f"suite={tag}"}, headers={"X-API-KEY": ALICE})
+        assert r.status_code == 200 and r.headers["x-next-token"]
+    finally:
+        for s in made:
+            s.kill()
+
+
 JS_DIR = HERE / "e2b-js"
 
 
@@ -339,6 +647,35 @@ def test_javascript_sdk(e2b_env):
     assert report["file"] == "hello from js"
     assert report["cmd"] == "js-cmd\n"
     assert report["killed"] is True
+
+
+@pytest.mark.skipif(not (JS_DIR / "node_modules").is_dir(), reason="run scripts/setup --test (npm ci in protocol-tests/e2b-js)")
+def test_javascript_sdk_lifecycle(e2b_env):
+    r = subprocess.run(
+        ["node", str(JS_DIR / "lifecycle.mjs")], cwd=JS_DIR, env=dict(os.environ), capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["running"] is True
+    # timeoutMs: the SDK's TimeoutError at the deadline, and the command is gone.
+    assert report["deadline"].startswith("TimeoutError"), report
+    assert report["deadlineMs"] < 6000 and report["listedAfterDeadline"] == 0, report
+    assert report["codeTimeout"].startswith("TimeoutError"), report
+    assert report["afterCodeTimeout"] == "2" and report["afterCodeTimeoutMs"] < 5000, report
+    assert 280 < report["leftAfterShortConnect"] <= 300, report
+    assert 880 < report["leftAfterLongConnect"] <= 900, report
+    ids = report["ids"]
+    assert report["pagesDesc"] == [ids[::-1][:2], ids[::-1][2:]], report
+    assert report["pagesAsc"] == [ids[:2], ids[2:]], report
+    assert report["paused"] == [[]], report
+    assert sorted(report["startedAfter"][0]) == sorted(ids[1:]), report
+    assert report["badLimit"] != "returned" and "limit" in report["badLimit"], report
+    # A kill mid-request: the SDK's "the sandbox was killed" TimeoutError for run_code, its
+    # sandbox-timeout TimeoutError for the command; isRunning() is false.
+    assert report["code"].startswith("TimeoutError") and "killed" in report["code"], report
+    assert report["cmd"].startswith("TimeoutError"), report
+    assert report["droppedMs"] < 20000, report
+    assert report["runningAfterKill"] is False
 
 
 def _p50(xs):

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 use super::auth::{access_token, ApiKeyUser, TokenKind};
 use super::documented::{v2, ControlErrors};
+use super::listing::{listed_time, ListQuery, Listed};
 use super::state::SandboxMeta;
 use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited};
@@ -127,7 +128,8 @@ fn detail_json(session: &Session, meta: Option<&SandboxMeta>) -> Value {
         "sandboxID": session.id.to_string(),
         "clientID": "kernel-broker",
         "alias": meta.map(|m| m.template.clone()),
-        "startedAt": meta.map_or(info.created_at, |m| m.started_at).to_rfc3339(),
+        "startedAt": listed_time(meta.map_or(info.created_at, |m| m.started_at))
+            .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
         "endAt": session.deadline().or(info.expires_at).map(|t| t.to_rfc3339()),
         "envdVersion": ENVD_VERSION,
         "cpuCount": limits.cpus.ceil().max(1.0) as u64,
@@ -209,58 +211,48 @@ async fn create(
         .into_response())
 }
 
-#[derive(Deserialize)]
-struct ListQuery {
-    /// `key=value&...`, URL-encoded.
-    metadata: Option<String>,
-    state: Option<String>,
-}
-
-/// The caller's sandboxes (E2B)
+/// The caller's sandboxes (E2B): filtered, ordered and paged as E2B's API does
 #[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
-    responses((status = 200, description = "E2B's `[ListedSandbox]`", body = serde_json::Value), ControlErrors))]
+    params(
+        ("metadata" = Option<String>, Query, description = "`k=v&...`, URL-encoded; every pair must match"),
+        ("state" = Option<String>, Query, description = "`running`, `paused` (none is ever paused here), comma-separated or repeated"),
+        ("limit" = Option<u32>, Query, description = "1 to 100 (default 100)"),
+        ("nextToken" = Option<String>, Query, description = "the `x-next-token` of the previous page"),
+        ("order" = Option<String>, Query, description = "`desc` (newest first, the default) or `asc`, by start time"),
+        ("startedAfter" = Option<String>, Query, description = "RFC 3339: sandboxes started at or after it"),
+        ("template" = Option<String>, Query, description = "a template id"),
+    ),
+    responses((status = 200, description = "E2B's `[ListedSandbox]`; `x-next-token` names the next page when there is one", body = serde_json::Value), ControlErrors))]
 async fn list(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
     caller: ApiKeyUser,
-    Query(q): Query<ListQuery>,
-) -> Json<Vec<Value>> {
-    let want: Vec<(String, String)> = q
-        .metadata
-        .as_deref()
-        .map(|m| {
-            m.split('&')
-                .filter_map(|pair| {
-                    let (k, v) = pair.split_once('=')?;
-                    let k = crate::api::auth::url_query(&format!("k={k}"), "k")?;
-                    let v = crate::api::auth::url_query(&format!("v={v}"), "v")?;
-                    Some((k, v))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    // Sandboxes are never paused: a filter for paused ones only finds none.
-    if q.state
-        .as_deref()
-        .is_some_and(|s| !s.split(',').any(|s| s == "running"))
-    {
-        return Json(Vec::new());
-    }
-    let out = state
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let query =
+        ListQuery::parse(raw.as_deref()).map_err(|e| E2bError::bad_request(e.to_string()))?;
+    let sandboxes = state
         .registry
         .list(&caller.0 .0.name)
         .iter()
         .filter_map(|s| {
-            e2b.with(s.id, |meta| {
-                let matches = want
-                    .iter()
-                    .all(|(k, v)| meta.metadata.get(k).and_then(Value::as_str) == Some(v.as_str()));
-                matches.then(|| detail_json(s, Some(meta)))
+            e2b.with(s.id, |meta| Listed {
+                started_at: meta.started_at,
+                id: s.id.to_string(),
+                template: meta.template.clone(),
+                metadata: meta.metadata.clone(),
+                item: detail_json(s, Some(meta)),
             })
-            .flatten()
         })
         .collect();
-    Json(out)
+    let page = query.page(sandboxes);
+    let mut response = Json(page.items).into_response();
+    if let Some(token) = page.next_token {
+        if let Ok(value) = HeaderValue::from_str(&token) {
+            response.headers_mut().insert("x-next-token", value);
+        }
+    }
+    Ok(response)
 }
 
 /// The caller's sandbox `id`: another user's, or a session the E2B API did not make,
@@ -375,7 +367,15 @@ async fn connect(
     let bytes = read_limited(body, 64 << 10, "request body").await?;
     let req: ConnectBody = parse_json(&bytes, "request body")?;
     if let Some(t) = req.timeout {
-        extend(&state, &e2b, &session, t)?;
+        // E2B's connect keeps a sandbox alive *for* `timeout`: it moves a deadline that
+        // comes sooner, never one that comes later (set_timeout is the call that shortens).
+        let secs = timeout_secs(&state, Some(t))?;
+        let wanted = chrono::Utc::now() + chrono::Duration::seconds(secs as i64);
+        if session.deadline().is_none_or(|d| d < wanted) {
+            extend(&state, &e2b, &session, secs)?;
+        } else {
+            session.touch();
+        }
     }
     let template = e2b
         .with(session.id, |m| m.template.clone())

@@ -7,7 +7,7 @@
 
 use axum::body::Body;
 use axum::extract::multipart::MultipartError;
-use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Multipart, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -34,11 +34,37 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(filesystem))
 }
 
-/// envd's health check
+/// envd's health check: 204 while the sandbox the request names is running; otherwise
+/// the 502 E2B's proxy answers for a sandbox it does not know (`{"sandboxId", "message":
+/// "The sandbox was not found", "code": 502}`), the one status the SDKs' `is_running` reads
+/// as "not running" and the answer that makes them report a dropped stream as the sandbox's
+/// end. A killed or expired sandbox, one that never was, and another user's (or a token that
+/// is not the sandbox's) all get the same answer: nothing tells them apart.
 #[utoipa::path(get, operation_id = "e2b_health", path = "/e2b/sandbox/health", tag = "e2b", security(()),
-    responses((status = 204, description = "envd is up"), SandboxErrors))]
-async fn health() -> StatusCode {
-    StatusCode::NO_CONTENT
+    responses((status = 204, description = "the sandbox is running"),
+        (status = 502, description = "no running sandbox of this id and token: `{sandboxId, message, code: 502}`", body = serde_json::Value),
+        (status = 400, description = "no E2b-Sandbox-Id header", body = serde_json::Value)))]
+async fn health(State(state): State<AppState>, request: axum::extract::Request) -> Response {
+    let (id, _) = super::sandbox_headers(request.headers());
+    let Some(id) = id.map(str::to_string) else {
+        return E2bError::bad_request(
+            "the E2b-Sandbox-Id header is missing (set E2B_SANDBOX_URL=BASE/e2b/sandbox)",
+        )
+        .into_response();
+    };
+    let (mut parts, _) = request.into_parts();
+    let running = match SandboxCaller::from_request_parts(&mut parts, &state).await {
+        Ok(caller) => !super::process::sandbox_gone(&state.registry, &caller.e2b, &caller.session),
+        Err(_) => false,
+    };
+    if running {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(json!({"sandboxId": id, "message": "The sandbox was not found", "code": 502})),
+    )
+        .into_response()
 }
 
 /// Bytes of a multipart upload beyond its files' own: boundaries, part headers, preamble.

@@ -2,8 +2,11 @@
 //! newline-delimited JSON as the code runs (`stdout`, `stderr`, `result`, `error`, then
 //! `number_of_executions` and `end_of_execution`); contexts are more sessions of the
 //! sandbox's user (`/contexts`). The SDK's own timeout closes the connection: a client
-//! that goes away mid-execution has the kernel interrupted, as E2B's server does.
+//! that goes away mid-execution has the kernel interrupted, as E2B's server does. When the
+//! sandbox ends mid-execution (killed, or at its deadline) the body fails instead of ending,
+//! so the connection drops as E2B's does and the SDKs raise "the sandbox was killed".
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -205,6 +208,18 @@ async fn execute(
         budgets.of(&caller.session.user.name),
         super::state::EXECUTION_OUTPUT_BUDGET,
     );
+    // Set when the sandbox ended under the execution: the body then fails instead of
+    // ending, so the connection drops as it does when E2B's sandbox goes away mid-request,
+    // and the SDKs (which then find `/health` answering 502) raise their "the sandbox was
+    // killed" error instead of returning a cut execution as if it were whole.
+    let dropped = Arc::new(AtomicBool::new(false));
+    let (e2b, sandbox, registry) = (
+        caller.e2b.clone(),
+        caller.session.clone(),
+        state.registry.clone(),
+    );
+    let drop_flag = dropped.clone();
+    let gone = move || super::process::sandbox_gone(&registry, &e2b, &sandbox);
     tokio::spawn(async move {
         let mut open = true;
         let finished = loop {
@@ -232,6 +247,10 @@ async fn execute(
                 lines.push(line(&v), left_out);
             }
         }
+        if gone() {
+            drop_flag.store(true, Ordering::SeqCst);
+            return;
+        }
         let Some(exec) = finished else { return };
         // Lines the stream missed (a slow client's events are dropped, never awaited)
         // are not repeated; the end says how it went.
@@ -254,10 +273,22 @@ async fn execute(
         lines.finish(last, left_out);
     });
     // A line's budget is let go when the connection takes it.
-    let stream = futures::stream::unfold(line_rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|Held(b, _budget)| (Ok::<_, std::convert::Infallible>(b), rx))
+    let stream = futures::stream::unfold(Some(line_rx), move |rx| {
+        let dropped = dropped.clone();
+        async move {
+            let mut rx = rx?;
+            match rx.recv().await {
+                Some(Held(b, _budget)) => Some((Ok(b), Some(rx))),
+                None if dropped.load(Ordering::SeqCst) => Some((
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "the sandbox ended during the execution",
+                    )),
+                    None,
+                )),
+                None => None,
+            }
+        }
     });
     Ok((
         StatusCode::OK,

@@ -9,7 +9,8 @@
 //! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
 //! then unless extended.
 //!
-//! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`);
+//! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`), `listing.rs`
+//! its listing's query, filters and pages;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
 //! Connect process service (commands), `command.rs` a running command and its output's
@@ -25,6 +26,7 @@ mod control;
 mod documented;
 mod envd;
 mod interpreter;
+mod listing;
 mod process;
 mod state;
 

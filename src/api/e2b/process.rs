@@ -4,13 +4,18 @@
 //! `Registry::run_command` (the sandbox's `run_command`), isolated and limited
 //! as the user's kernels are, never on the host; it ends with its sandbox. Pseudo
 //! terminals (`pty`), `Update` and `StreamInput` are not supported.
+//!
+//! Lifecycle, as envd and E2B's proxy: `Connect-Timeout-Ms` is a call's deadline (a
+//! `Start`'s command is killed then and its stream ends `deadline_exceeded`); a stream whose
+//! sandbox ends under it ends `unavailable` ("the connection to sandbox ... ended before the
+//! stream completed"), which the SDKs check against `/health` and report as the sandbox's end.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
@@ -19,6 +24,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, Semaphore};
+use tokio::time::Instant;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -28,9 +34,10 @@ use super::connect::{
     end_stream, envelope, stream_request, unary_request, ConnectError, MAX_MESSAGE,
 };
 use super::documented::SandboxErrors;
+use super::E2bState;
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::session::{check_user_env, CommandRequest};
+use crate::session::{check_user_env, CommandControl, CommandRequest, Registry, Session};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 /// How often a stream with nothing to say sends a keepalive event.
@@ -80,16 +87,23 @@ async fn process(
     State(state): State<AppState>,
     Path(method): Path<String>,
     caller: SandboxCaller,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let streaming = matches!(method.as_str(), "Start" | "Connect");
+    let deadline = match request_deadline(&headers) {
+        Ok(d) => d,
+        Err(e) if streaming => return stream_error(e),
+        Err(e) => return e.into_response(),
+    };
     let bytes = match read_limited(body, MAX_MESSAGE + 5, "request").await {
         Ok(b) => b,
         Err(e) => return ConnectError::new("resource_exhausted", e.message).into_response(),
     };
     caller.session.touch();
     let result = match method.as_str() {
-        "Start" => return start(&state, &caller, &bytes).await,
-        "Connect" => return connect(&caller, &bytes),
+        "Start" => return start(&state, &caller, &bytes, deadline).await,
+        "Connect" => return connect(&state, &caller, &bytes, deadline),
         "List" => Ok(list(&caller)),
         "SendInput" => send_input(&caller, &bytes).await,
         "CloseStdin" => close_stdin(&caller, &bytes).await,
@@ -104,36 +118,121 @@ async fn process(
     }
 }
 
+/// How a command's stream ends besides its command's `end`: at the caller's deadline
+/// (`connect-timeout-ms`), or when its sandbox ended under it.
+struct StreamEnds {
+    /// The request's deadline: the stream ends with `deadline_exceeded` then, as a Connect
+    /// server (envd is connect-go) ends a call whose deadline passed.
+    deadline: Option<Instant>,
+    /// The command `Start` began, killed at the deadline before the stream ends (a `Connect`
+    /// stream's deadline ends only that stream, as in envd).
+    kill: Option<Arc<dyn CommandControl>>,
+    /// The sandbox, to tell a stream dropped by the sandbox's end from a command's end.
+    sandbox: Arc<Session>,
+    e2b: Arc<E2bState>,
+    registry: Registry,
+}
+
+impl StreamEnds {
+    fn of(state: &AppState, caller: &SandboxCaller, deadline: Option<Instant>) -> Self {
+        Self {
+            deadline,
+            kill: None,
+            sandbox: caller.session.clone(),
+            e2b: caller.e2b.clone(),
+            registry: state.registry.clone(),
+        }
+    }
+
+    /// Whether the sandbox has ended.
+    fn sandbox_gone(&self) -> bool {
+        sandbox_gone(&self.registry, &self.e2b, &self.sandbox)
+    }
+
+    /// What E2B's proxy ends a Connect stream with when the sandbox under it goes away:
+    /// `unavailable`, which the SDKs answer by asking `/health` (502 then: the sandbox is
+    /// not running, `SandboxNotRunningException`).
+    fn dropped(&self) -> Bytes {
+        end_stream(Some(&ConnectError::new(
+            "unavailable",
+            format!(
+                "the connection to sandbox {} ended before the stream completed",
+                self.sandbox.id
+            ),
+        )))
+    }
+}
+
+/// Whether sandbox `session` has ended: killed (its E2B record is removed before anything
+/// of it is ended), or expired or deleted (the registry lets go of a session before its
+/// kernel is shut down, and the session's status says so only once it is).
+pub(super) fn sandbox_gone(registry: &Registry, e2b: &E2bState, session: &Session) -> bool {
+    e2b.with(session.id, |_| ()).is_none()
+        || session.status().ended()
+        || registry.get(&session.user.name, session.id).is_err()
+}
+
 /// A Connect stream of `first`, then what `events` brings until the command's end (or until
 /// the client leaves: the body is dropped, and with it the receiver and the budget its
 /// unread events held); keepalives while nothing happens. An event's budget permits are let
 /// go when the connection takes its bytes, so a client that does not read holds what the
 /// connection buffers (hyper's write buffer) plus what waits here, within its user's budget.
-fn stream_response(first: Bytes, events: mpsc::UnboundedReceiver<Event>) -> Response {
+/// At `ends.deadline` the stream ends with `deadline_exceeded`; when the sandbox ends under
+/// it, with `unavailable` in place of the command's `end` (as E2B's proxy ends it).
+fn stream_response(
+    first: Bytes,
+    events: mpsc::UnboundedReceiver<Event>,
+    ends: StreamEnds,
+) -> Response {
     enum Next {
         First(Bytes, mpsc::UnboundedReceiver<Event>),
         Events(mpsc::UnboundedReceiver<Event>),
         Done,
     }
-    let stream = futures::stream::unfold(Next::First(first, events), |next| async move {
-        let mut rx = match next {
-            Next::First(first, rx) => return Some((first, Next::Events(rx))),
-            Next::Events(rx) => rx,
-            Next::Done => return None,
-        };
-        match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-            Err(_) => Some((
-                envelope(&json!({"event": {"keepalive": {}}})),
-                Next::Events(rx),
-            )),
-            Ok(Some(Event::Output(bytes, _budget))) => Some((bytes, Next::Events(rx))),
-            Ok(Some(Event::End(bytes))) => {
-                let mut last = bytes.to_vec();
-                last.extend_from_slice(&end_stream(None));
-                Some((Bytes::from(last), Next::Done))
+    let ends = Arc::new(ends);
+    let stream = futures::stream::unfold(Next::First(first, events), move |next| {
+        let ends = ends.clone();
+        async move {
+            let mut rx = match next {
+                Next::First(first, rx) => return Some((first, Next::Events(rx))),
+                Next::Events(rx) => rx,
+                Next::Done => return None,
+            };
+            let wait = tokio::time::timeout(KEEPALIVE, rx.recv());
+            let got = match ends.deadline {
+                Some(at) => match tokio::time::timeout_at(at, wait).await {
+                    Ok(got) => got,
+                    Err(_) => {
+                        if let Some(control) = &ends.kill {
+                            // Killed, and forgotten (its end published) before the caller
+                            // hears of the deadline: a `List` right after does not show it.
+                            control.kill().await;
+                            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                                while let Some(ev) = rx.recv().await {
+                                    if matches!(ev, Event::End(_)) {
+                                        break;
+                                    }
+                                }
+                            })
+                            .await;
+                        }
+                        let e = ConnectError::new("deadline_exceeded", "context deadline exceeded");
+                        return Some((end_stream(Some(&e)), Next::Done));
+                    }
+                },
+                None => wait.await,
+            };
+            match got {
+                Err(_) => Some((
+                    envelope(&json!({"event": {"keepalive": {}}})),
+                    Next::Events(rx),
+                )),
+                Ok(Some(Event::Output(bytes, _budget))) => Some((bytes, Next::Events(rx))),
+                // The end envelope and the end of the stream, or what the sandbox's end left.
+                Ok(Some(Event::End(bytes))) => Some((bytes, Next::Done)),
+                // The command was forgotten without an end: its sandbox ended first.
+                Ok(None) => Some((ends.dropped(), Next::Done)),
             }
-            // The command was forgotten without an end (its sandbox ended first).
-            Ok(None) => Some((end_stream(None), Next::Done)),
         }
     });
     (
@@ -142,6 +241,32 @@ fn stream_response(first: Bytes, events: mpsc::UnboundedReceiver<Event>) -> Resp
         Body::from_stream(stream.map(Ok::<_, std::convert::Infallible>)),
     )
         .into_response()
+}
+
+/// The deadline a Connect request asks for in `connect-timeout-ms` (milliseconds, at most
+/// 10 digits, as connect-go reads it; 0 or none: no deadline, as envd's processes). Anything
+/// else is `invalid_argument`, as connect-go answers it; a sign is refused too (connect-go
+/// would take `-5` as a deadline already passed).
+fn request_deadline(headers: &HeaderMap) -> Result<Option<Instant>, ConnectError> {
+    let Some(value) = headers.get("connect-timeout-ms") else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or("").trim();
+    if text.len() > 10 {
+        return Err(ConnectError::invalid(format!(
+            "parse timeout: {text:?} has >10 digits"
+        )));
+    }
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ConnectError::invalid(format!(
+            "parse timeout: connect-timeout-ms must be a number of milliseconds; got {text:?}"
+        )));
+    }
+    // At most 10 digits: below 2^34, no overflow.
+    let ms: u64 = text
+        .parse()
+        .map_err(|e| ConnectError::invalid(format!("parse timeout: {e}")))?;
+    Ok((ms > 0).then(|| Instant::now() + Duration::from_millis(ms)))
 }
 
 /// A stream that is only an error (Connect answers stream errors in the end envelope).
@@ -154,7 +279,12 @@ fn stream_error(e: ConnectError) -> Response {
         .into_response()
 }
 
-async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Response {
+async fn start(
+    state: &AppState,
+    caller: &SandboxCaller,
+    bytes: &[u8],
+    deadline: Option<Instant>,
+) -> Response {
     let req: StartReq = match stream_request(bytes) {
         Ok(r) => r,
         Err(e) => return stream_error(e),
@@ -210,7 +340,19 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         running.control.kill().await;
         return stream_error(ConnectError::not_found("the sandbox has ended"));
     }
+    // The caller's deadline kills the command, as envd runs it under a context with that
+    // deadline (its other clients see it end, killed).
+    if let Some(at) = deadline {
+        let control = running.control.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep_until(at) => control.kill().await,
+                _ = control.wait() => {}
+            }
+        });
+    }
     // Reads both streams into events, then the end; forgets the command once it ended.
+    let ends = StreamEnds::of(state, caller, None);
     let (e2b, sandbox, pid, control) = (
         caller.e2b.clone(),
         caller.session.id,
@@ -248,10 +390,26 @@ async fn start(state: &AppState, caller: &SandboxCaller, bytes: &[u8]) -> Respon
         if let Some(e) = error {
             end["error"] = e.into();
         }
-        events.end(envelope(&json!({"event": {"end": end}})));
+        // Killed with its sandbox: after its `end` (what happened to it), the stream ends
+        // with E2B's `unavailable`, as its proxy ends a stream whose sandbox went away, so
+        // the SDKs raise their "the sandbox is not running" error, not the exit code.
+        let mut last = envelope(&json!({"event": {"end": end}})).to_vec();
+        if ends.sandbox_gone() {
+            last.extend_from_slice(&ends.dropped());
+        } else {
+            last.extend_from_slice(&end_stream(None));
+        }
+        let last = Bytes::from(last);
         e2b.with(sandbox, |m| m.commands.remove(&pid));
+        events.end(last);
     });
-    stream_response(envelope(&json!({"event": {"start": {"pid": pid}}})), first)
+    let mut ends = StreamEnds::of(state, caller, deadline);
+    ends.kill = Some(cmd.control.clone());
+    stream_response(
+        envelope(&json!({"event": {"start": {"pid": pid}}})),
+        first,
+        ends,
+    )
 }
 
 /// Bytes read from a command's pipe at once.
@@ -305,7 +463,12 @@ fn find(caller: &SandboxCaller, sel: &Selector) -> Result<Arc<Command>, ConnectE
         .ok_or_else(|| ConnectError::not_found("no such process (it may have ended)"))
 }
 
-fn connect(caller: &SandboxCaller, bytes: &[u8]) -> Response {
+fn connect(
+    state: &AppState,
+    caller: &SandboxCaller,
+    bytes: &[u8],
+    deadline: Option<Instant>,
+) -> Response {
     let req: SelectReq = match stream_request(bytes) {
         Ok(r) => r,
         Err(e) => return stream_error(e),
@@ -317,6 +480,7 @@ fn connect(caller: &SandboxCaller, bytes: &[u8]) -> Response {
     stream_response(
         envelope(&json!({"event": {"start": {"pid": cmd.pid}}})),
         cmd.events.subscribe(),
+        StreamEnds::of(state, caller, deadline),
     )
 }
 
