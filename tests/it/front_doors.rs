@@ -3,7 +3,7 @@
 //! API made ends as before; every end of a session and every detach is recorded with who
 //! did it; the metadata a client gives a session at creation is kept, shown and bounded.
 
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
@@ -38,27 +38,9 @@ fn of_kind<'a>(events: &'a [(String, Value)], kind: &str) -> Vec<&'a Value> {
 
 /// A Jupyter client's `shutdown_request` on the control channel, answered on the socket.
 async fn shutdown_over_channels(broker: &Broker, id: &str) -> Value {
-    let url = format!(
-        "ws://{}/api/kernels/{id}/channels?session_id=lab-1&token={ALICE}",
-        broker.addr
-    );
-    let (mut ws, _) = within(
-        30,
-        "channels connect",
-        tokio_tungstenite::connect_async(url),
-    )
-    .await
-    .unwrap();
-    let msg_id = uuid::Uuid::new_v4().to_string();
-    let request = json!({
-        "header": {"msg_id": msg_id, "msg_type": "shutdown_request", "session": "lab-1",
-                   "username": "alice", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3"},
-        "parent_header": {}, "metadata": {}, "buffers": [], "channel": "control",
-        "content": {"restart": false}
-    });
-    ws.send(WsMessage::Text(request.to_string().into()))
-        .await
-        .unwrap();
+    let mut ws = jupyter_channels(broker, id, "lab-1").await;
+    let content = json!({"restart": false});
+    let msg_id = jupyter_send(&mut ws, "lab-1", ("control", "shutdown_request"), content).await;
     let reply = within(30, "shutdown_reply", async {
         loop {
             if let WsMessage::Text(t) = ws.next().await.unwrap().unwrap() {

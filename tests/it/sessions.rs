@@ -864,30 +864,11 @@ async fn notebook_and_agent_share_a_kernel(sb: &'static str) {
     let id = api.create().await;
     let mut agent = ws_connect(&broker, &id, ALICE).await;
     assert_eq!(ws_next(&mut agent).await["type"], "status");
-    let url = format!(
-        "ws://{}/api/kernels/{id}/channels?session_id=nb-1&token={ALICE}",
-        broker.addr
-    );
-    let (mut nb, _) = within(
-        30,
-        "channels connect",
-        tokio_tungstenite::connect_async(url),
-    )
-    .await
-    .unwrap();
-    let msg_id = uuid::Uuid::new_v4().to_string();
-    let request = json!({
-        "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": "nb-1",
-                   "username": "alice", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3"},
-        "parent_header": {}, "metadata": {}, "buffers": [], "channel": "shell",
-        "content": {"code": "shared = 7\nprint('from the notebook')", "silent": false,
-                    "store_history": true, "user_expressions": {}, "allow_stdin": false}
-    });
-    nb.send(tokio_tungstenite::tungstenite::Message::Text(
-        request.to_string().into(),
-    ))
-    .await
-    .unwrap();
+    let mut nb = jupyter_channels(&broker, &id, "nb-1").await;
+    let code = "shared = 7\nprint('from the notebook')";
+    let content = json!({"code": code, "silent": false, "store_history": true,
+                         "user_expressions": {}, "allow_stdin": false});
+    let msg_id = jupyter_send(&mut nb, "nb-1", ("shell", "execute_request"), content).await;
     // The notebook gets its execute_reply.
     within(30, "execute_reply", async {
         loop {

@@ -338,6 +338,42 @@ pub async fn ws_connect(broker: &Broker, id: &str, token: &str) -> Ws {
     ws
 }
 
+/// A Jupyter client of alice's on `/api/kernels/{id}/channels`, named `client` (its
+/// `session_id`), in the legacy JSON framing.
+pub async fn jupyter_channels(broker: &Broker, id: &str, client: &str) -> Ws {
+    let url = format!(
+        "ws://{}/api/kernels/{id}/channels?session_id={client}&token={ALICE}",
+        broker.addr
+    );
+    let (ws, _) = within(
+        30,
+        "channels connect",
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    .unwrap();
+    ws
+}
+
+/// Sends a Jupyter request of `client`'s on `channel` over a [`jupyter_channels`] socket and
+/// answers its msg_id.
+pub async fn jupyter_send(
+    ws: &mut Ws,
+    client: &str,
+    (channel, msg_type): (&str, &str),
+    content: Value,
+) -> String {
+    let msg_id = uuid::Uuid::new_v4().to_string();
+    let request = serde_json::json!({
+        "header": {"msg_id": msg_id, "msg_type": msg_type, "session": client,
+                   "username": "alice", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3"},
+        "parent_header": {}, "metadata": {}, "buffers": [], "channel": channel,
+        "content": content
+    });
+    ws_send(ws, request).await;
+    msg_id
+}
+
 pub async fn ws_send(ws: &mut Ws, v: Value) {
     ws.send(WsMessage::Text(v.to_string().into()))
         .await
