@@ -167,9 +167,18 @@ def test_a_session_of_node_a_in_a_notebook_through_node_b(cluster, jupyter, clie
         d = jupyter.api("DELETE", f"/api/sessions/{notebook['id']}")
     assert d.status_code == 204, d.text + jupyter.log()
     # Closing the notebook shuts its kernel down (jupyter server's DELETE /api/kernels/{id}
-    # to B, forwarded to A): gone cluster-wide.
+    # to B, forwarded to A). The session is the agent's (the REST API made it), so Jupyter
+    # only lets go of it: A records the detach and the session goes on, with its variables.
+    def detached():
+        r = a.api("GET", f"/v1/sessions/{sid}/events?type=session_detached")
+        return r.status_code == 200 and [e["detail"] for e in r.json()["events"]]
+    wait_for(detached, timeout=30, interval=0.2, what="A to record Jupyter's detach")
+    assert detached() == [{"by": "jupyter"}]
+    assert main_result(rest_execute(b, sid, "y")) == "42"
+    # Its owner's API ends it: gone cluster-wide.
+    assert b.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
     wait_for(lambda: a.api("GET", f"/api/kernels/{sid}").status_code == 404, timeout=30,
-             interval=0.2, what="A's session to end with the notebook")
+             interval=0.2, what="A's session to end")
     assert b.api("GET", f"/api/kernels/{sid}").status_code == 404
     assert sid not in listed(a, "/api/kernels") | listed(b, "/api/kernels")
     cluster.sessions.remove(sid)

@@ -445,13 +445,20 @@ def test_sessions_and_kernels_are_the_same_thing(broker, clients):
         assert ex.json()["results"][0]["data"]["text/plain"] == "42"
         # The open WebSocket counts as a connection in both views.
         assert broker.api("GET", f"/api/kernels/{sid}").json()["connections"] >= 1
-        # Deleting through one API removes it from the other.
+        # The front door that made a session owns its life: Jupyter deleting the agent's
+        # session only lets go of it, and it goes on with its state.
         assert broker.api("DELETE", f"/api/kernels/{sid}").status_code == 204
-        assert broker.api("GET", f"/v1/sessions/{sid}").status_code in (404, 410)
+        assert broker.api("GET", f"/v1/sessions/{sid}").json()["state"] == "idle"
+        ex = broker.api("POST", f"/v1/sessions/{sid}/execute", json={"code": "shared"})
+        assert ex.json()["results"][0]["data"]["text/plain"] == "42"
+        # Its own API ends it, and it is gone from the other view too.
+        assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
+        assert broker.api("GET", f"/api/kernels/{sid}").status_code in (404, 410)
+        # The agent API ends a kernel the Jupyter API made.
         assert broker.api("DELETE", f"/v1/sessions/{kid}").status_code == 204
         assert broker.api("GET", f"/api/kernels/{kid}").status_code == 404
     finally:
-        broker.api("DELETE", f"/api/kernels/{sid}")
+        broker.api("DELETE", f"/v1/sessions/{sid}")
         broker.api("DELETE", f"/api/kernels/{kid}")
 
 
