@@ -165,11 +165,7 @@ impl Metadata {
 
 /// `s` cut to at most `max` bytes at a character boundary.
 fn cut(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
+    &s[..s.floor_char_boundary(max)]
 }
 
 fn truncate(s: &str) -> &str {

@@ -406,11 +406,7 @@ const METADATA_BYTES: usize = 16 << 10;
 
 /// `s`, at most `max` bytes of it (cut at a character's boundary).
 fn capped(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
+    s[..s.floor_char_boundary(max)].to_string()
 }
 
 /// The row of an image taken out of a message or event; its size is its text's length.

@@ -71,7 +71,7 @@ impl Output {
             self.head.push_str(text);
             return;
         }
-        let cut = floor_char(text, room.min(text.len()));
+        let cut = text.floor_char_boundary(room);
         if self.tail.is_empty() {
             self.head.push_str(&text[..cut]);
         }
@@ -81,7 +81,7 @@ impl Output {
             text
         };
         // Only the last TAIL_BYTES of what is pushed can be kept.
-        let from = ceil_char(rest, rest.len().saturating_sub(TAIL_BYTES));
+        let from = rest.ceil_char_boundary(rest.len().saturating_sub(TAIL_BYTES));
         if from > 0 {
             self.elided = true;
         }
@@ -93,7 +93,7 @@ impl Output {
 
     fn trim_tail(&mut self) {
         if self.tail.len() > TAIL_BYTES {
-            let from = ceil_char(&self.tail, self.tail.len() - TAIL_BYTES);
+            let from = self.tail.ceil_char_boundary(self.tail.len() - TAIL_BYTES);
             self.tail.drain(..from);
             self.elided = true;
         }
@@ -115,26 +115,8 @@ impl Output {
     }
 }
 
-/// The largest char boundary of `s` at or below `i`.
-fn floor_char(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-/// The smallest char boundary of `s` at or above `i`.
-fn ceil_char(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i += 1;
-    }
-    i
-}
-
 fn capped(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        s.truncate(floor_char(&s, max));
-    }
+    s.truncate(s.floor_char_boundary(max));
     s
 }
 
