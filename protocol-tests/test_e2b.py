@@ -24,14 +24,6 @@ HERE = Path(__file__).parent
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def e2b_env(broker, monkeypatch):
-    monkeypatch.setenv("E2B_API_URL", broker.url + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", broker.url + "/e2b/sandbox")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
-    return broker
-
-
 CSV = "city,temp\nOslo,4\nRome,19\nCairo,30\nLima,18\n"
 
 
@@ -235,27 +227,6 @@ def test_async_sdk(e2b_env):
             await sbx.kill()
 
     asyncio.run(main())
-
-
-def _docker_usable():
-    if shutil.which("docker") is None:
-        return False
-    r = subprocess.run(["docker", "image", "inspect", "kernel-broker/python-kernel"], capture_output=True)
-    return r.returncode == 0
-
-
-@pytest.fixture(params=["local", "docker"])
-def any_backend(request, broker, fresh_broker, monkeypatch):
-    if request.param == "local":
-        b = broker
-    else:
-        if not _docker_usable():
-            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
-        b = fresh_broker(extra_args=["--sandbox", "docker"])
-    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
-    return request.param
 
 
 def test_commands_are_confined_to_the_users_sandbox(any_backend):
