@@ -26,6 +26,10 @@ spec's Python, isolated (``python -I``):
     When a child ends, the template answers ``{"exited": ID, "status": RAW}`` (the raw
     ``waitpid`` status). End of stdin ends the template.
 
+Every kernel it starts gets ``kernel_broker_e2b.py`` installed (loaded once in the template
+from this script's own directory): E2B's result formats and one execution's environment,
+active only in executions whose request asks for them (see that module).
+
 What a fork must not share is reset in the child before any user code runs: the random
 generators are reseeded from the OS, every descriptor of the template is closed (stdin is
 ``/dev/null`` and so is stdout), the process leaves the template's session,
@@ -132,6 +136,7 @@ def prepare_kernel_imports():
         except Exception:
             pass
     warm_command_line()
+    load_e2b()
 
 
 def warm_command_line():
@@ -167,6 +172,40 @@ def enable_inline():
         log("cannot enable the inline backend: %r" % e)
 
 
+E2B_MODULE = "kernel_broker_e2b"
+
+
+def load_e2b():
+    """Imports ``kernel_broker_e2b.py`` (E2B's result formats, PIL display, one execution's
+    environment) from this script's own directory, which the broker wrote and no kernel can
+    write. Done in the template, so forked kernels only install it. A missing or broken
+    module leaves kernels plain IPython."""
+    if E2B_MODULE in sys.modules:
+        return sys.modules[E2B_MODULE]
+    try:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), E2B_MODULE + ".py")
+        spec = importlib.util.spec_from_file_location(E2B_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[E2B_MODULE] = module
+        return module
+    except Exception as e:
+        log("cannot load %s: %r" % (E2B_MODULE, e))
+        return None
+
+
+def install_e2b(app):
+    module = load_e2b()
+    if module is None:
+        return
+    try:
+        module.install(app.shell, app.kernel)
+    except Exception as e:
+        log("cannot install %s: %r" % (E2B_MODULE, e))
+
+
 def run_kernel(args, after_init=None):
     from ipykernel.kernelapp import IPKernelApp
 
@@ -176,6 +215,7 @@ def run_kernel(args, after_init=None):
     if after_init is not None:
         after_init(app)
     enable_inline()
+    install_e2b(app)
     app.start()
 
 

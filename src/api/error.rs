@@ -96,7 +96,9 @@ impl From<SessionError> for ApiError {
                 Self::new(StatusCode::CONFLICT, "session_exists", message)
             }
             SessionError::CodeTooLarge { .. } => Self::too_large(message),
-            SessionError::InvalidTimeout { .. } => Self::bad_request(message),
+            SessionError::InvalidTimeout { .. } | SessionError::InvalidEnv { .. } => {
+                Self::bad_request(message)
+            }
             SessionError::WorkspaceUnavailable { source, .. } => {
                 Self::internal("workspace", source)
             }

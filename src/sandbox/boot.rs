@@ -18,6 +18,12 @@ use serde_json::Value;
 pub const BOOT_SCRIPT: &str = include_str!("../../kernels/kernel_broker_boot.py");
 /// Its file name.
 pub const BOOT_SCRIPT_NAME: &str = "kernel_broker_boot.py";
+/// The module the script loads from its own directory into every kernel it starts: E2B's
+/// result formats (charts, DataFrames), PIL display and one execution's environment,
+/// active only in executions the E2B front door sends (`kernels/kernel_broker_e2b.py`).
+pub const E2B_MODULE: &str = include_str!("../../kernels/kernel_broker_e2b.py");
+/// Its file name.
+pub const E2B_MODULE_NAME: &str = "kernel_broker_e2b.py";
 
 /// Puts the script into `dir`, a directory only the broker can write (never one a kernel
 /// can: the script's directory must hold nothing a kernel planted), as a root-owned 0644
@@ -27,18 +33,25 @@ pub const BOOT_SCRIPT_NAME: &str = "kernel_broker_boot.py";
 /// working directory on `sys.path`, so a kernel's import path holds nothing the kernel can
 /// write but what its own environment names (`PYTHONPATH`: the workspace's package
 /// directory), applied by the script itself.
+///
+/// The module the script loads ([`E2B_MODULE`]) is put beside it the same way, first.
 pub fn install_script(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
     use std::os::fd::AsFd;
     let root = super::fsutil::open_tree_root(dir)?;
-    let fresh = format!(".{BOOT_SCRIPT_NAME}.{}", uuid::Uuid::new_v4().simple());
-    super::fsutil::write_new_file_at(
-        root.as_fd(),
-        std::path::Path::new(&fresh),
-        BOOT_SCRIPT.as_bytes(),
-        super::fsutil::FileMode::Exact(0o644),
-        None,
-    )?;
-    rustix::fs::renameat(&root, fresh.as_str(), &root, BOOT_SCRIPT_NAME)?;
+    for (name, text) in [
+        (E2B_MODULE_NAME, E2B_MODULE),
+        (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
+    ] {
+        let fresh = format!(".{name}.{}", uuid::Uuid::new_v4().simple());
+        super::fsutil::write_new_file_at(
+            root.as_fd(),
+            std::path::Path::new(&fresh),
+            text.as_bytes(),
+            super::fsutil::FileMode::Exact(0o644),
+            None,
+        )?;
+        rustix::fs::renameat(&root, fresh.as_str(), &root, name)?;
+    }
     Ok(dir.join(BOOT_SCRIPT_NAME))
 }
 /// What kernels import before their first cell by default: the data stack an agent's first

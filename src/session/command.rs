@@ -20,6 +20,8 @@ pub struct ExecRequest {
     pub allow_stdin: bool,
     /// Output as it happens; dropped (not awaited) when the client falls behind.
     pub stream: Option<mpsc::Sender<OutputEvent>>,
+    /// What the kernel's own hooks apply to this execution (none: plain IPython).
+    pub hooks: Option<super::hooks::KernelHooks>,
     pub done: oneshot::Sender<Execution>,
 }
 

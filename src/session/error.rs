@@ -179,6 +179,12 @@ pub enum SessionError {
     /// A timeout that is not a positive number of seconds.
     #[error("timeout_seconds must be a positive number")]
     InvalidTimeout { seconds: f64 },
+    /// Variables for one execution that a sandbox may not be given.
+    #[error("envs: {source}")]
+    InvalidEnv {
+        #[source]
+        source: crate::sandbox::environ::EnvRefused,
+    },
     /// The user's workspace could not be found or made (the sandbox's answer).
     #[error("could not reach the workspace of user {user}")]
     WorkspaceUnavailable {

@@ -4,6 +4,7 @@
 //! The agent REST API, its WebSocket, E2B's interpreter and MCP's `run_python` each
 //! translate their protocol into one and the answer back; none checks limits itself.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -12,6 +13,8 @@ use super::command::ExecRequest;
 use super::error::SessionError;
 use super::execution::{Execution, OutputEvent};
 use super::handle::Session;
+use super::hooks::KernelHooks;
+use crate::sandbox::environ::check_user_env;
 
 /// The bounds every execution is checked against.
 #[derive(Debug, Clone, Copy)]
@@ -53,6 +56,7 @@ pub struct ExecuteRequest {
     origin: Origin,
     allow_stdin: bool,
     stream: Option<mpsc::Sender<OutputEvent>>,
+    hooks: Option<KernelHooks>,
 }
 
 impl ExecuteRequest {
@@ -85,7 +89,18 @@ impl ExecuteRequest {
             origin,
             allow_stdin: false,
             stream: None,
+            hooks: None,
         })
+    }
+
+    /// Runs with E2B's result formats, and `env` set for this execution alone (checked as
+    /// a sandbox's variables are, [`check_user_env`]: a refusal is
+    /// [`SessionError::InvalidEnv`]).
+    pub fn e2b(mut self, env: BTreeMap<String, String>) -> Result<Self, SessionError> {
+        check_user_env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(|source| SessionError::InvalidEnv { source })?;
+        self.hooks = Some(KernelHooks { e2b: true, env });
+        Ok(self)
     }
 
     /// Output events as they happen go to `sink`; dropped (never awaited) when the client
@@ -121,6 +136,7 @@ impl Session {
             timeout: request.timeout,
             allow_stdin: request.allow_stdin,
             stream: request.stream,
+            hooks: request.hooks,
             done,
         })?;
         Ok(result)
@@ -136,6 +152,7 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     const LIMITS: ExecutionLimits = ExecutionLimits {
         max_code_bytes: 10,
@@ -166,6 +183,56 @@ mod tests {
             ),
         ] {
             assert_eq!(timeout_of(asked), want, "{asked:?}");
+        }
+    }
+
+    #[test]
+    fn an_executions_variables_are_checked_like_a_sandboxs() {
+        let req =
+            || ExecuteRequest::new("1".into(), Timeout::Maximum, Origin::E2b, &LIMITS).unwrap();
+        let env = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let ok = req().e2b(env(&[("API_KEY", "s3cret")])).unwrap();
+        assert_eq!(
+            ok.hooks.as_ref().unwrap().metadata(),
+            Bytes::from_static(br#"{"kernel_broker":{"e2b":true,"env":{"API_KEY":"s3cret"}}}"#)
+        );
+        let plain = req().e2b(BTreeMap::new()).unwrap();
+        assert_eq!(
+            plain.hooks.unwrap().metadata(),
+            Bytes::from_static(br#"{"kernel_broker":{"e2b":true}}"#)
+        );
+        let huge = "x".repeat(1 << 20);
+        for bad in [
+            env(&[("LD_PRELOAD", "/tmp/x.so")]),
+            env(&[("1BAD", "x")]),
+            env(&[("A B", "x")]),
+            env(&[("", "x")]),
+            env(&[("NUL", "a\0b")]),
+            env(&[("BIG", huge.as_str())]),
+        ] {
+            let e = req().e2b(bad).err().unwrap();
+            assert!(matches!(e, SessionError::InvalidEnv { .. }), "{e}");
+            assert!(e.to_string().starts_with("envs: "), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_reply_acknowledges_the_variables_only_with_the_kernels_word() {
+        assert!(KernelHooks::env_acknowledged(
+            br#"{"status": "ok", "kernel_broker_env": "restored"}"#
+        ));
+        for no in [
+            &br#"{"status": "ok"}"#[..],
+            br#"{"kernel_broker_env": 1}"#,
+            br#"{"kernel_broker_env": "no"}"#,
+            b"not json",
+        ] {
+            assert!(!KernelHooks::env_acknowledged(no));
         }
     }
 

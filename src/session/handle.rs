@@ -457,6 +457,7 @@ impl Session {
             timeout,
             allow_stdin: false,
             stream: None,
+            hooks: None,
             done,
         })?;
         rx.await.map_err(|_| SessionError::Closed(self.id))

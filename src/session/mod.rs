@@ -14,8 +14,10 @@
 //!   events reported to the [`Recorder`]; `error`, `config`, `state`: [`SessionError`],
 //!   [`SessionConfig`], [`SessionState`] and the [`SessionStatus`] an actor publishes;
 //!   `files`: workspace files beneath a descriptor.
-//! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `command`:
-//!   what a handle asks of its actor ([`ExecRequest`] among them).
+//! - `event`: the [`SessionEvent`]s broadcast to clients and their byte budget; `hooks`:
+//!   what one execution asks of the kernel's own hooks ([`KernelHooks`]: E2B's result
+//!   formats, its own variables); `command`: what a handle asks of its actor
+//!   ([`ExecRequest`] among them).
 //! - `kept`: the records of sessions kept across restarts (`--keep-sessions`), each
 //!   session's written in order through its `RecordFile`.
 //! - `handle`: the [`Session`] handle (status, activity, broadcast, command queue);
@@ -60,6 +62,7 @@ pub mod execution;
 pub mod files;
 mod front_door;
 mod handle;
+mod hooks;
 mod kept;
 mod launch;
 pub mod lifecycle;
@@ -84,6 +87,7 @@ pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use front_door::{EndedBy, FrontDoor, Metadata, Provenance, SessionEnd};
 pub use handle::{ConnectionGuard, Session};
+pub use hooks::KernelHooks;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};

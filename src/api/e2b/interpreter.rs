@@ -6,6 +6,7 @@
 //! sandbox ends mid-execution (killed, or at its deadline) the body fails instead of ending,
 //! so the connection drops as E2B's does and the SDKs raise "the sandbox was killed".
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -48,6 +49,22 @@ struct ExecuteBody {
     env_vars: Option<Map<String, Value>>,
 }
 
+/// `env_vars`: names to text values (anything else is a 400, as E2B's server refuses it);
+/// the names and values themselves are checked by the session layer.
+fn env_vars(given: Option<Map<String, Value>>) -> E2bResult<BTreeMap<String, String>> {
+    given
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => Ok((k, s)),
+            _ => Err(E2bError::bad_request(format!(
+                "env_vars: the value of {:?} is not a string",
+                k.chars().take(64).collect::<String>()
+            ))),
+        })
+        .collect()
+}
+
 fn check_language(language: Option<&str>) -> E2bResult<()> {
     match language {
         None | Some("python" | "python3" | "") => Ok(()),
@@ -84,6 +101,20 @@ fn context_session(
         .map_err(|_| absent())
 }
 
+/// `text/plain` as E2B's code interpreter reports it: one pair of enclosing quotes, single
+/// or double, taken off (the repr of a string becomes the string: `'abc'` → `abc`); its
+/// server does this to every result's text, displays too.
+fn e2b_text(text: &str) -> &str {
+    let quoted = |q: char| text.starts_with(q) && text.ends_with(q);
+    if quoted('\'') || quoted('"') {
+        // Both ends are one-byte characters; a lone quote becomes "" as in Python's [1:-1].
+        text.get(1..text.len().saturating_sub(1).max(1))
+            .unwrap_or("")
+    } else {
+        text
+    }
+}
+
 /// A Jupyter MIME bundle as E2B's result fields.
 fn result_line(data: &Value, is_main: bool) -> Value {
     let mut out = Map::new();
@@ -92,6 +123,16 @@ fn result_line(data: &Value, is_main: bool) -> Value {
     if let Some(bundle) = data.as_object() {
         for (mime, value) in bundle {
             let key = match mime.as_str() {
+                // What the kernel's E2B formatters make (kernels/kernel_broker_e2b.py): an
+                // object, passed on as the kernel made it (the SDKs read it); anything
+                // else is not E2B's shape and is left out.
+                "e2b/chart" | "e2b/data" => {
+                    if value.is_object() {
+                        let key = if mime == "e2b/chart" { "chart" } else { "data" };
+                        out.insert(key.into(), value.clone());
+                    }
+                    continue;
+                }
                 "text/plain" => "text",
                 "text/html" => "html",
                 "text/markdown" => "markdown",
@@ -110,6 +151,7 @@ fn result_line(data: &Value, is_main: bool) -> Value {
             let value = match (key, value) {
                 // Base64 in Jupyter may be wrapped; E2B's is one line.
                 ("png" | "jpeg" | "pdf", Value::String(s)) => Value::String(s.replace('\n', "")),
+                ("text", Value::String(s)) => Value::String(e2b_text(s).to_string()),
                 (_, v) => v.clone(),
             };
             out.insert(key.into(), value);
@@ -184,19 +226,17 @@ async fn execute(
             "give a context or a language, not both",
         ));
     }
-    if req.env_vars.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(E2bError::unsupported(
-            "env_vars for one execution (set envs when creating the sandbox)",
-        ));
-    }
+    let env = env_vars(req.env_vars)?;
     // The SDK sends no execution timeout (it enforces its own by closing the
-    // connection); the broker's maximum is the backstop.
+    // connection); the broker's maximum is the backstop. E2B's result formats and the
+    // execution's own variables are the kernel's hooks' (kernels/kernel_broker_e2b.py).
     let request = ExecuteRequest::new(
         req.code,
         Timeout::Maximum,
         Origin::E2b,
         &state.execution_limits(),
-    )?;
+    )?
+    .e2b(env)?;
     let session = context_session(&state, &caller, req.context_id.as_deref())?;
     let (out_tx, mut out_rx) = mpsc::channel::<OutputEvent>(256);
     let mut done_rx = session.submit(request.streaming(out_tx))?;
@@ -438,5 +478,64 @@ mod tests {
         assert_eq!(e["name"], "KeyError");
         assert!(check_language(Some("r")).is_err());
         assert!(check_language(None).is_ok());
+    }
+
+    #[test]
+    fn text_is_e2bs_one_pair_of_quotes_off() {
+        for (given, want) in [
+            ("'abc'", "abc"),
+            ("\"abc\"", "abc"),
+            ("'it\\'s'", "it\\'s"),
+            ("42", "42"),
+            ("'", ""),
+            ("''", ""),
+            ("\"", ""),
+            ("'a\"", "'a\""),
+            ("'é'", "é"),
+            ("", ""),
+            ("   a  b\n0  1  2", "   a  b\n0  1  2"),
+        ] {
+            assert_eq!(e2b_text(given), want, "{given:?}");
+        }
+        let v = result_line(&json!({"text/plain": "'abc'"}), true);
+        assert_eq!(v["text"], "abc");
+    }
+
+    #[test]
+    fn the_kernels_chart_and_data_become_fields_and_anything_else_is_left_out() {
+        let chart = json!({"type": "line", "title": null, "elements": []});
+        let data = json!({"a": [1, 2]});
+        let v = result_line(
+            &json!({"image/png": "iVBO", "e2b/chart": chart, "e2b/data": data}),
+            false,
+        );
+        assert_eq!(v["chart"], chart);
+        assert_eq!(v["data"], data);
+        assert_eq!(v["png"], "iVBO");
+        assert!(v.get("extra").is_none(), "{v}");
+        // A hostile kernel's malformed values: dropped, the rest of the result kept.
+        for bad in [json!("x"), json!([1]), json!(null), json!(3)] {
+            let v = result_line(
+                &json!({"text/plain": "t", "e2b/chart": bad, "e2b/data": bad}),
+                true,
+            );
+            assert!(v.get("chart").is_none() && v.get("data").is_none(), "{v}");
+            assert!(v.get("extra").is_none(), "{v}");
+            assert_eq!(v["text"], "t");
+        }
+    }
+
+    #[test]
+    fn env_vars_must_be_text() {
+        let m = |v: Value| v.as_object().cloned();
+        assert_eq!(
+            env_vars(m(json!({"A": "1"}))).unwrap(),
+            BTreeMap::from([("A".to_string(), "1".to_string())])
+        );
+        assert!(env_vars(None).unwrap().is_empty());
+        for bad in [json!({"A": 1}), json!({"A": null}), json!({"A": ["x"]})] {
+            let e = env_vars(m(bad)).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        }
     }
 }

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use super::{record_send, Actor};
 use crate::session::execution::Execution;
 use crate::session::execution::{failed, Collector, ExecutionError, ExecutionStatus, OutputEvent};
+use crate::session::hooks::KernelHooks;
 use crate::session::lifecycle::LifecycleEvent;
 use crate::session::recorder::Direction;
 use crate::wire::{Channel, Message};
@@ -42,6 +43,8 @@ pub(super) struct Running {
     pub(super) input_parent: Option<Bytes>,
     pub(super) stream: Option<mpsc::Sender<OutputEvent>>,
     pub(super) done: tokio::sync::oneshot::Sender<Execution>,
+    /// Variables were asked for this execution: its reply must acknowledge them.
+    pub(super) env_asked: bool,
 }
 
 /// How long to wait for the closing idle status after the execute_reply arrived. Output
@@ -89,7 +92,11 @@ impl Actor {
             "allow_stdin": req.allow_stdin,
             "stop_on_error": true,
         });
-        let m = k.client.request("execute_request", &content);
+        let mut m = k.client.request("execute_request", &content);
+        if let Some(hooks) = &req.hooks {
+            m.metadata = hooks.metadata();
+        }
+        let env_asked = req.hooks.as_ref().is_some_and(|h| !h.env.is_empty());
         let now = Instant::now();
         let running = Running {
             msg_id: m.msg_id.clone(),
@@ -105,6 +112,7 @@ impl Actor {
             input_parent: None,
             stream: req.stream,
             done: req.done,
+            env_asked,
         };
         if let Err(e) = record_send(
             &*self.recorder,
@@ -250,6 +258,17 @@ impl Actor {
         if let Some(r) = self.running.as_mut() {
             if parent.as_deref() == Some(r.msg_id.as_str()) {
                 if channel == Channel::Shell && m.msg_type == "execute_reply" {
+                    if r.env_asked && !KernelHooks::env_acknowledged(&m.content) {
+                        // A kernel without the hooks ran the code without the variables:
+                        // said on stderr, where the client reads output.
+                        let note = serde_json::json!({"name": "stderr", "text": ENV_NOT_APPLIED});
+                        let note = serde_json::to_vec(&note).unwrap_or_default();
+                        if let Some(out) = r.collector.on_iopub("stream", &note) {
+                            if let Some(tx) = &r.stream {
+                                let _ = tx.try_send(out);
+                            }
+                        }
+                    }
                     r.reply_status = Some(r.collector.on_reply(&m.content));
                     r.idle_by = Some(Instant::now() + IDLE_AFTER_REPLY);
                     self.check_complete();
@@ -385,6 +404,9 @@ impl Actor {
         }
     }
 }
+
+/// What an execution's output says when its kernel ran it without the variables asked.
+const ENV_NOT_APPLIED: &str = "[kernel-broker: the environment variables for this execution were not applied: this kernel runs without kernel-broker's execution hooks (started without the fork server, or its code removed them)]\n";
 
 /// Whether a message answers an `execute_request`.
 fn parent_is_execution(m: &Message) -> bool {

@@ -107,6 +107,7 @@ impl Harness {
                 timeout,
                 allow_stdin: false,
                 stream: None,
+                hooks: None,
                 done,
             })
             .expect("the queue takes it");
