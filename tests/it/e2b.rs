@@ -389,10 +389,16 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
             400,
             "Python only",
         ),
+        // An execution's own variables are checked as create's envVars are.
         (
-            br#"{"code": "1", "env_vars": {"A": "1"}}"#,
-            501,
-            "not supported",
+            br#"{"code": "1", "env_vars": {"LD_PRELOAD": "/tmp/x.so"}}"#,
+            400,
+            "envs: LD_PRELOAD",
+        ),
+        (
+            br#"{"code": "1", "env_vars": {"A": 1}}"#,
+            400,
+            "not a string",
         ),
         (br#"{"code": "1", "context_id": "nope"}"#, 404, "not found"),
         (br#"{"nope"#, 400, "invalid JSON"),
