@@ -13,6 +13,9 @@ in every kernel once its shell exists. It then adds:
 ``e2b/data``
     a display formatter that turns a pandas DataFrame into ``{column: [values]}``
     (timestamps as ISO 8601), E2B's ``result.data``.
+``application/json`` for lists and dicts
+    E2B's ``result.json``: a list or dict (numpy values, dates and non-string keys made
+    JSON) up to 1 MiB of JSON; IPython's own formatter otherwise.
 PIL images
     ``Image.show()`` displays the image (PNG) instead of asking a desktop viewer, and
     ``Image.save(path)`` displays it too, as E2B's kernel does.
@@ -37,6 +40,7 @@ import sys
 # Bounds: past them the figure or frame is shown as IPython shows it, without the E2B data.
 MAX_CHART_POINTS = 100_000
 MAX_DATA_CELLS = 100_000
+MAX_JSON_BYTES = 1 << 20
 
 _state = {"e2b": False}
 
@@ -420,6 +424,46 @@ def _formatter_classes():
     return ChartFormatter, DataFormatter
 
 
+def _json_formatter(original):
+    """A subclass of the shell's own application/json formatter: lists and dicts as JSON in
+    E2B executions (shown expanded, E2B's metadata), everything else as before."""
+
+    class JsonFormatter(type(original)):
+        def __call__(self, obj):
+            if _state["e2b"] and isinstance(obj, (list, dict)):
+                try:
+                    return plain_json(obj), {"expanded": True}
+                except Exception:
+                    pass
+            return super().__call__(obj)
+
+    return JsonFormatter
+
+
+def _json_default(v):
+    import datetime
+
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+        if isinstance(v, np.generic):
+            return v.item()
+    if isinstance(v, (datetime.date, datetime.datetime, datetime.time)):
+        return v.isoformat()
+    raise TypeError("not JSON")
+
+
+def plain_json(obj):
+    """``obj`` as plain JSON values, or an error (not JSON, NaN, past the bound)."""
+    import json
+
+    text = json.dumps(obj, default=_json_default, allow_nan=False)
+    if len(text) > MAX_JSON_BYTES:
+        raise ValueError("too large")
+    return json.loads(text)
+
+
 def _json_value(v, pandas):
     if isinstance(v, pandas.Timestamp):
         return v.isoformat()
@@ -530,6 +574,14 @@ def install(shell, kernel):
         chart, data = _formatter_classes()
         formatters["e2b/data"] = data(parent=shell.display_formatter)
         formatters["e2b/chart"] = chart(parent=shell.display_formatter)
+        original = formatters.get("application/json")
+        if original is not None:
+            json_formatter = _json_formatter(original)(parent=shell.display_formatter)
+            # Keep what was registered on the original (type printers, enabled).
+            json_formatter.type_printers = original.type_printers
+            json_formatter.deferred_printers = original.deferred_printers
+            json_formatter.enabled = original.enabled
+            formatters["application/json"] = json_formatter
     _patch_pil()
     if kernel is not None:
         _wrap_do_execute(kernel)

@@ -61,6 +61,23 @@ def test_text_is_what_e2bs_server_returns(e2b_env):
         assert [r.is_main_result for r in ex.results] == [False, True]
 
 
+def test_lists_and_dicts_have_json(e2b_env):
+    """E2B's kernel formats lists and dicts as application/json too (its E2BJSONFormatter)."""
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=120) as sbx:
+        r = only(sbx.run_code("[1, 'a', None]").results)
+        assert r.json == [1, "a", None] and r.text == "[1, 'a', None]"
+        r = only(sbx.run_code("import numpy as np, datetime\n{1: np.int64(2), 'd': datetime.date(2024, 1, 2), 'a': np.arange(3)}").results)
+        assert r.json == {"1": 2, "d": "2024-01-02", "a": [0, 1, 2]}
+        # Not JSON: no json, the text as before.
+        r = only(sbx.run_code("[float('nan')]").results)
+        assert r.json is None and r.text == "[nan]"
+        r = only(sbx.run_code("{'s': {1, 2}}").results)
+        assert r.json is None
+        assert only(sbx.run_code("(1, 2)").results).json is None
+
+
 def test_text_with_the_async_sdk(e2b_env):
     from e2b_code_interpreter import AsyncSandbox
 
@@ -276,6 +293,8 @@ def test_only_e2b_executions_get_e2b_formats(e2b_env):
         body = r.text
         assert "image/png" in body and "text/html" in body
         assert "e2b/chart" not in body and "e2b/data" not in body
+        r = e2b_env.api("POST", f"/v1/sessions/{sbx.sandbox_id}/execute", json={"code": "[1, 2]"})
+        assert "application/json" not in r.text, r.text
         # And E2B's, right after, on the same kernel.
         ex = sbx.run_code(code)
         assert [bool(x.chart) for x in ex.results] == [True, False]
@@ -453,6 +472,7 @@ def test_javascript_sdk_interpreter(e2b_env):
     assert report["text"] == "abc"
     assert report["int"] == "2"
     assert report["none"] == 0
+    assert report["json"] == {"k": [1, 2]}
     chart = report["chart"]
     assert chart["type"] == "bar" and chart["title"] == "T"
     assert [(e["label"], e["value"]) for e in chart["elements"]] == [("a", 1.0), ("b", 3.0)]

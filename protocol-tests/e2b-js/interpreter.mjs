@@ -11,6 +11,7 @@ try {
   const text = (await sbx.runCode("'abc'")).text
   const int = (await sbx.runCode('1 + 1')).text
   const none = (await sbx.runCode('None')).results.length
+  const json = (await sbx.runCode("{'k': [1, 2]}")).results[0]?.json ?? null
 
   const bar = await sbx.runCode(
     "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [1, 3])\nplt.title('T')\nplt.show()"
@@ -37,6 +38,7 @@ try {
     text,
     int,
     none,
+    json,
     chart: bar.results[0]?.chart ?? null,
     chartPng: isPng(bar.results[0]?.png),
     figureResults: bar.results.length,
