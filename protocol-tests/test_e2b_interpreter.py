@@ -326,6 +326,12 @@ def test_dataframes_have_data(e2b_env):
         assert only(ex.results).data == {"n": [1, 2]}
         # A Series is not a DataFrame: no data.
         assert only(sbx.run_code("pd.Series([1, 2])").results).data is None
+        # In a context of its own (another kernel of the sandbox) too.
+        ctx = sbx.create_code_context()
+        ex = sbx.run_code("import pandas as pd\npd.DataFrame({'c': ['z']})", context=ctx)
+        assert only(ex.results).data == {"c": ["z"]}
+        ex = sbx.run_code("import os\nos.environ['KB_CTX']", context=ctx, envs={"KB_CTX": "ctx"})
+        assert ex.text == "ctx"
         # Past the bound (100 000 cells): the frame as IPython shows it, without data.
         ex = sbx.run_code("pd.DataFrame({'a': range(200_000)})")
         r = only(ex.results)
