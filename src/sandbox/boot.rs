@@ -161,6 +161,43 @@ mod tests {
     }
 
     #[test]
+    fn the_script_and_its_module_replace_what_was_planted_without_following_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside.txt");
+        std::fs::write(&outside, "keep").unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        // Symlinks where the files go: replaced as entries, never written through.
+        std::os::unix::fs::symlink(&outside, run.join(E2B_MODULE_NAME)).unwrap();
+        std::os::unix::fs::symlink(&outside, run.join(BOOT_SCRIPT_NAME)).unwrap();
+        let script = install_script(&run).unwrap();
+        assert_eq!(script, run.join(BOOT_SCRIPT_NAME));
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        for (name, text) in [
+            (E2B_MODULE_NAME, E2B_MODULE),
+            (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
+        ] {
+            let meta = std::fs::symlink_metadata(run.join(name)).unwrap();
+            assert!(meta.file_type().is_file(), "{name}");
+            assert_eq!(meta.permissions().mode() & 0o7777, 0o644, "{name}");
+            assert_eq!(std::fs::read_to_string(run.join(name)).unwrap(), text);
+        }
+        // Nothing else is left in the directory (no temporary names).
+        let mut names: Vec<_> = std::fs::read_dir(&run)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, [BOOT_SCRIPT_NAME, E2B_MODULE_NAME]);
+        // The boot script names the module by this file name.
+        assert!(BOOT_SCRIPT.contains(&format!(
+            "E2B_MODULE = \"{}\"",
+            E2B_MODULE_NAME.trim_end_matches(".py")
+        )));
+    }
+
+    #[test]
     fn argv_shapes() {
         assert_eq!(
             template_argv("/py", "/b.py", &[]),
