@@ -16,6 +16,8 @@ in every kernel once its shell exists. It then adds:
 ``application/json`` for lists and dicts
     E2B's ``result.json``: a list or dict (numpy values, dates and non-string keys made
     JSON) up to 1 MiB of JSON; IPython's own formatter otherwise.
+whole sequences
+    a list's ``text`` is not shortened past 1000 items (E2B's ``max_seq_length = 0``).
 PIL images
     ``Image.show()`` displays the image (PNG) instead of asking a desktop viewer, and
     ``Image.save(path)`` displays it too, as E2B's kernel does.
@@ -530,7 +532,7 @@ def _request_options(kwargs):
     return ours if isinstance(ours, dict) else None
 
 
-def _wrap_do_execute(kernel):
+def _wrap_do_execute(kernel, plain_text):
     original = kernel.do_execute
     environ = os.environ
 
@@ -542,15 +544,24 @@ def _wrap_do_execute(kernel):
         env = env if isinstance(env, dict) else {}
         saved = {}
         was = _state["e2b"]
+        seq_length = getattr(plain_text, "max_seq_length", None)
         try:
             for key, value in env.items():
                 if isinstance(key, str) and isinstance(value, str):
                     saved[key] = environ.get(key)
                     environ[key] = value
             _state["e2b"] = bool(options.get("e2b"))
+            if _state["e2b"] and seq_length is not None:
+                # E2B's kernel shows sequences whole (`PlainTextFormatter.max_seq_length = 0`).
+                plain_text.max_seq_length = 0
             reply = await original(*args, **kwargs)
         finally:
             _state["e2b"] = was
+            if seq_length is not None:
+                try:
+                    plain_text.max_seq_length = seq_length
+                except Exception:
+                    pass
             for key, value in saved.items():
                 try:
                     if value is None:
@@ -584,4 +595,4 @@ def install(shell, kernel):
             formatters["application/json"] = json_formatter
     _patch_pil()
     if kernel is not None:
-        _wrap_do_execute(kernel)
+        _wrap_do_execute(kernel, formatters.get("text/plain"))

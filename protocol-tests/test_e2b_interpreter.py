@@ -15,6 +15,7 @@ Where the E2B behaviour comes from (read in E2B's public sources):
   cleanup execution after it).
 """
 
+import ast
 import asyncio
 import base64
 import json
@@ -51,6 +52,9 @@ def test_text_is_what_e2bs_server_returns(e2b_env):
         assert sbx.run_code("1 + 1").text == "2"
         assert sbx.run_code("3.5").text == "3.5"
         assert sbx.run_code("[1, 'a']").text == "[1, 'a']"
+        # Whole, not shortened past 1000 items as IPython does (E2B: max_seq_length = 0).
+        text = sbx.run_code("list(range(1500))").text
+        assert "..." not in text and ast.literal_eval(text) == list(range(1500))
         ex = sbx.run_code("None")
         assert ex.results == [] and ex.text is None
         ex = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
@@ -295,6 +299,8 @@ def test_only_e2b_executions_get_e2b_formats(e2b_env):
         assert "e2b/chart" not in body and "e2b/data" not in body
         r = e2b_env.api("POST", f"/v1/sessions/{sbx.sandbox_id}/execute", json={"code": "[1, 2]"})
         assert "application/json" not in r.text, r.text
+        r = e2b_env.api("POST", f"/v1/sessions/{sbx.sandbox_id}/execute", json={"code": "list(range(1500))"})
+        assert "..." in r.text
         # And E2B's, right after, on the same kernel.
         ex = sbx.run_code(code)
         assert [bool(x.chart) for x in ex.results] == [True, False]
