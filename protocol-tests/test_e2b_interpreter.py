@@ -252,6 +252,7 @@ def test_a_failing_extraction_leaves_the_png(e2b_env):
     from e2b_code_interpreter import Sandbox
 
     with Sandbox.create(timeout=120) as sbx:
+        chart_of(sbx, "plt.plot([1, 2], [3, 4])")
         # A figure whose axes break the extraction (a label getter that raises): the
         # display is still made, with its PNG and without a chart.
         ex = sbx.run_code(
