@@ -5,6 +5,12 @@
 //! that goes away mid-execution has the kernel interrupted, as E2B's server does. When the
 //! sandbox ends mid-execution (killed, or at its deadline) the body fails instead of ending,
 //! so the connection drops as E2B's does and the SDKs raise "the sandbox was killed".
+//!
+//! Results are E2B's: `text` as its server makes it ([`e2b_text`]), and `chart`, `data`
+//! from the `e2b/chart` and `e2b/data` entries the kernel's own hooks add to a display
+//! (`kernels/kernel_broker_e2b.py`). Every execution through this route asks for those
+//! hooks, with `env_vars` as the execution's own variables (`ExecuteRequest::e2b`); the
+//! bundles are forwarded as the kernel made them, never parsed beyond that mapping.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
