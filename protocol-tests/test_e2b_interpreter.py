@@ -272,9 +272,8 @@ def test_charts_with_the_async_sdk(e2b_env):
     async def main():
         sbx = await AsyncSandbox.create(timeout=120)
         try:
-            ex = await sbx.run_code(
-                "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [1, 3])\nplt.show()"
-            )
+            # No plt.show(): the figure is shown at the end of the cell, chart and all.
+            ex = await sbx.run_code("import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [1, 3]);")
             r = only(ex.results)
             assert isinstance(r.chart, BarChart) and r.png
             assert [e.value for e in r.chart.elements] == [1.0, 3.0]
