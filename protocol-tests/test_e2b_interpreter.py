@@ -443,6 +443,21 @@ def test_envs_for_one_execution(any_backend):
         check_envs(sbx)
 
 
+def test_envs_are_restored_after_the_brokers_timeout(fresh_broker, monkeypatch):
+    """The broker's own execution timeout interrupts the code: the variables are back."""
+    from conftest import ALICE
+    from e2b_code_interpreter import Sandbox
+
+    b = fresh_broker(extra_args=["--max-execution-timeout", "2"])
+    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    with Sandbox.create(timeout=60) as sbx:
+        ex = sbx.run_code("import time\ntime.sleep(30)", envs={"KB_T": "during"}, timeout=20)
+        assert ex.error is not None and ex.error.name in ("TimeoutError", "KeyboardInterrupt"), ex.error
+        assert sbx.run_code("import os\nos.environ.get('KB_T')").results == []
+
+
 def test_envs_with_the_async_sdk(e2b_env):
     from e2b_code_interpreter import AsyncSandbox
 
