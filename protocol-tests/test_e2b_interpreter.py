@@ -265,6 +265,29 @@ def test_a_failing_extraction_leaves_the_png(e2b_env):
         assert r.png and r.chart is None
 
 
+def test_a_hostile_kernels_chart_and_data_are_passed_or_dropped(e2b_env):
+    """What the kernel sends is untrusted: bundles it makes up itself reach the SDK as E2B's
+    would (objects passed on, anything else left out), and the broker carries on."""
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=120) as sbx:
+        ex = sbx.run_code(
+            "from IPython.display import display\n"
+            "display({'text/plain': 'a', 'e2b/chart': 'garbage', 'e2b/data': [1, 2]}, raw=True)\n"
+            "display({'text/plain': 'b', 'e2b/chart': {'type': 'nonsense'}, 'e2b/data': {'k': [1]}}, raw=True)\n"
+            "display({'text/plain': 'c', 'e2b/chart': {'nested': [[[[[]]]]] * 1000}}, raw=True)\n"
+            "display({'text/plain': 'd', 'e2b/chart': {'type': 'line', 'title': 't', 'elements': 7}}, raw=True)"
+        )
+        assert ex.error is None, ex.error
+        assert [r.text for r in ex.results] == ["a", "b", "c", "d"]
+        a, b, c, d = ex.results
+        assert a.chart is None and a.data is None and "e2b/chart" not in (a.extra or {})
+        # Objects the SDK cannot read as a chart: it says so in its log and has no chart.
+        assert b.chart is None and b.data == {"k": [1]}
+        assert c.chart is None and d.chart is None
+        assert sbx.run_code("1 + 1").text == "2"
+
+
 def test_charts_with_the_async_sdk(e2b_env):
     from e2b_code_interpreter import AsyncSandbox
     from e2b_code_interpreter.charts import BarChart
