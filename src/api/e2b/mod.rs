@@ -13,7 +13,8 @@
 //! its listing's query, filters and pages;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
-//! Connect process service (commands), `command.rs` a running command and its output's
+//! Connect process service (commands), `pty.rs` its pseudo-terminals, `stream.rs` its
+//! server streams, `command.rs` a running command and its output's
 //! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `documented.rs` what the routes' documentation
 //! shares (error answers, the `/v2` aliases); `auth.rs` keys
 //! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
@@ -28,7 +29,9 @@ mod envd;
 mod interpreter;
 mod listing;
 mod process;
+mod pty;
 mod state;
+mod stream;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
