@@ -239,7 +239,12 @@ def test_javascript_sdk_pty(e2b_env):
     import json
 
     r = subprocess.run(
-        ["node", str(JS_DIR / "pty.mjs")], cwd=JS_DIR, env=dict(os.environ), capture_output=True, text=True, timeout=180
+        ["node", str(JS_DIR / "pty.mjs")],
+        cwd=JS_DIR,
+        env={**os.environ, "KB_OTHER_KEY": BOB},
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
@@ -247,3 +252,65 @@ def test_javascript_sdk_pty(e2b_env):
     assert report["connected"], report
     assert report["killed"] is True and report["killedAgain"] is False, report
     assert report["badSize"].startswith("InvalidArgumentError"), report
+    m = report["metric"]
+    assert m["cpuCount"] >= 1 and 0 <= m["cpuUsedPct"] <= 100, m
+    assert 0 < m["memUsed"] <= m["memTotal"] and 0 < m["diskUsed"] <= m["diskTotal"], m
+    assert report["teamCount"] == 1, report
+    assert report["otherUser"].startswith("SandboxNotFoundError"), report
+
+
+# Metrics: `get_metrics` (e2b/sandbox_sync/main.py, sandbox_api.py `_cls_get_metrics`) calls
+# `GET /sandboxes/{id}/metrics?start=&end=` (unix seconds) and reads E2B's SandboxMetric list
+# (e2b/api/client/models/sandbox_metric.py; E2B's API fills it from envd's
+# packages/envd/internal/host/metrics.go: bytes, percent rounded to 2 decimals).
+
+
+def test_metrics_measure_the_sandbox(any_backend):
+    import datetime
+
+    from e2b import SandboxException, SandboxNotFoundException
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create()
+    try:
+        sbx.run_code("1")
+        [m] = sbx.get_metrics()
+        assert m.cpu_count >= 1
+        assert 0 <= m.cpu_used_pct <= 100
+        assert 0 < m.mem_used <= m.mem_total, m
+        assert 0 < m.disk_used <= m.disk_total, m
+        assert m.mem_cache >= 0
+        assert abs((datetime.datetime.now(datetime.timezone.utc) - m.timestamp).total_seconds()) < 30
+        # 100 MB more in the kernel: memUsed rises by about that.
+        sbx.run_code("held = b'x' * (100 << 20)")
+        [after] = Sandbox.get_metrics(sbx.sandbox_id)
+        rise = after.mem_used - m.mem_used
+        assert 90 << 20 <= rise <= 140 << 20, (m.mem_used, after.mem_used)
+        # A kernel that spins shows as CPU use while it does.
+        spin = threading.Thread(
+            target=lambda: sbx.run_code("import time\nt = time.time()\nwhile time.time() - t < 4: pass", timeout=30)
+        )
+        spin.start()
+        time.sleep(1)
+        [busy] = sbx.get_metrics()
+        spin.join()
+        assert busy.cpu_used_pct > 30, busy
+        # Files in the workspace count as disk used.
+        sbx.run_code("open('big.bin', 'wb').write(b'y' * (20 << 20))")
+        [disk] = sbx.get_metrics()
+        assert disk.disk_used >= m.disk_used + (15 << 20) or disk.disk_total > (50 << 30), (m, disk)
+        # An interval that does not reach now has nothing; a reversed one is refused.
+        now = datetime.datetime.now(datetime.timezone.utc)
+        hour = datetime.timedelta(hours=1)
+        assert sbx.get_metrics(start=now - 2 * hour, end=now - hour) == []
+        with pytest.raises(SandboxException):
+            sbx.get_metrics(start=now, end=now - hour)
+        # Another user's sandbox, by id with her key: absent, as everywhere.
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_metrics(sbx.sandbox_id, api_key=BOB)
+    finally:
+        sbx.kill()
+    from e2b_code_interpreter import Sandbox as S
+
+    with pytest.raises(SandboxNotFoundException):
+        S.get_metrics(sbx.sandbox_id)

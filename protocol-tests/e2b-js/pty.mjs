@@ -1,6 +1,7 @@
 // E2B's JavaScript SDK's pseudo-terminals (pinned in package.json) against the broker, as an
 // E2B user's code would run them: create with onData, sendInput, resize, connect from a
-// second handle, kill. Run by protocol-tests/test_e2b_pty.py; prints one JSON line.
+// second handle, kill; and the sandbox's metrics (getMetrics, on the instance and static).
+// Run by protocol-tests/test_e2b_pty.py; prints one JSON line.
 import { Sandbox } from '@e2b/code-interpreter'
 
 const sbx = await Sandbox.create()
@@ -47,8 +48,19 @@ try {
   } catch (e) {
     badSize = `${e.name}: ${e.message}`
   }
+  const [metric] = await sbx.getMetrics()
+  const team = await Sandbox.getMetrics(sbx.sandboxId)
+  let otherUser = 'returned'
+  try {
+    await Sandbox.getMetrics(sbx.sandboxId, { apiKey: process.env.KB_OTHER_KEY })
+  } catch (e) {
+    otherUser = `${e.name}: ${e.message}`
+  }
   await sbx.kill()
-  console.log(JSON.stringify({ hi, size24x80, size30x120, connected, killed, killedAgain, badSize }))
+  console.log(JSON.stringify({
+    hi, size24x80, size30x120, connected, killed, killedAgain, badSize,
+    metric: { ...metric, timestamp: metric.timestamp.toISOString() }, teamCount: team.length, otherUser,
+  }))
 } catch (e) {
   await sbx.kill().catch(() => {})
   throw e

@@ -93,4 +93,4 @@ pub use run_command::{
     RunningCommand,
 };
 pub use state::{SessionInfo, SessionState, SessionStatus};
-pub use workspace::Workspace;
+pub use workspace::{DiskUsage, Workspace};
