@@ -234,6 +234,29 @@ def test_pty_requests_are_bounded_and_confined(any_backend):
         sbx.kill()
 
 
+def test_the_async_sdk_gets_terminal_output_through_on_data(e2b_env):
+    """The async SDK's `pty.create(size, on_data=...)` (e2b/sandbox_async/commands/pty.py)."""
+    import asyncio
+
+    from e2b.sandbox.commands.command_handle import CommandExitException
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create()
+        try:
+            seen = bytearray()
+            handle = await sbx.pty.create(_size(30, 90), on_data=seen.extend, timeout=60)
+            await sbx.pty.send_stdin(handle.pid, b"stty size; exit 5\n")
+            with pytest.raises(CommandExitException) as ei:
+                await asyncio.wait_for(handle.wait(), 30)
+            assert ei.value.exit_code == 5
+            assert re.search(rb"(^|[\r\n]|\x1b\[\?2004l\r?)30 90\r\n", bytes(seen)), bytes(seen)
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
+
+
 @pytest.mark.skipif(not (JS_DIR / "node_modules").is_dir(), reason="run scripts/setup --test (npm ci in protocol-tests/e2b-js)")
 def test_javascript_sdk_pty(e2b_env):
     import json
