@@ -48,7 +48,7 @@ try {
   } catch (e) {
     badSize = `${e.name}: ${e.message}`
   }
-  const [metric] = await sbx.getMetrics()
+  const metric = (await sbx.getMetrics()).at(-1)
   const team = await Sandbox.getMetrics(sbx.sandboxId)
   let otherUser = 'returned'
   try {
