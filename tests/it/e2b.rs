@@ -207,16 +207,18 @@ async fn control_plane_errors_have_e2bs_shape(sandbox: &'static str) {
     assert_eq!(s, 404);
     e2b_error(&v, 404);
     // Unsupported parts of E2B's API say so, in E2B's shape.
-    for (m, p) in [
-        (M::POST, "/sandboxes/x/pause"),
-        (M::GET, "/templates"),
-        (M::GET, "/sandboxes/x/metrics"),
-    ] {
+    for (m, p) in [(M::POST, "/sandboxes/x/pause"), (M::GET, "/templates")] {
         let (s, v) = e.control(m, p, Some(ALICE), None).await;
         assert_eq!(s, 501, "{p}: {v}");
         e2b_error(&v, 501);
         assert!(v["message"].as_str().unwrap().contains("not supported"));
     }
+    // Metrics are served (issue 35); of a sandbox that is not one, in E2B's shape.
+    let (s, v) = e
+        .control(M::GET, "/sandboxes/x/metrics", Some(ALICE), None)
+        .await;
+    assert_eq!(s, 404, "{v}");
+    e2b_error(&v, 404);
     // A sandbox is a session of the key's user with E2B's deadline as its expiry.
     let created = e
         .create(
@@ -490,8 +492,12 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
             "application/connect+json",
         )
         .await;
-    let end: Value = serde_json::from_slice(&out[5..]).unwrap();
-    assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+    // A terminal (issue 35: was `unimplemented`): the command starts and ends on it.
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        text.contains("\"start\"") && text.contains("\"exitCode\":0"),
+        "{text}"
+    );
     // A command's envs: loader variables refused before anything runs (issue 32).
     let msg = br#"{"process": {"cmd": "/bin/true", "envs": {"LD_PRELOAD": "/workspace/x.so"}}}"#;
     let framed = connect_envelope(msg);
@@ -534,7 +540,9 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
             "application/json",
         )
         .await;
-    assert_eq!(s, 501, "{}", String::from_utf8_lossy(&out));
+    // `Update` is served (issue 35: was 501); no process selected is none found.
+    assert_eq!(s, 404, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(json_err(&out)["code"], "not_found");
     b.stop().await;
 }
 
