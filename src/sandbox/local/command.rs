@@ -9,6 +9,10 @@
 //! Process shape as for a kernel: bwrap (in the leaf from before `exec`) → the sandbox's
 //! init → `sh` changing to the working directory → the command. Killing kills the whole
 //! leaf, so whatever the command started goes with it.
+//!
+//! With a `pty` (`terminal.rs`), the broker allocates the terminal, passes its slave as the
+//! command's three standard streams and keeps the master; `setsid --ctty` in front of the
+//! `sh` makes it the command's controlling terminal.
 
 use std::ffi::OsString;
 use std::os::fd::AsRawFd;
