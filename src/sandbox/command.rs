@@ -21,6 +21,27 @@ pub struct CommandSpec {
     pub cwd: Option<String>,
     /// The command's own memory and process limits (its leaf's).
     pub limits: KernelLimits,
+    /// Run it on a pseudo-terminal of this size (E2B's `pty`): its stdin, stdout and stderr
+    /// are the terminal, which is its controlling terminal; the broker holds the master
+    /// ([`RunningCommand::stdin`] writes to it, [`RunningCommand::stdout`] reads it, and
+    /// stderr is empty). `None`: pipes.
+    pub pty: Option<PtySize>,
+}
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// Why a command's terminal was not resized.
+#[derive(Debug, thiserror::Error)]
+pub enum ResizeError {
+    #[error("the command has no terminal (it was not started with a pty)")]
+    NotATerminal,
+    #[error("resizing the terminal failed: {0}")]
+    Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// How a command ended.
@@ -43,6 +64,11 @@ pub trait CommandControl: Send + Sync {
     /// Resolves when the command has ended and what it held is reclaimed; may be awaited
     /// by several tasks, and again after.
     async fn wait(&self) -> CommandExit;
+    /// Sets the size of the command's terminal (its foreground processes get `SIGWINCH`);
+    /// a command started without one answers [`ResizeError::NotATerminal`].
+    async fn resize(&self, _size: PtySize) -> Result<(), ResizeError> {
+        Err(ResizeError::NotATerminal)
+    }
 }
 
 /// A started command: its standard streams and its control.

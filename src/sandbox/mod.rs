@@ -350,6 +350,11 @@ pub trait KernelProcess: Send + Sync {
     fn memory_used(&self) -> Option<u64> {
         None
     }
+    /// CPU time the kernel's processes have used, in nanoseconds, as its cgroup leaf counts
+    /// it (`cgroup::CpuClock`); `None` when the backend cannot tell or the kernel has ended.
+    fn cpu_time_ns(&self) -> Option<u64> {
+        None
+    }
     /// Lets go of the kernel without ending it: the broker is stopping with
     /// `--keep-sessions`, and the next run adopts it ([`Sandbox::adopt`]). The watcher stops
     /// watching; nothing is killed or removed, and a later drop of the handle kills nothing.

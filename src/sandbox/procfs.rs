@@ -49,6 +49,25 @@ fn parse_parent(stat: &str) -> Option<i32> {
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The CPU time `pid` has used, its threads' and its waited-for children's, user and
+/// system, in clock ticks (`/proc/<pid>/stat` fields 14 to 17).
+pub fn cpu_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_cpu_ticks(&stat)
+}
+
+fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After the comm: state (field 3) is the first, so utime (14) is the twelfth.
+    let fields = rest
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .map(|f| f.parse::<u64>().ok())
+        .collect::<Option<Vec<u64>>>()?;
+    (fields.len() == 4).then(|| fields.iter().fold(0u64, |a, b| a.saturating_add(*b)))
+}
+
 /// The state letter of `pid` (`R`, `S`, `T` stopped, `Z` ended, ...), if it exists.
 pub fn state_of(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -74,6 +93,17 @@ fn parse_namespace_pid(status: &str) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_ticks_are_summed_past_a_hostile_comm() {
+        let stat = "42 (a) b) c) S 1 42 42 0 -1 4194560 100 0 0 0 7 3 2 1 20 0 1 0 5 0 0";
+        assert_eq!(parse_cpu_ticks(stat), Some(7 + 3 + 2 + 1));
+        assert_eq!(parse_cpu_ticks("42 (x) S 1"), None);
+        assert_eq!(
+            parse_cpu_ticks("42 (x) S 1 2 3 4 5 6 7 8 9 10 z 1 1 1"),
+            None
+        );
+    }
 
     #[test]
     fn procfs_fields_parse() {

@@ -24,7 +24,7 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::cgroup::read_counter;
+use super::cgroup::{read_counter, CpuClock};
 use super::{ExitReason, KernelProcess, SandboxError};
 use crate::sync::lock;
 
@@ -159,6 +159,17 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
         }
         read_counter(&self.memory_usage_file()?)
     }
+    /// What reads the CPU time of the kernel's leaf, if it has one.
+    fn cpu_clock(&self) -> Option<CpuClock> {
+        None
+    }
+    /// The kernel's CPU time (see [`KernelProcess::cpu_time_ns`]): none once it has ended.
+    fn cpu_time_ns(&self) -> Option<u64> {
+        if self.watch().has_exited() {
+            return None;
+        }
+        self.cpu_clock()?.read_ns()
+    }
     /// A host process in the kernel's network namespace (see [`KernelProcess::network_pid`]).
     async fn network_pid(&self) -> Option<i32> {
         None
@@ -193,6 +204,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     fn memory_used(&self) -> Option<u64> {
         self.kernel.memory_used()
+    }
+
+    fn cpu_time_ns(&self) -> Option<u64> {
+        self.kernel.cpu_time_ns()
     }
 
     fn release(&self) {

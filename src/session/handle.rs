@@ -242,6 +242,13 @@ impl Session {
         process.memory_used()
     }
 
+    /// CPU time the session's kernel has used, in nanoseconds, as its sandbox counts it;
+    /// `None` when the sandbox cannot tell or there is no kernel.
+    pub fn cpu_time_ns(&self) -> Option<u64> {
+        let process = self.locked().process.clone()?;
+        process.cpu_time_ns()
+    }
+
     /// The kernel the session runs now (its process handle and key); with
     /// `--keep-sessions` the session's record is written before this returns.
     pub(crate) async fn set_kernel(&self, process: Arc<dyn KernelProcess>, key: &str) {

@@ -93,7 +93,8 @@ pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, Closing, CreateOptions, Registry};
 pub use run_command::{
-    check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, RunningCommand,
+    check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, PtySize, ResizeError,
+    RunningCommand,
 };
 pub use state::{SessionInfo, SessionState, SessionStatus};
-pub use workspace::Workspace;
+pub use workspace::{DiskUsage, Workspace};

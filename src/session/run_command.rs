@@ -22,7 +22,9 @@ use super::registry::Registry;
 use crate::sandbox::command::CommandSpec;
 use crate::sync::lock;
 
-pub use crate::sandbox::command::{CommandControl, CommandExit, RunningCommand};
+pub use crate::sandbox::command::{
+    CommandControl, CommandExit, PtySize, ResizeError, RunningCommand,
+};
 pub use crate::sandbox::environ::{check_user_env, EnvRefused};
 
 /// What to run in a session's sandbox.
@@ -33,6 +35,8 @@ pub struct CommandRequest {
     pub env: Vec<(String, String)>,
     /// The working directory inside the sandbox (`None`: the workspace).
     pub cwd: Option<String>,
+    /// Run it on a pseudo-terminal of this size (`None`: pipes).
+    pub pty: Option<PtySize>,
 }
 
 impl Registry {
@@ -49,6 +53,7 @@ impl Registry {
             env: request.env,
             cwd: request.cwd,
             limits: session.limits,
+            pty: request.pty,
         };
         let mut running = self.sandbox().run_command(spec).await.map_err(|source| {
             SessionError::CommandNotStarted {
@@ -102,6 +107,10 @@ impl CommandControl for Reported {
 
     async fn kill(&self) {
         self.inner.kill().await
+    }
+
+    async fn resize(&self, size: PtySize) -> Result<(), ResizeError> {
+        self.inner.resize(size).await
     }
 
     async fn wait(&self) -> CommandExit {

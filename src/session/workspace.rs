@@ -56,7 +56,34 @@ async fn blocking<T: Send + 'static>(
         .map_err(|source| SessionError::TaskFailed { op, source })?
 }
 
+/// The file system a workspace is on: what it holds and what it can hold, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskUsage {
+    pub used: u64,
+    pub total: u64,
+}
+
 impl Workspace {
+    /// The workspace's file system, as `df` counts it (used: all blocks but those free to
+    /// users): with a quota its own file system of the quota's size, else the host's.
+    pub async fn disk_usage(&self) -> Result<DiskUsage, SessionError> {
+        let root = self.root.clone();
+        blocking("measure the workspace", move || {
+            let st = rustix::fs::statvfs(root.as_path()).map_err(|e| SessionError::FileIo {
+                op: "measure",
+                path: PathBuf::from("."),
+                source: e.into(),
+            })?;
+            let total = st.f_blocks.saturating_mul(st.f_frsize);
+            let free = st.f_bavail.saturating_mul(st.f_frsize);
+            Ok(DiskUsage {
+                used: total.saturating_sub(free),
+                total,
+            })
+        })
+        .await
+    }
+
     /// The regular files under the workspace, at most `limit` (see [`files::list`]).
     pub async fn list(&self, limit: usize) -> Result<Listing, SessionError> {
         let root = self.root.clone();

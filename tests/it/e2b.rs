@@ -207,16 +207,18 @@ async fn control_plane_errors_have_e2bs_shape(sandbox: &'static str) {
     assert_eq!(s, 404);
     e2b_error(&v, 404);
     // Unsupported parts of E2B's API say so, in E2B's shape.
-    for (m, p) in [
-        (M::POST, "/sandboxes/x/pause"),
-        (M::GET, "/templates"),
-        (M::GET, "/sandboxes/x/metrics"),
-    ] {
+    for (m, p) in [(M::POST, "/sandboxes/x/pause"), (M::GET, "/templates")] {
         let (s, v) = e.control(m, p, Some(ALICE), None).await;
         assert_eq!(s, 501, "{p}: {v}");
         e2b_error(&v, 501);
         assert!(v["message"].as_str().unwrap().contains("not supported"));
     }
+    // Metrics are served (issue 35); of a sandbox that is not one, in E2B's shape.
+    let (s, v) = e
+        .control(M::GET, "/sandboxes/x/metrics", Some(ALICE), None)
+        .await;
+    assert_eq!(s, 404, "{v}");
+    e2b_error(&v, 404);
     // A sandbox is a session of the key's user with E2B's deadline as its expiry.
     let created = e
         .create(
@@ -496,8 +498,12 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
             "application/connect+json",
         )
         .await;
-    let end: Value = serde_json::from_slice(&out[5..]).unwrap();
-    assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+    // A terminal (issue 35: was `unimplemented`): the command starts and ends on it.
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        text.contains("\"start\"") && text.contains("\"exitCode\":0"),
+        "{text}"
+    );
     // A command's envs: loader variables refused before anything runs (issue 32).
     let msg = br#"{"process": {"cmd": "/bin/true", "envs": {"LD_PRELOAD": "/workspace/x.so"}}}"#;
     let framed = connect_envelope(msg);
@@ -540,7 +546,9 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
             "application/json",
         )
         .await;
-    assert_eq!(s, 501, "{}", String::from_utf8_lossy(&out));
+    // `Update` is served (issue 35: was 501); no process selected is none found.
+    assert_eq!(s, 404, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(json_err(&out)["code"], "not_found");
     b.stop().await;
 }
 
@@ -751,8 +759,28 @@ async fn start_unread_command(
     sandbox: &[(&str, &str)],
     cmd: &str,
 ) -> tokio::net::TcpStream {
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}});
+    start_unread(addr, sandbox, msg).await
+}
+
+/// The same, on a pseudo-terminal (E2B's `pty`).
+async fn start_unread_pty(
+    addr: std::net::SocketAddr,
+    sandbox: &[(&str, &str)],
+    cmd: &str,
+) -> tokio::net::TcpStream {
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]},
+        "pty": {"size": {"rows": 24, "cols": 80}}});
+    start_unread(addr, sandbox, msg).await
+}
+
+async fn start_unread(
+    addr: std::net::SocketAddr,
+    sandbox: &[(&str, &str)],
+    msg: Value,
+) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt;
-    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}}).to_string();
+    let msg = msg.to_string();
     let framed = connect_envelope(msg.as_bytes());
     let mut request = format!(
         "POST /e2b/sandbox/process.Process/Start HTTP/1.1\r\nHost: test\r\n\
@@ -1127,4 +1155,47 @@ async fn commands_and_file_changes_are_recorded() {
     assert!(at("command_started") < at("command_ended"));
     assert!(at("file_written") < at("file_renamed") && at("file_renamed") < at("file_removed"));
     broker.stop().await;
+}
+
+/// A terminal's output is held to the same per-user budget as a command's: four terminals
+/// that each print 64 MB to clients that never read do not grow the broker past the budget,
+/// and their programs wait (none ends) instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unread_terminal_output_costs_the_same_bounded_budget() {
+    const MIB: u64 = 1 << 20;
+    const TERMINALS: usize = 4;
+    let (broker, e) = spawned_e2b(&[]);
+    let sbx = e.sandbox_of(ALICE, json!({})).await;
+    let (id, h) = (&sbx.id, sbx.headers());
+    let before = broker.peak_rss_bytes();
+    let mut clients = Vec::new();
+    for i in 0..TERMINALS {
+        let cmd = format!("head -c 64000000 /dev/zero | tr '\\0' x; touch done{i}");
+        clients.push(start_unread_pty(broker.addr, &h, &cmd).await);
+    }
+    let alice = broker.api(ALICE);
+    let started = std::time::Instant::now();
+    let mut ended = 0;
+    while started.elapsed() < std::time::Duration::from_secs(10) && ended < TERMINALS {
+        let (_, files) = alice.get(&format!("/v1/sessions/{id}/files")).await;
+        ended = files.as_array().map_or(0, |fs| {
+            fs.iter()
+                .filter(|f| f["path"].as_str().is_some_and(|p| p.starts_with("done")))
+                .count()
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let grown = broker.peak_rss_bytes().saturating_sub(before);
+    eprintln!(
+        "peak broker memory {} MiB before, grew by {} MiB for {TERMINALS} unread terminals; {ended} ended",
+        before >> 20,
+        grown >> 20
+    );
+    assert_eq!(ended, 0, "terminals ran to their end with nobody reading");
+    assert!(
+        grown < 48 * MIB,
+        "the broker grew by {} MiB for unread terminal output",
+        grown >> 20
+    );
+    drop(clients);
 }

@@ -39,4 +39,5 @@ mod recording_search;
 mod sandbox_contract;
 mod sandbox_docker;
 mod sandbox_local;
+mod sandbox_pty;
 mod sessions;

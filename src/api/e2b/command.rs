@@ -21,6 +21,8 @@ pub struct Command {
     pub stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     /// Its events (`start` is not repeated), for `Start` and every `Connect`.
     pub events: Arc<Fanout>,
+    /// Whether it runs on a pseudo-terminal (`stdin` then writes to the terminal).
+    pub pty: bool,
 }
 
 /// What a command's clients are sent after `start`.

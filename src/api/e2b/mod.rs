@@ -10,10 +10,11 @@
 //! then unless extended.
 //!
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`), `listing.rs`
-//! its listing's query, filters and pages;
+//! its listing's query, filters and pages; `metrics.rs` a sandbox's metrics;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
-//! Connect process service (commands), `command.rs` a running command and its output's
+//! Connect process service (commands), `pty.rs` its pseudo-terminals, `stream.rs` its
+//! server streams, `command.rs` a running command and its output's
 //! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `documented.rs` what the routes' documentation
 //! shares (error answers, the `/v2` aliases); `auth.rs` keys
 //! and the sandbox's access tokens; `state.rs` what the broker knows of each sandbox
@@ -27,8 +28,11 @@ mod documented;
 mod envd;
 mod interpreter;
 mod listing;
+mod metrics;
 mod process;
+mod pty;
 mod state;
+mod stream;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -48,12 +52,13 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(interpreter::routes())
         .merge(envd::routes())
         .merge(process::routes())
+        .merge(metrics::routes())
         .layer(axum::Extension(std::sync::Arc::new(E2bState::default())))
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
 /// What answers a path under `/e2b` that no route serves (templates, pause, snapshots,
-/// metrics, ...): E2B's error shape (Connect's for RPC paths behind the sandbox URL) and
+/// ...): E2B's error shape (Connect's for RPC paths behind the sandbox URL) and
 /// a sentence, never the broker's own error body.
 pub fn fallback(method: &axum::http::Method, path: &str) -> Response {
     let rpc = path

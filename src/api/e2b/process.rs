@@ -1,47 +1,47 @@
 //! envd's Connect process service (JSON): `Start` (server streaming: `start`, `data`,
 //! `end` events, keepalives), `Connect` (the events of a running command), `List`,
-//! `SendInput`, `CloseStdin`, `SendSignal`. A command runs in the user's sandbox through
-//! `Registry::run_command` (the sandbox's `run_command`), isolated and limited
-//! as the user's kernels are, never on the host; it ends with its sandbox. Pseudo
-//! terminals (`pty`), `Update` and `StreamInput` are not supported.
+//! `SendInput`, `CloseStdin`, `SendSignal`, `Update` (a terminal's size). A command runs in
+//! the user's sandbox through `Registry::run_command` (the sandbox's `run_command`),
+//! isolated and limited as the user's kernels are, never on the host; it ends with its
+//! sandbox. A `Start` with `pty` runs it on a pseudo-terminal (`pty.rs`). `StreamInput`
+//! (client streaming) is not supported.
 //!
 //! Lifecycle, as envd and E2B's proxy: `Connect-Timeout-Ms` is a call's deadline (a
 //! `Start`'s command is killed then and its stream ends `deadline_exceeded`); a stream whose
 //! sandbox ends under it ends `unavailable` ("the connection to sandbox ... ended before the
-//! stream completed"), which the SDKs check against `/health` and report as the sandbox's end.
+//! stream completed"), which the SDKs check against `/health` and report as the sandbox's end
+//! (`stream.rs`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::auth::SandboxCaller;
-use super::command::{Command, Event, Fanout};
+use super::command::{Command, Fanout};
 use super::connect::{
     end_stream, envelope, stream_request, unary_request, ConnectError, MAX_MESSAGE,
 };
 use super::documented::SandboxErrors;
-use super::E2bState;
+use super::pty::{self, PtyReq};
+pub(super) use super::stream::sandbox_gone;
+use super::stream::{request_deadline, stream_error, stream_response, StreamEnds};
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::session::{check_user_env, CommandControl, CommandRequest, Registry, Session};
+use crate::session::{check_user_env, CommandRequest};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
-/// How often a stream with nothing to say sends a keepalive event.
-const KEEPALIVE: Duration = Duration::from_secs(30);
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(process))
@@ -61,7 +61,7 @@ struct ProcessConfig {
 #[derive(Deserialize)]
 struct StartReq {
     process: Option<ProcessConfig>,
-    pty: Option<Value>,
+    pty: Option<PtyReq>,
     tag: Option<String>,
 }
 
@@ -77,9 +77,10 @@ struct SelectReq {
     process: Selector,
     input: Option<Value>,
     signal: Option<Value>,
+    pty: Option<PtyReq>,
 }
 
-/// envd's Connect process service: `Start`, `Connect` (streams), `List`, `SendInput`, `CloseStdin`, `SendSignal`
+/// envd's Connect process service: `Start`, `Connect` (streams), `List`, `SendInput`, `CloseStdin`, `SendSignal`, `Update`
 #[utoipa::path(post, operation_id = "e2b_process", path = "/e2b/sandbox/process.Process/{method}", tag = "e2b", security(()),
     params(("method" = String, Path)),
     responses((status = 200, description = "the response message, or for `Start`/`Connect` a Connect stream (`application/connect+json`)", body = serde_json::Value), SandboxErrors))]
@@ -98,7 +99,15 @@ async fn process(
     };
     let bytes = match read_limited(body, MAX_MESSAGE + 5, "request").await {
         Ok(b) => b,
-        Err(e) => return ConnectError::new("resource_exhausted", e.message).into_response(),
+        // The rest of the body is not read: the connection closes after the answer, which
+        // says so, so that a client does not send its next request on it and lose it.
+        Err(e) => {
+            let mut answer = ConnectError::new("resource_exhausted", e.message).into_response();
+            answer
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return answer;
+        }
     };
     caller.session.touch();
     let result = match method.as_str() {
@@ -108,6 +117,7 @@ async fn process(
         "SendInput" => send_input(&caller, &bytes).await,
         "CloseStdin" => close_stdin(&caller, &bytes).await,
         "SendSignal" => send_signal(&caller, &bytes).await,
+        "Update" => update(&caller, &bytes).await,
         other => Err(ConnectError::unimplemented(format!(
             "process.Process/{other} is not supported by kernel-broker"
         ))),
@@ -116,167 +126,6 @@ async fn process(
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
-}
-
-/// How a command's stream ends besides its command's `end`: at the caller's deadline
-/// (`connect-timeout-ms`), or when its sandbox ended under it.
-struct StreamEnds {
-    /// The request's deadline: the stream ends with `deadline_exceeded` then, as a Connect
-    /// server (envd is connect-go) ends a call whose deadline passed.
-    deadline: Option<Instant>,
-    /// The command `Start` began, killed at the deadline before the stream ends (a `Connect`
-    /// stream's deadline ends only that stream, as in envd).
-    kill: Option<Arc<dyn CommandControl>>,
-    /// The sandbox, to tell a stream dropped by the sandbox's end from a command's end.
-    sandbox: Arc<Session>,
-    e2b: Arc<E2bState>,
-    registry: Registry,
-}
-
-impl StreamEnds {
-    fn of(state: &AppState, caller: &SandboxCaller, deadline: Option<Instant>) -> Self {
-        Self {
-            deadline,
-            kill: None,
-            sandbox: caller.session.clone(),
-            e2b: caller.e2b.clone(),
-            registry: state.registry.clone(),
-        }
-    }
-
-    /// Whether the sandbox has ended.
-    fn sandbox_gone(&self) -> bool {
-        sandbox_gone(&self.registry, &self.e2b, &self.sandbox)
-    }
-
-    /// What E2B's proxy ends a Connect stream with when the sandbox under it goes away:
-    /// `unavailable`, which the SDKs answer by asking `/health` (502 then: the sandbox is
-    /// not running, `SandboxNotRunningException`).
-    fn dropped(&self) -> Bytes {
-        end_stream(Some(&ConnectError::new(
-            "unavailable",
-            format!(
-                "the connection to sandbox {} ended before the stream completed",
-                self.sandbox.id
-            ),
-        )))
-    }
-}
-
-/// Whether sandbox `session` has ended: killed (its E2B record is removed before anything
-/// of it is ended), or expired or deleted (the registry lets go of a session before its
-/// kernel is shut down, and the session's status says so only once it is).
-pub(super) fn sandbox_gone(registry: &Registry, e2b: &E2bState, session: &Session) -> bool {
-    e2b.with(session.id, |_| ()).is_none()
-        || session.status().ended()
-        || registry.get(&session.user.name, session.id).is_err()
-}
-
-/// A Connect stream of `first`, then what `events` brings until the command's end (or until
-/// the client leaves: the body is dropped, and with it the receiver and the budget its
-/// unread events held); keepalives while nothing happens. An event's budget permits are let
-/// go when the connection takes its bytes, so a client that does not read holds what the
-/// connection buffers (hyper's write buffer) plus what waits here, within its user's budget.
-/// At `ends.deadline` the stream ends with `deadline_exceeded`; when the sandbox ends under
-/// it, with `unavailable` in place of the command's `end` (as E2B's proxy ends it).
-fn stream_response(
-    first: Bytes,
-    events: mpsc::UnboundedReceiver<Event>,
-    ends: StreamEnds,
-) -> Response {
-    enum Next {
-        First(Bytes, mpsc::UnboundedReceiver<Event>),
-        Events(mpsc::UnboundedReceiver<Event>),
-        Done,
-    }
-    let ends = Arc::new(ends);
-    let stream = futures::stream::unfold(Next::First(first, events), move |next| {
-        let ends = ends.clone();
-        async move {
-            let mut rx = match next {
-                Next::First(first, rx) => return Some((first, Next::Events(rx))),
-                Next::Events(rx) => rx,
-                Next::Done => return None,
-            };
-            let wait = tokio::time::timeout(KEEPALIVE, rx.recv());
-            let got = match ends.deadline {
-                Some(at) => match tokio::time::timeout_at(at, wait).await {
-                    Ok(got) => got,
-                    Err(_) => {
-                        if let Some(control) = &ends.kill {
-                            // Killed, and forgotten (its end published) before the caller
-                            // hears of the deadline: a `List` right after does not show it.
-                            control.kill().await;
-                            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                                while let Some(ev) = rx.recv().await {
-                                    if matches!(ev, Event::End(_)) {
-                                        break;
-                                    }
-                                }
-                            })
-                            .await;
-                        }
-                        let e = ConnectError::new("deadline_exceeded", "context deadline exceeded");
-                        return Some((end_stream(Some(&e)), Next::Done));
-                    }
-                },
-                None => wait.await,
-            };
-            match got {
-                Err(_) => Some((
-                    envelope(&json!({"event": {"keepalive": {}}})),
-                    Next::Events(rx),
-                )),
-                Ok(Some(Event::Output(bytes, _budget))) => Some((bytes, Next::Events(rx))),
-                // The end envelope and the end of the stream, or what the sandbox's end left.
-                Ok(Some(Event::End(bytes))) => Some((bytes, Next::Done)),
-                // The command was forgotten without an end: its sandbox ended first.
-                Ok(None) => Some((ends.dropped(), Next::Done)),
-            }
-        }
-    });
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(stream.map(Ok::<_, std::convert::Infallible>)),
-    )
-        .into_response()
-}
-
-/// The deadline a Connect request asks for in `connect-timeout-ms` (milliseconds, at most
-/// 10 digits, as connect-go reads it; 0 or none: no deadline, as envd's processes). Anything
-/// else is `invalid_argument`, as connect-go answers it; a sign is refused too (connect-go
-/// would take `-5` as a deadline already passed).
-fn request_deadline(headers: &HeaderMap) -> Result<Option<Instant>, ConnectError> {
-    let Some(value) = headers.get("connect-timeout-ms") else {
-        return Ok(None);
-    };
-    let text = value.to_str().unwrap_or("").trim();
-    if text.len() > 10 {
-        return Err(ConnectError::invalid(format!(
-            "parse timeout: {text:?} has >10 digits"
-        )));
-    }
-    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(ConnectError::invalid(format!(
-            "parse timeout: connect-timeout-ms must be a number of milliseconds; got {text:?}"
-        )));
-    }
-    // At most 10 digits: below 2^34, no overflow.
-    let ms: u64 = text
-        .parse()
-        .map_err(|e| ConnectError::invalid(format!("parse timeout: {e}")))?;
-    Ok((ms > 0).then(|| Instant::now() + Duration::from_millis(ms)))
-}
-
-/// A stream that is only an error (Connect answers stream errors in the end envelope).
-fn stream_error(e: ConnectError) -> Response {
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/connect+json")],
-        end_stream(Some(&e)),
-    )
-        .into_response()
 }
 
 async fn start(
@@ -289,11 +138,10 @@ async fn start(
         Ok(r) => r,
         Err(e) => return stream_error(e),
     };
-    if req.pty.is_some() {
-        return stream_error(ConnectError::unimplemented(
-            "pseudo-terminals (pty) are not supported by kernel-broker",
-        ));
-    }
+    let pty = match req.pty.as_ref().map(PtyReq::size).transpose() {
+        Ok(p) => p,
+        Err(e) => return stream_error(e),
+    };
     let config = req.process.unwrap_or_default();
     if config.cmd.is_empty() {
         return stream_error(ConnectError::invalid("process.cmd is empty"));
@@ -314,6 +162,7 @@ async fn start(
         argv,
         env,
         cwd: config.cwd.clone().filter(|c| !c.is_empty()),
+        pty,
     };
     let running = match state.registry.run_command(&caller.session, request).await {
         Ok(r) => r,
@@ -329,6 +178,7 @@ async fn start(
         control: running.control.clone(),
         stdin: tokio::sync::Mutex::new(Some(running.stdin)),
         events: events.clone(),
+        pty: pty.is_some(),
     });
     let known = caller
         .e2b
@@ -360,9 +210,10 @@ async fn start(
         running.control,
     );
     tokio::spawn(async move {
+        // A terminal's output is one stream, sent as `pty` data.
         let out = tokio::spawn(pump(
             running.stdout,
-            "stdout",
+            if pty.is_some() { "pty" } else { "stdout" },
             events.clone(),
             budget.clone(),
         ));
@@ -508,10 +359,18 @@ async fn send_input(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, Conne
     let cmd = find(caller, &req.process)?;
     let input = req.input.unwrap_or_default();
     let data = match (input.get("stdin"), input.get("pty")) {
-        (Some(Value::String(s)), _) => B64
+        (Some(Value::String(s)), _) if !cmd.pty => B64
             .decode(s)
             .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))?,
-        (_, Some(_)) => return Err(ConnectError::unimplemented("pty input is not supported")),
+        (_, Some(Value::String(s))) if cmd.pty => {
+            let data = B64
+                .decode(s)
+                .map_err(|e| ConnectError::invalid(format!("input.pty is not base64: {e}")))?;
+            return pty::write(&cmd, &data).await;
+        }
+        // As envd answers input of the other kind.
+        (Some(_), _) if cmd.pty => return Err(pty::stdin_of_a_terminal()),
+        (_, Some(_)) if !cmd.pty => return Err(pty::not_a_terminal("writing to tty")),
         _ => return Err(ConnectError::invalid("input.stdin is missing")),
     };
     let mut stdin = cmd.stdin.lock().await;
@@ -531,6 +390,12 @@ async fn send_input(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, Conne
 async fn close_stdin(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, ConnectError> {
     let req: SelectReq = unary_request(bytes)?;
     let cmd = find(caller, &req.process)?;
+    if cmd.pty {
+        return Err(ConnectError::new(
+            "unknown",
+            "error closing stdin: cannot close stdin for PTY process — send Ctrl+D (0x04) instead",
+        ));
+    }
     if let Some(mut pipe) = cmd.stdin.lock().await.take() {
         let _ = pipe.shutdown().await;
     }
@@ -557,6 +422,16 @@ async fn send_signal(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, Conn
                 "signal {other:?} is not one of SIGNAL_SIGKILL, SIGNAL_SIGTERM"
             )))
         }
+    }
+    Ok(json!({}))
+}
+
+/// `Update`: a terminal's new size (envd's only update); without `pty`, nothing changes.
+async fn update(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, ConnectError> {
+    let req: SelectReq = unary_request(bytes)?;
+    let cmd = find(caller, &req.process)?;
+    if let Some(p) = &req.pty {
+        pty::resize(&cmd, p.size()?).await?;
     }
     Ok(json!({}))
 }

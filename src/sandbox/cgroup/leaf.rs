@@ -48,6 +48,14 @@ impl Leaf {
         self.dirs.iter().map(|d| d.join(file)).find(|f| f.exists())
     }
 
+    /// What reads the CPU time of the leaf's processes (see [`CpuClock`]).
+    pub fn cpu_clock(&self) -> CpuClock {
+        CpuClock {
+            version: self.version,
+            dirs: self.dirs.clone(),
+        }
+    }
+
     /// Whether the kernel's memory use reached a limit of the broker's: the leaf's own, or
     /// the one of the directory above it (the user's, or the container's). Tells an OOM kill
     /// by a cgroup from one by the host's OOM killer: v2 counts the times a limit was hit
@@ -162,6 +170,47 @@ impl Leaf {
                 }
             }
             sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Reads the CPU time a leaf's processes used, in nanoseconds. v2: `usage_usec` of the
+/// leaf's `cpu.stat`, which counts every process that ever ran in it. v1: the broker's
+/// leaves are in the `cpu` hierarchy, which counts no usage without `cpuacct` (mounted
+/// apart on many hosts), so it is the user and system time of the processes in the leaf now,
+/// with the children they waited for, from `/proc/<pid>/stat` (a process that ended
+/// meanwhile takes its time with it: a reading over an interval may come out low, never
+/// high). Holds paths only; a leaf that is gone reads `None`.
+#[derive(Debug, Clone)]
+pub struct CpuClock {
+    version: CgroupVersion,
+    dirs: Vec<PathBuf>,
+}
+
+impl CpuClock {
+    pub fn read_ns(&self) -> Option<u64> {
+        match self.version {
+            CgroupVersion::V2 => {
+                let text = std::fs::read_to_string(self.dirs.first()?.join("cpu.stat")).ok()?;
+                parse_keyed_counter(&text, "usage_usec").map(|us| us.saturating_mul(1000))
+            }
+            CgroupVersion::V1 => {
+                // SAFETY: sysconf has no memory-safety preconditions.
+                let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+                let hz = u64::try_from(hz).ok().filter(|h| *h > 0)?;
+                let mut pids = Vec::new();
+                for dir in &self.dirs {
+                    let text = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+                    pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+                }
+                pids.sort_unstable();
+                pids.dedup();
+                let ticks: u64 = pids
+                    .into_iter()
+                    .filter_map(crate::sandbox::procfs::cpu_ticks)
+                    .fold(0, u64::saturating_add);
+                Some(ticks.saturating_mul(1_000_000_000) / hz)
+            }
         }
     }
 }

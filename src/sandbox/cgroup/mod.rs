@@ -54,6 +54,7 @@ mod nested;
 #[cfg(test)]
 mod tests;
 
+pub use leaf::CpuClock;
 pub use nested::{CgroupNotFound, ContainerCgroup};
 
 use std::collections::HashSet;

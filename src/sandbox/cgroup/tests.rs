@@ -111,3 +111,37 @@ fn after_a_kernels_end_its_v2_counters_tell_what_ran_out() {
     write(&leaf_dir, "pids.events", "max 3\n");
     assert_eq!(leaf.pids_refused(), 3);
 }
+
+#[test]
+fn a_leafs_cpu_time_is_read_from_cpu_stat_on_v2_and_its_processes_on_v1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    std::fs::create_dir_all(&dir).unwrap();
+    let leaf = |version| super::Leaf {
+        version,
+        dirs: vec![dir.clone()],
+        procs_files: Vec::new(),
+    };
+    write(
+        &dir,
+        "cpu.stat",
+        "usage_usec 1500\nuser_usec 1000\nsystem_usec 500\n",
+    );
+    assert_eq!(
+        leaf(CgroupVersion::V2).cpu_clock().read_ns(),
+        Some(1_500_000)
+    );
+    // v1: this test process, which has used some CPU by now, and a pid that is gone.
+    let me = std::process::id();
+    write(&dir, "cgroup.procs", &format!("{me}\n999999999\n"));
+    let spun = std::time::Instant::now();
+    while spun.elapsed() < std::time::Duration::from_millis(50) {
+        std::hint::black_box(0u64);
+    }
+    let ns = leaf(CgroupVersion::V1).cpu_clock().read_ns().unwrap();
+    assert!(ns >= 10_000_000, "{ns}");
+    // A leaf that is gone reads nothing.
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(leaf(CgroupVersion::V1).cpu_clock().read_ns(), None);
+    assert_eq!(leaf(CgroupVersion::V2).cpu_clock().read_ns(), None);
+}

@@ -7,6 +7,9 @@
 //! container's orphans, so nothing it started outlives it. The container has no network
 //! and a read-only root, as for kernels.
 //!
+//! With a `pty`, the exec is created and started with Docker's terminal (`Tty`), its output
+//! read raw and its size set through the exec API's resize.
+//!
 //! The reaper recognises the exec by a path in its argv (`/run/kernel/<dir>/connection.json`,
 //! as for a kernel; here a placeholder file, never a connection).
 
@@ -29,7 +32,9 @@ use super::reaper::REAPER;
 use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{Inner, EXEC_TIMEOUT, PYTHON_INSIDE, REAP_LIMIT_SECS, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
+use crate::sandbox::command::{
+    CommandControl, CommandExit, CommandSpec, PtySize, ResizeError, RunningCommand,
+};
 use crate::sandbox::fsutil::{launch_err, launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::{thread_env, LaunchRefusal, SandboxError};
 
@@ -104,14 +109,23 @@ impl Inner {
                     attach_stdin: Some(true),
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
+                    tty: spec.pty.map(|_| true),
                     ..Default::default()
                 },
             )
             .await
             .map_err(|e| fail("cannot create the command's exec", e))?;
-        let started = start_exec(&docker, &exec.id, false)
-            .await
-            .map_err(|e| fail("cannot start the command", e))?;
+        let started = match spec.pty {
+            None => start_exec(&docker, &exec.id, false).await,
+            Some(_) => start_tty_exec(&docker, &exec.id).await,
+        }
+        .map_err(|e| fail("cannot start the command", e))?;
+        // A terminal's size is set before the command passes its `go` file.
+        if let Some(size) = spec.pty {
+            resize_exec(&docker, &exec.id, size)
+                .await
+                .map_err(|e| launch_step(&user, "cannot size the command's terminal", e))?;
+        }
         let StartExecResults::Attached { mut output, input } = started else {
             remove_dir_logged(host_dir).await;
             return Err(launch_err(&user, LaunchRefusal::ExecNotAttached));
@@ -137,6 +151,7 @@ impl Inner {
             marker,
             leaf: leaf.clone(),
             exit: exit_rx,
+            tty: spec.pty.map(|_| exec.id.clone()),
         });
         let reaper = control.clone();
         let exec_id = exec.id.clone();
@@ -194,6 +209,8 @@ struct DockerCommand {
     marker: String,
     leaf: Option<Arc<Leaf>>,
     exit: watch::Receiver<Option<CommandExit>>,
+    /// The exec's id when it runs on a terminal (Docker's, resized through the exec API).
+    tty: Option<String>,
 }
 
 impl DockerCommand {
@@ -245,6 +262,13 @@ impl CommandControl for DockerCommand {
         self.wait().await;
     }
 
+    async fn resize(&self, size: PtySize) -> Result<(), ResizeError> {
+        let Some(exec) = &self.tty else {
+            return Err(ResizeError::NotATerminal);
+        };
+        resize_exec(&self.docker, exec, size).await
+    }
+
     async fn wait(&self) -> CommandExit {
         let mut rx = self.exit.clone();
         let seen = rx.wait_for(Option::is_some).await.map(|v| *v);
@@ -256,4 +280,30 @@ impl CommandControl for DockerCommand {
             },
         }
     }
+}
+
+/// Starts an exec created with a terminal (Docker allocates it in the container, the exec's
+/// controlling terminal; its output arrives raw, as `Console`).
+async fn start_tty_exec(
+    docker: &Docker,
+    exec_id: &str,
+) -> Result<StartExecResults, bollard::errors::Error> {
+    let options = bollard::exec::StartExecOptions {
+        detach: false,
+        tty: true,
+        ..Default::default()
+    };
+    docker.start_exec(exec_id, Some(options)).await
+}
+
+/// Sets the size of an exec's terminal (the exec API's resize, which delivers `SIGWINCH`).
+async fn resize_exec(docker: &Docker, exec_id: &str, size: PtySize) -> Result<(), ResizeError> {
+    let options = bollard::exec::ResizeExecOptions {
+        height: size.rows,
+        width: size.cols,
+    };
+    timeout(EXEC_TIMEOUT, docker.resize_exec(exec_id, options))
+        .await
+        .map_err(|e| ResizeError::Failed(Box::new(e)))?
+        .map_err(|e| ResizeError::Failed(Box::new(e)))
 }

@@ -30,7 +30,7 @@ use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, MAX_SOCKET_PATH, PYTHON_INSIDE, RUN_DIR_INSIDE,
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
-use crate::sandbox::cgroup::Leaf;
+use crate::sandbox::cgroup::{CpuClock, Leaf};
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
@@ -93,6 +93,10 @@ impl BackendKernel for DockerKernel {
 
     fn memory_usage_file(&self) -> Option<PathBuf> {
         self.leaf.as_ref()?.memory_usage_file()
+    }
+
+    fn cpu_clock(&self) -> Option<CpuClock> {
+        self.leaf.as_ref().map(|l| l.cpu_clock())
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.

@@ -9,6 +9,10 @@
 //! Process shape as for a kernel: bwrap (in the leaf from before `exec`) → the sandbox's
 //! init → `sh` changing to the working directory → the command. Killing kills the whole
 //! leaf, so whatever the command started goes with it.
+//!
+//! With a `pty` (`terminal.rs`), the broker allocates the terminal, passes its slave as the
+//! command's three standard streams and keeps the master; `setsid --ctty` in front of the
+//! `sh` makes it the command's controlling terminal.
 
 use std::ffi::OsString;
 use std::os::fd::AsRawFd;
@@ -23,9 +27,12 @@ use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, BwrapRequest, HostRoot};
 use super::process::Prepared;
+use super::terminal::{Resizer, Terminal, SETSID};
 use super::LocalSandbox;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
-use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
+use crate::sandbox::command::{
+    CommandControl, CommandExit, CommandSpec, PtySize, ResizeError, RunningCommand,
+};
 use crate::sandbox::fsutil::{launch_err, launch_step, remove_dir_logged};
 use crate::sandbox::LaunchRefusal;
 use crate::sandbox::SandboxError;
@@ -70,6 +77,17 @@ impl LocalSandbox {
                 .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
         ];
         argv.extend(spec.argv.iter().cloned());
+        // On a terminal: a session of its own whose controlling terminal it is (`-w`: setsid
+        // forks when it leads a process group, and must wait for the command).
+        let terminal = match spec.pty {
+            Some(size) => {
+                let t = Terminal::open(size)
+                    .map_err(|e| launch_step(&user, "cannot open a pseudo-terminal", e))?;
+                argv.splice(0..0, [SETSID.into(), "-w".into(), "-c".into()]);
+                Some(t)
+            }
+            None => None,
+        };
         // The tenant's variables and command reach only the command's own shell, after the
         // drop.
         let environment = self.environment_memfd(&user, &spec.env, &argv)?;
@@ -101,17 +119,31 @@ impl LocalSandbox {
             [Some(env_fd), seccomp_fd].into_iter().flatten().collect(),
         );
         cmd.stdin(Stdio::piped()).kill_on_drop(true);
+        if let Some(t) = &terminal {
+            let [i, o, e] = t
+                .slave_stdio()
+                .map_err(|e| launch_step(&user, "cannot pass the pseudo-terminal", e))?;
+            cmd.stdin(i).stdout(o).stderr(e);
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| launch_step(&user, format!("cannot start {}", self.bwrap.display()), e))?;
         drop(seccomp);
         drop(environment);
         let pid = child.id().unwrap_or(0);
-        let (stdin, stdout, stderr) =
-            match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
-                (Some(i), Some(o), Some(e)) => (i, o, e),
+        let (stdin, stdout, stderr, resizer): (Stdin, Stdout, Stdout, _) = match terminal {
+            Some(t) => {
+                let m = t
+                    .into_master()
+                    .map_err(|e| launch_step(&user, "cannot hold the pseudo-terminal", e))?;
+                let empty: Stdout = Box::new(tokio::io::empty());
+                (Box::new(m.input), Box::new(m.output), empty, Some(m.resize))
+            }
+            None => match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+                (Some(i), Some(o), Some(e)) => (Box::new(i), Box::new(o), Box::new(e), None),
                 _ => return Err(launch_err(&user, LaunchRefusal::NoStandardStreams)),
-            };
+            },
+        };
         let (cgroups, leaf) = guard.disarm();
         let leaf = leaf.map(Arc::new);
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -119,14 +151,15 @@ impl LocalSandbox {
             leaf: leaf.clone(),
             bwrap_pid: i32::try_from(pid).ok(),
             exit: exit_rx,
+            terminal: resizer,
         });
         tokio::spawn(reap(child, cgroups, leaf, rundir, exit_tx));
         tracing::info!(user = %user.name, command = %id, pid, "command started in the sandbox");
         Ok(RunningCommand {
             pid,
-            stdin: Box::new(stdin),
-            stdout: Box::new(stdout),
-            stderr: Box::new(stderr),
+            stdin,
+            stdout,
+            stderr,
             control,
         })
     }
@@ -168,7 +201,12 @@ struct LocalCommand {
     leaf: Option<Arc<Leaf>>,
     bwrap_pid: Option<i32>,
     exit: watch::Receiver<Option<CommandExit>>,
+    /// The command's pseudo-terminal, if it runs on one.
+    terminal: Option<Arc<Resizer>>,
 }
+
+type Stdin = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
+type Stdout = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 #[async_trait]
 impl CommandControl for LocalCommand {
@@ -196,6 +234,13 @@ impl CommandControl for LocalCommand {
             leaf.kill_all().await;
         }
         self.wait().await;
+    }
+
+    async fn resize(&self, size: PtySize) -> Result<(), ResizeError> {
+        match &self.terminal {
+            Some(t) => t.resize(size),
+            None => Err(ResizeError::NotATerminal),
+        }
     }
 
     async fn wait(&self) -> CommandExit {

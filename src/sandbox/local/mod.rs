@@ -35,7 +35,7 @@
 //! implementation; `bwrap.rs` the pure argv and mount plan; `files.rs` a launch's host
 //! files and runtime base; `process.rs` the launch and spawn; `reaper.rs` the kernel's
 //! handle half and its reaper; `output.rs` log forwarding; `host.rs` what is learned of
-//! the host once; `python.rs` where kernels find their Python; `check.rs` the startup test run. Limits are [`super::cgroup`]'s.
+//! the host once; `python.rs` where kernels find their Python; `check.rs` the startup test run; `terminal.rs` a command's pseudo-terminal. Limits are [`super::cgroup`]'s.
 
 mod adopt;
 mod bwrap;
@@ -50,6 +50,7 @@ mod process;
 mod python;
 mod reaper;
 mod template;
+mod terminal;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
-use crate::sandbox::cgroup::{Cgroups, Leaf};
+use crate::sandbox::cgroup::{Cgroups, CpuClock, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
@@ -41,6 +41,8 @@ pub(super) struct LocalKernel {
     pub kernel_pid: Option<i32>,
     /// The leaf's memory use file (none without cgroups).
     pub memory_usage: Option<PathBuf>,
+    /// What reads the leaf's CPU time (none without cgroups).
+    pub cpu: Option<CpuClock>,
 }
 
 #[async_trait]
@@ -51,6 +53,10 @@ impl BackendKernel for LocalKernel {
 
     fn memory_usage_file(&self) -> Option<PathBuf> {
         self.memory_usage.clone()
+    }
+
+    fn cpu_clock(&self) -> Option<CpuClock> {
+        self.cpu.clone()
     }
 
     /// The sandbox's init (a plain start: one network namespace per kernel) or the forked
@@ -174,6 +180,7 @@ impl Reaped {
             bwrap_pid: self.bwrap_pid,
             kernel_pid: self.kernel_pid,
             memory_usage: self.leaf.as_ref().and_then(Leaf::memory_usage_file),
+            cpu: self.leaf.as_ref().map(Leaf::cpu_clock),
         });
         let reaper = Reaper {
             process: self.process,
