@@ -5,11 +5,13 @@ hostile cases (a kernel's symlinks, a gzip bomb, forged and expired signatures).
 sandbox backends where the backend matters (`any_backend`); the JavaScript SDK's calls for
 each item run from files.mjs."""
 
+import asyncio
 import gzip
 import json
 import os
 import subprocess
 import tempfile
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -151,7 +153,7 @@ def test_file_metadata_is_stored_as_envd_stores_it(any_backend):
 
     with Sandbox.create(timeout=120) as sbx:
         _fresh(sbx, "m.txt", "n.txt", "lnk")
-        assert str(sbx._envd_version) == "0.6.2"
+        assert str(sbx._envd_version) == "0.6.4"
         w = sbx.files.write("/home/user/m.txt", "x", metadata={"Owner": "data team", "run": "7"})
         assert w.metadata == {"owner": "data team", "run": "7"}
         info = sbx.files.get_info("m.txt")
@@ -271,6 +273,126 @@ def test_signed_urls_work_with_a_plain_http_client(any_backend):
                 pass
 
 
+def _wait_events(handle, want, timeout=10):
+    """Polls a sync watch handle until `want(events)` holds."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen += handle.get_new_events()
+        if want(seen):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"events seen: {seen}")
+
+
+def test_watch_dir_sync_recursive_with_entries(any_backend, host_dir):
+    from e2b import FilesystemEventType
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=120) as sbx:
+        _fresh(sbx, "watched")
+        sbx.files.make_dir("/home/user/watched")
+        _run(sbx, f"import os; os.symlink({str(host_dir)!r}, 'watched/to-host')")
+        h = sbx.files.watch_dir("/home/user/watched", recursive=True, include_entry=True,
+                                allow_network_mounts=True)
+        sbx.files.write("watched/a.txt", "a")
+        _run(sbx, "import os; os.makedirs('watched/sub/deeper')")
+        events = _wait_events(h, lambda ev: any(e.name == "sub" for e in ev))
+        created = {e.name: e for e in events if e.type == FilesystemEventType.CREATE}
+        assert "a.txt" in created, events
+        assert created["a.txt"].entry is not None and created["a.txt"].entry.size in (0, 1)
+        # New subdirectories are watched (recursive): a file written by the kernel there.
+        _run(sbx, "open('watched/sub/deeper/k.txt', 'w').write('k')")
+        _run(sbx, "import os; os.remove('watched/a.txt')")
+        events = _wait_events(h, lambda ev: any(e.name == "sub/deeper/k.txt" for e in ev)
+                              and any(e.type == FilesystemEventType.REMOVE for e in ev))
+        assert any(e.name == "a.txt" and e.type == FilesystemEventType.REMOVE for e in events), events
+        # The host side of a kernel's link is never watched.
+        (host_dir / "changed").write_text("x")
+        time.sleep(0.5)
+        assert not any("changed" in e.name for e in h.get_new_events())
+        h.stop()
+        # A link as the directory to watch is refused; so is a file, and a missing path.
+        for bad in ("watched/to-host", "watched/sub/deeper/k.txt", "watched/nope"):
+            with pytest.raises(Exception):
+                sbx.files.watch_dir(bad)
+
+
+def test_watch_dir_async_stream_ends_with_the_sandbox(e2b_env):
+    from e2b import FilesystemEventType
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create(timeout=120)
+        try:
+            await sbx.files.remove("awatched")
+            await sbx.files.make_dir("awatched")
+            seen, done = [], asyncio.Event()
+
+            def on_event(e):
+                seen.append(e)
+                if any(x.name == "b/c.txt" for x in seen):
+                    done.set()
+
+            h = await sbx.files.watch_dir("awatched", on_event, recursive=True, include_entry=True)
+            await sbx.files.write("awatched/one.txt", "1")
+            await sbx.run_code("import os; os.makedirs('awatched/b'); open('awatched/b/c.txt','w').write('c')")
+            await asyncio.wait_for(done.wait(), 15)
+            one = [e for e in seen if e.name == "one.txt" and e.type == FilesystemEventType.CREATE]
+            assert one and one[0].entry is not None, seen
+            await h.stop()
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
+
+
+def test_watchers_are_bounded_and_another_sandboxs_are_unreachable(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    a = Sandbox.create(timeout=120)
+    try:
+        _fresh(a, "bounded")
+        a.files.make_dir("bounded")
+        h = a.files.watch_dir("bounded")
+        # Another sandbox (even the same user's) cannot read or stop it.
+        b = Sandbox.create(timeout=120)
+        try:
+            for method in ("GetWatcherEvents", "RemoveWatcher"):
+                r = requests.post(os.environ["E2B_SANDBOX_URL"] + f"/filesystem.Filesystem/{method}",
+                                  json={"watcherId": h._watcher_id},
+                                  headers={"E2b-Sandbox-Id": b.sandbox_id,
+                                           "X-Access-Token": b._envd_access_token})
+                assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+        finally:
+            b.kill()
+        # A flood of files: the broker's buffer stays bounded (events past it are dropped).
+        _run(a, "import os\nfor i in range(15000): open(f'bounded/f{i}', 'w').close()")
+        time.sleep(1)
+        events = h.get_new_events()
+        assert 0 < len(events) <= 10000, len(events)
+        # Watches per user are bounded.
+        extra = []
+        with pytest.raises(Exception) as ei:
+            for _ in range(40):
+                extra.append(a.files.watch_dir("bounded"))
+        assert "limit" in str(ei.value)
+        for w in extra:
+            w.stop()
+        h.stop()
+        a.files.remove("bounded")
+        # A sandbox's end ends its watchers.
+        h = a.files.watch_dir(".")
+        a.kill()
+        with pytest.raises(Exception):
+            h.get_new_events()
+    finally:
+        try:
+            a.kill()
+        except Exception:
+            pass
+
+
 @pytest.mark.skipif(not (JS_DIR / "node_modules").is_dir(), reason="run scripts/setup --test (npm ci in protocol-tests/e2b-js)")
 def test_javascript_sdk_files(any_backend, host_dir):
     env = dict(os.environ, HOST_DIR=str(host_dir))
@@ -288,3 +410,5 @@ def test_javascript_sdk_files(any_backend, host_dir):
     assert report["signedDownload"] == "from js"
     assert report["signedUpload"] == "up from js"
     assert report["expired"] == 401
+    assert "top.txt" in report["watched"] and "in/deep.txt" in report["watched"], report
+    assert report["topEntry"] == "top.txt", report

@@ -7,7 +7,7 @@ import { Sandbox } from '@e2b/code-interpreter'
 const sbx = await Sandbox.create()
 try {
   // Until each sandbox has a workspace of its own, a key's sandboxes share one.
-  for (const n of ['tree', 'a.txt', 'b.txt', 'data.csv', 'link', 'm.txt', 'g.txt', 'x.txt', 'up.txt']) {
+  for (const n of ['jswatched', 'tree', 'a.txt', 'b.txt', 'data.csv', 'link', 'm.txt', 'g.txt', 'x.txt', 'up.txt']) {
     await sbx.files.remove(n)
   }
   // remove: a missing path is no error; a tree goes whole, a kernel's link to the host as a link.
@@ -42,7 +42,23 @@ try {
   if (!up.ok) throw new Error(`signed upload: ${up.status} ${await up.text()}`)
   const signedUpload = await sbx.files.read('up.txt')
   const expired = (await fetch(await sbx.downloadUrl('x.txt', { useSignatureExpiration: -5 }))).status
+  // watchDir: a recursive stream of events, with their entries.
+  await sbx.files.makeDir('jswatched')
+  const events = []
+  let seenDeep
+  const deep = new Promise((resolve) => { seenDeep = resolve })
+  const handle = await sbx.files.watchDir('/home/user/jswatched', (e) => {
+    events.push(e)
+    if (e.name === 'in/deep.txt') seenDeep()
+  }, { recursive: true, includeEntry: true })
+  await sbx.files.write('jswatched/top.txt', 't')
+  await sbx.runCode("import os; os.makedirs('jswatched/in'); open('jswatched/in/deep.txt', 'w').write('d')")
+  await Promise.race([deep, new Promise((_, no) => setTimeout(() => no(new Error('no watch event: ' + JSON.stringify(events))), 15000))])
+  await handle.stop()
+  const top = events.find((e) => e.name === 'top.txt' && e.type === 'create')
   console.log(JSON.stringify({
+    watched: events.map((e) => e.name),
+    topEntry: top?.entry?.name ?? null,
     removedMissing, treeGone, renamed, symlinkTarget, metadata, gzip: gz,
     signedDownload, signedUpload, expired,
   }))

@@ -144,9 +144,17 @@ impl Workspace {
         Ok(())
     }
 
-    /// Where the workspace is on the host (for watching it: `files::watch`).
-    pub fn host_root(&self) -> &std::path::Path {
-        &self.root
+    /// A watch on directory `rel` (and below it, if `recursive`): `files::watch`.
+    pub async fn watch(
+        &self,
+        rel: &str,
+        recursive: bool,
+    ) -> Result<files::watch::DirWatch, SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("watch a directory", move || {
+            files::watch::DirWatch::new(&root, &rel, recursive)
+        })
+        .await
     }
 
     fn report(&self, event: LifecycleEvent) {

@@ -1,6 +1,6 @@
 //! envd's routes (port 49983 behind `E2B_SANDBOX_URL`): `GET /health` and the Connect
-//! filesystem service (`ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`; watching is not
-//! supported); file download and upload are `uploads.rs`. Paths are the sandbox's:
+//! filesystem service (`ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`; watching, `WatchDir`
+//! and the watcher calls, is `watching.rs`); file download and upload are `uploads.rs`. Paths are the sandbox's:
 //! `/home/user/...`, `/workspace/...` or relative to the workspace
 //! (`super::workspace_relative`), and go through the session's `Workspace` (beneath the
 //! workspace, no symlink followed; what is created belongs to the kernel's uid).
@@ -22,12 +22,11 @@ use utoipa_axum::routes;
 use super::auth::SandboxCaller;
 use super::connect::{unary_request, ConnectError};
 use super::documented::SandboxErrors;
-use super::{inside_path, workspace_relative, E2bError, E2bResult};
-use crate::api::error::{file_error_kind, FileErrorKind};
+use super::entry::{entry_json, fs_error, rel_of};
+use super::{inside_path, E2bError, E2bResult};
 use crate::api::extract::read_limited;
 use crate::api::AppState;
-use crate::session::files::{Entry, EntryKind};
-use crate::session::{SessionError, Workspace};
+use crate::session::Workspace;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -72,101 +71,10 @@ async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<Worksp
     Ok(state.registry.workspace(&caller.session)?)
 }
 
-fn entry_json(e: &Entry) -> Value {
-    let rel = e.rel.to_string_lossy();
-    let name = e
-        .rel
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let kind = match e.kind {
-        EntryKind::File => "FILE_TYPE_FILE",
-        EntryKind::Directory => "FILE_TYPE_DIRECTORY",
-        EntryKind::Symlink => "FILE_TYPE_SYMLINK",
-        EntryKind::Other => "FILE_TYPE_UNSPECIFIED",
-    };
-    json!({
-        "name": name,
-        "type": kind,
-        "path": inside_path(&rel),
-        "size": e.size.to_string(),
-        "mode": e.mode & 0o7777,
-        "permissions": permissions(e.mode),
-        "owner": e.uid.to_string(),
-        "group": e.gid.to_string(),
-        "modifiedTime": e.modified.to_rfc3339_opts(chrono::SecondsFormat::Nanos, true),
-        "isSymlink": e.kind == EntryKind::Symlink,
-        "symlinkTarget": e.link_target.as_deref().map(|t| link_target(&rel, &t.to_string_lossy())),
-        "metadata": e.metadata,
-    })
-}
-
-/// A symlink's target as the sandbox names it, as envd reports it (an absolute path): the
-/// link's text made absolute against the link's directory and cleaned of `.` and `..`,
-/// without looking at the host (the text is the kernel's to choose; nothing is followed).
-/// A relative link's directory is named with the workspace's inside name
-/// (`super::inside_path`). envd resolves every link of a chain; this does not (the host
-/// is not the sandbox's view), see docs/API.md.
-fn link_target(link_rel: &str, text: &str) -> String {
-    let base = if text.starts_with('/') {
-        String::new()
-    } else {
-        let dir = link_rel.rsplit_once('/').map_or("", |(d, _)| d);
-        inside_path(dir)
-    };
-    let mut parts: Vec<&str> = Vec::new();
-    for part in base.split('/').chain(text.split('/')) {
-        match part {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            p => parts.push(p),
-        }
-    }
-    format!("/{}", parts.join("/"))
-}
-
-/// `-rw-r--r--`, as `ls` shows it.
-fn permissions(mode: u32) -> String {
-    let kind = match mode & libc::S_IFMT {
-        libc::S_IFDIR => 'd',
-        libc::S_IFLNK => 'l',
-        _ => '-',
-    };
-    let mut s = String::from(kind);
-    for shift in [6, 3, 0] {
-        let bits = (mode >> shift) & 7;
-        s.push(if bits & 4 != 0 { 'r' } else { '-' });
-        s.push(if bits & 2 != 0 { 'w' } else { '-' });
-        s.push(if bits & 1 != 0 { 'x' } else { '-' });
-    }
-    s
-}
-
-fn fs_error(e: SessionError) -> ConnectError {
-    let message = e.to_string();
-    match file_error_kind(&e) {
-        Some(FileErrorKind::NotFound) => ConnectError::not_found(message),
-        Some(FileErrorKind::Invalid) => ConnectError::invalid(message),
-        Some(FileErrorKind::Conflict) => ConnectError::new("already_exists", message),
-        Some(FileErrorKind::TooLarge) => ConnectError::new("resource_exhausted", message),
-        _ => {
-            let other = e;
-            tracing::warn!(error = %other, "E2B filesystem call failed");
-            ConnectError::new("internal", other.to_string())
-        }
-    }
-}
-
 /// `{"entry": ...}` for the entry at `rel`: what `Stat`, `MakeDir` and `Move` answer.
 async fn entry_answer(ws: &Workspace, rel: &str) -> Result<Value, ConnectError> {
     let e = ws.stat(rel).await.map_err(fs_error)?;
     Ok(json!({"entry": entry_json(&e)}))
-}
-
-fn rel_of(path: &str) -> Result<String, ConnectError> {
-    workspace_relative(path).map_err(|e| ConnectError::invalid(e.message))
 }
 
 #[derive(Deserialize)]
@@ -183,7 +91,8 @@ struct MoveReq {
     destination: String,
 }
 
-/// envd's Connect filesystem service (JSON): `ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`
+/// envd's Connect filesystem service (JSON): `ListDir`, `Stat`, `MakeDir`, `Remove`, `Move`,
+/// `WatchDir` (a server stream), `CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`
 #[utoipa::path(post, operation_id = "e2b_filesystem", path = "/e2b/sandbox/filesystem.Filesystem/{method}", tag = "e2b", security(()),
     params(("method" = String, Path)),
     responses((status = 200, description = "the method's response message", body = serde_json::Value), SandboxErrors))]
@@ -193,6 +102,15 @@ async fn filesystem(
     caller: SandboxCaller,
     body: Body,
 ) -> Response {
+    if method == "WatchDir" {
+        return match read_limited(body, super::connect::MAX_MESSAGE, "request").await {
+            Ok(bytes) => {
+                caller.session.touch();
+                super::watching::watch_dir(&state, &caller, &bytes).await
+            }
+            Err(e) => ConnectError::new("resource_exhausted", e.message).into_response(),
+        };
+    }
     match filesystem_call(&state, &caller, &method, body).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -249,33 +167,11 @@ async fn filesystem_call(
             ws.rename_over(&from, &to).await.map_err(fs_error)?;
             entry_answer(&ws, &to).await
         }
+        "CreateWatcher" => super::watching::create_watcher(state, caller, &bytes).await,
+        "GetWatcherEvents" => super::watching::get_watcher_events(caller, &bytes),
+        "RemoveWatcher" => super::watching::remove_watcher(caller, &bytes),
         other => Err(ConnectError::unimplemented(format!(
-            "filesystem.Filesystem/{other} is not supported by kernel-broker (watching directories is not)"
+            "filesystem.Filesystem/{other} is not supported by kernel-broker"
         ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn symlink_targets_are_absolute_inside_the_sandbox() {
-        for (link, text, want) in [
-            ("a/link", "data.csv", "/workspace/a/data.csv"),
-            ("link", "../etc/passwd", "/etc/passwd"),
-            ("a/b/link", "../../x", "/workspace/x"),
-            ("link", "/etc", "/etc"),
-            ("link", "/home/user/./x/../y", "/home/user/y"),
-            ("link", "../../../../..", "/"),
-        ] {
-            assert_eq!(link_target(link, text), want, "{link} -> {text}");
-        }
-    }
-
-    #[test]
-    fn permissions_read_like_ls() {
-        assert_eq!(permissions(libc::S_IFREG | 0o644), "-rw-r--r--");
-        assert_eq!(permissions(libc::S_IFDIR | 0o755), "drwxr-xr-x");
     }
 }

@@ -12,7 +12,9 @@
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`), `listing.rs`
 //! its listing's query, filters and pages;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
-//! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
+//! HTTP route `/health` and its Connect filesystem service, `uploads.rs` its `/files`
+//! route (and the signed URLs' `/files`, checked by `signing.rs`), `watching.rs` its
+//! directory watches, `entry.rs` the entries they describe; `process.rs` the
 //! Connect process service (commands), `command.rs` a running command and its output's
 //! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `documented.rs` what the routes' documentation
 //! shares (error answers, the `/v2` aliases); `auth.rs` keys
@@ -24,6 +26,7 @@ mod command;
 mod connect;
 mod control;
 mod documented;
+mod entry;
 mod envd;
 mod interpreter;
 mod listing;
@@ -31,6 +34,7 @@ mod process;
 mod signing;
 mod state;
 mod uploads;
+mod watching;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};

@@ -43,7 +43,7 @@ pub enum EntryKind {
 pub const MAX_ENTRIES: usize = 10_000;
 
 /// `rel` as a clean relative path; "" (or ".") is the workspace itself.
-fn relative(rel: &str) -> Result<PathBuf, SessionError> {
+pub(super) fn relative(rel: &str) -> Result<PathBuf, SessionError> {
     if rel.is_empty() || rel == "." {
         return Ok(PathBuf::new());
     }

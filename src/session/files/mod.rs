@@ -25,6 +25,7 @@ pub use entries::{list_dir, make_dir, stat, Entry, EntryKind};
 pub mod metadata;
 pub use metadata::Metadata;
 mod tree;
+pub mod watch;
 pub use change::rename_over;
 pub use tree::remove_all;
 
@@ -101,6 +102,9 @@ fn chown_fd(fd: &OwnedFd, owner: Option<(u32, u32)>) {
     }
 }
 
+/// How the temporary file of an upload in progress is named (beside its target).
+pub const UPLOAD_TEMP_PREFIX: &str = ".kb-upload-";
+
 /// Write `data` to `rel` in the workspace, creating parent directories.
 pub fn write(
     workspace: &Path,
@@ -140,7 +144,7 @@ pub fn write_with_metadata(
     }
     // Into a new file beside the target, renamed over it once complete: a write that fails
     // (the quota is full, say) leaves the old file as it was and no partial file behind.
-    let temp = format!(".kb-upload-{}", uuid::Uuid::new_v4().simple());
+    let temp = format!("{UPLOAD_TEMP_PREFIX}{}", uuid::Uuid::new_v4().simple());
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let fd = rustix::fs::openat(&parent, temp.as_str(), flags, Mode::from_raw_mode(0o644))
         .map_err(|e| io_err("write", &rel, e.into()))?;
