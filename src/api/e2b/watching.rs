@@ -9,7 +9,7 @@
 //! symlink).
 //!
 //! Bounded: a user holds at most [`MAX_WATCHES_PER_USER`] watches (streams and watchers
-//! together); a watcher buffers at most [`MAX_BUFFERED`] events between polls and a stream
+//! together), the broker at most [`MAX_WATCHES_TOTAL`]; a watcher buffers at most [`MAX_BUFFERED`] events between polls and a stream
 //! at most [`MAX_QUEUED`] its client has not read: past that, events are dropped and the
 //! broker logs how many (envd's buffer has no bound). A watcher belongs to its sandbox: it
 //! ends with it, and another sandbox's (another user's) watcher id is not found.
@@ -34,7 +34,11 @@ use crate::session::{Session, Workspace};
 use crate::sync::lock;
 
 /// Watches (streams and watchers together) one user may hold.
-pub const MAX_WATCHES_PER_USER: usize = 32;
+pub const MAX_WATCHES_PER_USER: usize = 8;
+/// Watches the whole broker holds: each is an inotify instance of the broker's uid, and the
+/// system allows a uid 128 by default (`fs.inotify.max_user_instances`); one user's watches
+/// must not use up everyone's.
+pub const MAX_WATCHES_TOTAL: usize = 64;
 /// Events a watcher keeps between two `GetWatcherEvents`.
 pub const MAX_BUFFERED: usize = 10_000;
 /// Events a `WatchDir` stream holds that its client has not read.
@@ -98,6 +102,12 @@ impl Drop for Slot {
 impl Watchers {
     fn slot(&self, user: &str) -> Result<Slot, ConnectError> {
         let mut map = lock(&self.per_user);
+        if map.values().sum::<usize>() >= MAX_WATCHES_TOTAL {
+            return Err(ConnectError::new(
+                "resource_exhausted",
+                format!("the broker holds {MAX_WATCHES_TOTAL} directory watches (its limit); retry once one has ended"),
+            ));
+        }
         let n = map.entry(user.to_string()).or_default();
         if *n >= MAX_WATCHES_PER_USER {
             return Err(ConnectError::new(

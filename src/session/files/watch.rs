@@ -26,7 +26,7 @@ use crate::sandbox::fsutil::{walk_tree, WalkLimits};
 use crate::session::error::SessionError;
 
 /// Directories one watch covers at most.
-pub const MAX_WATCHED_DIRS: usize = 4096;
+pub const MAX_WATCHED_DIRS: usize = 2048;
 
 /// What happened to an entry (envd's event types, from fsnotify's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
