@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ALICE
+from conftest import ALICE, BOB
 
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
@@ -226,6 +226,29 @@ def test_gzip_uploads_decompress_within_the_limit(any_backend):
         assert not sbx.files.exists("bad.bin")
 
 
+def test_gzip_and_metadata_with_the_async_sdk_streaming(e2b_env):
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create(timeout=120)
+        try:
+            async def chunks():
+                for i in range(200):
+                    yield f"row {i}\n".encode() * 100
+
+            w = await sbx.files.write("/home/user/astream.txt", chunks(), gzip=True,
+                                      metadata={"source": "async"})
+            assert w.metadata == {"source": "async"}
+            want = "".join(f"row {i}\n" * 100 for i in range(200))
+            assert await sbx.files.read("astream.txt") == want
+            assert (await sbx.files.get_info("astream.txt")).metadata == {"source": "async"}
+            await sbx.files.remove("astream.txt")
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
+
+
 def test_signed_urls_work_with_a_plain_http_client(any_backend):
     from e2b_code_interpreter import Sandbox
 
@@ -372,6 +395,16 @@ def test_watchers_are_bounded_and_another_sandboxs_are_unreachable(e2b_env):
                 assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
         finally:
             b.kill()
+        # Another user's sandbox: not found either.
+        bob = Sandbox.create(timeout=60, api_key=BOB)
+        try:
+            r = requests.post(os.environ["E2B_SANDBOX_URL"] + "/filesystem.Filesystem/GetWatcherEvents",
+                              json={"watcherId": h._watcher_id},
+                              headers={"E2b-Sandbox-Id": bob.sandbox_id,
+                                       "X-Access-Token": bob._envd_access_token})
+            assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+        finally:
+            bob.kill()
         # A flood of files: the broker's buffer stays bounded (events past it are dropped).
         _run(a, "import os\nfor i in range(15000): open(f'bounded/f{i}', 'w').close()")
         time.sleep(1)
