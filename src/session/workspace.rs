@@ -125,6 +125,65 @@ impl Workspace {
         Ok(())
     }
 
+    /// [`Self::write`], with `metadata` stored on the file (`files::metadata`).
+    pub async fn write_with_metadata(
+        &self,
+        rel: &str,
+        data: impl AsRef<[u8]> + Send + 'static,
+        metadata: files::Metadata,
+    ) -> Result<(), SessionError> {
+        let (root, path, owner) = (self.root.clone(), rel.to_string(), self.owner);
+        let bytes = data.as_ref().len() as u64;
+        blocking("write file", move || {
+            files::write_with_metadata(&root, &path, data.as_ref(), owner, Some(&metadata))
+        })
+        .await?;
+        self.report(LifecycleEvent::FileWritten {
+            path: rel.to_string(),
+            bytes,
+        });
+        Ok(())
+    }
+
+    /// Deletes what is at `rel`, a directory with everything in it (never following a
+    /// symlink: `files::remove_all`); `false` when there was nothing.
+    pub async fn remove_all(&self, rel: &str) -> Result<bool, SessionError> {
+        let (root, path) = (self.root.clone(), rel.to_string());
+        let removed = blocking("delete", move || files::remove_all(&root, &path)).await?;
+        if removed {
+            self.report(LifecycleEvent::FileRemoved {
+                path: rel.to_string(),
+            });
+        }
+        Ok(removed)
+    }
+
+    /// Moves `from` to `to`, replacing what `rename(2)` replaces (`files::rename_over`).
+    pub async fn rename_over(&self, from: &str, to: &str) -> Result<(), SessionError> {
+        let (root, owner) = (self.root.clone(), self.owner);
+        let (from, to) = (from.to_string(), to.to_string());
+        let (f, t) = (from.clone(), to.clone());
+        blocking("move file", move || {
+            files::rename_over(&root, &f, &t, owner)
+        })
+        .await?;
+        self.report(LifecycleEvent::FileRenamed { from, to });
+        Ok(())
+    }
+
+    /// A watch on directory `rel` (and below it, if `recursive`): `files::watch`.
+    pub async fn watch(
+        &self,
+        rel: &str,
+        recursive: bool,
+    ) -> Result<files::watch::DirWatch, SessionError> {
+        let (root, rel) = (self.root.clone(), rel.to_string());
+        blocking("watch a directory", move || {
+            files::watch::DirWatch::new(&root, &rel, recursive)
+        })
+        .await
+    }
+
     fn report(&self, event: LifecycleEvent) {
         self.registry.report(&self.session, &event);
     }

@@ -456,7 +456,7 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
     let (s, out) = e
         .sandbox(
             M::POST,
-            "/filesystem.Filesystem/WatchDir",
+            "/filesystem.Filesystem/Chown",
             &h,
             br#"{"path": ""}"#.to_vec(),
             "application/json",

@@ -29,9 +29,13 @@ use crate::api::AppState;
 use crate::session::check_user_env;
 use crate::session::{CreateOptions, EndedBy, FrontDoor, Metadata, Provenance, Session};
 
-/// The envd version the broker presents: new enough for every call the pinned SDKs make
-/// (octet-stream uploads 0.5.7, closing stdin 0.5.2, no `username` parameter 0.4.0).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// The envd version the broker presents: the highest whose gated features all work here.
+/// The SDKs' gates (Python `e2b/envd/versions.py`, the JavaScript SDK's `compareVersions`
+/// calls): recursive watching 0.1.4, disk metrics 0.2.4, stdin 0.3.0, no `username`
+/// parameter 0.4.0, closing stdin 0.5.2, octet-stream (and gzip) uploads 0.5.7, file
+/// metadata 0.6.2, watch events with their entry 0.6.3, `allow_network_mounts` for watches
+/// 0.6.4 (accepted: a workspace is never a network mount, so it changes nothing).
+pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout.
 const DEFAULT_TIMEOUT: u64 = 300;
 

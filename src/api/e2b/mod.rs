@@ -12,7 +12,9 @@
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`), `listing.rs`
 //! its listing's query, filters and pages; `metrics.rs` a sandbox's metrics;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
-//! HTTP routes (`/health`, `/files`) and its Connect filesystem service; `process.rs` the
+//! HTTP route `/health` and its Connect filesystem service, `uploads.rs` its `/files`
+//! route (and the signed URLs' `/files`, checked by `signing.rs`), `watching.rs` its
+//! directory watches, `entry.rs` the entries they describe; `process.rs` the
 //! Connect process service (commands), `pty.rs` its pseudo-terminals, `stream.rs` its
 //! server streams, `command.rs` a running command and its output's
 //! fan-out to clients (held by `state.rs`); `connect.rs` the Connect framing; `documented.rs` what the routes' documentation
@@ -25,14 +27,18 @@ mod command;
 mod connect;
 mod control;
 mod documented;
+mod entry;
 mod envd;
 mod interpreter;
 mod listing;
 mod metrics;
 mod process;
 mod pty;
+mod signing;
 mod state;
 mod stream;
+mod uploads;
+mod watching;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -51,6 +57,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(control::routes())
         .merge(interpreter::routes())
         .merge(envd::routes())
+        .merge(uploads::routes())
         .merge(process::routes())
         .merge(metrics::routes())
         .layer(axum::Extension(std::sync::Arc::new(E2bState::default())))
@@ -141,17 +148,34 @@ pub type E2bResult<T> = Result<T, E2bError>;
 /// The sandbox's working directory, as its processes see it.
 pub const WORKDIR: &str = "/workspace";
 
+/// E2B's home directory of the sandbox's user: inside the sandbox, the same directory as
+/// [`WORKDIR`] (both name the sandbox's workspace).
+pub const HOME: &str = "/home/user";
+
+/// The absolute paths inside the sandbox that name its workspace.
+pub const WORKSPACE_NAMES: [&str; 2] = [WORKDIR, HOME];
+
+/// `path` below one of [`WORKSPACE_NAMES`], as a path relative to the workspace ("" for
+/// the workspace itself); `None` when it is not below either.
+pub fn under_workspace(path: &str) -> Option<&str> {
+    WORKSPACE_NAMES.iter().find_map(|name| {
+        let rest = path.strip_prefix(name)?;
+        match rest.strip_prefix('/') {
+            Some(r) => Some(r),
+            None if rest.is_empty() => Some(""),
+            None => None,
+        }
+    })
+}
+
 /// A path a client gave (absolute inside the sandbox, or relative to the working
 /// directory) as a path relative to the workspace; "" is the workspace itself. Only the
-/// workspace is reachable through the files API.
+/// workspace is reachable through the files API, under either of its names
+/// (`/workspace`, `/home/user`).
 pub fn workspace_relative(path: &str) -> E2bResult<String> {
     let p = path.trim();
-    let rel = if let Some(rest) = p.strip_prefix(WORKDIR) {
-        match rest.strip_prefix('/') {
-            Some(r) => r,
-            None if rest.is_empty() => "",
-            None => return Err(outside(path)),
-        }
+    let rel = if let Some(rest) = under_workspace(p) {
+        rest
     } else if let Some(rest) = p.strip_prefix("~/") {
         rest
     } else if p.starts_with('/') {
@@ -190,10 +214,19 @@ mod tests {
             ("/workspace/", ""),
             ("~/x", "x"),
             ("", ""),
+            ("/home/user/data.csv", "data.csv"),
+            ("/home/user", ""),
+            ("/home/user/a/", "a"),
         ] {
             assert_eq!(workspace_relative(given).unwrap(), want, "{given}");
         }
-        for bad in ["/etc/passwd", "/workspaces/x", "/home/user/x"] {
+        for bad in [
+            "/etc/passwd",
+            "/workspaces/x",
+            "/home/users/x",
+            "/home/x",
+            "/home",
+        ] {
             let e = workspace_relative(bad).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert!(e.message.contains("outside"), "{}", e.message);

@@ -35,6 +35,8 @@ pub struct E2bState {
     pub command_output: ByteBudgets,
     /// What each user's executions' unread output (`/execute` lines) may hold.
     pub execution_output: ByteBudgets,
+    /// The sandboxes' directory watchers (`watching.rs`).
+    pub watchers: super::watching::Watchers,
 }
 
 /// Bytes of `/execute` NDJSON lines a user's clients may leave unread, all her executions
@@ -51,6 +53,7 @@ impl Default for E2bState {
             sandboxes: Mutex::default(),
             command_output: ByteBudgets::new(COMMAND_OUTPUT_BUDGET),
             execution_output: ByteBudgets::new(EXECUTION_OUTPUT_BUDGET),
+            watchers: Default::default(),
         }
     }
 }
@@ -72,6 +75,7 @@ impl E2bState {
 
     /// Ends what the sandbox `id` holds besides its session: commands, then contexts.
     pub async fn end(&self, registry: &Registry, user: &str, id: Uuid) {
+        self.watchers.end_sandbox(id);
         let Some(meta) = self.remove(id) else { return };
         for cmd in meta.commands.values() {
             cmd.control.kill().await;

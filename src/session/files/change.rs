@@ -45,6 +45,31 @@ pub fn rename(
     to: &str,
     owner: Option<(u32, u32)>,
 ) -> Result<(), SessionError> {
+    move_entry(workspace, from, to, owner, RenameFlags::NOREPLACE)
+}
+
+/// [`rename`], replacing what is at `to` as `rename(2)` does (and E2B's envd, whose `Move`
+/// is Go's `os.Rename`): a file or symlink over a file or symlink, a directory over an empty
+/// directory. A directory over one that is not empty is
+/// [`SessionError::DestinationExists`]; a directory over a file, or a file over a
+/// directory, is refused by the system (`ENOTDIR`, `EISDIR`). The replaced entry is
+/// unlinked as itself: a symlink at `to` is replaced, never followed.
+pub fn rename_over(
+    workspace: &Path,
+    from: &str,
+    to: &str,
+    owner: Option<(u32, u32)>,
+) -> Result<(), SessionError> {
+    move_entry(workspace, from, to, owner, RenameFlags::empty())
+}
+
+fn move_entry(
+    workspace: &Path,
+    from: &str,
+    to: &str,
+    owner: Option<(u32, u32)>,
+    flags: RenameFlags,
+) -> Result<(), SessionError> {
     let from = clean_relative(from)?;
     let to = clean_relative(to)?;
     if to.starts_with(&from) {
@@ -58,25 +83,24 @@ pub fn rename(
         .map_err(|e| io_err("move", &from, e.into()))?;
     let to_parent = make_parents(&root, workspace, &to, owner)?;
     let to_name = last_component(&to)?;
-    // NOREPLACE: the check for an existing destination and the move are one atomic step.
-    rustix::fs::renameat_with(
-        &from_parent,
-        from_name,
-        &to_parent,
-        to_name,
-        RenameFlags::NOREPLACE,
-    )
-    .map_err(|e| match e {
-        rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY => {
-            SessionError::DestinationExists { path: to.clone() }
+    // With NOREPLACE the check for an existing destination and the move are one atomic step.
+    rustix::fs::renameat_with(&from_parent, from_name, &to_parent, to_name, flags).map_err(|e| {
+        match e {
+            rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY => {
+                SessionError::DestinationExists { path: to.clone() }
+            }
+            rustix::io::Errno::ISDIR => SessionError::IsDirectory { path: to.clone() },
+            rustix::io::Errno::NOTDIR if flags.is_empty() => {
+                SessionError::NotDirectory { path: to.clone() }
+            }
+            // The source's parent changed between the two opens and the move: its name is gone.
+            e => io_err("move", &from, e.into()),
         }
-        // The source's parent changed between the two opens and the move: its name is gone.
-        e => io_err("move", &from, e.into()),
     })
 }
 
 /// The directory holding `rel`, opened beneath the workspace with no symlink followed.
-fn open_parent(
+pub(super) fn open_parent(
     root: &std::os::fd::OwnedFd,
     workspace: &Path,
     rel: &Path,
@@ -89,7 +113,7 @@ fn open_parent(
 }
 
 /// The last component of a cleaned path (never empty, never `..`: `clean_relative`).
-fn last_component(rel: &Path) -> Result<&std::ffi::OsStr, SessionError> {
+pub(super) fn last_component(rel: &Path) -> Result<&std::ffi::OsStr, SessionError> {
     rel.file_name().ok_or_else(|| SessionError::NamesNoFile {
         path: rel.to_path_buf(),
     })

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, Dir, FileType};
 
+use super::metadata::{self, Metadata};
 use super::{clean_relative, io_err, make_parents, open_beneath, open_root};
 use crate::session::error::SessionError;
 
@@ -24,6 +25,10 @@ pub struct Entry {
     pub uid: u32,
     pub gid: u32,
     pub modified: chrono::DateTime<chrono::Utc>,
+    /// For a symlink: its text, as `readlink` gives it (never followed).
+    pub link_target: Option<PathBuf>,
+    /// For a file or directory: its user-defined metadata (`super::metadata`), if any.
+    pub metadata: Option<Metadata>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +43,7 @@ pub enum EntryKind {
 pub const MAX_ENTRIES: usize = 10_000;
 
 /// `rel` as a clean relative path; "" (or ".") is the workspace itself.
-fn relative(rel: &str) -> Result<PathBuf, SessionError> {
+pub(super) fn relative(rel: &str) -> Result<PathBuf, SessionError> {
     if rel.is_empty() || rel == "." {
         return Ok(PathBuf::new());
     }
@@ -64,7 +69,37 @@ fn entry_of(rel: PathBuf, st: &rustix::fs::Stat) -> Entry {
             u32::try_from(st.st_mtime_nsec).unwrap_or(0),
         )
         .unwrap_or_default(),
+        link_target: None,
+        metadata: None,
     }
+}
+
+/// [`entry_of`] for `name` in the open directory `parent`, with what only the entry itself
+/// tells: a symlink's text (`readlinkat`, which never follows), a file's or directory's
+/// metadata (read through a descriptor opened `O_NOFOLLOW` beneath `parent`: were the entry
+/// swapped for a symlink meanwhile, the open fails and there is no metadata).
+fn described(
+    parent: &std::os::fd::OwnedFd,
+    name: &std::ffi::OsStr,
+    rel: PathBuf,
+    st: &rustix::fs::Stat,
+) -> Entry {
+    let mut entry = entry_of(rel, st);
+    match entry.kind {
+        EntryKind::Symlink => {
+            entry.link_target = rustix::fs::readlinkat(parent, name, Vec::new())
+                .ok()
+                .map(|t| PathBuf::from(std::ffi::OsStr::from_bytes(t.as_bytes())));
+        }
+        EntryKind::File | EntryKind::Directory => {
+            let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY;
+            if let Ok(fd) = open_beneath(parent, Path::new(name), flags, 0) {
+                entry.metadata = metadata::read(&fd);
+            }
+        }
+        EntryKind::Other => {}
+    }
+    entry
 }
 
 /// What is at `rel` (a symlink is described, not followed).
@@ -73,7 +108,9 @@ pub fn stat(workspace: &Path, rel: &str) -> Result<Entry, SessionError> {
     let root = open_root(workspace)?;
     let Some(name) = rel.file_name() else {
         let st = rustix::fs::fstat(&root).map_err(|e| io_err("stat", workspace, e.into()))?;
-        return Ok(entry_of(rel, &st));
+        let mut entry = entry_of(rel, &st);
+        entry.metadata = metadata::read(&root);
+        return Ok(entry);
     };
     let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
         Some(p) => open_beneath(&root, p, libc::O_DIRECTORY | libc::O_RDONLY, 0)
@@ -82,7 +119,7 @@ pub fn stat(workspace: &Path, rel: &str) -> Result<Entry, SessionError> {
     };
     let st = rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
         .map_err(|e| io_err("stat", &rel, e.into()))?;
-    Ok(entry_of(rel, &st))
+    Ok(described(&parent, name, rel.clone(), &st))
 }
 
 /// The entries of directory `rel`, and of its subdirectories down to `depth` levels
@@ -126,7 +163,7 @@ pub fn list_dir(
             else {
                 continue; // gone meanwhile
             };
-            let entry = entry_of(dir_rel.join(name_os), &st);
+            let entry = described(&dir_fd, name_os, dir_rel.join(name_os), &st);
             if entry.kind == EntryKind::Directory && level < depth {
                 if let Ok(sub) = open_beneath(
                     &dir_fd,

@@ -22,6 +22,12 @@ mod change;
 pub use change::{remove, rename};
 mod entries;
 pub use entries::{list_dir, make_dir, stat, Entry, EntryKind};
+pub mod metadata;
+pub use metadata::Metadata;
+mod tree;
+pub mod watch;
+pub use change::rename_over;
+pub use tree::remove_all;
 
 /// One file of a listing.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -96,12 +102,28 @@ fn chown_fd(fd: &OwnedFd, owner: Option<(u32, u32)>) {
     }
 }
 
+/// How the temporary file of an upload in progress is named (beside its target).
+pub const UPLOAD_TEMP_PREFIX: &str = ".kb-upload-";
+
 /// Write `data` to `rel` in the workspace, creating parent directories.
 pub fn write(
     workspace: &Path,
     rel: &str,
     data: &[u8],
     owner: Option<(u32, u32)>,
+) -> Result<(), SessionError> {
+    write_with_metadata(workspace, rel, data, owner, None)
+}
+
+/// [`write`], storing `meta` on the new file (see [`metadata`]) before it takes the
+/// target's place: the file that replaces an old one carries exactly this metadata, as
+/// envd's uploads do.
+pub fn write_with_metadata(
+    workspace: &Path,
+    rel: &str,
+    data: &[u8],
+    owner: Option<(u32, u32)>,
+    meta: Option<&Metadata>,
 ) -> Result<(), SessionError> {
     let rel = clean_relative(rel)?;
     let root = open_root(workspace)?;
@@ -122,13 +144,17 @@ pub fn write(
     }
     // Into a new file beside the target, renamed over it once complete: a write that fails
     // (the quota is full, say) leaves the old file as it was and no partial file behind.
-    let temp = format!(".kb-upload-{}", uuid::Uuid::new_v4().simple());
+    let temp = format!("{UPLOAD_TEMP_PREFIX}{}", uuid::Uuid::new_v4().simple());
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let fd = rustix::fs::openat(&parent, temp.as_str(), flags, Mode::from_raw_mode(0o644))
         .map_err(|e| io_err("write", &rel, e.into()))?;
     chown_fd(&fd, owner);
-    let written = std::fs::File::from(fd)
-        .write_all(data)
+    let tagged = match meta {
+        Some(m) => metadata::write(&fd, m),
+        None => Ok(()),
+    };
+    let written = tagged
+        .and_then(|()| std::fs::File::from(fd).write_all(data))
         .and_then(|()| Ok(rustix::fs::renameat(&parent, temp.as_str(), &parent, name)?));
     if let Err(e) = written {
         let _ = rustix::fs::unlinkat(&parent, temp.as_str(), rustix::fs::AtFlags::empty());
