@@ -49,6 +49,7 @@ impl Registry {
             env: request.env,
             cwd: request.cwd,
             limits: session.limits,
+            own_workspace: session.own_workspace,
         };
         let mut running = self.sandbox().run_command(spec).await.map_err(|source| {
             SessionError::CommandNotStarted {

@@ -40,3 +40,4 @@ mod sandbox_contract;
 mod sandbox_docker;
 mod sandbox_local;
 mod sessions;
+mod workspace_option;

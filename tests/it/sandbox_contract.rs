@@ -608,6 +608,7 @@ async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static s
             env,
             cwd: None,
             limits: alice.limits.kernel(None),
+            own_workspace: None,
         };
         let spec = command(vec!["/bin/true".into()], env);
         let cmd = h

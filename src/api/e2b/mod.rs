@@ -4,7 +4,8 @@
 //!
 //! An E2B sandbox is a session of the key's user (same id: it shows in `/v1/sessions`,
 //! `/api/kernels` and the UI, and is recorded); its contexts are more sessions of that
-//! user; its working directory is the user's workspace (`/workspace`); its commands run
+//! user; its home and working directory is its own workspace (`/home/user`, also at
+//! `/workspace`: `WorkspaceChoice::Own`, removed with it); its commands run
 //! in the user's sandbox through `Registry::run_command` (the sandbox's `run_command`). E2B's
 //! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
 //! then unless extended.
@@ -22,6 +23,7 @@
 mod auth;
 mod command;
 mod connect;
+mod context_cwd;
 mod control;
 mod documented;
 mod envd;
@@ -133,15 +135,20 @@ impl From<super::error::ApiError> for E2bError {
 
 pub type E2bResult<T> = Result<T, E2bError>;
 
-/// The sandbox's working directory, as its processes see it.
-pub const WORKDIR: &str = "/workspace";
+/// The sandbox's working directory and home, as its processes see it (E2B's).
+pub const WORKDIR: &str = "/home/user";
+/// The same directory under the broker's own name for it, which keeps working.
+pub const WORKSPACE_ALIAS: &str = "/workspace";
 
 /// A path a client gave (absolute inside the sandbox, or relative to the working
 /// directory) as a path relative to the workspace; "" is the workspace itself. Only the
 /// workspace is reachable through the files API.
 pub fn workspace_relative(path: &str) -> E2bResult<String> {
     let p = path.trim();
-    let rel = if let Some(rest) = p.strip_prefix(WORKDIR) {
+    let under = [WORKDIR, WORKSPACE_ALIAS]
+        .iter()
+        .find_map(|dir| p.strip_prefix(dir));
+    let rel = if let Some(rest) = under {
         match rest.strip_prefix('/') {
             Some(r) => r,
             None if rest.is_empty() => "",
@@ -183,17 +190,19 @@ mod tests {
             ("/workspace/a/b.csv", "a/b.csv"),
             ("/workspace", ""),
             ("/workspace/", ""),
+            ("/home/user/data.csv", "data.csv"),
+            ("/home/user", ""),
             ("~/x", "x"),
             ("", ""),
         ] {
             assert_eq!(workspace_relative(given).unwrap(), want, "{given}");
         }
-        for bad in ["/etc/passwd", "/workspaces/x", "/home/user/x"] {
+        for bad in ["/etc/passwd", "/workspaces/x", "/home/users/x", "/tmp/x"] {
             let e = workspace_relative(bad).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert!(e.message.contains("outside"), "{}", e.message);
         }
-        assert_eq!(inside_path("a/b"), "/workspace/a/b");
-        assert_eq!(inside_path(""), "/workspace");
+        assert_eq!(inside_path("a/b"), "/home/user/a/b");
+        assert_eq!(inside_path(""), "/home/user");
     }
 }

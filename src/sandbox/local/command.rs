@@ -22,11 +22,13 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, BwrapRequest, HostRoot};
+use super::own::{own_env, Placement};
 use super::process::Prepared;
 use super::LocalSandbox;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::command::{CommandControl, CommandExit, CommandSpec, RunningCommand};
 use crate::sandbox::fsutil::{launch_err, launch_step, remove_dir_logged};
+use crate::sandbox::own_workspace;
 use crate::sandbox::LaunchRefusal;
 use crate::sandbox::SandboxError;
 
@@ -45,6 +47,7 @@ impl LocalSandbox {
         let id = Uuid::new_v4();
         let Prepared {
             workspace,
+            own,
             ids,
             rundir,
             mut guard,
@@ -54,8 +57,11 @@ impl LocalSandbox {
                 id,
                 serde_json::Value::Null,
                 spec.limits,
-                None,
                 cgroups.as_ref(),
+                Placement {
+                    boot_dir: None,
+                    own_workspace: spec.own_workspace,
+                },
             )
             .await?;
 
@@ -65,14 +71,23 @@ impl LocalSandbox {
             "/bin/sh".to_string(),
             "-c".to_string(),
             "cd -- \"$0\" && exec \"$@\"".to_string(),
-            spec.cwd
-                .clone()
-                .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
+            spec.cwd.clone().unwrap_or_else(|| {
+                match own {
+                    Some(_) => own_workspace::HOME_INSIDE,
+                    None => super::WORKSPACE_INSIDE,
+                }
+                .into()
+            }),
         ];
         argv.extend(spec.argv.iter().cloned());
         // The tenant's variables and command reach only the command's own shell, after the
-        // drop.
-        let environment = self.environment_memfd(&user, &spec.env, &argv)?;
+        // drop (theirs after the sandbox's own, so they may set HOME and USER).
+        let mut env = match own {
+            Some(_) => own_env(),
+            None => Vec::new(),
+        };
+        env.extend(spec.env.iter().cloned());
+        let environment = self.environment_memfd(&user, &env, &argv)?;
         let env_fd = environment.as_raw_fd();
         let request = BwrapRequest {
             workspace: &workspace,
@@ -82,6 +97,7 @@ impl LocalSandbox {
             resource_dir: None,
             boot_dir: None,
             env_fd,
+            own: own.as_ref(),
         };
         let mut opts = self.bwrap_opts.clone();
         opts.die_with_parent = true;
