@@ -39,7 +39,7 @@ def test_data_analysis_pattern_with_the_python_sdk(e2b_env):
         assert sbx.sandbox_id in kernels
 
         info = sbx.files.write("data.csv", CSV)
-        assert info.path == "/workspace/data.csv"
+        assert info.path == "/home/user/data.csv"
         assert sbx.files.exists("data.csv")
         assert sbx.files.read("data.csv") == CSV
 
@@ -123,7 +123,7 @@ def test_sdk_calls_the_issue_lists(e2b_env):
         r = sbx.commands.run("echo hi; echo oops >&2; pwd; id -u", on_stdout=out.append)
         assert r.exit_code == 0
         assert r.stdout.splitlines()[0] == "hi" and "oops" in r.stderr
-        assert "/workspace" in r.stdout
+        assert "/home/user" in r.stdout
         assert "hi" in "".join(out)
         # A command that prints without bound reaches the client whole; its recording keeps
         # only the start and the end.
@@ -151,7 +151,7 @@ def test_sdk_calls_the_issue_lists(e2b_env):
         from e2b.sandbox.filesystem.filesystem import WriteEntry
 
         written = sbx.files.write_files([WriteEntry(path="m/1.txt", data="1"), WriteEntry(path="m/2.txt", data="22")])
-        assert sorted(w.path for w in written) == ["/workspace/m/1.txt", "/workspace/m/2.txt"]
+        assert sorted(w.path for w in written) == ["/home/user/m/1.txt", "/home/user/m/2.txt"]
         fi = sbx.files.get_info("m/2.txt")
         assert fi.size == 2 and fi.type.value == "file"
 

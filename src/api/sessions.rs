@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 
 use crate::session::{
     CreateOptions, EndedBy, ExecuteRequest, FrontDoor, Metadata, Origin, Provenance, Timeout,
+    WorkspaceChoice,
 };
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -51,6 +52,19 @@ pub struct CreateBody {
     /// of 1 to 64 bytes, values of at most 1024 bytes.
     #[serde(default)]
     metadata: BTreeMap<String, String>,
+    /// `shared` (the default): the user's workspace at `/workspace`, shared by all her
+    /// sessions and kept after them. `own`: an empty workspace of the session's own at
+    /// `/home/user` (its home and working directory) and `/workspace`, with a `/tmp` its
+    /// kernel and commands share, removed when the session ends (as an E2B sandbox's).
+    workspace: Option<WorkspaceOption>,
+}
+
+/// The `workspace` of `POST /v1/sessions`.
+#[derive(Deserialize, Clone, Copy, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceOption {
+    Shared,
+    Own,
 }
 
 impl BodyLimit for CreateBody {
@@ -84,6 +98,10 @@ async fn create(
             memory_limit_bytes: req.memory_limit_bytes,
             provenance:
                 Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
+            workspace: match req.workspace {
+                None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
+                Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
+            },
         }))
         .await?;
     let location = format!("/v1/sessions/{}", session.id);

@@ -19,6 +19,10 @@ pub struct CommandSpec {
     pub env: Vec<(String, String)>,
     /// The working directory inside the sandbox (`None`: the workspace).
     pub cwd: Option<String>,
+    /// The own workspace the command works in (its sandbox's session id, as
+    /// [`LaunchSpec::own_workspace`](super::LaunchSpec::own_workspace)); `None`: the
+    /// user's shared workspace.
+    pub own_workspace: Option<uuid::Uuid>,
     /// The command's own memory and process limits (its leaf's).
     pub limits: KernelLimits,
     /// Run it on a pseudo-terminal of this size (E2B's `pty`): its stdin, stdout and stderr

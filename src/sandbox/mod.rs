@@ -51,11 +51,13 @@ pub(crate) mod fsutil;
 pub mod launch_error;
 pub mod local;
 pub(crate) mod netns;
+pub(crate) mod own_workspace;
 pub(crate) mod pidfd;
 #[cfg(test)]
 mod privileged_fs_tests;
 pub(crate) mod procfs;
 pub mod seccomp;
+pub(crate) mod sudo;
 pub(crate) mod template_slots;
 pub(crate) mod watched;
 pub(crate) mod workspace_fs;
@@ -224,6 +226,9 @@ pub struct LaunchSpec {
     pub env: Vec<(String, String)>,
     /// The kernel's own memory and process limits.
     pub limits: KernelLimits,
+    /// The own workspace this kernel works in, named by the session that owns it (an E2B
+    /// sandbox's contexts use their sandbox's); `None`: the user's shared workspace.
+    pub own_workspace: Option<Uuid>,
 }
 
 #[cfg(test)]
@@ -241,12 +246,15 @@ impl LaunchSpec {
             key: "abc".into(),
             env: vec![],
             limits: UserLimits::default().kernel(None),
+            own_workspace: None,
         }
     }
 }
 
 pub use crate::kernel::KernelEndpoints;
 pub use launch_error::{LaunchRefusal, StepFailed};
+/// The login name of a sandbox with a workspace of its own (E2B's sandbox user).
+pub use own_workspace::LOGIN as OWN_WORKSPACE_LOGIN;
 
 /// What adopting a kernel an earlier run of the broker kept (`--keep-sessions`) needs: the
 /// session it serves, its user and its limits, as the session layer recorded them.
@@ -380,6 +388,21 @@ pub trait Sandbox: Send + Sync {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, SandboxError>;
     /// The host directory holding this user's persistent workspace (created if missing).
     fn workspace(&self, user: &SandboxUser) -> Result<PathBuf, SandboxError>;
+    /// The host directory of the own workspace `key` (a session's id, see
+    /// [`LaunchSpec::own_workspace`]) as its kernels see it at `/home/user` and
+    /// `/workspace`: the one its session's launch made (an error once it is removed);
+    /// `None`: this backend has no own workspaces, and such sessions work in the user's
+    /// shared one.
+    fn own_workspace(
+        &self,
+        _user: &SandboxUser,
+        _key: Uuid,
+    ) -> Result<Option<PathBuf>, SandboxError> {
+        Ok(None)
+    }
+    /// Removes the own workspace `key` and all in it (its session ended); nothing of its
+    /// kernels may run any more. Removing one that does not exist is no error.
+    async fn remove_own_workspace(&self, _user: &SandboxUser, _key: Uuid) {}
     /// The host uid and gid that own files in this user's workspace (what the kernel runs
     /// as), so files the broker writes there stay writable by the kernel. `None`: leave
     /// ownership as it falls.

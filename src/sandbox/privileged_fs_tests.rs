@@ -35,7 +35,9 @@ const PATH_CALLS: &[&str] = &[
 /// Where path-based calls stand, how many, and why each is safe.
 const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/fsutil/mod.rs", 4, "the broker's own state directories (data, workspaces, runtime base: parents the operator chose, checked to be the broker's); remove_dir_logged, whose std::fs::remove_dir_all opens the last component O_NOFOLLOW and walks by descriptor, called only on directories whose parents are the broker's"),
-    ("src/sandbox/workspace_fs.rs", 9, "images and mount points in the broker's 0700 workspaces directory; lost+found removed (rmdir, never follows) right after mkfs, before any kernel; the workspace's own mode set on the mount point, whose parent is the broker's"),
+    ("src/sandbox/workspace_fs.rs", 10, "images and mount points in the broker's 0700 workspaces directory; lost+found removed (rmdir, never follows) right after mkfs, before any kernel; the workspace's own mode set on the mount point, whose parent is the broker's; an own workspace's image unlinked in the broker's images directory"),
+    ("src/sandbox/own_workspace.rs", 2, "an own workspace's root made and removed in the broker's 0700 <data_dir>/sandboxes: every directory down to it is the broker's; what is inside goes with std's remove_dir_all, which opens each directory O_NOFOLLOW and unlinks symlinks as themselves"),
+    ("src/sandbox/sudo.rs", 6, "the broker's tools directory (in its 0700 runtime base or data directory) and the sudo script in it: no kernel can write there (shown read-only)"),
     ("src/sandbox/docker/command.rs", 3, "remove_dir_logged of a command's session directory in the user's 0711 runtime directory"),
     ("src/sandbox/docker/container.rs", 2, "the user's runtime directory itself, in the broker's runtime base"),
     ("src/sandbox/docker/daemon.rs", 2, "the broker's own state (the daemon socket directory it made)"),
@@ -54,7 +56,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/command.rs", 1, "remove_dir_logged of a command's runtime directory"),
     ("src/sandbox/local/files.rs", 4, "rmdir of cgroup leaves; remove_dir_all of runtime directories in the broker's runtime base (last component not followed)"),
     ("src/sandbox/local/keep.rs", 4, "the broker's 0700 ticket directory"),
-    ("src/sandbox/local/mod.rs", 2, "the broker's runtime base and its boot/ directory (the broker's own, 0700 base), at shutdown"),
+    ("src/sandbox/local/mod.rs", 3, "the broker's runtime base and its boot/ and tools/ directories (the broker's own, 0700 base), at shutdown"),
     ("src/sandbox/local/reaper.rs", 1, "remove_dir_logged of an ended kernel's runtime directory"),
     ("src/sandbox/local/template/mod.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
     ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),

@@ -244,6 +244,55 @@ impl WorkspaceImages {
         settled.plain.clear();
     }
 
+    /// Unmounts the file system at `dir` (if this run mounted or found it) and deletes its
+    /// image: what it held is gone. Blocking; nothing may use it any more. Root's part is
+    /// `umount` of a mount point the broker made and the unlink of an image in its own
+    /// directory: no path a kernel can write is followed.
+    pub(crate) fn discard(&self, dir: &Path) -> Result<(), SandboxError> {
+        let was_mounted = {
+            let mut settled = lock(&self.settled);
+            settled.plain.remove(dir);
+            let before = settled.mounted.len();
+            settled.mounted.retain(|m| m != dir);
+            settled.mounted.len() != before
+        };
+        if was_mounted || (self.privileged && is_mount_point(dir).unwrap_or(false)) {
+            if let Err(e) = run(helper("umount").arg(dir)) {
+                // Still held (a process that would not die): detach it now; the image's
+                // blocks are freed when the last holder goes.
+                let lazy = run(helper("umount").arg("-l").arg(dir));
+                tracing::warn!(dir = %dir.display(), error = %e, detached = lazy.is_ok(), "cannot unmount an own workspace");
+            }
+        }
+        if let Some(name) = dir.file_name() {
+            let mut file = name.to_owned();
+            file.push(".img");
+            let image = self.images.join(file);
+            match std::fs::remove_file(&image) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err("cannot delete a workspace image", &image)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The names (file stems) of the images in this set's images directory.
+    pub(crate) fn image_names(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.images) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".img"))
+                    .map(str::to_string)
+            })
+            .collect()
+    }
+
     /// Unmounts every workspace file system this run mounted (after the kernels are gone).
     /// Blocking.
     pub(crate) fn unmount_all(&self) {

@@ -1,5 +1,6 @@
-//! Settings of the session layer ([`SessionConfig`]) and of its warm pool
-//! ([`PoolConfig`]), in one place so the configuration file maps onto them.
+//! Settings of the session layer ([`SessionConfig`]), of its warm pool
+//! ([`PoolConfig`]) and of one session ([`WorkspaceChoice`]), in one place so the
+//! configuration file maps onto them.
 
 use std::time::Duration;
 
@@ -61,4 +62,18 @@ impl Default for PoolConfig {
             idle: Duration::from_secs(600),
         }
     }
+}
+
+/// Which workspace a new session's kernels work in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WorkspaceChoice {
+    /// The user's workspace, shared by all her sessions and kept after them (`/workspace`).
+    #[default]
+    Shared,
+    /// One of its own (E2B's sandbox shape: `/home/user`, also at `/workspace`, and a
+    /// `/tmp` of its own), made empty with the session and removed when it ends.
+    Own,
+    /// The own workspace of the live session `of` (an E2B sandbox's contexts work in their
+    /// sandbox's); removed when the last session working in it ends.
+    OwnOf(uuid::Uuid),
 }

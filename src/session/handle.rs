@@ -60,6 +60,9 @@ pub struct Session {
     pub limits: KernelLimits,
     /// The front door that made it (which owns its life) and its client's metadata.
     pub provenance: Provenance,
+    /// The own workspace its kernels and commands work in (the key of
+    /// [`LaunchSpec::own_workspace`]); `None`: the user's shared workspace.
+    pub own_workspace: Option<Uuid>,
     state: Mutex<State>,
     /// The status the actor publishes; read with `borrow()`, waited on with `changed()`.
     status: watch::Sender<SessionStatus>,
@@ -101,6 +104,8 @@ pub(super) struct HandleParts {
     pub kept: Option<Arc<KeptSessions>>,
     /// What an adopted session brings from its record (`--keep-sessions`).
     pub restored: Option<Restored>,
+    /// See [`Session::own_workspace`].
+    pub own_workspace: Option<Uuid>,
 }
 
 /// The state an adopted session resumes with.
@@ -133,6 +138,7 @@ impl Session {
             idle_timeout: parts.idle_timeout,
             limits: parts.limits,
             provenance: parts.provenance,
+            own_workspace: parts.own_workspace,
             state: Mutex::new(State {
                 memory: Some(parts.memory),
                 process: None,
@@ -283,6 +289,7 @@ impl Session {
             stopped,
             front_door: self.provenance.front_door,
             metadata: self.provenance.metadata.clone(),
+            own_workspace: self.own_workspace,
         }
     }
 
@@ -406,6 +413,7 @@ impl Session {
             key,
             env: Vec::new(),
             limits: self.limits,
+            own_workspace: self.own_workspace,
         }
     }
 

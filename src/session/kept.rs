@@ -55,6 +55,9 @@ pub struct SessionRecord {
     pub front_door: FrontDoor,
     #[serde(default)]
     pub metadata: Metadata,
+    /// The own workspace its kernels work in (records before there were any: none).
+    #[serde(default)]
+    pub own_workspace: Option<Uuid>,
 }
 
 /// The records' directory.
@@ -227,6 +230,7 @@ mod tests {
             stopped: false,
             front_door: FrontDoor::E2b,
             metadata: Metadata::default(),
+            own_workspace: None,
         }
     }
 

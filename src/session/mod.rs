@@ -79,7 +79,7 @@ mod workspace;
 /// The sandbox's plain data the front doors name: who a session is for, and their limits.
 pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
 pub use command::{ExecRequest, ReplyRoute};
-pub use config::{PoolConfig, SessionConfig};
+pub use config::{PoolConfig, SessionConfig, WorkspaceChoice};
 pub use create::CreateRequest;
 pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;

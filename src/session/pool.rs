@@ -160,6 +160,7 @@ impl Pool {
                     key: Signer::random_key(),
                     env: Vec::new(),
                     limits,
+                    own_workspace: None,
                 };
                 let started = tokio::select! {
                     r = start_kernel(&pool.sandbox, spec, pool.kernel) => Some(r),

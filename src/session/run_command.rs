@@ -54,6 +54,7 @@ impl Registry {
             cwd: request.cwd,
             limits: session.limits,
             pty: request.pty,
+            own_workspace: session.own_workspace,
         };
         let mut running = self.sandbox().run_command(spec).await.map_err(|source| {
             SessionError::CommandNotStarted {

@@ -27,15 +27,24 @@ pub struct Workspace {
 }
 
 impl Registry {
-    /// The workspace of `session`'s user.
+    /// The workspace of `session`: its own, if it has one the sandbox made, else its
+    /// user's shared one.
     pub fn workspace(&self, session: &Arc<Session>) -> Result<Workspace, SessionError> {
         let sandbox = self.sandbox();
-        let root = sandbox.workspace(&session.user).map_err(|source| {
-            SessionError::WorkspaceUnavailable {
-                user: session.user.name.clone(),
-                source,
-            }
-        })?;
+        let unavailable = |source| SessionError::WorkspaceUnavailable {
+            user: session.user.name.clone(),
+            source,
+        };
+        let own = match session.own_workspace {
+            Some(key) => sandbox
+                .own_workspace(&session.user, key)
+                .map_err(unavailable)?,
+            None => None,
+        };
+        let root = match own {
+            Some(root) => root,
+            None => sandbox.workspace(&session.user).map_err(unavailable)?,
+        };
         Ok(Workspace {
             root: Arc::new(root),
             owner: sandbox.workspace_owner(&session.user),
@@ -182,6 +191,21 @@ impl Workspace {
             files::watch::DirWatch::new(&root, &rel, recursive)
         })
         .await
+    }
+
+    /// The name of the account `id` (a uid or a gid of an entry here) as the session's
+    /// sandbox names it: a session with a workspace of its own names its kernel's uid and
+    /// gid `user` (E2B's sandbox user, `sandbox/own_workspace.rs`); 0 is `root`; any other id
+    /// stays a number.
+    pub fn account_name(&self, id: u32) -> String {
+        let kernel = self.owner.is_some_and(|(uid, gid)| id == uid || id == gid);
+        match id {
+            0 => "root".to_string(),
+            _ if kernel && self.session.own_workspace.is_some() => {
+                crate::sandbox::OWN_WORKSPACE_LOGIN.to_string()
+            }
+            _ => id.to_string(),
+        }
     }
 
     fn report(&self, event: LifecycleEvent) {

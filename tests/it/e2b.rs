@@ -440,7 +440,7 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
         )
         .await;
     assert_eq!(s, 200);
-    assert_eq!(json_err(&out)[0]["path"], "/workspace/up.txt");
+    assert_eq!(json_err(&out)[0]["path"], "/home/user/up.txt");
     // Connect: unary errors as Connect's JSON; stream errors in the end envelope.
     let (s, out) = e
         .sandbox(

@@ -41,3 +41,4 @@ mod sandbox_docker;
 mod sandbox_local;
 mod sandbox_pty;
 mod sessions;
+mod workspace_option;

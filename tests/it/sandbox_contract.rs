@@ -609,6 +609,7 @@ async fn a_tenants_environment_reaches_no_privileged_process(backend: &'static s
             cwd: None,
             limits: alice.limits.kernel(None),
             pty: None,
+            own_workspace: None,
         };
         let spec = command(vec!["/bin/true".into()], env);
         let cmd = h

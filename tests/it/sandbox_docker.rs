@@ -508,6 +508,7 @@ async fn a_planted_go_symlink_is_never_followed() {
                 cwd: None,
                 limits: alice.limits.kernel(None),
                 pty: None,
+                own_workspace: None,
             };
             // A lost race fails the command's start; a won one for the broker runs it.
             if let Ok(cmd) = h.sandbox.run_command(spec).await {

@@ -448,7 +448,7 @@ with open('/workspace/report.json', 'w') as f:
         assert_eq!(r["home_listing"], serde_json::json!(["kernel"]), "{r}");
         assert_eq!(
             r["opt_listing"],
-            serde_json::json!(["kernel-python", "kernel-venv"]),
+            serde_json::json!(["kernel-broker-tools", "kernel-python", "kernel-venv"]),
             "{r}"
         );
         assert_eq!(r["write_home"], true);

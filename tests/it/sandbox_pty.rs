@@ -31,6 +31,7 @@ async fn a_command_on_a_terminal_is_its_controlling_terminal_and_resizes(backend
             cwd: None,
             limits: alice.limits.kernel(None),
             pty,
+            own_workspace: None,
         };
         let size = PtySize { rows: 24, cols: 80 };
         let mut cmd = h

@@ -27,7 +27,9 @@ use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited};
 use crate::api::AppState;
 use crate::session::check_user_env;
-use crate::session::{CreateOptions, EndedBy, FrontDoor, Metadata, Provenance, Session};
+use crate::session::{
+    CreateOptions, EndedBy, FrontDoor, Metadata, Provenance, Session, WorkspaceChoice,
+};
 
 /// The envd version the broker presents: the highest whose gated features all work here.
 /// The SDKs' gates (Python `e2b/envd/versions.py`, the JavaScript SDK's `compareVersions`
@@ -74,10 +76,18 @@ pub(super) fn max_timeout(state: &AppState) -> u64 {
 /// but the longest idle timeout as a backstop. The fixed deadline is not in the session's
 /// record, so after a restart with `--keep-sessions` a sandbox would otherwise live
 /// forever; every move of the deadline is activity, so the backstop never comes first.
-pub(super) fn session_options(state: &AppState, metadata: Metadata) -> CreateOptions {
+///
+/// `workspace` is the sandbox's own (E2B's sandbox is a machine of its own: `/home/user`, `/tmp`);
+/// its contexts work in their sandbox's.
+pub(super) fn session_options(
+    state: &AppState,
+    metadata: Metadata,
+    workspace: WorkspaceChoice,
+) -> CreateOptions {
     CreateOptions {
         idle_timeout_seconds: Some(state.registry.config().max_idle_timeout.as_secs()),
         provenance: Provenance::new(FrontDoor::E2b).with_metadata(metadata),
+        workspace,
         ..Default::default()
     }
 }
@@ -168,7 +178,11 @@ async fn create(
     let user = caller.0 .0.clone();
     let session = state
         .registry
-        .create_session(user.create_request(session_options(&state, metadata)))
+        .create_session(user.create_request(session_options(
+            &state,
+            metadata,
+            WorkspaceChoice::Own,
+        )))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
     if !env.is_empty() {

@@ -36,7 +36,7 @@ use crate::api::output_budget::{CutQueue, Held};
 use crate::api::AppState;
 use crate::session::{
     EndedBy, ExecuteRequest, ExecutionStatus, FrontDoor, Metadata, Origin, OutputEvent, Session,
-    Timeout,
+    Timeout, WorkspaceChoice,
 };
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -365,17 +365,10 @@ async fn create_context(
     let bytes = read_limited(body, 64 << 10, "request body").await?;
     let req: ContextBody = parse_json(&bytes, "request body")?;
     check_language(req.language.as_deref())?;
-    if let Some(cwd) = req
-        .cwd
-        .as_deref()
-        .filter(|c| *c != WORKDIR && !c.is_empty())
-    {
-        return Err(E2bError::unsupported(format!(
-            "a context working directory other than {WORKDIR} ({cwd:?})"
-        )));
-    }
+    let cwd = super::context_cwd::asked(req.cwd.as_deref())?;
     let sandbox = Metadata::lenient([("sandbox".to_string(), caller.session.id.to_string())]);
-    let options = super::control::session_options(&state, sandbox);
+    let options =
+        super::control::session_options(&state, sandbox, WorkspaceChoice::OwnOf(caller.session.id));
     let session = state
         .registry
         .create_session(caller.user.create_request(options))
@@ -386,6 +379,15 @@ async fn create_context(
         .and_then(|d| (d - chrono::Utc::now()).to_std().ok());
     if let Some(left) = deadline_left {
         session.set_deadline(Some(tokio::time::Instant::now() + left));
+    }
+    if let Some(dir) = &cwd {
+        if let Err(e) = super::context_cwd::apply(&state, &session, dir).await {
+            let _ = state
+                .registry
+                .delete(&caller.user.name, session.id, EndedBy::SetupFailed)
+                .await;
+            return Err(e);
+        }
     }
     let known = caller
         .e2b
@@ -398,7 +400,11 @@ async fn create_context(
             .await;
         return Err(E2bError::not_found("the sandbox has ended"));
     }
-    Ok(Json(context_json(session.id)))
+    let mut context = context_json(session.id);
+    if let Some(dir) = cwd {
+        context["cwd"] = json!(dir);
+    }
+    Ok(Json(context))
 }
 
 /// The sandbox's contexts

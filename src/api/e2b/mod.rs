@@ -4,7 +4,8 @@
 //!
 //! An E2B sandbox is a session of the key's user (same id: it shows in `/v1/sessions`,
 //! `/api/kernels` and the UI, and is recorded); its contexts are more sessions of that
-//! user; its working directory is the user's workspace (`/workspace`); its commands run
+//! user; its home and working directory is its own workspace (`/home/user`, also at
+//! `/workspace`: `WorkspaceChoice::Own`, removed with it); its commands run
 //! in the user's sandbox through `Registry::run_command` (the sandbox's `run_command`). E2B's
 //! timeout is the session's fixed deadline (`Session::set_deadline`): the sandbox ends
 //! then unless extended.
@@ -25,6 +26,7 @@
 mod auth;
 mod command;
 mod connect;
+mod context_cwd;
 mod control;
 mod documented;
 mod entry;
@@ -145,15 +147,13 @@ impl From<super::error::ApiError> for E2bError {
 
 pub type E2bResult<T> = Result<T, E2bError>;
 
-/// The sandbox's working directory, as its processes see it.
-pub const WORKDIR: &str = "/workspace";
-
-/// E2B's home directory of the sandbox's user: inside the sandbox, the same directory as
-/// [`WORKDIR`] (both name the sandbox's workspace).
-pub const HOME: &str = "/home/user";
+/// The sandbox's working directory and home, as its processes see it (E2B's).
+pub const WORKDIR: &str = "/home/user";
+/// The same directory under the broker's own name for it, which keeps working.
+pub const WORKSPACE_ALIAS: &str = "/workspace";
 
 /// The absolute paths inside the sandbox that name its workspace.
-pub const WORKSPACE_NAMES: [&str; 2] = [WORKDIR, HOME];
+pub const WORKSPACE_NAMES: [&str; 2] = [WORKDIR, WORKSPACE_ALIAS];
 
 /// `path` below one of [`WORKSPACE_NAMES`], as a path relative to the workspace ("" for
 /// the workspace itself); `None` when it is not below either.
@@ -226,12 +226,13 @@ mod tests {
             "/home/users/x",
             "/home/x",
             "/home",
+            "/tmp/x",
         ] {
             let e = workspace_relative(bad).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert!(e.message.contains("outside"), "{}", e.message);
         }
-        assert_eq!(inside_path("a/b"), "/workspace/a/b");
-        assert_eq!(inside_path(""), "/workspace");
+        assert_eq!(inside_path("a/b"), "/home/user/a/b");
+        assert_eq!(inside_path(""), "/home/user");
     }
 }

@@ -300,6 +300,7 @@ impl McpServer {
                 id: None,
                 memory_limit_bytes: args.memory_limit_bytes,
                 provenance: call.provenance(),
+                workspace: Default::default(),
             }))
             .await;
         match created {

@@ -36,6 +36,7 @@ use crate::sandbox::command::{
     CommandControl, CommandExit, CommandSpec, PtySize, ResizeError, RunningCommand,
 };
 use crate::sandbox::fsutil::{launch_err, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::own_workspace;
 use crate::sandbox::{thread_env, LaunchRefusal, SandboxError};
 
 /// How long the command waits for its `go` file (20 ms rounds), as a kernel does.
@@ -81,11 +82,13 @@ impl Inner {
              exec {TINI_INSIDE} -s -- sh -c 'cd -- \"$1\" || exit 1; shift; \"$@\"' \"$0\" \"$@\""
         );
         let mut cmd = vec!["sh".to_string(), "-c".to_string(), script, marker.clone()];
-        cmd.push(
-            spec.cwd
-                .clone()
-                .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
-        );
+        // A session with a workspace of its own starts in E2B's home (here the user's
+        // workspace too, see `container.rs`).
+        let home = match spec.own_workspace {
+            Some(_) => own_workspace::HOME_INSIDE,
+            None => super::WORKSPACE_INSIDE,
+        };
+        cmd.push(spec.cwd.clone().unwrap_or_else(|| home.into()));
         cmd.extend(spec.argv.iter().cloned());
         // The kernels' Python first on the PATH, as in the local sandbox.
         let mut env = vec![format!(
@@ -97,6 +100,9 @@ impl Inner {
                 .into_iter()
                 .map(|(k, v)| format!("{k}={v}")),
         );
+        if spec.own_workspace.is_some() {
+            env.push(format!("HOME={}", own_workspace::HOME_INSIDE));
+        }
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let fail = |what: &'static str, e: bollard::errors::Error| launch_step(&user, what, e);
         let exec = docker

@@ -32,6 +32,7 @@ use super::{
 };
 use crate::sandbox::fsutil::{self, io_err, launch_failed, launch_step};
 use crate::sandbox::workspace_fs::prepare_workspace;
+use crate::sandbox::{own_workspace, sudo};
 use crate::sandbox::{SandboxError, SandboxUser, KERNEL_OOM_SCORE_ADJ};
 use crate::sync::lock;
 
@@ -103,7 +104,17 @@ impl ContainerSpec<'_> {
                 mounts: Some(
                     [
                         Some(bind(workspace, WORKSPACE_INSIDE)),
+                        // E2B's home: sessions with a workspace of their own find the
+                        // user's here too (one container holds all her kernels, so it
+                        // cannot give each session its own; docs/API.md, E2B).
+                        Some(bind(workspace, own_workspace::HOME_INSIDE)),
                         Some(bind(run_dir, RUN_DIR_INSIDE)),
+                        // The sandbox's `sudo` (`sudo.rs`), where every PATH finds it (a
+                        // login shell's /etc/profile sets its own).
+                        Some(Mount {
+                            read_only: Some(true),
+                            ..bind(&tools_dir(self.data_dir).join("sudo"), SUDO_INSIDE)
+                        }),
                         self.ca_file.map(|ca| Mount {
                             read_only: Some(true),
                             ..bind(ca, crate::egress::CA_FILE_INSIDE)
@@ -121,6 +132,14 @@ impl ContainerSpec<'_> {
         }
     }
 }
+
+/// The broker's tools directory for containers (`sudo.rs`).
+fn tools_dir(data_dir: &Path) -> std::path::PathBuf {
+    data_dir.join(format!("{}-docker", sudo::TOOLS_DIR_NAME))
+}
+
+/// Where the sandbox's `sudo` appears in a container (the image has none).
+const SUDO_INSIDE: &str = "/usr/bin/sudo";
 
 /// Where the image's `kernel` user lives while its kernels run (its caches), a tmpfs.
 const HOME_INSIDE: &str = "/home/kernel";
@@ -171,9 +190,11 @@ impl Inner {
             let privileged = self.privileged;
             let images = self.workspace_images.clone();
             let quota = user.limits.workspace_quota_bytes;
+            let tools = tools_dir(&self.cfg.data_dir);
             tokio::task::spawn_blocking(move || {
                 let quota = Some((&*images, quota));
                 prepare_workspace(&workspace, workspace_owner(privileged), quota)?;
+                sudo::install(&tools)?;
                 prepare_user_run_dir(&run_dir)
             })
             .await
@@ -418,9 +439,19 @@ mod tests {
                     false
                 ),
                 (
+                    "/var/lib/kb/workspaces-docker/alice".to_string(),
+                    "/home/user".to_string(),
+                    false
+                ),
+                (
                     "/var/lib/kb/run-docker/alice".to_string(),
                     "/run/kernel".to_string(),
                     false
+                ),
+                (
+                    "/var/lib/kb/tools-docker/sudo".to_string(),
+                    "/usr/bin/sudo".to_string(),
+                    true
                 ),
             ]
         );

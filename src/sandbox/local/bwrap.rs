@@ -19,6 +19,7 @@ use super::python::{KernelPython, PythonMount};
 use super::{
     BOOT_DIR_INSIDE, ENV_FILE_INSIDE, HOME_INSIDE, HOSTNAME, RUN_DIR_INSIDE, WORKSPACE_INSIDE,
 };
+use crate::sandbox::own_workspace::{OwnDirs, HOME_INSIDE as OWN_HOME_INSIDE};
 
 /// Host files that are harmless to show read-only in the sandbox's `/etc`, if present.
 const ETC_RO_FILES: &[&str] = &[
@@ -49,7 +50,13 @@ pub(super) struct BwrapOptions {
     /// The sandbox dies with the broker (`--die-with-parent`); not with `--keep-sessions`,
     /// whose kernels must outlive it (its next run adopts them).
     pub die_with_parent: bool,
+    /// The broker's tools directory (`sudo.rs`), shown read-only at [`TOOLS_INSIDE`].
+    pub tools_dir: Option<PathBuf>,
 }
+
+/// Where the tools directory appears in the sandbox (on the `PATH`, after the kernels'
+/// Python).
+pub(super) const TOOLS_INSIDE: &str = "/opt/kernel-broker-tools";
 
 /// What a top-level host directory (`/bin`, `/lib`, ...) is.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,6 +133,10 @@ pub(super) struct BwrapRequest<'a> {
     /// kernel's 0700 workspace) and becomes the command. bwrap and setpriv run with an empty
     /// environment and no argument a tenant chose.
     pub env_fd: RawFd,
+    /// A session with a workspace of its own (`own_workspace.rs`): its home bound at
+    /// `/home/user` (and `/workspace`, `workspace` is the same directory) and its `/tmp`
+    /// shared with the session's other kernels and commands, instead of tmpfs ones.
+    pub own: Option<&'a OwnDirs>,
 }
 
 /// Builds bwrap's file system arguments. bwrap creates missing parents of a mount point
@@ -258,8 +269,15 @@ pub(super) fn bwrap_args(
     // there, say) lands on the tmpfs instead of being hidden by it.
     fs.push(["--proc", "/proc", "--dev", "/dev"]);
     fs.dirs.insert(PathBuf::from("/dev"));
-    // /tmp, and /dev/shm for POSIX semaphores and shared memory (multiprocessing).
+    // /tmp, and /dev/shm for POSIX semaphores and shared memory (multiprocessing). With a
+    // workspace of its own, /tmp is the session's (its file system bounds it).
+    if let Some(own) = req.own {
+        fs.bind(&own.tmp, Path::new("/tmp"));
+    }
     for tmp in ["/tmp", "/dev/shm"] {
+        if tmp == "/tmp" && req.own.is_some() {
+            continue;
+        }
         fs.push(["--perms", "1777"]);
         if let (Some(size), true) = (req.tmp_size, opts.has_size) {
             // tmpfs pages count against the memory cgroup anyway; the cap keeps a
@@ -273,13 +291,16 @@ pub(super) fn bwrap_args(
     // workspace the user lists. A tmpfs of its own, capped like /tmp; world-writable as
     // /tmp is, since as root bwrap cannot give it to the kernel's uid (nothing else runs in
     // this mount namespace).
-    fs.parents(Path::new(HOME_INSIDE));
-    fs.push(["--perms", "1777"]);
-    if let (Some(size), true) = (req.tmp_size, opts.has_size) {
-        fs.push(["--size".to_string(), size.to_string()]);
+    // With a workspace of its own, home is that workspace (`/home/user`, bound below).
+    if req.own.is_none() {
+        fs.parents(Path::new(HOME_INSIDE));
+        fs.push(["--perms", "1777"]);
+        if let (Some(size), true) = (req.tmp_size, opts.has_size) {
+            fs.push(["--size".to_string(), size.to_string()]);
+        }
+        fs.push(["--tmpfs", HOME_INSIDE]);
+        fs.dirs.insert(PathBuf::from(HOME_INSIDE));
     }
-    fs.push(["--tmpfs", HOME_INSIDE]);
-    fs.dirs.insert(PathBuf::from(HOME_INSIDE));
     for mount in opts.python.mounts(req.rundir) {
         match mount {
             PythonMount::RoBind { src, dest } => fs.ro_bind(&src, &dest),
@@ -306,6 +327,9 @@ pub(super) fn bwrap_args(
     if let Some(dir) = req.boot_dir {
         fs.ro_bind(dir, Path::new(BOOT_DIR_INSIDE));
     }
+    if let Some(dir) = &opts.tools_dir {
+        fs.ro_bind(dir, Path::new(TOOLS_INSIDE));
+    }
     fs.dir(Path::new("/etc"));
     for path in &host.etc_files {
         fs.ro_bind(path, path);
@@ -328,6 +352,15 @@ pub(super) fn bwrap_args(
 
     fs.bind(req.rundir, Path::new(RUN_DIR_INSIDE));
     fs.bind(req.workspace, Path::new(WORKSPACE_INSIDE));
+    if let Some(own) = req.own {
+        fs.bind(&own.home, Path::new(OWN_HOME_INSIDE));
+    }
+    // The shell changes there after the drop (the kernel's working directory).
+    let cwd = if req.own.is_some() {
+        OWN_HOME_INSIDE
+    } else {
+        WORKSPACE_INSIDE
+    };
 
     let mut args = fs.args;
     args.push("--".into());
@@ -346,7 +379,7 @@ pub(super) fn bwrap_args(
         }
     }
     args.extend(
-        crate::sandbox::environ::apply_then_exec(ENV_FILE_INSIDE, WORKSPACE_INSIDE)
+        crate::sandbox::environ::apply_then_exec(ENV_FILE_INSIDE, cwd)
             .into_iter()
             .map(OsString::from),
     );
@@ -359,7 +392,7 @@ pub(super) fn bwrap_args(
 pub(super) fn kernel_env(python: &KernelPython, user: &str) -> Vec<(String, String)> {
     let login = login_name(user);
     let path = format!(
-        "{}:/usr/local/bin:/usr/bin:/bin",
+        "{}:{TOOLS_INSIDE}:/usr/local/bin:/usr/bin:/bin",
         python.bin_inside().to_string_lossy()
     );
     let library_path = python.library_path();

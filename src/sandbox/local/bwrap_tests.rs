@@ -89,6 +89,7 @@ fn root() -> BwrapOptions {
             dirs: vec![PathBuf::from("/opt/py/3.11")],
         },
         die_with_parent: true,
+        tools_dir: None,
     }
 }
 
@@ -119,6 +120,7 @@ fn run(
         resource_dir,
         boot_dir: None,
         env_fd: 9,
+        own: None,
     };
     text(&bwrap_args(opts, &host(), &req, seccomp))
 }
@@ -282,6 +284,7 @@ fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
         resource_dir: None,
         boot_dir: None,
         env_fd: 9,
+        own: None,
     };
     let with = host().with_ca_file(Some(Path::new("/srv/site-ca.pem")));
     let args = text(&bwrap_args(&root(), &with, &req, None));
@@ -322,6 +325,7 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
         resource_dir: None,
         boot_dir: None,
         env_fd: 9,
+        own: None,
     };
     let args = text(&bwrap_args(&root(), &host(), &req, None));
     let caps: Vec<&str> = args
@@ -366,7 +370,10 @@ fn the_kernel_environment_is_built_not_inherited() {
         dirs: vec![],
     };
     let env: HashMap<String, String> = kernel_env(&python, "a:b").into_iter().collect();
-    assert_eq!(env["PATH"], "/opt/venv/bin:/usr/local/bin:/usr/bin:/bin");
+    assert_eq!(
+        env["PATH"],
+        "/opt/venv/bin:/opt/kernel-broker-tools:/usr/local/bin:/usr/bin:/bin"
+    );
     assert_eq!(env["HOME"], "/home/kernel");
     assert_eq!(env["USER"], "a_b");
     assert_eq!(env["LOGNAME"], "a_b");

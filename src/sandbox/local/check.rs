@@ -36,6 +36,7 @@ impl LocalSandbox {
             rundir: rundir.clone(),
             ids,
             login: "check".to_string(),
+            home: super::HOME_INSIDE,
             connection: serde_json::Value::Null,
             quota: None,
         };
@@ -92,6 +93,7 @@ impl LocalSandbox {
                 resource_dir: None,
                 boot_dir: None,
                 env_fd,
+                own: None,
             },
             seccomp_fd,
         );

@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, BwrapRequest, HostRoot};
+use super::own::{own_env, Placement};
 use super::process::Prepared;
 use super::terminal::{Resizer, Terminal, SETSID};
 use super::LocalSandbox;
@@ -34,6 +35,7 @@ use crate::sandbox::command::{
     CommandControl, CommandExit, CommandSpec, PtySize, ResizeError, RunningCommand,
 };
 use crate::sandbox::fsutil::{launch_err, launch_step, remove_dir_logged};
+use crate::sandbox::own_workspace;
 use crate::sandbox::LaunchRefusal;
 use crate::sandbox::SandboxError;
 
@@ -52,6 +54,7 @@ impl LocalSandbox {
         let id = Uuid::new_v4();
         let Prepared {
             workspace,
+            own,
             ids,
             rundir,
             mut guard,
@@ -61,8 +64,11 @@ impl LocalSandbox {
                 id,
                 serde_json::Value::Null,
                 spec.limits,
-                None,
                 cgroups.as_ref(),
+                Placement {
+                    boot_dir: None,
+                    own_workspace: spec.own_workspace,
+                },
             )
             .await?;
 
@@ -72,9 +78,13 @@ impl LocalSandbox {
             "/bin/sh".to_string(),
             "-c".to_string(),
             "cd -- \"$0\" && exec \"$@\"".to_string(),
-            spec.cwd
-                .clone()
-                .unwrap_or_else(|| super::WORKSPACE_INSIDE.into()),
+            spec.cwd.clone().unwrap_or_else(|| {
+                match own {
+                    Some(_) => own_workspace::HOME_INSIDE,
+                    None => super::WORKSPACE_INSIDE,
+                }
+                .into()
+            }),
         ];
         argv.extend(spec.argv.iter().cloned());
         // On a terminal: a session of its own whose controlling terminal it is (`-w`: setsid
@@ -89,8 +99,13 @@ impl LocalSandbox {
             None => None,
         };
         // The tenant's variables and command reach only the command's own shell, after the
-        // drop.
-        let environment = self.environment_memfd(&user, &spec.env, &argv)?;
+        // drop (theirs after the sandbox's own, so they may set HOME and USER).
+        let mut env = match own {
+            Some(_) => own_env(),
+            None => Vec::new(),
+        };
+        env.extend(spec.env.iter().cloned());
+        let environment = self.environment_memfd(&user, &env, &argv)?;
         let env_fd = environment.as_raw_fd();
         let request = BwrapRequest {
             workspace: &workspace,
@@ -100,6 +115,7 @@ impl LocalSandbox {
             resource_dir: None,
             boot_dir: None,
             env_fd,
+            own: own.as_ref(),
         };
         let mut opts = self.bwrap_opts.clone();
         opts.die_with_parent = true;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
-use super::{LocalSandboxConfig, BACKEND, HOME_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
+use super::{LocalSandboxConfig, BACKEND, HOSTNAME, IPC_BASE_INSIDE};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{
     self, current_ids, io_err, write_new_file_at, FileMode, SocketPathError,
@@ -77,6 +77,8 @@ pub(super) struct LaunchFiles {
     pub rundir: PathBuf,
     pub ids: Option<(u32, u32)>,
     pub login: String,
+    /// The login's home in the sandbox's `/etc/passwd`.
+    pub home: &'static str,
     /// The connection file's JSON (`Null`: write none).
     pub connection: serde_json::Value,
     /// The workspace's file system and its size (`None`: a scratch workspace).
@@ -110,10 +112,10 @@ impl LaunchFiles {
         let quota = self.quota.as_ref().map(|(fs, bytes)| (&**fs, *bytes));
         prepare_workspace(&self.workspace, workspace_owner(self.ids), quota)?;
         let (uid, gid) = self.ids.unwrap_or_else(current_ids);
-        let login = &self.login;
+        let (login, home) = (&self.login, self.home);
         let passwd = format!(
             "root:x:0:0:root:/root:/usr/sbin/nologin\n\
-             {login}:x:{uid}:{gid}:{login}:{HOME_INSIDE}:/bin/sh\n\
+             {login}:x:{uid}:{gid}:{login}:{home}:/bin/sh\n\
              nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
         );
         let group = format!("root:x:0:\n{login}:x:{gid}:\nnogroup:x:65534:\n");

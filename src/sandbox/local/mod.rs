@@ -46,6 +46,7 @@ mod files;
 mod host;
 mod keep;
 mod output;
+mod own;
 mod process;
 mod python;
 mod reaper;
@@ -69,6 +70,7 @@ use self::reaper::LocalKernel;
 use super::boot;
 use super::cgroup::{Cgroups, DetectError};
 use super::fsutil::{self, absolute, launch_err};
+use super::own_workspace::OwnWorkspaces;
 use super::seccomp::SyscallFilter;
 use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
@@ -120,6 +122,8 @@ pub struct LocalSandbox {
     workspaces: PathBuf,
     /// The workspaces' file systems (the per-user disk quota).
     workspace_images: Arc<WorkspaceImages>,
+    /// Sessions' own workspaces (`own_workspace.rs`).
+    own_workspaces: Arc<OwnWorkspaces>,
     cgroups: Result<Arc<Cgroups>, DetectError>,
     /// Startup work (cgroup setup, sweeping what an earlier run left), done once before the
     /// first launch; holds the cgroups to use (none when limits are off).
@@ -215,12 +219,14 @@ impl LocalSandbox {
                 has_disable_userns: help.contains("--disable-userns"),
                 python: venv.clone(),
                 die_with_parent: !cfg.keep_kernels,
+                tools_dir: Some(run_base.join(super::sudo::TOOLS_DIR_NAME)),
             },
             seccomp,
             venv,
             specs,
             run_base,
             workspace_images: Arc::new(WorkspaceImages::new(BACKEND, &workspaces, privileged)),
+            own_workspaces: Arc::new(OwnWorkspaces::new(BACKEND, &cfg.data_dir, privileged)),
             workspaces,
             cgroups,
             started: OnceCell::new(),
@@ -244,6 +250,7 @@ impl LocalSandbox {
     /// directory stays, and so does the base); the next start creates them again.
     fn remove_run_base(&self) {
         let _ = std::fs::remove_dir_all(self.run_base.join(BOOT_DIR_NAME));
+        let _ = std::fs::remove_dir_all(self.run_base.join(super::sudo::TOOLS_DIR_NAME));
         let _ = std::fs::remove_dir(&self.run_base);
     }
 
@@ -305,6 +312,8 @@ impl LocalSandbox {
                     move |base| sweep_run_base(base, &spared),
                 )
                 .await?;
+
+                self.prepare_tools_and_sweep_own(&keep).await?;
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {
@@ -433,7 +442,9 @@ impl Sandbox for LocalSandbox {
             &cgroups,
             uses_resource_dir,
         ) {
-            if self.forks_for(&spec.user, &kspec.raw) {
+            // A template's children share its mounts: a kernel with a workspace of its own
+            // starts plainly.
+            if spec.own_workspace.is_none() && self.forks_for(&spec.user, &kspec.raw) {
                 let bootable = template::Bootable {
                     python,
                     args: raw_args,
@@ -464,6 +475,18 @@ impl Sandbox for LocalSandbox {
         let quota = (&*self.workspace_images, user.limits.workspace_quota_bytes);
         prepare_workspace(&path, workspace_owner(self.kernel_ids(user)?), Some(quota))?;
         Ok(path)
+    }
+
+    fn own_workspace(
+        &self,
+        user: &SandboxUser,
+        key: uuid::Uuid,
+    ) -> Result<Option<PathBuf>, SandboxError> {
+        self.prepare_own(user, key).map(Some)
+    }
+
+    async fn remove_own_workspace(&self, user: &SandboxUser, key: uuid::Uuid) {
+        self.remove_own(user, key).await;
     }
 
     /// The user's kernel uid as root (uploads must be the kernel's to overwrite and
@@ -523,6 +546,7 @@ impl Sandbox for LocalSandbox {
             // directories and workspace mounts; the next run adopts them.
             let released = self.kernels.release_all();
             self.workspace_images.keep_mounted();
+            self.own_workspaces.keep_mounted();
             // Only what no kept kernel uses goes.
             if let Some(Some(cgroups)) = self.started.get() {
                 cgroups.remove_base_if_unused();
@@ -542,8 +566,12 @@ impl Sandbox for LocalSandbox {
         }
         self.remove_run_base();
         // The kernels are gone, so nothing holds the workspace file systems.
-        let images = self.workspace_images.clone();
-        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+        let (images, own) = (self.workspace_images.clone(), self.own_workspaces.clone());
+        let unmounted = tokio::task::spawn_blocking(move || {
+            images.unmount_all();
+            own.unmount_all();
+        });
+        if let Err(e) = unmounted.await {
             tracing::warn!(error = %e, "unmounting the workspaces failed");
         }
     }

@@ -28,12 +28,14 @@ use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, LaunchGuard};
 use super::keep::{self, KeptKernels, Ticket};
 use super::output::{forward_output, Stream, Tail};
+use super::own::{own_env, Placement};
 use super::reaper::{LocalKernel, Reaped, Watched};
-use super::BOOT_DIR_NAME;
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
+use super::{BOOT_DIR_NAME, HOME_INSIDE};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{self, launch_err, launch_failed, launch_step};
+use crate::sandbox::own_workspace::{self, OwnDirs};
 use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::LaunchRefusal;
@@ -73,6 +75,8 @@ pub(super) struct Started {
 /// What [`LocalSandbox::prepare_launch`] made ready.
 pub(super) struct Prepared {
     pub workspace: PathBuf,
+    /// The session's own workspace, when it has one (`workspace` is then its home).
+    pub own: Option<OwnDirs>,
     pub ids: Option<(u32, u32)>,
     pub rundir: PathBuf,
     pub guard: LaunchGuard,
@@ -121,6 +125,7 @@ impl LocalSandbox {
             .then(|| self.run_base.join(BOOT_DIR_NAME));
         let Prepared {
             workspace,
+            own,
             ids,
             rundir,
             mut guard,
@@ -130,14 +135,20 @@ impl LocalSandbox {
                 session,
                 connection_file(&spec),
                 spec.limits,
-                boot_dir.clone(),
                 cgroups.as_ref(),
+                Placement {
+                    boot_dir: boot_dir.clone(),
+                    own_workspace: spec.own_workspace,
+                },
             )
             .await?;
 
         // The kernel's whole environment, read only after the drop (`environ.rs`).
         let mut env: Vec<(String, String)> = spec_env.into_iter().collect();
         env.sort();
+        if own.is_some() {
+            env.extend(own_env());
+        }
         env.extend(spec.env.iter().cloned());
         let environment = self.environment_memfd(&user, &env, &argv)?;
         let request = BwrapRequest {
@@ -149,6 +160,7 @@ impl LocalSandbox {
             resource_dir: resource_dir.as_deref(),
             boot_dir: boot_dir.as_deref(),
             env_fd: environment.as_raw_fd(),
+            own: own.as_ref(),
         };
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
         // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
@@ -314,11 +326,19 @@ impl LocalSandbox {
         id: Uuid,
         connection: serde_json::Value,
         limits: KernelLimits,
-        boot_dir: Option<PathBuf>,
         cgroups: Option<&Arc<Cgroups>>,
+        placement: Placement,
     ) -> Result<Prepared, SandboxError> {
-        let workspace = self.workspace_path(user)?;
+        let Placement {
+            boot_dir,
+            own_workspace,
+        } = placement;
         let ids = self.kernel_ids(user)?;
+        let own = own_workspace.map(|key| (key, self.own_workspaces.dirs(key)));
+        let workspace = match &own {
+            Some((_, dirs)) => dirs.home.clone(),
+            None => self.workspace_path(user)?,
+        };
         let rundir = self.run_base.join(id.to_string());
         // On failure `write` removes what it created; from then on the guard does, until
         // the reaper takes over.
@@ -326,14 +346,30 @@ impl LocalSandbox {
             workspace: workspace.clone(),
             rundir: rundir.clone(),
             ids,
-            login: login_name(&user.name),
+            login: match own {
+                Some(_) => own_workspace::LOGIN.to_string(),
+                None => login_name(&user.name),
+            },
+            home: match own {
+                Some(_) => own_workspace::HOME_INSIDE,
+                None => HOME_INSIDE,
+            },
             connection,
-            quota: Some((
-                self.workspace_images.clone(),
-                user.limits.workspace_quota_bytes,
-            )),
+            // An own workspace is its own file system, made ready below.
+            quota: own.is_none().then(|| {
+                (
+                    self.workspace_images.clone(),
+                    user.limits.workspace_quota_bytes,
+                )
+            }),
         };
+        let own_workspaces = self.own_workspaces.clone();
+        let quota = user.limits.workspace_quota_bytes;
+        let own_key = own.as_ref().map(|(key, _)| *key);
         tokio::task::spawn_blocking(move || {
+            if let Some(key) = own_key {
+                own_workspaces.prepare(key, quota, ids)?;
+            }
             if let Some(dir) = &boot_dir {
                 fsutil::create_private_dir(dir, Some(0o755))?;
                 boot::install_script(dir).map_err(fsutil::io_err(
@@ -360,6 +396,7 @@ impl LocalSandbox {
         }
         Ok(Prepared {
             workspace,
+            own: own.map(|(_, dirs)| dirs),
             ids,
             rundir,
             guard,

@@ -66,6 +66,7 @@ async fn start(config: SessionConfig) -> Harness {
             notify_registry: Arc::new(Notify::new()),
             kept: None,
             restored: None,
+            own_workspace: None,
         },
     ));
     let spec = session.launch_spec(Signer::random_key());

@@ -222,6 +222,7 @@ impl Registry {
                     front_door: record.front_door,
                     metadata: record.metadata.clone(),
                 },
+                own_workspace: record.own_workspace,
             },
             Some(Restored {
                 created_at: record.created_at,

@@ -5,6 +5,7 @@
 
 mod expiry;
 mod keep;
+mod own;
 #[cfg(test)]
 mod tests;
 
@@ -20,6 +21,7 @@ use uuid::Uuid;
 use super::actor::Actor;
 use super::command::Command;
 use super::config::SessionConfig;
+use super::config::WorkspaceChoice;
 use super::error::SessionError;
 use super::front_door::{EndedBy, FrontDoor, Provenance, SessionEnd};
 use super::handle::{HandleParts, Restored, Session};
@@ -88,6 +90,8 @@ pub struct CreateOptions {
     pub memory_limit_bytes: Option<u64>,
     /// The front door asking (it owns the session's life) and its client's metadata.
     pub provenance: Provenance,
+    /// The user's shared workspace, or one of the session's own.
+    pub workspace: WorkspaceChoice,
 }
 
 /// What a new session is: its kernel spec, idle timeout, limits, memory reservation and
@@ -98,6 +102,8 @@ struct Shape {
     limits: KernelLimits,
     memory: Reservation,
     provenance: Provenance,
+    /// The key of the own workspace its kernels work in (`None`: the shared one).
+    own_workspace: Option<Uuid>,
 }
 
 /// The smallest memory limit a session may ask for.
@@ -202,6 +208,7 @@ impl Registry {
         };
         let limits = session_limits(user, opts.memory_limit_bytes)?;
         let id = opts.id.unwrap_or_else(Uuid::new_v4);
+        let own_workspace = self.own_workspace_key(&user.name, id, opts.workspace)?;
         let proposed = opts.id;
         {
             let mut t = self.table();
@@ -248,8 +255,11 @@ impl Registry {
         }
         // A ready kernel from the warm pool, unless the client chose the id or other
         // limits than the pool's.
+        // Pooled kernels work in the shared workspace.
         let pooled = match proposed {
-            None if limits == user.limits.kernel(None) => self.inner.pool.take(user, &kernel_name),
+            None if limits == user.limits.kernel(None) && own_workspace.is_none() => {
+                self.inner.pool.take(user, &kernel_name)
+            }
             _ => {
                 self.inner.pool.refill(user, &kernel_name);
                 None
@@ -270,6 +280,7 @@ impl Registry {
                     limits,
                     memory,
                     provenance: opts.provenance,
+                    own_workspace,
                 };
                 self.launch(id, user, shape, pooled).await
             }
@@ -420,6 +431,7 @@ impl Registry {
                 notify_registry: self.inner.notify.clone(),
                 kept: self.inner.kept.clone(),
                 restored,
+                own_workspace: shape.own_workspace,
             },
         ));
         (session, commands_rx)
@@ -505,6 +517,7 @@ impl Registry {
         // The kernel is gone (shutdown waited for it): its memory is free again.
         session.release_memory();
         session.forget_record().await;
+        self.release_own_workspace(session).await;
         let user_has_more = self
             .table()
             .sessions
@@ -537,6 +550,7 @@ impl Registry {
         let end = SessionEnd::Closed(EndedBy::BrokerShutdown);
         futures::future::join_all(sessions.iter().map(|s| s.shutdown(end))).await;
         sessions.iter().for_each(|s| s.release_memory());
+        self.remove_own_workspaces(&sessions).await;
         self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;
         tracing::info!(sessions = n, "all sessions shut down");

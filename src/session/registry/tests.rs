@@ -9,8 +9,9 @@ use super::{CreateOptions, Registry};
 use crate::session::testing::fake_sandbox::user;
 use crate::session::testing::{config, FakeSandbox, TestRecorder};
 use crate::session::{
-    EndedBy, FrontDoor, LifecycleEvent, SessionConfig, SessionError, SessionState,
+    EndedBy, FrontDoor, LifecycleEvent, SessionConfig, SessionError, SessionState, WorkspaceChoice,
 };
+use crate::sync::lock;
 
 fn registry(config: SessionConfig) -> (Registry, Arc<FakeSandbox>, Arc<TestRecorder>) {
     let sandbox = FakeSandbox::new();
@@ -353,4 +354,66 @@ async fn waiters_see_a_deleted_session_end() {
     within(waiter).await.expect("the waiter ends");
     assert_eq!(s.state(), SessionState::Closed);
     within(registry.shutdown()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_own_workspace_is_shared_by_its_contexts_and_removed_after_the_last() {
+    let (registry, sandbox, _) = registry(config());
+    let (alice, bob) = (user("alice"), user("bob"));
+    let own = |workspace| CreateOptions {
+        workspace,
+        ..CreateOptions::default()
+    };
+    let by = EndedBy::Client(FrontDoor::Rest);
+    let sbx = within(registry.create(&alice, 5, own(WorkspaceChoice::Own)))
+        .await
+        .expect("own");
+    assert_eq!(sbx.own_workspace, Some(sbx.id));
+    let ctx = within(registry.create(&alice, 5, own(WorkspaceChoice::OwnOf(sbx.id))))
+        .await
+        .expect("a context of it");
+    assert_eq!(ctx.own_workspace, Some(sbx.id));
+    let shared = within(registry.create(&alice, 5, CreateOptions::default()))
+        .await
+        .expect("shared");
+    assert_eq!(shared.own_workspace, None);
+    // The kernels were launched in it (none of them from the warm pool).
+    let in_it = sandbox
+        .launched()
+        .iter()
+        .filter(|k| k.own_workspace == Some(sbx.id))
+        .count();
+    assert_eq!(in_it, 2);
+    // Another user's session, or one that is not live, has no workspace to share.
+    let stolen = within(registry.create(&bob, 5, own(WorkspaceChoice::OwnOf(sbx.id)))).await;
+    assert!(
+        matches!(stolen, Err(SessionError::NotFound(_))),
+        "{:?}",
+        stolen.map(|s| s.id)
+    );
+    let gone =
+        within(registry.create(&alice, 5, own(WorkspaceChoice::OwnOf(uuid::Uuid::new_v4())))).await;
+    assert!(matches!(gone, Err(SessionError::NotFound(_))));
+    // Removed only after the last session working in it.
+    within(registry.delete("alice", sbx.id, by))
+        .await
+        .expect("delete");
+    assert!(
+        lock(&sandbox.own_removed).is_empty(),
+        "removed under a context"
+    );
+    within(registry.delete("alice", ctx.id, by))
+        .await
+        .expect("delete");
+    assert_eq!(*lock(&sandbox.own_removed), vec![sbx.id]);
+    within(registry.delete("alice", shared.id, by))
+        .await
+        .expect("delete");
+    assert_eq!(lock(&sandbox.own_removed).len(), 1);
+    // A broker shutdown that keeps nothing removes those of the sessions it ends.
+    let last = within(registry.create(&alice, 5, own(WorkspaceChoice::Own)))
+        .await
+        .expect("own");
+    within(registry.shutdown()).await;
+    assert_eq!(*lock(&sandbox.own_removed), vec![sbx.id, last.id]);
 }

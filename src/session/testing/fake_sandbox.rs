@@ -24,6 +24,8 @@ pub struct FakeKernel {
     pub user: String,
     /// The limits it was launched with.
     pub limits: KernelLimits,
+    /// The own workspace it was launched in.
+    pub own_workspace: Option<uuid::Uuid>,
     /// The backends' own exit watch: `wait` behaves as theirs does.
     watch: KernelWatch,
     /// Taken by the first exit, as a backend's watcher publishes once.
@@ -81,6 +83,8 @@ pub struct FakeSandbox {
     pub refuse: AtomicBool,
     /// `user_idle` calls.
     pub users_idle: AtomicUsize,
+    /// The own workspaces removed, in order.
+    pub own_removed: Mutex<Vec<uuid::Uuid>>,
 }
 
 impl FakeSandbox {
@@ -93,6 +97,7 @@ impl FakeSandbox {
             launched: Mutex::new(Vec::new()),
             refuse: AtomicBool::new(false),
             users_idle: AtomicUsize::new(0),
+            own_removed: Mutex::new(Vec::new()),
         })
     }
 
@@ -145,6 +150,7 @@ impl Sandbox for FakeSandbox {
         let fake = Arc::new(FakeKernel {
             kernel,
             limits: spec.limits,
+            own_workspace: spec.own_workspace,
             user: spec.user.name,
             watch,
             publisher: Mutex::new(Some(publisher)),
@@ -179,6 +185,10 @@ impl Sandbox for FakeSandbox {
 
     async fn user_idle(&self, _user: &SandboxUser) {
         self.users_idle.fetch_add(1, Ordering::AcqRel);
+    }
+
+    async fn remove_own_workspace(&self, _user: &SandboxUser, key: uuid::Uuid) {
+        lock(&self.own_removed).push(key);
     }
 
     async fn shutdown(&self) {}

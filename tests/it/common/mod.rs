@@ -407,13 +407,16 @@ pub async fn ws_until_done(ws: &mut Ws, id: &str) -> Vec<Value> {
 }
 
 /// Kernel runtime directories under a data directory for a backend: directories, not the
-/// bootstrap script beside them (Docker) nor its own directory (local `boot`).
+/// bootstrap script beside them (Docker) nor the broker's own directories (local `boot`,
+/// `tools`).
 pub fn runtime_dirs(sandbox: &str, data_dir: &std::path::Path) -> usize {
     let count = |d: PathBuf| {
         std::fs::read_dir(d)
             .map(|r| {
                 r.flatten()
-                    .filter(|e| e.path().is_dir() && e.file_name() != "boot")
+                    .filter(|e| {
+                        e.path().is_dir() && e.file_name() != "boot" && e.file_name() != "tools"
+                    })
                     .count()
             })
             .unwrap_or(0)

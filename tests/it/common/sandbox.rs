@@ -393,10 +393,10 @@ impl Harness {
     /// session, not per user: there, every live kernel's).
     pub fn runtime_dirs(&self, user: &SandboxUser) -> Vec<PathBuf> {
         match self {
-            // Not the bootstrap script's own directory.
+            // Not the broker's own directories (the bootstrap script's, the tools').
             Harness::Local(h) => subdirs(h.sandbox.run_base())
                 .into_iter()
-                .filter(|d| !d.ends_with("boot"))
+                .filter(|d| !d.ends_with("boot") && !d.ends_with("tools"))
                 .collect(),
             // A kernel's session directory, not the user's fork-server template's (`t...`,
             // never a hex digit), which lives on with the user's container.
@@ -449,6 +449,7 @@ pub fn spec(user: &SandboxUser) -> LaunchSpec {
             ("KB_TEST_VAR".into(), "hello-env".into()),
         ],
         limits: user.limits.kernel(None),
+        own_workspace: None,
     }
 }
 

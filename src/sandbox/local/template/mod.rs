@@ -229,6 +229,7 @@ impl LocalSandbox {
             // kernels; a limit of one session's size was reached at ~75 forks (measured),
             // and the template's end takes its forked kernels along.
             limits: template_limits(user),
+            own_workspace: None,
         };
         let script = format!("{BOOT_DIR_INSIDE}/{BOOT_SCRIPT_NAME}");
         let argv = boot::template_argv(boot.python, &script, boot.preload);
