@@ -11,7 +11,7 @@
 //!   token that does not match answers as a sandbox that does not exist (another user's
 //!   sandbox is absent, as everywhere in the broker).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -92,10 +92,7 @@ impl FromRequestParts<AppState> for ApiKeyUser {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, E2bError> {
-        let ip = parts
-            .extensions
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|c| c.0.ip());
+        let ip = client_ip(parts);
         let key = parts
             .headers
             .get("x-api-key")
@@ -108,24 +105,11 @@ impl FromRequestParts<AppState> for ApiKeyUser {
                     "an API key is needed: set E2B_API_KEY to your kernel-broker token (sent as X-API-KEY)",
                 )
             })?;
-        if let Some(ip) = ip {
-            if let Err(left) = state.auth_failures.check(ip, Instant::now()) {
-                return Err(E2bError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!(
-                        "too many failed authentications from {ip}; try again in {} s",
-                        left.as_secs() + 1
-                    ),
-                ));
-            }
-        }
+        not_locked_out(state, ip)?;
         match state.authenticate(key) {
             Some(user) => Ok(Self(Caller(user))),
             None => {
-                state.metrics.auth_failed();
-                if let Some(ip) = ip {
-                    state.auth_failures.failed(ip, Instant::now());
-                }
+                count_failure(state, ip);
                 Err(E2bError::new(
                     StatusCode::UNAUTHORIZED,
                     "invalid API key: E2B_API_KEY must be a kernel-broker token",
@@ -176,6 +160,39 @@ impl FromRequestParts<AppState> for SandboxCaller {
             return Err(absent());
         }
         Ok(Self { user, session, e2b })
+    }
+}
+
+/// The client's address, as the listener recorded it.
+pub(super) fn client_ip(parts: &Parts) -> Option<IpAddr> {
+    parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+/// `429` while `ip` is locked out by its failed authentications (`auth_failures`).
+pub(super) fn not_locked_out(state: &AppState, ip: Option<IpAddr>) -> Result<(), E2bError> {
+    let Some(ip) = ip else { return Ok(()) };
+    state
+        .auth_failures
+        .check(ip, Instant::now())
+        .map_err(|left| {
+            E2bError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "too many failed authentications from {ip}; try again in {} s",
+                    left.as_secs() + 1
+                ),
+            )
+        })
+}
+
+/// Counts a failed authentication (the metric, and against `ip`).
+pub(super) fn count_failure(state: &AppState, ip: Option<IpAddr>) {
+    state.metrics.auth_failed();
+    if let Some(ip) = ip {
+        state.auth_failures.failed(ip, Instant::now());
     }
 }
 

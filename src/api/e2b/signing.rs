@@ -11,18 +11,17 @@
 //! names its sandbox (`E2b-Sandbox-Id`) is checked against that one only. Wrong signatures
 //! count as failed authentications of the client's address, like a wrong token.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
 
-use axum::extract::ConnectInfo;
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use base64::Engine;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::auth::{access_token, SandboxCaller, TokenKind};
+use super::auth::{
+    access_token, client_ip, count_failure, not_locked_out, SandboxCaller, TokenKind,
+};
 use super::{E2bError, E2bState};
 use crate::api::AppState;
 
@@ -88,21 +87,8 @@ pub fn verify(
     signed: &Signed<'_>,
     operation: Operation,
 ) -> Result<SandboxCaller, E2bError> {
-    let ip = parts
-        .extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip());
-    if let Some(ip) = ip {
-        if let Err(left) = state.auth_failures.check(ip, Instant::now()) {
-            return Err(E2bError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "too many failed authentications from {ip}; try again in {} s",
-                    left.as_secs() + 1
-                ),
-            ));
-        }
-    }
+    let ip = client_ip(parts);
+    not_locked_out(state, ip)?;
     let named = named.and_then(|n| uuid::Uuid::parse_str(n).ok());
     let found = state
         .registry
@@ -123,10 +109,7 @@ pub fn verify(
             ok.then_some((user, session))
         });
     let Some((user, session)) = found else {
-        state.metrics.auth_failed();
-        if let Some(ip) = ip {
-            state.auth_failures.failed(ip, Instant::now());
-        }
+        count_failure(state, ip);
         return Err(unauthorized("invalid signature"));
     };
     if let Some(exp) = signed.expiration {

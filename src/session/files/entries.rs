@@ -4,6 +4,7 @@
 //! path resolved beneath the workspace with no symlink followed; a symlink is reported as
 //! one, never entered; listings are bounded.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +49,29 @@ pub(super) fn relative(rel: &str) -> Result<PathBuf, SessionError> {
         return Ok(PathBuf::new());
     }
     clean_relative(rel)
+}
+
+/// The directory `rel` of `workspace` ("" or "." is the workspace itself) opened beneath it
+/// with no symlink followed, with its clean relative path; `op` names the operation in
+/// errors (a file there is [`SessionError::NotDirectory`]).
+pub(super) fn open_dir(
+    workspace: &Path,
+    rel: &str,
+    op: &'static str,
+) -> Result<(OwnedFd, PathBuf), SessionError> {
+    let rel = relative(rel)?;
+    let root = open_root(workspace)?;
+    if rel.as_os_str().is_empty() {
+        return Ok((root, rel));
+    }
+    let dir = open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ENOTDIR) {
+            SessionError::NotDirectory { path: rel.clone() }
+        } else {
+            io_err(op, &rel, e)
+        }
+    })?;
+    Ok((dir, rel))
 }
 
 fn entry_of(rel: PathBuf, st: &rustix::fs::Stat) -> Entry {
@@ -130,19 +154,7 @@ pub fn list_dir(
     rel: &str,
     depth: usize,
 ) -> Result<(Vec<Entry>, bool), SessionError> {
-    let rel = relative(rel)?;
-    let root = open_root(workspace)?;
-    let top = if rel.as_os_str().is_empty() {
-        root
-    } else {
-        open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ENOTDIR) {
-                SessionError::NotDirectory { path: rel.clone() }
-            } else {
-                io_err("list", &rel, e)
-            }
-        })?
-    };
+    let (top, rel) = open_dir(workspace, rel, "list")?;
     let mut out = Vec::new();
     let mut truncated = false;
     let mut stack = vec![(top, rel.clone(), 1usize)];

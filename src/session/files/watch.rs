@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
 use tokio::io::unix::AsyncFd;
 
-use super::entries::relative as relative_or_root;
-use super::{io_err, open_beneath, open_root, UPLOAD_TEMP_PREFIX};
+use super::entries::open_dir;
+use super::{io_err, open_beneath, UPLOAD_TEMP_PREFIX};
 use crate::sandbox::fsutil::{walk_tree, WalkLimits};
 use crate::session::error::SessionError;
 
@@ -79,19 +79,7 @@ impl DirWatch {
     /// Watches directory `rel` of `workspace` ("" is the workspace itself). Blocking (it
     /// walks the tree when `recursive`): call it off the async runtime's threads, inside it.
     pub fn new(workspace: &Path, rel: &str, recursive: bool) -> Result<Self, SessionError> {
-        let rel = relative_or_root(rel)?;
-        let root = open_root(workspace)?;
-        let top = if rel.as_os_str().is_empty() {
-            root
-        } else {
-            open_beneath(&root, &rel, libc::O_DIRECTORY | libc::O_RDONLY, 0).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOTDIR) {
-                    SessionError::NotDirectory { path: rel.clone() }
-                } else {
-                    io_err("watch", &rel, e)
-                }
-            })?
-        };
+        let (top, rel) = open_dir(workspace, rel, "watch")?;
         let fd = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK)
             .map_err(|e| io_err("watch", &rel, e.into()))?;
         // SAFETY: the descriptor is owned by the `AsyncFd` it is moved into, which keeps it
