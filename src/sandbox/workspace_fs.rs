@@ -197,7 +197,19 @@ impl WorkspaceImages {
             return Ok(());
         }
         // resize2fs wants a freshly checked file system; -p repairs only what is safe.
-        let check = helper("e2fsck").args(["-f", "-p"]).arg(image).output();
+        // e2fsck refuses an image still in use (exit 8): a sandbox being set up at the
+        // moment of the unmount holds a copy of the mount in its new namespace until it
+        // pivots away from the host's root, so a refusal is tried again for a second.
+        let mut check = helper("e2fsck").args(["-f", "-p"]).arg(image).output();
+        for _ in 0..5 {
+            match &check {
+                Ok(out) if out.status.code() == Some(8) => {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    check = helper("e2fsck").args(["-f", "-p"]).arg(image).output();
+                }
+                _ => break,
+            }
+        }
         match check {
             // 0: clean, 1: errors corrected.
             Ok(out) if matches!(out.status.code(), Some(0 | 1)) => {}
