@@ -109,6 +109,8 @@ impl Inner {
                     sweep,
                 )
                 .await?;
+                // No own container's kernel is kept (`own.rs`): their workspaces go.
+                self.sweep_own().await;
                 if keep {
                     return self.take_over(&docker).await;
                 }
@@ -287,4 +289,14 @@ mod tests {
             assert_eq!(negotiated(bad).minor_version, ours.minor_version, "{bad:?}");
         }
     }
+}
+
+/// A Docker error told with the operator's advice ([`DockerSandbox::advice`]), the error
+/// kept as the source.
+#[derive(Debug, thiserror::Error)]
+#[error("{advice}")]
+pub(super) struct Advised {
+    pub advice: String,
+    #[source]
+    pub source: bollard::errors::Error,
 }
