@@ -416,3 +416,41 @@ async fn a_kernel_whose_container_stopped_meanwhile_ends_with_it() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sandbox_container_is_not_kept_and_the_next_run_removes_it_and_its_workspace() {
+    let Some(mut runs) = Runs::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let first = runs.sandbox(true);
+        let mut s = spec(&alice);
+        s.own_workspace = Some(s.session_id);
+        let (session, key) = (s.session_id, s.key.clone());
+        let launched = timeout(Duration::from_secs(90), first.launch(s))
+            .await
+            .expect("launch timed out")
+            .expect("launch");
+        let mut k = connect(session, launched, &key).await;
+        k.run("open('/home/user/f', 'w').write('1')").await;
+        let home = first.own_workspace(&alice, session).unwrap().unwrap();
+        assert!(home.join("f").exists());
+        first.shutdown().await;
+        let own_name = format!("kernel-broker-{}-sandbox-{session}", first.data_dir_hash());
+        assert!(runs.containers().contains(&own_name));
+
+        // The next run keeps no sandbox container: it is removed, its workspace swept, and
+        // its kernel cannot be adopted.
+        let second = runs.sandbox(true);
+        second.check().await.expect("check");
+        assert!(
+            !runs.containers().contains(&own_name),
+            "{:?}",
+            runs.containers()
+        );
+        assert!(!home.exists(), "{} is left", home.display());
+        assert!(second.adopt(adopt_spec(session, &alice)).await.is_err());
+        second.discard_unadopted().await;
+        second.shutdown().await;
+    })
+    .await;
+}

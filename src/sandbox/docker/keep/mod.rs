@@ -267,7 +267,8 @@ impl Inner {
                 }
             }
             // The usual idle rule for every container without a kernel.
-            for (user, _) in slots {
+            // A sandbox's own container (`own.rs`) goes with its sandbox, not when idle.
+            for (user, _) in slots.into_iter().filter(|(u, _)| !u.starts_with('+')) {
                 if !self.kernels.has_user(&user) {
                     self.start_idle_timer(&user);
                 }
