@@ -298,6 +298,7 @@ impl Inner {
             memory_limit: user.limits.memory_bytes,
             oom_claimed: Mutex::new(0),
             reaping: tokio::sync::Mutex::new(()),
+            own: own_key,
         }))
     }
 

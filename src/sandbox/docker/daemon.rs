@@ -16,6 +16,7 @@ use super::engine::Engine;
 use super::{unavailable, unavailable_by, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
 use crate::sandbox::fsutil;
 use crate::sandbox::SandboxError;
+use crate::sync::lock;
 
 impl Inner {
     pub(super) fn unreachable(&self, why: impl std::fmt::Display) -> SandboxError {
@@ -109,11 +110,14 @@ impl Inner {
                     sweep,
                 )
                 .await?;
-                // No own container's kernel is kept (`own.rs`): their workspaces go.
-                self.sweep_own().await;
                 if keep {
-                    return self.take_over(&docker).await;
+                    self.take_over(&docker).await?;
+                    // The workspaces of the sandboxes whose kernels were kept stay.
+                    let kept = lock(&self.kept).values().filter_map(|t| t.own).collect();
+                    self.sweep_own(kept).await;
+                    return Ok(());
                 }
+                self.sweep_own(Default::default()).await;
                 self.forget_tickets().await;
                 let stale = self
                     .our_containers(&docker)

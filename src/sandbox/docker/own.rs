@@ -20,8 +20,9 @@
 //!
 //! It is removed, with its workspace and runtime directory, when the last session in it
 //! ends ([`Inner::remove_own`]), and with every container of this broker on shutdown. With
-//! `--keep-sessions` its kernels are not kept: the next run removes the container (its
-//! tickets name no user container) and sweeps the workspace.
+//! `--keep-sessions` it is kept as a user's container is (its kernels' tickets name its key,
+//! `keep/`): the next run adopts them in it; one none of whose kernels is adopted is removed
+//! with its workspace (`discard_unadopted`), and workspaces no ticket names are swept.
 //!
 //! Limits: each such container gets the user's limits (memory, CPUs, processes) as her own
 //! container has them, so a user's bound is her limits times (1 + her sandboxes), and her
@@ -205,11 +206,11 @@ impl Inner {
         }
     }
 
-    /// Start-up: removes the own workspaces an earlier run left (no own container's kernel
-    /// is kept across a restart). Blocking work in a task.
-    pub(super) async fn sweep_own(&self) {
+    /// Start-up: removes the own workspaces an earlier run left but those in `keep` (their
+    /// kernels were kept, `--keep-sessions`). Blocking work in a task.
+    pub(super) async fn sweep_own(&self, keep: HashSet<Uuid>) {
         let own = self.own_workspaces.clone();
-        let swept = tokio::task::spawn_blocking(move || own.sweep(&HashSet::new()))
+        let swept = tokio::task::spawn_blocking(move || own.sweep(&keep))
             .await
             .unwrap_or(0);
         if swept > 0 {
