@@ -352,8 +352,16 @@ def test_javascript_sdk_shape(any_backend):
     assert report["otherSees"] == "refused", report
 
 
-def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monkeypatch):
-    first = fresh_broker(["--keep-sessions"])
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monkeypatch, backend):
+    extra = []
+    sandboxes = "sandboxes"
+    if backend == "docker":
+        if not _docker_usable():
+            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+        # Docker: the sandbox's own container is kept and adopted with its workspace.
+        extra, sandboxes = ["--sandbox", "docker"], "sandboxes-docker"
+    first = fresh_broker(["--keep-sessions", *extra])
     data = first.data_dir
     monkeypatch.setenv("E2B_API_URL", first.url + "/e2b")
     monkeypatch.setenv("E2B_SANDBOX_URL", first.url + "/e2b/sandbox")
@@ -361,11 +369,11 @@ def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monke
     sbx = Sandbox.create(timeout=600)
     sbx.files.write("kept.txt", "still here")
     sbx.commands.run("echo tmp-kept >/tmp/t")
-    home = Path(data) / "sandboxes" / sbx.sandbox_id
+    home = Path(data) / sandboxes / sbx.sandbox_id
     first.terminate()
     assert (home / "home" / "kept.txt").exists()
     # The next run adopts the session and finds its workspace (and /tmp) again.
-    second = fresh_broker(["--keep-sessions"], data_dir=data)
+    second = fresh_broker(["--keep-sessions", *extra], data_dir=data)
     r = second.api("GET", f"/v1/sessions/{sbx.sandbox_id}/files/kept.txt")
     assert r.status_code == 200 and r.content == b"still here", r.text
     ex = second.api("POST", f"/v1/sessions/{sbx.sandbox_id}/execute", json={
@@ -380,7 +388,7 @@ def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monke
     left = Sandbox.create(timeout=600)
     left.files.write("x", "1")
     second.terminate()
-    assert (Path(data) / "sandboxes" / left.sandbox_id / "home" / "x").exists()
-    fresh_broker([], data_dir=data)
-    assert not (Path(data) / "sandboxes" / left.sandbox_id).exists()
-    assert not (Path(data) / "sandboxes-images" / f"{left.sandbox_id}.img").exists()
+    assert (Path(data) / sandboxes / left.sandbox_id / "home" / "x").exists()
+    fresh_broker(extra, data_dir=data)
+    assert not (Path(data) / sandboxes / left.sandbox_id).exists()
+    assert not (Path(data) / f"{sandboxes}-images" / f"{left.sandbox_id}.img").exists()
