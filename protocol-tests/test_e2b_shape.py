@@ -11,10 +11,10 @@ services/process/handler/handler.go: HOME=/home/user, `cmd.Dir` = the cwd) and t
 interpreter's context creation (template/server/contexts.py: `%cd <cwd>` in the kernel, 500
 "Failed to set working directory" when that fails).
 
-`any_backend` runs a test on the local sandbox and on Docker. On Docker one container holds
-all of a user's kernels, so sandboxes there share the user's workspace (also at /home/user)
-and /tmp, and the kernel's user is the image's `kernel`: those assertions are local only
-(docs/API.md, E2B, "Where the broker differs").
+`any_backend` runs a test on the local sandbox and on Docker. On Docker each sandbox is a
+container of its own (E2B's model: a sandbox is a machine) with its own workspace and /tmp,
+the kernel uid named `user`; its container and workspace go with it (checked with the
+Docker API below).
 """
 import json
 import os
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ALICE, BOB
+from conftest import ALICE, BOB, _docker_usable, wait_for
 
 e2b_code_interpreter = pytest.importorskip("e2b_code_interpreter")
 from e2b import CommandExitException  # noqa: E402
@@ -63,17 +63,14 @@ def test_the_issue_example_reads_home_user(any_backend):
         # Home and working directory of commands.
         r = sandbox.commands.run("pwd; echo $HOME; cat data.csv | wc -l")
         assert r.stdout.split() == ["/home/user", "/home/user", "3"]
-        if any_backend == "local":
-            assert _stdout(_run(sandbox, "import os; print(os.getcwd(), os.environ['HOME'])")) == (
-                "/home/user /home/user"
-            )
+        assert _stdout(_run(sandbox, "import os; print(os.getcwd(), os.environ['HOME'])")) == (
+            "/home/user /home/user"
+        )
     finally:
         sandbox.kill()
 
 
 def test_two_sandboxes_do_not_share_files(any_backend):
-    if any_backend == "docker":
-        pytest.skip("Docker: one container per user, its sandboxes share her workspace (docs/API.md)")
     a = Sandbox.create(timeout=60)
     b = Sandbox.create(timeout=60)
     try:
@@ -119,6 +116,63 @@ os.symlink({str(outside)!r}, '/home/user/d/e/up')
         outside.rmdir()
 
 
+def _sandbox_containers(sandbox_id):
+    """The containers (any state) labelled with this sandbox, as the Docker API lists them."""
+    out = subprocess.run(
+        ["docker", "ps", "-aq", "--no-trunc", "--filter", f"label=org.kernel-broker.sandbox={sandbox_id}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    return out.split()
+
+
+def test_docker_sandbox_is_a_container_of_its_own_gone_with_it(fresh_broker, monkeypatch):
+    if not _docker_usable():
+        pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+    b = fresh_broker(extra_args=["--sandbox", "docker"])
+    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    outside = Path(tempfile.mkdtemp(prefix="kb-shape-outside-"))
+    (outside / "precious").write_text("keep me")
+    try:
+        a = Sandbox.create(timeout=60)
+        other = Sandbox.create(timeout=60)
+        # Each sandbox is a container of its own; a context and a command go into it.
+        (ca,), (co,) = _sandbox_containers(a.sandbox_id), _sandbox_containers(other.sandbox_id)
+        assert ca != co
+        ctx = a.create_code_context()
+        _run(a, "open('/tmp/from-context', 'w').write('c')", context=ctx)
+        assert a.commands.run("cat /tmp/from-context").stdout == "c"
+        with pytest.raises(CommandExitException):
+            other.commands.run("cat /tmp/from-context")
+        home = Path(b.data_dir) / "sandboxes-docker" / a.sandbox_id
+        a.files.write("kept.txt", "x")
+        assert (home / "home" / "kept.txt").read_text() == "x"
+        # The kernel plants symlinks to a host directory and a host file, in its home and
+        # in /tmp, and a directory whose entries point out.
+        _run(a, f"""
+import os
+os.symlink({str(outside)!r}, '/home/user/link')
+os.symlink({str(outside / 'precious')!r}, '/home/user/f')
+os.makedirs('/home/user/d/e')
+os.symlink({str(outside)!r}, '/home/user/d/e/up')
+os.symlink({str(outside)!r}, '/tmp/dirlink')
+""")
+        a.kill()
+        wait_for(lambda: not _sandbox_containers(a.sandbox_id), what="the sandbox's container removed")
+        wait_for(lambda: not home.exists(), what=f"{home} removed")
+        assert (outside / "precious").read_text() == "keep me"
+        # The other sandbox lives on, untouched.
+        assert other.commands.run("echo ok").stdout == "ok\n"
+        assert _sandbox_containers(other.sandbox_id) == [co]
+        other.kill()
+        wait_for(lambda: not _sandbox_containers(other.sandbox_id), what="the other container removed")
+    finally:
+        for p in outside.iterdir():
+            p.unlink()
+        outside.rmdir()
+
+
 def test_tmp_is_shared_by_the_kernel_and_commands(any_backend):
     sbx = Sandbox.create(timeout=60)
     other = Sandbox.create(timeout=60)
@@ -128,19 +182,16 @@ def test_tmp_is_shared_by_the_kernel_and_commands(any_backend):
         assert _stdout(_run(sbx, "print(open('/tmp/x').read())")) == "hi"
         _run(sbx, "open('/tmp/from-kernel', 'w').write('k')")
         assert sbx.commands.run("cat /tmp/from-kernel").stdout == "k"
-        if any_backend == "local":
-            # Private to the sandbox.
-            with pytest.raises(CommandExitException):
-                other.commands.run("cat /tmp/x")
-            assert _stdout(_run(other, "import os; print(os.path.exists('/tmp/x'))")) == "False"
+        # Private to the sandbox.
+        with pytest.raises(CommandExitException):
+            other.commands.run("cat /tmp/x")
+        assert _stdout(_run(other, "import os; print(os.path.exists('/tmp/x'))")) == "False"
     finally:
         sbx.kill()
         other.kill()
 
 
 def test_the_sandbox_user_is_called_user(any_backend):
-    if any_backend == "docker":
-        pytest.skip("Docker: the image's user is `kernel` (docs/API.md)")
     sbx = Sandbox.create(timeout=60)
     try:
         sbx.files.write("f.txt", "1")
@@ -297,13 +348,20 @@ def test_javascript_sdk_shape(any_backend):
     assert report["ctxCwd"] == "/tmp" and report["cmdCwd"] == "/tmp\n", report
     assert report["missingCwd"].startswith("refused"), report
     assert report["sudo"]["exitCode"] == 1 and "grant no privileges" in report["sudo"]["stderr"], report
-    if any_backend == "local":
-        assert report["whoami"] == "user\n", report
-        assert report["otherSees"] == "refused", report
+    assert report["whoami"] == "user\n", report
+    assert report["otherSees"] == "refused", report
 
 
-def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monkeypatch):
-    first = fresh_broker(["--keep-sessions"])
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monkeypatch, backend):
+    extra = []
+    sandboxes = "sandboxes"
+    if backend == "docker":
+        if not _docker_usable():
+            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+        # Docker: the sandbox's own container is kept and adopted with its workspace.
+        extra, sandboxes = ["--sandbox", "docker"], "sandboxes-docker"
+    first = fresh_broker(["--keep-sessions", *extra])
     data = first.data_dir
     monkeypatch.setenv("E2B_API_URL", first.url + "/e2b")
     monkeypatch.setenv("E2B_SANDBOX_URL", first.url + "/e2b/sandbox")
@@ -311,11 +369,11 @@ def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monke
     sbx = Sandbox.create(timeout=600)
     sbx.files.write("kept.txt", "still here")
     sbx.commands.run("echo tmp-kept >/tmp/t")
-    home = Path(data) / "sandboxes" / sbx.sandbox_id
+    home = Path(data) / sandboxes / sbx.sandbox_id
     first.terminate()
     assert (home / "home" / "kept.txt").exists()
     # The next run adopts the session and finds its workspace (and /tmp) again.
-    second = fresh_broker(["--keep-sessions"], data_dir=data)
+    second = fresh_broker(["--keep-sessions", *extra], data_dir=data)
     r = second.api("GET", f"/v1/sessions/{sbx.sandbox_id}/files/kept.txt")
     assert r.status_code == 200 and r.content == b"still here", r.text
     ex = second.api("POST", f"/v1/sessions/{sbx.sandbox_id}/execute", json={
@@ -330,7 +388,7 @@ def test_a_kept_sandbox_keeps_its_workspace_across_a_restart(fresh_broker, monke
     left = Sandbox.create(timeout=600)
     left.files.write("x", "1")
     second.terminate()
-    assert (Path(data) / "sandboxes" / left.sandbox_id / "home" / "x").exists()
-    fresh_broker([], data_dir=data)
-    assert not (Path(data) / "sandboxes" / left.sandbox_id).exists()
-    assert not (Path(data) / "sandboxes-images" / f"{left.sandbox_id}.img").exists()
+    assert (Path(data) / sandboxes / left.sandbox_id / "home" / "x").exists()
+    fresh_broker(extra, data_dir=data)
+    assert not (Path(data) / sandboxes / left.sandbox_id).exists()
+    assert not (Path(data) / f"{sandboxes}-images" / f"{left.sandbox_id}.img").exists()

@@ -55,7 +55,11 @@ pub(crate) struct OwnWorkspaces {
 
 impl OwnWorkspaces {
     pub(crate) fn new(backend: &'static str, data_dir: &Path, privileged: bool) -> Self {
-        let dir = data_dir.join("sandboxes");
+        Self::in_dir(backend, data_dir.join("sandboxes"), privileged)
+    }
+
+    /// The own workspaces kept in `dir` (the Docker backend's `<data_dir>/sandboxes-docker`).
+    pub(crate) fn in_dir(backend: &'static str, dir: PathBuf, privileged: bool) -> Self {
         Self {
             images: WorkspaceImages::new(backend, &dir, privileged),
             dir,

@@ -281,6 +281,11 @@ impl<K: BackendKernel> KernelTable<K> {
         lock(&self.kernels).remove(session);
     }
 
+    /// Whether a kernel in the table matches `pred`.
+    pub fn any(&self, pred: impl Fn(&K) -> bool) -> bool {
+        lock(&self.kernels).values().any(|k| pred(k))
+    }
+
     /// Whether a kernel of `user` is still in the table.
     pub fn has_user(&self, user: &str) -> bool {
         lock(&self.kernels).values().any(|k| k.watch().user == user)

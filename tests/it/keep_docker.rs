@@ -416,3 +416,68 @@ async fn a_kernel_whose_container_stopped_meanwhile_ends_with_it() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sandbox_container_is_kept_and_adopted_then_removed_with_its_workspace() {
+    let Some(mut runs) = Runs::new() else { return };
+    bounded(async {
+        let alice = user("alice", 0, UserLimits::default());
+        let first = runs.sandbox(true);
+        let launch_own = |key: Uuid| {
+            let mut s = spec(&alice);
+            s.own_workspace = Some(key);
+            s
+        };
+        let (kept, dropped) = (launch_own(Uuid::new_v4()), launch_own(Uuid::new_v4()));
+        let (kept_key, dropped_key) = (kept.own_workspace.unwrap(), dropped.own_workspace.unwrap());
+        let mut kernels = vec![];
+        for s in [kept, dropped] {
+            let (session, key) = (s.session_id, s.key.clone());
+            let launched = timeout(Duration::from_secs(90), first.launch(s))
+                .await
+                .expect("launch timed out")
+                .expect("launch");
+            kernels.push((connect(session, launched, &key).await, key));
+        }
+        kernels[0]
+            .0
+            .run("x = 41; open('/home/user/f', 'w').write('1')")
+            .await;
+        let home = first.own_workspace(&alice, kept_key).unwrap().unwrap();
+        let dropped_home = first.own_workspace(&alice, dropped_key).unwrap().unwrap();
+        first.shutdown().await;
+        let name = |key: Uuid| format!("kernel-broker-{}-sandbox-{key}", first.data_dir_hash());
+        assert!(running(&name(kept_key)) && running(&name(dropped_key)));
+
+        // The next run adopts one sandbox's kernel in its container, with its workspace.
+        let second = runs.sandbox(true);
+        second.check().await.expect("check");
+        let session = kernels[0].0.session_id;
+        let launched = second
+            .adopt(adopt_spec(session, &alice))
+            .await
+            .expect("adopt");
+        let mut k = connect(session, launched, &kernels[0].1).await;
+        assert_eq!(
+            k.run("print(x + 1, open('/home/user/f').read())")
+                .await
+                .out(),
+            "42 1"
+        );
+        assert_eq!(
+            second.own_workspace(&alice, kept_key).unwrap().unwrap(),
+            home
+        );
+        // The other, not adopted, goes with its workspace.
+        second.discard_unadopted().await;
+        assert!(!runs.containers().contains(&name(dropped_key)));
+        assert!(!dropped_home.exists(), "{} is left", dropped_home.display());
+        // The adopted sandbox ends: its container and workspace go.
+        k.process().terminate().await;
+        second.remove_own_workspace(&alice, kept_key).await;
+        assert!(!runs.containers().contains(&name(kept_key)));
+        assert!(!home.exists(), "{} is left", home.display());
+        second.shutdown().await;
+    })
+    .await;
+}

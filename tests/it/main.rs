@@ -38,6 +38,7 @@ mod recording;
 mod recording_search;
 mod sandbox_contract;
 mod sandbox_docker;
+mod sandbox_docker_own;
 mod sandbox_local;
 mod sandbox_pty;
 mod sessions;

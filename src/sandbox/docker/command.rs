@@ -53,8 +53,9 @@ impl Inner {
         }
         self.startup().await?;
         let docker = self.client().await?;
+        let target = self.target(&user, spec.own_workspace)?;
         let container = {
-            let slot = self.slot(&user.name);
+            let slot = self.slot(&target.slot);
             let mut guard = slot.container.lock().await;
             self.running_container(&docker, &mut guard)
                 .await?
@@ -62,7 +63,7 @@ impl Inner {
         };
         let id = Uuid::new_v4();
         let dir = format!("c{}", &id.simple().to_string()[..12]);
-        let host_dir = self.user_run_dir(&user.name).join(&dir);
+        let host_dir = self.user_run_dir(&target.slot).join(&dir);
         let files = SessionFiles {
             dir: host_dir.clone(),
             privileged: self.privileged,
@@ -82,8 +83,8 @@ impl Inner {
              exec {TINI_INSIDE} -s -- sh -c 'cd -- \"$1\" || exit 1; shift; \"$@\"' \"$0\" \"$@\""
         );
         let mut cmd = vec!["sh".to_string(), "-c".to_string(), script, marker.clone()];
-        // A session with a workspace of its own starts in E2B's home (here the user's
-        // workspace too, see `container.rs`).
+        // A session with a workspace of its own starts in E2B's home (its own container's,
+        // `own.rs`).
         let home = match spec.own_workspace {
             Some(_) => own_workspace::HOME_INSIDE,
             None => super::WORKSPACE_INSIDE,
@@ -101,7 +102,7 @@ impl Inner {
                 .map(|(k, v)| format!("{k}={v}")),
         );
         if spec.own_workspace.is_some() {
-            env.push(format!("HOME={}", own_workspace::HOME_INSIDE));
+            env.extend(super::own::own_env());
         }
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let fail = |what: &'static str, e: bollard::errors::Error| launch_step(&user, what, e);

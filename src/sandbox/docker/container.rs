@@ -20,9 +20,10 @@ use bollard::Docker;
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
 
-use super::daemon::status_of;
+use super::daemon::{status_of, Advised};
 use super::engine::Engine;
 use super::limits::{resource_limits, verify_limits, LimitsNotApplied};
+use super::own::{install_accounts, prepare_own, Target, LABEL_SANDBOX};
 use super::running::{describe_state, ContainerInfo};
 use super::{
     unavailable_by, workspace_owner, DockerSandboxConfig, Inner, UserSlot, BACKEND, HOSTNAME,
@@ -52,13 +53,15 @@ pub(super) struct ContainerSpec<'a> {
     pub cgroup_parent: Option<&'a str>,
     /// The engine asked (see `engine.rs` for what differs).
     pub engine: Engine,
+    /// A sandbox's own container (`own.rs`): its key; `None`: the user's container.
+    pub own: Option<uuid::Uuid>,
 }
 
 impl ContainerSpec<'_> {
     /// The container's create options (what `docker create` is told).
     pub fn body(&self) -> ContainerCreateBody {
         let (user, workspace, run_dir) = (self.user, self.workspace, self.run_dir);
-        let labels = HashMap::from([
+        let mut labels = HashMap::from([
             (LABEL_MANAGED.to_string(), "true".to_string()),
             (LABEL_DATA_DIR_HASH.to_string(), self.hash.to_string()),
             (LABEL_USER.to_string(), user.name.clone()),
@@ -74,13 +77,35 @@ impl ContainerSpec<'_> {
             read_only: Some(false),
             ..Default::default()
         };
+        if let Some(key) = self.own {
+            labels.insert(LABEL_SANDBOX.to_string(), key.to_string());
+        }
+        let tools = tools_dir(self.data_dir);
+        let read_only = |source: &Path, target: &str| Mount {
+            read_only: Some(true),
+            ..bind(source, target)
+        };
+        // A sandbox's own container: its workspace is E2B's home too, and the kernel uid
+        // is E2B's `user` (`own.rs`); the user's: her workspace is shown at E2B's home for
+        // sessions that asked for their own elsewhere.
+        let (working_dir, home, accounts) = match self.own {
+            Some(_) => (
+                own_workspace::HOME_INSIDE,
+                own_workspace::HOME_INSIDE,
+                vec![
+                    read_only(&tools.join("passwd"), "/etc/passwd"),
+                    read_only(&tools.join("group"), "/etc/group"),
+                ],
+            ),
+            None => (WORKSPACE_INSIDE, HOME_INSIDE, vec![]),
+        };
         let limits = resource_limits(&user.limits);
         ContainerCreateBody {
             image: Some(self.image.to_string()),
             hostname: Some(HOSTNAME.to_string()),
             user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
-            working_dir: Some(WORKSPACE_INSIDE.to_string()),
-            env: Some(vec![format!("HOME={HOME_INSIDE}")]),
+            working_dir: Some(working_dir.to_string()),
+            env: Some(vec![format!("HOME={home}")]),
             labels: Some(labels),
             // The image's tini is PID 1 and runs `sleep infinity` (its CMD).
             host_config: Some(HostConfig {
@@ -104,24 +129,17 @@ impl ContainerSpec<'_> {
                 mounts: Some(
                     [
                         Some(bind(workspace, WORKSPACE_INSIDE)),
-                        // E2B's home: sessions with a workspace of their own find the
-                        // user's here too (one container holds all her kernels, so it
-                        // cannot give each session its own; docs/API.md, E2B).
                         Some(bind(workspace, own_workspace::HOME_INSIDE)),
                         Some(bind(run_dir, RUN_DIR_INSIDE)),
                         // The sandbox's `sudo` (`sudo.rs`), where every PATH finds it (a
                         // login shell's /etc/profile sets its own).
-                        Some(Mount {
-                            read_only: Some(true),
-                            ..bind(&tools_dir(self.data_dir).join("sudo"), SUDO_INSIDE)
-                        }),
-                        self.ca_file.map(|ca| Mount {
-                            read_only: Some(true),
-                            ..bind(ca, crate::egress::CA_FILE_INSIDE)
-                        }),
+                        Some(read_only(&tools.join("sudo"), SUDO_INSIDE)),
+                        self.ca_file
+                            .map(|ca| read_only(ca, crate::egress::CA_FILE_INSIDE)),
                     ]
                     .into_iter()
                     .flatten()
+                    .chain(accounts)
                     .collect(),
                 ),
                 auto_remove: Some(false),
@@ -176,31 +194,44 @@ impl Inner {
         }
     }
 
-    /// Creates and starts the user's container.
+    /// Creates and starts the user's container, or a sandbox's own (`target`).
     pub(super) async fn create_container(
         &self,
         docker: &Docker,
         user: &SandboxUser,
-        workspace: &Path,
+        target: &Target,
     ) -> Result<Arc<ContainerInfo>, SandboxError> {
-        let run_dir = self.user_run_dir(&user.name);
+        let (workspace, own_key) = (target.workspace.as_path(), target.own);
+        let run_dir = self.user_run_dir(&target.slot);
         {
             let workspace = workspace.to_path_buf();
             let run_dir = run_dir.clone();
             let privileged = self.privileged;
             let images = self.workspace_images.clone();
+            let own = self.own_workspaces.clone();
             let quota = user.limits.workspace_quota_bytes;
             let tools = tools_dir(&self.cfg.data_dir);
             tokio::task::spawn_blocking(move || {
-                let quota = Some((&*images, quota));
-                prepare_workspace(&workspace, workspace_owner(privileged), quota)?;
+                match own_key {
+                    Some(key) => {
+                        prepare_own(&own, key, quota, privileged)?;
+                    }
+                    None => {
+                        let quota = Some((&*images, quota));
+                        prepare_workspace(&workspace, workspace_owner(privileged), quota)?;
+                    }
+                }
                 sudo::install(&tools)?;
+                install_accounts(&tools)?;
                 prepare_user_run_dir(&run_dir)
             })
             .await
             .map_err(|e| launch_step(user, "preparing directories failed", e))??;
         }
-        let name = self.container_name(&user.name);
+        let name = match own_key {
+            Some(key) => self.own_container_name(key),
+            None => self.container_name(&user.name),
+        };
         // A container of that name can only be left from a crash in the middle of a launch.
         self.remove_container(docker, &name).await;
         let body = ContainerSpec {
@@ -213,6 +244,7 @@ impl Inner {
             ca_file: self.cfg.ca_file.as_deref(),
             cgroup_parent: self.cfg.cgroup_parent.as_deref(),
             engine: self.engine().await?,
+            own: own_key,
         }
         .body();
         let created = docker
@@ -266,6 +298,7 @@ impl Inner {
             memory_limit: user.limits.memory_bytes,
             oom_claimed: Mutex::new(0),
             reaping: tokio::sync::Mutex::new(()),
+            own: own_key,
         }))
     }
 
@@ -390,6 +423,7 @@ mod tests {
             ca_file: None,
             cgroup_parent: None,
             engine: Engine::Docker,
+            own: None,
         }
         .body()
     }
@@ -458,6 +492,66 @@ mod tests {
     }
 
     #[test]
+    fn a_sandbox_container_is_e2b_shaped() {
+        let user = SandboxUser {
+            name: "alice".into(),
+            index: 0,
+            limits: UserLimits::default(),
+        };
+        let key = uuid::Uuid::new_v4();
+        let b = ContainerSpec {
+            image: "img:1",
+            hash: "abcd1234",
+            data_dir: Path::new("/var/lib/kb"),
+            user: &user,
+            workspace: Path::new("/var/lib/kb/sandboxes-docker/k/home"),
+            run_dir: Path::new("/var/lib/kb/run-docker/+k"),
+            ca_file: None,
+            cgroup_parent: None,
+            engine: Engine::Docker,
+            own: Some(key),
+        }
+        .body();
+        assert_eq!(b.working_dir.as_deref(), Some("/home/user"));
+        assert_eq!(b.env, Some(vec!["HOME=/home/user".to_string()]));
+        let labels = b.labels.unwrap();
+        assert_eq!(labels[LABEL_SANDBOX], key.to_string());
+        assert_eq!(labels[LABEL_USER], "alice");
+        let h = b.host_config.unwrap();
+        // Its own /tmp; the user's limits.
+        assert!(h.tmpfs.unwrap().contains_key("/tmp"));
+        assert_eq!(h.memory, resource_limits(&user.limits).memory);
+        let mounts: Vec<(String, String, bool)> = h
+            .mounts
+            .unwrap()
+            .into_iter()
+            .map(|m| (m.source.unwrap(), m.target.unwrap(), m.read_only.unwrap()))
+            .collect();
+        let home = "/var/lib/kb/sandboxes-docker/k/home".to_string();
+        for want in [
+            (home.clone(), "/workspace".to_string(), false),
+            (home, "/home/user".to_string(), false),
+            (
+                "/var/lib/kb/run-docker/+k".to_string(),
+                "/run/kernel".to_string(),
+                false,
+            ),
+            (
+                "/var/lib/kb/tools-docker/passwd".to_string(),
+                "/etc/passwd".to_string(),
+                true,
+            ),
+            (
+                "/var/lib/kb/tools-docker/group".to_string(),
+                "/etc/group".to_string(),
+                true,
+            ),
+        ] {
+            assert!(mounts.contains(&want), "{want:?} in {mounts:?}");
+        }
+    }
+
+    #[test]
     fn limits_appear_in_the_host_config() {
         struct Case {
             limits: UserLimits,
@@ -500,14 +594,4 @@ mod tests {
             assert_eq!(h.pids_limit, case.pids, "{:?}", case.limits);
         }
     }
-}
-
-/// A Docker error told with the operator's advice ([`DockerSandbox::advice`]), the error
-/// kept as the source.
-#[derive(Debug, thiserror::Error)]
-#[error("{advice}")]
-struct Advised {
-    advice: String,
-    #[source]
-    source: bollard::errors::Error,
 }

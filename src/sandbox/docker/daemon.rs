@@ -16,6 +16,7 @@ use super::engine::Engine;
 use super::{unavailable, unavailable_by, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
 use crate::sandbox::fsutil;
 use crate::sandbox::SandboxError;
+use crate::sync::lock;
 
 impl Inner {
     pub(super) fn unreachable(&self, why: impl std::fmt::Display) -> SandboxError {
@@ -110,8 +111,13 @@ impl Inner {
                 )
                 .await?;
                 if keep {
-                    return self.take_over(&docker).await;
+                    self.take_over(&docker).await?;
+                    // The workspaces of the sandboxes whose kernels were kept stay.
+                    let kept = lock(&self.kept).values().filter_map(|t| t.own).collect();
+                    self.sweep_own(kept).await;
+                    return Ok(());
                 }
+                self.sweep_own(Default::default()).await;
                 self.forget_tickets().await;
                 let stale = self
                     .our_containers(&docker)
@@ -287,4 +293,14 @@ mod tests {
             assert_eq!(negotiated(bad).minor_version, ours.minor_version, "{bad:?}");
         }
     }
+}
+
+/// A Docker error told with the operator's advice ([`DockerSandbox::advice`]), the error
+/// kept as the source.
+#[derive(Debug, thiserror::Error)]
+#[error("{advice}")]
+pub(super) struct Advised {
+    pub advice: String,
+    #[source]
+    pub source: bollard::errors::Error,
 }

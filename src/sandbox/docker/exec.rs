@@ -174,9 +174,17 @@ impl Inner {
         dir: &str,
     ) -> Result<String, ExecError> {
         let mut env = base_env(&spec.user.limits);
+        // A sandbox's own container: E2B's user and home (`own.rs`).
+        let cwd = match spec.own_workspace {
+            Some(_) => {
+                env.extend(super::own::own_env());
+                crate::sandbox::own_workspace::HOME_INSIDE
+            }
+            None => WORKSPACE_INSIDE,
+        };
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let cmd = kernel_command(dir, self.privileged);
-        let exec_id = create_kernel_exec(docker, &container.id, cmd, env, false)
+        let exec_id = create_exec_in(docker, &container.id, cmd, env, false, cwd)
             .await
             .map_err(|source| ExecError::Create {
                 container: container.name.clone(),
@@ -222,10 +230,22 @@ pub(super) async fn create_kernel_exec(
     env: Vec<String>,
     attach: bool,
 ) -> Result<String, DockerError> {
+    create_exec_in(docker, container_id, cmd, env, attach, WORKSPACE_INSIDE).await
+}
+
+/// [`create_kernel_exec`] with `cwd` as the working directory.
+pub(super) async fn create_exec_in(
+    docker: &Docker,
+    container_id: &str,
+    cmd: Vec<String>,
+    env: Vec<String>,
+    attach: bool,
+    cwd: &str,
+) -> Result<String, DockerError> {
     let options = CreateExecOptions {
         cmd: Some(cmd),
         env: Some(env),
-        working_dir: Some(WORKSPACE_INSIDE.to_string()),
+        working_dir: Some(cwd.to_string()),
         attach_stdin: Some(attach),
         attach_stdout: Some(attach),
         attach_stderr: Some(attach),

@@ -56,8 +56,12 @@
 //! Whatever the engine, a new user container's cgroup must enforce the limits asked for
 //! (`limits::verify_limits`), or the launch fails (`require_limits`).
 //!
+//! A session with a workspace of its own (every E2B sandbox) gets a container of its own
+//! instead, shared by the kernels and commands of its key (`own.rs`).
+//!
 //! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
-//! implementation, a user's slot and the launch; `daemon.rs` the client and its errors;
+//! implementation and a user's slot; `launch.rs` the launch; `own.rs` sandboxes' own
+//! containers and workspaces; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `place.rs` a process's own cgroup leaf;
 //! `template.rs` fork-server templates and the kernels forked from them; `watch.rs` the
@@ -71,7 +75,9 @@ mod daemon;
 mod engine;
 mod exec;
 mod keep;
+mod launch;
 mod limits;
+mod own;
 mod place;
 mod reaper;
 mod running;
@@ -81,7 +87,7 @@ mod watch;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bollard::Docker;
@@ -94,19 +100,15 @@ pub use self::config::DockerSandboxConfig;
 use self::container::choose_run_base;
 use self::daemon::{error_text, socket_path, status_of};
 use self::engine::Engine;
-use self::exec::{connection_file, endpoints_for, DockerKernel, SessionFiles, LOST};
-use self::place::place_kernel;
+use self::exec::DockerKernel;
+pub use self::own::LABEL_SANDBOX;
 use self::running::ContainerInfo;
-use self::watch::watch_kernel;
-use super::fsutil::{
-    self, absolute, current_ids, launch_err, launch_failed, launch_step, remove_dir_logged,
-};
-use super::watched::{KernelTable, KernelWatch, WatchedKernel};
+use super::fsutil::{self, absolute, current_ids, launch_err, launch_step};
+use super::watched::KernelTable;
 use super::workspace_fs::WorkspaceImages;
 use super::LaunchRefusal;
-use super::{
-    AdoptError, AdoptSpec, KernelProcess, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser,
-};
+use super::{AdoptError, AdoptSpec, LaunchSpec, Launched, Sandbox, SandboxError, SandboxUser};
+use crate::sandbox::own_workspace::OwnWorkspaces;
 use crate::sandbox::workspace_fs::{prepare_workspace, WorkspaceOwner};
 use crate::sync::lock;
 
@@ -183,6 +185,8 @@ struct Inner {
     /// Kernels an earlier run kept that no session has adopted yet (`--keep-sessions`),
     /// by session; filled at start-up.
     kept: Mutex<HashMap<Uuid, keep::Ticket>>,
+    /// Sandboxes' own workspaces (`own.rs`), `<data_dir>/sandboxes-docker`.
+    own_workspaces: Arc<OwnWorkspaces>,
     /// The users' fork-server templates.
     templates: template::Templates,
     /// Cancelled by `shutdown`: stops idle timers.
@@ -215,6 +219,7 @@ impl DockerSandbox {
         let privileged = euid == 0;
         let run_base = choose_run_base(&cfg, &hash, privileged, euid)?;
         let workspaces = cfg.data_dir.join("workspaces-docker");
+        let own_dir = cfg.data_dir.join("sandboxes-docker");
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
@@ -229,6 +234,7 @@ impl DockerSandbox {
                 users: Mutex::new(HashMap::new()),
                 kernels: KernelTable::default(),
                 kept: Mutex::new(HashMap::new()),
+                own_workspaces: Arc::new(OwnWorkspaces::in_dir(BACKEND, own_dir, privileged)),
                 templates: template::Templates::default(),
                 shutdown: CancellationToken::new(),
             }),
@@ -316,6 +322,18 @@ impl Sandbox for DockerSandbox {
         Ok(path)
     }
 
+    fn own_workspace(
+        &self,
+        _user: &SandboxUser,
+        key: Uuid,
+    ) -> Result<Option<PathBuf>, SandboxError> {
+        self.inner.own_home(key).map(Some)
+    }
+
+    async fn remove_own_workspace(&self, user: &SandboxUser, key: Uuid) {
+        self.inner.remove_own(user, key).await;
+    }
+
     fn workspace_owner(&self, _user: &SandboxUser) -> Option<(u32, u32)> {
         Some((KERNEL_UID, KERNEL_GID))
     }
@@ -388,119 +406,6 @@ impl Inner {
         self.run_base.join(user)
     }
 
-    async fn launch(self: &Arc<Self>, spec: LaunchSpec) -> Result<Launched, SandboxError> {
-        let user = spec.user.clone();
-        if spec.kernel_name != "python3" {
-            return Err(launch_err(
-                &user,
-                LaunchRefusal::KernelNotInImage(spec.kernel_name.clone()),
-            ));
-        }
-        let workspace = self.workspace_path(&user)?;
-        self.startup().await?;
-        let docker = self.client().await?;
-        let slot = self.slot(&user.name);
-        if let Some(idle) = lock(&slot.idle).take() {
-            idle.cancel();
-        }
-
-        let started = Instant::now();
-        let mut guard = slot.container.lock().await;
-        if self.shutdown.is_cancelled() {
-            return Err(launch_err(&user, LaunchRefusal::ShuttingDown));
-        }
-        let (container, cold) = match self.running_container(&docker, &mut guard).await? {
-            Some(c) => (c, false),
-            None => {
-                let c = self.create_container(&docker, &user, &workspace).await?;
-                *guard = Some(c.clone());
-                (c, true)
-            }
-        };
-        let container_ready = started.elapsed();
-
-        // Forked from the user's template when one works (`template.rs`); registered as a
-        // kernel before the lock goes, as a plain start is below.
-        if let Some(launched) = self.launch_forked(&docker, &container, &spec).await {
-            return Ok(launched);
-        }
-
-        let dir = keep::session_dir(spec.session_id);
-        let host_dir = self.user_run_dir(&user.name).join(&dir);
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&user, e))?;
-        let files = SessionFiles {
-            dir: host_dir.clone(),
-            privileged: self.privileged,
-            connection: Some(connection_file(&spec, &dir)),
-        };
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| launch_step(&user, "preparing files failed", e))??;
-
-        let exec_id = match self.start_kernel(&docker, &container, &spec, &dir).await {
-            Ok(id) => id,
-            Err(e) => {
-                remove_dir_logged(host_dir).await;
-                return Err(launch_failed(&user, e));
-            }
-        };
-        let session = spec.session_id.to_string();
-        let exec_pidfd = self.exec_pidfd(&docker, &exec_id).await;
-        // Only root writes the container's cgroup (see `exec.rs`).
-        let placeable = self.privileged.then_some(exec_id.as_str());
-        let leaf = match place_kernel(&docker, placeable, &host_dir, &session, &spec.limits).await {
-            Ok(leaf) => leaf,
-            Err(e) => {
-                // The kernel waits for a word that cannot come: it ends by itself; the
-                // reaper of a later end, or the container's removal, takes what is left.
-                remove_dir_logged(host_dir).await;
-                return Err(launch_failed(&user, e));
-            }
-        };
-
-        let (watch, exit) = KernelWatch::new(spec.session_id, user.name.clone(), LOST);
-        let shared = Arc::new(DockerKernel {
-            watch,
-            docker: docker.clone(),
-            container,
-            dir,
-            host_dir,
-            exec_id,
-            forked: None,
-            exec_pidfd,
-            leaf,
-            limits: spec.limits,
-            workspace,
-            quota_bytes: user.limits.workspace_quota_bytes,
-        });
-        self.kernels.insert(spec.session_id, shared.clone());
-        tokio::spawn(watch_kernel(self.clone(), shared.clone(), exit));
-        // Registered: an idle removal waiting for the lock will now see a live kernel.
-        drop(guard);
-        let process: Box<dyn KernelProcess> = Box::new(WatchedKernel::new(
-            shared.clone(),
-            TERMINATE_TIMEOUT + EXEC_TIMEOUT,
-        ));
-        if self.cfg.keep_kernels {
-            // Written before the launch answers, so the kernel is kept even if the broker
-            // is killed right after; a kernel that could not be kept is not launched.
-            if let Err(e) = self.keep_ticket(&shared).await {
-                process.terminate().await;
-                return Err(launch_failed(&user, e));
-            }
-        }
-        tracing::info!(
-            session = %spec.session_id,
-            user = %user.name,
-            container = %shared.container.name,
-            cold,
-            container_ms = container_ready.as_millis() as u64,
-            total_ms = started.elapsed().as_millis() as u64,
-            "kernel launched"
-        );
-        Ok(Launched { endpoints, process })
-    }
-
     async fn shutdown(&self) {
         self.shutdown.cancel();
         // Wait for launches in flight (they hold their user's lock, and give up once they
@@ -513,6 +418,7 @@ impl Inner {
             // Released, not ended: their watchers stop, and the next run adopts them.
             let count = self.kernels.release_all();
             self.workspace_images.keep_mounted();
+            self.own_workspaces.keep_mounted();
             tracing::info!(
                 kernels = count,
                 "left the kernels, their containers and workspaces running for the next run \
@@ -542,7 +448,12 @@ impl Inner {
         self.templates.end_all(None).await;
         // The containers are removed, so nothing holds the workspace file systems.
         let images = self.workspace_images.clone();
-        if let Err(e) = tokio::task::spawn_blocking(move || images.unmount_all()).await {
+        let own = self.own_workspaces.clone();
+        let unmount = move || {
+            images.unmount_all();
+            own.unmount_all();
+        };
+        if let Err(e) = tokio::task::spawn_blocking(unmount).await {
             tracing::warn!(error = %e, "unmounting the workspaces failed");
         }
     }

@@ -25,6 +25,8 @@ pub(super) struct ContainerInfo {
     /// other's victims half-dead and race on the fixed point. An async mutex because it is
     /// held across the reaper's exec.
     pub reaping: tokio::sync::Mutex<()>,
+    /// The own-workspace key of a sandbox's own container (`own.rs`); `None`: the user's.
+    pub own: Option<uuid::Uuid>,
 }
 
 /// The host pid of a running container's init (its namespaces are the kernels').

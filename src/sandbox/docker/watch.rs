@@ -463,6 +463,7 @@ mod tests {
             memory_limit: 1,
             oom_claimed: Mutex::new(0),
             reaping: tokio::sync::Mutex::new(()),
+            own: None,
         };
         assert!(!claim_oom(&c, 0));
         assert!(claim_oom(&c, 2));

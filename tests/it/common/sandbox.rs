@@ -505,7 +505,11 @@ pub async fn start(sandbox: &dyn Sandbox, user: &SandboxUser) -> Kernel {
 
 /// Launches and connects; also says how long `launch` took.
 pub async fn start_timed(sandbox: &dyn Sandbox, user: &SandboxUser) -> (Kernel, Duration) {
-    let spec = spec(user);
+    start_spec(sandbox, spec(user)).await
+}
+
+/// Launches `spec` and connects; also says how long `launch` took.
+pub async fn start_spec(sandbox: &dyn Sandbox, spec: LaunchSpec) -> (Kernel, Duration) {
     let key = spec.key.clone();
     let session_id = spec.session_id;
     let t0 = Instant::now();

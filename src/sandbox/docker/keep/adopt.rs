@@ -57,7 +57,7 @@ impl Inner {
         let started = std::time::Instant::now();
         let session = ticket.session_id;
         let docker = self.client().await?;
-        let slot = self.slot(&ticket.user);
+        let slot = self.slot(&ticket.slot());
         let guard = slot.container.lock().await;
         let registered = guard.clone().filter(|c| c.id == ticket.container_id);
         let container = registered.clone().unwrap_or_else(|| {
@@ -67,6 +67,7 @@ impl Inner {
                 memory_limit: ticket.container_memory_bytes,
                 oom_claimed: Mutex::new(0),
                 reaping: tokio::sync::Mutex::new(()),
+                own: ticket.own,
             })
         });
         let gone = match registered {
@@ -86,7 +87,7 @@ impl Inner {
             return Err(AdoptError::Ended(reason));
         }
 
-        let host_dir = self.user_run_dir(&ticket.user).join(&ticket.session_dir);
+        let host_dir = self.user_run_dir(&ticket.slot()).join(&ticket.session_dir);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(user, e))?;
         let leaf = self
             .reopen_leaf(&docker, &container, &ticket, &limits)
@@ -218,7 +219,7 @@ impl Inner {
     /// What a kernel whose container is gone held on the host: its session directory, its
     /// leaf (nothing runs in it any more) and its ticket.
     pub(super) async fn reclaim_files(&self, ticket: &Ticket) {
-        remove_dir_logged(self.user_run_dir(&ticket.user).join(&ticket.session_dir)).await;
+        remove_dir_logged(self.user_run_dir(&ticket.slot()).join(&ticket.session_dir)).await;
         let leaf = ticket.leaf.clone();
         let _ = tokio::task::spawn_blocking(move || {
             for dir in leaf.iter().filter(|d| is_cgroup_dir(d)) {

@@ -90,7 +90,10 @@ impl Inner {
         let hash = self.hash.clone();
         let tickets = tokio::task::spawn_blocking(move || {
             create_private_dir(&dir, Some(0o700))?;
-            let name = |user: &str| format!("kernel-broker-{hash}-{user}");
+            let name = |user: &str, own: Option<Uuid>| match own {
+                Some(key) => format!("kernel-broker-{hash}-sandbox-{key}"),
+                None => format!("kernel-broker-{hash}-{user}"),
+            };
             Ok::<_, SandboxError>(load_tickets(&dir, &name))
         })
         .await
@@ -116,9 +119,10 @@ impl Inner {
                             memory_limit: t.container_memory_bytes,
                             oom_claimed: Mutex::new(0),
                             reaping: tokio::sync::Mutex::new(()),
+                            own: t.own,
                         });
-                        *self.slot(&t.user).container.lock().await = Some(info);
-                        kept_users.insert(t.user.clone());
+                        *self.slot(&t.slot()).container.lock().await = Some(info);
+                        kept_users.insert(t.slot());
                     }
                     // A stopped one stays until its kernels were offered: adoption reads
                     // from it how they ended; `discard_unadopted` removes it.
@@ -131,8 +135,8 @@ impl Inner {
         }
         let sessions: HashSet<(String, String)> = tickets
             .values()
-            .filter(|t| kept_users.contains(&t.user))
-            .map(|t| (t.user.clone(), t.session_dir.clone()))
+            .filter(|t| kept_users.contains(&t.slot()))
+            .map(|t| (t.slot(), t.session_dir.clone()))
             .collect();
         tracing::info!(
             kernels = tickets.len(),
@@ -188,6 +192,7 @@ impl Inner {
             pids: kernel.limits.pids,
             container_memory_bytes: kernel.container.memory_limit,
             quota_bytes: kernel.quota_bytes,
+            own: kernel.container.own,
         };
         let dir = self.tickets_dir();
         tokio::task::spawn_blocking(move || {
@@ -219,6 +224,10 @@ impl Inner {
             return;
         }
         let left: Vec<Ticket> = lock(&self.kept).drain().map(|(_, t)| t).collect();
+        let sandboxes: HashMap<Uuid, String> = left
+            .iter()
+            .filter_map(|t| t.own.map(|key| (key, t.user.clone())))
+            .collect();
         let ends = left.into_iter().map(|ticket| async move {
             let session = ticket.session_id;
             let user = SandboxUser {
@@ -243,6 +252,18 @@ impl Inner {
             }
         });
         futures::future::join_all(ends).await;
+        // A sandbox's own container none of whose kernels was adopted goes with its
+        // workspace (its session did not come back).
+        for (key, name) in sandboxes {
+            if !self.kernels.any(|k| k.container.own == Some(key)) {
+                let user = SandboxUser {
+                    name,
+                    index: 0,
+                    limits: Default::default(),
+                };
+                self.remove_own(&user, key).await;
+            }
+        }
         // Stopped containers kept for their kernels' ends, now told.
         if let Ok(docker) = self.client().await {
             let mut registered = HashSet::new();
@@ -267,7 +288,8 @@ impl Inner {
                 }
             }
             // The usual idle rule for every container without a kernel.
-            for (user, _) in slots {
+            // A sandbox's own container (`own.rs`) goes with its sandbox, not when idle.
+            for (user, _) in slots.into_iter().filter(|(u, _)| !u.starts_with('+')) {
                 if !self.kernels.has_user(&user) {
                     self.start_idle_timer(&user);
                 }

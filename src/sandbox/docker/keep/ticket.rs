@@ -36,6 +36,9 @@ pub(crate) struct Ticket {
     /// The container's memory limit (the OOM fallback of a kernel without a leaf).
     pub container_memory_bytes: u64,
     pub quota_bytes: u64,
+    /// The own-workspace key of a sandbox's own container (`own.rs`); `None`: the user's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own: Option<Uuid>,
 }
 
 /// Why a file in the tickets directory is not a usable ticket (it is then removed).
@@ -64,12 +67,20 @@ pub(crate) enum TicketRefused {
 }
 
 impl Ticket {
+    /// The kernel's container slot and runtime directory name (`own.rs`).
+    pub(crate) fn slot(&self) -> String {
+        match self.own {
+            Some(key) => super::super::own::own_slot(key),
+            None => self.user.clone(),
+        }
+    }
+
     /// Checks a ticket read from `<session>.json` against what the broker derives itself
-    /// (`container_name` of a user).
+    /// (`container_name` of a user, or of a sandbox's own container).
     fn check(
         &self,
         session: Uuid,
-        container_name: &dyn Fn(&str) -> String,
+        container_name: &dyn Fn(&str, Option<Uuid>) -> String,
     ) -> Result<(), TicketRefused> {
         let id_ok = |id: &str| {
             !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_hexdigit())
@@ -91,7 +102,7 @@ impl Ticket {
             Err(TicketRefused::OtherSession)
         } else if !is_container_safe(&self.user) {
             Err(TicketRefused::NotAUserName(self.user.clone()))
-        } else if self.container_name != container_name(&self.user) {
+        } else if self.container_name != container_name(&self.user, self.own) {
             Err(TicketRefused::NotTheUsersContainer(
                 self.container_name.clone(),
             ))
@@ -145,7 +156,7 @@ fn read_ticket(path: &Path) -> Result<Ticket, TicketRefused> {
 /// Blocking.
 pub(crate) fn load_tickets(
     dir: &Path,
-    container_name: &dyn Fn(&str) -> String,
+    container_name: &dyn Fn(&str, Option<Uuid>) -> String,
 ) -> HashMap<Uuid, Ticket> {
     let mut tickets = HashMap::new();
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -250,11 +261,15 @@ mod tests {
             pids: 128,
             container_memory_bytes: 5 << 30,
             quota_bytes: 1 << 30,
+            own: None,
         }
     }
 
-    fn name(user: &str) -> String {
-        format!("kernel-broker-h-{user}")
+    fn name(user: &str, own: Option<Uuid>) -> String {
+        match own {
+            Some(key) => format!("kernel-broker-h-sandbox-{key}"),
+            None => format!("kernel-broker-h-{user}"),
+        }
     }
 
     #[test]
@@ -284,6 +299,10 @@ mod tests {
             ("version", Box::new(|t| t.version = 2)),
             ("user", Box::new(|t| t.user = "../x".into())),
             ("container", Box::new(|t| t.container_name = "other".into())),
+            (
+                "the user's container claimed for a sandbox",
+                Box::new(|t| t.own = Some(Uuid::new_v4())),
+            ),
             ("dir", Box::new(|t| t.session_dir = "..".into())),
             ("exec id", Box::new(|t| t.exec_id = "x;rm".into())),
             (
