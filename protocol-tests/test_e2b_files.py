@@ -291,6 +291,12 @@ def test_signed_urls_work_with_a_plain_http_client(any_backend):
         # Without a signature or token: nothing.
         r = requests.get(files, params={"path": "/home/user/x.txt"})
         assert r.status_code in (400, 401), r.text
+        # A query that does not parse (an expiry that is no number): E2B's 400, as JSON.
+        for route in (files, os.environ["E2B_SANDBOX_URL"] + "/files"):
+            r = requests.get(route, params={**q, "signature_expiration": "-3.19e-295"})
+            assert r.status_code == 400, (r.status_code, r.text)
+            assert r.headers["content-type"].startswith("application/json"), r.headers
+            assert r.json()["code"] == 400 and "signature_expiration" in r.json()["message"], r.text
         # A sandbox that ended: its URLs stop working.
         a.kill()
         refused("GET", url, "invalid signature")

@@ -61,6 +61,20 @@ struct FileQuery {
     signature_expiration: Option<i64>,
 }
 
+/// The `/files` query; one that does not parse is E2B's `400`, not axum's plain text.
+struct FilesQuery(FileQuery);
+
+impl FromRequestParts<AppState> for FilesQuery {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, E2bError> {
+        Query::<FileQuery>::from_request_parts(parts, state)
+            .await
+            .map(|Query(q)| Self(q))
+            .map_err(|e| E2bError::bad_request(e.body_text()))
+    }
+}
+
 /// The sandbox a `/files` request acts in: by its access token when it carries one (and
 /// names its sandbox), else by its signature.
 async fn authorize(
@@ -96,7 +110,7 @@ async fn authorize(
     responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>), SandboxErrors))]
 async fn download(
     State(state): State<AppState>,
-    Query(q): Query<FileQuery>,
+    FilesQuery(q): FilesQuery,
     request: Request,
 ) -> E2bResult<Response> {
     let (mut parts, _) = request.into_parts();
@@ -120,7 +134,7 @@ async fn download(
     responses((status = 200, description = "raw bytes", content_type = "application/octet-stream", body = Vec<u8>), SandboxErrors))]
 async fn signed_download(
     state: State<AppState>,
-    q: Query<FileQuery>,
+    q: FilesQuery,
     request: Request,
 ) -> E2bResult<Response> {
     download(state, q, request).await
@@ -251,7 +265,7 @@ fn gunzip(body: Body, cap: usize) -> impl Stream<Item = std::io::Result<Bytes>> 
     responses((status = 200, description = "`[{path, name, type, metadata?}]`", body = serde_json::Value), SandboxErrors))]
 async fn upload(
     State(state): State<AppState>,
-    Query(q): Query<FileQuery>,
+    FilesQuery(q): FilesQuery,
     request: Request,
 ) -> E2bResult<Json<Vec<Value>>> {
     let (mut parts, body) = request.into_parts();
@@ -360,7 +374,7 @@ async fn upload(
     responses((status = 200, description = "`[{path, name, type, metadata?}]`", body = serde_json::Value), SandboxErrors))]
 async fn signed_upload(
     state: State<AppState>,
-    q: Query<FileQuery>,
+    q: FilesQuery,
     request: Request,
 ) -> E2bResult<Json<Vec<Value>>> {
     upload(state, q, request).await
