@@ -527,6 +527,7 @@ def test_javascript_sdk_interpreter(e2b_env):
     assert chart["type"] == "bar" and chart["title"] == "T"
     assert [(e["label"], e["value"]) for e in chart["elements"]] == [("a", 1.0), ("b", 3.0)]
     assert report["chartPng"] is True and report["figureResults"] == 1
+    assert sorted(report["contexts"]) == [[False, "/home/user"], [True, "/tmp"]]
     assert report["line"]["type"] == "line" and report["line"]["x_scale"] == "categorical"
     assert report["data"] == {"a": [1, 2], "b": ["x", "y"]}
     assert report["pil"] is True
@@ -571,3 +572,30 @@ def test_kernels_started_plainly_have_e2bs_formats(backend, fresh_broker, monkey
         ex = sbx.run_code("import pandas as pd\npd.DataFrame({'c': ['z']})", context=ctx)
         assert only(ex.results).data == {"c": ["z"]}
 
+
+# --- contexts -----------------------------------------------------------------------------
+
+
+def test_contexts_are_listed_with_their_working_directory(e2b_env):
+    """E2B's server lists each context with the cwd it was created with
+    (template/server/main.py's `/contexts`, from contexts.py's `create_context`)."""
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=120) as sbx:
+        sbx.files.make_dir("sub")
+        sub = sbx.create_code_context(cwd="/home/user/sub")
+        tmp = sbx.create_code_context(cwd="/tmp")
+        home = sbx.create_code_context()
+        listed = {c.id: c.cwd for c in sbx.list_code_contexts()}
+        assert listed[sub.id] == "/home/user/sub"
+        assert listed[tmp.id] == "/tmp"
+        assert listed[home.id] == "/home/user"
+        assert len(listed) == 4  # and the sandbox's default context
+        # A removed context leaves the list; the others keep their directories.
+        sbx.remove_code_context(tmp)
+        listed = {c.id: c.cwd for c in sbx.list_code_contexts()}
+        assert tmp.id not in listed and listed[sub.id] == "/home/user/sub"
+        # A refused directory adds nothing.
+        with pytest.raises(Exception):
+            sbx.create_code_context(cwd="/home/user/missing")
+        assert len(sbx.list_code_contexts()) == 3
