@@ -3,6 +3,12 @@
 The broker writes this file into a directory no kernel can write and runs it with the kernel
 spec's Python, isolated (``python -I``):
 
+``kernel [--preload M,N] -- ARGS``
+    One kernel started plainly, without a template (a kernel with a workspace of its own,
+    the fork server turned off): imports the modules, then runs ``IPKernelApp`` with the
+    ipykernel arguments ``ARGS`` exactly as a forked kernel does (inline backend, E2B's
+    hooks below).
+
 ``template --preload M,N``
     The fork server of one user and kernel spec, inside that user's sandbox. Imports the
     modules once, says ``{"ready": ...}`` on stdout, then serves requests read from stdin,
@@ -26,8 +32,8 @@ spec's Python, isolated (``python -I``):
     When a child ends, the template answers ``{"exited": ID, "status": RAW}`` (the raw
     ``waitpid`` status). End of stdin ends the template.
 
-Every kernel it starts gets ``kernel_broker_e2b.py`` installed (loaded once in the template
-from this script's own directory): E2B's result formats and one execution's environment,
+Every kernel it starts gets ``kernel_broker_e2b.py`` installed (loaded from this script's own
+directory, once in the template): E2B's result formats and one execution's environment,
 active only in executions whose request asks for them (see that module).
 
 What a fork must not share is reset in the child before any user code runs: the random
@@ -455,22 +461,43 @@ def request_id(line):
 
 
 def parse(argv):
+    """``MODE [--preload M,N] [-- KERNEL ARGS]``: the mode, the modules, and (``kernel``
+    mode) the ipykernel arguments after ``--``."""
     mode = argv[0] if argv else ""
     modules = []
+    kernel_args = None
     i = 1
     while i < len(argv):
         if argv[i] == "--preload" and i + 1 < len(argv):
             modules = [m for m in argv[i + 1].split(",") if m]
             i += 2
+        elif argv[i] == "--" and mode == "kernel":
+            kernel_args = argv[i + 1:]
+            break
         else:
             raise SystemExit("kernel-broker boot: unknown argument %r" % argv[i])
-    return mode, modules
+    return mode, modules, kernel_args
+
+
+def plain_kernel(modules, args):
+    """One kernel started plainly (no template: a workspace of its own, the fork server
+    turned off, or a template that failed): the same kernel a fork becomes, in this process.
+    Its PYTHONPATH applied (isolated mode read none), the modules imported, then
+    `run_kernel`: the inline backend and E2B's hooks as a forked kernel has them."""
+    use_pythonpath(os.environ.get("PYTHONPATH", ""))
+    preload(modules)
+    run_kernel(args)
 
 
 def main():
-    mode, modules = parse(sys.argv[1:])
+    mode, modules, kernel_args = parse(sys.argv[1:])
+    if mode == "kernel":
+        if kernel_args is None:
+            raise SystemExit("kernel-broker boot: 'kernel' needs '-- <ipykernel arguments>'")
+        plain_kernel(modules, kernel_args)
+        return
     if mode != "template":
-        raise SystemExit("kernel-broker boot: the only mode is 'template'")
+        raise SystemExit("kernel-broker boot: the modes are 'template' and 'kernel'")
     start = time.monotonic()
     # Isolated mode read no PYTHONPATH: apply the template's own (see use_pythonpath).
     use_pythonpath(os.environ.get("PYTHONPATH", ""))

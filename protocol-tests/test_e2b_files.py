@@ -451,9 +451,31 @@ def test_javascript_sdk_files(any_backend, host_dir):
     assert report["renamed"] == "new"
     assert report["symlinkTarget"] in ("/workspace/data.csv", "/home/user/data.csv"), report
     assert report["metadata"] == {"owner": "js"}, report
+    assert report["owner"] == ["user", "user"], report
     assert report["gzip"] == "z" * 10000
     assert report["signedDownload"] == "from js"
     assert report["signedUpload"] == "up from js"
     assert report["expired"] == 401
     assert "top.txt" in report["watched"] and "in/deep.txt" in report["watched"], report
     assert report["topEntry"] == "top.txt", report
+
+
+def test_owner_and_group_are_names(any_backend):
+    """envd names an entry's owner and group from the sandbox's user database (e2b-dev/infra
+    packages/envd/internal/services/filesystem/utils.go, `getFileOwnership`; the SDK's
+    EntryInfo `owner`/`group` are strings): the sandbox user's files read `user`."""
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=60) as sbx:
+        sbx.files.write("/home/user/x", "1")
+        sbx.files.make_dir("/home/user/d")
+        sbx.run_code("import os; os.symlink('x', 'l')")
+        info = sbx.files.get_info("/home/user/x")
+        assert (info.owner, info.group) == ("user", "user"), info
+        listed = {e.name: (e.owner, e.group) for e in sbx.files.list("/home/user")}
+        assert listed["x"] == listed["d"] == listed["l"] == ("user", "user"), listed
+        assert sbx.files.get_info("/home/user").owner == "user"
+        if any_backend == "local":
+            # The name the sandbox itself gives the owner.
+            shown = sbx.commands.run("stat -c '%U %G' x").stdout.split()
+            assert shown == ["user", "user"], shown

@@ -527,9 +527,75 @@ def test_javascript_sdk_interpreter(e2b_env):
     assert chart["type"] == "bar" and chart["title"] == "T"
     assert [(e["label"], e["value"]) for e in chart["elements"]] == [("a", 1.0), ("b", 3.0)]
     assert report["chartPng"] is True and report["figureResults"] == 1
+    assert sorted(report["contexts"]) == [[False, "/home/user"], [True, "/tmp"]]
     assert report["line"]["type"] == "line" and report["line"]["x_scale"] == "categorical"
     assert report["data"] == {"a": [1, 2], "b": ["x", "y"]}
     assert report["pil"] is True
     assert report["envInside"] == "js-value"
     assert report["envAfter"] == 0
     assert report["badEnv"].startswith("SandboxError") or "400" in report["badEnv"], report["badEnv"]
+
+
+# --- kernels started without the fork server --------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_kernels_started_plainly_have_e2bs_formats(backend, fresh_broker, monkeypatch):
+    """With the fork server off (`--fork-server false`; on Docker the plain exec path), a
+    sandbox's kernel and its contexts' kernels start through the bootstrap script's `kernel`
+    mode: charts, DataFrame data, PIL display and one execution's envs as from a fork."""
+    from conftest import ALICE, _docker_usable
+    from e2b_code_interpreter import Sandbox
+
+    args = ["--fork-server", "false"]
+    if backend == "docker":
+        if not _docker_usable():
+            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+        args += ["--sandbox", "docker"]
+    b = fresh_broker(extra_args=args)
+    monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    with Sandbox.create(timeout=300) as sbx:
+        ex = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.title('T')\nplt.show()")
+        r = only(ex.results)
+        assert r.chart is not None and r.chart.title == "T", r.formats()
+        ex = sbx.run_code("import pandas as pd\npd.DataFrame({'n': [1, 2]})")
+        assert only(ex.results).data == {"n": [1, 2]}
+        ex = sbx.run_code("from PIL import Image\nImage.new('RGB', (2, 2)).show()")
+        assert base64.b64decode(only(ex.results).png).startswith(PNG)
+        ex = sbx.run_code("import os\nos.environ.get('KB_ONE')", envs={"KB_ONE": "one"})
+        assert ex.text == "one"
+        assert sbx.run_code("import os\nos.environ.get('KB_ONE')").text is None
+        # A context's kernel starts plainly too.
+        ctx = sbx.create_code_context()
+        ex = sbx.run_code("import pandas as pd\npd.DataFrame({'c': ['z']})", context=ctx)
+        assert only(ex.results).data == {"c": ["z"]}
+
+
+# --- contexts -----------------------------------------------------------------------------
+
+
+def test_contexts_are_listed_with_their_working_directory(e2b_env):
+    """E2B's server lists each context with the cwd it was created with
+    (template/server/main.py's `/contexts`, from contexts.py's `create_context`)."""
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=120) as sbx:
+        sbx.files.make_dir("sub")
+        sub = sbx.create_code_context(cwd="/home/user/sub")
+        tmp = sbx.create_code_context(cwd="/tmp")
+        home = sbx.create_code_context()
+        listed = {c.id: c.cwd for c in sbx.list_code_contexts()}
+        assert listed[sub.id] == "/home/user/sub"
+        assert listed[tmp.id] == "/tmp"
+        assert listed[home.id] == "/home/user"
+        assert len(listed) == 4  # and the sandbox's default context
+        # A removed context leaves the list; the others keep their directories.
+        sbx.remove_code_context(tmp)
+        listed = {c.id: c.cwd for c in sbx.list_code_contexts()}
+        assert tmp.id not in listed and listed[sub.id] == "/home/user/sub"
+        # A refused directory adds nothing.
+        with pytest.raises(Exception):
+            sbx.create_code_context(cwd="/home/user/missing")
+        assert len(sbx.list_code_contexts()) == 3

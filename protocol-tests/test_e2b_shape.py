@@ -30,6 +30,7 @@ from conftest import ALICE, BOB, _docker_usable, wait_for
 
 e2b_code_interpreter = pytest.importorskip("e2b_code_interpreter")
 from e2b import CommandExitException  # noqa: E402
+from e2b.exceptions import InvalidArgumentException  # noqa: E402
 from e2b_code_interpreter import Sandbox  # noqa: E402
 
 JS_DIR = Path(__file__).resolve().parent / "e2b-js"
@@ -221,11 +222,12 @@ def test_any_working_directory_the_sandbox_sees(any_backend):
         assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
         assert sbx.commands.run("pwd", cwd="/home/user/sub").stdout == "/home/user/sub\n"
         # A directory the sandbox does not have: the context is refused (E2B's server: 500
-        # "Failed to set working directory"), the command fails without running.
+        # "Failed to set working directory"), the command refused before it starts (envd:
+        # invalid_argument "cwd '...' does not exist"; test_e2b_commands_cwd.py).
         with pytest.raises(Exception) as e:
             sbx.create_code_context(cwd="/home/user/missing")
         assert "working directory" in str(e.value)
-        with pytest.raises(CommandExitException):
+        with pytest.raises(InvalidArgumentException):
             sbx.commands.run("touch ran", cwd="/home/user/missing")
         assert not sbx.files.exists("ran")
     finally:

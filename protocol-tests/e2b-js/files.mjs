@@ -29,6 +29,9 @@ try {
   // metadata.
   await sbx.files.write('m.txt', 'x', { metadata: { Owner: 'js' } })
   const metadata = (await sbx.files.getInfo('m.txt')).metadata
+  // owner and group by name, as envd gives them.
+  const info = await sbx.files.getInfo('/home/user/m.txt')
+  const owner = [info.owner, info.group]
   // gzip upload.
   await sbx.files.write('g.txt', 'z'.repeat(10000), { gzip: true })
   const gz = await sbx.files.read('g.txt')
@@ -59,7 +62,7 @@ try {
   console.log(JSON.stringify({
     watched: events.map((e) => e.name),
     topEntry: top?.entry?.name ?? null,
-    removedMissing, treeGone, renamed, symlinkTarget, metadata, gzip: gz,
+    removedMissing, treeGone, renamed, symlinkTarget, metadata, owner, gzip: gz,
     signedDownload, signedUpload, expired,
   }))
 } finally {

@@ -33,6 +33,9 @@ try {
   } catch (e) {
     badEnv = `${e.name}: ${e.message}`
   }
+  // Contexts are listed with the working directory each was created with.
+  const tmpCtx = await sbx.createCodeContext({ cwd: '/tmp' })
+  const contexts = (await sbx.listCodeContexts()).map((c) => [c.id === tmpCtx.id, c.cwd])
   await sbx.kill()
   console.log(JSON.stringify({
     text,
@@ -48,6 +51,7 @@ try {
     envInside,
     envAfter,
     badEnv,
+    contexts,
   }))
 } catch (e) {
   await sbx.kill().catch(() => {})

@@ -88,6 +88,23 @@ pub fn template_argv(python: &str, script: &str, preload: &[String]) -> Vec<Stri
     ]
 }
 
+/// `python -I <script> kernel --preload M,N -- ARGS`: one kernel started plainly, without a
+/// template, through the script (its preload, the inline backend, E2B's hooks), with the
+/// spec's ipykernel arguments `args` after `--`, untouched.
+pub fn kernel_argv(python: &str, script: &str, preload: &[String], args: &[String]) -> Vec<String> {
+    let mut argv = vec![
+        python.to_string(),
+        "-I".to_string(),
+        script.to_string(),
+        "kernel".to_string(),
+        "--preload".to_string(),
+        preload.join(","),
+        "--".to_string(),
+    ];
+    argv.extend(args.iter().cloned());
+    argv
+}
+
 /// A module name the script may import: dotted Python identifiers, nothing a shell or the
 /// script's comma-separated list could misread.
 pub fn is_module_name(name: &str) -> bool {
@@ -202,6 +219,30 @@ mod tests {
         assert_eq!(
             template_argv("/py", "/b.py", &[]),
             strings(&["/py", "-I", "/b.py", "template", "--preload", ""])
+        );
+        // The kernel's own arguments follow `--` untouched, even ones that look like the
+        // script's options.
+        assert_eq!(
+            kernel_argv(
+                "/py",
+                "/b.py",
+                &strings(&["numpy", "pandas"]),
+                &strings(&["-f", "/c.json", "--preload", "x", "--"])
+            ),
+            strings(&[
+                "/py",
+                "-I",
+                "/b.py",
+                "kernel",
+                "--preload",
+                "numpy,pandas",
+                "--",
+                "-f",
+                "/c.json",
+                "--preload",
+                "x",
+                "--"
+            ])
         );
     }
 

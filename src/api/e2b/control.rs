@@ -218,6 +218,7 @@ async fn create(
             env,
             started_at: session.created_at,
             contexts: Vec::new(),
+            context_cwds: std::collections::HashMap::new(),
             commands: Default::default(),
         },
     );

@@ -8,9 +8,11 @@ use super::connect::ConnectError;
 use super::{inside_path, workspace_relative};
 use crate::api::error::{file_error_kind, FileErrorKind};
 use crate::session::files::{Entry, EntryKind};
-use crate::session::SessionError;
+use crate::session::{SessionError, Workspace};
 
-pub(super) fn entry_json(e: &Entry) -> Value {
+/// `e` as envd's `EntryInfo`; owner and group named as `ws`'s sandbox names them
+/// (`user`, `root`; envd reads the names from the sandbox's user database).
+pub(super) fn entry_json(e: &Entry, ws: &Workspace) -> Value {
     let rel = e.rel.to_string_lossy();
     let name = e
         .rel
@@ -30,8 +32,8 @@ pub(super) fn entry_json(e: &Entry) -> Value {
         "size": e.size.to_string(),
         "mode": e.mode & 0o7777,
         "permissions": permissions(e.mode),
-        "owner": e.uid.to_string(),
-        "group": e.gid.to_string(),
+        "owner": ws.account_name(e.uid),
+        "group": ws.account_name(e.gid),
         "modifiedTime": e.modified.to_rfc3339_opts(chrono::SecondsFormat::Nanos, true),
         "isSymlink": e.kind == EntryKind::Symlink,
         "symlinkTarget": e.link_target.as_deref().map(|t| link_target(&rel, &t.to_string_lossy())),

@@ -74,7 +74,7 @@ async fn workspace(state: &AppState, caller: &SandboxCaller) -> E2bResult<Worksp
 /// `{"entry": ...}` for the entry at `rel`: what `Stat`, `MakeDir` and `Move` answer.
 async fn entry_answer(ws: &Workspace, rel: &str) -> Result<Value, ConnectError> {
     let e = ws.stat(rel).await.map_err(fs_error)?;
-    Ok(json!({"entry": entry_json(&e)}))
+    Ok(json!({"entry": entry_json(&e, ws)}))
 }
 
 #[derive(Deserialize)]
@@ -136,7 +136,7 @@ async fn filesystem_call(
             let rel = rel_of(&req.path)?;
             let depth = req.depth.unwrap_or(1).clamp(1, 64) as usize;
             let (entries, _) = ws.list_dir(&rel, depth).await.map_err(fs_error)?;
-            Ok(json!({"entries": entries.iter().map(entry_json).collect::<Vec<_>>()}))
+            Ok(json!({"entries": entries.iter().map(|e| entry_json(e, &ws)).collect::<Vec<_>>()}))
         }
         "Stat" => {
             let req: PathReq = unary_request(&bytes)?;

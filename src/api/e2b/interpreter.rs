@@ -350,8 +350,8 @@ struct ContextBody {
     cwd: Option<String>,
 }
 
-fn context_json(id: Uuid) -> Value {
-    json!({"id": id.to_string(), "language": "python", "cwd": WORKDIR})
+fn context_json(id: Uuid, cwd: Option<&str>) -> Value {
+    json!({"id": id.to_string(), "language": "python", "cwd": cwd.unwrap_or(WORKDIR)})
 }
 
 /// Create a context: another kernel in the same sandbox
@@ -391,7 +391,12 @@ async fn create_context(
     }
     let known = caller
         .e2b
-        .with(caller.session.id, |m| m.contexts.push(session.id))
+        .with(caller.session.id, |m| {
+            m.contexts.push(session.id);
+            if let Some(dir) = &cwd {
+                m.context_cwds.insert(session.id, dir.clone());
+            }
+        })
         .is_some();
     if !known {
         let _ = state
@@ -400,25 +405,22 @@ async fn create_context(
             .await;
         return Err(E2bError::not_found("the sandbox has ended"));
     }
-    let mut context = context_json(session.id);
-    if let Some(dir) = cwd {
-        context["cwd"] = json!(dir);
-    }
-    Ok(Json(context))
+    Ok(Json(context_json(session.id, cwd.as_deref())))
 }
 
 /// The sandbox's contexts
 #[utoipa::path(get, operation_id = "e2b_list_contexts", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
     responses((status = 200, description = "`[{id, language, cwd}]`", body = serde_json::Value), SandboxErrors))]
 async fn list_contexts(caller: SandboxCaller) -> Json<Vec<Value>> {
-    let mut ids = vec![caller.session.id];
-    ids.extend(
-        caller
-            .e2b
-            .with(caller.session.id, |m| m.contexts.clone())
-            .unwrap_or_default(),
-    );
-    Json(ids.into_iter().map(context_json).collect())
+    let mut list = vec![context_json(caller.session.id, None)];
+    caller.e2b.with(caller.session.id, |m| {
+        list.extend(
+            m.contexts
+                .iter()
+                .map(|id| context_json(*id, m.context_cwds.get(id).map(String::as_str))),
+        )
+    });
+    Json(list)
 }
 
 /// Remove a context (its kernel ends)
@@ -436,7 +438,8 @@ async fn delete_context(
         ));
     }
     caller.e2b.with(caller.session.id, |m| {
-        m.contexts.retain(|c| *c != session.id)
+        m.contexts.retain(|c| *c != session.id);
+        m.context_cwds.remove(&session.id);
     });
     state
         .registry

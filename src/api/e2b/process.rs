@@ -158,10 +158,16 @@ async fn start(
         .with(caller.session.id, |m| m.env.clone())
         .unwrap_or_default();
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let cwd = config.cwd.clone().filter(|c| !c.is_empty());
+    if let Some(dir) = &cwd {
+        if let Err(e) = cwd_exists(state, caller, dir).await {
+            return stream_error(e);
+        }
+    }
     let request = CommandRequest {
         argv,
         env,
-        cwd: config.cwd.clone().filter(|c| !c.is_empty()),
+        cwd,
         pty,
     };
     let running = match state.registry.run_command(&caller.session, request).await {
@@ -434,4 +440,58 @@ async fn update(caller: &SandboxCaller, bytes: &[u8]) -> Result<Value, ConnectEr
         pty::resize(&cmd, p.size()?).await?;
     }
     Ok(json!({}))
+}
+
+/// How long the sandbox may take to say whether a working directory exists.
+const CWD_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// envd refuses a command whose `cwd` does not exist before starting it (`invalid_argument`,
+/// "cwd '...' does not exist"; no `start` event). The path is the kernel's to choose (its
+/// files, its symlinks), so it is looked up only inside the sandbox, never on the host: a
+/// first tiny command, `test -e` with the path as an argument (never read by a shell), run
+/// from the sandbox's home as the command would be, so a relative path resolves the same.
+async fn cwd_exists(
+    state: &AppState,
+    caller: &SandboxCaller,
+    dir: &str,
+) -> Result<(), ConnectError> {
+    let probe = CommandRequest {
+        argv: ["/bin/sh", "-c", "test -e \"$1\"", "sh", dir]
+            .map(str::to_string)
+            .to_vec(),
+        env: Vec::new(),
+        cwd: None,
+        pty: None,
+    };
+    let running = state
+        .registry
+        .run_command(&caller.session, probe)
+        .await
+        .map_err(|e| ConnectError::new("failed_precondition", e.to_string()))?;
+    drop(running.stdin);
+    let exit = tokio::time::timeout(CWD_PROBE_TIMEOUT, running.control.wait()).await;
+    match exit {
+        Ok(exit) if exit.code == Some(0) => Ok(()),
+        Ok(exit) if exit.code == Some(1) => {
+            let shown = if dir.starts_with('/') {
+                dir.to_string()
+            } else {
+                format!("{}/{dir}", super::WORKDIR)
+            };
+            Err(ConnectError::invalid(format!(
+                "cwd '{shown}' does not exist"
+            )))
+        }
+        Ok(exit) => Err(ConnectError::new(
+            "internal",
+            format!("cannot check the working directory in the sandbox: {exit:?}"),
+        )),
+        Err(_) => {
+            running.control.kill().await;
+            Err(ConnectError::new(
+                "deadline_exceeded",
+                "the sandbox took too long to check the working directory",
+            ))
+        }
+    }
 }

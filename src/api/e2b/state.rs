@@ -26,6 +26,9 @@ pub struct SandboxMeta {
     pub started_at: DateTime<Utc>,
     /// Context sessions besides the sandbox's own (its default context).
     pub contexts: Vec<Uuid>,
+    /// The working directory each context was created with, when not the home directory
+    /// (`GET /contexts` lists it as E2B does).
+    pub context_cwds: HashMap<Uuid, String>,
     pub commands: HashMap<u32, Arc<Command>>,
 }
 

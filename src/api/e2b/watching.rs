@@ -199,7 +199,7 @@ async fn pump(
                     format!("{base}/{name}")
                 };
                 if let Ok(e) = ws.stat(&path).await {
-                    event["entry"] = entry_json(&e);
+                    event["entry"] = entry_json(&e, &ws);
                 }
             }
             if !emit(Some(event)) {

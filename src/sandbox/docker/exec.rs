@@ -30,6 +30,7 @@ use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, MAX_SOCKET_PATH, PYTHON_INSIDE, RUN_DIR_INSIDE,
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
+use crate::sandbox::boot::BOOT_SCRIPT_NAME;
 use crate::sandbox::cgroup::{CpuClock, Leaf};
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
@@ -183,6 +184,25 @@ impl Inner {
             None => WORKSPACE_INSIDE,
         };
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
+        // The bootstrap script the kernel starts through, in the user's runtime directory
+        // (the broker's, which no kernel can write), as a template's is.
+        let user_dir = self.user_run_dir(&spec.user.name);
+        let installed = tokio::task::spawn_blocking(move || {
+            crate::sandbox::boot::install_script(&user_dir).map_err(|source| ExecError::Boot {
+                dir: user_dir,
+                source,
+            })
+        })
+        .await;
+        match installed {
+            Ok(result) => result?,
+            Err(e) => {
+                return Err(ExecError::Boot {
+                    dir: self.user_run_dir(&spec.user.name),
+                    source: io::Error::other(e),
+                })
+            }
+        };
         let cmd = kernel_command(dir, self.privileged);
         let exec_id = create_exec_in(docker, &container.id, cmd, env, false, cwd)
             .await
@@ -205,6 +225,12 @@ impl Inner {
 /// Why a kernel's exec did not start; `advice` is what the engine's refusal means here.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum ExecError {
+    #[error("cannot install the kernels' bootstrap script in {}", dir.display())]
+    Boot {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot create the kernel's exec in {container}: {advice}")]
     Create {
         container: String,
@@ -278,15 +304,18 @@ pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
 /// to iopub), so it is dropped. IPython's history stays in memory: a file in the shared
 /// workspace would make every kernel of the user queue on one SQLite lock.
 ///
-/// A plain start imports nothing beyond ipykernel: the data stack is preloaded in the
-/// user's template (`template.rs`), and a fallback stays as quick as a kernel without it.
+/// A plain start goes through the bootstrap script (`boot.rs`, installed in the user's
+/// runtime directory) so that it gets what a forked kernel gets (the inline backend, E2B's
+/// hooks), and preloads nothing: the data stack is preloaded in the user's template
+/// (`template.rs`), and a fallback stays about as quick as a kernel without it.
 pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
     let d = format!("{RUN_DIR_INSIDE}/{dir}");
     let script = format!(
         "{umask}{wait}{TINI_INSIDE} -s -- sh -c 'echo $$ > {d}/pid; \
-         exec {PYTHON_INSIDE} -m ipykernel_launcher -f {d}/connection.json {HISTORY}' \
+         exec {PYTHON_INSIDE} -I {RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME} kernel --preload \"\" -- \
+         -f {d}/connection.json {HISTORY}' \
          >/dev/null 2>{log}; s=$?; echo $s > {d}/{STATUS_FILE}; exit $s",
         wait = wait_for_go(dir),
         log = kernel_log(dir)
@@ -428,8 +457,8 @@ mod tests {
         assert!(
             cmd[2].contains(
                 "; done; /usr/bin/tini -s -- sh -c 'echo $$ > /run/kernel/0123456789ab/pid; \
-                 exec /opt/kernel-venv/bin/python -m ipykernel_launcher \
-                 -f /run/kernel/0123456789ab/connection.json \
+                 exec /opt/kernel-venv/bin/python -I /run/kernel/kernel_broker_boot.py \
+                 kernel --preload \"\" -- -f /run/kernel/0123456789ab/connection.json \
                  --HistoryManager.hist_file=:memory:' >/dev/null 2>/tmp/kernel-0123456789ab.log; "
             ),
             "{}",
