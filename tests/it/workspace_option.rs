@@ -49,13 +49,14 @@ async fn an_own_workspace_is_the_sessions_alone_and_goes_with_it(sb: &'static st
         )
         .await;
     assert_eq!(stdout(&seen), "True", "{seen}");
-    // The shared workspace does not have it (Docker: one container per user, whose
-    // sessions all work in her workspace, also at /home/user; docs/API.md).
+    // The shared workspace does not have it (Docker: the session's kernel is in a container
+    // of its own).
     let (status, _) = api
         .get(&format!("/v1/sessions/{shared}/files/mine.txt"))
         .await;
-    assert_eq!(status, if sb == "local" { 404 } else { 200 });
+    assert_eq!(status, 404);
 
+    // The rest on the host's side, for the local sandbox (Docker's: sandbox_docker_own).
     if sb == "local" {
         // Its own: the kernel starts there, and a restart keeps what it holds.
         let cwd = api

@@ -184,9 +184,14 @@ impl Inner {
             None => WORKSPACE_INSIDE,
         };
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
-        // The bootstrap script the kernel starts through, in the user's runtime directory
-        // (the broker's, which no kernel can write), as a template's is.
-        let user_dir = self.user_run_dir(&spec.user.name);
+        // The bootstrap script the kernel starts through, in the runtime directory its
+        // container shows at /run/kernel (the user's, or a sandbox container's: the
+        // broker's, which no kernel can write), as a template's is.
+        let slot = match spec.own_workspace {
+            Some(key) => super::own::own_slot(key),
+            None => spec.user.name.clone(),
+        };
+        let user_dir = self.user_run_dir(&slot);
         let installed = tokio::task::spawn_blocking(move || {
             crate::sandbox::boot::install_script(&user_dir).map_err(|source| ExecError::Boot {
                 dir: user_dir,
@@ -198,7 +203,7 @@ impl Inner {
             Ok(result) => result?,
             Err(e) => {
                 return Err(ExecError::Boot {
-                    dir: self.user_run_dir(&spec.user.name),
+                    dir: self.user_run_dir(&slot),
                     source: io::Error::other(e),
                 })
             }
