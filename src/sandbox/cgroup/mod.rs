@@ -408,8 +408,9 @@ impl Cgroups {
     }
 
     /// Kills and removes every leaf under the base but those of the sessions in `keep`
-    /// (kept kernels, `--keep-sessions`): what an earlier run of the broker left behind.
-    /// Only for startup, before this run has launched anything.
+    /// (kept kernels, `--keep-sessions`): at startup, before this run has launched anything,
+    /// what an earlier run of the broker left behind; at shutdown, after the kernels are
+    /// gone, what commands ended by it left.
     pub async fn sweep_stale(&self, keep: &std::collections::HashSet<Uuid>) -> usize {
         let mut removed = 0;
         // The same leaf appears once per hierarchy on v1; handle it as one leaf.
