@@ -407,6 +407,20 @@ impl Cgroups {
         })
     }
 
+    /// At shutdown, once the kernels are gone: every leaf left under the base (a command the
+    /// shutdown ended, whose reaper has not removed its leaf yet: a terminal, a command
+    /// blocked on unread output) is killed and removed, then the base.
+    pub async fn remove_all(&self) {
+        let swept = self.sweep_stale(&std::collections::HashSet::new()).await;
+        if swept > 0 {
+            tracing::info!(
+                leaves = swept,
+                "removed the leaves of commands ended by the shutdown"
+            );
+        }
+        self.remove_base_if_unused();
+    }
+
     /// Kills and removes every leaf under the base but those of the sessions in `keep`
     /// (kept kernels, `--keep-sessions`): at startup, before this run has launched anything,
     /// what an earlier run of the broker left behind; at shutdown, after the kernels are

@@ -570,17 +570,7 @@ impl Sandbox for LocalSandbox {
         KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT).await;
         self.templates.shutdown().await;
         if let Some(Some(cgroups)) = self.started.get() {
-            // Commands still running (a terminal, a command blocked on its unread output)
-            // were killed with their sandboxes, but their reapers may not have removed their
-            // leaves yet: every leaf left under the base goes now, with what is in it.
-            let swept = cgroups.sweep_stale(&std::collections::HashSet::new()).await;
-            if swept > 0 {
-                tracing::info!(
-                    leaves = swept,
-                    "removed the leaves of commands ended by the shutdown"
-                );
-            }
-            cgroups.remove_base_if_unused();
+            cgroups.remove_all().await;
         }
         self.remove_run_base();
         // The kernels are gone, so nothing holds the workspace file systems.
