@@ -93,11 +93,15 @@ async fn kernel_runs_as_its_uid_in_its_cgroup_and_answers_heartbeats() {
             .iter()
             .copied()
             .find(|pid| {
-                // bwrap's own command line names ipykernel_launcher too; skip bwrap.
+                // bwrap's own command line names the kernel too; skip bwrap. A plain start
+                // runs ipykernel through the bootstrap script (`boot.rs`, its `kernel` mode).
                 let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
                 comm.trim() != "bwrap"
                     && std::fs::read(format!("/proc/{pid}/cmdline"))
-                        .map(|c| String::from_utf8_lossy(&c).contains("ipykernel_launcher"))
+                        .map(|c| {
+                            let c = String::from_utf8_lossy(&c);
+                            c.contains("ipykernel_launcher") || c.contains("kernel_broker_boot.py")
+                        })
                         .unwrap_or(false)
             })
             .expect("the kernel process is in the leaf cgroup");
