@@ -999,12 +999,16 @@ open('/workspace/fds', 'w').write(' '.join(os.listdir('/proc/self/fd')))
                 assert!(!line.contains(data_dir), "{line}\n{mountinfo}");
             } else {
                 // Unprivileged nothing can be mounted over them: the kernel's own workspace
-                // and runtime directory show their host paths (docs/HOSTS.md), and nothing
-                // else of the data directory does.
+                // and runtime directory show their host paths (docs/HOSTS.md), as does the
+                // broker's tools directory (`sudo`), beside that runtime directory in the same
+                // runtime base (so it shows no more of the host); nothing else of the data
+                // directory does.
+                let tools = format!("{data_dir}/run/tools ");
                 assert!(
                     !line.contains(data_dir)
                         || line.contains(ws.to_str().unwrap())
-                        || line.contains(&session),
+                        || line.contains(&session)
+                        || line.contains(&tools),
                     "{line}\n{mountinfo}"
                 );
             }
