@@ -212,8 +212,33 @@ def install_e2b(app):
         log("cannot install %s: %r" % (E2B_MODULE, e))
 
 
+def signals_to_the_main_thread():
+    """Every thread started from now on starts with SIGINT blocked, so an interrupt always
+    lands on the main thread, where the cell runs. POSIX lets the kernel deliver a signal sent
+    to the process to any thread that does not block it; Python then runs its handler on
+    the main thread at the next bytecode, but a main thread blocked in a system call
+    (``time.sleep``, a read) is woken only if the signal lands on it, so an interrupt caught
+    by the IOPub or control thread would leave a sleeping cell asleep. ipykernel's threads
+    (IOPub, heartbeat, control, shell channel, output capture) and threads a cell starts
+    inherit the mask from the thread that starts them."""
+    import threading
+
+    start = threading.Thread.start
+
+    def start_without_sigint(self):
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            start(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    threading.Thread.start = start_without_sigint
+
+
 def run_kernel(args, after_init=None):
     from ipykernel.kernelapp import IPKernelApp
+
+    signals_to_the_main_thread()
 
     sys.argv = ["ipykernel_launcher"] + list(args)
     app = IPKernelApp.instance()

@@ -437,6 +437,29 @@ async fn interrupt_stops_a_long_sleep(backend: &'static str) {
         );
         assert!(t0.elapsed() < scaled(Duration::from_secs(10)));
         assert_eq!(k.run("print('alive')").await.out(), "alive");
+        // Every thread but the main one blocks SIGINT (ipykernel's, and one a cell starts),
+        // so the interrupt lands on the main thread and wakes a cell blocked in a system
+        // call: a SIGINT the kernel hands to the IOPub thread would leave the sleep asleep.
+        // (A thread that ended between the listing and the reading counts as blocking.)
+        let masks = k
+            .run(
+                "import os, threading\n\
+                 t = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)\n\
+                 t.start()\n\
+                 def sigblk(tid):\n    \
+                     try:\n        \
+                         status = open(f'/proc/self/task/{tid}/status').read()\n    \
+                     except FileNotFoundError:\n        \
+                         return 2\n    \
+                     line = [l for l in status.splitlines() if l.startswith('SigBlk:')][0]\n    \
+                     return int(line.split()[1], 16)\n\
+                 main = threading.get_native_id()  # a cell runs on the main thread\n\
+                 tids = [int(t) for t in os.listdir('/proc/self/task')]\n\
+                 print(len(tids) > 3, bool(sigblk(main) & 2),\n      \
+                       [tid for tid in tids if tid != main and not sigblk(tid) & 2])",
+            )
+            .await;
+        assert_eq!(masks.out(), "True False []", "{masks:?}");
         h.sandbox().shutdown().await;
     })
     .await;
