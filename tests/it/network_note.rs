@@ -1,11 +1,11 @@
 //! A kernel's failed network connection says why and which setting would allow it (issue
-//! 35), real kernels on both backends (the local one with and without the fork-server
-//! template): code written for E2B's sandboxes, which have the internet, meets loopback
-//! only here. The note is the kernel's own (`kernels/kernel_broker_network.py`, a note on
-//! the exception IPython shows): the exception keeps its type and stays catchable, a
-//! refused loopback connection has none, and a kernel with an egress policy is told its
-//! hosts go through the proxy, whose refusal names the setting that would allow the host.
-//! The same traceback reaches REST clients and Jupyter clients.
+//! 35), real kernels on both backends, with and without the fork-server template: code
+//! written for E2B's sandboxes, which have the internet, meets loopback only here. The note
+//! is the kernel's own (`kernels/kernel_broker_network.py`, a note on the exception IPython
+//! shows): the exception keeps its type and stays catchable, a refused loopback connection
+//! has none, and a kernel with an egress policy is told its hosts go through the proxy,
+//! whose refusal names the setting that would allow the host. The same traceback reaches
+//! REST clients and Jupyter clients.
 
 use crate::common;
 
@@ -229,7 +229,13 @@ async fn local_plain_kernels_name_the_setting() {
 }
 
 #[tokio::test]
-async fn docker_kernels_name_the_setting() {
+async fn docker_forked_kernels_name_the_setting() {
+    docker_ready();
+    failed_connections_name_the_setting("docker", true).await;
+}
+
+#[tokio::test]
+async fn docker_plain_kernels_name_the_setting() {
     docker_ready();
     failed_connections_name_the_setting("docker", false).await;
 }
