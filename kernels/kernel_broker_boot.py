@@ -34,7 +34,9 @@ spec's Python, isolated (``python -I``):
 
 Every kernel it starts gets ``kernel_broker_e2b.py`` installed (loaded from this script's own
 directory, once in the template): E2B's result formats and one execution's environment,
-active only in executions whose request asks for them (see that module).
+active only in executions whose request asks for them (see that module). And
+``kernel_broker_network.py``, loaded the same way: a note on a failed network connection's
+traceback naming the setting that would allow it (see that module).
 
 What a fork must not share is reset in the child before any user code runs: the random
 generators are reseeded from the OS, every descriptor of the template is closed (stdin is
@@ -143,6 +145,7 @@ def prepare_kernel_imports():
             pass
     warm_command_line()
     load_e2b()
+    load_network()
 
 
 def warm_command_line():
@@ -179,27 +182,39 @@ def enable_inline():
 
 
 E2B_MODULE = "kernel_broker_e2b"
+NETWORK_MODULE = "kernel_broker_network"
 
 
-def load_e2b():
-    """Imports ``kernel_broker_e2b.py`` (E2B's result formats, PIL display, one execution's
-    environment) from this script's own directory, which the broker wrote and no kernel can
-    write. Done in the template, so forked kernels only install it. A missing or broken
-    module leaves kernels plain IPython."""
-    if E2B_MODULE in sys.modules:
-        return sys.modules[E2B_MODULE]
+def load_sibling(name):
+    """Imports ``NAME.py`` from this script's own directory, which the broker wrote and no
+    kernel can write. Done in the template, so forked kernels only install it. A missing or
+    broken module leaves kernels plain IPython."""
+    if name in sys.modules:
+        return sys.modules[name]
     try:
         import importlib.util
 
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), E2B_MODULE + ".py")
-        spec = importlib.util.spec_from_file_location(E2B_MODULE, path)
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules[E2B_MODULE] = module
+        sys.modules[name] = module
         return module
     except Exception as e:
-        log("cannot load %s: %r" % (E2B_MODULE, e))
+        log("cannot load %s: %r" % (name, e))
         return None
+
+
+def load_e2b():
+    """``kernel_broker_e2b.py``: E2B's result formats, PIL display, one execution's
+    environment."""
+    return load_sibling(E2B_MODULE)
+
+
+def load_network():
+    """``kernel_broker_network.py``: the note on a failed network connection naming the
+    setting that would allow it."""
+    return load_sibling(NETWORK_MODULE)
 
 
 def install_e2b(app):
@@ -210,6 +225,16 @@ def install_e2b(app):
         module.install(app.shell, app.kernel)
     except Exception as e:
         log("cannot install %s: %r" % (E2B_MODULE, e))
+
+
+def install_network(app):
+    module = load_network()
+    if module is None:
+        return
+    try:
+        module.install(app.shell)
+    except Exception as e:
+        log("cannot install %s: %r" % (NETWORK_MODULE, e))
 
 
 def signals_to_the_main_thread():
@@ -247,6 +272,7 @@ def run_kernel(args, after_init=None):
         after_init(app)
     enable_inline()
     install_e2b(app)
+    install_network(app)
     app.start()
 
 

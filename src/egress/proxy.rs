@@ -4,9 +4,12 @@
 //! outbound connection the target passes the user's [`Policy`], its name is resolved here
 //! (never by the kernel) and *every* resolved address is checked; the connection then goes
 //! to a checked address, never to a second resolution. A refusal is a `403` whose reason
-//! phrase and body are the sentence (`host not allowed by policy: example.org`): pip and
-//! requests print the reason phrase of a refused `CONNECT` ("Tunnel connection failed:
-//! 403 host not allowed by policy: ..."), so the agent reads why.
+//! phrase and body are the sentence (`host not allowed by policy: example.org`), followed
+//! for a refused host or port by the setting that would allow it (`(kernel-broker's egress
+//! policy: an operator allows hosts with --egress-allow or a user's egress_allow; ...)`):
+//! pip and requests print the reason phrase of a refused `CONNECT` ("Tunnel connection
+//! failed: 403 host not allowed by policy: ..."), so the agent reads why and what would
+//! change it. The recording keeps the sentence alone.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -140,9 +143,13 @@ async fn handle(
     }
     let upstream = match open(ctx, &host, port).await {
         Ok(u) => u,
-        Err((status, why)) => {
+        Err(NotOpened { status, why, hint }) => {
             ctx.refused(&method, &host, port, why.clone());
-            return Ok(answer(status, &why));
+            let said = match hint {
+                Some(hint) => format!("{why} ({hint})"),
+                None => why,
+            };
+            return Ok(answer(status, &said));
         }
     };
     ctx.meter.allowed.fetch_add(1, Ordering::Relaxed);
@@ -213,13 +220,49 @@ fn unbracket(host: &str) -> String {
         .to_string()
 }
 
+/// Why [`open`] made no connection: the answer's status, the sentence (recorded as the
+/// refusal's reason) and, for what the policy refused, the setting that would allow it,
+/// said to the client only: code in a kernel that reads the answer learns what to ask an
+/// operator for.
+struct NotOpened {
+    status: StatusCode,
+    why: String,
+    hint: Option<&'static str>,
+}
+
+impl NotOpened {
+    fn new(status: StatusCode, why: String) -> Self {
+        Self {
+            status,
+            why,
+            hint: None,
+        }
+    }
+}
+
+/// The setting that would allow what the policy refused; none for an address no setting
+/// makes reachable, or whose network the refusal already names.
+fn allowing_setting(refusal: &Refusal) -> Option<&'static str> {
+    match refusal {
+        Refusal::Host(_) => Some(
+            "kernel-broker's egress policy: an operator allows hosts with --egress-allow or \
+             a user's egress_allow; docs/API.md, Network policy",
+        ),
+        Refusal::Port { .. } => Some(
+            "kernel-broker's egress policy: an operator allows ports with --egress-ports or \
+             a user's egress_ports; docs/API.md, Network policy",
+        ),
+        Refusal::Address { .. } => None,
+    }
+}
+
 /// Policy, resolution, every address checked, then a connection to a checked address.
-async fn open(
-    ctx: &Context,
-    host: &str,
-    port: u16,
-) -> Result<(TcpStream, SocketAddr), (StatusCode, String)> {
-    let refuse = |r: Refusal| (StatusCode::FORBIDDEN, r.to_string());
+async fn open(ctx: &Context, host: &str, port: u16) -> Result<(TcpStream, SocketAddr), NotOpened> {
+    let refuse = |r: Refusal| NotOpened {
+        status: StatusCode::FORBIDDEN,
+        hint: allowing_setting(&r),
+        why: r.to_string(),
+    };
     let target = ctx.meter.egress.policy.check(host, port).map_err(refuse)?;
     let addresses: Vec<SocketAddr> = match &target {
         Target::Address(ip) => vec![SocketAddr::new(*ip, port)],
@@ -232,13 +275,13 @@ async fn open(
             match looked_up {
                 Ok(Ok(found)) => found.collect(),
                 Ok(Err(e)) => {
-                    return Err((
+                    return Err(NotOpened::new(
                         StatusCode::BAD_GATEWAY,
                         format!("cannot resolve {name}: {e}"),
                     ))
                 }
                 Err(_) => {
-                    return Err((
+                    return Err(NotOpened::new(
                         StatusCode::GATEWAY_TIMEOUT,
                         format!("cannot resolve {name}: no answer in time"),
                     ))
@@ -247,7 +290,10 @@ async fn open(
         }
     };
     if addresses.is_empty() {
-        return Err((StatusCode::BAD_GATEWAY, format!("{target} has no address")));
+        return Err(NotOpened::new(
+            StatusCode::BAD_GATEWAY,
+            format!("{target} has no address"),
+        ));
     }
     // All of them, not only the first: a name that resolves to a public address and a
     // private one is refused as a whole.
@@ -271,7 +317,7 @@ async fn open(
             Err(_) => last = "no answer in time".to_string(),
         }
     }
-    Err((
+    Err(NotOpened::new(
         StatusCode::BAD_GATEWAY,
         format!("cannot connect to {target}:{port}: {last}"),
     ))

@@ -141,3 +141,44 @@ async fn a_name_that_resolves_to_loopback_is_refused_before_connecting() {
         "{events:?}"
     );
 }
+
+#[tokio::test]
+async fn a_refused_host_or_port_is_answered_with_the_setting_that_would_allow_it() {
+    let (_guard, at, seen, proof) = proxy(0).await;
+    let port = proof.local_addr().unwrap().port();
+    for (head, sentence, setting) in [
+        (
+            "CONNECT example.org:443 HTTP/1.1\r\nHost: example.org:443\r\n\r\n".to_string(),
+            "HTTP/1.1 403 host not allowed by policy: example.org (kernel-broker's egress policy",
+            "--egress-allow or a user's egress_allow",
+        ),
+        (
+            format!("GET http://localhost:{}/ HTTP/1.1\r\n\r\n", port ^ 1),
+            "HTTP/1.1 403 port not allowed by policy: localhost:",
+            "--egress-ports or a user's egress_ports",
+        ),
+    ] {
+        let mut s = TcpStream::connect(("127.0.0.1", at)).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(10), answer(&mut s))
+            .await
+            .unwrap();
+        let (status_line, body) = got.split_once("\r\n\r\n").unwrap();
+        assert!(status_line.starts_with(sentence), "{got:?}");
+        // In the reason phrase (what pip and requests print) and in the body.
+        assert!(
+            status_line.lines().next().unwrap().contains(setting),
+            "{got:?}"
+        );
+        assert!(body.contains(setting), "{got:?}");
+    }
+    assert!(proof.accept().is_err(), "nothing was connected");
+    // The recording keeps the sentence alone.
+    let events = lock(&seen.0).clone();
+    assert!(
+        events.iter().all(|e| matches!(e,
+            EgressEvent::Refused { reason, .. } if reason.contains("not allowed by policy")
+                && !reason.contains("egress_allow") && !reason.contains("egress_ports"))),
+        "{events:?}"
+    );
+}

@@ -24,6 +24,21 @@ pub const BOOT_SCRIPT_NAME: &str = "kernel_broker_boot.py";
 pub const E2B_MODULE: &str = include_str!("../../kernels/kernel_broker_e2b.py");
 /// Its file name.
 pub const E2B_MODULE_NAME: &str = "kernel_broker_e2b.py";
+/// The module the script loads the same way for the note a failed network connection's
+/// traceback gets: why (no network, or only the proxy) and the setting that would allow it
+/// (`kernels/kernel_broker_network.py`). Added by the kernel, to its own exception: the
+/// broker reads nothing out of it.
+pub const NETWORK_MODULE: &str = include_str!("../../kernels/kernel_broker_network.py");
+/// Its file name.
+pub const NETWORK_MODULE_NAME: &str = "kernel_broker_network.py";
+
+/// What [`install_script`] writes, modules first: the script must never find a module
+/// missing.
+const INSTALLED: [(&str, &str); 3] = [
+    (E2B_MODULE_NAME, E2B_MODULE),
+    (NETWORK_MODULE_NAME, NETWORK_MODULE),
+    (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
+];
 
 /// Puts the script into `dir`, a directory only the broker can write (never one a kernel
 /// can: the script's directory must hold nothing a kernel planted), as a root-owned 0644
@@ -34,14 +49,12 @@ pub const E2B_MODULE_NAME: &str = "kernel_broker_e2b.py";
 /// write but what its own environment names (`PYTHONPATH`: the workspace's package
 /// directory), applied by the script itself.
 ///
-/// The module the script loads ([`E2B_MODULE`]) is put beside it the same way, first.
+/// The modules the script loads ([`E2B_MODULE`], [`NETWORK_MODULE`]) are put beside it the
+/// same way, first.
 pub fn install_script(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
     use std::os::fd::AsFd;
     let root = super::fsutil::open_tree_root(dir)?;
-    for (name, text) in [
-        (E2B_MODULE_NAME, E2B_MODULE),
-        (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
-    ] {
+    for (name, text) in INSTALLED {
         let fresh = format!(".{name}.{}", uuid::Uuid::new_v4().simple());
         super::fsutil::write_new_file_at(
             root.as_fd(),
@@ -186,15 +199,13 @@ mod tests {
         let run = dir.path().join("run");
         std::fs::create_dir(&run).unwrap();
         // Symlinks where the files go: replaced as entries, never written through.
-        std::os::unix::fs::symlink(&outside, run.join(E2B_MODULE_NAME)).unwrap();
-        std::os::unix::fs::symlink(&outside, run.join(BOOT_SCRIPT_NAME)).unwrap();
+        for (name, _) in INSTALLED {
+            std::os::unix::fs::symlink(&outside, run.join(name)).unwrap();
+        }
         let script = install_script(&run).unwrap();
         assert_eq!(script, run.join(BOOT_SCRIPT_NAME));
         assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
-        for (name, text) in [
-            (E2B_MODULE_NAME, E2B_MODULE),
-            (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
-        ] {
+        for (name, text) in INSTALLED {
             let meta = std::fs::symlink_metadata(run.join(name)).unwrap();
             assert!(meta.file_type().is_file(), "{name}");
             assert_eq!(meta.permissions().mode() & 0o7777, 0o644, "{name}");
@@ -206,12 +217,20 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         names.sort();
-        assert_eq!(names, [BOOT_SCRIPT_NAME, E2B_MODULE_NAME]);
-        // The boot script names the module by this file name.
-        assert!(BOOT_SCRIPT.contains(&format!(
-            "E2B_MODULE = \"{}\"",
-            E2B_MODULE_NAME.trim_end_matches(".py")
-        )));
+        assert_eq!(
+            names,
+            [BOOT_SCRIPT_NAME, E2B_MODULE_NAME, NETWORK_MODULE_NAME]
+        );
+        // The boot script names the modules by these file names.
+        for (constant, name) in [
+            ("E2B_MODULE", E2B_MODULE_NAME),
+            ("NETWORK_MODULE", NETWORK_MODULE_NAME),
+        ] {
+            assert!(BOOT_SCRIPT.contains(&format!(
+                "{constant} = \"{}\"",
+                name.trim_end_matches(".py")
+            )));
+        }
     }
 
     #[test]

@@ -33,6 +33,7 @@ mod keep_sessions;
 mod kernel_client;
 mod mcp;
 mod memory;
+mod network_note;
 mod new_user;
 mod recording;
 mod recording_search;
