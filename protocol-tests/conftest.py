@@ -224,14 +224,21 @@ def _docker_usable():
     return r.returncode == 0
 
 
+@pytest.fixture(scope="session")
+def docker_broker():
+    """The session's broker on the Docker sandbox, shared as `broker` is (started on first
+    use): what `any_backend`'s docker half runs against. A test that restarts a broker or needs
+    flags of its own starts one with `fresh_broker`."""
+    if not _docker_usable():
+        pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+    b = Broker(extra_args=["--sandbox", "docker"])
+    yield b
+    b.stop()
+
+
 @pytest.fixture(params=["local", "docker"])
-def any_backend(request, broker, fresh_broker, monkeypatch):
-    if request.param == "local":
-        b = broker
-    else:
-        if not _docker_usable():
-            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
-        b = fresh_broker(extra_args=["--sandbox", "docker"])
+def any_backend(request, monkeypatch):
+    b = request.getfixturevalue("broker" if request.param == "local" else "docker_broker")
     monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
     monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
     monkeypatch.setenv("E2B_API_KEY", ALICE)
