@@ -20,7 +20,12 @@ import pytest
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
-CGROUP_PREFIX = "kernel-broker-proto-"
+# Under pytest-xdist (scripts/test runs the suite with `-n`) each worker is a process of its
+# own with its own session fixtures; its brokers' names carry the worker's name, so the
+# end-of-run check of one worker never counts another's live brokers as leftovers.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+CGROUP_PREFIX = f"kernel-broker-proto-{WORKER}-"
+TMP_PREFIX = f"kb-proto-{WORKER}-"
 # The runtime bases of every broker the run started.
 RUN_BASES = set()
 ALICE = "alice-token-0001"
@@ -29,7 +34,7 @@ BOB = "bob-token-0002"
 
 class Broker:
     def __init__(self, extra_args=(), env=None, data_dir=None, listen="127.0.0.1:0"):
-        self.tmp = tempfile.TemporaryDirectory(prefix="kb-proto-")
+        self.tmp = tempfile.TemporaryDirectory(prefix=TMP_PREFIX)
         tmp = Path(self.tmp.name)
         users = tmp / "users.toml"
         users.write_text(
@@ -159,19 +164,20 @@ def remove_cgroups(name):
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """The suite's end-of-run check: no broker cgroup, kernel process, runtime directory or
-    temporary directory of ours survives the run (a leak fails the run, naming it)."""
-    before_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), "kb-proto-*")))
+    temporary directory of ours (this worker's) survives the run (a leak fails the run,
+    naming it)."""
+    before_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")))
     before_cgroups = set(cgroup_dirs(CGROUP_PREFIX + "*"))
     yield
     time.sleep(0.5)
     left = []
     left += [d for d in cgroup_dirs(CGROUP_PREFIX + "*") if d not in before_cgroups]
-    left += [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "kb-proto-*"))
+    left += [d for d in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*"))
              if d not in before_tmp]
     left += [d for d in sorted(RUN_BASES) if os.path.exists(d)]
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     left += [line.strip() for line in out.splitlines()
-             if "ipykernel_launcher" in line and "kb-proto-" in line]
+             if "ipykernel_launcher" in line and TMP_PREFIX in line]
     assert not left, "the protocol tests left behind:\n  " + "\n  ".join(left)
 
 
@@ -224,14 +230,21 @@ def _docker_usable():
     return r.returncode == 0
 
 
+@pytest.fixture(scope="session")
+def docker_broker():
+    """The session's broker on the Docker sandbox, shared as `broker` is (started on first
+    use): what `any_backend`'s docker half runs against. A test that restarts a broker or needs
+    flags of its own starts one with `fresh_broker`."""
+    if not _docker_usable():
+        pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
+    b = Broker(extra_args=["--sandbox", "docker"])
+    yield b
+    b.stop()
+
+
 @pytest.fixture(params=["local", "docker"])
-def any_backend(request, broker, fresh_broker, monkeypatch):
-    if request.param == "local":
-        b = broker
-    else:
-        if not _docker_usable():
-            pytest.skip("Docker or the kernel image (docker/build.sh) is missing")
-        b = fresh_broker(extra_args=["--sandbox", "docker"])
+def any_backend(request, monkeypatch):
+    b = request.getfixturevalue("broker" if request.param == "local" else "docker_broker")
     monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")
     monkeypatch.setenv("E2B_SANDBOX_URL", b.url + "/e2b/sandbox")
     monkeypatch.setenv("E2B_API_KEY", ALICE)

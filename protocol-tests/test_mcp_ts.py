@@ -10,11 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ALICE, BOB
+from conftest import ALICE, BOB, Broker
 from mcp_flow import BROKEN, CSV, FIXED, PLOT, PNG_SIGNATURE, PROFILE
 
 HERE = Path(__file__).resolve().parent / "mcp-ts"
 INSPECTOR = HERE / "node_modules/@modelcontextprotocol/inspector/clients/launcher/build/index.js"
+
+
+@pytest.fixture(scope="module")
+def broker():
+    """A broker of this module's own: the SDK's flow checks that its end leaves alice no
+    session at all, which only a broker no other test uses at the same time can show (the
+    suite runs in two processes, and other files' sandboxes live until their timeouts)."""
+    b = Broker()
+    yield b
+    b.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
+use std::sync::Mutex;
 
 use super::fsutil::io_err;
 use super::SandboxError;
+use crate::sync::lock;
 
 /// The tools directory's name in a backend's own directory.
 pub const TOOLS_DIR_NAME: &str = "tools";
@@ -27,9 +29,16 @@ fn script() -> String {
     format!("#!/bin/sh\ncat >&2 <<'EOF'\n{SUDO_REFUSAL}\nEOF\nexit 1\n")
 }
 
+/// Held by whoever writes into a tools directory: launches of different users prepare
+/// their directories at the same time, and each writes through the same temporary names
+/// (`.sudo.new`, `.passwd.new`), which one writer's clean-up would remove under another's
+/// rename (seen as a failed launch, NotFound or AlreadyExists).
+pub(crate) static TOOLS_WRITE: Mutex<()> = Mutex::new(());
+
 /// Writes the tools directory `dir` (0755) with `sudo` (0755) in it, replacing what an
 /// earlier run wrote. `dir` is the broker's own (no kernel writes there). Blocking.
 pub(crate) fn install(dir: &Path) -> Result<(), SandboxError> {
+    let _writing = lock(&TOOLS_WRITE);
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o755)
@@ -72,5 +81,20 @@ mod tests {
             err.contains("grant no privileges") && err.contains("--egress"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn concurrent_installs_all_succeed() {
+        // Launches of different users prepare their directories at the same time.
+        let dir = tempfile::tempdir().unwrap();
+        let tools = dir.path().join(TOOLS_DIR_NAME);
+        std::thread::scope(|s| {
+            let writers: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| (0..50).try_for_each(|_| install(&tools))))
+                .collect();
+            for w in writers {
+                w.join().unwrap().unwrap();
+            }
+        });
     }
 }

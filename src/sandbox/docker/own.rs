@@ -99,6 +99,7 @@ fn group() -> String {
 /// Writes `passwd` and `group` into the tools directory (root's, made by `sudo::install`;
 /// no kernel writes there), each to a new file renamed into place. Blocking.
 pub(super) fn install_accounts(tools: &Path) -> Result<(), SandboxError> {
+    let _writing = lock(&crate::sandbox::sudo::TOOLS_WRITE);
     for (name, text) in [("passwd", passwd()), ("group", group())] {
         let path = tools.join(name);
         let temp = tools.join(format!(".{name}.new"));
@@ -246,5 +247,19 @@ mod tests {
         assert!(!passwd.contains("kernel"));
         let group = std::fs::read_to_string(dir.path().join("group")).unwrap();
         assert!(group.ends_with("\nuser:x:1000:\n"));
+    }
+
+    #[test]
+    fn concurrent_account_installs_all_succeed() {
+        // Launches of different users prepare their directories at the same time.
+        let dir = tempfile::tempdir().unwrap();
+        std::thread::scope(|s| {
+            let writers: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| (0..50).try_for_each(|_| install_accounts(dir.path()))))
+                .collect();
+            for w in writers {
+                w.join().unwrap().unwrap();
+            }
+        });
     }
 }
