@@ -105,14 +105,16 @@ impl Cgroups {
 
     /// Removes the directory of `user` if nothing is left in it, in every hierarchy: on v1
     /// an engine's cgroupfs driver makes a container's parents in each hierarchy mounted,
-    /// not only in those holding the limits, and leaves them.
+    /// not only in those holding the limits, and leaves them. Empty cgroups an engine left
+    /// in it go first (Podman's `conmon`, where its monitors run); `rmdir` fails on any
+    /// cgroup that holds a process or a child, so nothing in use goes.
     pub fn remove_user_everywhere(&self, user: &str) {
         if !is_path_component(user) {
             return;
         }
         let _tree = lock(&self.tree_lock);
         for base in self.bases_everywhere() {
-            rmdir_if_unused(&base.join(user));
+            remove_with_empty_children(&base.join(user));
         }
     }
 
@@ -123,7 +125,7 @@ impl Cgroups {
         let _tree = lock(&self.tree_lock);
         for base in self.bases_everywhere() {
             for user in subdirs(&base) {
-                rmdir_if_unused(&base.join(user));
+                remove_with_empty_children(&base.join(user));
             }
             rmdir_if_unused(&base);
         }
@@ -158,6 +160,14 @@ impl Cgroups {
         }
         all
     }
+}
+
+/// Removes `dir`'s empty child cgroups, then `dir` if it is unused.
+fn remove_with_empty_children(dir: &Path) {
+    for child in subdirs(dir) {
+        rmdir_if_unused(&dir.join(child));
+    }
+    rmdir_if_unused(dir);
 }
 
 /// `parent` without its leading `/`, if it is absolute and made of plain components.

@@ -25,8 +25,10 @@
 //! be plainly beneath the parent: the path comes from the engine) and the limits in force
 //! on the parent are checked, as `limits.rs` checks the container's own; an engine that
 //! ignored the parent fails the launch (`require_limits`). The parent goes when the user's
-//! last container goes (an `rmdir`, which fails while any container is left), and every
-//! unused parent at start-up and shutdown. Making a container and removing the parent are
+//! last container goes (an `rmdir`, which fails while any container is left; with the empty
+//! cgroups an engine leaves in it: Podman runs its `conmon` monitors in `<parent>/conmon`,
+//! which so count against the user's limits too), and every unused parent at start-up and
+//! shutdown. Making a container and removing the parent are
 //! serialised per user, so a removal never takes the parent from under a launch.
 
 use std::collections::HashMap;

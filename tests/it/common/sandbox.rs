@@ -364,6 +364,10 @@ impl Drop for DockerHarness {
             .chain([PathBuf::from("/sys/fs/cgroup")]);
         for dir in hierarchies.map(|h| h.join(&base)) {
             for user in subdirs(&dir) {
+                // Podman leaves its monitors' `conmon` cgroup in each parent.
+                for child in subdirs(&user) {
+                    let _ = std::fs::remove_dir(child);
+                }
                 let _ = std::fs::remove_dir(user);
             }
             let _ = std::fs::remove_dir(dir);
