@@ -40,6 +40,7 @@ mod recording_search;
 mod sandbox_contract;
 mod sandbox_docker;
 mod sandbox_docker_own;
+mod sandbox_docker_parent;
 mod sandbox_local;
 mod sandbox_pty;
 mod sessions;

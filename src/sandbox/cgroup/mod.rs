@@ -36,7 +36,8 @@
 //! directories and leaves); `leaf.rs` a kernel's [`Leaf`] (joining, OOM counter, killing);
 //! `limits.rs` how [`UserLimits`] and [`KernelLimits`] become v1 and v2 files;
 //! `mountinfo.rs` finding the hierarchies; `nested.rs` leaves inside a container's cgroup;
-//! `fs.rs` the few file operations on the cgroup file system.
+//! `fs.rs` the few file operations on the cgroup file system; `user_dir.rs` a user's
+//! directory alone (the docker backend's per-user parent of her containers).
 //!
 //! Why hand-written and not the `cgroups-rs` crate (0.5, maintained by the Kata Containers
 //! project; v1 and v2, builders for memory/pids/cpu, `memory.events`): the launch joins a
@@ -53,6 +54,7 @@ mod mountinfo;
 mod nested;
 #[cfg(test)]
 mod tests;
+mod user_dir;
 
 pub use leaf::CpuClock;
 pub use nested::{CgroupNotFound, ContainerCgroup};

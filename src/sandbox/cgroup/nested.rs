@@ -178,6 +178,11 @@ impl ContainerCgroup {
         ))
     }
 
+    /// The container's directories (v1: memory, then pids; v2: one).
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
     /// The first directory (the memory hierarchy's on v1).
     fn dir(&self) -> &Path {
         self.dirs.first().map_or(Path::new("/"), PathBuf::as_path)

@@ -1,12 +1,8 @@
 //! A user's container: the pure spec it is created from ([`ContainerSpec`]: image, labels,
 //! limits, mounts, the locked-down host config), and its lifecycle (found running, replaced
 //! when it stopped, created and started, removed after `container_idle` without kernels,
-//! its end read from the daemon).
-//!
-//! The container: the image's `tini` as PID 1 running `sleep infinity`, network `none`,
-//! read-only root, `/tmp` a 256 MiB tmpfs, no capabilities, `no-new-privileges` (the
-//! default seccomp profile stays), uid/gid 1000:1000, memory = swap limit (no swap), CPU
-//! and pids limits from [`UserLimits`].
+//! its end read from the daemon, under the user's parent cgroup (`parent.rs`). What the
+//! container is: see the module comment of `docker/mod.rs`.
 
 use std::collections::HashMap;
 use std::io;
@@ -234,6 +230,9 @@ impl Inner {
         };
         // A container of that name can only be left from a crash in the middle of a launch.
         self.remove_container(docker, &name).await;
+        let placement = self
+            .place_container(docker, user, &name, own_key.is_some())
+            .await?;
         let body = ContainerSpec {
             image: &self.cfg.image,
             hash: &self.hash,
@@ -242,7 +241,7 @@ impl Inner {
             workspace,
             run_dir: &run_dir,
             ca_file: self.cfg.ca_file.as_deref(),
-            cgroup_parent: self.cfg.cgroup_parent.as_deref(),
+            cgroup_parent: placement.cgroup_parent.as_deref(),
             engine: self.engine().await?,
             own: own_key,
         }
@@ -278,6 +277,8 @@ impl Inner {
                 why,
             ));
         }
+        self.verify_placement(docker, &placement, (&created.id, &name), user)
+            .await?;
         if let Err(why) = verify_limits(docker, &created.id, &user.limits).await {
             if self.cfg.require_limits {
                 self.remove_container(docker, &created.id).await;
@@ -347,6 +348,7 @@ impl Inner {
         // The user's templates end with their container (no kernel of theirs is alive).
         self.templates.end_all(Some(user)).await;
         self.remove_container(&docker, &container.id).await;
+        self.parents.remove_if_unused(user).await;
         tracing::info!(container = %container.name, user, "removed the idle user container");
     }
 }

@@ -112,6 +112,7 @@ impl Inner {
                 .await?;
                 if keep {
                     self.take_over(&docker).await?;
+                    self.parents.sweep(&docker).await;
                     // The workspaces of the sandboxes whose kernels were kept stay.
                     let kept = lock(&self.kept).values().filter_map(|t| t.own).collect();
                     self.sweep_own(kept).await;
@@ -132,6 +133,7 @@ impl Inner {
                         "removed kernel containers left by an earlier run"
                     );
                 }
+                self.parents.sweep(&docker).await;
                 Ok(())
             })
             .await

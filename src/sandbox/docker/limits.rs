@@ -102,7 +102,7 @@ const ENFORCED_LIMITS_SCRIPT: &str = "\
 
 /// Compares what [`ENFORCED_LIMITS_SCRIPT`] printed with the limits asked for. The kernel
 /// rounds a memory limit down to a page; a limit tighter than asked is in force too.
-fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), NotInForce> {
+pub(super) fn check_enforced(out: &str, wanted: &ResourceLimits) -> Result<(), NotInForce> {
     let field = |key: &str| -> Vec<&str> {
         out.lines()
             .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))

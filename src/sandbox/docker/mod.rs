@@ -57,11 +57,12 @@
 //! (`limits::verify_limits`), or the launch fails (`require_limits`).
 //!
 //! A session with a workspace of its own (every E2B sandbox) gets a container of its own
-//! instead, shared by the kernels and commands of its key (`own.rs`).
+//! instead, shared by the kernels and commands of its key (`own.rs`). All of a user's
+//! containers sit under one parent cgroup holding her limits (`parent.rs`).
 //!
 //! Layout: this file holds the configuration, [`DockerSandbox`] and its [`Sandbox`]
 //! implementation and a user's slot; `launch.rs` the launch; `own.rs` sandboxes' own
-//! containers and workspaces; `daemon.rs` the client and its errors;
+//! containers and workspaces; `parent.rs` the users' parent cgroups; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `place.rs` a process's own cgroup leaf;
 //! `template.rs` fork-server templates and the kernels forked from them; `watch.rs` the
@@ -78,6 +79,7 @@ mod keep;
 mod launch;
 mod limits;
 mod own;
+mod parent;
 mod place;
 mod reaper;
 mod running;
@@ -189,6 +191,8 @@ struct Inner {
     own_workspaces: Arc<OwnWorkspaces>,
     /// The users' fork-server templates.
     templates: template::Templates,
+    /// The users' parent cgroups, each holding all of one user's containers (`parent.rs`).
+    parents: parent::Parents,
     /// Cancelled by `shutdown`: stops idle timers.
     shutdown: CancellationToken,
 }
@@ -220,6 +224,7 @@ impl DockerSandbox {
         let run_base = choose_run_base(&cfg, &hash, privileged, euid)?;
         let workspaces = cfg.data_dir.join("workspaces-docker");
         let own_dir = cfg.data_dir.join("sandboxes-docker");
+        let parents = parent::Parents::new(&hash, cfg.cgroup_parent.as_deref());
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
@@ -236,6 +241,7 @@ impl DockerSandbox {
                 kept: Mutex::new(HashMap::new()),
                 own_workspaces: Arc::new(OwnWorkspaces::in_dir(BACKEND, own_dir, privileged)),
                 templates: template::Templates::default(),
+                parents,
                 shutdown: CancellationToken::new(),
             }),
         })
@@ -437,6 +443,7 @@ impl Inner {
                     if !ids.is_empty() {
                         tracing::info!(count = ids.len(), "removed the user containers");
                     }
+                    self.parents.sweep(docker).await;
                 }
                 Err(e) => {
                     tracing::error!(error = %self.advice(&e), "cannot list the kernel containers to remove them")

@@ -25,8 +25,8 @@
 //! with its workspace (`discard_unadopted`), and workspaces no ticket names are swept.
 //!
 //! Limits: each such container gets the user's limits (memory, CPUs, processes) as her own
-//! container has them, so a user's bound is her limits times (1 + her sandboxes), and her
-//! sandboxes are bounded by her session quota (docs/API.md, docs/SECURITY.md).
+//! container has them, and sits with her other containers under one parent cgroup holding
+//! those limits once (`parent.rs`), so together they never exceed them.
 
 use std::collections::HashSet;
 use std::io;
@@ -193,6 +193,7 @@ impl Inner {
             // By name too: one a crashed launch left, or one never registered.
             self.remove_container(&docker, &self.own_container_name(key))
                 .await;
+            self.parents.remove_if_unused(&user.name).await;
         }
         remove_dir_logged(self.user_run_dir(&slot_name)).await;
         let own = self.own_workspaces.clone();

@@ -354,6 +354,24 @@ impl Drop for DockerHarness {
         for name in self.containers() {
             let _ = docker_cli().args(["rm", "-f", &name]).output();
         }
+        // The users' parent cgroups (empty once the containers went), in every hierarchy.
+        let base = format!("kernel-broker-docker-{}", self.sandbox.data_dir_hash());
+        let hierarchies = std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .chain([PathBuf::from("/sys/fs/cgroup")]);
+        for dir in hierarchies.map(|h| h.join(&base)) {
+            for user in subdirs(&dir) {
+                // Podman leaves its monitors' `conmon` cgroup in each parent.
+                for child in subdirs(&user) {
+                    let _ = std::fs::remove_dir(child);
+                }
+                let _ = std::fs::remove_dir(user);
+            }
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
