@@ -22,6 +22,7 @@ use std::collections::HashSet;
 use std::io;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use uuid::Uuid;
 
@@ -160,6 +161,20 @@ impl OwnWorkspaces {
             }
         }
         removed
+    }
+
+    /// Start-up: [`Self::sweep`] in a blocking task, logging how many were removed.
+    pub(crate) async fn sweep_at_startup(self: &Arc<Self>, keep: HashSet<Uuid>) {
+        let own = Arc::clone(self);
+        let swept = tokio::task::spawn_blocking(move || own.sweep(&keep))
+            .await
+            .unwrap_or(0);
+        if swept > 0 {
+            tracing::info!(
+                count = swept,
+                "removed own workspaces left by an earlier run"
+            );
+        }
     }
 
     /// Leaves the mounted ones mounted (`--keep-sessions`: their sessions are kept).

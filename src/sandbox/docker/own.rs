@@ -211,16 +211,7 @@ impl Inner {
     /// Start-up: removes the own workspaces an earlier run left but those in `keep` (their
     /// kernels were kept, `--keep-sessions`). Blocking work in a task.
     pub(super) async fn sweep_own(&self, keep: HashSet<Uuid>) {
-        let own = self.own_workspaces.clone();
-        let swept = tokio::task::spawn_blocking(move || own.sweep(&keep))
-            .await
-            .unwrap_or(0);
-        if swept > 0 {
-            tracing::info!(
-                count = swept,
-                "removed sandbox workspaces left by an earlier run"
-            );
-        }
+        self.own_workspaces.sweep_at_startup(keep).await;
     }
 }
 

@@ -52,17 +52,7 @@ impl LocalSandbox {
                 .await
                 .map_err(|e| unavailable_by(format!("startup task failed: {e}"), e))??;
         }
-        let own = self.own_workspaces.clone();
-        let spared = keep.clone();
-        let swept = tokio::task::spawn_blocking(move || own.sweep(&spared))
-            .await
-            .unwrap_or(0);
-        if swept > 0 {
-            tracing::info!(
-                count = swept,
-                "removed own workspaces left by an earlier run"
-            );
-        }
+        self.own_workspaces.sweep_at_startup(keep.clone()).await;
         Ok(())
     }
 
