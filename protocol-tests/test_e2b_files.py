@@ -479,3 +479,46 @@ def test_owner_and_group_are_names(any_backend):
             # The name the sandbox itself gives the owner.
             shown = sbx.commands.run("stat -c '%U %G' x").stdout.split()
             assert shown == ["user", "user"], shown
+
+
+def test_an_upload_refused_for_its_headers_is_answered_after_its_body(e2b_env):
+    """A refusal for a header (here invalid metadata) waits for the body the client is still
+    sending: answered unread, the connection was closed under the client's write, and E2B's
+    SDK raised a broken pipe instead of the refusal (seen in CI). The body read, the
+    connection stays open for the next request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from e2b_code_interpreter import Sandbox
+
+    with Sandbox.create(timeout=60) as sbx:
+        url = urlsplit(os.environ["E2B_SANDBOX_URL"])
+        headers = _envd_headers(sbx)
+        body = b"x" * 1000
+
+        def request(metadata_value):  # over the total size allowed: refused
+            return (
+                f"POST {url.path}/files?path=race.txt HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                f"E2b-Sandbox-Id: {headers['E2b-Sandbox-Id']}\r\n"
+                f"X-Access-Token: {headers['X-Access-Token']}\r\n"
+                f"X-Metadata-Bad: {metadata_value}\r\n"
+                "Content-Type: application/octet-stream\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+
+        with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+            s.sendall(request("v" * 5000))
+            time.sleep(0.5)
+            s.sendall(body)
+            first = s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 400"), first
+            assert b"invalid metadata" in first, first
+            # The same connection answers a good upload.
+            s.sendall(request("ok") + body)
+            second = b""
+            while b"\r\n\r\n" not in second:
+                chunk = s.recv(65536)
+                assert chunk, second
+                second += chunk
+            assert second.startswith(b"HTTP/1.1 200"), second
+        assert sbx.files.read("race.txt") == "x" * 1000

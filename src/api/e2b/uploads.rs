@@ -14,6 +14,7 @@
 
 use std::io::Write;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::multipart::MultipartError;
@@ -147,6 +148,27 @@ fn file_error(e: SessionError, path: &str) -> E2bError {
     }
 }
 
+/// How long a refused upload's body is read before the refusal is sent.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads and drops what is left of the body of an upload refused for its headers (at most
+/// `limit` bytes, for at most [`DRAIN_TIMEOUT`]): answered unread, the connection is closed
+/// while the client still writes it, and the client sees a broken pipe instead of the
+/// refusal (seen with E2B's SDK and an invalid metadata header).
+async fn drain(body: Body, limit: usize) {
+    let mut chunks = body.into_data_stream();
+    let mut seen = 0usize;
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        while let Some(Ok(chunk)) = chunks.next().await {
+            seen = seen.saturating_add(chunk.len());
+            if seen > limit {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 /// The `X-Metadata-<key>` headers as metadata (keys lowercased, as envd does), checked.
 fn upload_metadata(headers: &HeaderMap) -> E2bResult<Metadata> {
     let mut out = Metadata::new();
@@ -276,9 +298,15 @@ async fn upload(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_ascii_lowercase();
-    let gzip = gzip_encoded(headers)?;
-    let meta = upload_metadata(headers)?;
     let max = state.limits.max_file_bytes;
+    let checked = gzip_encoded(headers).and_then(|gzip| Ok((gzip, upload_metadata(headers)?)));
+    let (gzip, meta) = match checked {
+        Ok(checked) => checked,
+        Err(refused) => {
+            drain(body, max.saturating_add(MULTIPART_OVERHEAD)).await;
+            return Err(refused);
+        }
+    };
     // Held until the files are written.
     let mut budget = UploadBudget::of(&state, &caller.session.user.name);
     let mut uploads: Vec<(String, Bytes)> = Vec::new();
