@@ -7,7 +7,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -64,40 +63,89 @@ impl Registry {
         })?;
         let pid = running.pid;
         self.report(session, &LifecycleEvent::CommandStarted { pid, argv, cwd });
-        let (stdout, stderr) = (Arc::default(), Arc::default());
-        running.stdout = Box::new(Tee {
-            inner: running.stdout,
-            into: Arc::clone(&stdout),
-        });
-        running.stderr = Box::new(Tee {
-            inner: running.stderr,
-            into: Arc::clone(&stderr),
-        });
-        running.control = Arc::new(Reported {
-            inner: running.control,
-            registry: self.clone(),
-            session: session.clone(),
+        let (registry, reported_session) = (self.clone(), session.clone());
+        let ending = Arc::new(Ending {
+            report: Box::new(move |event| registry.report(&reported_session, event)),
             pid,
             started: Instant::now(),
-            ended: AtomicBool::new(false),
-            output: [stdout, stderr],
+            state: Mutex::default(),
+        });
+        running.stdout = Box::new(Tee::new(running.stdout, &ending, 0));
+        running.stderr = Box::new(Tee::new(running.stderr, &ending, 1));
+        running.control = Arc::new(Reported {
+            inner: running.control,
+            ending,
         });
         Ok(running)
     }
 }
 
-/// A command's control that reports the command's end, once, the first time it is seen.
+/// A command's end, reported once when both are known: how it exited (the first `wait`
+/// that returns, whoever calls it: the reader, a deadline's watcher) and that both of its
+/// streams were read to their end or dropped unread. Reported at its exit alone, the event
+/// missed what was still in the pipes when a watcher saw the exit before the reader had
+/// read them.
+struct Ending {
+    /// Where the end goes: the session's recording.
+    report: Box<dyn Fn(&LifecycleEvent) + Send + Sync>,
+    pid: u32,
+    started: Instant,
+    state: Mutex<EndingState>,
+}
+
+#[derive(Default)]
+struct EndingState {
+    /// How the command exited and its run time, once seen.
+    exit: Option<(CommandExit, f64)>,
+    /// What each stream carried, and whether it ended (end of file, or its reader dropped).
+    output: [Captured; 2],
+    closed: [bool; 2],
+    reported: bool,
+}
+
+impl Ending {
+    fn exited(&self, exit: CommandExit) {
+        let mut state = lock(&self.state);
+        if state.exit.is_none() {
+            state.exit = Some((exit, self.started.elapsed().as_secs_f64()));
+        }
+        self.report_if_done(state);
+    }
+
+    fn closed(&self, stream: usize) {
+        let mut state = lock(&self.state);
+        state.closed[stream] = true;
+        self.report_if_done(state);
+    }
+
+    fn report_if_done(&self, mut state: std::sync::MutexGuard<'_, EndingState>) {
+        let Some((exit, seconds)) = state.exit else {
+            return;
+        };
+        if state.reported || !state.closed.iter().all(|c| *c) {
+            return;
+        }
+        state.reported = true;
+        let [stdout, stderr] = state.output.each_ref().map(Captured::output);
+        drop(state);
+        let event = LifecycleEvent::CommandEnded {
+            pid: self.pid,
+            exit_code: exit.code,
+            signal: exit.signal,
+            seconds,
+            stdout,
+            stderr,
+        };
+        (self.report)(&event);
+    }
+}
+
+/// A command's control that notes the command's exit for its [`Ending`].
 /// It holds the sandbox's control and nothing else of the command: dropping it kills the
 /// command as dropping the sandbox's would.
 struct Reported {
     inner: Arc<dyn CommandControl>,
-    registry: Registry,
-    session: Arc<Session>,
-    pid: u32,
-    started: Instant,
-    ended: AtomicBool,
-    /// What the command printed on stdout and stderr, as its reader read it.
-    output: [Arc<Mutex<Captured>>; 2],
+    ending: Arc<Ending>,
 }
 
 #[async_trait]
@@ -116,20 +164,7 @@ impl CommandControl for Reported {
 
     async fn wait(&self) -> CommandExit {
         let exit = self.inner.wait().await;
-        if !self.ended.swap(true, Ordering::AcqRel) {
-            // The command's reader reads both pipes to their end before it waits (E2B's
-            // process API does), so this is all the command printed.
-            let [stdout, stderr] = self.output.each_ref().map(|c| lock(c).output());
-            let event = LifecycleEvent::CommandEnded {
-                pid: self.pid,
-                exit_code: exit.code,
-                signal: exit.signal,
-                seconds: self.started.elapsed().as_secs_f64(),
-                stdout,
-                stderr,
-            };
-            self.registry.report(&self.session, &event);
-        }
+        self.ending.exited(exit);
         exit
     }
 }
@@ -181,10 +216,22 @@ impl Captured {
     }
 }
 
-/// A command's stream, read through: what passes is kept in a [`Captured`].
+/// A command's stream, read through: what passes is kept in its [`Ending`], which learns
+/// when the stream ends (end of file, or the reader dropping it).
 struct Tee {
     inner: Box<dyn AsyncRead + Send + Unpin>,
-    into: Arc<Mutex<Captured>>,
+    ending: Arc<Ending>,
+    stream: usize,
+}
+
+impl Tee {
+    fn new(inner: Box<dyn AsyncRead + Send + Unpin>, ending: &Arc<Ending>, stream: usize) -> Self {
+        Tee {
+            inner,
+            ending: ending.clone(),
+            stream,
+        }
+    }
 }
 
 impl AsyncRead for Tee {
@@ -194,11 +241,23 @@ impl AsyncRead for Tee {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
+        let asked = buf.remaining() > 0;
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = polled {
-            lock(&self.into).push(&buf.filled()[before..]);
+            let read = &buf.filled()[before..];
+            if read.is_empty() && asked {
+                self.ending.closed(self.stream);
+            } else {
+                lock(&self.ending.state).output[self.stream].push(read);
+            }
         }
         polled
+    }
+}
+
+impl Drop for Tee {
+    fn drop(&mut self) {
+        self.ending.closed(self.stream);
     }
 }
 
@@ -231,17 +290,92 @@ mod tests {
         assert!(out.text.len() < 2 * KEPT_OUTPUT + 64);
     }
 
+    /// An [`Ending`] whose reports are collected.
+    fn ending() -> (Arc<Ending>, Arc<Mutex<Vec<LifecycleEvent>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let into = seen.clone();
+        let ending = Arc::new(Ending {
+            report: Box::new(move |e: &LifecycleEvent| lock(&into).push(e.clone())),
+            pid: 7,
+            started: Instant::now(),
+            state: Mutex::default(),
+        });
+        (ending, seen)
+    }
+
+    fn ended(e: &LifecycleEvent) -> (Option<i32>, String, u64, String) {
+        match e {
+            LifecycleEvent::CommandEnded {
+                exit_code,
+                stdout,
+                stderr,
+                ..
+            } => (
+                *exit_code,
+                stdout.text.clone(),
+                stdout.bytes,
+                stderr.text.clone(),
+            ),
+            other => panic!("not an end: {other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn the_reader_reads_through_the_tee_unchanged() {
-        let into = Arc::new(Mutex::new(Captured::default()));
-        let mut tee = Tee {
-            inner: Box::new(&b"bytes\xff\n"[..]),
-            into: into.clone(),
-        };
+        let (ending, seen) = ending();
+        let mut tee = Tee::new(Box::new(&b"bytes\xff\n"[..]), &ending, 0);
         let mut read = Vec::new();
         tee.read_to_end(&mut read).await.unwrap();
         assert_eq!(read, b"bytes\xff\n");
-        let out = lock(&into).output();
+        let out = lock(&ending.state).output[0].output();
         assert_eq!((out.text.as_str(), out.bytes), ("bytes\u{fffd}\n", 7));
+        assert!(lock(&seen).is_empty(), "no end before the exit");
+    }
+
+    /// The exit seen first (a deadline's watcher waits beside the reader): the end waits for
+    /// the streams, and carries all they held.
+    #[tokio::test]
+    async fn the_end_is_reported_once_the_exit_and_both_streams_are_known() {
+        let (ending, seen) = ending();
+        let mut out = Tee::new(Box::new(&b"all of it\n"[..]), &ending, 0);
+        let err = Tee::new(Box::new(&b""[..]), &ending, 1);
+        ending.exited(CommandExit {
+            code: Some(0),
+            signal: None,
+        });
+        assert!(lock(&seen).is_empty());
+        let mut read = Vec::new();
+        out.read_to_end(&mut read).await.unwrap();
+        assert!(lock(&seen).is_empty(), "stderr not yet ended");
+        drop(err);
+        ending.exited(CommandExit {
+            code: Some(1),
+            signal: None,
+        });
+        drop(out);
+        let seen = lock(&seen);
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(
+            ended(&seen[0]),
+            (Some(0), "all of it\n".into(), 10, String::new())
+        );
+    }
+
+    /// Streams ended first, then the exit: reported at the exit.
+    #[tokio::test]
+    async fn streams_read_before_the_exit_report_at_the_exit() {
+        let (ending, seen) = ending();
+        let mut out = Tee::new(Box::new(&b"x"[..]), &ending, 0);
+        let mut err = Tee::new(Box::new(&b"e"[..]), &ending, 1);
+        let mut read = Vec::new();
+        out.read_to_end(&mut read).await.unwrap();
+        err.read_to_end(&mut read).await.unwrap();
+        assert!(lock(&seen).is_empty());
+        ending.exited(CommandExit {
+            code: None,
+            signal: Some(9),
+        });
+        assert_eq!(lock(&seen).len(), 1);
+        assert_eq!(ended(&lock(&seen)[0]).3, "e");
     }
 }
