@@ -375,8 +375,21 @@ def rebuild(old_app, old_kernel, info):
     app._ports = {name[: -len("_port")]: getattr(app, name) for name in PORTS}
     app.init_io()
     app.init_signal()
-    app.init_kernel()
+    # IPythonKernel.__init__ lists the files of every module imported (those the debugger
+    # does not step into), asking each module for `__file__`: with the user's modules
+    # loaded that is thousands of lookups, some running lazy-import hooks, ~10 ms of the
+    # fork. The parent's list is the one a fresh kernel makes (taken before any cell ran).
+    import ipykernel.ipkernel as ipkernel_module
+
+    ipkernel_module.sys = _SysWithoutModules(sys)
+    try:
+        app.init_kernel()
+    finally:
+        ipkernel_module.sys = sys
     kernel = app.kernel
+    kernel._kernel_modules = list(getattr(old_kernel, "_kernel_modules", []))
+    if getattr(kernel, "debugger", None) is not None:
+        kernel.debugger.kernel_modules = kernel._kernel_modules
     if kernel.shell is not shell:
         raise RuntimeError("the new kernel did not find the existing shell")
     # What IPythonKernel.__init__ gives a shell it creates, and `instance()` skipped.
@@ -403,6 +416,18 @@ def rebuild(old_app, old_kernel, info):
             except Exception as e:
                 log("cannot install %s: %r" % (name, e))
     return app
+
+
+class _SysWithoutModules:
+    """`sys` as ipykernel.ipkernel sees it while the child's kernel is made: no modules."""
+
+    modules = {}
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
 
 
 def history_off(shell):
