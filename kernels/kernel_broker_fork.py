@@ -17,10 +17,13 @@ shell message type:
 How. Shell messages are dispatched one at a time on the kernel's main thread, so the
 request is handled between two executions with the user's state at rest. (A busy kernel
 receives it only when its running execution ends: shell messages queue behind it. A broker
-that wants the fork now should interrupt first, or refuse.) The handler forks twice (the
-middle process exits at once, so the new kernel is not the old one's child: the old kernel
-terminating its children at shutdown, ipykernel's habit, does not end its forks, and no
-zombie is left) and waits on a pipe for the grandchild to say it is listening.
+that wants the fork now should interrupt first, or refuse.) The handler forks once and
+waits on a pipe for the child to say it is listening. The child starts a session of its
+own (``setsid``), so ipykernel's habit of terminating the children in its process group at
+shutdown, and an interrupt sent to the parent's group, leave it alone. The parent reaps
+its forks that ended (``waitpid`` on their pids only) at each request and after each
+execution. (Forking twice, so that the new kernel is nobody's child, was measured: the
+second fork copies the page tables again, ~5 ms with a 200 MB DataFrame.)
 
 In the child only the forking thread exists. The ZeroMQ context, its sockets, the IOPub,
 control, shell-channel and heartbeat threads, and the asyncio loop that was running are
@@ -84,6 +87,8 @@ MAX_KEY_LENGTH = 1024
 
 # What a child abandoned from its parent: never closed, never collected.
 _ABANDONED = []
+# The pids of this kernel's forks that have not been reaped yet.
+_FORKS = set()
 
 
 class ForkRefused(Exception):
@@ -171,28 +176,46 @@ def handle(app, kernel, stream, ident, parent):
 
 def fork(app, kernel, info):
     """Forks the kernel; returns the new kernel's pid once it listens."""
+    reap()
     read_fd, write_fd = os.pipe()
     # `random` reseeds its generator in every forked child; the fork keeps this one's.
     random_state = random.getstate()
-    middle = os.fork()
-    if middle == 0:
-        code = 1
+    pid = os.fork()
+    if pid == 0:
         try:
             os.close(read_fd)
-            if os.fork() == 0:
-                become(app, kernel, info, write_fd, random_state)  # never returns
-            code = 0
+            become(app, kernel, info, write_fd, random_state)  # never returns
         finally:
-            os._exit(code)
+            os._exit(1)
+    _FORKS.add(pid)
     os.close(write_fd)
     try:
-        os.waitpid(middle, 0)
         answer = read_answer(read_fd)
     finally:
         os.close(read_fd)
-    if "pid" not in answer:
+    if answer.get("pid") != pid:
+        # Failed (it exits after saying why) or silent past the timeout: ended, then reaped.
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        _FORKS.discard(pid)
         raise ForkRefused(answer.get("error") or "the child ended before it listened")
-    return answer["pid"]
+    return pid
+
+
+def reap():
+    """Collects the exit status of forks that ended (only those: a subprocess a cell
+    started is left to whoever waits for it). Called at each request and after each
+    execution, so an ended fork stays a zombie at most until then."""
+    for pid in list(_FORKS):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _FORKS.discard(pid)
 
 
 def read_answer(fd):
@@ -229,6 +252,7 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.setsid()
+        _FORKS.clear()  # the parent's forks are not this process's children
         _ABANDONED.append(abandon(old_app, old_kernel))
         separate_files()
         app = rebuild(old_app, old_kernel, info)
@@ -454,4 +478,7 @@ def install(app):
         handle(app, kernel, stream, ident, parent)
 
     kernel.shell_handlers[MSG_TYPE] = kb_fork_request
+    shell = getattr(kernel, "shell", None)
+    if shell is not None and reap not in shell.events.callbacks.get("post_execute", []):
+        shell.events.register("post_execute", reap)
 

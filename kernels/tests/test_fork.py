@@ -249,6 +249,18 @@ def test_two_forks_and_a_fork_of_a_fork(kernel, forks, tmp_path):
     assert value(b.client, "x") == repr("b")
 
 
+def test_an_ended_fork_is_reaped(kernel, forks, tmp_path):
+    kc = kernel.client
+    fork = make_fork(kc, tmp_path, "c1", forks)
+    assert value(kc, "__import__('os').getpid()") == str(kernel.pid)
+    os.kill(fork.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % fork.pid):
+        assert time.monotonic() < deadline, "fork %d left a zombie" % fork.pid
+        run(kc, "None")  # the parent reaps its ended forks after each execution
+        time.sleep(0.1)
+
+
 def test_what_is_not_carried_fails_clearly(kernel, forks, tmp_path):
     kc = kernel.client
     run(kc, textwrap.dedent("""
