@@ -207,6 +207,33 @@ def wait_reply(kc, msg_id, timeout=TIMEOUT):
             return reply["content"]
 
 
+def test_a_busy_kernel_forks_when_its_execution_ends(kernel, forks, tmp_path):
+    """Shell messages queue behind a running execution: the fork waits for it, and the
+    child holds what the execution left."""
+    kc = kernel.client
+    kc.execute("import time\ntime.sleep(1.5)\nx = 'after'")
+    time.sleep(0.3)
+    start = time.monotonic()
+    fork = make_fork(kc, tmp_path, "c1", forks)
+    assert time.monotonic() - start > 1.0
+    assert value(kc, "x") == repr("after")  # (the execution's reply was passed over)
+    assert value(fork.client, "x") == repr("after")
+
+
+def test_input_in_the_child(kernel, forks, tmp_path):
+    child = make_fork(kernel.client, tmp_path, "c1", forks).client
+    outputs = []
+    reply = child.execute_interactive(
+        "answer = input('name? ')",
+        allow_stdin=True,
+        stdin_hook=lambda msg: child.input("from the child's stdin"),
+        output_hook=outputs.append,
+        timeout=TIMEOUT,
+    )
+    assert reply["content"]["status"] == "ok"
+    assert value(child, "answer") == repr("from the child's stdin")
+
+
 def test_an_error_in_the_child_is_reported(kernel, forks, tmp_path):
     child = make_fork(kernel.client, tmp_path, "c1", forks).client
     reply, outputs = run(child, "1 / 0", allow_error=True)
