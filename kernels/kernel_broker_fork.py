@@ -262,6 +262,10 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         ready_fd = None
         app.start()
         code = 0
+        # Shut down (or `exit()` in a cell): close what the child made, as ipykernel does
+        # at exit, so the last replies and IOPub messages go out; a close that blocks
+        # (a socket left open keeps the context's termination waiting) ends by SIGALRM.
+        signal.alarm(5)
         try:
             app.close()
         except BaseException:

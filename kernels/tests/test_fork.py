@@ -274,6 +274,20 @@ def test_two_forks_and_a_fork_of_a_fork(kernel, forks, tmp_path):
     kernel.proc.wait(TIMEOUT)
     assert alive(a.pid) and alive(b.pid) and alive(aa.pid)
     assert value(b.client, "x") == repr("b")
+    # A fork shuts down like a kernel: it replies, and its process ends.
+    reply = b.client.shutdown(reply=True, timeout=TIMEOUT)
+    assert reply["content"]["status"] == "ok"
+    deadline = time.monotonic() + 10
+    while alive(b.pid):
+        assert time.monotonic() < deadline, "the fork did not end after shutdown"
+        time.sleep(0.1)
+    # So does one that runs exit() in a cell.
+    aa.client.execute("exit()")
+    deadline = time.monotonic() + 10
+    while alive(aa.pid):
+        assert time.monotonic() < deadline, "the fork did not end after exit()"
+        time.sleep(0.1)
+    assert value(a.client, "x") == repr("a")
 
 
 def test_an_ended_fork_is_reaped(kernel, forks, tmp_path):
