@@ -192,6 +192,12 @@ def test_interrupt_reaches_the_child_alone(kernel, forks, tmp_path):
     child.control_channel.send(child.session.msg("interrupt_request", {}))
     reply = wait_reply(child, msg_id)
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    # Every thread of the child but the main one blocks SIGINT, as in a fresh kernel
+    # (the boot script's rule), so the interrupt lands where the cell runs.
+    for task in os.listdir("/proc/%d/task" % fork.pid):
+        with open("/proc/%d/task/%s/status" % (fork.pid, task)) as f:
+            blocked = int(next(l for l in f if l.startswith("SigBlk:")).split()[1], 16)
+        assert bool(blocked & (1 << (signal.SIGINT - 1))) == (int(task) != fork.pid), task
     # A SIGINT between executions is ignored, as by a fresh kernel.
     os.kill(fork.pid, signal.SIGINT)
     time.sleep(0.3)
