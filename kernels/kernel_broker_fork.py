@@ -11,8 +11,8 @@ shell message type:
     "hmac-sha256"}}``: the child kernel's sockets are ``ipc://PREFIX-PORT``, PREFIX inside
     the fork directory (``KERNEL_BROKER_FORK_ROOT``, else the directory of the kernel's own
     ipc sockets). The answer is ``kb_fork_reply`` ``{"status": "ok", "pid": PID}`` (PID as
-    seen in the kernel's pid namespace) once the child's sockets are bound, so a client may
-    connect at once; or ``{"status": "error", "ename": ..., "evalue": ...}`` and no child.
+    seen in the kernel's pid namespace) once the child is built and its sockets are bound,
+    so a client may connect at once; or ``{"status": "error", "ename": ..., "evalue": ...}`` and no child.
 
 How. Shell messages are dispatched one at a time on the kernel's main thread, so the
 request is handled between two executions with the user's state at rest. (A busy kernel
@@ -52,8 +52,20 @@ What is and is not carried (tested in ``tests/test_fork.py``):
   held by the child's copy. Pipes, sockets, terminals and devices stay shared (there is
   nothing to reopen): a network connection a cell opened is the same connection in both.
 - Threads a cell started do not exist in the child (only the forking thread survives a
-  fork); their ``Thread`` objects say ``is_alive() == False``. Subprocesses a cell started
-  remain the parent's children.
+  fork); their ``Thread`` objects say ``is_alive() == False``. Subshells (ipykernel 7's
+  threads) are not carried either. Subprocesses a cell started remain the parent's
+  children: ``os.waitpid`` on one fails with ``ChildProcessError`` in the child, and
+  ``Popen.wait``/``poll`` take that ECHILD for an exit with status 0 (Python's own rule).
+- Objects that existed at the fork are frozen out of the child's cyclic collector
+  (``gc.freeze``): a collection would write to every object and copy its page. They are
+  still freed by reference counting; a reference cycle among them that becomes garbage in
+  the child is not collected there.
+- Files are not copied: the child sees the same file system (a workspace of its own is the
+  broker's business). Nor is the process tree's shape: when the parent is its pid
+  namespace's init, killing it ends the namespace and every fork in it.
+- Comms (widgets) open in the parent are pointed at the child's kernel; their front-end
+  peers are the parent's clients, so a widget in the child has no view until reopened.
+  ``%connect_info`` in the child knows no connection file (there is none).
 - The child starts a new session (``setsid``): an interrupt sent to the parent's process
   group does not reach it. SIGINT is handled as in a fresh kernel: ignored between
   messages, ``KeyboardInterrupt`` in an execution; every thread but the main one blocks it
