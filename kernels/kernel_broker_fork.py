@@ -42,6 +42,9 @@ marked not running and never resumed).
 
 What is and is not carried (tested in ``tests/test_fork.py``):
 
+- The parent's own ipc sockets (listeners and its clients' connections) are closed in the
+  child, so they end with the parent.
+
 - Python's ``random`` module reseeds itself in a forked child; the generator's state is put
   back, so the fork draws the same numbers as the original. numpy's global state and every
   generator object are plain memory and carry over.
@@ -267,6 +270,7 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         _FORKS.clear()  # the parent's forks are not this process's children
         _ABANDONED.append(abandon(old_app, old_kernel))
         separate_files()
+        close_parent_sockets(old_app)
         app = rebuild(old_app, old_kernel, info)
         restore_random(app.shell, random_state)
         say(ready_fd, {"pid": os.getpid()})
@@ -381,6 +385,42 @@ def separate_files(proc="/proc/self/fd"):
         finally:
             os.close(new)
     return reopened
+
+
+def close_parent_sockets(old_app):
+    """Closes the child's copies of the parent's ipc sockets (the listening ones and the
+    connections its clients made), found by their path in /proc/net/unix. The child never
+    uses them; held open, they would outlive the parent: a client connecting to a dead
+    parent would wait on a listener nobody accepts from instead of being refused, and a
+    connected one would not see the end of its connection. Closing a descriptor touches
+    only the child's table; the ZeroMQ objects that named them are never used again.
+    Returns the descriptors closed."""
+    if getattr(old_app, "transport", None) != "ipc" or not getattr(old_app, "ip", ""):
+        return []
+    prefix = old_app.ip + "-"
+    inodes = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7].startswith(prefix):
+                    inodes.add(fields[6])
+    except (OSError, StopIteration):
+        return []
+    closed = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            try:
+                os.close(int(name))
+                closed.append(int(name))
+            except OSError:
+                pass
+    return closed
 
 
 def rebuild(old_app, old_kernel, info):

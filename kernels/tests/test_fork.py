@@ -249,9 +249,28 @@ def test_an_error_in_the_child_is_reported(kernel, forks, tmp_path):
     assert value(child, "1 + 1") == "2"
 
 
+def unix_socket_paths(pid):
+    """The paths of the unix sockets process `pid` holds."""
+    inodes = set()
+    for name in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, name))
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in list(f)[1:]]
+    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes}
+
+
 def test_the_child_outlives_its_parent(kernel, forks, tmp_path):
     run(kernel.client, "import os\nx = 'kept'")
     fork = make_fork(kernel.client, tmp_path, "c1", forks)
+    # The child holds none of the parent's sockets (they end with the parent), its own.
+    paths = unix_socket_paths(fork.pid)
+    assert not [p for p in paths if p.startswith(kernel.info["ip"] + "-")], paths
+    assert [p for p in paths if p.startswith(fork.info["ip"] + "-")], paths
     kernel.proc.kill()
     kernel.proc.wait(TIMEOUT)
     assert value(fork.client, "x") == repr("kept")
