@@ -28,26 +28,50 @@ def connection(prefix):
 
 
 class Kernel:
-    """A kernel process started plainly by the boot script."""
+    """A kernel process started by the boot script: plainly (``kernel`` mode), or forked
+    by a template (``template`` mode, the broker's default) when `template` is true."""
 
-    def __init__(self, directory, name="k"):
+    def __init__(self, directory, name="k", template=False):
         self.directory = str(directory)
         self.info = connection(os.path.join(self.directory, name))
         self.connection_file = os.path.join(self.directory, name + ".json")
         with open(self.connection_file, "w") as f:
             json.dump(self.info, f)
         self.log = open(os.path.join(self.directory, name + ".log"), "w")
+        args = ["-f", self.connection_file, "--HistoryManager.hist_file=:memory:"]
+        mode = ["template", "--preload", "numpy"] if template else ["kernel", "--"] + args
         self.proc = subprocess.Popen(
-            [KERNEL_PYTHON, "-I", BOOT, "kernel", "--", "-f", self.connection_file,
-             "--HistoryManager.hist_file=:memory:"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
-            cwd=self.directory, env=kernel_environment(),
+            [KERNEL_PYTHON, "-I", BOOT] + mode,
+            stdin=subprocess.PIPE if template else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if template else subprocess.DEVNULL,
+            stderr=self.log, cwd=self.directory, env=kernel_environment(),
         )
         self.pid = self.proc.pid
+        if template:
+            self.template = self.proc
+            assert self._answer().get("ready"), "the template did not start"
+            self._ask({"op": "fork", "id": "1", "args": args, "env": {},
+                       "connection_file": self.connection_file})
+            self.pid = self._answer()["pid"]
+            self._ask({"op": "go", "id": "1"})
+            assert self._answer().get("released") == "1"
         self.client = connect(self.info)
+
+    def _ask(self, request):
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def _answer(self):
+        return json.loads(self.proc.stdout.readline())
 
     def stop(self):
         self.client.stop_channels()
+        if self.pid != self.proc.pid:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(TIMEOUT)

@@ -145,6 +145,22 @@ def test_every_kind_of_state_is_carried(kernel, forks, tmp_path):
     assert value(child, "os.environ['KB_FORK_TEST']") == repr("carried")
 
 
+def test_a_kernel_born_of_the_template_forks(tmp_path, forks):
+    """The broker's kernels are forked from a template (non-dumpable, descriptors closed,
+    the template's objects frozen): such a kernel forks as well."""
+    kernel = Kernel(tmp_path, template=True)
+    try:
+        kc = kernel.client
+        run(kc, "import numpy as np\nx = np.arange(4)")
+        child = make_fork(kc, tmp_path, "c1", forks).client
+        assert value(child, "int(x.sum())") == "6"
+        run(child, "x[0] = 100")
+        assert value(kc, "int(x.sum())") == "6"
+        assert value(child, "int(x.sum())") == "106"
+    finally:
+        kernel.stop()
+
+
 def test_parent_and_child_go_their_own_ways(kernel, forks, tmp_path):
     kc = kernel.client
     run(kc, "import os\nx = 1\nnames = ['a']")
