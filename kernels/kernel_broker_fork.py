@@ -88,6 +88,7 @@ import select
 import signal
 import stat
 import sys
+import threading
 import time
 
 MSG_TYPE = "kb_fork_request"
@@ -178,6 +179,10 @@ def validate(content, root):
 def handle(app, kernel, stream, ident, parent):
     """The ``kb_fork_request`` handler, on the kernel's main thread between executions."""
     try:
+        if threading.current_thread() is not threading.main_thread():
+            # A subshell's thread: the main thread may be mid-execution, its state in
+            # flux, and the child would have no main thread to run on.
+            raise ForkRefused("kb_fork_request must be sent to the main shell, not a subshell")
         info = validate(parent.get("content"), fork_root(app))
         pid = fork(app, kernel, info)
         content = {"status": "ok", "pid": pid}

@@ -409,6 +409,26 @@ def test_bad_requests_are_refused(kernel, tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c-")) == []
 
 
+def test_a_request_on_a_subshell_is_refused(kernel, tmp_path):
+    kc = kernel.client
+    run(kc, "x = 'main'")
+    create = kc.session.msg("create_subshell_request", {})
+    kc.control_channel.send(create)
+    reply = kc.control_channel.get_msg(timeout=TIMEOUT)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    subshell = reply["content"]["subshell_id"]
+    msg = kc.session.msg("kb_fork_request", {"connection": connection(str(tmp_path / "c"))})
+    msg["header"]["subshell_id"] = subshell
+    kc.shell_channel.send(msg)
+    while True:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            break
+    assert reply["content"]["status"] == "error"
+    assert "subshell" in reply["content"]["evalue"]
+    assert value(kc, "x") == repr("main")
+
+
 def test_fork_speed_and_memory_with_a_200_mb_dataframe(kernel, tmp_path):
     """fork -> first result in the child, p50 over 20 (goal: 30 ms), and the child's private
     memory right after the fork (goal: 10 MB). Prints the numbers."""
