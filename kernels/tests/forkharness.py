@@ -47,6 +47,17 @@ class Kernel:
             stderr=self.log, cwd=self.directory, env=kernel_environment(),
         )
         self.pid = self.proc.pid
+        try:
+            self._start(template, args)
+        except BaseException:
+            self.proc.kill()
+            if self.pid != self.proc.pid:
+                os.kill(self.pid, 9)
+            self.proc.wait(TIMEOUT)
+            self.log.close()
+            raise
+
+    def _start(self, template, args):
         if template:
             self.template = self.proc
             assert self._answer().get("ready"), "the template did not start"
@@ -160,7 +171,11 @@ class Fork:
         self.reply_seconds = time.perf_counter() - start
         assert reply["status"] == "ok", reply
         self.pid = reply["pid"]
-        self.client = connect(self.info)
+        try:
+            self.client = connect(self.info)
+        except BaseException:
+            os.kill(self.pid, 9)
+            raise
 
     def stop(self):
         self.client.stop_channels()
