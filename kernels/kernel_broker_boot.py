@@ -36,7 +36,10 @@ Every kernel it starts gets ``kernel_broker_e2b.py`` installed (loaded from this
 directory, once in the template): E2B's result formats and one execution's environment,
 active only in executions whose request asks for them (see that module). And
 ``kernel_broker_network.py``, loaded the same way: a note on a failed network connection's
-traceback naming the setting that would allow it (see that module).
+traceback naming the setting that would allow it (see that module). And
+``kernel_broker_fork.py``: the ``kb_fork_request`` shell message, by which a live kernel
+copies itself, with its state, into a new kernel on sockets the broker names (see that
+module).
 
 What a fork must not share is reset in the child before any user code runs: the random
 generators are reseeded from the OS, every descriptor of the template is closed (stdin is
@@ -146,6 +149,7 @@ def prepare_kernel_imports():
     warm_command_line()
     load_e2b()
     load_network()
+    load_fork()
 
 
 def warm_command_line():
@@ -183,6 +187,7 @@ def enable_inline():
 
 E2B_MODULE = "kernel_broker_e2b"
 NETWORK_MODULE = "kernel_broker_network"
+FORK_MODULE = "kernel_broker_fork"
 
 
 def load_sibling(name):
@@ -217,6 +222,16 @@ def load_network():
     return load_sibling(NETWORK_MODULE)
 
 
+def load_fork():
+    """``kernel_broker_fork.py``: the ``kb_fork_request`` shell message, a live kernel
+    copying itself into a new kernel. Absent (a broker that does not write it yet), kernels
+    are left without it, quietly."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), FORK_MODULE + ".py")
+    if FORK_MODULE not in sys.modules and not os.path.exists(path):
+        return None
+    return load_sibling(FORK_MODULE)
+
+
 def install_e2b(app):
     module = load_e2b()
     if module is None:
@@ -235,6 +250,16 @@ def install_network(app):
         module.install(app.shell)
     except Exception as e:
         log("cannot install %s: %r" % (NETWORK_MODULE, e))
+
+
+def install_fork(app):
+    module = load_fork()
+    if module is None:
+        return
+    try:
+        module.install(app)
+    except Exception as e:
+        log("cannot install %s: %r" % (FORK_MODULE, e))
 
 
 def signals_to_the_main_thread():
@@ -273,6 +298,7 @@ def run_kernel(args, after_init=None):
     enable_inline()
     install_e2b(app)
     install_network(app)
+    install_fork(app)
     app.start()
 
 

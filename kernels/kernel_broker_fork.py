@@ -1,0 +1,545 @@
+"""kernel-broker's in-kernel fork: a live kernel copies itself, state and all, into a new
+kernel reachable on sockets the broker names.
+
+The broker writes this file beside ``kernel_broker_boot.py`` (a directory no kernel can
+write); the boot script loads it once and installs it in every kernel it runs. It adds one
+shell message type:
+
+``kb_fork_request``
+    ``{"connection": {"transport": "ipc", "ip": PREFIX, "shell_port": N, "iopub_port": N,
+    "stdin_port": N, "control_port": N, "hb_port": N, "key": KEY, "signature_scheme":
+    "hmac-sha256"}}``: the child kernel's sockets are ``ipc://PREFIX-PORT``, PREFIX inside
+    the fork directory (``KERNEL_BROKER_FORK_ROOT``, else the directory of the kernel's own
+    ipc sockets). The answer is ``kb_fork_reply`` ``{"status": "ok", "pid": PID}`` (PID as
+    seen in the kernel's pid namespace) once the child is built and its sockets are bound,
+    so a client may connect at once; or ``{"status": "error", "ename": ..., "evalue": ...}`` and no child.
+
+How. Shell messages are dispatched one at a time on the kernel's main thread, so the
+request is handled between two executions with the user's state at rest. (A busy kernel
+receives it only when its running execution ends: shell messages queue behind it. A broker
+that wants the fork now should interrupt first, or refuse.) The handler forks once and
+waits on a pipe for the child to say it is listening. The child starts a session of its
+own (``setsid``), so ipykernel's habit of terminating the children in its process group at
+shutdown, and an interrupt sent to the parent's group, leave it alone. The parent reaps
+its forks that ended (``waitpid`` on their pids only) at each request and after each
+execution. (Forking twice, so that the new kernel is nobody's child, was measured: the
+second fork copies the page tables again, ~5 ms with a 200 MB DataFrame.)
+
+In the child only the forking thread exists. The ZeroMQ context, its sockets, the IOPub,
+control, shell-channel and heartbeat threads, and the asyncio loop that was running are
+the parent's: libzmq is not fork-safe and an epoll instance is shared by both processes
+after a fork, so the child never uses, closes or unregisters any of them. They are kept
+referenced forever (``_ABANDONED``: no destructor runs) and the child ends with
+``os._exit`` (no atexit handler of the parent's runs). The child then builds what
+ipykernel's ``IPKernelApp.initialize`` builds, from a fresh application: a new context and
+sockets on the named connection, a new Session with the new key, IOPub, heartbeat, control
+and shell-channel threads, stdout/stderr streams, and a new kernel object; the kernel finds
+the same ``InteractiveShell`` singleton (user namespace, In/Out and the execution count,
+imported modules, matplotlib's figures and inline hooks, the working directory, the
+environment), which is pointed at the new kernel, session and IOPub. A new asyncio loop
+runs the new kernel, nested in the stack of the handler that forked (the old loop is
+marked not running and never resumed).
+
+What is and is not carried (tested in ``tests/test_fork.py``):
+
+- The parent's own ipc sockets (listeners and its clients' connections) are closed in the
+  child, so they end with the parent.
+
+- Python's ``random`` module reseeds itself in a forked child; the generator's state is put
+  back, so the fork draws the same numbers as the original. numpy's global state and every
+  generator object are plain memory and carry over.
+- Regular files a cell opened are reopened in the child with the same flags and offset and
+  put at the same descriptor number, so reading or seeking in one process does not move
+  the other. A file deleted or replaced since it was opened cannot be reopened: it keeps
+  sharing its offset. Locks taken with ``flock`` belong to the old open file and are not
+  held by the child's copy. Pipes, sockets, terminals and devices stay shared (there is
+  nothing to reopen): a network connection a cell opened is the same connection in both.
+- Threads a cell started do not exist in the child (only the forking thread survives a
+  fork); their ``Thread`` objects say ``is_alive() == False``. Subshells (ipykernel 7's
+  threads) are not carried either. Subprocesses a cell started remain the parent's
+  children: ``os.waitpid`` on one fails with ``ChildProcessError`` in the child, and
+  ``Popen.wait``/``poll`` take that ECHILD for an exit with status 0 (Python's own rule).
+- Objects that existed at the fork are frozen out of the child's cyclic collector
+  (``gc.freeze``): a collection would write to every object and copy its page. They are
+  still freed by reference counting; a reference cycle among them that becomes garbage in
+  the child is not collected there.
+- Files are not copied: the child sees the same file system (a workspace of its own is the
+  broker's business). Nor is the process tree's shape: when the parent is its pid
+  namespace's init, killing it ends the namespace and every fork in it.
+- Comms (widgets) open in the parent are pointed at the child's kernel; their front-end
+  peers are the parent's clients, so a widget in the child has no view until reopened.
+  ``%connect_info`` in the child knows no connection file (there is none).
+- The child starts a new session (``setsid``): an interrupt sent to the parent's process
+  group does not reach it. SIGINT is handled as in a fresh kernel: ignored between
+  messages, ``KeyboardInterrupt`` in an execution; every thread but the main one blocks it
+  (the boot script's ``signals_to_the_main_thread`` patch is inherited).
+- The history database: the broker runs kernels with an in-memory history
+  (``--HistoryManager.hist_file=:memory:``), plain memory that the fork copies. A kernel
+  writing history to a file would share an SQLite connection with its fork; the child
+  turns its history writing off instead.
+"""
+
+import asyncio
+import atexit
+import json
+import os
+import random
+import select
+import signal
+import stat
+import sys
+import threading
+import time
+
+MSG_TYPE = "kb_fork_request"
+REPLY_TYPE = "kb_fork_reply"
+ROOT_ENV = "KERNEL_BROKER_FORK_ROOT"
+PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+# A child that is not listening by then is killed and the fork refused.
+READY_TIMEOUT = 30.0
+# sockaddr_un holds 108 bytes; the longest suffix is "-65535" and a NUL.
+MAX_IP_LENGTH = 100
+MAX_KEY_LENGTH = 1024
+
+# What a child abandoned from its parent: never closed, never collected.
+_ABANDONED = []
+# The pids of this kernel's forks that have not been reaped yet.
+_FORKS = set()
+
+
+class ForkRefused(Exception):
+    """A request the kernel will not act on; the reply names why."""
+
+
+def log(message):
+    try:
+        sys.__stderr__.write("kernel-broker fork: %s\n" % message)
+        sys.__stderr__.flush()
+    except Exception:
+        pass
+
+
+def fork_root(app):
+    """The directory a child's sockets must be in: ``KERNEL_BROKER_FORK_ROOT``, else the
+    directory holding this kernel's own ipc sockets."""
+    root = os.environ.get(ROOT_ENV)
+    if not root:
+        if getattr(app, "transport", None) != "ipc" or not getattr(app, "ip", ""):
+            return None
+        root = os.path.dirname(os.path.abspath(app.ip))
+    return os.path.realpath(root)
+
+
+def validate(content, root):
+    """Checks a request's content; returns the child's connection info, or raises
+    ForkRefused. Nothing is created before the content is known to be good."""
+    if not isinstance(content, dict):
+        raise ForkRefused("the content is not an object")
+    conn = content.get("connection")
+    if not isinstance(conn, dict):
+        raise ForkRefused("'connection' is missing or not an object")
+    if conn.get("transport", "ipc") != "ipc":
+        raise ForkRefused("only the ipc transport is allowed")
+    ip = conn.get("ip")
+    if not isinstance(ip, str) or not ip:
+        raise ForkRefused("'ip' (the sockets' path prefix) is missing or not a string")
+    if "\0" in ip or len(ip) > MAX_IP_LENGTH:
+        raise ForkRefused("'ip' is too long or holds a NUL")
+    if root is None:
+        raise ForkRefused("this kernel has no fork directory (%s is not set)" % ROOT_ENV)
+    if not os.path.isabs(ip) or os.path.normpath(ip) != ip:
+        raise ForkRefused("'ip' must be an absolute, normalised path")
+    parent = os.path.realpath(os.path.dirname(ip))
+    if os.path.commonpath([root, parent]) != root:
+        raise ForkRefused("'ip' is outside the fork directory")
+    if not os.path.isdir(parent):
+        raise ForkRefused("the directory of 'ip' does not exist")
+    ports = {}
+    for name in PORTS:
+        port = conn.get(name)
+        if type(port) is not int or not 0 < port < 65536:
+            raise ForkRefused("%r is missing or not a port number" % name)
+        ports[name] = port
+    if len(set(ports.values())) != len(ports):
+        raise ForkRefused("the ports are not distinct")
+    for port in ports.values():
+        if os.path.lexists("%s-%d" % (ip, port)):
+            raise ForkRefused("%s-%d exists already" % (ip, port))
+    key = conn.get("key")
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+        raise ForkRefused("'key' is missing, empty, too long or not a string")
+    scheme = conn.get("signature_scheme", "hmac-sha256")
+    if scheme not in ("hmac-sha256", "hmac-sha512"):
+        raise ForkRefused("'signature_scheme' must be hmac-sha256 or hmac-sha512")
+    info = {"transport": "ipc", "ip": ip, "key": key, "signature_scheme": scheme}
+    info.update(ports)
+    return info
+
+
+def handle(app, kernel, stream, ident, parent):
+    """The ``kb_fork_request`` handler, on the kernel's main thread between executions."""
+    try:
+        if threading.current_thread() is not threading.main_thread():
+            # A subshell's thread: the main thread may be mid-execution, its state in
+            # flux, and the child would have no main thread to run on.
+            raise ForkRefused("kb_fork_request must be sent to the main shell, not a subshell")
+        info = validate(parent.get("content"), fork_root(app))
+        pid = fork(app, kernel, info)
+        content = {"status": "ok", "pid": pid}
+    except ForkRefused as e:
+        content = {"status": "error", "ename": "ForkRefused", "evalue": str(e), "traceback": []}
+    except Exception as e:
+        log("fork failed: %r" % e)
+        content = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
+    kernel.session.send(stream, REPLY_TYPE, content, parent, ident=ident)
+
+
+def fork(app, kernel, info):
+    """Forks the kernel; returns the new kernel's pid once it listens."""
+    reap()
+    read_fd, write_fd = os.pipe()
+    # `random` reseeds its generator in every forked child; the fork keeps this one's.
+    random_state = random.getstate()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            become(app, kernel, info, write_fd, random_state)  # never returns
+        finally:
+            os._exit(1)
+    _FORKS.add(pid)
+    os.close(write_fd)
+    try:
+        answer = read_answer(read_fd)
+    finally:
+        os.close(read_fd)
+    if answer.get("pid") != pid:
+        # Failed (it exits after saying why) or silent past the timeout: ended, then reaped.
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        _FORKS.discard(pid)
+        raise ForkRefused(answer.get("error") or "the child ended before it listened")
+    return pid
+
+
+def reap():
+    """Collects the exit status of forks that ended (only those: a subprocess a cell
+    started is left to whoever waits for it). Called at each request and after each
+    execution, so an ended fork stays a zombie at most until then."""
+    for pid in list(_FORKS):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _FORKS.discard(pid)
+
+
+def read_answer(fd):
+    """The child's one JSON line on the pipe, or {} at end of file or after the timeout
+    (a child that does not answer in time is killed)."""
+    data = b""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return {"error": "the child did not listen within %d s" % READY_TIMEOUT}
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
+def say(fd, obj):
+    data = (json.dumps(obj) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def become(old_app, old_kernel, info, ready_fd, random_state):
+    """In the forked child: rebuilds the kernel around the same shell, answers on
+    `ready_fd`, serves until shut down. Never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.setsid()
+        _FORKS.clear()  # the parent's forks are not this process's children
+        _ABANDONED.append(abandon(old_app, old_kernel))
+        separate_files()
+        close_parent_sockets(old_app)
+        app = rebuild(old_app, old_kernel, info)
+        restore_random(app.shell, random_state)
+        say(ready_fd, {"pid": os.getpid()})
+        os.close(ready_fd)
+        ready_fd = None
+        app.start()
+        code = 0
+        # Shut down (or `exit()` in a cell): close what the child made, as ipykernel does
+        # at exit, so the last replies and IOPub messages go out; a close that blocks
+        # (a socket left open keeps the context's termination waiting) ends by SIGALRM.
+        signal.alarm(5)
+        try:
+            app.close()
+        except BaseException:
+            pass
+    except BaseException as e:
+        try:
+            if ready_fd is not None:
+                say(ready_fd, {"error": "the child failed: %r" % (e,)})
+            log("fork child failed: %r" % (e,))
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def restore_random(shell, state):
+    """Puts `random`'s state back just before the child's first execution: the kernel's
+    start-up draws from it too (after the child is built), so it is set last of all."""
+    random.setstate(state)
+
+    def pre_execute():
+        shell.events.unregister("pre_execute", pre_execute)
+        random.setstate(state)
+
+    shell.events.register("pre_execute", pre_execute)
+
+
+def abandon(old_app, old_kernel):
+    """What the parent's kernel owned, kept referenced so that no destructor touches it,
+    with its exit handlers unregistered."""
+    kept = (
+        old_app,
+        old_kernel,
+        sys.stdout,
+        sys.stderr,
+        sys.displayhook,
+        getattr(old_app, "context", None),
+        getattr(old_app, "heartbeat", None),
+        getattr(old_app, "iopub_thread", None),
+        getattr(old_app, "control_thread", None),
+        getattr(old_app, "shell_channel_thread", None),
+    )
+    for fn in (old_app.close, old_app.cleanup_connection_file):
+        try:
+            atexit.unregister(fn)
+        except Exception:
+            pass
+    # The parent's stdout/stderr streams redirected descriptors 1 and 2 to pipes that the
+    # parent's threads read: point them back where they went before, so the child's new
+    # streams capture into pipes of their own.
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        copy = getattr(stream, "_original_stdstream_copy", None)
+        if copy is not None:
+            os.dup2(copy, fd)
+    # Never flushed: a flush would go through the parent's IOPub thread.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    sys.displayhook = sys.__displayhook__
+    return kept
+
+
+def separate_files(proc="/proc/self/fd"):
+    """Reopens each regular file the process has open at the same descriptor, with the
+    same flags and offset: after a fork both processes share one open file (one offset);
+    after this the child has its own. The kernel's own output files (what descriptors 0-2
+    point at) stay shared, as a log should be. Returns the descriptors reopened."""
+    import fcntl
+
+    own = set()
+    for fd in (0, 1, 2):
+        try:
+            st = os.fstat(fd)
+            own.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    reopened = []
+    for name in os.listdir(proc):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if fd <= 2 or not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in own:
+            continue
+        try:
+            path = os.readlink("%s/%d" % (proc, fd))
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+            access = flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_SYNC | os.O_DSYNC)
+            new = os.open(path, access | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # deleted, renamed or unreadable now: stays shared
+        try:
+            nst = os.fstat(new)
+            if (nst.st_dev, nst.st_ino) != (st.st_dev, st.st_ino):
+                continue  # the path names another file now
+            os.lseek(new, offset, os.SEEK_SET)
+            os.dup2(new, fd, inheritable=os.get_inheritable(fd))
+            reopened.append(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(new)
+    return reopened
+
+
+def close_parent_sockets(old_app):
+    """Closes the child's copies of the parent's ipc sockets (the listening ones and the
+    connections its clients made), found by their path in /proc/net/unix. The child never
+    uses them; held open, they would outlive the parent: a client connecting to a dead
+    parent would wait on a listener nobody accepts from instead of being refused, and a
+    connected one would not see the end of its connection. Closing a descriptor touches
+    only the child's table; the ZeroMQ objects that named them are never used again.
+    Returns the descriptors closed."""
+    if getattr(old_app, "transport", None) != "ipc" or not getattr(old_app, "ip", ""):
+        return []
+    prefix = old_app.ip + "-"
+    inodes = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7].startswith(prefix):
+                    inodes.add(fields[6])
+    except (OSError, StopIteration):
+        return []
+    closed = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            try:
+                os.close(int(name))
+                closed.append(int(name))
+            except OSError:
+                pass
+    return closed
+
+
+def rebuild(old_app, old_kernel, info):
+    """What ``IPKernelApp.initialize`` builds, on the new connection, around the existing
+    shell; the parts that concern the process once (configuration, profile, path,
+    extensions, startup code, pylab) are not redone: they are in the inherited state."""
+    from ipykernel.kernelapp import IPKernelApp
+
+    shell = old_kernel.shell
+    # A new loop for the new kernel; the old one (whose task is running this code) is
+    # marked not running and never resumed. Tornado's IOLoop.current() follows asyncio's.
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+
+    kernel_class = type(old_kernel)
+    IPKernelApp.clear_instance()
+    kernel_class.clear_instance()
+    app = IPKernelApp.instance(config=old_app.config)
+    app.log = old_app.log
+    app.kernel_class = kernel_class
+    app.profile_dir = old_app.profile_dir
+    app.user_ns = getattr(old_app, "user_ns", None)
+    app.connection_file = ""
+    app.transport = info["transport"]
+    app.ip = info["ip"]
+    for name in PORTS:
+        setattr(app, name, info[name])
+    app.session.key = info["key"].encode()
+    app.session.signature_scheme = info["signature_scheme"]
+    app.init_sockets()
+    app.init_heartbeat()
+    app._ports = {name[: -len("_port")]: getattr(app, name) for name in PORTS}
+    app.init_io()
+    app.init_signal()
+    # IPythonKernel.__init__ lists the files of every module imported (those the debugger
+    # does not step into), asking each module for `__file__`: with the user's modules
+    # loaded that is thousands of lookups, some running lazy-import hooks, ~10 ms of the
+    # fork. The parent's list is the one a fresh kernel makes (taken before any cell ran).
+    import ipykernel.ipkernel as ipkernel_module
+
+    ipkernel_module.sys = _SysWithoutModules(sys)
+    try:
+        app.init_kernel()
+    finally:
+        ipkernel_module.sys = sys
+    kernel = app.kernel
+    kernel._kernel_modules = list(getattr(old_kernel, "_kernel_modules", []))
+    if getattr(kernel, "debugger", None) is not None:
+        kernel.debugger.kernel_modules = kernel._kernel_modules
+    if kernel.shell is not shell:
+        raise RuntimeError("the new kernel did not find the existing shell")
+    # What IPythonKernel.__init__ gives a shell it creates, and `instance()` skipped.
+    shell.kernel = kernel
+    try:
+        shell.parent = kernel
+    except Exception:
+        pass
+    app.init_shell()
+    # Comms made in the parent send through the kernel they captured.
+    comms = getattr(getattr(kernel, "comm_manager", None), "comms", {}) or {}
+    for comm in list(comms.values()):
+        if hasattr(comm, "kernel"):
+            comm.kernel = kernel
+    history_off(shell)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    install(app)
+    for name, args in (("kernel_broker_e2b", (shell, kernel)), ("kernel_broker_network", (shell,))):
+        module = sys.modules.get(name)
+        if module is not None:
+            try:
+                module.install(*args)
+            except Exception as e:
+                log("cannot install %s: %r" % (name, e))
+    return app
+
+
+class _SysWithoutModules:
+    """`sys` as ipykernel.ipkernel sees it while the child's kernel is made: no modules."""
+
+    modules = {}
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def history_off(shell):
+    """A history kept in a file has an SQLite connection the parent uses too (and a writer
+    thread the child lacks): the child stops writing it. An in-memory history (the
+    broker's) is the child's own copy and keeps working."""
+    hm = getattr(shell, "history_manager", None)
+    if hm is None or str(getattr(hm, "hist_file", "")) == ":memory:":
+        return
+    try:
+        hm.enabled = False
+        hm.save_thread = None
+    except Exception as e:
+        log("cannot turn the history file off: %r" % e)
+
+
+def install(app):
+    """Registers ``kb_fork_request`` on `app`'s kernel."""
+    kernel = app.kernel
+    if kernel is None:
+        return
+
+    def kb_fork_request(stream, ident, parent):
+        handle(app, kernel, stream, ident, parent)
+
+    kernel.shell_handlers[MSG_TYPE] = kb_fork_request
+    shell = getattr(kernel, "shell", None)
+    if shell is not None and reap not in shell.events.callbacks.get("post_execute", []):
+        shell.events.register("post_execute", reap)
+

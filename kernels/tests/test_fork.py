@@ -1,0 +1,492 @@
+"""The in-kernel fork (``kernel_broker_fork.py``) against real kernels.
+
+Each test starts a kernel through the boot script (``kernel`` mode) on ipc sockets in a
+temporary directory, sends ``kb_fork_request`` and talks to the child with a second
+client. Run with a Python that has jupyter_client and pytest (protocol-tests' venv):
+
+    protocol-tests/.venv/bin/python -m pytest kernels/tests/test_fork.py
+
+The kernels themselves run with ``kernels/.venv/bin/python``.
+"""
+
+import json
+import os
+import signal
+import statistics
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from forkharness import (  # noqa: E402
+    TIMEOUT,
+    Fork,
+    Kernel,
+    alive,
+    connect,
+    connection,
+    fork_request,
+    private_dirty_kb,
+    run,
+    text,
+    value,
+)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = Kernel(tmp_path)
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def forks():
+    made = []
+    yield made
+    for f in made:
+        f.stop()
+
+
+def make_fork(kernel_client, directory, name, forks):
+    f = Fork(kernel_client, directory, name)
+    forks.append(f)
+    return f
+
+
+STATE = """
+import os, random, sys
+import numpy as np
+import matplotlib.pyplot as plt
+
+x = 42
+def double(v):
+    return 2 * v
+class Point:
+    def __init__(self, a):
+        self.a = a
+p = Point(3)
+squares = (i * i for i in range(100))
+next(squares); next(squares)
+text_file = open({path!r})
+first_line = text_file.readline()
+raw = os.open({path!r}, os.O_RDONLY)
+first_bytes = os.read(raw, 3)
+random.seed(7); random.random()
+np.random.seed(3)
+fig, ax = plt.subplots()
+ax.plot([1, 2, 3], [3, 1, 2])
+plt.close(fig)
+os.chdir({cwd!r})
+os.environ["KB_FORK_TEST"] = "carried"
+"""
+
+
+def write_data_file(tmp_path):
+    """A file longer than a read buffer, so positions are the descriptor's own."""
+    path = tmp_path / "data.txt"
+    path.write_text("abcdefghij\n" + "".join("line %05d\n" % i for i in range(5000)))
+    return str(path)
+
+
+def test_every_kind_of_state_is_carried(kernel, forks, tmp_path):
+    path = write_data_file(tmp_path)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    kc = kernel.client
+    run(kc, STATE.format(path=path, cwd=str(cwd)))
+    reply, outputs = run(kc, "x + 1")
+    assert "43" in text(outputs)
+    count = reply["execution_count"]
+
+    child = make_fork(kc, tmp_path, "c1", forks).client
+
+    # The execution count and In/Out history go on from the parent's.
+    reply, outputs = run(child, "In[%d], Out[%d]" % (count, count))
+    assert reply["execution_count"] == count + 1
+    assert "('x + 1', 43)" in text(outputs)
+    # Variables, functions and classes defined in cells, an imported module.
+    assert value(child, "x") == "42"
+    assert value(child, "double(21)") == "42"
+    assert value(child, "(p.a, type(p) is Point, Point(5).a)") == "(3, True, 5)"
+    assert value(child, "np.arange(3).sum()") == "np.int64(3)"
+    # A generator part-way, in both.
+    assert value(child, "next(squares)") == "4"
+    assert value(kc, "next(squares)") == "4"
+    # Random state: the same next numbers in both.
+    child_random = value(child, "(random.random(), np.random.rand())")
+    assert child_random == value(kc, "(random.random(), np.random.rand())")
+    # An open file with its position; reading in the child does not move the parent.
+    assert value(child, "first_line") == repr("abcdefghij\n")
+    assert value(child, "text_file.readline()") == repr("line 00000\n")
+    assert value(child, "os.read(raw, 3)") == "b'def'"
+    assert value(child, "os.read(raw, 3)") == "b'ghi'"
+    assert value(kc, "os.read(raw, 3)") == "b'def'"
+    assert value(kc, "text_file.readline()") == repr("line 00000\n")
+    run(child, "text_file.seek(0); os.lseek(raw, 0, 0)")
+    assert value(kc, "os.read(raw, 3)") == "b'ghi'"
+    # A matplotlib figure: kept, and shown through the child's own IOPub.
+    assert value(child, "[[int(y) for y in l.get_ydata()] for l in ax.lines]") == "[[3, 1, 2]]"
+    _, outputs = run(child, "display(fig)")
+    assert any(
+        m["msg_type"] == "display_data" and "image/png" in m["content"]["data"] for m in outputs
+    )
+    # The inline backend still shows a new figure at the end of a cell.
+    _, outputs = run(child, "plt.plot([1, 2]); None")
+    assert any(
+        m["msg_type"] == "display_data" and "image/png" in m["content"]["data"] for m in outputs
+    )
+    # The working directory and environment.
+    assert value(child, "os.getcwd()") == repr(str(cwd))
+    assert value(child, "os.environ['KB_FORK_TEST']") == repr("carried")
+
+
+def test_a_kernel_born_of_the_template_forks(tmp_path, forks):
+    """The broker's kernels are forked from a template (non-dumpable, descriptors closed,
+    the template's objects frozen): such a kernel forks as well."""
+    kernel = Kernel(tmp_path, template=True)
+    try:
+        kc = kernel.client
+        run(kc, "import numpy as np\nx = np.arange(4)")
+        child = make_fork(kc, tmp_path, "c1", forks).client
+        assert value(child, "int(x.sum())") == "6"
+        run(child, "x[0] = 100")
+        assert value(kc, "int(x.sum())") == "6"
+        assert value(child, "int(x.sum())") == "106"
+    finally:
+        kernel.stop()
+
+
+def test_parent_and_child_go_their_own_ways(kernel, forks, tmp_path):
+    kc = kernel.client
+    run(kc, "import os\nx = 1\nnames = ['a']")
+    child = make_fork(kc, tmp_path, "c1", forks).client
+    run(child, "x = 2\nnames.append('child')\nos.chdir('/')\nos.environ['ONLY'] = 'child'")
+    assert value(kc, "x") == "1"
+    assert value(kc, "names") == "['a']"
+    assert value(kc, "os.getcwd()") == repr(str(tmp_path))
+    assert value(kc, "os.environ.get('ONLY')") == "None"
+    run(kc, "x = 3\ny = 'parent'")
+    assert value(child, "x") == "2"
+    assert value(child, "'y' in globals()") == "False"
+    assert value(child, "os.getpid() != %d" % kernel.pid) == "True"
+    # Output goes to each one's own clients: C-level writes too (the child's descriptors 1
+    # and 2 feed pipes of its own, not the parent's).
+    _, outputs = run(child, "print('from the child'); os.write(1, b'raw child\\n'); None")
+    time.sleep(0.5)
+    _, outputs2 = run(child, "import sys; sys.stdout.flush()")
+    assert "from the child" in text(outputs)
+    assert "raw child" in text(outputs) + text(outputs2)
+    _, outputs = run(kc, "print('from the parent')")
+    assert text(outputs) == "from the parent\n"
+
+
+def test_interrupt_reaches_the_child_alone(kernel, forks, tmp_path):
+    kc = kernel.client
+    run(kc, "import time, os")
+    fork = make_fork(kc, tmp_path, "c1", forks)
+    child = fork.client
+
+    # A signal to the child's pid: the sleeping cell wakes with KeyboardInterrupt.
+    msg_id = child.execute("time.sleep(30)")
+    time.sleep(1.0)
+    parent_msg = kc.execute("time.sleep(2); 'parent slept'")
+    os.kill(fork.pid, signal.SIGINT)
+    start = time.monotonic()
+    reply = wait_reply(child, msg_id)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - start < 5
+    assert wait_reply(kc, parent_msg)["status"] == "ok"
+
+    # An interrupt_request on the child's control channel.
+    msg_id = child.execute("time.sleep(30)")
+    time.sleep(1.0)
+    child.control_channel.send(child.session.msg("interrupt_request", {}))
+    reply = wait_reply(child, msg_id)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    # Every thread of the child but the main one blocks SIGINT, as in a fresh kernel
+    # (the boot script's rule), so the interrupt lands where the cell runs.
+    for task in os.listdir("/proc/%d/task" % fork.pid):
+        with open("/proc/%d/task/%s/status" % (fork.pid, task)) as f:
+            blocked = int(next(l for l in f if l.startswith("SigBlk:")).split()[1], 16)
+        assert bool(blocked & (1 << (signal.SIGINT - 1))) == (int(task) != fork.pid), task
+    # A SIGINT between executions is ignored, as by a fresh kernel.
+    os.kill(fork.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert value(child, "1 + 1") == "2"
+    assert value(kc, "1 + 1") == "2"
+
+
+def wait_reply(kc, msg_id, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
+
+
+def test_a_busy_kernel_forks_when_its_execution_ends(kernel, forks, tmp_path):
+    """Shell messages queue behind a running execution: the fork waits for it, and the
+    child holds what the execution left."""
+    kc = kernel.client
+    kc.execute("import time\ntime.sleep(1.5)\nx = 'after'")
+    time.sleep(0.3)
+    start = time.monotonic()
+    fork = make_fork(kc, tmp_path, "c1", forks)
+    assert time.monotonic() - start > 1.0
+    assert value(kc, "x") == repr("after")  # (the execution's reply was passed over)
+    assert value(fork.client, "x") == repr("after")
+
+
+def test_input_in_the_child(kernel, forks, tmp_path):
+    child = make_fork(kernel.client, tmp_path, "c1", forks).client
+    outputs = []
+    reply = child.execute_interactive(
+        "answer = input('name? ')",
+        allow_stdin=True,
+        stdin_hook=lambda msg: child.input("from the child's stdin"),
+        output_hook=outputs.append,
+        timeout=TIMEOUT,
+    )
+    assert reply["content"]["status"] == "ok"
+    assert value(child, "answer") == repr("from the child's stdin")
+
+
+def test_an_error_in_the_child_is_reported(kernel, forks, tmp_path):
+    child = make_fork(kernel.client, tmp_path, "c1", forks).client
+    reply, outputs = run(child, "1 / 0", allow_error=True)
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
+    errors = [m for m in outputs if m["msg_type"] == "error"]
+    assert errors and errors[0]["content"]["ename"] == "ZeroDivisionError"
+    assert value(child, "1 + 1") == "2"
+
+
+def unix_socket_paths(pid):
+    """The paths of the unix sockets process `pid` holds."""
+    inodes = set()
+    for name in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, name))
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in list(f)[1:]]
+    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes}
+
+
+def test_the_child_outlives_its_parent(kernel, forks, tmp_path):
+    run(kernel.client, "import os\nx = 'kept'")
+    fork = make_fork(kernel.client, tmp_path, "c1", forks)
+    # The child holds none of the parent's sockets (they end with the parent), its own.
+    paths = unix_socket_paths(fork.pid)
+    assert not [p for p in paths if p.startswith(kernel.info["ip"] + "-")], paths
+    assert [p for p in paths if p.startswith(fork.info["ip"] + "-")], paths
+    kernel.proc.kill()
+    kernel.proc.wait(TIMEOUT)
+    assert value(fork.client, "x") == repr("kept")
+    assert value(fork.client, "os.getppid() != %d" % kernel.pid) == "True"
+
+
+def test_two_forks_and_a_fork_of_a_fork(kernel, forks, tmp_path):
+    kc = kernel.client
+    run(kc, "import os\nx = 0")
+    a = make_fork(kc, tmp_path, "a", forks)
+    b = make_fork(kc, tmp_path, "b", forks)
+    assert len({kernel.pid, a.pid, b.pid}) == 3
+    run(a.client, "x = 'a'")
+    run(b.client, "x = 'b'")
+    assert value(a.client, "x") == repr("a")
+    assert value(b.client, "x") == repr("b")
+    assert value(kc, "x") == "0"
+    # A fork of the fork carries the fork's state, then goes its own way.
+    aa = make_fork(a.client, tmp_path, "aa", forks)
+    assert value(aa.client, "x") == repr("a")
+    run(aa.client, "x = 'aa'")
+    assert value(a.client, "x") == repr("a")
+    assert value(aa.client, "os.getpid()") == str(aa.pid)
+    # The forks are not their parent's children: its shutdown does not end them.
+    kc.shutdown()
+    kernel.proc.wait(TIMEOUT)
+    assert alive(a.pid) and alive(b.pid) and alive(aa.pid)
+    assert value(b.client, "x") == repr("b")
+    # A fork shuts down like a kernel: it replies, and its process ends.
+    reply = b.client.shutdown(reply=True, timeout=TIMEOUT)
+    assert reply["content"]["status"] == "ok"
+    deadline = time.monotonic() + 10
+    while alive(b.pid):
+        assert time.monotonic() < deadline, "the fork did not end after shutdown"
+        time.sleep(0.1)
+    # So does one that runs exit() in a cell.
+    aa.client.execute("exit()")
+    deadline = time.monotonic() + 10
+    while alive(aa.pid):
+        assert time.monotonic() < deadline, "the fork did not end after exit()"
+        time.sleep(0.1)
+    assert value(a.client, "x") == repr("a")
+
+
+def test_an_ended_fork_is_reaped(kernel, forks, tmp_path):
+    kc = kernel.client
+    fork = make_fork(kc, tmp_path, "c1", forks)
+    assert value(kc, "__import__('os').getpid()") == str(kernel.pid)
+    os.kill(fork.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % fork.pid):
+        assert time.monotonic() < deadline, "fork %d left a zombie" % fork.pid
+        run(kc, "None")  # the parent reaps its ended forks after each execution
+        time.sleep(0.1)
+
+
+def test_what_is_not_carried_fails_clearly(kernel, forks, tmp_path):
+    kc = kernel.client
+    run(kc, textwrap.dedent("""
+        import os, threading, subprocess, time
+        stop = threading.Event()
+        worker = threading.Thread(target=stop.wait, daemon=True)
+        worker.start()
+        sleeper = subprocess.Popen(['sleep', '30'])
+    """))
+    child = make_fork(kc, tmp_path, "c1", forks).client
+    # Threads a cell started do not exist in the fork.
+    assert value(child, "worker.is_alive()") == "False"
+    assert value(kc, "worker.is_alive()") == "True"
+    # A subprocess stays the parent's: the fork cannot wait for it (Popen.wait and poll
+    # take the ECHILD for an exit and say 0: the documented caveat).
+    reply, _ = run(child, "os.waitpid(sleeper.pid, 0)", allow_error=True)
+    assert reply["status"] == "error" and reply["ename"] == "ChildProcessError"
+    assert value(kc, "sleeper.poll()") == "None"
+    run(kc, "stop.set(); sleeper.kill(); sleeper.wait()")
+
+
+BAD_CONNECTIONS = {
+    "no connection": {},
+    "connection not an object": {"connection": "ipc:///tmp/x"},
+    "missing port": {"drop": "hb_port"},
+    "port as a string": {"set": ("shell_port", "1")},
+    "port zero": {"set": ("iopub_port", 0)},
+    "port as a bool": {"set": ("stdin_port", True)},
+    "ports not distinct": {"set": ("control_port", 1)},
+    "tcp transport": {"set": ("transport", "tcp")},
+    "empty key": {"set": ("key", "")},
+    "key not a string": {"set": ("key", 5)},
+    "unknown signature scheme": {"set": ("signature_scheme", "hmac-md5")},
+    "path outside the directory": {"ip": "/tmp/kb-fork-outside/x"},
+    "relative path": {"ip": "x"},
+    "path with ..": {"ip": "{dir}/sub/../../x"},
+    "path through a missing directory": {"ip": "{dir}/missing/x"},
+    "path of existing sockets": {"ip": "{dir}/k"},
+    "path too long": {"ip": "{dir}/" + "x" * 200},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONNECTIONS))
+def test_bad_requests_are_refused(kernel, tmp_path, case):
+    kc = kernel.client
+    run(kc, "x = 'still here'")
+    change = BAD_CONNECTIONS[case]
+    if case in ("no connection", "connection not an object"):
+        content = change
+    else:
+        conn = connection(str(tmp_path / "c"))
+        if "drop" in change:
+            del conn[change["drop"]]
+        if "set" in change:
+            conn[change["set"][0]] = change["set"][1]
+        if "ip" in change:
+            conn["ip"] = change["ip"].format(dir=str(tmp_path))
+        content = {"connection": conn}
+    reply = fork_request(kc, content)
+    assert reply["status"] == "error", reply
+    assert reply["ename"] == "ForkRefused" and reply["evalue"]
+    assert "pid" not in reply
+    assert value(kc, "x") == repr("still here")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c-")) == []
+
+
+def test_a_request_on_a_subshell_is_refused(kernel, tmp_path):
+    kc = kernel.client
+    run(kc, "x = 'main'")
+    create = kc.session.msg("create_subshell_request", {})
+    kc.control_channel.send(create)
+    reply = kc.control_channel.get_msg(timeout=TIMEOUT)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    subshell = reply["content"]["subshell_id"]
+    msg = kc.session.msg("kb_fork_request", {"connection": connection(str(tmp_path / "c"))})
+    msg["header"]["subshell_id"] = subshell
+    kc.shell_channel.send(msg)
+    while True:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            break
+    assert reply["content"]["status"] == "error"
+    assert "subshell" in reply["content"]["evalue"]
+    assert value(kc, "x") == repr("main")
+
+
+def test_fork_speed_and_memory_with_a_200_mb_dataframe(kernel, tmp_path):
+    """fork -> first result in the child, p50 over 20 (goal: 30 ms), and the child's private
+    memory right after the fork (goal: 10 MB). Prints the numbers."""
+    from jupyter_client import BlockingKernelClient
+
+    kc = kernel.client
+    run(kc, textwrap.dedent("""
+        import numpy as np, pandas as pd
+        df = pd.DataFrame(np.random.rand(25_000_000 // 10, 10))  # 200 MB of float64
+        int(df.memory_usage().sum())
+    """), timeout=120)
+    assert int(value(kc, "int(df.memory_usage(index=False).sum())")) >= 200_000_000
+
+    def round_trip(client):
+        start = time.perf_counter()
+        msg_id = client.execute("1+1", silent=True, user_expressions={"r": "1+1"})
+        reply = wait_reply(client, msg_id)
+        assert reply["user_expressions"]["r"]["data"]["text/plain"] == "2"
+        return time.perf_counter() - start
+
+    before = statistics.median(round_trip(kc) for _ in range(20))
+    firsts, replies, private = [], [], []
+    for i in range(20):
+        info = connection(str(tmp_path / ("b%d" % i)))
+        start = time.perf_counter()
+        reply = fork_request(kc, {"connection": info})
+        replied = time.perf_counter()
+        assert reply["status"] == "ok", reply
+        private.append(private_dirty_kb(reply["pid"]))
+        child = BlockingKernelClient()
+        child.load_connection_info(info)
+        child.start_channels()
+        try:
+            msg_id = child.execute("1+1", silent=True, user_expressions={"r": "1+1"})
+            result = wait_reply(child, msg_id)
+            done = time.perf_counter()
+            assert result["user_expressions"]["r"]["data"]["text/plain"] == "2"
+        finally:
+            child.stop_channels()
+            os.kill(reply["pid"], signal.SIGKILL)
+        firsts.append(done - start)
+        replies.append(replied - start)
+    after = statistics.median(round_trip(kc) for _ in range(20))
+    numbers = {
+        "fork_to_first_result_ms_p50": round(statistics.median(firsts) * 1000, 1),
+        "fork_to_first_result_ms_max": round(max(firsts) * 1000, 1),
+        "fork_reply_ms_p50": round(statistics.median(replies) * 1000, 1),
+        "child_private_dirty_mb_p50": round(statistics.median(private) / 1024, 1),
+        "child_private_dirty_mb_max": round(max(private) / 1024, 1),
+        "parent_round_trip_ms_before": round(before * 1000, 2),
+        "parent_round_trip_ms_after": round(after * 1000, 2),
+        "parent_private_dirty_mb": round(private_dirty_kb(kernel.pid) / 1024, 1),
+    }
+    print("\nkb_fork numbers:", json.dumps(numbers))
+    out = os.environ.get("KB_FORK_NUMBERS")
+    if out:
+        with open(out, "w") as f:
+            json.dump(numbers, f)
+    # Loose bounds: the goals are reported, not enforced, on a loaded shared machine.
+    assert numbers["fork_to_first_result_ms_p50"] < 1000
+    assert numbers["child_private_dirty_mb_p50"] < 100
