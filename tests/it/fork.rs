@@ -60,6 +60,15 @@ fn leaves(broker: &Broker, user: &str) -> Vec<String> {
     names
 }
 
+/// The broker's events in the recording of session `id`.
+async fn broker_events(api: &Api, id: &str) -> Vec<Value> {
+    let (status, v) = api
+        .get(&format!("/v1/sessions/{id}/events?channel=broker"))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    v["events"].as_array().unwrap().clone()
+}
+
 const STATE: &str = r#"
 import os, random
 x = 41
@@ -160,6 +169,20 @@ async fn forks_outlive_the_original_and_the_original_outlives_them() {
     out(&api, &a, "x = 1").await;
     let b = forked(&api, &a, 1).await.remove(0);
     let c = forked(&api, &a, 1).await.remove(0);
+    // The recordings link them: the fork's `session_created` names its origin and the
+    // execution count it started from; the original's recording names its forks.
+    let created = broker_events(&api, &b).await;
+    assert_eq!(created[0]["kind"], "session_created", "{created:?}");
+    assert_eq!(created[0]["detail"]["forked_from"]["session"], a.as_str());
+    assert_eq!(created[0]["detail"]["forked_from"]["execution_count"], 1);
+    let forks: Vec<Value> = broker_events(&api, &a)
+        .await
+        .into_iter()
+        .filter(|e| e["kind"] == "session_forked")
+        .collect();
+    assert_eq!(forks.len(), 2, "{forks:?}");
+    assert_eq!(forks[0]["detail"]["sessions"], json!([b]));
+    assert_eq!(forks[1]["detail"]["sessions"], json!([c]));
     // A fork deleted: the original goes on.
     assert_eq!(api.delete(&format!("/v1/sessions/{b}")).await.0, 204);
     assert_eq!(out(&api, &a, "x += 1; print(x)").await, "2");
