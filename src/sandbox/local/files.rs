@@ -256,6 +256,34 @@ pub(super) fn workspace_owner(ids: Option<(u32, u32)>) -> WorkspaceOwner {
     })
 }
 
+impl super::LocalSandbox {
+    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
+    /// `{resource_dir}` anywhere.
+    pub(super) fn substitute_argv(
+        &self,
+        argv: &[String],
+        resource_dir: Option<&Path>,
+    ) -> Vec<String> {
+        let python = self.venv.interpreter_inside(&self.cfg.python);
+        let python = python.to_string_lossy();
+        argv.iter()
+            .enumerate()
+            .map(|(i, arg)| {
+                if i == 0 && (arg == "python" || arg == "python3") {
+                    return python.to_string();
+                }
+                let mut arg = arg
+                    .replace("{python}", &python)
+                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
+                if let Some(dir) = resource_dir {
+                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
+                }
+                arg
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,33 +345,5 @@ mod tests {
         assert_eq!(c["hb_port"], 5);
         assert_eq!(c["key"], "abc");
         assert_eq!(c["signature_scheme"], "hmac-sha256");
-    }
-}
-
-impl super::LocalSandbox {
-    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
-    /// `{resource_dir}` anywhere.
-    pub(super) fn substitute_argv(
-        &self,
-        argv: &[String],
-        resource_dir: Option<&Path>,
-    ) -> Vec<String> {
-        let python = self.venv.interpreter_inside(&self.cfg.python);
-        let python = python.to_string_lossy();
-        argv.iter()
-            .enumerate()
-            .map(|(i, arg)| {
-                if i == 0 && (arg == "python" || arg == "python3") {
-                    return python.to_string();
-                }
-                let mut arg = arg
-                    .replace("{python}", &python)
-                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
-                if let Some(dir) = resource_dir {
-                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
-                }
-                arg
-            })
-            .collect()
     }
 }

@@ -98,18 +98,18 @@ impl LocalSandbox {
         let cgroups = match self.startup().await {
             Ok(Some(cgroups)) => cgroups,
             Ok(None) => {
-                fsutil::remove_dir_logged(prepared.dir).await;
+                remove_fork_dir(prepared.dir).await;
                 return Err(ForkError::Unsupported(PLAIN_START.into()));
             }
             Err(e) => {
-                fsutil::remove_dir_logged(prepared.dir).await;
+                remove_fork_dir(prepared.dir).await;
                 return Err(e.into());
             }
         };
         let (host_pid, fd) = match find_fork(&prepared.origin, pid) {
             Ok(found) => found,
             Err(why) => {
-                fsutil::remove_dir_logged(prepared.dir).await;
+                remove_fork_dir(prepared.dir).await;
                 return Err(ForkError::NotItsChild { pid, why });
             }
         };
@@ -128,29 +128,28 @@ impl LocalSandbox {
                 spec.limits,
             );
             tokio::task::spawn_blocking(move || {
-                let leaf = cg
-                    .create_leaf(&name, &user_limits, &limits, session)
-                    .map_err(|e| (None, e))?;
-                match leaf.enter(host_pid) {
-                    Ok(()) => Ok(leaf),
-                    Err(e) => Err((Some(leaf), e)),
-                }
+                let leaf = cg.create_leaf(&name, &user_limits, &limits, session)?;
+                let entered = leaf.enter(host_pid);
+                Ok::<_, SandboxError>((leaf, entered))
             })
             .await
         };
         let leaf = match placed {
-            Ok(Ok(leaf)) => leaf,
-            Ok(Err((leaf, e))) => {
+            Ok(Ok((leaf, Ok(())))) => leaf,
+            Ok(Ok((leaf, Err(e)))) => {
                 let _ = pidfd::signal(&fd, pidfd::Signal::KILL);
-                if let Some(leaf) = leaf {
-                    cgroups.remove_leaf(&leaf).await;
-                }
-                fsutil::remove_dir_logged(dir).await;
+                cgroups.remove_leaf(&leaf).await;
+                remove_fork_dir(dir).await;
+                return Err(e.into());
+            }
+            Ok(Err(e)) => {
+                let _ = pidfd::signal(&fd, pidfd::Signal::KILL);
+                remove_fork_dir(dir).await;
                 return Err(e.into());
             }
             Err(e) => {
                 let _ = pidfd::signal(&fd, pidfd::Signal::KILL);
-                fsutil::remove_dir_logged(dir).await;
+                remove_fork_dir(dir).await;
                 return Err(launch_step(user, "placing the fork", e).into());
             }
         };
@@ -158,7 +157,7 @@ impl LocalSandbox {
         if pidfd::ended(&fd).unwrap_or(true) {
             leaf.kill_all().await;
             cgroups.remove_leaf(&leaf).await;
-            fsutil::remove_dir_logged(dir).await;
+            remove_fork_dir(dir).await;
             return Err(ForkError::NotItsChild {
                 pid,
                 why: "it ended before it was placed in its own cgroup",
@@ -177,7 +176,7 @@ impl LocalSandbox {
             Err(e) => {
                 leaf.kill_all().await;
                 cgroups.remove_leaf(&leaf).await;
-                fsutil::remove_dir_logged(dir).await;
+                remove_fork_dir(dir).await;
                 return Err(e.into());
             }
         };
@@ -210,6 +209,14 @@ impl LocalSandbox {
             process: Box::new(WatchedKernel::new(kernel, TERMINATE_TIMEOUT)),
         })
     }
+}
+
+/// Removes a fork's runtime directory (given up, or its kernel ended): the one path-based
+/// removal here. Its parent, the template's directory, is the kernel's to write, but std's
+/// `remove_dir_all` opens the last component `O_NOFOLLOW` and removes below it by
+/// descriptor; the directories above are the broker's.
+pub(super) async fn remove_fork_dir(dir: std::path::PathBuf) {
+    fsutil::remove_dir_logged(dir).await;
 }
 
 /// The host pid of the parent's child that is `pid` in the kernel's pid namespace, with a

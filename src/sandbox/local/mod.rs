@@ -517,7 +517,7 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
-        fsutil::remove_dir_logged(prepared.dir).await;
+        fork::remove_fork_dir(prepared.dir).await;
     }
 
     async fn run_command(
