@@ -477,3 +477,21 @@ async fn symlinks_planted_at_the_forks_sockets_are_not_followed() {
     assert_eq!(out(&api, &a, "print(2 + 2)").await, "4");
     broker.stop().await;
 }
+
+/// A kernel started plainly (no template) is its sandbox's only command: its forks would
+/// end with it, so it is refused, saying what would allow it.
+#[tokio::test]
+async fn a_plainly_started_kernel_is_refused_with_the_reason() {
+    let broker = Broker::start("local", |a| a.fork_server = Some(false)).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1").await;
+    let (status, v) = fork(&api, &a, json!({"count": 2})).await;
+    assert_eq!(status, 409, "{v}");
+    assert_eq!(v["error"]["code"], "fork_refused", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("started plainly") && message.contains("template"), "{v}");
+    assert_eq!(session_ids(&api).await, vec![a.clone()]);
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    broker.stop().await;
+}
