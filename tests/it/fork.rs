@@ -192,6 +192,26 @@ async fn forks_outlive_the_original_and_the_original_outlives_them() {
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     assert_eq!(out(&api, &c, "x += 1; print(x)").await, "11");
     assert_eq!(out(&api, &d, "x += 5; print(x)").await, "15");
+    // The Jupyter API lists it as a kernel; the agent WebSocket runs code on it.
+    let (_, kernels) = api.get("/api/kernels").await;
+    assert!(
+        kernels
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["id"] == d.as_str()),
+        "{kernels}"
+    );
+    let mut ws = ws_connect(&broker, &d, ALICE).await;
+    ws_send(
+        &mut ws,
+        json!({"type": "execute", "id": "w1", "code": "print(x)"}),
+    )
+    .await;
+    let frames = ws_until_done(&mut ws, "w1").await;
+    let done = frames.last().unwrap();
+    assert_eq!(done["execution"]["stdout"], "15\n", "{frames:?}");
+    drop(ws);
     // Ordinary sessions: interrupt and restart work on a fork.
     let (status, _) = api
         .post(&format!("/v1/sessions/{d}/interrupt"), json!({}))
@@ -490,7 +510,10 @@ async fn a_plainly_started_kernel_is_refused_with_the_reason() {
     assert_eq!(status, 409, "{v}");
     assert_eq!(v["error"]["code"], "fork_refused", "{v}");
     let message = v["error"]["message"].as_str().unwrap();
-    assert!(message.contains("started plainly") && message.contains("template"), "{v}");
+    assert!(
+        message.contains("started plainly") && message.contains("template"),
+        "{v}"
+    );
     assert_eq!(session_ids(&api).await, vec![a.clone()]);
     assert_eq!(out(&api, &a, "print(x)").await, "1");
     broker.stop().await;
