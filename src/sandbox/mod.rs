@@ -27,7 +27,8 @@
 //!   `python.rs` (the kernels' Python at neutral paths), `files.rs` (runtime directory,
 //!   connection file), `process.rs` (spawn into the cgroup leaf), `reaper.rs` (exit and
 //!   cleanup), `template/` (fork-server templates and, on cgroup v1, stems forked ahead of
-//!   need), `keep.rs` and `adopt.rs` (`--keep-sessions`), `command.rs`, `check.rs`, `host.rs`.
+//!   need), `keep.rs` and `adopt.rs` (`--keep-sessions`), `fork.rs` (a live kernel's fork
+//!   adopted), `command.rs`, `check.rs`, `host.rs`.
 //! - `docker`: one container per user, a kernel an exec under its own `tini -s`:
 //!   `container.rs` (the container's spec and lifecycle), `limits.rs` (the check that its
 //!   cgroup enforces what was asked), `exec.rs` (the kernel's exec and its exit status),

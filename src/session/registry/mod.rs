@@ -1,7 +1,8 @@
 //! The registry of sessions: creation (with per-user quotas: a number of sessions, and
 //! memory admission through the [`Ledger`]), lookup with ownership, listing, deletion and
 //! shutdown. Idle expiry and the tombstones of expired sessions are
-//! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
+//! in `expiry.rs`; forks of a live session in `fork.rs`; the [`Session`] handle is in
+//! `handle.rs`.
 
 mod expiry;
 mod fork;
