@@ -518,3 +518,44 @@ async fn a_plainly_started_kernel_is_refused_with_the_reason() {
     assert_eq!(out(&api, &a, "print(x)").await, "1");
     broker.stop().await;
 }
+
+/// An earlier fork is the parent kernel's child too, but a session's kernel now: a kernel
+/// that names it for a new fork does not take it from its session.
+#[tokio::test]
+async fn an_earlier_fork_is_not_taken_from_its_session() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.launch_timeout = Some(8);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1").await;
+    let b = forked(&api, &a, 1).await.remove(0);
+    let b_pid = out(&api, &b, "import os; print(os.getpid())").await;
+    let before = leaves(&broker, "alice");
+    out(
+        &api,
+        &a,
+        &hostile_handler(&format!("{{'status': 'ok', 'pid': {b_pid}}}")),
+    )
+    .await;
+    let (status, v) = fork(&api, &a, json!({})).await;
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("cgroup"),
+        "{v}"
+    );
+    let mut both = vec![a.clone(), b.clone()];
+    both.sort();
+    assert_eq!(session_ids(&api).await, both);
+    assert_eq!(leaves(&broker, "alice"), before);
+    // b is still b's, in its own leaf.
+    assert_eq!(
+        out(&api, &b, "x += 1; print(x, os.getpid())").await,
+        format!("2 {b_pid}")
+    );
+    let cg = out(&api, &b, "print(open('/proc/self/cgroup').read())").await;
+    assert!(cg.contains(b.as_str()), "{cg}");
+    broker.stop().await;
+}

@@ -9,8 +9,9 @@
 //! kernels can write) by descriptor, as a forked kernel's own is (`template/mod.rs`). The
 //! pid the kernel reports is untrusted: it names a process only if that process is a
 //! direct child of the parent kernel's host process (found through the parent's
-//! `task/*/children` and the child's `NSpid`), runs as the kernel's uid, and is still that
-//! process once a pidfd is held on it. It then enters a leaf of its own, is checked alive
+//! `task/*/children` and the child's `NSpid`), runs as the kernel's uid, is still in the
+//! parent's cgroups (an earlier fork, a session's kernel in a leaf of its own, is the
+//! parent's child too), and is still that process once a pidfd is held on it. It then enters a leaf of its own, is checked alive
 //! after the move (so the pid moved was that process: a pid is not reused before its
 //! process is reaped), and is watched through its pidfd. Its sockets are reached as every
 //! kernel's are, never through a symlink (`kernel::zmtp::connect_ipc`).
@@ -236,6 +237,13 @@ fn find_fork(origin: &ForkOrigin, pid: i64) -> Result<(i32, std::os::fd::OwnedFd
         if uids_of(host) != Some([uid; 4]) {
             return Err("it does not run as the kernel's uid");
         }
+    }
+    // A fresh fork is still in its parent's cgroups; an earlier fork (a session's kernel
+    // now, in a leaf of its own) is the parent's child too, and is not taken from its
+    // session.
+    let cgroups_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
+    if cgroups_of(host).is_none() || cgroups_of(host) != cgroups_of(origin.host_pid) {
+        return Err("it is not in the parent kernel's cgroup (an earlier fork's kernel?)");
     }
     Ok((host, fd))
 }
