@@ -559,3 +559,23 @@ async fn an_earlier_fork_is_not_taken_from_its_session() {
     assert!(cg.contains(b.as_str()), "{cg}");
     broker.stop().await;
 }
+
+/// The Docker sandbox does not fork live kernels yet: 409, naming what would allow it, and
+/// nothing made.
+#[tokio::test]
+async fn docker_refuses_a_fork_clearly() {
+    docker_ready();
+    let broker = Broker::start("docker", |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let (status, v) = fork(&api, &a, json!({})).await;
+    assert_eq!(status, 409, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("docker sandbox cannot fork") && message.contains("local"),
+        "{v}"
+    );
+    assert_eq!(session_ids(&api).await, vec![a.clone()]);
+    assert_eq!(out(&api, &a, "print(3)").await, "3");
+    broker.stop().await;
+}
