@@ -224,7 +224,7 @@ def load_network():
 
 def load_fork():
     """``kernel_broker_fork.py``: the ``kb_fork_request`` shell message, a live kernel
-    copying itself into a new kernel. Absent (a broker that does not write it yet), kernels
+    copying itself into a new kernel. Absent (an older broker did not write it), kernels
     are left without it, quietly."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), FORK_MODULE + ".py")
     if FORK_MODULE not in sys.modules and not os.path.exists(path):

@@ -34,7 +34,14 @@ KB.events = (function () {
     switch (kind) {
       case 'session_created': {
         const door = frontDoor(d.front_door);
-        return { what: 'session created' + (door ? ' via ' + door : ''), detail: [str(d.kernel), ...metadataParts(d.metadata)], tone: 'quiet' };
+        const from = d.forked_from && typeof d.forked_from === 'object'
+          ? ['forked from ' + clip(str(d.forked_from.session), 40) + ' after execution ' + str(d.forked_from.execution_count)] : [];
+        return { what: 'session created' + (door ? ' via ' + door : ''), detail: [str(d.kernel), ...from, ...metadataParts(d.metadata)], tone: 'quiet' };
+      }
+      case 'session_forked': {
+        const n = Array.isArray(d.sessions) ? d.sessions.length : 0;
+        const ids = Array.isArray(d.sessions) ? d.sessions.slice(0, 8).map((s) => clip(str(s), 40)) : [];
+        return { what: 'forked into ' + n + ' session' + (n === 1 ? '' : 's'), detail: ['after execution ' + str(d.execution_count), ...ids], tone: 'info' };
       }
       case 'kernel_started':
         return { what: 'kernel started', detail: [seconds(d.startup_seconds) + (d.pooled ? ' (from the pool)' : '')], tone: 'quiet' };

@@ -106,6 +106,16 @@ impl From<SessionError> for ApiError {
             SessionError::CommandNotStarted { source, .. } => {
                 Self::internal("start a command", source)
             }
+            SessionError::InvalidForkCount { .. } => Self::bad_request(message),
+            SessionError::ForkRefused { .. } | SessionError::ForkBusy { .. } => {
+                Self::new(StatusCode::CONFLICT, "fork_refused", message)
+            }
+            SessionError::ForkFailed { .. } => {
+                Self::new(StatusCode::BAD_GATEWAY, "fork_failed", message)
+            }
+            SessionError::ForkTimedOut { .. } => {
+                Self::new(StatusCode::GATEWAY_TIMEOUT, "fork_failed", message)
+            }
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

@@ -19,8 +19,8 @@ use super::AppState;
 use std::collections::BTreeMap;
 
 use crate::session::{
-    CreateOptions, EndedBy, ExecuteRequest, FrontDoor, Metadata, Origin, Provenance, Timeout,
-    WorkspaceChoice,
+    CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Metadata, Origin, Provenance,
+    Timeout, WorkspaceChoice,
 };
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -30,6 +30,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(execute))
         .routes(routes!(interrupt))
         .routes(routes!(restart))
+        .routes(routes!(fork))
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
@@ -218,4 +219,68 @@ async fn interrupt(owned: OwnedSession) -> ApiResult<StatusCode> {
 async fn restart(owned: OwnedSession) -> ApiResult<Json<SessionJson>> {
     owned.session.restart().await?;
     Ok(Json(owned.session.info().into()))
+}
+
+/// The body of `POST /v1/sessions/{id}/fork` (empty means one fork).
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// How many forks to make, 1 to 8 (default 1).
+    #[schema(minimum = 1, maximum = 8)]
+    count: Option<u64>,
+}
+
+impl BodyLimit for ForkBody {
+    fn body_limit(_: &AppState) -> usize {
+        4096
+    }
+}
+
+/// The sessions a fork made.
+#[derive(serde::Serialize, ToSchema)]
+pub struct ForkedJson {
+    /// The new sessions, as `GET /v1/sessions/{id}` shows them.
+    sessions: Vec<SessionJson>,
+}
+
+/// Fork a live session
+///
+/// Makes `count` new sessions of the caller whose kernels are copies of this session's
+/// live kernel: variables, functions, classes, imported modules, open files and their
+/// positions, generators, random state, `In`/`Out` and the execution count, the working
+/// directory and the environment. The original goes on untouched. The session must be idle
+/// (409 while code runs). Each fork counts against the session quota and the memory total
+/// like a new session; a request that does not fit is refused whole.
+#[utoipa::path(post, operation_id = "fork_session", path = "/v1/sessions/{id}/fork", tag = "sessions", params(("id" = uuid::Uuid, Path)),
+    request_body(content = Option<ForkBody>, description = "Optional; an empty body makes one fork"),
+    responses((status = 201, description = "forked", body = ForkedJson),
+        (status = 400, description = "a bad body or a count outside 1 to 8", body = ErrorBody),
+        (status = 401, response = ErrorResponse),
+        (status = 404, response = ErrorResponse), (status = 410, response = ErrorResponse),
+        (status = 409, description = "the session cannot be forked now or here (it runs code, has a workspace of its own, its kernel was not started from a template, the sandbox cannot fork)", body = ErrorBody),
+        (status = 429, description = "the forks do not fit the user's session quota or memory total (nothing was made)", body = ErrorBody),
+        (status = 502, description = "the kernel refused the fork or answered something not accepted (nothing was made)", body = ErrorBody),
+        (status = 504, description = "the kernel did not answer in time (nothing was made)", body = ErrorBody),
+        (status = 503, response = ErrorResponse)))]
+async fn fork(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<ForkBody>,
+) -> ApiResult<Response> {
+    let session = session_id(&id)?;
+    let count = req.count.unwrap_or(1);
+    let base = caller.0.create_request(CreateOptions::default());
+    let forks = state
+        .registry
+        .fork(ForkRequest {
+            user: base.user,
+            max_sessions: base.max_sessions,
+            session,
+            count,
+            provenance: Provenance::new(FrontDoor::Rest),
+        })
+        .await?;
+    let sessions = forks.iter().map(|s| SessionJson::from(s.info())).collect();
+    Ok((StatusCode::CREATED, Json(ForkedJson { sessions })).into_response())
 }

@@ -30,6 +30,13 @@ use serde_json::Value;
 use crate::session::execution::{ExecutionError, ResultItem};
 use crate::session::{Execution, ExecutionStatus, LifecycleEvent};
 
+/// Where a forked session came from, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredForkedFrom {
+    pub session: uuid::Uuid,
+    pub execution_count: u64,
+}
+
 /// What the session layer reported, as the recording stores it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -44,6 +51,15 @@ pub enum StoredEvent {
         /// What its client said about it (text to text).
         #[serde(default)]
         metadata: BTreeMap<String, String>,
+        /// The session whose live kernel it is a fork of, and that session's execution
+        /// count at the fork; absent when it is not a fork.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        forked_from: Option<StoredForkedFrom>,
+    },
+    /// The session's kernel was forked into these new sessions.
+    SessionForked {
+        sessions: Vec<uuid::Uuid>,
+        execution_count: u64,
     },
     KernelStarted {
         startup_seconds: f64,
@@ -251,6 +267,7 @@ impl StoredEvent {
     pub fn kind(&self) -> &'static str {
         match self {
             StoredEvent::SessionCreated { .. } => "session_created",
+            StoredEvent::SessionForked { .. } => "session_forked",
             StoredEvent::KernelStarted { .. } => "kernel_started",
             StoredEvent::ExecutionStarted { .. } => "execution_started",
             StoredEvent::ExecutionDone { .. } => "execution_done",
@@ -322,11 +339,23 @@ impl From<LifecycleEvent> for StoredEvent {
                 kernel,
                 idle_timeout_seconds,
                 provenance,
+                forked_from,
             } => StoredEvent::SessionCreated {
                 kernel,
                 idle_timeout_seconds,
                 front_door: Some(provenance.front_door.as_str().to_string()),
                 metadata: provenance.metadata.entries().clone(),
+                forked_from: forked_from.map(|f| StoredForkedFrom {
+                    session: f.session,
+                    execution_count: f.execution_count,
+                }),
+            },
+            L::SessionForked {
+                sessions,
+                execution_count,
+            } => StoredEvent::SessionForked {
+                sessions,
+                execution_count,
             },
             L::KernelStarted {
                 startup_seconds,

@@ -32,11 +32,21 @@ pub const NETWORK_MODULE: &str = include_str!("../../kernels/kernel_broker_netwo
 /// Its file name.
 pub const NETWORK_MODULE_NAME: &str = "kernel_broker_network.py";
 
+/// The module the script loads the same way for the `kb_fork_request` shell message, by
+/// which a live kernel forks itself into a new kernel (`kernels/kernel_broker_fork.py`,
+/// `sandbox/fork.rs`).
+pub const FORK_MODULE: &str = include_str!("../../kernels/kernel_broker_fork.py");
+/// Its file name.
+pub const FORK_MODULE_NAME: &str = "kernel_broker_fork.py";
+/// The environment variable naming a kernel's fork directory (inside the sandbox).
+pub const FORK_ROOT_ENV: &str = "KERNEL_BROKER_FORK_ROOT";
+
 /// What [`install_script`] writes, modules first: the script must never find a module
 /// missing.
-const INSTALLED: [(&str, &str); 3] = [
+const INSTALLED: [(&str, &str); 4] = [
     (E2B_MODULE_NAME, E2B_MODULE),
     (NETWORK_MODULE_NAME, NETWORK_MODULE),
+    (FORK_MODULE_NAME, FORK_MODULE),
     (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
 ];
 
@@ -219,12 +229,18 @@ mod tests {
         names.sort();
         assert_eq!(
             names,
-            [BOOT_SCRIPT_NAME, E2B_MODULE_NAME, NETWORK_MODULE_NAME]
+            [
+                BOOT_SCRIPT_NAME,
+                E2B_MODULE_NAME,
+                FORK_MODULE_NAME,
+                NETWORK_MODULE_NAME
+            ]
         );
         // The boot script names the modules by these file names.
         for (constant, name) in [
             ("E2B_MODULE", E2B_MODULE_NAME),
             ("NETWORK_MODULE", NETWORK_MODULE_NAME),
+            ("FORK_MODULE", FORK_MODULE_NAME),
         ] {
             assert!(BOOT_SCRIPT.contains(&format!(
                 "{constant} = \"{}\"",

@@ -20,13 +20,15 @@
 //!   `egress.rs` and `netns.rs` (a user's network policy: proxy variables and a listener in
 //!   the kernel's network namespace), `fsutil/` (root's file operations, by descriptor where
 //!   a kernel can write), `workspace_fs.rs` (a workspace is its own ext4 file system of the
-//!   user's quota), `template_slots.rs`.
+//!   user's quota), `template_slots.rs`, `fork.rs` (what forking a live kernel exchanges
+//!   between the session layer and a backend).
 //! - [`local`]: each kernel under bubblewrap (pid, net, ipc, uts, mount namespaces; only
 //!   `lo`), dropped by setpriv to a per-user uid: `bwrap.rs` (the argv and mount plan, pure),
 //!   `python.rs` (the kernels' Python at neutral paths), `files.rs` (runtime directory,
 //!   connection file), `process.rs` (spawn into the cgroup leaf), `reaper.rs` (exit and
 //!   cleanup), `template/` (fork-server templates and, on cgroup v1, stems forked ahead of
-//!   need), `keep.rs` and `adopt.rs` (`--keep-sessions`), `command.rs`, `check.rs`, `host.rs`.
+//!   need), `keep.rs` and `adopt.rs` (`--keep-sessions`), `fork.rs` (a live kernel's fork
+//!   adopted), `command.rs`, `check.rs`, `host.rs`.
 //! - `docker`: one container per user, a kernel an exec under its own `tini -s`:
 //!   `container.rs` (the container's spec and lifecycle), `limits.rs` (the check that its
 //!   cgroup enforces what was asked), `exec.rs` (the kernel's exec and its exit status),
@@ -46,6 +48,7 @@ pub mod docker;
 pub mod egress;
 pub mod environ;
 pub mod exhaustion;
+pub mod fork;
 pub(crate) mod fork_server;
 pub(crate) mod fsutil;
 pub mod launch_error;
@@ -375,6 +378,10 @@ pub trait KernelProcess: Send + Sync {
     /// The kernel serves `session` from now on (a pooled kernel handed to a session), so
     /// what it does is attributed to that session.
     fn serves(&self, _session: Uuid) {}
+    /// Where this kernel can be forked (`fork.rs`); `None`: it cannot be.
+    fn fork_origin(&self) -> Option<fork::ForkOrigin> {
+        None
+    }
 }
 
 /// A place where kernels run.
@@ -431,6 +438,36 @@ pub trait Sandbox: Send + Sync {
     /// Called once after every session was offered for adoption: ends the kept kernels no
     /// session adopted and reclaims what they held.
     async fn discard_unadopted(&self) {}
+    /// Prepares forking the live kernel `parent` into a kernel for `spec` (`fork.rs`): the
+    /// child's runtime directory and the connection its `kb_fork_request` names. A backend
+    /// or a kernel that cannot be forked is [`fork::ForkError::Unsupported`].
+    async fn prepare_fork(
+        &self,
+        _parent: &dyn KernelProcess,
+        _spec: LaunchSpec,
+    ) -> Result<fork::PreparedFork, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox cannot fork a live kernel; run the broker with the local sandbox",
+            self.name()
+        )))
+    }
+    /// Adopts the child the parent kernel reported (`pid`, in the kernel's pid namespace,
+    /// untrusted): checked to be the parent's direct child of its uid, moved into a cgroup
+    /// leaf of its own with the spec's limits, watched. On error nothing of it is left.
+    async fn adopt_fork(
+        &self,
+        prepared: fork::PreparedFork,
+        pid: i64,
+    ) -> Result<Launched, fork::ForkError> {
+        self.discard_fork(prepared).await;
+        Err(fork::ForkError::NotItsChild {
+            pid,
+            why: "this sandbox does not fork kernels",
+        })
+    }
+    /// Gives a prepared fork up (the kernel refused it or never answered): its runtime
+    /// directory goes.
+    async fn discard_fork(&self, _prepared: fork::PreparedFork) {}
     /// How long a launch may take before the broker gives up.
     fn launch_timeout(&self) -> Duration {
         Duration::from_secs(30)

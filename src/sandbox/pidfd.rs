@@ -27,6 +27,24 @@ pub fn signal(pidfd: impl AsFd, signal: Signal) -> io::Result<()> {
     Ok(pidfd_send_signal(pidfd, signal)?)
 }
 
+/// Whether the process of `pidfd` exists still (running, or ended and not yet reaped):
+/// signal 0 through the pidfd, which fails with `ESRCH` once it was reaped.
+pub fn exists(pidfd: impl AsFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = pidfd.as_fd().as_raw_fd();
+    // SAFETY: pidfd_send_signal(2) with signal 0, no siginfo and no flags reads nothing
+    // from this process's memory; `fd` is a descriptor borrowed for the call.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd,
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        ) == 0
+    }
+}
+
 /// Whether the process of `pidfd` has ended (its pidfd polls readable then), without
 /// waiting.
 pub fn ended(pidfd: impl AsFd) -> io::Result<bool> {

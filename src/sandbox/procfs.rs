@@ -90,6 +90,39 @@ fn parse_namespace_pid(status: &str) -> Option<i32> {
     line.split_whitespace().last()?.parse().ok()
 }
 
+/// The real, effective, saved and file-system uids of `pid` (`Uid:` of `status`).
+pub fn uids_of(pid: i32) -> Option<[u32; 4]> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_uids(&status)
+}
+
+fn parse_uids(status: &str) -> Option<[u32; 4]> {
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    let ids: Vec<u32> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    ids.try_into().ok()
+}
+
+/// The raw wait status of `pid` while it is a zombie (ended, not yet reaped): field 52 of
+/// `stat`, `exit_code`. `None` when it is not a zombie or the field is missing.
+pub fn zombie_status(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_zombie_status(&stat)
+}
+
+fn parse_zombie_status(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    if fields.next()? != "Z" {
+        return None;
+    }
+    // `rest` starts at field 3 (state): field 52 is the 50th.
+    fields.nth(48)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +136,22 @@ mod tests {
             parse_cpu_ticks("42 (x) S 1 2 3 4 5 6 7 8 9 10 z 1 1 1"),
             None
         );
+    }
+
+    #[test]
+    fn uids_and_zombie_status_parse() {
+        assert_eq!(
+            parse_uids("Name:\tx\nUid:\t100001\t100001\t100001\t100001\n"),
+            Some([100001; 4])
+        );
+        assert_eq!(parse_uids("Uid:\t1\t2\n"), None);
+        assert_eq!(parse_uids("Name:\tx\n"), None);
+        let tail: Vec<String> = (4..=51).map(|n| n.to_string()).collect();
+        let zombie = format!("42 (a) b) Z {} 9", tail.join(" "));
+        assert_eq!(parse_zombie_status(&zombie), Some(9));
+        let running = format!("42 (a) S {} 9", tail.join(" "));
+        assert_eq!(parse_zombie_status(&running), None);
+        assert_eq!(parse_zombie_status("42 (a) Z 1 2"), None);
     }
 
     #[test]

@@ -174,6 +174,10 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     async fn network_pid(&self) -> Option<i32> {
         None
     }
+    /// Where the kernel can be forked (see [`KernelProcess::fork_origin`]).
+    fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
+        None
+    }
 }
 
 /// The handle the session layer holds, for any backend. Dropping it kills the kernel.
@@ -214,6 +218,12 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
         self.kernel.watch().request_release();
     }
 
+    fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
+        if self.kernel.watch().has_exited() {
+            return None;
+        }
+        self.kernel.fork_origin()
+    }
     async fn network_pid(&self) -> Option<i32> {
         self.kernel.network_pid().await
     }

@@ -39,6 +39,13 @@ pub(super) enum Command {
         msg: Message,
         route: ReplyRoute,
     },
+    /// Ask the kernel to fork itself (`kb_fork_request` with `content`), if it is idle;
+    /// its reply goes to `route`. `done` gets the execution count the fork starts from.
+    Fork {
+        content: serde_json::Value,
+        route: ReplyRoute,
+        done: oneshot::Sender<Result<u64, SessionError>>,
+    },
     Shutdown {
         end: SessionEnd,
         done: oneshot::Sender<()>,

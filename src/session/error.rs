@@ -209,6 +209,28 @@ pub enum SessionError {
     },
     /// Whether a proposed id is taken could not be told (the recordings could not be read):
     /// refused rather than risk a reuse.
+    /// A fork count outside 1 ..= `max`.
+    #[error("count must be between 1 and {max}; {asked} was asked")]
+    InvalidForkCount { asked: u64, max: u64 },
+    /// The session cannot be forked as it is; `why` says what would allow it.
+    #[error("session {session} cannot be forked: {why}")]
+    ForkRefused { session: Uuid, why: String },
+    /// The session's kernel is running code (or has executions queued).
+    #[error(
+        "session {session} is running code: a fork copies a kernel between executions; wait          for the running execution (and those queued) to end, or interrupt it, then fork"
+    )]
+    ForkBusy { session: Uuid },
+    /// The kernel refused the fork, or answered something the broker does not accept.
+    #[error("session {session} was not forked: {why}")]
+    ForkFailed {
+        session: Uuid,
+        why: String,
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// The kernel did not answer the fork request in time.
+    #[error("session {session} was not forked: its kernel did not answer the fork request within {limit:?}")]
+    ForkTimedOut { session: Uuid, limit: Duration },
     #[error("could not check whether session id {id} was used before")]
     IdUnverified {
         id: Uuid,

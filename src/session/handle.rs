@@ -248,6 +248,11 @@ impl Session {
         process.memory_used()
     }
 
+    /// The session's kernel process now, if it has one.
+    pub(crate) fn kernel_process(&self) -> Option<Arc<dyn KernelProcess>> {
+        self.locked().process.clone()
+    }
+
     /// CPU time the session's kernel has used, in nanoseconds, as its sandbox counts it;
     /// `None` when the sandbox cannot tell or there is no kernel.
     pub fn cpu_time_ns(&self) -> Option<u64> {
@@ -436,7 +441,7 @@ impl Session {
         (max == 0 || before < max).then_some(guard)
     }
 
-    fn send(&self, cmd: Command) -> Result<(), SessionError> {
+    pub(super) fn send(&self, cmd: Command) -> Result<(), SessionError> {
         self.commands.try_send(cmd).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
                 SessionError::RequestsWaiting { session: self.id }

@@ -10,7 +10,7 @@ use tokio::time::timeout;
 
 use super::error::SessionError;
 use crate::kernel::{KernelClient, KernelEvents};
-use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Sandbox};
+use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox};
 
 /// How long a failed connection waits for the sandbox to report the kernel's end (the
 /// docker backend polls every 500 ms).
@@ -50,8 +50,20 @@ pub(crate) async fn start_kernel(
         .await
         .map_err(|_| SessionError::LaunchTimedOut { limit })?
         .map_err(|source| SessionError::LaunchFailed { source })?;
+    connect_kernel(launched, key, &user, options, limit).await
+}
+
+/// Connects to a kernel the sandbox launched (or a fork it adopted); a kernel that does
+/// not become ready within `limit` is terminated.
+pub(crate) async fn connect_kernel(
+    launched: Launched,
+    key: String,
+    user: &str,
+    options: crate::kernel::ConnectOptions,
+    limit: Duration,
+) -> Result<Live, SessionError> {
     let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
-    let connect = KernelClient::connect(&launched.endpoints, &key, &user, options, limit);
+    let connect = KernelClient::connect(&launched.endpoints, &key, user, options, limit);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
     let before_ready = |reason: ExitReason| SessionError::DiedBeforeReady { reason };

@@ -8,6 +8,13 @@ use super::execution::Execution;
 use super::front_door::{EndedBy, FrontDoor, Provenance};
 use crate::egress::EgressEvent;
 
+/// Where a forked session came from: the session and its execution count at the fork.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForkedFrom {
+    pub session: uuid::Uuid,
+    pub execution_count: u64,
+}
+
 /// Something that happened to a session, in the order it happened.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LifecycleEvent {
@@ -17,6 +24,14 @@ pub enum LifecycleEvent {
         idle_timeout_seconds: Option<u64>,
         /// The front door that made it, and what its client said about it.
         provenance: Provenance,
+        /// The session whose live kernel it is a fork of, if it is one.
+        forked_from: Option<ForkedFrom>,
+    },
+    /// The session's kernel was forked into new sessions (`sessions`), after
+    /// `execution_count` executions.
+    SessionForked {
+        sessions: Vec<uuid::Uuid>,
+        execution_count: u64,
     },
     /// The session got a kernel (at creation or after a restart): how long it waited for
     /// one, and whether a pre-started one from the warm pool was ready.

@@ -91,7 +91,7 @@ pub use hooks::KernelHooks;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
-pub use registry::{Adopted, Closing, CreateOptions, Registry};
+pub use registry::{Adopted, Closing, CreateOptions, ForkRequest, Registry, MAX_FORKS};
 pub use run_command::{
     check_user_env, CommandControl, CommandExit, CommandRequest, EnvRefused, PtySize, ResizeError,
     RunningCommand,

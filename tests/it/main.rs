@@ -23,6 +23,7 @@ mod cluster;
 mod descriptors;
 mod e2b;
 mod egress;
+mod fork;
 mod fork_server;
 mod fork_server_docker;
 mod front_doors;

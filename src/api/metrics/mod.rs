@@ -414,6 +414,7 @@ impl Metrics {
             LifecycleEvent::KernelDied { .. } => self.died(),
             LifecycleEvent::SessionExpired => self.expired(),
             LifecycleEvent::SessionCreated { .. }
+            | LifecycleEvent::SessionForked { .. }
             | LifecycleEvent::Interrupt
             | LifecycleEvent::OutputCut { .. }
             | LifecycleEvent::SessionClosed { .. }

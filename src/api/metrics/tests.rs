@@ -129,6 +129,7 @@ fn lifecycle_events_feed_the_families() {
             kernel: "python3".into(),
             idle_timeout_seconds: None,
             provenance: Default::default(),
+            forked_from: None,
         },
         LifecycleEvent::KernelStarted {
             startup_seconds: 0.3,

@@ -26,9 +26,32 @@ fn stored_form_round_trips() {
                 kernel: "python3".into(),
                 idle_timeout_seconds: Some(60),
                 provenance: Default::default(),
+                forked_from: None,
             },
             "session_created",
             json!({"kernel": "python3", "idle_timeout_seconds": 60, "front_door": "rest", "metadata": {}}),
+        ),
+        (
+            LifecycleEvent::SessionCreated {
+                kernel: "python3".into(),
+                idle_timeout_seconds: None,
+                provenance: Default::default(),
+                forked_from: Some(crate::session::lifecycle::ForkedFrom {
+                    session: uuid::Uuid::nil(),
+                    execution_count: 7,
+                }),
+            },
+            "session_created",
+            json!({"kernel": "python3", "idle_timeout_seconds": null, "front_door": "rest", "metadata": {},
+                   "forked_from": {"session": "00000000-0000-0000-0000-000000000000", "execution_count": 7}}),
+        ),
+        (
+            LifecycleEvent::SessionForked {
+                sessions: vec![uuid::Uuid::nil()],
+                execution_count: 7,
+            },
+            "session_forked",
+            json!({"sessions": ["00000000-0000-0000-0000-000000000000"], "execution_count": 7}),
         ),
         (
             LifecycleEvent::KernelStarted {

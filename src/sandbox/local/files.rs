@@ -13,7 +13,7 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::python::{PYVENV_CFG, PYVENV_CFG_NAME};
-use super::{LocalSandboxConfig, BACKEND, HOSTNAME, IPC_BASE_INSIDE};
+use super::{LocalSandboxConfig, BACKEND, CONNECTION_FILE_INSIDE, HOSTNAME, IPC_BASE_INSIDE};
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{
     self, current_ids, io_err, write_new_file_at, FileMode, SocketPathError,
@@ -254,6 +254,34 @@ pub(super) fn workspace_owner(ids: Option<(u32, u32)>) -> WorkspaceOwner {
     ids.map_or(WorkspaceOwner::Broker, |(uid, gid)| {
         WorkspaceOwner::Kernel { uid, gid }
     })
+}
+
+impl super::LocalSandbox {
+    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
+    /// `{resource_dir}` anywhere.
+    pub(super) fn substitute_argv(
+        &self,
+        argv: &[String],
+        resource_dir: Option<&Path>,
+    ) -> Vec<String> {
+        let python = self.venv.interpreter_inside(&self.cfg.python);
+        let python = python.to_string_lossy();
+        argv.iter()
+            .enumerate()
+            .map(|(i, arg)| {
+                if i == 0 && (arg == "python" || arg == "python3") {
+                    return python.to_string();
+                }
+                let mut arg = arg
+                    .replace("{python}", &python)
+                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
+                if let Some(dir) = resource_dir {
+                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
+                }
+                arg
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

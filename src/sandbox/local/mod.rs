@@ -35,7 +35,7 @@
 //! implementation; `bwrap.rs` the pure argv and mount plan; `files.rs` a launch's host
 //! files and runtime base; `process.rs` the launch and spawn; `reaper.rs` the kernel's
 //! handle half and its reaper; `output.rs` log forwarding; `host.rs` what is learned of
-//! the host once; `python.rs` where kernels find their Python; `check.rs` the startup test run; `terminal.rs` a command's pseudo-terminal. Limits are [`super::cgroup`]'s.
+//! the host once; `python.rs` where kernels find their Python; `check.rs` the startup test run; `terminal.rs` a command's pseudo-terminal; `fork.rs` a live kernel's fork adopted. Limits are [`super::cgroup`]'s.
 
 mod adopt;
 mod bwrap;
@@ -43,6 +43,7 @@ mod check;
 mod command;
 mod config;
 mod files;
+mod fork;
 mod host;
 mod keep;
 mod output;
@@ -372,28 +373,6 @@ impl LocalSandbox {
         }
         Ok(self.workspaces.join(&user.name))
     }
-
-    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
-    /// `{resource_dir}` anywhere.
-    fn substitute_argv(&self, argv: &[String], resource_dir: Option<&Path>) -> Vec<String> {
-        let python = self.venv.interpreter_inside(&self.cfg.python);
-        let python = python.to_string_lossy();
-        argv.iter()
-            .enumerate()
-            .map(|(i, arg)| {
-                if i == 0 && (arg == "python" || arg == "python3") {
-                    return python.to_string();
-                }
-                let mut arg = arg
-                    .replace("{python}", &python)
-                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
-                if let Some(dir) = resource_dir {
-                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
-                }
-                arg
-            })
-            .collect()
-    }
 }
 
 #[async_trait]
@@ -519,6 +498,26 @@ impl Sandbox for LocalSandbox {
             return;
         };
         self.discard_kept(kept, cgroups).await;
+    }
+
+    async fn prepare_fork(
+        &self,
+        parent: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.prepare_kernel_fork(parent, spec).await
+    }
+
+    async fn adopt_fork(
+        &self,
+        prepared: super::fork::PreparedFork,
+        pid: i64,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.adopt_kernel_fork(prepared, pid).await
+    }
+
+    async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        fork::remove_fork_dir(prepared.dir).await;
     }
 
     async fn run_command(

@@ -189,6 +189,7 @@ impl LocalSandbox {
             init_pid: None,
             bwrap_pid,
             kernel_pid: None,
+            fork_origin: None,
             leaf,
             cgroups,
             rundir,

@@ -19,9 +19,11 @@ use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
 use crate::sandbox::cgroup::{Cgroups, CpuClock, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
+use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
-use crate::sandbox::procfs::{children_of, namespace_pid};
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::{children_of, namespace_pid, zombie_status};
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
 use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
 
@@ -43,6 +45,8 @@ pub(super) struct LocalKernel {
     pub memory_usage: Option<PathBuf>,
     /// What reads the leaf's CPU time (none without cgroups).
     pub cpu: Option<CpuClock>,
+    /// Where this kernel can be forked (a kernel forked from a template, or from a kernel).
+    pub fork_origin: Option<ForkOrigin>,
 }
 
 #[async_trait]
@@ -57,6 +61,10 @@ impl BackendKernel for LocalKernel {
 
     fn cpu_clock(&self) -> Option<CpuClock> {
         self.cpu.clone()
+    }
+
+    fn fork_origin(&self) -> Option<ForkOrigin> {
+        self.fork_origin.clone()
     }
 
     /// The sandbox's init (a plain start: one network namespace per kernel) or the forked
@@ -125,6 +133,13 @@ pub(super) enum Watched {
         pidfd: AsyncFd<std::os::fd::OwnedFd>,
         status: tokio::sync::oneshot::Receiver<i32>,
     },
+    /// Forked from a live kernel (`fork.rs`): that kernel's child, which it reaps (or the
+    /// sandbox's init once it has ended). Seen ending through a pidfd; its status is read
+    /// while it is a zombie, if it still is one then.
+    ForkOfKernel {
+        pidfd: AsyncFd<std::os::fd::OwnedFd>,
+        pid: i32,
+    },
 }
 
 impl Watched {
@@ -138,6 +153,18 @@ impl Watched {
             }
             Watched::Gone { status } => status,
             Watched::Forked { pidfd, status } => return forked_status(pidfd, status).await,
+            Watched::ForkOfKernel { pidfd, pid } => {
+                let _ready = pidfd.readable().await?;
+                let raw = zombie_status(*pid);
+                // Read while not reaped (its pidfd still names an unreaped process), the
+                // status was this process's, not a reuse of its pid's.
+                return match raw.filter(|_| pidfd::exists(pidfd.get_ref())) {
+                    Some(raw) => Ok(ExitStatus::from_raw(raw)),
+                    None => Err(io::Error::other(
+                        "its exit status is unknown (the kernel it was forked from reaped it)",
+                    )),
+                };
+            }
         };
         reported_exit(status)
             .ok_or_else(|| io::Error::other("its exit status is unknown (bwrap reported none)"))
@@ -163,6 +190,7 @@ pub(super) struct Reaped {
     pub quota_bytes: u64,
     pub tail: Tail,
     pub kept: Option<Arc<KeptKernels>>,
+    pub fork_origin: Option<ForkOrigin>,
 }
 
 impl Reaped {
@@ -181,6 +209,7 @@ impl Reaped {
             kernel_pid: self.kernel_pid,
             memory_usage: self.leaf.as_ref().and_then(Leaf::memory_usage_file),
             cpu: self.leaf.as_ref().map(Leaf::cpu_clock),
+            fork_origin: self.fork_origin,
         });
         let reaper = Reaper {
             process: self.process,
@@ -241,6 +270,11 @@ impl Reaper {
             }
         };
         let oom_kills = self.leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
+        // A fork of a kernel whose status is unknown: its leaf's OOM kill tells one end.
+        let status = match status {
+            Err(_) if oom_kills > 0 => Ok(ExitStatus::from_raw(libc::SIGKILL)),
+            status => status,
+        };
         let terminating = self.kernel.watch.terminating();
         let reason = classify_exit(status, terminating, oom_kills, self.limits.memory_bytes);
         let evidence = Evidence {

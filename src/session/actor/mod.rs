@@ -250,8 +250,44 @@ impl Actor {
                     tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
                 }
             }
+            Command::Fork {
+                content,
+                route,
+                done,
+            } => {
+                let _ = done.send(self.fork(content, route).await);
+            }
             Command::Shutdown { .. } | Command::Detach { .. } => {}
         }
+    }
+
+    /// Sends the fork request to an idle kernel (one with nothing running or queued: the
+    /// fork copies the state between executions). The request is not recorded: it holds
+    /// the new kernel's key. Its reply is, as every message of the kernel.
+    async fn fork(
+        &mut self,
+        content: serde_json::Value,
+        route: ReplyRoute,
+    ) -> Result<u64, SessionError> {
+        let Some(k) = &self.kernel else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        if self.running.is_some() || !self.queue.is_empty() {
+            return Err(SessionError::ForkBusy {
+                session: self.session.id,
+            });
+        }
+        let m = k.client.request("kb_fork_request", &content);
+        self.routes.insert(m.msg_id.clone(), route);
+        if let Err(e) = k.client.send(Channel::Shell, &m).await {
+            self.routes.remove(&m.msg_id);
+            return Err(SessionError::ForkFailed {
+                session: self.session.id,
+                why: "the request could not be sent to the kernel".into(),
+                source: Some(Box::new(e)),
+            });
+        }
+        Ok(self.session.status().execution_count)
     }
 
     async fn interrupt(&mut self) -> Result<(), SessionError> {

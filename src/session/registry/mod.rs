@@ -1,9 +1,11 @@
 //! The registry of sessions: creation (with per-user quotas: a number of sessions, and
 //! memory admission through the [`Ledger`]), lookup with ownership, listing, deletion and
 //! shutdown. Idle expiry and the tombstones of expired sessions are
-//! in `expiry.rs`; the [`Session`] handle is in `handle.rs`.
+//! in `expiry.rs`; forks of a live session in `fork.rs`; the [`Session`] handle is in
+//! `handle.rs`.
 
 mod expiry;
+mod fork;
 mod keep;
 mod own;
 #[cfg(test)]
@@ -26,7 +28,7 @@ use super::error::SessionError;
 use super::front_door::{EndedBy, FrontDoor, Provenance, SessionEnd};
 use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
-use super::lifecycle::LifecycleEvent;
+use super::lifecycle::{ForkedFrom, LifecycleEvent};
 use super::memory::{Holder, Ledger, MemoryUse, Reservation};
 use super::pool::Pool;
 use super::recorder::Recorder;
@@ -36,6 +38,7 @@ use crate::sync::lock;
 use crate::wire::Signer;
 
 use expiry::Tombstone;
+pub use fork::{ForkRequest, MAX_FORKS};
 pub use keep::Adopted;
 
 #[derive(Default)]
@@ -372,6 +375,23 @@ impl Registry {
                 .await?
             }
         };
+        self.start_session(&session, commands_rx, live, asked, from_pool, None)
+            .await;
+        tracing::info!(session = %id, user = %user.name, "session started");
+        Ok(session)
+    }
+
+    /// Gives `session` its connected kernel and its actor, and reports it created.
+    async fn start_session(
+        &self,
+        session: &Arc<Session>,
+        commands_rx: mpsc::Receiver<Command>,
+        live: Live,
+        asked: Instant,
+        from_pool: bool,
+        forked_from: Option<ForkedFrom>,
+    ) {
+        let cfg = &self.inner.config;
         session.touch();
         session.set_kernel(live.process.clone(), &live.key).await;
         let actor = Actor::new(
@@ -384,15 +404,16 @@ impl Registry {
             self.inner.pool.clone(),
         );
         self.inner.recorder.event(
-            &session,
+            session,
             &LifecycleEvent::SessionCreated {
                 kernel: session.kernel_name.clone(),
                 idle_timeout_seconds: session.idle_timeout.map(|t| t.as_secs()),
                 provenance: session.provenance.clone(),
+                forked_from,
             },
         );
         self.inner.recorder.event(
-            &session,
+            session,
             &LifecycleEvent::KernelStarted {
                 startup_seconds: asked.elapsed().as_secs_f64(),
                 pooled: from_pool,
@@ -400,8 +421,6 @@ impl Registry {
         );
         session.set_state(SessionState::Idle);
         tokio::spawn(actor.run());
-        tracing::info!(session = %id, user = %user.name, "session started");
-        Ok(session)
     }
 
     /// A session handle of this registry (state `starting`) and its actor's command queue.

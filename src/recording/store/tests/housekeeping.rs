@@ -17,6 +17,7 @@ async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones(backend:
                 kernel: "python3".into(),
                 idle_timeout_seconds: None,
                 provenance: Default::default(),
+                forked_from: None,
             },
         );
         store.flush().await;

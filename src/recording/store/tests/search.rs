@@ -71,6 +71,7 @@ async fn found_by_text_and_filters(backend: Backend, cap: usize) {
             kernel: "python3".into(),
             idle_timeout_seconds: None,
             provenance: Provenance::new(FrontDoor::E2b).with_metadata(metadata),
+            forked_from: None,
         },
     );
     execute(

@@ -54,6 +54,7 @@ use super::reaper::{sandbox_command_pid, Reaped, Watched};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fork_server::{read_ready, ForkServer, NotReady, RequestFailed};
 use crate::sandbox::fsutil::{self, launch_failed, FileMode, SocketPathError};
 use crate::sandbox::procfs::namespace_pid;
@@ -424,6 +425,12 @@ impl LocalSandbox {
             init_pid: None,
             bwrap_pid: None,
             kernel_pid: Some(host_pid),
+            fork_origin: Some(ForkOrigin {
+                host_pid,
+                uid: self.kernel_ids(user).ok().flatten().map(|(uid, _)| uid),
+                dir: template.rundir.clone(),
+                inside: RUN_DIR_INSIDE.to_string(),
+            }),
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
             rundir: dir,
@@ -441,10 +448,13 @@ impl LocalSandbox {
             .iter()
             .map(|a| a.replace("{connection_file}", &connection_inside))
             .collect();
+        // Its forks' runtime directories go beside its own, in the template's directory
+        // (`sandbox/fork.rs`): not in its own, which goes when it ends.
         let env: HashMap<&str, &str> = spec
             .env
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain([(boot::FORK_ROOT_ENV, RUN_DIR_INSIDE)])
             .collect();
         if let Err(e) = server.go_as(&name, &args, &env, &connection_inside).await {
             handle.terminate().await;

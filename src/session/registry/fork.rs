@@ -1,0 +1,367 @@
+//! Forking a live session (issue 36): new sessions of the same user whose kernels are
+//! copies of the session's live kernel, made by the kernel itself (`kb_fork_request`,
+//! `kernels/kernel_broker_fork.py`) and adopted by the sandbox (`sandbox/fork.rs`).
+//!
+//! A fork is a session like a created one: it takes a place in the user's session quota and
+//! its memory limit (the original's) from the user's total, both for all `count` forks
+//! before anything is made (refused whole, with the errors a create gets). The forks are
+//! made one after another (the kernel handles one request at a time); if one fails, those
+//! made before it are ended and the whole request fails: nothing is half-made.
+//!
+//! The original must be idle: the fork copies the kernel between executions, and a request
+//! sent while code runs would wait behind it in the kernel (and behind the queue in the
+//! actor), so a busy session is refused at once (409) rather than holding the request for
+//! as long as the code runs. The kernel's answer is untrusted: bounded (its size, the time
+//! it takes: the launch timeout and [`FORK_REPLY_GRACE`]), parsed for one integer, and that pid is the sandbox's
+//! to check.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{timeout, Instant};
+use uuid::Uuid;
+
+use super::{Registry, Shape};
+use crate::sandbox::fork::ForkError;
+use crate::sandbox::SandboxUser;
+use crate::session::command::Command;
+use crate::session::error::SessionError;
+use crate::session::front_door::{EndedBy, Provenance, SessionEnd};
+use crate::session::handle::Session;
+use crate::session::launch::connect_kernel;
+use crate::session::lifecycle::{ForkedFrom, LifecycleEvent};
+use crate::session::memory::Reservation;
+use crate::session::state::SessionState;
+use crate::wire::{Channel, Message, Signer};
+
+/// The most forks one request may make.
+pub const MAX_FORKS: u64 = 8;
+/// How long the kernel may take to answer a fork request beyond the sandbox's launch
+/// timeout (30 s by default, the kernel module's own limit for a child to listen).
+const FORK_REPLY_GRACE: Duration = Duration::from_secs(10);
+/// The largest reply content accepted (a good one is about 40 bytes).
+const MAX_REPLY_BYTES: usize = 4096;
+
+/// A fork to make.
+pub struct ForkRequest {
+    /// Whose session it is (the forks are theirs too), and their session quota.
+    pub user: SandboxUser,
+    pub max_sessions: usize,
+    /// The session to fork.
+    pub session: Uuid,
+    /// How many forks (1 ..= [`MAX_FORKS`]).
+    pub count: u64,
+    /// The front door asking.
+    pub provenance: Provenance,
+}
+
+impl Registry {
+    /// Forks the caller's session `request.session` into `request.count` new sessions and
+    /// waits until their kernels are ready. Another user's session answers as a missing one.
+    pub async fn fork(&self, request: ForkRequest) -> Result<Vec<Arc<Session>>, SessionError> {
+        if self.inner.shutdown.is_cancelled() {
+            return Err(SessionError::ShuttingDown);
+        }
+        if !(1..=MAX_FORKS).contains(&request.count) {
+            return Err(SessionError::InvalidForkCount {
+                asked: request.count,
+                max: MAX_FORKS,
+            });
+        }
+        let user = &request.user;
+        let parent = self.get(&user.name, request.session)?;
+        if parent.own_workspace.is_some() {
+            return Err(SessionError::ForkRefused {
+                session: parent.id,
+                why: "it has a workspace of its own, which a fork would share (a fork with \
+                      a copy of it is not supported yet); fork a session of the shared \
+                      workspace"
+                    .into(),
+            });
+        }
+        match parent.state() {
+            SessionState::Idle => {}
+            SessionState::Busy => return Err(SessionError::ForkBusy { session: parent.id }),
+            state => {
+                return Err(SessionError::ForkRefused {
+                    session: parent.id,
+                    why: format!("its kernel is {}, not idle", state.as_str()),
+                })
+            }
+        }
+        let ids: Vec<Uuid> = (0..request.count).map(|_| Uuid::new_v4()).collect();
+        {
+            let mut t = self.table();
+            let live = t
+                .sessions
+                .values()
+                .filter(|s| s.user.name == user.name)
+                .count();
+            let creating = t.creating.get(&user.name).copied().unwrap_or(0);
+            if live + creating + ids.len() > request.max_sessions {
+                return Err(SessionError::TooManySessions {
+                    user: user.name.clone(),
+                    live: live + creating,
+                });
+            }
+            *t.creating.entry(user.name.clone()).or_default() += ids.len();
+            t.creating_ids.extend(ids.iter().copied());
+        }
+        let result = self.make_forks(&parent, &ids, &request.provenance).await;
+        {
+            let mut t = self.table();
+            for id in &ids {
+                Self::unreserve(&mut t, &user.name, *id);
+            }
+            if let Ok(forks) = &result {
+                for s in forks {
+                    t.sessions.insert(s.id, s.clone());
+                }
+            }
+        }
+        self.inner.notify.notify_one();
+        if let Ok(forks) = &result {
+            self.inner.recorder.event(
+                &parent,
+                &LifecycleEvent::SessionForked {
+                    sessions: forks.iter().map(|s| s.id).collect(),
+                    execution_count: forks
+                        .first()
+                        .map(|s| s.status().execution_count)
+                        .unwrap_or_default(),
+                },
+            );
+            tracing::info!(session = %parent.id, user = %user.name, forks = forks.len(), "session forked");
+        }
+        result
+    }
+
+    /// All the forks or none: memory for all first, then one after another; a failure ends
+    /// those made before it.
+    async fn make_forks(
+        &self,
+        parent: &Arc<Session>,
+        ids: &[Uuid],
+        provenance: &Provenance,
+    ) -> Result<Vec<Arc<Session>>, SessionError> {
+        let mut memory = Vec::with_capacity(ids.len());
+        for _ in ids {
+            // A refusal drops (gives back) the reservations made before it.
+            memory.push(self.admit(&parent.user, &parent.limits).await?);
+        }
+        let mut made: Vec<Arc<Session>> = Vec::with_capacity(ids.len());
+        for (id, memory) in ids.iter().zip(memory) {
+            match self.fork_one(parent, *id, memory, provenance.clone()).await {
+                Ok(fork) => made.push(fork),
+                Err(e) => {
+                    for fork in made {
+                        fork.shutdown(SessionEnd::Closed(EndedBy::SetupFailed))
+                            .await;
+                        fork.release_memory();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made)
+    }
+
+    /// One fork of `parent`'s kernel as session `id`.
+    async fn fork_one(
+        &self,
+        parent: &Arc<Session>,
+        id: Uuid,
+        memory: Reservation,
+        provenance: Provenance,
+    ) -> Result<Arc<Session>, SessionError> {
+        let asked = Instant::now();
+        let shape = Shape {
+            kernel_name: parent.kernel_name.clone(),
+            idle_timeout: parent.idle_timeout,
+            limits: parent.limits,
+            memory,
+            provenance,
+            own_workspace: None,
+        };
+        let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
+        let failed =
+            |why: &str, source: Option<crate::session::BoxError>| SessionError::ForkFailed {
+                session: parent.id,
+                why: why.to_string(),
+                source,
+            };
+        let process = parent
+            .kernel_process()
+            .ok_or(SessionError::KernelNotRunning)?;
+        let key = Signer::random_key();
+        let sandbox = &self.inner.sandbox;
+        let prepared = sandbox
+            .prepare_fork(&*process, session.launch_spec(key.clone()))
+            .await
+            .map_err(|e| fork_error(parent.id, e))?;
+        let content = serde_json::json!({ "connection": prepared.connection });
+        let (route, mut replies) = mpsc::channel(4);
+        let (done, sent) = oneshot::channel();
+        let asked_kernel = parent.send(Command::Fork {
+            content,
+            route,
+            done,
+        });
+        let execution_count = match asked_kernel {
+            Ok(()) => match sent.await {
+                Ok(Ok(n)) => Ok(n),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(SessionError::Closed(parent.id)),
+            },
+            Err(e) => Err(e),
+        };
+        let execution_count = match execution_count {
+            Ok(n) => n,
+            Err(e) => {
+                sandbox.discard_fork(prepared).await;
+                return Err(e);
+            }
+        };
+        let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+        let reply = timeout(limit, async {
+            while let Some((channel, m)) = replies.recv().await {
+                if channel == Channel::Shell {
+                    return Some(m);
+                }
+            }
+            None
+        })
+        .await;
+        let pid = match reply {
+            Ok(Some(m)) => reply_pid(&m).map_err(|why| failed(&why, None)),
+            Ok(None) => Err(failed(
+                "the kernel ended or was restarted before it answered",
+                None,
+            )),
+            Err(_) => Err(SessionError::ForkTimedOut {
+                session: parent.id,
+                limit,
+            }),
+        };
+        let pid = match pid {
+            Ok(pid) => pid,
+            Err(e) => {
+                sandbox.discard_fork(prepared).await;
+                return Err(e);
+            }
+        };
+        let launched = sandbox
+            .adopt_fork(prepared, pid)
+            .await
+            .map_err(|e| fork_error(parent.id, e))?;
+        let cfg = &self.inner.config;
+        let live = connect_kernel(
+            launched,
+            key,
+            &parent.user.name,
+            cfg.kernel,
+            sandbox.launch_timeout(),
+        )
+        .await
+        .map_err(|e| failed("the fork did not become ready", Some(Box::new(e))))?;
+        session.set_execution_count(execution_count);
+        let from = ForkedFrom {
+            session: parent.id,
+            execution_count,
+        };
+        self.start_session(&session, commands_rx, live, asked, false, Some(from))
+            .await;
+        tracing::info!(session = %id, from = %parent.id, user = %parent.user.name, ms = asked.elapsed().as_millis() as u64, "forked session started");
+        Ok(session)
+    }
+}
+
+/// The pid a `kb_fork_reply` names, or why the reply is not accepted.
+fn reply_pid(m: &Message) -> Result<i64, String> {
+    if m.msg_type != "kb_fork_reply" {
+        return Err(format!(
+            "the kernel answered with a message of another type ({:.64})",
+            m.msg_type
+        ));
+    }
+    if m.content.len() > MAX_REPLY_BYTES {
+        return Err(format!(
+            "the kernel's reply has {} bytes; a fork reply has at most {MAX_REPLY_BYTES}",
+            m.content.len()
+        ));
+    }
+    let content: serde_json::Value = serde_json::from_slice(&m.content)
+        .map_err(|_| "the kernel's reply is not JSON".to_string())?;
+    let text = |key: &str| {
+        let mut s = content
+            .get(key)
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_string();
+        s.truncate(s.floor_char_boundary(300));
+        s
+    };
+    match content.get("status").and_then(|s| s.as_str()) {
+        Some("ok") => content
+            .get("pid")
+            .and_then(serde_json::Value::as_i64)
+            .ok_or_else(|| "the kernel's reply names no integer pid".to_string()),
+        Some("error") => Err(format!(
+            "the kernel refused: {}: {}",
+            text("ename"),
+            text("evalue")
+        )),
+        _ => Err("the kernel's reply has no status ok or error".to_string()),
+    }
+}
+
+fn fork_error(session: Uuid, e: ForkError) -> SessionError {
+    match e {
+        ForkError::Unsupported(why) => SessionError::ForkRefused { session, why },
+        e @ ForkError::NotItsChild { .. } => SessionError::ForkFailed {
+            session,
+            why: e.to_string(),
+            source: None,
+        },
+        ForkError::Sandbox(e) => SessionError::ForkFailed {
+            session,
+            why: "the sandbox could not take the fork in".into(),
+            source: Some(Box::new(e)),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(msg_type: &str, content: &str) -> Message {
+        let mut m = Message::new(msg_type, &serde_json::json!({}), None, "s", "u");
+        m.content = bytes::Bytes::from(content.to_string());
+        m
+    }
+
+    #[test]
+    fn only_a_small_ok_reply_with_an_integer_pid_is_accepted() {
+        let ok = |c: &str| reply_pid(&reply("kb_fork_reply", c));
+        assert_eq!(ok(r#"{"status":"ok","pid":57}"#), Ok(57));
+        assert_eq!(ok(r#"{"status":"ok","pid":-3}"#), Ok(-3));
+        for bad in [
+            r#"{"status":"ok","pid":"57"}"#,
+            r#"{"status":"ok","pid":5.5}"#,
+            r#"{"status":"ok","pid":1e30}"#,
+            r#"{"status":"ok"}"#,
+            r#"{"pid":57}"#,
+            r#"[1]"#,
+            "not json",
+        ] {
+            assert!(ok(bad).is_err(), "{bad}");
+        }
+        let refused = ok(r#"{"status":"error","ename":"ForkRefused","evalue":"no"}"#);
+        assert_eq!(refused, Err("the kernel refused: ForkRefused: no".into()));
+        let big = format!(r#"{{"status":"ok","pid":57,"x":"{}"}}"#, "a".repeat(5000));
+        assert!(ok(&big).unwrap_err().contains("bytes"));
+        assert!(reply_pid(&reply("execute_reply", r#"{"status":"ok","pid":57}"#)).is_err());
+    }
+}
