@@ -43,6 +43,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Exec(args) => exit_with(kernel_broker::cli::exec(&args).await),
         Command::Console(args) => exit_with(kernel_broker::cli::console(&args).await),
         Command::Files(args) => exit_with(kernel_broker::cli::files(&args).await),
+        Command::Fork {
+            client,
+            session,
+            count,
+        } => exit_with(kernel_broker::cli::fork(&client, &session, count).await),
         Command::Kill { client, session } => {
             exit_with(kernel_broker::cli::kill(&client, &session).await)
         }

@@ -21,7 +21,7 @@ use serde_json::Value;
 pub use console::{console, ConsoleArgs};
 pub use exec::{exec, ExecArgs};
 pub use files::{files, FilesAction, FilesArgs};
-pub use sessions::{kill, sessions};
+pub use sessions::{fork, kill, sessions};
 
 /// Where the broker is and who the caller is (flags of every client command).
 #[derive(Debug, Clone, clap::Args)]

@@ -1,4 +1,5 @@
-//! `kernel-broker sessions` (the caller's live sessions) and `kernel-broker kill SESSION`.
+//! `kernel-broker sessions` (the caller's live sessions), `kernel-broker fork SESSION` and
+//! `kernel-broker kill SESSION`.
 
 use serde_json::Value;
 
@@ -55,6 +56,38 @@ fn row(s: &Value) -> String {
         time("created_at"),
         time("last_activity"),
     )
+}
+
+/// Forks a session of the caller's into `count` new ones and prints their ids, one a line
+/// (stdout, for scripts); what the broker refuses (a busy kernel, a quota) is its error.
+pub async fn fork(args: &ClientArgs, session: &str, count: u32) -> Result<(), CliError> {
+    let client = Client::new(args)?;
+    let id = resolve_session(&client, session).await?;
+    let made = client
+        .json(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id}/fork"),
+            Some(serde_json::json!({ "count": count })),
+        )
+        .await?;
+    let ids = forked_ids(&made);
+    for new in &ids {
+        println!("{new}");
+    }
+    eprintln!("session {id} forked into {}", ids.len());
+    Ok(())
+}
+
+/// The new sessions' ids in the fork's answer (`{"sessions": [{"id": ...}, ...]}`).
+fn forked_ids(made: &Value) -> Vec<String> {
+    made["sessions"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s["id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Ends a session of the caller's (its kernel and everything in it).

@@ -48,6 +48,18 @@ pub enum Command {
     Console(crate::cli::ConsoleArgs),
     /// The files of a session's workspace: ls, get, put, rm.
     Files(crate::cli::FilesArgs),
+    /// Fork a live session: new sessions whose kernels hold everything its kernel holds
+    /// now (variables, imports, open files, the execution count); their ids are printed,
+    /// one a line. The session keeps running untouched.
+    Fork {
+        #[command(flatten)]
+        client: crate::cli::ClientArgs,
+        /// A session of yours (its id, or the start of it).
+        session: String,
+        /// How many forks to make (all or none).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
     /// End a session.
     Kill {
         #[command(flatten)]

@@ -1,4 +1,4 @@
-//! The command line client (`kernel-broker sessions|exec|files|kill`, issue 34) against a
+//! The command line client (`kernel-broker sessions|exec|files|fork|kill`, issue 34) against a
 //! real broker: what each prints and its exit status, charts saved to files, workspace paths
 //! with spaces, another user's session, a refused token, no broker, and paths that try to
 //! leave the workspace.
@@ -86,6 +86,39 @@ async fn sessions_exec_files_and_kill_against_a_running_broker() {
     let o = cli(&url, ALICE, cwd, &["exec", short, "-"], "print(x + 1)\n").await;
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(text(&o.stdout), "43\n");
+
+    // A fork: its id on stdout; it holds the session's state and goes its own way.
+    let o = cli(&url, ALICE, cwd, &["fork", short], "").await;
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let forked = text(&o.stdout).trim().to_string();
+    assert_eq!(forked.len(), 36, "one id: {forked:?}");
+    assert_ne!(forked, id);
+    let o = cli(
+        &url,
+        ALICE,
+        cwd,
+        &["exec", &forked, "x = x + 100\nprint(x)"],
+        "",
+    )
+    .await;
+    assert_eq!(text(&o.stdout), "142\n", "{}", text(&o.stderr));
+    let o = cli(&url, ALICE, cwd, &["exec", &id, "print(x)"], "").await;
+    assert_eq!(text(&o.stdout), "42\n", "{}", text(&o.stderr));
+    let o = cli(&url, ALICE, cwd, &["fork", &forked, "--count", "2"], "").await;
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let two: Vec<String> = text(&o.stdout).lines().map(str::to_string).collect();
+    assert_eq!(two.len(), 2, "{two:?}");
+    for s in two.iter().chain([&forked]) {
+        let o = cli(&url, ALICE, cwd, &["kill", s], "").await;
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    // Another user cannot fork it; nor can a count the API refuses.
+    let o = cli(&url, BOB, cwd, &["fork", &id], "").await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).is_empty());
+    let o = cli(&url, ALICE, cwd, &["fork", &id, "--count", "0"], "").await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("count"), "{}", text(&o.stderr));
 
     // A chart is saved to a file whose path is printed.
     let charts = cwd.join("charts");
