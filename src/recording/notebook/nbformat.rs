@@ -1,6 +1,7 @@
 //! The timeline as an nbformat 4.5 notebook: code cells with their outputs, execution
 //! timings and the agent's status in the metadata; markers as markdown cells; the kernel
-//! spec and `language_info` from the recorded `kernel_info_reply`.
+//! spec and `language_info` from the recorded `kernel_info_reply`; a fork's origin and the
+//! session's forks in the notebook's metadata.
 
 use std::collections::HashSet;
 
@@ -10,7 +11,7 @@ use serde_json::{json, Map, Value};
 use super::timeline::{parse, timeline};
 use super::{Entry, Marker};
 use crate::recording::event::{BrokerEvent, RecordingMarker};
-use crate::recording::stored::StoredEvent;
+use crate::recording::stored::{StoredEvent, StoredForkedFrom};
 use crate::recording::{RecordedEvent, RecordedKind, RecordingInfo};
 use crate::session::Direction;
 
@@ -49,6 +50,17 @@ fn marker_text(m: &Marker) -> String {
         }
         BrokerEvent::Session(StoredEvent::SessionDetached { by }) => {
             format!("{by} let go of the session, which went on (another front door made it)").into()
+        }
+        BrokerEvent::Session(StoredEvent::SessionForked {
+            sessions,
+            execution_count,
+        }) => {
+            let ids: Vec<String> = sessions.iter().map(|s| format!("`{s}`")).collect();
+            format!(
+                "The session was forked after execution {execution_count} into {}",
+                ids.join(", ")
+            )
+            .into()
         }
         BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => {
             "The broker stopped".into()
@@ -142,20 +154,57 @@ pub fn notebook(info: &RecordingInfo, events: &[RecordedEvent]) -> Value {
     } else {
         info.kernel.clone()
     };
+    let mut broker = json!({
+        "session_id": info.id,
+        "user": info.user,
+        "created_at": iso(info.created_at),
+        "ended_at": info.ended_at.map(iso),
+        "end_reason": info.end_reason,
+    });
+    // A fork names its origin, and the session its forks: the notebooks link up.
+    let (forked_from, forks) = lineage(events);
+    if let Some(from) = forked_from {
+        broker["forked_from"] =
+            json!({"session": from.session, "execution_count": from.execution_count});
+    }
+    if !forks.is_empty() {
+        broker["forks"] = json!(forks);
+    }
     json!({
         "nbformat": 4,
         "nbformat_minor": 5,
         "metadata": {
             "kernelspec": {"name": info.kernel, "display_name": display_name, "language": language},
             "language_info": language_info,
-            "kernel_broker": {
-                "session_id": info.id,
-                "user": info.user,
-                "created_at": iso(info.created_at),
-                "ended_at": info.ended_at.map(iso),
-                "end_reason": info.end_reason,
-            },
+            "kernel_broker": broker,
         },
         "cells": nb_cells,
     })
+}
+
+/// Where the recorded session was forked from (its `session_created`), and the sessions
+/// forked from it (each `session_forked`), in order.
+fn lineage(events: &[RecordedEvent]) -> (Option<StoredForkedFrom>, Vec<Value>) {
+    let (mut from, mut forks) = (None, Vec::new());
+    for e in events {
+        let RecordedKind::Broker { kind, detail } = &e.kind else {
+            continue;
+        };
+        match BrokerEvent::parse(kind, detail) {
+            BrokerEvent::Session(StoredEvent::SessionCreated {
+                forked_from: Some(f),
+                ..
+            }) => from = Some(f),
+            BrokerEvent::Session(StoredEvent::SessionForked {
+                sessions,
+                execution_count,
+            }) => forks.extend(
+                sessions
+                    .into_iter()
+                    .map(|s| json!({"session": s, "execution_count": execution_count})),
+            ),
+            _ => {}
+        }
+    }
+    (from, forks)
 }

@@ -125,7 +125,8 @@ impl Timeline {
                 | StoredEvent::KernelDied { .. }
                 | StoredEvent::SessionExpired
                 | StoredEvent::SessionClosed { by: Some(_) }
-                | StoredEvent::SessionDetached { .. },
+                | StoredEvent::SessionDetached { .. }
+                | StoredEvent::SessionForked { .. },
             )
             | BrokerEvent::Recording(_) => {
                 self.entries.push(Entry::Marker(Marker { event, time }));

@@ -91,3 +91,67 @@ fn markers_in_the_notebook() {
         ]
     );
 }
+
+#[test]
+fn a_fork_names_its_origin_and_its_origin_its_forks() {
+    let parent = Uuid::from_u128(7);
+    let (a, b) = (Uuid::from_u128(8), Uuid::from_u128(9));
+    let fork = Rec::default()
+        .event(LifecycleEvent::SessionCreated {
+            kernel: "python3".into(),
+            idle_timeout_seconds: Some(60),
+            provenance: Default::default(),
+            forked_from: Some(crate::session::lifecycle::ForkedFrom {
+                session: parent,
+                execution_count: 4,
+            }),
+        })
+        .request("a", "x + 1")
+        .reply("a", "ok", 5);
+    let nb = notebook(&info(1, 3), &fork.0);
+    let meta = &nb["metadata"]["kernel_broker"];
+    assert_eq!(
+        meta["forked_from"],
+        json!({"session": parent, "execution_count": 4})
+    );
+    assert!(meta.get("forks").is_none(), "{meta}");
+
+    let origin = Rec::default()
+        .event(LifecycleEvent::SessionCreated {
+            kernel: "python3".into(),
+            idle_timeout_seconds: Some(60),
+            provenance: Default::default(),
+            forked_from: None,
+        })
+        .request("a", "x = 1")
+        .reply("a", "ok", 4)
+        .event(LifecycleEvent::SessionForked {
+            sessions: vec![a, b],
+            execution_count: 4,
+        })
+        .request("b", "x = 2")
+        .reply("b", "ok", 5);
+    let nb = notebook(&info(2, 5), &origin.0);
+    let meta = &nb["metadata"]["kernel_broker"];
+    assert!(meta.get("forked_from").is_none(), "{meta}");
+    assert_eq!(
+        meta["forks"],
+        json!([{"session": a, "execution_count": 4}, {"session": b, "execution_count": 4}])
+    );
+    // Where it forked, between the cells it ran before and after.
+    let cells = nb["cells"].as_array().unwrap();
+    let kinds: Vec<&str> = cells
+        .iter()
+        .map(|c| c["cell_type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["code", "markdown", "code"]);
+    let said = cells[1]["source"].as_str().unwrap();
+    assert!(
+        said.contains("forked after execution 4") && said.contains(&a.to_string()),
+        "{said}"
+    );
+    assert_eq!(
+        cells[1]["metadata"]["kernel_broker"]["event"],
+        "session_forked"
+    );
+}
