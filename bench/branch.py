@@ -1,0 +1,187 @@
+"""Branching a live session (issue 36): the figures of BENCHMARKS.md, "Fork and checkpoints".
+
+    bench/.venv/bin/python bench/branch.py [--runs 15] [--mb 200] [--binary PATH]
+
+One broker (local sandbox, release build, fork-server starts: the default), one session
+holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST):
+
+  - fork -> first result: POST /v1/sessions/{id}/fork, then `1+1` in the fork, p50/p90;
+  - the original's next `1+1` right after each fork, against its `1+1` before any fork;
+  - the fork's private memory right after forking: its kernel's USS, and the memory its
+    cgroup leaf is charged;
+  - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50,
+    rewind -> next result p50, and 100 checkpoints of a session that changes 1 MB a step
+    (the memory the checkpoints hold in all).
+
+Each figure is a wall-clock time seen by the client or a memory figure read from /proc and
+the cgroup tree; nothing is taken from the broker's own reports. Run as root.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench  # noqa: E402
+
+TIMEOUT = 120
+
+
+def ms(values, q):
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1)
+
+
+class Api:
+    def __init__(self, broker):
+        self.b = broker
+
+    def call(self, method, path, body=None, want=(200, 201, 204)):
+        r = requests.request(method, self.b.url + path, json=body, headers=self.b.h(0), timeout=TIMEOUT)
+        if r.status_code not in want:
+            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:300]}")
+        return r.json() if r.content else None
+
+    def run(self, sid, code):
+        out = self.call("POST", f"/v1/sessions/{sid}/execute", {"code": code})
+        if out["status"] != "ok":
+            raise RuntimeError(f"{code!r}: {out}")
+        return out
+
+    def timed(self, sid, code):
+        start = time.monotonic()
+        self.run(sid, code)
+        return time.monotonic() - start
+
+
+def kernel_of(broker, sid):
+    """The kernel process of session `sid`: the one whose cgroup leaf is named after it."""
+    for p in broker.kernel_procs():
+        try:
+            if sid in Path(f"/proc/{p.pid}/cgroup").read_text():
+                return p.pid
+        except OSError:
+            continue
+    return None
+
+
+def leaf_charged(pid):
+    """Bytes charged to the memory cgroup of process `pid` (v1 or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "memory":
+            f = Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.usage_in_bytes")
+            return int(f.read_text())
+        if controllers == "":
+            f = Path("/sys/fs/cgroup", path.lstrip("/"), "memory.current")
+            if f.exists():
+                return int(f.read_text())
+    return None
+
+
+def measure_fork(api, broker, sid, runs):
+    res = {}
+    base = [api.timed(sid, "1+1") for _ in range(runs)]
+    firsts, afters, uss, charged = [], [], [], []
+    for _ in range(runs):
+        start = time.monotonic()
+        made = api.call("POST", f"/v1/sessions/{sid}/fork", {})
+        fork = made["sessions"][0]["id"]
+        api.run(fork, "1+1")
+        firsts.append(time.monotonic() - start)
+        pid = kernel_of(broker, fork)
+        if pid is not None:
+            uss.append(psutil.Process(pid).memory_full_info().uss)
+            charged.append(leaf_charged(pid) or 0)
+        afters.append(api.timed(sid, "1+1"))
+        api.call("DELETE", f"/v1/sessions/{fork}")
+    res["fork_to_first_result_p50_ms"] = ms(firsts, 0.5)
+    res["fork_to_first_result_p90_ms"] = ms(firsts, 0.9)
+    res["original_1plus1_before_p50_ms"] = ms(base, 0.5)
+    res["original_1plus1_after_fork_p50_ms"] = ms(afters, 0.5)
+    if uss:
+        res["fork_private_uss_mib_p50"] = round(statistics.median(uss) / 2**20, 1)
+        res["fork_leaf_charged_mib_p50"] = round(statistics.median(charged) / 2**20, 1)
+    return res
+
+
+def measure_checkpoints(api, sid, runs):
+    r = requests.post(f"{api.b.url}/v1/sessions/{sid}/checkpoints", headers=api.b.h(0), timeout=TIMEOUT)
+    if r.status_code == 404 and "checkpoint" not in r.text:
+        return {"checkpoints": "not built"}
+    if r.status_code != 201:
+        return {"checkpoints": f"refused: {r.status_code} {r.text[:200]}"}
+    first = r.json()["id"]
+    res = {}
+    takes, rewinds = [], []
+    for _ in range(runs):
+        start = time.monotonic()
+        api.call("POST", f"/v1/sessions/{sid}/checkpoints")
+        takes.append(time.monotonic() - start)
+    for _ in range(runs):
+        api.run(sid, "x_after = 1")
+        start = time.monotonic()
+        api.call("POST", f"/v1/sessions/{sid}/rewind", {"checkpoint": first})
+        api.run(sid, "1+1")
+        rewinds.append(time.monotonic() - start)
+    res["checkpoint_take_p50_ms"] = ms(takes, 0.5)
+    res["rewind_to_next_result_p50_ms"] = ms(rewinds, 0.5)
+    listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")
+    for cp in listed.get("checkpoints", []):
+        api.call("DELETE", f"/v1/sessions/{sid}/checkpoints/{cp['id']}")
+    return res
+
+
+def measure_hundred(api, broker, sid):
+    """100 checkpoints of a session that changes 1 MB a step: what they hold in all."""
+    api.run(sid, "import numpy as np\nstep_buf = np.zeros((100, 1 << 17))")  # 100 x 1 MB
+    listed = requests.get(f"{api.b.url}/v1/sessions/{sid}/checkpoints", headers=api.b.h(0), timeout=TIMEOUT)
+    if listed.status_code != 200:
+        return {}
+    for i in range(100):
+        api.run(sid, f"step_buf[{i}] += 1")
+        api.call("POST", f"/v1/sessions/{sid}/checkpoints")
+    listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")
+    held = [cp.get("memory_bytes") or 0 for cp in listed.get("checkpoints", [])]
+    return {
+        "hundred_checkpoints_kept": len(held),
+        "hundred_checkpoints_reported_mib": round(sum(held) / 2**20, 1),
+        "hundred_checkpoints_dropped": len(listed.get("dropped", [])),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--binary", default=str(bench.REPO / "target/release/kernel-broker"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    # The forks' memory is admitted as a session's each: room for the DataFrame in each.
+    b = bench.Broker(args.binary, pool_size=0, tag="-branch", memory_limit=20 << 30,
+                     extra_args=["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20))])
+    out = {"mb": args.mb, "runs": args.runs}
+    try:
+        api = Api(b)
+        sid = api.call("POST", "/v1/sessions", {})["id"]
+        rows = args.mb * (1 << 20) // 80
+        api.run(sid, f"import pandas as pd, numpy as np\ndf = pd.DataFrame(np.random.rand({rows}, 10))")
+        out["original_leaf_charged_mib"] = round((leaf_charged(kernel_of(b, sid)) or 0) / 2**20, 1)
+        out.update(measure_fork(api, b, sid, args.runs))
+        out.update(measure_checkpoints(api, sid, args.runs))
+        out.update(measure_hundred(api, b, sid))
+    finally:
+        b.stop()
+    print(json.dumps(out, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
