@@ -58,6 +58,9 @@ pub struct CreateBody {
     /// `/home/user` (its home and working directory) and `/workspace`, with a `/tmp` its
     /// kernel and commands share, removed when the session ends (as an E2B sandbox's).
     workspace: Option<WorkspaceOption>,
+    /// Take a checkpoint after every execution that ends ok (`GET .../checkpoints`), within
+    /// the user's checkpoint bounds; the user's setting when absent.
+    checkpoint_every_execution: Option<bool>,
 }
 
 /// The `workspace` of `POST /v1/sessions`.
@@ -105,6 +108,11 @@ async fn create(
             },
         }))
         .await?;
+    let mut policy = caller.0.checkpoints;
+    policy.every_execution = req
+        .checkpoint_every_execution
+        .unwrap_or(policy.every_execution);
+    state.registry.set_checkpoint_policy(&session, policy)?;
     let location = format!("/v1/sessions/{}", session.id);
     Ok((
         StatusCode::CREATED,
@@ -240,7 +248,7 @@ impl BodyLimit for ForkBody {
 #[derive(serde::Serialize, ToSchema)]
 pub struct ForkedJson {
     /// The new sessions, as `GET /v1/sessions/{id}` shows them.
-    sessions: Vec<SessionJson>,
+    pub(super) sessions: Vec<SessionJson>,
 }
 
 /// Fork a live session
@@ -274,6 +282,7 @@ async fn fork(
     let forks = state
         .registry
         .fork(ForkRequest {
+            checkpoint: None,
             user: base.user,
             max_sessions: base.max_sessions,
             session,
