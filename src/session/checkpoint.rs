@@ -23,12 +23,11 @@
 //! or adopted across broker restarts.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::handle::Session;
 use crate::sandbox::KernelProcess;
 use crate::sync::lock;
 
@@ -89,18 +88,23 @@ pub struct CheckpointUse {
     pub memory_bytes: u64,
 }
 
+/// What ends a checkpoint of a session, asked from elsewhere (another session's bound):
+/// `(checkpoint, why)`. It only asks the session's actor, never waits.
+pub(super) type Dropper = Arc<dyn Fn(Uuid, String) + Send + Sync>;
+
 /// A checkpoint to drop for a bound: whose, which, why.
 pub(super) struct Victim {
-    pub session: Weak<Session>,
+    pub session: Uuid,
+    pub dropper: Dropper,
     pub id: Uuid,
     pub why: String,
 }
 
 struct Entry {
     id: Uuid,
-    session: Weak<Session>,
+    session: Uuid,
+    dropper: Dropper,
     process: Arc<dyn KernelProcess>,
-    created_at: DateTime<Utc>,
 }
 
 /// Every user's checkpoints, oldest first, so bounds can be kept per user across
@@ -113,19 +117,19 @@ pub(crate) struct CheckpointBook {
 impl CheckpointBook {
     pub(super) fn add(
         &self,
-        session: &Arc<Session>,
+        (user, session): (&str, Uuid),
         id: Uuid,
         process: Arc<dyn KernelProcess>,
-        created_at: DateTime<Utc>,
+        dropper: Dropper,
     ) {
         lock(&self.users)
-            .entry(session.user.name.clone())
+            .entry(user.to_string())
             .or_default()
             .push(Entry {
                 id,
-                session: Arc::downgrade(session),
+                session,
+                dropper,
                 process,
-                created_at,
             });
     }
 
@@ -159,22 +163,22 @@ impl CheckpointBook {
         policy: &CheckpointPolicy,
         keep: Uuid,
     ) -> Vec<Victim> {
-        let entries: Vec<(Uuid, Weak<Session>, Arc<dyn KernelProcess>, DateTime<Utc>)> =
-            lock(&self.users)
-                .get(user)
-                .map(|l| {
-                    l.iter()
-                        .map(|e| (e.id, e.session.clone(), e.process.clone(), e.created_at))
-                        .collect()
-                })
-                .unwrap_or_default();
+        type Listed = (Uuid, Uuid, Dropper, Arc<dyn KernelProcess>);
+        let entries: Vec<Listed> = lock(&self.users)
+            .get(user)
+            .map(|l| {
+                l.iter()
+                    .map(|e| (e.id, e.session, e.dropper.clone(), e.process.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut memory: Vec<u64> = entries
             .iter()
-            .map(|e| e.2.memory_used().unwrap_or(0))
+            .map(|e| e.3.memory_used().unwrap_or(0))
             .collect();
         let (mut count, mut total) = (entries.len(), memory.iter().sum::<u64>());
         let mut victims = Vec::new();
-        for (i, (id, session, _, _)) in entries.iter().enumerate() {
+        for (i, (id, session, dropper, _)) in entries.iter().enumerate() {
             if *id == keep {
                 continue;
             }
@@ -195,7 +199,8 @@ impl CheckpointBook {
             count -= 1;
             total -= std::mem::take(&mut memory[i]);
             victims.push(Victim {
-                session: session.clone(),
+                session: *session,
+                dropper: dropper.clone(),
                 id: *id,
                 why,
             });

@@ -74,7 +74,7 @@ pub(super) async fn fork_connected(
     })
     .await;
     let pid = match reply {
-        Ok(Some(r)) => reply_pid(&r).map_err(|why| failed(&why)),
+        Ok(Some(r)) => pid_of_reply(session, &r),
         Ok(None) => Err(failed("the kernel ended before it answered")),
         Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
     };
@@ -101,8 +101,17 @@ pub(super) async fn fork_connected(
         })
 }
 
+/// The pid a `kb_fork_reply` of session `session`'s kernel names, or why it is refused.
+pub(super) fn pid_of_reply(session: Uuid, m: &Message) -> Result<i64, SessionError> {
+    reply_pid(m).map_err(|why| SessionError::ForkFailed {
+        session,
+        why,
+        source: None,
+    })
+}
+
 /// The pid a `kb_fork_reply` names, or why the reply is not accepted.
-pub(super) fn reply_pid(m: &Message) -> Result<i64, String> {
+fn reply_pid(m: &Message) -> Result<i64, String> {
     if m.msg_type != "kb_fork_reply" {
         return Err(format!(
             "the kernel answered with a message of another type ({:.64})",

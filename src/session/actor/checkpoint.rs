@@ -14,7 +14,7 @@ use uuid::Uuid;
 use super::Actor;
 use crate::sandbox::LaunchSpec;
 use crate::session::checkpoint::{
-    CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint,
+    CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint, Dropper,
 };
 use crate::session::command::Command;
 use crate::session::error::SessionError;
@@ -152,19 +152,20 @@ impl Actor {
             kernel: parent,
         });
         if let Some((policy, book)) = self.checkpoints.policy.clone() {
-            book.add(&self.session, info.id, process, info.created_at);
-            for victim in book.over_budget(&self.session.user.name, &policy, info.id) {
-                let Some(owner) = victim.session.upgrade() else {
-                    continue;
-                };
-                if owner.id == session {
+            let owner = std::sync::Arc::downgrade(&self.session);
+            let dropper: Dropper = Arc::new(move |id, why| {
+                if let Some(owner) = owner.upgrade() {
+                    let done = None;
+                    let _ = owner.send(Command::DropCheckpoint { id, why, done });
+                }
+            });
+            let user = self.session.user.name.clone();
+            book.add((&user, session), info.id, process, dropper);
+            for victim in book.over_budget(&user, &policy, info.id) {
+                if victim.session == session {
                     self.drop_checkpoint(victim.id, victim.why).await;
                 } else {
-                    let _ = owner.send(Command::DropCheckpoint {
-                        id: victim.id,
-                        why: victim.why,
-                        done: None,
-                    });
+                    (victim.dropper)(victim.id, victim.why);
                 }
             }
         }

@@ -25,7 +25,7 @@ use super::{Registry, Shape};
 use crate::sandbox::SandboxUser;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
-use crate::session::forking::{fork_error, reply_pid, FORK_REPLY_GRACE};
+use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
 use crate::session::front_door::{EndedBy, Provenance, SessionEnd};
 use crate::session::handle::Session;
 use crate::session::launch::connect_kernel;
@@ -281,7 +281,7 @@ impl Registry {
         })
         .await;
         let pid = match reply {
-            Ok(Some(m)) => reply_pid(&m).map_err(|why| failed(&why, None)),
+            Ok(Some(m)) => pid_of_reply(parent.id, &m),
             Ok(None) => Err(failed(
                 "the kernel ended or was restarted before it answered",
                 None,
