@@ -55,10 +55,12 @@ pub(super) enum Command {
     Checkpoint {
         done: oneshot::Sender<Result<CheckpointInfo, SessionError>>,
     },
-    /// The user's checkpoint bounds and their book (sent by a front door).
+    /// The user's checkpoint bounds and their book (sent by a front door); with
+    /// `set_mode`, `policy.every_execution` too (otherwise the session keeps its own).
     CheckpointPolicy {
         policy: CheckpointPolicy,
         book: Arc<CheckpointBook>,
+        set_mode: bool,
     },
     ListCheckpoints(oneshot::Sender<CheckpointList>),
     /// End a checkpoint (`why`: asked, or a bound); `done` says whether there was one.

@@ -360,6 +360,9 @@ async fn every_execution_mode_takes_one_per_successful_execution() {
     let v = api.execute(&a, "raise ValueError('no')").await;
     assert_eq!(v["status"], "error", "{v}");
     out(&api, &a, "x = 3").await;
+    // One on demand, which leaves the mode as it is.
+    take(&api, &a).await;
+    out(&api, &a, "x = 3").await;
     let l = list(&api, &a).await;
     let counts: Vec<u64> = l["checkpoints"]
         .as_array()
@@ -367,7 +370,7 @@ async fn every_execution_mode_takes_one_per_successful_execution() {
         .iter()
         .map(|c| c["execution_count"].as_u64().unwrap())
         .collect();
-    assert_eq!(counts, vec![1, 2, 4], "{l}");
+    assert_eq!(counts, vec![1, 2, 4, 4, 5], "{l}");
     let second = l["checkpoints"][1]["id"].as_str().unwrap().to_string();
     let (status, v) = rewind(&api, &a, &second).await;
     assert_eq!(status, 200, "{v}");

@@ -45,12 +45,21 @@ pub(crate) struct Checkpoints {
 }
 
 impl Actor {
-    /// Sets the bounds the session's checkpoints are kept within.
+    /// Sets the bounds the session's checkpoints are kept within, and with `set_mode`
+    /// whether one is taken after every successful execution (else that stays as it was).
     pub(super) fn set_checkpoint_policy(
         &mut self,
-        policy: CheckpointPolicy,
+        mut policy: CheckpointPolicy,
         book: Arc<CheckpointBook>,
+        set_mode: bool,
     ) {
+        if !set_mode {
+            policy.every_execution = self
+                .checkpoints
+                .policy
+                .as_ref()
+                .is_some_and(|(p, _)| p.every_execution);
+        }
         self.checkpoints.policy = Some((policy, book));
     }
 

@@ -266,7 +266,11 @@ impl Actor {
                 self.session.touch();
                 let _ = done.send(self.take_checkpoint().await);
             }
-            Command::CheckpointPolicy { policy, book } => self.set_checkpoint_policy(policy, book),
+            Command::CheckpointPolicy {
+                policy,
+                book,
+                set_mode,
+            } => self.set_checkpoint_policy(policy, book, set_mode),
             Command::ListCheckpoints(done) => {
                 let _ = done.send(self.list_checkpoints());
             }

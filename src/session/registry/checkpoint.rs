@@ -48,6 +48,7 @@ impl Registry {
         session.send(Command::CheckpointPolicy {
             policy,
             book: self.inner.checkpoints.clone(),
+            set_mode: true,
         })
     }
 
@@ -59,7 +60,12 @@ impl Registry {
         policy: CheckpointPolicy,
     ) -> Result<CheckpointInfo, SessionError> {
         let session = self.checkpointable(user, id)?;
-        self.set_checkpoint_policy(&session, policy)?;
+        // The bounds only: the session keeps its every-execution mode.
+        session.send(Command::CheckpointPolicy {
+            policy,
+            book: self.inner.checkpoints.clone(),
+            set_mode: false,
+        })?;
         Self::ask(&session, |done| Command::Checkpoint { done }).await?
     }
 
