@@ -211,3 +211,77 @@ impl CheckpointBook {
         victims
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::{ExitReason, SandboxError};
+
+    /// A checkpoint's kernel that only reports its memory.
+    struct Charged(u64);
+
+    #[async_trait::async_trait]
+    impl KernelProcess for Charged {
+        async fn interrupt(&self) -> Result<(), SandboxError> {
+            Ok(())
+        }
+        async fn wait(&self) -> ExitReason {
+            ExitReason::Terminated
+        }
+        async fn terminate(&self) {}
+        fn memory_used(&self) -> Option<u64> {
+            Some(self.0)
+        }
+    }
+
+    /// Checkpoints of `user` with these charges, oldest first; their ids.
+    fn book(user: &str, charges: &[u64]) -> (CheckpointBook, Vec<Uuid>) {
+        let book = CheckpointBook::default();
+        let session = Uuid::new_v4();
+        let dropper: Dropper = Arc::new(|_, _| {});
+        let ids: Vec<Uuid> = charges.iter().map(|_| Uuid::new_v4()).collect();
+        for (id, bytes) in ids.iter().zip(charges) {
+            book.add(
+                (user, session),
+                *id,
+                Arc::new(Charged(*bytes)),
+                dropper.clone(),
+            );
+        }
+        (book, ids)
+    }
+
+    #[test]
+    fn the_oldest_go_first_until_the_rest_fit_and_the_newest_stays() {
+        let policy = |max_count, memory_budget_bytes| CheckpointPolicy {
+            max_count,
+            memory_budget_bytes,
+            every_execution: false,
+        };
+        // (charges, max count, budget, how many of the oldest go, what the reason says)
+        let cases: &[(&[u64], usize, u64, usize, &str)] = &[
+            (&[10, 10, 10], 3, 100, 0, ""),
+            (&[10, 10, 10], 2, 100, 1, "maximum of 2"),
+            (&[10, 10, 10, 10], 1, 100, 3, "maximum of 1"),
+            (&[50, 30, 30], 5, 70, 1, "budget"),
+            (&[50, 30, 30], 5, 40, 2, "budget"),
+            // The newest alone over the budget: it stays (its take is not undone).
+            (&[10, 90], 5, 50, 1, "budget"),
+            (&[90], 5, 50, 0, ""),
+        ];
+        for (charges, max, budget, gone, why) in cases {
+            let (book, ids) = book("alice", charges);
+            let newest = *ids.last().unwrap();
+            let victims = book.over_budget("alice", &policy(*max, *budget), newest);
+            let dropped: Vec<Uuid> = victims.iter().map(|v| v.id).collect();
+            assert_eq!(dropped, ids[..*gone].to_vec(), "{charges:?} {max} {budget}");
+            assert!(victims.iter().all(|v| v.why.contains(why)), "{charges:?}");
+            // Taken out of the book: what is left fits.
+            let left = book.usage("alice");
+            assert_eq!(left.count, charges.len() - gone);
+            assert_eq!(left.memory_bytes, charges[*gone..].iter().sum::<u64>());
+            // Another user's book is not touched.
+            assert_eq!(book.usage("bob"), CheckpointUse::default());
+        }
+    }
+}
