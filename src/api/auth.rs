@@ -62,6 +62,7 @@ impl User {
             user: self.sandbox_user(),
             max_sessions: self.max_sessions,
             options,
+            checkpoints: self.checkpoints,
         }
     }
 }

@@ -93,26 +93,21 @@ async fn create(
     caller: Caller,
     JsonBody(req): JsonBody<CreateBody>,
 ) -> ApiResult<Response> {
-    let session = state
-        .registry
-        .create_session(caller.0.create_request(CreateOptions {
-            kernel: req.kernel,
-            idle_timeout_seconds: req.idle_timeout_seconds,
-            id: None,
-            memory_limit_bytes: req.memory_limit_bytes,
-            provenance:
-                Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
-            workspace: match req.workspace {
-                None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
-                Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
-            },
-        }))
-        .await?;
-    let mut policy = caller.0.checkpoints;
-    policy.every_execution = req
-        .checkpoint_every_execution
-        .unwrap_or(policy.every_execution);
-    state.registry.set_checkpoint_policy(&session, policy)?;
+    let mut request = caller.0.create_request(CreateOptions {
+        kernel: req.kernel,
+        idle_timeout_seconds: req.idle_timeout_seconds,
+        id: None,
+        memory_limit_bytes: req.memory_limit_bytes,
+        provenance: Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
+        workspace: match req.workspace {
+            None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
+            Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
+        },
+    });
+    if let Some(every) = req.checkpoint_every_execution {
+        request.checkpoints.every_execution = every;
+    }
+    let session = state.registry.create_session(request).await?;
     let location = format!("/v1/sessions/{}", session.id);
     Ok((
         StatusCode::CREATED,

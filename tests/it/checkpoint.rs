@@ -717,3 +717,38 @@ async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
     }
     broker.stop().await;
 }
+
+/// `--checkpoint-every-execution` is the default of every front door's sessions; the REST
+/// create can say otherwise.
+#[tokio::test]
+async fn the_every_execution_flag_is_every_front_doors_default() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.checkpoint_every_execution = Some(true);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let (status, k) = api.post("/api/kernels", json!({"name": "python3"})).await;
+    assert_eq!(status, 201, "{k}");
+    let jupyter = k["id"].as_str().unwrap().to_string();
+    let rest = api.create().await;
+    let (status, s) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": false}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let off = s["id"].as_str().unwrap().to_string();
+    for id in [&jupyter, &rest, &off] {
+        out(&api, id, "x = 1").await;
+        out(&api, id, "x = 2").await;
+    }
+    for (id, taken) in [(&jupyter, 2), (&rest, 2), (&off, 0)] {
+        let l = list(&api, id).await;
+        assert_eq!(
+            l["checkpoints"].as_array().unwrap().len(),
+            taken,
+            "{id}: {l}"
+        );
+        assert_eq!(l["budget"]["every_execution"], true, "{l}");
+    }
+    broker.stop().await;
+}

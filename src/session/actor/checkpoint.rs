@@ -81,8 +81,18 @@ impl Actor {
         if !std::mem::take(&mut self.checkpoints.due) || self.kernel.is_none() {
             return;
         }
-        if let Err(e) = self.take_checkpoint().await {
-            tracing::warn!(session = %self.session.id, error = %e, "checkpoint after an execution not taken");
+        match self.take_checkpoint().await {
+            Ok(_) => {}
+            // This session can have none (a plain kernel, the Docker sandbox): stop trying.
+            Err(e @ SessionError::ForkRefused { .. }) => {
+                tracing::info!(session = %self.session.id, reason = %e, "no checkpoints after executions for this session");
+                if let Some((policy, _)) = self.checkpoints.policy.as_mut() {
+                    policy.every_execution = false;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.session.id, error = %e, "checkpoint after an execution not taken");
+            }
         }
     }
 
@@ -118,6 +128,15 @@ impl Actor {
 
     pub(super) async fn take_checkpoint(&mut self) -> Result<CheckpointInfo, SessionError> {
         self.idle()?;
+        if self.session.own_workspace.is_some() {
+            return Err(SessionError::ForkRefused {
+                session: self.session.id,
+                why: "it has a workspace of its own, which a checkpoint would not hold (a \
+                      checkpoint of the files is not supported yet); use a session of the \
+                      shared workspace"
+                    .into(),
+            });
+        }
         let spec = self.child_spec();
         let session = self.session.id;
         let Some(live) = self.kernel.as_mut() else {

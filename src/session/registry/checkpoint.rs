@@ -1,7 +1,7 @@
 //! Checkpoints and rewind of a session (issue 36; `session/checkpoint.rs` says what they
 //! are): what the front doors ask the registry, checked once here (ownership: another
-//! user's session answers as a missing one; a session with its own workspace is refused
-//! as its fork is), then done by the session's actor, which owns the kernels.
+//! user's session answers as a missing one), then done by the session's actor, which owns
+//! the kernels (and refuses a session with a workspace of its own, as a fork is refused).
 
 use std::sync::Arc;
 
@@ -15,21 +15,6 @@ use crate::session::error::SessionError;
 use crate::session::handle::Session;
 
 impl Registry {
-    /// The caller's session `id`, if checkpoints can be taken of it.
-    fn checkpointable(&self, user: &str, id: Uuid) -> Result<Arc<Session>, SessionError> {
-        let session = self.get(user, id)?;
-        if session.own_workspace.is_some() {
-            return Err(SessionError::ForkRefused {
-                session: id,
-                why: "it has a workspace of its own, which a checkpoint would not hold (a \
-                      checkpoint of the files is not supported yet); use a session of the \
-                      shared workspace"
-                    .into(),
-            });
-        }
-        Ok(session)
-    }
-
     async fn ask<T>(
         session: &Session,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
@@ -59,7 +44,7 @@ impl Registry {
         id: Uuid,
         policy: CheckpointPolicy,
     ) -> Result<CheckpointInfo, SessionError> {
-        let session = self.checkpointable(user, id)?;
+        let session = self.get(user, id)?;
         // The bounds only: the session keeps its every-execution mode.
         session.send(Command::CheckpointPolicy {
             policy,
@@ -112,7 +97,7 @@ impl Registry {
         id: Uuid,
         cp: Uuid,
     ) -> Result<Arc<Session>, SessionError> {
-        let session = self.checkpointable(user, id)?;
+        let session = self.get(user, id)?;
         Self::ask(&session, |done| Command::Rewind {
             checkpoint: cp,
             done,
