@@ -752,3 +752,36 @@ async fn the_every_execution_flag_is_every_front_doors_default() {
     }
     broker.stop().await;
 }
+
+/// A cell that kills the kernel: the session is dead; a rewind brings it back to life with
+/// the checkpoint's state, and nothing of the dead kernel is left.
+#[tokio::test]
+async fn a_rewind_brings_a_dead_session_back() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import os").await;
+    let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    let dead_leaf = {
+        let cg = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
+        let line = cg
+            .lines()
+            .find(|l| l.contains(":pids:"))
+            .unwrap()
+            .to_string();
+        line.rsplit('/').next().unwrap().to_string()
+    };
+    let v = api.execute(&a, "os._exit(3)").await;
+    assert_ne!(v["status"], "ok", "{v}");
+    let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
+    assert_eq!(s["state"], "dead", "{s}");
+    let (status, s) = rewind(&api, &a, &cp).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["state"], "idle", "{s}");
+    assert_eq!(s["dead_reason"], Value::Null, "{s}");
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    assert!(!leaves(&broker, "alice").contains(&dead_leaf));
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    assert!(!leaves(&broker, "alice").contains(&a));
+    broker.stop().await;
+}

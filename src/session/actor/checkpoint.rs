@@ -96,14 +96,12 @@ impl Actor {
         }
     }
 
+    /// Nothing runs or waits (a dead session, with no kernel, is idle too).
     fn idle(&self) -> Result<(), SessionError> {
         if self.running.is_some() || !self.queue.is_empty() {
             return Err(SessionError::CheckpointBusy {
                 session: self.session.id,
             });
-        }
-        if self.kernel.is_none() {
-            return Err(SessionError::KernelNotRunning);
         }
         Ok(())
     }
@@ -264,6 +262,7 @@ impl Actor {
         Ok((child, count))
     }
 
+    /// Makes a fork of checkpoint `id` the live kernel; a dead session lives again.
     pub(super) async fn rewind(&mut self, id: Uuid) -> Result<(), SessionError> {
         self.idle()?;
         let spec = self.child_spec();
@@ -272,6 +271,7 @@ impl Actor {
         if let Some(old) = self.swap_live(child).await {
             old.process.terminate().await;
         }
+        self.dead_reason = None;
         self.session.set_execution_count(count);
         self.session.set_state(SessionState::Idle);
         self.recorder.event(
