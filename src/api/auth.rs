@@ -29,7 +29,7 @@ use super::error::{ApiError, JupyterError};
 use super::metrics::Refused;
 use super::user_load::Kind;
 use super::AppState;
-use crate::session::{CreateOptions, CreateRequest, SandboxUser, UserLimits};
+use crate::session::{CheckpointPolicy, CreateOptions, CreateRequest, SandboxUser, UserLimits};
 
 /// One user of the broker: a name, its token, its limits (read from the users file or the
 /// environment by `config`).
@@ -41,6 +41,9 @@ pub struct User {
     pub index: u32,
     pub limits: UserLimits,
     pub max_sessions: usize,
+    /// The bounds of the user's checkpoints, and whether sessions take one after every
+    /// successful execution unless they say otherwise.
+    pub checkpoints: CheckpointPolicy,
 }
 
 impl User {
@@ -59,6 +62,7 @@ impl User {
             user: self.sandbox_user(),
             max_sessions: self.max_sessions,
             options,
+            checkpoints: self.checkpoints,
         }
     }
 }

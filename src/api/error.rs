@@ -110,6 +110,15 @@ impl From<SessionError> for ApiError {
             SessionError::ForkRefused { .. } | SessionError::ForkBusy { .. } => {
                 Self::new(StatusCode::CONFLICT, "fork_refused", message)
             }
+            SessionError::CheckpointNotFound { .. } => {
+                Self::new(StatusCode::NOT_FOUND, "checkpoint_not_found", message)
+            }
+            SessionError::CheckpointBusy { .. } => {
+                Self::new(StatusCode::CONFLICT, "checkpoint_refused", message)
+            }
+            SessionError::CheckpointFailed { .. } => {
+                Self::new(StatusCode::BAD_GATEWAY, "checkpoint_failed", message)
+            }
             SessionError::ForkFailed { .. } => {
                 Self::new(StatusCode::BAD_GATEWAY, "fork_failed", message)
             }

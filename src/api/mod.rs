@@ -24,6 +24,7 @@
 
 pub mod auth;
 pub mod auth_failures;
+mod checkpoints;
 pub mod clients;
 mod cluster;
 /// E2B compatibility (`/e2b`): E2B's SDKs work unmodified against the broker.
@@ -115,6 +116,7 @@ impl AppState {
 fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .merge(sessions::routes())
+        .merge(checkpoints::routes())
         .merge(files::routes())
         .merge(stream::routes())
         .merge(ops::routes())

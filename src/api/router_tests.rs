@@ -28,6 +28,7 @@ fn user(name: &str, token: &str, index: u32) -> Arc<User> {
         index,
         limits: UserLimits::default(),
         max_sessions: 2,
+        checkpoints: Default::default(),
     })
 }
 

@@ -58,6 +58,9 @@ pub struct CreateBody {
     /// `/home/user` (its home and working directory) and `/workspace`, with a `/tmp` its
     /// kernel and commands share, removed when the session ends (as an E2B sandbox's).
     workspace: Option<WorkspaceOption>,
+    /// Take a checkpoint after every execution that ends ok (`GET .../checkpoints`), within
+    /// the user's checkpoint bounds; the user's setting when absent.
+    checkpoint_every_execution: Option<bool>,
 }
 
 /// The `workspace` of `POST /v1/sessions`.
@@ -90,21 +93,21 @@ async fn create(
     caller: Caller,
     JsonBody(req): JsonBody<CreateBody>,
 ) -> ApiResult<Response> {
-    let session = state
-        .registry
-        .create_session(caller.0.create_request(CreateOptions {
-            kernel: req.kernel,
-            idle_timeout_seconds: req.idle_timeout_seconds,
-            id: None,
-            memory_limit_bytes: req.memory_limit_bytes,
-            provenance:
-                Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
-            workspace: match req.workspace {
-                None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
-                Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
-            },
-        }))
-        .await?;
+    let mut request = caller.0.create_request(CreateOptions {
+        kernel: req.kernel,
+        idle_timeout_seconds: req.idle_timeout_seconds,
+        id: None,
+        memory_limit_bytes: req.memory_limit_bytes,
+        provenance: Provenance::new(FrontDoor::Rest).with_metadata(Metadata::new(req.metadata)?),
+        workspace: match req.workspace {
+            None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
+            Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
+        },
+    });
+    if let Some(every) = req.checkpoint_every_execution {
+        request.checkpoints.every_execution = every;
+    }
+    let session = state.registry.create_session(request).await?;
     let location = format!("/v1/sessions/{}", session.id);
     Ok((
         StatusCode::CREATED,
@@ -240,7 +243,7 @@ impl BodyLimit for ForkBody {
 #[derive(serde::Serialize, ToSchema)]
 pub struct ForkedJson {
     /// The new sessions, as `GET /v1/sessions/{id}` shows them.
-    sessions: Vec<SessionJson>,
+    pub(super) sessions: Vec<SessionJson>,
 }
 
 /// Fork a live session
@@ -274,6 +277,7 @@ async fn fork(
     let forks = state
         .registry
         .fork(ForkRequest {
+            checkpoint: None,
             user: base.user,
             max_sessions: base.max_sessions,
             session,

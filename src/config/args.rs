@@ -247,6 +247,15 @@ pub struct ServeArgs {
     /// Live sessions one user may hold [default: 20]
     #[arg(long, env = "KERNEL_BROKER_MAX_SESSIONS_PER_USER")]
     pub max_sessions_per_user: Option<usize>,
+    /// Checkpoints one user may hold at once, over all sessions; past it the oldest is dropped [default: 32]
+    #[arg(long, env = "KERNEL_BROKER_MAX_CHECKPOINTS_PER_USER")]
+    pub max_checkpoints_per_user: Option<usize>,
+    /// Memory one user's checkpoints may be charged together, bytes; past it the oldest are dropped [default: 2147483648]
+    #[arg(long, env = "KERNEL_BROKER_CHECKPOINT_MEMORY_PER_USER")]
+    pub checkpoint_memory_per_user: Option<u64>,
+    /// Take a checkpoint of a session after every execution that ends ok (a user's or a session's own setting overrides it) [default: false]
+    #[arg(long, env = "KERNEL_BROKER_CHECKPOINT_EVERY_EXECUTION", num_args = 0..=1, default_missing_value = "true")]
+    pub checkpoint_every_execution: Option<bool>,
     /// Ready kernels kept per user (and kernel spec) once the user has created a session; 0 disables the warm pool [default: 1]
     #[arg(long, env = "KERNEL_BROKER_POOL_SIZE")]
     pub pool_size: Option<usize>,

@@ -33,7 +33,7 @@ use crate::recording::RecordingConfig;
 use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
-use crate::session::SessionConfig;
+use crate::session::{CheckpointPolicy, SessionConfig};
 pub use args::{Cli, Command, EgressMode, McpArgs, SandboxKind, ServeArgs, TokenArgs};
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +75,9 @@ struct UserEntry {
     pids: Option<u64>,
     workspace_quota_bytes: Option<u64>,
     max_sessions: Option<usize>,
+    max_checkpoints: Option<usize>,
+    checkpoint_memory_bytes: Option<u64>,
+    checkpoint_every_execution: Option<bool>,
     session_memory_bytes: Option<u64>,
     session_pids: Option<u64>,
     /// Modules this user's kernels import before their first cell (overrides `--preload`).
@@ -253,6 +256,15 @@ impl Settings {
         check_session_limits(&defaults, "the defaults")?;
         check_workspace_quota(defaults.workspace_quota_bytes, "workspace_quota")?;
         let max_sessions = pick!(max_sessions_per_user, 20);
+        let base_checkpoints = CheckpointPolicy::default();
+        let checkpoints = CheckpointPolicy {
+            max_count: pick!(max_checkpoints_per_user, base_checkpoints.max_count),
+            memory_budget_bytes: pick!(
+                checkpoint_memory_per_user,
+                base_checkpoints.memory_budget_bytes
+            ),
+            every_execution: pick!(checkpoint_every_execution, false),
+        };
         let users_file = args.users_file.clone().or(file.users_file.clone());
         let mut user_preload = HashMap::new();
         let egress_default = egress::Defaults::resolve(&args, &file)?;
@@ -322,6 +334,15 @@ impl Settings {
                             session_pids: u.session_pids.unwrap_or(defaults.session_pids),
                         },
                         max_sessions: u.max_sessions.unwrap_or(max_sessions),
+                        checkpoints: CheckpointPolicy {
+                            max_count: u.max_checkpoints.unwrap_or(checkpoints.max_count),
+                            memory_budget_bytes: u
+                                .checkpoint_memory_bytes
+                                .unwrap_or(checkpoints.memory_budget_bytes),
+                            every_execution: u
+                                .checkpoint_every_execution
+                                .unwrap_or(checkpoints.every_execution),
+                        },
                         name: u.name,
                         token: u.token,
                     });
@@ -351,6 +372,7 @@ impl Settings {
                     index: 0,
                     limits: defaults.clone(),
                     max_sessions,
+                    checkpoints,
                 };
                 if let Some(e) =
                     egress_default.for_user(&user.name, &egress::UserEgressEntry::default())?

@@ -35,6 +35,9 @@ use crate::session::{Execution, ExecutionStatus, LifecycleEvent};
 pub struct StoredForkedFrom {
     pub session: uuid::Uuid,
     pub execution_count: u64,
+    /// The checkpoint of that session it was forked from, if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<uuid::Uuid>,
 }
 
 /// What the session layer reported, as the recording stores it.
@@ -59,6 +62,20 @@ pub enum StoredEvent {
     /// The session's kernel was forked into these new sessions.
     SessionForked {
         sessions: Vec<uuid::Uuid>,
+        execution_count: u64,
+    },
+    /// Checkpoints (issue 36): taken, dropped (and why), rewound to.
+    CheckpointTaken {
+        checkpoint: uuid::Uuid,
+        execution_count: u64,
+    },
+    CheckpointDropped {
+        checkpoint: uuid::Uuid,
+        execution_count: u64,
+        reason: String,
+    },
+    SessionRewound {
+        checkpoint: uuid::Uuid,
         execution_count: u64,
     },
     KernelStarted {
@@ -268,6 +285,9 @@ impl StoredEvent {
         match self {
             StoredEvent::SessionCreated { .. } => "session_created",
             StoredEvent::SessionForked { .. } => "session_forked",
+            StoredEvent::CheckpointTaken { .. } => "checkpoint_taken",
+            StoredEvent::CheckpointDropped { .. } => "checkpoint_dropped",
+            StoredEvent::SessionRewound { .. } => "session_rewound",
             StoredEvent::KernelStarted { .. } => "kernel_started",
             StoredEvent::ExecutionStarted { .. } => "execution_started",
             StoredEvent::ExecutionDone { .. } => "execution_done",
@@ -328,152 +348,6 @@ pub(crate) fn from_tagged<T: serde::de::DeserializeOwned>(kind: &str, detail: Va
 impl From<&LifecycleEvent> for StoredEvent {
     fn from(event: &LifecycleEvent) -> Self {
         event.clone().into()
-    }
-}
-
-impl From<LifecycleEvent> for StoredEvent {
-    fn from(event: LifecycleEvent) -> Self {
-        use LifecycleEvent as L;
-        match event {
-            L::SessionCreated {
-                kernel,
-                idle_timeout_seconds,
-                provenance,
-                forked_from,
-            } => StoredEvent::SessionCreated {
-                kernel,
-                idle_timeout_seconds,
-                front_door: Some(provenance.front_door.as_str().to_string()),
-                metadata: provenance.metadata.entries().clone(),
-                forked_from: forked_from.map(|f| StoredForkedFrom {
-                    session: f.session,
-                    execution_count: f.execution_count,
-                }),
-            },
-            L::SessionForked {
-                sessions,
-                execution_count,
-            } => StoredEvent::SessionForked {
-                sessions,
-                execution_count,
-            },
-            L::KernelStarted {
-                startup_seconds,
-                pooled,
-            } => StoredEvent::KernelStarted {
-                startup_seconds,
-                pooled,
-            },
-            L::ExecutionStarted {
-                msg_id,
-                code,
-                timeout_seconds,
-                queue_wait_seconds,
-            } => StoredEvent::ExecutionStarted {
-                msg_id,
-                code,
-                timeout_seconds,
-                queue_wait_seconds,
-            },
-            L::ExecutionDone {
-                msg_id, execution, ..
-            } => StoredEvent::ExecutionDone {
-                msg_id,
-                execution: execution.into(),
-            },
-            L::ExecutionTimeout {
-                msg_id,
-                timeout_seconds,
-            } => StoredEvent::ExecutionTimeout {
-                msg_id,
-                timeout_seconds,
-            },
-            L::OutputCut {
-                msg_id,
-                parent_msg_id,
-                msg_type,
-                bytes,
-            } => StoredEvent::OutputCut {
-                msg_id,
-                parent_msg_id,
-                msg_type,
-                bytes,
-            },
-            L::Interrupt => StoredEvent::Interrupt,
-            L::KernelRestarted { reason } => StoredEvent::KernelRestarted { reason },
-            L::KernelDied { reason } => StoredEvent::KernelDied { reason },
-            L::SessionExpired => StoredEvent::SessionExpired,
-            L::SessionClosed { by } => StoredEvent::SessionClosed {
-                by: Some(by.as_str().to_string()),
-            },
-            L::SessionDetached { by } => StoredEvent::SessionDetached {
-                by: by.as_str().to_string(),
-            },
-            L::SessionKept => StoredEvent::SessionKept,
-            L::BrokerRestarted {
-                down_seconds,
-                kernel_alive,
-            } => StoredEvent::BrokerRestarted {
-                down_seconds,
-                kernel_alive,
-            },
-            L::EgressAllowed {
-                method,
-                host,
-                port,
-                address,
-            } => StoredEvent::EgressAllowed {
-                method,
-                host,
-                port,
-                address,
-            },
-            L::EgressRefused {
-                method,
-                host,
-                port,
-                reason,
-            } => StoredEvent::EgressRefused {
-                method,
-                host,
-                port,
-                reason,
-            },
-            L::EgressClosed {
-                host,
-                port,
-                bytes_sent,
-                bytes_received,
-                seconds,
-            } => StoredEvent::EgressClosed {
-                host,
-                port,
-                bytes_sent,
-                bytes_received,
-                seconds,
-            },
-            L::FileWritten { path, bytes } => StoredEvent::FileWritten { path, bytes },
-            L::FileRemoved { path } => StoredEvent::FileRemoved { path },
-            L::FileRenamed { from, to } => StoredEvent::FileRenamed { from, to },
-            L::CommandStarted { pid, argv, cwd } => StoredEvent::CommandStarted { pid, argv, cwd },
-            L::CommandEnded {
-                pid,
-                exit_code,
-                signal,
-                seconds,
-                stdout,
-                stderr,
-            } => StoredEvent::CommandEnded {
-                pid,
-                exit_code,
-                signal,
-                seconds,
-                stdout: stdout.text,
-                stderr: stderr.text,
-                stdout_bytes: stdout.bytes,
-                stderr_bytes: stderr.bytes,
-            },
-        }
     }
 }
 
@@ -563,5 +437,6 @@ impl From<StoredError> for ExecutionError {
     }
 }
 
+mod from_session;
 #[cfg(test)]
 mod tests;

@@ -194,6 +194,15 @@ impl KernelProcess for EgressKernel {
     async fn network_pid(&self) -> Option<i32> {
         self.inner.network_pid().await
     }
+    fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
+        self.inner.fork_origin()
+    }
+    fn hold_as_checkpoint(&self, hold: bool) -> Result<(), SandboxError> {
+        self.inner.hold_as_checkpoint(hold)
+    }
+    fn set_live_oom_score(&self) -> Result<(), SandboxError> {
+        self.inner.set_live_oom_score()
+    }
     fn serves(&self, session: Uuid) {
         self.guard.attribute(session);
         self.inner.serves(session)

@@ -382,6 +382,17 @@ pub trait KernelProcess: Send + Sync {
     fn fork_origin(&self) -> Option<fork::ForkOrigin> {
         None
     }
+    /// Holds the kernel as a checkpoint (`true`: every process of its leaf frozen and
+    /// the OOM killer's first choice, `oom_score_adj` 1000) or lets it run again (`false`,
+    /// its `oom_score_adj` kept). Blocking (a few writes to the cgroup file system).
+    fn hold_as_checkpoint(&self, _hold: bool) -> Result<(), SandboxError> {
+        Err(SandboxError::Unsupported("this kernel cannot be frozen"))
+    }
+    /// Makes the kernel an ordinary live one for the OOM killer again (`oom_score_adj` 0):
+    /// a kernel forked from a checkpoint inherits the checkpoint's 1000.
+    fn set_live_oom_score(&self) -> Result<(), SandboxError> {
+        Ok(())
+    }
 }
 
 /// A place where kernels run.
@@ -526,6 +537,9 @@ pub enum SandboxError {
         #[source]
         source: Option<std::io::Error>,
     },
+    /// The kernel cannot do what was asked here (`what`).
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
 
 #[cfg(test)]

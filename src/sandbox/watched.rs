@@ -178,6 +178,10 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
         None
     }
+    /// What freezes the kernel's leaf (see [`KernelProcess::hold_as_checkpoint`]).
+    fn freezer(&self) -> Option<&super::cgroup::Freezer> {
+        None
+    }
 }
 
 /// The handle the session layer holds, for any backend. Dropping it kills the kernel.
@@ -226,6 +230,23 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
     }
     async fn network_pid(&self) -> Option<i32> {
         self.kernel.network_pid().await
+    }
+
+    fn hold_as_checkpoint(&self, hold: bool) -> Result<(), SandboxError> {
+        let freezer = self.kernel.freezer().ok_or(SandboxError::Unsupported(
+            "this kernel has no cgroup leaf to freeze",
+        ))?;
+        if hold {
+            freezer.set_oom_score_adj(1000)?;
+        }
+        freezer.set(hold)
+    }
+
+    fn set_live_oom_score(&self) -> Result<(), SandboxError> {
+        match self.kernel.freezer() {
+            Some(freezer) => freezer.set_oom_score_adj(0),
+            None => Ok(()),
+        }
     }
 
     async fn terminate(&self) {

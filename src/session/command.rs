@@ -6,9 +6,14 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
+use uuid::Uuid;
+
+use super::checkpoint::{CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy};
 use super::error::SessionError;
 use super::execution::{Execution, OutputEvent};
 use super::front_door::SessionEnd;
+use super::launch::Live;
+use crate::sandbox::LaunchSpec;
 use crate::wire::{Channel, Message};
 
 /// A request to run code.
@@ -45,6 +50,35 @@ pub(super) enum Command {
         content: serde_json::Value,
         route: ReplyRoute,
         done: oneshot::Sender<Result<u64, SessionError>>,
+    },
+    /// Take a checkpoint now (`session/checkpoint.rs`), kept within the user's bounds.
+    Checkpoint {
+        done: oneshot::Sender<Result<CheckpointInfo, SessionError>>,
+    },
+    /// The user's checkpoint bounds and their book (sent by a front door); with
+    /// `set_mode`, `policy.every_execution` too (otherwise the session keeps its own).
+    CheckpointPolicy {
+        policy: CheckpointPolicy,
+        book: Arc<CheckpointBook>,
+        set_mode: bool,
+    },
+    ListCheckpoints(oneshot::Sender<CheckpointList>),
+    /// End a checkpoint (`why`: asked, or a bound); `done` says whether there was one.
+    DropCheckpoint {
+        id: Uuid,
+        why: String,
+        done: Option<oneshot::Sender<bool>>,
+    },
+    /// Make a fork of the checkpoint the live kernel.
+    Rewind {
+        checkpoint: Uuid,
+        done: oneshot::Sender<Result<(), SessionError>>,
+    },
+    /// Fork the checkpoint into a connected kernel for another session (`spec`'s).
+    ForkCheckpoint {
+        checkpoint: Uuid,
+        spec: LaunchSpec,
+        done: oneshot::Sender<Result<(Live, u64), SessionError>>,
     },
     Shutdown {
         end: SessionEnd,

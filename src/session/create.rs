@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use super::checkpoint::CheckpointPolicy;
 use super::error::SessionError;
 use super::handle::Session;
 use super::registry::{CreateOptions, Registry};
@@ -19,6 +20,9 @@ pub struct CreateRequest {
     pub max_sessions: usize,
     /// What the client asked for (all defaults: `CreateOptions::default()`).
     pub options: CreateOptions,
+    /// The user's checkpoint bounds, and whether the session takes a checkpoint after
+    /// every successful execution (the user's setting, or what the client asked).
+    pub checkpoints: CheckpointPolicy,
 }
 
 impl Registry {
@@ -27,7 +31,10 @@ impl Registry {
         &self,
         request: CreateRequest,
     ) -> Result<Arc<Session>, SessionError> {
-        self.create(&request.user, request.max_sessions, request.options)
-            .await
+        let session = self
+            .create(&request.user, request.max_sessions, request.options)
+            .await?;
+        self.set_checkpoint_policy(&session, request.checkpoints)?;
+        Ok(session)
     }
 }

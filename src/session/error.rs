@@ -209,6 +209,25 @@ pub enum SessionError {
     },
     /// Whether a proposed id is taken could not be told (the recordings could not be read):
     /// refused rather than risk a reuse.
+    /// No checkpoint `checkpoint` of this session (never taken, dropped, or ended).
+    #[error("session {session} has no checkpoint {checkpoint}")]
+    CheckpointNotFound { session: Uuid, checkpoint: Uuid },
+    /// A checkpoint or rewind asked while the session's kernel runs code.
+    #[error(
+        "session {session} is running code: a checkpoint or a rewind happens between \
+         executions; wait for the running execution (and those queued) to end, or interrupt \
+         it, then ask again"
+    )]
+    CheckpointBusy { session: Uuid },
+    /// A checkpoint was not taken, or a rewind not made; the session goes on as it was.
+    #[error("session {session}: the {action} failed: {why}")]
+    CheckpointFailed {
+        session: Uuid,
+        action: &'static str,
+        why: String,
+        #[source]
+        source: Option<BoxError>,
+    },
     /// A fork count outside 1 ..= `max`.
     #[error("count must be between 1 and {max}; {asked} was asked")]
     InvalidForkCount { asked: u64, max: u64 },

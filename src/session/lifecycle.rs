@@ -13,6 +13,8 @@ use crate::egress::EgressEvent;
 pub struct ForkedFrom {
     pub session: uuid::Uuid,
     pub execution_count: u64,
+    /// The checkpoint of that session it was forked from, if it was.
+    pub checkpoint: Option<uuid::Uuid>,
 }
 
 /// Something that happened to a session, in the order it happened.
@@ -31,6 +33,23 @@ pub enum LifecycleEvent {
     /// `execution_count` executions.
     SessionForked {
         sessions: Vec<uuid::Uuid>,
+        execution_count: u64,
+    },
+    /// A checkpoint of the session's kernel was taken after `execution_count` executions.
+    CheckpointTaken {
+        checkpoint: uuid::Uuid,
+        execution_count: u64,
+    },
+    /// A checkpoint ended before its session: asked, or over its user's bounds (`reason`).
+    CheckpointDropped {
+        checkpoint: uuid::Uuid,
+        execution_count: u64,
+        reason: String,
+    },
+    /// The session's kernel was replaced by a fork of `checkpoint`; its execution count is
+    /// the checkpoint's again.
+    SessionRewound {
+        checkpoint: uuid::Uuid,
         execution_count: u64,
     },
     /// The session got a kernel (at creation or after a restart): how long it waited for

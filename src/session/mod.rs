@@ -51,6 +51,7 @@
 //! status codes.
 
 mod actor;
+mod checkpoint;
 mod command;
 mod config;
 mod create;
@@ -60,6 +61,7 @@ mod event;
 mod execute;
 pub mod execution;
 pub mod files;
+mod forking;
 mod front_door;
 mod handle;
 mod hooks;
@@ -78,6 +80,9 @@ mod workspace;
 
 /// The sandbox's plain data the front doors name: who a session is for, and their limits.
 pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
+pub use checkpoint::{
+    CheckpointInfo, CheckpointList, CheckpointPolicy, CheckpointUse, DroppedCheckpoint,
+};
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig, WorkspaceChoice};
 pub use create::CreateRequest;

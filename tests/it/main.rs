@@ -16,6 +16,7 @@ use kernel_broker as broker;
 #[path = "../../src/session/testing/scripted_kernel.rs"]
 mod scripted_kernel;
 
+mod checkpoint;
 mod cli;
 mod client_caps;
 mod clients;

@@ -415,6 +415,9 @@ impl Metrics {
             LifecycleEvent::SessionExpired => self.expired(),
             LifecycleEvent::SessionCreated { .. }
             | LifecycleEvent::SessionForked { .. }
+            | LifecycleEvent::CheckpointTaken { .. }
+            | LifecycleEvent::CheckpointDropped { .. }
+            | LifecycleEvent::SessionRewound { .. }
             | LifecycleEvent::Interrupt
             | LifecycleEvent::OutputCut { .. }
             | LifecycleEvent::SessionClosed { .. }

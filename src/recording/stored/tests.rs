@@ -39,6 +39,7 @@ fn stored_form_round_trips() {
                 forked_from: Some(crate::session::lifecycle::ForkedFrom {
                     session: uuid::Uuid::nil(),
                     execution_count: 7,
+                    checkpoint: None,
                 }),
             },
             "session_created",
@@ -52,6 +53,32 @@ fn stored_form_round_trips() {
             },
             "session_forked",
             json!({"sessions": ["00000000-0000-0000-0000-000000000000"], "execution_count": 7}),
+        ),
+        (
+            LifecycleEvent::CheckpointTaken {
+                checkpoint: uuid::Uuid::nil(),
+                execution_count: 3,
+            },
+            "checkpoint_taken",
+            json!({"checkpoint": "00000000-0000-0000-0000-000000000000", "execution_count": 3}),
+        ),
+        (
+            LifecycleEvent::CheckpointDropped {
+                checkpoint: uuid::Uuid::nil(),
+                execution_count: 3,
+                reason: "deleted by request".into(),
+            },
+            "checkpoint_dropped",
+            json!({"checkpoint": "00000000-0000-0000-0000-000000000000", "execution_count": 3,
+                   "reason": "deleted by request"}),
+        ),
+        (
+            LifecycleEvent::SessionRewound {
+                checkpoint: uuid::Uuid::nil(),
+                execution_count: 3,
+            },
+            "session_rewound",
+            json!({"checkpoint": "00000000-0000-0000-0000-000000000000", "execution_count": 3}),
         ),
         (
             LifecycleEvent::KernelStarted {

@@ -139,6 +139,11 @@ impl Leaf {
     /// `cgroup.kill` where the kernel has it; otherwise kills the listed processes in rounds,
     /// which also catches processes forked while a round was running.
     pub async fn kill_all(&self) {
+        // A frozen process (a checkpoint's, `freezer.rs`) does not die until thawed: this
+        // also frees what a broker that ended without its shutdown left frozen.
+        if let Err(e) = self.freezer().set(false) {
+            tracing::warn!(error = %e, "a frozen leaf could not be thawed before its end");
+        }
         if self.version == CgroupVersion::V2 {
             if let Some(dir) = self.dirs.first() {
                 let kill = dir.join("cgroup.kill");

@@ -47,6 +47,7 @@
 //! the crate does not model; and what is used here (three limits, one counter, a kill loop,
 //! a sweep) is a few hundred lines against a dependency of several thousand.
 
+mod freezer;
 mod fs;
 mod leaf;
 mod limits;
@@ -56,6 +57,7 @@ mod nested;
 mod tests;
 mod user_dir;
 
+pub use freezer::Freezer;
 pub use leaf::CpuClock;
 pub use nested::{CgroupNotFound, ContainerCgroup};
 

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::keep::{reported_exit, KeptKernels};
 use super::output::Tail;
-use crate::sandbox::cgroup::{Cgroups, CpuClock, Leaf};
+use crate::sandbox::cgroup::{Cgroups, CpuClock, Freezer, Leaf};
 use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fork_server::forked_status;
@@ -47,6 +47,8 @@ pub(super) struct LocalKernel {
     pub cpu: Option<CpuClock>,
     /// Where this kernel can be forked (a kernel forked from a template, or from a kernel).
     pub fork_origin: Option<ForkOrigin>,
+    /// What freezes the leaf (a checkpoint's kernel; none without cgroups).
+    pub freezer: Option<Freezer>,
 }
 
 #[async_trait]
@@ -65,6 +67,10 @@ impl BackendKernel for LocalKernel {
 
     fn fork_origin(&self) -> Option<ForkOrigin> {
         self.fork_origin.clone()
+    }
+
+    fn freezer(&self) -> Option<&Freezer> {
+        self.freezer.as_ref()
     }
 
     /// The sandbox's init (a plain start: one network namespace per kernel) or the forked
@@ -210,6 +216,7 @@ impl Reaped {
             memory_usage: self.leaf.as_ref().and_then(Leaf::memory_usage_file),
             cpu: self.leaf.as_ref().map(Leaf::cpu_clock),
             fork_origin: self.fork_origin,
+            freezer: self.leaf.as_ref().map(Leaf::freezer),
         });
         let reaper = Reaper {
             process: self.process,

@@ -8,6 +8,7 @@
 //! shutdown. The execution in flight (sending, output, deadlines, completion) is in
 //! `running.rs`.
 
+mod checkpoint;
 mod running;
 #[cfg(test)]
 mod tests;
@@ -52,6 +53,7 @@ pub(crate) struct Actor {
     pool: Arc<Pool>,
     /// The last few agent executions' msg_ids: their late iopub is still theirs.
     recent_agent_ids: VecDeque<String>,
+    checkpoints: checkpoint::Checkpoints,
 }
 
 /// Record a message, then send it.
@@ -109,6 +111,7 @@ impl Actor {
             recorder,
             pool,
             recent_agent_ids: VecDeque::new(),
+            checkpoints: Default::default(),
         }
     }
 
@@ -144,6 +147,7 @@ impl Actor {
                         }
                         Some(Command::Detach { done }) => {
                             self.detach();
+                            self.end_checkpoints().await;
                             let _ = done.send(());
                             return;
                         }
@@ -163,6 +167,7 @@ impl Actor {
                     self.on_deadline().await;
                 }
             }
+            self.checkpoint_if_due().await;
             self.start_next().await;
         }
     }
@@ -256,6 +261,35 @@ impl Actor {
                 done,
             } => {
                 let _ = done.send(self.fork(content, route).await);
+            }
+            Command::Checkpoint { done } => {
+                self.session.touch();
+                let _ = done.send(self.take_checkpoint().await);
+            }
+            Command::CheckpointPolicy {
+                policy,
+                book,
+                set_mode,
+            } => self.set_checkpoint_policy(policy, book, set_mode),
+            Command::ListCheckpoints(done) => {
+                let _ = done.send(self.list_checkpoints());
+            }
+            Command::DropCheckpoint { id, why, done } => {
+                let dropped = self.drop_checkpoint(id, why).await;
+                if let Some(done) = done {
+                    let _ = done.send(dropped);
+                }
+            }
+            Command::Rewind { checkpoint, done } => {
+                self.session.touch();
+                let _ = done.send(self.rewind(checkpoint).await);
+            }
+            Command::ForkCheckpoint {
+                checkpoint,
+                spec,
+                done,
+            } => {
+                let _ = done.send(self.fork_checkpoint(checkpoint, spec).await);
             }
             Command::Shutdown { .. } | Command::Detach { .. } => {}
         }
@@ -525,6 +559,7 @@ impl Actor {
             let _ = timeout(Duration::from_millis(500), k.process.wait()).await;
             k.process.terminate().await;
         }
+        self.end_checkpoints().await;
         self.session.set_state(end.state());
         let kind = match end {
             SessionEnd::Expired => LifecycleEvent::SessionExpired,

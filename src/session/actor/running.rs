@@ -151,6 +151,9 @@ impl Actor {
         self.recent_agent_ids.push_back(r.msg_id.clone());
         let ms = r.started.elapsed().as_secs_f64() * 1000.0;
         let exec = r.collector.finish(status, note, ms);
+        if exec.status == ExecutionStatus::Ok {
+            self.execution_ok();
+        }
         if let Some(n) = exec.execution_count {
             self.session.set_execution_count(n);
         }

@@ -12,36 +12,30 @@
 //! sent while code runs would wait behind it in the kernel (and behind the queue in the
 //! actor), so a busy session is refused at once (409) rather than holding the request for
 //! as long as the code runs. The kernel's answer is untrusted: bounded (its size, the time
-//! it takes: the launch timeout and [`FORK_REPLY_GRACE`]), parsed for one integer, and that pid is the sandbox's
+//! it takes: the launch timeout and `FORK_REPLY_GRACE`), parsed for one integer, and that pid is the sandbox's
 //! to check.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{timeout, Instant};
 use uuid::Uuid;
 
 use super::{Registry, Shape};
-use crate::sandbox::fork::ForkError;
 use crate::sandbox::SandboxUser;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
+use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
 use crate::session::front_door::{EndedBy, Provenance, SessionEnd};
 use crate::session::handle::Session;
 use crate::session::launch::connect_kernel;
 use crate::session::lifecycle::{ForkedFrom, LifecycleEvent};
 use crate::session::memory::Reservation;
 use crate::session::state::SessionState;
-use crate::wire::{Channel, Message, Signer};
+use crate::wire::{Channel, Signer};
 
 /// The most forks one request may make.
 pub const MAX_FORKS: u64 = 8;
-/// How long the kernel may take to answer a fork request beyond the sandbox's launch
-/// timeout (30 s by default, the kernel module's own limit for a child to listen).
-const FORK_REPLY_GRACE: Duration = Duration::from_secs(10);
-/// The largest reply content accepted (a good one is about 40 bytes).
-const MAX_REPLY_BYTES: usize = 4096;
 
 /// A fork to make.
 pub struct ForkRequest {
@@ -52,6 +46,9 @@ pub struct ForkRequest {
     pub session: Uuid,
     /// How many forks (1 ..= [`MAX_FORKS`]).
     pub count: u64,
+    /// Fork this checkpoint of the session rather than its live kernel (which may then
+    /// be busy).
+    pub checkpoint: Option<Uuid>,
     /// The front door asking.
     pub provenance: Provenance,
 }
@@ -81,6 +78,7 @@ impl Registry {
             });
         }
         match parent.state() {
+            _ if request.checkpoint.is_some() => {}
             SessionState::Idle => {}
             SessionState::Busy => return Err(SessionError::ForkBusy { session: parent.id }),
             state => {
@@ -108,7 +106,9 @@ impl Registry {
             *t.creating.entry(user.name.clone()).or_default() += ids.len();
             t.creating_ids.extend(ids.iter().copied());
         }
-        let result = self.make_forks(&parent, &ids, &request.provenance).await;
+        let result = self
+            .make_forks(&parent, &ids, &request.provenance, request.checkpoint)
+            .await;
         {
             let mut t = self.table();
             for id in &ids {
@@ -144,6 +144,7 @@ impl Registry {
         parent: &Arc<Session>,
         ids: &[Uuid],
         provenance: &Provenance,
+        checkpoint: Option<Uuid>,
     ) -> Result<Vec<Arc<Session>>, SessionError> {
         let mut memory = Vec::with_capacity(ids.len());
         for _ in ids {
@@ -152,7 +153,14 @@ impl Registry {
         }
         let mut made: Vec<Arc<Session>> = Vec::with_capacity(ids.len());
         for (id, memory) in ids.iter().zip(memory) {
-            match self.fork_one(parent, *id, memory, provenance.clone()).await {
+            let forked = match checkpoint {
+                None => self.fork_one(parent, *id, memory, provenance.clone()).await,
+                Some(cp) => {
+                    self.fork_checkpoint(parent, cp, *id, memory, provenance.clone())
+                        .await
+                }
+            };
+            match forked {
                 Ok(fork) => made.push(fork),
                 Err(e) => {
                     for fork in made {
@@ -165,6 +173,45 @@ impl Registry {
             }
         }
         Ok(made)
+    }
+
+    /// One fork of `parent`'s checkpoint `cp` as session `id` (the parent's actor forks it).
+    async fn fork_checkpoint(
+        &self,
+        parent: &Arc<Session>,
+        cp: Uuid,
+        id: Uuid,
+        memory: Reservation,
+        provenance: Provenance,
+    ) -> Result<Arc<Session>, SessionError> {
+        let asked = Instant::now();
+        let shape = Shape {
+            kernel_name: parent.kernel_name.clone(),
+            idle_timeout: parent.idle_timeout,
+            limits: parent.limits,
+            memory,
+            provenance,
+            own_workspace: None,
+        };
+        let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
+        let (done, forked) = oneshot::channel();
+        parent.send(Command::ForkCheckpoint {
+            checkpoint: cp,
+            spec: session.launch_spec(Signer::random_key()),
+            done,
+        })?;
+        let (live, execution_count) = forked
+            .await
+            .map_err(|_| SessionError::Closed(parent.id))??;
+        session.set_execution_count(execution_count);
+        let from = ForkedFrom {
+            session: parent.id,
+            execution_count,
+            checkpoint: Some(cp),
+        };
+        self.start_session(&session, commands_rx, live, asked, false, Some(from))
+            .await;
+        Ok(session)
     }
 
     /// One fork of `parent`'s kernel as session `id`.
@@ -234,7 +281,7 @@ impl Registry {
         })
         .await;
         let pid = match reply {
-            Ok(Some(m)) => reply_pid(&m).map_err(|why| failed(&why, None)),
+            Ok(Some(m)) => pid_of_reply(parent.id, &m),
             Ok(None) => Err(failed(
                 "the kernel ended or was restarted before it answered",
                 None,
@@ -269,99 +316,11 @@ impl Registry {
         let from = ForkedFrom {
             session: parent.id,
             execution_count,
+            checkpoint: None,
         };
         self.start_session(&session, commands_rx, live, asked, false, Some(from))
             .await;
         tracing::info!(session = %id, from = %parent.id, user = %parent.user.name, ms = asked.elapsed().as_millis() as u64, "forked session started");
         Ok(session)
-    }
-}
-
-/// The pid a `kb_fork_reply` names, or why the reply is not accepted.
-fn reply_pid(m: &Message) -> Result<i64, String> {
-    if m.msg_type != "kb_fork_reply" {
-        return Err(format!(
-            "the kernel answered with a message of another type ({:.64})",
-            m.msg_type
-        ));
-    }
-    if m.content.len() > MAX_REPLY_BYTES {
-        return Err(format!(
-            "the kernel's reply has {} bytes; a fork reply has at most {MAX_REPLY_BYTES}",
-            m.content.len()
-        ));
-    }
-    let content: serde_json::Value = serde_json::from_slice(&m.content)
-        .map_err(|_| "the kernel's reply is not JSON".to_string())?;
-    let text = |key: &str| {
-        let mut s = content
-            .get(key)
-            .and_then(|v| v.as_str())
-            .unwrap_or("")
-            .to_string();
-        s.truncate(s.floor_char_boundary(300));
-        s
-    };
-    match content.get("status").and_then(|s| s.as_str()) {
-        Some("ok") => content
-            .get("pid")
-            .and_then(serde_json::Value::as_i64)
-            .ok_or_else(|| "the kernel's reply names no integer pid".to_string()),
-        Some("error") => Err(format!(
-            "the kernel refused: {}: {}",
-            text("ename"),
-            text("evalue")
-        )),
-        _ => Err("the kernel's reply has no status ok or error".to_string()),
-    }
-}
-
-fn fork_error(session: Uuid, e: ForkError) -> SessionError {
-    match e {
-        ForkError::Unsupported(why) => SessionError::ForkRefused { session, why },
-        e @ ForkError::NotItsChild { .. } => SessionError::ForkFailed {
-            session,
-            why: e.to_string(),
-            source: None,
-        },
-        ForkError::Sandbox(e) => SessionError::ForkFailed {
-            session,
-            why: "the sandbox could not take the fork in".into(),
-            source: Some(Box::new(e)),
-        },
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn reply(msg_type: &str, content: &str) -> Message {
-        let mut m = Message::new(msg_type, &serde_json::json!({}), None, "s", "u");
-        m.content = bytes::Bytes::from(content.to_string());
-        m
-    }
-
-    #[test]
-    fn only_a_small_ok_reply_with_an_integer_pid_is_accepted() {
-        let ok = |c: &str| reply_pid(&reply("kb_fork_reply", c));
-        assert_eq!(ok(r#"{"status":"ok","pid":57}"#), Ok(57));
-        assert_eq!(ok(r#"{"status":"ok","pid":-3}"#), Ok(-3));
-        for bad in [
-            r#"{"status":"ok","pid":"57"}"#,
-            r#"{"status":"ok","pid":5.5}"#,
-            r#"{"status":"ok","pid":1e30}"#,
-            r#"{"status":"ok"}"#,
-            r#"{"pid":57}"#,
-            r#"[1]"#,
-            "not json",
-        ] {
-            assert!(ok(bad).is_err(), "{bad}");
-        }
-        let refused = ok(r#"{"status":"error","ename":"ForkRefused","evalue":"no"}"#);
-        assert_eq!(refused, Err("the kernel refused: ForkRefused: no".into()));
-        let big = format!(r#"{{"status":"ok","pid":57,"x":"{}"}}"#, "a".repeat(5000));
-        assert!(ok(&big).unwrap_err().contains("bytes"));
-        assert!(reply_pid(&reply("execute_reply", r#"{"status":"ok","pid":57}"#)).is_err());
     }
 }

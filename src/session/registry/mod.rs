@@ -4,6 +4,7 @@
 //! in `expiry.rs`; forks of a live session in `fork.rs`; the [`Session`] handle is in
 //! `handle.rs`.
 
+mod checkpoint;
 mod expiry;
 mod fork;
 mod keep;
@@ -61,6 +62,7 @@ struct Inner {
     recorder: Arc<dyn Recorder>,
     pool: Arc<Pool>,
     ledger: Arc<Ledger>,
+    checkpoints: Arc<super::checkpoint::CheckpointBook>,
     /// The sessions' records (`--keep-sessions`); `None`: sessions end with the broker.
     kept: Option<Arc<super::kept::KeptSessions>>,
 }
@@ -139,6 +141,7 @@ impl Registry {
             recorder,
             pool,
             ledger,
+            checkpoints: Default::default(),
             kept,
         });
         let registry = Registry { inner };

@@ -1,0 +1,387 @@
+//! The actor's side of checkpoints (`session/checkpoint.rs` says what they are): taking one
+//! (the live kernel forks; its child becomes the live kernel, the parent is frozen and
+//! kept), rewinding (a checkpoint forks; its child becomes the live kernel, the previous
+//! one ends), forking a checkpoint into a new session's kernel, dropping one, and ending
+//! them all with the session. Each runs between executions, in the actor, so nothing else
+//! touches the kernels meanwhile; a failure leaves the session's live kernel as it was.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use chrono::Utc;
+use uuid::Uuid;
+
+use super::Actor;
+use crate::sandbox::LaunchSpec;
+use crate::session::checkpoint::{
+    CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint, Dropper,
+};
+use crate::session::command::Command;
+use crate::session::error::SessionError;
+use crate::session::forking::fork_connected;
+use crate::session::launch::Live;
+use crate::session::lifecycle::LifecycleEvent;
+use crate::session::state::SessionState;
+use crate::wire::Signer;
+
+/// How many dropped checkpoints a session remembers for its list.
+const DROPPED_KEPT: usize = 64;
+
+/// A checkpoint's kernel, frozen, with the connection the broker keeps to it.
+struct Held {
+    info: CheckpointInfo,
+    kernel: Live,
+}
+
+/// The checkpoints an actor holds.
+#[derive(Default)]
+pub(crate) struct Checkpoints {
+    held: Vec<Held>,
+    dropped: VecDeque<DroppedCheckpoint>,
+    /// The user's bounds and book, once a front door set them.
+    policy: Option<(CheckpointPolicy, Arc<CheckpointBook>)>,
+    /// An execution ended ok in every-execution mode: take one before the next request.
+    due: bool,
+}
+
+impl Actor {
+    /// Sets the bounds the session's checkpoints are kept within, and with `set_mode`
+    /// whether one is taken after every successful execution (else that stays as it was).
+    pub(super) fn set_checkpoint_policy(
+        &mut self,
+        mut policy: CheckpointPolicy,
+        book: Arc<CheckpointBook>,
+        set_mode: bool,
+    ) {
+        if !set_mode {
+            policy.every_execution = self
+                .checkpoints
+                .policy
+                .as_ref()
+                .is_some_and(|(p, _)| p.every_execution);
+        }
+        self.checkpoints.policy = Some((policy, book));
+    }
+
+    /// An execution ended with `ok`: in every-execution mode a checkpoint is due.
+    pub(super) fn execution_ok(&mut self) {
+        if self
+            .checkpoints
+            .policy
+            .as_ref()
+            .is_some_and(|(p, _)| p.every_execution)
+        {
+            self.checkpoints.due = true;
+        }
+    }
+
+    /// Takes the checkpoint an execution made due (every-execution mode), before the next
+    /// request is served; a failure is logged and recorded, the session goes on.
+    pub(super) async fn checkpoint_if_due(&mut self) {
+        if !std::mem::take(&mut self.checkpoints.due) || self.kernel.is_none() {
+            return;
+        }
+        match self.take_checkpoint().await {
+            Ok(_) => {}
+            // This session can have none (a plain kernel, the Docker sandbox): stop trying.
+            Err(e @ SessionError::ForkRefused { .. }) => {
+                tracing::info!(session = %self.session.id, reason = %e, "no checkpoints after executions for this session");
+                if let Some((policy, _)) = self.checkpoints.policy.as_mut() {
+                    policy.every_execution = false;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.session.id, error = %e, "checkpoint after an execution not taken");
+            }
+        }
+    }
+
+    /// Nothing runs or waits (a dead session, with no kernel, is idle too).
+    fn idle(&self) -> Result<(), SessionError> {
+        if self.running.is_some() || !self.queue.is_empty() {
+            return Err(SessionError::CheckpointBusy {
+                session: self.session.id,
+            });
+        }
+        Ok(())
+    }
+
+    /// A launch spec for a new kernel of this session: under an id of its own (its leaf's
+    /// name and the sandbox's key), since the kernel it is forked from keeps the old one.
+    fn child_spec(&self) -> LaunchSpec {
+        let mut spec = self.session.launch_spec(Signer::random_key());
+        spec.session_id = Uuid::new_v4();
+        spec
+    }
+
+    /// Makes `child` the live kernel; returns the one it replaces.
+    async fn swap_live(&mut self, child: Live) -> Option<Live> {
+        child.process.serves(self.session.id);
+        let (process, key) = (child.process.clone(), child.key.clone());
+        let old = self.kernel.replace(child);
+        self.routes.clear();
+        self.session.set_kernel(process, &key).await;
+        old
+    }
+
+    pub(super) async fn take_checkpoint(&mut self) -> Result<CheckpointInfo, SessionError> {
+        self.idle()?;
+        if self.session.own_workspace.is_some() {
+            return Err(SessionError::ForkRefused {
+                session: self.session.id,
+                why: "it has a workspace of its own, which a checkpoint would not hold (a \
+                      checkpoint of the files is not supported yet); use a session of the \
+                      shared workspace"
+                    .into(),
+            });
+        }
+        let spec = self.child_spec();
+        let session = self.session.id;
+        let Some(live) = self.kernel.as_mut() else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        let child = fork_connected(&self.sandbox, self.config.kernel, session, live, spec)
+            .await
+            .map_err(|e| failed("checkpoint", e))?;
+        let Some(parent) = self.swap_live(child).await else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        let process = parent.process.clone();
+        let held = tokio::task::spawn_blocking(move || process.hold_as_checkpoint(true)).await;
+        if let Err(why) = flatten(held) {
+            // The child has everything: the session goes on with it; the parent goes.
+            parent.process.terminate().await;
+            return Err(SessionError::CheckpointFailed {
+                session,
+                action: "checkpoint",
+                why: format!("its copy could not be frozen: {why}"),
+                source: None,
+            });
+        }
+        let info = CheckpointInfo {
+            id: Uuid::new_v4(),
+            session,
+            execution_count: self.session.status().execution_count,
+            created_at: Utc::now(),
+            memory_bytes: parent.process.memory_used(),
+        };
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::CheckpointTaken {
+                checkpoint: info.id,
+                execution_count: info.execution_count,
+            },
+        );
+        let process = parent.process.clone();
+        self.checkpoints.held.push(Held {
+            info: info.clone(),
+            kernel: parent,
+        });
+        if let Some((policy, book)) = self.checkpoints.policy.clone() {
+            let owner = std::sync::Arc::downgrade(&self.session);
+            let dropper: Dropper = Arc::new(move |id, why| {
+                if let Some(owner) = owner.upgrade() {
+                    let done = None;
+                    let _ = owner.send(Command::DropCheckpoint { id, why, done });
+                }
+            });
+            let user = self.session.user.name.clone();
+            book.add((&user, session), info.id, process, dropper);
+            for victim in book.over_budget(&user, &policy, info.id) {
+                if victim.session == session {
+                    self.drop_checkpoint(victim.id, victim.why).await;
+                } else {
+                    (victim.dropper)(victim.id, victim.why);
+                }
+            }
+        }
+        Ok(info)
+    }
+
+    /// Forks checkpoint `id` into a connected kernel for `spec`; the checkpoint is thawed
+    /// only meanwhile. A checkpoint whose kernel ended is dropped.
+    async fn fork_checkpoint_kernel(
+        &mut self,
+        id: Uuid,
+        spec: LaunchSpec,
+        action: &'static str,
+    ) -> Result<(Live, u64), SessionError> {
+        let session = self.session.id;
+        let i = self
+            .checkpoints
+            .held
+            .iter()
+            .position(|h| h.info.id == id)
+            .ok_or(SessionError::CheckpointNotFound {
+                session,
+                checkpoint: id,
+            })?;
+        if self.checkpoints.held[i].kernel.exited() {
+            self.drop_checkpoint(
+                id,
+                "its kernel ended (the OOM killer takes checkpoints first)".into(),
+            )
+            .await;
+            return Err(SessionError::CheckpointNotFound {
+                session,
+                checkpoint: id,
+            });
+        }
+        let process = self.checkpoints.held[i].kernel.process.clone();
+        let p = process.clone();
+        flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await).map_err(
+            |why| SessionError::CheckpointFailed {
+                session,
+                action,
+                why: format!("the checkpoint could not be thawed: {why}"),
+                source: None,
+            },
+        )?;
+        let held = &mut self.checkpoints.held[i];
+        let count = held.info.execution_count;
+        let child = fork_connected(
+            &self.sandbox,
+            self.config.kernel,
+            session,
+            &mut held.kernel,
+            spec,
+        )
+        .await;
+        let p = process.clone();
+        let refrozen =
+            flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(true)).await);
+        if let Err(why) = refrozen {
+            self.drop_checkpoint(id, format!("it could not be frozen again: {why}"))
+                .await;
+        }
+        let child = child.map_err(|e| failed(action, e))?;
+        let c = child.process.clone();
+        if let Err(e) = flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await) {
+            tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
+        }
+        Ok((child, count))
+    }
+
+    /// Makes a fork of checkpoint `id` the live kernel; a dead session lives again.
+    pub(super) async fn rewind(&mut self, id: Uuid) -> Result<(), SessionError> {
+        self.idle()?;
+        let spec = self.child_spec();
+        let (child, count) = self.fork_checkpoint_kernel(id, spec, "rewind").await?;
+        self.session.set_state(SessionState::Starting);
+        if let Some(old) = self.swap_live(child).await {
+            old.process.terminate().await;
+        }
+        self.dead_reason = None;
+        self.session.set_execution_count(count);
+        self.session.set_state(SessionState::Idle);
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::SessionRewound {
+                checkpoint: id,
+                execution_count: count,
+            },
+        );
+        Ok(())
+    }
+
+    /// A kernel for a new session (`spec`'s), forked from checkpoint `id`; with the
+    /// execution count it starts from.
+    pub(super) async fn fork_checkpoint(
+        &mut self,
+        id: Uuid,
+        spec: LaunchSpec,
+    ) -> Result<(Live, u64), SessionError> {
+        self.fork_checkpoint_kernel(id, spec, "fork").await
+    }
+
+    pub(super) fn list_checkpoints(&mut self) -> CheckpointList {
+        CheckpointList {
+            checkpoints: self
+                .checkpoints
+                .held
+                .iter()
+                .map(|h| CheckpointInfo {
+                    memory_bytes: h.kernel.process.memory_used(),
+                    ..h.info.clone()
+                })
+                .collect(),
+            dropped: self.checkpoints.dropped.iter().cloned().collect(),
+        }
+    }
+
+    /// Ends checkpoint `id` (thawed first: a frozen process may not die), recording why.
+    /// Whether there was one.
+    pub(super) async fn drop_checkpoint(&mut self, id: Uuid, why: String) -> bool {
+        let Some(i) = self.checkpoints.held.iter().position(|h| h.info.id == id) else {
+            return false;
+        };
+        let held = self.checkpoints.held.remove(i);
+        self.end_checkpoint(&held).await;
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::CheckpointDropped {
+                checkpoint: id,
+                execution_count: held.info.execution_count,
+                reason: why.clone(),
+            },
+        );
+        if self.checkpoints.dropped.len() >= DROPPED_KEPT {
+            self.checkpoints.dropped.pop_front();
+        }
+        self.checkpoints.dropped.push_back(DroppedCheckpoint {
+            id,
+            execution_count: held.info.execution_count,
+            dropped_at: Utc::now(),
+            why,
+        });
+        true
+    }
+
+    async fn end_checkpoint(&self, held: &Held) {
+        if let Some((_, book)) = &self.checkpoints.policy {
+            book.remove(&self.session.user.name, held.info.id);
+        }
+        let p = held.kernel.process.clone();
+        if let Err(e) =
+            flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await)
+        {
+            tracing::warn!(session = %self.session.id, error = %e, "a checkpoint could not be thawed before its end");
+        }
+        held.kernel.process.terminate().await;
+    }
+
+    /// The session ends: so do its checkpoints (never kept across broker restarts).
+    pub(super) async fn end_checkpoints(&mut self) {
+        for held in std::mem::take(&mut self.checkpoints.held) {
+            self.end_checkpoint(&held).await;
+        }
+    }
+}
+
+fn flatten(
+    r: Result<Result<(), crate::sandbox::SandboxError>, tokio::task::JoinError>,
+) -> Result<(), String> {
+    match r {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A fork's error as the checkpoint operation's (a refusal stays a refusal: 409).
+fn failed(action: &'static str, e: SessionError) -> SessionError {
+    match e {
+        e @ (SessionError::ForkRefused { .. } | SessionError::KernelNotRunning) => e,
+        SessionError::ForkFailed {
+            session,
+            why,
+            source,
+        } => SessionError::CheckpointFailed {
+            session,
+            action,
+            why,
+            source,
+        },
+        e => e,
+    }
+}

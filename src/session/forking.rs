@@ -1,0 +1,200 @@
+//! Forking one connected kernel into a new one (issue 36), as a fork, a checkpoint and a
+//! rewind all do: the sandbox prepares the child's directory, the kernel is sent
+//! `kb_fork_request`, its reply (untrusted: bounded in size and time, one integer pid) is
+//! checked, the sandbox adopts the pid (`sandbox/fork.rs`) and the child is connected.
+//! Whatever fails, nothing of the child is left.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{timeout, Instant};
+use uuid::Uuid;
+
+use super::error::SessionError;
+use super::launch::{connect_kernel, Live};
+use crate::kernel::{ConnectOptions, KernelEvent};
+use crate::sandbox::fork::ForkError;
+use crate::sandbox::{LaunchSpec, Sandbox};
+use crate::wire::{Channel, Message};
+
+/// How long the kernel may take to answer a fork request beyond the sandbox's launch
+/// timeout (30 s by default, the kernel module's own limit for a child to listen).
+pub(super) const FORK_REPLY_GRACE: Duration = Duration::from_secs(10);
+/// The largest reply content accepted (a good one is about 40 bytes).
+const MAX_REPLY_BYTES: usize = 4096;
+
+/// Forks `source` (a kernel nobody else reads from now: a checkpoint, or the live kernel
+/// of an actor that waits for this) into a connected kernel for `spec`. `session` names
+/// the session in errors.
+pub(super) async fn fork_connected(
+    sandbox: &Arc<dyn Sandbox>,
+    options: ConnectOptions,
+    session: Uuid,
+    source: &mut Live,
+    spec: LaunchSpec,
+) -> Result<Live, SessionError> {
+    let failed = |why: &str| SessionError::ForkFailed {
+        session,
+        why: why.to_string(),
+        source: None,
+    };
+    let key = spec.key.clone();
+    let user = spec.user.name.clone();
+    let prepared = sandbox
+        .prepare_fork(&*source.process, spec)
+        .await
+        .map_err(|e| fork_error(session, e))?;
+    let content = serde_json::json!({ "connection": prepared.connection });
+    // Not recorded: it holds the new kernel's key.
+    let m = source.client.request("kb_fork_request", &content);
+    if let Err(e) = source.client.send(Channel::Shell, &m).await {
+        sandbox.discard_fork(prepared).await;
+        return Err(SessionError::ForkFailed {
+            session,
+            why: "the request could not be sent to the kernel".into(),
+            source: Some(Box::new(e)),
+        });
+    }
+    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+    let deadline = Instant::now() + limit;
+    let reply = timeout(limit, async {
+        loop {
+            match source.events.recv().await {
+                Some(KernelEvent::Message(Channel::Shell, r))
+                    if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
+                {
+                    return Some(r)
+                }
+                // Anything else (iopub status, a heartbeat missed while frozen) is not
+                // the answer.
+                Some(_) => {}
+                None => return None,
+            }
+        }
+    })
+    .await;
+    let pid = match reply {
+        Ok(Some(r)) => pid_of_reply(session, &r),
+        Ok(None) => Err(failed("the kernel ended before it answered")),
+        Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
+    };
+    let pid = match pid {
+        Ok(pid) => pid,
+        Err(e) => {
+            sandbox.discard_fork(prepared).await;
+            return Err(e);
+        }
+    };
+    let launched = sandbox
+        .adopt_fork(prepared, pid)
+        .await
+        .map_err(|e| fork_error(session, e))?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_secs(1));
+    connect_kernel(launched, key, &user, options, left)
+        .await
+        .map_err(|e| SessionError::ForkFailed {
+            session,
+            why: "the fork did not become ready".into(),
+            source: Some(Box::new(e)),
+        })
+}
+
+/// The pid a `kb_fork_reply` of session `session`'s kernel names, or why it is refused.
+pub(super) fn pid_of_reply(session: Uuid, m: &Message) -> Result<i64, SessionError> {
+    reply_pid(m).map_err(|why| SessionError::ForkFailed {
+        session,
+        why,
+        source: None,
+    })
+}
+
+/// The pid a `kb_fork_reply` names, or why the reply is not accepted.
+fn reply_pid(m: &Message) -> Result<i64, String> {
+    if m.msg_type != "kb_fork_reply" {
+        return Err(format!(
+            "the kernel answered with a message of another type ({:.64})",
+            m.msg_type
+        ));
+    }
+    if m.content.len() > MAX_REPLY_BYTES {
+        return Err(format!(
+            "the kernel's reply has {} bytes; a fork reply has at most {MAX_REPLY_BYTES}",
+            m.content.len()
+        ));
+    }
+    let content: serde_json::Value = serde_json::from_slice(&m.content)
+        .map_err(|_| "the kernel's reply is not JSON".to_string())?;
+    let text = |key: &str| {
+        let mut s = content
+            .get(key)
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_string();
+        s.truncate(s.floor_char_boundary(300));
+        s
+    };
+    match content.get("status").and_then(|s| s.as_str()) {
+        Some("ok") => content
+            .get("pid")
+            .and_then(serde_json::Value::as_i64)
+            .ok_or_else(|| "the kernel's reply names no integer pid".to_string()),
+        Some("error") => Err(format!(
+            "the kernel refused: {}: {}",
+            text("ename"),
+            text("evalue")
+        )),
+        _ => Err("the kernel's reply has no status ok or error".to_string()),
+    }
+}
+
+pub(super) fn fork_error(session: Uuid, e: ForkError) -> SessionError {
+    match e {
+        ForkError::Unsupported(why) => SessionError::ForkRefused { session, why },
+        e @ ForkError::NotItsChild { .. } => SessionError::ForkFailed {
+            session,
+            why: e.to_string(),
+            source: None,
+        },
+        ForkError::Sandbox(e) => SessionError::ForkFailed {
+            session,
+            why: "the sandbox could not take the fork in".into(),
+            source: Some(Box::new(e)),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(msg_type: &str, content: &str) -> Message {
+        let mut m = Message::new(msg_type, &serde_json::json!({}), None, "s", "u");
+        m.content = bytes::Bytes::from(content.to_string());
+        m
+    }
+
+    #[test]
+    fn only_a_small_ok_reply_with_an_integer_pid_is_accepted() {
+        let ok = |c: &str| reply_pid(&reply("kb_fork_reply", c));
+        assert_eq!(ok(r#"{"status":"ok","pid":57}"#), Ok(57));
+        assert_eq!(ok(r#"{"status":"ok","pid":-3}"#), Ok(-3));
+        for bad in [
+            r#"{"status":"ok","pid":"57"}"#,
+            r#"{"status":"ok","pid":5.5}"#,
+            r#"{"status":"ok","pid":1e30}"#,
+            r#"{"status":"ok"}"#,
+            r#"{"pid":57}"#,
+            r#"[1]"#,
+            "not json",
+        ] {
+            assert!(ok(bad).is_err(), "{bad}");
+        }
+        let refused = ok(r#"{"status":"error","ename":"ForkRefused","evalue":"no"}"#);
+        assert_eq!(refused, Err("the kernel refused: ForkRefused: no".into()));
+        let big = format!(r#"{{"status":"ok","pid":57,"x":"{}"}}"#, "a".repeat(5000));
+        assert!(ok(&big).unwrap_err().contains("bytes"));
+        assert!(reply_pid(&reply("execute_reply", r#"{"status":"ok","pid":57}"#)).is_err());
+    }
+}

@@ -1,0 +1,787 @@
+//! Checkpoints and rewind (issue 36, item 2), local sandbox, real kernels forked from
+//! their user's template, through the REST API: a checkpoint is the frozen former live
+//! kernel; a rewind makes a fork of it the live kernel; the bounds drop the oldest; a
+//! checkpoint's processes do not run; nothing is left once the session ends; a checkpoint
+//! kernel that lies about its fork gets nothing adopted.
+
+use crate::common;
+
+use common::forked::out;
+use common::*;
+use serde_json::{json, Value};
+
+fn forking(a: &mut kernel_broker::config::ServeArgs) {
+    a.fork_server = Some(true);
+    a.preload = Some("numpy".into());
+}
+
+async fn take(api: &Api, id: &str) -> Value {
+    let (status, v) = api
+        .post(&format!("/v1/sessions/{id}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    v
+}
+
+async fn list(api: &Api, id: &str) -> Value {
+    let (status, v) = api.get(&format!("/v1/sessions/{id}/checkpoints")).await;
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+async fn rewind(api: &Api, id: &str, cp: &str) -> (u16, Value) {
+    api.post(
+        &format!("/v1/sessions/{id}/rewind"),
+        json!({ "checkpoint": cp }),
+    )
+    .await
+}
+
+/// `user`'s cgroup leaves (pids hierarchy), sorted.
+fn leaves(broker: &Broker, user: &str) -> Vec<String> {
+    let dir = pids_cgroup_base(broker.cgroup_name()).join(user);
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The host pids in leaf `leaf` of `user`.
+fn leaf_pids(broker: &Broker, user: &str, leaf: &str) -> Vec<i32> {
+    std::fs::read_to_string(
+        pids_cgroup_base(broker.cgroup_name())
+            .join(user)
+            .join(leaf)
+            .join("cgroup.procs"),
+    )
+    .unwrap_or_default()
+    .lines()
+    .filter_map(|l| l.trim().parse().ok())
+    .collect()
+}
+
+async fn broker_events(api: &Api, id: &str) -> Vec<Value> {
+    let (status, v) = api
+        .get(&format!("/v1/sessions/{id}/events?channel=broker"))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    v["events"].as_array().unwrap().clone()
+}
+
+#[tokio::test]
+async fn a_rewind_brings_back_the_checkpoints_state_again_and_again() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import random; random.seed(5)").await;
+    let started = std::time::Instant::now();
+    let cp = take(&api, &a).await;
+    let take_ms = started.elapsed().as_millis();
+    let cp_id = cp["id"].as_str().unwrap().to_string();
+    assert_eq!(cp["session"], a.as_str(), "{cp}");
+    assert_eq!(cp["execution_count"], 1, "{cp}");
+    assert!(cp["memory_bytes"].as_u64().unwrap() > 0, "{cp}");
+    // The session goes on, with the state it had.
+    let draw = out(&api, &a, "print(random.random())").await;
+    out(&api, &a, "x = 2; y = 3\ndef g(): pass").await;
+    out(&api, &a, "random.random(); random.random()").await;
+    for round in 0..2 {
+        let started = std::time::Instant::now();
+        let (status, s) = rewind(&api, &a, &cp_id).await;
+        let rewind_ms = started.elapsed().as_millis();
+        assert_eq!(status, 200, "{s}");
+        assert_eq!(s["id"], a.as_str(), "{s}");
+        assert_eq!(s["execution_count"], 1, "{s}");
+        assert_eq!(s["state"], "idle", "{s}");
+        let v = api
+            .execute(&a, "print(x, 'y' in dir(), 'g' in dir(), random.random())")
+            .await;
+        assert_eq!(v["status"], "ok", "{v}");
+        assert_eq!(v["execution_count"], 2, "{v}");
+        assert_eq!(
+            v["stdout"].as_str().unwrap().trim(),
+            format!("1 False False {draw}"),
+            "round {round}"
+        );
+        out(&api, &a, "x = 99; z = 1").await;
+        eprintln!("checkpoint take: {take_ms} ms; rewind: {rewind_ms} ms");
+    }
+    // The recording tells it.
+    let events = broker_events(&api, &a).await;
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert!(kinds.contains(&"checkpoint_taken"), "{kinds:?}");
+    let rewound: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "session_rewound")
+        .collect();
+    assert_eq!(rewound.len(), 2, "{kinds:?}");
+    assert_eq!(rewound[0]["detail"]["checkpoint"], cp_id.as_str());
+    assert_eq!(rewound[0]["detail"]["execution_count"], 1);
+    let l = list(&api, &a).await;
+    assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
+    assert_eq!(l["budget"]["count"], 1, "{l}");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn a_fork_of_a_checkpoint_is_a_new_session_with_its_state() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import random; random.seed(7)").await;
+    let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    let draw = out(&api, &a, "print(random.random())").await;
+    out(&api, &a, "x = 2; y = 5").await;
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let b = v["sessions"][0]["id"].as_str().unwrap().to_string();
+    assert_ne!(b, a);
+    assert_eq!(v["sessions"][0]["execution_count"], 1, "{v}");
+    assert_eq!(
+        out(&api, &b, "print(x, 'y' in dir(), random.random())").await,
+        format!("1 False {draw}")
+    );
+    // The original is unaffected, and so is the checkpoint (forked again, same state).
+    assert_eq!(out(&api, &a, "print(x, y)").await, "2 5");
+    out(&api, &b, "x = 50").await;
+    assert_eq!(out(&api, &a, "print(x)").await, "2");
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let c = v["sessions"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(out(&api, &c, "print(x)").await, "1");
+    // The recording links it to the session and the checkpoint.
+    let created = broker_events(&api, &b).await;
+    assert_eq!(created[0]["detail"]["forked_from"]["session"], a.as_str());
+    assert_eq!(
+        created[0]["detail"]["forked_from"]["checkpoint"],
+        cp.as_str()
+    );
+    assert_eq!(created[0]["detail"]["forked_from"]["execution_count"], 1);
+    broker.stop().await;
+}
+
+/// A thread started before the checkpoint appends to a file every 50 ms: the live kernel
+/// (the fork) has no thread, the checkpoint (the former live kernel) has it; the file
+/// grows only if the checkpoint runs.
+#[tokio::test]
+async fn a_checkpoints_processes_do_not_run() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(
+        &api,
+        &a,
+        "import threading, time, os\n\
+         def tick():\n\
+         \x20   while True:\n\
+         \x20       with open('/workspace/ticks.txt', 'a') as f: f.write('t\\n')\n\
+         \x20       time.sleep(0.05)\n\
+         threading.Thread(target=tick, daemon=True).start()\n\
+         time.sleep(0.3)",
+    )
+    .await;
+    let size = "import os; print(os.path.getsize('/workspace/ticks.txt'))";
+    let grows: u64 = out(&api, &a, size).await.parse().unwrap();
+    assert!(grows > 0);
+    take(&api, &a).await;
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let first: u64 = out(&api, &a, size).await.parse().unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let later: u64 = out(&api, &a, size).await.parse().unwrap();
+    assert_eq!(
+        first, later,
+        "the checkpoint's thread ran while it was frozen"
+    );
+    // The checkpoint's processes are the OOM killer's first choice.
+    let l = list(&api, &a).await;
+    assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
+    let live_leaf = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
+    let checkpoint_leaf = leaves(&broker, "alice")
+        .into_iter()
+        .find(|l| l.as_str() == a.as_str())
+        .expect("the session's first leaf is the checkpoint's");
+    assert!(!live_leaf.contains(&checkpoint_leaf), "{live_leaf}");
+    for pid in leaf_pids(&broker, "alice", &checkpoint_leaf) {
+        let adj = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj")).unwrap();
+        assert_eq!(adj.trim(), "1000", "pid {pid}");
+    }
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let keep = api.create().await;
+    let a = api.create().await;
+    // The leaf of the session's live kernel, as the kernel sees it.
+    let live_leaf = || async {
+        let cg = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
+        let line = cg
+            .lines()
+            .find(|l| l.contains(":pids:"))
+            .unwrap()
+            .to_string();
+        line.rsplit('/').next().unwrap().to_string()
+    };
+    let mut theirs = vec![live_leaf().await];
+    out(&api, &a, "x = 1").await;
+    take(&api, &a).await;
+    theirs.push(live_leaf().await);
+    out(&api, &a, "x = 2").await;
+    take(&api, &a).await;
+    theirs.push(live_leaf().await);
+    assert_eq!(theirs[0], a);
+    let during = leaves(&broker, "alice");
+    assert!(
+        theirs.iter().all(|l| during.contains(l)),
+        "{theirs:?} / {during:?}"
+    );
+    let pids: Vec<i32> = theirs
+        .iter()
+        .flat_map(|l| leaf_pids(&broker, "alice", l))
+        .collect();
+    assert!(pids.len() >= 3, "{pids:?}");
+    let freezer = std::path::Path::new("/sys/fs/cgroup/freezer").join(broker.cgroup_name());
+    if freezer.parent().unwrap().is_dir() {
+        // cgroup v1 with a freezer: the checkpoints are frozen there.
+        assert!(freezer.is_dir(), "{}", freezer.display());
+    }
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    let after = leaves(&broker, "alice");
+    assert!(
+        theirs.iter().all(|l| !after.contains(l)),
+        "{theirs:?} / {after:?}"
+    );
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "pid {pid} is left"
+        );
+    }
+    assert!(!freezer.exists(), "{} is left", freezer.display());
+    let dirs = out(
+        &api,
+        &keep,
+        "import os; print([d for d in os.listdir('/run/kernel') if d.startswith('f')])",
+    )
+    .await;
+    assert_eq!(dirs, "[]");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn over_the_count_the_oldest_checkpoint_is_dropped() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.max_checkpoints_per_user = Some(2);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        out(&api, &a, &format!("x = {i}")).await;
+        ids.push(take(&api, &a).await["id"].as_str().unwrap().to_string());
+    }
+    let l = list(&api, &a).await;
+    let kept: Vec<&str> = l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(kept, vec![ids[1].as_str(), ids[2].as_str()], "{l}");
+    assert_eq!(l["budget"]["max_count"], 2, "{l}");
+    assert_eq!(l["budget"]["count"], 2, "{l}");
+    assert!(
+        l["budget"]["memory_used_bytes"].as_u64().unwrap() > 0,
+        "{l}"
+    );
+    let dropped = l["dropped"].as_array().unwrap();
+    assert_eq!(dropped.len(), 1, "{l}");
+    assert_eq!(dropped[0]["id"], ids[0].as_str());
+    assert!(
+        dropped[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("maximum of 2"),
+        "{l}"
+    );
+    let (status, v) = rewind(&api, &a, &ids[0]).await;
+    assert_eq!(status, 404, "{v}");
+    let (status, v) = rewind(&api, &a, &ids[1]).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    let events = broker_events(&api, &a).await;
+    let dropped: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "checkpoint_dropped")
+        .collect();
+    assert_eq!(dropped.len(), 1, "{events:?}");
+    assert_eq!(dropped[0]["detail"]["checkpoint"], ids[0].as_str());
+    // Deleted by request: gone, and said so.
+    let (status, _) = api
+        .delete(&format!("/v1/sessions/{a}/checkpoints/{}", ids[2]))
+        .await;
+    assert_eq!(status, 204);
+    let l = list(&api, &a).await;
+    assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
+    assert_eq!(l["dropped"][1]["reason"], "deleted by request", "{l}");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn every_execution_mode_takes_one_per_successful_execution() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let (status, s) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let a = s["id"].as_str().unwrap().to_string();
+    out(&api, &a, "x = 1").await;
+    out(&api, &a, "x = 2").await;
+    let v = api.execute(&a, "raise ValueError('no')").await;
+    assert_eq!(v["status"], "error", "{v}");
+    out(&api, &a, "x = 3").await;
+    // One on demand, which leaves the mode as it is.
+    take(&api, &a).await;
+    out(&api, &a, "x = 3").await;
+    let l = list(&api, &a).await;
+    let counts: Vec<u64> = l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["execution_count"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counts, vec![1, 2, 4, 4, 5], "{l}");
+    let second = l["checkpoints"][1]["id"].as_str().unwrap().to_string();
+    let (status, v) = rewind(&api, &a, &second).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(out(&api, &a, "print(x)").await, "2");
+    // A session that did not ask takes none.
+    let b = api.create().await;
+    out(&api, &b, "x = 1").await;
+    let l = list(&api, &b).await;
+    assert_eq!(l["checkpoints"], json!([]), "{l}");
+    broker.stop().await;
+}
+
+/// Session memory limit M: the live kernel holds ~0.6 M, a checkpoint is taken, and the
+/// live kernel rewrites all of it. The old pages stay charged to the checkpoint's leaf,
+/// the new ones to the live kernel's: it survives. (Were the fork the frozen copy, the
+/// live kernel's leaf would hold both copies, 1.2 M, and be killed.)
+#[tokio::test]
+async fn a_checkpoint_never_pushes_the_live_kernel_into_the_oom_killer() {
+    const MIB: u64 = 1 << 20;
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.memory_limit = Some(4096 * MIB);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let (status, s) = api
+        .post("/v1/sessions", json!({"memory_limit_bytes": 400 * MIB}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let a = s["id"].as_str().unwrap().to_string();
+    out(
+        &api,
+        &a,
+        "import numpy as np; big = np.ones((240 << 20) // 8)",
+    )
+    .await;
+    let cp = take(&api, &a).await;
+    assert!(cp["memory_bytes"].as_u64().unwrap() > 240 * MIB, "{cp}");
+    let v = api.execute(&a, "big[:] = 2.0; print(big[-1])").await;
+    assert_eq!(v["status"], "ok", "{v}");
+    assert_eq!(v["stdout"].as_str().unwrap().trim(), "2.0");
+    let (_, info) = api.get(&format!("/v1/sessions/{a}")).await;
+    assert_eq!(info["state"], "idle", "{info}");
+    let live = info["memory_used_bytes"].as_u64().unwrap();
+    let l = list(&api, &a).await;
+    let held = l["checkpoints"][0]["memory_bytes"].as_u64().unwrap();
+    eprintln!(
+        "live kernel after rewriting: {} MiB; checkpoint: {} MiB",
+        live / MIB,
+        held / MIB
+    );
+    assert!(held > 240 * MIB, "{l}");
+
+    // The numbers for the note: pandas and a 200 MB DataFrame, 10% rewritten.
+    let (status, s) = api
+        .post("/v1/sessions", json!({"memory_limit_bytes": 1024 * MIB}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let b = s["id"].as_str().unwrap().to_string();
+    out(
+        &api,
+        &b,
+        "import numpy as np, pandas as pd\n\
+         df = pd.DataFrame(np.random.rand((200 << 20) // 80, 10))\n\
+         print(df.memory_usage().sum() >> 20)",
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let cp = take(&api, &b).await;
+    let take_ms = started.elapsed().as_millis();
+    out(&api, &b, "n = len(df) // 10; df.iloc[:n] = 0.5").await;
+    let l = list(&api, &b).await;
+    let (_, info) = api.get(&format!("/v1/sessions/{b}")).await;
+    eprintln!(
+        "200 MB DataFrame: checkpoint took {take_ms} ms; checkpoint memory {} MiB at take, {} MiB after the live kernel rewrote 10%; live kernel {} MiB",
+        cp["memory_bytes"].as_u64().unwrap() / MIB,
+        l["checkpoints"][0]["memory_bytes"].as_u64().unwrap() / MIB,
+        info["memory_used_bytes"].as_u64().unwrap() / MIB
+    );
+    let started = std::time::Instant::now();
+    let (status, _) = rewind(&api, &b, cp["id"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    let v = api.execute(&b, "print(float(df.iloc[0, 0]) != 0.5)").await;
+    eprintln!(
+        "rewind -> next result: {} ms",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(v["stdout"].as_str().unwrap().trim(), "True", "{v}");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn checkpoint_requests_that_cannot_be_served_are_refused_clearly() {
+    let broker = Broker::start("local", forking).await;
+    let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
+    let a = alice.create().await;
+    out(&alice, &a, "x = 1").await;
+    let cp = take(&alice, &a).await["id"].as_str().unwrap().to_string();
+    let unknown = uuid::Uuid::new_v4().to_string();
+    // Unknown checkpoints: 404, whatever the operation.
+    let (status, v) = rewind(&alice, &a, &unknown).await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["code"], "checkpoint_not_found", "{v}");
+    for path in [
+        format!("/v1/sessions/{a}/checkpoints/{unknown}"),
+        format!("/v1/sessions/{a}/checkpoints/not-a-uuid"),
+    ] {
+        assert_eq!(alice.delete(&path).await.0, 404, "{path}");
+        let (status, _) = alice.post(&format!("{path}/fork"), json!({})).await;
+        assert_eq!(status, 404, "{path}");
+    }
+    // Another user's session or checkpoint: 404, as a missing one; nothing touched.
+    let b = bob.create().await;
+    assert_eq!(
+        bob.get(&format!("/v1/sessions/{a}/checkpoints")).await.0,
+        404
+    );
+    let (status, _) = bob
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 404);
+    assert_eq!(rewind(&bob, &a, &cp).await.0, 404);
+    assert_eq!(rewind(&bob, &b, &cp).await.0, 404);
+    let (status, _) = bob
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = bob
+        .post(
+            &format!("/v1/sessions/{b}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        bob.delete(&format!("/v1/sessions/{a}/checkpoints/{cp}"))
+            .await
+            .0,
+        404
+    );
+    assert_eq!(
+        bob.delete(&format!("/v1/sessions/{b}/checkpoints/{cp}"))
+            .await
+            .0,
+        404
+    );
+    assert_eq!(bob.get("/v1/sessions").await.1.as_array().unwrap().len(), 1);
+    assert_eq!(
+        list(&alice, &a).await["checkpoints"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    // Bad JSON: 400.
+    for body in [
+        "{not json",
+        r#"{"checkpoint": "nope"}"#,
+        r#"{"checkpoint": 1, "x": 2}"#,
+    ] {
+        let raw = reqwest::Client::new()
+            .post(broker.url(&format!("/v1/sessions/{a}/rewind")))
+            .bearer_auth(ALICE)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(raw.status().as_u16(), 400, "{body}");
+    }
+    // Busy: 409 at once, for a checkpoint and a rewind.
+    let busy = {
+        let api = broker.api(ALICE);
+        let a = a.clone();
+        tokio::spawn(async move { api.execute(&a, "import time; time.sleep(4)").await })
+    };
+    let (_, mut info) = alice.get(&format!("/v1/sessions/{a}")).await;
+    while info["state"] != "busy" {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        info = alice.get(&format!("/v1/sessions/{a}")).await.1;
+    }
+    let asked = std::time::Instant::now();
+    let (status, v) = alice
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 409, "{v}");
+    let (status, v) = rewind(&alice, &a, &cp).await;
+    assert_eq!(status, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("running code"),
+        "{v}"
+    );
+    assert!(asked.elapsed().as_secs() < 2);
+    // A fork of a checkpoint does not need the live kernel idle.
+    let (status, v) = alice
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+    assert_eq!(busy.await.unwrap()["status"], "ok");
+    // A session with a workspace of its own: 409, saying why.
+    let (status, own) = alice
+        .post("/v1/sessions", json!({"workspace": "own"}))
+        .await;
+    assert_eq!(status, 201, "{own}");
+    let (status, v) = alice
+        .post(
+            &format!("/v1/sessions/{}/checkpoints", own["id"].as_str().unwrap()),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("workspace of its own"),
+        "{v}"
+    );
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn a_plainly_started_kernel_has_no_checkpoints() {
+    let broker = Broker::start("local", |a| a.fork_server = Some(false)).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1").await;
+    let (status, v) = api
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("started plainly"),
+        "{v}"
+    );
+    assert_eq!(list(&api, &a).await["checkpoints"], json!([]));
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn docker_refuses_a_checkpoint_clearly() {
+    docker_ready();
+    let broker = Broker::start("docker", |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let (status, v) = api
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("docker sandbox cannot fork"),
+        "{v}"
+    );
+    assert_eq!(out(&api, &a, "print(3)").await, "3");
+    broker.stop().await;
+}
+
+/// The checkpoint carries a `kb_fork_request` handler that forks honestly the first time
+/// (the checkpoint itself) and lies afterwards (when asked to rewind): the rewind fails
+/// clearly, the session keeps its live kernel and state, nothing is adopted or left.
+#[tokio::test]
+async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.launch_timeout = Some(8);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(
+        &api,
+        &a,
+        "import os\n\
+         _k = get_ipython().kernel\n\
+         _honest = _k.shell_handlers['kb_fork_request']\n\
+         _calls = [0]\n\
+         def _liar(stream, ident, parent):\n\
+         \x20   _calls[0] += 1\n\
+         \x20   if _calls[0] == 1:\n\
+         \x20       return _honest(stream, ident, parent)\n\
+         \x20   lie = open('/workspace/lie.txt').read().strip()\n\
+         \x20   pid = int(open('/workspace/live.pid').read()) if lie == 'live' else int(lie)\n\
+         \x20   _k.session.send(stream, 'kb_fork_reply', {'status': 'ok', 'pid': pid}, parent, ident=ident)\n\
+         _k.shell_handlers['kb_fork_request'] = _liar\n\
+         x = 1",
+    )
+    .await;
+    let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    out(
+        &api,
+        &a,
+        "x = 2; open('/workspace/live.pid', 'w').write(str(os.getpid()))",
+    )
+    .await;
+    let live_pid = out(&api, &a, "print(os.getpid())").await;
+    let before = leaves(&broker, "alice");
+    let fork_dirs = "print(sorted(d for d in os.listdir('/run/kernel') if d.startswith('f')))";
+    let dirs = out(&api, &a, fork_dirs).await;
+    for lie in ["1", "live", "99999", "-3"] {
+        out(
+            &api,
+            &a,
+            &format!("open('/workspace/lie.txt', 'w').write('{lie}')"),
+        )
+        .await;
+        let (status, v) = rewind(&api, &a, &cp).await;
+        assert_eq!(status, 502, "{lie}: {v}");
+        assert_eq!(v["error"]["code"], "checkpoint_failed", "{lie}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not a child it forked"),
+            "{lie}: {v}"
+        );
+        // The session keeps its live kernel and state; nothing adopted or left.
+        assert_eq!(
+            out(&api, &a, "print(x, os.getpid())").await,
+            format!("2 {live_pid}")
+        );
+        assert_eq!(leaves(&broker, "alice"), before, "{lie}");
+        assert_eq!(out(&api, &a, fork_dirs).await, dirs, "{lie}");
+        let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
+        assert_eq!(s["state"], "idle", "{s}");
+        // The checkpoint is still there (frozen again).
+        let l = list(&api, &a).await;
+        assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
+    }
+    broker.stop().await;
+}
+
+/// `--checkpoint-every-execution` is the default of every front door's sessions; the REST
+/// create can say otherwise.
+#[tokio::test]
+async fn the_every_execution_flag_is_every_front_doors_default() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.checkpoint_every_execution = Some(true);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let (status, k) = api.post("/api/kernels", json!({"name": "python3"})).await;
+    assert_eq!(status, 201, "{k}");
+    let jupyter = k["id"].as_str().unwrap().to_string();
+    let rest = api.create().await;
+    let (status, s) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": false}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let off = s["id"].as_str().unwrap().to_string();
+    for id in [&jupyter, &rest, &off] {
+        out(&api, id, "x = 1").await;
+        out(&api, id, "x = 2").await;
+    }
+    for (id, taken) in [(&jupyter, 2), (&rest, 2), (&off, 0)] {
+        let l = list(&api, id).await;
+        assert_eq!(
+            l["checkpoints"].as_array().unwrap().len(),
+            taken,
+            "{id}: {l}"
+        );
+        assert_eq!(l["budget"]["every_execution"], true, "{l}");
+    }
+    broker.stop().await;
+}
+
+/// A cell that kills the kernel: the session is dead; a rewind brings it back to life with
+/// the checkpoint's state, and nothing of the dead kernel is left.
+#[tokio::test]
+async fn a_rewind_brings_a_dead_session_back() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import os").await;
+    let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    let dead_leaf = {
+        let cg = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
+        let line = cg
+            .lines()
+            .find(|l| l.contains(":pids:"))
+            .unwrap()
+            .to_string();
+        line.rsplit('/').next().unwrap().to_string()
+    };
+    let v = api.execute(&a, "os._exit(3)").await;
+    assert_ne!(v["status"], "ok", "{v}");
+    let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
+    assert_eq!(s["state"], "dead", "{s}");
+    let (status, s) = rewind(&api, &a, &cp).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["state"], "idle", "{s}");
+    assert_eq!(s["dead_reason"], Value::Null, "{s}");
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    assert!(!leaves(&broker, "alice").contains(&dead_leaf));
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    assert!(!leaves(&broker, "alice").contains(&a));
+    broker.stop().await;
+}
