@@ -43,7 +43,11 @@ marked not running and never resumed).
 What is and is not carried (tested in ``tests/test_fork.py``):
 
 - The parent's own ipc sockets (listeners and its clients' connections) are closed in the
-  child, so they end with the parent.
+  child, so they end with the parent. So are the child's copies of the rest of the
+  parent's machinery (``_MACHINERY``: its ZeroMQ signalers and epoll instances, its
+  threads' pipes, its event loop's selector): a fork of a fork of a fork (a checkpoint
+  after every execution makes such a lineage) holds one generation's descriptors, not
+  all of theirs. What the cells opened is kept.
 
 - Python's ``random`` module reseeds itself in a forked child; the generator's state is put
   back, so the fork draws the same numbers as the original. numpy's global state and every
@@ -100,11 +104,30 @@ READY_TIMEOUT = 30.0
 # sockaddr_un holds 108 bytes; the longest suffix is "-65535" and a NUL.
 MAX_IP_LENGTH = 100
 MAX_KEY_LENGTH = 1024
+# What a fork adds to the recursion limit of its child (see `become`), and the longest
+# lineage served: each generation nests the next kernel in its stack (11 frames, about
+# 1.3 KB of the main thread's stack measured), so a lineage is bounded well inside the
+# stack's 8 MB; past it a fork is refused, saying why.
+GENERATION_FRAMES = 64
+MAX_GENERATIONS = 2000
 
 # What a child abandoned from its parent: never closed, never collected.
 _ABANDONED = []
 # The pids of this kernel's forks that have not been reaped yet.
 _FORKS = set()
+# The descriptors of this process's kernel machinery (its ZeroMQ context, sockets and
+# signalers, its threads' pipes, its event loop's selector): the ones open when its first
+# execution starts (or its first fork, if that comes first) that were not open before its
+# kernel was built. A fork closes its copies of its parent's, so a lineage of forks (a
+# checkpoint after every execution makes one a step) holds one generation's machinery,
+# not every generation's. `None` until noted.
+_MACHINERY = None
+# The descriptors open before this process's kernel was built: none in a started kernel
+# (what it has before its first execution is all machinery, 0-2 aside); in a fork, what it
+# kept of its parent's (the cells' files and sockets).
+_BEFORE_BUILD = frozenset()
+# How many forks this process is from a started kernel (0: it is one).
+_GENERATION = 0
 
 
 class ForkRefused(Exception):
@@ -184,6 +207,12 @@ def handle(app, kernel, stream, ident, parent):
             # flux, and the child would have no main thread to run on.
             raise ForkRefused("kb_fork_request must be sent to the main shell, not a subshell")
         info = validate(parent.get("content"), fork_root(app))
+        if _GENERATION >= MAX_GENERATIONS:
+            raise ForkRefused(
+                "this kernel is the fork of a fork %d times over (a checkpoint after each "
+                "execution makes one a step), the most a lineage can be: restart the "
+                "session, or rewind to an earlier checkpoint" % _GENERATION
+            )
         pid = fork(app, kernel, info)
         content = {"status": "ok", "pid": pid}
     except ForkRefused as e:
@@ -197,6 +226,7 @@ def handle(app, kernel, stream, ident, parent):
 def fork(app, kernel, info):
     """Forks the kernel; returns the new kernel's pid once it listens."""
     reap()
+    note_machinery()
     read_fd, write_fd = os.pipe()
     # `random` reseeds its generator in every forked child; the fork keeps this one's.
     random_state = random.getstate()
@@ -225,6 +255,62 @@ def fork(app, kernel, info):
     return pid
 
 
+def open_fds():
+    """The descriptors open now (the listing's own, closed by the time it returns, left
+    out)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+        except OSError:
+            continue
+        fds.add(int(name))
+    return fds
+
+
+def identity(fd):
+    """What a descriptor refers to: (device, inode), or None if it is not open."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def note_machinery():
+    """Notes this process's machinery (see ``_MACHINERY``), once: at its first execution,
+    before any code of a cell runs, or at its first fork. Each descriptor with what it
+    referred to then: the machinery closes some of its own later (a client's connection
+    ends) and the number may be reused."""
+    global _MACHINERY
+    if _MACHINERY is None:
+        noted = {}
+        for fd in open_fds() - _BEFORE_BUILD - {0, 1, 2}:
+            ident = identity(fd)
+            if ident is not None:
+                noted[fd] = ident
+        _MACHINERY = noted
+
+
+def close_machinery(machinery, keep=()):
+    """In a child: closes its copies of the parent's machinery, each only if it still
+    refers to what was noted (a number the machinery gave up may have gone to a cell's
+    file since, or to the fork's own pipe, `keep`). Closing a descriptor touches only the
+    child's table (an epoll registration, a socket, a pipe live on in the parent); the
+    objects that held them are abandoned, never used again. Returns the descriptors
+    closed."""
+    closed = []
+    for fd, ident in sorted(machinery.items()):
+        if fd <= 2 or fd in keep or identity(fd) != ident:
+            continue
+        try:
+            os.close(fd)
+            closed.append(fd)
+        except OSError:
+            pass
+    return closed
+
+
 def reap():
     """Collects the exit status of forks that ended (only those: a subprocess a cell
     started is left to whoever waits for it). Called at each request and after each
@@ -245,7 +331,10 @@ def read_answer(fd):
     deadline = time.monotonic() + READY_TIMEOUT
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        # poll, not select: a kernel may hold more than FD_SETSIZE descriptors.
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if left <= 0 or not poller.poll(left * 1000):
             return {"error": "the child did not listen within %d s" % READY_TIMEOUT}
         chunk = os.read(fd, 4096)
         if not chunk:
@@ -272,10 +361,19 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.setsid()
+        # The new kernel runs nested in the stack of the handler that forked (about a dozen
+        # frames a generation): room for them, so a lineage of forks is not cut short.
+        sys.setrecursionlimit(sys.getrecursionlimit() + GENERATION_FRAMES)
+        global _GENERATION
+        _GENERATION += 1
         _FORKS.clear()  # the parent's forks are not this process's children
         _ABANDONED.append(abandon(old_app, old_kernel))
         separate_files()
         close_parent_sockets(old_app)
+        global _MACHINERY, _BEFORE_BUILD
+        close_machinery(_MACHINERY or {}, keep={ready_fd})
+        _MACHINERY = None
+        _BEFORE_BUILD = frozenset(open_fds())
         app = rebuild(old_app, old_kernel, info)
         restore_random(app.shell, random_state)
         say(ready_fd, {"pid": os.getpid()})
@@ -294,12 +392,23 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
     except BaseException as e:
         try:
             if ready_fd is not None:
-                say(ready_fd, {"error": "the child failed: %r" % (e,)})
-            log("fork child failed: %r" % (e,))
+                say(ready_fd, {"error": "the child failed: %r%s" % (e, where(e))})
+            log("fork child failed: %r%s" % (e, where(e)))
         except BaseException:
             pass
     finally:
         os._exit(code)
+
+
+def where(e):
+    """Where in the rebuild an exception was raised (its innermost frame), for the reply."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return " in %s (%s:%d)" % (last.name, os.path.basename(last.filename), last.lineno)
 
 
 def restore_random(shell, state):
@@ -542,4 +651,11 @@ def install(app):
     shell = getattr(kernel, "shell", None)
     if shell is not None and reap not in shell.events.callbacks.get("post_execute", []):
         shell.events.register("post_execute", reap)
+    if shell is not None and _MACHINERY is None:
+
+        def first_execution():
+            shell.events.unregister("pre_execute", first_execution)
+            note_machinery()
+
+        shell.events.register("pre_execute", first_execution)
 

@@ -490,3 +490,88 @@ def test_fork_speed_and_memory_with_a_200_mb_dataframe(kernel, tmp_path):
     # Loose bounds: the goals are reported, not enforced, on a loaded shared machine.
     assert numbers["fork_to_first_result_ms_p50"] < 1000
     assert numbers["child_private_dirty_mb_p50"] < 100
+
+
+def fd_count(pid):
+    return len(os.listdir("/proc/%d/fd" % pid))
+
+
+def test_a_lineage_of_forks_holds_one_generations_machinery(kernel, forks, tmp_path):
+    """A checkpoint after every execution makes a lineage of forks, each the fork of the
+    last: each closes its parent's machinery, so the descriptors do not pile up, while what
+    the cells opened is kept."""
+    path = tmp_path / "lines.txt"
+    path.write_text("".join("line %d\n" % i for i in range(100)))
+    kc = kernel.client
+    run(kc, "import os, socket\nx = 0\nf = open(%r)\nf.readline()\na, b = socket.socketpair()" % str(path))
+    counts = []
+    client = kc
+    # 95 generations nest 35 + 11 x 95 frames: past the default recursion limit of 1000
+    # unless each fork makes room.
+    for generation in range(95):
+        fork = make_fork(client, tmp_path, "g%d" % generation, forks)
+        run(fork.client, "x += 1")
+        counts.append(fd_count(fork.pid))
+        client = fork.client
+        if len(forks) > 3:
+            forks.pop(0).stop()
+    assert value(client, "x") == "95"
+    # Room for the cells' own recursion too.
+    run(client, "def deep(n):\n    return 0 if n == 0 else 1 + deep(n - 1)")
+    assert value(client, "deep(800)") == "800"
+    # The cell's file (its own offset in each generation) and socket pair are still there.
+    assert value(client, "f.readline()") == repr("line 1\n")
+    assert value(client, "a.send(b'hi') and b.recv(2)") == repr(b"hi")
+    assert counts[-1] <= counts[0] + 2, counts
+
+
+def test_a_kernel_holding_more_than_fd_setsize_descriptors_forks(kernel, forks, tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip("the hard limit on descriptors (%d) is below 1400" % hard)
+    kc = kernel.client
+    run(kc, textwrap.dedent("""
+        import os, resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096) if hard != resource.RLIM_INFINITY else 4096, hard))
+        held = [os.open('/dev/null', os.O_RDONLY) for _ in range(1200)]
+        y = max(held) > 1024
+    """))
+    assert value(kc, "y") == "True"
+    fork = make_fork(kc, tmp_path, "many", forks)
+    assert value(fork.client, "len(held)") == "1200"
+
+
+def test_a_fork_after_clients_came_and_went(kernel, forks, tmp_path):
+    """The machinery noted at the first execution includes the connections of clients
+    that were attached then; once they leave, their descriptor numbers are free for the
+    fork's own pipe or a cell's file, which the child must not close as machinery."""
+    extra = [connect(kernel.info) for _ in range(3)]
+    for c in extra:
+        run(c, "1")
+    for c in extra:
+        c.stop_channels()
+    time.sleep(0.5)
+    path = tmp_path / "after.txt"
+    path.write_text("kept\n")
+    kc = kernel.client
+    run(kc, "files = [open(%r) for _ in range(8)]" % str(path))
+    for n in range(3):
+        fork = make_fork(kc, tmp_path, "after%d" % n, forks)
+        assert value(fork.client, "[f.read() for f in files]") == repr(["kept\n"] * 8)
+        run(kc, "[f.seek(0) for f in files]")
+
+
+def test_a_lineage_past_its_bound_is_refused_clearly(kernel, forks, tmp_path):
+    kc = kernel.client
+    run(kc, "import sys\nsys.modules['kernel_broker_fork'].MAX_GENERATIONS = 2")
+    a = make_fork(kc, tmp_path, "a", forks)
+    b = make_fork(a.client, tmp_path, "b", forks)
+    reply = fork_request(b.client, {"connection": connection(str(tmp_path / "c"))})
+    assert reply["status"] == "error", reply
+    assert "restart the session" in reply["evalue"] and "2 times" in reply["evalue"], reply
+    # The kernel that refused goes on; its parent still forks.
+    assert value(b.client, "1 + 1") == "2"
+    make_fork(kc, tmp_path, "d", forks)
