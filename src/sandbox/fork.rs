@@ -14,9 +14,14 @@
 //! [`Sandbox::prepare_fork`]: super::Sandbox::prepare_fork
 //! [`Sandbox::adopt_fork`]: super::Sandbox::adopt_fork
 
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
-use super::{LaunchSpec, SandboxError};
+use uuid::Uuid;
+
+use super::procfs::{child_with_namespace_pid, namespace_pid, parent_of, uids_of};
+use super::{pidfd, LaunchSpec, SandboxError};
 
 /// Where a live kernel can be forked: its host process and the directory its forks' runtime
 /// directories go in. Known to the backend that launched the kernel; opaque above.
@@ -31,6 +36,12 @@ pub struct ForkOrigin {
     pub(crate) dir: PathBuf,
     /// The same directory as the kernel sees it.
     pub(crate) inside: String,
+    /// The pid namespace a fork must be in (`/proc/<pid>/ns/pid`'s link text); `None`: the
+    /// parent kernel's. The Docker backend names its container init's.
+    pub(crate) pid_namespace: Option<OsString>,
+    /// The backend's own name for the parent kernel (Docker: its entry in the kernel table,
+    /// the session it was launched for); `None` where the backend needs none.
+    pub(crate) kernel: Option<Uuid>,
 }
 
 /// A fork about to be asked for: the connection to put in `kb_fork_request`, and what the
@@ -57,4 +68,49 @@ pub enum ForkError {
     NotItsChild { pid: i64, why: &'static str },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
+}
+
+/// The pid namespace of host process `pid`, as the link `/proc/<pid>/ns/pid` names it.
+pub(crate) fn pid_namespace_of(pid: i32) -> Option<OsString> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(PathBuf::into_os_string)
+}
+
+/// The host pid of the parent's child that is `pid` in the kernel's pid namespace, with a
+/// pidfd held on it and the checks done again after opening it; or why not. Both backends
+/// find a fork so (the pid is the kernel's word, untrusted).
+pub(crate) fn find_fork(origin: &ForkOrigin, pid: i64) -> Result<(i32, OwnedFd), &'static str> {
+    let inner = i32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 1)
+        .ok_or("not a pid a forked process can have")?;
+    let host = child_with_namespace_pid(origin.host_pid, inner)
+        .ok_or("no child of the parent kernel has that pid")?;
+    let fd = pidfd::open(host).map_err(|_| "it ended before it could be held")?;
+    if namespace_pid(host) != Some(inner) || parent_of(host) != Some(origin.host_pid) {
+        return Err("it is no longer the parent kernel's child");
+    }
+    if let Some(uid) = origin.uid {
+        if uids_of(host) != Some([uid; 4]) {
+            return Err("it does not run as the kernel's uid");
+        }
+    }
+    // In the sandbox's pid namespace (its pid there is the one the kernel named), not one
+    // of its own.
+    let expected = match &origin.pid_namespace {
+        Some(ns) => Some(ns.clone()),
+        None => pid_namespace_of(origin.host_pid),
+    };
+    if expected.is_none() || pid_namespace_of(host) != expected {
+        return Err("it is not in the parent kernel's pid namespace");
+    }
+    // A fresh fork is still in its parent's cgroups; an earlier fork (a session's kernel
+    // now, in a leaf of its own) is the parent's child too, and is not taken from its
+    // session.
+    let cgroups_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
+    if cgroups_of(host).is_none() || cgroups_of(host) != cgroups_of(origin.host_pid) {
+        return Err("it is not in the parent kernel's cgroup (an earlier fork's kernel?)");
+    }
+    Ok((host, fd))
 }

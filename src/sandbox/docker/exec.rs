@@ -31,7 +31,7 @@ use super::{
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::BOOT_SCRIPT_NAME;
-use crate::sandbox::cgroup::{CpuClock, Leaf};
+use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Leaf};
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
@@ -71,6 +71,8 @@ pub(super) struct ForkedPid {
     pub host_pid: i32,
     /// Signals go through it, so they never reach a process that reused the pid.
     pub pidfd: OwnedFd,
+    /// The container's cgroup, where the leaves of this kernel's own forks go (`fork.rs`).
+    pub cgroup: ContainerCgroup,
 }
 
 impl DockerKernel {
@@ -98,6 +100,13 @@ impl BackendKernel for DockerKernel {
 
     fn cpu_clock(&self) -> Option<CpuClock> {
         self.leaf.as_ref().map(|l| l.cpu_clock())
+    }
+
+    /// A kernel forked in its user's container (from the template, or from a live kernel)
+    /// can be forked in turn (`fork.rs`); a plain exec or a sandbox's own container's
+    /// kernel cannot.
+    fn fork_origin(&self) -> Option<crate::sandbox::fork::ForkOrigin> {
+        super::fork::origin_of(self)
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.
