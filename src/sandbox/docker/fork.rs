@@ -25,22 +25,23 @@
 //! its parent kernel reaps it, so its status is read from its zombie). Its sockets are
 //! reached as every kernel's are, never through a symlink.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use super::exec::{endpoints_for, DockerKernel, ForkedPid, SessionFiles, LOST};
+use super::place::enter_new_leaf;
 use super::running::init_pid;
 use super::watch::{watch_forked, ForkedStatus};
-use super::{keep, Inner, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
-use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
+use super::{keep, Inner, TERMINATE_TIMEOUT};
+use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::fork::{find_fork, pid_namespace_of, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::pidfd;
-use crate::sandbox::procfs::uids_of;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
-use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 /// Why a kernel not forked in its user's container cannot be forked.
 pub(super) const PLAIN_START: &str = "this session's kernel was started plainly by `docker \
@@ -52,29 +53,17 @@ pub(super) const PLAIN_START: &str = "this session's kernel was started plainly 
     --keep-sessions, in the user's shared container (not a sandbox's own); restart the \
     session to get such a kernel";
 
-/// Where a kernel of the Docker sandbox can be forked (see the module comment).
-pub(super) fn origin_of(kernel: &DockerKernel) -> Option<ForkOrigin> {
-    let forked = kernel.forked.as_ref()?;
-    if kernel.container.own.is_some() || kernel.watch.has_exited() {
-        return None;
-    }
-    // The uid it runs as on the host (the image's kernel user, or what a user namespace
-    // maps it to): its forks must run as that uid too.
-    let uids = uids_of(forked.host_pid)?;
-    if uids.iter().any(|u| *u != uids[0]) {
-        return None;
-    }
-    Some(ForkOrigin {
-        host_pid: forked.host_pid,
-        uid: Some(uids[0]),
-        dir: kernel.host_dir.parent()?.to_path_buf(),
-        inside: RUN_DIR_INSIDE.to_string(),
-        pid_namespace: None,
-        kernel: Some(kernel.watch.session_id),
-    })
+/// Removes a fork's session directory (given up, or never adopted): made by descriptor in
+/// the user's runtime directory, the broker's.
+async fn give_up(dir: PathBuf) {
+    remove_dir_logged(dir).await;
 }
 
 impl Inner {
+    pub(super) async fn discard_kernel_fork(&self, prepared: PreparedFork) {
+        give_up(prepared.dir).await;
+    }
+
     /// The parent kernel's entry, if `origin` names one of this sandbox's live kernels.
     fn fork_parent(&self, origin: &ForkOrigin) -> Option<Arc<DockerKernel>> {
         let kernel = self.kernels.get(&origin.kernel?)?;
@@ -150,7 +139,7 @@ impl Inner {
             origin, spec, dir, ..
         } = prepared;
         let Some(parent) = self.fork_parent(&origin) else {
-            remove_dir_logged(dir).await;
+            give_up(dir).await;
             return Err(ForkError::NotItsChild {
                 pid,
                 why: "the kernel it was asked of has ended",
@@ -159,51 +148,40 @@ impl Inner {
         let (host_pid, fd) = match find_fork(&origin, pid) {
             Ok(found) => found,
             Err(why) => {
-                remove_dir_logged(dir).await;
+                give_up(dir).await;
                 return Err(ForkError::NotItsChild { pid, why });
             }
         };
         let user = &spec.user;
         let session = spec.session_id;
         let Some(cgroup) = parent.forked.as_ref().map(|f| f.cgroup.clone()) else {
-            remove_dir_logged(dir).await;
+            give_up(dir).await;
             return Err(ForkError::Unsupported(PLAIN_START.into()));
         };
         // Its own leaf with the new session's limits; from here on the parent's end (its
         // leaf's removal) does not take it along.
         let placed = {
             let (cgroup, limits, id) = (cgroup.clone(), spec.limits, session.to_string());
-            tokio::task::spawn_blocking(move || -> Result<Leaf, SandboxError> {
-                let leaf = cgroup.create_leaf(&id, &limits)?;
-                match ContainerCgroup::enter(&leaf, host_pid) {
-                    Ok(()) => Ok(leaf),
-                    Err(e) => {
-                        for dir in leaf.dirs() {
-                            let _ = std::fs::remove_dir(dir);
-                        }
-                        Err(e)
-                    }
-                }
-            })
-            .await
+            tokio::task::spawn_blocking(move || enter_new_leaf(&cgroup, &id, &limits, host_pid))
+                .await
         };
         let leaf = match placed {
             Ok(Ok(leaf)) => leaf,
             Ok(Err(e)) => {
                 let _ = pidfd::signal(&fd, pidfd::Signal::KILL);
-                remove_dir_logged(dir).await;
+                give_up(dir).await;
                 return Err(e.into());
             }
             Err(e) => {
                 let _ = pidfd::signal(&fd, pidfd::Signal::KILL);
-                remove_dir_logged(dir).await;
+                give_up(dir).await;
                 return Err(launch_step(user, "placing the fork", e).into());
             }
         };
         // Alive after the move: the pid moved was this process's.
         if pidfd::ended(&fd).unwrap_or(true) {
             ContainerCgroup::remove_leaf(&leaf).await;
-            remove_dir_logged(dir).await;
+            give_up(dir).await;
             return Err(ForkError::NotItsChild {
                 pid,
                 why: "it ended before it was placed in its own cgroup",
@@ -229,7 +207,7 @@ impl Inner {
             Ok(ready) => ready,
             Err(e) => {
                 ContainerCgroup::remove_leaf(&leaf).await;
-                remove_dir_logged(dir).await;
+                give_up(dir).await;
                 return Err(e.into());
             }
         };

@@ -398,7 +398,7 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
-        fsutil::remove_dir_logged(prepared.dir).await;
+        self.inner.discard_kernel_fork(prepared).await;
     }
 }
 

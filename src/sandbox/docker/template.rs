@@ -52,7 +52,7 @@ use super::exec::{
     base_env, connection_file, create_kernel_exec, endpoints_for, DockerKernel, ForkedPid,
     SessionFiles, HISTORY, LOST,
 };
-use super::place::{exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
+use super::place::{enter_new_leaf, exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
 use super::running::{start_exec, ContainerInfo};
 use super::watch::{watch_forked, ForkedStatus};
 use super::{
@@ -485,21 +485,11 @@ impl Inner {
             return Err(TemplateError::ChildNotFound(child.inner_pid));
         };
         let (cgroup, limits) = (template.cgroup.clone(), spec.limits);
-        let placed = tokio::task::spawn_blocking(move || -> Result<Leaf, SandboxError> {
-            let leaf = cgroup.create_leaf(&id, &limits)?;
-            match ContainerCgroup::enter(&leaf, host_pid) {
-                Ok(()) => Ok(leaf),
-                Err(e) => {
-                    for dir in leaf.dirs() {
-                        let _ = std::fs::remove_dir(dir);
-                    }
-                    Err(e)
-                }
-            }
-        })
-        .await
-        .map_err(TemplateError::Interrupted)
-        .and_then(|r| r.map_err(TemplateError::NotMoved));
+        let placed =
+            tokio::task::spawn_blocking(move || enter_new_leaf(&cgroup, &id, &limits, host_pid))
+                .await
+                .map_err(TemplateError::Interrupted)
+                .and_then(|r| r.map_err(TemplateError::NotMoved));
         match placed {
             Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
             Err(e) => {
