@@ -114,3 +114,84 @@ pub(crate) fn find_fork(origin: &ForkOrigin, pid: i64) -> Result<(i32, OwnedFd),
     }
     Ok((host, fd))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shell as the parent kernel (single-threaded: its main thread forks, as a kernel's
+    /// does), a `sleep` it starts as the fork: `(shell, origin, the sleep's pid)`.
+    fn parent_and_fork() -> (std::process::Child, ForkOrigin, i64) {
+        use std::io::BufRead;
+        let mut shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(shell.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let origin = ForkOrigin {
+            host_pid: shell.id() as i32,
+            // SAFETY: getuid has no preconditions.
+            uid: Some(unsafe { libc::getuid() }),
+            dir: PathBuf::from("/nonexistent"),
+            inside: String::new(),
+            pid_namespace: None,
+            kernel: None,
+        };
+        (shell, origin, line.trim().parse().unwrap())
+    }
+
+    #[test]
+    fn a_fork_is_the_parents_child_in_its_pid_namespace_and_nothing_else() {
+        let (mut shell, origin, pid) = parent_and_fork();
+        let (host, _fd) = find_fork(&origin, pid).unwrap();
+        assert_eq!(i64::from(host), pid);
+        // A named pid namespace: the fork must be in it.
+        let there = ForkOrigin {
+            pid_namespace: pid_namespace_of(std::process::id() as i32),
+            ..origin.clone()
+        };
+        assert!(find_fork(&there, pid).is_ok());
+        let elsewhere = ForkOrigin {
+            pid_namespace: Some("pid:[1]".into()),
+            ..origin.clone()
+        };
+        assert_eq!(
+            find_fork(&elsewhere, pid).unwrap_err(),
+            "it is not in the parent kernel's pid namespace"
+        );
+        // Another uid.
+        let other_uid = ForkOrigin {
+            uid: origin.uid.map(|u| u.wrapping_add(1)),
+            ..origin.clone()
+        };
+        assert!(find_fork(&other_uid, pid).is_err());
+        // Not the parent's child (itself, this process, pid 1); not a pid at all.
+        let own = i64::from(std::process::id());
+        let parent = i64::from(origin.host_pid);
+        for bad in [
+            1,
+            0,
+            -5,
+            own,
+            parent,
+            i64::from(u32::MAX) + 7,
+            i64::from(i32::MAX),
+        ] {
+            assert!(find_fork(&origin, bad).is_err(), "{bad}");
+        }
+        let not_parent = ForkOrigin {
+            host_pid: 1,
+            ..origin.clone()
+        };
+        assert!(find_fork(&not_parent, pid).is_err());
+        // The sleep first, while the shell (which reaps it) still holds its pid; the shell
+        // then ends by itself.
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        shell.wait().unwrap();
+    }
+}
