@@ -14,9 +14,14 @@
 //! [`Sandbox::prepare_fork`]: super::Sandbox::prepare_fork
 //! [`Sandbox::adopt_fork`]: super::Sandbox::adopt_fork
 
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
-use super::{LaunchSpec, SandboxError};
+use uuid::Uuid;
+
+use super::procfs::{child_with_namespace_pid, namespace_pid, parent_of, uids_of};
+use super::{pidfd, LaunchSpec, SandboxError};
 
 /// Where a live kernel can be forked: its host process and the directory its forks' runtime
 /// directories go in. Known to the backend that launched the kernel; opaque above.
@@ -31,6 +36,12 @@ pub struct ForkOrigin {
     pub(crate) dir: PathBuf,
     /// The same directory as the kernel sees it.
     pub(crate) inside: String,
+    /// The pid namespace a fork must be in (`/proc/<pid>/ns/pid`'s link text); `None`: the
+    /// parent kernel's. The Docker backend names its container init's.
+    pub(crate) pid_namespace: Option<OsString>,
+    /// The backend's own name for the parent kernel (Docker: its entry in the kernel table,
+    /// the session it was launched for); `None` where the backend needs none.
+    pub(crate) kernel: Option<Uuid>,
 }
 
 /// A fork about to be asked for: the connection to put in `kb_fork_request`, and what the
@@ -57,4 +68,130 @@ pub enum ForkError {
     NotItsChild { pid: i64, why: &'static str },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
+}
+
+/// The pid namespace of host process `pid`, as the link `/proc/<pid>/ns/pid` names it.
+pub(crate) fn pid_namespace_of(pid: i32) -> Option<OsString> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(PathBuf::into_os_string)
+}
+
+/// The host pid of the parent's child that is `pid` in the kernel's pid namespace, with a
+/// pidfd held on it and the checks done again after opening it; or why not. Both backends
+/// find a fork so (the pid is the kernel's word, untrusted).
+pub(crate) fn find_fork(origin: &ForkOrigin, pid: i64) -> Result<(i32, OwnedFd), &'static str> {
+    let inner = i32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 1)
+        .ok_or("not a pid a forked process can have")?;
+    let host = child_with_namespace_pid(origin.host_pid, inner)
+        .ok_or("no child of the parent kernel has that pid")?;
+    let fd = pidfd::open(host).map_err(|_| "it ended before it could be held")?;
+    if namespace_pid(host) != Some(inner) || parent_of(host) != Some(origin.host_pid) {
+        return Err("it is no longer the parent kernel's child");
+    }
+    if let Some(uid) = origin.uid {
+        if uids_of(host) != Some([uid; 4]) {
+            return Err("it does not run as the kernel's uid");
+        }
+    }
+    // In the sandbox's pid namespace (its pid there is the one the kernel named), not one
+    // of its own.
+    let expected = match &origin.pid_namespace {
+        Some(ns) => Some(ns.clone()),
+        None => pid_namespace_of(origin.host_pid),
+    };
+    if expected.is_none() || pid_namespace_of(host) != expected {
+        return Err("it is not in the parent kernel's pid namespace");
+    }
+    // A fresh fork is still in its parent's cgroups; an earlier fork (a session's kernel
+    // now, in a leaf of its own) is the parent's child too, and is not taken from its
+    // session.
+    let cgroups_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
+    if cgroups_of(host).is_none() || cgroups_of(host) != cgroups_of(origin.host_pid) {
+        return Err("it is not in the parent kernel's cgroup (an earlier fork's kernel?)");
+    }
+    Ok((host, fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shell as the parent kernel (single-threaded: its main thread forks, as a kernel's
+    /// does), a `sleep` it starts as the fork: `(shell, origin, the sleep's pid)`.
+    fn parent_and_fork() -> (std::process::Child, ForkOrigin, i64) {
+        use std::io::BufRead;
+        let mut shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(shell.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let origin = ForkOrigin {
+            host_pid: shell.id() as i32,
+            // SAFETY: getuid has no preconditions.
+            uid: Some(unsafe { libc::getuid() }),
+            dir: PathBuf::from("/nonexistent"),
+            inside: String::new(),
+            pid_namespace: None,
+            kernel: None,
+        };
+        (shell, origin, line.trim().parse().unwrap())
+    }
+
+    #[test]
+    fn a_fork_is_the_parents_child_in_its_pid_namespace_and_nothing_else() {
+        let (mut shell, origin, pid) = parent_and_fork();
+        let (host, _fd) = find_fork(&origin, pid).unwrap();
+        assert_eq!(i64::from(host), pid);
+        // A named pid namespace: the fork must be in it.
+        let there = ForkOrigin {
+            pid_namespace: pid_namespace_of(std::process::id() as i32),
+            ..origin.clone()
+        };
+        assert!(find_fork(&there, pid).is_ok());
+        let elsewhere = ForkOrigin {
+            pid_namespace: Some("pid:[1]".into()),
+            ..origin.clone()
+        };
+        assert_eq!(
+            find_fork(&elsewhere, pid).unwrap_err(),
+            "it is not in the parent kernel's pid namespace"
+        );
+        // Another uid.
+        let other_uid = ForkOrigin {
+            uid: origin.uid.map(|u| u.wrapping_add(1)),
+            ..origin.clone()
+        };
+        assert!(find_fork(&other_uid, pid).is_err());
+        // Not the parent's child (itself, this process, pid 1); not a pid at all.
+        let own = i64::from(std::process::id());
+        let parent = i64::from(origin.host_pid);
+        for bad in [
+            1,
+            0,
+            -5,
+            own,
+            parent,
+            i64::from(u32::MAX) + 7,
+            i64::from(i32::MAX),
+        ] {
+            assert!(find_fork(&origin, bad).is_err(), "{bad}");
+        }
+        let not_parent = ForkOrigin {
+            host_pid: 1,
+            ..origin.clone()
+        };
+        assert!(find_fork(&not_parent, pid).is_err());
+        // The sleep first, while the shell (which reaps it) still holds its pid; the shell
+        // then ends by itself.
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        shell.wait().unwrap();
+    }
 }

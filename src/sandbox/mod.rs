@@ -458,7 +458,7 @@ pub trait Sandbox: Send + Sync {
         _spec: LaunchSpec,
     ) -> Result<fork::PreparedFork, fork::ForkError> {
         Err(fork::ForkError::Unsupported(format!(
-            "the {} sandbox cannot fork a live kernel; run the broker with the local sandbox",
+            "the {} sandbox cannot fork a live kernel; the local and docker sandboxes can",
             self.name()
         )))
     }

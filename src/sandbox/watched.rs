@@ -308,6 +308,11 @@ impl<K: BackendKernel> KernelTable<K> {
         lock(&self.kernels).insert(session, kernel);
     }
 
+    /// The kernel launched for `session`, if it is still in the table.
+    pub fn get(&self, session: &Uuid) -> Option<Arc<K>> {
+        lock(&self.kernels).get(session).cloned()
+    }
+
     pub fn remove(&self, session: &Uuid) {
         lock(&self.kernels).remove(session);
     }

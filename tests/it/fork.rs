@@ -1,13 +1,29 @@
-//! Forking a live session (issue 36, `POST /v1/sessions/{id}/fork`), local sandbox, real
-//! kernels forked from their user's template: the forks carry the kernel's state and then go
-//! their own way, are ordinary sessions with a cgroup leaf of their own, count against the
-//! quota as a whole, and a kernel that lies about its fork gets nothing adopted.
+//! Forking a live session (issue 36, `POST /v1/sessions/{id}/fork`) on both sandboxes, real
+//! kernels forked from their user's template (local: its bwrap sandbox; Docker: the user's
+//! container): the forks carry the kernel's state and then go their own way, are ordinary
+//! sessions with a cgroup leaf of their own, count against the quota as a whole, and a
+//! kernel that lies about its fork gets nothing adopted. The broker runs as root, so the
+//! tests read leaves, host pids and runtime directories on the host, as the broker does.
 
 use crate::common;
 
 use common::forked::out;
 use common::*;
 use serde_json::{json, Value};
+
+on_both_backends!(
+    a_fork_continues_as_the_original_would_and_then_goes_its_own_way,
+    forks_outlive_the_original_and_the_original_outlives_them,
+    a_fork_has_its_own_leaf_and_memory_limit,
+    a_kernel_that_lies_about_its_fork_gets_nothing_adopted,
+    symlinks_planted_at_the_forks_sockets_are_not_followed,
+    a_plainly_started_kernel_is_refused_with_the_reason,
+    an_earlier_fork_is_not_taken_from_its_session,
+);
+on_one_backend!(
+    forks_beyond_the_quota_are_refused_whole,
+    bad_fork_requests_are_refused_clearly,
+);
 
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
     a.fork_server = Some(true);
@@ -46,9 +62,50 @@ async fn session_ids(api: &Api) -> Vec<String> {
     ids
 }
 
-/// `user`'s cgroup leaves (pids hierarchy), sorted.
-fn leaves(broker: &Broker, user: &str) -> Vec<String> {
-    let dir = pids_cgroup_base(broker.cgroup_name()).join(user);
+/// The cgroup leaf (pids hierarchy on v1, else the v2 tree) of `user`'s session `id`: local,
+/// in the broker's tree; Docker, in the user's container's cgroup, as the kernel reads it
+/// (Docker on cgroup v1 shares the host's cgroup namespace).
+async fn leaf_of(broker: &Broker, api: &Api, user: &str, id: &str) -> std::path::PathBuf {
+    if broker.sandbox == "local" {
+        return pids_cgroup_base(broker.cgroup_name()).join(user).join(id);
+    }
+    let text = out(api, id, "print(open('/proc/self/cgroup').read())").await;
+    let v1 = text
+        .lines()
+        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()));
+    match v1 {
+        Some(path) => {
+            std::path::Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'))
+        }
+        None => {
+            let path = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+            std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
+        }
+    }
+}
+
+/// The host pid of session `id`'s kernel (the first process of its leaf).
+async fn host_pid(broker: &Broker, api: &Api, user: &str, id: &str) -> i64 {
+    let procs = leaf_of(broker, api, user, id).await.join("cgroup.procs");
+    let text = std::fs::read_to_string(&procs).unwrap_or_else(|e| panic!("{procs:?}: {e}"));
+    text.lines().next().unwrap().trim().parse().unwrap()
+}
+
+/// What `/run/kernel` holds as the kernel with host pid `pid` sees it (its runtime
+/// directory and its forks' beside it), read from the host, sorted.
+fn runtime_dirs(pid: i64) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/run/kernel"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The leaves beside `leaf` (its user's, or its container's), sorted.
+fn leaves(leaf: &std::path::Path) -> Vec<String> {
+    let dir = leaf.parent().unwrap();
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -93,9 +150,8 @@ os.environ['FORK_TEST'] = 'yes'
 const PROBE: &str = "print(x, f(3), C().v, fh.readline().strip(), next(g), random.random(), \
                      os.getcwd(), os.environ['FORK_TEST'], len(In))";
 
-#[tokio::test]
-async fn a_fork_continues_as_the_original_would_and_then_goes_its_own_way() {
-    let broker = Broker::start("local", forking).await;
+async fn a_fork_continues_as_the_original_would_and_then_goes_its_own_way(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     let setup = api.execute(&a, STATE).await;
@@ -119,7 +175,16 @@ async fn a_fork_continues_as_the_original_would_and_then_goes_its_own_way() {
     let line = in_a["stdout"].as_str().unwrap().trim().to_string();
     assert!(line.starts_with("41 6 7 line2 9 "), "{line}");
     assert!(line.contains("/tmp/fork-cwd yes"), "{line}");
-    eprintln!("fork -> usable session: {fork_ms} ms");
+    eprintln!("{sandbox}: fork -> usable session: {fork_ms} ms");
+    // fork -> first result in the fork.
+    let started = std::time::Instant::now();
+    let c = forked(&api, &a, 1).await.remove(0);
+    assert_eq!(out(&api, &c, "print(x)").await, "41");
+    eprintln!(
+        "{sandbox}: fork -> first result: {} ms",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(api.delete(&format!("/v1/sessions/{c}")).await.0, 204);
 
     // Changes in the fork stay there, and the other way round.
     out(
@@ -161,9 +226,8 @@ async fn a_fork_continues_as_the_original_would_and_then_goes_its_own_way() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn forks_outlive_the_original_and_the_original_outlives_them() {
-    let broker = Broker::start("local", forking).await;
+async fn forks_outlive_the_original_and_the_original_outlives_them(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(&api, &a, "x = 1").await;
@@ -228,17 +292,20 @@ async fn forks_outlive_the_original_and_the_original_outlives_them() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn a_fork_has_its_own_leaf_and_memory_limit() {
-    let broker = Broker::start("local", forking).await;
+async fn a_fork_has_its_own_leaf_and_memory_limit(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(&api, &a, "x = 1").await;
+    let a_leaf = leaf_of(&broker, &api, "alice", &a).await;
     let b = forked(&api, &a, 1).await.remove(0);
-    // Its own leaf, named by its session.
+    // Its own leaf, named by its session, beside the original's, with the session's
+    // memory limit.
     let cg = out(&api, &b, "print(open('/proc/self/cgroup').read())").await;
     assert!(cg.contains(b.as_str()), "{cg}");
-    assert!(leaves(&broker, "alice").contains(&b));
+    let b_leaf = leaf_of(&broker, &api, "alice", &b).await;
+    assert_eq!(b_leaf.parent(), a_leaf.parent());
+    assert!(leaves(&a_leaf).contains(&b));
     // A memory hog in the fork is killed by the fork's limit; the original survives.
     let v = api
         .execute(
@@ -255,25 +322,25 @@ async fn a_fork_has_its_own_leaf_and_memory_limit() {
     // The dead fork's leaf is gone; deleting it leaves only the original's (and the
     // template's).
     assert_eq!(api.delete(&format!("/v1/sessions/{b}")).await.0, 204);
-    assert!(!leaves(&broker, "alice").contains(&b));
+    assert!(!leaves(&a_leaf).contains(&b));
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn forks_beyond_the_quota_are_refused_whole() {
-    let broker = Broker::start("local", |a| {
+async fn forks_beyond_the_quota_are_refused_whole(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |a| {
         forking(a);
         a.max_sessions_per_user = Some(3);
     })
     .await;
     let api = broker.api(ALICE);
     let a = api.create().await;
-    let before = leaves(&broker, "alice");
+    let a_leaf = leaf_of(&broker, &api, "alice", &a).await;
+    let before = leaves(&a_leaf);
     let (status, v) = fork(&api, &a, json!({"count": 3})).await;
     assert_eq!(status, 429, "{v}");
     assert_eq!(v["error"]["code"], "quota_exceeded", "{v}");
     assert_eq!(session_ids(&api).await, vec![a.clone()]);
-    assert_eq!(leaves(&broker, "alice"), before);
+    assert_eq!(leaves(&a_leaf), before);
     // Two fit.
     assert_eq!(forked(&api, &a, 2).await.len(), 2);
     assert_eq!(session_ids(&api).await.len(), 3);
@@ -282,9 +349,8 @@ async fn forks_beyond_the_quota_are_refused_whole() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn bad_fork_requests_are_refused_clearly() {
-    let broker = Broker::start("local", forking).await;
+async fn bad_fork_requests_are_refused_clearly(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
     let a = alice.create().await;
     let missing = uuid::Uuid::new_v4();
@@ -373,9 +439,8 @@ fn hostile_handler(reply: &str) -> String {
     )
 }
 
-#[tokio::test]
-async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted() {
-    let broker = Broker::start("local", |a| {
+async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |a| {
         forking(a);
         // The wait for a kernel that never answers: the launch timeout and 10 s.
         a.launch_timeout = Some(8);
@@ -388,25 +453,18 @@ async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted() {
         .await
         .parse()
         .unwrap();
-    let bob_host = std::fs::read_to_string(
-        pids_cgroup_base(broker.cgroup_name())
-            .join("bob")
-            .join(&b)
-            .join("cgroup.procs"),
-    )
-    .unwrap()
-    .lines()
-    .next()
-    .unwrap()
-    .trim()
-    .parse::<i64>()
-    .unwrap();
+    // (Docker: in bob's own container.)
+    let bob_host = host_pid(&broker, &bob, "bob", &b).await;
+    let bob_leaf = leaf_of(&broker, &bob, "bob", &b).await;
     let parent: i64 = out(&alice, &a, "import os; print(os.getpid())")
         .await
         .parse()
         .unwrap();
-    let before = leaves(&broker, "alice");
-    let bob_leaves = leaves(&broker, "bob");
+    let a_leaf = leaf_of(&broker, &alice, "alice", &a).await;
+    let a_host = host_pid(&broker, &alice, "alice", &a).await;
+    let before = leaves(&a_leaf);
+    let dirs_before = runtime_dirs(a_host);
+    let bob_leaves = leaves(&bob_leaf);
     let ok = |pid: String| format!("{{'status': 'ok', 'pid': {pid}}}");
     let mut replies = vec![
         ok("1".into()),
@@ -433,28 +491,23 @@ async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted() {
         assert_eq!(v["error"]["code"], "fork_failed", "{reply}: {v}");
         // Nothing adopted or left: no session, no leaf, no fork directory.
         assert_eq!(session_ids(&alice).await, vec![a.clone()], "{reply}");
-        assert_eq!(leaves(&broker, "alice"), before, "{reply}");
-        let dirs = out(
-            &alice,
-            &a,
-            "print([d for d in os.listdir('/run/kernel') if d.startswith('f')])",
-        )
-        .await;
-        assert_eq!(dirs, "[]", "{reply}");
+        assert_eq!(leaves(&a_leaf), before, "{reply}");
+        assert_eq!(runtime_dirs(a_host), dirs_before, "{reply}");
         // The original works; bob's kernel was not touched.
         assert_eq!(out(&alice, &a, "print(1 + 1)").await, "2", "{reply}");
         assert_eq!(
             out(&bob, &b, "print(os.getpid())").await,
             bob_inner.to_string()
         );
-        assert_eq!(leaves(&broker, "bob"), bob_leaves);
+        assert_eq!(leaves(&bob_leaf), bob_leaves);
+        assert!(std::path::Path::new(&format!("/proc/{bob_host}")).exists());
     }
     // The sleeping child it named was ended with the leaf it was moved into.
     let left = out(
         &alice,
         &a,
         "import subprocess\n\
-         print([p for p in os.listdir('/proc') if p.isdigit() and 'sleep' in open('/proc/%s/cmdline' % p).read()])",
+         print([p for p in os.listdir('/proc') if p.isdigit() and open('/proc/%s/cmdline' % p).read() == 'sleep\\x00600\\x00'])",
     )
     .await;
     assert_eq!(left, "[]");
@@ -465,16 +518,18 @@ async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted() {
 /// the paths the broker named (relative, so they resolve on the host too): the broker never connects through a symlink, so the fork
 /// fails (with the symlinks followed it would have succeeded: the sockets are a real
 /// kernel's with the right key).
-#[tokio::test]
-async fn symlinks_planted_at_the_forks_sockets_are_not_followed() {
-    let broker = Broker::start("local", |a| {
+async fn symlinks_planted_at_the_forks_sockets_are_not_followed(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |a| {
         forking(a);
         a.launch_timeout = Some(8);
     })
     .await;
     let api = broker.api(ALICE);
     let a = api.create().await;
-    let before = leaves(&broker, "alice");
+    let a_leaf = leaf_of(&broker, &api, "alice", &a).await;
+    let a_host = host_pid(&broker, &api, "alice", &a).await;
+    let before = leaves(&a_leaf);
+    let dirs_before = runtime_dirs(a_host);
     let plant = "import os, sys\n\
         from ipykernel.kernelapp import IPKernelApp\n\
         _kbf = sys.modules['kernel_broker_fork']\n\
@@ -493,16 +548,16 @@ async fn symlinks_planted_at_the_forks_sockets_are_not_followed() {
     let (status, v) = fork(&api, &a, json!({})).await;
     assert_eq!(status, 502, "{v}");
     assert_eq!(session_ids(&api).await, vec![a.clone()]);
-    assert_eq!(leaves(&broker, "alice"), before);
+    assert_eq!(leaves(&a_leaf), before);
+    assert_eq!(runtime_dirs(a_host), dirs_before);
     assert_eq!(out(&api, &a, "print(2 + 2)").await, "4");
     broker.stop().await;
 }
 
 /// A kernel started plainly (no template) is its sandbox's only command: its forks would
 /// end with it, so it is refused, saying what would allow it.
-#[tokio::test]
-async fn a_plainly_started_kernel_is_refused_with_the_reason() {
-    let broker = Broker::start("local", |a| a.fork_server = Some(false)).await;
+async fn a_plainly_started_kernel_is_refused_with_the_reason(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |a| a.fork_server = Some(false)).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(&api, &a, "x = 1").await;
@@ -516,14 +571,23 @@ async fn a_plainly_started_kernel_is_refused_with_the_reason() {
     );
     assert_eq!(session_ids(&api).await, vec![a.clone()]);
     assert_eq!(out(&api, &a, "print(x)").await, "1");
+    // A session with a workspace of its own (Docker: a container of its own, E2B's
+    // sandbox shape): refused too, saying why.
+    let (status, own) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
+    assert_eq!(status, 201, "{own}");
+    let own = own["id"].as_str().unwrap().to_string();
+    let (status, v) = fork(&api, &own, json!({})).await;
+    assert_eq!(status, 409, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("workspace of its own"), "{v}");
+    assert_eq!(session_ids(&api).await.len(), 2);
     broker.stop().await;
 }
 
 /// An earlier fork is the parent kernel's child too, but a session's kernel now: a kernel
 /// that names it for a new fork does not take it from its session.
-#[tokio::test]
-async fn an_earlier_fork_is_not_taken_from_its_session() {
-    let broker = Broker::start("local", |a| {
+async fn an_earlier_fork_is_not_taken_from_its_session(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |a| {
         forking(a);
         a.launch_timeout = Some(8);
     })
@@ -533,7 +597,8 @@ async fn an_earlier_fork_is_not_taken_from_its_session() {
     out(&api, &a, "x = 1").await;
     let b = forked(&api, &a, 1).await.remove(0);
     let b_pid = out(&api, &b, "import os; print(os.getpid())").await;
-    let before = leaves(&broker, "alice");
+    let a_leaf = leaf_of(&broker, &api, "alice", &a).await;
+    let before = leaves(&a_leaf);
     out(
         &api,
         &a,
@@ -549,7 +614,7 @@ async fn an_earlier_fork_is_not_taken_from_its_session() {
     let mut both = vec![a.clone(), b.clone()];
     both.sort();
     assert_eq!(session_ids(&api).await, both);
-    assert_eq!(leaves(&broker, "alice"), before);
+    assert_eq!(leaves(&a_leaf), before);
     // b is still b's, in its own leaf.
     assert_eq!(
         out(&api, &b, "x += 1; print(x, os.getpid())").await,
@@ -557,25 +622,5 @@ async fn an_earlier_fork_is_not_taken_from_its_session() {
     );
     let cg = out(&api, &b, "print(open('/proc/self/cgroup').read())").await;
     assert!(cg.contains(b.as_str()), "{cg}");
-    broker.stop().await;
-}
-
-/// The Docker sandbox does not fork live kernels yet: 409, naming what would allow it, and
-/// nothing made.
-#[tokio::test]
-async fn docker_refuses_a_fork_clearly() {
-    docker_ready();
-    let broker = Broker::start("docker", |_| {}).await;
-    let api = broker.api(ALICE);
-    let a = api.create().await;
-    let (status, v) = fork(&api, &a, json!({})).await;
-    assert_eq!(status, 409, "{v}");
-    let message = v["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("docker sandbox cannot fork") && message.contains("local"),
-        "{v}"
-    );
-    assert_eq!(session_ids(&api).await, vec![a.clone()]);
-    assert_eq!(out(&api, &a, "print(3)").await, "3");
     broker.stop().await;
 }

@@ -31,9 +31,11 @@ use super::{
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::BOOT_SCRIPT_NAME;
-use crate::sandbox::cgroup::{CpuClock, Leaf};
+use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Leaf};
+use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
+use crate::sandbox::procfs::uids_of;
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
     thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
@@ -66,11 +68,35 @@ pub(super) struct DockerKernel {
     pub quota_bytes: u64,
 }
 
+/// Where a kernel of the Docker sandbox can be forked (`fork.rs` says which can).
+pub(super) fn fork_origin(kernel: &DockerKernel) -> Option<ForkOrigin> {
+    let forked = kernel.forked.as_ref()?;
+    if kernel.container.own.is_some() || kernel.watch.has_exited() {
+        return None;
+    }
+    // The uid it runs as on the host (the image's kernel user, or what a user namespace
+    // maps it to): its forks must run as that uid too.
+    let uids = uids_of(forked.host_pid)?;
+    if uids.iter().any(|u| *u != uids[0]) {
+        return None;
+    }
+    Some(ForkOrigin {
+        host_pid: forked.host_pid,
+        uid: Some(uids[0]),
+        dir: kernel.host_dir.parent()?.to_path_buf(),
+        inside: RUN_DIR_INSIDE.to_string(),
+        pid_namespace: None,
+        kernel: Some(kernel.watch.session_id),
+    })
+}
+
 /// A forked kernel's process, as the broker (root on the host) sees it.
 pub(super) struct ForkedPid {
     pub host_pid: i32,
     /// Signals go through it, so they never reach a process that reused the pid.
     pub pidfd: OwnedFd,
+    /// The container's cgroup, where the leaves of this kernel's own forks go (`fork.rs`).
+    pub cgroup: ContainerCgroup,
 }
 
 impl DockerKernel {
@@ -98,6 +124,13 @@ impl BackendKernel for DockerKernel {
 
     fn cpu_clock(&self) -> Option<CpuClock> {
         self.leaf.as_ref().map(|l| l.cpu_clock())
+    }
+
+    /// A kernel forked in its user's container (from the template, or from a live kernel)
+    /// can be forked in turn (`fork.rs`); a plain exec or a sandbox's own container's
+    /// kernel cannot.
+    fn fork_origin(&self) -> Option<ForkOrigin> {
+        fork_origin(self)
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.

@@ -65,7 +65,8 @@
 //! containers and workspaces; `parent.rs` the users' parent cgroups; `daemon.rs` the client and its errors;
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `place.rs` a process's own cgroup leaf;
-//! `template.rs` fork-server templates and the kernels forked from them; `watch.rs` the
+//! `template.rs` fork-server templates and the kernels forked from them; `fork.rs` a live
+//! kernel's fork beside it in the container; `watch.rs` the
 //! watchers that classify a kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
 //! tickets, the start-up that keeps them, adoption).
 
@@ -75,6 +76,7 @@ mod container;
 mod daemon;
 mod engine;
 mod exec;
+mod fork;
 mod keep;
 mod launch;
 mod limits;
@@ -377,6 +379,26 @@ impl Sandbox for DockerSandbox {
         spec: super::command::CommandSpec,
     ) -> Result<super::command::RunningCommand, SandboxError> {
         self.inner.start_command(spec).await
+    }
+
+    async fn prepare_fork(
+        &self,
+        parent: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.inner.prepare_kernel_fork(parent, spec).await
+    }
+
+    async fn adopt_fork(
+        &self,
+        prepared: super::fork::PreparedFork,
+        pid: i64,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.inner.adopt_kernel_fork(prepared, pid).await
+    }
+
+    async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        self.inner.discard_kernel_fork(prepared).await;
     }
 }
 

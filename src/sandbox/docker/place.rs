@@ -137,14 +137,26 @@ pub(super) fn leaf_for(
     limits: &KernelLimits,
 ) -> Result<(ContainerCgroup, Leaf), PlaceError> {
     let cgroup = ContainerCgroup::of_process(pid).map_err(PlaceError::NoContainerCgroup)?;
-    let leaf = cgroup.create_leaf(name, limits).map_err(PlaceError::Leaf)?;
+    let leaf = enter_new_leaf(&cgroup, name, limits, pid).map_err(PlaceError::Leaf)?;
+    Ok((cgroup, leaf))
+}
+
+/// Makes a leaf named `name` with `limits` in `cgroup` and moves host process `pid` into
+/// it (a template's child, a live kernel's fork); if the move fails, the leaf goes.
+pub(super) fn enter_new_leaf(
+    cgroup: &ContainerCgroup,
+    name: &str,
+    limits: &KernelLimits,
+    pid: i32,
+) -> Result<Leaf, SandboxError> {
+    let leaf = cgroup.create_leaf(name, limits)?;
     if let Err(e) = ContainerCgroup::enter(&leaf, pid) {
         for dir in leaf.dirs() {
             let _ = std::fs::remove_dir(dir);
         }
-        return Err(PlaceError::Leaf(e));
+        return Err(e);
     }
-    Ok((cgroup, leaf))
+    Ok(leaf)
 }
 
 /// The host pid of an exec's first process (the daemon knows it once the exec started).

@@ -52,9 +52,9 @@ use super::exec::{
     base_env, connection_file, create_kernel_exec, endpoints_for, DockerKernel, ForkedPid,
     SessionFiles, HISTORY, LOST,
 };
-use super::place::{exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
+use super::place::{enter_new_leaf, exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
 use super::running::{start_exec, ContainerInfo};
-use super::watch::watch_forked;
+use super::watch::{watch_forked, ForkedStatus};
 use super::{
     keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
 };
@@ -163,7 +163,7 @@ enum TemplateError {
 
 impl Inner {
     /// Whether launches of this sandbox may use templates at all.
-    fn forks(&self) -> bool {
+    pub(super) fn forks(&self) -> bool {
         self.cfg.fork_server && !self.cfg.keep_kernels && self.privileged
     }
 
@@ -420,7 +420,11 @@ impl Inner {
             dir,
             host_dir,
             exec_id: String::new(),
-            forked: Some(ForkedPid { host_pid, pidfd }),
+            forked: Some(ForkedPid {
+                host_pid,
+                pidfd,
+                cgroup: template.cgroup.clone(),
+            }),
             exec_pidfd: None,
             leaf: Some(leaf),
             limits: spec.limits,
@@ -433,7 +437,7 @@ impl Inner {
             shared.clone(),
             exit,
             watch_fd,
-            child.status,
+            ForkedStatus::Template(child.status),
         ));
         let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
         if let Err(e) = template.server.go(&id).await {
@@ -465,10 +469,13 @@ impl Inner {
         let id = spec.session_id.to_string();
         let connection = format!("{RUN_DIR_INSIDE}/{dir}/connection.json");
         let args = vec!["-f".to_string(), connection.clone(), HISTORY.to_string()];
+        // Its forks' runtime directories go in the user's runtime directory beside its own
+        // (`fork.rs`): not in its own, which is the kernel's and goes when it ends.
         let env: HashMap<&str, &str> = spec
             .env
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain([(boot::FORK_ROOT_ENV, RUN_DIR_INSIDE)])
             .collect();
         let server = &template.server;
         let child = server.fork(&id, &args, &env, &connection).await?;
@@ -478,21 +485,11 @@ impl Inner {
             return Err(TemplateError::ChildNotFound(child.inner_pid));
         };
         let (cgroup, limits) = (template.cgroup.clone(), spec.limits);
-        let placed = tokio::task::spawn_blocking(move || -> Result<Leaf, SandboxError> {
-            let leaf = cgroup.create_leaf(&id, &limits)?;
-            match ContainerCgroup::enter(&leaf, host_pid) {
-                Ok(()) => Ok(leaf),
-                Err(e) => {
-                    for dir in leaf.dirs() {
-                        let _ = std::fs::remove_dir(dir);
-                    }
-                    Err(e)
-                }
-            }
-        })
-        .await
-        .map_err(TemplateError::Interrupted)
-        .and_then(|r| r.map_err(TemplateError::NotMoved));
+        let placed =
+            tokio::task::spawn_blocking(move || enter_new_leaf(&cgroup, &id, &limits, host_pid))
+                .await
+                .map_err(TemplateError::Interrupted)
+                .and_then(|r| r.map_err(TemplateError::NotMoved));
         match placed {
             Ok(leaf) => Ok((child, host_pid, pidfd, leaf)),
             Err(e) => {

@@ -38,9 +38,55 @@ use crate::sandbox::exhaustion::{disk_full, explain, Evidence};
 use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::pidfd;
+use crate::sandbox::procfs::zombie_status;
 use crate::sandbox::watched::ExitPublisher;
 use crate::sandbox::ExitReason;
 use crate::sync::lock;
+
+/// Where a forked kernel's exit status comes from.
+pub(super) enum ForkedStatus {
+    /// Its template reaps it and reports the raw status.
+    Template(oneshot::Receiver<i32>),
+    /// A live kernel's fork (`fork.rs`): the kernel it was forked from reaps it (between
+    /// its executions), so the status is read from the zombie while its pidfd still names
+    /// it; once reaped it is unknown, and its leaf's counters tell what they can.
+    Zombie,
+}
+
+impl ForkedStatus {
+    /// The status its template reported (never, for a live kernel's fork).
+    async fn reported(&mut self) -> Result<i32, oneshot::error::RecvError> {
+        match self {
+            ForkedStatus::Template(rx) => rx.await,
+            ForkedStatus::Zombie => std::future::pending().await,
+        }
+    }
+
+    /// Its status once its pidfd says it ended.
+    async fn after_end(
+        &mut self,
+        pidfd: &AsyncFd<OwnedFd>,
+        host_pid: Option<i32>,
+    ) -> std::io::Result<std::process::ExitStatus> {
+        match self {
+            ForkedStatus::Template(rx) => forked_status(pidfd, rx).await,
+            ForkedStatus::Zombie => {
+                let _ready = pidfd.readable().await?;
+                // Read while not reaped (its pidfd still names an unreaped process), the
+                // status was this process's, not a reuse of its pid's.
+                host_pid
+                    .and_then(zombie_status)
+                    .filter(|_| pidfd::exists(pidfd.get_ref()))
+                    .map(std::process::ExitStatus::from_raw)
+                    .ok_or_else(|| {
+                        std::io::Error::other(
+                            "its exit status is unknown (the kernel it was forked from reaped it)",
+                        )
+                    })
+            }
+        }
+    }
+}
 
 /// How a forked kernel's wait ended.
 enum ForkedEnd {
@@ -64,11 +110,12 @@ pub(super) async fn watch_forked(
     shared: Arc<DockerKernel>,
     exit: ExitPublisher,
     pidfd: AsyncFd<OwnedFd>,
-    mut status: oneshot::Receiver<i32>,
+    mut status: ForkedStatus,
 ) {
     let docker = shared.docker.clone();
+    let host_pid = shared.forked.as_ref().map(|f| f.host_pid);
     let end = tokio::select! {
-        raw = &mut status => match raw {
+        raw = status.reported() => match raw {
             Ok(raw) => ForkedEnd::Status(raw),
             Err(_) => ForkedEnd::TemplateLost,
         },
@@ -84,16 +131,22 @@ pub(super) async fn watch_forked(
         ForkedEnd::Kill => {
             kill_leaf(&shared).await;
             // Reaped by its template at once; only a dead template leaves it unreported.
-            let _ = timeout(TERMINATE_TIMEOUT, forked_status(&pidfd, &mut status)).await;
+            let _ = timeout(TERMINATE_TIMEOUT, status.after_end(&pidfd, host_pid)).await;
             ExitReason::Terminated
         }
         ForkedEnd::Status(raw) => forked_reason(&docker, &shared, raw).await,
-        ForkedEnd::Gone => match forked_status(&pidfd, &mut status).await {
+        ForkedEnd::Gone => match status.after_end(&pidfd, host_pid).await {
             Ok(s) => forked_reason(&docker, &shared, s.into_raw()).await,
-            // Its template went first (with the container, most likely).
+            // Its template went first (with the container, most likely), or the kernel it
+            // was forked from reaped it: its own leaf's OOM kill still tells that end.
             Err(e) => {
                 settled_reason(&docker, &shared.container, || {
-                    ExitReason::Lost(format!("the forked kernel ended: {e}"))
+                    match shared.leaf.as_ref().and_then(|l| l.oom_kills()) {
+                        Some(kills) if kills > 0 => ExitReason::OutOfMemory {
+                            limit_bytes: shared.limits.memory_bytes,
+                        },
+                        _ => ExitReason::Lost(format!("the forked kernel ended: {e}")),
+                    }
                 })
                 .await
             }

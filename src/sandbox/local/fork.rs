@@ -27,10 +27,9 @@ use super::files::endpoints_for;
 use super::output::Tail;
 use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
-use crate::sandbox::fork::{ForkError, ForkOrigin, PreparedFork};
+use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step};
 use crate::sandbox::pidfd;
-use crate::sandbox::procfs::{child_with_namespace_pid, namespace_pid, parent_of, uids_of};
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
 
@@ -218,32 +217,4 @@ impl LocalSandbox {
 /// descriptor; the directories above are the broker's.
 pub(super) async fn remove_fork_dir(dir: std::path::PathBuf) {
     fsutil::remove_dir_logged(dir).await;
-}
-
-/// The host pid of the parent's child that is `pid` in the kernel's pid namespace, with a
-/// pidfd held on it and the checks done again after opening it; or why not.
-fn find_fork(origin: &ForkOrigin, pid: i64) -> Result<(i32, std::os::fd::OwnedFd), &'static str> {
-    let inner = i32::try_from(pid)
-        .ok()
-        .filter(|p| *p > 1)
-        .ok_or("not a pid a forked process can have")?;
-    let host = child_with_namespace_pid(origin.host_pid, inner)
-        .ok_or("no child of the parent kernel has that pid")?;
-    let fd = pidfd::open(host).map_err(|_| "it ended before it could be held")?;
-    if namespace_pid(host) != Some(inner) || parent_of(host) != Some(origin.host_pid) {
-        return Err("it is no longer the parent kernel's child");
-    }
-    if let Some(uid) = origin.uid {
-        if uids_of(host) != Some([uid; 4]) {
-            return Err("it does not run as the kernel's uid");
-        }
-    }
-    // A fresh fork is still in its parent's cgroups; an earlier fork (a session's kernel
-    // now, in a leaf of its own) is the parent's child too, and is not taken from its
-    // session.
-    let cgroups_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
-    if cgroups_of(host).is_none() || cgroups_of(host) != cgroups_of(origin.host_pid) {
-        return Err("it is not in the parent kernel's cgroup (an earlier fork's kernel?)");
-    }
-    Ok((host, fd))
 }

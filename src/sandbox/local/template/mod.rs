@@ -430,6 +430,8 @@ impl LocalSandbox {
                 uid: self.kernel_ids(user).ok().flatten().map(|(uid, _)| uid),
                 dir: template.rundir.clone(),
                 inside: RUN_DIR_INSIDE.to_string(),
+                pid_namespace: None,
+                kernel: None,
             }),
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
