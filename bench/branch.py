@@ -11,7 +11,8 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
     cgroup leaf is charged;
   - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50,
     rewind -> next result p50, and 100 checkpoints of a session that changes 1 MB a step
-    (the memory the checkpoints hold in all).
+    (the memory the checkpoints hold in all), and `1+1` round trips back to back with
+    `checkpoint_every_execution` against without.
 
 Each figure is a wall-clock time seen by the client or a memory figure read from /proc and
 the cgroup tree; nothing is taken from the broker's own reports. Run as root.
@@ -130,6 +131,15 @@ def measure_checkpoints(api, sid, runs):
         api.call("POST", f"/v1/sessions/{sid}/rewind", {"checkpoint": first})
         api.run(sid, "1+1")
         rewinds.append(time.monotonic() - start)
+    # Every execution: back-to-back `1+1` round trips in a session that takes a checkpoint
+    # after each, against the same in this session without.
+    plain = [api.timed(sid, "1+1") for _ in range(runs)]
+    every = api.call("POST", "/v1/sessions", {"checkpoint_every_execution": True})["id"]
+    api.run(every, "1")
+    each = [api.timed(every, "1+1") for _ in range(runs)]
+    api.call("DELETE", f"/v1/sessions/{every}")
+    res["roundtrip_1plus1_p50_ms"] = ms(plain, 0.5)
+    res["roundtrip_1plus1_every_execution_p50_ms"] = ms(each, 0.5)
     res["checkpoint_take_p50_ms"] = ms(takes, 0.5)
     res["rewind_to_next_result_p50_ms"] = ms(rewinds, 0.5)
     listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")

@@ -62,6 +62,14 @@ fn marker_text(m: &Marker) -> String {
             )
             .into()
         }
+        BrokerEvent::Session(StoredEvent::SessionRewound {
+            checkpoint,
+            execution_count,
+        }) => format!(
+            "The session was rewound to checkpoint `{checkpoint}` (after execution \
+             {execution_count}): the cells below ran on that state"
+        )
+        .into(),
         BrokerEvent::Recording(RecordingMarker::BrokerStopped { .. }) => {
             "The broker stopped".into()
         }
@@ -166,6 +174,9 @@ pub fn notebook(info: &RecordingInfo, events: &[RecordedEvent]) -> Value {
     if let Some(from) = forked_from {
         broker["forked_from"] =
             json!({"session": from.session, "execution_count": from.execution_count});
+        if let Some(cp) = from.checkpoint {
+            broker["forked_from"]["checkpoint"] = json!(cp);
+        }
     }
     if !forks.is_empty() {
         broker["forks"] = json!(forks);

@@ -126,7 +126,8 @@ impl Timeline {
                 | StoredEvent::SessionExpired
                 | StoredEvent::SessionClosed { by: Some(_) }
                 | StoredEvent::SessionDetached { .. }
-                | StoredEvent::SessionForked { .. },
+                | StoredEvent::SessionForked { .. }
+                | StoredEvent::SessionRewound { .. },
             )
             | BrokerEvent::Recording(_) => {
                 self.entries.push(Entry::Marker(Marker { event, time }));

@@ -104,6 +104,7 @@ fn a_fork_names_its_origin_and_its_origin_its_forks() {
             forked_from: Some(crate::session::lifecycle::ForkedFrom {
                 session: parent,
                 execution_count: 4,
+                checkpoint: Some(Uuid::from_u128(3)),
             }),
         })
         .request("a", "x + 1")
@@ -112,7 +113,7 @@ fn a_fork_names_its_origin_and_its_origin_its_forks() {
     let meta = &nb["metadata"]["kernel_broker"];
     assert_eq!(
         meta["forked_from"],
-        json!({"session": parent, "execution_count": 4})
+        json!({"session": parent, "execution_count": 4, "checkpoint": Uuid::from_u128(3)})
     );
     assert!(meta.get("forks").is_none(), "{meta}");
 
@@ -153,5 +154,41 @@ fn a_fork_names_its_origin_and_its_origin_its_forks() {
     assert_eq!(
         cells[1]["metadata"]["kernel_broker"]["event"],
         "session_forked"
+    );
+}
+
+#[test]
+fn a_rewind_is_a_marker_between_the_cells_before_and_after() {
+    let cp = Uuid::from_u128(11);
+    let rec = Rec::default()
+        .request("a", "x = 1")
+        .reply("a", "ok", 1)
+        .event(LifecycleEvent::CheckpointTaken {
+            checkpoint: cp,
+            execution_count: 1,
+        })
+        .request("b", "del x")
+        .reply("b", "ok", 2)
+        .event(LifecycleEvent::SessionRewound {
+            checkpoint: cp,
+            execution_count: 1,
+        })
+        .request("c", "x")
+        .reply("c", "ok", 2);
+    let nb = notebook(&info(3, 8), &rec.0);
+    let cells = nb["cells"].as_array().unwrap();
+    let kinds: Vec<&str> = cells
+        .iter()
+        .map(|c| c["cell_type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["code", "code", "markdown", "code"]);
+    let said = cells[2]["source"].as_str().unwrap();
+    assert!(
+        said.contains("rewound to checkpoint") && said.contains(&cp.to_string()),
+        "{said}"
+    );
+    assert_eq!(
+        cells[2]["metadata"]["kernel_broker"]["event"],
+        "session_rewound"
     );
 }
