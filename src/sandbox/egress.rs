@@ -200,6 +200,9 @@ impl KernelProcess for EgressKernel {
     fn hold_as_checkpoint(&self, hold: bool) -> Result<(), SandboxError> {
         self.inner.hold_as_checkpoint(hold)
     }
+    fn can_hold_as_checkpoint(&self) -> bool {
+        self.inner.can_hold_as_checkpoint()
+    }
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         self.inner.set_live_oom_score()
     }

@@ -388,6 +388,11 @@ pub trait KernelProcess: Send + Sync {
     fn hold_as_checkpoint(&self, _hold: bool) -> Result<(), SandboxError> {
         Err(SandboxError::Unsupported("this kernel cannot be frozen"))
     }
+    /// Whether [`Self::hold_as_checkpoint`] can work for this kernel: asked before a
+    /// checkpoint forks it, so a kernel whose copy could not be frozen is refused whole.
+    fn can_hold_as_checkpoint(&self) -> bool {
+        false
+    }
     /// Makes the kernel an ordinary live one for the OOM killer again (`oom_score_adj` 0):
     /// a kernel forked from a checkpoint inherits the checkpoint's 1000.
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {

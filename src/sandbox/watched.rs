@@ -242,6 +242,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
         freezer.set(hold)
     }
 
+    fn can_hold_as_checkpoint(&self) -> bool {
+        self.kernel.freezer().is_some()
+    }
+
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         match self.kernel.freezer() {
             Some(freezer) => freezer.set_oom_score_adj(0),

@@ -637,7 +637,7 @@ async fn docker_refuses_a_checkpoint_clearly() {
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("docker sandbox cannot fork"),
+            .contains("the docker sandbox has no freezer"),
         "{v}"
     );
     assert_eq!(out(&api, &a, "print(3)").await, "3");

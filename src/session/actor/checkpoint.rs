@@ -140,6 +140,18 @@ impl Actor {
         let Some(live) = self.kernel.as_mut() else {
             return Err(SessionError::KernelNotRunning);
         };
+        if !live.process.can_hold_as_checkpoint() {
+            // Asked first: forked, the session would have gone on with the copy and lost
+            // the kernel it had, for a checkpoint that could not be kept.
+            return Err(SessionError::ForkRefused {
+                session,
+                why: format!(
+                    "its kernel's copy could not be frozen: the {} sandbox has no freezer for \
+                     its kernels' cgroup leaves (checkpoints need the local sandbox with cgroups)",
+                    self.sandbox.name()
+                ),
+            });
+        }
         let child = fork_connected(&self.sandbox, self.config.kernel, session, live, spec)
             .await
             .map_err(|e| failed("checkpoint", e))?;
