@@ -57,6 +57,31 @@ pub struct PreparedFork {
     pub(crate) dir: PathBuf,
 }
 
+impl PreparedFork {
+    /// The fork of `origin` for `spec`, its runtime directory `dir` made (on the host), its
+    /// sockets `ipc://<origin.inside>/<name>/k-<port>` as the child sees them.
+    pub(crate) fn new(origin: ForkOrigin, spec: LaunchSpec, dir: PathBuf, name: &str) -> Self {
+        use super::fsutil::{CONTROL_PORT, HB_PORT, IOPUB_PORT, SHELL_PORT, STDIN_PORT};
+        let connection = serde_json::json!({
+            "transport": "ipc",
+            "ip": format!("{}/{name}/k", origin.inside),
+            "shell_port": SHELL_PORT,
+            "iopub_port": IOPUB_PORT,
+            "stdin_port": STDIN_PORT,
+            "control_port": CONTROL_PORT,
+            "hb_port": HB_PORT,
+            "key": spec.key,
+            "signature_scheme": "hmac-sha256",
+        });
+        Self {
+            connection,
+            origin,
+            spec,
+            dir,
+        }
+    }
+}
+
 /// Why a live kernel was not forked.
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {

@@ -38,7 +38,7 @@ use super::watch::{watch_forked, ForkedStatus};
 use super::{keep, Inner, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::fork::{find_fork, pid_namespace_of, ForkError, ForkOrigin, PreparedFork};
-use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::pidfd;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
@@ -111,23 +111,7 @@ impl Inner {
         tokio::task::spawn_blocking(move || files.write())
             .await
             .map_err(|e| launch_step(&spec.user, "preparing the fork", e))??;
-        let connection = serde_json::json!({
-            "transport": "ipc",
-            "ip": format!("{}/{name}/k", origin.inside),
-            "shell_port": fsutil::SHELL_PORT,
-            "iopub_port": fsutil::IOPUB_PORT,
-            "stdin_port": fsutil::STDIN_PORT,
-            "control_port": fsutil::CONTROL_PORT,
-            "hb_port": fsutil::HB_PORT,
-            "key": spec.key,
-            "signature_scheme": "hmac-sha256",
-        });
-        Ok(PreparedFork {
-            connection,
-            origin,
-            spec,
-            dir,
-        })
+        Ok(PreparedFork::new(origin, spec, dir, &name))
     }
 
     pub(super) async fn adopt_kernel_fork(

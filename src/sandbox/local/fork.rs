@@ -71,23 +71,7 @@ impl LocalSandbox {
         })
         .await
         .map_err(|e| launch_step(&spec.user, "preparing the fork", e))??;
-        let connection = serde_json::json!({
-            "transport": "ipc",
-            "ip": format!("{}/{name}/k", origin.inside),
-            "shell_port": fsutil::SHELL_PORT,
-            "iopub_port": fsutil::IOPUB_PORT,
-            "stdin_port": fsutil::STDIN_PORT,
-            "control_port": fsutil::CONTROL_PORT,
-            "hb_port": fsutil::HB_PORT,
-            "key": spec.key,
-            "signature_scheme": "hmac-sha256",
-        });
-        Ok(PreparedFork {
-            connection,
-            origin,
-            spec,
-            dir,
-        })
+        Ok(PreparedFork::new(origin, spec, dir, &name))
     }
 
     pub(super) async fn adopt_kernel_fork(

@@ -185,14 +185,7 @@ impl Registry {
         provenance: Provenance,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
-        let shape = Shape {
-            kernel_name: parent.kernel_name.clone(),
-            idle_timeout: parent.idle_timeout,
-            limits: parent.limits,
-            memory,
-            provenance,
-            own_workspace: None,
-        };
+        let shape = fork_shape(parent, memory, provenance);
         let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
         let (done, forked) = oneshot::channel();
         parent.send(Command::ForkCheckpoint {
@@ -223,14 +216,7 @@ impl Registry {
         provenance: Provenance,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
-        let shape = Shape {
-            kernel_name: parent.kernel_name.clone(),
-            idle_timeout: parent.idle_timeout,
-            limits: parent.limits,
-            memory,
-            provenance,
-            own_workspace: None,
-        };
+        let shape = fork_shape(parent, memory, provenance);
         let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
         let failed =
             |why: &str, source: Option<crate::session::BoxError>| SessionError::ForkFailed {
@@ -322,5 +308,18 @@ impl Registry {
             .await;
         tracing::info!(session = %id, from = %parent.id, user = %parent.user.name, ms = asked.elapsed().as_millis() as u64, "forked session started");
         Ok(session)
+    }
+}
+
+/// What a fork of `parent` is made as: its kernel spec, idle timeout and limits, the
+/// memory reserved for it, the shared workspace.
+fn fork_shape(parent: &Session, memory: Reservation, provenance: Provenance) -> Shape {
+    Shape {
+        kernel_name: parent.kernel_name.clone(),
+        idle_timeout: parent.idle_timeout,
+        limits: parent.limits,
+        memory,
+        provenance,
+        own_workspace: None,
     }
 }
