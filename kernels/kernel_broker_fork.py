@@ -128,6 +128,9 @@ _MACHINERY = None
 _BEFORE_BUILD = frozenset()
 # How many forks this process is from a started kernel (0: it is one).
 _GENERATION = 0
+# Where descriptors 1 and 2 went before the kernel's streams redirected them: copies a
+# fork makes once (see `abandon`), or None in a started kernel.
+_STD_TARGETS = None
 
 
 class ForkRefused(Exception):
@@ -368,6 +371,9 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         _GENERATION += 1
         _FORKS.clear()  # the parent's forks are not this process's children
         _ABANDONED.append(abandon(old_app, old_kernel))
+        global _STD_TARGETS
+        if _STD_TARGETS is None:
+            _STD_TARGETS = (os.dup(1), os.dup(2))
         separate_files()
         close_parent_sockets(old_app)
         global _MACHINERY, _BEFORE_BUILD
@@ -446,10 +452,18 @@ def abandon(old_app, old_kernel):
     # The parent's stdout/stderr streams redirected descriptors 1 and 2 to pipes that the
     # parent's threads read: point them back where they went before, so the child's new
     # streams capture into pipes of their own.
-    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        copy = getattr(stream, "_original_stdstream_copy", None)
+    # A fork's own copies (`_STD_TARGETS`, made once in the first fork of a lineage and
+    # inherited, never machinery) are used first: the streams' copies are the parent's
+    # machinery, whose numbers a lineage reuses.
+    copies = _STD_TARGETS or tuple(
+        getattr(stream, "_original_stdstream_copy", None) for stream in (sys.stdout, sys.stderr)
+    )
+    for fd, copy in zip((1, 2), copies):
         if copy is not None:
-            os.dup2(copy, fd)
+            try:
+                os.dup2(copy, fd)
+            except OSError as e:
+                log("cannot point descriptor %d back at the kernel's output: %r" % (fd, e))
     # Never flushed: a flush would go through the parent's IOPub thread.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     sys.displayhook = sys.__displayhook__

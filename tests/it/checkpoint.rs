@@ -125,6 +125,22 @@ async fn a_rewind_brings_back_the_checkpoints_state_again_and_again() {
     let l = list(&api, &a).await;
     assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
     assert_eq!(l["budget"]["count"], 1, "{l}");
+
+    // A restart while the checkpoint (the session's first kernel) is held starts a kernel
+    // beside it (the OpenAPI fuzzer's 503: "session ... already has a kernel"); both
+    // Jupyter's and the agent API's, twice; the checkpoint still rewinds after.
+    for path in [
+        format!("/v1/sessions/{a}/restart"),
+        format!("/api/kernels/{a}/restart"),
+        format!("/v1/sessions/{a}/restart"),
+    ] {
+        let (status, v) = api.post(&path, json!({})).await;
+        assert_eq!(status, 200, "{path}: {v}");
+        assert_eq!(out(&api, &a, "print('x' in dir())").await, "False");
+    }
+    let (status, s) = rewind(&api, &a, &cp_id).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
     broker.stop().await;
 }
 

@@ -44,6 +44,14 @@ pub(crate) struct Checkpoints {
     due: bool,
 }
 
+impl Checkpoints {
+    /// Whether any checkpoint is held: each keeps the sandbox's key of the kernel it was
+    /// (the session's id, for the first), so a new kernel of the session needs its own.
+    pub(super) fn any_held(&self) -> bool {
+        !self.held.is_empty()
+    }
+}
+
 impl Actor {
     /// Sets the bounds the session's checkpoints are kept within, and with `set_mode`
     /// whether one is taken after every successful execution (else that stays as it was).
@@ -108,7 +116,7 @@ impl Actor {
 
     /// A launch spec for a new kernel of this session: under an id of its own (its leaf's
     /// name and the sandbox's key), since the kernel it is forked from keeps the old one.
-    fn child_spec(&self) -> LaunchSpec {
+    pub(super) fn child_spec(&self) -> LaunchSpec {
         let mut spec = self.session.launch_spec(Signer::random_key());
         spec.session_id = Uuid::new_v4();
         spec

@@ -428,9 +428,21 @@ impl Actor {
                 Ok((live, true))
             }
             None => {
-                let spec = self.session.launch_spec(Signer::random_key());
+                // With checkpoints held, one of them is the sandbox's kernel under the
+                // session's id: the new kernel gets an id of its own and serves the session.
+                let fresh = self.checkpoints.any_held();
+                let spec = if fresh {
+                    self.child_spec()
+                } else {
+                    self.session.launch_spec(Signer::random_key())
+                };
                 start_kernel(&self.sandbox, spec, self.config.kernel)
                     .await
+                    .inspect(|live| {
+                        if fresh {
+                            live.process.serves(self.session.id);
+                        }
+                    })
                     .map(|live| (live, false))
             }
         };
