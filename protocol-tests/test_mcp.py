@@ -192,3 +192,88 @@ def test_stdio_relay_says_what_is_wrong(broker):
     p = subprocess.run([BINARY, "mcp", "--url", "https://example.org", "--token", ALICE],
                        input="", capture_output=True, text=True, timeout=20)
     assert p.returncode == 1 and "must be the broker's http:// address" in p.stderr, p.stderr
+
+
+def test_fork_checkpoint_and_rewind_through_the_sdk(broker):
+    """Issue 36 through MCP: a checkpoint, work that goes wrong, a rewind to the checkpoint,
+    a fork of the live session and one of the checkpoint, each seen from the variables; and
+    another user's session or checkpoint is answered as a missing one."""
+    def value(r):
+        assert not r.is_error, texts(r)
+        return texts(r)
+
+    async def main():
+        async with http_client(broker) as client:
+            tools = {t.name: t for t in (await client.list_tools()).tools}
+            for name in ("fork_session", "checkpoint", "list_checkpoints", "rewind"):
+                assert name in tools, sorted(tools)
+            assert tools["rewind"].input_schema["required"] == ["checkpoint_id"]
+            # Nothing to checkpoint before the connection has a session: none is made.
+            r = await client.call_tool("checkpoint", {})
+            assert r.is_error and "no session yet" in texts(r)[0], texts(r)
+
+            value(await client.call_tool("run_python", {"code": "import random\nrandom.seed(5)\nrows = [1, 2, 3]"}))
+            cp = json.loads(value(await client.call_tool("checkpoint", {}))[0])
+            assert cp["execution_count"] == 1, cp
+            lost = value(await client.call_tool("run_python", {"code": "del rows\nlost = random.random()\nlost"}))
+            r = await client.call_tool("run_python", {"code": "rows"})
+            assert r.is_error and texts(r)[-1].startswith("NameError"), texts(r)
+
+            listed = json.loads(value(await client.call_tool("list_checkpoints", {}))[0])
+            assert [c["id"] for c in listed["checkpoints"]] == [cp["id"]], listed
+            assert listed["budget"]["count"] >= 1, listed
+
+            said = value(await client.call_tool("rewind", {"checkpoint_id": cp["id"]}))[0]
+            assert said.startswith("rewound session ") and cp["id"] in said and "(1)" in said, said
+            # The state of the checkpoint: `rows` back, the same next random number.
+            assert value(await client.call_tool("run_python", {"code": "rows"})) == ["[1, 2, 3]"]
+            assert value(await client.call_tool("run_python", {"code": "random.random()"})) == lost
+            r = await client.call_tool("run_python", {"code": "lost"})
+            assert r.is_error and texts(r)[-1].startswith("NameError"), texts(r)
+
+            # A fork of the live session, two at once: each has `rows`; the original keeps its own.
+            made = json.loads(value(await client.call_tool("fork_session", {"count": 2}))[0])
+            forks = [s["id"] for s in made["sessions"]]
+            assert len(forks) == 2 and all(s["state"] == "idle" for s in made["sessions"]), made
+            value(await client.call_tool("run_python", {"code": "rows.append(4)", "session_id": forks[0]}))
+            assert value(await client.call_tool("run_python", {"code": "rows", "session_id": forks[0]})) == ["[1, 2, 3, 4]"]
+            assert value(await client.call_tool("run_python", {"code": "rows", "session_id": forks[1]})) == ["[1, 2, 3]"]
+            assert value(await client.call_tool("run_python", {"code": "rows"})) == ["[1, 2, 3]"]
+            # A fork of the checkpoint.
+            value(await client.call_tool("run_python", {"code": "rows = None"}))
+            made = json.loads(value(await client.call_tool("fork_session", {"checkpoint_id": cp["id"]}))[0])
+            from_cp = made["sessions"][0]["id"]
+            assert value(await client.call_tool("run_python", {"code": "rows", "session_id": from_cp})) == ["[1, 2, 3]"]
+            r = await client.call_tool("fork_session", {"checkpoint_id": cp["id"], "count": 2})
+            assert r.is_error and "one session at a time" in texts(r)[0], texts(r)
+            r = await client.call_tool("fork_session", {"count": 9})
+            assert r.is_error, texts(r)
+
+            # Bob's session and checkpoint: missing, as ones that never existed.
+            bob = broker.api("POST", "/v1/sessions", BOB, json={}).json()["id"]
+            assert broker.api("POST", f"/v1/sessions/{bob}/execute", BOB, json={"code": "secret = 1"}).status_code == 200
+            bob_cp = broker.api("POST", f"/v1/sessions/{bob}/checkpoints", BOB)
+            assert bob_cp.status_code == 201, bob_cp.text
+            bob_cp = bob_cp.json()["id"]
+            for tool, args in (("fork_session", {"session_id": bob}),
+                               ("fork_session", {"session_id": bob, "checkpoint_id": bob_cp}),
+                               ("checkpoint", {"session_id": bob}),
+                               ("list_checkpoints", {"session_id": bob}),
+                               ("rewind", {"session_id": bob, "checkpoint_id": bob_cp})):
+                r = await client.call_tool(tool, args)
+                assert r.is_error and texts(r) == [f"no session {bob}"], (tool, texts(r))
+            # Bob's checkpoint named against alice's own session: not hers.
+            for tool, args in (("rewind", {"checkpoint_id": bob_cp}),
+                               ("fork_session", {"checkpoint_id": bob_cp})):
+                r = await client.call_tool(tool, args)
+                assert r.is_error and "checkpoint" in texts(r)[0], (tool, texts(r))
+            r = await client.call_tool("rewind", {"checkpoint_id": "not-a-uuid"})
+            assert r.is_error and "checkpoint ids are UUIDs" in texts(r)[0], texts(r)
+            mine = {s["id"] for s in sessions(broker)}
+            assert set(forks) | {from_cp} <= mine, mine
+            assert bob not in mine
+            broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
+            # The forks outlive the connection; end them.
+        for sid in forks + [from_cp]:
+            assert broker.api("DELETE", f"/v1/sessions/{sid}", ALICE).status_code == 204
+    asyncio.run(main())

@@ -19,7 +19,8 @@ use super::sessions::ForkedJson;
 use super::shapes::{iso, ErrorBody, ErrorResponse, SessionJson};
 use super::AppState;
 use crate::session::{
-    CheckpointInfo, CreateOptions, DroppedCheckpoint, ForkRequest, FrontDoor, Provenance,
+    CheckpointInfo, CheckpointList, CheckpointPolicy, CheckpointUse, CreateOptions,
+    DroppedCheckpoint, ForkRequest, FrontDoor, Provenance,
 };
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -104,6 +105,27 @@ pub struct CheckpointsJson {
     dropped: Vec<DroppedJson>,
 }
 
+impl CheckpointsJson {
+    /// What `GET .../checkpoints` answers (and MCP's `list_checkpoints`).
+    pub(super) fn new(
+        list: CheckpointList,
+        usage: CheckpointUse,
+        policy: CheckpointPolicy,
+    ) -> Self {
+        Self {
+            checkpoints: list.checkpoints.into_iter().map(Into::into).collect(),
+            budget: CheckpointBudgetJson {
+                max_count: policy.max_count,
+                memory_budget_bytes: policy.memory_budget_bytes,
+                count: usage.count,
+                memory_used_bytes: usage.memory_bytes,
+                every_execution: policy.every_execution,
+            },
+            dropped: list.dropped.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
 fn checkpoint_id(cp: &str) -> ApiResult<Uuid> {
     Uuid::parse_str(cp).map_err(|_| {
         ApiError::new(
@@ -154,18 +176,11 @@ async fn list(
         .registry
         .checkpoints(&caller.0.name, session_id(&id)?)
         .await?;
-    let policy = caller.0.checkpoints;
-    Ok(Json(CheckpointsJson {
-        checkpoints: list.checkpoints.into_iter().map(Into::into).collect(),
-        budget: CheckpointBudgetJson {
-            max_count: policy.max_count,
-            memory_budget_bytes: policy.memory_budget_bytes,
-            count: usage.count,
-            memory_used_bytes: usage.memory_bytes,
-            every_execution: policy.every_execution,
-        },
-        dropped: list.dropped.into_iter().map(Into::into).collect(),
-    }))
+    Ok(Json(CheckpointsJson::new(
+        list,
+        usage,
+        caller.0.checkpoints,
+    )))
 }
 
 /// Delete a checkpoint

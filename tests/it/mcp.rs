@@ -191,6 +191,10 @@ async fn tokens_and_mcp_sessions_are_the_users() {
         "restart_session",
         "interrupt_session",
         "list_sessions",
+        "fork_session",
+        "checkpoint",
+        "list_checkpoints",
+        "rewind",
     ] {
         assert!(names.contains(&want), "{names:?}");
     }

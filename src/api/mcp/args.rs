@@ -63,3 +63,25 @@ pub struct DeleteSessionArgs {
     /// The session to shut down.
     pub session_id: String,
 }
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ForkSessionArgs {
+    /// The session to fork; leave it out to fork this connection's own session.
+    pub session_id: Option<String>,
+    /// How many forks to make (1 to 8, default 1).
+    #[schemars(range(min = 1, max = 8))]
+    pub count: Option<u64>,
+    /// Fork this checkpoint of the session (from `checkpoint` or `list_checkpoints`)
+    /// instead of its kernel as it is now; one fork.
+    pub checkpoint_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RewindArgs {
+    /// The checkpoint to go back to (from `checkpoint` or `list_checkpoints`).
+    pub checkpoint_id: String,
+    /// The session; leave it out to rewind this connection's own session.
+    pub session_id: Option<String>,
+}

@@ -19,7 +19,8 @@ use rmcp::service::RequestContext;
 use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler};
 
 use super::args::{
-    CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
+    CreateSessionArgs, DeleteSessionArgs, ForkSessionArgs, ReadFileArgs, RewindArgs, RunPythonArgs,
+    SessionArgs, UploadFileArgs,
 };
 use super::call::{Call, OwnSession};
 
@@ -189,6 +190,73 @@ impl McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.delete_session_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Fork a session: make new sessions (count, default 1, at most 8) whose kernels hold everything the session's kernel holds now (variables, functions, imports, open files, random state, execution count), or held at a checkpoint (checkpoint_id). The original goes on untouched. Answers the new sessions as JSON: pass a fork's id as session_id to the other tools to try something there without disturbing the original. The session must be idle.",
+        annotations(
+            title = "Fork a session",
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn fork_session(
+        &self,
+        Parameters(args): Parameters<ForkSessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.fork_session_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Take a checkpoint of a session: a frozen copy of its kernel's state as it is now (variables, imports, random state, execution count), to go back to with rewind or start a fork from with fork_session. Answers the checkpoint (its id) as JSON. Workspace files are not part of it. The session must be idle; your oldest checkpoint is dropped past your count or memory budget.",
+        annotations(
+            title = "Take a checkpoint",
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn checkpoint(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.checkpoint_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "List a session's checkpoints (id, execution count, time, memory), your checkpoint budget, and the checkpoints dropped, as JSON.",
+        annotations(
+            title = "List checkpoints",
+            read_only_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_checkpoints(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.list_checkpoints_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Rewind a session to a checkpoint: its kernel's variables, imports, random state and execution count become the checkpoint's again (what ran since is undone in memory; workspace files are not rewound). The checkpoint stays, so you can rewind to it again. The session must be idle.",
+        annotations(
+            title = "Rewind a session",
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn rewind(
+        &self,
+        Parameters(args): Parameters<RewindArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.rewind_call(Call::of(context)?, args).await
     }
 }
 

@@ -14,15 +14,17 @@ use rmcp::ErrorData;
 use tokio::sync::mpsc;
 
 use super::args::{
-    CreateSessionArgs, DeleteSessionArgs, ReadFileArgs, RunPythonArgs, SessionArgs, UploadFileArgs,
+    CreateSessionArgs, DeleteSessionArgs, ForkSessionArgs, ReadFileArgs, RewindArgs, RunPythonArgs,
+    SessionArgs, UploadFileArgs,
 };
 use super::call::{internal_or, workspace, Call, Made};
 use super::content;
 use super::server::McpServer;
+use crate::api::checkpoints::{CheckpointJson, CheckpointsJson};
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::session::{
-    files, CreateOptions, EndedBy, ExecuteRequest, FrontDoor, Origin, Session, SessionError,
-    Timeout,
+    files, CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Origin, Session,
+    SessionError, Timeout,
 };
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
@@ -52,6 +54,12 @@ fn session_error(e: SessionError) -> String {
 fn parse_id(id: &str) -> Result<uuid::Uuid, String> {
     uuid::Uuid::parse_str(id.trim())
         .map_err(|_| format!("no session {id:?} (session ids are UUIDs; see list_sessions)"))
+}
+
+fn parse_checkpoint(id: &str) -> Result<uuid::Uuid, String> {
+    uuid::Uuid::parse_str(id.trim()).map_err(|_| {
+        format!("no checkpoint {id:?} (checkpoint ids are UUIDs; see list_checkpoints)")
+    })
 }
 
 impl McpServer {
@@ -325,5 +333,108 @@ impl McpServer {
                 Err(e) => tool_error(session_error(e)),
             },
         )
+    }
+
+    pub(super) async fn fork_session_call(&self, call: Call, args: ForkSessionArgs) -> Outcome {
+        let checkpoint = match args
+            .checkpoint_id
+            .as_deref()
+            .map(parse_checkpoint)
+            .transpose()
+        {
+            Ok(cp) => cp,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let count = args.count.unwrap_or(1);
+        if checkpoint.is_some() && count != 1 {
+            return Ok(tool_error(
+                "a checkpoint is forked one session at a time: leave count out, or call again",
+            ));
+        }
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let base = call.caller.0.create_request(CreateOptions::default());
+        let forked = call
+            .state
+            .registry
+            .fork(ForkRequest {
+                user: base.user,
+                max_sessions: base.max_sessions,
+                session: session.id,
+                count,
+                checkpoint,
+                provenance: call.provenance(),
+            })
+            .await;
+        match forked {
+            Ok(forks) => {
+                let sessions: Vec<SessionJson> =
+                    forks.iter().map(|s| SessionJson::from(s.info())).collect();
+                json_text(&serde_json::json!({ "sessions": sessions }))
+            }
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn checkpoint_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let taken = call
+            .state
+            .registry
+            .take_checkpoint(&call.caller.0.name, session.id, call.caller.0.checkpoints)
+            .await;
+        match taken {
+            Ok(info) => json_text(&CheckpointJson::from(info)),
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn list_checkpoints_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let listed = call
+            .state
+            .registry
+            .checkpoints(&call.caller.0.name, session.id)
+            .await;
+        match listed {
+            Ok((list, usage)) => json_text(&CheckpointsJson::new(
+                list,
+                usage,
+                call.caller.0.checkpoints,
+            )),
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn rewind_call(&self, call: Call, args: RewindArgs) -> Outcome {
+        let checkpoint = match parse_checkpoint(&args.checkpoint_id) {
+            Ok(cp) => cp,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        let rewound = call
+            .state
+            .registry
+            .rewind(&call.caller.0.name, session.id, checkpoint)
+            .await;
+        Ok(match rewound {
+            Ok(s) => text(format!(
+                "rewound session {} to checkpoint {checkpoint}: its variables, imports and execution count ({}) are as they were then; workspace files are not rewound; the checkpoint stays",
+                s.id,
+                s.info().execution_count
+            )),
+            Err(e) => tool_error(session_error(e)),
+        })
     }
 }
