@@ -166,3 +166,86 @@ def test_two_agent_streams_do_not_get_each_others_frames(broker, session):
     finally:
         a.close()
         b.close()
+
+
+def answer(stream, cid, timeout=60):
+    frames = stream.until(lambda f: f.get("id") == cid and f.get("type") != "status",
+                          timeout=timeout, what=f"the answer to {cid}")
+    return frames[-1]
+
+
+def test_checkpoint_rewind_and_fork_frames(broker, session, stream):
+    """Issue 36 on the agent stream: `checkpoint`, `rewind` and `fork` frames, each answered
+    with one frame for its id; refusals carry REST's status and code; the stream lives on."""
+    run(stream, "rows = [1, 2, 3]")
+    stream.send({"type": "checkpoint", "id": "cp1"})
+    taken = answer(stream, "cp1")
+    assert taken["type"] == "checkpoint_taken", taken
+    cp = taken["checkpoint"]
+    assert cp["session"] == session and cp["execution_count"] == 1, cp
+    run(stream, "del rows")
+    stream.send({"type": "rewind", "id": 2, "checkpoint": cp["id"]})
+    rewound = answer(stream, 2)
+    assert rewound["type"] == "rewound" and rewound["session"]["id"] == session, rewound
+    assert rewound["session"]["execution_count"] == 1, rewound
+    done = run(stream, "rows")[-1]
+    assert done["execution"]["results"][-1]["data"]["text/plain"] == "[1, 2, 3]", done
+
+    # A fork of the live kernel, and one of the checkpoint.
+    run(stream, "rows.append(4)")
+    stream.send({"type": "fork", "id": "f1", "count": 2})
+    forked = answer(stream, "f1")
+    assert forked["type"] == "forked" and len(forked["sessions"]) == 2, forked
+    stream.send({"type": "fork", "id": "f2", "checkpoint": cp["id"]})
+    from_cp = answer(stream, "f2")
+    assert from_cp["type"] == "forked" and len(from_cp["sessions"]) == 1, from_cp
+    made = [s["id"] for s in forked["sessions"] + from_cp["sessions"]]
+    try:
+        seen = []
+        for sid in made:
+            r = broker.api("POST", f"/v1/sessions/{sid}/execute", json={"code": "rows"})
+            assert r.status_code == 200, r.text
+            seen.append(r.json()["results"][-1]["data"]["text/plain"])
+        assert seen == ["[1, 2, 3, 4]", "[1, 2, 3, 4]", "[1, 2, 3]"], seen
+
+        # Refusals: REST's status and code, with the frame's id; the stream goes on.
+        stream.send({"type": "rewind", "id": "bad", "checkpoint": "not-a-uuid"})
+        bad = answer(stream, "bad")
+        assert bad["type"] == "refused" and bad["status"] == 404, bad
+        assert bad["error"] == "checkpoint_not_found", bad
+        stream.send({"type": "fork", "id": "many", "count": 9})
+        many = answer(stream, "many")
+        assert many["type"] == "refused" and many["status"] == 400, many
+        # Bob's checkpoint is not alice's session's.
+        bob = broker.api("POST", "/v1/sessions", BOB, json={}).json()["id"]
+        try:
+            bob_cp = broker.api("POST", f"/v1/sessions/{bob}/checkpoints", BOB)
+            assert bob_cp.status_code == 201, bob_cp.text
+            for frame in ({"type": "rewind", "id": "b1", "checkpoint": bob_cp.json()["id"]},
+                          {"type": "fork", "id": "b2", "checkpoint": bob_cp.json()["id"]}):
+                stream.send(frame)
+                got = answer(stream, frame["id"])
+                assert got["type"] == "refused" and got["status"] == 404, got
+        finally:
+            broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
+        # One branching operation at a time per connection: a second one while the first
+        # runs is refused at once (a fork takes tens of milliseconds; both frames are sent
+        # together).
+        stream.send({"type": "fork", "id": "one"})
+        stream.send({"type": "checkpoint", "id": "two"})
+        got = {}
+        stream.until(lambda f: f.get("id") in ("one", "two") and f.get("type") != "status"
+                     and got.setdefault(f["id"], f) and len(got) == 2, what="both answers")
+        first, second = got["one"], got["two"]
+        assert second["type"] == "refused" and second["error"] == "busy", second
+        assert first["type"] == "forked", first
+        made += [s["id"] for s in first["sessions"]]
+        # A frame missing its checkpoint is a protocol error, as any malformed frame.
+        stream.send({"type": "rewind", "id": "x"})
+        err = stream.until(lambda f: f.get("type") == "protocol_error", what="protocol_error")[-1]
+        assert "checkpoint" in err["message"], err
+        done = run(stream, "len(rows)")[-1]
+        assert done["execution"]["results"][-1]["data"]["text/plain"] == "4", done
+    finally:
+        for sid in made:
+            broker.api("DELETE", f"/v1/sessions/{sid}")

@@ -19,6 +19,23 @@ pub(crate) enum ClientFrame {
         value: String,
     },
     Interrupt {},
+    /// Fork the session (or its checkpoint `checkpoint`): answered `forked` or `refused`.
+    Fork {
+        id: Value,
+        #[serde(default)]
+        count: Option<u64>,
+        #[serde(default)]
+        checkpoint: Option<String>,
+    },
+    /// Take a checkpoint: answered `checkpoint_taken` or `refused`.
+    Checkpoint {
+        id: Value,
+    },
+    /// Rewind the session to `checkpoint`: answered `rewound` or `refused`.
+    Rewind {
+        id: Value,
+        checkpoint: String,
+    },
 }
 
 /// One client text frame, parsed.

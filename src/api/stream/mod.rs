@@ -24,8 +24,10 @@ use tokio::sync::{broadcast, mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+mod branch;
 mod frame;
 
+use self::branch::{Branch, Brancher};
 use self::frame::{parse_client_frame, ClientFrame};
 use super::clients::{websocket_place, WebSocketPlace};
 use super::extract::OwnedSession;
@@ -43,9 +45,10 @@ pub fn routes() -> OpenApiRouter<AppState> {
 /// Agent stream (WebSocket of JSON frames)
 ///
 /// Client frames: `{"type": "execute", "id", "code", "timeout_seconds"?}`,
-/// `{"type": "input_reply", "value"}`, `{"type": "interrupt"}`. Server frames: `status`,
-/// `stdout`, `stderr`, `display`, `result`, `error`, `input_request`, `done` (with the
-/// Execution) and `protocol_error`; see docs/API.md.
+/// `{"type": "input_reply", "value"}`, `{"type": "interrupt"}`, and `checkpoint`, `rewind`,
+/// `fork` (issue 36). Server frames: `status`, `stdout`, `stderr`, `display`, `result`,
+/// `error`, `input_request`, `done` (with the Execution), `checkpoint_taken`, `rewound`,
+/// `forked`, `refused` and `protocol_error`; see docs/API.md.
 #[utoipa::path(get, operation_id = "agent_stream", path = "/v1/sessions/{id}/stream", tag = "sessions", params(("id" = uuid::Uuid, Path)),
     responses((status = 101, description = "switching protocols"),
         (status = 400, description = "not a WebSocket upgrade"),
@@ -62,9 +65,10 @@ async fn upgrade(
         Err(e) => return e.into_response(),
     };
     let session = owned.session;
+    let brancher = Brancher::new(state.clone(), owned.caller, session.clone());
     let max_frame = state.limits.max_code_bytes * 2 + 4096;
     ws.max_message_size(max_frame)
-        .on_upgrade(move |socket| serve(socket, session, state, place))
+        .on_upgrade(move |socket| serve(socket, session, state, place, brancher))
 }
 
 /// Events of one execution between the session actor and its forwarding task.
@@ -189,7 +193,13 @@ enum Offer {
     Gone,
 }
 
-async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place: WebSocketPlace) {
+async fn serve(
+    socket: WebSocket,
+    session: Arc<Session>,
+    state: AppState,
+    place: WebSocketPlace,
+    brancher: Brancher,
+) {
     let _place = place;
     let (mut sink, mut source) = socket.split();
     let (out, mut out_rx) = Outbox::new();
@@ -341,6 +351,21 @@ async fn serve(socket: WebSocket, session: Arc<Session>, state: AppState, place:
                 if let Err(e) = session.interrupt().await {
                     send_protocol_error(&out, &e.to_string()).await;
                 }
+            }
+            ClientFrame::Fork {
+                id,
+                count,
+                checkpoint,
+            } => {
+                brancher
+                    .start(&out, id, Branch::Fork { count, checkpoint })
+                    .await;
+            }
+            ClientFrame::Checkpoint { id } => brancher.start(&out, id, Branch::Checkpoint).await,
+            ClientFrame::Rewind { id, checkpoint } => {
+                brancher
+                    .start(&out, id, Branch::Rewind { checkpoint })
+                    .await;
             }
         }
         if matches!(
