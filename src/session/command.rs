@@ -13,6 +13,7 @@ use super::error::SessionError;
 use super::execution::{Execution, OutputEvent};
 use super::front_door::SessionEnd;
 use super::launch::Live;
+use crate::sandbox::fork::PreparedFork;
 use crate::sandbox::LaunchSpec;
 use crate::wire::{Channel, Message};
 
@@ -44,12 +45,15 @@ pub(super) enum Command {
         msg: Message,
         route: ReplyRoute,
     },
-    /// Ask the kernel to fork itself (`kb_fork_request` with `content`), if it is idle;
-    /// its reply goes to `route`. `done` gets the execution count the fork starts from.
+    /// Ask the live kernel to fork itself into a kernel for `spec`, if it is idle: the
+    /// actor prepares the fork with the sandbox for the kernel it then asks (a checkpoint
+    /// may have swapped the live kernel since the caller last looked) and sends
+    /// `kb_fork_request`; the reply goes to `route`. `done` gets the prepared fork and the
+    /// execution count the fork starts from.
     Fork {
-        content: serde_json::Value,
+        spec: LaunchSpec,
         route: ReplyRoute,
-        done: oneshot::Sender<Result<u64, SessionError>>,
+        done: oneshot::Sender<Result<(PreparedFork, u64), SessionError>>,
     },
     /// Take a checkpoint now (`session/checkpoint.rs`), kept within the user's bounds.
     Checkpoint {

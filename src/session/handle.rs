@@ -248,11 +248,6 @@ impl Session {
         process.memory_used()
     }
 
-    /// The session's kernel process now, if it has one.
-    pub(crate) fn kernel_process(&self) -> Option<Arc<dyn KernelProcess>> {
-        self.locked().process.clone()
-    }
-
     /// CPU time the session's kernel has used, in nanoseconds, as its sandbox counts it;
     /// `None` when the sandbox cannot tell or there is no kernel.
     pub fn cpu_time_ns(&self) -> Option<u64> {

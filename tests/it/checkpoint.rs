@@ -1,14 +1,22 @@
-//! Checkpoints and rewind (issue 36, item 2), local sandbox, real kernels forked from
-//! their user's template, through the REST API: a checkpoint is the frozen former live
-//! kernel; a rewind makes a fork of it the live kernel; the bounds drop the oldest; a
-//! checkpoint's processes do not run; nothing is left once the session ends; a checkpoint
-//! kernel that lies about its fork gets nothing adopted.
+//! Checkpoints and rewind (issue 36, item 2), real kernels forked from their user's
+//! template, through the REST API: a checkpoint is the frozen former live kernel; a rewind
+//! makes a fork of it the live kernel; the bounds drop the oldest; a checkpoint's processes
+//! do not run; nothing is left once the session ends; a checkpoint kernel that lies about
+//! its fork gets nothing adopted. The first three on both sandboxes (Docker: kernels in the
+//! user's container, their leaves frozen beneath the container's cgroup), the rest on the
+//! local one.
 
 use crate::common;
 
 use common::forked::out;
 use common::*;
 use serde_json::{json, Value};
+
+on_both_backends!(
+    a_rewind_brings_back_the_checkpoints_state_again_and_again,
+    a_fork_of_a_checkpoint_is_a_new_session_with_its_state,
+    a_checkpoints_processes_do_not_run,
+);
 
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
     a.fork_server = Some(true);
@@ -73,9 +81,8 @@ async fn broker_events(api: &Api, id: &str) -> Vec<Value> {
     v["events"].as_array().unwrap().clone()
 }
 
-#[tokio::test]
-async fn a_rewind_brings_back_the_checkpoints_state_again_and_again() {
-    let broker = Broker::start("local", forking).await;
+async fn a_rewind_brings_back_the_checkpoints_state_again_and_again(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(&api, &a, "x = 1; import random; random.seed(5)").await;
@@ -144,9 +151,8 @@ async fn a_rewind_brings_back_the_checkpoints_state_again_and_again() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn a_fork_of_a_checkpoint_is_a_new_session_with_its_state() {
-    let broker = Broker::start("local", forking).await;
+async fn a_fork_of_a_checkpoint_is_a_new_session_with_its_state(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(&api, &a, "x = 1; import random; random.seed(7)").await;
@@ -194,9 +200,8 @@ async fn a_fork_of_a_checkpoint_is_a_new_session_with_its_state() {
 /// A thread started before the checkpoint appends to a file every 50 ms: the live kernel
 /// (the fork) has no thread, the checkpoint (the former live kernel) has it; the file
 /// grows only if the checkpoint runs.
-#[tokio::test]
-async fn a_checkpoints_processes_do_not_run() {
-    let broker = Broker::start("local", forking).await;
+async fn a_checkpoints_processes_do_not_run(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(
@@ -214,6 +219,13 @@ async fn a_checkpoints_processes_do_not_run() {
     let size = "import os; print(os.path.getsize('/workspace/ticks.txt'))";
     let grows: u64 = out(&api, &a, size).await.parse().unwrap();
     assert!(grows > 0);
+    let live_adj = out(
+        &api,
+        &a,
+        "print(open('/proc/self/oom_score_adj').read().strip())",
+    )
+    .await;
+    assert_ne!(live_adj, "1000");
     take(&api, &a).await;
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let first: u64 = out(&api, &a, size).await.parse().unwrap();
@@ -223,19 +235,44 @@ async fn a_checkpoints_processes_do_not_run() {
         first, later,
         "the checkpoint's thread ran while it was frozen"
     );
-    // The checkpoint's processes are the OOM killer's first choice.
     let l = list(&api, &a).await;
     assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
-    let live_leaf = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
-    let checkpoint_leaf = leaves(&broker, "alice")
-        .into_iter()
-        .find(|l| l.as_str() == a.as_str())
-        .expect("the session's first leaf is the checkpoint's");
-    assert!(!live_leaf.contains(&checkpoint_leaf), "{live_leaf}");
-    for pid in leaf_pids(&broker, "alice", &checkpoint_leaf) {
-        let adj = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj")).unwrap();
-        assert_eq!(adj.trim(), "1000", "pid {pid}");
+    // The live kernel is the checkpoint's child, in a leaf of its own; the checkpoint is
+    // the OOM killer's first choice, the live kernel an ordinary one.
+    let seen = out(
+        &api,
+        &a,
+        "p = os.getppid()\n\
+         print(open(f'/proc/{p}/oom_score_adj').read().strip(), open('/proc/self/oom_score_adj').read().strip(),\n\
+         \x20     open(f'/proc/{p}/cgroup').read() != open('/proc/self/cgroup').read())",
+    )
+    .await;
+    assert_eq!(
+        seen,
+        format!("1000 {live_adj} True"),
+        "the checkpoint's and the live kernel's"
+    );
+    if sandbox == "local" {
+        let live_leaf = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
+        let checkpoint_leaf = leaves(&broker, "alice")
+            .into_iter()
+            .find(|l| l.as_str() == a.as_str())
+            .expect("the session's first leaf is the checkpoint's");
+        assert!(!live_leaf.contains(&checkpoint_leaf), "{live_leaf}");
+        for pid in leaf_pids(&broker, "alice", &checkpoint_leaf) {
+            let adj = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj")).unwrap();
+            assert_eq!(adj.trim(), "1000", "pid {pid}");
+        }
     }
+    // Rewound: the rewound kernel is a fork of the checkpoint (no thread), and the
+    // checkpoint, thawed only while it forked, is frozen again: the file stays as it is.
+    let cp = l["checkpoints"][0]["id"].as_str().unwrap().to_string();
+    let (status, v) = rewind(&api, &a, &cp).await;
+    assert_eq!(status, 200, "{v}");
+    let rewound: u64 = out(&api, &a, size).await.parse().unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let after: u64 = out(&api, &a, size).await.parse().unwrap();
+    assert_eq!(after, rewound, "a thread ran after the rewind");
     broker.stop().await;
 }
 
@@ -639,27 +676,6 @@ async fn a_plainly_started_kernel_has_no_checkpoints() {
     broker.stop().await;
 }
 
-#[tokio::test]
-async fn docker_refuses_a_checkpoint_clearly() {
-    docker_ready();
-    let broker = Broker::start("docker", |_| {}).await;
-    let api = broker.api(ALICE);
-    let a = api.create().await;
-    let (status, v) = api
-        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
-        .await;
-    assert_eq!(status, 409, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("the docker sandbox has no freezer"),
-        "{v}"
-    );
-    assert_eq!(out(&api, &a, "print(3)").await, "3");
-    broker.stop().await;
-}
-
 /// The checkpoint carries a `kb_fork_request` handler that forks honestly the first time
 /// (the checkpoint itself) and lies afterwards (when asked to rewind): the rewind fails
 /// clearly, the session keeps its live kernel and state, nothing is adopted or left.
@@ -799,5 +815,30 @@ async fn a_rewind_brings_a_dead_session_back() {
     assert!(!leaves(&broker, "alice").contains(&dead_leaf));
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     assert!(!leaves(&broker, "alice").contains(&a));
+    broker.stop().await;
+}
+
+/// In every-execution mode the checkpoint after an execution swaps the live kernel while
+/// the client may already be asking for a fork: the fork is prepared by the session's
+/// actor for the kernel it then asks, never for the one the checkpoint replaced (which
+/// failed with 502 "not a child it forked").
+#[tokio::test]
+async fn a_fork_asked_right_after_an_execution_forks_the_live_kernel() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let (status, v) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let a = v["id"].as_str().unwrap().to_string();
+    for i in 0..5 {
+        out(&api, &a, &format!("x = {i}")).await;
+        let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
+        assert_eq!(status, 201, "round {i}: {v}");
+        let b = v["sessions"][0]["id"].as_str().unwrap().to_string();
+        assert_eq!(out(&api, &b, "print(x)").await, i.to_string());
+        let (status, _) = api.delete(&format!("/v1/sessions/{b}")).await;
+        assert_eq!(status, 204);
+    }
     broker.stop().await;
 }

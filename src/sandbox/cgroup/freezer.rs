@@ -29,19 +29,30 @@ pub struct Freezer {
     version: CgroupVersion,
     /// The leaf's directories (the first is where v2 freezes and where pids are listed).
     dirs: Vec<PathBuf>,
+    /// v1: the freezer cgroup the leaf's processes are in and go back to when thawed (a
+    /// container's); `None`: the hierarchy's root, the frozen directory under the broker's
+    /// base there.
+    v1_home: Option<PathBuf>,
 }
 
 impl Leaf {
     /// What freezes this leaf's processes.
     pub fn freezer(&self) -> Freezer {
-        Freezer {
-            version: self.version,
-            dirs: self.dirs.clone(),
-        }
+        Freezer::beneath(self, None)
     }
 }
 
 impl Freezer {
+    /// What freezes `leaf`, on v1 in a directory of its name beneath `v1_home` (a
+    /// container's freezer cgroup), or under the broker's base when `None`.
+    pub(super) fn beneath(leaf: &Leaf, v1_home: Option<PathBuf>) -> Self {
+        Self {
+            version: leaf.version,
+            dirs: leaf.dirs.clone(),
+            v1_home,
+        }
+    }
+
     /// Freezes (`true`) or thaws (`false`) every process of the leaf; waits until the
     /// cgroup says it is done.
     pub fn set(&self, frozen: bool) -> Result<(), SandboxError> {
@@ -57,11 +68,11 @@ impl Freezer {
                     .unwrap_or(false)
             });
         }
-        if let Some(fdir) = self.v1_freezer_dir() {
+        if let Some((home, fdir)) = self.v1_freezer_dir() {
             return if frozen {
-                self.v1_freeze(&fdir)
+                self.v1_freeze(&home, &fdir)
             } else {
-                v1_thaw(&fdir)
+                v1_thaw(&home, &fdir, self.v1_home.is_none())
             };
         }
         let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
@@ -108,26 +119,33 @@ impl Freezer {
         pids
     }
 
-    /// v1 with a freezer hierarchy: `<freezer mount>/<broker base>/<leaf>`.
-    fn v1_freezer_dir(&self) -> Option<PathBuf> {
+    /// v1 with a freezer hierarchy: where the leaf's processes are (`home`) and the
+    /// directory they are frozen in: `<container's freezer cgroup>/<leaf>`, or
+    /// `<freezer mount>/<broker base>/<leaf>` (home: the mount, the hierarchy's root).
+    fn v1_freezer_dir(&self) -> Option<(PathBuf, PathBuf)> {
         if self.version != CgroupVersion::V1 {
             return None;
         }
         let leaf = self.dirs.first()?;
         let leaf_name = leaf.file_name()?;
+        if let Some(home) = &self.v1_home {
+            return Some((home.clone(), home.join(leaf_name)));
+        }
         let base_name = leaf.parent()?.parent()?.file_name()?;
         let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
         let mount = parse_mountinfo(&text)
             .into_iter()
             .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == "freezer"))?;
-        Some(mount.mount_point.join(base_name).join(leaf_name))
+        let fdir = mount.mount_point.join(base_name).join(leaf_name);
+        Some((mount.mount_point, fdir))
     }
 
-    fn v1_freeze(&self, fdir: &Path) -> Result<(), SandboxError> {
+    fn v1_freeze(&self, home: &Path, fdir: &Path) -> Result<(), SandboxError> {
+        let own_base = self.v1_home.is_none();
         // Another checkpoint's thaw may remove the base between the two: try again.
         let mut made = Ok(());
         for _ in 0..3 {
-            if let Some(base) = fdir.parent() {
+            if let (true, Some(base)) = (own_base, fdir.parent()) {
                 super::fs::mkdir(base)?;
             }
             made = super::fs::mkdir(fdir);
@@ -140,7 +158,7 @@ impl Freezer {
             // A process that ended meanwhile cannot be moved; the others must be.
             if let Err(e) = write_file(&fdir.join("cgroup.procs"), &pid.to_string()) {
                 if Path::new(&format!("/proc/{pid}")).exists() {
-                    let _ = v1_thaw(fdir);
+                    let _ = v1_thaw(home, fdir, own_base);
                     return Err(e);
                 }
             }
@@ -152,9 +170,10 @@ impl Freezer {
     }
 }
 
-/// Thaws a v1 freezer directory, moves its processes back to the hierarchy's root and
-/// removes it (and the base above it once empty).
-fn v1_thaw(fdir: &Path) -> Result<(), SandboxError> {
+/// Thaws a v1 freezer directory, moves its processes back `home` (the hierarchy's root,
+/// or a container's freezer cgroup) and removes it; with `own_base`, the broker's base
+/// directory above it too once empty (never a container's directory).
+fn v1_thaw(home: &Path, fdir: &Path, own_base: bool) -> Result<(), SandboxError> {
     if !fdir.exists() {
         return Ok(());
     }
@@ -162,18 +181,13 @@ fn v1_thaw(fdir: &Path) -> Result<(), SandboxError> {
     settle(fdir, |d| {
         read_trimmed(&d.join("freezer.state")).is_ok_and(|s| s == "THAWED")
     })?;
-    let root = fdir
-        .parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
     if let Ok(text) = std::fs::read_to_string(fdir.join("cgroup.procs")) {
         for pid in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-            let _ = write_file(&root.join("cgroup.procs"), &pid.to_string());
+            let _ = write_file(&home.join("cgroup.procs"), &pid.to_string());
         }
     }
     super::fs::rmdir_if_unused(fdir);
-    if let Some(base) = fdir.parent() {
+    if let (true, Some(base)) = (own_base, fdir.parent()) {
         super::fs::rmdir_if_unused(base);
     }
     Ok(())

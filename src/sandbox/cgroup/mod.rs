@@ -459,6 +459,11 @@ impl Cgroups {
                 session,
                 "removing a kernel cgroup left by an earlier run"
             );
+            // A checkpoint's leaf is frozen (a broker killed while it held one), and a
+            // frozen process does not die of SIGKILL until thawed (v1).
+            if let Err(e) = leaf.freezer().set(false) {
+                tracing::warn!(user, session, error = %e, "cannot thaw a leaf left frozen");
+            }
             self.remove_leaf(&leaf).await;
             removed += 1;
         }

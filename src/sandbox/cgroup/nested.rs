@@ -31,7 +31,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use super::fs::{
-    cgroup_err, cgroup_io_err, is_path_component, mkdir, read_trimmed, rmdir_retrying, write_file,
+    cgroup_err, cgroup_io_err, is_path_component, mkdir, read_trimmed, rmdir_retrying, subdirs,
+    write_file,
 };
 use super::mountinfo::{join_cgroup_path, parse_mountinfo, Mount};
 use super::{limits, CgroupVersion, Leaf};
@@ -63,6 +64,9 @@ pub enum CgroupNotFound {
 pub struct ContainerCgroup {
     version: CgroupVersion,
     dirs: Vec<PathBuf>,
+    /// v1: the container's directory in the `freezer` hierarchy, when one is mounted (its
+    /// leaves' processes are frozen in a directory beneath it: `freezer.rs`).
+    v1_freezer: Option<PathBuf>,
 }
 
 impl ContainerCgroup {
@@ -94,6 +98,7 @@ impl ContainerCgroup {
             return Ok(Self {
                 version: CgroupVersion::V1,
                 dirs: vec![memory, pids],
+                v1_freezer: v1_dir("freezer"),
             });
         }
         let path = proc_cgroup
@@ -114,6 +119,7 @@ impl ContainerCgroup {
         Ok(Self {
             version: CgroupVersion::V2,
             dirs: vec![dir],
+            v1_freezer: None,
         })
     }
 
@@ -176,6 +182,38 @@ impl ContainerCgroup {
             &control,
             format!("cannot enable memory and pids for the kernels' cgroups: {last}"),
         ))
+    }
+
+    /// What freezes `leaf` (one of this container's): v2 the leaf's `cgroup.freeze`; v1 a
+    /// directory of the leaf's name beneath the container's own in the `freezer`
+    /// hierarchy, so a thawed process goes back to the container's freezer cgroup.
+    pub fn freezer(&self, leaf: &Leaf) -> super::Freezer {
+        super::Freezer::beneath(leaf, self.v1_freezer.clone())
+    }
+
+    /// Thaws every leaf of this container frozen as a checkpoint's (a broker killed while
+    /// it held one): a frozen process does not die until thawed (v1), so the engine could
+    /// not remove the container. Only the cgroup file system is written.
+    pub fn thaw_all(&self) {
+        let frozen: Vec<(PathBuf, &str, &str)> = match (&self.v1_freezer, self.version) {
+            (Some(home), CgroupVersion::V1) => subdirs(home)
+                .into_iter()
+                .map(|d| (home.join(d), "freezer.state", "THAWED"))
+                .collect(),
+            (_, CgroupVersion::V2) => subdirs(self.dir())
+                .into_iter()
+                .map(|d| (self.dir().join(d), "cgroup.freeze", "0"))
+                .collect(),
+            _ => Vec::new(),
+        };
+        for (dir, file, value) in frozen {
+            let path = dir.join(file);
+            if path.exists() {
+                if let Err(e) = write_file(&path, value) {
+                    tracing::warn!(cgroup = %dir.display(), error = %e, "cannot thaw a container's leaf");
+                }
+            }
+        }
     }
 
     /// The container's directories (v1: memory, then pids; v2: one).
@@ -276,6 +314,7 @@ mod tests {
         let cg = ContainerCgroup {
             version: CgroupVersion::V2,
             dirs: vec![c.clone()],
+            v1_freezer: None,
         };
         let limits = KernelLimits {
             memory_bytes: 128 << 20,
@@ -323,6 +362,7 @@ mod tests {
         let cg = ContainerCgroup {
             version: CgroupVersion::V1,
             dirs: vec![memory.clone(), pids.clone()],
+            v1_freezer: None,
         };
         // cgroupfs creates the control files with the directory; here, by hand.
         let session = "s1";

@@ -14,6 +14,7 @@ use tokio::time::timeout;
 
 use super::engine::Engine;
 use super::{unavailable, unavailable_by, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
+use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::fsutil;
 use crate::sandbox::SandboxError;
 use crate::sync::lock;
@@ -167,8 +168,25 @@ impl Inner {
             .await
     }
 
-    /// Force-removes a container; a missing one is fine, other errors are logged.
+    /// Force-removes a container; a missing one is fine, other errors are logged. Its
+    /// kernels' leaves frozen as checkpoints (a broker killed while it held some) are
+    /// thawed first: a frozen process does not die, and the engine would not remove it.
     pub(super) async fn remove_container(&self, docker: &Docker, id: &str) {
+        let pid = docker
+            .inspect_container(id, None)
+            .await
+            .ok()
+            .and_then(|c| c.state?.pid)
+            .and_then(|p| i32::try_from(p).ok())
+            .filter(|p| *p > 0);
+        if let Some(pid) = pid {
+            let thawed = tokio::task::spawn_blocking(move || {
+                if let Ok(cgroup) = ContainerCgroup::of_process(pid) {
+                    cgroup.thaw_all();
+                }
+            });
+            let _ = thawed.await;
+        }
         let opts = RemoveContainerOptions {
             force: true,
             ..Default::default()

@@ -31,7 +31,7 @@ use super::{
     TINI_INSIDE, WORKSPACE_INSIDE,
 };
 use crate::sandbox::boot::BOOT_SCRIPT_NAME;
-use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Leaf};
+use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Freezer, Leaf};
 use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
@@ -62,6 +62,8 @@ pub(super) struct DockerKernel {
     pub exec_pidfd: Option<OwnedFd>,
     /// The kernel's own cgroup leaf (none where the broker cannot manage cgroups).
     pub leaf: Option<Leaf>,
+    /// What freezes that leaf, for a forked kernel (one that can have checkpoints).
+    pub freezer: Option<Freezer>,
     pub limits: KernelLimits,
     /// The user's workspace on the host and its quota, to tell a full disk.
     pub workspace: PathBuf,
@@ -131,6 +133,12 @@ impl BackendKernel for DockerKernel {
     /// kernel cannot.
     fn fork_origin(&self) -> Option<ForkOrigin> {
         fork_origin(self)
+    }
+
+    /// A forked kernel's leaf, frozen beneath the container's own freezer cgroup (v1) or
+    /// by its `cgroup.freeze` (v2): such a kernel can be held as a checkpoint.
+    fn freezer(&self) -> Option<&Freezer> {
+        self.freezer.as_ref()
     }
 
     /// The container's init: every kernel of the user shares the container's namespace.

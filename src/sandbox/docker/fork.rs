@@ -196,6 +196,7 @@ impl Inner {
             }
         };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
+        let freezer = Some(cgroup.freezer(&leaf));
         let shared = Arc::new(DockerKernel {
             watch,
             docker: parent.docker.clone(),
@@ -210,6 +211,7 @@ impl Inner {
             }),
             exec_pidfd: None,
             leaf: Some(leaf),
+            freezer,
             limits: spec.limits,
             workspace: parent.workspace.clone(),
             quota_bytes: user.limits.workspace_quota_bytes,

@@ -104,6 +104,7 @@ impl Inner {
             forked: None,
             exec_pidfd,
             leaf,
+            freezer: None,
             limits: spec.limits,
             workspace: target.workspace,
             quota_bytes: user.limits.workspace_quota_bytes,

@@ -426,6 +426,7 @@ impl Inner {
                 cgroup: template.cgroup.clone(),
             }),
             exec_pidfd: None,
+            freezer: Some(template.cgroup.freezer(&leaf)),
             leaf: Some(leaf),
             limits: spec.limits,
             workspace: self.workspace_path(user)?,

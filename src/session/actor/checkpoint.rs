@@ -155,7 +155,9 @@ impl Actor {
                 session,
                 why: format!(
                     "its kernel's copy could not be frozen: the {} sandbox has no freezer for \
-                     its kernels' cgroup leaves (checkpoints need the local sandbox with cgroups)",
+                     this kernel (checkpoints need a kernel forked from its user's template, in \
+                     a cgroup leaf of its own: the local sandbox with cgroups, or Docker with \
+                     the broker as root)",
                     self.sandbox.name()
                 ),
             });

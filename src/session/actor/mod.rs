@@ -255,12 +255,8 @@ impl Actor {
                     tracing::warn!(session = %self.session.id, error = %e, "forward to kernel failed");
                 }
             }
-            Command::Fork {
-                content,
-                route,
-                done,
-            } => {
-                let _ = done.send(self.fork(content, route).await);
+            Command::Fork { spec, route, done } => {
+                let _ = done.send(self.fork(spec, route).await);
             }
             Command::Checkpoint { done } => {
                 self.session.touch();
@@ -295,33 +291,42 @@ impl Actor {
         }
     }
 
-    /// Sends the fork request to an idle kernel (one with nothing running or queued: the
-    /// fork copies the state between executions). The request is not recorded: it holds
-    /// the new kernel's key. Its reply is, as every message of the kernel.
+    /// Prepares a fork of the live kernel for `spec` and sends it the fork request, if it
+    /// is idle (nothing running or queued: the fork copies the state between executions).
+    /// Prepared here, for the kernel asked: a checkpoint swaps the live kernel, and a fork
+    /// prepared for the one before would look for the child under the wrong parent. The
+    /// request is not recorded: it holds the new kernel's key. Its reply is, as every
+    /// message of the kernel.
     async fn fork(
         &mut self,
-        content: serde_json::Value,
+        spec: crate::sandbox::LaunchSpec,
         route: ReplyRoute,
-    ) -> Result<u64, SessionError> {
+    ) -> Result<(crate::sandbox::fork::PreparedFork, u64), SessionError> {
+        let session = self.session.id;
         let Some(k) = &self.kernel else {
             return Err(SessionError::KernelNotRunning);
         };
         if self.running.is_some() || !self.queue.is_empty() {
-            return Err(SessionError::ForkBusy {
-                session: self.session.id,
-            });
+            return Err(SessionError::ForkBusy { session });
         }
+        let prepared = self
+            .sandbox
+            .prepare_fork(&*k.process, spec)
+            .await
+            .map_err(|e| super::forking::fork_error(session, e))?;
+        let content = serde_json::json!({ "connection": prepared.connection });
         let m = k.client.request("kb_fork_request", &content);
         self.routes.insert(m.msg_id.clone(), route);
         if let Err(e) = k.client.send(Channel::Shell, &m).await {
             self.routes.remove(&m.msg_id);
+            self.sandbox.discard_fork(prepared).await;
             return Err(SessionError::ForkFailed {
-                session: self.session.id,
+                session,
                 why: "the request could not be sent to the kernel".into(),
                 source: Some(Box::new(e)),
             });
         }
-        Ok(self.session.status().execution_count)
+        Ok((prepared, self.session.status().execution_count))
     }
 
     async fn interrupt(&mut self) -> Result<(), SessionError> {

@@ -224,38 +224,17 @@ impl Registry {
                 why: why.to_string(),
                 source,
             };
-        let process = parent
-            .kernel_process()
-            .ok_or(SessionError::KernelNotRunning)?;
         let key = Signer::random_key();
         let sandbox = &self.inner.sandbox;
-        let prepared = sandbox
-            .prepare_fork(&*process, session.launch_spec(key.clone()))
-            .await
-            .map_err(|e| fork_error(parent.id, e))?;
-        let content = serde_json::json!({ "connection": prepared.connection });
         let (route, mut replies) = mpsc::channel(4);
         let (done, sent) = oneshot::channel();
-        let asked_kernel = parent.send(Command::Fork {
-            content,
+        parent.send(Command::Fork {
+            spec: session.launch_spec(key.clone()),
             route,
             done,
-        });
-        let execution_count = match asked_kernel {
-            Ok(()) => match sent.await {
-                Ok(Ok(n)) => Ok(n),
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(SessionError::Closed(parent.id)),
-            },
-            Err(e) => Err(e),
-        };
-        let execution_count = match execution_count {
-            Ok(n) => n,
-            Err(e) => {
-                sandbox.discard_fork(prepared).await;
-                return Err(e);
-            }
-        };
+        })?;
+        let (prepared, execution_count) =
+            sent.await.map_err(|_| SessionError::Closed(parent.id))??;
         let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
         let reply = timeout(limit, async {
             while let Some((channel, m)) = replies.recv().await {

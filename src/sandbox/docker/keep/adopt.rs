@@ -112,6 +112,7 @@ impl Inner {
             forked: None,
             exec_pidfd,
             leaf,
+            freezer: None,
             limits,
             workspace: self.workspaces.join(&ticket.user),
             quota_bytes,
