@@ -349,11 +349,13 @@ async fn a_version_2_recordings_file_is_searched_after_the_upgrade() {
     let (status, _) = alice.delete(&format!("/v1/sessions/{id}")).await;
     assert_eq!(status, 204);
     broker.halt(common::spawned::Stop::Term).await;
-    // What version 3 added, taken away again.
+    // What versions 3 and 4 added, taken away again.
     let db = broker.data_dir().join("recordings.sqlite3");
     let conn = rusqlite::Connection::open(&db).unwrap();
     conn.execute_batch(
-        "DROP TRIGGER search_text_added; DROP TRIGGER search_text_removed;
+        "ALTER TABLE sessions DROP COLUMN forked_from; ALTER TABLE sessions DROP COLUMN forked_at;
+         ALTER TABLE sessions DROP COLUMN forked_checkpoint;
+         DROP TRIGGER search_text_added; DROP TRIGGER search_text_removed;
          DROP TABLE search_fts; DROP TABLE search_text;
          ALTER TABLE sessions DROP COLUMN front_door; ALTER TABLE sessions DROP COLUMN metadata;
          ALTER TABLE sessions DROP COLUMN errors; ALTER TABLE sessions DROP COLUMN ended_by;
@@ -374,6 +376,7 @@ async fn a_version_2_recordings_file_is_searched_after_the_upgrade() {
         (Some(1), &Value::from("rest"))
     );
     assert_eq!(r["front_door"], "rest");
+    assert!(r["forked_from"].is_null(), "{r}");
     let found = listed(&alice, "q=keyerror").await;
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0]["matches"]
