@@ -140,3 +140,47 @@ def test_open_in_jupyterlab_from_the_command_line(broker, lab):
         assert run.result == "42", run.msgs
     finally:
         ws.close()
+
+
+@pytest.mark.timeout(600)
+def test_open_live_here_then_open_in_jupyterlab_attaches_to_the_fork(broker, lab, browser):
+    """Time travel end to end: "open live here" on step 2 of a checkpointed session opens the
+    fork in the session browser, and "Open in JupyterLab" attaches JupyterLab to the fork's
+    kernel, which holds step 2's variables (the original keeps step 3's)."""
+    r = requests.post(f"{broker.url}/v1/sessions", headers=AUTH, timeout=60,
+                      json={"checkpoint_every_execution": True})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    for code in ("step = 1", "step = 2", "step = 3"):
+        assert execute(broker, sid, code)["status"] == "ok"
+    browser.get(f"{broker.url}/ui/?token={ALICE}#{sid}")
+
+    def step_2_button(d):
+        for c in d.find_elements(By.CSS_SELECTOR, "#timeline .cell"):
+            if c.find_element(By.CSS_SELECTOR, ".prompt").text == "In [2]":
+                return (c.find_elements(By.CSS_SELECTOR, "button.open-live") or [None])[0]
+        return None
+
+    wait(browser, step_2_button, timeout=30, what="open live here on step 2").click()
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") not in (sid, None),
+         timeout=60, what="the fork opened")
+    fork = browser.find_element(By.ID, "detail").get_attribute("data-session")
+    field = browser.find_element(By.ID, "jupyterlab-url")
+    field.clear()
+    field.send_keys(f"{lab.url}/lab?token={lab.token}")
+    browser.find_element(By.ID, "open-in-jupyterlab").click()
+    link = wait(browser, lambda d: [a for a in d.find_elements(By.ID, "jupyterlab-link") if a.is_displayed()],
+                timeout=60, what="the JupyterLab link (attach done)")[0]
+    url = link.get_attribute("href")
+    assert url.startswith(f"{lab.url}/lab/tree/agent-session-{fork[:8]}.ipynb"), url
+    assert lab_sessions(lab)[fork]["path"] == f"agent-session-{fork[:8]}.ipynb"
+    for handle in browser.window_handles[1:]:
+        browser.switch_to.window(handle)
+        browser.close()
+    browser.switch_to.window(browser.window_handles[0])
+    browser.get(url)
+    run_in_jupyterlab(browser, "print('lab sees step', step)", "lab sees step 2")
+    assert execute(broker, sid, "step")["results"][0]["data"]["text/plain"] == "3"
+    lab.stop()
+    for s in (fork, sid):
+        requests.delete(f"{broker.url}/v1/sessions/{s}", headers=AUTH, timeout=60)

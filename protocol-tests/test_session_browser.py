@@ -676,6 +676,155 @@ def test_actions_are_disabled_while_a_request_runs(broker, browser):
     assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
 
 
+# ---- forks: "open live here", and a fork's parent in the list -----------------------------------
+
+def create_checkpointed(b, token=ALICE):
+    """A REST session that takes a checkpoint after every successful execution."""
+    r = b.api("POST", "/v1/sessions", token, json={"checkpoint_every_execution": True})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def checkpoints(b, sid, token=ALICE):
+    r = b.api("GET", f"/v1/sessions/{sid}/checkpoints", token)
+    assert r.status_code == 200, r.text
+    return {c["execution_count"]: c["id"] for c in r.json()["checkpoints"]}
+
+
+def cell_of(driver, count):
+    """The timeline's cell whose prompt is In [count]."""
+    for c in driver.find_elements(By.CSS_SELECTOR, "#timeline .cell"):
+        if c.find_element(By.CSS_SELECTOR, ".prompt").text == f"In [{count}]":
+            return c
+    return None
+
+
+def open_live_button(driver, count):
+    c = cell_of(driver, count)
+    found = c.find_elements(By.CSS_SELECTOR, "button.open-live") if c else []
+    return found[0] if found else None
+
+
+def test_open_live_here_forks_the_step_and_the_list_names_the_parent(broker, browser, tmp_path):
+    sid = create_checkpointed(broker)
+    for code in ("x = 1", "x = 2", "x = 3"):
+        assert execute(broker, sid, code)["status"] == "ok"
+    # A failed step takes no checkpoint: it offers nothing.
+    assert execute(broker, sid, "raise ValueError('no checkpoint here')")["status"] == "error"
+    cps = wait_for(lambda: (lambda c: c if {1, 2, 3} <= set(c) else None)(checkpoints(broker, sid)),
+                   what="the checkpoints of steps 1 to 3")
+    open_page(browser, broker, sid=sid)
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-loaded") == "true", what="the timeline")
+    for n in (1, 2, 3):
+        wait(browser, lambda d, n=n: open_live_button(d, n), what=f"open live here on step {n}")
+    assert open_live_button(browser, 2).get_attribute("data-checkpoint") == cps[2]
+    assert cell_of(browser, 4) is not None and open_live_button(browser, 4) is None, "the failed step offers nothing"
+    # A deleted checkpoint is no longer offered.
+    assert broker.api("DELETE", f"/v1/sessions/{sid}/checkpoints/{cps[1]}").status_code == 204
+    wait(browser, lambda d: open_live_button(d, 1) is None, what="step 1's action gone with its checkpoint")
+    shoot(browser, tmp_path, "open-live-here-before")
+
+    before = {r["id"] for r in recordings(broker)}
+    # The page's request answers late: the button is disabled meanwhile.
+    browser.execute_script("const f = window.fetch; window.fetch = (...a) => String(a[0]).includes('/fork')"
+                           " ? new Promise((r) => setTimeout(r, 1000)).then(() => f(...a)) : f(...a);")
+    open_live_button(browser, 2).click()
+    assert browser.execute_script("return [...document.querySelectorAll('button.open-live')].every((b) => b.disabled)")
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") not in (sid, None),
+         timeout=60, what="the page showing the new session")
+    fork = browser.find_element(By.ID, "detail").get_attribute("data-session")
+    assert fork != sid and fork not in before
+    assert "forked from" in browser.find_element(By.ID, "status").text
+    # The fork holds step 2's state: through the API, and through the page's own session.
+    assert execute(broker, fork, "x")["results"][0]["data"]["text/plain"] == "2"
+    assert execute(broker, sid, "x")["results"][0]["data"]["text/plain"] == "3", "the original is untouched"
+    # The page shows it live, with its actions and its parent in the header.
+    wait(browser, lambda d: d.find_element(By.ID, "action-interrupt").is_displayed(), what="the fork's actions")
+    assert browser.find_element(By.CSS_SELECTOR, ".session-head .live").is_displayed()
+    head = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".session-head .forked-from"), what="the header's parent")[0]
+    assert head.text == f"forked from {sid[:8]} at step 2"
+    assert head.find_element(By.CSS_SELECTOR, "a").get_attribute("data-session") == sid
+    wait(browser, lambda d: cell_of(d, 3), what="the fork's own cell")
+    # The recording links the fork to its parent; the list says so, linking to the parent.
+    row = next(r for r in recordings(broker) if r["id"] == fork)
+    assert row["forked_from"] == {"session": sid, "execution_count": 2, "checkpoint": cps[2]}, row
+    assert next(r for r in recordings(broker) if r["id"] == sid)["forked_from"] is None
+    line = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f"#session-list li[data-id='{fork}'] .line.fork"),
+                timeout=15, what="the fork's line in the list")[0]
+    assert line.text == f"forked from {sid[:8]} at step 2"
+    shoot(browser, tmp_path, "open-live-here-after")
+    # The link opens the parent, whose timeline links to its fork.
+    line.find_element(By.CSS_SELECTOR, "a.session-link").click()
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") == sid, what="the parent")
+    link = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f"#timeline .marker[data-kind='session_forked'] a[data-session='{fork}']"),
+                what="the parent's link to its fork")[0]
+    link.click()
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") == fork, what="the fork again")
+    for s in (fork, sid):
+        assert broker.api("DELETE", f"/v1/sessions/{s}").status_code == 204
+
+
+def test_open_live_here_refused_is_shown_and_bob_cannot_fork_alices_checkpoint(broker, browser):
+    sid = create_checkpointed(broker)
+    execute(broker, sid, "secret = 'alice'")
+    cp = wait_for(lambda: checkpoints(broker, sid).get(1), what="the checkpoint")
+    # Bob, through the API: as missing.
+    r = broker.api("POST", f"/v1/sessions/{sid}/checkpoints/{cp}/fork", BOB)
+    assert r.status_code == 404, r.text
+    assert broker.api("GET", f"/v1/sessions/{sid}/checkpoints", BOB).status_code == 404
+    # Bob, through the page: his list has no such session, his page offers nothing and his
+    # token's request (the one the page makes) is refused.
+    browser.get(f"{broker.url}/ui/?token={BOB}#{sid}")
+    wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-loaded") in ("true", "false"), what="bob's page")
+    time.sleep(1.5)
+    assert not browser.find_elements(By.CSS_SELECTOR, "button.open-live")
+    status = browser.execute_script(
+        "return fetch('../v1/sessions/' + arguments[0] + '/checkpoints/' + arguments[1] + '/fork',"
+        " {method: 'POST', headers: {Authorization: 'Bearer ' + arguments[2]}}).then((r) => r.status)", sid, cp, BOB)
+    assert status == 404
+    assert all(r["id"] != sid for r in recordings(broker, BOB))
+    # Alice's page: a refusal (the checkpoint gone behind the page's back) is shown as text,
+    # the page stays on her session and the button comes back to a usable state.
+    browser.execute_script("sessionStorage.clear()")
+    open_page(browser, broker, sid=sid)
+    wait(browser, lambda d: open_live_button(d, 1), what="open live here")
+    broker.api("DELETE", f"/v1/sessions/{sid}/checkpoints/{cp}")
+    browser.execute_script("document.querySelector('button.open-live').click()")
+    wait(browser, lambda d: "open live here failed" in d.find_element(By.ID, "status").text, what="the refusal")
+    assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
+    assert browser.find_element(By.ID, "detail").get_attribute("data-session") == sid
+    wait(browser, lambda d: open_live_button(d, 1) is None, what="the gone checkpoint's action removed")
+    assert execute(broker, sid, "secret")["results"][0]["data"]["text/plain"] == "'alice'", "nothing lost"
+    assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
+
+
+def test_a_crafted_parent_in_the_list_stays_text(broker, browser):
+    sid = create_rest(broker)
+    open_page(browser, broker)
+    browser.execute_script(STUB)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    base = {"kernel": "python3", "created_at": now, "ended_at": None, "end_reason": None, "last_event_at": now,
+            "cells": 1, "events": 4, "state": "idle", "live": True, "front_door": "rest", "errors": 0,
+            "ended_by": None, "metadata": {"evil": HOSTILE}}
+    answer = [
+        {**base, "id": sid, "forked_from": {"session": HOSTILE, "execution_count": HOSTILE, "checkpoint": HOSTILE}},
+        {**base, "id": str(uuid.uuid4()), "forked_from": {"session": ["not", "text"], "execution_count": 1}},
+        {**base, "id": str(uuid.uuid4()), "forked_from": HOSTILE},
+    ]
+    browser.execute_script("window.__answer = arguments[0];", answer)
+    browser.find_element(By.ID, "q").send_keys("x\n")
+    wait(browser, lambda d: len(listed(d)) == 3, what="the stubbed list")
+    a, b, c = browser.find_elements(By.CSS_SELECTOR, "#session-list li.session")
+    line = a.find_element(By.CSS_SELECTOR, ".line.fork")
+    assert line.get_attribute("textContent").startswith("forked from <img src at step <img src=x")
+    link = line.find_element(By.CSS_SELECTOR, "a.session-link")
+    assert link.get_attribute("data-session") == HOSTILE and link.text == HOSTILE[:8]
+    assert not line.find_elements(By.CSS_SELECTOR, "img")
+    assert not b.find_elements(By.CSS_SELECTOR, ".line.fork") and not c.find_elements(By.CSS_SELECTOR, ".line.fork")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#sessions img")
+    assert browser.execute_script("return window.__pwned") is None
+
+
 # ---- layout ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [(1280, 900), (1920, 1080)])

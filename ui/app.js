@@ -6,8 +6,11 @@
 // session), rebuilds its cells from the recorded messages (timeline.js) the way the notebook
 // export does, draws every other event (files, commands, network, closes) between them, and polls for new
 // events every second while the session is live. Interrupt, Restart and Delete act on a live
-// session through the REST API. Every piece of kernel output is inserted as text; images
-// only as data: URLs.
+// session through the REST API. "open live here" on a cell that has a live checkpoint (GET
+// /v1/sessions/{id}/checkpoints lists it) forks a new session from that checkpoint and opens
+// it. A fork names its parent (the list, the header, its `session_created`) and a parent its
+// forks, as links. Every piece of kernel output is inserted as text; images only as data:
+// URLs.
 'use strict';
 
 (function () {
@@ -48,7 +51,7 @@
   const token = sessionStorage.getItem(TOKEN_KEY) || '';
 
   // ---- helpers --------------------------------------------------------------------------
-  const { el, clock, when, ago, duration, joinText, stripAnsi, metadataParts, frontDoor } = KB;
+  const { el, clock, when, ago, duration, joinText, stripAnsi, metadataParts, frontDoor, sessionLink, forkNote } = KB;
   const EV = KB.events;
 
   function status(text, isError) {
@@ -110,7 +113,7 @@
       recordings = recs;
       live = new Map(sessions.map((s) => [s.id, s]));
       renderList();
-      if (current) updateHeader();
+      if (current) { updateHeader(); loadCheckpoints(current); }
       if (listFailed) { listFailed = false; status(''); }
     } catch (e) {
       if (mine !== listRequest) return;
@@ -205,7 +208,8 @@
         el('span', { class: 'duration', text: running ? 'running…' : duration(dur) }),
         el('span', { class: 'badge status-' + st, text: st }),
         c.timedOut ? el('span', { class: 'badge status-timeout', text: 'timed out' }) : null,
-        c.replay ? el('span', { class: 'badge replay ' + (c.replay.same_output ? 'same' : 'different'), text: c.replay.same_output ? 'replay: same' : 'replay: different' }) : null),
+        c.replay ? el('span', { class: 'badge replay ' + (c.replay.same_output ? 'same' : 'different'), text: c.replay.same_output ? 'replay: same' : 'replay: different' }) : null,
+        openLiveButton(c)),
       el('pre', { class: 'code', text: c.code }),
       outs,
       c.replay && c.replay.diff ? el('details', { class: 'diff' }, el('summary', { text: 'replay diff (' + c.replay.status + ')' }), el('pre', { text: c.replay.diff })) : null);
@@ -213,12 +217,27 @@
     return sec;
   }
 
+  // "open live here" on a cell whose checkpoint the session still holds (the session live
+  // and the caller's: GET /v1/sessions lists it); disabled while a fork is asked for.
+  function openLiveButton(c) {
+    const s = current;
+    if (!s || !c.checkpoint || s.model.ended || !live.has(s.id) || !s.checkpoints.has(c.checkpoint)) return null;
+    return el('button', {
+      type: 'button', class: 'open-live', 'data-checkpoint': c.checkpoint, disabled: s.forking,
+      title: 'Fork a new live session from the checkpoint taken after this step (In [' + c.count + '])',
+      onclick: () => openLive(c), text: 'open live here',
+    });
+  }
+
   function renderMarker(mk) {
     const x = EV.describe(mk.name, mk.detail);
+    const links = Array.isArray(x.links) ? x.links : [];
     return el('div', { class: 'marker marker-' + mk.name + ' tone-' + x.tone, 'data-kind': mk.name },
       el('span', { class: 'time', text: clock(mk.time) }),
       el('span', { class: 'what', text: x.what }),
-      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })));
+      ...x.detail.filter((t) => t).map((t) => el('span', { class: 'detail', text: t })),
+      x.fork ? forkNote(x.fork, 'detail forked-from') : null,
+      ...links.map((id) => el('span', { class: 'detail fork' }, sessionLink(id))));
   }
 
   // A command: its line and outcome, then what it printed (as the recording kept it).
@@ -279,6 +298,10 @@
       const meta = metadataParts(m.created.metadata);
       current.metaEl.textContent = meta.join(' · ');
       current.metaEl.title = KB.clip(meta.join('\n'), 1000);
+    }
+    if (m.created && !current.forkEl.firstChild) {
+      const note = forkNote(m.created.forked_from);
+      if (note) current.forkEl.append(note);
     }
     updateHeader();
   }
@@ -400,10 +423,13 @@
       for (;;) {
         const page = await getJSON('v1/sessions/' + session.id + '/events?after=' + session.after + '&limit=1000');
         if (current !== session) return;
+        let checkpointed = false;
         for (const ev of page.events) {
           KB.timeline.apply(session.model, ev);
           session.after = ev.seq;
+          if (CHECKPOINT_EVENTS.has(ev.kind)) checkpointed = true;
         }
+        if (checkpointed) loadCheckpoints(session);
         renderDirty();
         if (page.next_after === null) break;
       }
@@ -450,17 +476,76 @@
     }
   }
 
+  // Events after which the session's checkpoints are asked for again.
+  const CHECKPOINT_EVENTS = new Set(['checkpoint_taken', 'checkpoint_dropped', 'session_rewound', 'kernel_restarted', 'session_closed', 'session_expired']);
+
+  // The checkpoints the open session holds now (GET /v1/sessions/{id}/checkpoints), while it
+  // is live and the caller's; the cells whose checkpoint came or went are drawn again.
+  async function loadCheckpoints(session) {
+    const ids = new Set();
+    if (live.has(session.id) && !session.model.ended) {
+      try {
+        const r = await getJSON('v1/sessions/' + session.id + '/checkpoints');
+        for (const cp of (r && Array.isArray(r.checkpoints) ? r.checkpoints : [])) {
+          if (cp && typeof cp.id === 'string') ids.add(cp.id);
+        }
+      } catch (_) {
+        // Ended, or one that cannot have checkpoints (409): none to offer. Not an error of the page's.
+      }
+    }
+    if (current !== session) return;
+    const before = session.checkpoints;
+    session.checkpoints = ids;
+    let changed = false;
+    for (const c of session.model.cells) {
+      if (c.checkpoint && before.has(c.checkpoint) !== ids.has(c.checkpoint)) { session.model.dirty.add(c); changed = true; }
+    }
+    if (changed) renderDirty();
+  }
+
+  // "open live here": a new session forked from the checkpoint taken after cell `c`
+  // (POST /v1/sessions/{id}/checkpoints/{cp}/fork), then opened. Every such button and the
+  // actions wait for the answer; a refusal (409, 429, 404) is shown and nothing is lost.
+  async function openLive(c) {
+    const session = current;
+    const short = session.id.slice(0, 8);
+    const setBusy = (busy) => {
+      session.forking = busy;
+      for (const b of session.detail.querySelectorAll('.open-live, .session-head .actions button')) b.disabled = busy;
+      if (busy) session.detail.dataset.forking = 'true'; else delete session.detail.dataset.forking;
+    };
+    setBusy(true);
+    status('opening a live session at step ' + c.count + ' of ' + short + '…');
+    try {
+      const r = await (await api('v1/sessions/' + session.id + '/checkpoints/' + encodeURIComponent(c.checkpoint) + '/fork', { method: 'POST' })).json();
+      const made = r && Array.isArray(r.sessions) ? r.sessions[0] : null;
+      if (!made || typeof made.id !== 'string') throw new ApiError('the fork did not answer a session');
+      live.set(made.id, made);
+      status('session ' + made.id.slice(0, 8) + ' forked from ' + short + ' at step ' + c.count);
+      if (current === session) setBusy(false);
+      location.hash = made.id;
+      loadList();
+    } catch (e) {
+      status('open live here failed: ' + e.message, true);
+      if (current === session) setBusy(false);
+      loadCheckpoints(session);
+    }
+  }
+
   function open(id) {
     stopFollowing();
     const detail = document.getElementById('detail');
     const r = recordings.find((x) => x.id === id) || { id, state: '', kernel: '', created_at: null };
     const session = {
       id, after: 0, model: KB.timeline.newModel(), nodes: new Map(), cursor: -1, timer: null, detail,
+      checkpoints: new Set(), forking: false,
     };
     current = session;
     session.stateEl = el('span', { class: 'state state-' + KB.clip(r.state, 20), text: r.state });
     session.doorEl = el('span', { class: 'door', text: r.front_door ? 'via ' + frontDoor(r.front_door) : '' });
     session.metaEl = el('span', { class: 'meta', text: metadataParts(r.metadata).join(' · ') });
+    session.forkEl = el('span', { class: 'fork' });
+    if (r.forked_from) { const note = forkNote(r.forked_from); if (note) session.forkEl.append(note); }
     session.cellCount = el('span', { class: 'count' });
     session.memEl = el('span', { class: 'mem', text: memoryText(live.get(id)) });
     session.position = el('span', { class: 'position' });
@@ -484,7 +569,7 @@
           el('h2', {}, 'Session ', el('code', { text: id })),
           session.actions),
         el('div', { class: 'facts' },
-          session.stateEl, session.liveBadge, session.doorEl,
+          session.stateEl, session.liveBadge, session.doorEl, session.forkEl,
           el('span', { text: r.kernel || '' }),
           el('span', { class: 'created', text: r.created_at ? 'created ' + when(r.created_at) : '' }),
           session.cellCount, session.memEl, session.metaEl)),
@@ -502,6 +587,7 @@
     renderList();
     updateHeader();
     poll(session);
+    loadCheckpoints(session);
   }
 
   function route() {

@@ -96,5 +96,30 @@ window.KB = (function () {
   const FRONT_DOORS = { rest: 'REST', jupyter: 'Jupyter', e2b: 'E2B', mcp: 'MCP' };
   const frontDoor = (d) => (d ? FRONT_DOORS[d] || clip(d, 20) : '');
 
-  return { el, clock, when, ago, duration, bytes, str, clip, joinText, stripAnsi, metadataParts, frontDoor, FRONT_DOORS };
+  // A fork's parent as recorded (`session_created.forked_from`, or a list row's
+  // `forked_from`): {session, step, checkpoint}, or null when there is none or it is not an
+  // object. Its strings are clipped and stay text.
+  function forkedFrom(f) {
+    if (!f || typeof f !== 'object' || Array.isArray(f) || typeof f.session !== 'string' || !f.session) return null;
+    return { session: clip(f.session, 40), step: clip(str(f.execution_count), 20), checkpoint: f.checkpoint ? clip(str(f.checkpoint), 40) : '' };
+  }
+
+  // A link to session `id` (the page opens it: its hash), showing `text` (its id's start).
+  // A click does not reach what holds it (a list entry opens its own session).
+  function sessionLink(id, text) {
+    return el('a', {
+      class: 'session-link', href: '#' + encodeURIComponent(id), 'data-session': id, title: id,
+      text: text || id.slice(0, 8), onclick: (e) => e.stopPropagation(),
+    });
+  }
+
+  // "forked from <parent> at step N", the parent a link; null for a session that is no fork.
+  function forkNote(f, cls) {
+    const p = forkedFrom(f);
+    if (!p) return null;
+    return el('span', { class: cls || 'forked-from', 'data-parent': p.session, 'data-step': p.step, title: p.checkpoint ? 'from checkpoint ' + p.checkpoint : 'from the live kernel' },
+      'forked from ', sessionLink(p.session), ' at step ' + p.step);
+  }
+
+  return { el, clock, when, ago, duration, bytes, str, clip, joinText, stripAnsi, metadataParts, frontDoor, FRONT_DOORS, forkedFrom, sessionLink, forkNote };
 })();

@@ -2,7 +2,8 @@
 // as lines of its timeline. `describe` turns one recorded event into {what, detail, tone};
 // `command` describes a command from its start and end; `egressLine` one line of a folded
 // group of allowed or closed network connections. Details come from the recording and are
-// shown as text only.
+// shown as text only; `fork` (a fork's parent, as recorded) and `links` (the ids of a
+// session's forks) are drawn by the page as links to those sessions.
 'use strict';
 
 KB.events = (function () {
@@ -34,14 +35,17 @@ KB.events = (function () {
     switch (kind) {
       case 'session_created': {
         const door = frontDoor(d.front_door);
-        const from = d.forked_from && typeof d.forked_from === 'object'
-          ? ['forked from ' + clip(str(d.forked_from.session), 40) + ' after execution ' + str(d.forked_from.execution_count)] : [];
-        return { what: 'session created' + (door ? ' via ' + door : ''), detail: [str(d.kernel), ...from, ...metadataParts(d.metadata)], tone: 'quiet' };
+        return {
+          what: 'session created' + (door ? ' via ' + door : ''),
+          detail: [str(d.kernel), ...metadataParts(d.metadata)],
+          tone: 'quiet',
+          fork: d.forked_from,
+        };
       }
       case 'session_forked': {
         const n = Array.isArray(d.sessions) ? d.sessions.length : 0;
         const ids = Array.isArray(d.sessions) ? d.sessions.slice(0, 8).map((s) => clip(str(s), 40)) : [];
-        return { what: 'forked into ' + n + ' session' + (n === 1 ? '' : 's'), detail: ['after execution ' + str(d.execution_count), ...ids], tone: 'info' };
+        return { what: 'forked into ' + n + ' session' + (n === 1 ? '' : 's'), detail: ['after execution ' + str(d.execution_count)], tone: 'info', links: ids };
       }
       case 'kernel_started':
         return { what: 'kernel started', detail: [seconds(d.startup_seconds) + (d.pooled ? ' (from the pool)' : '')], tone: 'quiet' };

@@ -1,6 +1,6 @@
 // kernel-broker's session browser: the search and filters above the session list, kept in
 // the page's query string (a reload or a shared link keeps them; the hash names the open
-// session), and the list's entries.
+// session), and the list's entries (a fork's names its parent and the step, as a link).
 //
 // The filters are GET /v1/recordings's parameters: q, state, front_door, has_errors, since,
 // until (RFC 3339; the form's local date and time converted). The server checks them and
@@ -140,6 +140,8 @@ KB.list = (function () {
     // Who ended it; a bare "closed" (a recording from before closes said who) says nothing more than the state.
     const ended = r.ended_by && r.ended_by !== 'closed' ? 'ended by ' + KB.events.by(r.ended_by) : '';
     const matches = Array.isArray(r.matches) ? r.matches.slice(0, 3) : [];
+    // A fork: "forked from <parent> at step N", the parent a link to it.
+    const fork = KB.forkNote(r.forked_from);
     return el('li', {
       class: 'session' + (opts.selected ? ' selected' : ''),
       'data-id': r.id,
@@ -153,6 +155,7 @@ KB.list = (function () {
       r.front_door ? el('span', { class: 'door door-' + clip(r.front_door, 20), text: frontDoor(r.front_door) }) : null,
       el('span', { class: 'last', text: ago(last), title: 'last activity ' + when(last) + '\ncreated ' + when(r.created_at) + (r.ended_at ? '\nended ' + when(r.ended_at) : '') })),
     meta.length ? el('div', { class: 'line meta', text: meta.join(' · '), title: clip(meta.join('\n'), 1000) }) : null,
+    fork ? el('div', { class: 'line fork' }, fork) : null,
     el('div', { class: 'line facts' },
       el('code', { class: 'sid', text: r.id.slice(0, 8) }),
       el('span', { class: 'count', text: r.cells + (r.cells === 1 ? ' cell' : ' cells') }),

@@ -6,7 +6,9 @@
 // `execution_started`, and the kernel's messages whose parent is its request fill it. Every
 // other broker event is an entry of its own (events.js describes it), except that a
 // command's start and end are one entry (matched by pid) and allowed or closed network
-// connections fold into a group with their neighbours.
+// connections fold into a group with their neighbours. A `checkpoint_taken` names its
+// checkpoint on the newest cell of that execution count (`c.checkpoint`): the cell the
+// checkpoint holds the state after, where the page offers "open live here".
 'use strict';
 
 KB.timeline = (function () {
@@ -25,7 +27,7 @@ KB.timeline = (function () {
     c = {
       kind: 'cell', index: m.cells.length, msgId, code: code || '', start: time, end: null,
       count: null, outputs: [], status: null, durationMs: null, timedOut: false, done: false,
-      note: null, replay: null,
+      note: null, replay: null, checkpoint: null,
     };
     m.byMsg.set(msgId, c);
     m.cells.push(c);
@@ -63,6 +65,18 @@ KB.timeline = (function () {
       return;
     }
     if (ev.kind === 'session_created') m.created = d;
+    if (ev.kind === 'checkpoint_taken' && typeof d.checkpoint === 'string') {
+      // The newest cell of that count: after a rewind, counts repeat, and the checkpoint is
+      // of the cells run since.
+      for (let i = m.cells.length - 1; i >= 0; i--) {
+        const c = m.cells[i];
+        if (c.count !== null && c.count !== undefined && c.count === d.execution_count) {
+          c.checkpoint = d.checkpoint;
+          m.dirty.add(c);
+          break;
+        }
+      }
+    }
     if (ev.kind === 'session_closed') m.endedBy = d.by || null;
     push(m, { kind: 'marker', name: ev.kind, time: ev.time, detail: d });
   }

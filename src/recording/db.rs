@@ -143,6 +143,15 @@ pub(super) trait WriteDb: Send {
         front_door: Option<&str>,
         metadata: &str,
     ) -> Result<(), DbError>;
+    /// Sets the session a fork (row `sid`) was made from: its id, its execution count at the
+    /// fork, and the checkpoint of it the fork was made from, if it was.
+    fn set_forked_from(
+        &mut self,
+        sid: i64,
+        parent: &str,
+        execution_count: i64,
+        checkpoint: Option<&str>,
+    ) -> Result<(), DbError>;
     /// Sets who or what ended session row `sid`.
     fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError>;
     /// Deletes session `id`'s recording, in a transaction of its own (never inside a

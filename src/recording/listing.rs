@@ -19,8 +19,8 @@ use uuid::Uuid;
 use super::queries::RecordingInfo;
 use super::schema::sqlite;
 use super::search::{
-    ended_by, filter_sql, fts_phrase, like_pattern, metadata_of, snippet, trigram_ok, ListQuery,
-    ListedRecording, MatchField, SearchMatch, SqlArg, MATCHES_PER_SESSION,
+    ended_by, filter_sql, forked_from_of, fts_phrase, like_pattern, metadata_of, snippet,
+    trigram_ok, ListQuery, ListedRecording, MatchField, SearchMatch, SqlArg, MATCHES_PER_SESSION,
 };
 use super::{from_micros, RecordingError};
 
@@ -100,7 +100,8 @@ pub(super) fn list(
     args.push(Sql::Integer(q.limit as i64));
     let sql = format!(
         "SELECT s.id, s.user, s.kernel, s.created_at, s.ended_at, s.end_reason, s.cells,
-                s.events, s.last_event_at, s.front_door, s.metadata, s.errors, s.ended_by, s.sid
+                s.events, s.last_event_at, s.front_door, s.metadata, s.errors, s.ended_by, s.sid,
+                s.forked_from, s.forked_at, s.forked_checkpoint
          FROM sessions s WHERE {conditions}
          ORDER BY s.created_at DESC, s.sid DESC LIMIT ?{}",
         args.len()
@@ -143,6 +144,11 @@ fn listed_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, ListedRecording)>
         front_door: r.get(9)?,
         metadata: metadata_of(metadata.as_deref()),
         errors: r.get::<_, i64>(11)?.max(0) as u64,
+        forked_from: forked_from_of(
+            r.get::<_, Option<String>>(14)?.as_deref(),
+            r.get(15)?,
+            r.get::<_, Option<String>>(16)?.as_deref(),
+        ),
         matches: Vec::new(),
     };
     Ok((r.get::<_, i64>(13)?, listed))

@@ -1,13 +1,16 @@
 //! The recordings file's schema: its tables and indexes, its version, the migrations from
 //! older versions, and opening the file (the writer's connection and the readers').
 //!
-//! The schema (version 3, [`SCHEMA_VERSION`], kept in SQLite's `user_version`):
+//! The schema (version 4, [`SCHEMA_VERSION`], kept in SQLite's `user_version`):
 //! - `sessions`: one row per recorded session: `id`, `user`, `kernel`, `created_at`,
 //!   `ended_at`, `end_reason` (`closed`, `expired`, `broker_stopped`), counters; and, kept as
 //!   the writer goes: `front_door` (`rest`, `jupyter`, `e2b`, `mcp`; from `session_created`),
 //!   `metadata` (a JSON object of strings, from `session_created`), `errors` (executions
 //!   that ended in an error, a timeout or with a dead kernel), `ended_by` (`session_closed`'s
-//!   `by`, or `idle_expiry`).
+//!   `by`, or `idle_expiry`); for a fork, `forked_from` (the parent session's id),
+//!   `forked_at` (the parent's execution count at the fork) and `forked_checkpoint` (the
+//!   parent's checkpoint it was forked from, if it was), from `session_created`'s
+//!   `forked_from`.
 //! - `events`: one row per message or broker event, `(sid, seq)` in order; `time` in
 //!   microseconds since the epoch; the four JSON parts of a message as text (for a broker
 //!   event, `content` holds its detail and `kind` its name). A kernel message whose
@@ -29,7 +32,8 @@
 //! agent executions, and the front door, metadata and closer when the events carry them; not
 //! the `text/plain` of results and displays, the metadata values as search text, nor the
 //! failures of executions run through Jupyter, which only sessions recorded from then on
-//! have.
+//! have. 4 added the fork's parent (`forked_from`, `forked_at`, `forked_checkpoint`);
+//! migrating to 4 fills them from the `session_created` events that name one.
 //! A new file is made at version 2 and brought to the current version by the same
 //! migrations, so a new file and a migrated one are alike. A file of an older version is
 //! migrated when opened for writing; a file of a newer version is refused
@@ -43,7 +47,7 @@ use rusqlite::Connection;
 use super::{RecordingConfig, RecordingError, Synchronous};
 
 /// The version this broker writes.
-pub(super) const SCHEMA_VERSION: i64 = 3;
+pub(super) const SCHEMA_VERSION: i64 = 4;
 
 /// The schema of version 2, from which a new file is migrated.
 const SCHEMA: &str = "
@@ -151,6 +155,29 @@ const MIGRATIONS: &[&str] = &[
          ended_by = (SELECT json_extract(e.content, '$.by') FROM events e
                      WHERE e.sid = sessions.sid AND e.kind = 'session_closed'
                        AND json_valid(e.content) ORDER BY e.seq DESC LIMIT 1);",
+    // 3 -> 4: the session a fork was made from, and where.
+    "ALTER TABLE sessions ADD COLUMN forked_from TEXT;
+     ALTER TABLE sessions ADD COLUMN forked_at INTEGER;
+     ALTER TABLE sessions ADD COLUMN forked_checkpoint TEXT;
+     UPDATE sessions SET
+         forked_from = (SELECT json_extract(e.content, '$.forked_from.session') FROM events e
+                        WHERE e.sid = sessions.sid AND e.kind = 'session_created'
+                          AND json_valid(e.content)
+                          AND json_type(e.content, '$.forked_from.session') = 'text'
+                        ORDER BY e.seq LIMIT 1),
+         forked_at = (SELECT json_extract(e.content, '$.forked_from.execution_count') FROM events e
+                      WHERE e.sid = sessions.sid AND e.kind = 'session_created'
+                        AND json_valid(e.content)
+                        AND json_type(e.content, '$.forked_from.execution_count') = 'integer'
+                      ORDER BY e.seq LIMIT 1),
+         forked_checkpoint = (SELECT json_extract(e.content, '$.forked_from.checkpoint') FROM events e
+                              WHERE e.sid = sessions.sid AND e.kind = 'session_created'
+                                AND json_valid(e.content)
+                                AND json_type(e.content, '$.forked_from.checkpoint') = 'text'
+                              ORDER BY e.seq LIMIT 1)
+     WHERE EXISTS (SELECT 1 FROM events e WHERE e.sid = sessions.sid
+                     AND e.kind = 'session_created' AND json_valid(e.content)
+                     AND json_type(e.content, '$.forked_from') = 'object');",
 ];
 
 pub(super) fn sqlite(context: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordingError {
@@ -407,6 +434,61 @@ mod tests {
         conn.execute("DELETE FROM search_text WHERE sid = 1", [])
             .unwrap();
         assert!(found("pandas").is_empty());
+        drop(conn);
+        open(&cfg).unwrap();
+    }
+
+    /// A version-3 file (made before forks were kept in the list): its forks get their
+    /// parent, execution count and checkpoint from their `session_created`; other
+    /// sessions, and events that are not what a broker writes, get none.
+    #[test]
+    fn a_version_3_file_gets_its_forks_parents() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = RecordingConfig::new(dir.path().join("r.sqlite3"));
+        {
+            let conn = Connection::open(&cfg.path).unwrap();
+            conn.execute_batch(&format!(
+                "{SCHEMA} {} PRAGMA user_version = 3;",
+                MIGRATIONS[1]
+            ))
+            .unwrap();
+            conn.execute_batch(
+                r#"INSERT INTO sessions (sid, id, user, kernel, created_at)
+                     VALUES (1, 'p', 'alice', 'python3', 5), (2, 'f', 'alice', 'python3', 6),
+                            (3, 'g', 'alice', 'python3', 7), (4, 'h', 'alice', 'python3', 8),
+                            (5, 'i', 'alice', 'python3', 9);
+                   INSERT INTO events (sid, seq, time, direction, kind, content) VALUES
+                     (1, 1, 5, 'broker', 'session_created', '{"kernel": "python3"}'),
+                     (1, 2, 6, 'broker', 'session_forked',
+                      '{"sessions": ["f"], "execution_count": 2}'),
+                     (2, 1, 6, 'broker', 'session_created',
+                      '{"kernel": "python3", "forked_from": {"session": "p", "execution_count": 2,
+                        "checkpoint": "c"}}'),
+                     (3, 1, 7, 'broker', 'session_created',
+                      '{"kernel": "python3", "forked_from": {"session": "p", "execution_count": 3}}'),
+                     (4, 1, 8, 'broker', 'session_created', '{"forked_from": "p"}'),
+                     (5, 1, 9, 'broker', 'session_created', 'not json');"#,
+            )
+            .unwrap();
+        }
+        let conn = open(&cfg).unwrap();
+        let v: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        let row = |sid: i64| -> (Option<String>, Option<i64>, Option<String>) {
+            conn.query_row(
+                "SELECT forked_from, forked_at, forked_checkpoint FROM sessions WHERE sid = ?1",
+                [sid],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap()
+        };
+        assert_eq!(row(1), (None, None, None));
+        assert_eq!(row(2), (Some("p".into()), Some(2), Some("c".into())));
+        assert_eq!(row(3), (Some("p".into()), Some(3), None));
+        assert_eq!(row(4), (None, None, None));
+        assert_eq!(row(5), (None, None, None));
         drop(conn);
         open(&cfg).unwrap();
     }

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 
 use super::queries::RecordingInfo;
+use super::stored::StoredForkedFrom;
 
 /// The longest search text, in characters.
 pub const MAX_QUERY_CHARS: usize = 200;
@@ -114,6 +115,10 @@ pub struct ListedRecording {
     pub errors: u64,
     /// Who or what ended it; none while it is open.
     pub ended_by: Option<String>,
+    /// For a fork: the session it was made from, at which execution count, from which
+    /// checkpoint if any; none for a session that is not a fork (or recorded before forks
+    /// were).
+    pub forked_from: Option<StoredForkedFrom>,
     /// With a search: up to [`MATCHES_PER_SESSION`] places it matched.
     pub matches: Vec<SearchMatch>,
 }
@@ -183,6 +188,20 @@ pub fn ended_by(ended: bool, stored: Option<String>, end_reason: Option<&str>) -
     stored.or_else(|| match end_reason {
         Some("expired") => Some("idle_expiry".to_string()),
         other => other.map(str::to_string),
+    })
+}
+
+/// `sessions.forked_from`, `forked_at` and `forked_checkpoint` read back: a parent whose id
+/// is not a UUID (written by no broker) is none, a checkpoint that is not one is left out.
+pub fn forked_from_of(
+    parent: Option<&str>,
+    execution_count: Option<i64>,
+    checkpoint: Option<&str>,
+) -> Option<StoredForkedFrom> {
+    Some(StoredForkedFrom {
+        session: uuid::Uuid::parse_str(parent?).ok()?,
+        execution_count: execution_count.unwrap_or(0).max(0) as u64,
+        checkpoint: checkpoint.and_then(|c| uuid::Uuid::parse_str(c).ok()),
     })
 }
 

@@ -170,6 +170,22 @@ impl WriteDb for SqliteDb {
         Ok(())
     }
 
+    fn set_forked_from(
+        &mut self,
+        sid: i64,
+        parent: &str,
+        execution_count: i64,
+        checkpoint: Option<&str>,
+    ) -> Result<(), DbError> {
+        self.conn
+            .prepare_cached(
+                "UPDATE sessions SET forked_from = ?2, forked_at = ?3, forked_checkpoint = ?4
+                 WHERE sid = ?1",
+            )?
+            .execute(params![sid, parent, execution_count, checkpoint])?;
+        Ok(())
+    }
+
     fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError> {
         self.conn
             .prepare_cached("UPDATE sessions SET ended_by = ?2 WHERE sid = ?1")?

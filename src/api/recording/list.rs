@@ -42,6 +42,17 @@ const DEFAULT_LIMIT: usize = 200;
 const MAX_LIMIT: usize = 10_000;
 const FRONT_DOORS: [&str; 4] = ["rest", "jupyter", "e2b", "mcp"];
 
+/// The session a fork was made from: its id, its execution count at the fork, and the
+/// checkpoint of it the fork was made from (absent for a fork of the live kernel).
+#[derive(Serialize, ToSchema)]
+#[schema(as = RecordingForkedFrom)]
+struct ForkedFromJson {
+    session: Uuid,
+    execution_count: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint: Option<Uuid>,
+}
+
 /// Where a search matched.
 #[derive(Serialize, ToSchema)]
 #[schema(as = RecordingMatch)]
@@ -84,6 +95,10 @@ struct RecordingJson {
     /// `idle_expiry`, `broker_stopped`, `node_lost`, ...); null while live.
     #[schema(required = true)]
     ended_by: Option<String>,
+    /// For a fork: the session it was made from and where; null for a session that is not
+    /// a fork (or was recorded before forks were kept in the list).
+    #[schema(required = true)]
+    forked_from: Option<ForkedFromJson>,
     /// With `q` only: up to 3 places where the text matched.
     #[serde(skip_serializing_if = "Option::is_none")]
     matches: Option<Vec<MatchJson>>,
@@ -201,6 +216,11 @@ async fn list(
                     metadata: r.metadata,
                     errors: r.errors,
                     ended_by: r.ended_by,
+                    forked_from: r.forked_from.map(|f| ForkedFromJson {
+                        session: f.session,
+                        execution_count: f.execution_count,
+                        checkpoint: f.checkpoint,
+                    }),
                     matches: searched.then(|| {
                         r.matches
                             .into_iter()

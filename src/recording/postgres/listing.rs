@@ -11,8 +11,8 @@ use super::queries::Pool;
 use crate::recording::db::DbError;
 use crate::recording::queries::RecordingInfo;
 use crate::recording::search::{
-    ended_by, filter_sql, like_pattern, metadata_of, snippet, ListQuery, ListedRecording,
-    MatchField, SearchMatch, SqlArg, MATCHES_PER_SESSION,
+    ended_by, filter_sql, forked_from_of, like_pattern, metadata_of, snippet, ListQuery,
+    ListedRecording, MatchField, SearchMatch, SqlArg, MATCHES_PER_SESSION,
 };
 use crate::recording::{from_micros, RecordingError};
 
@@ -86,7 +86,7 @@ impl Pool {
         let sql = format!(
             r#"SELECT s.id, s."user", s.kernel, s.created_at, s.ended_at, s.end_reason, s.cells,
                       s.events, s.last_event_at, s.front_door, s.metadata, s.errors, s.ended_by,
-                      s.sid
+                      s.sid, s.forked_from, s.forked_at, s.forked_checkpoint
                FROM sessions s{lateral} WHERE {conditions}
                ORDER BY s.created_at DESC, s.sid DESC LIMIT ${}"#,
             params.len()
@@ -116,6 +116,7 @@ impl Pool {
                     front_door: r.get(9),
                     metadata: metadata_of(r.get(10)),
                     errors: r.get::<_, i64>(11).max(0) as u64,
+                    forked_from: forked_from_of(r.get(14), r.get(15), r.get(16)),
                     matches: Vec::new(),
                 };
                 (r.get::<_, i64>(13), listed)

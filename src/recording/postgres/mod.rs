@@ -388,6 +388,26 @@ impl WriteDb for PgDb {
         Ok(())
     }
 
+    fn set_forked_from(
+        &mut self,
+        sid: i64,
+        parent: &str,
+        execution_count: i64,
+        checkpoint: Option<&str>,
+    ) -> Result<(), DbError> {
+        self.later(
+            "UPDATE sessions SET forked_from = $2, forked_at = $3, forked_checkpoint = $4
+             WHERE sid = $1",
+            vec![
+                Box::new(sid),
+                Box::new(text(parent).into_owned()),
+                Box::new(execution_count),
+                Box::new(opt_text(checkpoint).map(Cow::into_owned)),
+            ],
+        );
+        Ok(())
+    }
+
     fn set_ended_by(&mut self, sid: i64, by: &str) -> Result<(), DbError> {
         self.later(
             "UPDATE sessions SET ended_by = $2 WHERE sid = $1",

@@ -6,7 +6,9 @@
 //! types, plus `sessions.node`: the broker that records the session (a broker that starts
 //! again closes the sessions it left open, never another's). Version 4 adds what version 3
 //! of the file does (the session's front door, metadata, failures and closer; `search_text`)
-//! and fills it from the events as that migration does. The search index over
+//! and fills it from the events as that migration does; version 5 adds what version 4 of
+//! the file does (a fork's parent: `forked_from`, `forked_at`, `forked_checkpoint`), filled
+//! from the `session_created` events that name one. The search index over
 //! `search_text.text` is `pg_trgm`'s GIN index (for `ILIKE`), made after the migrations
 //! ([`trigram_index`]) and outside them: a server without the `pg_trgm` extension (or a
 //! role that may not create it) still records, and searches by scanning.
@@ -121,6 +123,31 @@ UPDATE sessions s SET
                 ORDER BY e.seq LIMIT 1),
     ended_by = (SELECT pg_temp.kb_json(e.content)->>'by' FROM events e
                 WHERE e.sid = s.sid AND e.kind = 'session_closed' ORDER BY e.seq DESC LIMIT 1);
+DROP FUNCTION pg_temp.kb_json(TEXT);
+"#,
+    },
+    // The session a fork was made from, and where.
+    Migration {
+        version: 5,
+        sql: r#"
+ALTER TABLE sessions ADD COLUMN forked_from TEXT;
+ALTER TABLE sessions ADD COLUMN forked_at BIGINT;
+ALTER TABLE sessions ADD COLUMN forked_checkpoint TEXT;
+CREATE FUNCTION pg_temp.kb_json(t TEXT) RETURNS JSONB LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN t::jsonb;
+EXCEPTION WHEN others THEN
+    RETURN NULL;
+END $$;
+UPDATE sessions s SET
+    forked_from = f.parent->>'session',
+    forked_at = CASE WHEN jsonb_typeof(f.parent->'execution_count') = 'number'
+                     THEN (f.parent->>'execution_count')::numeric::bigint END,
+    forked_checkpoint = f.parent->>'checkpoint'
+FROM (SELECT DISTINCT ON (e.sid) e.sid, pg_temp.kb_json(e.content)->'forked_from' AS parent
+      FROM events e WHERE e.kind = 'session_created' ORDER BY e.sid, e.seq) f
+WHERE f.sid = s.sid AND jsonb_typeof(f.parent) = 'object'
+  AND jsonb_typeof(f.parent->'session') = 'string';
 DROP FUNCTION pg_temp.kb_json(TEXT);
 "#,
     },

@@ -289,8 +289,8 @@ impl Writer {
         Ok(())
     }
 
-    /// What a lifecycle event says of the session as a whole: which front door made it and
-    /// with what metadata (`session_created`), who or what ended it (`session_closed`'s
+    /// What a lifecycle event says of the session as a whole: which front door made it,
+    /// with what metadata and, for a fork, from which session (`session_created`), who or what ended it (`session_closed`'s
     /// `by`, `idle_expiry`). A recording made before they were kept has none of them.
     fn note_session(&mut self, sid: i64, seq: i64, event: &BrokerEvent) -> Result<(), DbError> {
         let BrokerEvent::Session(e) = event else {
@@ -300,8 +300,18 @@ impl Writer {
             StoredEvent::SessionCreated {
                 front_door,
                 metadata,
+                forked_from,
                 ..
             } => {
+                if let Some(parent) = forked_from {
+                    let checkpoint = parent.checkpoint.map(|c| c.to_string());
+                    self.db.set_forked_from(
+                        sid,
+                        &parent.session.to_string(),
+                        i64::try_from(parent.execution_count).unwrap_or(i64::MAX),
+                        checkpoint.as_deref(),
+                    )?;
+                }
                 // The session layer bounds metadata; the row keeps at most METADATA_BYTES
                 // of it anyway, whole entries.
                 let mut kept = serde_json::Map::new();

@@ -5,6 +5,7 @@
 use super::*;
 use crate::recording::postgres::MIGRATIONS;
 use crate::recording::search::{ListQuery, ListedRecording, MatchField, StateFilter};
+use crate::recording::stored::StoredForkedFrom;
 use crate::session::{EndedBy, FrontDoor, Metadata, Provenance};
 
 /// One execution of session `k`, as a Jupyter client or an agent runs it: the request,
@@ -364,5 +365,145 @@ async fn a_postgres_database_of_version_1_is_migrated_and_indexed() {
         assert_eq!(ids(&found), vec![a], "{text}");
         assert_eq!(found[0].matches[0].field, field, "{text}");
     }
+    store.close().await;
+}
+
+/// A fork's row names its parent, the parent's execution count and the checkpoint it was
+/// forked from, as the list reads them back; a session that is not a fork names none.
+async fn a_fork_is_listed_with_its_parent(backend: Backend) {
+    let store = open_store(backend, |_| {}).await;
+    let (parent, fork, live_fork) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let kp = key(parent);
+    let kf = SessionKey {
+        created_at: kp.created_at + 1_000,
+        ..key(fork)
+    };
+    let kl = SessionKey {
+        created_at: kp.created_at + 2_000,
+        ..key(live_fork)
+    };
+    let checkpoint = Uuid::new_v4();
+    let created = |forked_from| LifecycleEvent::SessionCreated {
+        kernel: "python3".into(),
+        idle_timeout_seconds: None,
+        provenance: Provenance::new(FrontDoor::Rest),
+        forked_from,
+    };
+    store.report_event(kp.clone(), created(None));
+    store.report_event(
+        kf.clone(),
+        created(Some(crate::session::lifecycle::ForkedFrom {
+            session: parent,
+            execution_count: 2,
+            checkpoint: Some(checkpoint),
+        })),
+    );
+    store.report_event(
+        kl.clone(),
+        created(Some(crate::session::lifecycle::ForkedFrom {
+            session: parent,
+            execution_count: 7,
+            checkpoint: None,
+        })),
+    );
+    store.flush().await;
+    let all = store.find(ListQuery::of("alice", 10)).await.unwrap();
+    assert_eq!(ids(&all), vec![live_fork, fork, parent]);
+    let from = |i: usize| all[i].forked_from.clone();
+    assert_eq!(
+        from(1),
+        Some(StoredForkedFrom {
+            session: parent,
+            execution_count: 2,
+            checkpoint: Some(checkpoint),
+        })
+    );
+    assert_eq!(
+        from(0),
+        Some(StoredForkedFrom {
+            session: parent,
+            execution_count: 7,
+            checkpoint: None,
+        })
+    );
+    assert_eq!(from(2), None);
+}
+
+on_both!(a_fork_is_listed_with_its_parent);
+
+/// A PostgreSQL database of the recording's version 4 (before forks were kept in the list)
+/// with a fork recorded in it: migrated, the fork's row names its parent, execution count
+/// and checkpoint; the other sessions name none.
+#[tokio::test]
+async fn a_postgres_database_of_version_4_gets_its_forks_parents() {
+    let url = crate::db::postgres::testing::fresh_database().await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    crate::db::postgres::migrate(&client, "test", "recording", &MIGRATIONS[..2])
+        .await
+        .unwrap();
+    let (parent, fork, odd) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let checkpoint = Uuid::new_v4();
+    let now = micros(Utc::now());
+    let mut sids = Vec::new();
+    for (i, id) in [parent, fork, odd].iter().enumerate() {
+        let sid: i64 = client
+            .query_one(
+                r#"INSERT INTO sessions (id, "user", kernel, node, created_at)
+                   VALUES ($1, 'alice', 'python3', 'n', $2) RETURNING sid"#,
+                &[&id.to_string(), &(now + i as i64)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        sids.push(sid);
+    }
+    let contents = [
+        json!({"kernel": "python3"}).to_string(),
+        json!({"kernel": "python3", "forked_from": {
+            "session": parent, "execution_count": 2, "checkpoint": checkpoint}})
+        .to_string(),
+        // Not what a broker writes: no parent.
+        json!({"forked_from": "nonsense"}).to_string(),
+    ];
+    for (sid, content) in sids.iter().zip(&contents) {
+        client
+            .execute(
+                "INSERT INTO events (sid, seq, time, direction, kind, content)
+                 VALUES ($1, 1, 0, 'broker', 'session_created', $2)",
+                &[sid, content],
+            )
+            .await
+            .unwrap();
+    }
+    client
+        .execute(
+            "INSERT INTO events (sid, seq, time, direction, kind, content)
+             VALUES ($1, 2, 0, 'broker', 'session_forked', $2)",
+            &[
+                &sids[0],
+                &json!({"sessions": [fork], "execution_count": 2}).to_string(),
+            ],
+        )
+        .await
+        .unwrap();
+
+    let mut cfg = RecordingConfig::new("unused.sqlite3");
+    cfg.database_url = Some(url);
+    let store = RecordingStore::open(cfg).unwrap();
+    let all = store.find(ListQuery::of("alice", 10)).await.unwrap();
+    assert_eq!(ids(&all), vec![odd, fork, parent]);
+    assert_eq!(all[0].forked_from, None);
+    assert_eq!(
+        all[1].forked_from,
+        Some(StoredForkedFrom {
+            session: parent,
+            execution_count: 2,
+            checkpoint: Some(checkpoint),
+        })
+    );
+    assert_eq!(all[2].forked_from, None);
     store.close().await;
 }
