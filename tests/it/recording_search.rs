@@ -252,9 +252,8 @@ async fn forks_are_listed_with_their_parent(broker: &SpawnedBroker) {
     for code in ["x = 1", "x = 2"] {
         assert_eq!(alice.execute(&parent, code).await["status"], "ok");
     }
-    // The checkpoints of both steps, before the live kernel is forked: a fork asked for
-    // while the checkpoint after an execution is still being taken is refused (502, a race
-    // of the checkpoint layer's, reported apart).
+    // The checkpoints of both steps (each taken after its execution, before the session
+    // serves its next request).
     let mut checkpoints = Value::Null;
     for _ in 0..100 {
         let (status, v) = alice
