@@ -91,7 +91,8 @@ pub struct CheckpointBudgetJson {
     /// Her checkpoints now, over all her sessions.
     count: usize,
     memory_used_bytes: u64,
-    /// Whether her sessions take a checkpoint after every successful execution by default.
+    /// Whether her sessions take a checkpoint after every successful execution by default
+    /// (a session's own mode is the list's `every_execution`).
     every_execution: bool,
 }
 
@@ -103,6 +104,10 @@ pub struct CheckpointsJson {
     budget: CheckpointBudgetJson,
     /// The session's checkpoints dropped before it ended (the last 64), oldest first.
     dropped: Vec<DroppedJson>,
+    /// Whether this session takes a checkpoint after every successful execution (its own
+    /// mode: `checkpoint_every_execution` at its creation, else its user's default, which
+    /// `budget.every_execution` gives).
+    every_execution: bool,
 }
 
 impl CheckpointsJson {
@@ -122,6 +127,7 @@ impl CheckpointsJson {
                 every_execution: policy.every_execution,
             },
             dropped: list.dropped.into_iter().map(Into::into).collect(),
+            every_execution: list.every_execution,
         }
     }
 }

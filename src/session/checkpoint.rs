@@ -79,6 +79,9 @@ pub struct DroppedCheckpoint {
 pub struct CheckpointList {
     pub checkpoints: Vec<CheckpointInfo>,
     pub dropped: Vec<DroppedCheckpoint>,
+    /// Whether this session takes one after every successful execution (its own mode,
+    /// which may differ from its user's default).
+    pub every_execution: bool,
 }
 
 /// What a user's checkpoints hold together.

@@ -781,6 +781,8 @@ async fn the_every_execution_flag_is_every_front_doors_default() {
             "{id}: {l}"
         );
         assert_eq!(l["budget"]["every_execution"], true, "{l}");
+        // The session's own mode: the user's default, or what its creation asked.
+        assert_eq!(l["every_execution"], taken > 0, "{id}: {l}");
     }
     broker.stop().await;
 }

@@ -328,6 +328,11 @@ impl Actor {
                 })
                 .collect(),
             dropped: self.checkpoints.dropped.iter().cloned().collect(),
+            every_execution: self
+                .checkpoints
+                .policy
+                .as_ref()
+                .is_some_and(|(p, _)| p.every_execution),
         }
     }
 
