@@ -159,9 +159,15 @@ def measure_hundred(api, broker, sid):
         api.call("POST", f"/v1/sessions/{sid}/checkpoints")
     listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")
     held = [cp.get("memory_bytes") or 0 for cp in listed.get("checkpoints", [])]
+    # The hundred of this run (earlier ones of the session were deleted before it): the
+    # first holds what the session held then (the DataFrame, charged to the leaf that
+    # first touched it), so the cost of the hundred is what the other 99 hold.
+    last = held[-100:]
     return {
         "hundred_checkpoints_kept": len(held),
-        "hundred_checkpoints_reported_mib": round(sum(held) / 2**20, 1),
+        "hundred_checkpoints_reported_mib": round(sum(last) / 2**20, 1),
+        "hundred_checkpoints_after_the_first_mib": round(sum(last[1:]) / 2**20, 1),
+        "per_checkpoint_after_the_first_mib_p50": round(statistics.median(last[1:]) / 2**20, 2) if len(last) > 1 else None,
         "hundred_checkpoints_dropped": len(listed.get("dropped", [])),
     }
 
@@ -174,8 +180,12 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     # The forks' memory is admitted as a session's each: room for the DataFrame in each.
+    # Room for the hundred checkpoints (the defaults keep 32 and 2 GiB): what they cost is
+    # measured, not what the bounds let through.
     b = bench.Broker(args.binary, pool_size=0, tag="-branch", memory_limit=20 << 30,
-                     extra_args=["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20))])
+                     extra_args=["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20)),
+                                 "--max-checkpoints-per-user", "128",
+                                 "--checkpoint-memory-per-user", str(8 << 30)])
     out = {"mb": args.mb, "runs": args.runs}
     try:
         api = Api(b)
