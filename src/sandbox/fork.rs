@@ -61,18 +61,12 @@ impl PreparedFork {
     /// The fork of `origin` for `spec`, its runtime directory `dir` made (on the host), its
     /// sockets `ipc://<origin.inside>/<name>/k-<port>` as the child sees them.
     pub(crate) fn new(origin: ForkOrigin, spec: LaunchSpec, dir: PathBuf, name: &str) -> Self {
-        use super::fsutil::{CONTROL_PORT, HB_PORT, IOPUB_PORT, SHELL_PORT, STDIN_PORT};
-        let connection = serde_json::json!({
-            "transport": "ipc",
-            "ip": format!("{}/{name}/k", origin.inside),
-            "shell_port": SHELL_PORT,
-            "iopub_port": IOPUB_PORT,
-            "stdin_port": STDIN_PORT,
-            "control_port": CONTROL_PORT,
-            "hb_port": HB_PORT,
-            "key": spec.key,
-            "signature_scheme": "hmac-sha256",
-        });
+        // A launched kernel's connection file, without the kernel name a fork does not read.
+        let mut connection =
+            super::fsutil::connection_file(&spec, &format!("{}/{name}/k", origin.inside));
+        if let Some(fields) = connection.as_object_mut() {
+            fields.remove("kernel_name");
+        }
         Self {
             connection,
             origin,
