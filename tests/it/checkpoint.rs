@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use common::forked::out;
+use common::forked::{busy_with, out};
 use common::*;
 use serde_json::{json, Value};
 
@@ -598,16 +598,7 @@ async fn checkpoint_requests_that_cannot_be_served_are_refused_clearly() {
         assert_eq!(raw.status().as_u16(), 400, "{body}");
     }
     // Busy: 409 at once, for a checkpoint and a rewind.
-    let busy = {
-        let api = broker.api(ALICE);
-        let a = a.clone();
-        tokio::spawn(async move { api.execute(&a, "import time; time.sleep(4)").await })
-    };
-    let (_, mut info) = alice.get(&format!("/v1/sessions/{a}")).await;
-    while info["state"] != "busy" {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        info = alice.get(&format!("/v1/sessions/{a}")).await.1;
-    }
+    let busy = busy_with(&alice, &a, "import time; time.sleep(4)").await;
     let asked = std::time::Instant::now();
     let (status, v) = alice
         .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))

@@ -7,7 +7,7 @@
 
 use crate::common;
 
-use common::forked::out;
+use common::forked::{busy_with, first_process, kernel_leaf_dir, out};
 use common::*;
 use serde_json::{json, Value};
 
@@ -63,32 +63,17 @@ async fn session_ids(api: &Api) -> Vec<String> {
 }
 
 /// The cgroup leaf (pids hierarchy on v1, else the v2 tree) of `user`'s session `id`: local,
-/// in the broker's tree; Docker, in the user's container's cgroup, as the kernel reads it
-/// (Docker on cgroup v1 shares the host's cgroup namespace).
+/// in the broker's tree; Docker, in the user's container's cgroup, as the kernel reads it.
 async fn leaf_of(broker: &Broker, api: &Api, user: &str, id: &str) -> std::path::PathBuf {
     if broker.sandbox == "local" {
         return pids_cgroup_base(broker.cgroup_name()).join(user).join(id);
     }
-    let text = out(api, id, "print(open('/proc/self/cgroup').read())").await;
-    let v1 = text
-        .lines()
-        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()));
-    match v1 {
-        Some(path) => {
-            std::path::Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'))
-        }
-        None => {
-            let path = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
-            std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
-        }
-    }
+    kernel_leaf_dir(api, id).await
 }
 
 /// The host pid of session `id`'s kernel (the first process of its leaf).
 async fn host_pid(broker: &Broker, api: &Api, user: &str, id: &str) -> i64 {
-    let procs = leaf_of(broker, api, user, id).await.join("cgroup.procs");
-    let text = std::fs::read_to_string(&procs).unwrap_or_else(|e| panic!("{procs:?}: {e}"));
-    text.lines().next().unwrap().trim().parse().unwrap()
+    i64::from(first_process(&leaf_of(broker, api, user, id).await))
 }
 
 /// What `/run/kernel` holds as the kernel with host pid `pid` sees it (its runtime
@@ -396,16 +381,7 @@ async fn bad_fork_requests_are_refused_clearly(sandbox: &'static str) {
         "{v}"
     );
     // A busy session: 409 at once, not after the code ends.
-    let busy = {
-        let api = broker.api(ALICE);
-        let a = a.clone();
-        tokio::spawn(async move { api.execute(&a, "import time; time.sleep(4)").await })
-    };
-    let (_, mut info) = alice.get(&format!("/v1/sessions/{a}")).await;
-    while info["state"] != "busy" {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        info = alice.get(&format!("/v1/sessions/{a}")).await.1;
-    }
+    let busy = busy_with(&alice, &a, "import time; time.sleep(4)").await;
     let asked = std::time::Instant::now();
     let (status, v) = fork(&alice, &a, json!({})).await;
     assert_eq!(status, 409, "{v}");

@@ -13,7 +13,10 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::forked::{link, links, out, parent_of, planted_modules_reach_no_later_session};
+use common::forked::{
+    first_process, kernel_leaf_dir, link, links, out, parent_of,
+    planted_modules_reach_no_later_session,
+};
 use common::*;
 use serde_json::{json, Value};
 
@@ -37,29 +40,9 @@ async fn ancestry(api: &Api, id: &str) -> (u32, u32, String) {
     (pid, parent, it.next().unwrap_or_default().to_string())
 }
 
-/// The kernel's cgroup directory in the host's `pids` hierarchy (v1) or the v2 tree, read
-/// from inside the kernel (Docker on cgroup v1 shares the host's cgroup namespace).
-async fn leaf_dir(api: &Api, id: &str) -> std::path::PathBuf {
-    let text = out(api, id, "print(open('/proc/self/cgroup').read())").await;
-    let v1 = text
-        .lines()
-        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()));
-    match v1 {
-        Some(path) => {
-            std::path::Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'))
-        }
-        None => {
-            let path = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
-            std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
-        }
-    }
-}
-
 /// The host pid of the kernel of session `id` (the first process of its leaf).
 async fn host_pid(api: &Api, id: &str) -> i32 {
-    let procs = leaf_dir(api, id).await.join("cgroup.procs");
-    let text = std::fs::read_to_string(&procs).unwrap_or_else(|e| panic!("{procs:?}: {e}"));
-    text.lines().next().unwrap().trim().parse().unwrap()
+    first_process(&kernel_leaf_dir(api, id).await)
 }
 
 #[tokio::test]
@@ -86,7 +69,10 @@ async fn forked_kernels_are_kernels_of_their_own() {
     assert!(ka[1].starts_with("/run/kernel/"), "{ka:?}");
     assert_eq!((ka[2], kb[2]), ("False", "False"));
     // Each in its own leaf, named by its session; the template in another one.
-    let (la, lb) = (leaf_dir(&api, &a).await, leaf_dir(&api, &b).await);
+    let (la, lb) = (
+        kernel_leaf_dir(&api, &a).await,
+        kernel_leaf_dir(&api, &b).await,
+    );
     assert!(la.ends_with(&a), "{la:?}");
     assert!(lb.ends_with(&b), "{lb:?}");
     // Fresh random generators.

@@ -3,6 +3,55 @@
 
 use super::Api;
 
+/// The kernel's cgroup directory in the host's `pids` hierarchy (v1) or the v2 tree, read
+/// from inside the kernel (Docker on cgroup v1 shares the host's cgroup namespace).
+pub async fn kernel_leaf_dir(api: &Api, id: &str) -> std::path::PathBuf {
+    let text = out(api, id, "print(open('/proc/self/cgroup').read())").await;
+    let v1 = text
+        .lines()
+        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()));
+    match v1 {
+        Some(path) => {
+            std::path::Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'))
+        }
+        None => {
+            let path = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+            std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
+        }
+    }
+}
+
+/// The first process of the cgroup directory `dir` (a kernel's leaf: the kernel).
+pub fn first_process(dir: &std::path::Path) -> i32 {
+    let procs = dir.join("cgroup.procs");
+    let text = std::fs::read_to_string(&procs).unwrap_or_else(|e| panic!("{procs:?}: {e}"));
+    text.lines().next().unwrap().trim().parse().unwrap()
+}
+
+/// Starts `code` in session `id` and returns once the session is busy with it; the task
+/// ends with the execution.
+pub async fn busy_with(
+    api: &Api,
+    id: &str,
+    code: &str,
+) -> tokio::task::JoinHandle<serde_json::Value> {
+    let running = {
+        let api = Api {
+            http: api.http.clone(),
+            base: api.base.clone(),
+            token: api.token.clone(),
+        };
+        let (id, code) = (id.to_string(), code.to_string());
+        tokio::spawn(async move { api.execute(&id, &code).await })
+    };
+    let (_, mut info) = api.get(&format!("/v1/sessions/{id}")).await;
+    while info["state"] != "busy" {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        info = api.get(&format!("/v1/sessions/{id}")).await.1;
+    }
+    running
+}
+
 /// The text a cell printed (its stdout), trimmed.
 pub async fn out(api: &Api, id: &str, code: &str) -> String {
     let v = api.execute(id, code).await;
