@@ -71,6 +71,10 @@ impl OpenFailed {
     }
 }
 
+/// How long a connection to sockets not bound yet is retried every millisecond (then every
+/// five).
+const QUICK_RETRIES: Duration = Duration::from_millis(100);
+
 /// Connects to an `ipc://` endpoint and runs the ZMTP handshake, retrying while the
 /// kernel has not bound the socket yet (missing, or not listening yet) until `deadline`.
 pub(super) async fn open_connection(
@@ -81,6 +85,7 @@ pub(super) async fn open_connection(
     deadline: Instant,
 ) -> Result<(ZmtpReader, ZmtpWriter), OpenFailed> {
     let path = ipc_path(endpoint).map_err(OpenFailed::kernel)?;
+    let started = Instant::now();
     let stream = loop {
         match zmtp::connect_ipc(path).await {
             Ok(s) => break s,
@@ -90,7 +95,15 @@ pub(super) async fn open_connection(
                     Some(libc::ENOENT) | Some(libc::ECONNREFUSED) | Some(libc::EAGAIN)
                 ) && Instant::now() < deadline =>
             {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                // A fork binds its sockets 10 to 20 ms after its pid is known: asked
+                // often at first, so it is reached within a millisecond of binding; a
+                // kernel started from nothing takes a second or more.
+                let pause = if started.elapsed() < QUICK_RETRIES {
+                    Duration::from_millis(1)
+                } else {
+                    Duration::from_millis(5)
+                };
+                tokio::time::sleep(pause).await;
             }
             Err(e) => {
                 return Err(OpenFailed {

@@ -283,7 +283,7 @@ impl KernelClient {
 
         // Readiness: a kernel_info_reply on the probed channel, and iopub output for one of our requests
         // (a SUB that connected late misses early messages, so keep asking until iopub
-        // answers too).
+        // answers too), or the kernel's welcome to our subscription.
         let mut info: Option<Message> = None;
         let mut sent = std::collections::HashSet::new();
         let mut iopub_seen = false;
@@ -321,6 +321,10 @@ impl KernelClient {
                             info = Some(m)
                         }
                         Channel::Iopub if ours => iopub_seen = true,
+                        // A kernel that says when a subscription arrives (ipykernel 7's
+                        // XPUB, protocol 5.4) publishes everything after it to us: no
+                        // second probe for a status message published before it.
+                        Channel::Iopub if m.msg_type == "iopub_welcome" => iopub_seen = true,
                         _ => {}
                     }
                 }

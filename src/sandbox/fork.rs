@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use super::procfs::{child_with_namespace_pid, namespace_pid, parent_of, uids_of};
 use super::{pidfd, LaunchSpec, SandboxError};
+use crate::kernel::KernelEndpoints;
 
 /// Where a live kernel can be forked: its host process and the directory its forks' runtime
 /// directories go in. Known to the backend that launched the kernel; opaque above.
@@ -55,12 +56,21 @@ pub struct PreparedFork {
     pub(crate) spec: LaunchSpec,
     /// The child's runtime directory on the host (removed if the fork is given up).
     pub(crate) dir: PathBuf,
+    /// Where the broker reaches the child's sockets (in `dir`): known before the child
+    /// exists, so the broker connects while the kernel forks and rebuilds.
+    pub endpoints: KernelEndpoints,
 }
 
 impl PreparedFork {
     /// The fork of `origin` for `spec`, its runtime directory `dir` made (on the host), its
     /// sockets `ipc://<origin.inside>/<name>/k-<port>` as the child sees them.
-    pub(crate) fn new(origin: ForkOrigin, spec: LaunchSpec, dir: PathBuf, name: &str) -> Self {
+    pub(crate) fn new(
+        origin: ForkOrigin,
+        spec: LaunchSpec,
+        dir: PathBuf,
+        name: &str,
+        endpoints: KernelEndpoints,
+    ) -> Self {
         // A launched kernel's connection file, without the kernel name a fork does not read.
         let mut connection =
             super::fsutil::connection_file(&spec, &format!("{}/{name}/k", origin.inside));
@@ -72,6 +82,7 @@ impl PreparedFork {
             origin,
             spec,
             dir,
+            endpoints,
         }
     }
 }

@@ -4,16 +4,19 @@
 //! checked, the sandbox adopts the pid (`sandbox/fork.rs`) and the child is connected.
 //! Whatever fails, nothing of the child is left.
 
+use std::borrow::Borrow;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::{timeout, Instant};
+use tokio::time::timeout;
 use uuid::Uuid;
 
 use super::error::SessionError;
-use super::launch::{connect_kernel, Live};
-use crate::kernel::{ConnectOptions, KernelEvent};
+use super::launch::{ready_kernel, Connected, Live};
+use crate::kernel::{ConnectOptions, KernelClient, KernelEvent};
 use crate::sandbox::fork::ForkError;
+use crate::sandbox::fork::PreparedFork;
 use crate::sandbox::{LaunchSpec, Sandbox};
 use crate::wire::{Channel, Message};
 
@@ -56,29 +59,65 @@ pub(super) async fn fork_connected(
         });
     }
     let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
-    let deadline = Instant::now() + limit;
-    let reply = timeout(limit, async {
-        loop {
-            match source.events.recv().await {
-                Some(KernelEvent::Message(Channel::Shell, r))
-                    if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
-                {
-                    return Some(r)
+    let reply = async {
+        let reply = timeout(limit, async {
+            loop {
+                match source.events.recv().await {
+                    Some(KernelEvent::Message(Channel::Shell, r))
+                        if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
+                    {
+                        return Some(r)
+                    }
+                    // Anything else (iopub status, a heartbeat missed while frozen) is not
+                    // the answer.
+                    Some(_) => {}
+                    None => return None,
                 }
-                // Anything else (iopub status, a heartbeat missed while frozen) is not
-                // the answer.
-                Some(_) => {}
-                None => return None,
             }
+        })
+        .await;
+        match reply {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(failed("the kernel ended before it answered")),
+            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
         }
-    })
-    .await;
-    let pid = match reply {
-        Ok(Some(r)) => pid_of_reply(session, &r),
-        Ok(None) => Err(failed("the kernel ended before it answered")),
-        Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
     };
-    let pid = match pid {
+    adopt_connected(sandbox, options, session, prepared, key, &user, reply).await
+}
+
+/// The rest of a fork once `kb_fork_request` is sent for `prepared`: waits for `reply`
+/// (the kernel's answer, bounded by the caller) while connecting to the child's sockets,
+/// has the sandbox adopt the pid the answer names, and returns the child connected and
+/// ready. `session` names the forked session in errors; whatever fails, nothing of the
+/// child is left.
+///
+/// The connection is begun before the child exists (it retries until the sockets are
+/// bound), so the child is ready about when its pid is known and adopted instead of a
+/// connection and a readiness probe later. Nothing but readiness probes reaches it before
+/// then, and the connection is dropped if the fork is not adopted. Until adoption the
+/// sockets' directory is the parent kernel's to write as well: a kernel, as untrusted as
+/// the child will be, of the same user.
+pub(super) async fn adopt_connected<R: Borrow<Message>>(
+    sandbox: &Arc<dyn Sandbox>,
+    options: ConnectOptions,
+    session: Uuid,
+    prepared: PreparedFork,
+    key: String,
+    user: &str,
+    reply: impl Future<Output = Result<R, SessionError>>,
+) -> Result<Live, SessionError> {
+    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+    let (endpoints, k, u) = (prepared.endpoints.clone(), key.clone(), user.to_string());
+    let connect = async move { KernelClient::connect(&endpoints, &k, &u, options, limit).await };
+    tokio::pin!(connect, reply);
+    let mut early: Option<Connected> = None;
+    let replied = loop {
+        tokio::select! {
+            replied = &mut reply => break replied,
+            connected = &mut connect, if early.is_none() => early = Some(connected),
+        }
+    };
+    let pid = match replied.and_then(|r| pid_of_reply(session, r.borrow())) {
         Ok(pid) => pid,
         Err(e) => {
             sandbox.discard_fork(prepared).await;
@@ -89,10 +128,13 @@ pub(super) async fn fork_connected(
         .adopt_fork(prepared, pid)
         .await
         .map_err(|e| fork_error(session, e))?;
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_secs(1));
-    connect_kernel(launched, key, &user, options, left)
+    let connected = async move {
+        match early {
+            Some(connected) => connected,
+            None => connect.await,
+        }
+    };
+    ready_kernel(launched.process, key, connected)
         .await
         .map_err(|e| SessionError::ForkFailed {
             session,

@@ -9,8 +9,9 @@ use tokio::sync::oneshot;
 use tokio::time::timeout;
 
 use super::error::SessionError;
-use crate::kernel::{KernelClient, KernelEvents};
+use crate::kernel::{KernelClient, KernelError, KernelEvents};
 use crate::sandbox::{ExitReason, KernelProcess, LaunchSpec, Launched, Sandbox};
+use crate::wire::Message;
 
 /// How long a failed connection waits for the sandbox to report the kernel's end (the
 /// docker backend polls every 500 ms).
@@ -62,8 +63,24 @@ pub(crate) async fn connect_kernel(
     options: crate::kernel::ConnectOptions,
     limit: Duration,
 ) -> Result<Live, SessionError> {
-    let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
-    let connect = KernelClient::connect(&launched.endpoints, &key, user, options, limit);
+    let Launched { endpoints, process } = launched;
+    let k = key.clone();
+    let connect = async move { KernelClient::connect(&endpoints, &k, user, options, limit).await };
+    ready_kernel(process, key, connect).await
+}
+
+/// What a connection to a kernel's sockets returns once the kernel is ready.
+pub(crate) type Connected = Result<(KernelClient, KernelEvents, Message), KernelError>;
+
+/// Waits for `connect`, a connection under way to `process`'s sockets (begun before the
+/// process was known, for a fork), watching the process meanwhile; a kernel that does not
+/// become ready is terminated.
+pub(crate) async fn ready_kernel(
+    process: Box<dyn KernelProcess>,
+    key: String,
+    connect: impl std::future::Future<Output = Connected>,
+) -> Result<Live, SessionError> {
+    let process: Arc<dyn KernelProcess> = Arc::from(process);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
     let before_ready = |reason: ExitReason| SessionError::DiedBeforeReady { reason };

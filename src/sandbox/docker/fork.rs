@@ -101,7 +101,7 @@ impl Inner {
         origin.pid_namespace = Some(namespace);
         let name = keep::session_dir(spec.session_id);
         let dir = origin.dir.join(&name);
-        endpoints_for(&dir).map_err(|e| launch_failed(&spec.user, e))?;
+        let endpoints = endpoints_for(&dir).map_err(|e| launch_failed(&spec.user, e))?;
         let files = SessionFiles {
             dir: dir.clone(),
             privileged: self.privileged,
@@ -111,7 +111,7 @@ impl Inner {
         tokio::task::spawn_blocking(move || files.write())
             .await
             .map_err(|e| launch_step(&spec.user, "preparing the fork", e))??;
-        Ok(PreparedFork::new(origin, spec, dir, &name))
+        Ok(PreparedFork::new(origin, spec, dir, &name, endpoints))
     }
 
     pub(super) async fn adopt_kernel_fork(

@@ -55,7 +55,7 @@ impl LocalSandbox {
         // Short: the host's socket paths are `<run base>/<template>/<name>/k-5`.
         let name = format!("f{}", &Uuid::new_v4().simple().to_string()[..12]);
         let dir = origin.dir.join(&name);
-        endpoints_for(&dir).map_err(|e| launch_failed(&spec.user, e))?;
+        let endpoints = endpoints_for(&dir).map_err(|e| launch_failed(&spec.user, e))?;
         let ids = self.kernel_ids(&spec.user)?;
         let (parent_dir, made) = (origin.dir.clone(), dir.clone());
         let child = name.clone();
@@ -71,7 +71,7 @@ impl LocalSandbox {
         })
         .await
         .map_err(|e| launch_step(&spec.user, "preparing the fork", e))??;
-        Ok(PreparedFork::new(origin, spec, dir, &name))
+        Ok(PreparedFork::new(origin, spec, dir, &name, endpoints))
     }
 
     pub(super) async fn adopt_kernel_fork(

@@ -25,10 +25,9 @@ use super::{Registry, Shape};
 use crate::sandbox::SandboxUser;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
-use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
+use crate::session::forking::{adopt_connected, FORK_REPLY_GRACE};
 use crate::session::front_door::{EndedBy, Provenance, SessionEnd};
 use crate::session::handle::Session;
-use crate::session::launch::connect_kernel;
 use crate::session::lifecycle::{ForkedFrom, LifecycleEvent};
 use crate::session::memory::Reservation;
 use crate::session::state::SessionState;
@@ -236,47 +235,39 @@ impl Registry {
         let (prepared, execution_count) =
             sent.await.map_err(|_| SessionError::Closed(parent.id))??;
         let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let reply = timeout(limit, async {
-            while let Some((channel, m)) = replies.recv().await {
-                if channel == Channel::Shell {
-                    return Some(m);
+        let reply = async {
+            let reply = timeout(limit, async {
+                while let Some((channel, m)) = replies.recv().await {
+                    if channel == Channel::Shell {
+                        return Some(m);
+                    }
                 }
-            }
-            None
-        })
-        .await;
-        let pid = match reply {
-            Ok(Some(m)) => pid_of_reply(parent.id, &m),
-            Ok(None) => Err(failed(
-                "the kernel ended or was restarted before it answered",
-                None,
-            )),
-            Err(_) => Err(SessionError::ForkTimedOut {
-                session: parent.id,
-                limit,
-            }),
-        };
-        let pid = match pid {
-            Ok(pid) => pid,
-            Err(e) => {
-                sandbox.discard_fork(prepared).await;
-                return Err(e);
+                None
+            })
+            .await;
+            match reply {
+                Ok(Some(m)) => Ok(m),
+                Ok(None) => Err(failed(
+                    "the kernel ended or was restarted before it answered",
+                    None,
+                )),
+                Err(_) => Err(SessionError::ForkTimedOut {
+                    session: parent.id,
+                    limit,
+                }),
             }
         };
-        let launched = sandbox
-            .adopt_fork(prepared, pid)
-            .await
-            .map_err(|e| fork_error(parent.id, e))?;
         let cfg = &self.inner.config;
-        let live = connect_kernel(
-            launched,
+        let live = adopt_connected(
+            sandbox,
+            cfg.kernel,
+            parent.id,
+            prepared,
             key,
             &parent.user.name,
-            cfg.kernel,
-            sandbox.launch_timeout(),
+            reply,
         )
-        .await
-        .map_err(|e| failed("the fork did not become ready", Some(Box::new(e))))?;
+        .await?;
         session.set_execution_count(execution_count);
         let from = ForkedFrom {
             session: parent.id,
