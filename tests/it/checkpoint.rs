@@ -294,12 +294,37 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
     };
     let mut theirs = vec![live_leaf().await];
     out(&api, &a, "x = 1").await;
-    take(&api, &a).await;
+    let first = take(&api, &a).await;
     theirs.push(live_leaf().await);
     out(&api, &a, "x = 2").await;
     take(&api, &a).await;
     theirs.push(live_leaf().await);
     assert_eq!(theirs[0], a);
+    // A rewind replaces the live kernel, which ends in the background: it is gone soon
+    // after, leaf and all, while the session goes on. (Its parent, the frozen checkpoint
+    // it was forked from, reaps it when it next runs: a zombie until then, holding
+    // nothing.)
+    let running = |pid: &i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+            .unwrap_or(false)
+    };
+    let replaced = theirs.pop().unwrap();
+    let replaced_pids = leaf_pids(&broker, "alice", &replaced);
+    assert!(!replaced_pids.is_empty(), "{replaced}");
+    let cp = first["id"].as_str().unwrap();
+    assert_eq!(rewind(&api, &a, cp).await.0, 200);
+    assert_eq!(out(&api, &a, "print(x)").await.trim(), "1");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while leaves(&broker, "alice").contains(&replaced) || replaced_pids.iter().any(running) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the kernel a rewind replaced is left: {replaced} {replaced_pids:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    theirs.push(live_leaf().await);
     let during = leaves(&broker, "alice");
     assert!(
         theirs.iter().all(|l| during.contains(l)),

@@ -42,6 +42,9 @@ pub(crate) struct Checkpoints {
     policy: Option<(CheckpointPolicy, Arc<CheckpointBook>)>,
     /// An execution ended ok in every-execution mode: take one before the next request.
     due: bool,
+    /// Kernels a rewind replaced, ending in the background (the rewound session does not
+    /// wait for them); awaited when the session ends.
+    ending: tokio::task::JoinSet<()>,
 }
 
 impl Checkpoints {
@@ -291,7 +294,12 @@ impl Actor {
         let (child, count) = self.fork_checkpoint_kernel(id, spec, "rewind").await?;
         self.session.set_state(SessionState::Starting);
         if let Some(old) = self.swap_live(child).await {
-            old.process.terminate().await;
+            // Its end (SIGTERM, its leaf emptied and removed: ~12 ms) is not the rewound
+            // session's business; nothing reads it any more.
+            while self.checkpoints.ending.try_join_next().is_some() {}
+            self.checkpoints.ending.spawn(async move {
+                old.process.terminate().await;
+            });
         }
         self.dead_reason = None;
         self.session.set_execution_count(count);
@@ -382,6 +390,7 @@ impl Actor {
         for held in std::mem::take(&mut self.checkpoints.held) {
             self.end_checkpoint(&held).await;
         }
+        while self.checkpoints.ending.join_next().await.is_some() {}
     }
 }
 
