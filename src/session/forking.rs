@@ -138,7 +138,8 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
         .await
         .map_err(|e| SessionError::ForkFailed {
             session,
-            why: "the fork did not become ready".into(),
+            // What ended it (the child died, a channel failed) is the caller's to see.
+            why: format!("the fork did not become ready: {e}"),
             source: Some(Box::new(e)),
         })
 }
