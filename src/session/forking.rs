@@ -36,11 +36,6 @@ pub(super) async fn fork_connected(
     source: &mut Live,
     spec: LaunchSpec,
 ) -> Result<Live, SessionError> {
-    let failed = |why: &str| SessionError::ForkFailed {
-        session,
-        why: why.to_string(),
-        source: None,
-    };
     let key = spec.key.clone();
     let user = spec.user.name.clone();
     let prepared = sandbox
@@ -58,35 +53,32 @@ pub(super) async fn fork_connected(
             source: Some(Box::new(e)),
         });
     }
-    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
     let reply = async {
-        let reply = timeout(limit, async {
-            loop {
-                match source.events.recv().await {
-                    Some(KernelEvent::Message(Channel::Shell, r))
-                        if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
-                    {
-                        return Some(r)
-                    }
-                    // Anything else (iopub status, a heartbeat missed while frozen) is not
-                    // the answer.
-                    Some(_) => {}
-                    None => return None,
+        loop {
+            match source.events.recv().await {
+                Some(KernelEvent::Message(Channel::Shell, r))
+                    if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
+                {
+                    return Some(r)
                 }
+                // Anything else (iopub status, a heartbeat missed while frozen) is not
+                // the answer.
+                Some(_) => {}
+                None => return None,
             }
-        })
-        .await;
-        match reply {
-            Ok(Some(r)) => Ok(r),
-            Ok(None) => Err(failed("the kernel ended before it answered")),
-            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
         }
     };
-    adopt_connected(sandbox, options, session, prepared, key, &user, reply).await
+    let ended = "the kernel ended before it answered";
+    adopt_connected(
+        sandbox, options, session, prepared, key, &user, reply, ended,
+    )
+    .await
 }
 
 /// The rest of a fork once `kb_fork_request` is sent for `prepared`: waits for `reply`
-/// (the kernel's answer, bounded by the caller) while connecting to the child's sockets,
+/// (the kernel's answer; `None` if it can no longer come, which `ended` says why), for at
+/// most the sandbox's launch timeout and [`FORK_REPLY_GRACE`], while connecting to the
+/// child's sockets,
 /// has the sandbox adopt the pid the answer names, and returns the child connected and
 /// ready. `session` names the forked session in errors; whatever fails, nothing of the
 /// child is left.
@@ -98,6 +90,7 @@ pub(super) async fn fork_connected(
 /// then, and the connection is dropped if the fork is not adopted. Until adoption the
 /// sockets' directory is the parent kernel's to write as well: a kernel, as untrusted as
 /// the child will be, of the same user.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn adopt_connected<R: Borrow<Message>>(
     sandbox: &Arc<dyn Sandbox>,
     options: ConnectOptions,
@@ -105,9 +98,21 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
     prepared: PreparedFork,
     key: String,
     user: &str,
-    reply: impl Future<Output = Result<R, SessionError>>,
+    reply: impl Future<Output = Option<R>>,
+    ended: &str,
 ) -> Result<Live, SessionError> {
     let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+    let reply = async {
+        match timeout(limit, reply).await {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(SessionError::ForkFailed {
+                session,
+                why: ended.to_string(),
+                source: None,
+            }),
+            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
+        }
+    };
     let (endpoints, k, u) = (prepared.endpoints.clone(), key.clone(), user.to_string());
     let connect = async move { KernelClient::connect(&endpoints, &k, &u, options, limit).await };
     tokio::pin!(connect, reply);

@@ -18,14 +18,14 @@
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{Registry, Shape};
 use crate::sandbox::SandboxUser;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
-use crate::session::forking::{adopt_connected, FORK_REPLY_GRACE};
+use crate::session::forking::adopt_connected;
 use crate::session::front_door::{EndedBy, Provenance, SessionEnd};
 use crate::session::handle::Session;
 use crate::session::lifecycle::{ForkedFrom, LifecycleEvent};
@@ -217,12 +217,6 @@ impl Registry {
         let asked = Instant::now();
         let shape = fork_shape(parent, memory, provenance);
         let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
-        let failed =
-            |why: &str, source: Option<crate::session::BoxError>| SessionError::ForkFailed {
-                session: parent.id,
-                why: why.to_string(),
-                source,
-            };
         let key = Signer::random_key();
         let sandbox = &self.inner.sandbox;
         let (route, mut replies) = mpsc::channel(4);
@@ -234,28 +228,13 @@ impl Registry {
         })?;
         let (prepared, execution_count) =
             sent.await.map_err(|_| SessionError::Closed(parent.id))??;
-        let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
         let reply = async {
-            let reply = timeout(limit, async {
-                while let Some((channel, m)) = replies.recv().await {
-                    if channel == Channel::Shell {
-                        return Some(m);
-                    }
+            while let Some((channel, m)) = replies.recv().await {
+                if channel == Channel::Shell {
+                    return Some(m);
                 }
-                None
-            })
-            .await;
-            match reply {
-                Ok(Some(m)) => Ok(m),
-                Ok(None) => Err(failed(
-                    "the kernel ended or was restarted before it answered",
-                    None,
-                )),
-                Err(_) => Err(SessionError::ForkTimedOut {
-                    session: parent.id,
-                    limit,
-                }),
             }
+            None
         };
         let cfg = &self.inner.config;
         let live = adopt_connected(
@@ -266,6 +245,7 @@ impl Registry {
             key,
             &parent.user.name,
             reply,
+            "the kernel ended or was restarted before it answered",
         )
         .await?;
         session.set_execution_count(execution_count);
