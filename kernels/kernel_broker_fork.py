@@ -14,6 +14,20 @@ shell message type:
     seen in the kernel's pid namespace) once the child is built and its sockets are bound,
     so a client may connect at once; or ``{"status": "error", "ename": ..., "evalue": ...}`` and no child.
 
+``kb_fork_request`` with ``{"hold": {"connection_file": PATH}}`` instead of a connection
+    makes a *held* child, for a copy of the kernel into another sandbox (a session with a
+    workspace of its own: the broker dumps the held child with CRIU and restores it in the
+    new sandbox, ``docs/CRIU.md``). The held child separates its files as a fork's child
+    does, then closes every descriptor that is not a regular file (CRIU cannot carry a
+    socket or a pipe into another sandbox: a network connection, a pipe a cell opened and
+    the kernel's own output pipes are not carried), puts 0-2 on ``/dev/null``, answers
+    ``{"status": "ok", "pid": PID}`` and waits, signal ``WAKE_SIGNAL`` blocked, for that
+    signal sent from outside its pid namespace (``si_pid`` 0: the broker; a process of the
+    sandbox cannot wake it). Woken (in the new sandbox, restored), it reads its connection
+    from PATH (the new sandbox's connection file, inside the fork directory), checks it as
+    a request's, and builds its kernel on it as a fork's child does. ``PATH`` is read only
+    then: at the request it is the parent's sandbox's.
+
 How. Shell messages are dispatched one at a time on the kernel's main thread, so the
 request is handled between two executions with the user's state at rest. (A busy kernel
 receives it only when its running execution ends: shell messages queue behind it. A broker
@@ -96,6 +110,10 @@ import threading
 import time
 
 MSG_TYPE = "kb_fork_request"
+# What wakes a held child (SIGRTMIN+6 with glibc; the broker sends the same number).
+WAKE_SIGNAL = 40
+# The most a connection file read at waking may hold.
+MAX_CONNECTION_FILE = 64 * 1024
 REPLY_TYPE = "kb_fork_reply"
 ROOT_ENV = "KERNEL_BROKER_FORK_ROOT"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -202,6 +220,22 @@ def validate(content, root):
     return info
 
 
+def validate_hold(hold, root):
+    """Checks a hold request's content; returns it, or raises ForkRefused."""
+    if not isinstance(hold, dict):
+        raise ForkRefused("'hold' is not an object")
+    path = hold.get("connection_file")
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096:
+        raise ForkRefused("'hold.connection_file' is missing or not a path")
+    if root is None:
+        raise ForkRefused("this kernel has no fork directory (%s is not set)" % ROOT_ENV)
+    if not os.path.isabs(path) or os.path.normpath(path) != path:
+        raise ForkRefused("'hold.connection_file' must be an absolute, normalised path")
+    if os.path.commonpath([root, os.path.dirname(path)]) != root:
+        raise ForkRefused("'hold.connection_file' is outside the fork directory")
+    return {"connection_file": path}
+
+
 def handle(app, kernel, stream, ident, parent):
     """The ``kb_fork_request`` handler, on the kernel's main thread between executions."""
     try:
@@ -209,14 +243,19 @@ def handle(app, kernel, stream, ident, parent):
             # A subshell's thread: the main thread may be mid-execution, its state in
             # flux, and the child would have no main thread to run on.
             raise ForkRefused("kb_fork_request must be sent to the main shell, not a subshell")
-        info = validate(parent.get("content"), fork_root(app))
+        content = parent.get("content")
+        hold = content.get("hold") if isinstance(content, dict) else None
+        if hold is not None:
+            hold = validate_hold(hold, fork_root(app))
+        else:
+            info = validate(content, fork_root(app))
         if _GENERATION >= MAX_GENERATIONS:
             raise ForkRefused(
                 "this kernel is the fork of a fork %d times over (a checkpoint after each "
                 "execution makes one a step), the most a lineage can be: restart the "
                 "session, or rewind to an earlier checkpoint" % _GENERATION
             )
-        pid = fork(app, kernel, info)
+        pid = fork(app, kernel, None if hold is not None else info, hold)
         content = {"status": "ok", "pid": pid}
     except ForkRefused as e:
         content = {"status": "error", "ename": "ForkRefused", "evalue": str(e), "traceback": []}
@@ -226,8 +265,9 @@ def handle(app, kernel, stream, ident, parent):
     kernel.session.send(stream, REPLY_TYPE, content, parent, ident=ident)
 
 
-def fork(app, kernel, info):
-    """Forks the kernel; returns the new kernel's pid once it listens."""
+def fork(app, kernel, info, hold=None):
+    """Forks the kernel; returns the new kernel's pid once it listens (or, with `hold`,
+    once it is held)."""
     reap()
     note_machinery()
     read_fd, write_fd = os.pipe()
@@ -237,7 +277,7 @@ def fork(app, kernel, info):
     if pid == 0:
         try:
             os.close(read_fd)
-            become(app, kernel, info, write_fd, random_state)  # never returns
+            become(app, kernel, info, write_fd, random_state, hold)  # never returns
         finally:
             os._exit(1)
     _FORKS.add(pid)
@@ -356,9 +396,10 @@ def say(fd, obj):
         data = data[os.write(fd, data):]
 
 
-def become(old_app, old_kernel, info, ready_fd, random_state):
+def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
     """In the forked child: rebuilds the kernel around the same shell, answers on
-    `ready_fd`, serves until shut down. Never returns."""
+    `ready_fd`, serves until shut down (with `hold`: answers, is held, and builds once
+    woken). Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
@@ -379,12 +420,17 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
         global _MACHINERY, _BEFORE_BUILD
         close_machinery(_MACHINERY or {}, keep={ready_fd})
         _MACHINERY = None
+        if hold is not None:
+            be_held(ready_fd)
+            ready_fd = None
+            info = woken(hold, fork_root(old_app))
         _BEFORE_BUILD = frozenset(open_fds())
         app = rebuild(old_app, old_kernel, info)
         restore_random(app.shell, random_state)
-        say(ready_fd, {"pid": os.getpid()})
-        os.close(ready_fd)
-        ready_fd = None
+        if ready_fd is not None:
+            say(ready_fd, {"pid": os.getpid()})
+            os.close(ready_fd)
+            ready_fd = None
         app.start()
         code = 0
         # Shut down (or `exit()` in a cell): close what the child made, as ipykernel does
@@ -404,6 +450,60 @@ def become(old_app, old_kernel, info, ready_fd, random_state):
             pass
     finally:
         os._exit(code)
+
+
+def be_held(ready_fd):
+    """In a held child: keeps only its regular files (0-2 on ``/dev/null``), answers on
+    `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace."""
+    global _STD_TARGETS
+    _STD_TARGETS = None  # their descriptors (the kernel's output pipes) close below
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    for fd in sorted(open_fds()):
+        if fd in (ready_fd, null) or fd <= 2:
+            continue
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            continue
+        if not regular:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for fd in (0, 1, 2):
+        os.dup2(null, fd, inheritable=True)
+    os.close(null)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
+    say(ready_fd, {"pid": os.getpid()})
+    os.close(ready_fd)
+    while True:
+        got = signal.sigwaitinfo([WAKE_SIGNAL])
+        # SI_USER from a process outside the pid namespace (the broker): si_pid is 0.
+        if got.si_code == 0 and got.si_pid == 0:
+            return
+
+
+def woken(hold, root):
+    """In a held child once woken: its connection, read from the connection file and
+    checked as a request's (raises ForkRefused)."""
+    path = hold["connection_file"]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ForkRefused("cannot open the connection file %s: %s" % (path, e.strerror))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ForkRefused("the connection file %s is not a regular file" % path)
+        data = os.read(fd, MAX_CONNECTION_FILE + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONNECTION_FILE:
+        raise ForkRefused("the connection file %s is too large" % path)
+    try:
+        connection = json.loads(data)
+    except ValueError:
+        raise ForkRefused("the connection file %s is not JSON" % path)
+    return validate({"connection": connection}, root)
 
 
 def where(e):

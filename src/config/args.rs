@@ -177,6 +177,11 @@ pub struct ServeArgs {
     /// (both sandboxes: with cgroups, without --keep-sessions; Docker: as root) [default: true]
     #[arg(long, env = "KERNEL_BROKER_FORK_SERVER", num_args = 0..=1, default_missing_value = "true")]
     pub fork_server: Option<bool>,
+    /// CRIU (4.0 or later), which copies a kernel into a sandbox of its own: forks of
+    /// sessions with a workspace of their own (local sandbox, as root) [default: the first
+    /// of /usr/local/sbin/criu, /usr/sbin/criu, /usr/local/bin/criu that is 4.0 or later]
+    #[arg(long, env = "KERNEL_BROKER_CRIU")]
+    pub criu: Option<PathBuf>,
     /// Seconds without activity before a session expires; 0 never [default: 600]
     #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
     pub idle_timeout: Option<u64>,

@@ -402,6 +402,9 @@ impl Settings {
             docker.preload = list;
         }
         local.fork_server = pick!(fork_server, local.fork_server);
+        if let Some(criu) = either!(args, file, criu) {
+            local.criu = Some(criu);
+        }
         docker.fork_server = pick!(fork_server, docker.fork_server);
         if let Some(secs) = either!(args, file, container_idle) {
             local.template_idle = Duration::from_secs(secs);

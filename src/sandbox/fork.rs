@@ -43,15 +43,21 @@ pub struct ForkOrigin {
     /// The backend's own name for the parent kernel (Docker: its entry in the kernel table,
     /// the session it was launched for); `None` where the backend needs none.
     pub(crate) kernel: Option<Uuid>,
+    /// The parent kernel's own workspace (a session with a workspace of its own): its forks
+    /// are copied into sandboxes of their own with a copy of it (`local/copy.rs`), not
+    /// forked beside it. `None`: forks live in the parent's sandbox.
+    pub(crate) own_workspace: Option<Uuid>,
 }
 
 /// A fork about to be asked for: the connection to put in `kb_fork_request`, and what the
 /// backend needs to adopt the child or to clean up.
 #[derive(Debug)]
 pub struct PreparedFork {
-    /// The `connection` of the request (ipc transport, the child's socket prefix inside
-    /// the sandbox, ports, the new session's key).
-    pub connection: serde_json::Value,
+    /// The content of the `kb_fork_request` to send: `{"connection": ...}` (ipc transport,
+    /// the child's socket prefix inside the sandbox, ports, the new session's key), or
+    /// `{"hold": ...}` for a copy into a sandbox of its own (the child is held until it is
+    /// restored there, and reads its connection then).
+    pub request: serde_json::Value,
     pub(crate) origin: ForkOrigin,
     pub(crate) spec: LaunchSpec,
     /// The child's runtime directory on the host (removed if the fork is given up).
@@ -78,7 +84,27 @@ impl PreparedFork {
             fields.remove("kernel_name");
         }
         Self {
-            connection,
+            request: serde_json::json!({ "connection": connection }),
+            origin,
+            spec,
+            dir,
+            endpoints,
+        }
+    }
+
+    /// A fork of `origin` into a sandbox of its own for `spec`: the kernel holds its child,
+    /// which reads its connection from `connection_file` (inside the new sandbox) once woken
+    /// there. `dir` is the broker's directory for the copy (removed if it is given up);
+    /// `endpoints` where the new sandbox's kernel will listen.
+    pub(crate) fn held(
+        origin: ForkOrigin,
+        spec: LaunchSpec,
+        dir: PathBuf,
+        connection_file: &str,
+        endpoints: KernelEndpoints,
+    ) -> Self {
+        Self {
+            request: serde_json::json!({ "hold": { "connection_file": connection_file } }),
             origin,
             spec,
             dir,
@@ -96,6 +122,9 @@ pub enum ForkError {
     /// The pid the kernel reported is not a process it forked.
     #[error("the kernel reported pid {pid} for its fork, which is not a child it forked: {why}")]
     NotItsChild { pid: i64, why: &'static str },
+    /// The kernel could not be copied into a sandbox of its own (`local/copy.rs`).
+    #[error("the kernel could not be copied into a sandbox of its own: {0}")]
+    Copy(String),
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
 }
@@ -170,6 +199,7 @@ mod tests {
             inside: String::new(),
             pid_namespace: None,
             kernel: None,
+            own_workspace: None,
         };
         (shell, origin, line.trim().parse().unwrap())
     }

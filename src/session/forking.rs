@@ -42,9 +42,8 @@ pub(super) async fn fork_connected(
         .prepare_fork(&*source.process, spec)
         .await
         .map_err(|e| fork_error(session, e))?;
-    let content = serde_json::json!({ "connection": prepared.connection });
     // Not recorded: it holds the new kernel's key.
-    let m = source.client.request("kb_fork_request", &content);
+    let m = source.client.request("kb_fork_request", &prepared.request);
     if let Err(e) = source.client.send(Channel::Shell, &m).await {
         sandbox.discard_fork(prepared).await;
         return Err(SessionError::ForkFailed {
@@ -201,7 +200,7 @@ fn reply_pid(m: &Message) -> Result<i64, String> {
 pub(super) fn fork_error(session: Uuid, e: ForkError) -> SessionError {
     match e {
         ForkError::Unsupported(why) => SessionError::ForkRefused { session, why },
-        e @ ForkError::NotItsChild { .. } => SessionError::ForkFailed {
+        e @ (ForkError::NotItsChild { .. } | ForkError::Copy(_)) => SessionError::ForkFailed {
             session,
             why: e.to_string(),
             source: None,

@@ -366,20 +366,6 @@ async fn bad_fork_requests_are_refused_clearly(sandbox: &'static str) {
         .await
         .unwrap();
     assert_eq!(raw.status().as_u16(), 400);
-    // A session with a workspace of its own: 409, saying why.
-    let (status, own) = alice
-        .post("/v1/sessions", json!({"workspace": "own"}))
-        .await;
-    assert_eq!(status, 201, "{own}");
-    let (status, v) = fork(&alice, own["id"].as_str().unwrap(), json!({})).await;
-    assert_eq!(status, 409, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("workspace of its own"),
-        "{v}"
-    );
     // A busy session: 409 at once, not after the code ends.
     let busy = busy_with(&alice, &a, "import time; time.sleep(4)").await;
     let asked = std::time::Instant::now();
@@ -396,7 +382,7 @@ async fn bad_fork_requests_are_refused_clearly(sandbox: &'static str) {
     busy.await.unwrap();
     assert_eq!(
         alice.get("/v1/sessions").await.1.as_array().unwrap().len(),
-        2
+        1
     );
     broker.stop().await;
 }
@@ -548,7 +534,12 @@ async fn a_plainly_started_kernel_is_refused_with_the_reason(sandbox: &'static s
     assert_eq!(session_ids(&api).await, vec![a.clone()]);
     assert_eq!(out(&api, &a, "print(x)").await, "1");
     // A session with a workspace of its own (Docker: a container of its own, E2B's
-    // sandbox shape): refused too, saying why.
+    // sandbox shape): refused on Docker, saying why; the local sandbox copies it
+    // (`fork_copy.rs`).
+    if sandbox == "local" {
+        broker.stop().await;
+        return;
+    }
     let (status, own) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
     assert_eq!(status, 201, "{own}");
     let own = own["id"].as_str().unwrap().to_string();

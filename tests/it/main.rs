@@ -25,6 +25,7 @@ mod descriptors;
 mod e2b;
 mod egress;
 mod fork;
+mod fork_copy;
 mod fork_server;
 mod fork_server_docker;
 mod front_doors;

@@ -89,6 +89,7 @@ pub(super) fn fork_origin(kernel: &DockerKernel) -> Option<ForkOrigin> {
         inside: RUN_DIR_INSIDE.to_string(),
         pid_namespace: None,
         kernel: Some(kernel.watch.session_id),
+        own_workspace: None,
     })
 }
 

@@ -386,6 +386,15 @@ impl Sandbox for DockerSandbox {
         parent: &dyn super::KernelProcess,
         spec: LaunchSpec,
     ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        if spec.own_workspace.is_some() {
+            // Its fork would share the container, and so the workspace.
+            return Err(super::fork::ForkError::Unsupported(
+                "it has a workspace (a container) of its own, and the Docker sandbox does \
+                 not copy a kernel into a container of its own yet; the local sandbox does \
+                 (with CRIU); fork a session of the shared workspace"
+                    .into(),
+            ));
+        }
         self.inner.prepare_kernel_fork(parent, spec).await
     }
 

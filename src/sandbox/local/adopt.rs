@@ -66,6 +66,7 @@ impl LocalSandbox {
             init_pid: (!ended).then_some(ticket.init_pid),
             bwrap_pid: None,
             kernel_pid: None,
+            own_workspace: None,
             fork_origin: None,
             leaf,
             cgroups,

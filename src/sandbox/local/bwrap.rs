@@ -137,6 +137,11 @@ pub(super) struct BwrapRequest<'a> {
     /// `/home/user` (and `/workspace`, `workspace` is the same directory) and its `/tmp`
     /// shared with the session's other kernels and commands, instead of tmpfs ones.
     pub own: Option<&'a OwnDirs>,
+    /// The command is CRIU restoring a copied kernel (`copy.rs`): it runs as the kernel's
+    /// uid with `CAP_CHECKPOINT_RESTORE` and `CAP_SETPCAP` (ambient, the only ones in its
+    /// bounding set) and without the syscall filter, which CRIU puts back on the kernel it
+    /// restores, from the image.
+    pub restore: bool,
 }
 
 /// Builds bwrap's file system arguments. bwrap creates missing parents of a mount point
@@ -254,6 +259,9 @@ pub(super) fn bwrap_args(
         for cap in ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"] {
             fs.push(["--cap-add", cap]);
         }
+        if req.restore {
+            fs.push(["--cap-add", "CAP_CHECKPOINT_RESTORE"]);
+        }
     }
     fs.flag("--new-session");
     fs.push(["--hostname", HOSTNAME]);
@@ -368,13 +376,18 @@ pub(super) fn bwrap_args(
         args.push(setpriv.into());
         args.push(format!("--reuid={uid}").into());
         args.push(format!("--regid={gid}").into());
-        for a in [
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--no-new-privs",
-            "--",
-        ] {
+        let caps: &[&str] = if req.restore {
+            &RESTORE_CAPS
+        } else {
+            &[
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+                "--",
+            ]
+        };
+        for a in caps {
             args.push(a.into());
         }
     }
@@ -384,6 +397,96 @@ pub(super) fn bwrap_args(
             .map(OsString::from),
     );
     args
+}
+
+/// setpriv's arguments for CRIU restoring a copy: the kernel's uid with the two
+/// capabilities a restore needs (`clone3` with a chosen pid, the restored task's
+/// capability sets) kept across the exec as ambient ones, nothing else possible.
+const RESTORE_CAPS: [&str; 6] = [
+    "--clear-groups",
+    "--inh-caps=-all,+checkpoint_restore,+setpcap",
+    "--ambient-caps=+checkpoint_restore,+setpcap",
+    "--bounding-set=-all,+checkpoint_restore,+setpcap",
+    "--no-new-privs",
+    "--",
+];
+
+/// Where a workspace copy's source and destination are inside its sandbox.
+pub(super) const COPY_FROM: &str = "/copy/from";
+pub(super) const COPY_TO: &str = "/copy/to";
+
+/// bwrap's arguments for copying an own workspace (`copy.rs`): `from`'s `home` and
+/// `tmp` shown read-only at [`COPY_FROM`], `to`'s writable at [`COPY_TO`], in namespaces
+/// of their own with nothing else of the host but `/usr`, the copy run by `cp` as the
+/// kernel's uid `ids` with no capabilities: a tenant's files are read only with its own
+/// rights, and a symlink among them is copied, never followed.
+pub(super) fn copy_args(
+    opts: &BwrapOptions,
+    host: &HostRoot,
+    from: &OwnDirs,
+    to: &OwnDirs,
+    ids: (u32, u32),
+) -> Option<Vec<OsString>> {
+    let setpriv = opts.setpriv.as_ref()?;
+    let mut fs = MountPlan::default();
+    for flag in [
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+    ] {
+        fs.flag(flag);
+    }
+    fs.push(["--cap-drop", "ALL"]);
+    for cap in ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"] {
+        fs.push(["--cap-add", cap]);
+    }
+    fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
+    for (path, entry) in &host.tops {
+        match entry {
+            RootEntry::Symlink(target) => fs.symlink(target, path),
+            RootEntry::Dir => fs.ro_bind(path, path),
+        }
+    }
+    fs.push(["--proc", "/proc", "--dev", "/dev"]);
+    for (dirs, inside, writable) in [(from, COPY_FROM, false), (to, COPY_TO, true)] {
+        for (dir, name) in [(&dirs.home, "home"), (&dirs.tmp, "tmp")] {
+            let dest = Path::new(inside).join(name);
+            if writable {
+                fs.bind(dir, &dest);
+            } else {
+                fs.ro_bind(dir, &dest);
+            }
+        }
+    }
+    let mut args = fs.args;
+    args.push("--".into());
+    args.push(setpriv.into());
+    args.push(format!("--reuid={}", ids.0).into());
+    args.push(format!("--regid={}", ids.1).into());
+    for a in [
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+        "/bin/sh",
+        "-c",
+    ] {
+        args.push(a.into());
+    }
+    // `dir/.`: the directory's entries, hidden ones too, into the existing directory.
+    args.push(
+        format!(
+            "cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
+             cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/"
+        )
+        .into(),
+    );
+    Some(args)
 }
 
 /// The kernel's fixed environment: the first part of what the kernel's `/bin/sh` reads

@@ -121,6 +121,7 @@ fn run(
         boot_dir: None,
         env_fd: 9,
         own: None,
+        restore: false,
     };
     text(&bwrap_args(opts, &host(), &req, seccomp))
 }
@@ -285,6 +286,7 @@ fn an_egress_ca_file_is_shown_read_only_at_a_neutral_path() {
         boot_dir: None,
         env_fd: 9,
         own: None,
+        restore: false,
     };
     let with = host().with_ca_file(Some(Path::new("/srv/site-ca.pem")));
     let args = text(&bwrap_args(&root(), &with, &req, None));
@@ -326,6 +328,7 @@ fn privileged_helpers_get_fixed_inputs_and_only_the_capabilities_they_need() {
         boot_dir: None,
         env_fd: 9,
         own: None,
+        restore: false,
     };
     let args = text(&bwrap_args(&root(), &host(), &req, None));
     let caps: Vec<&str> = args

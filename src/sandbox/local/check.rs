@@ -94,6 +94,7 @@ impl LocalSandbox {
                 boot_dir: None,
                 env_fd,
                 own: None,
+                restore: false,
             },
             seccomp_fd,
         );

@@ -116,6 +116,7 @@ impl LocalSandbox {
             boot_dir: None,
             env_fd,
             own: own.as_ref(),
+            restore: false,
         };
         let mut opts = self.bwrap_opts.clone();
         opts.die_with_parent = true;

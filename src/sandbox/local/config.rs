@@ -57,6 +57,9 @@ pub struct LocalSandboxConfig {
     /// How long a user's templates live on once the user has no session (and no kernel
     /// forked from them is left).
     pub template_idle: Duration,
+    /// CRIU, for forks of sessions with a workspace of their own (`copy.rs`); `None`: the
+    /// first CRIU 4 or later of `/usr/local/sbin`, `/usr/sbin`, `/usr/local/bin`.
+    pub criu: Option<PathBuf>,
 }
 
 impl LocalSandboxConfig {
@@ -87,6 +90,7 @@ impl LocalSandboxConfig {
             user_preload: HashMap::new(),
             fork_server: true,
             template_idle: Duration::from_secs(300),
+            criu: None,
         }
     }
 

@@ -49,6 +49,14 @@ impl LocalSandbox {
         let origin = parent
             .fork_origin()
             .ok_or_else(|| ForkError::Unsupported(PLAIN_START.into()))?;
+        if origin.own_workspace.is_some() {
+            return self.prepare_copy(origin, spec).await;
+        }
+        if spec.own_workspace.is_some() {
+            return Err(ForkError::Unsupported(
+                "a fork with a workspace of its own is a copy of a kernel with one".into(),
+            ));
+        }
         if self.startup().await?.is_none() {
             return Err(ForkError::Unsupported(PLAIN_START.into()));
         }
@@ -79,6 +87,9 @@ impl LocalSandbox {
         prepared: PreparedFork,
         pid: i64,
     ) -> Result<Launched, ForkError> {
+        if prepared.origin.own_workspace.is_some() {
+            return self.adopt_copy(prepared, pid).await;
+        }
         let cgroups = match self.startup().await {
             Ok(Some(cgroups)) => cgroups,
             Ok(None) => {
@@ -175,6 +186,7 @@ impl LocalSandbox {
             init_pid: None,
             bwrap_pid: None,
             kernel_pid: Some(host_pid),
+            own_workspace: None,
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
             rundir: dir,

@@ -42,6 +42,7 @@ mod bwrap;
 mod check;
 mod command;
 mod config;
+mod copy;
 mod files;
 mod fork;
 mod host;
@@ -134,6 +135,9 @@ pub struct LocalSandbox {
     kept: Option<Arc<keep::KeptKernels>>,
     /// The fork-server templates, by user and kernel spec.
     templates: Arc<template::Templates>,
+    /// What copying a kernel into a sandbox of its own runs (`copy.rs`), found at the first
+    /// copy; or why it cannot be done here.
+    copy_tools: OnceCell<Result<copy::CopyTools, String>>,
 }
 
 impl LocalSandbox {
@@ -236,6 +240,7 @@ impl LocalSandbox {
                 .keep_kernels
                 .then(|| Arc::new(keep::KeptKernels::new(&cfg.data_dir))),
             templates: Arc::new(template::Templates::default()),
+            copy_tools: OnceCell::new(),
             cfg,
         })
     }
@@ -517,6 +522,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        if prepared.origin.own_workspace.is_some() {
+            return self.discard_copy(prepared).await;
+        }
         fork::remove_fork_dir(prepared.dir).await;
     }
 

@@ -48,13 +48,16 @@ use crate::sandbox::{
 const INFO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How one sandbox is started, beyond its command.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct StartOptions {
     /// Show the bootstrap script (`boot.rs`) at [`super::BOOT_DIR_INSIDE`], read-only.
     pub boot_script: bool,
     /// Keep the command's stdin and stdout as a control channel (a fork-server template)
     /// instead of forwarding stdout to the log.
     pub control: bool,
+    /// The command is CRIU restoring a copied kernel (`copy.rs`, [`BwrapRequest::restore`]),
+    /// which inherits these descriptors (CRIU itself, the images, its log).
+    pub restore: Option<Vec<RawFd>>,
 }
 
 /// What a sandbox runs: the command, the kernel spec's environment, and the spec's
@@ -94,6 +97,7 @@ impl LocalSandbox {
         let options = StartOptions {
             boot_script: command.argv.iter().any(|a| a.ends_with(BOOT_SCRIPT_NAME)),
             control: false,
+            restore: None,
         };
         self.start_sandbox(spec, command, cgroups, options)
             .await
@@ -161,6 +165,7 @@ impl LocalSandbox {
             boot_dir: boot_dir.as_deref(),
             env_fd: environment.as_raw_fd(),
             own: own.as_ref(),
+            restore: options.restore.is_some(),
         };
         let leaf = guard.leaf.as_ref().map(|(_, leaf)| leaf);
         // Kept kernels (`--keep-sessions`) report their end to a file the next run reads.
@@ -171,8 +176,15 @@ impl LocalSandbox {
             ),
             None => None,
         };
-        let (mut child, info, stderr_task, tail) =
-            self.spawn(&spec, &request, environment, leaf, status, options.control)?;
+        let (mut child, info, stderr_task, tail) = self.spawn(
+            &spec,
+            &request,
+            environment,
+            leaf,
+            status,
+            options.control,
+            options.restore.as_deref().unwrap_or_default(),
+        )?;
         let control = match (child.stdin.take(), child.stdout.take()) {
             (Some(stdin), Some(stdout)) if options.control => Some((stdin, stdout)),
             _ => None,
@@ -189,6 +201,7 @@ impl LocalSandbox {
             init_pid: None,
             bwrap_pid,
             kernel_pid: None,
+            own_workspace: spec.own_workspace,
             fork_origin: None,
             leaf,
             cgroups,
@@ -247,14 +260,19 @@ impl LocalSandbox {
         leaf: Option<&Leaf>,
         status: Option<OwnedFd>,
         control: bool,
+        inherited: &[RawFd],
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
         let (info_read, info_write) =
             io::pipe().map_err(|e| launch_step(user, "cannot create a pipe", e))?;
         let info_fd = info_write.as_raw_fd();
-        let seccomp = self
-            .seccomp_memfd()
-            .map_err(|e| launch_step(user, "cannot pass the syscall filter", e))?;
+        // A restore runs without the filter: CRIU puts the kernel's own back on it.
+        let seccomp = match request.restore {
+            true => None,
+            false => self
+                .seccomp_memfd()
+                .map_err(|e| launch_step(user, "cannot pass the syscall filter", e))?,
+        };
         let seccomp_fd = seccomp.as_ref().map(AsRawFd::as_raw_fd);
 
         let status_fd = status.as_ref().map(AsRawFd::as_raw_fd);
@@ -275,6 +293,7 @@ impl LocalSandbox {
             [Some(info_fd), Some(env_fd), seccomp_fd, status_fd]
                 .into_iter()
                 .flatten()
+                .chain(inherited.iter().copied())
                 .collect(),
         );
         cmd.stdin(if control {

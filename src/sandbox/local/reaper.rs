@@ -49,6 +49,22 @@ pub(super) struct LocalKernel {
     pub fork_origin: Option<ForkOrigin>,
     /// What freezes the leaf (a checkpoint's kernel; none without cgroups).
     pub freezer: Option<Freezer>,
+    /// The kernel's own workspace (a session with a workspace of its own): it started
+    /// plainly, and its forks are copies into sandboxes of their own (`copy.rs`).
+    pub own_workspace: Option<Uuid>,
+    /// A kernel restored from a copy (`copy.rs`): its host pid, once woken. The sandbox's
+    /// command (pid 2 inside) is then CRIU, which waits for it, not the kernel.
+    pub restored_pid: OnceLock<i32>,
+}
+
+impl LocalKernel {
+    /// The kernel's host pid: a forked or restored one's, else the sandbox's command.
+    fn kernel_host_pid(&self) -> Option<i32> {
+        match self.kernel_pid.or(self.restored_pid.get().copied()) {
+            Some(pid) => Some(pid),
+            None => sandbox_command_pid(*self.init_pid.get()?),
+        }
+    }
 }
 
 #[async_trait]
@@ -66,7 +82,22 @@ impl BackendKernel for LocalKernel {
     }
 
     fn fork_origin(&self) -> Option<ForkOrigin> {
-        self.fork_origin.clone()
+        if self.fork_origin.is_some() {
+            return self.fork_origin.clone();
+        }
+        // A plain kernel with a workspace of its own: its forks are copies.
+        let key = self.own_workspace?;
+        let host_pid = self.kernel_host_pid()?;
+        let uids = crate::sandbox::procfs::uids_of(host_pid)?;
+        Some(ForkOrigin {
+            host_pid,
+            uid: Some(uids[0]),
+            dir: PathBuf::new(),
+            inside: super::RUN_DIR_INSIDE.to_string(),
+            pid_namespace: None,
+            kernel: None,
+            own_workspace: Some(key),
+        })
     }
 
     fn freezer(&self) -> Option<&Freezer> {
@@ -94,7 +125,7 @@ impl BackendKernel for LocalKernel {
         if self.watch.has_exited() {
             return Err(no_process("the kernel process has exited"));
         }
-        let pid = match self.kernel_pid {
+        let pid = match self.kernel_pid.or(self.restored_pid.get().copied()) {
             Some(pid) => pid,
             None => {
                 let init = *self
@@ -197,6 +228,8 @@ pub(super) struct Reaped {
     pub tail: Tail,
     pub kept: Option<Arc<KeptKernels>>,
     pub fork_origin: Option<ForkOrigin>,
+    /// The own workspace the kernel works in, if it has one.
+    pub own_workspace: Option<Uuid>,
 }
 
 impl Reaped {
@@ -217,6 +250,8 @@ impl Reaped {
             cpu: self.leaf.as_ref().map(Leaf::cpu_clock),
             fork_origin: self.fork_origin,
             freezer: self.leaf.as_ref().map(Leaf::freezer),
+            own_workspace: self.own_workspace,
+            restored_pid: OnceLock::new(),
         });
         let reaper = Reaper {
             process: self.process,
@@ -264,7 +299,7 @@ impl Reaper {
             () = self.kernel.watch.kill_requested() => {
                 kill_sandbox(
                     self.leaf.as_ref(),
-                    [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.kernel_pid],
+                    [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.kernel_pid.or(self.kernel.restored_pid.get().copied())],
                 )
                 .await;
                 self.process.wait().await

@@ -314,8 +314,7 @@ impl Actor {
             .prepare_fork(&*k.process, spec)
             .await
             .map_err(|e| super::forking::fork_error(session, e))?;
-        let content = serde_json::json!({ "connection": prepared.connection });
-        let m = k.client.request("kb_fork_request", &content);
+        let m = k.client.request("kb_fork_request", &prepared.request);
         self.routes.insert(m.msg_id.clone(), route);
         if let Err(e) = k.client.send(Channel::Shell, &m).await {
             self.routes.remove(&m.msg_id);

@@ -67,12 +67,11 @@ impl Registry {
         }
         let user = &request.user;
         let parent = self.get(&user.name, request.session)?;
-        if parent.own_workspace.is_some() {
+        if parent.own_workspace.is_some() && request.checkpoint.is_some() {
             return Err(SessionError::ForkRefused {
                 session: parent.id,
-                why: "it has a workspace of its own, which a fork would share (a fork with \
-                      a copy of it is not supported yet); fork a session of the shared \
-                      workspace"
+                why: "it has a workspace of its own, and its checkpoints are not kept yet \
+                      (fork the session itself: its fork gets a copy of the workspace)"
                     .into(),
             });
         }
@@ -166,6 +165,8 @@ impl Registry {
                         fork.shutdown(SessionEnd::Closed(EndedBy::SetupFailed))
                             .await;
                         fork.release_memory();
+                        // Never in the table: its workspace (a copy) goes here.
+                        self.release_own_workspace(&fork).await;
                     }
                     return Err(e);
                 }
@@ -184,7 +185,7 @@ impl Registry {
         provenance: Provenance,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
-        let shape = fork_shape(parent, memory, provenance);
+        let shape = fork_shape(parent, memory, provenance, id);
         let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
         let (done, forked) = oneshot::channel();
         parent.send(Command::ForkCheckpoint {
@@ -215,7 +216,7 @@ impl Registry {
         provenance: Provenance,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
-        let shape = fork_shape(parent, memory, provenance);
+        let shape = fork_shape(parent, memory, provenance, id);
         let (session, commands_rx) = self.new_session(id, &parent.user, shape, None);
         let key = Signer::random_key();
         let sandbox = &self.inner.sandbox;
@@ -237,7 +238,7 @@ impl Registry {
             None
         };
         let cfg = &self.inner.config;
-        let live = adopt_connected(
+        let live = match adopt_connected(
             sandbox,
             cfg.kernel,
             parent.id,
@@ -247,7 +248,15 @@ impl Registry {
             reply,
             "the kernel ended or was restarted before it answered",
         )
-        .await?;
+        .await
+        {
+            Ok(live) => live,
+            Err(e) => {
+                // A copy that never became a session: its workspace goes with it.
+                self.release_own_workspace(&session).await;
+                return Err(e);
+            }
+        };
         session.set_execution_count(execution_count);
         let from = ForkedFrom {
             session: parent.id,
@@ -262,14 +271,16 @@ impl Registry {
 }
 
 /// What a fork of `parent` is made as: its kernel spec, idle timeout and limits, the
-/// memory reserved for it, the shared workspace.
-fn fork_shape(parent: &Session, memory: Reservation, provenance: Provenance) -> Shape {
+/// memory reserved for it; the shared workspace, or (the parent has a workspace of its
+/// own) a workspace of its own too, named by the fork's id `id`, which the sandbox fills
+/// with a copy of the parent's.
+fn fork_shape(parent: &Session, memory: Reservation, provenance: Provenance, id: Uuid) -> Shape {
     Shape {
         kernel_name: parent.kernel_name.clone(),
         idle_timeout: parent.idle_timeout,
         limits: parent.limits,
         memory,
         provenance,
-        own_workspace: None,
+        own_workspace: parent.own_workspace.map(|_| id),
     }
 }

@@ -246,6 +246,7 @@ impl LocalSandbox {
                 StartOptions {
                     boot_script: true,
                     control: true,
+                    restore: None,
                 },
             )
             .await?;
@@ -425,6 +426,7 @@ impl LocalSandbox {
             init_pid: None,
             bwrap_pid: None,
             kernel_pid: Some(host_pid),
+            own_workspace: None,
             fork_origin: Some(ForkOrigin {
                 host_pid,
                 uid: self.kernel_ids(user).ok().flatten().map(|(uid, _)| uid),
@@ -432,6 +434,7 @@ impl LocalSandbox {
                 inside: RUN_DIR_INSIDE.to_string(),
                 pid_namespace: None,
                 kernel: None,
+                own_workspace: None,
             }),
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),

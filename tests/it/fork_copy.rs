@@ -1,0 +1,325 @@
+//! Forks of a session with a workspace of its own (issue 36): the kernel is copied with
+//! CRIU into a sandbox of its own with a copy of the workspace (`sandbox/local/copy.rs`).
+//! Local sandbox, as root, real kernels and a real CRIU 4 (`scripts/setup-criu`); with
+//! `KB_REQUIRE_CRIU=1` (CI) a missing CRIU fails these tests instead of skipping them.
+
+use crate::common;
+
+use common::forked::out;
+use common::*;
+use serde_json::{json, Value};
+
+/// Whether CRIU 4 is installed where the broker looks; panics when CI requires it.
+fn criu_ready() -> bool {
+    let found = [
+        "/usr/local/sbin/criu",
+        "/usr/sbin/criu",
+        "/usr/local/bin/criu",
+    ]
+    .iter()
+    .any(|p| {
+        std::process::Command::new(p)
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("Version: 4"))
+            .unwrap_or(false)
+    });
+    if !found && std::env::var("KB_REQUIRE_CRIU").as_deref() == Ok("1") {
+        panic!("KB_REQUIRE_CRIU=1 but CRIU 4 is not installed: run scripts/setup-criu");
+    }
+    if !found {
+        eprintln!("skipped: CRIU 4 is not installed (scripts/setup-criu)");
+    }
+    found
+}
+
+async fn own(api: &Api) -> String {
+    let (status, v) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
+    assert_eq!(status, 201, "{v}");
+    v["id"].as_str().unwrap().to_string()
+}
+
+async fn fork(api: &Api, id: &str, count: u64) -> (u16, Value) {
+    api.post(
+        &format!("/v1/sessions/{id}/fork"),
+        json!({ "count": count }),
+    )
+    .await
+}
+
+async fn forked(api: &Api, id: &str) -> String {
+    let (status, v) = fork(api, id, 1).await;
+    assert_eq!(status, 201, "{v}");
+    v["sessions"][0]["id"].as_str().unwrap().to_string()
+}
+
+const STATE: &str = r#"
+import os, random
+x = 41
+def f(a):
+    return a * 2
+os.makedirs('/home/user/sub', exist_ok=True)
+with open('/home/user/data.txt', 'w') as w:
+    w.write(''.join('line%d\n' % i for i in range(10)))
+with open('/tmp/scratch.txt', 'w') as w:
+    w.write('scratch')
+fh = open('/home/user/data.txt')
+fh.readline(); fh.readline()
+g = (i * i for i in range(100))
+next(g); next(g); next(g)
+random.seed(1234)
+random.random()
+os.chdir('/home/user/sub')
+os.environ['FORK_TEST'] = 'yes'
+os.symlink('/etc/shadow', '/home/user/host-link')
+"#;
+
+const PROBE: &str = "print(x, f(3), fh.readline().strip(), next(g), random.random(), \
+                     os.getcwd(), os.environ['FORK_TEST'], len(In))";
+
+const WHO: &str = "st = {l.split(':')[0]: l.split(':')[1].strip() for l in open('/proc/self/status')}\n\
+                   print(os.getuid(), st['CapEff'], st['CapPrm'], st['CapBnd'], st['NoNewPrivs'], st['Seccomp'])";
+
+mod local {
+    #[tokio::test]
+    async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
+        super::a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it().await
+    }
+    #[tokio::test]
+    async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
+        super::a_kernel_that_lies_about_its_held_fork_gets_nothing_copied().await
+    }
+}
+
+async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start("local", |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    let setup = api.execute(&a, STATE).await;
+    assert_eq!(setup["status"], "ok", "{setup}");
+    let who_a = out(&api, &a, WHO).await;
+
+    let started = std::time::Instant::now();
+    let b = forked(&api, &a).await;
+    eprintln!(
+        "fork of an own workspace: {} ms",
+        started.elapsed().as_millis()
+    );
+    // The fork first, then the original: the same state, the same next values.
+    let in_b = api.execute(&b, PROBE).await;
+    let in_a = api.execute(&a, PROBE).await;
+    assert_eq!(in_b["status"], "ok", "{in_b}");
+    assert_eq!(in_b["stdout"], in_a["stdout"], "{in_b} / {in_a}");
+    assert_eq!(in_b["execution_count"], in_a["execution_count"]);
+    let line = in_a["stdout"].as_str().unwrap().trim().to_string();
+    assert!(line.starts_with("41 6 line2 9 "), "{line}");
+    assert!(line.contains("/home/user/sub yes"), "{line}");
+    // The copy is as confined as the original: the kernel's uid, no capabilities,
+    // no_new_privs, its syscall filter (restored by CRIU, not dropped).
+    assert_eq!(out(&api, &b, WHO).await, who_a);
+    assert!(
+        who_a.ends_with(" 0000000000000000 0000000000000000 0000000000000000 1 2"),
+        "{who_a}"
+    );
+
+    // The copy took the tenant's symlink as a symlink, never following it.
+    assert_eq!(
+        out(
+            &api,
+            &b,
+            "print(os.path.islink('/home/user/host-link'), os.readlink('/home/user/host-link'))"
+        )
+        .await,
+        "True /etc/shadow"
+    );
+    // CRIU, which waits for the copy in its sandbox, runs as the kernel's uid with the two
+    // capabilities a restore needs and nothing else, no_new_privs.
+    let leaf = pids_cgroup_base(broker.cgroup_name())
+        .join("alice")
+        .join(&b);
+    let procs = std::fs::read_to_string(leaf.join("cgroup.procs")).unwrap();
+    let criu: Vec<String> = procs
+        .lines()
+        // Run as /proc/self/fd/N: its name is a number; its arguments say what it is.
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"restore"))
+        })
+        .map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).unwrap())
+        .collect();
+    assert_eq!(criu.len(), 1, "{procs}");
+    let field = |name: &str| {
+        criu[0]
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let uid = who_a.split(' ').next().unwrap().to_string();
+    assert_eq!(field("Uid"), format!("{uid}\t{uid}\t{uid}\t{uid}"));
+    // CAP_SETPCAP (8) and CAP_CHECKPOINT_RESTORE (40).
+    assert_eq!(field("CapEff"), "0000010000000100");
+    assert_eq!(field("CapBnd"), "0000010000000100");
+    assert_eq!(field("NoNewPrivs"), "1");
+
+    // E2B's flow: the fork reads the file as it was; what the fork writes stays its own.
+    assert_eq!(
+        out(&api, &b, "print(open('/home/user/data.txt').read().count('line'), open('/tmp/scratch.txt').read())").await,
+        "10 scratch"
+    );
+    out(
+        &api,
+        &b,
+        "open('/home/user/data.txt', 'w').write('changed in the fork'); open('/home/user/new.txt', 'w').write('n')",
+    )
+    .await;
+    assert_eq!(
+        out(&api, &a, "print(open('/home/user/data.txt').read().count('line'), os.path.exists('/home/user/new.txt'))").await,
+        "10 False"
+    );
+    // The original's open file is the original's: it reads on from where it was.
+    assert_eq!(out(&api, &a, "print(fh.readline().strip())").await, "line3");
+    out(
+        &api,
+        &a,
+        "open('/home/user/data.txt', 'a').write('more\\n')",
+    )
+    .await;
+    assert_eq!(
+        out(&api, &b, "print(open('/home/user/data.txt').read())").await,
+        "changed in the fork"
+    );
+    // The files API sees the fork's own workspace too.
+    let (status, listed) = api.get(&format!("/v1/sessions/{b}/files")).await;
+    assert_eq!(status, 200, "{listed}");
+    assert!(listed.to_string().contains("new.txt"), "{listed}");
+
+    // A fork of the fork, and two at once.
+    let c = forked(&api, &b).await;
+    assert_eq!(
+        out(&api, &c, "print(x, open('/home/user/new.txt').read())").await,
+        "41 n"
+    );
+    let (status, two) = fork(&api, &a, 2).await;
+    assert_eq!(status, 201, "{two}");
+    for s in two["sessions"].as_array().unwrap() {
+        let id = s["id"].as_str().unwrap();
+        assert_eq!(out(&api, id, "print(x + 1)").await, "42");
+    }
+    // Interrupting a copy reaches its kernel (not CRIU, its sandbox's command).
+    let running = {
+        let api = broker.api(ALICE);
+        let c = c.clone();
+        tokio::spawn(async move { api.execute(&c, "import time; time.sleep(30)").await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{c}/interrupt"), json!({}))
+        .await;
+    assert!(status < 300, "{status}");
+    let interrupted = running.await.unwrap();
+    assert_eq!(interrupted["status"], "interrupted", "{interrupted}");
+    assert_eq!(out(&api, &c, "print(x)").await, "41");
+
+    // Ending a fork removes its workspace, and nothing of the copies stays.
+    let data = broker.data_dir.clone();
+    for id in [&b, &c] {
+        assert_eq!(api.delete(&format!("/v1/sessions/{id}")).await.0, 204);
+        assert!(!data.join("sandboxes").join(id).exists(), "{id}");
+    }
+    let copies: Vec<_> = std::fs::read_dir(data.join("copies"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(copies.is_empty(), "{copies:?}");
+    assert_eq!(out(&api, &a, "print(x)").await, "41");
+    broker.stop().await;
+}
+
+/// A kernel that answers a hold request with a pid that is not its held child (its own,
+/// pid 1, another user's kernel, garbage) gets nothing dumped or restored, and nothing of
+/// the fork is left: no session, no workspace, no copy.
+async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start("local", |_| {}).await;
+    let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
+    let a = own(&alice).await;
+    let other = own(&bob).await;
+    let bob_pid = out(&bob, &other, "import os; print(os.getpid())").await;
+    let handler = |reply: &str| {
+        format!(
+            "import os\n\
+             _k = get_ipython().kernel\n\
+             def _hostile(stream, ident, parent):\n\
+             \x20   _k.session.send(stream, 'kb_fork_reply', {reply}, parent, ident=ident)\n\
+             _k.shell_handlers['kb_fork_request'] = _hostile\n"
+        )
+    };
+    for reply in [
+        "{'status': 'ok', 'pid': os.getpid()}".to_string(),
+        "{'status': 'ok', 'pid': 1}".to_string(),
+        format!("{{'status': 'ok', 'pid': {bob_pid}}}"),
+        "{'status': 'ok', 'pid': 99999}".to_string(),
+        "{'status': 'ok', 'pid': 'x'}".to_string(),
+    ] {
+        out(&alice, &a, &handler(&reply)).await;
+        let (status, v) = fork(&alice, &a, 1).await;
+        assert_eq!(status, 502, "{reply}: {v}");
+        let (_, list) = alice.get("/v1/sessions").await;
+        assert_eq!(list.as_array().unwrap().len(), 1, "{reply}: {list}");
+    }
+    // A real child of the kernel, not held: one that keeps the kernel's sockets makes
+    // CRIU refuse the dump, saying so; one that holds nothing is dumped and restored, and
+    // the wake signal ends it (its default action), so the fork never becomes ready.
+    for (keep, needle) in [
+        ("False", "CRIU could not dump"),
+        ("True", "did not become ready"),
+    ] {
+        out(
+            &alice,
+            &a,
+            &format!(
+                "import os, time\n\
+                 def _child(stream, ident, parent):\n\
+                 \x20   pid = os.fork()\n\
+                 \x20   if pid == 0:\n\
+                 \x20       os.setsid()\n\
+                 \x20       if {keep}:\n\
+                 \x20           n = os.open('/dev/null', os.O_RDWR)\n\
+                 \x20           [os.dup2(n, i) for i in (0, 1, 2)]\n\
+                 \x20           os.closerange(3, 65536)\n\
+                 \x20       time.sleep(60)\n\
+                 \x20       os._exit(0)\n\
+                 \x20   _k.session.send(stream, 'kb_fork_reply', {{'status': 'ok', 'pid': pid}}, parent, ident=ident)\n\
+                 _k.shell_handlers['kb_fork_request'] = _child\n"
+            ),
+        )
+        .await;
+        let (status, v) = fork(&alice, &a, 1).await;
+        assert_eq!(status, 502, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{v}");
+        eprintln!("a child of the kernel named: {message}");
+        let (_, list) = alice.get("/v1/sessions").await;
+        assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    }
+    let data = broker.data_dir.clone();
+    let sandboxes: Vec<_> = std::fs::read_dir(data.join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(sandboxes.len(), 2, "{sandboxes:?}");
+    let copies: Vec<_> = std::fs::read_dir(data.join("copies"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(copies.is_empty(), "{copies:?}");
+    // The original goes on.
+    assert_eq!(out(&alice, &a, "print(1 + 1)").await, "2");
+    broker.stop().await;
+}
