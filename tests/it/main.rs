@@ -23,6 +23,7 @@ mod clients;
 mod cluster;
 mod descriptors;
 mod e2b;
+mod e2b_fork;
 mod egress;
 mod fork;
 mod fork_copy;

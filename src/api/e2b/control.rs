@@ -1,9 +1,9 @@
 //! E2B's control plane under `/e2b` (`E2B_API_URL`): create (`POST /sandboxes`,
-//! `/v2/sandboxes`), list, get, kill, set the timeout, connect. A sandbox is a session
-//! of the key's user with a fixed deadline: E2B's `timeout` (default 300 s, at most the
-//! broker's maximum idle timeout, a day by default), and that maximum as its idle timeout,
-//! a backstop only (see [`session_options`]). Anything else under `/e2b` answers E2B's
-//! error shape with a sentence.
+//! `/v2/sandboxes`), list, get, kill, set the timeout, connect (fork: `fork.rs`). A
+//! sandbox is a session of the key's user with a fixed deadline: E2B's `timeout` (default
+//! 300 s, at most the broker's maximum idle timeout, a day by default), and that maximum as
+//! its idle timeout, a backstop only (see [`session_options`]). Anything else under `/e2b`
+//! answers E2B's error shape with a sentence.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,7 +94,7 @@ pub(super) fn session_options(
 
 /// E2B's sandbox metadata as the session's: values as text (a string as it is, anything
 /// else as its JSON), within the session metadata's bounds (a 400 beyond them).
-fn metadata_of(given: Option<&serde_json::Map<String, Value>>) -> E2bResult<Metadata> {
+pub(super) fn metadata_of(given: Option<&serde_json::Map<String, Value>>) -> E2bResult<Metadata> {
     let entries = given
         .into_iter()
         .flatten()
@@ -109,7 +109,7 @@ fn metadata_of(given: Option<&serde_json::Map<String, Value>>) -> E2bResult<Meta
     Metadata::new(entries).map_err(|e| E2bError::bad_request(e.to_string()))
 }
 
-fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
+pub(super) fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
     let t = t.unwrap_or(DEFAULT_TIMEOUT);
     let max = max_timeout(state);
     if t == 0 || t > max {
@@ -121,7 +121,7 @@ fn timeout_secs(state: &AppState, t: Option<u64>) -> E2bResult<u64> {
 }
 
 /// The create response (E2B's `Sandbox`).
-fn sandbox_json(key: &str, session: &Session, template: &str) -> Value {
+pub(super) fn sandbox_json(key: &str, session: &Session, template: &str) -> Value {
     json!({
         "templateID": template,
         "sandboxID": session.id.to_string(),
@@ -276,7 +276,7 @@ async fn list(
 
 /// The caller's sandbox `id`: another user's, or a session the E2B API did not make,
 /// answers as absent.
-fn owned(
+pub(super) fn owned(
     state: &AppState,
     e2b: &E2bState,
     caller: &ApiKeyUser,

@@ -11,7 +11,8 @@
 //! then unless extended.
 //!
 //! Layout: `control.rs` the control plane (`/e2b/sandboxes`, `X-API-KEY`), `listing.rs`
-//! its listing's query, filters and pages; `metrics.rs` a sandbox's metrics;
+//! its listing's query, filters and pages; `fork.rs` its fork (`Registry::fork`, answered
+//! per fork as E2B does); `metrics.rs` a sandbox's metrics;
 //! `interpreter.rs` the code interpreter (`/execute`, `/contexts`); `envd.rs` envd's
 //! HTTP route `/health` and its Connect filesystem service, `uploads.rs` its `/files`
 //! route (and the signed URLs' `/files`, checked by `signing.rs`), `watching.rs` its
@@ -31,6 +32,7 @@ mod control;
 mod documented;
 mod entry;
 mod envd;
+mod fork;
 mod interpreter;
 mod listing;
 mod metrics;
@@ -57,6 +59,7 @@ pub use state::E2bState;
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .merge(control::routes())
+        .merge(fork::routes())
         .merge(interpreter::routes())
         .merge(envd::routes())
         .merge(uploads::routes())
