@@ -575,3 +575,72 @@ def test_a_lineage_past_its_bound_is_refused_clearly(kernel, forks, tmp_path):
     # The kernel that refused goes on; its parent still forks.
     assert value(b.client, "1 + 1") == "2"
     make_fork(kc, tmp_path, "d", forks)
+
+
+BAD_HOLDS = {
+    "hold not an object": [1],
+    "no connection file": {},
+    "connection file not a string": {"connection_file": 5},
+    "relative connection file": {"connection_file": "c.json"},
+    "connection file with ..": {"connection_file": "{dir}/x/../../c.json"},
+    "connection file outside the fork directory": {"connection_file": "/etc/c.json"},
+    "connection file with a NUL": {"connection_file": "{dir}/c\0.json"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HOLDS))
+def test_bad_hold_requests_are_refused(kernel, tmp_path, case):
+    kc = kernel.client
+    run(kc, "x = 'still here'")
+    hold = BAD_HOLDS[case]
+    if isinstance(hold, dict) and isinstance(hold.get("connection_file"), str):
+        hold = {"connection_file": hold["connection_file"].format(dir=str(tmp_path))}
+    reply = fork_request(kc, {"hold": hold})
+    assert reply["status"] == "error", reply
+    assert reply["ename"] == "ForkRefused" and reply["evalue"]
+    assert "pid" not in reply
+    assert value(kc, "x") == repr("still here")
+
+
+def test_a_held_child_keeps_only_its_files_and_wakes_only_for_the_broker(kernel, tmp_path):
+    """A held child (what the broker dumps with CRIU for a copy into a sandbox of its own)
+    keeps the files cells opened and nothing else (CRIU cannot carry a socket or a pipe),
+    with 0-2 on /dev/null, and waits for the wake signal from outside its pid namespace:
+    one sent from within (as here, or by another process of the sandbox) does not wake it."""
+    kc = kernel.client
+    data = tmp_path / "held.txt"
+    data.write_text("one\ntwo\n")
+    run(
+        kc,
+        "import socket, os\n"
+        "held_file = open(%r)\n"
+        "held_file.readline()\n"
+        "a, b = socket.socketpair()\n"
+        "r, w = os.pipe()\n" % str(data),
+    )
+    reply = fork_request(kc, {"hold": {"connection_file": str(tmp_path / "c.json")}})
+    assert reply["status"] == "ok", reply
+    pid = reply["pid"]
+    try:
+        targets = {}
+        for fd in os.listdir("/proc/%d/fd" % pid):
+            targets[int(fd)] = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        assert [targets[fd] for fd in (0, 1, 2)] == ["/dev/null"] * 3, targets
+        rest = {fd: t for fd, t in targets.items() if fd > 2}
+        assert all(t.startswith("/") for t in rest.values()), rest
+        assert str(data) in rest.values(), rest
+        # Waiting, not running; the wake signal blocked.
+        with open("/proc/%d/status" % pid) as f:
+            status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        assert status["State"].startswith("S"), status["State"]
+        assert int(status["SigBlk"], 16) & (1 << (40 - 1)), status["SigBlk"]
+        # From this pid namespace: ignored, it stays held and binds nothing.
+        os.kill(pid, 40)
+        time.sleep(0.3)
+        assert alive(pid)
+        assert not (tmp_path / "c.json").exists()
+        assert unix_socket_paths(pid) == set()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    # The parent goes on, its own file where it was.
+    assert value(kc, "held_file.readline()") == repr("two\n")

@@ -389,8 +389,8 @@ impl Sandbox for DockerSandbox {
         if spec.own_workspace.is_some() {
             // Its fork would share the container, and so the workspace.
             return Err(super::fork::ForkError::Unsupported(
-                "it has a workspace (a container) of its own, and the Docker sandbox does \
-                 not copy a kernel into a container of its own yet; the local sandbox does \
+                "it has a workspace of its own (in a container of its own), and the Docker \
+                 sandbox does not copy a kernel into a container of its own yet; the local sandbox does \
                  (with CRIU); fork a session of the shared workspace"
                     .into(),
             ));
