@@ -3,12 +3,10 @@ Python SDK (pinned: e2b 2.63.0, e2b-code-interpreter 2.11.5), written as an E2B 
 a sandbox with a file and a variable, forked; each fork reads the same file and the same
 variable, then goes its own way (its file changed, the original's is not); everything killed.
 
-The broker answers E2B's fork route through the session layer's fork (`Registry::fork`). Forks
-of a sandbox (a session with a workspace of its own, copied into the fork) are not made yet:
-until they are, the three flow tests fail at the fork call with the broker's refusal ("409:
-session ... cannot be forked: it has a workspace of its own ..."), everything before it
-passing. The refusals the SDK gets whole (no such sandbox, another user's, a count above the
-broker's 8) pass now.
+The broker answers E2B's fork route through the session layer's fork (`Registry::fork`): a
+sandbox is a session with a workspace of its own, so each fork is a copy of its kernel (CRIU 4,
+`scripts/setup-criu`) in a sandbox of its own with a copy of its workspace. The refusals the
+SDK gets whole (no such sandbox, another user's, a count above the broker's 8) are tested too.
 """
 
 import asyncio
