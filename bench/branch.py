@@ -1,6 +1,6 @@
 """Branching a live session (issue 36): the figures of BENCHMARKS.md, "Fork and checkpoints".
 
-    bench/.venv/bin/python bench/branch.py [--runs 15] [--mb 200] [--binary PATH]
+    bench/.venv/bin/python bench/branch.py [--runs 15] [--mb 200] [--binary PATH] [--own]
 
 One broker (local sandbox, release build, fork-server starts: the default), one session
 holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST):
@@ -13,6 +13,11 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
     rewind -> next result p50, and 100 checkpoints of a session that changes 1 MB a step
     (the memory the checkpoints hold in all), and `1+1` round trips back to back with
     `checkpoint_every_execution` against without.
+
+With `--own` the session has a workspace of its own (`"workspace": "own"`, an E2B sandbox's
+shape) and only the fork is measured: each fork is a copy of the kernel made with CRIU in a
+sandbox of its own, with a copy of the workspace (`docs/CRIU.md`); the workspace holds a
+`--own-files-mb` MB file besides.
 
 Each figure is a wall-clock time seen by the client or a memory figure read from /proc and
 the cgroup tree; nothing is taken from the broker's own reports. Run as root.
@@ -62,12 +67,21 @@ class Api:
 
 
 def kernel_of(broker, sid):
-    """The kernel process of session `sid`: the one whose cgroup leaf is named after it."""
+    """The kernel process of session `sid`: the one whose cgroup leaf is named after it (a
+    plain or restored kernel: the Python process of its leaf)."""
     for p in broker.kernel_procs():
         try:
             if sid in Path(f"/proc/{p.pid}/cgroup").read_text():
                 return p.pid
         except OSError:
+            continue
+    for p in psutil.process_iter():
+        try:
+            if sid in Path(f"/proc/{p.pid}/cgroup").read_text():
+                cmd = p.cmdline()
+                if cmd and Path(cmd[0]).name.startswith("python"):
+                    return p.pid
+        except (OSError, psutil.Error):
             continue
     return None
 
@@ -178,6 +192,8 @@ def main():
     ap.add_argument("--mb", type=int, default=200)
     ap.add_argument("--binary", default=str(bench.REPO / "target/release/kernel-broker"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--own", action="store_true", help="a session with a workspace of its own: forks are copies")
+    ap.add_argument("--own-files-mb", type=int, default=20)
     args = ap.parse_args()
     # The forks' memory is admitted as a session's each: room for the DataFrame in each.
     # Room for the hundred checkpoints (the defaults keep 32 and 2 GiB): what they cost is
@@ -186,16 +202,21 @@ def main():
                      extra_args=["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20)),
                                  "--max-checkpoints-per-user", "128",
                                  "--checkpoint-memory-per-user", str(8 << 30)])
-    out = {"mb": args.mb, "runs": args.runs}
+    out = {"mb": args.mb, "runs": args.runs, "own_workspace": args.own}
     try:
         api = Api(b)
-        sid = api.call("POST", "/v1/sessions", {})["id"]
+        sid = api.call("POST", "/v1/sessions", {"workspace": "own"} if args.own else {})["id"]
         rows = args.mb * (1 << 20) // 80
         api.run(sid, f"import pandas as pd, numpy as np\ndf = pd.DataFrame(np.random.rand({rows}, 10))")
         out["original_leaf_charged_mib"] = round((leaf_charged(kernel_of(b, sid)) or 0) / 2**20, 1)
-        out.update(measure_fork(api, b, sid, args.runs))
-        out.update(measure_checkpoints(api, sid, args.runs))
-        out.update(measure_hundred(api, b, sid))
+        if args.own:
+            api.run(sid, f"import os\nopen('/home/user/data.bin', 'wb').write(os.urandom({args.own_files_mb << 20}))")
+            out["own_files_mb"] = args.own_files_mb
+            out.update(measure_fork(api, b, sid, args.runs))
+        else:
+            out.update(measure_fork(api, b, sid, args.runs))
+            out.update(measure_checkpoints(api, sid, args.runs))
+            out.update(measure_hundred(api, b, sid))
     finally:
         b.stop()
     print(json.dumps(out, indent=2))

@@ -23,7 +23,8 @@ shell message type:
     the kernel's own output pipes are not carried), puts 0-2 on ``/dev/null``, answers
     ``{"status": "ok", "pid": PID}`` and waits, signal ``WAKE_SIGNAL`` blocked, for that
     signal sent from outside its pid namespace (``si_pid`` 0: the broker; a process of the
-    sandbox cannot wake it). Woken (in the new sandbox, restored), it reads its connection
+    sandbox cannot wake it), at most ``HOLD_TIMEOUT`` (then it ends: a broker that died
+    mid-copy never comes back for it). Woken (in the new sandbox, restored), it reads its connection
     from PATH (the new sandbox's connection file, inside the fork directory), checks it as
     a request's, and builds its kernel on it as a fork's child does. ``PATH`` is read only
     then: at the request it is the parent's sandbox's.
@@ -112,6 +113,9 @@ import time
 MSG_TYPE = "kb_fork_request"
 # What wakes a held child (SIGRTMIN+6 with glibc; the broker sends the same number).
 WAKE_SIGNAL = 40
+# How long a held child waits to be dumped and woken: one the broker never comes back to (it
+# died mid-copy) ends by itself rather than holding its memory for as long as its parent.
+HOLD_TIMEOUT = 600.0
 # The most a connection file read at waking may hold.
 MAX_CONNECTION_FILE = 64 * 1024
 REPLY_TYPE = "kb_fork_reply"
@@ -476,8 +480,12 @@ def be_held(ready_fd):
     signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
     say(ready_fd, {"pid": os.getpid()})
     os.close(ready_fd)
+    deadline = time.monotonic() + HOLD_TIMEOUT
     while True:
-        got = signal.sigwaitinfo([WAKE_SIGNAL])
+        left = deadline - time.monotonic()
+        got = signal.sigtimedwait([WAKE_SIGNAL], max(left, 0)) if left > 0 else None
+        if got is None:
+            os._exit(0)  # never woken: nobody will be
         # SI_USER from a process outside the pid namespace (the broker): si_pid is 0.
         if got.si_code == 0 and got.si_pid == 0:
             return

@@ -246,7 +246,14 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
     if !criu_ready() {
         return;
     }
-    let broker = Broker::start("local", |_| {}).await;
+    // What a broker killed mid-copy left (a kernel's memory, in its images) goes at the
+    // next start.
+    let broker = Broker::start("local", |a| {
+        let left = a.data_dir.clone().unwrap().join("copies/left-by-a-crash");
+        std::fs::create_dir_all(&left).unwrap();
+        std::fs::write(left.join("pages-1.img"), b"a kernel's memory").unwrap();
+    })
+    .await;
     let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
     let a = own(&alice).await;
     let other = own(&bob).await;

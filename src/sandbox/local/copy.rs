@@ -173,6 +173,11 @@ impl LocalSandbox {
                 "a copy needs a workspace of its own on both sides".into(),
             ));
         };
+        if from == to {
+            return Err(ForkError::Unsupported(
+                "a copy gets a workspace of its own, not its original's".into(),
+            ));
+        }
         let dir = self.copies_dir().join(spec.session_id.to_string());
         let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
             .map_err(|e| fsutil::launch_failed(&user, e))?;
@@ -345,6 +350,21 @@ impl LocalSandbox {
     /// `<data_dir>/copies`: root's, 0700; the copies' directories in it.
     fn copies_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("copies")
+    }
+
+    /// At startup: what an earlier run left of copies (it stopped mid-copy) goes; the
+    /// images hold a kernel's memory. Blocking.
+    pub(super) fn sweep_copies(&self) {
+        let dir = self.copies_dir();
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => {
+                tracing::info!(path = %dir.display(), "removed the copies an earlier run left")
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot remove the copies an earlier run left")
+            }
+        }
     }
 }
 

@@ -320,6 +320,7 @@ impl LocalSandbox {
                 .await?;
 
                 self.prepare_tools_and_sweep_own(&keep).await?;
+                self.sweep_copies();
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {

@@ -176,15 +176,8 @@ impl LocalSandbox {
             ),
             None => None,
         };
-        let (mut child, info, stderr_task, tail) = self.spawn(
-            &spec,
-            &request,
-            environment,
-            leaf,
-            status,
-            options.control,
-            options.restore.as_deref().unwrap_or_default(),
-        )?;
+        let (mut child, info, stderr_task, tail) =
+            self.spawn(&spec, &request, environment, leaf, status, &options)?;
         let control = match (child.stdin.take(), child.stdout.take()) {
             (Some(stdin), Some(stdout)) if options.control => Some((stdin, stdout)),
             _ => None,
@@ -259,10 +252,11 @@ impl LocalSandbox {
         environment: OwnedFd,
         leaf: Option<&Leaf>,
         status: Option<OwnedFd>,
-        control: bool,
-        inherited: &[RawFd],
+        options: &StartOptions,
     ) -> Result<(Child, OwnedFd, JoinHandle<()>, Tail), SandboxError> {
         let user = &spec.user;
+        let control = options.control;
+        let inherited = options.restore.as_deref().unwrap_or_default();
         let (info_read, info_write) =
             io::pipe().map_err(|e| launch_step(user, "cannot create a pipe", e))?;
         let info_fd = info_write.as_raw_fd();
