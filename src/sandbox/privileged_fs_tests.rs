@@ -58,6 +58,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/check.rs", 1, "remove_dir_logged of the check's runtime directory"),
     ("src/sandbox/local/command.rs", 1, "remove_dir_logged of a command's runtime directory"),
     ("src/sandbox/local/files.rs", 4, "rmdir of cgroup leaves; remove_dir_all of runtime directories in the broker's runtime base (last component not followed)"),
+    ("src/sandbox/local/copy.rs", 3, "remove_dir_logged and remove_dir_all of a copy's directory in the broker's 0700 <data_dir>/copies (no kernel reaches it; CRIU, as the kernel's uid, wrote in it through a descriptor: std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),
     ("src/sandbox/local/fork.rs", 1, "remove_dir_logged of a fork's directory, made by descriptor in the template's directory (the kernel's to write): std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
     ("src/sandbox/local/keep.rs", 4, "the broker's 0700 ticket directory"),
     ("src/sandbox/local/mod.rs", 3, "the broker's runtime base and its boot/ and tools/ directories (the broker's own, 0700 base), at shutdown"),

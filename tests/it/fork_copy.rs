@@ -86,6 +86,10 @@ mod local {
         super::a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it().await
     }
     #[tokio::test]
+    async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
+        super::checkpoints_of_a_session_with_its_own_workspace_hold_its_files().await
+    }
+    #[tokio::test]
     async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
         super::a_kernel_that_lies_about_its_held_fork_gets_nothing_copied().await
     }
@@ -328,5 +332,127 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
     assert!(copies.is_empty(), "{copies:?}");
     // The original goes on.
     assert_eq!(out(&alice, &a, "print(1 + 1)").await, "2");
+    broker.stop().await;
+}
+
+/// The names in `<data_dir>/sandboxes` (the own workspaces), sorted.
+fn own_workspaces(data: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(data.join("sandboxes"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// A checkpoint of a session with a workspace of its own holds the kernel and the files: a
+/// rewind after a destructive cell (a variable deleted, a file changed, a directory
+/// removed) brings both back, a fork of the checkpoint starts from both, and a dropped
+/// checkpoint takes its copy of the files with it.
+async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start("local", |_| {}).await;
+    let api = broker.api(ALICE);
+    let data = broker.data_dir.clone();
+    let a = own(&api).await;
+    out(
+        &api,
+        &a,
+        "import os, shutil\nrows = [1, 2, 3]\nopen('/home/user/f.txt', 'w').write('v1')\n\
+         os.makedirs('/home/user/d', exist_ok=True)\nopen('/home/user/d/keep.txt', 'w').write('k')",
+    )
+    .await;
+    let (status, cp) = api
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{cp}");
+    let cp = cp["id"].as_str().unwrap().to_string();
+    // The checkpoint's copy of the files, beside the session's.
+    assert_eq!(own_workspaces(&data), {
+        let mut v = vec![a.clone(), cp.clone()];
+        v.sort();
+        v
+    });
+    out(
+        &api,
+        &a,
+        "del rows\nopen('/home/user/f.txt', 'w').write('v2')\nshutil.rmtree('/home/user/d')\n\
+         open('/home/user/after.txt', 'w').write('a')",
+    )
+    .await;
+    let (status, listed) = api.get(&format!("/v1/sessions/{a}/checkpoints")).await;
+    assert_eq!(status, 200, "{listed}");
+    assert!(
+        listed["checkpoints"][0]["memory_bytes"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "{listed}"
+    );
+
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/rewind"),
+            json!({ "checkpoint": cp }),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let probe =
+        "print(rows, open('/home/user/f.txt').read(), open('/home/user/d/keep.txt').read(), \
+                 os.path.exists('/home/user/after.txt'))";
+    assert_eq!(out(&api, &a, probe).await, "[1, 2, 3] v1 k False");
+    // Again, after more changes: the checkpoint is still as it was.
+    out(
+        &api,
+        &a,
+        "rows.append(4)\nopen('/home/user/f.txt', 'w').write('v3')",
+    )
+    .await;
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/rewind"),
+            json!({ "checkpoint": cp }),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(out(&api, &a, probe).await, "[1, 2, 3] v1 k False");
+
+    // A fork of the checkpoint: a new session with the checkpoint's kernel and files.
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let f = v["sessions"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(out(&api, &f, probe).await, "[1, 2, 3] v1 k False");
+    out(
+        &api,
+        &f,
+        "open('/home/user/f.txt', 'w').write('in the fork')",
+    )
+    .await;
+    assert_eq!(
+        out(&api, &a, "print(open('/home/user/f.txt').read())").await,
+        "v1"
+    );
+
+    // Dropping the checkpoint removes its copy; ending the sessions removes theirs.
+    let (status, _) = api
+        .delete(&format!("/v1/sessions/{a}/checkpoints/{cp}"))
+        .await;
+    assert_eq!(status, 204);
+    assert!(!own_workspaces(&data).contains(&cp));
+    for id in [&f, &a] {
+        assert_eq!(api.delete(&format!("/v1/sessions/{id}")).await.0, 204);
+    }
+    assert_eq!(own_workspaces(&data), Vec::<String>::new());
     broker.stop().await;
 }

@@ -416,7 +416,8 @@ pub(super) const COPY_FROM: &str = "/copy/from";
 pub(super) const COPY_TO: &str = "/copy/to";
 
 /// bwrap's arguments for copying an own workspace (`copy.rs`): `from`'s `home` and
-/// `tmp` shown read-only at [`COPY_FROM`], `to`'s writable at [`COPY_TO`], in namespaces
+/// `tmp` shown read-only at [`COPY_FROM`], `to`'s writable at [`COPY_TO`] (emptied first),
+/// in namespaces
 /// of their own with nothing else of the host but `/usr`, the copy run by `cp` as the
 /// kernel's uid `ids` with no capabilities: a tenant's files are read only with its own
 /// rights, and a symlink among them is copied, never followed.
@@ -478,10 +479,13 @@ pub(super) fn copy_args(
     ] {
         args.push(a.into());
     }
-    // `dir/.`: the directory's entries, hidden ones too, into the existing directory.
+    // What the destination held goes first (a rewind puts a checkpoint's files in place of
+    // the session's; a fork's workspace is new and empty). `dir/.`: the directory's
+    // entries, hidden ones too, into the existing directory.
     args.push(
         format!(
-            "cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
+            "find {COPY_TO}/home {COPY_TO}/tmp -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && \
+             cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
              cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/"
         )
         .into(),

@@ -13,9 +13,10 @@ use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::LaunchFiles;
+use super::host::{unavailable, unavailable_by};
 use super::output::STDERR_TAIL_LINES;
 use super::process::inherit_fd;
-use super::{unavailable, unavailable_by, LocalSandbox};
+use super::LocalSandbox;
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::{environ, SandboxError};
 

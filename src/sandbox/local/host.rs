@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use super::python::KernelPython;
-use super::{unavailable, unavailable_by};
 use crate::sandbox::SandboxError;
 
 /// Runs the interpreter once to learn its venv and installation directories, which the
@@ -63,4 +62,17 @@ pub(super) fn find_program(name: &str) -> Option<PathBuf> {
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
         .map(|dir| dir.join(name))
         .find(|p| p.is_file())
+}
+
+/// The local sandbox cannot work here, saying why.
+pub(super) fn unavailable(reason: impl Into<String>) -> SandboxError {
+    crate::sandbox::fsutil::unavailable(super::BACKEND, reason)
+}
+
+/// [`unavailable`] because of `source`, kept as the error's source.
+pub(super) fn unavailable_by(
+    reason: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SandboxError {
+    crate::sandbox::fsutil::unavailable_by(super::BACKEND, reason, source)
 }

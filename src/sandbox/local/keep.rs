@@ -193,6 +193,32 @@ pub(super) fn reported_exit(status: &Path) -> Option<ExitStatus> {
         .map(|code| ExitStatus::from_raw(code << 8))
 }
 
+/// Writes the kept kernel's ticket: bwrap's and the sandbox init's pids with their start
+/// times, read now that both exist.
+pub(super) async fn write_ticket(
+    kept: &std::sync::Arc<KeptKernels>,
+    session: uuid::Uuid,
+    user: &str,
+    bwrap_pid: Option<i32>,
+    init_pid: i32,
+) -> io::Result<()> {
+    let bwrap_pid = bwrap_pid.ok_or_else(|| io::Error::other("bwrap's pid is unknown"))?;
+    let started =
+        |pid| start_time(pid).ok_or_else(|| io::Error::other(format!("process {pid} is gone")));
+    let ticket = Ticket {
+        session,
+        user: user.to_string(),
+        bwrap_pid,
+        bwrap_start: started(bwrap_pid)?,
+        init_pid,
+        init_start: started(init_pid)?,
+    };
+    let kept = kept.clone();
+    tokio::task::spawn_blocking(move || kept.write(&ticket))
+        .await
+        .map_err(io::Error::other)?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -43,6 +43,7 @@ mod check;
 mod command;
 mod config;
 mod copy;
+mod criu;
 mod files;
 mod fork;
 mod host;
@@ -66,7 +67,7 @@ use tokio::sync::OnceCell;
 use self::bwrap::BwrapOptions;
 pub use self::config::{instance_defaults, LocalSandboxConfig};
 use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
-use self::host::{discover_python, find_program};
+use self::host::{discover_python, find_program, unavailable, unavailable_by};
 use self::process::SandboxCommand;
 use self::reaper::LocalKernel;
 use super::boot;
@@ -137,7 +138,7 @@ pub struct LocalSandbox {
     templates: Arc<template::Templates>,
     /// What copying a kernel into a sandbox of its own runs (`copy.rs`), found at the first
     /// copy; or why it cannot be done here.
-    copy_tools: OnceCell<Result<copy::CopyTools, String>>,
+    copy_tools: OnceCell<Result<criu::CopyTools, criu::NoCopyTools>>,
 }
 
 impl LocalSandbox {
@@ -591,16 +592,4 @@ impl Sandbox for LocalSandbox {
             tracing::warn!(error = %e, "unmounting the workspaces failed");
         }
     }
-}
-
-fn unavailable(reason: impl Into<String>) -> SandboxError {
-    fsutil::unavailable(BACKEND, reason)
-}
-
-/// [`unavailable`] because of `source`, kept as the error's source.
-fn unavailable_by(
-    reason: impl Into<String>,
-    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
-) -> SandboxError {
-    fsutil::unavailable_by(BACKEND, reason, source)
 }

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use uuid::Uuid;
 
-use super::{unavailable_by, LocalSandbox, RUN_DIR_INSIDE};
+use super::host::unavailable_by;
+use super::{LocalSandbox, RUN_DIR_INSIDE};
 use crate::sandbox::own_workspace::{HOME_INSIDE, LOGIN};
 use crate::sandbox::{SandboxError, SandboxUser};
 

@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 use super::bwrap::{bwrap_args, kernel_env, BwrapRequest, HostRoot};
 use super::files::{connection_file, endpoints_for, login_name, LaunchFiles, LaunchGuard};
-use super::keep::{self, KeptKernels, Ticket};
+use super::keep;
 use super::output::{forward_output, Stream, Tail};
 use super::own::{own_env, Placement};
 use super::reaper::{LocalKernel, Reaped, Watched};
@@ -212,7 +212,9 @@ impl LocalSandbox {
             Ok(pid) => {
                 let _ = kernel.init_pid.set(pid);
                 if let Some(kept) = &self.kept {
-                    if let Err(e) = write_ticket(kept, session, &user.name, bwrap_pid, pid).await {
+                    if let Err(e) =
+                        keep::write_ticket(kept, session, &user.name, bwrap_pid, pid).await
+                    {
                         handle.terminate().await;
                         return Err(launch_failed(&user, NotRecorded(e)));
                     }
@@ -529,33 +531,6 @@ pub(super) fn inherit_fd(fd: RawFd) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// Writes the kept kernel's ticket: bwrap's and the sandbox init's pids with their start
-/// times, read now that both exist.
-async fn write_ticket(
-    kept: &Arc<KeptKernels>,
-    session: uuid::Uuid,
-    user: &str,
-    bwrap_pid: Option<i32>,
-    init_pid: i32,
-) -> io::Result<()> {
-    let bwrap_pid = bwrap_pid.ok_or_else(|| io::Error::other("bwrap's pid is unknown"))?;
-    let started = |pid| {
-        keep::start_time(pid).ok_or_else(|| io::Error::other(format!("process {pid} is gone")))
-    };
-    let ticket = Ticket {
-        session,
-        user: user.to_string(),
-        bwrap_pid,
-        bwrap_start: started(bwrap_pid)?,
-        init_pid,
-        init_start: started(init_pid)?,
-    };
-    let kept = kept.clone();
-    tokio::task::spawn_blocking(move || kept.write(&ticket))
-        .await
-        .map_err(io::Error::other)?
 }
 
 /// Reads bwrap's `--info-fd` report and returns the host pid of the sandbox's init.

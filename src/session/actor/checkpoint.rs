@@ -1,6 +1,7 @@
 //! The actor's side of checkpoints (`session/checkpoint.rs` says what they are): taking one
 //! (the live kernel forks; its child becomes the live kernel, the parent is frozen and
-//! kept), rewinding (a checkpoint forks; its child becomes the live kernel, the previous
+//! kept; a session with a workspace of its own: a frozen copy of the kernel and the
+//! workspace, `take_copy_checkpoint`), rewinding (a checkpoint forks; its child becomes the live kernel, the previous
 //! one ends), forking a checkpoint into a new session's kernel, dropping one, and ending
 //! them all with the session. Each runs between executions, in the actor, so nothing else
 //! touches the kernels meanwhile; a failure leaves the session's live kernel as it was.
@@ -31,6 +32,9 @@ const DROPPED_KEPT: usize = 64;
 struct Held {
     info: CheckpointInfo,
     kernel: Live,
+    /// The checkpoint's copy of the session's own workspace (named by the checkpoint's
+    /// id), for a session with one; removed with the checkpoint.
+    workspace: Option<Uuid>,
 }
 
 /// The checkpoints an actor holds.
@@ -138,13 +142,7 @@ impl Actor {
     pub(super) async fn take_checkpoint(&mut self) -> Result<CheckpointInfo, SessionError> {
         self.idle()?;
         if self.session.own_workspace.is_some() {
-            return Err(SessionError::ForkRefused {
-                session: self.session.id,
-                why: "it has a workspace of its own, which a checkpoint would not hold (a \
-                      checkpoint of the files is not supported yet); use a session of the \
-                      shared workspace"
-                    .into(),
-            });
+            return self.take_copy_checkpoint().await;
         }
         let spec = self.child_spec();
         let session = self.session.id;
@@ -183,12 +181,67 @@ impl Actor {
                 source: None,
             });
         }
+        Ok(self.keep_checkpoint(Uuid::new_v4(), parent, None).await)
+    }
+
+    /// A checkpoint of a session with a workspace of its own: the live kernel copied into
+    /// a sandbox of its own (`sandbox/local/copy.rs`) with a copy of the workspace named by
+    /// the checkpoint's id, and frozen there; the live kernel goes on as it was. A rewind
+    /// copies both back (the session's workspace replaced by the checkpoint's), a fork of
+    /// the checkpoint copies both into the new session. A copy holds its own memory, not
+    /// pages shared with the live kernel: the user's checkpoint memory bound counts it.
+    async fn take_copy_checkpoint(&mut self) -> Result<CheckpointInfo, SessionError> {
+        let id = Uuid::new_v4();
+        let mut spec = self.child_spec();
+        spec.session_id = id;
+        spec.own_workspace = Some(id);
+        let session = self.session.id;
+        let Some(live) = self.kernel.as_mut() else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        let copy = fork_connected(&self.sandbox, self.config.kernel, session, live, spec)
+            .await
+            .map_err(|e| failed("checkpoint", e))?;
+        let process = copy.process.clone();
+        let held = match process.can_hold_as_checkpoint() {
+            true => {
+                flatten(tokio::task::spawn_blocking(move || process.hold_as_checkpoint(true)).await)
+            }
+            false => Err(format!(
+                "the {} sandbox has no freezer for this kernel (a cgroup leaf of its own)",
+                self.sandbox.name()
+            )),
+        };
+        if let Err(why) = held {
+            copy.process.terminate().await;
+            self.sandbox
+                .remove_own_workspace(&self.session.user, id)
+                .await;
+            return Err(SessionError::CheckpointFailed {
+                session,
+                action: "checkpoint",
+                why: format!("its copy could not be frozen: {why}"),
+                source: None,
+            });
+        }
+        Ok(self.keep_checkpoint(id, copy, Some(id)).await)
+    }
+
+    /// Keeps `kernel` (frozen) as checkpoint `id` of the session's state now, within the
+    /// user's bounds (the oldest dropped first).
+    async fn keep_checkpoint(
+        &mut self,
+        id: Uuid,
+        kernel: Live,
+        workspace: Option<Uuid>,
+    ) -> CheckpointInfo {
+        let session = self.session.id;
         let info = CheckpointInfo {
-            id: Uuid::new_v4(),
+            id,
             session,
             execution_count: self.session.status().execution_count,
             created_at: Utc::now(),
-            memory_bytes: parent.process.memory_used(),
+            memory_bytes: kernel.process.memory_used(),
         };
         self.recorder.event(
             &self.session,
@@ -197,10 +250,11 @@ impl Actor {
                 execution_count: info.execution_count,
             },
         );
-        let process = parent.process.clone();
+        let process = kernel.process.clone();
         self.checkpoints.held.push(Held {
             info: info.clone(),
-            kernel: parent,
+            kernel,
+            workspace,
         });
         if let Some((policy, book)) = self.checkpoints.policy.clone() {
             let owner = std::sync::Arc::downgrade(&self.session);
@@ -220,7 +274,7 @@ impl Actor {
                 }
             }
         }
-        Ok(info)
+        info
     }
 
     /// Forks checkpoint `id` into a connected kernel for `spec`; the checkpoint is thawed
@@ -383,6 +437,11 @@ impl Actor {
             tracing::warn!(session = %self.session.id, error = %e, "a checkpoint could not be thawed before its end");
         }
         held.kernel.process.terminate().await;
+        if let Some(key) = held.workspace {
+            self.sandbox
+                .remove_own_workspace(&self.session.user, key)
+                .await;
+        }
     }
 
     /// The session ends: so do its checkpoints (never kept across broker restarts).

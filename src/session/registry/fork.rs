@@ -67,14 +67,6 @@ impl Registry {
         }
         let user = &request.user;
         let parent = self.get(&user.name, request.session)?;
-        if parent.own_workspace.is_some() && request.checkpoint.is_some() {
-            return Err(SessionError::ForkRefused {
-                session: parent.id,
-                why: "it has a workspace of its own, and its checkpoints are not kept yet \
-                      (fork the session itself: its fork gets a copy of the workspace)"
-                    .into(),
-            });
-        }
         match parent.state() {
             _ if request.checkpoint.is_some() => {}
             SessionState::Idle => {}

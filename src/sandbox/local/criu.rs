@@ -1,0 +1,429 @@
+//! The programs a copy of a kernel runs (`copy.rs` says the whole): the workspace copy
+//! (`cp` as the kernel's uid in a sandbox of its own), CRIU's dump inside the kernel's
+//! sandbox and the reading of its restore's log, the images sealed between the two, and
+//! the wake signal. Each runs with a bound in time; each error says what CRIU said.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rustix::fs::{Mode, OFlags};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::time::timeout;
+
+use super::host::find_program;
+use super::process::inherit_fd;
+use super::reaper::sandbox_command_pid;
+use crate::sandbox::fork::ForkError;
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::{child_with_namespace_pid, uids_of};
+
+/// What wakes a held child (`WAKE_SIGNAL` in `kernels/kernel_broker_fork.py`: SIGRTMIN+6
+/// with glibc).
+const WAKE_SIGNAL: i32 = 40;
+/// How long a workspace copy, a dump or a restore may take.
+pub(super) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+/// What CRIU writes once the restored tasks run.
+const RESTORED: &str = "Restore finished successfully";
+/// The CRIU versions that work: 3.x cannot dump on current kernels (its vdso handling).
+const MIN_CRIU_MAJOR: u32 = 4;
+/// Where CRIU is looked for when `--criu` does not say.
+const CRIU_PLACES: [&str; 3] = [
+    "/usr/local/sbin/criu",
+    "/usr/sbin/criu",
+    "/usr/local/bin/criu",
+];
+
+/// The programs a copy runs, found once.
+#[derive(Debug, Clone)]
+pub(super) struct CopyTools {
+    pub criu: PathBuf,
+    nsenter: PathBuf,
+}
+
+/// Why a copy cannot be made here (no CRIU 4, no nsenter): said as the fork's refusal.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub(super) struct NoCopyTools(String);
+
+impl From<String> for NoCopyTools {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
+/// CRIU (`configured`, else the first of [`CRIU_PLACES`] that is 4.0 or later) and
+/// `nsenter`; or why a copy cannot be made here. Blocking (runs `criu --version`).
+pub(super) fn find_tools(configured: Option<&Path>) -> Result<CopyTools, NoCopyTools> {
+    let candidates: Vec<PathBuf> = match configured {
+        Some(path) => vec![path.to_path_buf()],
+        None => CRIU_PLACES.iter().map(PathBuf::from).collect(),
+    };
+    let mut seen = Vec::new();
+    let mut criu = None;
+    for path in candidates.into_iter().filter(|p| p.is_file()) {
+        match criu_version(&path) {
+            Some((major, _)) if major >= MIN_CRIU_MAJOR => {
+                criu = Some(path);
+                break;
+            }
+            Some((major, minor)) => seen.push(format!("{major}.{minor} at {}", path.display())),
+            None => seen.push(format!("an unknown version at {}", path.display())),
+        }
+    }
+    let criu = criu.ok_or_else(|| {
+        NoCopyTools({
+            let found = match seen.is_empty() {
+                true => "none was found".to_string(),
+                false => format!("found {}", seen.join(", ")),
+            };
+            format!(
+            "copying a kernel into a sandbox of its own needs CRIU {MIN_CRIU_MAJOR}.0 or later \
+             ({found}); `scripts/setup-criu` installs CRIU 4.1.1, or name one with --criu"
+        )
+        })
+    })?;
+    let nsenter = find_program("nsenter")
+        .ok_or_else(|| NoCopyTools("nsenter (util-linux) is not installed".into()))?;
+    Ok(CopyTools { criu, nsenter })
+}
+
+/// `criu --version`'s major and minor.
+fn criu_version(path: &Path) -> Option<(u32, u32)> {
+    let out = std::process::Command::new(path)
+        .arg("--version")
+        .env_clear()
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    parse_criu_version(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn parse_criu_version(text: &str) -> Option<(u32, u32)> {
+    let version = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Version:"))?
+        .trim();
+    let mut parts = version.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next().unwrap_or("0").parse().ok()?;
+    Some((major, minor))
+}
+
+/// Why a copy failed, said once for the API.
+pub(super) fn copy_failed(why: impl Into<String>) -> ForkError {
+    ForkError::Copy(why.into())
+}
+
+/// Runs the workspace copy (`args`: [`copy_args`]); blocking.
+pub(super) fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<(), ForkError> {
+    let mut child = std::process::Command::new(bwrap)
+        .args(args)
+        .env_clear()
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| copy_failed(format!("cannot start the workspace copy: {e}")))?;
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => {
+                let mut err = String::new();
+                if let Some(mut stderr) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = (&mut stderr).take(2048).read_to_string(&mut err);
+                }
+                return Err(copy_failed(format!(
+                    "the workspace could not be copied ({status}): {}",
+                    err.trim()
+                )));
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) | Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(copy_failed(format!(
+                    "the workspace copy took more than {} s",
+                    STEP_TIMEOUT.as_secs()
+                )));
+            }
+        }
+    }
+}
+
+/// CRIU dumps the held child (`pid` inside, `host` on the host) into `images`, run in the
+/// sandbox's namespaces as the kernel's uid with the two capabilities a dump needs.
+pub(super) async fn dump(
+    tools: &CopyTools,
+    host: i32,
+    pid: i64,
+    ids: (u32, u32),
+    criu: &std::fs::File,
+    images: &OwnedFd,
+) -> Result<(), ForkError> {
+    let fd = |f: RawFd| format!("/proc/self/fd/{f}");
+    let mut cmd = tokio::process::Command::new(&tools.nsenter);
+    cmd.arg(format!("--target={host}"))
+        .arg("--all")
+        .arg("--")
+        .arg("setpriv")
+        .arg(format!("--reuid={}", ids.0))
+        .arg(format!("--regid={}", ids.1))
+        .args([
+            "--clear-groups",
+            "--inh-caps=-all,+checkpoint_restore,+sys_admin",
+            "--ambient-caps=+checkpoint_restore,+sys_admin",
+            "--bounding-set=-all,+checkpoint_restore,+sys_admin",
+            "--no-new-privs",
+            "--",
+        ])
+        .arg(fd(criu.as_raw_fd()))
+        .args([
+            "dump",
+            "--unprivileged",
+            "--shell-job",
+            "--manage-cgroups=ignore",
+        ])
+        .arg(format!("--tree={pid}"))
+        .arg(format!("--images-dir={}", fd(images.as_raw_fd())))
+        .args(["--log-file=dump.log", "-v2"])
+        .env_clear()
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let inherited = [criu.as_raw_fd(), images.as_raw_fd()];
+    // SAFETY: the closure runs between fork and exec and calls only fcntl (async-signal-safe)
+    // on descriptors numbered before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in inherited {
+                inherit_fd(fd)?;
+            }
+            Ok(())
+        });
+    }
+    let status = match timeout(STEP_TIMEOUT, async { cmd.status().await }).await {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => return Err(copy_failed(format!("cannot start CRIU: {e}"))),
+        Err(_) => {
+            return Err(copy_failed(format!(
+                "CRIU did not dump it within {} s",
+                STEP_TIMEOUT.as_secs()
+            )))
+        }
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let log = read_log(images, "dump.log");
+    Err(copy_failed(format!(
+        "CRIU could not dump it ({status}): {log}"
+    )))
+}
+
+/// The errors of a CRIU log in `dir` (its last ones, bounded), for a message.
+fn read_log(dir: &OwnedFd, name: &str) -> String {
+    let file = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+        Mode::empty(),
+    );
+    let Ok(file) = file else {
+        return "no log".into();
+    };
+    let mut text = String::new();
+    {
+        use std::io::Read;
+        let _ = std::fs::File::from(file)
+            .take(1 << 20)
+            .read_to_string(&mut text);
+    }
+    errors_of(text.lines())
+}
+
+/// The error lines of a CRIU log, the last three, each cut at 300 bytes.
+fn errors_of<'a>(lines: impl Iterator<Item = &'a str>) -> String {
+    let errors: Vec<&str> = lines.filter(|l| l.contains("Error")).collect();
+    let last: Vec<String> = errors
+        .iter()
+        .rev()
+        .take(3)
+        .rev()
+        .map(|l| {
+            let mut l = l.trim().to_string();
+            l.truncate(l.floor_char_boundary(300));
+            l
+        })
+        .collect();
+    match last.is_empty() {
+        true => "no error in its log".into(),
+        false => last.join(" | "),
+    }
+}
+
+/// Makes the dump's images root's and read-only: each entry of `dir` must be a regular
+/// file with one link (nothing CRIU does not make), opened without following anything.
+pub(super) fn seal(dir: OwnedFd) -> io::Result<()> {
+    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+    let mut entries = rustix::fs::Dir::read_from(&dir)?;
+    let mut names = Vec::new();
+    while let Some(entry) = entries.read() {
+        let entry = entry?;
+        let name = entry.file_name().to_owned();
+        if name.as_bytes() != b"." && name.as_bytes() != b".." {
+            names.push(name);
+        }
+    }
+    for name in names {
+        let file = rustix::fs::openat(
+            &dir,
+            name.as_c_str(),
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+            Mode::empty(),
+        )
+        .map_err(|e| bad(format!("{name:?}: {e}")))?;
+        let st = rustix::fs::fstat(&file)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_nlink != 1 {
+            return Err(bad(format!("{name:?} is not a file of the dump's")));
+        }
+        rustix::fs::fchown(
+            &file,
+            Some(rustix::fs::Uid::ROOT),
+            Some(rustix::fs::Gid::ROOT),
+        )?;
+        rustix::fs::fchmod(&file, Mode::from_raw_mode(0o644))?;
+    }
+    rustix::fs::fchown(
+        &dir,
+        Some(rustix::fs::Uid::ROOT),
+        Some(rustix::fs::Gid::ROOT),
+    )?;
+    rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o755))?;
+    Ok(())
+}
+
+/// Reads CRIU's restore log until it says the tasks run (`Ok`), or ends without (its
+/// errors), for at most [`STEP_TIMEOUT`].
+pub(super) async fn restore_result(log: io::PipeReader) -> Result<(), ForkError> {
+    match timeout(STEP_TIMEOUT, read_restore_log(log)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(copy_failed(format!("CRIU could not restore it: {why}"))),
+        Err(_) => Err(copy_failed(format!(
+            "CRIU did not restore it within {} s",
+            STEP_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+async fn read_restore_log(log: io::PipeReader) -> Result<(), String> {
+    let log = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(log))
+        .map_err(|e| format!("its log cannot be read: {e}"))?;
+    let mut lines = BufReader::new(log).lines();
+    let mut errors: Vec<String> = Vec::new();
+    loop {
+        match lines.next_line().await {
+            Ok(Some(line)) if line.contains(RESTORED) => return Ok(()),
+            Ok(Some(line)) => {
+                if line.contains("Error") {
+                    errors.push(line);
+                    if errors.len() > 3 {
+                        errors.remove(0);
+                    }
+                }
+            }
+            Ok(None) | Err(_) => return Err(errors_of(errors.iter().map(String::as_str))),
+        }
+    }
+}
+
+/// Wakes the restored process: CRIU's child in the new sandbox (whose init is `init`) with
+/// pid `pid` there, of uid `uid`. Returns its host pid.
+pub(super) fn wake(init: Option<i32>, pid: i64, uid: u32) -> Result<i32, ForkError> {
+    let lost = |why: &str| copy_failed(format!("the restored kernel cannot be woken: {why}"));
+    let criu = init
+        .and_then(sandbox_command_pid)
+        .ok_or_else(|| lost("its sandbox has no command"))?;
+    let inner = i32::try_from(pid).map_err(|_| lost("not a pid"))?;
+    let host = child_with_namespace_pid(criu, inner).ok_or_else(|| lost("it is not running"))?;
+    let fd = pidfd::open(host).map_err(|_| lost("it ended"))?;
+    if uids_of(host) != Some([uid; 4]) {
+        return Err(lost("it does not run as the kernel's uid"));
+    }
+    // SAFETY: pidfd_send_signal(2) on a pidfd this function owns, with no siginfo (the
+    // kernel fills in SI_USER) and no flags.
+    let sent = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            WAKE_SIGNAL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if sent != 0 {
+        return Err(lost(&io::Error::last_os_error().to_string()));
+    }
+    Ok(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::fsutil;
+
+    #[test]
+    fn criu_versions_are_read_from_its_banner() {
+        assert_eq!(parse_criu_version("Version: 4.1.1\n"), Some((4, 1)));
+        assert_eq!(
+            parse_criu_version("Version: 3.17.1\nGitID: x\n"),
+            Some((3, 17))
+        );
+        assert_eq!(parse_criu_version("Version: 5\n"), Some((5, 0)));
+        assert_eq!(parse_criu_version("criu 4.1\n"), None);
+        assert_eq!(parse_criu_version(""), None);
+    }
+
+    #[test]
+    fn a_log_says_its_last_errors_only() {
+        let log = "(00.1) Warn: x\n(00.2) Error (criu/a.c:1): one\n(00.3) Error (b): two\n\
+                   (00.4) Error (c): three\n(00.5) Error (d): four\n";
+        assert_eq!(
+            errors_of(log.lines()),
+            "(00.3) Error (b): two | (00.4) Error (c): three | (00.5) Error (d): four"
+        );
+        assert_eq!(errors_of("all fine".lines()), "no error in its log");
+        let long = format!("Error {}", "é".repeat(400));
+        assert!(errors_of(std::iter::once(long.as_str())).len() <= 300);
+    }
+
+    #[test]
+    fn a_dump_directory_with_anything_but_its_files_is_not_sealed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("core-3.img"), b"x").unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", dir.path().join("pages-1.img")).unwrap();
+        let fd = fsutil::open_tree_root(dir.path()).unwrap();
+        assert!(seal(fd).is_err());
+        std::fs::remove_file(dir.path().join("pages-1.img")).unwrap();
+        std::fs::hard_link(dir.path().join("core-3.img"), dir.path().join("mm-3.img")).unwrap();
+        let fd = fsutil::open_tree_root(dir.path()).unwrap();
+        assert!(seal(fd).is_err(), "a second link to a file is refused");
+        std::fs::remove_file(dir.path().join("mm-3.img")).unwrap();
+        let fd = fsutil::open_tree_root(dir.path()).unwrap();
+        if rustix::process::geteuid().is_root() {
+            seal(fd).unwrap();
+            let st = std::fs::metadata(dir.path().join("core-3.img")).unwrap();
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!((st.uid(), st.mode() & 0o777), (0, 0o644));
+        }
+    }
+}
