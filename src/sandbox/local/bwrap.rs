@@ -214,6 +214,18 @@ impl MountPlan {
         self.dirs.insert(dest.to_path_buf());
     }
 
+    /// The host's `/usr`, read-only, and the top-level directories and symlinks beside it
+    /// (`/bin`, `/lib`, ...).
+    fn host_system(&mut self, host: &HostRoot) {
+        self.ro_bind(Path::new("/usr"), Path::new("/usr"));
+        for (path, entry) in &host.tops {
+            match entry {
+                RootEntry::Symlink(target) => self.symlink(target, path),
+                RootEntry::Dir => self.ro_bind(path, path),
+            }
+        }
+    }
+
     fn symlink(&mut self, target: &Path, link: &Path) {
         self.parents(link);
         self.args
@@ -266,13 +278,7 @@ pub(super) fn bwrap_args(
     fs.flag("--new-session");
     fs.push(["--hostname", HOSTNAME]);
 
-    fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
-    for (path, entry) in &host.tops {
-        match entry {
-            RootEntry::Symlink(target) => fs.symlink(target, path),
-            RootEntry::Dir => fs.ro_bind(path, path),
-        }
-    }
+    fs.host_system(host);
     // The private mounts come before the binds, so that a bind below /tmp (a venv
     // there, say) lands on the tmpfs instead of being hidden by it.
     fs.push(["--proc", "/proc", "--dev", "/dev"]);
@@ -445,13 +451,7 @@ pub(super) fn copy_args(
     for cap in ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"] {
         fs.push(["--cap-add", cap]);
     }
-    fs.ro_bind(Path::new("/usr"), Path::new("/usr"));
-    for (path, entry) in &host.tops {
-        match entry {
-            RootEntry::Symlink(target) => fs.symlink(target, path),
-            RootEntry::Dir => fs.ro_bind(path, path),
-        }
-    }
+    fs.host_system(host);
     fs.push(["--proc", "/proc", "--dev", "/dev"]);
     for (dirs, inside, writable) in [(from, COPY_FROM, false), (to, COPY_TO, true)] {
         for (dir, name) in [(&dirs.home, "home"), (&dirs.tmp, "tmp")] {

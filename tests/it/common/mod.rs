@@ -491,3 +491,27 @@ pub async fn pg_end_reason(client: &tokio_postgres::Client, id: &str) -> Option<
         .unwrap()
         .get(0)
 }
+
+/// Whether CRIU 4 is installed where the broker looks; panics when CI requires it.
+pub fn criu_ready() -> bool {
+    let found = [
+        "/usr/local/sbin/criu",
+        "/usr/sbin/criu",
+        "/usr/local/bin/criu",
+    ]
+    .iter()
+    .any(|p| {
+        std::process::Command::new(p)
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("Version: 4"))
+            .unwrap_or(false)
+    });
+    if !found && std::env::var("KB_REQUIRE_CRIU").as_deref() == Ok("1") {
+        panic!("KB_REQUIRE_CRIU=1 but CRIU 4 is not installed: run scripts/setup-criu");
+    }
+    if !found {
+        eprintln!("skipped: CRIU 4 is not installed (scripts/setup-criu)");
+    }
+    found
+}
