@@ -668,7 +668,16 @@ async fn proposed_ids_are_never_reused(broker: &mut SpawnedBroker) {
     );
     let (status, _) = alice.delete(&format!("/v1/sessions/{ended}")).await;
     assert_eq!(status, 204);
-    let before = events(&alice, &ended, "").await;
+    // The end is recorded by the writer after the answer: the recording as it stays.
+    let mut before = events(&alice, &ended, "").await;
+    for _ in 0..200 {
+        if before.last().is_some_and(|e| e["kind"] == "session_closed") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        before = events(&alice, &ended, "").await;
+    }
+    assert_eq!(before.last().unwrap()["kind"], "session_closed");
 
     refused(
         bob.post("/api/kernels", propose(&ended)).await,
