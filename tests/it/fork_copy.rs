@@ -205,8 +205,30 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
     assert_eq!(interrupted["status"], "interrupted", "{interrupted}");
     assert_eq!(out(&api, &c, "print(x)").await, "41");
 
-    // Ending a fork removes its workspace, and nothing of the copies stays.
+    // A file the kernel itself cannot read (mode 0): the copy, as the kernel's uid, fails,
+    // saying so, and leaves nothing.
     let data = broker.data_dir.clone();
+    let before = std::fs::read_dir(data.join("sandboxes")).unwrap().count();
+    out(
+        &api,
+        &a,
+        "open('/home/user/locked', 'w').write('x'); os.chmod('/home/user/locked', 0)",
+    )
+    .await;
+    let (status, v) = fork(&api, &a, 1).await;
+    assert_eq!(status, 502, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("could not be copied") && message.contains("locked"),
+        "{v}"
+    );
+    assert_eq!(
+        std::fs::read_dir(data.join("sandboxes")).unwrap().count(),
+        before
+    );
+    out(&api, &a, "os.remove('/home/user/locked')").await;
+
+    // Ending a fork removes its workspace, and nothing of the copies stays.
     for id in [&b, &c] {
         assert_eq!(api.delete(&format!("/v1/sessions/{id}")).await.0, 204);
         assert!(!data.join("sandboxes").join(id).exists(), "{id}");

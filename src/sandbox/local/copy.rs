@@ -101,7 +101,7 @@ impl LocalSandbox {
         let host = HostRoot::probe(&[]);
         let quota = user.limits.workspace_quota_bytes;
         let started = Instant::now();
-        let copied = tokio::task::spawn_blocking(move || -> Result<(), ForkError> {
+        let made_dirs = tokio::task::spawn_blocking(move || -> Result<_, ForkError> {
             let to_dirs = own.prepare(to, quota, Some(ids))?;
             fsutil::create_private_dir(&copies, Some(0o700))?;
             let parent = fsutil::open_tree_root(&copies)
@@ -109,12 +109,15 @@ impl LocalSandbox {
             let name = made.file_name().map(PathBuf::from).unwrap_or_default();
             fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some(ids))
                 .map_err(io_err("cannot create the copy's directory", &made))?;
-            let args = copy_args(&opts, &host, &own.dirs(from), &to_dirs, ids)
-                .ok_or_else(|| copy_failed("setpriv is missing"))?;
-            copy_workspace(&bwrap, &args)
+            copy_args(&opts, &host, &own.dirs(from), &to_dirs, ids)
+                .ok_or_else(|| copy_failed("setpriv is missing"))
         })
         .await
         .unwrap_or_else(|e| Err(copy_failed(format!("the copy task failed: {e}"))));
+        let copied = match made_dirs {
+            Ok(args) => copy_workspace(&bwrap, &args).await,
+            Err(e) => Err(e),
+        };
         if let Err(e) = copied {
             self.give_up_copy(&user, to, dir).await;
             return Err(e);

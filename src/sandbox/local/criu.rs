@@ -8,10 +8,10 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::fs::{Mode, OFlags};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::time::timeout;
 
 use super::host::find_program;
@@ -119,42 +119,43 @@ pub(super) fn copy_failed(why: impl Into<String>) -> ForkError {
     ForkError::Copy(why.into())
 }
 
-/// Runs the workspace copy (`args`: [`copy_args`]); blocking.
-pub(super) fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<(), ForkError> {
-    let mut child = std::process::Command::new(bwrap)
+/// Runs the workspace copy (`args`: [`copy_args`]), for at most [`STEP_TIMEOUT`].
+pub(super) async fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<(), ForkError> {
+    let mut child = tokio::process::Command::new(bwrap)
         .args(args)
         .env_clear()
         .current_dir("/")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
+        // bwrap's --die-with-parent takes cp along.
+        .kill_on_drop(true)
         .spawn()
         .map_err(|e| copy_failed(format!("cannot start the workspace copy: {e}")))?;
-    let deadline = Instant::now() + STEP_TIMEOUT;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) if status.success() => return Ok(()),
-            Ok(Some(status)) => {
-                let mut err = String::new();
-                if let Some(mut stderr) = child.stderr.take() {
-                    use std::io::Read;
-                    let _ = (&mut stderr).take(2048).read_to_string(&mut err);
-                }
-                return Err(copy_failed(format!(
-                    "the workspace could not be copied ({status}): {}",
-                    err.trim()
-                )));
-            }
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) | Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(copy_failed(format!(
-                    "the workspace copy took more than {} s",
-                    STEP_TIMEOUT.as_secs()
-                )));
+    let stderr = child.stderr.take();
+    // All of it is read (a copy with many errors must not stall on a full pipe), the
+    // first 2 KiB kept for the message.
+    let errors = async move {
+        let mut kept = Vec::new();
+        if let Some(mut stderr) = stderr {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+                let room = 2048usize.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
             }
         }
+        String::from_utf8_lossy(&kept).trim().to_string()
+    };
+    match timeout(STEP_TIMEOUT, async { tokio::join!(child.wait(), errors) }).await {
+        Ok((Ok(status), _)) if status.success() => Ok(()),
+        Ok((Ok(status), err)) => Err(copy_failed(format!(
+            "the workspace could not be copied ({status}): {err}"
+        ))),
+        Ok((Err(e), _)) => Err(copy_failed(format!("the workspace copy failed: {e}"))),
+        Err(_) => Err(copy_failed(format!(
+            "the workspace copy took more than {} s",
+            STEP_TIMEOUT.as_secs()
+        ))),
     }
 }
 
