@@ -5,8 +5,9 @@ variable, then goes its own way (its file changed, the original's is not); every
 
 The broker answers E2B's fork route through the session layer's fork (`Registry::fork`): a
 sandbox is a session with a workspace of its own, so each fork is a copy of its kernel (CRIU 4,
-`scripts/setup-criu`) in a sandbox of its own with a copy of its workspace. The refusals the
-SDK gets whole (no such sandbox, another user's, a count above the broker's 8) are tested too.
+`scripts/setup-criu`) in a sandbox of its own with a copy of its workspace: on the local
+sandbox and on Docker (a container of its own). The refusals the SDK gets whole (no such
+sandbox, another user's, a count above the broker's 8) are tested too.
 """
 
 import asyncio
@@ -83,7 +84,7 @@ def seconds_left(sbx):
 
 
 @needs_criu
-def test_a_sandbox_forks_itself(e2b_env):
+def test_a_sandbox_forks_itself(any_backend):
     """`sbx.fork()`: one fork, with E2B's default timeout for forks (15 s)."""
     from e2b_code_interpreter import Sandbox
 
@@ -104,7 +105,7 @@ def test_a_sandbox_forks_itself(e2b_env):
 
 
 @needs_criu
-def test_a_sandbox_is_forked_by_its_id(e2b_env):
+def test_a_sandbox_is_forked_by_its_id(any_backend):
     """`Sandbox.fork(sandbox_id, count=2, timeout=...)`: two forks, each its own sandbox."""
     from e2b_code_interpreter import Sandbox
 
@@ -131,7 +132,7 @@ def test_a_sandbox_is_forked_by_its_id(e2b_env):
 
 
 @needs_criu
-def test_an_async_sandbox_is_forked(e2b_env):
+def test_an_async_sandbox_is_forked(any_backend):
     """`AsyncSandbox.fork(sandbox_id)`, the async SDK's class method."""
     from e2b_code_interpreter import AsyncSandbox
 

@@ -178,7 +178,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KERNEL_BROKER_FORK_SERVER", num_args = 0..=1, default_missing_value = "true")]
     pub fork_server: Option<bool>,
     /// CRIU (4.0 or later), which copies a kernel into a sandbox of its own: forks of
-    /// sessions with a workspace of their own (local sandbox, as root) [default: the first
+    /// sessions with a workspace of their own (both sandboxes, as root) [default: the first
     /// of /usr/local/sbin/criu, /usr/sbin/criu, /usr/local/bin/criu that is 4.0 or later]
     #[arg(long, env = "KERNEL_BROKER_CRIU")]
     pub criu: Option<PathBuf>,

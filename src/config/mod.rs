@@ -403,6 +403,7 @@ impl Settings {
         }
         local.fork_server = pick!(fork_server, local.fork_server);
         if let Some(criu) = either!(args, file, criu) {
+            docker.criu = Some(criu.clone());
             local.criu = Some(criu);
         }
         docker.fork_server = pick!(fork_server, docker.fork_server);

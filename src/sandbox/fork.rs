@@ -44,7 +44,8 @@ pub struct ForkOrigin {
     /// the session it was launched for); `None` where the backend needs none.
     pub(crate) kernel: Option<Uuid>,
     /// The parent kernel's own workspace (a session with a workspace of its own): its forks
-    /// are copied into sandboxes of their own with a copy of it (`local/copy.rs`), not
+    /// are copied into sandboxes of their own with a copy of it (`local/copy.rs`,
+    /// `docker/copy.rs`), not
     /// forked beside it. `None`: forks live in the parent's sandbox.
     pub(crate) own_workspace: Option<Uuid>,
 }
@@ -122,7 +123,8 @@ pub enum ForkError {
     /// The pid the kernel reported is not a process it forked.
     #[error("the kernel reported pid {pid} for its fork, which is not a child it forked: {why}")]
     NotItsChild { pid: i64, why: &'static str },
-    /// The kernel could not be copied into a sandbox of its own (`local/copy.rs`).
+    /// The kernel could not be copied into a sandbox of its own (`local/copy.rs`,
+    /// `docker/copy.rs`).
     #[error("the kernel could not be copied into a sandbox of its own: {0}")]
     Copy(String),
     #[error(transparent)]

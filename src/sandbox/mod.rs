@@ -44,6 +44,7 @@
 pub mod boot;
 pub mod cgroup;
 pub mod command;
+pub(crate) mod criu;
 pub mod docker;
 pub mod egress;
 pub mod environ;

@@ -1,7 +1,8 @@
 //! Forks of a session with a workspace of its own (issue 36): the kernel is copied with
-//! CRIU into a sandbox of its own with a copy of the workspace (`sandbox/local/copy.rs`).
-//! Local sandbox, as root, real kernels and a real CRIU 4 (`scripts/setup-criu`); with
-//! `KB_REQUIRE_CRIU=1` (CI) a missing CRIU fails these tests instead of skipping them.
+//! CRIU into a sandbox of its own with a copy of the workspace (`sandbox/local/copy.rs`,
+//! `sandbox/docker/copy.rs`: a container of its own). Both backends, as root, real kernels
+//! and a real CRIU 4 (`scripts/setup-criu`); with `KB_REQUIRE_CRIU=1` (CI) a missing CRIU
+//! fails these tests instead of skipping them.
 
 use crate::common;
 
@@ -56,26 +57,57 @@ const PROBE: &str = "print(x, f(3), fh.readline().strip(), next(g), random.rando
 const WHO: &str = "st = {l.split(':')[0]: l.split(':')[1].strip() for l in open('/proc/self/status')}\n\
                    print(os.getuid(), st['CapEff'], st['CapPrm'], st['CapBnd'], st['NoNewPrivs'], st['Seccomp'])";
 
-mod local {
-    #[tokio::test]
-    async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
-        super::a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it().await
-    }
-    #[tokio::test]
-    async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
-        super::checkpoints_of_a_session_with_its_own_workspace_hold_its_files().await
-    }
-    #[tokio::test]
-    async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
-        super::a_kernel_that_lies_about_its_held_fork_gets_nothing_copied().await
+crate::on_both_backends!(
+    a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it,
+    checkpoints_of_a_session_with_its_own_workspace_hold_its_files,
+    a_kernel_that_lies_about_its_held_fork_gets_nothing_copied,
+);
+
+/// Where a backend keeps the own workspaces and the copies' images, in the data directory.
+fn dirs(sandbox: &str) -> (&'static str, &'static str) {
+    match sandbox {
+        "docker" => ("sandboxes-docker", "copies-docker"),
+        _ => ("sandboxes", "copies"),
     }
 }
 
-async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
+/// The host processes running CRIU's restore for session `id` (in its cgroup leaf): each
+/// one's `/proc/<pid>/status`.
+fn restores_of(id: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let args = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        // Run by descriptor (directly, or through the host's loader): its arguments say
+        // what it is; those of the helpers that start it (nsenter, bwrap, setpriv) hold
+        // CRIU's after a `--`.
+        let args: Vec<&[u8]> = args.split(|b| *b == 0).collect();
+        let at = |word: &[u8]| args.iter().position(|a| *a == word);
+        let restoring = match (at(b"restore"), at(b"--")) {
+            (Some(r), Some(d)) => r < d,
+            (Some(_), None) => true,
+            _ => false,
+        } && at(b"--unprivileged").is_some();
+        let in_leaf =
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains(id));
+        if restoring && in_leaf {
+            if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                found.push(status);
+            }
+        }
+    }
+    found
+}
+
+async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it(sandbox: &'static str) {
     if !criu_ready() {
         return;
     }
-    let broker = Broker::start("local", |_| {}).await;
+    let (sandboxes, copies) = dirs(sandbox);
+    let broker = Broker::start(sandbox, |_| {}).await;
     let api = broker.api(ALICE);
     let a = own(&api).await;
     let setup = api.execute(&a, STATE).await;
@@ -115,22 +147,11 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
         .await,
         "True /etc/shadow"
     );
-    // CRIU, which waits for the copy in its sandbox, runs as the kernel's uid with the two
-    // capabilities a restore needs and nothing else, no_new_privs.
-    let leaf = pids_cgroup_base(broker.cgroup_name())
-        .join("alice")
-        .join(&b);
-    let procs = std::fs::read_to_string(leaf.join("cgroup.procs")).unwrap();
-    let criu: Vec<String> = procs
-        .lines()
-        // Run as /proc/self/fd/N: its name is a number; its arguments say what it is.
-        .filter(|p| {
-            std::fs::read(format!("/proc/{p}/cmdline"))
-                .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"restore"))
-        })
-        .map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).unwrap())
-        .collect();
-    assert_eq!(criu.len(), 1, "{procs}");
+    // CRIU, which waits for the copy in its sandbox (in the copy's cgroup leaf), runs as
+    // the kernel's uid with the two capabilities a restore needs and nothing else,
+    // no_new_privs.
+    let criu = restores_of(&b);
+    assert_eq!(criu.len(), 1, "{criu:?}");
     let field = |name: &str| {
         criu[0]
             .lines()
@@ -145,6 +166,40 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
     assert_eq!(field("CapEff"), "0000010000000100");
     assert_eq!(field("CapBnd"), "0000010000000100");
     assert_eq!(field("NoNewPrivs"), "1");
+    // The copy holds no descriptor of the programs that made it (the host's loader and
+    // library directories, CRIU's images), only its own files.
+    let fds = out(
+        &api,
+        &b,
+        "import os\nfds = os.listdir('/proc/self/fd')\nls = []\nfor d in fds:\n    try: ls.append(os.readlink('/proc/self/fd/' + d))\n    except OSError: pass\nprint(sorted(l for l in ls if l.startswith('/')))",
+    )
+    .await;
+    assert!(
+        !fds.contains("/usr/") && !fds.contains("/lib") && !fds.contains("copies"),
+        "{fds}"
+    );
+    if sandbox == "docker" {
+        // Its own /proc hides what Docker hides from a container: each masked path there
+        // is covered (the host's timers and their tasks' names, keys), /proc/sys read-only.
+        let mounts = out(
+            &api,
+            &b,
+            "print(' '.join(l.split()[4] + ':' + l.split()[5].split(',')[0] for l in open('/proc/self/mountinfo') if l.split()[4].startswith('/proc/')))",
+        )
+        .await;
+        for (path, mode) in [
+            ("/proc/keys", "ro"),
+            ("/proc/sys", "ro"),
+            ("/proc/acpi", "ro"),
+        ] {
+            if std::path::Path::new(path).exists() {
+                assert!(
+                    mounts.contains(&format!("{path}:{mode}")),
+                    "{path}: {mounts}"
+                );
+            }
+        }
+    }
 
     // E2B's flow: the fork reads the file as it was; what the fork writes stays its own.
     assert_eq!(
@@ -208,7 +263,7 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
     // A file the kernel itself cannot read (mode 0): the copy, as the kernel's uid, fails,
     // saying so, and leaves nothing.
     let data = broker.data_dir.clone();
-    let before = std::fs::read_dir(data.join("sandboxes")).unwrap().count();
+    let before = std::fs::read_dir(data.join(sandboxes)).unwrap().count();
     out(
         &api,
         &a,
@@ -219,11 +274,12 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
     assert_eq!(status, 502, "{v}");
     let message = v["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        message.contains("could not be copied") && message.contains("locked"),
+        (message.contains("could not be copied") || message.contains("could not be read"))
+            && message.contains("locked"),
         "{v}"
     );
     assert_eq!(
-        std::fs::read_dir(data.join("sandboxes")).unwrap().count(),
+        std::fs::read_dir(data.join(sandboxes)).unwrap().count(),
         before
     );
     out(&api, &a, "os.remove('/home/user/locked')").await;
@@ -231,9 +287,9 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
     // Ending a fork removes its workspace, and nothing of the copies stays.
     for id in [&b, &c] {
         assert_eq!(api.delete(&format!("/v1/sessions/{id}")).await.0, 204);
-        assert!(!data.join("sandboxes").join(id).exists(), "{id}");
+        assert!(!data.join(sandboxes).join(id).exists(), "{id}");
     }
-    let copies: Vec<_> = std::fs::read_dir(data.join("copies"))
+    let copies: Vec<_> = std::fs::read_dir(data.join(copies))
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(copies.is_empty(), "{copies:?}");
@@ -244,14 +300,20 @@ async fn a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it() {
 /// A kernel that answers a hold request with a pid that is not its held child (its own,
 /// pid 1, another user's kernel, garbage) gets nothing dumped or restored, and nothing of
 /// the fork is left: no session, no workspace, no copy.
-async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
+async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied(sandbox: &'static str) {
     if !criu_ready() {
         return;
     }
+    let (sandboxes, copies) = dirs(sandbox);
     // What a broker killed mid-copy left (a kernel's memory, in its images) goes at the
     // next start.
-    let broker = Broker::start("local", |a| {
-        let left = a.data_dir.clone().unwrap().join("copies/left-by-a-crash");
+    let broker = Broker::start(sandbox, |a| {
+        let left = a
+            .data_dir
+            .clone()
+            .unwrap()
+            .join(copies)
+            .join("left-by-a-crash");
         std::fs::create_dir_all(&left).unwrap();
         std::fs::write(left.join("pages-1.img"), b"a kernel's memory").unwrap();
     })
@@ -318,13 +380,13 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
         assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
     }
     let data = broker.data_dir.clone();
-    let sandboxes: Vec<_> = std::fs::read_dir(data.join("sandboxes"))
+    let left: Vec<_> = std::fs::read_dir(data.join(sandboxes))
         .unwrap()
         .flatten()
         .map(|e| e.file_name())
         .collect();
-    assert_eq!(sandboxes.len(), 2, "{sandboxes:?}");
-    let copies: Vec<_> = std::fs::read_dir(data.join("copies"))
+    assert_eq!(left.len(), 2, "{left:?}");
+    let copies: Vec<_> = std::fs::read_dir(data.join(copies))
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(copies.is_empty(), "{copies:?}");
@@ -333,9 +395,9 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied() {
     broker.stop().await;
 }
 
-/// The names in `<data_dir>/sandboxes` (the own workspaces), sorted.
-fn own_workspaces(data: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(data.join("sandboxes"))
+/// The names in the own workspaces' directory `sandboxes` of `data`, sorted.
+fn own_workspaces(data: &std::path::Path, sandboxes: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(data.join(sandboxes))
         .map(|d| {
             d.flatten()
                 .filter(|e| e.path().is_dir())
@@ -351,11 +413,12 @@ fn own_workspaces(data: &std::path::Path) -> Vec<String> {
 /// rewind after a destructive cell (a variable deleted, a file changed, a directory
 /// removed) brings both back, a fork of the checkpoint starts from both, and a dropped
 /// checkpoint takes its copy of the files with it.
-async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
+async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files(sandbox: &'static str) {
     if !criu_ready() {
         return;
     }
-    let broker = Broker::start("local", |_| {}).await;
+    let (sandboxes, _) = dirs(sandbox);
+    let broker = Broker::start(sandbox, |_| {}).await;
     let api = broker.api(ALICE);
     let data = broker.data_dir.clone();
     let a = own(&api).await;
@@ -372,7 +435,7 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
     assert_eq!(status, 201, "{cp}");
     let cp = cp["id"].as_str().unwrap().to_string();
     // The checkpoint's copy of the files, beside the session's.
-    assert_eq!(own_workspaces(&data), {
+    assert_eq!(own_workspaces(&data, sandboxes), {
         let mut v = vec![a.clone(), cp.clone()];
         v.sort();
         v
@@ -421,6 +484,36 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(out(&api, &a, probe).await, "[1, 2, 3] v1 k False");
 
+    // A rewind that fails (a directory the kernel itself cannot empty) leaves the session
+    // its kernel and its workspace: not removed as a failed fork's would be.
+    out(
+        &api,
+        &a,
+        "os.makedirs('/home/user/ro/x', exist_ok=True)\nos.chmod('/home/user/ro', 0o500)\nafter = 1",
+    )
+    .await;
+    let (status, v) = api
+        .post(
+            &format!("/v1/sessions/{a}/rewind"),
+            json!({ "checkpoint": cp }),
+        )
+        .await;
+    assert_eq!(status, 502, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("cannot write the directory"), "{v}");
+    // Nothing of it was touched: its files are all there, its kernel the same.
+    assert_eq!(
+        out(
+            &api,
+            &a,
+            "print(after, os.path.isdir('/home/user/ro/x'), open('/home/user/f.txt').read())"
+        )
+        .await,
+        "1 True v1"
+    );
+    assert!(own_workspaces(&data, sandboxes).contains(&a));
+    out(&api, &a, "os.chmod('/home/user/ro', 0o700)").await;
+
     // A fork of the checkpoint: a new session with the checkpoint's kernel and files.
     let (status, v) = api
         .post(
@@ -447,10 +540,10 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files() {
         .delete(&format!("/v1/sessions/{a}/checkpoints/{cp}"))
         .await;
     assert_eq!(status, 204);
-    assert!(!own_workspaces(&data).contains(&cp));
+    assert!(!own_workspaces(&data, sandboxes).contains(&cp));
     for id in [&f, &a] {
         assert_eq!(api.delete(&format!("/v1/sessions/{id}")).await.0, 204);
     }
-    assert_eq!(own_workspaces(&data), Vec::<String>::new());
+    assert_eq!(own_workspaces(&data, sandboxes), Vec::<String>::new());
     broker.stop().await;
 }

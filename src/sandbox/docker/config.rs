@@ -45,6 +45,9 @@ pub struct DockerSandboxConfig {
     /// How long one request to the daemon may take, connecting included
     /// (`--docker-api-timeout`, default 60 s): more for a slow engine (an emulated host).
     pub api_timeout: Duration,
+    /// CRIU (`--criu`), which copies a kernel into a container of its own (`copy.rs`);
+    /// None: the first of the usual places that is 4.0 or later.
+    pub criu: Option<PathBuf>,
 }
 
 impl DockerSandboxConfig {
@@ -68,6 +71,7 @@ impl DockerSandboxConfig {
             cgroup_parent: None,
             require_limits: true,
             api_timeout: Duration::from_secs(60),
+            criu: None,
         }
     }
 }

@@ -111,6 +111,12 @@ impl Inner {
                     sweep,
                 )
                 .await?;
+                // Copies are never kept: their images hold a kernel's memory.
+                let copies = self.copies_dir();
+                let _ = tokio::task::spawn_blocking(move || {
+                    crate::sandbox::criu::sweep_copies(&copies)
+                })
+                .await;
                 if keep {
                     self.take_over(&docker).await?;
                     self.parents.sweep(&docker).await;

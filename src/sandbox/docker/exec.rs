@@ -35,7 +35,7 @@ use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Freezer, Leaf};
 use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
 use crate::sandbox::pidfd;
-use crate::sandbox::procfs::uids_of;
+use crate::sandbox::procfs::{children_of, uids_of};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
     thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
@@ -55,6 +55,10 @@ pub(super) struct DockerKernel {
     /// The kernel's exec; empty for a kernel forked from a template (`template.rs`), which
     /// has no exec of its own (see [`Self::forked`]).
     pub exec_id: String,
+    /// The host pid of a plainly started kernel's exec in a sandbox's own container (its
+    /// `sh`, whose `tini` runs the kernel), known as root: where its copies start
+    /// (`copy.rs`). None for any other kernel.
+    pub exec_pid: Option<i32>,
     /// A kernel forked from its user's template: its host pid and a pidfd on it.
     pub forked: Option<ForkedPid>,
     /// Under Podman, a pidfd on the exec's process (a host pid): how its watcher sees the
@@ -72,25 +76,40 @@ pub(super) struct DockerKernel {
 
 /// Where a kernel of the Docker sandbox can be forked (`fork.rs` says which can).
 pub(super) fn fork_origin(kernel: &DockerKernel) -> Option<ForkOrigin> {
-    let forked = kernel.forked.as_ref()?;
-    if kernel.container.own.is_some() || kernel.watch.has_exited() {
+    if kernel.watch.has_exited() {
         return None;
     }
+    let host_pid = match (&kernel.forked, kernel.container.own) {
+        (Some(forked), _) => forked.host_pid,
+        // A sandbox's own kernel started plainly: its copies start from it (`copy.rs`).
+        (None, Some(_)) => plain_kernel_pid(kernel.exec_pid?)?,
+        (None, None) => return None,
+    };
     // The uid it runs as on the host (the image's kernel user, or what a user namespace
     // maps it to): its forks must run as that uid too.
-    let uids = uids_of(forked.host_pid)?;
+    let uids = uids_of(host_pid)?;
     if uids.iter().any(|u| *u != uids[0]) {
         return None;
     }
     Some(ForkOrigin {
-        host_pid: forked.host_pid,
+        host_pid,
         uid: Some(uids[0]),
         dir: kernel.host_dir.parent()?.to_path_buf(),
         inside: RUN_DIR_INSIDE.to_string(),
         pid_namespace: None,
         kernel: Some(kernel.watch.session_id),
-        own_workspace: None,
+        own_workspace: kernel.container.own,
     })
+}
+
+/// The kernel a plain exec runs (`kernel_command`): the one child of the one child (`tini
+/// -s`) of the exec's `sh`, host pid `exec`.
+fn plain_kernel_pid(exec: i32) -> Option<i32> {
+    let only = |pid: i32| match children_of(pid).as_slice() {
+        [one] => Some(*one),
+        _ => None,
+    };
+    only(only(exec)?)
 }
 
 /// A forked kernel's process, as the broker (root on the host) sees it.
@@ -221,6 +240,11 @@ impl Inner {
         let cwd = match spec.own_workspace {
             Some(_) => {
                 env.extend(super::own::own_env());
+                // Its copies' connection files are in the container's runtime directory.
+                env.push(format!(
+                    "{}={RUN_DIR_INSIDE}",
+                    crate::sandbox::boot::FORK_ROOT_ENV
+                ));
                 crate::sandbox::own_workspace::HOME_INSIDE
             }
             None => WORKSPACE_INSIDE,

@@ -10,7 +10,8 @@
 //! (the fork server off, `--keep-sessions`, or a broker not running as root) is refused:
 //! without root the broker can neither find its child's host pid nor give it a leaf, and
 //! with one the exec's end reaps what the kernel left (`reaper.rs`), the fork included. A
-//! sandbox's own container (E2B) is refused as well: its workspace would be shared.
+//! sandbox's own container (E2B) is not forked beside itself (its workspace would be
+//! shared) but copied into a container of its own (`copy.rs`).
 //!
 //! The child's runtime directory is made by descriptor in the user's runtime directory
 //! (the broker's, 0711, `/run/kernel` in the container), named like a launched kernel's
@@ -209,6 +210,7 @@ impl Inner {
                 pidfd: fd,
                 cgroup,
             }),
+            exec_pid: None,
             exec_pidfd: None,
             leaf: Some(leaf),
             freezer,

@@ -81,6 +81,11 @@ impl Inner {
         };
         let session = spec.session_id.to_string();
         let exec_pidfd = self.exec_pidfd(&docker, &exec_id).await;
+        // A sandbox's own kernel is copied from its exec's process (`copy.rs`), as root.
+        let exec_pid = match (target.own, self.privileged) {
+            (Some(_), true) => super::place::exec_pid(&docker, &exec_id).await.ok(),
+            _ => None,
+        };
         // Only root writes the container's cgroup (see `exec.rs`).
         let placeable = self.privileged.then_some(exec_id.as_str());
         let leaf = match place_kernel(&docker, placeable, &host_dir, &session, &spec.limits).await {
@@ -101,6 +106,7 @@ impl Inner {
             dir,
             host_dir,
             exec_id,
+            exec_pid,
             forked: None,
             exec_pidfd,
             leaf,

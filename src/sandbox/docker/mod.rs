@@ -66,13 +66,15 @@
 //! `container.rs` the pure container spec and the container's lifecycle; `exec.rs` a
 //! kernel's exec, its interrupt and the reaper; `place.rs` a process's own cgroup leaf;
 //! `template.rs` fork-server templates and the kernels forked from them; `fork.rs` a live
-//! kernel's fork beside it in the container; `watch.rs` the
+//! kernel's fork beside it in the container; `copy.rs` and `restore.rs` a copy of a kernel
+//! with a workspace of its own into a container of its own (CRIU); `watch.rs` the
 //! watchers that classify a kernel's end (OOM attribution included); `keep/` kernels kept across a restart (their
 //! tickets, the start-up that keeps them, adoption).
 
 mod command;
 mod config;
 mod container;
+mod copy;
 mod daemon;
 mod engine;
 mod exec;
@@ -84,6 +86,7 @@ mod own;
 mod parent;
 mod place;
 mod reaper;
+mod restore;
 mod running;
 mod template;
 mod watch;
@@ -197,6 +200,8 @@ struct Inner {
     parents: parent::Parents,
     /// Cancelled by `shutdown`: stops idle timers.
     shutdown: CancellationToken,
+    /// The programs a copy into a container of its own runs (`copy.rs`), found once.
+    copy_tools: OnceCell<Result<Arc<restore::CopyTools>, String>>,
 }
 
 /// Per-user state.
@@ -245,6 +250,7 @@ impl DockerSandbox {
                 templates: template::Templates::default(),
                 parents,
                 shutdown: CancellationToken::new(),
+                copy_tools: OnceCell::new(),
             }),
         })
     }
@@ -387,13 +393,8 @@ impl Sandbox for DockerSandbox {
         spec: LaunchSpec,
     ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
         if spec.own_workspace.is_some() {
-            // Its fork would share the container, and so the workspace.
-            return Err(super::fork::ForkError::Unsupported(
-                "it has a workspace of its own (in a container of its own), and the Docker \
-                 sandbox does not copy a kernel into a container of its own yet; the local sandbox does \
-                 (with CRIU); fork a session of the shared workspace"
-                    .into(),
-            ));
+            // A fork beside it would share its container, and so its workspace: a copy.
+            return self.inner.prepare_copy(parent, spec).await;
         }
         self.inner.prepare_kernel_fork(parent, spec).await
     }
@@ -403,10 +404,16 @@ impl Sandbox for DockerSandbox {
         prepared: super::fork::PreparedFork,
         pid: i64,
     ) -> Result<Launched, super::fork::ForkError> {
+        if prepared.origin.own_workspace.is_some() {
+            return self.inner.adopt_copy(prepared, pid).await;
+        }
         self.inner.adopt_kernel_fork(prepared, pid).await
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        if prepared.origin.own_workspace.is_some() {
+            return self.inner.discard_copy(prepared).await;
+        }
         self.inner.discard_kernel_fork(prepared).await;
     }
 }

@@ -425,6 +425,7 @@ impl Inner {
                 pidfd,
                 cgroup: template.cgroup.clone(),
             }),
+            exec_pid: None,
             exec_pidfd: None,
             freezer: Some(template.cgroup.freezer(&leaf)),
             leaf: Some(leaf),

@@ -5,7 +5,7 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -294,6 +294,16 @@ fn one_component(name: &Path) -> io::Result<&Path> {
             format!("{} is not one path component", name.display()),
         )),
     }
+}
+
+/// Clears close-on-exec on `fd` so the exec'd program inherits it. Runs between fork and
+/// exec: async-signal-safe calls only.
+pub(crate) fn inherit_fd(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl(2) with F_SETFD has no memory-safety preconditions.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -263,3 +263,12 @@ pub(crate) async fn remove_dir_logged(dir: PathBuf) {
         Err(e) => tracing::warn!(error = %e, "removing a runtime directory failed"),
     }
 }
+
+/// `name` in `$PATH`, then in `/usr/bin` and `/usr/sbin`.
+pub(crate) fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}

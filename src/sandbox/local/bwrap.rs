@@ -480,13 +480,19 @@ pub(super) fn copy_args(
         args.push(a.into());
     }
     // What the destination held goes first (a rewind puts a checkpoint's files in place of
-    // the session's; a fork's workspace is new and empty). `dir/.`: the directory's
-    // entries, hidden ones too, into the existing directory.
+    // the session's; a fork's workspace is new and empty), unless some of it cannot go
+    // (`EMPTIED_CHECK`): then nothing is touched. `dir/.`: the directory's entries, hidden
+    // ones too, into the existing directory.
     args.push(
         format!(
-            "find {COPY_TO}/home {COPY_TO}/tmp -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && \
+            "{} && \
+             find {COPY_TO}/home {COPY_TO}/tmp -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && \
              cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
-             cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/"
+             cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/",
+            crate::sandbox::criu::emptied_check(&[
+                &format!("{COPY_TO}/home"),
+                &format!("{COPY_TO}/tmp")
+            ])
         )
         .into(),
     );

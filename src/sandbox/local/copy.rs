@@ -38,15 +38,17 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::bwrap::{copy_args, HostRoot};
-use super::criu::{
-    copy_failed, copy_workspace, dump, find_tools, restore_result, seal, wake, CopyTools,
-    NoCopyTools,
-};
 use super::files::endpoints_for;
 use super::process::{SandboxCommand, StartOptions};
+use super::reaper::sandbox_command_pid;
 use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
+use crate::sandbox::criu::{
+    copy_failed, copy_workspace, dump, find_tools, restore_result, seal, wake, CopyTools,
+    NoCopyTools, Programs,
+};
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, io_err};
+use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::{LaunchSpec, Launched};
 
 impl LocalSandbox {
@@ -147,7 +149,7 @@ impl LocalSandbox {
         fsutil::remove_dir_logged(dir).await;
         if made.is_err() {
             if let Some(key) = key {
-                self.remove_own(&user, key).await;
+                self.remove_unused_own(&user, key).await;
             }
         }
         made
@@ -167,10 +169,10 @@ impl LocalSandbox {
             find_fork(&origin, pid).map_err(|why| ForkError::NotItsChild { pid, why })?;
         let images = fsutil::open_tree_root(dir)
             .map_err(|e| copy_failed(format!("cannot open the copy's directory: {e}")))?;
-        let criu = std::fs::File::open(&tools.criu)
-            .map_err(|e| copy_failed(format!("cannot open {}: {e}", tools.criu.display())))?;
+        let programs = Programs::shown(&tools.criu)
+            .map_err(|e| copy_failed(format!("cannot open CRIU: {e}")))?;
         let started = Instant::now();
-        dump(&tools, host, pid, ids, &criu, &images).await?;
+        dump(&tools, &programs, host, pid, ids, None, &images).await?;
         drop(held);
         let dumped = started.elapsed();
         let sealed = images.try_clone().map_err(|e| copy_failed(e.to_string()))?;
@@ -190,8 +192,12 @@ impl LocalSandbox {
         )
         .map_err(|e| copy_failed(format!("cannot give CRIU its log: {e}")))?;
         let fd = |f: RawFd| format!("/proc/self/fd/{f}");
-        let argv = vec![
-            fd(criu.as_raw_fd()),
+        let mut argv: Vec<String> = programs
+            .criu
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        argv.extend([
             "restore".into(),
             "--unprivileged".into(),
             "--shell-job".into(),
@@ -201,7 +207,7 @@ impl LocalSandbox {
             "-o".into(),
             fd(log_write.as_raw_fd()),
             "-v3".into(),
-        ];
+        ]);
         let command = SandboxCommand {
             argv,
             env: Default::default(),
@@ -210,21 +216,30 @@ impl LocalSandbox {
         let options = StartOptions {
             boot_script: false,
             control: false,
-            restore: Some(vec![
-                criu.as_raw_fd(),
-                images.as_raw_fd(),
-                log_write.as_raw_fd(),
-            ]),
+            restore: Some(
+                programs
+                    .fds
+                    .iter()
+                    .copied()
+                    .chain([images.as_raw_fd(), log_write.as_raw_fd()])
+                    .collect(),
+            ),
         };
         let session = spec.session_id;
         let started_restore = Instant::now();
         let sandbox = self.start_sandbox(spec, command, cgroups, options).await?;
         drop(log_write);
-        drop(criu);
+        drop(programs);
         let restored = restore_result(log_read).await;
         let woken = restored.and_then(|()| {
+            // CRIU's child, of the pid it had, in the new sandbox.
             let init = sandbox.kernel.init_pid.get().copied();
-            let woken = wake(init, pid, ids.0)?;
+            let criu = init.and_then(sandbox_command_pid);
+            let inner = i32::try_from(pid).ok();
+            let host = criu
+                .zip(inner)
+                .and_then(|(c, p)| child_with_namespace_pid(c, p));
+            let woken = wake(host, ids.0)?;
             let _ = sandbox.kernel.restored_pid.set(woken);
             Ok(woken)
         });
@@ -240,7 +255,8 @@ impl LocalSandbox {
         }
     }
 
-    /// A prepared copy given up: its directory and the fork's workspace go.
+    /// A prepared copy given up: its directory and the fork's workspace go (not a rewind's:
+    /// the session's, which its live kernel works in).
     pub(super) async fn discard_copy(&self, prepared: PreparedFork) {
         if let Some(key) = prepared.spec.own_workspace {
             self.give_up_copy(&prepared.spec.user, key, prepared.dir)
@@ -255,7 +271,15 @@ impl LocalSandbox {
         dir: PathBuf,
     ) {
         fsutil::remove_dir_logged(dir).await;
-        self.remove_own(user, key).await;
+        self.remove_unused_own(user, key).await;
+    }
+
+    /// Removes the own workspace `key` a failed copy made, unless a live kernel works in it
+    /// (a rewind copies into its session's).
+    async fn remove_unused_own(&self, user: &crate::sandbox::SandboxUser, key: uuid::Uuid) {
+        if !self.kernels.any(|k| k.own_workspace == Some(key)) {
+            self.remove_own(user, key).await;
+        }
     }
 
     /// `<data_dir>/copies`: root's, 0700; the copies' directories in it.
@@ -266,15 +290,6 @@ impl LocalSandbox {
     /// At startup: what an earlier run left of copies (it stopped mid-copy) goes; the
     /// images hold a kernel's memory. Blocking.
     pub(super) fn sweep_copies(&self) {
-        let dir = self.copies_dir();
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => {
-                tracing::info!(path = %dir.display(), "removed the copies an earlier run left")
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %dir.display(), error = %e, "cannot remove the copies an earlier run left")
-            }
-        }
+        crate::sandbox::criu::sweep_copies(&self.copies_dir());
     }
 }

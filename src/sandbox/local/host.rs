@@ -2,7 +2,7 @@
 //! are, and which directories make up the kernels' Python installation (shown read-only
 //! to kernels at neutral paths, `python.rs`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 
 use super::python::KernelPython;
@@ -56,13 +56,7 @@ pub(super) fn discover_python(python: &Path) -> Result<KernelPython, SandboxErro
     Ok(found)
 }
 
-pub(super) fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-}
+pub(super) use crate::sandbox::fsutil::find_program;
 
 /// The local sandbox cannot work here, saying why.
 pub(super) fn unavailable(reason: impl Into<String>) -> SandboxError {

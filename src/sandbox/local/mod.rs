@@ -43,7 +43,6 @@ mod check;
 mod command;
 mod config;
 mod copy;
-mod criu;
 mod files;
 mod fork;
 mod host;
@@ -138,7 +137,8 @@ pub struct LocalSandbox {
     templates: Arc<template::Templates>,
     /// What copying a kernel into a sandbox of its own runs (`copy.rs`), found at the first
     /// copy; or why it cannot be done here.
-    copy_tools: OnceCell<Result<criu::CopyTools, criu::NoCopyTools>>,
+    copy_tools:
+        OnceCell<Result<crate::sandbox::criu::CopyTools, crate::sandbox::criu::NoCopyTools>>,
 }
 
 impl LocalSandbox {

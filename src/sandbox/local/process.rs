@@ -523,15 +523,7 @@ fn raise_oom_score() -> io::Result<()> {
     Ok(())
 }
 
-/// Clears close-on-exec on `fd` so the exec'd program inherits it. Runs between fork and
-/// exec: async-signal-safe calls only.
-pub(super) fn inherit_fd(fd: RawFd) -> io::Result<()> {
-    // SAFETY: fcntl(2) with F_SETFD has no memory-safety preconditions.
-    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
+pub(super) use crate::sandbox::fsutil::inherit_fd;
 
 /// Reads bwrap's `--info-fd` report and returns the host pid of the sandbox's init.
 async fn read_init_pid(fd: OwnedFd) -> Result<i32, NoInitPid> {

@@ -110,6 +110,7 @@ impl Inner {
             host_dir,
             exec_id: ticket.exec_id.clone(),
             forked: None,
+            exec_pid: None,
             exec_pidfd,
             leaf,
             freezer: None,

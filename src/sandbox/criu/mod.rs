@@ -1,7 +1,14 @@
-//! The programs a copy of a kernel runs (`copy.rs` says the whole): the workspace copy
-//! (`cp` as the kernel's uid in a sandbox of its own), CRIU's dump inside the kernel's
-//! sandbox and the reading of its restore's log, the images sealed between the two, and
-//! the wake signal. Each runs with a bound in time; each error says what CRIU said.
+//! The programs a copy of a kernel into a sandbox of its own runs, for both backends (the
+//! local sandbox's `local/copy.rs` and the Docker sandbox's `docker/copy.rs` say the
+//! whole): CRIU's dump inside the kernel's sandbox and the reading of its restore's log,
+//! the images sealed between the two, the workspace copy's process, and the wake signal.
+//! Each runs with a bound in time; each error says what CRIU said.
+//!
+//! The host programs (setpriv, CRIU, bwrap) run inside a sandbox's mount namespace. The
+//! local sandbox shows the host's `/usr` there; a container does not, so there they run
+//! through the host's dynamic loader with the host's library directories, all by
+//! descriptor ([`Programs::loaded`]): nothing of the container's files is run as root, and
+//! the image needs no CRIU.
 
 use std::ffi::OsString;
 use std::io;
@@ -14,18 +21,20 @@ use rustix::fs::{Mode, OFlags};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::time::timeout;
 
-use super::host::find_program;
-use super::process::inherit_fd;
-use super::reaper::sandbox_command_pid;
 use crate::sandbox::fork::ForkError;
+use crate::sandbox::fsutil::{find_program, inherit_fd};
 use crate::sandbox::pidfd;
-use crate::sandbox::procfs::{child_with_namespace_pid, uids_of};
+use crate::sandbox::procfs::uids_of;
+
+mod programs;
+
+pub(crate) use programs::{Loader, Programs};
 
 /// What wakes a held child (`WAKE_SIGNAL` in `kernels/kernel_broker_fork.py`: SIGRTMIN+6
 /// with glibc).
 const WAKE_SIGNAL: i32 = 40;
 /// How long a workspace copy, a dump or a restore may take.
-pub(super) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 /// What CRIU writes once the restored tasks run.
 const RESTORED: &str = "Restore finished successfully";
 /// The CRIU versions that work: 3.x cannot dump on current kernels (its vdso handling).
@@ -39,15 +48,15 @@ const CRIU_PLACES: [&str; 3] = [
 
 /// The programs a copy runs, found once.
 #[derive(Debug, Clone)]
-pub(super) struct CopyTools {
+pub(crate) struct CopyTools {
     pub criu: PathBuf,
-    nsenter: PathBuf,
+    pub nsenter: PathBuf,
 }
 
 /// Why a copy cannot be made here (no CRIU 4, no nsenter): said as the fork's refusal.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{0}")]
-pub(super) struct NoCopyTools(String);
+pub(crate) struct NoCopyTools(String);
 
 impl From<String> for NoCopyTools {
     fn from(why: String) -> Self {
@@ -57,7 +66,7 @@ impl From<String> for NoCopyTools {
 
 /// CRIU (`configured`, else the first of [`CRIU_PLACES`] that is 4.0 or later) and
 /// `nsenter`; or why a copy cannot be made here. Blocking (runs `criu --version`).
-pub(super) fn find_tools(configured: Option<&Path>) -> Result<CopyTools, NoCopyTools> {
+pub(crate) fn find_tools(configured: Option<&Path>) -> Result<CopyTools, NoCopyTools> {
     let candidates: Vec<PathBuf> = match configured {
         Some(path) => vec![path.to_path_buf()],
         None => CRIU_PLACES.iter().map(PathBuf::from).collect(),
@@ -115,13 +124,14 @@ fn parse_criu_version(text: &str) -> Option<(u32, u32)> {
 }
 
 /// Why a copy failed, said once for the API.
-pub(super) fn copy_failed(why: impl Into<String>) -> ForkError {
+pub(crate) fn copy_failed(why: impl Into<String>) -> ForkError {
     ForkError::Copy(why.into())
 }
 
-/// Runs the workspace copy (`args`: [`copy_args`]), for at most [`STEP_TIMEOUT`].
-pub(super) async fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<(), ForkError> {
-    let mut child = tokio::process::Command::new(bwrap)
+/// Runs the workspace copy (`program` with `args`: the local sandbox's bwrap with
+/// `copy_args`), for at most [`STEP_TIMEOUT`].
+pub(crate) async fn copy_workspace(program: &Path, args: &[OsString]) -> Result<(), ForkError> {
+    let child = tokio::process::Command::new(program)
         .args(args)
         .env_clear()
         .current_dir("/")
@@ -132,9 +142,27 @@ pub(super) async fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<()
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| copy_failed(format!("cannot start the workspace copy: {e}")))?;
+    match timeout(STEP_TIMEOUT, finished(child)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(copy_failed(format!(
+            "the workspace could not be copied ({why})"
+        ))),
+        Err(_) => Err(copy_failed(format!(
+            "the workspace copy took more than {} s",
+            STEP_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// How a copy's process failed: its status and the first 2 KiB of its standard error.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct ProcessFailed(String);
+
+/// Waits for `child` to end while reading all its standard error (a process with many
+/// errors must not stall on a full pipe).
+pub(crate) async fn finished(mut child: tokio::process::Child) -> Result<(), ProcessFailed> {
     let stderr = child.stderr.take();
-    // All of it is read (a copy with many errors must not stall on a full pipe), the
-    // first 2 KiB kept for the message.
     let errors = async move {
         let mut kept = Vec::new();
         if let Some(mut stderr) = stderr {
@@ -146,27 +174,23 @@ pub(super) async fn copy_workspace(bwrap: &Path, args: &[OsString]) -> Result<()
         }
         String::from_utf8_lossy(&kept).trim().to_string()
     };
-    match timeout(STEP_TIMEOUT, async { tokio::join!(child.wait(), errors) }).await {
-        Ok((Ok(status), _)) if status.success() => Ok(()),
-        Ok((Ok(status), err)) => Err(copy_failed(format!(
-            "the workspace could not be copied ({status}): {err}"
-        ))),
-        Ok((Err(e), _)) => Err(copy_failed(format!("the workspace copy failed: {e}"))),
-        Err(_) => Err(copy_failed(format!(
-            "the workspace copy took more than {} s",
-            STEP_TIMEOUT.as_secs()
-        ))),
+    match tokio::join!(child.wait(), errors) {
+        (Ok(status), _) if status.success() => Ok(()),
+        (Ok(status), err) => Err(ProcessFailed(format!("{status}: {err}"))),
+        (Err(e), _) => Err(ProcessFailed(e.to_string())),
     }
 }
 
 /// CRIU dumps the held child (`pid` inside, `host` on the host) into `images`, run in the
-/// sandbox's namespaces as the kernel's uid with the two capabilities a dump needs.
-pub(super) async fn dump(
+/// sandbox's namespaces as the kernel's uid (and its one group, where it has one) with the
+/// two capabilities a dump needs.
+pub(crate) async fn dump(
     tools: &CopyTools,
+    programs: &Programs,
     host: i32,
     pid: i64,
     ids: (u32, u32),
-    criu: &std::fs::File,
+    groups: Option<u32>,
     images: &OwnedFd,
 ) -> Result<(), ForkError> {
     let fd = |f: RawFd| format!("/proc/self/fd/{f}");
@@ -174,18 +198,18 @@ pub(super) async fn dump(
     cmd.arg(format!("--target={host}"))
         .arg("--all")
         .arg("--")
-        .arg("setpriv")
+        .args(&programs.setpriv)
         .arg(format!("--reuid={}", ids.0))
         .arg(format!("--regid={}", ids.1))
+        .arg(groups_arg(groups))
         .args([
-            "--clear-groups",
             "--inh-caps=-all,+checkpoint_restore,+sys_admin",
             "--ambient-caps=+checkpoint_restore,+sys_admin",
             "--bounding-set=-all,+checkpoint_restore,+sys_admin",
             "--no-new-privs",
             "--",
         ])
-        .arg(fd(criu.as_raw_fd()))
+        .args(&programs.criu)
         .args([
             "dump",
             "--unprivileged",
@@ -201,13 +225,14 @@ pub(super) async fn dump(
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    let inherited = [criu.as_raw_fd(), images.as_raw_fd()];
+    let mut inherited = programs.fds.clone();
+    inherited.push(images.as_raw_fd());
     // SAFETY: the closure runs between fork and exec and calls only fcntl (async-signal-safe)
     // on descriptors numbered before the fork.
     unsafe {
         cmd.pre_exec(move || {
-            for fd in inherited {
-                inherit_fd(fd)?;
+            for fd in &inherited {
+                inherit_fd(*fd)?;
             }
             Ok(())
         });
@@ -274,7 +299,7 @@ fn errors_of<'a>(lines: impl Iterator<Item = &'a str>) -> String {
 
 /// Makes the dump's images root's and read-only: each entry of `dir` must be a regular
 /// file with one link (nothing CRIU does not make), opened without following anything.
-pub(super) fn seal(dir: OwnedFd) -> io::Result<()> {
+pub(crate) fn seal(dir: OwnedFd) -> io::Result<()> {
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     let mut entries = rustix::fs::Dir::read_from(&dir)?;
     let mut names = Vec::new();
@@ -315,7 +340,7 @@ pub(super) fn seal(dir: OwnedFd) -> io::Result<()> {
 
 /// Reads CRIU's restore log until it says the tasks run (`Ok`), or ends without (its
 /// errors), for at most [`STEP_TIMEOUT`].
-pub(super) async fn restore_result(log: io::PipeReader) -> Result<(), ForkError> {
+pub(crate) async fn restore_result(log: io::PipeReader) -> Result<(), ForkError> {
     match timeout(STEP_TIMEOUT, read_restore_log(log)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(why)) => Err(copy_failed(format!("CRIU could not restore it: {why}"))),
@@ -347,15 +372,10 @@ async fn read_restore_log(log: io::PipeReader) -> Result<(), String> {
     }
 }
 
-/// Wakes the restored process: CRIU's child in the new sandbox (whose init is `init`) with
-/// pid `pid` there, of uid `uid`. Returns its host pid.
-pub(super) fn wake(init: Option<i32>, pid: i64, uid: u32) -> Result<i32, ForkError> {
+/// Wakes the restored process, host pid `host`, if it runs as uid `uid`. Returns `host`.
+pub(crate) fn wake(host: Option<i32>, uid: u32) -> Result<i32, ForkError> {
     let lost = |why: &str| copy_failed(format!("the restored kernel cannot be woken: {why}"));
-    let criu = init
-        .and_then(sandbox_command_pid)
-        .ok_or_else(|| lost("its sandbox has no command"))?;
-    let inner = i32::try_from(pid).map_err(|_| lost("not a pid"))?;
-    let host = child_with_namespace_pid(criu, inner).ok_or_else(|| lost("it is not running"))?;
+    let host = host.ok_or_else(|| lost("it is not running"))?;
     let fd = pidfd::open(host).map_err(|_| lost("it ended"))?;
     if uids_of(host) != Some([uid; 4]) {
         return Err(lost("it does not run as the kernel's uid"));
@@ -375,6 +395,40 @@ pub(super) fn wake(init: Option<i32>, pid: i64, uid: u32) -> Result<i32, ForkErr
         return Err(lost(&io::Error::last_os_error().to_string()));
     }
     Ok(host)
+}
+
+/// setpriv's argument for the copy's groups: none, or the kernel's one.
+pub(crate) fn groups_arg(groups: Option<u32>) -> String {
+    match groups {
+        Some(gid) => format!("--groups={gid}"),
+        None => "--clear-groups".into(),
+    }
+}
+
+/// A shell test that `dirs` can be emptied by the kernel's uid it runs as (every
+/// directory below them writable), else a message on stderr and a failure: a rewind
+/// replaces the session's files only if all of them can go, never half of them.
+pub(crate) fn emptied_check(dirs: &[&str]) -> String {
+    format!(
+        "ro=$(find {} -mindepth 1 -type d ! -writable -print -quit) && \
+         if [ -n \"$ro\" ]; then echo \"its files cannot be replaced: the kernel cannot \
+         write the directory $ro\" >&2; exit 1; fi",
+        dirs.join(" ")
+    )
+}
+
+/// Removes the copies' directory `dir` an earlier run left (it stopped mid-copy): the
+/// images hold a kernel's memory. Blocking.
+pub(crate) fn sweep_copies(dir: &Path) {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {
+            tracing::info!(path = %dir.display(), "removed the copies an earlier run left")
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot remove the copies an earlier run left")
+        }
+    }
 }
 
 #[cfg(test)]
