@@ -1,8 +1,10 @@
 """Branching a live session (issue 36): the figures of BENCHMARKS.md, "Fork and checkpoints".
 
     bench/.venv/bin/python bench/branch.py [--runs 15] [--mb 200] [--binary PATH] [--own]
+                                           [--sandbox local|docker]
 
-One broker (local sandbox, release build, fork-server starts: the default), one session
+One broker (the local sandbox unless `--sandbox docker`, release build, fork-server starts:
+the default), one session
 holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST):
 
   - fork -> first result: POST /v1/sessions/{id}/fork, then `1+1` in the fork, p50/p90;
@@ -17,7 +19,7 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
 With `--own` the session has a workspace of its own (`"workspace": "own"`, an E2B sandbox's
 shape) and only the fork is measured: each fork is a copy of the kernel made with CRIU in a
 sandbox of its own, with a copy of the workspace (`docs/CRIU.md`); the workspace holds a
-`--own-files-mb` MB file besides.
+`--own-files-mb` MB file besides. On Docker each copy is a container of its own.
 
 Each figure is a wall-clock time seen by the client or a memory figure read from /proc and
 the cgroup tree; nothing is taken from the broker's own reports. Run as root.
@@ -194,15 +196,16 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--own", action="store_true", help="a session with a workspace of its own: forks are copies")
     ap.add_argument("--own-files-mb", type=int, default=20)
+    ap.add_argument("--sandbox", choices=["local", "docker"], default="local")
     args = ap.parse_args()
     # The forks' memory is admitted as a session's each: room for the DataFrame in each.
     # Room for the hundred checkpoints (the defaults keep 32 and 2 GiB): what they cost is
     # measured, not what the bounds let through.
-    b = bench.Broker(args.binary, pool_size=0, tag="-branch", memory_limit=20 << 30,
+    b = bench.Broker(args.binary, sandbox=args.sandbox, pool_size=0, tag="-branch", memory_limit=20 << 30,
                      extra_args=["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20)),
                                  "--max-checkpoints-per-user", "128",
                                  "--checkpoint-memory-per-user", str(8 << 30)])
-    out = {"mb": args.mb, "runs": args.runs, "own_workspace": args.own}
+    out = {"mb": args.mb, "runs": args.runs, "own_workspace": args.own, "sandbox": args.sandbox}
     try:
         api = Api(b)
         sid = api.call("POST", "/v1/sessions", {"workspace": "own"} if args.own else {})["id"]
