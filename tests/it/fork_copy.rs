@@ -395,6 +395,15 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied(sandbox: &'s
     broker.stop().await;
 }
 
+/// `POST /v1/sessions/{id}/rewind` to checkpoint `cp`.
+async fn rewind(api: &Api, id: &str, cp: &str) -> (u16, Value) {
+    api.post(
+        &format!("/v1/sessions/{id}/rewind"),
+        json!({ "checkpoint": cp }),
+    )
+    .await
+}
+
 /// The names in the own workspaces' directory `sandboxes` of `data`, sorted.
 fn own_workspaces(data: &std::path::Path, sandboxes: &str) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(data.join(sandboxes))
@@ -457,12 +466,7 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files(sandbox:
         "{listed}"
     );
 
-    let (status, v) = api
-        .post(
-            &format!("/v1/sessions/{a}/rewind"),
-            json!({ "checkpoint": cp }),
-        )
-        .await;
+    let (status, v) = rewind(&api, &a, &cp).await;
     assert_eq!(status, 200, "{v}");
     let probe =
         "print(rows, open('/home/user/f.txt').read(), open('/home/user/d/keep.txt').read(), \
@@ -475,12 +479,7 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files(sandbox:
         "rows.append(4)\nopen('/home/user/f.txt', 'w').write('v3')",
     )
     .await;
-    let (status, v) = api
-        .post(
-            &format!("/v1/sessions/{a}/rewind"),
-            json!({ "checkpoint": cp }),
-        )
-        .await;
+    let (status, v) = rewind(&api, &a, &cp).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(out(&api, &a, probe).await, "[1, 2, 3] v1 k False");
 
@@ -492,12 +491,7 @@ async fn checkpoints_of_a_session_with_its_own_workspace_hold_its_files(sandbox:
         "os.makedirs('/home/user/ro/x', exist_ok=True)\nos.chmod('/home/user/ro', 0o500)\nafter = 1",
     )
     .await;
-    let (status, v) = api
-        .post(
-            &format!("/v1/sessions/{a}/rewind"),
-            json!({ "checkpoint": cp }),
-        )
-        .await;
+    let (status, v) = rewind(&api, &a, &cp).await;
     assert_eq!(status, 502, "{v}");
     let message = v["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("cannot write the directory"), "{v}");

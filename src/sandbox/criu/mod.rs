@@ -256,6 +256,44 @@ pub(crate) async fn dump(
     )))
 }
 
+/// [`dump`] of the held child `(host pid, its pidfd, pid inside)`, then its images sealed
+/// ([`seal`]); returns how long the dump took.
+pub(crate) async fn dump_and_seal(
+    tools: &CopyTools,
+    programs: &Programs,
+    held: (i32, OwnedFd, i64),
+    ids: (u32, u32),
+    groups: Option<u32>,
+    images: &OwnedFd,
+) -> Result<Duration, ForkError> {
+    let (host, pidfd, pid) = held;
+    let started = std::time::Instant::now();
+    dump(tools, programs, host, pid, ids, groups, images).await?;
+    // The dump ended it: its pidfd is no longer needed.
+    drop(pidfd);
+    let dumped = started.elapsed();
+    let sealed = images.try_clone().map_err(|e| copy_failed(e.to_string()))?;
+    tokio::task::spawn_blocking(move || seal(sealed))
+        .await
+        .map_err(|e| copy_failed(format!("the seal task failed: {e}")))?
+        .map_err(|e| copy_failed(format!("the dump's images are not as made: {e}")))?;
+    Ok(dumped)
+}
+
+/// The pipe CRIU's restore logs into: the write end given to the kernel's uid `ids` (CRIU
+/// opens its log by path, `/proc/self/fd/N`, as that uid).
+pub(crate) fn log_pipe(ids: (u32, u32)) -> Result<(io::PipeReader, io::PipeWriter), ForkError> {
+    let (read, write) =
+        io::pipe().map_err(|e| copy_failed(format!("cannot create a pipe: {e}")))?;
+    rustix::fs::fchown(
+        &write,
+        Some(rustix::fs::Uid::from_raw(ids.0)),
+        Some(rustix::fs::Gid::from_raw(ids.1)),
+    )
+    .map_err(|e| copy_failed(format!("cannot give CRIU its log: {e}")))?;
+    Ok((read, write))
+}
+
 /// The errors of a CRIU log in `dir` (its last ones, bounded), for a message.
 fn read_log(dir: &OwnedFd, name: &str) -> String {
     let file = rustix::fs::openat(

@@ -42,13 +42,13 @@ use tokio::io::Interest;
 use super::exec::{connection_file, endpoints_for, DockerKernel, ForkedPid, SessionFiles, LOST};
 use super::restore::{copy_files, restore, restored_pid, CopyTools};
 use super::running::{init_pid, ContainerInfo};
-use super::watch::{watch_forked, ForkedStatus};
-use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
+use super::watch::{register_forked, ForkedStatus};
+use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
-use crate::sandbox::criu::{copy_failed, dump, seal, wake, Programs};
+use crate::sandbox::criu::{copy_failed, dump_and_seal, wake, Programs};
 use crate::sandbox::fork::{find_fork, ForkError, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::watched::KernelWatch;
 use crate::sandbox::{pidfd, KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// The ends of a copy: what a copy made and must undo if it is given up.
@@ -244,15 +244,8 @@ impl Inner {
         let programs = tools
             .programs()
             .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
-        let started = Instant::now();
-        dump(&tools.criu, &programs, host, pid, ids, Some(ids.1), &images).await?;
-        drop(held);
-        let dumped = started.elapsed();
-        let sealed = images.try_clone().map_err(|e| copy_failed(e.to_string()))?;
-        tokio::task::spawn_blocking(move || seal(sealed))
-            .await
-            .map_err(|e| copy_failed(format!("the seal task failed: {e}")))?
-            .map_err(|e| copy_failed(format!("the dump's images are not as made: {e}")))?;
+        let held = (host, held, pid);
+        let dumped = dump_and_seal(&tools.criu, &programs, held, ids, Some(ids.1), &images).await?;
 
         let key = spec.own_workspace.unwrap_or_default();
         let container = self
@@ -380,17 +373,10 @@ impl Inner {
             workspace,
             quota_bytes: user.limits.workspace_quota_bytes,
         });
-        self.kernels.insert(session, shared.clone());
-        tokio::spawn(watch_forked(
-            self.clone(),
-            shared.clone(),
-            exit,
-            watch_fd,
-            ForkedStatus::Zombie,
-        ));
+        let handle = register_forked(self, session, shared, exit, watch_fd, ForkedStatus::Zombie);
         Ok(Launched {
             endpoints,
-            process: Box::new(WatchedKernel::new(shared, TERMINATE_TIMEOUT)),
+            process: Box::new(handle),
         })
     }
 

@@ -35,13 +35,13 @@ use tokio::io::Interest;
 use super::exec::{endpoints_for, DockerKernel, ForkedPid, SessionFiles, LOST};
 use super::place::enter_new_leaf;
 use super::running::init_pid;
-use super::watch::{watch_forked, ForkedStatus};
-use super::{keep, Inner, TERMINATE_TIMEOUT};
+use super::watch::{register_forked, ForkedStatus};
+use super::{keep, Inner};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::fork::{find_fork, pid_namespace_of, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::pidfd;
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::watched::KernelWatch;
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 /// Why a kernel not forked in its user's container cannot be forked.
@@ -218,18 +218,11 @@ impl Inner {
             workspace: parent.workspace.clone(),
             quota_bytes: user.limits.workspace_quota_bytes,
         });
-        self.kernels.insert(session, shared.clone());
-        tokio::spawn(watch_forked(
-            self.clone(),
-            shared.clone(),
-            exit,
-            watch_fd,
-            ForkedStatus::Zombie,
-        ));
         tracing::info!(%session, user = %user.name, container = %shared.container.name, pid = host_pid, "kernel forked from a live kernel");
+        let handle = register_forked(self, session, shared, exit, watch_fd, ForkedStatus::Zombie);
         Ok(Launched {
             endpoints,
-            process: Box::new(WatchedKernel::new(shared, TERMINATE_TIMEOUT)),
+            process: Box::new(handle),
         })
     }
 }

@@ -13,7 +13,8 @@ use tokio::time::timeout;
 
 use super::{Inner, KERNEL_GID, KERNEL_UID};
 use crate::sandbox::criu::{
-    self, copy_failed, finished, groups_arg, restore_result, Loader, Programs, STEP_TIMEOUT,
+    self, copy_failed, finished, groups_arg, log_pipe, restore_result, Loader, Programs,
+    STEP_TIMEOUT,
 };
 use crate::sandbox::fork::ForkError;
 use crate::sandbox::fsutil::{find_program, inherit_fd};
@@ -245,15 +246,7 @@ pub(super) async fn restore(
     images: &OwnedFd,
     ids: (u32, u32),
 ) -> Result<i32, ForkError> {
-    let (log_read, log_write) =
-        std::io::pipe().map_err(|e| copy_failed(format!("cannot create a pipe: {e}")))?;
-    // CRIU opens its log by path (`/proc/self/fd/N`), as the kernel's uid.
-    rustix::fs::fchown(
-        &log_write,
-        Some(rustix::fs::Uid::from_raw(ids.0)),
-        Some(rustix::fs::Gid::from_raw(ids.1)),
-    )
-    .map_err(|e| copy_failed(format!("cannot give CRIU its log: {e}")))?;
+    let (log_read, log_write) = log_pipe(ids)?;
     let fd = |f: RawFd| format!("/proc/self/fd/{f}");
     let mut cmd = tokio::process::Command::new(&tools.criu.nsenter);
     cmd.arg(format!("--target={init}"))

@@ -54,10 +54,8 @@ use super::exec::{
 };
 use super::place::{enter_new_leaf, exec_pid, leaf_for, let_go, wait_for_go, PlaceError};
 use super::running::{start_exec, ContainerInfo};
-use super::watch::{watch_forked, ForkedStatus};
-use super::{
-    keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT, TINI_INSIDE,
-};
+use super::watch::{register_forked, ForkedStatus};
+use super::{keep, Inner, EXEC_TIMEOUT, PYTHON_INSIDE, RUN_DIR_INSIDE, TINI_INSIDE};
 use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, Leaf};
 use crate::sandbox::fork_server::{find_child, read_ready, ForkServer, NotReady, RequestFailed};
@@ -65,7 +63,7 @@ use crate::sandbox::fsutil::{remove_dir_logged, SocketPathError};
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::template_slots::{TemplateHandle, TemplateSlots};
-use crate::sandbox::watched::{KernelWatch, WatchedKernel};
+use crate::sandbox::watched::KernelWatch;
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// Bytes of one stderr frame of a template kept for the broker's log.
@@ -433,15 +431,8 @@ impl Inner {
             workspace: self.workspace_path(user)?,
             quota_bytes: user.limits.workspace_quota_bytes,
         });
-        self.kernels.insert(session, shared.clone());
-        tokio::spawn(watch_forked(
-            self.clone(),
-            shared.clone(),
-            exit,
-            watch_fd,
-            ForkedStatus::Template(child.status),
-        ));
-        let handle = WatchedKernel::new(shared, TERMINATE_TIMEOUT);
+        let status = ForkedStatus::Template(child.status);
+        let handle = register_forked(self, session, shared, exit, watch_fd, status);
         if let Err(e) = template.server.go(&id).await {
             handle.terminate().await;
             return Err(e.into());

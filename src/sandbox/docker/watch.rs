@@ -39,7 +39,7 @@ use crate::sandbox::fork_server::forked_status;
 use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::zombie_status;
-use crate::sandbox::watched::ExitPublisher;
+use crate::sandbox::watched::{ExitPublisher, WatchedKernel};
 use crate::sandbox::ExitReason;
 use crate::sync::lock;
 
@@ -98,6 +98,28 @@ enum ForkedEnd {
     TemplateLost,
     Kill,
     Release,
+}
+
+/// Registers a kernel that has no exec of its own (forked from a template or a live kernel,
+/// or restored from a copy) under `session` and watches it through `watch_fd`; returns its
+/// handle.
+pub(super) fn register_forked(
+    inner: &Arc<Inner>,
+    session: uuid::Uuid,
+    shared: Arc<DockerKernel>,
+    exit: ExitPublisher,
+    watch_fd: AsyncFd<OwnedFd>,
+    status: ForkedStatus,
+) -> WatchedKernel<DockerKernel> {
+    inner.kernels.insert(session, shared.clone());
+    tokio::spawn(watch_forked(
+        inner.clone(),
+        shared.clone(),
+        exit,
+        watch_fd,
+        status,
+    ));
+    WatchedKernel::new(shared, TERMINATE_TIMEOUT)
 }
 
 /// Watches a kernel forked from its user's template (`template.rs`): no exec to poll, so

@@ -32,7 +32,6 @@
 //! images. What is not carried: what a fork does not carry, and also sockets, pipes and
 //! the kernel's own output (descriptors 0-2 are `/dev/null` in the copy).
 
-use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -43,8 +42,8 @@ use super::process::{SandboxCommand, StartOptions};
 use super::reaper::sandbox_command_pid;
 use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
 use crate::sandbox::criu::{
-    copy_failed, copy_workspace, dump, find_tools, restore_result, seal, wake, CopyTools,
-    NoCopyTools, Programs,
+    copy_failed, copy_workspace, dump_and_seal, find_tools, log_pipe, restore_result, wake,
+    CopyTools, NoCopyTools, Programs,
 };
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, io_err};
@@ -171,26 +170,11 @@ impl LocalSandbox {
             .map_err(|e| copy_failed(format!("cannot open the copy's directory: {e}")))?;
         let programs = Programs::shown(&tools.criu)
             .map_err(|e| copy_failed(format!("cannot open CRIU: {e}")))?;
-        let started = Instant::now();
-        dump(&tools, &programs, host, pid, ids, None, &images).await?;
-        drop(held);
-        let dumped = started.elapsed();
-        let sealed = images.try_clone().map_err(|e| copy_failed(e.to_string()))?;
-        tokio::task::spawn_blocking(move || seal(sealed))
-            .await
-            .map_err(|e| copy_failed(format!("the seal task failed: {e}")))?
-            .map_err(|e| copy_failed(format!("the dump's images are not as made: {e}")))?;
+        let dumped =
+            dump_and_seal(&tools, &programs, (host, held, pid), ids, None, &images).await?;
 
         // The restore: CRIU as the new sandbox's command, logging into a pipe read here.
-        let (log_read, log_write) =
-            io::pipe().map_err(|e| copy_failed(format!("cannot create a pipe: {e}")))?;
-        // CRIU opens its log by path (`/proc/self/fd/N`), as the kernel's uid.
-        rustix::fs::fchown(
-            &log_write,
-            Some(rustix::fs::Uid::from_raw(ids.0)),
-            Some(rustix::fs::Gid::from_raw(ids.1)),
-        )
-        .map_err(|e| copy_failed(format!("cannot give CRIU its log: {e}")))?;
+        let (log_read, log_write) = log_pipe(ids)?;
         let fd = |f: RawFd| format!("/proc/self/fd/{f}");
         let mut argv: Vec<String> = programs
             .criu

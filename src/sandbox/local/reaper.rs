@@ -58,9 +58,14 @@ pub(super) struct LocalKernel {
 }
 
 impl LocalKernel {
+    /// The host pid of a forked or a restored kernel (known without asking the sandbox).
+    fn own_pid(&self) -> Option<i32> {
+        self.kernel_pid.or(self.restored_pid.get().copied())
+    }
+
     /// The kernel's host pid: a forked or restored one's, else the sandbox's command.
     fn kernel_host_pid(&self) -> Option<i32> {
-        match self.kernel_pid.or(self.restored_pid.get().copied()) {
+        match self.own_pid() {
             Some(pid) => Some(pid),
             None => sandbox_command_pid(*self.init_pid.get()?),
         }
@@ -125,7 +130,7 @@ impl BackendKernel for LocalKernel {
         if self.watch.has_exited() {
             return Err(no_process("the kernel process has exited"));
         }
-        let pid = match self.kernel_pid.or(self.restored_pid.get().copied()) {
+        let pid = match self.own_pid() {
             Some(pid) => pid,
             None => {
                 let init = *self
@@ -299,7 +304,7 @@ impl Reaper {
             () = self.kernel.watch.kill_requested() => {
                 kill_sandbox(
                     self.leaf.as_ref(),
-                    [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.kernel_pid.or(self.kernel.restored_pid.get().copied())],
+                    [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.own_pid()],
                 )
                 .await;
                 self.process.wait().await
