@@ -111,7 +111,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
 our_containers() { podman ps -a --filter label=org.kernel-broker.managed=true --format '{{.Names}}'; }
 before="$(DOCKER_HOST="$KB_DOCKER_SOCKET" scripts/leftovers | sort)"
 status=0
-suites='test(/^sandbox_contract::docker::/) | test(/^(sandbox_docker|sandbox_docker_own|sandbox_docker_parent|fork_server_docker|keep_docker)::/)'
+suites='test(/^sandbox_contract::docker::/) | test(/^(sandbox_docker|sandbox_docker_own|sandbox_docker_parent|fork_server_docker|keep_docker)::/) | test(/^fork_copy::docker::/)'
 log "cargo nextest run --test it -E '$suites'"
 cargo nextest run --no-fail-fast --test it -E "$suites" || status=1
 
