@@ -153,6 +153,9 @@ _GENERATION = 0
 # Where descriptors 1 and 2 went before the kernel's streams redirected them: copies a
 # fork makes once (see `abandon`), or None in a started kernel.
 _STD_TARGETS = None
+# The `random` state a built fork's first execution will start from, until that execution
+# (`restore_random`); None once it ran, or in a started kernel.
+_PENDING_RANDOM = None
 
 
 class ForkRefused(Exception):
@@ -275,8 +278,10 @@ def fork(app, kernel, info, hold=None):
     reap()
     note_machinery()
     read_fd, write_fd = os.pipe()
-    # `random` reseeds its generator in every forked child; the fork keeps this one's.
-    random_state = random.getstate()
+    # `random` reseeds its generator in every forked child; the fork keeps this one's: the
+    # state its next execution starts from (a kernel that has not run since it was built
+    # itself holds one, `restore_random`, which its start-up's draws have not touched).
+    random_state = _PENDING_RANDOM if _PENDING_RANDOM is not None else random.getstate()
     pid = os.fork()
     if pid == 0:
         try:
@@ -460,13 +465,21 @@ def be_held(ready_fd):
     """In a held child: keeps only its regular files (0-2 on ``/dev/null``), answers on
     `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace."""
     global _STD_TARGETS
-    _STD_TARGETS = None  # their descriptors (the kernel's output pipes) close below
+    # The kernel's own output (what 1 and 2 went to, and the streams' copies of them) is
+    # not carried, even where it is a file (a log in the sandbox's /tmp that the sandbox
+    # may remove when the kernel that wrote it ends): it closes with the pipes below.
+    own_output = set(_STD_TARGETS or ())
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        copy = getattr(stream, "_original_stdstream_copy", None)
+        if isinstance(copy, int):
+            own_output.add(copy)
+    _STD_TARGETS = None
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     for fd in sorted(open_fds()):
         if fd in (ready_fd, null) or fd <= 2:
             continue
         try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            regular = stat.S_ISREG(os.fstat(fd).st_mode) and fd not in own_output
         except OSError:
             continue
         if not regular:
@@ -527,12 +540,17 @@ def where(e):
 
 def restore_random(shell, state):
     """Puts `random`'s state back just before the child's first execution: the kernel's
-    start-up draws from it too (after the child is built), so it is set last of all."""
+    start-up draws from it too (after the child is built), so it is set last of all. Until
+    then it is the state a fork of this kernel takes (`_PENDING_RANDOM`)."""
+    global _PENDING_RANDOM
     random.setstate(state)
+    _PENDING_RANDOM = state
 
     def pre_execute():
+        global _PENDING_RANDOM
         shell.events.unregister("pre_execute", pre_execute)
         random.setstate(state)
+        _PENDING_RANDOM = None
 
     shell.events.register("pre_execute", pre_execute)
 

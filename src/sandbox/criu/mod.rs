@@ -410,8 +410,11 @@ async fn read_restore_log(log: io::PipeReader) -> Result<(), String> {
     }
 }
 
-/// Wakes the restored process, host pid `host`, if it runs as uid `uid`. Returns `host`.
-pub(crate) fn wake(host: Option<i32>, uid: u32) -> Result<i32, ForkError> {
+/// Wakes the restored process, host pid `host`, if it runs as uid `uid`. Returns `host` and
+/// the pidfd it was woken through, opened before the signal: what the signal does to it
+/// (a process that was not held ends of it) is then seen through that pidfd as its end,
+/// never as a pid that cannot be found.
+pub(crate) fn wake(host: Option<i32>, uid: u32) -> Result<(i32, OwnedFd), ForkError> {
     let lost = |why: &str| copy_failed(format!("the restored kernel cannot be woken: {why}"));
     let host = host.ok_or_else(|| lost("it is not running"))?;
     let fd = pidfd::open(host).map_err(|_| lost("it ended"))?;
@@ -432,7 +435,7 @@ pub(crate) fn wake(host: Option<i32>, uid: u32) -> Result<i32, ForkError> {
     if sent != 0 {
         return Err(lost(&io::Error::last_os_error().to_string()));
     }
-    Ok(host)
+    Ok((host, fd))
 }
 
 /// setpriv's argument for the copy's groups: none, or the kernel's one.

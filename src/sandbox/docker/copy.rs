@@ -49,7 +49,7 @@ use crate::sandbox::criu::{copy_failed, dump_and_seal, wake, Programs};
 use crate::sandbox::fork::{find_fork, ForkError, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::watched::KernelWatch;
-use crate::sandbox::{pidfd, KernelProcess, LaunchSpec, Launched, SandboxError};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// The ends of a copy: what a copy made and must undo if it is given up.
 struct Made {
@@ -271,14 +271,14 @@ impl Inner {
         let restored = self
             .restore_in(&tools, &programs, init, &leaf, &images, pid)
             .await;
-        let host_pid = match restored {
-            Ok(host_pid) => host_pid,
+        let (host_pid, fd) = match restored {
+            Ok(woken) => woken,
             Err(e) => {
                 ContainerCgroup::remove_leaf(&leaf).await;
                 return Err(e);
             }
         };
-        let launched = self.adopt_restored(spec, dir, container, host_pid, cgroup, leaf);
+        let launched = self.adopt_restored(spec, dir, container, (host_pid, fd), cgroup, leaf);
         if launched.is_ok() {
             tracing::info!(session = %spec.session_id, pid = host_pid, dump_ms = dumped.as_millis() as u64, restore_ms = started_restore.elapsed().as_millis() as u64, "kernel copied into a container of its own");
         }
@@ -286,7 +286,7 @@ impl Inner {
     }
 
     /// Restores the images into container `init`'s namespaces, in `leaf`, and wakes the
-    /// kernel; returns its host pid.
+    /// kernel; returns its host pid and the pidfd it was woken through.
     async fn restore_in(
         &self,
         tools: &CopyTools,
@@ -295,7 +295,7 @@ impl Inner {
         leaf: &Leaf,
         images: &OwnedFd,
         pid: i64,
-    ) -> Result<i32, ForkError> {
+    ) -> Result<(i32, OwnedFd), ForkError> {
         let procs: Vec<std::fs::File> = leaf
             .dirs()
             .iter()
@@ -326,14 +326,14 @@ impl Inner {
         spec: &LaunchSpec,
         dir: &Path,
         container: Arc<ContainerInfo>,
-        host_pid: i32,
+        (host_pid, fd): (i32, OwnedFd),
         cgroup: ContainerCgroup,
         leaf: Leaf,
     ) -> Result<Launched, ForkError> {
         let user = &spec.user;
         let session = spec.session_id;
         let lost = |e: std::io::Error| copy_failed(format!("the restored kernel is lost: {e}"));
-        let fd = pidfd::open(host_pid).map_err(lost)?;
+        // The pidfd it was woken through: if the signal ended it, its watcher sees that.
         let watch_fd = fd.try_clone().map_err(lost)?;
         // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
         // AsyncFd that owns it drops it.

@@ -223,7 +223,7 @@ impl LocalSandbox {
             let host = criu
                 .zip(inner)
                 .and_then(|(c, p)| child_with_namespace_pid(c, p));
-            let woken = wake(host, ids.0)?;
+            let (woken, _) = wake(host, ids.0)?;
             let _ = sandbox.kernel.restored_pid.set(woken);
             Ok(woken)
         });
