@@ -59,8 +59,11 @@ impl Blob {
 const KEY: &str = "$blob";
 
 fn is_image_key(k: &str) -> bool {
-    k.starts_with("image/") && k != "image/svg+xml"
+    (k.starts_with("image/") && k != "image/svg+xml") || k == FILE_CONTENT_KEY
 }
+
+/// The key of a written file's content in a `file_written` event (base64, as images are).
+const FILE_CONTENT_KEY: &str = "content_base64";
 
 /// Take every image string of at least `threshold` bytes out of `doc`, leaving a reference.
 /// Returns the blobs, one per distinct image.

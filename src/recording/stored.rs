@@ -58,6 +58,10 @@ pub enum StoredEvent {
         /// count at the fork; absent when it is not a fork.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         forked_from: Option<StoredForkedFrom>,
+        /// It worked in a workspace of its own; absent (false) in recordings made before
+        /// it was kept.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        own_workspace: bool,
     },
     /// The session's kernel was forked into these new sessions.
     SessionForked {
@@ -147,10 +151,13 @@ pub enum StoredEvent {
         bytes_received: u64,
         seconds: f64,
     },
-    /// A workspace file written through the broker (an upload, an E2B write).
+    /// A workspace file written through the broker (an upload, an E2B write), with its
+    /// content (base64) where it was kept: a replay writes it again.
     FileWritten {
         path: String,
         bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        content_base64: Option<String>,
     },
     /// A workspace file or empty directory removed through the broker.
     FileRemoved {

@@ -13,10 +13,17 @@
 //! and reads the recording store, so it sits above both; the API's replay endpoint calls
 //! [`replay`].
 //!
+//! A session that worked in a workspace of its own (an E2B sandbox's shape) lost its files
+//! when it ended: its replay gets a workspace of its own too, and before each cell the
+//! files the API wrote, removed or moved before that cell are written, removed or moved
+//! again, from the contents the recording kept (`files.rs`). A session of the shared
+//! workspace replays in it as it is now (nothing is written there: it is the user's).
+//!
 //! Layout: `normalise` (what is not a difference), `compare` (a cell's two sides as text,
-//! and their diff), this file (the run).
+//! and their diff), `files` (the files a replay writes again), this file (the run).
 
 mod compare;
+mod files;
 mod normalise;
 #[cfg(test)]
 mod tests;
@@ -29,7 +36,7 @@ use uuid::Uuid;
 use crate::recording::notebook;
 use crate::recording::{RecordingError, RecordingStore};
 use crate::session::SandboxUser;
-use crate::session::{CreateOptions, ExecutionStatus, Registry, Session};
+use crate::session::{CreateOptions, ExecutionStatus, Registry, Session, WorkspaceChoice};
 
 pub use compare::{compare, compare_cell, render, Observed};
 pub use normalise::normalise;
@@ -53,6 +60,9 @@ pub struct ReplayCell {
 pub struct Replay {
     pub session: Arc<Session>,
     pub cells: Vec<ReplayCell>,
+    /// Files the API wrote that could not be written again (their content was not kept:
+    /// larger than the recording keeps, or cut by its bounds).
+    pub files_not_replayed: Vec<String>,
 }
 
 /// Run session `id`'s recorded cells again in a new session of `user`. The caller has
@@ -67,20 +77,36 @@ pub async fn replay(
     let info = store.info(id).await?.ok_or(RecordingError::NotFound(id))?;
     let events = store.all_events(id).await?;
     let cells = notebook::cells(&events);
+    let own = files::own_workspace(&events);
     let session = registry
         .create(
             user,
             max_sessions,
             CreateOptions {
                 kernel: Some(info.kernel.clone()),
+                workspace: match own {
+                    true => WorkspaceChoice::Own,
+                    false => WorkspaceChoice::Shared,
+                },
                 ..Default::default()
             },
         )
         .await?;
-    tracing::info!(source = %id, session = %session.id, cells = cells.len(), "replaying a recording");
+    tracing::info!(source = %id, session = %session.id, cells = cells.len(), own, "replaying a recording");
     let config = registry.config();
+    let mut ops = match own {
+        true => files::operations(&events),
+        false => Vec::new(),
+    }
+    .into_iter()
+    .peekable();
+    let mut missing = Vec::new();
     let mut out = Vec::with_capacity(cells.len());
     for cell in &cells {
+        let before = files::first_seq(&events, &cell.msg_id);
+        while let Some(op) = ops.next_if(|(seq, _)| *seq < before) {
+            files::apply(registry, &session, op.1, &mut missing).await?;
+        }
         let timeout = cell
             .timeout_seconds
             .and_then(|s| Duration::try_from_secs_f64(s).ok())
@@ -93,5 +119,6 @@ pub async fn replay(
     Ok(Replay {
         session,
         cells: out,
+        files_not_replayed: missing,
     })
 }

@@ -28,6 +28,9 @@ pub enum LifecycleEvent {
         provenance: Provenance,
         /// The session whose live kernel it is a fork of, if it is one.
         forked_from: Option<ForkedFrom>,
+        /// It works in a workspace of its own (`"workspace": "own"`): a replay makes one
+        /// too, and writes into it the files the API wrote (see `FileWritten`).
+        own_workspace: bool,
     },
     /// The session's kernel was forked into new sessions (`sessions`), after
     /// `execution_count` executions.
@@ -132,8 +135,14 @@ pub enum LifecycleEvent {
         seconds: f64,
     },
     /// A file of the session's workspace was written through the broker (an upload, an
-    /// E2B write): `path` relative to the workspace, `bytes` its new size.
-    FileWritten { path: String, bytes: u64 },
+    /// E2B write): `path` relative to the workspace, `bytes` its new size; `content` its
+    /// bytes, kept for a session with a workspace of its own (which ends with it) up to
+    /// [`crate::session::RECORDED_FILE_MAX`], so that a replay can write it again.
+    FileWritten {
+        path: String,
+        bytes: u64,
+        content: Option<std::sync::Arc<[u8]>>,
+    },
     /// A workspace file (or empty directory) was removed through the broker.
     FileRemoved { path: String },
     /// A workspace entry was moved through the broker.

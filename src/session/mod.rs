@@ -102,4 +102,4 @@ pub use run_command::{
     RunningCommand,
 };
 pub use state::{SessionInfo, SessionState, SessionStatus};
-pub use workspace::{DiskUsage, Workspace};
+pub use workspace::{DiskUsage, Workspace, RECORDED_FILE_MAX};

@@ -123,6 +123,7 @@ impl Workspace {
     ) -> Result<(), SessionError> {
         let (root, path, owner) = (self.root.clone(), rel.to_string(), self.owner);
         let bytes = data.as_ref().len() as u64;
+        let content = self.kept_content(data.as_ref());
         blocking("write file", move || {
             files::write(&root, &path, data.as_ref(), owner)
         })
@@ -130,6 +131,7 @@ impl Workspace {
         self.report(LifecycleEvent::FileWritten {
             path: rel.to_string(),
             bytes,
+            content,
         });
         Ok(())
     }
@@ -143,6 +145,7 @@ impl Workspace {
     ) -> Result<(), SessionError> {
         let (root, path, owner) = (self.root.clone(), rel.to_string(), self.owner);
         let bytes = data.as_ref().len() as u64;
+        let content = self.kept_content(data.as_ref());
         blocking("write file", move || {
             files::write_with_metadata(&root, &path, data.as_ref(), owner, Some(&metadata))
         })
@@ -150,6 +153,7 @@ impl Workspace {
         self.report(LifecycleEvent::FileWritten {
             path: rel.to_string(),
             bytes,
+            content,
         });
         Ok(())
     }
@@ -208,6 +212,14 @@ impl Workspace {
         }
     }
 
+    /// What the recording keeps of a file written: its bytes, for a session with a
+    /// workspace of its own (which ends with it: a replay writes them again), up to
+    /// [`RECORDED_FILE_MAX`]; nothing for the shared workspace, which outlives the session.
+    fn kept_content(&self, data: &[u8]) -> Option<std::sync::Arc<[u8]>> {
+        (self.session.own_workspace.is_some() && data.len() <= RECORDED_FILE_MAX)
+            .then(|| std::sync::Arc::from(data))
+    }
+
     fn report(&self, event: LifecycleEvent) {
         self.registry.report(&self.session, &event);
     }
@@ -261,3 +273,7 @@ impl Workspace {
         .await
     }
 }
+
+/// The largest file written through the API whose content a recording keeps (a session
+/// with a workspace of its own): 2 MiB. Within the recording's own per-session bounds.
+pub const RECORDED_FILE_MAX: usize = 2 << 20;

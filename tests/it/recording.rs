@@ -7,6 +7,7 @@ use crate::common;
 use std::time::Duration;
 
 use base64::Engine;
+use common::forked::out;
 use common::spawned::{SpawnedBroker, Stop};
 use common::*;
 use serde_json::{json, Value};
@@ -392,6 +393,102 @@ async fn replay_compares_normalised_outputs() {
     );
     assert!(diff.lines().any(|l| l.starts_with("-0.")), "{diff}");
     assert!(diff.lines().any(|l| l.starts_with("+0.")), "{diff}");
+    broker.stop().await;
+}
+
+/// A session with a workspace of its own loses its files when it ends: its replay gets a
+/// workspace of its own, and the files the API wrote (a small one kept whole by the
+/// recording, one past what it keeps named instead), moved and removed are made again
+/// before the cells that followed, so they run as recorded; the user's shared workspace is
+/// not touched.
+#[tokio::test]
+async fn a_replay_of_a_session_with_its_own_workspace_writes_its_files_again() {
+    let broker = Broker::start("local", |_| {}).await;
+    let api = broker.api(ALICE);
+    let http = reqwest::Client::new();
+    let (status, v) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
+    assert_eq!(status, 201, "{v}");
+    let own = v["id"].as_str().unwrap().to_string();
+    let put = |path: &str, body: Vec<u8>| {
+        http.put(broker.url(&format!("/v1/sessions/{own}/files/{path}")))
+            .bearer_auth(ALICE)
+            .body(body)
+            .send()
+    };
+    assert_eq!(
+        put("data/sales.csv", b"a,b\n1,2\n".to_vec())
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    let first = api
+        .execute(
+            &own,
+            "print(open('/home/user/data/sales.csv').read().split())",
+        )
+        .await;
+    assert_eq!(first["stdout"], "['a,b', '1,2']\n", "{first}");
+    // A second version of the file, then it is moved; a large file besides.
+    assert_eq!(
+        put("data/sales.csv", b"a,b\n3,4\n".to_vec())
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    let moved = http
+        .patch(broker.url(&format!("/v1/sessions/{own}/files/data/sales.csv")))
+        .bearer_auth(ALICE)
+        .json(&json!({"path": "sales-2.csv"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(moved.status(), 200);
+    assert_eq!(
+        put("big.bin", vec![7u8; 3 << 20]).await.unwrap().status(),
+        201
+    );
+    let second = api
+        .execute(
+            &own,
+            "import os\nprint(open('/home/user/sales-2.csv').read().split(), os.path.exists('/home/user/data/sales.csv'))",
+        )
+        .await;
+    assert_eq!(second["stdout"], "['a,b', '3,4'] False\n", "{second}");
+    assert_eq!(api.delete(&format!("/v1/sessions/{own}")).await.0, 204);
+
+    let (status, r) = api
+        .post(&format!("/v1/sessions/{own}/replay"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{r}");
+    let cells = r["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2, "{r}");
+    for c in cells {
+        assert_eq!(c["same_output"], true, "{}", c["diff"]);
+    }
+    assert_eq!(r["files_not_replayed"], json!(["big.bin"]), "{r}");
+    // The replay worked in a workspace of its own, not in the user's.
+    let replay = r["session"]["id"].as_str().unwrap();
+    assert_eq!(
+        out(
+            &api,
+            replay,
+            "import os\nprint(os.getcwd(), os.path.exists('/workspace/sales-2.csv'))"
+        )
+        .await,
+        "/home/user True"
+    );
+    let shared = api.create().await;
+    assert_eq!(
+        out(
+            &api,
+            &shared,
+            "import os\nprint(os.path.exists('/workspace/sales-2.csv'))"
+        )
+        .await,
+        "False"
+    );
     broker.stop().await;
 }
 

@@ -55,6 +55,29 @@ pub struct CreateSessionArgs {
     pub idle_timeout_seconds: Option<u64>,
     /// The kernel's memory limit in bytes (default: the user's per-kernel default).
     pub memory_limit_bytes: Option<u64>,
+    /// `own` (default): an empty workspace of the session's own at `/home/user` (also
+    /// `/workspace`) with a `/tmp` of its own, removed when the session ends; its forks and
+    /// checkpoints hold copies of its files. `shared`: the user's workspace, shared by all
+    /// her sessions and kept after them.
+    pub workspace: Option<WorkspaceArg>,
+}
+
+/// Which workspace a session made through MCP works in.
+#[derive(Deserialize, JsonSchema, Clone, Copy, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceArg {
+    #[default]
+    Own,
+    Shared,
+}
+
+impl From<WorkspaceArg> for crate::session::WorkspaceChoice {
+    fn from(arg: WorkspaceArg) -> Self {
+        match arg {
+            WorkspaceArg::Own => Self::Own,
+            WorkspaceArg::Shared => Self::Shared,
+        }
+    }
 }
 
 #[derive(Deserialize, JsonSchema)]

@@ -24,7 +24,7 @@ use crate::api::checkpoints::{CheckpointJson, CheckpointsJson};
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::session::{
     files, CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Origin, Session,
-    SessionError, Timeout,
+    SessionError, Timeout, WorkspaceChoice,
 };
 
 /// What a tool answers: a result (maybe an error result) or a protocol error.
@@ -101,6 +101,8 @@ impl McpServer {
             .registry
             .create_session(call.caller.0.create_request(CreateOptions {
                 provenance: call.provenance(),
+                // An MCP session is a sandbox, as E2B's: files of its own (issue 36).
+                workspace: WorkspaceChoice::Own,
                 ..CreateOptions::default()
             }))
             .await
@@ -308,7 +310,7 @@ impl McpServer {
                 id: None,
                 memory_limit_bytes: args.memory_limit_bytes,
                 provenance: call.provenance(),
-                workspace: Default::default(),
+                workspace: args.workspace.unwrap_or_default().into(),
             }))
             .await;
         match created {

@@ -130,6 +130,7 @@ fn lifecycle_events_feed_the_families() {
             idle_timeout_seconds: None,
             provenance: Default::default(),
             forked_from: None,
+            own_workspace: false,
         },
         LifecycleEvent::KernelStarted {
             startup_seconds: 0.3,

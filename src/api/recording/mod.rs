@@ -335,6 +335,10 @@ struct ReplayJson {
     /// The recorded session that was replayed.
     source: Uuid,
     cells: Vec<ReplayCellJson>,
+    /// A session with a workspace of its own: the files its API wrote that could not be
+    /// written again before the cells that followed (their content was not recorded:
+    /// larger than 2 MiB, or past the recording's bounds). Empty otherwise.
+    files_not_replayed: Vec<String>,
 }
 
 /// Replay the recorded code in a new session
@@ -376,6 +380,7 @@ async fn replay_of(
                 code: c.code,
             })
             .collect(),
+        files_not_replayed: outcome.files_not_replayed,
     };
     Ok((
         StatusCode::CREATED,

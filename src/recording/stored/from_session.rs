@@ -12,7 +12,9 @@ impl From<LifecycleEvent> for StoredEvent {
                 idle_timeout_seconds,
                 provenance,
                 forked_from,
+                own_workspace,
             } => StoredEvent::SessionCreated {
+                own_workspace,
                 kernel,
                 idle_timeout_seconds,
                 front_door: Some(provenance.front_door.as_str().to_string()),
@@ -148,7 +150,18 @@ impl From<LifecycleEvent> for StoredEvent {
                 bytes_received,
                 seconds,
             },
-            L::FileWritten { path, bytes } => StoredEvent::FileWritten { path, bytes },
+            L::FileWritten {
+                path,
+                bytes,
+                content,
+            } => StoredEvent::FileWritten {
+                path,
+                bytes,
+                content_base64: content.map(|c| {
+                    use base64::Engine;
+                    base64::engine::general_purpose::STANDARD.encode(&c)
+                }),
+            },
             L::FileRemoved { path } => StoredEvent::FileRemoved { path },
             L::FileRenamed { from, to } => StoredEvent::FileRenamed { from, to },
             L::CommandStarted { pid, argv, cwd } => StoredEvent::CommandStarted { pid, argv, cwd },

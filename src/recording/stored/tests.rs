@@ -27,6 +27,7 @@ fn stored_form_round_trips() {
                 idle_timeout_seconds: Some(60),
                 provenance: Default::default(),
                 forked_from: None,
+                own_workspace: false,
             },
             "session_created",
             json!({"kernel": "python3", "idle_timeout_seconds": 60, "front_door": "rest", "metadata": {}}),
@@ -41,6 +42,7 @@ fn stored_form_round_trips() {
                     execution_count: 7,
                     checkpoint: None,
                 }),
+                own_workspace: false,
             },
             "session_created",
             json!({"kernel": "python3", "idle_timeout_seconds": null, "front_door": "rest", "metadata": {},
@@ -248,6 +250,7 @@ fn file_and_command_kinds_round_trip() {
             LifecycleEvent::FileWritten {
                 path: "data/a.csv".into(),
                 bytes: 12,
+                content: None,
             },
             "file_written",
             json!({"path": "data/a.csv", "bytes": 12}),

@@ -413,6 +413,7 @@ impl Registry {
                 idle_timeout_seconds: session.idle_timeout.map(|t| t.as_secs()),
                 provenance: session.provenance.clone(),
                 forked_from,
+                own_workspace: session.own_workspace.is_some(),
             },
         );
         self.inner.recorder.event(

@@ -341,7 +341,7 @@ fn check(cases: Vec<(&str, Rec, &str)>) {
 
 fn markers() -> Rec {
     Rec::default()
-        .event(LifecycleEvent::SessionCreated { kernel: "python3".into(), idle_timeout_seconds: Some(60) , provenance: Default::default(), forked_from: None})
+        .event(LifecycleEvent::SessionCreated { kernel: "python3".into(), idle_timeout_seconds: Some(60) , provenance: Default::default(), forked_from: None, own_workspace: false })
         .event(LifecycleEvent::Interrupt)
         .event(LifecycleEvent::KernelRestarted { reason: "by request".into() })
         .event(LifecycleEvent::KernelDied { reason: "out of memory".into() })

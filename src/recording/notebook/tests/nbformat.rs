@@ -106,6 +106,7 @@ fn a_fork_names_its_origin_and_its_origin_its_forks() {
                 execution_count: 4,
                 checkpoint: Some(Uuid::from_u128(3)),
             }),
+            own_workspace: false,
         })
         .request("a", "x + 1")
         .reply("a", "ok", 5);
@@ -123,6 +124,7 @@ fn a_fork_names_its_origin_and_its_origin_its_forks() {
             idle_timeout_seconds: Some(60),
             provenance: Default::default(),
             forked_from: None,
+            own_workspace: false,
         })
         .request("a", "x = 1")
         .reply("a", "ok", 4)

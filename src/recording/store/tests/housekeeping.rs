@@ -18,6 +18,7 @@ async fn reopening_closes_stale_sessions_and_retention_deletes_old_ones(backend:
                 idle_timeout_seconds: None,
                 provenance: Default::default(),
                 forked_from: None,
+                own_workspace: false,
             },
         );
         store.flush().await;

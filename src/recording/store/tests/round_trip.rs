@@ -200,6 +200,7 @@ async fn file_and_command_events_are_stored_and_read_back(backend: Backend) {
         LifecycleEvent::FileWritten {
             path: "data/a.csv".into(),
             bytes: 12,
+            content: None,
         },
         LifecycleEvent::FileRenamed {
             from: "data/a.csv".into(),

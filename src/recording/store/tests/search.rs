@@ -73,6 +73,7 @@ async fn found_by_text_and_filters(backend: Backend, cap: usize) {
             idle_timeout_seconds: None,
             provenance: Provenance::new(FrontDoor::E2b).with_metadata(metadata),
             forked_from: None,
+            own_workspace: false,
         },
     );
     execute(
@@ -388,6 +389,7 @@ async fn a_fork_is_listed_with_its_parent(backend: Backend) {
         idle_timeout_seconds: None,
         provenance: Provenance::new(FrontDoor::Rest),
         forked_from,
+        own_workspace: false,
     };
     store.report_event(kp.clone(), created(None));
     store.report_event(
