@@ -100,10 +100,11 @@ impl Inner {
             .and_then(|k| self.kernels.get(&k))
             .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
             .ok_or_else(|| refused("its kernel has ended"))?;
-        let user = spec.user.clone();
-        let made = self.copy_container(&spec).await?;
         let dir_name = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&super::own::own_slot(to)).join(&dir_name);
+        // Known before anything is made: a path that cannot be a socket refuses it first.
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
+        let made = self.copy_container(&spec).await?;
         let copied = self
             .prepare_copy_files(&kernel, &made, &spec, &host_dir, &dir_name)
             .await;
@@ -111,7 +112,6 @@ impl Inner {
             self.undo_copy(&spec, &made, host_dir).await;
             return Err(e);
         }
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&user, e))?;
         let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
         Ok(PreparedFork::held(
             origin,
@@ -278,7 +278,9 @@ impl Inner {
                 return Err(e);
             }
         };
-        let launched = self.adopt_restored(spec, dir, container, (host_pid, fd), cgroup, leaf);
+        let launched = self
+            .adopt_restored(spec, dir, container, (host_pid, fd), cgroup, leaf)
+            .await;
         if launched.is_ok() {
             tracing::info!(session = %spec.session_id, pid = host_pid, dump_ms = dumped.as_millis() as u64, restore_ms = started_restore.elapsed().as_millis() as u64, "kernel copied into a container of its own");
         }
@@ -320,8 +322,9 @@ impl Inner {
         wake(host, KERNEL_UID)
     }
 
-    /// The restored kernel, registered and watched as a fork is (`fork.rs`).
-    fn adopt_restored(
+    /// The restored kernel, registered and watched as a fork is (`fork.rs`); if it cannot
+    /// be, its leaf goes, and the kernel with it.
+    async fn adopt_restored(
         self: &Arc<Self>,
         spec: &LaunchSpec,
         dir: &Path,
@@ -333,13 +336,25 @@ impl Inner {
         let user = &spec.user;
         let session = spec.session_id;
         let lost = |e: std::io::Error| copy_failed(format!("the restored kernel is lost: {e}"));
-        // The pidfd it was woken through: if the signal ended it, its watcher sees that.
-        let watch_fd = fd.try_clone().map_err(lost)?;
-        // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
-        // AsyncFd that owns it drops it.
-        let watch_fd = unsafe { AsyncFd::register_with_interest(watch_fd, Interest::READABLE) }
-            .map_err(|e| lost(e.into_parts().1))?;
-        let endpoints = endpoints_for(dir).map_err(|e| launch_failed(user, e))?;
+        let ready = || -> Result<_, ForkError> {
+            // The pidfd it was woken through: if the signal ended it, its watcher sees that.
+            let watch_fd = fd.try_clone().map_err(lost)?;
+            // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
+            // AsyncFd that owns it drops it.
+            let watch_fd = unsafe { AsyncFd::register_with_interest(watch_fd, Interest::READABLE) }
+                .map_err(|e| lost(e.into_parts().1))?;
+            let endpoints = endpoints_for(dir).map_err(|e| launch_failed(user, e))?;
+            let docker = self.client.get().map(|(d, _)| d.clone());
+            let docker = docker.ok_or_else(|| copy_failed("the daemon's client is gone"))?;
+            Ok((watch_fd, endpoints, docker))
+        };
+        let (watch_fd, endpoints, docker) = match ready() {
+            Ok(ready) => ready,
+            Err(e) => {
+                ContainerCgroup::remove_leaf(&leaf).await;
+                return Err(e);
+            }
+        };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
         let freezer = Some(cgroup.freezer(&leaf));
         let workspace = self
@@ -348,11 +363,7 @@ impl Inner {
             .home;
         let shared = Arc::new(DockerKernel {
             watch,
-            docker: self
-                .client
-                .get()
-                .map(|(d, _)| d.clone())
-                .ok_or_else(|| copy_failed("the daemon's client is gone"))?,
+            docker,
             container,
             dir: dir
                 .file_name()
