@@ -636,9 +636,19 @@ def test_a_held_child_keeps_only_its_files_and_wakes_only_for_the_broker(kernel,
     assert reply["status"] == "ok", reply
     pid = reply["pid"]
     try:
-        targets = {}
-        for fd in os.listdir("/proc/%d/fd" % pid):
-            targets[int(fd)] = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        # Read once its answer's pipe is closed (it answers, then closes it, then waits).
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            targets = {}
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    targets[int(fd)] = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+                except FileNotFoundError:
+                    continue
+            if not any(t.startswith("pipe:") for t in targets.values()):
+                break
+            assert time.monotonic() < deadline, targets
+            time.sleep(0.01)
         assert [targets[fd] for fd in (0, 1, 2)] == ["/dev/null"] * 3, targets
         rest = {fd: t for fd, t in targets.items() if fd > 2}
         # The file the cell opened, and not the kernel's own output, a file here (its log):
