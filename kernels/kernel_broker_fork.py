@@ -569,6 +569,11 @@ def abandon(old_app, old_kernel):
         getattr(old_app, "iopub_thread", None),
         getattr(old_app, "control_thread", None),
         getattr(old_app, "shell_channel_thread", None),
+        # The log's handlers: the child's app configures the same logger again and drops
+        # them, and the one ipykernel pointed at the parent's copy of descriptor 2 wraps
+        # that number in a FileIO that closes it when collected; the child reuses the
+        # number (for its own stderr copy, as a rule), which the collection would close.
+        tuple(getattr(getattr(old_app, "log", None), "handlers", ())),
     )
     for fn in (old_app.close, old_app.cleanup_connection_file):
         try:

@@ -538,6 +538,32 @@ def test_a_lineage_of_forks_holds_one_generations_machinery(kernel, forks, tmp_p
     assert counts[-1] <= counts[0] + 2, counts
 
 
+def test_a_fork_of_a_fork_keeps_its_own_output_through_a_collection(kernel, forks, tmp_path):
+    """Each generation's app configures the kernel's logger again, dropping the handler
+    ipykernel pointed at the parent's copy of descriptor 2 (a FileIO that closes its number
+    when collected); the child reuses that number for its own copy. A collection in the
+    grandchild must not close the descriptors its streams and log write to. (Collection
+    off until then: when it runs is otherwise a matter of allocation counts.)"""
+    run(kernel.client, "import gc\ngc.disable()")
+    first = make_fork(kernel.client, tmp_path, "f1", forks)
+    run(first.client, "y = 1")
+    second = make_fork(first.client, tmp_path, "f2", forks)
+    check = (
+        "import gc, logging, os, sys\n"
+        "gc.collect()\n"
+        "fds = [sys.stdout._original_stdstream_copy, sys.stderr._original_stdstream_copy]\n"
+        "fds += [h.stream.fileno() for h in logging.getLogger('IPKernelApp').handlers\n"
+        "        if isinstance(h, logging.StreamHandler)]\n"
+        "for fd in fds:\n"
+        "    os.fstat(fd)\n"
+        "os.system('echo from-a-subprocess')\n"
+        "import time; time.sleep(0.5)\n"
+    )
+    _, outputs = run(second.client, check)
+    assert "from-a-subprocess" in text(outputs), outputs
+    assert value(second.client, "y") == "1"
+
+
 def test_a_kernel_holding_more_than_fd_setsize_descriptors_forks(kernel, forks, tmp_path):
     import resource
 
