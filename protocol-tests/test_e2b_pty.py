@@ -55,7 +55,9 @@ class Screen:
             if pred(self.text()):
                 return self.text()
             time.sleep(0.05)
-        raise AssertionError(f"never seen; the terminal showed:\n{self.text()[-2000:]!r}")
+        raise AssertionError(
+            f"never seen; the terminal showed:\n{self.text()[-2000:]!r}; stream error: {self.error!r}"
+        )
 
     def wait_for(self, needle, timeout=30):
         """Waits for a line the terminal printed (not the echo of the input): `needle` at
@@ -66,7 +68,10 @@ class Screen:
             if line.search(self.text()):
                 return self.text()
             time.sleep(0.05)
-        raise AssertionError(f"{needle!r} never appeared; the terminal showed:\n{self.text()[-2000:]!r}")
+        raise AssertionError(
+            f"{needle!r} never appeared; the terminal showed:\n{self.text()[-2000:]!r}; "
+            f"stream error: {self.error!r}; stream open: {self.thread.is_alive()}"
+        )
 
 
 def _size(rows, cols):
@@ -218,7 +223,10 @@ def test_pty_requests_are_bounded_and_confined(any_backend):
         attacker.wait_for("DONE-STI")
         assert "STI-OK" not in attacker.text(), attacker.text()
         sbx.pty.send_stdin(victim, b"echo victim-alive\n")
-        screen.wait_for("victim-alive")
+        try:
+            screen.wait_for("victim-alive")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nattacker: {attacker.text()!r}\nprocesses: {sbx.commands.list()}")
         assert "INJECTED" not in screen.text()
         # A command without a terminal has none to inject into either.
         r = sbx.commands.run(

@@ -38,7 +38,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/workspace_fs.rs", 10, "images and mount points in the broker's 0700 workspaces directory; lost+found removed (rmdir, never follows) right after mkfs, before any kernel; the workspace's own mode set on the mount point, whose parent is the broker's; an own workspace's image unlinked in the broker's images directory"),
     ("src/sandbox/own_workspace.rs", 2, "an own workspace's root made and removed in the broker's 0700 <data_dir>/sandboxes: every directory down to it is the broker's; what is inside goes with std's remove_dir_all, which opens each directory O_NOFOLLOW and unlinks symlinks as themselves"),
     ("src/sandbox/sudo.rs", 6, "the broker's tools directory (in its 0700 runtime base or data directory) and the sudo script in it: no kernel can write there (shown read-only)"),
-    ("src/sandbox/docker/command.rs", 3, "remove_dir_logged of a command's session directory in the user's 0711 runtime directory"),
+    ("src/sandbox/docker/command.rs", 4, "remove_dir_logged of a command's session directory in the user's 0711 runtime directory"),
     ("src/sandbox/docker/container.rs", 2, "the user's runtime directory itself, in the broker's runtime base"),
     ("src/sandbox/docker/daemon.rs", 2, "the broker's own state (the daemon socket directory it made)"),
     ("src/sandbox/docker/launch.rs", 2, "remove_dir_logged of a failed launch's session directory in the user's 0711 runtime directory"),

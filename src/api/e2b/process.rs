@@ -186,15 +186,26 @@ async fn start(
         events: events.clone(),
         pty: pty.is_some(),
     });
-    let known = caller
-        .e2b
-        .with(caller.session.id, |m| {
-            m.commands.insert(cmd.pid, cmd.clone())
-        })
-        .is_some();
-    if !known {
+    // A pid names one live command: a second with the same number (which the sandbox's
+    // pid namespace never gives two live processes) would take the first one's input.
+    let added = caller.e2b.with(caller.session.id, |m| {
+        match m.commands.entry(cmd.pid) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(cmd.clone());
+                true
+            }
+        }
+    });
+    if added != Some(true) {
         running.control.kill().await;
-        return stream_error(ConnectError::not_found("the sandbox has ended"));
+        return stream_error(match added {
+            None => ConnectError::not_found("the sandbox has ended"),
+            Some(_) => ConnectError::new(
+                "internal",
+                format!("a process with pid {} is already running", cmd.pid),
+            ),
+        });
     }
     // The caller's deadline kills the command, as envd runs it under a context with that
     // deadline (its other clients see it end, killed).
@@ -257,7 +268,11 @@ async fn start(
             last.extend_from_slice(&end_stream(None));
         }
         let last = Bytes::from(last);
-        e2b.with(sandbox, |m| m.commands.remove(&pid));
+        e2b.with(sandbox, |m| {
+            if m.commands.get(&pid).is_some_and(|c| Arc::ptr_eq(&c.events, &events)) {
+                m.commands.remove(&pid);
+            }
+        });
         events.end(last);
     });
     let mut ends = StreamEnds::of(state, caller, deadline);

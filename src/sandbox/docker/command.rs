@@ -41,6 +41,9 @@ use crate::sandbox::{thread_env, LaunchRefusal, SandboxError};
 
 /// How long the command waits for its `go` file (20 ms rounds), as a kernel does.
 const GO_ROUNDS: u32 = 1500;
+/// How long a command's shell may take to write its pid, its first act (under a loaded
+/// daemon, seconds); within the [`GO_ROUNDS`] it then waits for `go`.
+const PID_WAIT: Duration = Duration::from_secs(20);
 
 impl Inner {
     pub(super) async fn start_command(
@@ -137,6 +140,15 @@ impl Inner {
             remove_dir_logged(host_dir).await;
             return Err(launch_err(&user, LaunchRefusal::ExecNotAttached));
         };
+        // The shell's pid (the one the sandbox shows), before it may go: what only this
+        // command's shell wrote, not yet anything the command itself ran.
+        let pid = match super::place::written_pid(&host_dir, PID_WAIT).await {
+            Ok(pid) => pid,
+            Err(e) => {
+                remove_dir_logged(host_dir).await;
+                return Err(launch_failed(&user, e));
+            }
+        };
         let placeable = self.privileged.then_some(exec.id.as_str());
         let leaf = match place_kernel(&docker, placeable, &host_dir, &id.to_string(), &spec.limits)
             .await
@@ -162,11 +174,6 @@ impl Inner {
         });
         let reaper = control.clone();
         let exec_id = exec.id.clone();
-        // Written before the `go` file that place_kernel wrote: the command's first act.
-        let pid = std::fs::read_to_string(host_dir.join("pid"))
-            .ok()
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or(0);
         tokio::spawn(async move {
             while let Some(chunk) = output.next().await {
                 use bollard::container::LogOutput;

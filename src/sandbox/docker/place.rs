@@ -37,6 +37,8 @@ pub(super) enum PlaceError {
     Leaf(#[source] SandboxError),
     #[error("placing the kernel failed: {0}")]
     Task(#[source] tokio::task::JoinError),
+    #[error("the command's shell did not write its pid: {0}")]
+    PidFile(#[source] io::Error),
     #[error("cannot let the process start ({}): {source}", path.display())]
     LetGo {
         path: PathBuf,
@@ -98,6 +100,59 @@ pub(super) async fn place_kernel(
         return Err(e);
     }
     Ok(leaf)
+}
+
+/// The pid that a command's shell writes to `pid` in its session directory (its first act,
+/// before it waits for `go`): the number the sandbox's pid namespace gave it, polled for
+/// up to `wait`. The directory is the kernel uid's, so another process of the user may
+/// have planted `pid` as a symlink or a fifo: it is opened beneath the user's runtime
+/// directory through descriptors, never following a symlink, without blocking, and read
+/// only if it is a regular file; a number counts once its line is whole.
+pub(super) async fn written_pid(host_dir: &Path, wait: Duration) -> Result<u32, PlaceError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let dir = host_dir.to_path_buf();
+        let read = tokio::task::spawn_blocking(move || read_pid_file(&dir))
+            .await
+            .map_err(PlaceError::Task)?;
+        match read {
+            Ok(Some(pid)) => return Ok(pid),
+            Ok(None) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Ok(None) => return Err(PlaceError::PidFile(io::ErrorKind::TimedOut.into())),
+            Err(e) => return Err(PlaceError::PidFile(e)),
+        }
+    }
+}
+
+/// One look at `pid` (see [`written_pid`]): `None` while it is absent or its line unfinished.
+fn read_pid_file(host_dir: &Path) -> io::Result<Option<u32>> {
+    use std::io::Read;
+    let (Some(parent), Some(name)) = (host_dir.parent(), host_dir.file_name()) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
+    let parent = fsutil::open_tree_root(parent)?;
+    let name = std::ffi::CString::new(name.as_bytes()).map_err(io::Error::other)?;
+    let dir = fsutil::open_subdir(parent.as_fd(), &name)?;
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+    let fd = match fsutil::open_beneath(&dir, Path::new("pid"), flags, 0) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut file = std::fs::File::from(fd);
+    if !file.metadata()?.file_type().is_file() {
+        return Err(io::Error::other("pid is not a regular file"));
+    }
+    let mut text = String::new();
+    (&mut file).take(32).read_to_string(&mut text)?;
+    let Some(line) = text.strip_suffix('\n') else {
+        return Ok(None);
+    };
+    line.parse()
+        .map(Some)
+        .map_err(|_| io::Error::other(format!("pid holds {line:?}, not a pid")))
 }
 
 /// Writes the word a command waiting in [`wait_for_go`] waits for.
@@ -190,4 +245,60 @@ fn warn_once_unplaced(why: &PlaceError) {
         );
     });
     tracing::debug!(reason = %why, "kernel not placed in a cgroup leaf");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    fn session_dir() -> (tempfile::TempDir, PathBuf) {
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("c0123456789ab");
+        std::fs::create_dir(&dir).unwrap();
+        (base, dir)
+    }
+
+    #[test]
+    fn a_pid_counts_once_its_line_is_whole() {
+        let (_base, dir) = session_dir();
+        assert_eq!(read_pid_file(&dir).unwrap(), None);
+        std::fs::write(dir.join("pid"), "12").unwrap();
+        assert_eq!(read_pid_file(&dir).unwrap(), None);
+        std::fs::write(dir.join("pid"), "123\n").unwrap();
+        assert_eq!(read_pid_file(&dir).unwrap(), Some(123));
+        std::fs::write(dir.join("pid"), "-1\n").unwrap();
+        assert!(read_pid_file(&dir).is_err());
+    }
+
+    /// Another process of the user plants `pid` before the shell writes it: a symlink to a
+    /// file of the host, or a fifo that nobody writes (which would hold a reader forever).
+    #[test]
+    fn a_planted_pid_is_neither_followed_nor_waited_on() {
+        let (base, dir) = session_dir();
+        std::fs::write(base.path().join("secret"), "4242\n").unwrap();
+        symlink(base.path().join("secret"), dir.join("pid")).unwrap();
+        assert!(read_pid_file(&dir).is_err());
+        std::fs::remove_file(dir.join("pid")).unwrap();
+        let fifo = std::ffi::CString::new(dir.join("pid").as_os_str().as_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+        let started = std::time::Instant::now();
+        assert!(read_pid_file(&dir).is_err());
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // The session directory itself swapped for a symlink.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let elsewhere = base.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("pid"), "77\n").unwrap();
+        symlink(&elsewhere, &dir).unwrap();
+        assert!(read_pid_file(&dir).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_shell_that_never_writes_its_pid_fails_the_launch_in_time() {
+        let (_base, dir) = session_dir();
+        let err = written_pid(&dir, Duration::from_millis(100)).await.unwrap_err();
+        assert!(err.to_string().contains("did not write its pid"), "{err}");
+    }
 }
