@@ -11,8 +11,13 @@ shell message type:
     "hmac-sha256"}}``: the child kernel's sockets are ``ipc://PREFIX-PORT``, PREFIX inside
     the fork directory (``KERNEL_BROKER_FORK_ROOT``, else the directory of the kernel's own
     ipc sockets). The answer is ``kb_fork_reply`` ``{"status": "ok", "pid": PID}`` (PID as
-    seen in the kernel's pid namespace) once the child is built and its sockets are bound,
-    so a client may connect at once; or ``{"status": "error", "ename": ..., "evalue": ...}`` and no child.
+    seen in the kernel's pid namespace) as soon as the child exists with its own copies of
+    the open files (about a millisecond after the fork), or ``{"status": "error", "ename":
+    ..., "evalue": ...}`` and no child. The child then builds its kernel and binds its
+    sockets (10 to 20 ms): a client connects as to any starting kernel, retrying until they
+    are bound, and a child that fails to build says why on its stderr and exits. (The
+    broker moves the child into a cgroup of its own meanwhile, which costs about as long
+    again on cgroup v1: answering early runs the two side by side.)
 
 ``kb_fork_request`` with ``{"hold": {"connection_file": PATH}}`` instead of a connection
     makes a *held* child, for a copy of the kernel into another sandbox (a session with a
@@ -33,7 +38,7 @@ How. Shell messages are dispatched one at a time on the kernel's main thread, so
 request is handled between two executions with the user's state at rest. (A busy kernel
 receives it only when its running execution ends: shell messages queue behind it. A broker
 that wants the fork now should interrupt first, or refuse.) The handler forks once and
-waits on a pipe for the child to say it is listening. The child starts a session of its
+waits on a pipe for the child to say it has its own files. The child starts a session of its
 own (``setsid``), so ipykernel's habit of terminating the children in its process group at
 shutdown, and an interrupt sent to the parent's group, leave it alone. The parent reaps
 its forks that ended (``waitpid`` on their pids only) at each request and after each
@@ -121,7 +126,7 @@ MAX_CONNECTION_FILE = 64 * 1024
 REPLY_TYPE = "kb_fork_reply"
 ROOT_ENV = "KERNEL_BROKER_FORK_ROOT"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-# A child that is not listening by then is killed and the fork refused.
+# A child that has not answered by then is killed and the fork refused.
 READY_TIMEOUT = 30.0
 # sockaddr_un holds 108 bytes; the longest suffix is "-65535" and a NUL.
 MAX_IP_LENGTH = 100
@@ -273,8 +278,9 @@ def handle(app, kernel, stream, ident, parent):
 
 
 def fork(app, kernel, info, hold=None):
-    """Forks the kernel; returns the new kernel's pid once it listens (or, with `hold`,
-    once it is held)."""
+    """Forks the kernel; returns the new kernel's pid once the child has its own files
+    (from then on this process may read and seek in them again; with `hold`, once it is
+    held)."""
     reap()
     note_machinery()
     read_fd, write_fd = os.pipe()
@@ -387,7 +393,7 @@ def read_answer(fd):
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         if left <= 0 or not poller.poll(left * 1000):
-            return {"error": "the child did not listen within %d s" % READY_TIMEOUT}
+            return {"error": "the child did not answer within %d s" % READY_TIMEOUT}
         chunk = os.read(fd, 4096)
         if not chunk:
             break
@@ -406,9 +412,9 @@ def say(fd, obj):
 
 
 def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
-    """In the forked child: rebuilds the kernel around the same shell, answers on
-    `ready_fd`, serves until shut down (with `hold`: answers, is held, and builds once
-    woken). Never returns."""
+    """In the forked child: answers on `ready_fd` once it has its own files, rebuilds the
+    kernel around the same shell, serves until shut down (with `hold`: answers, is held,
+    and builds once woken). Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
@@ -425,9 +431,17 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         if _STD_TARGETS is None:
             _STD_TARGETS = (os.dup(1), os.dup(2))
         separate_files()
+        if hold is None:
+            # The parent goes on (and may move the shared offsets) once it has this answer;
+            # what follows concerns this process alone. The broker meanwhile connects,
+            # retrying until the sockets are bound, and moves this process into a cgroup of
+            # its own.
+            say(ready_fd, {"pid": os.getpid()})
+            os.close(ready_fd)
+            ready_fd = None
         close_parent_sockets(old_app)
         global _MACHINERY, _BEFORE_BUILD
-        close_machinery(_MACHINERY or {}, keep={ready_fd})
+        close_machinery(_MACHINERY or {}, keep={ready_fd} - {None})
         _MACHINERY = None
         if hold is not None:
             be_held(ready_fd)

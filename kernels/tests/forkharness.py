@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import zmq
 from jupyter_client import BlockingKernelClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,6 +18,15 @@ KERNEL_PYTHON = os.path.join(KERNELS, ".venv", "bin", "python")
 BOOT = os.path.join(KERNELS, "kernel_broker_boot.py")
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 TIMEOUT = 60
+# A fork answers before it binds its sockets: the clients' connections retry every 5 ms
+# instead of ZeroMQ's 100.
+CONTEXT = zmq.Context()
+CONTEXT.setsockopt(zmq.RECONNECT_IVL, 5)
+
+
+def client():
+    """A kernel client on the tests' context."""
+    return BlockingKernelClient(context=CONTEXT)
 
 
 def connection(prefix):
@@ -98,7 +108,7 @@ def kernel_environment():
 
 
 def connect(info, timeout=TIMEOUT):
-    kc = BlockingKernelClient()
+    kc = client()
     kc.load_connection_info(info)
     kc.start_channels()
     # Not `wait_for_ready`: it calls a kernel dead when one heartbeat is late, which a

@@ -95,10 +95,9 @@ pub(super) async fn open_connection(
                     Some(libc::ENOENT) | Some(libc::ECONNREFUSED) | Some(libc::EAGAIN)
                 ) && Instant::now() < deadline =>
             {
-                // A fork binds its sockets 15 to 30 ms after the broker starts connecting
-                // (when it sends the request): asked often at first, so it is reached
-                // within a millisecond of binding; a kernel started from nothing takes a
-                // second or more.
+                // A fork binds its sockets 10 to 20 ms after its pid is known: asked
+                // often at first, so it is reached within a millisecond of binding; a
+                // kernel started from nothing takes a second or more.
                 let pause = if started.elapsed() < QUICK_RETRIES {
                     Duration::from_millis(1)
                 } else {

@@ -83,9 +83,8 @@ pub(super) async fn fork_connected(
 /// child is left.
 ///
 /// The connection is begun before the child exists (it retries until the sockets are
-/// bound), so it is made, and usually the child found ready, by the time the kernel has
-/// answered and the sandbox has adopted the child, instead of a connection and a readiness
-/// probe after that. Nothing but readiness probes reaches it before
+/// bound), so the child is ready about when its pid is known and adopted instead of a
+/// connection and a readiness probe later. Nothing but readiness probes reaches it before
 /// then, and the connection is dropped if the fork is not adopted. Until adoption the
 /// sockets' directory is the parent kernel's to write as well: a kernel, as untrusted as
 /// the child will be, of the same user.
