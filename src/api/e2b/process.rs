@@ -188,15 +188,15 @@ async fn start(
     });
     // A pid names one live command: a second with the same number (which the sandbox's
     // pid namespace never gives two live processes) would take the first one's input.
-    let added = caller.e2b.with(caller.session.id, |m| {
-        match m.commands.entry(cmd.pid) {
+    let added = caller
+        .e2b
+        .with(caller.session.id, |m| match m.commands.entry(cmd.pid) {
             std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(cmd.clone());
                 true
             }
-        }
-    });
+        });
     if added != Some(true) {
         running.control.kill().await;
         return stream_error(match added {
@@ -269,7 +269,10 @@ async fn start(
         }
         let last = Bytes::from(last);
         e2b.with(sandbox, |m| {
-            if m.commands.get(&pid).is_some_and(|c| Arc::ptr_eq(&c.events, &events)) {
+            if m.commands
+                .get(&pid)
+                .is_some_and(|c| Arc::ptr_eq(&c.events, &events))
+            {
                 m.commands.remove(&pid);
             }
         });

@@ -22,7 +22,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::time::timeout;
 
 use crate::sandbox::fork::ForkError;
-use crate::sandbox::fsutil::{find_program, inherit_fd};
+use crate::sandbox::fsutil::{find_program, inherit_in_child};
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::uids_of;
 
@@ -227,16 +227,7 @@ pub(crate) async fn dump(
         .kill_on_drop(true);
     let mut inherited = programs.fds.clone();
     inherited.push(images.as_raw_fd());
-    // SAFETY: the closure runs between fork and exec and calls only fcntl (async-signal-safe)
-    // on descriptors numbered before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            for fd in &inherited {
-                inherit_fd(*fd)?;
-            }
-            Ok(())
-        });
-    }
+    inherit_in_child(&mut cmd, inherited);
     let status = match timeout(STEP_TIMEOUT, async { cmd.status().await }).await {
         Ok(Ok(status)) => status,
         Ok(Err(e)) => return Err(copy_failed(format!("cannot start CRIU: {e}"))),

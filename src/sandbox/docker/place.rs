@@ -298,7 +298,9 @@ mod tests {
     #[tokio::test]
     async fn a_shell_that_never_writes_its_pid_fails_the_launch_in_time() {
         let (_base, dir) = session_dir();
-        let err = written_pid(&dir, Duration::from_millis(100)).await.unwrap_err();
+        let err = written_pid(&dir, Duration::from_millis(100))
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("did not write its pid"), "{err}");
     }
 }

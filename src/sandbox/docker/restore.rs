@@ -17,7 +17,7 @@ use crate::sandbox::criu::{
     STEP_TIMEOUT,
 };
 use crate::sandbox::fork::ForkError;
-use crate::sandbox::fsutil::{find_program, inherit_fd};
+use crate::sandbox::fsutil::{find_program, inherit_fd, inherit_in_child};
 use crate::sandbox::procfs::{children_of, namespace_pid, uids_of};
 
 /// The programs a copy into a container runs, found once.
@@ -121,7 +121,7 @@ pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<
             .current_dir("/")
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        inherit(&mut cmd, programs.fds.clone());
+        inherit_in_child(&mut cmd, programs.fds.clone());
         cmd
     };
     let spawn_failed = |e: std::io::Error| copy_failed(format!("cannot start the copy: {e}"));
@@ -156,20 +156,6 @@ pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<
             "the workspace copy took more than {} s",
             STEP_TIMEOUT.as_secs()
         ))),
-    }
-}
-
-/// Clears close-on-exec on `fds` in `cmd`'s child.
-fn inherit(cmd: &mut tokio::process::Command, fds: Vec<RawFd>) {
-    // SAFETY: the closure runs between fork and exec and calls only fcntl (async-signal-safe)
-    // on descriptors numbered before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            for fd in &fds {
-                inherit_fd(*fd)?;
-            }
-            Ok(())
-        });
     }
 }
 

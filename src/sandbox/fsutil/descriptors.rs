@@ -306,6 +306,21 @@ pub(crate) fn inherit_fd(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
+/// Has `cmd`'s child inherit `fds` (opened before the spawn, close-on-exec as every
+/// descriptor of the broker is): [`inherit_fd`] on each between fork and exec.
+pub(crate) fn inherit_in_child(cmd: &mut tokio::process::Command, fds: Vec<RawFd>) {
+    // SAFETY: the closure runs between fork and exec and calls only fcntl (async-signal-safe)
+    // on descriptors numbered before the fork; iterating the Vec does not allocate.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &fds {
+                inherit_fd(*fd)?;
+            }
+            Ok(())
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::MetadataExt;
