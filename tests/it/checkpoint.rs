@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use common::forked::{busy_with, out};
+use common::forked::{busy_with, kernel_leaf_dir, out};
 use common::*;
 use serde_json::{json, Value};
 
@@ -283,15 +283,7 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
     let keep = api.create().await;
     let a = api.create().await;
     // The leaf of the session's live kernel, as the kernel sees it.
-    let live_leaf = || async {
-        let cg = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
-        let line = cg
-            .lines()
-            .find(|l| l.contains(":pids:"))
-            .unwrap()
-            .to_string();
-        line.rsplit('/').next().unwrap().to_string()
-    };
+    let live_leaf = || async { leaf_name(&api, &a).await };
     let mut theirs = vec![live_leaf().await];
     out(&api, &a, "x = 1").await;
     let first = take(&api, &a).await;
@@ -682,7 +674,7 @@ async fn a_plainly_started_kernel_has_no_checkpoints() {
 async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
     let broker = Broker::start("local", |a| {
         forking(a);
-        a.launch_timeout = Some(8);
+        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(8)).as_secs());
     })
     .await;
     let api = broker.api(ALICE);
@@ -795,15 +787,7 @@ async fn a_rewind_brings_a_dead_session_back() {
     let a = api.create().await;
     out(&api, &a, "x = 1; import os").await;
     let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
-    let dead_leaf = {
-        let cg = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
-        let line = cg
-            .lines()
-            .find(|l| l.contains(":pids:"))
-            .unwrap()
-            .to_string();
-        line.rsplit('/').next().unwrap().to_string()
-    };
+    let dead_leaf = leaf_name(&api, &a).await;
     let v = api.execute(&a, "os._exit(3)").await;
     assert_ne!(v["status"], "ok", "{v}");
     let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
@@ -842,4 +826,10 @@ async fn a_fork_asked_right_after_an_execution_forks_the_live_kernel() {
         assert_eq!(status, 204);
     }
     broker.stop().await;
+}
+
+/// The name of the cgroup leaf of session `id`'s live kernel (v1 or v2), as the kernel sees it.
+async fn leaf_name(api: &Api, id: &str) -> String {
+    let dir = kernel_leaf_dir(api, id).await;
+    dir.file_name().unwrap().to_string_lossy().into_owned()
 }
