@@ -394,8 +394,9 @@ pub trait KernelProcess: Send + Sync {
     fn can_hold_as_checkpoint(&self) -> bool {
         false
     }
-    /// Makes the kernel an ordinary live one for the OOM killer again (`oom_score_adj` 0):
-    /// a kernel forked from a checkpoint inherits the checkpoint's 1000.
+    /// Makes the kernel an ordinary live one for the OOM killer again (`oom_score_adj`
+    /// [`KERNEL_OOM_SCORE_ADJ`]): a kernel forked from a checkpoint inherits the
+    /// checkpoint's 1000.
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         Ok(())
     }

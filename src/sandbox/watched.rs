@@ -248,7 +248,7 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         match self.kernel.freezer() {
-            Some(freezer) => freezer.set_oom_score_adj(0),
+            Some(freezer) => freezer.set_oom_score_adj(super::KERNEL_OOM_SCORE_ADJ as i32),
             None => Ok(()),
         }
     }

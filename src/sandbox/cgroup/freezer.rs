@@ -20,6 +20,14 @@ use super::mountinfo::parse_mountinfo;
 use super::{CgroupVersion, Leaf};
 use crate::sandbox::SandboxError;
 
+/// Whether the unprivileged broker's lack of `oom_score_adj` was said (once).
+static UNPRIVILEGED_OOM_SAID: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+fn running_as_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
 /// How long a freeze may take to settle before it is reported as failed.
 const SETTLE: Duration = Duration::from_secs(2);
 
@@ -89,11 +97,26 @@ impl Freezer {
     }
 
     /// Sets `oom_score_adj` of every process of the leaf (1000: a checkpoint, the OOM
-    /// killer's first choice; 0: a live kernel again).
+    /// killer's first choice; the kernels' own value: a live kernel again).
+    ///
+    /// An unprivileged broker cannot: a kernel is not dumpable, so its `/proc` files are
+    /// the host root's, and not even the kernel may write its own (making it dumpable for
+    /// the write would let the user's other processes attach to it). There checkpoints are
+    /// kept without the preference (said once in the log; docs/HOSTS.md): the user's
+    /// cgroup stays the backstop, and its OOM killer weighs a checkpoint like a kernel.
     pub fn set_oom_score_adj(&self, adj: i32) -> Result<(), SandboxError> {
         for pid in self.pids() {
             let file = PathBuf::from(format!("/proc/{pid}/oom_score_adj"));
             if let Err(e) = std::fs::write(&file, adj.to_string()) {
+                if e.kind() == std::io::ErrorKind::PermissionDenied && !running_as_root() {
+                    if !UNPRIVILEGED_OOM_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!(
+                            "checkpoints are not made the OOM killer's first choice: an \
+                             unprivileged broker cannot set a kernel's oom_score_adj"
+                        );
+                    }
+                    return Ok(());
+                }
                 // A process that ended meanwhile is no failure.
                 if Path::new(&format!("/proc/{pid}")).exists() {
                     return Err(SandboxError::Io {
