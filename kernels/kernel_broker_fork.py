@@ -441,7 +441,7 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
             ready_fd = None
         close_parent_sockets(old_app)
         global _MACHINERY, _BEFORE_BUILD
-        close_machinery(_MACHINERY or {}, keep={ready_fd} - {None})
+        close_machinery(_MACHINERY or {}, keep={ready_fd})
         _MACHINERY = None
         if hold is not None:
             be_held(ready_fd)

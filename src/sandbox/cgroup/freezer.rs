@@ -24,10 +24,6 @@ use crate::sandbox::SandboxError;
 static UNPRIVILEGED_OOM_SAID: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-fn running_as_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
-
 /// How long a freeze may take to settle before it is reported as failed.
 const SETTLE: Duration = Duration::from_secs(2);
 
@@ -108,7 +104,9 @@ impl Freezer {
         for pid in self.pids() {
             let file = PathBuf::from(format!("/proc/{pid}/oom_score_adj"));
             if let Err(e) = std::fs::write(&file, adj.to_string()) {
-                if e.kind() == std::io::ErrorKind::PermissionDenied && !running_as_root() {
+                if e.kind() == std::io::ErrorKind::PermissionDenied
+                    && crate::sandbox::fsutil::current_ids().0 != 0
+                {
                     if !UNPRIVILEGED_OOM_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
                         tracing::warn!(
                             "checkpoints are not made the OOM killer's first choice: an \
