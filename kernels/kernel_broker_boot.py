@@ -285,10 +285,36 @@ def signals_to_the_main_thread():
     threading.Thread.start = start_without_sigint
 
 
+def abort_without_interrupts():
+    """An interrupt cannot leave the kernel aborting every later execution.
+
+    After a failed execution ipykernel sets its ``_aborting`` flag (execute requests are
+    answered ``aborted``), then queues the message that clears it once the requests already
+    waiting are aborted. Its SIGINT handler is still the one that raises
+    ``KeyboardInterrupt``: an interrupt landing between the two (a client interrupting just
+    as the cell fails, or a timeout) skips the queuing, and the flag stays set for the rest
+    of the kernel's life (a stock ipykernel 7.4, interrupted as cells failed, was stuck so
+    within tens of tries). SIGINT is held for those few lines and delivered after them,
+    where ipykernel catches it."""
+    from ipykernel.kernelbase import Kernel
+
+    abort_queues = Kernel._abort_queues
+
+    def guarded(self, *args, **kwargs):
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return abort_queues(self, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    Kernel._abort_queues = guarded
+
+
 def run_kernel(args, after_init=None):
     from ipykernel.kernelapp import IPKernelApp
 
     signals_to_the_main_thread()
+    abort_without_interrupts()
 
     sys.argv = ["ipykernel_launcher"] + list(args)
     app = IPKernelApp.instance()
