@@ -6,6 +6,12 @@
 //! `std::fs` (or `tokio::fs`) call that writes, creates, chowns, renames or removes in the
 //! sandbox and session code beyond the sites listed here, each with why a path is safe
 //! there. A new one must use a descriptor, or be added below with its reason.
+//!
+//! Reads are held to the same rule (`READ_CALLS`, `ALLOWED_READS`): a root read by path in
+//! a directory a kernel can write would follow a planted symlink (to `/etc/shadow`, to a
+//! FIFO that blocks the reading thread for good). Path-based metadata through methods
+//! (`Path::exists`, `Path::is_dir`, `Path::metadata`) is not counted: the names are
+//! shared with descriptors' and file types' own methods.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,6 +75,50 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),
 ];
 
+/// Calls that resolve a path and read what they find there (or its metadata).
+const READ_CALLS: &[&str] = &[
+    "fs::read(",
+    "fs::read_to_string(",
+    "File::open(",
+    "fs::read_dir(",
+    "fs::metadata(",
+    "fs::symlink_metadata(",
+    "fs::read_link(",
+    "fs::canonicalize(",
+    ".read_dir(",
+    ".canonicalize(",
+    ".read_link(",
+    ".symlink_metadata(",
+];
+
+const PROCFS: &str = "procfs (/proc/<pid>/... of a kernel's or the broker's own process, and /proc/self: the kernel makes these, a process cannot turn an entry into a link it chose)";
+const CGROUPFS: &str = "cgroupfs: the broker's hierarchy (leaves it made), which no kernel can write and which holds no symlinks";
+
+/// Where path-based reads stand, how many, and why each is safe.
+const ALLOWED_READS: &[(&str, usize, &str)] = &[
+    ("src/sandbox/procfs.rs", 8, PROCFS),
+    ("src/sandbox/fork.rs", 2, PROCFS),
+    ("src/sandbox/netns.rs", 1, PROCFS),
+    ("src/sandbox/docker/engine.rs", 1, PROCFS),
+    ("src/sandbox/local/keep.rs", 2, "the broker's 0700 ticket directory; procfs"),
+    ("src/sandbox/cgroup/mountinfo.rs", 1, PROCFS),
+    ("src/sandbox/cgroup/user_dir.rs", 1, PROCFS),
+    ("src/sandbox/cgroup/freezer.rs", 3, "cgroupfs (the broker's leaves and freezer directories); procfs"),
+    ("src/sandbox/cgroup/fs.rs", 4, CGROUPFS),
+    ("src/sandbox/cgroup/leaf.rs", 7, CGROUPFS),
+    ("src/sandbox/cgroup/nested.rs", 2, "procfs (the container's pid's cgroup, /proc/self/mountinfo); a container's cgroup, which Docker shows its processes read-only"),
+    ("src/sandbox/own_workspace.rs", 1, "the list of the broker's 0700 <data_dir>/sandboxes (names only)"),
+    ("src/sandbox/workspace_fs.rs", 6, "the broker's 0700 images directory and an image in it; whether a workspace directory (its parent the broker's, so not swappable by a kernel) is empty; the workspace's mount point and its parent, with symlink_metadata (the last component not followed), to check they are the broker's"),
+    ("src/sandbox/fsutil/mod.rs", 1, "symlink_metadata of a directory the broker just made in its own state directory, to check it is its own (the last component not followed)"),
+    ("src/sandbox/docker/daemon.rs", 1, "the broker's Docker runtime base (names only, each then removed by remove_dir_logged)"),
+    ("src/sandbox/docker/keep/mod.rs", 1, "the broker's 0700 ticket directory (whether it exists)"),
+    ("src/sandbox/docker/keep/ticket.rs", 2, "the broker's 0700 ticket directory; the user's 0711 runtime directory (the broker's; /run/kernel in the container, which kernels cannot write), names only"),
+    ("src/sandbox/criu/programs.rs", 1, "CRIU's binary at the path the operator configured (a host file, root's)"),
+    ("src/sandbox/local/bwrap.rs", 1, "the host's root directory's entries (/lib, /bin, ...: root's)"),
+    ("src/sandbox/local/files.rs", 1, "the broker's runtime base (names only)"),
+    ("src/session/kept.rs", 1, "the broker's 0700 directory of kept sessions"),
+];
+
 /// The library part of a source file: up to its test module.
 fn library_part(text: &str) -> &str {
     text.find("\n#[cfg(test)]\nmod ")
@@ -76,11 +126,15 @@ fn library_part(text: &str) -> &str {
 }
 
 fn count_path_calls(text: &str) -> usize {
+    count_calls(text, PATH_CALLS)
+}
+
+fn count_calls(text: &str, calls: &[&str]) -> usize {
     library_part(text)
         .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .map(|l| {
-            PATH_CALLS
+            calls
                 .iter()
                 .map(|c| l.matches(c).count())
                 .sum::<usize>()
@@ -102,44 +156,62 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-#[test]
-fn root_file_operations_by_path_stay_where_no_kernel_can_write() {
+/// Every library file of the sandbox and session code, with its path from the crate root.
+fn guarded_files() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
     for dir in ["src/sandbox", "src/session"] {
         sources(&root.join(dir), &mut files);
     }
+    files
+        .iter()
+        .map(|path| {
+            let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            (rel, std::fs::read_to_string(path).unwrap())
+        })
+        .collect()
+}
+
+/// What differs between the calls found and the counts listed.
+fn against_list(calls: &[&str], listed: &[(&str, usize, &str)], what: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let allowed: BTreeMap<&str, (usize, &str)> =
-        ALLOWED.iter().map(|(f, n, why)| (*f, (*n, *why))).collect();
+        listed.iter().map(|(f, n, why)| (*f, (*n, *why))).collect();
+    let files = guarded_files();
+    assert!(files.len() > 40, "only {} files read", files.len());
     let mut problems = Vec::new();
-    let mut seen = 0;
-    for path in &files {
-        let rel = path
-            .strip_prefix(root)
-            .unwrap()
-            .to_string_lossy()
-            .into_owned();
-        let found = count_path_calls(&std::fs::read_to_string(path).unwrap());
+    for (rel, text) in &files {
+        let found = count_calls(text, calls);
         let (limit, _) = allowed.get(rel.as_str()).copied().unwrap_or((0, ""));
         if found > limit {
             problems.push(format!(
-                "{rel}: {found} path-based file operations, {limit} allowed: use fsutil's \
-                 descriptor functions in any directory a kernel can write, or list the site \
-                 here with why a path is safe"
+                "{rel}: {found} path-based {what}, {limit} allowed: use fsutil's descriptor \
+                 functions in any directory a kernel can write, or list the site here with \
+                 why a path is safe"
             ));
         } else if found < limit {
             problems.push(format!(
-                "{rel}: {found} path-based file operations, {limit} listed: lower the count"
+                "{rel}: {found} path-based {what}, {limit} listed: lower the count"
             ));
         }
-        seen += 1;
     }
     for file in allowed.keys() {
         if !root.join(file).exists() {
             problems.push(format!("{file} is listed but gone"));
         }
     }
-    assert!(seen > 40, "only {seen} files read");
+    problems
+}
+
+#[test]
+fn root_file_operations_by_path_stay_where_no_kernel_can_write() {
+    let problems = against_list(PATH_CALLS, ALLOWED, "file operations");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn root_reads_by_path_stay_where_no_kernel_can_write() {
+    let problems = against_list(READ_CALLS, ALLOWED_READS, "reads");
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
@@ -148,4 +220,12 @@ fn the_guard_sees_what_it_must() {
     let code = "fn f() {\n    std::fs::write(p, b\"\")?;\n    // std::fs::write(q)\n    std::os::unix::fs::chown(d, None, None)?;\n    tokio::fs::remove_file(x).await;\n}\n#[cfg(test)]\nmod tests {\n    std::fs::write(t, b\"\");\n}\n";
     // write, chown, tokio::fs:: + remove_file; the comment and the test module are not counted.
     assert_eq!(count_path_calls(code), 4);
+}
+
+#[test]
+fn the_read_guard_sees_what_it_must() {
+    let code = "fn f() {\n    let t = std::fs::read_to_string(p)?;\n    let d = dir.read_dir()?;\n    let f = File::open(q)?;\n    let m = fs::symlink_metadata(r)?;\n    let n = file.metadata()?;\n    // std::fs::read(q)\n}\n#[cfg(test)]\nmod tests {\n    std::fs::read(t);\n}\n";
+    // read_to_string, read_dir, File::open, symlink_metadata; a descriptor's metadata, the
+    // comment and the test module are not counted.
+    assert_eq!(count_calls(code, READ_CALLS), 4);
 }
