@@ -125,6 +125,11 @@ impl From<SessionError> for ApiError {
             SessionError::ForkTimedOut { .. } => {
                 Self::new(StatusCode::GATEWAY_TIMEOUT, "fork_failed", message)
             }
+            SessionError::NoRoomForCopy { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                message,
+            ),
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

@@ -182,6 +182,11 @@ pub struct ServeArgs {
     /// of /usr/local/sbin/criu, /usr/sbin/criu, /usr/local/bin/criu that is 4.0 or later]
     #[arg(long, env = "KERNEL_BROKER_CRIU")]
     pub criu: Option<PathBuf>,
+    /// Bytes of the data directory's file system a copy must leave free: a copy (CRIU's
+    /// images of a kernel's memory, held there until it is restored) that would not is
+    /// refused with 507 [default: 1073741824, 1 GiB]
+    #[arg(long, env = "KERNEL_BROKER_COPY_RESERVE_BYTES")]
+    pub copy_reserve_bytes: Option<u64>,
     /// Seconds without activity before a session expires; 0 never [default: 600]
     #[arg(long, env = "KERNEL_BROKER_IDLE_TIMEOUT")]
     pub idle_timeout: Option<u64>,

@@ -406,6 +406,10 @@ impl Settings {
             docker.criu = Some(criu.clone());
             local.criu = Some(criu);
         }
+        if let Some(bytes) = either!(args, file, copy_reserve_bytes) {
+            docker.copy_reserve_bytes = bytes;
+            local.copy_reserve_bytes = bytes;
+        }
         docker.fork_server = pick!(fork_server, docker.fork_server);
         if let Some(secs) = either!(args, file, container_idle) {
             local.template_idle = Duration::from_secs(secs);

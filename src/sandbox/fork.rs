@@ -66,6 +66,9 @@ pub struct PreparedFork {
     /// Where the broker reaches the child's sockets (in `dir`): known before the child
     /// exists, so the broker connects while the kernel forks and rebuilds.
     pub endpoints: KernelEndpoints,
+    /// A copy's room on the data file system for its images (`criu/room.rs`), held until
+    /// the fork is adopted or given up.
+    pub(crate) room: Option<super::criu::room::Reserved>,
 }
 
 impl PreparedFork {
@@ -90,19 +93,22 @@ impl PreparedFork {
             spec,
             dir,
             endpoints,
+            room: None,
         }
     }
 
     /// A fork of `origin` into a sandbox of its own for `spec`: the kernel holds its child,
     /// which reads its connection from `connection_file` (inside the new sandbox) once woken
     /// there. `dir` is the broker's directory for the copy (removed if it is given up);
-    /// `endpoints` where the new sandbox's kernel will listen.
+    /// `endpoints` where the new sandbox's kernel will listen; `room` what its images may
+    /// take.
     pub(crate) fn held(
         origin: ForkOrigin,
         spec: LaunchSpec,
         dir: PathBuf,
         connection_file: &str,
         endpoints: KernelEndpoints,
+        room: super::criu::room::Reserved,
     ) -> Self {
         Self {
             request: serde_json::json!({ "hold": { "connection_file": connection_file } }),
@@ -110,6 +116,7 @@ impl PreparedFork {
             spec,
             dir,
             endpoints,
+            room: Some(room),
         }
     }
 }
@@ -127,6 +134,10 @@ pub enum ForkError {
     /// `docker/copy.rs`).
     #[error("the kernel could not be copied into a sandbox of its own: {0}")]
     Copy(String),
+    /// The data directory's file system has no room for the copy's images
+    /// (`criu/room.rs`); nothing was made.
+    #[error("the kernel was not copied into a sandbox of its own: {0}")]
+    NoRoom(String),
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
 }

@@ -90,6 +90,18 @@ fn parse_namespace_pid(status: &str) -> Option<i32> {
     line.split_whitespace().last()?.parse().ok()
 }
 
+/// The resident memory of `pid` in bytes (`VmRSS:` of `status`, in kB).
+pub fn resident_bytes(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_resident_bytes(&status)
+}
+
+fn parse_resident_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb.saturating_mul(1024))
+}
+
 /// The real, effective, saved and file-system uids of `pid` (`Uid:` of `status`).
 pub fn uids_of(pid: i32) -> Option<[u32; 4]> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -146,6 +158,11 @@ mod tests {
         );
         assert_eq!(parse_uids("Uid:\t1\t2\n"), None);
         assert_eq!(parse_uids("Name:\tx\n"), None);
+        assert_eq!(
+            parse_resident_bytes("VmPeak:\t  9 kB\nVmRSS:\t  2048 kB\n"),
+            Some(2 << 20)
+        );
+        assert_eq!(parse_resident_bytes("Name:\tx\n"), None);
         let tail: Vec<String> = (4..=51).map(|n| n.to_string()).collect();
         let zombie = format!("42 (a) b) Z {} 9", tail.join(" "));
         assert_eq!(parse_zombie_status(&zombie), Some(9));

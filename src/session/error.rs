@@ -247,6 +247,10 @@ pub enum SessionError {
         #[source]
         source: Option<BoxError>,
     },
+    /// A copy of the kernel (a session with a workspace of its own) would leave the broker's
+    /// data file system too little room; nothing was made.
+    #[error("session {session} was not forked: {why}")]
+    NoRoomForCopy { session: Uuid, why: String },
     /// The kernel did not answer the fork request in time.
     #[error("session {session} was not forked: its kernel did not answer the fork request within {limit:?}")]
     ForkTimedOut { session: Uuid, limit: Duration },

@@ -199,6 +199,7 @@ fn reply_pid(m: &Message) -> Result<i64, String> {
 pub(super) fn fork_error(session: Uuid, e: ForkError) -> SessionError {
     match e {
         ForkError::Unsupported(why) => SessionError::ForkRefused { session, why },
+        ForkError::NoRoom(why) => SessionError::NoRoomForCopy { session, why },
         e @ (ForkError::NotItsChild { .. } | ForkError::Copy(_)) => SessionError::ForkFailed {
             session,
             why: e.to_string(),

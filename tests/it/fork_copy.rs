@@ -61,6 +61,7 @@ crate::on_both_backends!(
     a_fork_of_a_session_with_its_own_workspace_gets_a_copy_of_it,
     checkpoints_of_a_session_with_its_own_workspace_hold_its_files,
     a_kernel_that_lies_about_its_held_fork_gets_nothing_copied,
+    a_copy_without_room_for_its_images_is_refused_and_nothing_is_made,
 );
 
 /// Where a backend keeps the own workspaces and the copies' images, in the data directory.
@@ -392,6 +393,57 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied(sandbox: &'s
     assert!(copies.is_empty(), "{copies:?}");
     // The original goes on.
     assert_eq!(out(&alice, &a, "print(1 + 1)").await, "2");
+    broker.stop().await;
+}
+
+/// A copy's images hold its kernel's memory on the broker's data file system until the
+/// copy is restored: a fork or a checkpoint that would leave that file system with less
+/// than `--copy-reserve-bytes` free is refused `507` before anything is made (no session,
+/// no workspace, no images), saying what it needed; the original goes on.
+async fn a_copy_without_room_for_its_images_is_refused_and_nothing_is_made(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let (sandboxes, copies) = dirs(sandbox);
+    // More than any file system here has free: every copy is refused.
+    let broker = Broker::start(sandbox, |a| a.copy_reserve_bytes = Some(1 << 62)).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "block = bytearray(64 << 20)\nx = 1").await;
+    let data = broker.data_dir.clone();
+    let workspaces = own_workspaces(&data, sandboxes);
+    for path in [
+        format!("/v1/sessions/{a}/fork"),
+        format!("/v1/sessions/{a}/checkpoints"),
+    ] {
+        let (status, v) = api.post(&path, json!({})).await;
+        assert_eq!(status, 507, "{path}: {v}");
+        assert_eq!(v["error"]["code"], "insufficient_storage", "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        // The kernel's 64 MiB block is in what its images would need.
+        let need: u64 = message
+            .split("need about ")
+            .nth(1)
+            .and_then(|m| m.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{message}"));
+        assert!(need > 64, "{message}");
+        assert!(message.contains("--copy-reserve-bytes"), "{message}");
+    }
+    let (_, list) = api.get("/v1/sessions").await;
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    let (_, listed) = api.get(&format!("/v1/sessions/{a}/checkpoints")).await;
+    assert_eq!(
+        listed["checkpoints"].as_array().map(Vec::len),
+        Some(0),
+        "{listed}"
+    );
+    assert_eq!(own_workspaces(&data, sandboxes), workspaces);
+    let images: Vec<_> = std::fs::read_dir(data.join(copies))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(images.is_empty(), "{images:?}");
+    assert_eq!(out(&api, &a, "print(x, len(block))").await, "1 67108864");
     broker.stop().await;
 }
 

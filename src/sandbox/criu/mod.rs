@@ -27,8 +27,25 @@ use crate::sandbox::pidfd;
 use crate::sandbox::procfs::uids_of;
 
 mod programs;
+pub(crate) mod room;
 
 pub(crate) use programs::{Loader, Programs};
+pub(crate) use room::{CopyRoom, DEFAULT_COPY_RESERVE};
+
+/// [`room::reserve_room`], its refusal a fork's.
+pub(crate) async fn reserve_room(
+    room: &std::sync::Arc<CopyRoom>,
+    dir: &Path,
+    host_pid: i32,
+    keep_free: u64,
+) -> Result<room::Reserved, ForkError> {
+    room::reserve_room(room, dir, host_pid, keep_free)
+        .await
+        .map_err(|e| match e {
+            room::RoomError::NoRoom(why) => ForkError::NoRoom(why),
+            room::RoomError::Unknown(why) => copy_failed(why),
+        })
+}
 
 /// What wakes a held child (`WAKE_SIGNAL` in `kernels/kernel_broker_fork.py`: SIGRTMIN+6
 /// with glibc).

@@ -48,6 +48,8 @@ pub struct DockerSandboxConfig {
     /// CRIU (`--criu`), which copies a kernel into a container of its own (`copy.rs`);
     /// None: the first of the usual places that is 4.0 or later.
     pub criu: Option<PathBuf>,
+    /// Bytes of the data directory's file system a copy leaves free (`criu/room.rs`).
+    pub copy_reserve_bytes: u64,
 }
 
 impl DockerSandboxConfig {
@@ -72,6 +74,7 @@ impl DockerSandboxConfig {
             require_limits: true,
             api_timeout: Duration::from_secs(60),
             criu: None,
+            copy_reserve_bytes: crate::sandbox::criu::DEFAULT_COPY_RESERVE,
         }
     }
 }

@@ -100,6 +100,13 @@ impl Inner {
             .and_then(|k| self.kernels.get(&k))
             .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
             .ok_or_else(|| refused("its kernel has ended"))?;
+        let room = crate::sandbox::criu::reserve_room(
+            &self.copy_room,
+            &self.cfg.data_dir,
+            origin.host_pid,
+            self.cfg.copy_reserve_bytes,
+        )
+        .await?;
         let dir_name = keep::session_dir(spec.session_id);
         let host_dir = self.user_run_dir(&super::own::own_slot(to)).join(&dir_name);
         // Known before anything is made: a path that cannot be a socket refuses it first.
@@ -119,6 +126,7 @@ impl Inner {
             host_dir,
             &connection,
             endpoints,
+            room,
         ))
     }
 

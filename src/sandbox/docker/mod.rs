@@ -202,6 +202,8 @@ struct Inner {
     shutdown: CancellationToken,
     /// The programs a copy into a container of its own runs (`copy.rs`), found once.
     copy_tools: OnceCell<Result<Arc<restore::CopyTools>, String>>,
+    /// The room copies under way hold for their images (`criu/room.rs`).
+    copy_room: Arc<crate::sandbox::criu::CopyRoom>,
 }
 
 /// Per-user state.
@@ -251,6 +253,7 @@ impl DockerSandbox {
                 parents,
                 shutdown: CancellationToken::new(),
                 copy_tools: OnceCell::new(),
+                copy_room: Default::default(),
             }),
         })
     }

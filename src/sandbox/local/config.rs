@@ -60,6 +60,8 @@ pub struct LocalSandboxConfig {
     /// CRIU, for forks of sessions with a workspace of their own (`copy.rs`); `None`: the
     /// first CRIU 4 or later of `/usr/local/sbin`, `/usr/sbin`, `/usr/local/bin`.
     pub criu: Option<PathBuf>,
+    /// Bytes of the data directory's file system a copy leaves free (`criu/room.rs`).
+    pub copy_reserve_bytes: u64,
 }
 
 impl LocalSandboxConfig {
@@ -91,6 +93,7 @@ impl LocalSandboxConfig {
             fork_server: true,
             template_idle: Duration::from_secs(300),
             criu: None,
+            copy_reserve_bytes: crate::sandbox::criu::DEFAULT_COPY_RESERVE,
         }
     }
 

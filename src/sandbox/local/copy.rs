@@ -94,6 +94,13 @@ impl LocalSandbox {
                 "a copy gets a workspace of its own, not its original's".into(),
             ));
         }
+        let room = crate::sandbox::criu::reserve_room(
+            &self.copy_room,
+            &self.cfg.data_dir,
+            origin.host_pid,
+            self.cfg.copy_reserve_bytes,
+        )
+        .await?;
         let dir = self.copies_dir().join(spec.session_id.to_string());
         let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
             .map_err(|e| fsutil::launch_failed(&user, e))?;
@@ -130,6 +137,7 @@ impl LocalSandbox {
             dir,
             CONNECTION_FILE_INSIDE,
             endpoints,
+            room,
         ))
     }
 
@@ -140,12 +148,18 @@ impl LocalSandbox {
         pid: i64,
     ) -> Result<Launched, ForkError> {
         let PreparedFork {
-            origin, spec, dir, ..
+            origin,
+            spec,
+            dir,
+            room,
+            ..
         } = prepared;
         let user = spec.user.clone();
         let key = spec.own_workspace;
         let made = self.dump_and_restore(origin, spec, &dir, pid).await;
         fsutil::remove_dir_logged(dir).await;
+        // The images are gone: their room is free again.
+        drop(room);
         if made.is_err() {
             if let Some(key) = key {
                 self.remove_unused_own(&user, key).await;

@@ -139,6 +139,8 @@ pub struct LocalSandbox {
     /// copy; or why it cannot be done here.
     copy_tools:
         OnceCell<Result<crate::sandbox::criu::CopyTools, crate::sandbox::criu::NoCopyTools>>,
+    /// The room copies under way hold for their images (`criu/room.rs`).
+    copy_room: Arc<crate::sandbox::criu::CopyRoom>,
 }
 
 impl LocalSandbox {
@@ -242,6 +244,7 @@ impl LocalSandbox {
                 .then(|| Arc::new(keep::KeptKernels::new(&cfg.data_dir))),
             templates: Arc::new(template::Templates::default()),
             copy_tools: OnceCell::new(),
+            copy_room: Default::default(),
             cfg,
         })
     }
