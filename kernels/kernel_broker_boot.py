@@ -285,19 +285,60 @@ def signals_to_the_main_thread():
     threading.Thread.start = start_without_sigint
 
 
-def abort_without_interrupts():
-    """An interrupt cannot leave the kernel aborting every later execution.
+def interrupts_reach_cells_only():
+    """An interrupt stops the cell that runs; one that lands after the cell has ended, while
+    ipykernel answers it, is dropped, as one between executions is.
 
-    After a failed execution ipykernel sets its ``_aborting`` flag (execute requests are
-    answered ``aborted``), then queues the message that clears it once the requests already
-    waiting are aborted. Its SIGINT handler is still the one that raises
-    ``KeyboardInterrupt``: an interrupt landing between the two (a client interrupting just
-    as the cell fails, or a timeout) skips the queuing, and the flag stays set for the rest
-    of the kernel's life (a stock ipykernel 7.4, interrupted as cells failed, was stuck so
-    within tens of tries). SIGINT is held for those few lines and delivered after them,
-    where ipykernel catches it."""
+    ipykernel raises ``KeyboardInterrupt`` on SIGINT for the whole of a request's handling,
+    not only the cell's code. An interrupt landing after the cell (a client interrupting, or
+    a timeout, just as the cell ends) raises in ipykernel's own code instead: caught there
+    ("KeyboardInterrupt caught in kernel"), it leaves a request half answered. Two ways were
+    measured here, each injected at its line by `kernels/tests/test_interrupt.py`:
+
+    * between setting the abort flag that a failed cell raises and queuing the message that
+      clears it (``_abort_queues``): the flag stays set and every later execution of the
+      kernel is answered ``aborted`` (a stock ipykernel 7.4, interrupted right after failed
+      cells, was stuck so after 11 tries in one run and 40 in another);
+    * before the ``execute_reply`` is sent: the reply is lost, the client waits, and the
+      broker, which never sees the execution end, restarts the kernel at its timeout.
+
+    So SIGINT is blocked on the main thread once the cell's ``post_execute`` callbacks have
+    run (matplotlib's figures drawn, the user's own callbacks: all interruptible) and
+    unblocked after the request's handling, once ipykernel has put its between-executions
+    handler (SIG_IGN) back, so a signal held meanwhile is dropped then. Every other thread
+    blocks SIGINT for good (``signals_to_the_main_thread``), so the process holds it."""
+    import threading
+
     from ipykernel.kernelbase import Kernel
 
+    def hold_interrupts(*_):
+        if threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    pre, post = Kernel.pre_handler_hook, Kernel.post_handler_hook
+
+    def pre_handler_hook(self):
+        # Last among the cell's post_execute callbacks, whoever registered since.
+        shell = getattr(self, "shell", None)
+        if shell is not None:
+            callbacks = shell.events.callbacks["post_execute"]
+            if hold_interrupts in callbacks:
+                callbacks.remove(hold_interrupts)
+            callbacks.append(hold_interrupts)
+        pre(self)
+
+    def post_handler_hook(self):
+        try:
+            post(self)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    Kernel.pre_handler_hook = pre_handler_hook
+    Kernel.post_handler_hook = post_handler_hook
+
+    # A failed cell's abort comes after its post_execute, so SIGINT is held by then; held
+    # here as well, should a request ever fail without its cell's post_execute.
     abort_queues = Kernel._abort_queues
 
     def guarded(self, *args, **kwargs):
@@ -314,7 +355,7 @@ def run_kernel(args, after_init=None):
     from ipykernel.kernelapp import IPKernelApp
 
     signals_to_the_main_thread()
-    abort_without_interrupts()
+    interrupts_reach_cells_only()
 
     sys.argv = ["ipykernel_launcher"] + list(args)
     app = IPKernelApp.instance()
