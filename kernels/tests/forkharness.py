@@ -141,6 +141,15 @@ def run(kc, code, timeout=TIMEOUT, allow_error=False):
     return content, outputs
 
 
+def wait_reply(kc, msg_id, timeout=TIMEOUT):
+    """The content of the shell reply to request `msg_id` (other replies are passed over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
+
+
 def text(outputs):
     """stdout text and text/plain results of an execution's outputs, joined."""
     parts = []

@@ -35,6 +35,7 @@ from forkharness import (  # noqa: E402
     run,
     text,
     value,
+    wait_reply,
 )
 
 
@@ -233,14 +234,6 @@ def wait_idle(kc, msg_id, timeout=TIMEOUT):
         if (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"
                 and msg["parent_header"].get("msg_id") == msg_id):
             return
-
-
-def wait_reply(kc, msg_id, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"]
 
 
 def test_a_busy_kernel_forks_when_its_execution_ends(kernel, forks, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from forkharness import TIMEOUT, Fork, Kernel, value  # noqa: E402
+from forkharness import Fork, Kernel, value, wait_reply  # noqa: E402
 
 # The cell makes the interrupt land at the worst moment, every time: inside ipykernel's
 # `_abort_queues`, when it logs "Aborting queue" (after setting the flag, before queuing the
@@ -57,16 +57,8 @@ _kernel.session.send = _send_interrupted_once
 """
 
 
-def reply_to(kc, msg_id, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"]
-
-
 def status(kc, code):
-    return reply_to(kc, kc.execute(code))["status"]
+    return wait_reply(kc, kc.execute(code))["status"]
 
 
 @pytest.mark.parametrize("how", ["plain", "template", "fork"])
@@ -116,14 +108,14 @@ def test_an_interrupt_as_a_cell_ends_loses_no_reply_and_later_interrupts_work(tm
         for attempt in range(3):
             # This execution's reply is the one the signal lands on.
             msg_id = kc.execute("_pending.append(1); x = %d" % attempt)
-            reply = reply_to(kc, msg_id, timeout=15)
+            reply = wait_reply(kc, msg_id, timeout=15)
             assert reply["status"] == "ok", reply
         assert value(kc, "x") == "2"
         # A running cell is still interrupted.
         msg_id = kc.execute("import time; time.sleep(30)")
         time.sleep(1.0)
         os.kill(pid, signal.SIGINT)
-        reply = reply_to(kc, msg_id, timeout=10)
+        reply = wait_reply(kc, msg_id, timeout=10)
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
         # A SIGINT between executions is ignored.
         os.kill(pid, signal.SIGINT)
