@@ -32,19 +32,22 @@ pub(crate) mod room;
 pub(crate) use programs::{Loader, Programs};
 pub(crate) use room::{CopyRoom, DEFAULT_COPY_RESERVE};
 
-/// [`room::reserve_room`], its refusal a fork's.
+/// Room for the images of a copy of the kernel `host_pid` (`room.rs`), reserved in a
+/// blocking task; its refusal is the fork's.
 pub(crate) async fn reserve_room(
     room: &std::sync::Arc<CopyRoom>,
     dir: &Path,
     host_pid: i32,
     keep_free: u64,
 ) -> Result<room::Reserved, ForkError> {
-    room::reserve_room(room, dir, host_pid, keep_free)
+    let (room, dir) = (room.clone(), dir.to_path_buf());
+    let reserved = tokio::task::spawn_blocking(move || room.reserve_for(&dir, host_pid, keep_free))
         .await
-        .map_err(|e| match e {
-            room::RoomError::NoRoom(why) => ForkError::NoRoom(why),
-            room::RoomError::Unknown(why) => copy_failed(why),
-        })
+        .map_err(|e| copy_failed(format!("the room check failed: {e}")))?;
+    reserved.map_err(|e| match e {
+        room::RoomError::NoRoom(why) => ForkError::NoRoom(why),
+        room::RoomError::Unknown(why) => copy_failed(why),
+    })
 }
 
 /// What wakes a held child (`WAKE_SIGNAL` in `kernels/kernel_broker_fork.py`: SIGRTMIN+6

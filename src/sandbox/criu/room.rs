@@ -101,19 +101,6 @@ impl CopyRoom {
     }
 }
 
-/// [`CopyRoom::reserve_for`] in a blocking task.
-pub(crate) async fn reserve_room(
-    room: &Arc<CopyRoom>,
-    dir: &Path,
-    host_pid: i32,
-    keep_free: u64,
-) -> Result<Reserved, RoomError> {
-    let (room, dir) = (room.clone(), dir.to_path_buf());
-    tokio::task::spawn_blocking(move || room.reserve_for(&dir, host_pid, keep_free))
-        .await
-        .unwrap_or_else(|e| Err(RoomError::Unknown(format!("the room check failed: {e}"))))
-}
-
 fn mib(bytes: u64) -> u64 {
     bytes.div_ceil(1 << 20)
 }
