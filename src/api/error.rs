@@ -130,6 +130,23 @@ impl From<SessionError> for ApiError {
                 "insufficient_storage",
                 message,
             ),
+            SessionError::PauseRefused { .. } | SessionError::PauseBusy { .. } => {
+                Self::new(StatusCode::CONFLICT, "pause_refused", message)
+            }
+            SessionError::PauseFailed { action, .. } => Self::new(
+                StatusCode::BAD_GATEWAY,
+                if action == "resume" {
+                    "resume_failed"
+                } else {
+                    "pause_failed"
+                },
+                message,
+            ),
+            SessionError::NoRoomToPause { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                message,
+            ),
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

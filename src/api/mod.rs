@@ -40,6 +40,7 @@ pub mod metrics;
 pub mod openapi;
 mod ops;
 pub mod output_budget;
+mod pause;
 mod recording;
 mod sessions;
 pub mod shapes;
@@ -117,6 +118,7 @@ fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .merge(sessions::routes())
         .merge(checkpoints::routes())
+        .merge(pause::routes())
         .merge(files::routes())
         .merge(stream::routes())
         .merge(ops::routes())

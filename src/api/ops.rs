@@ -88,6 +88,7 @@ async fn metrics(
             SessionState::Starting,
             SessionState::Idle,
             SessionState::Busy,
+            SessionState::Paused,
             SessionState::Dead,
         ]
         .into_iter()

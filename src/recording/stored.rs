@@ -82,6 +82,14 @@ pub enum StoredEvent {
         checkpoint: uuid::Uuid,
         execution_count: u64,
     },
+    /// Pause and resume (issue 37).
+    SessionPaused {
+        execution_count: u64,
+        image_bytes: u64,
+    },
+    SessionResumed {
+        execution_count: u64,
+    },
     KernelStarted {
         startup_seconds: f64,
         #[serde(default)]
@@ -295,6 +303,8 @@ impl StoredEvent {
             StoredEvent::CheckpointTaken { .. } => "checkpoint_taken",
             StoredEvent::CheckpointDropped { .. } => "checkpoint_dropped",
             StoredEvent::SessionRewound { .. } => "session_rewound",
+            StoredEvent::SessionPaused { .. } => "session_paused",
+            StoredEvent::SessionResumed { .. } => "session_resumed",
             StoredEvent::KernelStarted { .. } => "kernel_started",
             StoredEvent::ExecutionStarted { .. } => "execution_started",
             StoredEvent::ExecutionDone { .. } => "execution_done",

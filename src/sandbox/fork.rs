@@ -69,6 +69,9 @@ pub struct PreparedFork {
     /// A copy's room on the data file system for its images (`criu/room.rs`), held until
     /// the fork is adopted or given up.
     pub(crate) room: Option<super::criu::room::Reserved>,
+    /// A pause's (`pause.rs`): its held child is dumped into `dir` and kept there, not
+    /// restored; given up, only `dir` goes.
+    pub(crate) pause: bool,
 }
 
 impl PreparedFork {
@@ -94,6 +97,7 @@ impl PreparedFork {
             dir,
             endpoints,
             room: None,
+            pause: false,
         }
     }
 
@@ -117,6 +121,24 @@ impl PreparedFork {
             dir,
             endpoints,
             room: Some(room),
+            pause: false,
+        }
+    }
+
+    /// A pause of `origin` (`pause.rs`): the kernel holds a child, dumped into `dir` and
+    /// kept; once restored it reads its connection from `connection_file` (inside the
+    /// sandbox it is resumed in). `room` is what its images may take until they are made.
+    pub(crate) fn paused(
+        origin: ForkOrigin,
+        spec: LaunchSpec,
+        dir: PathBuf,
+        connection_file: &str,
+        endpoints: KernelEndpoints,
+        room: super::criu::room::Reserved,
+    ) -> Self {
+        Self {
+            pause: true,
+            ..Self::held(origin, spec, dir, connection_file, endpoints, room)
         }
     }
 }

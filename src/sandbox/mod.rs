@@ -56,6 +56,7 @@ pub mod launch_error;
 pub mod local;
 pub(crate) mod netns;
 pub(crate) mod own_workspace;
+pub mod pause;
 pub(crate) mod pidfd;
 #[cfg(test)]
 mod privileged_fs_tests;
@@ -486,6 +487,51 @@ pub trait Sandbox: Send + Sync {
     /// Gives a prepared fork up (the kernel refused it or never answered): its runtime
     /// directory goes.
     async fn discard_fork(&self, _prepared: fork::PreparedFork) {}
+    /// Prepares pausing the live kernel `kernel` to disk (`pause.rs`): the directory its
+    /// images go in and the `kb_fork_request` for its held child. `spec` is the session's,
+    /// under a new kernel id. A backend or a kernel that cannot be paused is
+    /// [`fork::ForkError::Unsupported`].
+    async fn prepare_pause(
+        &self,
+        _kernel: &dyn KernelProcess,
+        _spec: LaunchSpec,
+    ) -> Result<fork::PreparedFork, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox cannot pause a kernel to disk yet; the local sandbox can, as root \
+             with CRIU 4",
+            self.name()
+        )))
+    }
+    /// Dumps the held child `pid` the kernel reported for `prepared` (untrusted, checked as
+    /// a fork's) into its images; on error nothing of them is left.
+    async fn dump_paused(
+        &self,
+        prepared: fork::PreparedFork,
+        pid: i64,
+    ) -> Result<pause::PausedImage, fork::ForkError> {
+        self.discard_fork(prepared).await;
+        Err(fork::ForkError::NotItsChild {
+            pid,
+            why: "this sandbox does not pause kernels",
+        })
+    }
+    /// Restores the kernel `image` holds into a new sandbox for `spec` (the session's,
+    /// under a new kernel id), woken and building its kernel. The images stay until
+    /// [`Sandbox::discard_paused`].
+    async fn resume_paused(
+        &self,
+        _image: &pause::PausedImage,
+        _spec: LaunchSpec,
+    ) -> Result<Launched, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox cannot resume a paused kernel",
+            self.name()
+        )))
+    }
+    /// Removes a paused kernel's images.
+    async fn discard_paused(&self, image: pause::PausedImage) {
+        fsutil::remove_dir_logged(image.dir).await;
+    }
     /// How long a launch may take before the broker gives up.
     fn launch_timeout(&self) -> Duration {
         Duration::from_secs(30)

@@ -13,6 +13,7 @@ use super::error::SessionError;
 use super::execution::{Execution, OutputEvent};
 use super::front_door::SessionEnd;
 use super::launch::Live;
+use super::pause::PauseInfo;
 use crate::sandbox::fork::PreparedFork;
 use crate::sandbox::LaunchSpec;
 use crate::wire::{Channel, Message};
@@ -84,6 +85,14 @@ pub(super) enum Command {
         spec: LaunchSpec,
         done: oneshot::Sender<Result<(Live, u64), SessionError>>,
     },
+    /// Pause the session to disk (`actor/pause.rs`); a paused one stays as it is.
+    Pause {
+        done: oneshot::Sender<Result<PauseInfo, SessionError>>,
+    },
+    /// Resume a paused session (one that is not paused stays as it is).
+    Resume {
+        done: oneshot::Sender<Result<(), SessionError>>,
+    },
     Shutdown {
         end: SessionEnd,
         done: oneshot::Sender<()>,
@@ -93,4 +102,42 @@ pub(super) enum Command {
     Detach {
         done: oneshot::Sender<()>,
     },
+}
+
+impl Command {
+    /// Whether doing it needs the session's kernel running: a paused session is resumed
+    /// first (`actor/pause.rs`).
+    pub(super) fn uses_kernel(&self) -> bool {
+        matches!(
+            self,
+            Command::Execute(_)
+                | Command::Restart(_)
+                | Command::Forward { .. }
+                | Command::Fork { .. }
+                | Command::Checkpoint { .. }
+                | Command::Rewind { .. }
+        )
+    }
+
+    /// Its name, for logs.
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Command::Execute(_) => "execute",
+            Command::InputReply(_) => "input_reply",
+            Command::Interrupt(_) => "interrupt",
+            Command::Restart(_) => "restart",
+            Command::Forward { .. } => "forward",
+            Command::Fork { .. } => "fork",
+            Command::Checkpoint { .. } => "checkpoint",
+            Command::CheckpointPolicy { .. } => "checkpoint_policy",
+            Command::ListCheckpoints(_) => "list_checkpoints",
+            Command::DropCheckpoint { .. } => "drop_checkpoint",
+            Command::Rewind { .. } => "rewind",
+            Command::ForkCheckpoint { .. } => "fork_checkpoint",
+            Command::Pause { .. } => "pause",
+            Command::Resume { .. } => "resume",
+            Command::Shutdown { .. } => "shutdown",
+            Command::Detach { .. } => "detach",
+        }
+    }
 }

@@ -251,6 +251,29 @@ pub enum SessionError {
     /// data file system too little room; nothing was made.
     #[error("session {session} was not forked: {why}")]
     NoRoomForCopy { session: Uuid, why: String },
+    /// The session cannot be paused as it is; `why` says what would allow it.
+    #[error("session {session} cannot be paused: {why}")]
+    PauseRefused { session: Uuid, why: String },
+    /// A pause asked while the session's kernel runs code (or has executions queued).
+    #[error(
+        "session {session} is running code: a pause happens between executions; wait for the \
+         running execution (and those queued) to end, or interrupt it, then ask again"
+    )]
+    PauseBusy { session: Uuid },
+    /// A pause (the session goes on running as it was) or a resume (the session is dead,
+    /// `why` says why) failed.
+    #[error("session {session}: the {action} failed: {why}")]
+    PauseFailed {
+        session: Uuid,
+        action: &'static str,
+        why: String,
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// A pause's images would leave the broker's data file system too little room; the
+    /// session goes on running.
+    #[error("session {session} was not paused: {why}")]
+    NoRoomToPause { session: Uuid, why: String },
     /// The kernel did not answer the fork request in time.
     #[error("session {session} was not forked: its kernel did not answer the fork request within {limit:?}")]
     ForkTimedOut { session: Uuid, limit: Duration },

@@ -308,6 +308,12 @@ impl Session {
         }
     }
 
+    /// The session's share of its user's memory again (a paused session resuming).
+    pub(crate) fn set_memory(&self, memory: Reservation) {
+        let old = self.locked().memory.replace(memory);
+        drop(old);
+    }
+
     /// Gives the session's memory back to its user; call once the kernel is gone.
     pub(crate) fn release_memory(&self) {
         let (process, memory) = {

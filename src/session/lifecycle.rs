@@ -49,6 +49,13 @@ pub enum LifecycleEvent {
         execution_count: u64,
         reason: String,
     },
+    /// The session's kernel was paused to disk (issue 37): its images take `image_bytes`.
+    SessionPaused {
+        execution_count: u64,
+        image_bytes: u64,
+    },
+    /// A paused session's kernel runs again, with the state it was paused with.
+    SessionResumed { execution_count: u64 },
     /// The session's kernel was replaced by a fork of `checkpoint`; its execution count is
     /// the checkpoint's again.
     SessionRewound {

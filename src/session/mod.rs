@@ -69,6 +69,7 @@ mod kept;
 mod launch;
 pub mod lifecycle;
 mod memory;
+mod pause;
 mod pool;
 mod recorder;
 mod registry;
@@ -95,6 +96,7 @@ pub use handle::{ConnectionGuard, Session};
 pub use hooks::KernelHooks;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
+pub use pause::PauseInfo;
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, Closing, CreateOptions, ForkRequest, Registry, MAX_FORKS};
 pub use run_command::{

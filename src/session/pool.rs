@@ -25,10 +25,11 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::config::PoolConfig;
+use super::error::SessionError;
 use super::launch::{start_kernel, Live};
 use super::memory::{Holder, Ledger, Reservation};
 use crate::kernel::ConnectOptions;
-use crate::sandbox::{LaunchSpec, Sandbox, SandboxUser};
+use crate::sandbox::{KernelLimits, LaunchSpec, Sandbox, SandboxUser};
 use crate::wire::Signer;
 
 struct Pooled {
@@ -230,6 +231,43 @@ impl Pool {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tracing::debug!(user, evicted = n, "warm pool: made room for a session");
+    }
+
+    /// Reserves the memory of a session of `user` with `limits` (a new one, or a paused
+    /// one resuming): from what is free, else after evicting the user's pooled kernels;
+    /// refused when the sessions' limits would pass the user's total.
+    pub(crate) async fn admit(
+        &self,
+        user: &SandboxUser,
+        limits: &KernelLimits,
+    ) -> Result<Reservation, SessionError> {
+        let reserve = || {
+            self.ledger.reserve(
+                &user.name,
+                user.limits.memory_bytes,
+                limits.memory_bytes,
+                Holder::Session,
+            )
+        };
+        let used = match reserve() {
+            Ok(r) => return Ok(r),
+            Err(used) => used,
+        };
+        if used.pooled > 0 && used.session_bytes + limits.memory_bytes <= user.limits.memory_bytes {
+            self.evict(&user.name).await;
+            if let Ok(r) = reserve() {
+                return Ok(r);
+            }
+        }
+        let used = self.ledger.usage(&user.name);
+        Err(SessionError::NoMemoryLeft {
+            user: user.name.clone(),
+            sessions: used.sessions,
+            used: used.session_bytes,
+            total: user.limits.memory_bytes,
+            pooled: used.pooled_bytes,
+            asked: limits.memory_bytes,
+        })
     }
 
     /// Kernels ready now (for metrics).

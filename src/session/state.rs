@@ -15,6 +15,8 @@ pub enum SessionState {
     Starting,
     Idle,
     Busy,
+    /// Its kernel is on disk (issue 37): no process, no memory; any use resumes it.
+    Paused,
     Dead,
     Expired,
     Closed,
@@ -26,6 +28,7 @@ impl SessionState {
             SessionState::Starting => "starting",
             SessionState::Idle => "idle",
             SessionState::Busy => "busy",
+            SessionState::Paused => "paused",
             SessionState::Dead => "dead",
             SessionState::Expired => "expired",
             SessionState::Closed => "closed",

@@ -39,6 +39,7 @@ mod mcp;
 mod memory;
 mod network_note;
 mod new_user;
+mod pause;
 mod recording;
 mod recording_search;
 mod sandbox_contract;

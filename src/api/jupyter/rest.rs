@@ -46,6 +46,8 @@ impl From<&SessionInfo> for KernelJson {
             SessionState::Starting => "starting",
             SessionState::Idle => "idle",
             SessionState::Busy => "busy",
+            // On disk; a client connecting to its channels resumes it.
+            SessionState::Paused => "idle",
             SessionState::Dead => "dead",
             SessionState::Expired | SessionState::Closed => "dead",
         };

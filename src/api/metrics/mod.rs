@@ -418,6 +418,8 @@ impl Metrics {
             | LifecycleEvent::CheckpointTaken { .. }
             | LifecycleEvent::CheckpointDropped { .. }
             | LifecycleEvent::SessionRewound { .. }
+            | LifecycleEvent::SessionPaused { .. }
+            | LifecycleEvent::SessionResumed { .. }
             | LifecycleEvent::Interrupt
             | LifecycleEvent::OutputCut { .. }
             | LifecycleEvent::SessionClosed { .. }

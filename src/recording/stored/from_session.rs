@@ -55,6 +55,16 @@ impl From<LifecycleEvent> for StoredEvent {
                 checkpoint,
                 execution_count,
             },
+            L::SessionPaused {
+                execution_count,
+                image_bytes,
+            } => StoredEvent::SessionPaused {
+                execution_count,
+                image_bytes,
+            },
+            L::SessionResumed { execution_count } => {
+                StoredEvent::SessionResumed { execution_count }
+            }
             L::KernelStarted {
                 startup_seconds,
                 pooled,

@@ -32,9 +32,9 @@
 //! images. What is not carried: what a fork does not carry, and also sockets, pipes and
 //! the kernel's own output (descriptors 0-2 are `/dev/null` in the copy).
 
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::bwrap::{copy_args, HostRoot};
 use super::files::endpoints_for;
@@ -52,7 +52,7 @@ use crate::sandbox::{LaunchSpec, Launched};
 
 impl LocalSandbox {
     /// The tools a copy needs, or why it cannot be made (the answer is kept).
-    async fn copy_tools(&self) -> Result<CopyTools, ForkError> {
+    pub(super) async fn copy_tools(&self) -> Result<CopyTools, ForkError> {
         let configured = self.cfg.criu.clone();
         let found = self
             .copy_tools
@@ -175,17 +175,46 @@ impl LocalSandbox {
         dir: &Path,
         pid: i64,
     ) -> Result<Launched, ForkError> {
+        let images = self.dump_held(&origin, &spec, dir, pid).await?;
+        self.restore_images(spec, &images.0, pid, images.1).await
+    }
+
+    /// Step 3: the held child `pid` of `origin` (checked as a fork's) dumped into `dir`
+    /// and sealed; the images' directory, opened, and how long the dump took.
+    pub(super) async fn dump_held(
+        &self,
+        origin: &ForkOrigin,
+        spec: &LaunchSpec,
+        dir: &Path,
+        pid: i64,
+    ) -> Result<(OwnedFd, Duration), ForkError> {
         let tools = self.copy_tools().await?;
-        let cgroups = self.startup().await?;
         let ids = self.kernel_ids(&spec.user)?.unwrap_or_default();
         let (host, held) =
-            find_fork(&origin, pid).map_err(|why| ForkError::NotItsChild { pid, why })?;
+            find_fork(origin, pid).map_err(|why| ForkError::NotItsChild { pid, why })?;
         let images = fsutil::open_tree_root(dir)
             .map_err(|e| copy_failed(format!("cannot open the copy's directory: {e}")))?;
         let programs = Programs::shown(&tools.criu)
             .map_err(|e| copy_failed(format!("cannot open CRIU: {e}")))?;
         let dumped =
             dump_and_seal(&tools, &programs, (host, held, pid), ids, None, &images).await?;
+        Ok((images, dumped))
+    }
+
+    /// Steps 4 and 5: a sandbox for `spec` whose command is CRIU restoring `images` (the
+    /// held child `pid` inside), the restored process woken there.
+    pub(super) async fn restore_images(
+        &self,
+        spec: LaunchSpec,
+        images: &OwnedFd,
+        pid: i64,
+        dumped: Duration,
+    ) -> Result<Launched, ForkError> {
+        let tools = self.copy_tools().await?;
+        let cgroups = self.startup().await?;
+        let ids = self.kernel_ids(&spec.user)?.unwrap_or_default();
+        let programs = Programs::shown(&tools.criu)
+            .map_err(|e| copy_failed(format!("cannot open CRIU: {e}")))?;
 
         // The restore: CRIU as the new sandbox's command, logging into a pipe read here.
         let (log_read, log_write) = log_pipe(ids)?;
@@ -243,7 +272,7 @@ impl LocalSandbox {
         });
         match woken {
             Ok(host_pid) => {
-                tracing::info!(%session, pid = host_pid, dump_ms = dumped.as_millis() as u64, restore_ms = started_restore.elapsed().as_millis() as u64, "kernel copied into a sandbox of its own");
+                tracing::info!(%session, pid = host_pid, dump_ms = dumped.as_millis() as u64, restore_ms = started_restore.elapsed().as_millis() as u64, "kernel restored into a sandbox of its own");
                 Ok(sandbox.launched)
             }
             Err(e) => {

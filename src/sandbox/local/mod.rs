@@ -49,6 +49,7 @@ mod host;
 mod keep;
 mod output;
 mod own;
+mod pause;
 mod process;
 mod python;
 mod reaper;
@@ -325,6 +326,7 @@ impl LocalSandbox {
 
                 self.prepare_tools_and_sweep_own(&keep).await?;
                 self.sweep_copies();
+                self.sweep_paused();
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {
@@ -527,10 +529,37 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        if prepared.pause {
+            return fsutil::remove_dir_logged(prepared.dir).await;
+        }
         if prepared.origin.own_workspace.is_some() {
             return self.discard_copy(prepared).await;
         }
         fork::remove_fork_dir(prepared.dir).await;
+    }
+
+    async fn prepare_pause(
+        &self,
+        kernel: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.prepare_kernel_pause(kernel, spec).await
+    }
+
+    async fn dump_paused(
+        &self,
+        prepared: super::fork::PreparedFork,
+        pid: i64,
+    ) -> Result<super::pause::PausedImage, super::fork::ForkError> {
+        self.dump_kernel_paused(prepared, pid).await
+    }
+
+    async fn resume_paused(
+        &self,
+        image: &super::pause::PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.resume_kernel(image, spec).await
     }
 
     async fn run_command(

@@ -130,7 +130,7 @@ impl Actor {
     }
 
     /// Makes `child` the live kernel; returns the one it replaces.
-    async fn swap_live(&mut self, child: Live) -> Option<Live> {
+    pub(super) async fn swap_live(&mut self, child: Live) -> Option<Live> {
         child.process.serves(self.session.id);
         let (process, key) = (child.process.clone(), child.key.clone());
         let old = self.kernel.replace(child);

@@ -9,6 +9,7 @@
 //! `running.rs`.
 
 mod checkpoint;
+mod pause;
 mod running;
 #[cfg(test)]
 mod tests;
@@ -54,6 +55,8 @@ pub(crate) struct Actor {
     /// The last few agent executions' msg_ids: their late iopub is still theirs.
     recent_agent_ids: VecDeque<String>,
     checkpoints: checkpoint::Checkpoints,
+    /// The session's kernel on disk while it is paused (`pause.rs`).
+    paused: Option<crate::sandbox::pause::PausedImage>,
 }
 
 /// Record a message, then send it.
@@ -112,6 +115,7 @@ impl Actor {
             pool,
             recent_agent_ids: VecDeque::new(),
             checkpoints: Default::default(),
+            paused: None,
         }
     }
 
@@ -148,6 +152,8 @@ impl Actor {
                         Some(Command::Detach { done }) => {
                             self.detach();
                             self.end_checkpoints().await;
+                            // Paused state does not outlive the broker yet: it goes.
+                            self.end_paused().await;
                             let _ = done.send(());
                             return;
                         }
@@ -173,6 +179,17 @@ impl Actor {
     }
 
     async fn on_command(&mut self, cmd: Command) {
+        // Any use of a paused session's kernel resumes it first.
+        if self.is_paused() && cmd.uses_kernel() {
+            if let Err(e) = self.resume().await {
+                if self.is_paused() {
+                    // Not resumed (no memory left): the session stays paused.
+                    self.refuse(cmd, e);
+                    return;
+                }
+                // Dead now: what follows answers as a dead session does.
+            }
+        }
         match cmd {
             Command::Execute(req) => {
                 self.session.touch();
@@ -287,7 +304,41 @@ impl Actor {
             } => {
                 let _ = done.send(self.fork_checkpoint(checkpoint, spec).await);
             }
+            Command::Pause { done } => {
+                self.session.touch();
+                let _ = done.send(self.pause().await);
+            }
+            Command::Resume { done } => {
+                self.session.touch();
+                let _ = done.send(self.resume().await);
+            }
             Command::Shutdown { .. } | Command::Detach { .. } => {}
+        }
+    }
+
+    /// Answers `cmd` with `e` without doing it.
+    fn refuse(&mut self, cmd: Command, e: SessionError) {
+        match cmd {
+            Command::Execute(req) => {
+                self.session.pending_dec();
+                let _ = req.done.send(failed(
+                    ExecutionStatus::Error,
+                    "SessionPaused",
+                    format!("the session is paused and could not be resumed: {e}"),
+                ));
+            }
+            Command::Interrupt(done) | Command::Restart(done) | Command::Rewind { done, .. } => {
+                let _ = done.send(Err(e));
+            }
+            Command::Fork { done, .. } => {
+                let _ = done.send(Err(e));
+            }
+            Command::Checkpoint { done } => {
+                let _ = done.send(Err(e));
+            }
+            other => {
+                tracing::debug!(session = %self.session.id, error = %e, command = other.name(), "not resumed");
+            }
         }
     }
 
@@ -576,6 +627,7 @@ impl Actor {
             k.process.terminate().await;
         }
         self.end_checkpoints().await;
+        self.end_paused().await;
         self.session.set_state(end.state());
         let kind = match end {
             SessionEnd::Expired => LifecycleEvent::SessionExpired,

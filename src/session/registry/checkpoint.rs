@@ -15,7 +15,7 @@ use crate::session::error::SessionError;
 use crate::session::handle::Session;
 
 impl Registry {
-    async fn ask<T>(
+    pub(super) async fn ask<T>(
         session: &Session,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
     ) -> Result<T, SessionError> {

@@ -9,6 +9,7 @@ mod expiry;
 mod fork;
 mod keep;
 mod own;
+mod pause;
 #[cfg(test)]
 mod tests;
 
@@ -30,7 +31,7 @@ use super::front_door::{EndedBy, FrontDoor, Provenance, SessionEnd};
 use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::{ForkedFrom, LifecycleEvent};
-use super::memory::{Holder, Ledger, MemoryUse, Reservation};
+use super::memory::{Ledger, MemoryUse, Reservation};
 use super::pool::Pool;
 use super::recorder::Recorder;
 use super::state::SessionState;
@@ -319,41 +320,13 @@ impl Registry {
         }
     }
 
-    /// Reserves the memory of a new session of `user`: from what is free, else after
-    /// evicting the user's pooled kernels; refused when the sessions' limits would pass the
-    /// user's total.
+    /// Reserves the memory of a new session of `user` ([`Pool::admit`]).
     async fn admit(
         &self,
         user: &SandboxUser,
         limits: &KernelLimits,
     ) -> Result<Reservation, SessionError> {
-        let reserve = || {
-            self.inner.ledger.reserve(
-                &user.name,
-                user.limits.memory_bytes,
-                limits.memory_bytes,
-                Holder::Session,
-            )
-        };
-        let used = match reserve() {
-            Ok(r) => return Ok(r),
-            Err(used) => used,
-        };
-        if used.pooled > 0 && used.session_bytes + limits.memory_bytes <= user.limits.memory_bytes {
-            self.inner.pool.evict(&user.name).await;
-            if let Ok(r) = reserve() {
-                return Ok(r);
-            }
-        }
-        let used = self.inner.ledger.usage(&user.name);
-        Err(SessionError::NoMemoryLeft {
-            user: user.name.clone(),
-            sessions: used.sessions,
-            used: used.session_bytes,
-            total: user.limits.memory_bytes,
-            pooled: used.pooled_bytes,
-            asked: limits.memory_bytes,
-        })
+        self.inner.pool.admit(user, limits).await
     }
 
     async fn launch(

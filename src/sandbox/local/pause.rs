@@ -1,0 +1,167 @@
+//! Pausing a kernel to disk and resuming it on the local sandbox (issue 37; the exchange
+//! is `sandbox/pause.rs`): the two halves of a copy (`copy.rs`) apart in time. The images
+//! go in `<data_dir>/paused/<kernel id>`, beneath a directory only root can enter; they
+//! are made by CRIU as the kernel's uid and sealed (root's, read-only) before anything
+//! else reads them, and restored by CRIU as the kernel's uid into a new sandbox over the
+//! session's own workspace, which stays where it is meanwhile.
+//!
+//! Built for sessions with a workspace of their own: everything such a kernel's files can
+//! be is on disk (`/home/user` and `/tmp` are both its workspace's). A kernel sharing its
+//! user's workspace runs in its user's template sandbox, whose `/tmp` is memory that ends
+//! with that sandbox; pausing one is refused, saying so.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+
+use super::files::endpoints_for;
+use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
+use crate::sandbox::criu::copy_failed;
+use crate::sandbox::fork::{ForkError, PreparedFork};
+use crate::sandbox::fsutil::{self, io_err};
+use crate::sandbox::pause::{check_inventory, inventory, PausedImage};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
+
+impl LocalSandbox {
+    pub(super) async fn prepare_kernel_pause(
+        &self,
+        kernel: &dyn KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<PreparedFork, ForkError> {
+        let origin = kernel.fork_origin().ok_or_else(|| {
+            ForkError::Unsupported(
+                "this kernel cannot be paused: only a kernel started from its user's template \
+                 holds a child for CRIU to dump"
+                    .into(),
+            )
+        })?;
+        let Some(own) = origin.own_workspace else {
+            return Err(ForkError::Unsupported(
+                "pausing a session that shares its user's workspace is not built yet (its \
+                 /tmp lives only as long as its user's sandbox); a session made with \
+                 \"workspace\": \"own\" can be paused"
+                    .into(),
+            ));
+        };
+        if spec.own_workspace != Some(own) {
+            return Err(ForkError::Unsupported(
+                "a paused kernel resumes over its own workspace, not another".into(),
+            ));
+        }
+        self.copy_tools().await?;
+        let ids = self.kernel_ids(&spec.user)?.ok_or_else(|| {
+            ForkError::Unsupported(
+                "pausing a kernel to disk is a dump made with CRIU, which the broker does only \
+                 as root"
+                    .into(),
+            )
+        })?;
+        let room = crate::sandbox::criu::reserve_room(
+            &self.copy_room,
+            &self.cfg.data_dir,
+            origin.host_pid,
+            self.cfg.copy_reserve_bytes,
+        )
+        .await?;
+        let (paused, dir) = (
+            self.paused_dir(),
+            self.paused_dir().join(spec.session_id.to_string()),
+        );
+        let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
+            .map_err(|e| fsutil::launch_failed(&spec.user, e))?;
+        let made = dir.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), ForkError> {
+            fsutil::create_private_dir(&paused, Some(0o700))?;
+            let parent = fsutil::open_tree_root(&paused)
+                .map_err(io_err("cannot open the paused kernels' directory", &paused))?;
+            let name = made.file_name().map(PathBuf::from).unwrap_or_default();
+            // CRIU writes the images as the kernel's uid; sealed root's once it has.
+            fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some(ids))
+                .map_err(io_err("cannot create the paused kernel's directory", &made))?;
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))?;
+        Ok(PreparedFork::paused(
+            origin,
+            spec,
+            dir,
+            CONNECTION_FILE_INSIDE,
+            endpoints,
+            room,
+        ))
+    }
+
+    pub(super) async fn dump_kernel_paused(
+        &self,
+        prepared: PreparedFork,
+        pid: i64,
+    ) -> Result<PausedImage, ForkError> {
+        let PreparedFork {
+            origin,
+            spec,
+            dir,
+            room,
+            ..
+        } = prepared;
+        let dumped = self.dump_held(&origin, &spec, &dir, pid).await;
+        // The images are made (or not): what they take is on the file system now.
+        drop(room);
+        let listed = match dumped {
+            Ok((images, dump_time)) => tokio::task::spawn_blocking(move || inventory(&images))
+                .await
+                .map_err(|e| copy_failed(format!("the images' task failed: {e}")))
+                .and_then(|r| r.map_err(|e| copy_failed(format!("its images cannot be read: {e}"))))
+                .map(|files| (files, dump_time)),
+            Err(e) => Err(e),
+        };
+        match listed {
+            Ok((files, dump_time)) => Ok(PausedImage {
+                dir,
+                pid,
+                own_workspace: spec.own_workspace,
+                bytes: files.iter().map(|f| f.len).sum(),
+                dump_time,
+                files,
+            }),
+            Err(e) => {
+                fsutil::remove_dir_logged(dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) async fn resume_kernel(
+        &self,
+        image: &PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, ForkError> {
+        if spec.own_workspace != image.own_workspace {
+            return Err(ForkError::Unsupported(
+                "a paused kernel resumes over its own workspace, not another".into(),
+            ));
+        }
+        let images = fsutil::open_tree_root(&image.dir)
+            .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
+        let (checked, files) = (
+            images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
+            image.files.clone(),
+        );
+        tokio::task::spawn_blocking(move || check_inventory(&checked, &files))
+            .await
+            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+            .map_err(copy_failed)?;
+        self.restore_images(spec, &images, image.pid, image.dump_time)
+            .await
+    }
+
+    /// `<data_dir>/paused`: root's, 0700; each paused kernel's images in it.
+    fn paused_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("paused")
+    }
+
+    /// At startup: what an earlier run paused is not resumed by this one (paused sessions
+    /// do not yet outlive the broker), and the images hold kernels' memory. Blocking.
+    pub(super) fn sweep_paused(&self) {
+        crate::sandbox::criu::sweep_copies(&self.paused_dir());
+    }
+}

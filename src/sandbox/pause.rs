@@ -1,0 +1,162 @@
+//! Pausing a kernel to disk and resuming it (issue 37): what the session layer and a
+//! backend exchange.
+//!
+//! A pause is the first half of a copy into a sandbox of its own (`local/copy.rs`,
+//! `docs/CRIU.md`) kept on disk: the kernel is asked for a held child
+//! (`kb_fork_request {"hold": ...}`), the sandbox checks the pid it reports as a fork's,
+//! CRIU dumps that child into a directory of the broker's beneath a root-only one, and
+//! the images are sealed (root's, read-only, regular files with one link). The live kernel
+//! then ends. A resume is the second half: a new sandbox of the session's (its workspace,
+//! its limits) whose command is CRIU restoring those images as the kernel's uid, never as
+//! root; the restored process is woken, reads that sandbox's connection file and builds
+//! its kernel there. Until the resume has the kernel running, the images stay: a resume
+//! that fails may be asked again, and nothing acknowledged is lost.
+
+use std::io::{self, Read};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+
+use rustix::fs::{Mode, OFlags};
+use uuid::Uuid;
+
+/// A kernel paused to disk: where its images are and what they hold.
+#[derive(Debug)]
+pub struct PausedImage {
+    /// The images' directory on the host (root's, beneath a root-only directory).
+    pub(crate) dir: PathBuf,
+    /// The held child's pid in its pid namespace: CRIU restores it under the same one.
+    pub(crate) pid: i64,
+    /// The own workspace its files are in (`None`: the user's shared one).
+    pub(crate) own_workspace: Option<Uuid>,
+    /// What the images take on disk, in bytes.
+    pub bytes: u64,
+    /// How long the dump took.
+    pub dump_time: std::time::Duration,
+    /// Each image file as it was sealed: checked before a restore, so a damaged image is
+    /// refused with a clear error (CRIU restoring a truncated one was measured to spin in
+    /// its restorer until its time ran out).
+    pub(crate) files: Vec<ImageFile>,
+}
+
+/// One image file of a paused kernel, as sealed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ImageFile {
+    pub name: String,
+    pub len: u64,
+    pub crc32: u32,
+}
+
+/// The files of the sealed images' directory `dir`, each read whole. Blocking.
+pub(crate) fn inventory(dir: &OwnedFd) -> io::Result<Vec<ImageFile>> {
+    let mut names = Vec::new();
+    let mut entries = rustix::fs::Dir::read_from(dir)?;
+    while let Some(entry) = entries.read() {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name != "." && name != ".." {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let mut files = Vec::with_capacity(names.len());
+    let mut buf = vec![0u8; 1 << 20];
+    for name in names {
+        let fd = rustix::fs::openat(
+            dir,
+            name.as_str(),
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+            Mode::empty(),
+        )?;
+        let st = rustix::fs::fstat(&fd)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_nlink != 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{name:?} is not an image file"),
+            ));
+        }
+        let mut file = std::fs::File::from(fd);
+        let (mut crc, mut len) = (crc32fast::Hasher::new(), 0u64);
+        loop {
+            let n = file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            crc.update(&buf[..n]);
+            len += n as u64;
+        }
+        files.push(ImageFile {
+            name,
+            len,
+            crc32: crc.finalize(),
+        });
+    }
+    Ok(files)
+}
+
+/// Whether `dir` holds exactly the files `sealed` lists, as they were; else what differs.
+/// Blocking.
+pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(), String> {
+    let now = inventory(dir).map_err(|e| format!("its images cannot be read: {e}"))?;
+    if now == sealed {
+        return Ok(());
+    }
+    let changed: Vec<&str> = sealed
+        .iter()
+        .filter(|f| !now.contains(f))
+        .map(|f| f.name.as_str())
+        .chain(
+            now.iter()
+                .filter(|f| !sealed.iter().any(|s| s.name == f.name))
+                .map(|f| f.name.as_str()),
+        )
+        .take(4)
+        .collect();
+    Err(format!(
+        "its images are not as they were written (changed, missing or added: {})",
+        changed.join(", ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_changed_truncated_missing_or_added_image_file_is_told() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n);
+        std::fs::write(p("core-1.img"), b"core").unwrap();
+        std::fs::write(p("pages-1.img"), vec![7u8; 3 << 20]).unwrap();
+        let open = || crate::sandbox::fsutil::open_tree_root(dir.path()).unwrap();
+        let sealed = inventory(&open()).unwrap();
+        assert_eq!(sealed.len(), 2);
+        assert_eq!(sealed[1].len, 3 << 20);
+        check_inventory(&open(), &sealed).unwrap();
+
+        // One byte changed, the same length.
+        let mut pages = std::fs::read(p("pages-1.img")).unwrap();
+        pages[12345] = 8;
+        std::fs::write(p("pages-1.img"), &pages).unwrap();
+        let e = check_inventory(&open(), &sealed).unwrap_err();
+        assert!(e.contains("pages-1.img"), "{e}");
+        pages[12345] = 7;
+        std::fs::write(p("pages-1.img"), &pages).unwrap();
+        check_inventory(&open(), &sealed).unwrap();
+        // Truncated.
+        std::fs::write(p("pages-1.img"), &pages[..1000]).unwrap();
+        assert!(check_inventory(&open(), &sealed).is_err());
+        std::fs::write(p("pages-1.img"), &pages).unwrap();
+        // Added, then missing.
+        std::fs::write(p("extra.img"), b"x").unwrap();
+        assert!(check_inventory(&open(), &sealed)
+            .unwrap_err()
+            .contains("extra.img"));
+        std::fs::remove_file(p("extra.img")).unwrap();
+        std::fs::remove_file(p("core-1.img")).unwrap();
+        assert!(check_inventory(&open(), &sealed)
+            .unwrap_err()
+            .contains("core-1.img"));
+        // A symlink in its place is never followed.
+        std::os::unix::fs::symlink("/etc/hostname", p("core-1.img")).unwrap();
+        assert!(check_inventory(&open(), &sealed).is_err());
+    }
+}

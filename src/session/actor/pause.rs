@@ -1,0 +1,220 @@
+//! The actor's side of pausing a session to disk and resuming it (issue 37;
+//! `sandbox/pause.rs` says what the sandbox does). A pause runs between executions, like a
+//! checkpoint: the live kernel holds a child, the sandbox dumps that child's images, and
+//! only then does the live kernel end and its memory go back to its user. A resume
+//! reserves the memory again, has the sandbox restore the images into a new sandbox of the
+//! session's, connects to the kernel built there, and makes it the live kernel; the images
+//! go once it is ready. Any use of a paused session resumes it first (`Actor::on_command`).
+
+use std::time::{Duration, Instant};
+
+use super::Actor;
+use crate::kernel::KernelEvent;
+use crate::session::error::SessionError;
+use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
+use crate::session::launch::connect_kernel;
+use crate::session::lifecycle::LifecycleEvent;
+use crate::session::pause::PauseInfo;
+use crate::session::state::SessionState;
+use crate::wire::Channel;
+
+impl Actor {
+    /// Pauses the session to disk; a paused one stays as it is.
+    pub(super) async fn pause(&mut self) -> Result<PauseInfo, SessionError> {
+        let session = self.session.id;
+        let execution_count = self.session.status().execution_count;
+        if let Some(image) = &self.paused {
+            return Ok(PauseInfo {
+                image_bytes: image.bytes,
+                execution_count,
+                took: Duration::ZERO,
+            });
+        }
+        if self.running.is_some() || !self.queue.is_empty() {
+            return Err(SessionError::PauseBusy { session });
+        }
+        let started = Instant::now();
+        let spec = self.child_spec();
+        let Some(live) = self.kernel.as_mut() else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        let prepared = self
+            .sandbox
+            .prepare_pause(&*live.process, spec)
+            .await
+            .map_err(|e| as_pause_error(fork_error(session, e)))?;
+        // Not recorded: a message of the broker's to its kernel, as a fork's is.
+        let m = live.client.request("kb_fork_request", &prepared.request);
+        if let Err(e) = live.client.send(Channel::Shell, &m).await {
+            self.sandbox.discard_fork(prepared).await;
+            return Err(SessionError::PauseFailed {
+                session,
+                action: "pause",
+                why: "the request could not be sent to the kernel".into(),
+                source: Some(Box::new(e)),
+            });
+        }
+        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
+        let reply = tokio::time::timeout(limit, async {
+            loop {
+                match live.events.recv().await {
+                    Some(KernelEvent::Message(Channel::Shell, r))
+                        if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
+                    {
+                        return Some(r)
+                    }
+                    Some(_) => {}
+                    None => return None,
+                }
+            }
+        })
+        .await;
+        let pid = match reply {
+            Ok(Some(r)) => pid_of_reply(session, &r),
+            Ok(None) => Err(SessionError::ForkFailed {
+                session,
+                why: "the kernel ended before it answered".into(),
+                source: None,
+            }),
+            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
+        };
+        let pid = match pid {
+            Ok(pid) => pid,
+            Err(e) => {
+                self.sandbox.discard_fork(prepared).await;
+                return Err(as_pause_error(e));
+            }
+        };
+        let image = self
+            .sandbox
+            .dump_paused(prepared, pid)
+            .await
+            .map_err(|e| as_pause_error(fork_error(session, e)))?;
+        // The state is on disk: the kernel, its memory and its reservation go.
+        if let Some(old) = self.kernel.take() {
+            old.process.terminate().await;
+        }
+        self.routes.clear();
+        self.session.release_memory();
+        let info = PauseInfo {
+            image_bytes: image.bytes,
+            execution_count,
+            took: started.elapsed(),
+        };
+        tracing::info!(%session, image_bytes = image.bytes, dump_ms = image.dump_time.as_millis() as u64, ms = info.took.as_millis() as u64, "session paused");
+        self.paused = Some(image);
+        self.session.set_state(SessionState::Paused);
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::SessionPaused {
+                execution_count,
+                image_bytes: info.image_bytes,
+            },
+        );
+        Ok(info)
+    }
+
+    /// Resumes a paused session (one that is not paused is left as it is). A resume that
+    /// fails leaves the session dead, saying why; its images go.
+    pub(super) async fn resume(&mut self) -> Result<(), SessionError> {
+        let Some(image) = self.paused.take() else {
+            return Ok(());
+        };
+        let session = self.session.id;
+        let started = Instant::now();
+        let memory = match self
+            .pool
+            .admit(&self.session.user, &self.session.limits)
+            .await
+        {
+            Ok(memory) => memory,
+            Err(e) => {
+                // Still paused: the user may end another session and ask again.
+                self.paused = Some(image);
+                return Err(e);
+            }
+        };
+        self.session.set_state(SessionState::Starting);
+        let spec = self.child_spec();
+        let (key, user) = (spec.key.clone(), spec.user.name.clone());
+        let limit = self.sandbox.launch_timeout();
+        let live = match self.sandbox.resume_paused(&image, spec).await {
+            Ok(launched) => connect_kernel(launched, key, &user, self.config.kernel, limit)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let live = match live {
+            Ok(live) => live,
+            Err(why) => {
+                drop(memory);
+                self.sandbox.discard_paused(image).await;
+                let reason = format!("its paused state could not be resumed: {why}");
+                self.dead_reason = Some(reason.clone());
+                self.session.set_dead(reason.clone());
+                self.recorder.event(
+                    &self.session,
+                    &LifecycleEvent::KernelDied {
+                        reason: reason.clone(),
+                    },
+                );
+                return Err(SessionError::PauseFailed {
+                    session,
+                    action: "resume",
+                    why: format!("{why}; the session is dead"),
+                    source: None,
+                });
+            }
+        };
+        self.session.set_memory(memory);
+        let _ = self.swap_live(live).await;
+        self.sandbox.discard_paused(image).await;
+        self.session.set_state(SessionState::Idle);
+        let execution_count = self.session.status().execution_count;
+        tracing::info!(%session, ms = started.elapsed().as_millis() as u64, "session resumed");
+        self.recorder.event(
+            &self.session,
+            &LifecycleEvent::SessionResumed { execution_count },
+        );
+        Ok(())
+    }
+
+    /// The session ends: so do its paused images.
+    pub(super) async fn end_paused(&mut self) {
+        if let Some(image) = self.paused.take() {
+            self.sandbox.discard_paused(image).await;
+        }
+    }
+
+    /// Whether the session is paused.
+    pub(super) fn is_paused(&self) -> bool {
+        self.paused.is_some()
+    }
+}
+
+/// A fork's error as the pause's (a refusal stays a refusal: 409).
+fn as_pause_error(e: SessionError) -> SessionError {
+    match e {
+        SessionError::ForkRefused { session, why } => SessionError::PauseRefused { session, why },
+        SessionError::NoRoomForCopy { session, why } => {
+            SessionError::NoRoomToPause { session, why }
+        }
+        SessionError::ForkFailed {
+            session,
+            why,
+            source,
+        } => SessionError::PauseFailed {
+            session,
+            action: "pause",
+            why,
+            source,
+        },
+        SessionError::ForkTimedOut { session, limit } => SessionError::PauseFailed {
+            session,
+            action: "pause",
+            why: format!("its kernel did not answer within {limit:?}"),
+            source: None,
+        },
+        e => e,
+    }
+}

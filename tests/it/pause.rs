@@ -1,0 +1,299 @@
+//! Pausing a session to disk and resuming it (issue 37): the kernel's held child dumped
+//! with CRIU into the broker's data directory, the kernel ended, and restored as the
+//! kernel's uid into a new sandbox over the session's own workspace (`sandbox/pause.rs`).
+//! Real kernels and a real CRIU 4 (`scripts/setup-criu`); with `KB_REQUIRE_CRIU=1` (CI) a
+//! missing CRIU fails these tests instead of skipping them.
+
+use crate::common;
+
+use common::forked::out;
+use common::*;
+use serde_json::{json, Value};
+
+on_one_backend!(
+    a_paused_session_comes_back_with_its_state_on_any_use,
+    a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
+    what_cannot_be_paused_is_refused_and_goes_on_running,
+);
+
+crate::on_both_backends!(another_users_session_cannot_be_paused_or_resumed,);
+
+async fn own(api: &Api) -> String {
+    let (status, v) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
+    assert_eq!(status, 201, "{v}");
+    v["id"].as_str().unwrap().to_string()
+}
+
+async fn pause(api: &Api, id: &str) -> (u16, Value) {
+    api.post(&format!("/v1/sessions/{id}/pause"), json!({}))
+        .await
+}
+
+async fn resume(api: &Api, id: &str) -> (u16, Value) {
+    api.post(&format!("/v1/sessions/{id}/resume"), json!({}))
+        .await
+}
+
+async fn state_of(api: &Api, id: &str) -> Value {
+    let (status, v) = api.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+/// Whether a host process runs in a cgroup whose path names `id` (a kernel's leaf).
+fn processes_in_leaf(id: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter(|e| std::fs::read_to_string(e.path().join("cgroup")).is_ok_and(|c| c.contains(id)))
+        .count()
+}
+
+/// The paused kernels' image directories in the data directory.
+fn paused_images(data: &std::path::Path) -> Vec<std::path::PathBuf> {
+    match std::fs::read_dir(data.join("paused")) {
+        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+const STATE: &str = r#"
+import os, random, sqlite3
+x = 41
+def f(a):
+    return a * 2
+class K:
+    def __init__(self, v): self.v = v
+k = K(lambda: x + 1)
+with open('/home/user/data.txt', 'w') as w:
+    w.write(''.join('line%d\n' % i for i in range(10)))
+fh = open('/home/user/data.txt')
+fh.readline(); fh.readline()
+g = (i * i for i in range(100))
+next(g); next(g); next(g)
+db = sqlite3.connect(':memory:')
+db.execute('create table t (v)'); db.execute('insert into t values (7)')
+random.seed(1234)
+random.random()
+_s = random.getstate(); expected = random.random(); random.setstate(_s)
+os.makedirs('/home/user/sub', exist_ok=True)
+os.chdir('/home/user/sub')
+os.environ['PAUSE_TEST'] = 'yes'
+"#;
+
+const PROBE: &str = "print(x, f(3), k.v(), fh.readline().strip(), next(g), \
+                     db.execute('select v from t').fetchone()[0], random.random() == expected, \
+                     os.getcwd(), os.environ['PAUSE_TEST'], len(In))";
+
+const WHO: &str = "st = {l.split(':')[0]: l.split(':')[1].strip() for l in open('/proc/self/status')}\n\
+                   print(os.getuid(), st['CapEff'], st['CapPrm'], st['CapBnd'], st['NoNewPrivs'], st['Seccomp'])";
+
+async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    let setup = api.execute(&a, STATE).await;
+    assert_eq!(setup["status"], "ok", "{setup}");
+    let who = out(&api, &a, WHO).await;
+    assert!(processes_in_leaf(&a) > 0, "the kernel runs in its leaf");
+
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["state"], "paused");
+    assert_eq!(v["execution_count"], 2);
+    let image_bytes = v["image_bytes"].as_u64().unwrap();
+    assert!(image_bytes > 1 << 20, "{v}");
+    // The kernel is gone, and so is its memory; the state is on disk, root's.
+    let s = state_of(&api, &a).await;
+    assert_eq!(s["state"], "paused", "{s}");
+    assert!(s["memory_used_bytes"].is_null(), "{s}");
+    assert_eq!(processes_in_leaf(&a), 0, "no process of the kernel is left");
+    let images = paused_images(&broker.data_dir);
+    assert_eq!(images.len(), 1, "{images:?}");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let parent = std::fs::metadata(broker.data_dir.join("paused")).unwrap();
+        assert_eq!((parent.uid(), parent.mode() & 0o777), (0, 0o700));
+        for f in std::fs::read_dir(&images[0]).unwrap().flatten() {
+            let m = f.metadata().unwrap();
+            assert!(m.is_file(), "{:?}", f.path());
+            assert_eq!((m.uid(), m.mode() & 0o777, m.nlink()), (0, 0o644, 1));
+        }
+    }
+    // Pausing again answers as the pause did; the session is listed as paused.
+    let (status, again) = pause(&api, &a).await;
+    assert_eq!((status, &again["image_bytes"]), (200, &v["image_bytes"]));
+    let (_, list) = api.get("/v1/sessions").await;
+    let listed = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == a.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(listed["state"], "paused", "{listed}");
+
+    // An execution resumes it: the same variables, closures, file positions, generator,
+    // sqlite connection, random state, directory, environment and history.
+    let probe = api.execute(&a, PROBE).await;
+    assert_eq!(probe["status"], "ok", "{probe}");
+    assert_eq!(
+        probe["stdout"].as_str().unwrap().trim(),
+        "41 6 42 line2 9 7 True /home/user/sub yes 4"
+    );
+    assert_eq!(probe["execution_count"], 3);
+    assert_eq!(state_of(&api, &a).await["state"], "idle");
+    assert!(
+        paused_images(&broker.data_dir).is_empty(),
+        "its images go once it runs"
+    );
+    // As confined as before: the kernel's uid, no capabilities, its syscall filter.
+    assert_eq!(out(&api, &a, WHO).await, who);
+
+    // Explicitly: pause, resume, and a resume of a running session changes nothing.
+    assert_eq!(pause(&api, &a).await.0, 200);
+    let (status, s) = resume(&api, &a).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["state"], "idle", "{s}");
+    let (status, s) = resume(&api, &a).await;
+    assert_eq!((status, &s["state"]), (200, &json!("idle")));
+    assert_eq!(out(&api, &a, "print(x + 1, next(g))").await, "42 16");
+    // Its files stayed where they were, and the kernel writes on in them.
+    out(&api, &a, "open('/home/user/after.txt', 'w').write('after')").await;
+
+    // Its files are on disk: listed while it is paused, without resuming it.
+    assert_eq!(pause(&api, &a).await.0, 200);
+    let (status, files) = api.get(&format!("/v1/sessions/{a}/files")).await;
+    assert_eq!(status, 200, "{files}");
+    assert!(files.to_string().contains("after.txt"), "{files}");
+    assert_eq!(state_of(&api, &a).await["state"], "paused");
+
+    // Ended while paused: its images go with it.
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    assert!(paused_images(&broker.data_dir).is_empty());
+    broker.stop().await;
+}
+
+async fn a_damaged_paused_kernel_leaves_the_session_dead_saying_why(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    let b = own(&api).await;
+    out(&api, &a, "x = 1").await;
+    out(&api, &b, "y = 2").await;
+    assert_eq!(pause(&api, &a).await.0, 200);
+    // Damage its memory image (as root could: a kernel cannot reach it).
+    let images = paused_images(&broker.data_dir);
+    let pages = std::fs::read_dir(&images[0])
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("pages-")
+        })
+        .expect("a pages image");
+    let len = std::fs::metadata(&pages).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+
+    let (status, v) = resume(&api, &a).await;
+    assert_eq!(status, 502, "{v}");
+    assert_eq!(v["error"]["code"], "resume_failed", "{v}");
+    let s = state_of(&api, &a).await;
+    assert_eq!(s["state"], "dead", "{s}");
+    assert!(
+        s["dead_reason"]
+            .as_str()
+            .unwrap()
+            .contains("paused state could not be resumed"),
+        "{s}"
+    );
+    assert!(paused_images(&broker.data_dir).is_empty());
+    // An execution says it is dead, never hangs; the other session is untouched; a
+    // restart gives the session a fresh kernel.
+    let dead = api.execute(&a, "1").await;
+    assert_eq!(dead["status"], "dead", "{dead}");
+    assert_eq!(out(&api, &b, "print(y)").await, "2");
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{a}/restart"), json!({}))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(out(&api, &a, "print(1 + 1)").await, "2");
+    broker.stop().await;
+}
+
+async fn what_cannot_be_paused_is_refused_and_goes_on_running(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    // A session sharing its user's workspace: not yet.
+    let (_, v) = api.post("/v1/sessions", json!({})).await;
+    let shared = v["id"].as_str().unwrap().to_string();
+    out(&api, &shared, "z = 3").await;
+    let (status, v) = pause(&api, &shared).await;
+    assert_eq!(status, 409, "{v}");
+    assert_eq!(v["error"]["code"], "pause_refused", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("\"own\""),
+        "{v}"
+    );
+    assert_eq!(out(&api, &shared, "print(z)").await, "3");
+    if criu_ready() {
+        // A session running code: refused, and the code runs on.
+        let a = own(&api).await;
+        let running = {
+            let api = broker.api(ALICE);
+            let a = a.clone();
+            tokio::spawn(async move {
+                api.execute(&a, "import time; time.sleep(2); print('done')")
+                    .await
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let (status, v) = pause(&api, &a).await;
+        assert_eq!(status, 409, "{v}");
+        let done = running.await.unwrap();
+        assert_eq!(done["stdout"].as_str().unwrap().trim(), "done", "{done}");
+    }
+    broker.stop().await;
+}
+
+async fn another_users_session_cannot_be_paused_or_resumed(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
+    let (_, v) = alice.post("/v1/sessions", json!({})).await;
+    let a = v["id"].as_str().unwrap().to_string();
+    out(&alice, &a, "secret = 1").await;
+    for path in ["pause", "resume"] {
+        let (status, v) = bob
+            .post(&format!("/v1/sessions/{a}/{path}"), json!({}))
+            .await;
+        assert_eq!(status, 404, "{path}: {v}");
+    }
+    for bad in ["not-a-uuid", "00000000-0000-0000-0000-000000000000"] {
+        let (status, _) = alice
+            .post(&format!("/v1/sessions/{bad}/pause"), json!({}))
+            .await;
+        assert_eq!(status, 404, "{bad}");
+    }
+    assert_eq!(out(&alice, &a, "print(secret)").await, "1");
+    broker.stop().await;
+}
