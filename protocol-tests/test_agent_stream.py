@@ -9,7 +9,7 @@ import uuid
 import pytest
 import websocket
 
-from conftest import ALICE, BOB
+from conftest import ALICE, BOB, needs_criu
 from test_jupyter_client import PNG_MAGIC, RECV_TIMEOUT, AgentStream
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -249,3 +249,43 @@ def test_checkpoint_rewind_and_fork_frames(broker, session, stream):
     finally:
         for sid in made:
             broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
+@needs_criu
+def test_pause_and_resume_frames(broker):
+    """Issue 37 on the agent stream: `pause` answered `paused` (with a status frame
+    `paused`), then an execution resumes the session with its state; `resume` frames; the
+    stream stays open throughout."""
+    r = broker.api("POST", "/v1/sessions", json={"workspace": "own"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    s = AgentStream(broker, sid)
+    try:
+        run(s, "kept = {'a': 1}")
+        s.send({"type": "pause", "id": "p1"})
+        paused = answer(s, "p1")
+        assert paused["type"] == "paused", paused
+        assert paused["session"]["id"] == sid and paused["session"]["image_bytes"] > 0, paused
+        s.until(lambda f: f.get("type") == "status" and f.get("state") == "paused",
+                timeout=10, what="the paused status")
+        done = run(s, "kept['a'] + 1")[-1]
+        assert done["execution"]["results"][-1]["data"]["text/plain"] == "2", done
+        s.send({"type": "pause", "id": "p2"})
+        assert answer(s, "p2")["type"] == "paused"
+        s.send({"type": "resume", "id": "r1"})
+        resumed = answer(s, "r1")
+        assert resumed["type"] == "resumed" and resumed["session"]["state"] == "idle", resumed
+        done = run(s, "kept")[-1]
+        assert done["execution"]["results"][-1]["data"]["text/plain"] == "{'a': 1}", done
+    finally:
+        s.close()
+        broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
+def test_a_session_sharing_its_workspace_refuses_a_pause_frame(broker, session, stream):
+    run(stream, "x = 1")
+    stream.send({"type": "pause", "id": "p"})
+    got = answer(stream, "p")
+    assert got["type"] == "refused" and got["status"] == 409 and got["error"] == "pause_refused", got
+    done = run(stream, "x + 1")[-1]
+    assert done["execution"]["results"][-1]["data"]["text/plain"] == "2", done

@@ -15,31 +15,11 @@ import datetime
 
 import pytest
 
-from conftest import BOB
+from conftest import BOB, needs_criu
 
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
 
-
-def criu_ready():
-    """CRIU 4 where the broker looks (scripts/setup-criu); KB_REQUIRE_CRIU=1 (CI) requires it."""
-    import os
-    import subprocess
-
-    for path in ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu"):
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-        except OSError:
-            continue
-        if "Version: 4" in out:
-            return True
-    if os.environ.get("KB_REQUIRE_CRIU") == "1":
-        raise RuntimeError("KB_REQUIRE_CRIU=1 but CRIU 4 is not installed: run scripts/setup-criu")
-    return False
-
-
-# A sandbox's fork copies its kernel with CRIU: without it the broker refuses (409).
-needs_criu = pytest.mark.skipif(not criu_ready(), reason="CRIU 4 is not installed (scripts/setup-criu)")
 
 ORIGINAL = "written before the fork\n"
 CHANGED = "changed in the fork\n"

@@ -13,7 +13,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from conftest import ALICE, BOB, REPO
+from conftest import ALICE, BOB, REPO, needs_criu
 from mcp_flow import CSV, run_flow, texts
 
 BINARY = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
@@ -275,5 +275,39 @@ def test_fork_checkpoint_and_rewind_through_the_sdk(broker):
             broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
             # The forks outlive the connection; end them.
         for sid in forks + [from_cp]:
+            assert broker.api("DELETE", f"/v1/sessions/{sid}", ALICE).status_code == 204
+    asyncio.run(main())
+
+
+@needs_criu
+def test_pause_and_resume_through_the_sdk(broker):
+    """Issue 37 through MCP: a session paused to disk comes back on its next run_python, or
+    on resume_session, with its variables; another user's session is a missing one."""
+    def value(r):
+        assert not r.is_error, texts(r)
+        return texts(r)
+
+    async def main():
+        async with http_client(broker) as client:
+            tools = {t.name for t in (await client.list_tools()).tools}
+            assert {"pause_session", "resume_session"} <= tools, sorted(tools)
+            value(await client.call_tool("run_python", {"code": "kept = [1, 2, 3]\nit = iter(kept); next(it)"}))
+            paused = json.loads(value(await client.call_tool("pause_session", {}))[0])
+            assert paused["state"] == "paused" and paused["image_bytes"] > 0, paused
+            sid = paused["id"]
+            assert broker.api("GET", f"/v1/sessions/{sid}").json()["state"] == "paused"
+            # The next use resumes it.
+            assert value(await client.call_tool("run_python", {"code": "(kept, next(it))"})) == ["([1, 2, 3], 2)"]
+            value(await client.call_tool("pause_session", {}))
+            resumed = json.loads(value(await client.call_tool("resume_session", {}))[0])
+            assert resumed["state"] == "idle", resumed
+            assert value(await client.call_tool("run_python", {"code": "next(it)"})) == ["3"]
+
+            bob = broker.api("POST", "/v1/sessions", BOB, json={"workspace": "own"}).json()["id"]
+            for tool in ("pause_session", "resume_session"):
+                r = await client.call_tool(tool, {"session_id": bob})
+                assert r.is_error and texts(r) == [f"no session {bob}"], (tool, texts(r))
+            assert broker.api("GET", f"/v1/sessions/{bob}", BOB).json()["state"] == "idle"
+            broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
             assert broker.api("DELETE", f"/v1/sessions/{sid}", ALICE).status_code == 204
     asyncio.run(main())

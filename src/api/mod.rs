@@ -40,7 +40,7 @@ pub mod metrics;
 pub mod openapi;
 mod ops;
 pub mod output_budget;
-mod pause;
+pub(crate) mod pause;
 mod recording;
 mod sessions;
 pub mod shapes;

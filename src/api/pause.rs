@@ -38,6 +38,19 @@ pub struct PausedJson {
     pause_ms: u64,
 }
 
+impl PausedJson {
+    /// What a pause of session `id` answers (and MCP's `pause_session`).
+    pub(super) fn new(id: Uuid, info: crate::session::PauseInfo) -> Self {
+        Self {
+            id,
+            state: SessionStateJson::Paused,
+            execution_count: info.execution_count,
+            image_bytes: info.image_bytes,
+            pause_ms: info.took.as_millis() as u64,
+        }
+    }
+}
+
 /// Pause a session to disk
 ///
 /// Writes the session's kernel (its memory: variables, modules, open files with their
@@ -63,13 +76,7 @@ async fn pause(
 ) -> ApiResult<Json<PausedJson>> {
     let id = session_id(&id)?;
     let info = state.registry.pause(&caller.0.name, id).await?;
-    Ok(Json(PausedJson {
-        id,
-        state: SessionStateJson::Paused,
-        execution_count: info.execution_count,
-        image_bytes: info.image_bytes,
-        pause_ms: info.took.as_millis() as u64,
-    }))
+    Ok(Json(PausedJson::new(id, info)))
 }
 
 /// Resume a paused session

@@ -210,6 +210,7 @@ impl Session {
                 SessionState::Idle
                 | SessionState::Busy
                 | SessionState::Starting
+                | SessionState::Paused
                 | SessionState::Dead,
             ) => chrono::Duration::from_std(t)
                 .ok()

@@ -195,6 +195,8 @@ async fn tokens_and_mcp_sessions_are_the_users() {
         "checkpoint",
         "list_checkpoints",
         "rewind",
+        "pause_session",
+        "resume_session",
     ] {
         assert!(names.contains(&want), "{names:?}");
     }

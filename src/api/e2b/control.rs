@@ -39,7 +39,7 @@ use crate::session::{
 /// 0.6.4 (accepted: a workspace is never a network mount, so it changes nothing).
 pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout.
-const DEFAULT_TIMEOUT: u64 = 300;
+pub(super) const DEFAULT_TIMEOUT: u64 = 300;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -49,6 +49,8 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(set_timeout))
         .routes(routes!(connect))
         .routes(v2(routes!(connect)))
+        .routes(routes!(super::pause::pause))
+        .routes(routes!(super::pause::resume))
 }
 
 /// What `POST /sandboxes` takes (unknown fields are ignored, as E2B's API does: the
@@ -149,7 +151,7 @@ fn detail_json(session: &Session, meta: Option<&SandboxMeta>) -> Value {
         "cpuCount": limits.cpus.ceil().max(1.0) as u64,
         "memoryMB": session.limits.memory_bytes >> 20,
         "diskSizeMB": limits.workspace_quota_bytes >> 20,
-        "state": "running",
+        "state": if info.state == crate::session::SessionState::Paused { "paused" } else { "running" },
         "metadata": meta.map_or(Value::Object(Default::default()), |m| Value::Object(m.metadata.clone())),
     })
 }
@@ -166,7 +168,9 @@ async fn create(
     let bytes = read_limited(body, 1 << 20, "request body").await?;
     let req: CreateBody = parse_json(&bytes, "request body")?;
     if req.auto_pause == Some(true) {
-        return Err(E2bError::unsupported("pausing a sandbox (autoPause)"));
+        return Err(E2bError::unsupported(
+            "pausing a sandbox at its timeout (autoPause; Sandbox.pause() works)",
+        ));
     }
     let timeout = timeout_secs(&state, req.timeout)?;
     let env: Vec<(String, String)> = req.env_vars.unwrap_or_default().into_iter().collect();
@@ -234,7 +238,7 @@ async fn create(
 #[utoipa::path(get, operation_id = "e2b_list", path = "/e2b/sandboxes", tag = "e2b", security(()),
     params(
         ("metadata" = Option<String>, Query, description = "`k=v&...`, URL-encoded; every pair must match"),
-        ("state" = Option<String>, Query, description = "`running`, `paused` (none is ever paused here), comma-separated or repeated"),
+        ("state" = Option<String>, Query, description = "`running`, `paused`, comma-separated or repeated (both by default)"),
         ("limit" = Option<u32>, Query, description = "1 to 100 (default 100)"),
         ("nextToken" = Option<String>, Query, description = "the `x-next-token` of the previous page"),
         ("order" = Option<String>, Query, description = "`desc` (newest first, the default) or `asc`, by start time"),
@@ -260,6 +264,7 @@ async fn list(
                 id: s.id.to_string(),
                 template: meta.template.clone(),
                 metadata: meta.metadata.clone(),
+                paused: s.state() == crate::session::SessionState::Paused,
                 item: detail_json(s, Some(meta)),
             })
         })
@@ -332,7 +337,12 @@ struct TimeoutBody {
     timeout: u64,
 }
 
-fn extend(state: &AppState, e2b: &E2bState, session: &Session, secs: u64) -> E2bResult<()> {
+pub(super) fn extend(
+    state: &AppState,
+    e2b: &E2bState,
+    session: &Session,
+    secs: u64,
+) -> E2bResult<()> {
     let secs = timeout_secs(state, Some(secs))?;
     let at = Instant::now() + Duration::from_secs(secs);
     // Activity: the idle backstop (see `session_options`) moves past the new deadline.
@@ -372,9 +382,10 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-/// Connect to a running sandbox (E2B)
+/// Connect to a sandbox (E2B): a paused one is resumed
 #[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`", body = serde_json::Value), ControlErrors))]
+    responses((status = 200, description = "E2B's `Sandbox`, running", body = serde_json::Value),
+        (status = 201, description = "E2B's `Sandbox`, resumed from paused", body = serde_json::Value), ControlErrors))]
 async fn connect(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
@@ -385,6 +396,17 @@ async fn connect(
     let session = owned(&state, &e2b, &caller, &id)?;
     let bytes = read_limited(body, 64 << 10, "request body").await?;
     let req: ConnectBody = parse_json(&bytes, "request body")?;
+    let template = e2b
+        .with(session.id, |m| m.template.clone())
+        .unwrap_or_default();
+    // A paused sandbox is resumed (201, as E2B answers a resume).
+    if super::pause::resume_if_paused(&state, &e2b, &session, req.timeout).await? {
+        return Ok((
+            StatusCode::CREATED,
+            Json(sandbox_json(&caller.0 .0.token, &session, &template)),
+        )
+            .into_response());
+    }
     if let Some(t) = req.timeout {
         // E2B's connect keeps a sandbox alive *for* `timeout`: it moves a deadline that
         // comes sooner, never one that comes later (set_timeout is the call that shortens).
@@ -396,9 +418,6 @@ async fn connect(
             session.touch();
         }
     }
-    let template = e2b
-        .with(session.id, |m| m.template.clone())
-        .unwrap_or_default();
     Ok((
         StatusCode::OK,
         Json(sandbox_json(&caller.0 .0.token, &session, &template)),

@@ -55,8 +55,9 @@ pub enum Order {
 #[derive(Debug, PartialEq)]
 pub struct ListQuery {
     pub metadata: Vec<(String, String)>,
-    /// Whether running sandboxes are asked for (the only state here: none is ever paused).
+    /// Whether running sandboxes are asked for, and paused ones.
     pub running: bool,
+    pub paused: bool,
     pub limit: usize,
     pub order: Order,
     /// The last sandbox of the previous page: its start and id.
@@ -71,6 +72,8 @@ pub struct Listed<T> {
     pub id: String,
     pub template: String,
     pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// Paused (else running).
+    pub paused: bool,
     pub item: T,
 }
 
@@ -135,6 +138,7 @@ impl ListQuery {
         let mut q = ListQuery {
             metadata: Vec::new(),
             running: true,
+            paused: true,
             limit: MAX_LIMIT,
             order: Order::Desc,
             after: None,
@@ -194,6 +198,7 @@ impl ListQuery {
         }
         if let Some(states) = states {
             q.running = states.iter().any(|s| s == "running");
+            q.paused = states.iter().any(|s| s == "paused");
         }
         if let Some(t) = token {
             q.after = Some(read_token(&t, q.order)?);
@@ -203,12 +208,6 @@ impl ListQuery {
 
     /// The page of `sandboxes` (the caller's) this query asks for.
     pub fn page<T>(&self, sandboxes: Vec<Listed<T>>) -> Page<T> {
-        if !self.running {
-            return Page {
-                items: Vec::new(),
-                next_token: None,
-            };
-        }
         let mut kept: Vec<Listed<T>> = sandboxes
             .into_iter()
             .map(|mut s| {
@@ -216,9 +215,11 @@ impl ListQuery {
                 s
             })
             .filter(|s| {
-                self.metadata.iter().all(|(k, v)| {
-                    s.metadata.get(k).and_then(serde_json::Value::as_str) == Some(v.as_str())
-                }) && self.started_after.is_none_or(|t| s.started_at >= t)
+                (if s.paused { self.paused } else { self.running })
+                    && self.metadata.iter().all(|(k, v)| {
+                        s.metadata.get(k).and_then(serde_json::Value::as_str) == Some(v.as_str())
+                    })
+                    && self.started_after.is_none_or(|t| s.started_at >= t)
                     && self.template.as_ref().is_none_or(|t| &s.template == t)
                     && self.after.as_ref().is_none_or(|(at, id)| match self.order {
                         Order::Desc => s.started_at < *at || (s.started_at == *at && s.id > *id),
@@ -266,6 +267,7 @@ mod tests {
             id: id.to_string(),
             template: template.to_string(),
             metadata: serde_json::json!({"m": m}).as_object().unwrap().clone(),
+            paused: id == "b",
             item: id,
         })
         .collect()

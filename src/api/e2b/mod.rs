@@ -36,6 +36,7 @@ mod fork;
 mod interpreter;
 mod listing;
 mod metrics;
+mod pause;
 mod process;
 mod pty;
 mod signing;

@@ -258,6 +258,40 @@ impl McpServer {
     ) -> Result<CallToolResult, ErrorData> {
         self.rewind_call(Call::of(context)?, args).await
     }
+
+    #[tool(
+        description = "Pause a session to disk: its kernel's whole state (variables, imports, open files, generators, the execution count) is written to the broker's disk and the kernel ends, so it holds no memory. Any later use of the session (run_python, a fork, a checkpoint) or resume_session brings it back as it was. Answers the paused session (its image's size) as JSON. The session must be idle; only sessions with a workspace of their own can be paused.",
+        annotations(
+            title = "Pause a session",
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn pause_session(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.pause_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Resume a paused session: its kernel comes back from disk with the state it was paused with. A session that is not paused is answered as it is. Answers the session as JSON.",
+        annotations(
+            title = "Resume a session",
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn resume_session(
+        &self,
+        Parameters(args): Parameters<SessionArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.resume_call(Call::of(context)?, args).await
+    }
 }
 
 #[tool_handler(router = self.tool_router)]

@@ -21,6 +21,7 @@ use super::call::{internal_or, workspace, Call, Made};
 use super::content;
 use super::server::McpServer;
 use crate::api::checkpoints::{CheckpointJson, CheckpointsJson};
+use crate::api::pause::PausedJson;
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::session::{
     files, CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Origin, Session,
@@ -412,6 +413,38 @@ impl McpServer {
                 usage,
                 call.caller.0.checkpoints,
             )),
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn pause_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        match call
+            .state
+            .registry
+            .pause(&call.caller.0.name, session.id)
+            .await
+        {
+            Ok(info) => json_text(&PausedJson::new(session.id, info)),
+            Err(e) => Ok(tool_error(session_error(e))),
+        }
+    }
+
+    pub(super) async fn resume_call(&self, call: Call, args: SessionArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        match call
+            .state
+            .registry
+            .resume(&call.caller.0.name, session.id)
+            .await
+        {
+            Ok(()) => json_text(&SessionJson::from(session.info())),
             Err(e) => Ok(tool_error(session_error(e))),
         }
     }

@@ -1,7 +1,8 @@
-//! Fork, checkpoint and rewind on the agent stream (issue 36): the frames `fork`,
-//! `checkpoint` and `rewind`, done through the session layer as the REST handlers do them
-//! (`api/sessions.rs`, `api/checkpoints.rs`), answered with one frame tagged with the
-//! client's id: `forked`, `checkpoint_taken`, `rewound`, or `refused` with the status and
+//! Fork, checkpoint, rewind, pause and resume on the agent stream (issues 36 and 37): the
+//! frames `fork`, `checkpoint`, `rewind`, `pause` and `resume`, done through the session
+//! layer as the REST handlers do them (`api/sessions.rs`, `api/checkpoints.rs`,
+//! `api/pause.rs`), answered with one frame tagged with the client's id: `forked`,
+//! `checkpoint_taken`, `rewound`, `paused`, `resumed`, or `refused` with the status and
 //! error code REST would answer.
 //!
 //! One such operation runs at a time per connection (a second while one runs is refused at
@@ -17,6 +18,7 @@ use super::Outbox;
 use crate::api::auth::Caller;
 use crate::api::checkpoints::CheckpointJson;
 use crate::api::error::ApiError;
+use crate::api::pause::PausedJson;
 use crate::api::shapes::SessionJson;
 use crate::api::AppState;
 use crate::session::{CreateOptions, ForkRequest, FrontDoor, Provenance, Session};
@@ -31,6 +33,8 @@ pub(super) enum Branch {
     Rewind {
         checkpoint: String,
     },
+    Pause,
+    Resume,
 }
 
 /// The connection's branching operations: one at a time.
@@ -59,7 +63,7 @@ impl Brancher {
                 &ApiError::new(
                     axum::http::StatusCode::CONFLICT,
                     "busy",
-                    "a fork, checkpoint or rewind of this connection is still running; wait for its answer",
+                    "a fork, checkpoint, rewind, pause or resume of this connection is still running; wait for its answer",
                 ),
             );
             let _ = out.send(refused).await;
@@ -138,6 +142,14 @@ async fn run(
             let cp = checkpoint_id(&checkpoint)?;
             let rewound = state.registry.rewind(user, session.id, cp).await?;
             json!({"type": "rewound", "session": SessionJson::from(rewound.info())})
+        }
+        Branch::Pause => {
+            let info = state.registry.pause(user, session.id).await?;
+            json!({"type": "paused", "session": PausedJson::new(session.id, info)})
+        }
+        Branch::Resume => {
+            state.registry.resume(user, session.id).await?;
+            json!({"type": "resumed", "session": SessionJson::from(session.info())})
         }
     })
 }

@@ -36,6 +36,14 @@ pub(crate) enum ClientFrame {
         id: Value,
         checkpoint: String,
     },
+    /// Pause the session to disk (issue 37): answered `paused` or `refused`.
+    Pause {
+        id: Value,
+    },
+    /// Resume the paused session: answered `resumed` or `refused`.
+    Resume {
+        id: Value,
+    },
 }
 
 /// One client text frame, parsed.

@@ -367,6 +367,8 @@ async fn serve(
                     .start(&out, id, Branch::Rewind { checkpoint })
                     .await;
             }
+            ClientFrame::Pause { id } => brancher.start(&out, id, Branch::Pause).await,
+            ClientFrame::Resume { id } => brancher.start(&out, id, Branch::Resume).await,
         }
         if matches!(
             session.state(),

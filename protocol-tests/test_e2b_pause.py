@@ -1,0 +1,112 @@
+"""E2B's pause and resume (`sbx.pause()`, `Sandbox.connect`, `is_running`, listing by state)
+through E2B's own, unmodified Python SDK (pinned: e2b 2.63.0, e2b-code-interpreter 2.11.5),
+written as an E2B user's code is: a sandbox with a file, a variable and an open file handle,
+paused, found paused, connected to again, its kernel's state and its files as they were.
+
+The broker pauses a sandbox's session (issue 37): its kernel is written to disk with CRIU
+(`scripts/setup-criu`) and ended; `connect` restores it into a new sandbox over the same
+workspace. Built on the local sandbox; the Docker sandbox refuses it, and the SDK raises that
+refusal as an error (never as "already paused").
+"""
+
+import asyncio
+
+import pytest
+
+from conftest import BOB, needs_criu
+
+e2b = pytest.importorskip("e2b")
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+
+
+def prepared(sbx):
+    sbx.files.write("pause-note.txt", "written before the pause\n")
+    ex = sbx.run_code(
+        "kept = {'answer': 6 * 7}\n"
+        "fh = open('/home/user/pause-note.txt')\n"
+        "fh.read(8)\n"
+        "g = iter(range(10)); next(g)\n"
+        "kept['answer']"
+    )
+    assert ex.error is None, ex.error
+    assert ex.text == "42"
+
+
+def as_it_was(sbx):
+    ex = sbx.run_code("(kept['answer'], fh.read(6), next(g))")
+    assert ex.error is None, ex.error
+    assert ex.text == "(42, 'before', 1)"
+    assert sbx.files.read("pause-note.txt") == "written before the pause\n"
+
+
+@needs_criu
+def test_a_paused_sandbox_is_connected_to_again_with_its_state(e2b_env):
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    try:
+        prepared(sbx)
+        assert sbx.pause() is True
+        assert not sbx.is_running()
+        # Paused, it is listed as paused (and not as running).
+        paused = Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED])).next_items()
+        assert sbx.sandbox_id in {s.sandbox_id for s in paused}
+        running = Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.RUNNING])).next_items()
+        assert sbx.sandbox_id not in {s.sandbox_id for s in running}
+        assert sbx.get_info().state == e2b.SandboxState.PAUSED
+        # A second pause: E2B's answer for a paused sandbox.
+        assert Sandbox.pause(sbx.sandbox_id) is False
+
+        same = Sandbox.connect(sbx.sandbox_id, timeout=90)
+        assert same.sandbox_id == sbx.sandbox_id
+        assert same.is_running()
+        assert same.get_info().state == e2b.SandboxState.RUNNING
+        as_it_was(same)
+        # Connecting to a running sandbox changes nothing.
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.run_code("kept['answer'] + 1").text == "43"
+    finally:
+        sbx.kill()
+
+
+@needs_criu
+def test_an_async_sandbox_pauses_and_resumes(e2b_env):
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main():
+        sbx = await AsyncSandbox.create(timeout=120)
+        try:
+            ex = await sbx.run_code("value = 'kept across the pause'")
+            assert ex.error is None, ex.error
+            assert await sbx.pause() is True
+            assert not await sbx.is_running()
+            same = await AsyncSandbox.connect(sbx.sandbox_id)
+            ex = await same.run_code("value")
+            assert ex.error is None and ex.text == "kept across the pause", ex
+        finally:
+            await sbx.kill()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_pause_refusals_raise_what_e2bs_sdk_raises(any_backend):
+    """Another user's sandbox and one that never was are not found; where pausing is not
+    built (the Docker sandbox), the SDK raises the refusal instead of reporting the sandbox
+    as already paused."""
+    from e2b.exceptions import SandboxException, SandboxNotFoundException
+    from e2b_code_interpreter import Sandbox
+
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.pause("00000000-0000-4000-8000-000000000000")
+    sbx = Sandbox.create(timeout=60)
+    try:
+        assert sbx.run_code("x = 1").error is None
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.pause(sbx.sandbox_id, api_key=BOB)
+        if any_backend == "docker":
+            with pytest.raises(SandboxException, match=r"501: .*cannot be paused"):
+                sbx.pause()
+        assert sbx.is_running()
+        assert sbx.run_code("x + 1").text == "2"
+    finally:
+        sbx.kill()
