@@ -110,3 +110,26 @@ def test_pause_refusals_raise_what_e2bs_sdk_raises(any_backend):
         assert sbx.run_code("x + 1").text == "2"
     finally:
         sbx.kill()
+
+
+@needs_criu
+def test_a_sandbox_made_to_pause_at_its_timeout_pauses_instead_of_ending(e2b_env):
+    """`lifecycle={"on_timeout": "pause"}` (E2B's `autoPause`): at its timeout the sandbox is
+    paused, not killed; `connect` brings it back with its state and a new timeout."""
+    import time
+
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=3, lifecycle={"on_timeout": "pause"})
+    try:
+        assert sbx.run_code("kept = 'through the timeout'").error is None
+        deadline = time.monotonic() + 30
+        while sbx.is_running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not sbx.is_running()
+        assert sbx.get_info().state == e2b.SandboxState.PAUSED
+        same = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert same.run_code("kept").text == "through the timeout"
+        assert 30 < (same.get_info().end_at.timestamp() - time.time()) <= 60
+    finally:
+        sbx.kill()

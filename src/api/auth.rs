@@ -29,7 +29,9 @@ use super::error::{ApiError, JupyterError};
 use super::metrics::Refused;
 use super::user_load::Kind;
 use super::AppState;
-use crate::session::{CheckpointPolicy, CreateOptions, CreateRequest, SandboxUser, UserLimits};
+use crate::session::{
+    CheckpointPolicy, CreateOptions, CreateRequest, PausePolicy, SandboxUser, UserLimits,
+};
 
 /// One user of the broker: a name, its token, its limits (read from the users file or the
 /// environment by `config`).
@@ -44,6 +46,8 @@ pub struct User {
     /// The bounds of the user's checkpoints, and whether sessions take one after every
     /// successful execution unless they say otherwise.
     pub checkpoints: CheckpointPolicy,
+    /// When the user's idle sessions pause by themselves, and how long they stay paused.
+    pub pause: PausePolicy,
 }
 
 impl User {
@@ -63,6 +67,7 @@ impl User {
             max_sessions: self.max_sessions,
             options,
             checkpoints: self.checkpoints,
+            pause: self.pause,
         }
     }
 }

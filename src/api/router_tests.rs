@@ -29,6 +29,7 @@ fn user(name: &str, token: &str, index: u32) -> Arc<User> {
         limits: UserLimits::default(),
         max_sessions: 2,
         checkpoints: Default::default(),
+        pause: Default::default(),
     })
 }
 

@@ -266,6 +266,12 @@ pub struct ServeArgs {
     /// Take a checkpoint of a session after every execution that ends ok (a user's or a session's own setting overrides it) [default: false]
     #[arg(long, env = "KERNEL_BROKER_CHECKPOINT_EVERY_EXECUTION", num_args = 0..=1, default_missing_value = "true")]
     pub checkpoint_every_execution: Option<bool>,
+    /// Pause a session idle this many seconds to disk instead of expiring it at its idle timeout (issue 37; sessions that cannot be paused expire as before); 0 or unset: off
+    #[arg(long, env = "KERNEL_BROKER_PAUSE_AFTER")]
+    pub pause_after: Option<u64>,
+    /// Seconds a paused session is kept before it expires [default: 604800]
+    #[arg(long, env = "KERNEL_BROKER_PAUSED_TTL")]
+    pub paused_ttl: Option<u64>,
     /// Ready kernels kept per user (and kernel spec) once the user has created a session; 0 disables the warm pool [default: 1]
     #[arg(long, env = "KERNEL_BROKER_POOL_SIZE")]
     pub pool_size: Option<usize>,

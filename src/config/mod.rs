@@ -33,7 +33,7 @@ use crate::recording::RecordingConfig;
 use crate::sandbox::docker::DockerSandboxConfig;
 use crate::sandbox::local::LocalSandboxConfig;
 use crate::sandbox::UserLimits;
-use crate::session::{CheckpointPolicy, SessionConfig};
+use crate::session::{CheckpointPolicy, PausePolicy, SessionConfig};
 pub use args::{Cli, Command, EgressMode, McpArgs, SandboxKind, ServeArgs, TokenArgs};
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +78,10 @@ struct UserEntry {
     max_checkpoints: Option<usize>,
     checkpoint_memory_bytes: Option<u64>,
     checkpoint_every_execution: Option<bool>,
+    /// Overrides `--pause-after` (0: this user's sessions are never paused by themselves).
+    pause_after_seconds: Option<u64>,
+    /// Overrides `--paused-ttl`.
+    paused_ttl_seconds: Option<u64>,
     session_memory_bytes: Option<u64>,
     session_pids: Option<u64>,
     /// Modules this user's kernels import before their first cell (overrides `--preload`).
@@ -265,6 +269,12 @@ impl Settings {
             ),
             every_execution: pick!(checkpoint_every_execution, false),
         };
+        let pause = pause_policy(
+            either!(args, file, pause_after),
+            either!(args, file, paused_ttl),
+            PausePolicy::default(),
+            "paused_ttl",
+        )?;
         let users_file = args.users_file.clone().or(file.users_file.clone());
         let mut user_preload = HashMap::new();
         let egress_default = egress::Defaults::resolve(&args, &file)?;
@@ -343,6 +353,12 @@ impl Settings {
                                 .checkpoint_every_execution
                                 .unwrap_or(checkpoints.every_execution),
                         },
+                        pause: pause_policy(
+                            u.pause_after_seconds,
+                            u.paused_ttl_seconds,
+                            pause,
+                            &format!("paused_ttl_seconds of user {}", u.name),
+                        )?,
                         name: u.name,
                         token: u.token,
                     });
@@ -373,6 +389,7 @@ impl Settings {
                     limits: defaults.clone(),
                     max_sessions,
                     checkpoints,
+                    pause,
                 };
                 if let Some(e) =
                     egress_default.for_user(&user.name, &egress::UserEgressEntry::default())?
@@ -444,3 +461,31 @@ impl Settings {
 
 #[cfg(test)]
 mod tests;
+
+/// A pause policy from `after` and `ttl` seconds given (each in place of `base`'s); `what`
+/// names the TTL's setting in an error. `after` 0 is off; a TTL of 0 is refused (a pause
+/// would end its session at once).
+fn pause_policy(
+    after: Option<u64>,
+    ttl: Option<u64>,
+    base: PausePolicy,
+    what: &str,
+) -> Result<PausePolicy, ConfigError> {
+    let ttl = match ttl {
+        Some(0) => {
+            return Err(ConfigError::Invalid(format!(
+                "{what}: 0 would end a session as it is paused; give seconds, at least 1"
+            )))
+        }
+        Some(t) => Duration::from_secs(t),
+        None => base.ttl,
+    };
+    Ok(PausePolicy {
+        after: match after {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => base.after,
+        },
+        ttl,
+    })
+}

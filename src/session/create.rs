@@ -23,6 +23,8 @@ pub struct CreateRequest {
     /// The user's checkpoint bounds, and whether the session takes a checkpoint after
     /// every successful execution (the user's setting, or what the client asked).
     pub checkpoints: CheckpointPolicy,
+    /// The user's pause policy (`--pause-after`, `--paused-ttl`).
+    pub pause: super::pause::PausePolicy,
 }
 
 impl Registry {
@@ -35,6 +37,7 @@ impl Registry {
             .create(&request.user, request.max_sessions, request.options)
             .await?;
         self.set_checkpoint_policy(&session, request.checkpoints)?;
+        session.set_pause_policy(request.pause);
         Ok(session)
     }
 }

@@ -96,7 +96,7 @@ pub use handle::{ConnectionGuard, Session};
 pub use hooks::KernelHooks;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
-pub use pause::PauseInfo;
+pub use pause::{PauseInfo, PausePolicy, DEFAULT_PAUSED_TTL};
 pub use recorder::{Direction, NoRecorder, Recorder, Recorders};
 pub use registry::{Adopted, Closing, CreateOptions, ForkRequest, Registry, MAX_FORKS};
 pub use run_command::{

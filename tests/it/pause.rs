@@ -9,9 +9,11 @@ use crate::common;
 use common::forked::out;
 use common::*;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 on_one_backend!(
     a_paused_session_comes_back_with_its_state_on_any_use,
+    idle_sessions_pause_by_themselves_and_paused_ones_expire,
     a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
     what_cannot_be_paused_is_refused_and_goes_on_running,
 );
@@ -296,4 +298,63 @@ async fn another_users_session_cannot_be_paused_or_resumed(sandbox: &'static str
     }
     assert_eq!(out(&alice, &a, "print(secret)").await, "1");
     broker.stop().await;
+}
+
+async fn idle_sessions_pause_by_themselves_and_paused_ones_expire(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |a| {
+        a.pause_after = Some(1);
+        a.paused_ttl = Some(4);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "kept = 'across an idle pause'").await;
+    // One that cannot be paused (it shares its user's workspace) stays as it was.
+    let (_, v) = api.post("/v1/sessions", json!({})).await;
+    let shared = v["id"].as_str().unwrap().to_string();
+    out(&api, &shared, "y = 2").await;
+
+    let paused = wait_until(Duration::from_secs(20), || async {
+        state_of(&api, &a).await["state"] == "paused"
+    })
+    .await;
+    assert!(paused, "{}", state_of(&api, &a).await);
+    assert_eq!(processes_in_leaf(&a), 0);
+    assert_eq!(state_of(&api, &shared).await["state"], "idle");
+    assert_eq!(out(&api, &shared, "print(y)").await, "2");
+    // Used again, it resumes; idle again, it pauses again.
+    assert_eq!(out(&api, &a, "print(kept)").await, "across an idle pause");
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            state_of(&api, &a).await["state"] == "paused"
+        })
+        .await
+    );
+    // Paused past --paused-ttl, it expires (410) and its images go.
+    let expired = wait_until(Duration::from_secs(20), || async {
+        api.get(&format!("/v1/sessions/{a}")).await.0 == 410
+    })
+    .await;
+    assert!(expired, "{}", state_of(&api, &a).await);
+    assert!(paused_images(&broker.data_dir).is_empty());
+    broker.stop().await;
+}
+
+/// Polls `check` every 100 ms until it holds or `limit` passes; whether it held.
+async fn wait_until<F, Fut>(limit: Duration, check: F) -> bool
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < end {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
 }

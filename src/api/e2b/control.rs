@@ -167,11 +167,6 @@ async fn create(
 ) -> E2bResult<Response> {
     let bytes = read_limited(body, 1 << 20, "request body").await?;
     let req: CreateBody = parse_json(&bytes, "request body")?;
-    if req.auto_pause == Some(true) {
-        return Err(E2bError::unsupported(
-            "pausing a sandbox at its timeout (autoPause; Sandbox.pause() works)",
-        ));
-    }
     let timeout = timeout_secs(&state, req.timeout)?;
     let env: Vec<(String, String)> = req.env_vars.unwrap_or_default().into_iter().collect();
     // Refused here as a 400; and applied, like every tenant variable, only inside the
@@ -189,6 +184,9 @@ async fn create(
         )))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
+    // E2B's `autoPause` (the SDKs' `lifecycle={"on_timeout": "pause"}`): paused at its
+    // timeout instead of ended (`session/registry/expiry.rs`); resumed by `connect`.
+    session.set_pause_at_deadline(req.auto_pause == Some(true));
     if !env.is_empty() {
         // The kernel's environment: set once, as E2B's sandbox-wide envVars are.
         let code = format!(

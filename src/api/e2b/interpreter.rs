@@ -380,6 +380,7 @@ async fn create_context(
     if let Some(left) = deadline_left {
         session.set_deadline(Some(tokio::time::Instant::now() + left));
     }
+    session.set_pause_at_deadline(caller.session.pauses_at_deadline());
     if let Some(dir) = &cwd {
         if let Err(e) = super::context_cwd::apply(&state, &session, dir).await {
             let _ = state

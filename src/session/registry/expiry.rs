@@ -9,6 +9,11 @@
 //! kernel over a WebSocket. What does not: reading the session (GET, list), opening or
 //! closing a WebSocket, and output the kernel produces on its own. A busy session (an
 //! execution running) is never expired unless it has been busy for longer than `max_busy`.
+//!
+//! Pausing (issue 37): with `--pause-after`, an idle session that can be paused is paused
+//! at that point instead of expiring at its idle timeout, and a paused session expires
+//! `--paused-ttl` after its pause; a sandbox with E2B's `autoPause` is paused at its fixed
+//! deadline instead of ending.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,8 +22,11 @@ use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
 use super::Registry;
+use crate::session::command::Command;
+use crate::session::error::SessionError;
 use crate::session::front_door::SessionEnd;
 use crate::session::handle::Session;
+use crate::session::pause::Due;
 
 /// What is left of an expired session until `forget_at`.
 pub(super) struct Tombstone {
@@ -53,6 +61,35 @@ impl Registry {
         self.after_removal(&session).await;
     }
 
+    /// Pauses `session`, idle past its `--pause-after` or at the fixed deadline of a
+    /// sandbox with E2B's `autoPause`, instead of expiring it. A pause that is refused or
+    /// fails leaves the session to expire as it would have without (`Session::end_auto_pause`).
+    async fn auto_pause(&self, session: Arc<Session>) {
+        if !session.begin_auto_pause() {
+            return;
+        }
+        let (done, answer) = tokio::sync::oneshot::channel();
+        let paused = match session.send(Command::Pause { done }) {
+            Ok(()) => answer
+                .await
+                .unwrap_or(Err(SessionError::Closed(session.id))),
+            Err(e) => Err(e),
+        };
+        match &paused {
+            Ok(info) => {
+                if session.pauses_at_deadline() {
+                    // As E2B's: a paused sandbox's timeout stops.
+                    session.set_deadline(None);
+                }
+                tracing::info!(session = %session.id, user = %session.user.name, image_bytes = info.image_bytes, "idle session paused");
+            }
+            Err(e) => {
+                tracing::info!(session = %session.id, user = %session.user.name, error = %e, "idle session not paused: it expires instead");
+            }
+        }
+        session.end_auto_pause(paused.is_err());
+    }
+
     /// Sleep until the next expiry deadline (or a change), expire what is due.
     pub(super) async fn expiry_task(self) {
         let max_busy = self.inner.config.max_busy;
@@ -65,9 +102,9 @@ impl Registry {
                 // The next tombstone to forget is a deadline too: its memory goes on time.
                 let mut next: Option<Instant> = t.tombstones.values().map(|ts| ts.forget_at).min();
                 for s in t.sessions.values() {
-                    if let Some(d) = s.expiry_deadline(max_busy) {
+                    if let Some((d, what)) = s.expiry_deadline(max_busy) {
                         if d <= now {
-                            due.push(s.clone());
+                            due.push((s.clone(), what));
                         } else {
                             next = Some(next.map_or(d, |n: Instant| n.min(d)));
                         }
@@ -75,9 +112,12 @@ impl Registry {
                 }
                 (due, next)
             };
-            for s in due {
+            for (s, what) in due {
                 let registry = self.clone();
-                tokio::spawn(async move { registry.expire(s).await });
+                match what {
+                    Due::Expire => tokio::spawn(async move { registry.expire(s).await }),
+                    Due::Pause => tokio::spawn(async move { registry.auto_pause(s).await }),
+                };
             }
             let wake = next.unwrap_or(now + Duration::from_secs(3600));
             tokio::select! {

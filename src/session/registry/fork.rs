@@ -106,6 +106,8 @@ impl Registry {
             }
             if let Ok(forks) = &result {
                 for s in forks {
+                    // A fork pauses by itself as its parent does.
+                    s.set_pause_policy(parent.pause_policy());
                     t.sessions.insert(s.id, s.clone());
                 }
             }
