@@ -92,10 +92,16 @@ pub(crate) fn inventory(dir: &OwnedFd) -> io::Result<Vec<ImageFile>> {
     Ok(files)
 }
 
+/// A paused kernel's images are not as they were sealed; the text says how.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct ImagesDamaged(String);
+
 /// Whether `dir` holds exactly the files `sealed` lists, as they were; else what differs.
 /// Blocking.
-pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(), String> {
-    let now = inventory(dir).map_err(|e| format!("its images cannot be read: {e}"))?;
+pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(), ImagesDamaged> {
+    let now =
+        inventory(dir).map_err(|e| ImagesDamaged(format!("its images cannot be read: {e}")))?;
     if now == sealed {
         return Ok(());
     }
@@ -110,10 +116,10 @@ pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(),
         )
         .take(4)
         .collect();
-    Err(format!(
+    Err(ImagesDamaged(format!(
         "its images are not as they were written (changed, missing or added: {})",
         changed.join(", ")
-    ))
+    )))
 }
 
 #[cfg(test)]
@@ -136,7 +142,7 @@ mod tests {
         let mut pages = std::fs::read(p("pages-1.img")).unwrap();
         pages[12345] = 8;
         std::fs::write(p("pages-1.img"), &pages).unwrap();
-        let e = check_inventory(&open(), &sealed).unwrap_err();
+        let e = check_inventory(&open(), &sealed).unwrap_err().to_string();
         assert!(e.contains("pages-1.img"), "{e}");
         pages[12345] = 7;
         std::fs::write(p("pages-1.img"), &pages).unwrap();
@@ -149,11 +155,13 @@ mod tests {
         std::fs::write(p("extra.img"), b"x").unwrap();
         assert!(check_inventory(&open(), &sealed)
             .unwrap_err()
+            .to_string()
             .contains("extra.img"));
         std::fs::remove_file(p("extra.img")).unwrap();
         std::fs::remove_file(p("core-1.img")).unwrap();
         assert!(check_inventory(&open(), &sealed)
             .unwrap_err()
+            .to_string()
             .contains("core-1.img"));
         // A symlink in its place is never followed.
         std::os::unix::fs::symlink("/etc/hostname", p("core-1.img")).unwrap();

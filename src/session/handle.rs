@@ -33,7 +33,7 @@ use super::execution::Execution;
 use super::front_door::{Provenance, SessionEnd};
 use super::kept::{KeptSessions, RecordFile, SessionRecord};
 use super::memory::Reservation;
-use super::pause::{Due, PausePolicy, PauseState};
+use super::pause::PauseState;
 use super::state::{SessionInfo, SessionState, SessionStatus};
 use crate::sandbox::{KernelLimits, KernelProcess, LaunchSpec, SandboxUser};
 use crate::sync::lock;
@@ -66,9 +66,9 @@ pub struct Session {
     pub own_workspace: Option<Uuid>,
     state: Mutex<State>,
     /// When it pauses by itself (`pause.rs`).
-    pause: Mutex<PauseState>,
+    pub(super) pause: Mutex<PauseState>,
     /// The status the actor publishes; read with `borrow()`, waited on with `changed()`.
-    status: watch::Sender<SessionStatus>,
+    pub(super) status: watch::Sender<SessionStatus>,
     /// The session's record (`--keep-sessions`).
     record_file: Option<RecordFile>,
     commands: mpsc::Sender<Command>,
@@ -87,7 +87,7 @@ pub struct Session {
     /// WebSocket clients attached (counted by [`ConnectionGuard`]s).
     connections: AtomicUsize,
     max_queue: usize,
-    notify_registry: Arc<Notify>,
+    pub(super) notify_registry: Arc<Notify>,
 }
 
 /// What a session is made of besides its id and owner (see [`Session::new`]).
@@ -566,86 +566,6 @@ impl Session {
     /// The fixed end set by [`Self::set_deadline`], if any.
     pub fn deadline(&self) -> Option<DateTime<Utc>> {
         self.status.borrow().deadline.map(|(_, wall)| wall)
-    }
-
-    /// When this session expires if nothing happens, or `None` if it cannot expire now.
-    pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<(Instant, Due)> {
-        let pause = {
-            let p = lock(&self.pause);
-            if p.pausing {
-                // The pause under way decides: paused, or left to expire as without.
-                return None;
-            }
-            (!p.cannot).then_some((p.policy, p.at_deadline))
-        };
-        let auto_after = pause.and_then(|(p, _)| p.after);
-        let s = self.status.borrow();
-        let fixed = s.deadline.map(|(at, _)| at);
-        let idle = match (self.idle_timeout, s.state) {
-            (_, SessionState::Expired | SessionState::Closed) => return None,
-            // Paused: kept for its policy's time from the pause (its last activity).
-            (_, SessionState::Paused) => {
-                let ttl = lock(&self.pause).policy.ttl;
-                let kept = (s.last_activity_at + ttl, Due::Expire);
-                return Some(match fixed {
-                    Some(at) if at < kept.0 => (at, Due::Expire),
-                    _ => kept,
-                });
-            }
-            // Idle long enough, a session that can pause does so instead of expiring.
-            (_, SessionState::Idle) if auto_after.is_some() => Some((
-                s.last_activity_at + auto_after.unwrap_or_default(),
-                Due::Pause,
-            )),
-            (None, _) => None,
-            (Some(_), SessionState::Busy) => s.busy_since.map(|b| (b + max_busy, Due::Expire)),
-            (Some(t), _) => Some((s.last_activity_at + t, Due::Expire)),
-        };
-        let at_deadline = match s.state {
-            SessionState::Idle if pause.is_some_and(|(_, d)| d) => Due::Pause,
-            _ => Due::Expire,
-        };
-        let fixed = fixed.map(|at| (at, at_deadline));
-        match (idle, fixed) {
-            (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// When it pauses by itself, and how long it stays paused.
-    pub(crate) fn set_pause_policy(&self, policy: PausePolicy) {
-        lock(&self.pause).policy = policy;
-        self.notify_registry.notify_one();
-    }
-
-    pub(crate) fn pause_policy(&self) -> PausePolicy {
-        lock(&self.pause).policy
-    }
-
-    /// Pause instead of ending at its fixed deadline (E2B's `autoPause`).
-    pub fn set_pause_at_deadline(&self, on: bool) {
-        lock(&self.pause).at_deadline = on;
-        self.notify_registry.notify_one();
-    }
-
-    pub fn pauses_at_deadline(&self) -> bool {
-        lock(&self.pause).at_deadline
-    }
-
-    /// Marks an automatic pause under way; `false` if one already is.
-    pub(super) fn begin_auto_pause(&self) -> bool {
-        !std::mem::replace(&mut lock(&self.pause).pausing, true)
-    }
-
-    /// An automatic pause ended; `failed`: the session is not paused by itself again and
-    /// expires as it would without.
-    pub(super) fn end_auto_pause(&self, failed: bool) {
-        {
-            let mut p = lock(&self.pause);
-            p.pausing = false;
-            p.cannot |= failed;
-        }
-        self.notify_registry.notify_one();
     }
 }
 

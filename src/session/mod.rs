@@ -51,6 +51,7 @@
 //! status codes.
 
 mod actor;
+mod auto_pause;
 mod checkpoint;
 mod command;
 mod config;

@@ -1,5 +1,6 @@
 //! E2B's control plane under `/e2b` (`E2B_API_URL`): create (`POST /sandboxes`,
-//! `/v2/sandboxes`), list, get, kill, set the timeout, connect (fork: `fork.rs`). A
+//! `/v2/sandboxes`), list, get, kill, set the timeout (fork: `fork.rs`; pause, resume
+//! and connect: `pause.rs`). A
 //! sandbox is a session of the key's user with a fixed deadline: E2B's `timeout` (default
 //! 300 s, at most the broker's maximum idle timeout, a day by default), and that maximum as
 //! its idle timeout, a backstop only (see [`session_options`]). Anything else under `/e2b`
@@ -47,10 +48,6 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(v2(routes!(create, list)))
         .routes(routes!(get_one, kill))
         .routes(routes!(set_timeout))
-        .routes(routes!(connect))
-        .routes(v2(routes!(connect)))
-        .routes(routes!(super::pause::pause))
-        .routes(routes!(super::pause::resume))
 }
 
 /// What `POST /sandboxes` takes (unknown fields are ignored, as E2B's API does: the
@@ -373,52 +370,4 @@ async fn set_timeout(
     let req: TimeoutBody = parse_json(&bytes, "request body")?;
     extend(&state, &e2b, &session, req.timeout)?;
     Ok(StatusCode::NO_CONTENT)
-}
-
-#[derive(Deserialize, Default)]
-struct ConnectBody {
-    timeout: Option<u64>,
-}
-
-/// Connect to a sandbox (E2B): a paused one is resumed
-#[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
-    responses((status = 200, description = "E2B's `Sandbox`, running", body = serde_json::Value),
-        (status = 201, description = "E2B's `Sandbox`, resumed from paused", body = serde_json::Value), ControlErrors))]
-async fn connect(
-    State(state): State<AppState>,
-    Extension(e2b): Extension<Arc<E2bState>>,
-    caller: ApiKeyUser,
-    Path(id): Path<String>,
-    body: axum::body::Body,
-) -> E2bResult<Response> {
-    let session = owned(&state, &e2b, &caller, &id)?;
-    let bytes = read_limited(body, 64 << 10, "request body").await?;
-    let req: ConnectBody = parse_json(&bytes, "request body")?;
-    let template = e2b
-        .with(session.id, |m| m.template.clone())
-        .unwrap_or_default();
-    // A paused sandbox is resumed (201, as E2B answers a resume).
-    if super::pause::resume_if_paused(&state, &e2b, &session, req.timeout).await? {
-        return Ok((
-            StatusCode::CREATED,
-            Json(sandbox_json(&caller.0 .0.token, &session, &template)),
-        )
-            .into_response());
-    }
-    if let Some(t) = req.timeout {
-        // E2B's connect keeps a sandbox alive *for* `timeout`: it moves a deadline that
-        // comes sooner, never one that comes later (set_timeout is the call that shortens).
-        let secs = timeout_secs(&state, Some(t))?;
-        let wanted = chrono::Utc::now() + chrono::Duration::seconds(secs as i64);
-        if session.deadline().is_none_or(|d| d < wanted) {
-            extend(&state, &e2b, &session, secs)?;
-        } else {
-            session.touch();
-        }
-    }
-    Ok((
-        StatusCode::OK,
-        Json(sandbox_json(&caller.0 .0.token, &session, &template)),
-    )
-        .into_response())
 }

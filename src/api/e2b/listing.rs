@@ -305,7 +305,8 @@ mod tests {
     fn filters_select() {
         let one = |q: &str| ListQuery::parse(Some(q)).unwrap().page(sandboxes()).items;
         assert_eq!(one("template=t2"), vec!["c"]);
-        assert_eq!(one("state=paused"), Vec::<&str>::new());
+        assert_eq!(one("state=paused"), vec!["b"]);
+        assert_eq!(one("state=running"), vec!["c", "d", "a"]);
         assert_eq!(one("state=paused&state=running&limit=1"), vec!["c"]);
         assert_eq!(one("state=running,paused&limit=1"), vec!["c"]);
         let after = at(2).to_rfc3339().replace('+', "%2B");

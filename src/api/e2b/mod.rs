@@ -61,6 +61,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .merge(control::routes())
         .merge(fork::routes())
+        .merge(pause::routes())
         .merge(interpreter::routes())
         .merge(envd::routes())
         .merge(uploads::routes())

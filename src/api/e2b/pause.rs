@@ -13,12 +13,24 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
 use super::auth::ApiKeyUser;
-use super::control::{owned, sandbox_json, DEFAULT_TIMEOUT};
+use super::control::{extend, owned, sandbox_json, timeout_secs, DEFAULT_TIMEOUT};
+use super::documented::{v2, ControlErrors};
 use super::{E2bError, E2bResult, E2bState};
 use crate::api::extract::{parse_json, read_limited};
 use crate::api::AppState;
 use crate::session::{Session, SessionError, SessionState};
+
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(pause))
+        .routes(routes!(resume))
+        .routes(routes!(connect))
+        .routes(v2(routes!(connect)))
+}
 
 /// Pause a sandbox (E2B): its memory and files kept, its processes ended
 #[utoipa::path(post, operation_id = "e2b_pause", path = "/e2b/sandboxes/{id}/pause", tag = "e2b", security(()), params(("id" = String, Path)),
@@ -26,8 +38,8 @@ use crate::session::{Session, SessionError, SessionState};
         (status = 409, description = "already paused", body = serde_json::Value),
         (status = 501, description = "this sandbox cannot be paused here (the message says why)", body = serde_json::Value),
         (status = 503, description = "it runs code now: retry once it ends", body = serde_json::Value),
-        super::documented::ControlErrors))]
-pub(super) async fn pause(
+        ControlErrors))]
+async fn pause(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
     caller: ApiKeyUser,
@@ -94,7 +106,7 @@ pub(super) async fn resume_if_paused(
         .registry
         .resume(&session.user.name, session.id)
         .await?;
-    super::control::extend(state, e2b, session, timeout.unwrap_or(DEFAULT_TIMEOUT))?;
+    extend(state, e2b, session, timeout.unwrap_or(DEFAULT_TIMEOUT))?;
     Ok(true)
 }
 
@@ -102,8 +114,8 @@ pub(super) async fn resume_if_paused(
 #[utoipa::path(post, operation_id = "e2b_resume", path = "/e2b/sandboxes/{id}/resume", tag = "e2b", security(()), params(("id" = String, Path)),
     responses((status = 201, description = "E2B's `Sandbox`, resumed", body = serde_json::Value),
         (status = 409, description = "it is running, not paused", body = serde_json::Value),
-        super::documented::ControlErrors))]
-pub(super) async fn resume(
+        ControlErrors))]
+async fn resume(
     State(state): State<AppState>,
     Extension(e2b): Extension<Arc<E2bState>>,
     caller: ApiKeyUser,
@@ -124,6 +136,54 @@ pub(super) async fn resume(
         .unwrap_or_default();
     Ok((
         StatusCode::CREATED,
+        Json(sandbox_json(&caller.0 .0.token, &session, &template)),
+    )
+        .into_response())
+}
+
+#[derive(serde::Deserialize, Default)]
+struct ConnectBody {
+    timeout: Option<u64>,
+}
+
+/// Connect to a sandbox (E2B): a paused one is resumed
+#[utoipa::path(post, operation_id = "e2b_connect", path = "/e2b/sandboxes/{id}/connect", tag = "e2b", security(()), params(("id" = String, Path)),
+    responses((status = 200, description = "E2B's `Sandbox`, running", body = serde_json::Value),
+        (status = 201, description = "E2B's `Sandbox`, resumed from paused", body = serde_json::Value), ControlErrors))]
+async fn connect(
+    State(state): State<AppState>,
+    Extension(e2b): Extension<Arc<E2bState>>,
+    caller: ApiKeyUser,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> E2bResult<Response> {
+    let session = owned(&state, &e2b, &caller, &id)?;
+    let bytes = read_limited(body, 64 << 10, "request body").await?;
+    let req: ConnectBody = parse_json(&bytes, "request body")?;
+    let template = e2b
+        .with(session.id, |m| m.template.clone())
+        .unwrap_or_default();
+    // A paused sandbox is resumed (201, as E2B answers a resume).
+    if resume_if_paused(&state, &e2b, &session, req.timeout).await? {
+        return Ok((
+            StatusCode::CREATED,
+            Json(sandbox_json(&caller.0 .0.token, &session, &template)),
+        )
+            .into_response());
+    }
+    if let Some(t) = req.timeout {
+        // E2B's connect keeps a sandbox alive *for* `timeout`: it moves a deadline that
+        // comes sooner, never one that comes later (set_timeout is the call that shortens).
+        let secs = timeout_secs(&state, Some(t))?;
+        let wanted = chrono::Utc::now() + chrono::Duration::seconds(secs as i64);
+        if session.deadline().is_none_or(|d| d < wanted) {
+            extend(&state, &e2b, &session, secs)?;
+        } else {
+            session.touch();
+        }
+    }
+    Ok((
+        StatusCode::OK,
         Json(sandbox_json(&caller.0 .0.token, &session, &template)),
     )
         .into_response())

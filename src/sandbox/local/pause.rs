@@ -149,7 +149,7 @@ impl LocalSandbox {
         tokio::task::spawn_blocking(move || check_inventory(&checked, &files))
             .await
             .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-            .map_err(copy_failed)?;
+            .map_err(|e| copy_failed(e.to_string()))?;
         self.restore_images(spec, &images, image.pid, image.dump_time)
             .await
     }

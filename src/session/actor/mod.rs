@@ -9,6 +9,7 @@
 //! `running.rs`.
 
 mod checkpoint;
+mod fork;
 mod pause;
 mod running;
 #[cfg(test)]
@@ -179,17 +180,9 @@ impl Actor {
     }
 
     async fn on_command(&mut self, cmd: Command) {
-        // Any use of a paused session's kernel resumes it first.
-        if self.is_paused() && cmd.uses_kernel() {
-            if let Err(e) = self.resume().await {
-                if self.is_paused() {
-                    // Not resumed (no memory left): the session stays paused.
-                    self.refuse(cmd, e);
-                    return;
-                }
-                // Dead now: what follows answers as a dead session does.
-            }
-        }
+        let Some(cmd) = self.resumed_for(cmd).await else {
+            return;
+        };
         match cmd {
             Command::Execute(req) => {
                 self.session.touch();
@@ -314,69 +307,6 @@ impl Actor {
             }
             Command::Shutdown { .. } | Command::Detach { .. } => {}
         }
-    }
-
-    /// Answers `cmd` with `e` without doing it.
-    fn refuse(&mut self, cmd: Command, e: SessionError) {
-        match cmd {
-            Command::Execute(req) => {
-                self.session.pending_dec();
-                let _ = req.done.send(failed(
-                    ExecutionStatus::Error,
-                    "SessionPaused",
-                    format!("the session is paused and could not be resumed: {e}"),
-                ));
-            }
-            Command::Interrupt(done) | Command::Restart(done) | Command::Rewind { done, .. } => {
-                let _ = done.send(Err(e));
-            }
-            Command::Fork { done, .. } => {
-                let _ = done.send(Err(e));
-            }
-            Command::Checkpoint { done } => {
-                let _ = done.send(Err(e));
-            }
-            other => {
-                tracing::debug!(session = %self.session.id, error = %e, command = other.name(), "not resumed");
-            }
-        }
-    }
-
-    /// Prepares a fork of the live kernel for `spec` and sends it the fork request, if it
-    /// is idle (nothing running or queued: the fork copies the state between executions).
-    /// Prepared here, for the kernel asked: a checkpoint swaps the live kernel, and a fork
-    /// prepared for the one before would look for the child under the wrong parent. The
-    /// request is not recorded: it holds the new kernel's key. Its reply is, as every
-    /// message of the kernel.
-    async fn fork(
-        &mut self,
-        spec: crate::sandbox::LaunchSpec,
-        route: ReplyRoute,
-    ) -> Result<(crate::sandbox::fork::PreparedFork, u64), SessionError> {
-        let session = self.session.id;
-        let Some(k) = &self.kernel else {
-            return Err(SessionError::KernelNotRunning);
-        };
-        if self.running.is_some() || !self.queue.is_empty() {
-            return Err(SessionError::ForkBusy { session });
-        }
-        let prepared = self
-            .sandbox
-            .prepare_fork(&*k.process, spec)
-            .await
-            .map_err(|e| super::forking::fork_error(session, e))?;
-        let m = k.client.request("kb_fork_request", &prepared.request);
-        self.routes.insert(m.msg_id.clone(), route);
-        if let Err(e) = k.client.send(Channel::Shell, &m).await {
-            self.routes.remove(&m.msg_id);
-            self.sandbox.discard_fork(prepared).await;
-            return Err(SessionError::ForkFailed {
-                session,
-                why: "the request could not be sent to the kernel".into(),
-                source: Some(Box::new(e)),
-            });
-        }
-        Ok((prepared, self.session.status().execution_count))
     }
 
     async fn interrupt(&mut self) -> Result<(), SessionError> {

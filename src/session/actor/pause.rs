@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use super::Actor;
 use crate::kernel::KernelEvent;
+use crate::session::command::Command;
 use crate::session::error::SessionError;
+use crate::session::execution::{failed, ExecutionStatus};
 use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
 use crate::session::launch::connect_kernel;
 use crate::session::lifecycle::LifecycleEvent;
@@ -187,8 +189,51 @@ impl Actor {
     }
 
     /// Whether the session is paused.
-    pub(super) fn is_paused(&self) -> bool {
+    fn is_paused(&self) -> bool {
         self.paused.is_some()
+    }
+
+    /// `cmd`, to be done: any use of a paused session's kernel resumes it first. `None`
+    /// when it could not be resumed and stays paused (no memory left): `cmd` is answered
+    /// with that error. A session that died resuming gets `cmd` back, answered as a dead
+    /// session answers.
+    pub(super) async fn resumed_for(&mut self, cmd: Command) -> Option<Command> {
+        if !self.is_paused() || !cmd.uses_kernel() {
+            return Some(cmd);
+        }
+        match self.resume().await {
+            Err(e) if self.is_paused() => {
+                self.refuse(cmd, e);
+                None
+            }
+            _ => Some(cmd),
+        }
+    }
+
+    /// Answers `cmd` with `e` without doing it.
+    fn refuse(&mut self, cmd: Command, e: SessionError) {
+        match cmd {
+            Command::Execute(req) => {
+                self.session.pending_dec();
+                let _ = req.done.send(failed(
+                    ExecutionStatus::Error,
+                    "SessionPaused",
+                    format!("the session is paused and could not be resumed: {e}"),
+                ));
+            }
+            Command::Interrupt(done) | Command::Restart(done) | Command::Rewind { done, .. } => {
+                let _ = done.send(Err(e));
+            }
+            Command::Fork { done, .. } => {
+                let _ = done.send(Err(e));
+            }
+            Command::Checkpoint { done } => {
+                let _ = done.send(Err(e));
+            }
+            other => {
+                tracing::debug!(session = %self.session.id, error = %e, command = other.name(), "not resumed");
+            }
+        }
     }
 }
 
