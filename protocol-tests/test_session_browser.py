@@ -16,7 +16,7 @@ import pytest
 import requests
 from selenium.webdriver.common.by import By
 
-from conftest import ALICE, BOB, wait_for
+from conftest import ALICE, BOB, needs_criu, wait_for
 from test_ui import browser, execute, wait  # noqa: F401 (browser is a fixture)
 
 HOSTILE = '<img src=x onerror="window.__pwned=1">'
@@ -871,3 +871,34 @@ def test_the_layout_holds_at_common_widths(broker, browser, tmp_path, size):
     no_overlaps(browser, browser.find_elements(By.CSS_SELECTOR, "#search .filters > *, #search .date"), "filters")
     assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways"
     shoot(browser, tmp_path, f"layout-{w}x{h}")
+
+
+@needs_criu
+def test_pause_and_resume_from_the_page(broker, browser, tmp_path):
+    """Issue 37 in the session browser: a running session offers Pause; paused, it is shown
+    `paused` with a Resume button and the pause in its timeline; Resume brings its variables
+    back."""
+    r = broker.api("POST", "/v1/sessions", json={"workspace": "own"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        execute(broker, sid, "kept = 42")
+        open_page(browser, broker, sid=sid)
+        wait(browser, lambda d: d.find_element(By.ID, "action-pause").is_displayed(), what="Pause")
+        assert not browser.find_element(By.ID, "action-resume").is_displayed()
+        browser.find_element(By.ID, "action-pause").click()
+        wait(browser, lambda d: "paused to disk" in d.find_element(By.ID, "status").text, timeout=60, what="paused")
+        assert broker.api("GET", f"/v1/sessions/{sid}").json()["state"] == "paused"
+        wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".session-head .state").text == "paused",
+             timeout=15, what="the paused state")
+        wait(browser, lambda d: d.find_element(By.ID, "action-resume").is_displayed(), what="Resume")
+        assert not browser.find_element(By.ID, "action-pause").is_displayed()
+        wait(browser, lambda d: marker(d, "session_paused"), timeout=15, what="the pause in the timeline")
+        shoot(browser, tmp_path, "paused")
+        browser.find_element(By.ID, "action-resume").click()
+        wait(browser, lambda d: "resumed" in d.find_element(By.ID, "status").text, timeout=60, what="resumed")
+        wait(browser, lambda d: d.find_element(By.ID, "action-pause").is_displayed(), timeout=15, what="Pause again")
+        assert execute(broker, sid, "kept")["results"][0]["data"]["text/plain"] == "42"
+        wait(browser, lambda d: marker(d, "session_resumed"), timeout=15, what="the resume in the timeline")
+    finally:
+        broker.api("DELETE", f"/v1/sessions/{sid}")

@@ -321,6 +321,10 @@
     current.memEl.title = s && s.dead_reason ? s.dead_reason : '';
     // Actions only on a live session: one the broker still holds, whose recording has not ended.
     current.actions.hidden = !s || m.ended;
+    // A paused session is resumed (any use would); a running one may be paused.
+    const paused = state === 'paused';
+    current.pauseBtn.hidden = paused;
+    current.resumeBtn.hidden = !paused;
   }
 
   function move(delta) {
@@ -443,7 +447,7 @@
     }
   }
 
-  // Interrupt, Restart and Delete: the REST API with the page's token. The buttons wait for
+  // Interrupt, Pause, Resume, Restart and Delete: the REST API with the page's token. The buttons wait for
   // the answer (disabled meanwhile); a failure is shown, never swallowed.
   async function act(what) {
     const session = current;
@@ -456,6 +460,8 @@
     if (ask && !window.confirm(ask)) return;
     const req = {
       interrupt: ['v1/sessions/' + id + '/interrupt', 'POST', 'interrupt sent to session ' + short],
+      pause: ['v1/sessions/' + id + '/pause', 'POST', 'session ' + short + ' paused to disk'],
+      resume: ['v1/sessions/' + id + '/resume', 'POST', 'session ' + short + ' resumed'],
       restart: ['v1/sessions/' + id + '/restart', 'POST', 'session ' + short + ' restarted'],
       delete: ['v1/sessions/' + id, 'DELETE', 'session ' + short + ' deleted'],
     }[what];
@@ -557,8 +563,11 @@
       placeholder: 'JupyterLab URL with ?token=', title: 'The URL `jupyter lab` printed, with its token',
     });
     session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook ↗', title: 'The notebook in JupyterLab' });
+    session.pauseBtn = el('button', { type: 'button', id: 'action-pause', title: 'Pause the session to disk: its kernel ends, its state is kept and comes back on its next use', onclick: () => act('pause'), text: 'Pause' });
+    session.resumeBtn = el('button', { type: 'button', id: 'action-resume', title: 'Bring the paused kernel back with its state', onclick: () => act('resume'), text: 'Resume', hidden: true });
     session.actions = el('div', { class: 'actions', hidden: true },
       el('button', { type: 'button', id: 'action-interrupt', title: 'Interrupt the running execution', onclick: () => act('interrupt'), text: 'Interrupt' }),
+      session.pauseBtn, session.resumeBtn,
       el('button', { type: 'button', id: 'action-restart', title: 'Restart the kernel (its state is lost)', onclick: () => act('restart'), text: 'Restart' }),
       el('button', { type: 'button', id: 'action-delete', class: 'danger', title: 'End the session', onclick: () => act('delete'), text: 'Delete' }));
     detail.dataset.loaded = 'false';

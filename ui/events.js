@@ -53,6 +53,9 @@ KB.events = (function () {
       case 'execution_timeout': return { what: 'execution timed out', detail: [d.timeout_seconds ? 'limit ' + d.timeout_seconds + ' s' : ''], tone: 'warn' };
       case 'kernel_restarted': return { what: 'kernel restarted', detail: [str(d.reason)], tone: 'warn' };
       case 'kernel_died': return { what: 'kernel died', detail: [str(d.reason)], tone: 'bad' };
+      case 'session_paused':
+        return { what: 'paused to disk', detail: ['after execution ' + str(d.execution_count), d.image_bytes !== undefined ? bytes(d.image_bytes) + ' on disk' : ''], tone: 'info' };
+      case 'session_resumed': return { what: 'resumed', detail: ['at execution ' + str(d.execution_count)], tone: 'info' };
       case 'session_detached':
         return { what: 'detached', detail: [(by(d.by) || 'a client') + ' let go of the session; it goes on'], tone: 'info' };
       case 'session_closed': return { what: 'session closed' + (d.by ? ' by ' + by(d.by) : ''), detail: [], tone: 'quiet' };
