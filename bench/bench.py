@@ -492,7 +492,7 @@ class Broker:
     label = "kernel-broker"
 
     def __init__(self, binary, sandbox="local", pool_size=1, tag="", extra_args=(), data_dir=None,
-                 memory_limit=16 << 30):
+                 memory_limit=16 << 30, max_sessions=200):
         self.sandbox = sandbox
         self.tmp = tempfile.mkdtemp(prefix=f"kb-bench-{sandbox}{tag}-")
         on_exit(lambda: shutil.rmtree(self.tmp, ignore_errors=True))
@@ -507,8 +507,8 @@ class Broker:
                 "--sandbox", sandbox, "--pool-size", str(pool_size),
                 # one user's limits cover all its kernels: room for 100 sessions over 4 users
                 "--memory-limit", str(memory_limit), "--pids-limit", "8192", "--cpu-limit", "2",
-                "--max-sessions-per-user", "200", *extra_args]
-        env = dict(os.environ, KERNEL_BROKER_LOG="warn,kernel_broker::server=info")
+                "--max-sessions-per-user", str(max_sessions), *extra_args]
+        env = dict(os.environ, KERNEL_BROKER_LOG=os.environ.get("KB_BENCH_LOG", "warn,kernel_broker::server=info"))
         env.pop("KERNEL_BROKER_TOKEN", None)
         self.log = collections.deque(maxlen=200)
         ready = threading.Event()

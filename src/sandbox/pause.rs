@@ -28,6 +28,9 @@ pub struct PausedImage {
     pub(crate) pid: i64,
     /// The own workspace its files are in (`None`: the user's shared one).
     pub(crate) own_workspace: Option<Uuid>,
+    /// The kernel id it was paused under, which its resume takes again (the Docker
+    /// sandbox's held child reads its connection file in that id's session directory).
+    pub kernel_id: Uuid,
     /// What the images take on disk, in bytes.
     pub bytes: u64,
     /// How long the dump took.

@@ -64,6 +64,8 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/check.rs", 1, "remove_dir_logged of the check's runtime directory"),
     ("src/sandbox/local/command.rs", 1, "remove_dir_logged of a command's runtime directory"),
     ("src/sandbox/local/files.rs", 4, "rmdir of cgroup leaves; remove_dir_all of runtime directories in the broker's runtime base (last component not followed)"),
+    ("src/sandbox/docker/pause.rs", 2, "remove_dir_logged of a resume's session directory, made by descriptor in its container's 0711 runtime directory (the broker's; /run/kernel in the container, which kernels cannot write), and of a paused kernel's image directory in the broker's 0700 <data_dir>/paused-docker"),
+    ("src/sandbox/docker/mod.rs", 1, "remove_dir_logged of a pause given up: its image directory in the broker's 0700 <data_dir>/paused-docker"),
     ("src/sandbox/docker/copy.rs", 4, "remove_dir_logged of a copy's session directory, made by descriptor in its container's 0711 runtime directory (the broker's; /run/kernel in the container, which kernels cannot write), and of a copy's image directory in the broker's 0700 <data_dir>/copies-docker; cgroup.procs of the copy's leaf (cgroupfs)"),
     ("src/sandbox/criu/mod.rs", 1, "remove_dir_all of the broker's 0700 copies' directory at start-up (no kernel reaches it; std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),
     ("src/sandbox/local/copy.rs", 2, "remove_dir_logged of a copy's directory in the broker's 0700 <data_dir>/copies (no kernel reaches it; CRIU, as the kernel's uid, wrote in it through a descriptor: std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),

@@ -297,7 +297,7 @@ impl Inner {
 
     /// Restores the images into container `init`'s namespaces, in `leaf`, and wakes the
     /// kernel; returns its host pid and the pidfd it was woken through.
-    async fn restore_in(
+    pub(super) async fn restore_in(
         &self,
         tools: &CopyTools,
         programs: &Programs,
@@ -332,7 +332,7 @@ impl Inner {
 
     /// The restored kernel, registered and watched as a fork is (`fork.rs`); if it cannot
     /// be, its leaf goes, and the kernel with it.
-    async fn adopt_restored(
+    pub(super) async fn adopt_restored(
         self: &Arc<Self>,
         spec: &LaunchSpec,
         dir: &Path,
@@ -400,7 +400,7 @@ impl Inner {
     }
 
     /// The running own container `key`, if this broker has it.
-    async fn own_container(&self, key: uuid::Uuid) -> Option<Arc<ContainerInfo>> {
+    pub(super) async fn own_container(&self, key: uuid::Uuid) -> Option<Arc<ContainerInfo>> {
         let slot = self.slot(&super::own::own_slot(key));
         let guard = slot.container.lock().await;
         guard.clone()

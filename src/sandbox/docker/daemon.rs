@@ -111,10 +111,12 @@ impl Inner {
                     sweep,
                 )
                 .await?;
-                // Copies are never kept: their images hold a kernel's memory.
-                let copies = self.copies_dir();
+                // Copies and paused kernels are never kept: their images hold a kernel's
+                // memory.
+                let (copies, paused) = (self.copies_dir(), self.paused_dir());
                 let _ = tokio::task::spawn_blocking(move || {
-                    crate::sandbox::criu::sweep_copies(&copies)
+                    crate::sandbox::criu::sweep_copies(&copies);
+                    crate::sandbox::criu::sweep_copies(&paused);
                 })
                 .await;
                 if keep {

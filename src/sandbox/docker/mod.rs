@@ -84,6 +84,7 @@ mod launch;
 mod limits;
 mod own;
 mod parent;
+mod pause;
 mod place;
 mod reaper;
 mod restore;
@@ -414,10 +415,37 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {
+        if prepared.pause {
+            return super::fsutil::remove_dir_logged(prepared.dir).await;
+        }
         if prepared.origin.own_workspace.is_some() {
             return self.inner.discard_copy(prepared).await;
         }
         self.inner.discard_kernel_fork(prepared).await;
+    }
+
+    async fn prepare_pause(
+        &self,
+        kernel: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.inner.prepare_pause(kernel, spec).await
+    }
+
+    async fn dump_paused(
+        &self,
+        prepared: super::fork::PreparedFork,
+        pid: i64,
+    ) -> Result<super::pause::PausedImage, super::fork::ForkError> {
+        self.inner.dump_paused(prepared, pid).await
+    }
+
+    async fn resume_paused(
+        &self,
+        image: &super::pause::PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.inner.resume_kernel(image, spec).await
     }
 }
 

@@ -107,11 +107,19 @@ impl LocalSandbox {
         // The images are made (or not): what they take is on the file system now.
         drop(room);
         let listed = match dumped {
-            Ok((images, dump_time)) => tokio::task::spawn_blocking(move || inventory(&images))
-                .await
-                .map_err(|e| copy_failed(format!("the images' task failed: {e}")))
-                .and_then(|r| r.map_err(|e| copy_failed(format!("its images cannot be read: {e}"))))
-                .map(|files| (files, dump_time)),
+            Ok((images, dump_time)) => tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                let listed = inventory(&images);
+                tracing::debug!(
+                    ms = started.elapsed().as_millis() as u64,
+                    "paused images listed"
+                );
+                listed
+            })
+            .await
+            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))
+            .and_then(|r| r.map_err(|e| copy_failed(format!("its images cannot be read: {e}"))))
+            .map(|files| (files, dump_time)),
             Err(e) => Err(e),
         };
         match listed {
@@ -119,6 +127,7 @@ impl LocalSandbox {
                 dir,
                 pid,
                 own_workspace: spec.own_workspace,
+                kernel_id: spec.session_id,
                 bytes: files.iter().map(|f| f.len).sum(),
                 dump_time,
                 files,
@@ -146,10 +155,18 @@ impl LocalSandbox {
             images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
             image.files.clone(),
         );
-        tokio::task::spawn_blocking(move || check_inventory(&checked, &files))
-            .await
-            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-            .map_err(|e| copy_failed(e.to_string()))?;
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let checked = check_inventory(&checked, &files);
+            tracing::debug!(
+                ms = started.elapsed().as_millis() as u64,
+                "paused images checked"
+            );
+            checked
+        })
+        .await
+        .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+        .map_err(|e| copy_failed(e.to_string()))?;
         self.restore_images(spec, &images, image.pid, image.dump_time)
             .await
     }

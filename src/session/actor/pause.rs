@@ -137,7 +137,8 @@ impl Actor {
             }
         };
         self.session.set_state(SessionState::Starting);
-        let spec = self.child_spec();
+        let mut spec = self.child_spec();
+        spec.session_id = image.kernel_id;
         let (key, user) = (spec.key.clone(), spec.user.name.clone());
         let limit = self.sandbox.launch_timeout();
         let live = match self.sandbox.resume_paused(&image, spec).await {

@@ -1,0 +1,268 @@
+//! Pausing a kernel to disk and resuming it on the Docker sandbox (issue 37; the exchange is
+//! `sandbox/pause.rs`): the two halves of a copy (`copy.rs`) apart in time, for a session
+//! with a container of its own. The images go in `<data_dir>/paused-docker/<kernel id>`
+//! (root's, beneath a root-only directory), made by CRIU as the kernel's uid inside the
+//! container's namespaces and sealed. The container stays while the session is paused (its
+//! `/tmp` is a tmpfs inside it, and what the kernel had open there must be found again);
+//! only the kernel ends. A resume writes the kernel's session directory and connection file
+//! in the container's runtime directory, restores the images into the container in a
+//! cgroup leaf with the session's limits (CRIU as the kernel's uid, in a pid namespace of
+//! its own: `restore.rs`), and wakes the kernel, as a copy's restore does.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::exec::{connection_file, endpoints_for, SessionFiles};
+use super::running::init_pid;
+use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE};
+use crate::sandbox::cgroup::ContainerCgroup;
+use crate::sandbox::criu::{copy_failed, dump_and_seal};
+use crate::sandbox::fork::{find_fork, ForkError, PreparedFork};
+use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::pause::{check_inventory, inventory, PausedImage};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
+
+impl Inner {
+    /// `<data_dir>/paused-docker`: root's, 0700; each paused kernel's images in it.
+    pub(super) fn paused_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("paused-docker")
+    }
+
+    pub(super) async fn prepare_pause(
+        self: &Arc<Self>,
+        kernel: &dyn KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<PreparedFork, ForkError> {
+        let refused = |why: &str| ForkError::Unsupported(why.to_string());
+        if !self.privileged {
+            return Err(refused(
+                "pausing a kernel to disk is a dump made with CRIU, which the broker does only \
+                 as root",
+            ));
+        }
+        if self.cfg.keep_kernels {
+            return Err(refused(
+                "a paused kernel is not kept across the broker's restarts yet, and \
+                 --keep-sessions keeps every kernel",
+            ));
+        }
+        self.copy_tools().await?;
+        let origin = kernel.fork_origin().ok_or_else(|| {
+            refused("its kernel cannot be paused (it ended, or it was not started by this broker as root)")
+        })?;
+        let Some(own) = origin.own_workspace else {
+            return Err(refused(
+                "pausing a session that shares its user's container is not built yet; a \
+                 session made with \"workspace\": \"own\" can be paused",
+            ));
+        };
+        if spec.own_workspace != Some(own) || origin.uid != Some(KERNEL_UID) {
+            return Err(refused(
+                "a paused kernel resumes in its own container, as the image's kernel uid",
+            ));
+        }
+        origin
+            .kernel
+            .and_then(|k| self.kernels.get(&k))
+            .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
+            .ok_or_else(|| refused("its kernel has ended"))?;
+        let room = crate::sandbox::criu::reserve_room(
+            &self.copy_room,
+            &self.cfg.data_dir,
+            origin.host_pid,
+            self.cfg.copy_reserve_bytes,
+        )
+        .await?;
+        let images = self.paused_dir().join(spec.session_id.to_string());
+        let (paused, made) = (self.paused_dir(), images.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), ForkError> {
+            fsutil::create_private_dir(&paused, Some(0o700))?;
+            let parent = fsutil::open_tree_root(&paused).map_err(fsutil::io_err(
+                "cannot open the paused kernels' directory",
+                &paused,
+            ))?;
+            let name = made.file_name().map(PathBuf::from).unwrap_or_default();
+            // CRIU writes the images as the kernel's uid; sealed root's once it has.
+            fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some((KERNEL_UID, KERNEL_GID)))
+                .map_err(fsutil::io_err(
+                    "cannot create the paused kernel's directory",
+                    &made,
+                ))?;
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))?;
+        // The kernel id stays the session directory's name at the resume (`resume_paused`).
+        let dir_name = keep::session_dir(spec.session_id);
+        let host_dir = self
+            .user_run_dir(&super::own::own_slot(own))
+            .join(&dir_name);
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
+        let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
+        Ok(PreparedFork::paused(
+            origin,
+            spec,
+            images,
+            &connection,
+            endpoints,
+            room,
+        ))
+    }
+
+    pub(super) async fn dump_paused(
+        self: &Arc<Self>,
+        prepared: PreparedFork,
+        pid: i64,
+    ) -> Result<PausedImage, ForkError> {
+        let PreparedFork {
+            origin,
+            spec,
+            dir,
+            room,
+            ..
+        } = prepared;
+        let dumped = async {
+            let tools = self.copy_tools().await?;
+            let (host, held) =
+                find_fork(&origin, pid).map_err(|why| ForkError::NotItsChild { pid, why })?;
+            let images = fsutil::open_tree_root(&dir).map_err(|e| {
+                copy_failed(format!("cannot open the paused kernel's directory: {e}"))
+            })?;
+            let programs = tools
+                .programs()
+                .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
+            let ids = (KERNEL_UID, KERNEL_GID);
+            let took = dump_and_seal(
+                &tools.criu,
+                &programs,
+                (host, held, pid),
+                ids,
+                Some(ids.1),
+                &images,
+            )
+            .await?;
+            let files = tokio::task::spawn_blocking(move || inventory(&images))
+                .await
+                .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+                .map_err(|e| copy_failed(format!("its images cannot be read: {e}")))?;
+            Ok::<_, ForkError>((files, took))
+        }
+        .await;
+        drop(room);
+        match dumped {
+            Ok((files, dump_time)) => Ok(PausedImage {
+                dir,
+                pid,
+                own_workspace: spec.own_workspace,
+                kernel_id: spec.session_id,
+                bytes: files.iter().map(|f| f.len).sum(),
+                dump_time,
+                files,
+            }),
+            Err(e) => {
+                remove_dir_logged(dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) async fn resume_kernel(
+        self: &Arc<Self>,
+        image: &PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, ForkError> {
+        let key = match (spec.own_workspace, image.own_workspace) {
+            (Some(a), Some(b)) if a == b && spec.session_id == image.kernel_id => a,
+            _ => {
+                return Err(ForkError::Unsupported(
+                    "a paused kernel resumes as itself, in its own container".into(),
+                ))
+            }
+        };
+        let images = fsutil::open_tree_root(&image.dir)
+            .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
+        let (checked, files) = (
+            images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
+            image.files.clone(),
+        );
+        tokio::task::spawn_blocking(move || check_inventory(&checked, &files))
+            .await
+            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+            .map_err(|e| copy_failed(e.to_string()))?;
+        let container = self
+            .own_container(key)
+            .await
+            .ok_or_else(|| copy_failed("the session's container is gone"))?;
+        let docker = self.client().await?;
+        let init = init_pid(&docker, &container)
+            .await
+            .ok_or_else(|| copy_failed("the session's container does not run"))?;
+        // The session directory and connection file the held child reads once woken.
+        let dir_name = keep::session_dir(spec.session_id);
+        let host_dir = self
+            .user_run_dir(&super::own::own_slot(key))
+            .join(&dir_name);
+        let files = SessionFiles {
+            dir: host_dir.clone(),
+            privileged: self.privileged,
+            connection: Some(connection_file(&spec, &dir_name)),
+        };
+        let user = spec.user.clone();
+        tokio::task::spawn_blocking(move || files.write())
+            .await
+            .map_err(|e| launch_step(&user, "preparing the resume's files", e))??;
+        let resumed = self
+            .restore_paused(&spec, &host_dir, container, init, &images, image)
+            .await;
+        if resumed.is_err() {
+            remove_dir_logged(host_dir).await;
+        }
+        resumed
+    }
+
+    async fn restore_paused(
+        self: &Arc<Self>,
+        spec: &LaunchSpec,
+        host_dir: &std::path::Path,
+        container: Arc<super::running::ContainerInfo>,
+        init: i32,
+        images: &std::os::fd::OwnedFd,
+        image: &PausedImage,
+    ) -> Result<Launched, ForkError> {
+        let tools = self.copy_tools().await?;
+        let programs = tools
+            .programs()
+            .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
+        let (cgroup, leaf) = {
+            let (limits, name) = (spec.limits, spec.session_id.to_string());
+            tokio::task::spawn_blocking(move || -> Result<_, ForkError> {
+                let cgroup = ContainerCgroup::of_process(init)
+                    .map_err(|e| copy_failed(format!("no cgroup for the resume: {e}")))?;
+                let leaf = cgroup.create_leaf(&name, &limits)?;
+                Ok((cgroup, leaf))
+            })
+            .await
+            .map_err(|e| copy_failed(format!("the leaf task failed: {e}")))??
+        };
+        let started = std::time::Instant::now();
+        let woken = match self
+            .restore_in(&tools, &programs, init, &leaf, images, image.pid)
+            .await
+        {
+            Ok(woken) => woken,
+            Err(e) => {
+                ContainerCgroup::remove_leaf(&leaf).await;
+                return Err(e);
+            }
+        };
+        let host_pid = woken.0;
+        let launched = self
+            .adopt_restored(spec, host_dir, container, woken, cgroup, leaf)
+            .await;
+        if launched.is_ok() {
+            tracing::info!(session = %spec.session_id, pid = host_pid, dump_ms = image.dump_time.as_millis() as u64, restore_ms = started.elapsed().as_millis() as u64, "kernel resumed in its container");
+        }
+        launched
+    }
+}
