@@ -18,6 +18,7 @@ on_one_backend!(
 
 crate::on_both_backends!(
     a_paused_session_comes_back_with_its_state_on_any_use,
+    a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on,
     a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
     another_users_session_cannot_be_paused_or_resumed,
 );
@@ -325,6 +326,24 @@ async fn another_users_session_cannot_be_paused_or_resumed(sandbox: &'static str
         assert_eq!(status, 404, "{bad}");
     }
     assert_eq!(out(&alice, &a, "print(secret)").await, "1");
+
+    // Paused images are beyond every kernel's reach: with an own session of alice's paused,
+    // a kernel of bob's and another of alice's search all they can see for CRIU's images.
+    if criu_ready() {
+        let paused = own(&alice).await;
+        out(&alice, &paused, "hidden = 'in the image'").await;
+        assert_eq!(pause(&alice, &paused).await.0, 200);
+        let (_, v) = bob.post("/v1/sessions", json!({})).await;
+        let b = v["id"].as_str().unwrap().to_string();
+        let search = "import os\nfound = []\n\
+                      for root, dirs, files in os.walk('/', onerror=lambda e: None):\n\
+                      \x20   dirs[:] = [d for d in dirs if not (root == '/' and d in ('proc', 'sys', 'dev'))]\n\
+                      \x20   found += [os.path.join(root, f) for f in files if f in ('inventory.img', 'pstree.img') or (f.startswith(('pages-', 'core-')) and f.endswith('.img'))]\n\
+                      print(len(found), found[:3])";
+        assert_eq!(out(&bob, &b, search).await, "0 []");
+        assert_eq!(out(&alice, &a, search).await, "0 []");
+        assert_eq!(out(&alice, &paused, "print(hidden)").await, "in the image");
+    }
     broker.stop().await;
 }
 
@@ -385,4 +404,28 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     false
+}
+
+async fn a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on(
+    sandbox: &'static str,
+) {
+    if !criu_ready() {
+        return;
+    }
+    // More than any file system here has free: as a full disk, every pause is refused.
+    let broker = Broker::start(sandbox, |a| a.copy_reserve_bytes = Some(1 << 62)).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "block = bytearray(64 << 20)\nx = 1").await;
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(status, 507, "{v}");
+    assert_eq!(v["error"]["code"], "insufficient_storage", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("was not paused"), "{message}");
+    assert!(message.contains("--copy-reserve-bytes"), "{message}");
+    // Nothing made, nothing lost: the session runs on with its state.
+    assert!(paused_images(&broker.data_dir).is_empty());
+    assert_eq!(state_of(&api, &a).await["state"], "idle");
+    assert_eq!(out(&api, &a, "print(x, len(block))").await, "1 67108864");
+    broker.stop().await;
 }
