@@ -160,6 +160,10 @@ pub async fn serve(
         // The recordings of kept sessions stay open, to be continued.
         recording.kept_sessions = kept_session_ids(dir);
     }
+    if let (Some(dir), Some(recording)) = (&settings.session.paused_dir, &mut settings.recording) {
+        // So do paused sessions' (issue 37).
+        recording.kept_sessions.extend(kept_session_ids(dir));
+    }
     let recording = open_recording(&settings)?;
     let metrics = Arc::new(api::metrics::Metrics::new(settings.sandbox_name()));
     // The session layer reports to the recording (when on) and to the metrics.
@@ -179,18 +183,20 @@ pub async fn serve(
         // The proxy's reports reach the recording through the session layer, as the rest.
         egress.observe(Arc::new(registry.clone()));
     }
+    let users: Vec<_> = settings
+        .users
+        .iter()
+        .map(|u| crate::sandbox::SandboxUser {
+            name: u.name.clone(),
+            index: u.index,
+            limits: u.limits.clone(),
+        })
+        .collect();
     if settings.keep_sessions {
-        let users: Vec<_> = settings
-            .users
-            .iter()
-            .map(|u| crate::sandbox::SandboxUser {
-                name: u.name.clone(),
-                index: u.index,
-                limits: u.limits.clone(),
-            })
-            .collect();
         registry.adopt_kept(&users).await;
     }
+    // Paused sessions outlive the broker, with or without --keep-sessions (issue 37).
+    registry.adopt_paused(&users).await;
     let cluster = match &settings.cluster {
         Some(c) => {
             let cluster = crate::cluster::Cluster::join(c.clone()).await?;

@@ -403,6 +403,7 @@ impl Settings {
         let keep_sessions = pick!(keep_sessions, false);
         let mut session = session_config(&args, &file)?;
         session.keep_dir = keep_sessions.then(|| data_dir.join("sessions"));
+        session.paused_dir = Some(data_dir.join("paused-sessions"));
         let mut local = local_config(&args, &file, &data_dir, &kernels_dir);
         local.keep_kernels = keep_sessions;
         let mut docker = docker_config(&args, &file, &data_dir);

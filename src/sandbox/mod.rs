@@ -401,6 +401,16 @@ pub trait Sandbox: Send + Sync {
             self.name()
         )))
     }
+    /// Whether paused kernels outlive the broker here (their images are kept at a stop and
+    /// found again by [`Sandbox::paused_images`]).
+    fn keeps_paused(&self) -> bool {
+        false
+    }
+    /// The paused kernels an earlier run left with their records (each once: the first call
+    /// takes them); whoever takes one resumes or discards it.
+    async fn paused_images(&self) -> Vec<pause::PausedImage> {
+        Vec::new()
+    }
     /// Removes a paused kernel's images.
     async fn discard_paused(&self, image: pause::PausedImage) {
         fsutil::remove_dir_logged(image.dir).await;

@@ -19,8 +19,9 @@ use std::path::PathBuf;
 use rustix::fs::{Mode, OFlags};
 use uuid::Uuid;
 
-/// A kernel paused to disk: where its images are and what they hold.
-#[derive(Debug)]
+/// A kernel paused to disk: where its images are and what they hold. Kept beside the
+/// images as [`RECORD_NAME`] (the local sandbox), so a paused session outlives the broker.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct PausedImage {
     /// The images' directory on the host (root's, beneath a root-only directory).
     pub(crate) dir: PathBuf,
@@ -34,6 +35,7 @@ pub struct PausedImage {
     /// What the images take on disk, in bytes.
     pub bytes: u64,
     /// How long the dump took.
+    #[serde(with = "millis")]
     pub dump_time: std::time::Duration,
     /// Each image file as it was sealed: checked before a restore, so a damaged image is
     /// refused with a clear error (CRIU restoring a truncated one was measured to spin in
@@ -42,7 +44,7 @@ pub struct PausedImage {
 }
 
 /// One image file of a paused kernel, as sealed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct ImageFile {
     pub name: String,
     pub len: u64,
@@ -55,7 +57,7 @@ pub(crate) fn inventory(dir: &OwnedFd) -> io::Result<Vec<ImageFile>> {
     let mut entries = rustix::fs::Dir::read_from(dir)?;
     while let Some(entry) = entries.read() {
         let name = entry?.file_name().to_string_lossy().into_owned();
-        if name != "." && name != ".." {
+        if name != "." && name != ".." && name != RECORD_NAME {
             names.push(name);
         }
     }
@@ -123,6 +125,66 @@ pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(),
         "its images are not as they were written (changed, missing or added: {})",
         changed.join(", ")
     )))
+}
+
+/// The broker's record of a paused kernel, in its images' directory (not an image: left out
+/// of the inventory).
+pub(crate) const RECORD_NAME: &str = "broker.json";
+
+/// Writes `image`'s record into its sealed images' directory `dir` (root's), by descriptor.
+/// Blocking.
+pub(crate) fn write_record(dir: &OwnedFd, image: &PausedImage) -> io::Result<()> {
+    use std::io::Write;
+    let text = serde_json::to_vec(image).map_err(io::Error::other)?;
+    let fd = rustix::fs::openat(
+        dir,
+        RECORD_NAME,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(&text)?;
+    file.sync_all()?;
+    rustix::fs::fsync(dir)?;
+    Ok(())
+}
+
+/// The record of the paused kernel whose images are in `dir` (a directory of the broker's
+/// whose parent only root can enter), if it has a good one for `name` (the directory's
+/// name, the kernel id). Blocking.
+pub(crate) fn read_record(dir: &std::path::Path, name: &str) -> Option<PausedImage> {
+    let fd = crate::sandbox::fsutil::open_tree_root(dir).ok()?;
+    let file = rustix::fs::openat(
+        &fd,
+        RECORD_NAME,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+        Mode::empty(),
+    )
+    .ok()?;
+    let mut text = Vec::new();
+    std::fs::File::from(file)
+        .take(1 << 20)
+        .read_to_end(&mut text)
+        .ok()?;
+    let mut image: PausedImage = serde_json::from_slice(&text).ok()?;
+    if image.kernel_id.to_string() != name {
+        return None;
+    }
+    image.dir = dir.to_path_buf();
+    Some(image)
+}
+
+mod millis {
+    use std::time::Duration;
+
+    pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let ms: u64 = serde::Deserialize::deserialize(d)?;
+        Ok(Duration::from_millis(ms))
+    }
 }
 
 #[cfg(test)]

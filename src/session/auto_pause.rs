@@ -92,3 +92,29 @@ impl Session {
         self.notify_registry.notify_one();
     }
 }
+
+/// A paused session's record, which lets it outlive the broker.
+impl Session {
+    /// Records the session as paused with the images of kernel `kernel` (the next run
+    /// resumes it from them); its record of a kept kernel goes (there is none to adopt).
+    pub(crate) async fn save_paused(&self, kernel: uuid::Uuid) {
+        if let Some(store) = &self.paused_records {
+            let mut record = self.record(true);
+            record.paused_kernel = Some(kernel);
+            store.save(record).await;
+        }
+        self.forget_record().await;
+    }
+
+    /// Removes the session's paused record: it runs again, or it is gone.
+    pub(crate) async fn forget_paused(&self) {
+        if let Some(store) = &self.paused_records {
+            store.remove(self.id).await;
+        }
+    }
+
+    /// Whether a paused session outlives the broker.
+    pub(crate) fn keeps_paused(&self) -> bool {
+        self.paused_records.is_some()
+    }
+}

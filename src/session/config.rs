@@ -24,6 +24,9 @@ pub struct SessionConfig {
     /// `--keep-sessions`: where each session's record is kept (`<data dir>/sessions`), so
     /// the next run adopts it; `None`: sessions end with the broker.
     pub keep_dir: Option<std::path::PathBuf>,
+    /// Where paused sessions' records are kept (`<data dir>/paused-sessions`), so that a
+    /// paused session outlives the broker (issue 37); `None`: paused state ends with it.
+    pub paused_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for SessionConfig {
@@ -42,6 +45,7 @@ impl Default for SessionConfig {
             tombstone_ttl: Duration::from_secs(86_400),
             pool: PoolConfig::default(),
             keep_dir: None,
+            paused_dir: None,
         }
     }
 }

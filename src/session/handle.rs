@@ -71,6 +71,9 @@ pub struct Session {
     pub(super) status: watch::Sender<SessionStatus>,
     /// The session's record (`--keep-sessions`).
     record_file: Option<RecordFile>,
+    /// Where its record goes while it is paused (`<data_dir>/paused-sessions`), so that a
+    /// paused session outlives the broker.
+    pub(super) paused_records: Option<Arc<KeptSessions>>,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<SessionEvent>,
     /// Bytes of iopub messages in the event ring and its receivers.
@@ -109,6 +112,8 @@ pub(super) struct HandleParts {
     pub restored: Option<Restored>,
     /// See [`Session::own_workspace`].
     pub own_workspace: Option<Uuid>,
+    /// Where its record goes while it is paused.
+    pub paused_records: Option<Arc<KeptSessions>>,
 }
 
 /// The state an adopted session resumes with.
@@ -154,6 +159,7 @@ impl Session {
                 execution_count,
             )),
             record_file: parts.kept.map(RecordFile::new),
+            paused_records: parts.paused_records,
             commands: parts.commands,
             events,
             event_budget: EventBudget::new(parts.event_budget),
@@ -295,6 +301,7 @@ impl Session {
             front_door: self.provenance.front_door,
             metadata: self.provenance.metadata.clone(),
             own_workspace: self.own_workspace,
+            paused_kernel: None,
         }
     }
 

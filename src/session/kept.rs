@@ -58,6 +58,10 @@ pub struct SessionRecord {
     /// The own workspace its kernels work in (records before there were any: none).
     #[serde(default)]
     pub own_workspace: Option<Uuid>,
+    /// Paused (issue 37): the kernel id of its images (`sandbox/pause.rs`), which the next
+    /// run resumes it from. Such records are kept in `<data_dir>/paused-sessions`.
+    #[serde(default)]
+    pub paused_kernel: Option<Uuid>,
 }
 
 /// The records' directory.
@@ -231,6 +235,7 @@ mod tests {
             front_door: FrontDoor::E2b,
             metadata: Metadata::default(),
             own_workspace: None,
+            paused_kernel: None,
         }
     }
 

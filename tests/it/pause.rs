@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 on_one_backend!(
+    a_paused_session_outlives_the_broker,
     idle_sessions_pause_by_themselves_and_paused_ones_expire,
     what_cannot_be_paused_is_refused_and_goes_on_running,
 );
@@ -157,7 +158,9 @@ async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static
         for f in std::fs::read_dir(&images[0]).unwrap().flatten() {
             let m = f.metadata().unwrap();
             assert!(m.is_file(), "{:?}", f.path());
-            assert_eq!((m.uid(), m.mode() & 0o777, m.nlink()), (0, 0o644, 1));
+            // The images root's and read-only; the broker's record of them root's alone.
+            let mode = if f.file_name() == "broker.json" { 0o600 } else { 0o644 };
+            assert_eq!((m.uid(), m.mode() & 0o777, m.nlink()), (0, mode, 1));
         }
     }
     // Pausing again answers as the pause did; the session is listed as paused.
@@ -428,4 +431,48 @@ async fn a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on(
     assert_eq!(state_of(&api, &a).await["state"], "idle");
     assert_eq!(out(&api, &a, "print(x, len(block))").await, "1 67108864");
     broker.stop().await;
+}
+
+/// Paused state outlives the broker (local sandbox): stopped (SIGTERM) or killed (SIGKILL)
+/// once the pause was answered, with and without `--keep-sessions`, the next run has the
+/// session paused under the same id, and its next use resumes it with its state.
+async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
+    use common::spawned::{SpawnedBroker, Stop};
+    if !criu_ready() || sandbox != "local" {
+        return;
+    }
+    for (args, how) in [
+        (vec![], Stop::Term),
+        (vec![], Stop::Kill),
+        (vec!["--keep-sessions"], Stop::Term),
+    ] {
+        let mut broker = SpawnedBroker::start(&args, None);
+        let api = broker.api(ALICE);
+        let a = own(&api).await;
+        out(&api, &a, "kept = [1, 2, 3]\nit = iter(kept); next(it)\nfh = open('/home/user/f.txt', 'w+'); fh.write('abc'); fh.seek(1)").await;
+        let (status, v) = pause(&api, &a).await;
+        assert_eq!(status, 200, "{v}");
+        let running = own(&api).await;
+        out(&api, &running, "y = 1").await;
+
+        broker.restart(how).await;
+        let api = broker.api(ALICE);
+        let s = state_of(&api, &a).await;
+        assert_eq!(s["state"], "paused", "{args:?}: {s}");
+        assert_eq!(s["execution_count"], 1, "{s}");
+        assert_eq!(paused_images(&broker.data_dir()).len(), 1);
+        // Its next use resumes it: the same variables, iterator and open file.
+        assert_eq!(
+            out(&api, &a, "print(kept, next(it), fh.read())").await,
+            "[1, 2, 3] 2 bc",
+            "{args:?}"
+        );
+        assert!(paused_images(&broker.data_dir()).is_empty());
+        // A session that was running: kept only with --keep-sessions (and not after a kill
+        // without it: its kernel died with the broker).
+        let (status, _) = api.get(&format!("/v1/sessions/{running}")).await;
+        assert_eq!(status == 200, !args.is_empty(), "{args:?}: {status}");
+        assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+        broker.halt(Stop::Term).await;
+    }
 }

@@ -143,6 +143,9 @@ pub struct LocalSandbox {
         OnceCell<Result<crate::sandbox::criu::CopyTools, crate::sandbox::criu::NoCopyTools>>,
     /// The room copies under way hold for their images (`criu/room.rs`).
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
+    /// Paused kernels an earlier run left, found at startup, until the session layer takes
+    /// them (`Sandbox::paused_images`).
+    paused_found: std::sync::Mutex<Vec<super::pause::PausedImage>>,
 }
 
 impl LocalSandbox {
@@ -247,6 +250,7 @@ impl LocalSandbox {
             templates: Arc::new(template::Templates::default()),
             copy_tools: OnceCell::new(),
             copy_room: Default::default(),
+            paused_found: Default::default(),
             cfg,
         })
     }
@@ -325,9 +329,13 @@ impl LocalSandbox {
                 )
                 .await?;
 
-                self.prepare_tools_and_sweep_own(&keep).await?;
+                // Paused kernels with their record stay, and so do their own workspaces.
+                let paused = self.keep_paused().await;
+                let mut spared = keep.clone();
+                spared.extend(paused.iter().filter_map(|p| p.own_workspace));
+                *crate::sync::lock(&self.paused_found) = paused;
+                self.prepare_tools_and_sweep_own(&spared).await?;
                 self.sweep_copies();
-                self.sweep_paused();
 
                 let cgroups = match &self.cgroups {
                     Ok(cgroups) => match cgroups.setup() {
@@ -498,6 +506,17 @@ impl Sandbox for LocalSandbox {
         spec: LaunchSpec,
     ) -> Result<Launched, super::fork::ForkError> {
         self.resume_kernel(image, spec).await
+    }
+
+    fn keeps_paused(&self) -> bool {
+        true
+    }
+
+    async fn paused_images(&self) -> Vec<super::pause::PausedImage> {
+        if let Err(e) = self.startup().await {
+            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels found");
+        }
+        std::mem::take(&mut *crate::sync::lock(&self.paused_found))
     }
 
     async fn run_command(

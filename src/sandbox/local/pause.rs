@@ -5,6 +5,10 @@
 //! else reads them, and restored by CRIU as the kernel's uid into a new sandbox over the
 //! session's own workspace, which stays where it is meanwhile.
 //!
+//! Each paused kernel's record (`sandbox/pause.rs`: its pid, own workspace, image files)
+//! is written beside its images once they are sealed; at startup the directories with one
+//! are kept for the session layer (`Sandbox::paused_images`) and the rest removed.
+//!
 //! Built for sessions with a workspace of their own: everything such a kernel's files can
 //! be is on disk (`/home/user` and `/tmp` are both its workspace's). A kernel sharing its
 //! user's workspace runs in its user's template sandbox, whose `/tmp` is memory that ends
@@ -18,7 +22,7 @@ use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
 use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::fsutil::{self, io_err};
-use crate::sandbox::pause::{check_inventory, inventory, PausedImage};
+use crate::sandbox::pause::{check_inventory, inventory, read_record, write_record, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 impl LocalSandbox {
@@ -114,29 +118,39 @@ impl LocalSandbox {
                     ms = started.elapsed().as_millis() as u64,
                     "paused images listed"
                 );
-                listed
+                listed.map(|files| (files, images))
             })
             .await
             .map_err(|e| copy_failed(format!("the images' task failed: {e}")))
             .and_then(|r| r.map_err(|e| copy_failed(format!("its images cannot be read: {e}"))))
-            .map(|files| (files, dump_time)),
+            .map(|(files, images)| (files, images, dump_time)),
             Err(e) => Err(e),
         };
-        match listed {
-            Ok((files, dump_time)) => Ok(PausedImage {
-                dir,
-                pid,
-                own_workspace: spec.own_workspace,
-                kernel_id: spec.session_id,
-                bytes: files.iter().map(|f| f.len).sum(),
-                dump_time,
-                files,
-            }),
-            Err(e) => {
-                fsutil::remove_dir_logged(dir).await;
-                Err(e)
+        let recorded = match listed {
+            Ok((files, images, dump_time)) => {
+                let image = PausedImage {
+                    dir: dir.clone(),
+                    pid,
+                    own_workspace: spec.own_workspace,
+                    kernel_id: spec.session_id,
+                    bytes: files.iter().map(|f| f.len).sum(),
+                    dump_time,
+                    files,
+                };
+                // Its record beside the images: the paused kernel outlives the broker.
+                tokio::task::spawn_blocking(move || write_record(&images, &image).map(|()| image))
+                    .await
+                    .map_err(|e| copy_failed(format!("the record task failed: {e}")))
+                    .and_then(|r| {
+                        r.map_err(|e| copy_failed(format!("its record cannot be written: {e}")))
+                    })
             }
+            Err(e) => Err(e),
+        };
+        if recorded.is_err() {
+            fsutil::remove_dir_logged(dir).await;
         }
+        recorded
     }
 
     pub(super) async fn resume_kernel(
@@ -176,9 +190,41 @@ impl LocalSandbox {
         self.cfg.data_dir.join("paused")
     }
 
-    /// At startup: what an earlier run paused is not resumed by this one (paused sessions
-    /// do not yet outlive the broker), and the images hold kernels' memory. Blocking.
-    pub(super) fn sweep_paused(&self) {
-        crate::sandbox::criu::sweep_copies(&self.paused_dir());
+    /// At startup: the paused kernels an earlier run left with their records are kept (a
+    /// session of theirs resumes them, or the session layer discards them); anything else
+    /// in the paused directory (a pause cut short, before its record) goes. Their images
+    /// hold kernels' memory.
+    pub(super) async fn keep_paused(&self) -> Vec<PausedImage> {
+        let dir = self.paused_dir();
+        tokio::task::spawn_blocking(move || {
+            let mut kept = Vec::new();
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                return kept;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+                match is_dir.then(|| read_record(&path, &name)).flatten() {
+                    Some(image) => kept.push(image),
+                    None => {
+                        let removed = if is_dir {
+                            std::fs::remove_dir_all(&path)
+                        } else {
+                            std::fs::remove_file(&path)
+                        };
+                        if let Err(e) = removed {
+                            tracing::warn!(path = %path.display(), error = %e, "cannot remove what a pause left");
+                        }
+                    }
+                }
+            }
+            if !kept.is_empty() {
+                tracing::info!(count = kept.len(), "paused kernels kept by an earlier run");
+            }
+            kept
+        })
+        .await
+        .unwrap_or_default()
     }
 }

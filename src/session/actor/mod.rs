@@ -137,7 +137,9 @@ impl Actor {
     }
 
     pub async fn run(mut self) {
-        if self.dead_reason.is_none() {
+        if self.paused.is_some() {
+            self.session.set_state(SessionState::Paused);
+        } else if self.dead_reason.is_none() {
             self.session.set_state(SessionState::Idle);
         }
         loop {
@@ -153,8 +155,7 @@ impl Actor {
                         Some(Command::Detach { done }) => {
                             self.detach();
                             self.end_checkpoints().await;
-                            // Paused state does not outlive the broker yet: it goes.
-                            self.end_paused().await;
+                            self.detach_paused().await;
                             let _ = done.send(());
                             return;
                         }

@@ -104,8 +104,11 @@ impl Actor {
             took: started.elapsed(),
         };
         tracing::info!(%session, image_bytes = image.bytes, dump_ms = image.dump_time.as_millis() as u64, ms = info.took.as_millis() as u64, "session paused");
+        let kernel_id = image.kernel_id;
         self.paused = Some(image);
         self.session.set_state(SessionState::Paused);
+        // Recorded before it is answered: a paused session outlives the broker.
+        self.session.save_paused(kernel_id).await;
         self.recorder.event(
             &self.session,
             &LifecycleEvent::SessionPaused {
@@ -152,6 +155,7 @@ impl Actor {
             Err(why) => {
                 drop(memory);
                 self.sandbox.discard_paused(image).await;
+                self.session.forget_paused().await;
                 let reason = format!("its paused state could not be resumed: {why}");
                 self.dead_reason = Some(reason.clone());
                 self.session.set_dead(reason.clone());
@@ -172,6 +176,7 @@ impl Actor {
         self.session.set_memory(memory);
         let _ = self.swap_live(live).await;
         self.sandbox.discard_paused(image).await;
+        self.session.forget_paused().await;
         self.session.set_state(SessionState::Idle);
         let execution_count = self.session.status().execution_count;
         tracing::info!(%session, ms = started.elapsed().as_millis() as u64, "session resumed");
@@ -182,11 +187,27 @@ impl Actor {
         Ok(())
     }
 
-    /// The session ends: so do its paused images.
+    /// The session ends: so do its paused images and record.
     pub(super) async fn end_paused(&mut self) {
         if let Some(image) = self.paused.take() {
             self.sandbox.discard_paused(image).await;
+            self.session.forget_paused().await;
         }
+    }
+
+    /// The broker stops: a paused session's images and record stay for the next run
+    /// (where its sandbox keeps them), else they go.
+    pub(super) async fn detach_paused(&mut self) {
+        if self.session.keeps_paused() && self.sandbox.keeps_paused() {
+            self.paused.take();
+            return;
+        }
+        self.end_paused().await;
+    }
+
+    /// A paused session taken back from an earlier run (`registry/pause.rs`).
+    pub(crate) fn set_paused(&mut self, image: crate::sandbox::pause::PausedImage) {
+        self.paused = Some(image);
     }
 
     /// Whether the session is paused.

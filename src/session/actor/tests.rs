@@ -67,6 +67,7 @@ async fn start(config: SessionConfig) -> Harness {
             kept: None,
             restored: None,
             own_workspace: None,
+            paused_records: None,
         },
     ));
     let spec = session.launch_spec(Signer::random_key());

@@ -47,9 +47,11 @@ pub struct Adopted {
 }
 
 /// How a kept session comes back.
-enum Outcome {
+pub(super) enum Outcome {
     Alive(Box<Live>),
     Dead(String),
+    /// Paused by an earlier run (issue 37): back with its images, no kernel, no memory.
+    Paused(crate::sandbox::pause::PausedImage),
     /// Its idle deadline passed while the broker was down: back only to be expired.
     Expired,
 }
@@ -68,7 +70,25 @@ impl Registry {
                 .await
                 .unwrap_or_default()
         };
+        // A paused session is taken back from its own record (`pause.rs`), not as a kept
+        // kernel's: its kept record goes.
+        let paused: std::collections::HashSet<uuid::Uuid> = match &self.inner.paused_records {
+            Some(store) => {
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || store.load_all())
+                    .await
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|r| r.id)
+                    .collect()
+            }
+            None => Default::default(),
+        };
         for record in records {
+            if paused.contains(&record.id) {
+                kept.remove(record.id).await;
+                continue;
+            }
             let Some(user) = users.iter().find(|u| u.name == record.user) else {
                 tracing::warn!(session = %record.id, user = %record.user, "a kept session's user is no longer configured; its kernel is ended");
                 kept.remove(record.id).await;
@@ -197,7 +217,7 @@ impl Registry {
     }
 
     /// The session of `record`, in the table with its actor running.
-    async fn restore(
+    pub(super) async fn restore(
         &self,
         record: SessionRecord,
         user: &SandboxUser,
@@ -244,6 +264,21 @@ impl Registry {
                     parts.0,
                     parts.1,
                 )
+            }
+            Outcome::Paused(image) => {
+                // Paused: it holds no memory until it resumes.
+                session.release_memory();
+                let mut actor = Actor::new(
+                    session.clone(),
+                    self.inner.sandbox.clone(),
+                    cfg.clone(),
+                    commands_rx,
+                    None,
+                    parts.0,
+                    parts.1,
+                );
+                actor.set_paused(image);
+                actor
             }
             Outcome::Expired => Actor::without_kernel(
                 session.clone(),

@@ -66,6 +66,8 @@ struct Inner {
     checkpoints: Arc<super::checkpoint::CheckpointBook>,
     /// The sessions' records (`--keep-sessions`); `None`: sessions end with the broker.
     kept: Option<Arc<super::kept::KeptSessions>>,
+    /// Paused sessions' records (`<data_dir>/paused-sessions`): they outlive the broker.
+    paused_records: Option<Arc<super::kept::KeptSessions>>,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -125,6 +127,13 @@ impl Registry {
     ) -> Self {
         let ledger = Ledger::new();
         let pool = Pool::new(config.pool, sandbox.clone(), config.kernel, ledger.clone());
+        let paused_records = config.paused_dir.as_deref().and_then(|dir| {
+            super::kept::KeptSessions::open(dir)
+                .inspect_err(|e| {
+                    tracing::error!(dir = %dir.display(), error = %e, "cannot keep paused sessions' records: paused sessions will NOT survive a restart")
+                })
+                .ok()
+        });
         let kept = config.keep_dir.as_deref().and_then(|dir| {
             super::kept::KeptSessions::open(dir)
                 .inspect_err(|e| {
@@ -133,6 +142,7 @@ impl Registry {
                 .ok()
         });
         let inner = Arc::new(Inner {
+            paused_records,
             table: Mutex::new(Table::default()),
             sandbox,
             config,
@@ -428,6 +438,7 @@ impl Registry {
                 kept: self.inner.kept.clone(),
                 restored,
                 own_workspace: shape.own_workspace,
+                paused_records: self.inner.paused_records.clone(),
             },
         ));
         (session, commands_rx)
@@ -541,12 +552,13 @@ impl Registry {
             return;
         }
         self.inner.shutdown.cancel();
-        let sessions: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
-        let n = sessions.len();
+        let all: Vec<_> = self.table().sessions.drain().map(|(_, s)| s).collect();
+        let n = all.len();
+        let (sessions, ending) = self.let_paused_go(all).await;
         let end = SessionEnd::Closed(EndedBy::BrokerShutdown);
         futures::future::join_all(sessions.iter().map(|s| s.shutdown(end))).await;
         sessions.iter().for_each(|s| s.release_memory());
-        self.remove_own_workspaces(&sessions).await;
+        self.remove_own_workspaces(&ending).await;
         self.inner.pool.drain().await;
         self.inner.sandbox.shutdown().await;
         tracing::info!(sessions = n, "all sessions shut down");
