@@ -286,7 +286,14 @@ def test_other_users_sandbox_answers_as_absent(e2b_env):
             json={"code": "1"},
         )
         assert r.status_code == 404 and "not found" in r.json()["message"]
+        # A sandbox that never was: absent, for a pause as for the rest.
         r = requests.post(f"{base}/e2b/sandboxes/x/pause", headers={"X-API-KEY": ALICE})
+        assert r.status_code == 404 and r.json()["code"] == 404
+        # Bob pausing alice's sandbox: absent too, and it goes on running.
+        r = requests.post(f"{base}/e2b/sandboxes/{sbx.sandbox_id}/pause", headers={"X-API-KEY": BOB})
+        assert r.status_code == 404 and r.json()["code"] == 404
+        assert sbx.is_running()
+        r = requests.get(f"{base}/e2b/templates", headers={"X-API-KEY": ALICE})
         assert r.status_code == 501 and "not supported" in r.json()["message"]
         r = requests.post(f"{base}/e2b/v2/sandboxes", headers={"X-API-KEY": "nope"}, json={})
         assert r.status_code == 401 and r.json()["code"] == 401

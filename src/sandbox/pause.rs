@@ -19,6 +19,9 @@ use std::path::PathBuf;
 use rustix::fs::{Mode, OFlags};
 use uuid::Uuid;
 
+use crate::sandbox::criu::copy_failed;
+use crate::sandbox::fork::ForkError;
+
 /// A kernel paused to disk: where its images are and what they hold. Kept beside the
 /// images as [`RECORD_NAME`] (the local sandbox), so a paused session outlives the broker.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -125,6 +128,77 @@ pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(),
         "its images are not as they were written (changed, missing or added: {})",
         changed.join(", ")
     )))
+}
+
+/// The images' directory of `image`, opened, once its files are checked to be as they were
+/// sealed ([`check_inventory`]): what a resume hands CRIU.
+pub(crate) async fn open_checked(image: &PausedImage) -> Result<OwnedFd, ForkError> {
+    let images = crate::sandbox::fsutil::open_tree_root(&image.dir)
+        .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
+    let (checked, files) = (
+        images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
+        image.files.clone(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let checked = check_inventory(&checked, &files);
+        tracing::debug!(
+            ms = started.elapsed().as_millis() as u64,
+            "paused images checked"
+        );
+        checked
+    })
+    .await
+    .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+    .map_err(|e| copy_failed(e.to_string()))?;
+    Ok(images)
+}
+
+/// The inventory of the sealed images in `images` ([`inventory`]), in a blocking task;
+/// with the directory back.
+pub(crate) async fn list_images(images: OwnedFd) -> Result<(Vec<ImageFile>, OwnedFd), ForkError> {
+    tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let listed = inventory(&images);
+        tracing::debug!(
+            ms = started.elapsed().as_millis() as u64,
+            "paused images listed"
+        );
+        listed.map(|files| (files, images))
+    })
+    .await
+    .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+    .map_err(|e| copy_failed(format!("its images cannot be read: {e}")))
+}
+
+/// Makes the directory `<parent>/<name>` for a paused kernel's images (`parent` root's,
+/// 0700; the directory the kernel's `ids`', for CRIU to write in, sealed root's after).
+pub(crate) async fn make_images_dir(
+    parent: PathBuf,
+    name: String,
+    ids: (u32, u32),
+) -> Result<PathBuf, ForkError> {
+    tokio::task::spawn_blocking(move || -> Result<PathBuf, ForkError> {
+        use std::os::fd::AsFd;
+        let made = parent.join(&name);
+        crate::sandbox::fsutil::create_private_dir(&parent, Some(0o700))?;
+        let dir = crate::sandbox::fsutil::open_tree_root(&parent).map_err(
+            crate::sandbox::fsutil::io_err("cannot open the paused kernels' directory", &parent),
+        )?;
+        crate::sandbox::fsutil::make_dir_at(
+            dir.as_fd(),
+            std::path::Path::new(&name),
+            0o700,
+            Some(ids),
+        )
+        .map_err(crate::sandbox::fsutil::io_err(
+            "cannot create the paused kernel's directory",
+            &made,
+        ))?;
+        Ok(made)
+    })
+    .await
+    .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))
 }
 
 /// The broker's record of a paused kernel, in its images' directory (not an image: left out

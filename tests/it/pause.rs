@@ -159,7 +159,11 @@ async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static
             let m = f.metadata().unwrap();
             assert!(m.is_file(), "{:?}", f.path());
             // The images root's and read-only; the broker's record of them root's alone.
-            let mode = if f.file_name() == "broker.json" { 0o600 } else { 0o644 };
+            let mode = if f.file_name() == "broker.json" {
+                0o600
+            } else {
+                0o644
+            };
             assert_eq!((m.uid(), m.mode() & 0o777, m.nlink()), (0, mode, 1));
         }
     }

@@ -9,7 +9,6 @@
 //! cgroup leaf with the session's limits (CRIU as the kernel's uid, in a pid namespace of
 //! its own: `restore.rs`), and wakes the kernel, as a copy's restore does.
 
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -20,7 +19,7 @@ use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::criu::{copy_failed, dump_and_seal};
 use crate::sandbox::fork::{find_fork, ForkError, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
-use crate::sandbox::pause::{check_inventory, inventory, PausedImage};
+use crate::sandbox::pause::{list_images, make_images_dir, open_checked, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 impl Inner {
@@ -74,25 +73,12 @@ impl Inner {
             self.cfg.copy_reserve_bytes,
         )
         .await?;
-        let images = self.paused_dir().join(spec.session_id.to_string());
-        let (paused, made) = (self.paused_dir(), images.clone());
-        tokio::task::spawn_blocking(move || -> Result<(), ForkError> {
-            fsutil::create_private_dir(&paused, Some(0o700))?;
-            let parent = fsutil::open_tree_root(&paused).map_err(fsutil::io_err(
-                "cannot open the paused kernels' directory",
-                &paused,
-            ))?;
-            let name = made.file_name().map(PathBuf::from).unwrap_or_default();
-            // CRIU writes the images as the kernel's uid; sealed root's once it has.
-            fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some((KERNEL_UID, KERNEL_GID)))
-                .map_err(fsutil::io_err(
-                    "cannot create the paused kernel's directory",
-                    &made,
-                ))?;
-            Ok(())
-        })
-        .await
-        .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))?;
+        let images = make_images_dir(
+            self.paused_dir(),
+            spec.session_id.to_string(),
+            (KERNEL_UID, KERNEL_GID),
+        )
+        .await?;
         // The kernel id stays the session directory's name at the resume (`resume_paused`).
         let dir_name = keep::session_dir(spec.session_id);
         let host_dir = self
@@ -142,10 +128,7 @@ impl Inner {
                 &images,
             )
             .await?;
-            let files = tokio::task::spawn_blocking(move || inventory(&images))
-                .await
-                .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-                .map_err(|e| copy_failed(format!("its images cannot be read: {e}")))?;
+            let (files, _) = list_images(images).await?;
             Ok::<_, ForkError>((files, took))
         }
         .await;
@@ -180,16 +163,7 @@ impl Inner {
                 ))
             }
         };
-        let images = fsutil::open_tree_root(&image.dir)
-            .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
-        let (checked, files) = (
-            images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
-            image.files.clone(),
-        );
-        tokio::task::spawn_blocking(move || check_inventory(&checked, &files))
-            .await
-            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-            .map_err(|e| copy_failed(e.to_string()))?;
+        let images = open_checked(image).await?;
         let container = self
             .own_container(key)
             .await

@@ -14,15 +14,16 @@
 //! user's workspace runs in its user's template sandbox, whose `/tmp` is memory that ends
 //! with that sandbox; pausing one is refused, saying so.
 
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use super::files::endpoints_for;
 use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
 use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
-use crate::sandbox::fsutil::{self, io_err};
-use crate::sandbox::pause::{check_inventory, inventory, read_record, write_record, PausedImage};
+use crate::sandbox::fsutil;
+use crate::sandbox::pause::{
+    list_images, make_images_dir, open_checked, read_record, write_record, PausedImage,
+};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 impl LocalSandbox {
@@ -66,25 +67,9 @@ impl LocalSandbox {
             self.cfg.copy_reserve_bytes,
         )
         .await?;
-        let (paused, dir) = (
-            self.paused_dir(),
-            self.paused_dir().join(spec.session_id.to_string()),
-        );
         let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
             .map_err(|e| fsutil::launch_failed(&spec.user, e))?;
-        let made = dir.clone();
-        tokio::task::spawn_blocking(move || -> Result<(), ForkError> {
-            fsutil::create_private_dir(&paused, Some(0o700))?;
-            let parent = fsutil::open_tree_root(&paused)
-                .map_err(io_err("cannot open the paused kernels' directory", &paused))?;
-            let name = made.file_name().map(PathBuf::from).unwrap_or_default();
-            // CRIU writes the images as the kernel's uid; sealed root's once it has.
-            fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some(ids))
-                .map_err(io_err("cannot create the paused kernel's directory", &made))?;
-            Ok(())
-        })
-        .await
-        .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))?;
+        let dir = make_images_dir(self.paused_dir(), spec.session_id.to_string(), ids).await?;
         Ok(PreparedFork::paused(
             origin,
             spec,
@@ -111,19 +96,9 @@ impl LocalSandbox {
         // The images are made (or not): what they take is on the file system now.
         drop(room);
         let listed = match dumped {
-            Ok((images, dump_time)) => tokio::task::spawn_blocking(move || {
-                let started = std::time::Instant::now();
-                let listed = inventory(&images);
-                tracing::debug!(
-                    ms = started.elapsed().as_millis() as u64,
-                    "paused images listed"
-                );
-                listed.map(|files| (files, images))
-            })
-            .await
-            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))
-            .and_then(|r| r.map_err(|e| copy_failed(format!("its images cannot be read: {e}"))))
-            .map(|(files, images)| (files, images, dump_time)),
+            Ok((images, dump_time)) => list_images(images)
+                .await
+                .map(|(files, images)| (files, images, dump_time)),
             Err(e) => Err(e),
         };
         let recorded = match listed {
@@ -163,24 +138,7 @@ impl LocalSandbox {
                 "a paused kernel resumes over its own workspace, not another".into(),
             ));
         }
-        let images = fsutil::open_tree_root(&image.dir)
-            .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
-        let (checked, files) = (
-            images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
-            image.files.clone(),
-        );
-        tokio::task::spawn_blocking(move || {
-            let started = std::time::Instant::now();
-            let checked = check_inventory(&checked, &files);
-            tracing::debug!(
-                ms = started.elapsed().as_millis() as u64,
-                "paused images checked"
-            );
-            checked
-        })
-        .await
-        .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-        .map_err(|e| copy_failed(e.to_string()))?;
+        let images = open_checked(image).await?;
         self.restore_images(spec, &images, image.pid, image.dump_time)
             .await
     }
