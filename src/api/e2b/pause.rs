@@ -86,9 +86,10 @@ async fn pause(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// What `resume` and `connect` take (other fields ignored: E2B's `autoPause`, `memory`).
 #[derive(serde::Deserialize, Default)]
-pub(super) struct ResumeBody {
-    pub timeout: Option<u64>,
+struct ResumeBody {
+    timeout: Option<u64>,
 }
 
 /// Resumes `session` if it is paused (its contexts resume on their first use) with a
@@ -123,27 +124,17 @@ async fn resume(
     body: axum::body::Body,
 ) -> E2bResult<Response> {
     let session = owned(&state, &e2b, &caller, &id)?;
-    let bytes = read_limited(body, 64 << 10, "request body").await?;
-    let req: ResumeBody = parse_json(&bytes, "request body")?;
+    let req: ResumeBody = parse_json(
+        &read_limited(body, 64 << 10, "request body").await?,
+        "request body",
+    )?;
     if !resume_if_paused(&state, &e2b, &session, req.timeout).await? {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id:?} is running, not paused"),
         ));
     }
-    let template = e2b
-        .with(session.id, |m| m.template.clone())
-        .unwrap_or_default();
-    Ok((
-        StatusCode::CREATED,
-        Json(sandbox_json(&caller.0 .0.token, &session, &template)),
-    )
-        .into_response())
-}
-
-#[derive(serde::Deserialize, Default)]
-struct ConnectBody {
-    timeout: Option<u64>,
+    Ok(answer(StatusCode::CREATED, &e2b, &caller, &session))
 }
 
 /// Connect to a sandbox (E2B): a paused one is resumed
@@ -158,18 +149,13 @@ async fn connect(
     body: axum::body::Body,
 ) -> E2bResult<Response> {
     let session = owned(&state, &e2b, &caller, &id)?;
-    let bytes = read_limited(body, 64 << 10, "request body").await?;
-    let req: ConnectBody = parse_json(&bytes, "request body")?;
-    let template = e2b
-        .with(session.id, |m| m.template.clone())
-        .unwrap_or_default();
+    let req: ResumeBody = parse_json(
+        &read_limited(body, 64 << 10, "request body").await?,
+        "request body",
+    )?;
     // A paused sandbox is resumed (201, as E2B answers a resume).
     if resume_if_paused(&state, &e2b, &session, req.timeout).await? {
-        return Ok((
-            StatusCode::CREATED,
-            Json(sandbox_json(&caller.0 .0.token, &session, &template)),
-        )
-            .into_response());
+        return Ok(answer(StatusCode::CREATED, &e2b, &caller, &session));
     }
     if let Some(t) = req.timeout {
         // E2B's connect keeps a sandbox alive *for* `timeout`: it moves a deadline that
@@ -182,9 +168,17 @@ async fn connect(
             session.touch();
         }
     }
-    Ok((
-        StatusCode::OK,
-        Json(sandbox_json(&caller.0 .0.token, &session, &template)),
+    Ok(answer(StatusCode::OK, &e2b, &caller, &session))
+}
+
+/// The create answer (E2B's `Sandbox`, tokens included) for `session`, with `status`.
+fn answer(status: StatusCode, e2b: &E2bState, caller: &ApiKeyUser, session: &Session) -> Response {
+    let template = e2b
+        .with(session.id, |m| m.template.clone())
+        .unwrap_or_default();
+    (
+        status,
+        Json(sandbox_json(&caller.0 .0.token, session, &template)),
     )
-        .into_response())
+        .into_response()
 }
