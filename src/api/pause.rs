@@ -59,8 +59,8 @@ impl PausedJson {
 /// session keeps its id, workspace, checkpoints and recording, and is listed as `paused`.
 /// Any use of it (an execution, `POST .../resume`, a fork, a Jupyter message) resumes it
 /// with the same state. Pausing a paused session answers as the first pause did. The
-/// session must be idle (409 while code runs). Paused state does not outlive the broker
-/// yet: it goes when the broker stops.
+/// session must be idle (409 while code runs). On the local sandbox a paused session
+/// outlives the broker (a stop, a restart, an upgrade); on Docker it ends with the broker.
 #[utoipa::path(post, operation_id = "pause_session", path = "/v1/sessions/{id}/pause", tag = "sessions", params(("id" = uuid::Uuid, Path)),
     responses((status = 200, description = "paused", body = PausedJson),
         (status = 401, response = ErrorResponse),
