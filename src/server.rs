@@ -197,6 +197,12 @@ pub async fn serve(
     }
     // Paused sessions outlive the broker, with or without --keep-sessions (issue 37).
     registry.adopt_paused(&users).await;
+    // What came back pauses by itself as its user's settings say now (a create sets it).
+    for user in &settings.users {
+        for session in registry.list(&user.name) {
+            session.set_pause_policy(user.pause);
+        }
+    }
     let cluster = match &settings.cluster {
         Some(c) => {
             let cluster = crate::cluster::Cluster::join(c.clone()).await?;

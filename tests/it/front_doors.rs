@@ -28,6 +28,21 @@ async fn broker_events(api: &Api, id: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
+/// The broker events of a session that was ended, once its close is among them: the
+/// recording is written behind the sessions (a batch writer), so the close may be read a
+/// moment after the request that ended it was answered (at most 10 s).
+async fn events_once_closed(api: &Api, id: &str) -> Vec<(String, Value)> {
+    let mut events = broker_events(api, id).await;
+    for _ in 0..100 {
+        if !of_kind(&events, "session_closed").is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        events = broker_events(api, id).await;
+    }
+    events
+}
+
 fn of_kind<'a>(events: &'a [(String, Value)], kind: &str) -> Vec<&'a Value> {
     events
         .iter()
@@ -102,7 +117,7 @@ async fn jupyter_lets_go_of_an_agents_session_and_ends_only_its_own() {
     assert_eq!(status, 204);
 
     // The recordings say who made, detached and ended each.
-    let events = broker_events(&api, &id).await;
+    let events = events_once_closed(&api, &id).await;
     let created = of_kind(&events, "session_created");
     assert_eq!(created.len(), 1, "{events:?}");
     assert_eq!(created[0]["front_door"], "rest");
@@ -117,7 +132,7 @@ async fn jupyter_lets_go_of_an_agents_session_and_ends_only_its_own() {
         of_kind(&events, "session_closed"),
         vec![&json!({"by": "rest"})]
     );
-    let jevents = broker_events(&api, &jid).await;
+    let jevents = events_once_closed(&api, &jid).await;
     assert_eq!(
         of_kind(&jevents, "session_created")[0]["front_door"],
         "jupyter"

@@ -479,4 +479,21 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
         broker.halt(Stop::Term).await;
     }
+
+    // Taken back, a session pauses by itself as its user's settings say (`--pause-after`).
+    let mut broker = SpawnedBroker::start(&["--pause-after", "1"], None);
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "z = 5").await;
+    let paused = || async { state_of(&broker.api(ALICE), &a).await["state"] == "paused" };
+    assert!(wait_until(Duration::from_secs(20), paused).await);
+    broker.restart(Stop::Term).await;
+    let api = broker.api(ALICE);
+    assert_eq!(out(&api, &a, "print(z)").await, "5");
+    let paused = || async { state_of(&broker.api(ALICE), &a).await["state"] == "paused" };
+    assert!(
+        wait_until(Duration::from_secs(20), paused).await,
+        "paused by itself again after the restart"
+    );
+    broker.halt(Stop::Term).await;
 }
