@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import BOB, criu_ready, needs_criu
+from conftest import ALICE, BOB, criu_ready, needs_criu
 
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
@@ -115,6 +115,33 @@ def test_pause_refusals_raise_what_e2bs_sdk_raises(any_backend):
             t.join()
         assert sbx.is_running()
         assert sbx.run_code("x + 1").text == "2"
+    finally:
+        sbx.kill()
+
+
+@needs_criu
+def test_a_malformed_or_oversized_resume_body_is_refused_and_the_sandbox_stays_paused(e2b_env):
+    """`connect` and the deprecated `resume` read a bounded JSON body: bytes that are not
+    JSON are a 400 and more than 64 KiB a 413, before anything is resumed; the sandbox stays
+    paused, and a good `connect` brings it back with its state."""
+    import requests
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    try:
+        assert sbx.run_code("kept = 'through bad requests'").error is None
+        assert sbx.pause() is True
+        base = f"{e2b_env.url}/e2b/sandboxes/{sbx.sandbox_id}"
+        h = {"X-API-KEY": ALICE, "Content-Type": "application/json"}
+        big = b'{"timeout": 60, "pad": "' + b"x" * (70 << 10) + b'"}'
+        for route in ("connect", "resume"):
+            for body, status in ((b'{"timeout": ', 400), (b"\xff\xfe", 400), (big, 413)):
+                r = requests.post(f"{base}/{route}", data=body, headers=h, timeout=30)
+                assert r.status_code == status, (route, body[:20], r.status_code, r.text)
+                assert r.json().get("message"), r.text
+                assert sbx.get_info().state == e2b.SandboxState.PAUSED
+        same = Sandbox.connect(sbx.sandbox_id, timeout=90)
+        assert same.run_code("kept == 'through bad requests'").text == "True"
     finally:
         sbx.kill()
 

@@ -46,6 +46,28 @@ pub struct PausedImage {
     pub(crate) files: Vec<ImageFile>,
 }
 
+impl PausedImage {
+    /// The image of the held child `pid` dumped for `spec` into `dir`, made of `files`
+    /// (as sealed) in `dump_time`.
+    pub(crate) fn new(
+        dir: PathBuf,
+        pid: i64,
+        spec: &crate::sandbox::LaunchSpec,
+        files: Vec<ImageFile>,
+        dump_time: std::time::Duration,
+    ) -> Self {
+        PausedImage {
+            dir,
+            pid,
+            own_workspace: spec.own_workspace,
+            kernel_id: spec.session_id,
+            bytes: files.iter().map(|f| f.len).sum(),
+            dump_time,
+            files,
+        }
+    }
+}
+
 /// One image file of a paused kernel, as sealed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct ImageFile {

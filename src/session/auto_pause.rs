@@ -14,13 +14,16 @@ use crate::sync::lock;
 impl Session {
     /// When this session expires if nothing happens, or `None` if it cannot expire now.
     pub(super) fn expiry_deadline(&self, max_busy: Duration) -> Option<(Instant, Due)> {
-        let pause = {
+        let (pause, ttl) = {
             let p = lock(&self.pause);
             if p.pausing {
                 // The pause under way decides: paused, or left to expire as without.
                 return None;
             }
-            (!p.cannot).then_some((p.policy, p.at_deadline))
+            (
+                (!p.cannot).then_some((p.policy, p.at_deadline)),
+                p.policy.ttl,
+            )
         };
         let auto_after = pause.and_then(|(p, _)| p.after);
         let s = self.status.borrow();
@@ -29,7 +32,6 @@ impl Session {
             (_, SessionState::Expired | SessionState::Closed) => return None,
             // Paused: kept for its policy's time from the pause (its last activity).
             (_, SessionState::Paused) => {
-                let ttl = lock(&self.pause).policy.ttl;
                 let kept = (s.last_activity_at + ttl, Due::Expire);
                 return Some(match fixed {
                     Some(at) if at < kept.0 => (at, Due::Expire),

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::error::SessionError;
 use super::launch::{ready_kernel, Connected, Live};
-use crate::kernel::{ConnectOptions, KernelClient, KernelEvent};
+use crate::kernel::{ConnectOptions, KernelClient, KernelEvent, KernelEvents};
 use crate::sandbox::fork::ForkError;
 use crate::sandbox::fork::PreparedFork;
 use crate::sandbox::{LaunchSpec, Sandbox};
@@ -42,7 +42,24 @@ pub(super) async fn fork_connected(
         .prepare_fork(&*source.process, spec)
         .await
         .map_err(|e| fork_error(session, e))?;
-    // Not recorded: it holds the new kernel's key.
+    let (prepared, msg_id) = send_fork_request(sandbox, session, source, prepared).await?;
+    let reply = shell_reply(&mut source.events, &msg_id);
+    let ended = "the kernel ended before it answered";
+    adopt_connected(
+        sandbox, options, session, prepared, key, &user, reply, ended,
+    )
+    .await
+}
+
+/// Sends `prepared`'s `kb_fork_request` to `source`: the request and the id its answer
+/// will name. If it cannot be sent, the prepared fork is given up.
+pub(super) async fn send_fork_request(
+    sandbox: &Arc<dyn Sandbox>,
+    session: Uuid,
+    source: &mut Live,
+    prepared: PreparedFork,
+) -> Result<(PreparedFork, String), SessionError> {
+    // Not recorded: a message of the broker's to its kernel, holding a new kernel's key.
     let m = source.client.request("kb_fork_request", &prepared.request);
     if let Err(e) = source.client.send(Channel::Shell, &m).await {
         sandbox.discard_fork(prepared).await;
@@ -52,26 +69,44 @@ pub(super) async fn fork_connected(
             source: Some(Box::new(e)),
         });
     }
-    let reply = async {
-        loop {
-            match source.events.recv().await {
-                Some(KernelEvent::Message(Channel::Shell, r))
-                    if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
-                {
-                    return Some(r)
-                }
-                // Anything else (iopub status, a heartbeat missed while frozen) is not
-                // the answer.
-                Some(_) => {}
-                None => return None,
+    Ok((prepared, m.msg_id))
+}
+
+/// The kernel's shell answer to the request `msg_id` among its `events`; `None` once it
+/// can no longer come (the kernel ended).
+pub(super) async fn shell_reply(events: &mut KernelEvents, msg_id: &str) -> Option<Message> {
+    loop {
+        match events.recv().await {
+            Some(KernelEvent::Message(Channel::Shell, r))
+                if r.parent_msg_id.as_deref() == Some(msg_id) =>
+            {
+                return Some(r)
             }
+            // Anything else (iopub status, a heartbeat missed while frozen) is not the
+            // answer.
+            Some(_) => {}
+            None => return None,
         }
-    };
-    let ended = "the kernel ended before it answered";
-    adopt_connected(
-        sandbox, options, session, prepared, key, &user, reply, ended,
-    )
-    .await
+    }
+}
+
+/// The kernel's answer `reply` to a fork request, awaited for at most `limit`; `ended`
+/// says why when it can no longer come.
+pub(super) async fn bounded_reply<R>(
+    session: Uuid,
+    limit: Duration,
+    reply: impl Future<Output = Option<R>>,
+    ended: &str,
+) -> Result<R, SessionError> {
+    match timeout(limit, reply).await {
+        Ok(Some(r)) => Ok(r),
+        Ok(None) => Err(SessionError::ForkFailed {
+            session,
+            why: ended.to_string(),
+            source: None,
+        }),
+        Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
+    }
 }
 
 /// The rest of a fork once `kb_fork_request` is sent for `prepared`: waits for `reply`
@@ -100,17 +135,7 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
     ended: &str,
 ) -> Result<Live, SessionError> {
     let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
-    let reply = async {
-        match timeout(limit, reply).await {
-            Ok(Some(r)) => Ok(r),
-            Ok(None) => Err(SessionError::ForkFailed {
-                session,
-                why: ended.to_string(),
-                source: None,
-            }),
-            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
-        }
-    };
+    let reply = bounded_reply(session, limit, reply, ended);
     let (endpoints, k, u) = (prepared.endpoints.clone(), key.clone(), user.to_string());
     let connect = async move { KernelClient::connect(&endpoints, &k, &u, options, limit).await };
     tokio::pin!(connect, reply);

@@ -54,7 +54,12 @@ async fn health(State(state): State<AppState>, request: axum::extract::Request) 
     };
     let (mut parts, _) = request.into_parts();
     let running = match SandboxCaller::from_request_parts(&mut parts, &state).await {
-        Ok(caller) => !super::process::sandbox_gone(&state.registry, &caller.e2b, &caller.session),
+        // A paused sandbox is not running, as E2B's `is_running()` says of one (its
+        // commands and files stay reachable: using them resumes it).
+        Ok(caller) => {
+            caller.session.state() != crate::session::SessionState::Paused
+                && !super::process::sandbox_gone(&state.registry, &caller.e2b, &caller.session)
+        }
         Err(_) => false,
     };
     if running {

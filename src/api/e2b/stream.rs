@@ -75,7 +75,6 @@ impl StreamEnds {
 pub(super) fn sandbox_gone(registry: &Registry, e2b: &E2bState, session: &Session) -> bool {
     e2b.with(session.id, |_| ()).is_none()
         || session.status().ended()
-        || session.state() == crate::session::SessionState::Paused
         || registry.get(&session.user.name, session.id).is_err()
 }
 

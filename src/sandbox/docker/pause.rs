@@ -134,15 +134,7 @@ impl Inner {
         .await;
         drop(room);
         match dumped {
-            Ok((files, dump_time)) => Ok(PausedImage {
-                dir,
-                pid,
-                own_workspace: spec.own_workspace,
-                kernel_id: spec.session_id,
-                bytes: files.iter().map(|f| f.len).sum(),
-                dump_time,
-                files,
-            }),
+            Ok((files, dump_time)) => Ok(PausedImage::new(dir, pid, &spec, files, dump_time)),
             Err(e) => {
                 remove_dir_logged(dir).await;
                 Err(e)

@@ -103,15 +103,7 @@ impl LocalSandbox {
         };
         let recorded = match listed {
             Ok((files, images, dump_time)) => {
-                let image = PausedImage {
-                    dir: dir.clone(),
-                    pid,
-                    own_workspace: spec.own_workspace,
-                    kernel_id: spec.session_id,
-                    bytes: files.iter().map(|f| f.len).sum(),
-                    dump_time,
-                    files,
-                };
+                let image = PausedImage::new(dir.clone(), pid, &spec, files, dump_time);
                 // Its record beside the images: the paused kernel outlives the broker.
                 tokio::task::spawn_blocking(move || write_record(&images, &image).map(|()| image))
                     .await

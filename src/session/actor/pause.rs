@@ -9,16 +9,16 @@
 use std::time::{Duration, Instant};
 
 use super::Actor;
-use crate::kernel::KernelEvent;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
 use crate::session::execution::{failed, ExecutionStatus};
-use crate::session::forking::{fork_error, pid_of_reply, FORK_REPLY_GRACE};
+use crate::session::forking::{
+    bounded_reply, fork_error, pid_of_reply, send_fork_request, shell_reply, FORK_REPLY_GRACE,
+};
 use crate::session::launch::connect_kernel;
 use crate::session::lifecycle::LifecycleEvent;
 use crate::session::pause::PauseInfo;
 use crate::session::state::SessionState;
-use crate::wire::Channel;
 
 impl Actor {
     /// Pauses the session to disk; a paused one stays as it is.
@@ -45,42 +45,16 @@ impl Actor {
             .prepare_pause(&*live.process, spec)
             .await
             .map_err(|e| as_pause_error(fork_error(session, e)))?;
-        // Not recorded: a message of the broker's to its kernel, as a fork's is.
-        let m = live.client.request("kb_fork_request", &prepared.request);
-        if let Err(e) = live.client.send(Channel::Shell, &m).await {
-            self.sandbox.discard_fork(prepared).await;
-            return Err(SessionError::PauseFailed {
-                session,
-                action: "pause",
-                why: "the request could not be sent to the kernel".into(),
-                source: Some(Box::new(e)),
-            });
-        }
+        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
+            .await
+            .map_err(as_pause_error)?;
         let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let reply = tokio::time::timeout(limit, async {
-            loop {
-                match live.events.recv().await {
-                    Some(KernelEvent::Message(Channel::Shell, r))
-                        if r.parent_msg_id.as_deref() == Some(m.msg_id.as_str()) =>
-                    {
-                        return Some(r)
-                    }
-                    Some(_) => {}
-                    None => return None,
-                }
-            }
-        })
-        .await;
-        let pid = match reply {
-            Ok(Some(r)) => pid_of_reply(session, &r),
-            Ok(None) => Err(SessionError::ForkFailed {
-                session,
-                why: "the kernel ended before it answered".into(),
-                source: None,
-            }),
-            Err(_) => Err(SessionError::ForkTimedOut { session, limit }),
-        };
-        let pid = match pid {
+        let reply = shell_reply(&mut live.events, &msg_id);
+        let ended = "the kernel ended before it answered";
+        let pid = match bounded_reply(session, limit, reply, ended)
+            .await
+            .and_then(|r| pid_of_reply(session, &r))
+        {
             Ok(pid) => pid,
             Err(e) => {
                 self.sandbox.discard_fork(prepared).await;
