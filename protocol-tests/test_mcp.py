@@ -311,3 +311,46 @@ def test_pause_and_resume_through_the_sdk(broker):
             broker.api("DELETE", f"/v1/sessions/{bob}", BOB)
             assert broker.api("DELETE", f"/v1/sessions/{sid}", ALICE).status_code == 204
     asyncio.run(main())
+
+
+@needs_criu
+def test_snapshots_through_the_sdk(broker):
+    """Issue 37 through MCP: a snapshot of this connection's session, a new session started
+    from it (by name) with its variables while the original goes on, listed and deleted;
+    another user's snapshot is a missing one."""
+    def value(r):
+        assert not r.is_error, texts(r)
+        return texts(r)
+
+    async def main():
+        async with http_client(broker) as client:
+            tools = {t.name for t in (await client.list_tools()).tools}
+            assert {"snapshot_session", "list_snapshots", "delete_snapshot"} <= tools, sorted(tools)
+            value(await client.call_tool("run_python", {"code": "kept = [1, 2, 3]\nit = iter(kept); next(it)"}))
+            snap = json.loads(value(await client.call_tool("snapshot_session", {"name": "step-1"}))[0])
+            assert snap["name"] == "step-1" and snap["image_bytes"] > 0, snap
+            value(await client.call_tool("run_python", {"code": "kept.append(4)"}))
+            made = json.loads(value(await client.call_tool("create_session", {"snapshot": "step-1"}))[0])
+            assert value(await client.call_tool("run_python", {"code": "(kept, next(it))", "session_id": made["id"]})) == ["([1, 2, 3], 2)"]
+            assert value(await client.call_tool("run_python", {"code": "kept"})) == ["[1, 2, 3, 4]"]
+            listed = json.loads(value(await client.call_tool("list_snapshots", {}))[0])
+            assert [s["snapshot_id"] for s in listed["snapshots"]] == [snap["snapshot_id"]]
+
+            r = await client.call_tool("snapshot_session", {"name": "bad name"})
+            assert r.is_error and "snapshot name" in texts(r)[0], texts(r)
+            r = await client.call_tool("create_session", {"snapshot": "no-such"})
+            assert r.is_error and "no snapshot" in texts(r)[0], texts(r)
+        async with http_client(broker, BOB) as bob:
+            r = await bob.call_tool("create_session", {"snapshot": snap["snapshot_id"]})
+            assert r.is_error and "no snapshot" in texts(r)[0], texts(r)
+            r = await bob.call_tool("delete_snapshot", {"snapshot": snap["snapshot_id"]})
+            assert r.is_error, texts(r)
+            assert json.loads(value(await bob.call_tool("list_snapshots", {}))[0]) == {"snapshots": []}
+        async with http_client(broker) as client:
+            value(await client.call_tool("delete_snapshot", {"snapshot": "step-1"}))
+            assert json.loads(value(await client.call_tool("list_snapshots", {}))[0]) == {"snapshots": []}
+        assert broker.api("DELETE", f"/v1/sessions/{made['id']}", ALICE).status_code == 204
+        for s in sessions(broker):
+            if s["id"] == snap["session_id"]:
+                broker.api("DELETE", f"/v1/sessions/{s['id']}", ALICE)
+    asyncio.run(main())

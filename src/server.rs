@@ -197,6 +197,8 @@ pub async fn serve(
     }
     // Paused sessions outlive the broker, with or without --keep-sessions (issue 37).
     registry.adopt_paused(&users).await;
+    // So do snapshots.
+    registry.adopt_snapshots(&users).await;
     // What came back pauses by itself as its user's settings say now (a create sets it).
     for user in &settings.users {
         for session in registry.list(&user.name) {

@@ -147,6 +147,24 @@ impl From<SessionError> for ApiError {
                 "insufficient_storage",
                 message,
             ),
+            SessionError::SnapshotNotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, "snapshot_not_found", message)
+            }
+            SessionError::TooManySnapshots { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
+            }
+            SessionError::SnapshotRefused { .. } | SessionError::SnapshotBusy { .. } => {
+                Self::new(StatusCode::CONFLICT, "snapshot_refused", message)
+            }
+            SessionError::NoRoomForSnapshot { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                message,
+            ),
+            SessionError::SnapshotFailed { .. } => {
+                Self::new(StatusCode::BAD_GATEWAY, "snapshot_failed", message)
+            }
+            SessionError::SnapshotMismatch(_) => Self::bad_request(message),
             SessionError::IdUnverified { source, .. } => {
                 Self::internal("check a proposed session id", source)
             }

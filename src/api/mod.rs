@@ -44,6 +44,7 @@ pub(crate) mod pause;
 mod recording;
 mod sessions;
 pub mod shapes;
+pub(crate) mod snapshots;
 mod stream;
 mod ui;
 pub mod user_load;
@@ -119,6 +120,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(sessions::routes())
         .merge(checkpoints::routes())
         .merge(pause::routes())
+        .merge(snapshots::routes())
         .merge(files::routes())
         .merge(stream::routes())
         .merge(ops::routes())

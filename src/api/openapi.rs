@@ -65,6 +65,7 @@ impl Modify for SecuritySchemes {
     tags(
         (name = "sessions", description = "The agent API: sessions, executions, the agent stream"),
         (name = "checkpoints", description = "Checkpoints of a session: take, list, rewind to, fork from (docs/API.md)"),
+        (name = "snapshots", description = "Snapshots: a session's state kept on disk, which new sessions start from (docs/API.md)"),
         (name = "files", description = "The user's workspace"),
         (name = "recordings", description = "Recorded sessions: events, notebooks, replay"),
         (name = "jupyter", description = "The Jupyter Server / Kernel Gateway kernels API"),

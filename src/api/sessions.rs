@@ -12,11 +12,12 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::auth::Caller;
-use super::error::ApiResult;
+use super::error::{ApiError, ApiResult};
 use super::extract::{session_id, BodyLimit, JsonBody, OwnedSession};
 use super::shapes::{ErrorBody, ErrorResponse, ExecutionJson, SessionJson};
 use super::AppState;
 use std::collections::BTreeMap;
+use uuid::Uuid;
 
 use crate::session::{
     CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Metadata, Origin, Provenance,
@@ -61,6 +62,12 @@ pub struct CreateBody {
     /// Take a checkpoint after every execution that ends ok (`GET .../checkpoints`), within
     /// the user's checkpoint bounds; the user's setting when absent.
     checkpoint_every_execution: Option<bool>,
+    /// Start from this snapshot of the caller's (`POST /v1/sessions/{id}/snapshots`): its
+    /// kernel with its state, at its execution count, and a workspace of the session's own
+    /// holding a copy of the snapshot's. `workspace` is then `own` (or absent) and `kernel`
+    /// the snapshot's (or absent); the memory limit is the snapshot's session's unless
+    /// another is asked. 404 `snapshot_not_found` for another user's.
+    snapshot: Option<Uuid>,
 }
 
 /// The `workspace` of `POST /v1/sessions`.
@@ -85,14 +92,23 @@ impl BodyLimit for CreateBody {
             headers(("Location" = String, description = "/v1/sessions/{id}"))),
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
         (status = 413, response = ErrorResponse),
+        (status = 404, description = "`snapshot_not_found`: no such snapshot of the caller's", body = ErrorBody),
         (status = 429, description = "the user's session quota is used, or the user's memory total has no room for this session's limit (the message says how much is in use and by how many sessions)", body = ErrorBody),
+        (status = 502, description = "`snapshot_failed`: the snapshot could not be restored (the message says why)", body = ErrorBody),
         (status = 503, description = "the kernel could not start", body = ErrorBody),
+        (status = 507, description = "`insufficient_storage`: the data file system has no room for the copy of the snapshot's workspace", body = ErrorBody),
     ))]
 async fn create(
     State(state): State<AppState>,
     caller: Caller,
     JsonBody(req): JsonBody<CreateBody>,
 ) -> ApiResult<Response> {
+    if req.snapshot.is_some() && matches!(req.workspace, Some(WorkspaceOption::Shared)) {
+        return Err(ApiError::bad_request(
+            "a session from a snapshot has a workspace of its own: leave `workspace` out or \
+             set it to \"own\"",
+        ));
+    }
     let mut request = caller.0.create_request(CreateOptions {
         kernel: req.kernel,
         idle_timeout_seconds: req.idle_timeout_seconds,
@@ -103,6 +119,7 @@ async fn create(
             None | Some(WorkspaceOption::Shared) => WorkspaceChoice::Shared,
             Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
         },
+        snapshot: req.snapshot,
     });
     if let Some(every) = req.checkpoint_every_execution {
         request.checkpoints.every_execution = every;

@@ -404,6 +404,7 @@ impl Settings {
         let mut session = session_config(&args, &file)?;
         session.keep_dir = keep_sessions.then(|| data_dir.join("sessions"));
         session.paused_dir = Some(data_dir.join("paused-sessions"));
+        session.snapshots_dir = Some(data_dir.join("snapshot-records"));
         let mut local = local_config(&args, &file, &data_dir, &kernels_dir);
         local.keep_kernels = keep_sessions;
         let mut docker = docker_config(&args, &file, &data_dir);

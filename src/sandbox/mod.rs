@@ -415,6 +415,44 @@ pub trait Sandbox: Send + Sync {
     async fn discard_paused(&self, image: pause::PausedImage) {
         fsutil::remove_dir_logged(image.dir).await;
     }
+    /// Prepares a snapshot of the live kernel `kernel` (`snapshot.rs`): the snapshot's own
+    /// workspace (`spec.own_workspace`) made, a copy of the kernel's, and the directory its
+    /// images go in; the `kb_fork_request` for the held child that [`Sandbox::dump_paused`]
+    /// then dumps. The kernel goes on as it was.
+    async fn prepare_snapshot(
+        &self,
+        _kernel: &dyn KernelProcess,
+        _spec: LaunchSpec,
+    ) -> Result<fork::PreparedFork, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox cannot snapshot a kernel yet; the local sandbox can, as root with \
+             CRIU 4",
+            self.name()
+        )))
+    }
+    /// A new kernel for `spec` (a session with a workspace of its own) from the snapshot
+    /// `image`: its workspace a copy of the snapshot's, the images restored into a new
+    /// sandbox and woken. The snapshot stays as it is; on error nothing of the new kernel
+    /// is left.
+    async fn start_from_snapshot(
+        &self,
+        _image: &pause::PausedImage,
+        _spec: LaunchSpec,
+    ) -> Result<Launched, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox cannot start a kernel from a snapshot",
+            self.name()
+        )))
+    }
+    /// The snapshots an earlier run left with their records (each once: the first call
+    /// takes them); whoever takes one keeps or discards it.
+    async fn snapshot_images(&self) -> Vec<pause::PausedImage> {
+        Vec::new()
+    }
+    /// Removes a snapshot: its images and its copy of the workspace.
+    async fn discard_snapshot(&self, image: pause::PausedImage) {
+        fsutil::remove_dir_logged(image.dir).await;
+    }
     /// How long a launch may take before the broker gives up.
     fn launch_timeout(&self) -> Duration {
         Duration::from_secs(30)

@@ -24,7 +24,7 @@ use crate::sandbox::fork::ForkError;
 
 /// A kernel paused to disk: where its images are and what they hold. Kept beside the
 /// images as [`RECORD_NAME`] (the local sandbox), so a paused session outlives the broker.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PausedImage {
     /// The images' directory on the host (root's, beneath a root-only directory).
     pub(crate) dir: PathBuf,
@@ -205,7 +205,7 @@ pub(crate) async fn make_images_dir(
         let made = parent.join(&name);
         crate::sandbox::fsutil::create_private_dir(&parent, Some(0o700))?;
         let dir = crate::sandbox::fsutil::open_tree_root(&parent).map_err(
-            crate::sandbox::fsutil::io_err("cannot open the paused kernels' directory", &parent),
+            crate::sandbox::fsutil::io_err("cannot open the images' parent directory", &parent),
         )?;
         crate::sandbox::fsutil::make_dir_at(
             dir.as_fd(),
@@ -214,13 +214,49 @@ pub(crate) async fn make_images_dir(
             Some(ids),
         )
         .map_err(crate::sandbox::fsutil::io_err(
-            "cannot create the paused kernel's directory",
+            "cannot create the images' directory",
             &made,
         ))?;
         Ok(made)
     })
     .await
     .unwrap_or_else(|e| Err(copy_failed(format!("the task failed: {e}"))))
+}
+
+/// At startup: the images' directories in `dir` an earlier run left with their records
+/// (`what` names them in the log); anything else there (a dump cut short, before its
+/// record) goes: it holds a kernel's memory. Only root can enter `dir`.
+pub(crate) async fn keep_recorded(dir: PathBuf, what: &'static str) -> Vec<PausedImage> {
+    tokio::task::spawn_blocking(move || {
+        let mut kept = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return kept;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+            match is_dir.then(|| read_record(&path, &name)).flatten() {
+                Some(image) => kept.push(image),
+                None => {
+                    let removed = if is_dir {
+                        std::fs::remove_dir_all(&path)
+                    } else {
+                        std::fs::remove_file(&path)
+                    };
+                    if let Err(e) = removed {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot remove what an unfinished dump left");
+                    }
+                }
+            }
+        }
+        if !kept.is_empty() {
+            tracing::info!(count = kept.len(), "{what} kept by an earlier run");
+        }
+        kept
+    })
+    .await
+    .unwrap_or_default()
 }
 
 /// The broker's record of a paused kernel, in its images' directory (not an image: left out

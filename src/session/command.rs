@@ -89,6 +89,12 @@ pub(super) enum Command {
     Pause {
         done: oneshot::Sender<Result<PauseInfo, SessionError>>,
     },
+    /// Take a snapshot of the session's kernel for `spec` (the snapshot's id and own
+    /// workspace); the kernel goes on. `done` gets its images and the execution count.
+    Snapshot {
+        spec: LaunchSpec,
+        done: oneshot::Sender<Result<(crate::sandbox::pause::PausedImage, u64), SessionError>>,
+    },
     /// Resume a paused session (one that is not paused stays as it is).
     Resume {
         done: oneshot::Sender<Result<(), SessionError>>,
@@ -116,6 +122,7 @@ impl Command {
                 | Command::Fork { .. }
                 | Command::Checkpoint { .. }
                 | Command::Rewind { .. }
+                | Command::Snapshot { .. }
         )
     }
 
@@ -136,6 +143,7 @@ impl Command {
             Command::ForkCheckpoint { .. } => "fork_checkpoint",
             Command::Pause { .. } => "pause",
             Command::Resume { .. } => "resume",
+            Command::Snapshot { .. } => "snapshot",
             Command::Shutdown { .. } => "shutdown",
             Command::Detach { .. } => "detach",
         }

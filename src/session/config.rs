@@ -27,6 +27,9 @@ pub struct SessionConfig {
     /// Where paused sessions' records are kept (`<data dir>/paused-sessions`), so that a
     /// paused session outlives the broker (issue 37); `None`: paused state ends with it.
     pub paused_dir: Option<std::path::PathBuf>,
+    /// Where snapshots' records are kept (`<data dir>/snapshot-records`), so that a
+    /// snapshot outlives the broker; `None`: snapshots end with it.
+    pub snapshots_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for SessionConfig {
@@ -46,6 +49,7 @@ impl Default for SessionConfig {
             pool: PoolConfig::default(),
             keep_dir: None,
             paused_dir: None,
+            snapshots_dir: None,
         }
     }
 }

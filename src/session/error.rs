@@ -274,6 +274,37 @@ pub enum SessionError {
     /// session goes on running.
     #[error("session {session} was not paused: {why}")]
     NoRoomToPause { session: Uuid, why: String },
+    /// No snapshot of this id is the caller's (another user's answers as a missing one).
+    #[error("no snapshot {0}")]
+    SnapshotNotFound(Uuid),
+    /// The user has as many snapshots as they may keep.
+    #[error("user {user} already has {max} snapshots (the limit); delete one first")]
+    TooManySnapshots { user: String, max: usize },
+    /// A snapshot cannot be taken of the session as it is (it runs code, it shares its
+    /// user's workspace, the sandbox cannot); `why` says what would allow it.
+    #[error("session {session} cannot be snapshotted: {why}")]
+    SnapshotRefused { session: Uuid, why: String },
+    /// A snapshot asked while the session's kernel runs code (or has executions queued).
+    #[error(
+        "session {session} is running code: a snapshot is taken between executions; wait for \
+         the running execution (and those queued) to end, or interrupt it, then ask again"
+    )]
+    SnapshotBusy { session: Uuid },
+    /// The snapshot's images would leave the broker's data file system too little room.
+    #[error("session {session} was not snapshotted: {why}")]
+    NoRoomForSnapshot { session: Uuid, why: String },
+    /// Taking a snapshot (the session goes on as it was) or starting a session from one
+    /// failed; `why` says why.
+    #[error("{what} failed: {why}")]
+    SnapshotFailed {
+        what: String,
+        why: String,
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// A request that names a snapshot asks for something the snapshot is not.
+    #[error("{0}")]
+    SnapshotMismatch(String),
     /// The kernel did not answer the fork request in time.
     #[error("session {session} was not forked: its kernel did not answer the fork request within {limit:?}")]
     ForkTimedOut { session: Uuid, limit: Duration },

@@ -75,6 +75,7 @@ mod pool;
 mod recorder;
 mod registry;
 mod run_command;
+pub mod snapshot;
 mod state;
 #[cfg(test)]
 pub(crate) mod testing;

@@ -49,4 +49,5 @@ mod sandbox_docker_parent;
 mod sandbox_local;
 mod sandbox_pty;
 mod sessions;
+mod snapshot;
 mod workspace_option;

@@ -172,13 +172,16 @@ async fn create(
         .map_err(|e| E2bError::bad_request(format!("envVars: {e}")))?;
     let metadata = metadata_of(req.metadata.as_ref())?;
     let user = caller.0 .0.clone();
+    let mut options = session_options(&state, metadata, WorkspaceChoice::Own);
+    // `Sandbox.create(snapshot_id)`: a template that is one of the caller's snapshots.
+    options.snapshot = req
+        .template_id
+        .as_deref()
+        .and_then(|t| state.registry.find_snapshot(&user.name, t))
+        .map(|s| s.snapshot_id);
     let session = state
         .registry
-        .create_session(user.create_request(session_options(
-            &state,
-            metadata,
-            WorkspaceChoice::Own,
-        )))
+        .create_session(user.create_request(options))
         .await?;
     session.set_deadline(Some(Instant::now() + Duration::from_secs(timeout)));
     // E2B's `autoPause` (the SDKs' `lifecycle={"on_timeout": "pause"}`): paused at its

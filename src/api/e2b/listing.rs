@@ -124,7 +124,7 @@ fn read_token(given: &str, order: Order) -> Result<(DateTime<Utc>, String), List
 }
 
 /// `key=value` pairs of a query string, decoded (repeated keys kept in order).
-fn pairs(raw: &str) -> impl Iterator<Item = (&str, String)> {
+pub(super) fn pairs(raw: &str) -> impl Iterator<Item = (&str, String)> {
     raw.split('&').filter(|p| !p.is_empty()).map(|pair| {
         let key = pair.split_once('=').map_or(pair, |(k, _)| k);
         let value = crate::api::auth::url_query(pair, key).unwrap_or_default();

@@ -40,6 +40,7 @@ mod pause;
 mod process;
 mod pty;
 mod signing;
+mod snapshots;
 mod state;
 mod stream;
 mod uploads;
@@ -62,6 +63,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(control::routes())
         .merge(fork::routes())
         .merge(pause::routes())
+        .merge(snapshots::routes())
         .merge(interpreter::routes())
         .merge(envd::routes())
         .merge(uploads::routes())

@@ -60,6 +60,10 @@ pub struct CreateSessionArgs {
     /// checkpoints hold copies of its files. `shared`: the user's workspace, shared by all
     /// her sessions and kept after them.
     pub workspace: Option<WorkspaceArg>,
+    /// Start from this snapshot of yours (its id or name, from snapshot_session or
+    /// list_snapshots): its variables, imports and a copy of its files. The session then
+    /// has a workspace of its own.
+    pub snapshot: Option<String>,
 }
 
 /// Which workspace a session made through MCP works in.
@@ -107,4 +111,20 @@ pub struct RewindArgs {
     pub checkpoint_id: String,
     /// The session; leave it out to rewind this connection's own session.
     pub session_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotArgs {
+    /// A session id; leave it out to use this connection's own session.
+    pub session_id: Option<String>,
+    /// A name to find the snapshot by (letters, digits and `-_.:/`, at most 128).
+    pub name: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteSnapshotArgs {
+    /// The snapshot's id or name (the newest of that name).
+    pub snapshot: String,
 }

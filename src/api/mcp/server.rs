@@ -19,8 +19,8 @@ use rmcp::service::RequestContext;
 use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler};
 
 use super::args::{
-    CreateSessionArgs, DeleteSessionArgs, ForkSessionArgs, ReadFileArgs, RewindArgs, RunPythonArgs,
-    SessionArgs, UploadFileArgs,
+    CreateSessionArgs, DeleteSessionArgs, DeleteSnapshotArgs, ForkSessionArgs, ReadFileArgs,
+    RewindArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
 };
 use super::call::{Call, OwnSession};
 
@@ -274,6 +274,55 @@ impl McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.pause_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "Snapshot a session: a named, persistent copy of its state (variables, imports, open files, the execution count, and a copy of its files) that new sessions start from (create_session with `snapshot`), each with its own copy. The session goes on as it was. Answers the snapshot (its id, name, size) as JSON. The session must be idle and have a workspace of its own.",
+        annotations(
+            title = "Snapshot a session",
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn snapshot_session(
+        &self,
+        Parameters(args): Parameters<SnapshotArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.snapshot_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        description = "List your snapshots (id, name, the session and execution count they were taken at, size) as JSON, oldest first.",
+        annotations(
+            title = "List snapshots",
+            read_only_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_snapshots(
+        &self,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.list_snapshots_call(Call::of(context)?).await
+    }
+
+    #[tool(
+        description = "Delete a snapshot of yours (by id or name). Sessions started from it go on.",
+        annotations(
+            title = "Delete a snapshot",
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn delete_snapshot(
+        &self,
+        Parameters(args): Parameters<DeleteSnapshotArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.delete_snapshot_call(Call::of(context)?, args).await
     }
 
     #[tool(

@@ -14,8 +14,8 @@ use rmcp::ErrorData;
 use tokio::sync::mpsc;
 
 use super::args::{
-    CreateSessionArgs, DeleteSessionArgs, ForkSessionArgs, ReadFileArgs, RewindArgs, RunPythonArgs,
-    SessionArgs, UploadFileArgs,
+    CreateSessionArgs, DeleteSessionArgs, DeleteSnapshotArgs, ForkSessionArgs, ReadFileArgs,
+    RewindArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
 };
 use super::call::{internal_or, workspace, Call, Made};
 use super::content;
@@ -23,6 +23,7 @@ use super::server::McpServer;
 use crate::api::checkpoints::{CheckpointJson, CheckpointsJson};
 use crate::api::pause::PausedJson;
 use crate::api::shapes::{FileJson, SessionJson};
+use crate::api::snapshots::SnapshotJson;
 use crate::session::{
     files, CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Origin, Session,
     SessionError, Timeout, WorkspaceChoice,
@@ -302,6 +303,13 @@ impl McpServer {
     }
 
     pub(super) async fn create_session_call(&self, call: Call, args: CreateSessionArgs) -> Outcome {
+        let snapshot = match args.snapshot.as_deref() {
+            None => None,
+            Some(s) => match call.state.registry.find_snapshot(&call.caller.0.name, s) {
+                Some(found) => Some(found.snapshot_id),
+                None => return Ok(tool_error(format!("no snapshot {s:?} of yours"))),
+            },
+        };
         let created = call
             .state
             .registry
@@ -312,6 +320,7 @@ impl McpServer {
                 memory_limit_bytes: args.memory_limit_bytes,
                 provenance: call.provenance(),
                 workspace: args.workspace.unwrap_or_default().into(),
+                snapshot,
             }))
             .await;
         match created {
@@ -471,5 +480,66 @@ impl McpServer {
             )),
             Err(e) => tool_error(session_error(e)),
         })
+    }
+}
+
+/// The snapshot tools (issue 37), as `api/snapshots.rs` does them; a session starts from a
+/// snapshot through create_session's `snapshot`.
+impl McpServer {
+    pub(super) async fn snapshot_call(&self, call: Call, args: SnapshotArgs) -> Outcome {
+        let session = match self.session(&call, args.session_id.as_deref(), false).await {
+            Ok(s) => s,
+            Err(m) => return Ok(tool_error(m)),
+        };
+        match call
+            .state
+            .registry
+            .snapshot(&call.caller.0.name, session.id, args.name)
+            .await
+        {
+            Ok(info) => json_text(&SnapshotJson::from(info)),
+            Err(e) => Ok(tool_error(e.to_string())),
+        }
+    }
+
+    pub(super) async fn list_snapshots_call(&self, call: Call) -> Outcome {
+        let all: Vec<SnapshotJson> = call
+            .state
+            .registry
+            .snapshots(&call.caller.0.name, None)
+            .into_iter()
+            .map(SnapshotJson::from)
+            .collect();
+        json_text(&serde_json::json!({ "snapshots": all }))
+    }
+
+    pub(super) async fn delete_snapshot_call(
+        &self,
+        call: Call,
+        args: DeleteSnapshotArgs,
+    ) -> Outcome {
+        let user = &call.caller.0.name;
+        let Some(found) = call
+            .state
+            .registry
+            .find_snapshot(user, args.snapshot.trim())
+        else {
+            return Ok(tool_error(format!(
+                "no snapshot {:?} of yours (see list_snapshots)",
+                args.snapshot
+            )));
+        };
+        match call
+            .state
+            .registry
+            .delete_snapshot(user, found.snapshot_id)
+            .await
+        {
+            Ok(()) => Ok(CallToolResult::success(vec![ContentBlock::text(format!(
+                "deleted snapshot {}",
+                found.snapshot_id
+            ))])),
+            Err(e) => Ok(tool_error(e.to_string())),
+        }
     }
 }

@@ -32,7 +32,7 @@
 //! images. What is not carried: what a fork does not carry, and also sockets, pipes and
 //! the kernel's own output (descriptors 0-2 are `/dev/null` in the copy).
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -46,7 +46,8 @@ use crate::sandbox::criu::{
     CopyTools, NoCopyTools, Programs,
 };
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
-use crate::sandbox::fsutil::{self, io_err};
+use crate::sandbox::fsutil;
+use crate::sandbox::pause::make_images_dir;
 use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::{LaunchSpec, Launched};
 
@@ -75,15 +76,20 @@ impl LocalSandbox {
         origin: ForkOrigin,
         spec: LaunchSpec,
     ) -> Result<PreparedFork, ForkError> {
+        self.prepare_copy_in(origin, spec, self.copies_dir()).await
+    }
+
+    /// Step 1, the copy's images to go in `<images>/<spec's session id>` (a snapshot's are
+    /// kept in `<data_dir>/snapshots`).
+    pub(super) async fn prepare_copy_in(
+        &self,
+        origin: ForkOrigin,
+        spec: LaunchSpec,
+        images: PathBuf,
+    ) -> Result<PreparedFork, ForkError> {
         self.copy_tools().await?;
         let user = spec.user.clone();
-        let ids = self.kernel_ids(&user)?.ok_or_else(|| {
-            ForkError::Unsupported(
-                "a fork of a session with a workspace of its own is a copy of its kernel \
-                 made with CRIU, which the broker does only as root"
-                    .into(),
-            )
-        })?;
+        let ids = self.copy_ids(&user)?;
         let (Some(from), Some(to)) = (origin.own_workspace, spec.own_workspace) else {
             return Err(ForkError::Unsupported(
                 "a copy needs a workspace of its own on both sides".into(),
@@ -101,32 +107,11 @@ impl LocalSandbox {
             self.cfg.copy_reserve_bytes,
         )
         .await?;
-        let dir = self.copies_dir().join(spec.session_id.to_string());
         let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
             .map_err(|e| fsutil::launch_failed(&user, e))?;
-        let (own, copies, made) = (self.own_workspaces.clone(), self.copies_dir(), dir.clone());
-        let (bwrap, opts) = (self.bwrap.clone(), self.bwrap_opts.clone());
-        let host = HostRoot::probe(&[]);
-        let quota = user.limits.workspace_quota_bytes;
         let started = Instant::now();
-        let made_dirs = tokio::task::spawn_blocking(move || -> Result<_, ForkError> {
-            let to_dirs = own.prepare(to, quota, Some(ids))?;
-            fsutil::create_private_dir(&copies, Some(0o700))?;
-            let parent = fsutil::open_tree_root(&copies)
-                .map_err(io_err("cannot open the copies' directory", &copies))?;
-            let name = made.file_name().map(PathBuf::from).unwrap_or_default();
-            fsutil::make_dir_at(parent.as_fd(), &name, 0o700, Some(ids))
-                .map_err(io_err("cannot create the copy's directory", &made))?;
-            copy_args(&opts, &host, &own.dirs(from), &to_dirs, ids)
-                .ok_or_else(|| copy_failed("setpriv is missing"))
-        })
-        .await
-        .unwrap_or_else(|e| Err(copy_failed(format!("the copy task failed: {e}"))));
-        let copied = match made_dirs {
-            Ok(args) => copy_workspace(&bwrap, &args).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = copied {
+        let dir = make_images_dir(images, spec.session_id.to_string(), ids).await?;
+        if let Err(e) = self.copy_own(&user, from, to).await {
             self.give_up_copy(&user, to, dir).await;
             return Err(e);
         }
@@ -139,6 +124,43 @@ impl LocalSandbox {
             endpoints,
             room,
         ))
+    }
+
+    /// The kernel's uid and gid a copy runs as; only as root.
+    pub(super) fn copy_ids(
+        &self,
+        user: &crate::sandbox::SandboxUser,
+    ) -> Result<(u32, u32), ForkError> {
+        self.kernel_ids(user)?.ok_or_else(|| {
+            ForkError::Unsupported(
+                "a copy of a kernel into a sandbox of its own (a fork of a session with a \
+                 workspace of its own, a snapshot) is made with CRIU, which the broker does \
+                 only as root"
+                    .into(),
+            )
+        })
+    }
+
+    /// The own workspace `to` made, holding a copy of `from`'s home and `/tmp`: `cp -a` as
+    /// the kernel's uid, in namespaces of its own that show nothing of the host but `/usr`.
+    pub(super) async fn copy_own(
+        &self,
+        user: &crate::sandbox::SandboxUser,
+        from: uuid::Uuid,
+        to: uuid::Uuid,
+    ) -> Result<(), ForkError> {
+        let ids = self.copy_ids(user)?;
+        let own = self.own_workspaces.clone();
+        let opts = self.bwrap_opts.clone();
+        let quota = user.limits.workspace_quota_bytes;
+        let args = tokio::task::spawn_blocking(move || -> Result<_, ForkError> {
+            let to_dirs = own.prepare(to, quota, Some(ids))?;
+            copy_args(&opts, &HostRoot::probe(&[]), &own.dirs(from), &to_dirs, ids)
+                .ok_or_else(|| copy_failed("setpriv is missing"))
+        })
+        .await
+        .unwrap_or_else(|e| Err(copy_failed(format!("the copy task failed: {e}"))))?;
+        copy_workspace(&self.bwrap, &args).await
     }
 
     /// Steps 3 to 5 for the held child `pid` the kernel reported.
@@ -291,7 +313,7 @@ impl LocalSandbox {
         }
     }
 
-    async fn give_up_copy(
+    pub(super) async fn give_up_copy(
         &self,
         user: &crate::sandbox::SandboxUser,
         key: uuid::Uuid,
@@ -303,7 +325,11 @@ impl LocalSandbox {
 
     /// Removes the own workspace `key` a failed copy made, unless a live kernel works in it
     /// (a rewind copies into its session's).
-    async fn remove_unused_own(&self, user: &crate::sandbox::SandboxUser, key: uuid::Uuid) {
+    pub(super) async fn remove_unused_own(
+        &self,
+        user: &crate::sandbox::SandboxUser,
+        key: uuid::Uuid,
+    ) {
         if !self.kernels.any(|k| k.own_workspace == Some(key)) {
             self.remove_own(user, key).await;
         }

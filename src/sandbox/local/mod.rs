@@ -54,10 +54,12 @@ mod pause;
 mod process;
 mod python;
 mod reaper;
+mod snapshot;
+mod startup;
 mod template;
 mod terminal;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,9 +145,9 @@ pub struct LocalSandbox {
         OnceCell<Result<crate::sandbox::criu::CopyTools, crate::sandbox::criu::NoCopyTools>>,
     /// The room copies under way hold for their images (`criu/room.rs`).
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
-    /// Paused kernels an earlier run left, found at startup, until the session layer takes
-    /// them (`Sandbox::paused_images`).
-    paused_found: std::sync::Mutex<Vec<super::pause::PausedImage>>,
+    /// Paused kernels and snapshots an earlier run left, found at startup, until the
+    /// session layer takes them (`Sandbox::paused_images`, `Sandbox::snapshot_images`).
+    found: std::sync::Mutex<[Vec<super::pause::PausedImage>; 2]>,
 }
 
 impl LocalSandbox {
@@ -250,7 +252,7 @@ impl LocalSandbox {
             templates: Arc::new(template::Templates::default()),
             copy_tools: OnceCell::new(),
             copy_room: Default::default(),
-            paused_found: Default::default(),
+            found: Default::default(),
             cfg,
         })
     }
@@ -292,83 +294,6 @@ impl LocalSandbox {
             resource_dir: None,
         };
         self.launch_argv(spec, command, cgroups).await
-    }
-
-    /// Does the startup work once: creates the directories, removes runtime directories and
-    /// cgroup leaves an earlier run left behind, sets up the cgroup tree.
-    async fn startup(&self) -> Result<Option<Arc<Cgroups>>, SandboxError> {
-        self.started
-            .get_or_try_init(|| async {
-                // Kept kernels (`--keep-sessions`) are spared by the sweeps: the session
-                // layer adopts them, and discards what it does not adopt.
-                let keep = match &self.kept {
-                    Some(kept) => {
-                        let kept = kept.clone();
-                        tokio::task::spawn_blocking(move || kept.load())
-                            .await
-                            .map_err(|e| unavailable_by(format!("startup task failed: {e}"), e))?
-                            .map_err(|e| unavailable_by(format!("cannot read the kept kernels: {e}"), e))?
-                    }
-                    None => {
-                        // This run does not keep kernels: the sweeps below end what an
-                        // earlier run kept, and its tickets go with them.
-                        keep::KeptKernels::forget_all(&self.cfg.data_dir);
-                        HashSet::new()
-                    }
-                };
-                if !keep.is_empty() {
-                    tracing::info!(count = keep.len(), "kernels kept by an earlier run");
-                }
-                let spared = keep.clone();
-                fsutil::prepare_state_dirs(
-                    BACKEND,
-                    &self.cfg.data_dir,
-                    &self.workspaces,
-                    &self.run_base,
-                    move |base| sweep_run_base(base, &spared),
-                )
-                .await?;
-
-                // Paused kernels with their record stay, and so do their own workspaces.
-                let paused = self.keep_paused().await;
-                let mut spared = keep.clone();
-                spared.extend(paused.iter().filter_map(|p| p.own_workspace));
-                *crate::sync::lock(&self.paused_found) = paused;
-                self.prepare_tools_and_sweep_own(&spared).await?;
-                self.sweep_copies();
-
-                let cgroups = match &self.cgroups {
-                    Ok(cgroups) => match cgroups.setup() {
-                        Ok(()) => {
-                            let stale = cgroups.sweep_stale(&keep).await;
-                            if stale > 0 {
-                                tracing::info!(count = stale, "removed kernel cgroups left by an earlier run");
-                            }
-                            tracing::info!(version = ?cgroups.version(), bases = ?cgroups.bases(), "kernel limits enforced with cgroups");
-                            Some(cgroups.clone())
-                        }
-                        Err(e) => self.without_limits(e.to_string())?,
-                    },
-                    Err(reason) => self.without_limits(reason.to_string())?,
-                };
-                Ok(cgroups)
-            })
-            .await
-            .cloned()
-    }
-
-    fn without_limits(&self, reason: String) -> Result<Option<Arc<Cgroups>>, SandboxError> {
-        if self.cfg.require_limits {
-            Err(unavailable(format!(
-                "cannot enforce memory, CPU and process limits with cgroups: {reason}. \
-                 Run the broker as root, or give it a delegated cgroup v2 subtree \
-                 (systemd: Delegate=yes), or set require_limits = false to run kernels \
-                 without limits"
-            )))
-        } else {
-            tracing::warn!(%reason, "running kernels WITHOUT memory, CPU and process limits (require_limits = false)");
-            Ok(None)
-        }
     }
 
     /// The host uid and gid a user's kernels run as (root mode only).
@@ -497,7 +422,7 @@ impl Sandbox for LocalSandbox {
         prepared: super::fork::PreparedFork,
         pid: i64,
     ) -> Result<super::pause::PausedImage, super::fork::ForkError> {
-        self.dump_kernel_paused(prepared, pid).await
+        self.dump_kernel_held(prepared, pid).await
     }
 
     async fn resume_paused(
@@ -513,10 +438,31 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn paused_images(&self) -> Vec<super::pause::PausedImage> {
-        if let Err(e) = self.startup().await {
-            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels found");
-        }
-        std::mem::take(&mut *crate::sync::lock(&self.paused_found))
+        self.take_found(0).await
+    }
+
+    async fn prepare_snapshot(
+        &self,
+        kernel: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.prepare_kernel_snapshot(kernel, spec).await
+    }
+
+    async fn start_from_snapshot(
+        &self,
+        image: &super::pause::PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.start_kernel_from_snapshot(image, spec).await
+    }
+
+    async fn snapshot_images(&self) -> Vec<super::pause::PausedImage> {
+        self.take_found(1).await
+    }
+
+    async fn discard_snapshot(&self, image: super::pause::PausedImage) {
+        self.discard_kernel_snapshot(image).await
     }
 
     async fn run_command(

@@ -22,7 +22,7 @@ use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::fsutil;
 use crate::sandbox::pause::{
-    list_images, make_images_dir, open_checked, read_record, write_record, PausedImage,
+    keep_recorded, list_images, make_images_dir, open_checked, write_record, PausedImage,
 };
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
@@ -145,36 +145,6 @@ impl LocalSandbox {
     /// in the paused directory (a pause cut short, before its record) goes. Their images
     /// hold kernels' memory.
     pub(super) async fn keep_paused(&self) -> Vec<PausedImage> {
-        let dir = self.paused_dir();
-        tokio::task::spawn_blocking(move || {
-            let mut kept = Vec::new();
-            let Ok(entries) = std::fs::read_dir(&dir) else {
-                return kept;
-            };
-            for entry in entries.flatten() {
-                let path = entry.path();
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-                match is_dir.then(|| read_record(&path, &name)).flatten() {
-                    Some(image) => kept.push(image),
-                    None => {
-                        let removed = if is_dir {
-                            std::fs::remove_dir_all(&path)
-                        } else {
-                            std::fs::remove_file(&path)
-                        };
-                        if let Err(e) = removed {
-                            tracing::warn!(path = %path.display(), error = %e, "cannot remove what a pause left");
-                        }
-                    }
-                }
-            }
-            if !kept.is_empty() {
-                tracing::info!(count = kept.len(), "paused kernels kept by an earlier run");
-            }
-            kept
-        })
-        .await
-        .unwrap_or_default()
+        keep_recorded(self.paused_dir(), "paused kernels").await
     }
 }

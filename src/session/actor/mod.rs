@@ -302,6 +302,10 @@ impl Actor {
                 self.session.touch();
                 let _ = done.send(self.pause().await);
             }
+            Command::Snapshot { spec, done } => {
+                self.session.touch();
+                let _ = done.send(self.snapshot(spec).await);
+            }
             Command::Resume { done } => {
                 self.session.touch();
                 let _ = done.send(self.resume().await);

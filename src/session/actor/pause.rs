@@ -9,6 +9,8 @@
 use std::time::{Duration, Instant};
 
 use super::Actor;
+use crate::sandbox::fork::PreparedFork;
+use crate::sandbox::pause::PausedImage;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
 use crate::session::execution::{failed, ExecutionStatus};
@@ -37,7 +39,7 @@ impl Actor {
         }
         let started = Instant::now();
         let spec = self.child_spec();
-        let Some(live) = self.kernel.as_mut() else {
+        let Some(live) = self.kernel.as_ref() else {
             return Err(SessionError::KernelNotRunning);
         };
         let prepared = self
@@ -45,27 +47,7 @@ impl Actor {
             .prepare_pause(&*live.process, spec)
             .await
             .map_err(|e| as_pause_error(fork_error(session, e)))?;
-        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
-            .await
-            .map_err(as_pause_error)?;
-        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let reply = shell_reply(&mut live.events, &msg_id);
-        let ended = "the kernel ended before it answered";
-        let pid = match bounded_reply(session, limit, reply, ended)
-            .await
-            .and_then(|r| pid_of_reply(session, &r))
-        {
-            Ok(pid) => pid,
-            Err(e) => {
-                self.sandbox.discard_fork(prepared).await;
-                return Err(as_pause_error(e));
-            }
-        };
-        let image = self
-            .sandbox
-            .dump_paused(prepared, pid)
-            .await
-            .map_err(|e| as_pause_error(fork_error(session, e)))?;
+        let image = self.dump_held(prepared).await.map_err(as_pause_error)?;
         // The state is on disk: the kernel, its memory and its reservation go.
         if let Some(old) = self.kernel.take() {
             old.process.terminate().await;
@@ -91,6 +73,57 @@ impl Actor {
             },
         );
         Ok(info)
+    }
+
+    /// Takes a snapshot of the session's kernel for `spec` (the snapshot's id and own
+    /// workspace): the kernel's held child dumped, the kernel going on as it was.
+    pub(super) async fn snapshot(
+        &mut self,
+        spec: crate::sandbox::LaunchSpec,
+    ) -> Result<(PausedImage, u64), SessionError> {
+        let session = self.session.id;
+        if self.running.is_some() || !self.queue.is_empty() {
+            return Err(SessionError::SnapshotBusy { session });
+        }
+        let Some(live) = self.kernel.as_ref() else {
+            return Err(SessionError::KernelNotRunning);
+        };
+        let execution_count = self.session.status().execution_count;
+        let prepared = self
+            .sandbox
+            .prepare_snapshot(&*live.process, spec)
+            .await
+            .map_err(|e| as_snapshot_error(fork_error(session, e)))?;
+        let image = self.dump_held(prepared).await.map_err(as_snapshot_error)?;
+        Ok((image, execution_count))
+    }
+
+    /// Has the live kernel hold a child for `prepared` and the sandbox dump it; the kernel
+    /// goes on. A fork's errors.
+    async fn dump_held(&mut self, prepared: PreparedFork) -> Result<PausedImage, SessionError> {
+        let session = self.session.id;
+        let Some(live) = self.kernel.as_mut() else {
+            self.sandbox.discard_fork(prepared).await;
+            return Err(SessionError::KernelNotRunning);
+        };
+        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared).await?;
+        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
+        let reply = shell_reply(&mut live.events, &msg_id);
+        let ended = "the kernel ended before it answered";
+        let pid = match bounded_reply(session, limit, reply, ended)
+            .await
+            .and_then(|r| pid_of_reply(session, &r))
+        {
+            Ok(pid) => pid,
+            Err(e) => {
+                self.sandbox.discard_fork(prepared).await;
+                return Err(e);
+            }
+        };
+        self.sandbox
+            .dump_paused(prepared, pid)
+            .await
+            .map_err(|e| fork_error(session, e))
     }
 
     /// Resumes a paused session (one that is not paused is left as it is). A resume that
@@ -226,6 +259,9 @@ impl Actor {
             Command::Checkpoint { done } => {
                 let _ = done.send(Err(e));
             }
+            Command::Snapshot { done, .. } => {
+                let _ = done.send(Err(e));
+            }
             other => {
                 tracing::debug!(session = %self.session.id, error = %e, command = other.name(), "not resumed");
             }
@@ -253,6 +289,33 @@ fn as_pause_error(e: SessionError) -> SessionError {
         SessionError::ForkTimedOut { session, limit } => SessionError::PauseFailed {
             session,
             action: "pause",
+            why: format!("its kernel did not answer within {limit:?}"),
+            source: None,
+        },
+        e => e,
+    }
+}
+
+/// A fork's error as the snapshot's (a refusal stays a refusal: 409).
+fn as_snapshot_error(e: SessionError) -> SessionError {
+    match e {
+        SessionError::ForkRefused { session, why } => {
+            SessionError::SnapshotRefused { session, why }
+        }
+        SessionError::NoRoomForCopy { session, why } => {
+            SessionError::NoRoomForSnapshot { session, why }
+        }
+        SessionError::ForkFailed {
+            session,
+            why,
+            source,
+        } => SessionError::SnapshotFailed {
+            what: format!("a snapshot of session {session}"),
+            why,
+            source,
+        },
+        SessionError::ForkTimedOut { session, limit } => SessionError::SnapshotFailed {
+            what: format!("a snapshot of session {session}"),
             why: format!("its kernel did not answer within {limit:?}"),
             source: None,
         },

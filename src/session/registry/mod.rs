@@ -10,6 +10,7 @@ mod fork;
 mod keep;
 mod own;
 mod pause;
+mod snapshot;
 #[cfg(test)]
 mod tests;
 
@@ -68,6 +69,8 @@ struct Inner {
     kept: Option<Arc<super::kept::KeptSessions>>,
     /// Paused sessions' records (`<data_dir>/paused-sessions`): they outlive the broker.
     paused_records: Option<Arc<super::kept::KeptSessions>>,
+    /// Every user's snapshots (`registry/snapshot.rs`).
+    snapshots: super::snapshot::Snapshots,
 }
 
 /// All sessions of the broker. Cheap to clone.
@@ -100,6 +103,9 @@ pub struct CreateOptions {
     pub provenance: Provenance,
     /// The user's shared workspace, or one of the session's own.
     pub workspace: WorkspaceChoice,
+    /// Start from this snapshot of the user's (its kernel, state and a copy of its
+    /// workspace; the session has a workspace of its own).
+    pub snapshot: Option<Uuid>,
 }
 
 /// What a new session is: its kernel spec, idle timeout, limits, memory reservation and
@@ -141,8 +147,10 @@ impl Registry {
                 })
                 .ok()
         });
+        let snapshots = super::snapshot::Snapshots::open(config.snapshots_dir.as_deref());
         let inner = Arc::new(Inner {
             paused_records,
+            snapshots,
             table: Mutex::new(Table::default()),
             sandbox,
             config,
@@ -199,11 +207,12 @@ impl Registry {
         &self,
         user: &SandboxUser,
         max_sessions: usize,
-        opts: CreateOptions,
+        mut opts: CreateOptions,
     ) -> Result<Arc<Session>, SessionError> {
         if self.inner.shutdown.is_cancelled() {
             return Err(SessionError::ShuttingDown);
         }
+        let snapshot = self.snapshot_to_start(&user.name, &mut opts)?;
         let kernel_name = match opts.kernel {
             Some(k) if !self.inner.kernels.contains(&k) => {
                 return Err(SessionError::UnknownKernel(k))
@@ -299,7 +308,7 @@ impl Registry {
                     provenance: opts.provenance,
                     own_workspace,
                 };
-                self.launch(id, user, shape, pooled).await
+                self.launch(id, user, shape, pooled, snapshot).await
             }
             Err(e) => Err(e),
         };
@@ -345,14 +354,16 @@ impl Registry {
         user: &SandboxUser,
         shape: Shape,
         pooled: Option<Live>,
+        snapshot: Option<Arc<super::snapshot::Snapshot>>,
     ) -> Result<Arc<Session>, SessionError> {
         let asked = Instant::now();
         let cfg = &self.inner.config;
         let (session, commands_rx) = self.new_session(id, user, shape, None);
         let from_pool = pooled.is_some();
-        let live = match pooled {
-            Some(live) => live,
-            None => {
+        let live = match (pooled, &snapshot) {
+            (Some(live), _) => live,
+            (None, Some(snapshot)) => self.start_from_snapshot(&session, snapshot).await?,
+            (None, None) => {
                 start_kernel(
                     &self.inner.sandbox,
                     session.launch_spec(Signer::random_key()),
@@ -361,7 +372,8 @@ impl Registry {
                 .await?
             }
         };
-        self.start_session(&session, commands_rx, live, asked, from_pool, None)
+        let from = snapshot.map(|s| s.lineage());
+        self.start_session(&session, commands_rx, live, asked, from_pool, from)
             .await;
         tracing::info!(session = %id, user = %user.name, "session started");
         Ok(session)

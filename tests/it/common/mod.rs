@@ -247,6 +247,7 @@ impl Drop for Broker {
     }
 }
 
+#[derive(Clone)]
 pub struct Api {
     pub http: reqwest::Client,
     pub base: String,
