@@ -191,6 +191,9 @@ impl KernelProcess for EgressKernel {
     fn release(&self) {
         self.inner.release()
     }
+    fn kernel_id(&self) -> Option<Uuid> {
+        self.inner.kernel_id()
+    }
     async fn network_pid(&self) -> Option<i32> {
         self.inner.network_pid().await
     }

@@ -253,6 +253,11 @@ pub trait KernelProcess: Send + Sync {
     /// The kernel serves `session` from now on (a pooled kernel handed to a session), so
     /// what it does is attributed to that session.
     fn serves(&self, _session: Uuid) {}
+    /// The id the sandbox launched (and keeps) this kernel under: its session's, or, for a
+    /// kernel a resume or a rewind made, a kernel id of its own (`None`: not known).
+    fn kernel_id(&self) -> Option<Uuid> {
+        None
+    }
     /// Where this kernel can be forked (`fork.rs`); `None`: it cannot be.
     fn fork_origin(&self) -> Option<fork::ForkOrigin> {
         None

@@ -239,11 +239,22 @@ pub(crate) async fn keep_recorded(dir: PathBuf, what: &'static str) -> Vec<Pause
             match is_dir.then(|| read_record(&path, &name)).flatten() {
                 Some(image) => kept.push(image),
                 None => {
-                    let removed = if is_dir {
-                        std::fs::remove_dir_all(&path)
-                    } else {
-                        std::fs::remove_file(&path)
-                    };
+                    // A CRIU an earlier run started may still be writing in it (the broker
+                    // was killed mid-dump, CRIU was not): tried again for a few seconds.
+                    let mut removed = Ok(());
+                    for attempt in 0..10 {
+                        if attempt > 0 {
+                            std::thread::sleep(std::time::Duration::from_millis(300));
+                        }
+                        removed = if is_dir {
+                            std::fs::remove_dir_all(&path)
+                        } else {
+                            std::fs::remove_file(&path)
+                        };
+                        if removed.is_ok() {
+                            break;
+                        }
+                    }
                     if let Err(e) = removed {
                         tracing::warn!(path = %path.display(), error = %e, "cannot remove what an unfinished dump left");
                     }

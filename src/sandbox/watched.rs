@@ -222,6 +222,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
         self.kernel.watch().request_release();
     }
 
+    fn kernel_id(&self) -> Option<uuid::Uuid> {
+        Some(self.kernel.watch().session_id)
+    }
+
     fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
         if self.kernel.watch().has_exited() {
             return None;

@@ -98,14 +98,15 @@ impl Session {
 /// A paused session's record, which lets it outlive the broker.
 impl Session {
     /// Records the session as paused with the images of kernel `kernel` (the next run
-    /// resumes it from them); its record of a kept kernel goes (there is none to adopt).
+    /// resumes it from them); its record of a kept kernel goes (there is none to adopt)
+    /// until a resume gives it a kernel again.
     pub(crate) async fn save_paused(&self, kernel: uuid::Uuid) {
         if let Some(store) = &self.paused_records {
             let mut record = self.record(true);
             record.paused_kernel = Some(kernel);
             store.save(record).await;
         }
-        self.forget_record().await;
+        self.set_aside_record().await;
     }
 
     /// Removes the session's paused record: it runs again, or it is gone.

@@ -280,7 +280,11 @@ impl Session {
     /// The session's record as of now (`--keep-sessions`); `stopped` when the broker is
     /// letting go of it.
     pub(crate) fn record(&self, stopped: bool) -> SessionRecord {
-        let key = self.locked().kernel_key.clone();
+        let (key, kernel_id) = {
+            let state = self.locked();
+            let kernel = state.process.as_ref().and_then(|p| p.kernel_id());
+            (state.kernel_key.clone(), kernel.filter(|k| *k != self.id))
+        };
         let s = self.status.borrow();
         SessionRecord {
             id: self.id,
@@ -302,6 +306,7 @@ impl Session {
             metadata: self.provenance.metadata.clone(),
             own_workspace: self.own_workspace,
             paused_kernel: None,
+            kernel_id,
         }
     }
 
@@ -310,6 +315,14 @@ impl Session {
     pub(crate) async fn persist(&self, stopped: bool) {
         if let Some(file) = &self.record_file {
             file.save(|| self.record(stopped)).await;
+        }
+    }
+
+    /// Removes the session's record until its next save (it is paused: its paused record
+    /// stands for it).
+    pub(crate) async fn set_aside_record(&self) {
+        if let Some(file) = &self.record_file {
+            file.set_aside(self.id).await;
         }
     }
 

@@ -62,6 +62,10 @@ pub struct SessionRecord {
     /// run resumes it from. Such records are kept in `<data_dir>/paused-sessions`.
     #[serde(default)]
     pub paused_kernel: Option<Uuid>,
+    /// The id the sandbox keeps the session's kernel under when it is not the session's
+    /// (a kernel a resume or a rewind made): what the next run adopts.
+    #[serde(default)]
+    pub kernel_id: Option<Uuid>,
 }
 
 /// The records' directory.
@@ -200,6 +204,17 @@ impl RecordFile {
         drop(written);
     }
 
+    /// Removes session `id`'s record until its next save (a paused session's kernel is
+    /// gone; the session's paused record stands for it until a resume makes one again).
+    pub async fn set_aside(&self, id: Uuid) {
+        let mut written = self.written.lock().await;
+        if written.forgotten {
+            return;
+        }
+        written.last = None;
+        self.kept.remove(id).await;
+    }
+
     /// Removes session `id`'s record for good.
     pub async fn remove(&self, id: Uuid) {
         let mut written = self.written.lock().await;
@@ -236,6 +251,7 @@ mod tests {
             metadata: Metadata::default(),
             own_workspace: None,
             paused_kernel: None,
+            kernel_id: None,
         }
     }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 on_one_backend!(
     a_paused_session_outlives_the_broker,
+    a_broker_killed_mid_pause_loses_nothing_acknowledged,
     idle_sessions_pause_by_themselves_and_paused_ones_expire,
     what_cannot_be_paused_is_refused_and_goes_on_running,
 );
@@ -22,6 +23,7 @@ crate::on_both_backends!(
     a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on,
     a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
     another_users_session_cannot_be_paused_or_resumed,
+    a_jupyter_client_on_a_paused_session_resumes_it,
 );
 
 async fn own(api: &Api) -> String {
@@ -495,5 +497,165 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         wait_until(Duration::from_secs(20), paused).await,
         "paused by itself again after the restart"
     );
+    broker.halt(Stop::Term).await;
+}
+
+/// JupyterLab (or any Jupyter client) on a paused session's channels: its first message
+/// (`kernel_info_request`, which every client sends on connecting) resumes the kernel, and
+/// it answers with the state it was paused with.
+async fn a_jupyter_client_on_a_paused_session_resumes_it(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "x = 41\nit = iter('abc'); next(it)").await;
+    assert_eq!(pause(&api, &a).await.0, 200);
+
+    let mut ws = jupyter_channels(&broker, &a, "lab-1").await;
+    // Connected, not yet resumed: a connection alone uses no kernel.
+    assert_eq!(state_of(&api, &a).await["state"], "paused");
+    let info = jupyter_send(
+        &mut ws,
+        "lab-1",
+        ("shell", "kernel_info_request"),
+        json!({}),
+    )
+    .await;
+    let reply = loop {
+        let v = ws_next(&mut ws).await;
+        if v["msg_type"] == "kernel_info_reply" {
+            break v;
+        }
+    };
+    assert_eq!(reply["parent_header"]["msg_id"], info.as_str());
+    assert_eq!(reply["content"]["status"], "ok", "{reply}");
+    assert_eq!(state_of(&api, &a).await["state"], "idle");
+    let run = jupyter_send(
+        &mut ws,
+        "lab-1",
+        ("shell", "execute_request"),
+        json!({"code": "print(x + 1, next(it))", "silent": false, "store_history": true,
+               "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
+    )
+    .await;
+    let text = loop {
+        let v = ws_next(&mut ws).await;
+        if v["msg_type"] == "stream" && v["parent_header"]["msg_id"] == run.as_str() {
+            break v["content"]["text"].as_str().unwrap().to_string();
+        }
+    };
+    assert_eq!(text.trim(), "42 b");
+    drop(ws);
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    broker.stop().await;
+}
+
+/// `kill -9` of the broker while a pause is under way, at points from before the dump to
+/// after the answer (`--keep-sessions`, so that a running session outlives the broker
+/// too): the next run has the session, paused or running, with everything its executions
+/// were answered for; nothing of an unfinished pause is left on disk.
+async fn a_broker_killed_mid_pause_loses_nothing_acknowledged(sandbox: &'static str) {
+    use common::spawned::{SpawnedBroker, Stop};
+    if !criu_ready() || sandbox != "local" {
+        return;
+    }
+    let mut broker = SpawnedBroker::start(&["--keep-sessions"], None);
+    let mut states = std::collections::BTreeSet::new();
+    for (round, delay_ms) in [0u64, 15, 40, 80, 120, 180, 300, 2000]
+        .into_iter()
+        .enumerate()
+    {
+        // A kernel of this run (one adopted from an earlier run cannot be paused).
+        let api = broker.api(ALICE);
+        let a = own(&api).await;
+        // Acknowledged: this execution's answer.
+        let set =
+            format!("import numpy as np\nv = np.arange(2_000_000)\nstep = {round}\nprint(step)");
+        assert_eq!(out(&api, &a, &set).await, round.to_string());
+        let url = format!("{}/v1/sessions/{a}/pause", api.base);
+        let asked = api.http.post(url).bearer_auth(&api.token).json(&json!({}));
+        // Its answer may never come: the broker is killed under it.
+        let pausing = tokio::spawn(async move { asked.send().await.map(|r| r.status().as_u16()) });
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let answered = pausing.is_finished();
+        if answered {
+            assert_eq!(pausing.await.unwrap().unwrap(), 200, "round {round}");
+        } else {
+            pausing.abort();
+        }
+        broker.restart(Stop::Kill).await;
+        let api = broker.api(ALICE);
+        let s = state_of(&api, &a).await;
+        let state = s["state"].as_str().unwrap().to_string();
+        assert!(state == "paused" || state == "idle", "round {round}: {s}");
+        if answered {
+            assert_eq!(state, "paused", "an answered pause stays done");
+        }
+        states.insert(state);
+        // Everything acknowledged is there, whichever way the pause went.
+        assert_eq!(
+            out(&api, &a, "print(step, int(v.sum()))").await,
+            format!("{round} 1999999000000"),
+            "round {round} ({delay_ms} ms)"
+        );
+        // What an unfinished pause left is gone; a finished one's images went on resuming.
+        assert!(
+            paused_images(&broker.data_dir()).is_empty(),
+            "round {round}"
+        );
+        assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    }
+    // The last kill comes after the pause was answered.
+    assert!(states.contains("paused"), "{states:?}");
+    println!("states after the kills mid-pause: {states:?}");
+
+    // And mid-resume: a paused session whose next execution is under way when the broker
+    // is killed comes back paused or running, with its state.
+    let mut states = std::collections::BTreeSet::new();
+    for (round, delay_ms) in [0u64, 20, 50, 90, 140, 200, 2000].into_iter().enumerate() {
+        let api = broker.api(ALICE);
+        let a = own(&api).await;
+        out(&api, &a, &format!("w = {round} * 1000")).await;
+        assert_eq!(pause(&api, &a).await.0, 200);
+        let url = format!("{}/v1/sessions/{a}/execute", api.base);
+        let asked = api
+            .http
+            .post(url)
+            .bearer_auth(&api.token)
+            .json(&json!({"code": "w += 1"}));
+        let resuming = tokio::spawn(async move { asked.send().await.map(|r| r.status().as_u16()) });
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let answered = resuming.is_finished();
+        resuming.abort();
+        broker.restart(Stop::Kill).await;
+        let api = broker.api(ALICE);
+        let (status, s) = api.get(&format!("/v1/sessions/{a}")).await;
+        if status != 200 {
+            for l in broker.log_lines(&a) {
+                println!("LOG {l}");
+            }
+            for l in broker.log_lines("adopt") {
+                println!("LOG {l}");
+            }
+        }
+        assert_eq!(status, 200, "round {round} ({delay_ms} ms): {s}");
+        let state = s["state"].as_str().unwrap().to_string();
+        assert!(state == "paused" || state == "idle", "round {round}: {s}");
+        states.insert(state);
+        let w = out(&api, &a, "print(w)").await;
+        let before = (round * 1000).to_string();
+        let after = (round * 1000 + 1).to_string();
+        assert!(
+            w == before || w == after,
+            "round {round} ({delay_ms} ms): {w}"
+        );
+        if answered {
+            assert_eq!(w, after, "an answered execution stays done");
+        }
+        assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    }
+    println!("states after the kills mid-resume: {states:?}");
     broker.halt(Stop::Term).await;
 }

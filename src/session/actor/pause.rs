@@ -48,6 +48,11 @@ impl Actor {
             .await
             .map_err(|e| as_pause_error(fork_error(session, e)))?;
         let image = self.dump_held(prepared).await.map_err(as_pause_error)?;
+        // Recorded before the kernel ends: a broker killed from here on finds the session
+        // paused at its next start (its kept kernel, if any, is then let go); killed before
+        // it, the session's kernel (kept with --keep-sessions) runs on as it was.
+        let kernel_id = image.kernel_id;
+        self.session.save_paused(kernel_id).await;
         // The state is on disk: the kernel, its memory and its reservation go.
         if let Some(old) = self.kernel.take() {
             old.process.terminate().await;
@@ -60,11 +65,8 @@ impl Actor {
             took: started.elapsed(),
         };
         tracing::info!(%session, image_bytes = image.bytes, dump_ms = image.dump_time.as_millis() as u64, ms = info.took.as_millis() as u64, "session paused");
-        let kernel_id = image.kernel_id;
         self.paused = Some(image);
         self.session.set_state(SessionState::Paused);
-        // Recorded before it is answered: a paused session outlives the broker.
-        self.session.save_paused(kernel_id).await;
         self.recorder.event(
             &self.session,
             &LifecycleEvent::SessionPaused {
@@ -181,9 +183,12 @@ impl Actor {
             }
         };
         self.session.set_memory(memory);
+        // The running kernel recorded (`--keep-sessions`) before the paused record goes,
+        // and that before the images: a broker killed at any point here finds the session
+        // kept, or paused with its images, at its next start.
         let _ = self.swap_live(live).await;
-        self.sandbox.discard_paused(image).await;
         self.session.forget_paused().await;
+        self.sandbox.discard_paused(image).await;
         self.session.set_state(SessionState::Idle);
         let execution_count = self.session.status().execution_count;
         tracing::info!(%session, ms = started.elapsed().as_millis() as u64, "session resumed");

@@ -148,7 +148,8 @@ impl Registry {
     /// The kept kernel of `record`, adopted and connected again, or why not.
     async fn reconnect(&self, record: &SessionRecord, user: &SandboxUser) -> Outcome {
         let spec = AdoptSpec {
-            session_id: record.id,
+            // Kept under its own id when a resume or a rewind made it.
+            session_id: record.kernel_id.unwrap_or(record.id),
             user: user.clone(),
             limits: limits_of(record),
         };
