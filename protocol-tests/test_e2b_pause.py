@@ -165,3 +165,49 @@ def test_a_sandbox_made_to_pause_at_its_timeout_pauses_instead_of_ending(e2b_env
         assert 30 < (same.get_info().end_at.timestamp() - time.time()) <= 60
     finally:
         sbx.kill()
+
+
+@needs_criu
+def test_a_paused_sandbox_outlives_the_broker(fresh_broker, monkeypatch):
+    """An E2B user pauses a sandbox (or lets `autoPause` do it) and comes back after the
+    broker was restarted (SIGTERM, then kill -9): `Sandbox.connect` finds it paused, with its
+    metadata, and resumes it with its state; its contexts come back too."""
+    import socket
+
+    from e2b_code_interpreter import Sandbox
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = fresh_broker(listen=f"127.0.0.1:{port}")
+    for name, value in (("E2B_API_URL", first.url + "/e2b"), ("E2B_SANDBOX_URL", first.url + "/e2b/sandbox"), ("E2B_API_KEY", ALICE)):
+        monkeypatch.setenv(name, value)
+    sbx = Sandbox.create(timeout=120, metadata={"run": "r-7"})
+    try:
+        prepared(sbx)
+        ctx = sbx.create_code_context()
+        assert sbx.run_code("in_ctx = 'ctx'", context=ctx).error is None
+        assert sbx.pause() is True
+        data = first.data_dir
+        first.terminate()
+        second = fresh_broker(listen=f"127.0.0.1:{port}", data_dir=data)
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.state == e2b.SandboxState.PAUSED, info
+        assert info.metadata == {"run": "r-7"}, info
+        listed = Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED])).next_items()
+        assert sbx.sandbox_id in {s.sandbox_id for s in listed}
+        same = Sandbox.connect(sbx.sandbox_id, timeout=90)
+        as_it_was(same)
+        assert same.run_code("in_ctx", context=ctx).text == "ctx"
+        # Paused again, and the broker killed: it is still there.
+        assert same.pause() is True
+        second.kill9()
+        fresh_broker(listen=f"127.0.0.1:{port}", data_dir=data)
+        again = Sandbox.connect(sbx.sandbox_id, timeout=90)
+        assert again.run_code("kept['answer']").text == "42"
+        assert [c.id for c in again.list_code_contexts()].count(ctx.id) == 1
+    finally:
+        try:
+            Sandbox.kill(sbx.sandbox_id)
+        except Exception:
+            pass

@@ -92,6 +92,10 @@ impl FromRequestParts<AppState> for ApiKeyUser {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, E2bError> {
+        // The sandboxes an earlier run left, known again before anything is looked up.
+        if let Some(e2b) = parts.extensions.get::<Arc<E2bState>>() {
+            e2b.recover(&state.registry);
+        }
         let ip = client_ip(parts);
         let key = parts
             .headers
@@ -135,6 +139,7 @@ impl FromRequestParts<AppState> for SandboxCaller {
             .get::<Arc<E2bState>>()
             .cloned()
             .ok_or_else(|| E2bError::internal("e2b state", "the E2B router has no state"))?;
+        e2b.recover(&state.registry);
         let (id, token) = sandbox_headers(&parts.headers);
         let id = id.ok_or_else(|| {
             E2bError::bad_request(

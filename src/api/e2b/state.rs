@@ -1,7 +1,11 @@
 //! What the E2B API knows of each sandbox beyond its session: the template it was asked
 //! for, its metadata and environment, its contexts (more sessions) and its running
-//! commands. Kept in memory: after a broker restart (`--keep-sessions`) a sandbox's
-//! session lives on, and this comes back empty (no metadata, no contexts).
+//! commands. Kept in memory: after a broker restart a sandbox's session may live on (kept
+//! with `--keep-sessions`, or paused); the first E2B request after the start rebuilds its
+//! record from the session ([`E2bState::recover`]): its metadata (as text), its start time
+//! and its contexts come back; its template reads `code-interpreter-v1`, its `envVars`
+//! are not known again (the kernel's environment keeps them) and its commands ended with
+//! the broker.
 //!
 //! A sandbox's end (kill, or its deadline through the session layer's expiry) takes its
 //! contexts and commands along: a watcher task per sandbox waits for the session's final
@@ -34,6 +38,8 @@ pub struct SandboxMeta {
 
 pub struct E2bState {
     sandboxes: Mutex<HashMap<Uuid, SandboxMeta>>,
+    /// Whether the sandboxes an earlier run left were looked for ([`Self::recover`]).
+    recovered: std::sync::atomic::AtomicBool,
     /// What each user's commands' unread output may hold of the broker's memory.
     pub command_output: ByteBudgets,
     /// What each user's executions' unread output (`/execute` lines) may hold.
@@ -54,6 +60,7 @@ impl Default for E2bState {
     fn default() -> Self {
         Self {
             sandboxes: Mutex::default(),
+            recovered: Default::default(),
             command_output: ByteBudgets::new(COMMAND_OUTPUT_BUDGET),
             execution_output: ByteBudgets::new(EXECUTION_OUTPUT_BUDGET),
             watchers: Default::default(),
@@ -96,6 +103,64 @@ impl E2bState {
             session.ended().await;
             state.end(&registry, &session.user.name, session.id).await;
         });
+    }
+}
+
+impl E2bState {
+    /// Once, at the first E2B request after a start: a record for each sandbox the session
+    /// layer took back from an earlier run (a session the E2B API made, with its own
+    /// workspace), and its contexts (E2B sessions working in that workspace), each watched
+    /// as a created one is.
+    pub fn recover(self: &Arc<Self>, registry: &Registry) {
+        if self
+            .recovered
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        let all = registry.all();
+        let e2b = |s: &Session| s.provenance.front_door == crate::session::FrontDoor::E2b;
+        let mut recovered = 0;
+        for sandbox in all
+            .iter()
+            .filter(|s| e2b(s) && s.own_workspace == Some(s.id))
+        {
+            if self.with(sandbox.id, |_| ()).is_some() {
+                continue;
+            }
+            let contexts = all
+                .iter()
+                .filter(|c| e2b(c) && c.id != sandbox.id && c.own_workspace == Some(sandbox.id))
+                .map(|c| c.id)
+                .collect();
+            let metadata = sandbox
+                .provenance
+                .metadata
+                .entries()
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .collect();
+            self.insert(
+                sandbox.id,
+                SandboxMeta {
+                    template: "code-interpreter-v1".into(),
+                    metadata,
+                    env: Vec::new(),
+                    started_at: sandbox.created_at,
+                    contexts,
+                    context_cwds: HashMap::new(),
+                    commands: HashMap::new(),
+                },
+            );
+            self.watch(registry.clone(), sandbox.clone());
+            recovered += 1;
+        }
+        if recovered > 0 {
+            tracing::info!(
+                count = recovered,
+                "E2B sandboxes taken back from an earlier run"
+            );
+        }
     }
 }
 
