@@ -245,7 +245,52 @@ def validate_hold(hold, root):
         raise ForkRefused("'hold.connection_file' must be an absolute, normalised path")
     if os.path.commonpath([root, os.path.dirname(path)]) != root:
         raise ForkRefused("'hold.connection_file' is outside the fork directory")
-    return {"connection_file": path}
+    private = hold.get("private", [])
+    if (
+        not isinstance(private, list)
+        or len(private) > 8
+        or not all(
+            isinstance(p, str) and p and "\0" not in p and len(p) <= 256 and os.path.isabs(p)
+            for p in private
+        )
+    ):
+        raise ForkRefused("'hold.private' must be a list of at most 8 absolute paths")
+    return {"connection_file": path, "private": [os.path.normpath(p) for p in private]}
+
+
+def private_files(prefixes):
+    """What this process holds under `prefixes` (directories that do not outlive its
+    sandbox): open files, mapped files and its working directory; sorted."""
+    if not prefixes:
+        return []
+
+    def under(path):
+        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+    found = set()
+    for fd in open_fds():
+        try:
+            target = os.readlink("/proc/self/fd/%d" % fd)
+        except OSError:
+            continue
+        if under(target):
+            found.add(target)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and under(parts[5].strip()):
+                    found.add(parts[5].strip())
+    except OSError:
+        pass
+    try:
+        cwd = os.getcwd()
+        if under(cwd):
+            found.add(cwd + " (its working directory)")
+    except OSError:
+        pass
+    return sorted(found)
 
 
 def handle(app, kernel, stream, ident, parent):
@@ -444,7 +489,7 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         close_machinery(_MACHINERY or {}, keep={ready_fd})
         _MACHINERY = None
         if hold is not None:
-            be_held(ready_fd)
+            be_held(ready_fd, hold.get("private") or [])
             ready_fd = None
             info = woken(hold, fork_root(old_app))
         _BEFORE_BUILD = frozenset(open_fds())
@@ -475,9 +520,11 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         os._exit(code)
 
 
-def be_held(ready_fd):
+def be_held(ready_fd, private=()):
     """In a held child: keeps only its regular files (0-2 on ``/dev/null``), answers on
-    `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace."""
+    `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace.
+    Refuses (says why on `ready_fd` and exits) when it holds anything under `private`:
+    directories of its sandbox that the sandbox it will be restored in does not have."""
     global _STD_TARGETS
     # The kernel's own output (what 1 and 2 went to, and the streams' copies of them) is
     # not carried, even where it is a file (a log in the sandbox's /tmp that the sandbox
@@ -504,6 +551,13 @@ def be_held(ready_fd):
     for fd in (0, 1, 2):
         os.dup2(null, fd, inheritable=True)
     os.close(null)
+    held = private_files(private)
+    if held:
+        shown = ", ".join(held[:5]) + (" and %d more" % (len(held) - 5) if len(held) > 5 else "")
+        say(ready_fd, {"error": "it holds %s, in its sandbox's own %s, which would not come "
+                       "back: close it (or use a session with a workspace of its own)"
+                       % (shown, " or ".join(private))})
+        os._exit(1)
     signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
     say(ready_fd, {"pid": os.getpid()})
     os.close(ready_fd)

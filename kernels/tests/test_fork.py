@@ -630,6 +630,10 @@ BAD_HOLDS = {
     "connection file with ..": {"connection_file": "{dir}/x/../../c.json"},
     "connection file outside the fork directory": {"connection_file": "/etc/c.json"},
     "connection file with a NUL": {"connection_file": "{dir}/c\0.json"},
+    "private not a list": {"connection_file": "{dir}/c.json", "private": "/tmp"},
+    "private relative": {"connection_file": "{dir}/c.json", "private": ["tmp"]},
+    "private not strings": {"connection_file": "{dir}/c.json", "private": [3]},
+    "private too many": {"connection_file": "{dir}/c.json", "private": ["/tmp"] * 9},
 }
 
 
@@ -639,7 +643,7 @@ def test_bad_hold_requests_are_refused(kernel, tmp_path, case):
     run(kc, "x = 'still here'")
     hold = BAD_HOLDS[case]
     if isinstance(hold, dict) and isinstance(hold.get("connection_file"), str):
-        hold = {"connection_file": hold["connection_file"].format(dir=str(tmp_path))}
+        hold = dict(hold, connection_file=hold["connection_file"].format(dir=str(tmp_path)))
     reply = fork_request(kc, {"hold": hold})
     assert reply["status"] == "error", reply
     assert reply["ename"] == "ForkRefused" and reply["evalue"]
@@ -707,3 +711,33 @@ def test_a_held_child_keeps_only_its_files_and_wakes_only_for_the_broker(kernel,
         os.kill(pid, signal.SIGKILL)
     # The parent goes on, its own file where it was.
     assert value(kc, "held_file.readline()") == repr("two\n")
+
+
+def test_a_held_child_holding_what_would_not_come_back_refuses(kernel, tmp_path):
+    """A kernel sharing its user's workspace is paused with `"private"`: the directories of
+    its sandbox that the one it resumes in will not have. A held child holding a file there
+    (open, mapped, or as its working directory) refuses, naming it, and is gone; the kernel
+    goes on, and once it lets go the hold is granted."""
+    kc = kernel.client
+    private = tmp_path / "private"
+    private.mkdir()
+    run(kc, "import mmap, os\npf = open(%r, 'w+')\npf.write('x' * 4096); pf.flush()\n"
+            "mm = mmap.mmap(pf.fileno(), 4096)" % str(private / "held.txt"))
+    hold = {"connection_file": str(tmp_path / "c.json"), "private": [str(private)]}
+    reply = fork_request(kc, {"hold": hold})
+    assert reply["status"] == "error" and reply["ename"] == "ForkRefused", reply
+    assert str(private / "held.txt") in reply["evalue"] and "would not come back" in reply["evalue"]
+    assert value(kc, "mm[:1]") == repr(b"x")
+    # Mapped only (the file closed), it still refuses; as its working directory too.
+    run(kc, "pf.close()")
+    assert fork_request(kc, {"hold": hold})["status"] == "error"
+    run(kc, "mm.close(); os.chdir(%r)" % str(private))
+    reply = fork_request(kc, {"hold": hold})
+    assert reply["status"] == "error" and "working directory" in reply["evalue"], reply
+    run(kc, "os.chdir('/')")
+    reply = fork_request(kc, {"hold": hold})
+    assert reply["status"] == "ok", reply
+    try:
+        os.kill(reply["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass

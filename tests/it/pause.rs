@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 on_one_backend!(
+    a_session_sharing_its_users_workspace_pauses_too,
     a_paused_session_outlives_the_broker,
     a_broker_killed_mid_pause_loses_nothing_acknowledged,
     idle_sessions_pause_by_themselves_and_paused_ones_expire,
@@ -284,17 +285,24 @@ async fn a_damaged_paused_kernel_leaves_the_session_dead_saying_why(sandbox: &'s
 async fn what_cannot_be_paused_is_refused_and_goes_on_running(sandbox: &'static str) {
     let broker = Broker::start(sandbox, |_| {}).await;
     let api = broker.api(ALICE);
-    // A session sharing its user's workspace: not yet.
+    // A session sharing its user's workspace that holds a file of its sandbox's own /tmp
+    // (memory, gone with that sandbox): it would not come back, so it is not paused.
     let (_, v) = api.post("/v1/sessions", json!({})).await;
     let shared = v["id"].as_str().unwrap().to_string();
-    out(&api, &shared, "z = 3").await;
+    out(&api, &shared, "z = 3\nt = open('/tmp/scratch.txt', 'w+')").await;
     let (status, v) = pause(&api, &shared).await;
-    assert_eq!(status, 409, "{v}");
-    assert_eq!(v["error"]["code"], "pause_refused", "{v}");
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("\"own\""),
-        "{v}"
-    );
+    if criu_ready() {
+        assert_eq!(status, 502, "{v}");
+        assert_eq!(v["error"]["code"], "pause_failed", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains("/tmp/scratch.txt"), "{v}");
+        assert_eq!(out(&api, &shared, "print(z)").await, "3");
+        // Closed, it pauses.
+        out(&api, &shared, "t.close()").await;
+        assert_eq!(pause(&api, &shared).await.0, 200);
+    } else {
+        assert_eq!(status, 409, "{v}");
+    }
     assert_eq!(out(&api, &shared, "print(z)").await, "3");
     if criu_ready() {
         // A session running code: refused, and the code runs on.
@@ -658,4 +666,67 @@ async fn a_broker_killed_mid_pause_loses_nothing_acknowledged(sandbox: &'static 
     }
     println!("states after the kills mid-resume: {states:?}");
     broker.halt(Stop::Term).await;
+}
+
+/// A session sharing its user's workspace (REST's default, every Jupyter kernel) pauses as
+/// one with its own does; it resumes in a sandbox of its own over the user's workspace,
+/// with its state (files open in the workspace at their positions), while the user's other
+/// sessions go on in theirs.
+async fn a_session_sharing_its_users_workspace_pauses_too(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    let other = api.create().await;
+    out(&api, &a, STATE.replace("/home/user", "/workspace").as_str()).await;
+    let who = out(&api, &a, WHO).await;
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(state_of(&api, &a).await["state"], "paused");
+    // The user's other session runs on meanwhile, and writes in the shared workspace.
+    out(
+        &api,
+        &other,
+        "open('/workspace/from-other.txt', 'w').write('hi')",
+    )
+    .await;
+    let probe = api
+        .execute(&a, &PROBE.replace("/home/user", "/workspace"))
+        .await;
+    assert_eq!(probe["status"], "ok", "{probe}");
+    assert_eq!(
+        probe["stdout"].as_str().unwrap().trim(),
+        "41 6 42 line2 9 7 True /workspace/sub yes 4"
+    );
+    assert_eq!(
+        out(&api, &a, "print(open('/workspace/from-other.txt').read())").await,
+        "hi"
+    );
+    assert_eq!(out(&api, &a, WHO).await, who, "as confined as before");
+    // Paused again from where it was resumed, and through Jupyter's channels back again.
+    {
+        let (st, v) = pause(&api, &a).await;
+        assert_eq!(st, 200, "{v}");
+    }
+    let mut ws = jupyter_channels(&broker, &a, "lab-1").await;
+    let run = jupyter_send(
+        &mut ws,
+        "lab-1",
+        ("shell", "execute_request"),
+        json!({"code": "print(x, next(g))", "silent": false, "store_history": true,
+               "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
+    )
+    .await;
+    let text = loop {
+        let v = ws_next(&mut ws).await;
+        if v["msg_type"] == "stream" && v["parent_header"]["msg_id"] == run.as_str() {
+            break v["content"]["text"].as_str().unwrap().to_string();
+        }
+    };
+    assert_eq!(text.trim(), "41 16");
+    drop(ws);
+    assert!(paused_images(&broker.data_dir).is_empty());
+    broker.stop().await;
 }

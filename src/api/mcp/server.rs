@@ -260,7 +260,7 @@ impl McpServer {
     }
 
     #[tool(
-        description = "Pause a session to disk: its kernel's whole state (variables, imports, open files, generators, the execution count) is written to the broker's disk and the kernel ends, so it holds no memory. Any later use of the session (run_python, a fork, a checkpoint) or resume_session brings it back as it was. Answers the paused session (its image's size) as JSON. The session must be idle; only sessions with a workspace of their own can be paused.",
+        description = "Pause a session to disk: its kernel's whole state (variables, imports, open files, generators, the execution count) is written to the broker's disk and the kernel ends, so it holds no memory. Any later use of the session (run_python, a fork, a checkpoint) or resume_session brings it back as it was. Answers the paused session (its image's size) as JSON. The session must be idle (and, sharing its workspace with your other sessions, hold no file open in its own /tmp).",
         annotations(
             title = "Pause a session",
             destructive_hint = false,

@@ -203,7 +203,8 @@ pub(crate) async fn finished(mut child: tokio::process::Child) -> Result<(), Pro
 
 /// CRIU dumps the held child (`pid` inside, `host` on the host) into `images`, run in the
 /// sandbox's namespaces as the kernel's uid (and its one group, where it has one) with the
-/// two capabilities a dump needs.
+/// capabilities a dump needs ([`dump_caps`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn dump(
     tools: &CopyTools,
     programs: &Programs,
@@ -212,6 +213,7 @@ pub(crate) async fn dump(
     ids: (u32, u32),
     groups: Option<u32>,
     images: &OwnedFd,
+    non_dumpable: bool,
 ) -> Result<(), ForkError> {
     let fd = |f: RawFd| format!("/proc/self/fd/{f}");
     let mut cmd = tokio::process::Command::new(&tools.nsenter);
@@ -222,13 +224,8 @@ pub(crate) async fn dump(
         .arg(format!("--reuid={}", ids.0))
         .arg(format!("--regid={}", ids.1))
         .arg(groups_arg(groups))
-        .args([
-            "--inh-caps=-all,+checkpoint_restore,+sys_admin",
-            "--ambient-caps=+checkpoint_restore,+sys_admin",
-            "--bounding-set=-all,+checkpoint_restore,+sys_admin",
-            "--no-new-privs",
-            "--",
-        ])
+        .args(dump_caps(non_dumpable))
+        .args(["--no-new-privs", "--"])
         .args(&programs.criu)
         .args([
             "dump",
@@ -267,8 +264,29 @@ pub(crate) async fn dump(
     )))
 }
 
+/// The capabilities a dump runs with (setpriv's arguments). `CAP_CHECKPOINT_RESTORE`, and
+/// `CAP_SYS_ADMIN` (reading a process's seccomp filter asks it); a kernel that is not
+/// dumpable (one sharing its user's workspace: its key kept from the user's other kernels,
+/// `kernels/kernel_broker_boot.py`) is also traced with `CAP_SYS_PTRACE` and its `/proc`
+/// files, root's then, read with `CAP_DAC_READ_SEARCH`. Still as the kernel's uid, in its
+/// sandbox's namespaces (nothing of the host or of another user is there), under
+/// `no_new_privs`.
+fn dump_caps(non_dumpable: bool) -> [String; 3] {
+    let caps = if non_dumpable {
+        "checkpoint_restore,+sys_admin,+sys_ptrace,+dac_read_search"
+    } else {
+        "checkpoint_restore,+sys_admin"
+    };
+    [
+        format!("--inh-caps=-all,+{caps}"),
+        format!("--ambient-caps=+{caps}"),
+        format!("--bounding-set=-all,+{caps}"),
+    ]
+}
+
 /// [`dump`] of the held child `(host pid, its pidfd, pid inside)`, then its images sealed
 /// ([`seal`]); returns how long the dump took.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn dump_and_seal(
     tools: &CopyTools,
     programs: &Programs,
@@ -276,10 +294,21 @@ pub(crate) async fn dump_and_seal(
     ids: (u32, u32),
     groups: Option<u32>,
     images: &OwnedFd,
+    non_dumpable: bool,
 ) -> Result<Duration, ForkError> {
     let (host, pidfd, pid) = held;
     let started = std::time::Instant::now();
-    dump(tools, programs, host, pid, ids, groups, images).await?;
+    dump(
+        tools,
+        programs,
+        host,
+        pid,
+        ids,
+        groups,
+        images,
+        non_dumpable,
+    )
+    .await?;
     // The dump ended it: its pidfd is no longer needed.
     drop(pidfd);
     let dumped = started.elapsed();

@@ -253,7 +253,16 @@ impl Inner {
             .programs()
             .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
         let held = (host, held, pid);
-        let dumped = dump_and_seal(&tools.criu, &programs, held, ids, Some(ids.1), &images).await?;
+        let dumped = dump_and_seal(
+            &tools.criu,
+            &programs,
+            held,
+            ids,
+            Some(ids.1),
+            &images,
+            false,
+        )
+        .await?;
 
         let key = spec.own_workspace.unwrap_or_default();
         let container = self

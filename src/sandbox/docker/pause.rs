@@ -126,6 +126,7 @@ impl Inner {
                 ids,
                 Some(ids.1),
                 &images,
+                false,
             )
             .await?;
             let (files, _) = list_images(images).await?;

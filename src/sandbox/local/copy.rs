@@ -218,8 +218,18 @@ impl LocalSandbox {
             .map_err(|e| copy_failed(format!("cannot open the copy's directory: {e}")))?;
         let programs = Programs::shown(&tools.criu)
             .map_err(|e| copy_failed(format!("cannot open CRIU: {e}")))?;
-        let dumped =
-            dump_and_seal(&tools, &programs, (host, held, pid), ids, None, &images).await?;
+        // A kernel sharing its user's workspace is not dumpable (`criu::dump_caps`).
+        let non_dumpable = origin.own_workspace.is_none();
+        let dumped = dump_and_seal(
+            &tools,
+            &programs,
+            (host, held, pid),
+            ids,
+            None,
+            &images,
+            non_dumpable,
+        )
+        .await?;
         Ok((images, dumped))
     }
 

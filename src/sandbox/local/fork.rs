@@ -52,6 +52,10 @@ impl LocalSandbox {
         if origin.own_workspace.is_some() {
             return self.prepare_copy(origin, spec).await;
         }
+        if origin.dir.as_os_str().is_empty() {
+            // A plain kernel sharing its user's workspace: no template to fork in.
+            return Err(ForkError::Unsupported(PLAIN_START.into()));
+        }
         if spec.own_workspace.is_some() {
             return Err(ForkError::Unsupported(
                 "a fork with a workspace of its own is a copy of a kernel with one".into(),

@@ -9,10 +9,12 @@
 //! is written beside its images once they are sealed; at startup the directories with one
 //! are kept for the session layer (`Sandbox::paused_images`) and the rest removed.
 //!
-//! Built for sessions with a workspace of their own: everything such a kernel's files can
-//! be is on disk (`/home/user` and `/tmp` are both its workspace's). A kernel sharing its
-//! user's workspace runs in its user's template sandbox, whose `/tmp` is memory that ends
-//! with that sandbox; pausing one is refused, saying so.
+//! A kernel with a workspace of its own has everything its files can be on disk
+//! (`/home/user` and `/tmp` are both its workspace's). A kernel sharing its user's
+//! workspace runs in its user's template sandbox, whose `/tmp`, home and `/dev/shm` are
+//! memory that ends with that sandbox: it resumes in a plain sandbox of its own over the
+//! user's workspace, and its held child refuses when it holds anything in those
+//! ([`SANDBOX_PRIVATE`]; `kernels/kernel_broker_fork.py`).
 
 use std::path::PathBuf;
 
@@ -25,6 +27,10 @@ use crate::sandbox::pause::{
     keep_recorded, list_images, make_images_dir, open_checked, write_record, PausedImage,
 };
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
+
+/// What a kernel's sandbox has of its own, in memory, gone with it: its `/tmp`, its home
+/// (a kernel sharing its user's workspace) and `/dev/shm`.
+const SANDBOX_PRIVATE: [&str; 3] = ["/tmp", "/home/kernel", "/dev/shm"];
 
 impl LocalSandbox {
     pub(super) async fn prepare_kernel_pause(
@@ -39,15 +45,7 @@ impl LocalSandbox {
                     .into(),
             )
         })?;
-        let Some(own) = origin.own_workspace else {
-            return Err(ForkError::Unsupported(
-                "pausing a session that shares its user's workspace is not built yet (its \
-                 /tmp lives only as long as its user's sandbox); a session made with \
-                 \"workspace\": \"own\" can be paused"
-                    .into(),
-            ));
-        };
-        if spec.own_workspace != Some(own) {
+        if spec.own_workspace != origin.own_workspace {
             return Err(ForkError::Unsupported(
                 "a paused kernel resumes over its own workspace, not another".into(),
             ));
@@ -70,14 +68,15 @@ impl LocalSandbox {
         let endpoints = endpoints_for(&self.run_base.join(spec.session_id.to_string()))
             .map_err(|e| fsutil::launch_failed(&spec.user, e))?;
         let dir = make_images_dir(self.paused_dir(), spec.session_id.to_string(), ids).await?;
-        Ok(PreparedFork::paused(
-            origin,
-            spec,
-            dir,
-            CONNECTION_FILE_INSIDE,
-            endpoints,
-            room,
-        ))
+        let shared = origin.own_workspace.is_none();
+        let mut prepared =
+            PreparedFork::paused(origin, spec, dir, CONNECTION_FILE_INSIDE, endpoints, room);
+        if shared {
+            // A kernel sharing its user's workspace resumes in a sandbox of its own, whose
+            // /tmp, home and /dev/shm are new: it must hold nothing there.
+            prepared.request["hold"]["private"] = serde_json::json!(SANDBOX_PRIVATE);
+        }
+        Ok(prepared)
     }
 
     pub(super) async fn dump_kernel_paused(

@@ -90,18 +90,20 @@ impl BackendKernel for LocalKernel {
         if self.fork_origin.is_some() {
             return self.fork_origin.clone();
         }
-        // A plain kernel with a workspace of its own: its forks are copies.
-        let key = self.own_workspace?;
+        // A plain kernel (not forked from a template: a resumed or restored one, or one
+        // started without templates). With a workspace of its own its forks are copies;
+        // sharing its user's, it can be paused (`pause.rs`), not forked (`fork.rs`).
         let host_pid = self.kernel_host_pid()?;
         let uids = crate::sandbox::procfs::uids_of(host_pid)?;
         Some(ForkOrigin {
             host_pid,
             uid: Some(uids[0]),
+            // No template: nothing to fork beside it in (`fork.rs` refuses).
             dir: PathBuf::new(),
             inside: super::RUN_DIR_INSIDE.to_string(),
             pid_namespace: None,
             kernel: None,
-            own_workspace: Some(key),
+            own_workspace: self.own_workspace,
         })
     }
 
