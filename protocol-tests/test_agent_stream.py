@@ -9,7 +9,7 @@ import uuid
 import pytest
 import websocket
 
-from conftest import ALICE, BOB, needs_criu
+from conftest import ALICE, BOB, criu_ready, needs_criu
 from test_jupyter_client import PNG_MAGIC, RECV_TIMEOUT, AgentStream
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -286,10 +286,23 @@ def test_pause_and_resume_frames(broker):
         broker.api("DELETE", f"/v1/sessions/{sid}")
 
 
-def test_a_session_sharing_its_workspace_refuses_a_pause_frame(broker, session, stream):
-    run(stream, "x = 1")
+def test_a_session_sharing_its_workspace_pauses_unless_it_holds_its_own_tmp(broker, session, stream):
+    """A session sharing its user's workspace resumes in a sandbox of its own: a kernel
+    holding a file of its sandbox's /tmp is refused (that file would not come back), saying
+    which, and runs on; once it lets go, the pause frame pauses it."""
+    run(stream, "x = 1\nheld = open('/tmp/held.txt', 'w')")
     stream.send({"type": "pause", "id": "p"})
     got = answer(stream, "p")
-    assert got["type"] == "refused" and got["status"] == 409 and got["error"] == "pause_refused", got
-    done = run(stream, "x + 1")[-1]
+    assert got["type"] == "refused", got
+    if criu_ready():
+        assert got["status"] == 502 and got["error"] == "pause_failed", got
+        assert "/tmp/held.txt" in got["message"], got
+    else:
+        assert got["status"] == 409 and got["error"] == "pause_refused", got
+    done = run(stream, "held.close(); x + 1")[-1]
     assert done["execution"]["results"][-1]["data"]["text/plain"] == "2", done
+    if criu_ready():
+        stream.send({"type": "pause", "id": "p2"})
+        assert answer(stream, "p2")["type"] == "paused"
+        done = run(stream, "x + 2")[-1]
+        assert done["execution"]["results"][-1]["data"]["text/plain"] == "3", done
