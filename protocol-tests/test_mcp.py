@@ -198,10 +198,6 @@ def test_fork_checkpoint_and_rewind_through_the_sdk(broker):
     """Issue 36 through MCP: a checkpoint, work that goes wrong, a rewind to the checkpoint,
     a fork of the live session and one of the checkpoint, each seen from the variables; and
     another user's session or checkpoint is answered as a missing one."""
-    def value(r):
-        assert not r.is_error, texts(r)
-        return texts(r)
-
     async def main():
         async with http_client(broker) as client:
             tools = {t.name: t for t in (await client.list_tools()).tools}
@@ -279,14 +275,16 @@ def test_fork_checkpoint_and_rewind_through_the_sdk(broker):
     asyncio.run(main())
 
 
+def value(r):
+    """A tool result's texts, which must not be an error."""
+    assert not r.is_error, texts(r)
+    return texts(r)
+
+
 @needs_criu
 def test_pause_and_resume_through_the_sdk(broker):
     """Issue 37 through MCP: a session paused to disk comes back on its next run_python, or
     on resume_session, with its variables; another user's session is a missing one."""
-    def value(r):
-        assert not r.is_error, texts(r)
-        return texts(r)
-
     async def main():
         async with http_client(broker) as client:
             tools = {t.name for t in (await client.list_tools()).tools}
@@ -318,10 +316,6 @@ def test_snapshots_through_the_sdk(broker):
     """Issue 37 through MCP: a snapshot of this connection's session, a new session started
     from it (by name) with its variables while the original goes on, listed and deleted;
     another user's snapshot is a missing one."""
-    def value(r):
-        assert not r.is_error, texts(r)
-        return texts(r)
-
     async def main():
         async with http_client(broker) as client:
             tools = {t.name for t in (await client.list_tools()).tools}

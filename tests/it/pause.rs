@@ -237,24 +237,7 @@ async fn a_damaged_paused_kernel_leaves_the_session_dead_saying_why(sandbox: &'s
     assert_eq!(pause(&api, &a).await.0, 200);
     // Damage its memory image (as root could: a kernel cannot reach it).
     let images = paused_images(&broker.data_dir);
-    let pages = std::fs::read_dir(&images[0])
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("pages-")
-        })
-        .expect("a pages image");
-    let len = std::fs::metadata(&pages).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&pages)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    truncate_pages_image(&images[0]);
 
     let (status, v) = resume(&api, &a).await;
     assert_eq!(status, 502, "{v}");
@@ -540,21 +523,10 @@ async fn a_jupyter_client_on_a_paused_session_resumes_it(sandbox: &'static str) 
     assert_eq!(reply["parent_header"]["msg_id"], info.as_str());
     assert_eq!(reply["content"]["status"], "ok", "{reply}");
     assert_eq!(state_of(&api, &a).await["state"], "idle");
-    let run = jupyter_send(
-        &mut ws,
-        "lab-1",
-        ("shell", "execute_request"),
-        json!({"code": "print(x + 1, next(it))", "silent": false, "store_history": true,
-               "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
-    )
-    .await;
-    let text = loop {
-        let v = ws_next(&mut ws).await;
-        if v["msg_type"] == "stream" && v["parent_header"]["msg_id"] == run.as_str() {
-            break v["content"]["text"].as_str().unwrap().to_string();
-        }
-    };
-    assert_eq!(text.trim(), "42 b");
+    assert_eq!(
+        jupyter_print(&mut ws, "lab-1", "print(x + 1, next(it))").await,
+        "42 b"
+    );
     drop(ws);
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     broker.stop().await;
@@ -711,21 +683,10 @@ async fn a_session_sharing_its_users_workspace_pauses_too(sandbox: &'static str)
         assert_eq!(st, 200, "{v}");
     }
     let mut ws = jupyter_channels(&broker, &a, "lab-1").await;
-    let run = jupyter_send(
-        &mut ws,
-        "lab-1",
-        ("shell", "execute_request"),
-        json!({"code": "print(x, next(g))", "silent": false, "store_history": true,
-               "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
-    )
-    .await;
-    let text = loop {
-        let v = ws_next(&mut ws).await;
-        if v["msg_type"] == "stream" && v["parent_header"]["msg_id"] == run.as_str() {
-            break v["content"]["text"].as_str().unwrap().to_string();
-        }
-    };
-    assert_eq!(text.trim(), "41 16");
+    assert_eq!(
+        jupyter_print(&mut ws, "lab-1", "print(x, next(g))").await,
+        "41 16"
+    );
     drop(ws);
     assert!(paused_images(&broker.data_dir).is_empty());
     broker.stop().await;

@@ -214,24 +214,7 @@ async fn a_damaged_snapshot_starts_nothing_and_says_why(sandbox: &'static str) {
     assert_eq!(status, 201, "{snap}");
     let sid = snap["snapshot_id"].as_str().unwrap();
     let images = snapshot_images(&broker.data_dir);
-    let pages = std::fs::read_dir(&images[0])
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("pages-")
-        })
-        .expect("a pages image");
-    let len = std::fs::metadata(&pages).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&pages)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    truncate_pages_image(&images[0]);
     let sessions_before = api.get("/v1/sessions").await.1.as_array().unwrap().len();
     let workspaces = || {
         std::fs::read_dir(broker.data_dir.join("sandboxes"))

@@ -32,19 +32,28 @@ use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 /// (a kernel sharing its user's workspace) and `/dev/shm`.
 const SANDBOX_PRIVATE: [&str; 3] = ["/tmp", "/home/kernel", "/dev/shm"];
 
+/// Where `kernel` holds a child for CRIU to dump (a pause, a snapshot: `done` says which),
+/// or why it cannot.
+pub(super) fn held_origin(
+    kernel: &dyn KernelProcess,
+    done: &str,
+) -> Result<crate::sandbox::fork::ForkOrigin, ForkError> {
+    kernel.fork_origin().ok_or_else(|| {
+        ForkError::Unsupported(format!(
+            "this kernel cannot be {done}: it ended, or it was not started by this broker \
+             (a kernel adopted after a restart holds no child for CRIU to dump; restart the \
+             session)"
+        ))
+    })
+}
+
 impl LocalSandbox {
     pub(super) async fn prepare_kernel_pause(
         &self,
         kernel: &dyn KernelProcess,
         spec: LaunchSpec,
     ) -> Result<PreparedFork, ForkError> {
-        let origin = kernel.fork_origin().ok_or_else(|| {
-            ForkError::Unsupported(
-                "this kernel cannot be paused: only a kernel started from its user's template \
-                 holds a child for CRIU to dump"
-                    .into(),
-            )
-        })?;
+        let origin = held_origin(kernel, "paused")?;
         if spec.own_workspace != origin.own_workspace {
             return Err(ForkError::Unsupported(
                 "a paused kernel resumes over its own workspace, not another".into(),

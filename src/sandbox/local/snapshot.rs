@@ -31,13 +31,7 @@ impl LocalSandbox {
         kernel: &dyn KernelProcess,
         spec: LaunchSpec,
     ) -> Result<PreparedFork, ForkError> {
-        let origin = kernel.fork_origin().ok_or_else(|| {
-            ForkError::Unsupported(
-                "this kernel cannot be snapshotted: only a kernel started from its user's \
-                 template holds a child for CRIU to dump"
-                    .into(),
-            )
-        })?;
+        let origin = super::pause::held_origin(kernel, "snapshotted")?;
         if origin.own_workspace.is_none() {
             return Err(ForkError::Unsupported(
                 "a snapshot of a session that shares its user's workspace is not built yet \

@@ -516,3 +516,45 @@ pub fn criu_ready() -> bool {
     }
     found
 }
+
+/// Damages a CRIU image directory `dir` as root could (no kernel reaches it): its first
+/// memory pages image cut to half its length.
+pub fn truncate_pages_image(dir: &std::path::Path) {
+    let pages = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("pages-")
+        })
+        .expect("a pages image");
+    let len = std::fs::metadata(&pages).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+}
+
+/// Runs `code` as `client`'s `execute_request` over a [`jupyter_channels`] socket; the text
+/// it printed (its first stream message).
+pub async fn jupyter_print(ws: &mut Ws, client: &str, code: &str) -> String {
+    let run = jupyter_send(
+        ws,
+        client,
+        ("shell", "execute_request"),
+        serde_json::json!({"code": code, "silent": false, "store_history": true,
+               "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
+    )
+    .await;
+    loop {
+        let v = ws_next(ws).await;
+        if v["msg_type"] == "stream" && v["parent_header"]["msg_id"] == run.as_str() {
+            return v["content"]["text"].as_str().unwrap().trim().to_string();
+        }
+    }
+}
