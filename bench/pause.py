@@ -1,11 +1,12 @@
 """Pausing sessions to disk and resuming them (issue 37): the figures of BENCHMARKS.md,
 "Pause and resume".
 
-    bench/.venv/bin/python bench/pause.py [--runs 15] [--mb 200] [--binary PATH]
+    bench/.venv/bin/python bench/pause.py [--runs 15] [--mb 200] [--binary PATH] [--workspace own|shared]
     bench/.venv/bin/python bench/pause.py --sessions 1000 [--active 100] [--rounds 3]
 
 One broker (the local sandbox, release build, run as root with CRIU 4), sessions with a
-workspace of their own (what a pause is built for), driven through the agent API (REST):
+workspace of their own (`--workspace shared`: sharing their user's, as REST's default
+sessions and Jupyter kernels do), driven through the agent API (REST):
 
   - a session holding pandas and a DataFrame of `--mb` MB: pause p50/p90 (POST .../pause,
     its answer), and per GiB of the kernel's memory (its cgroup leaf's charge before the
@@ -39,6 +40,10 @@ import bench  # noqa: E402
 from branch import Api, kernel_of, leaf_charged, ms  # noqa: E402
 
 
+# The sessions' workspace (`--workspace`).
+WORKSPACE = "own"
+
+
 def meminfo_used():
     fields = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -59,7 +64,7 @@ def paused_bytes(broker):
 
 
 def measure_one(api, broker, mb, runs):
-    sid = api.call("POST", "/v1/sessions", {"workspace": "own"})["id"]
+    sid = api.call("POST", "/v1/sessions", {"workspace": WORKSPACE})["id"]
     rows = mb * (1 << 20) // 80
     api.run(sid, f"import pandas as pd, numpy as np\ndf = pd.DataFrame(np.random.rand({rows}, 10))")
     pauses, per_gib, resumes, images = [], [], [], []
@@ -92,7 +97,7 @@ def measure_one(api, broker, mb, runs):
 
 
 def measure_bare(api, runs):
-    sid = api.call("POST", "/v1/sessions", {"workspace": "own"})["id"]
+    sid = api.call("POST", "/v1/sessions", {"workspace": WORKSPACE})["id"]
     api.run(sid, "import pandas as pd, numpy as np")
     resumes, images = [], []
     for _ in range(runs):
@@ -114,7 +119,7 @@ def density(api, broker, n, active, rounds):
     start = time.monotonic()
     for i in range(n):
         try:
-            sid = api.call("POST", "/v1/sessions", {"workspace": "own"})["id"]
+            sid = api.call("POST", "/v1/sessions", {"workspace": WORKSPACE})["id"]
             api.run(sid, f"import pandas as pd\ndf = pd.DataFrame({{'v': range({i}, {i} + 1000)}})")
             made.append((sid, i))
         except Exception as e:  # counted, and said
@@ -166,13 +171,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--binary", default=str(bench.REPO / "target/release/kernel-broker"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--workspace", choices=["own", "shared"], default="own")
     args = ap.parse_args()
     extra = ["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20))]
     if args.sessions:
         extra = ["--pause-after", "2", "--session-memory-limit", str(256 << 20)]
     b = bench.Broker(args.binary, pool_size=0, tag="-pause", memory_limit=20 << 30, extra_args=extra,
                      max_sessions=max(200, args.sessions + 10))
-    out = {"mb": args.mb, "runs": args.runs}
+    global WORKSPACE
+    WORKSPACE = args.workspace
+    out = {"mb": args.mb, "runs": args.runs, "workspace": args.workspace}
     try:
         api = Api(b)
         if args.sessions:
