@@ -292,6 +292,14 @@ pub(crate) fn write_record(dir: &OwnedFd, image: &PausedImage) -> io::Result<()>
     Ok(())
 }
 
+/// [`write_record`] in a blocking task: `image` once its record is on disk.
+pub(crate) async fn record(images: OwnedFd, image: PausedImage) -> Result<PausedImage, ForkError> {
+    tokio::task::spawn_blocking(move || write_record(&images, &image).map(|()| image))
+        .await
+        .map_err(|e| copy_failed(format!("the record task failed: {e}")))?
+        .map_err(|e| copy_failed(format!("its record cannot be written: {e}")))
+}
+
 /// The record of the paused kernel whose images are in `dir` (a directory of the broker's
 /// whose parent only root can enter), if it has a good one for `name` (the directory's
 /// name, the kernel id). Blocking.

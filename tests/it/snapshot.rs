@@ -1,8 +1,8 @@
 //! Snapshots (issue 37): a named, persistent copy of a session's state (its kernel dumped by
-//! CRIU and a copy of its own workspace) that any number of new sessions of the same user
-//! start from, each with its own copy (`sandbox/local/snapshot.rs`). Real kernels and a
-//! real CRIU 4 (`scripts/setup-criu`); with `KB_REQUIRE_CRIU=1` (CI) a missing CRIU fails
-//! these tests instead of skipping them.
+//! CRIU and a copy of its own workspace and `/tmp`) that any number of new sessions of the
+//! same user start from, each with its own copy (`sandbox/local/snapshot.rs`,
+//! `sandbox/docker/snapshot.rs`). Real kernels and a real CRIU 4 (`scripts/setup-criu`);
+//! with `KB_REQUIRE_CRIU=1` (CI) a missing CRIU fails these tests instead of skipping them.
 
 use crate::common;
 
@@ -10,14 +10,13 @@ use common::forked::out;
 use common::*;
 use serde_json::{json, Value};
 
-on_one_backend!(
+crate::on_both_backends!(
     a_snapshot_starts_any_number_of_sessions_with_its_state,
     a_snapshot_outlives_the_broker,
     a_damaged_snapshot_starts_nothing_and_says_why,
     a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it,
+    what_cannot_be_snapshotted_is_refused_and_goes_on,
 );
-
-crate::on_both_backends!(what_cannot_be_snapshotted_is_refused_and_goes_on,);
 
 async fn own(api: &Api) -> String {
     let (status, v) = api.post("/v1/sessions", json!({"workspace": "own"})).await;
@@ -35,9 +34,25 @@ async fn from_snapshot(api: &Api, snapshot: &str) -> (u16, Value) {
         .await
 }
 
+/// The directory of `sandbox`'s snapshots in the data directory.
+fn snapshots_dir(sandbox: &str) -> &'static str {
+    match sandbox {
+        "docker" => "snapshots-docker",
+        _ => "snapshots",
+    }
+}
+
+/// The directory of `sandbox`'s own workspaces in the data directory.
+fn own_dir(sandbox: &str) -> &'static str {
+    match sandbox {
+        "docker" => "sandboxes-docker",
+        _ => "sandboxes",
+    }
+}
+
 /// The snapshots' image directories in the data directory.
-fn snapshot_images(data: &std::path::Path) -> Vec<std::path::PathBuf> {
-    match std::fs::read_dir(data.join("snapshots")) {
+fn snapshot_images(data: &std::path::Path, sandbox: &str) -> Vec<std::path::PathBuf> {
+    match std::fs::read_dir(data.join(snapshots_dir(sandbox))) {
         Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
         Err(_) => Vec::new(),
     }
@@ -53,9 +68,12 @@ fh = open('/home/user/data.txt')
 fh.readline(); fh.readline()
 g = (i * i for i in range(100))
 next(g); next(g); next(g)
+with open('/tmp/scratch.txt', 'w') as w:
+    w.write('from tmp')
 "#;
 
-const PROBE: &str = "print(x, k(), fh.readline().strip(), next(g), len(In))";
+const PROBE: &str =
+    "print(x, k(), fh.readline().strip(), next(g), len(In), open('/tmp/scratch.txt').read())";
 
 async fn a_snapshot_starts_any_number_of_sessions_with_its_state(sandbox: &'static str) {
     if !criu_ready() {
@@ -88,9 +106,9 @@ async fn a_snapshot_starts_any_number_of_sessions_with_its_state(sandbox: &'stat
     // The images are root's, beneath a root-only directory.
     {
         use std::os::unix::fs::MetadataExt;
-        let parent = std::fs::metadata(broker.data_dir.join("snapshots")).unwrap();
+        let parent = std::fs::metadata(broker.data_dir.join(snapshots_dir(sandbox))).unwrap();
         assert_eq!((parent.uid(), parent.mode() & 0o777), (0, 0o700));
-        let images = snapshot_images(&broker.data_dir);
+        let images = snapshot_images(&broker.data_dir, sandbox);
         assert_eq!(images.len(), 1, "{images:?}");
         for f in std::fs::read_dir(&images[0]).unwrap().flatten() {
             let m = f.metadata().unwrap();
@@ -119,7 +137,7 @@ async fn a_snapshot_starts_any_number_of_sessions_with_its_state(sandbox: &'stat
     }
     let (b, c) = (&made[0], &made[1]);
     for s in [b, c] {
-        assert_eq!(out(&api, s, PROBE).await, "41 42 line2 9 3");
+        assert_eq!(out(&api, s, PROBE).await, "41 42 line2 9 3 from tmp");
         assert_eq!(
             out(
                 &api,
@@ -189,13 +207,13 @@ async fn a_snapshot_starts_any_number_of_sessions_with_its_state(sandbox: &'stat
             (404, &json!("snapshot_not_found"))
         );
     }
-    assert_eq!(snapshot_images(&broker.data_dir).len(), 1);
+    assert_eq!(snapshot_images(&broker.data_dir, sandbox).len(), 1);
 
     // Deleted: its images and its workspace copy go; the sessions from it go on.
     let (status, _) = api.delete(&format!("/v1/snapshots/{sid}")).await;
     assert_eq!(status, 204);
-    assert!(snapshot_images(&broker.data_dir).is_empty());
-    assert!(!broker.data_dir.join("sandboxes").join(&sid).exists());
+    assert!(snapshot_images(&broker.data_dir, sandbox).is_empty());
+    assert!(!broker.data_dir.join(own_dir(sandbox)).join(&sid).exists());
     assert_eq!(out(&api, c, "print(x)").await, "41");
     assert_eq!(from_snapshot(&api, &sid).await.0, 404);
     assert_eq!(api.delete(&format!("/v1/snapshots/{sid}")).await.0, 404);
@@ -213,14 +231,11 @@ async fn a_damaged_snapshot_starts_nothing_and_says_why(sandbox: &'static str) {
     let (status, snap) = snapshot(&api, &a, json!({})).await;
     assert_eq!(status, 201, "{snap}");
     let sid = snap["snapshot_id"].as_str().unwrap();
-    let images = snapshot_images(&broker.data_dir);
+    let images = snapshot_images(&broker.data_dir, sandbox);
     truncate_pages_image(&images[0]);
     let sessions_before = api.get("/v1/sessions").await.1.as_array().unwrap().len();
-    let workspaces = || {
-        std::fs::read_dir(broker.data_dir.join("sandboxes"))
-            .unwrap()
-            .count()
-    };
+    let workspaces =
+        || std::fs::read_dir(broker.data_dir.join(own_dir(sandbox))).map_or(0, Iterator::count);
     let before = workspaces();
     let (status, v) = from_snapshot(&api, sid).await;
     assert_eq!(status, 502, "{v}");
@@ -254,8 +269,8 @@ async fn what_cannot_be_snapshotted_is_refused_and_goes_on(sandbox: &'static str
     assert_eq!(out(&api, &shared, "print(y)").await, "2");
     let a = own(&api).await;
     out(&api, &a, "z = 3").await;
-    if sandbox == "docker" || !criu_ready() {
-        // Not built on Docker yet (and nothing without CRIU): refused, saying so.
+    if !criu_ready() {
+        // Nothing without CRIU: refused, saying so.
         let (status, v) = snapshot(&api, &a, json!({})).await;
         assert_eq!(
             (status, &v["error"]["code"]),
@@ -280,17 +295,21 @@ async fn what_cannot_be_snapshotted_is_refused_and_goes_on(sandbox: &'static str
         assert_eq!(running.await.unwrap(), "3");
     }
     assert_eq!(out(&api, &a, "print(z)").await, "3");
-    assert!(snapshot_images(&broker.data_dir).is_empty());
+    assert!(snapshot_images(&broker.data_dir, sandbox).is_empty());
     assert_eq!(api.get("/v1/snapshots").await.1, json!([]));
     broker.stop().await;
 }
 
 async fn a_snapshot_outlives_the_broker(sandbox: &'static str) {
     use common::spawned::{SpawnedBroker, Stop};
-    if !criu_ready() || sandbox != "local" {
+    if !criu_ready() {
         return;
     }
-    let mut broker = SpawnedBroker::start(&[], None);
+    let args: &[&str] = match sandbox {
+        "docker" => &["--sandbox", "docker"],
+        _ => &[],
+    };
+    let mut broker = SpawnedBroker::start(args, None);
     let api = broker.api(ALICE);
     let a = own(&api).await;
     out(&api, &a, "kept = [1, 2, 3]\nit = iter(kept); next(it)").await;
@@ -313,7 +332,7 @@ async fn a_snapshot_outlives_the_broker(sandbox: &'static str) {
     assert_eq!(api.delete(&format!("/v1/snapshots/{sid}")).await.0, 204);
     broker.restart(Stop::Term).await;
     assert_eq!(broker.api(ALICE).get("/v1/snapshots").await.1, json!([]));
-    assert!(snapshot_images(&broker.data_dir()).is_empty());
+    assert!(snapshot_images(&broker.data_dir(), sandbox).is_empty());
     broker.halt(Stop::Term).await;
 }
 
@@ -329,10 +348,12 @@ async fn a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it(sandbox: &'s
     let api = broker.api(ALICE);
     let a = own(&api).await;
     let data = broker.data_dir.display().to_string();
+    let (snaps, owns) = (snapshots_dir(sandbox), own_dir(sandbox));
     let plant = format!(
         "import os\n\
          os.symlink('/etc/shadow', '/home/user/shadow')\n\
-         os.symlink('{data}/snapshots', '/home/user/snaps')\n\
+         os.symlink('{data}/{snaps}', '/home/user/snaps')\n\
+         os.symlink('/etc/shadow', '/tmp/shadow')\n\
          os.symlink('/proc/1/root', '/home/user/hostroot')\n\
          secret = 'mine'"
     );
@@ -343,7 +364,7 @@ async fn a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it(sandbox: &'s
     // From inside, neither the images nor the snapshot's workspace copy exist.
     let probe = format!(
         "import os\n\
-         print(os.path.exists('{data}/snapshots/{sid}'), os.path.exists('{data}/sandboxes/{sid}'))"
+         print(os.path.exists('{data}/{snaps}/{sid}'), os.path.exists('{data}/{owns}/{sid}'))"
     );
     assert_eq!(out(&api, &a, &probe).await, "False False");
 
@@ -357,7 +378,8 @@ async fn a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it(sandbox: &'s
                 \x20       return type(e).__name__\n\
                 print(secret, [os.path.islink('/home/user/' + n) for n in ('shadow', 'snaps', 'hostroot')], \
                 r('/home/user/shadow'), os.path.exists('/home/user/snaps/' + '{sid}'), \
-                os.path.exists('/home/user/hostroot/etc/shadow'), os.getuid() != 0)";
+                os.path.exists('/home/user/hostroot/etc/shadow'), os.path.islink('/tmp/shadow'), \
+                r('/tmp/shadow'), os.getuid() != 0)";
     let got = out(&api, b, &read.replace("{sid}", sid)).await;
     assert!(got.starts_with("mine [True, True, True] "), "{got}");
     assert!(
@@ -365,10 +387,16 @@ async fn a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it(sandbox: &'s
         "nothing of the host through the links: {got}"
     );
     assert!(got.ends_with("True"), "{got}");
-    let shadow = got.split_whitespace().nth(4).unwrap();
-    assert!(
-        shadow.parse::<usize>().is_err(),
-        "the host's /etc/shadow is not read: {got}"
+    let words: Vec<&str> = got.split_whitespace().collect();
+    for (at, what) in [(4, "in /home/user"), (8, "in /tmp")] {
+        assert!(
+            words[at].parse::<usize>().is_err(),
+            "the host's /etc/shadow is not read through the link {what}: {got}"
+        );
+    }
+    assert_eq!(
+        words[7], "True",
+        "the link in /tmp is kept as a link: {got}"
     );
     broker.stop().await;
 }

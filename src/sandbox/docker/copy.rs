@@ -52,8 +52,8 @@ use crate::sandbox::watched::KernelWatch;
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// The ends of a copy: what a copy made and must undo if it is given up.
-struct Made {
-    container: Arc<ContainerInfo>,
+pub(super) struct Made {
+    pub container: Arc<ContainerInfo>,
     /// The container was made for this copy (not a rewind's session container).
     new_container: bool,
 }
@@ -131,7 +131,10 @@ impl Inner {
     }
 
     /// The fork's container (made as a sandbox's own is), or the session's own for a rewind.
-    async fn copy_container(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Made, ForkError> {
+    pub(super) async fn copy_container(
+        self: &Arc<Self>,
+        spec: &LaunchSpec,
+    ) -> Result<Made, ForkError> {
         let target = self.target(&spec.user, spec.own_workspace)?;
         self.startup().await?;
         let docker = self.client().await?;
@@ -189,7 +192,7 @@ impl Inner {
 
     /// What a failed copy made goes: its session directory, and its container with its
     /// workspace if the copy made them (never a rewind's session container).
-    async fn undo_copy(&self, spec: &LaunchSpec, made: &Made, host_dir: PathBuf) {
+    pub(super) async fn undo_copy(&self, spec: &LaunchSpec, made: &Made, host_dir: PathBuf) {
         remove_dir_logged(host_dir).await;
         if let (true, Some(key)) = (made.new_container, spec.own_workspace) {
             self.remove_own(&spec.user, key).await;

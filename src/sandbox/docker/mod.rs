@@ -89,6 +89,8 @@ mod place;
 mod reaper;
 mod restore;
 mod running;
+mod snapshot;
+mod stop;
 mod template;
 mod watch;
 
@@ -147,6 +149,8 @@ const WORKSPACE_INSIDE: &str = "/workspace";
 const HOSTNAME: &str = "kernel";
 /// Options of the container's `/tmp` tmpfs (its pages count against the memory limit).
 const TMPFS_OPTIONS: &str = "rw,nosuid,nodev,size=256m,mode=1777";
+/// The size of that `/tmp`, in bytes (what a snapshot archives of it at most).
+const TMPFS_BYTES: u64 = 256 << 20;
 /// `sun_path` holds 108 bytes including the NUL.
 const MAX_SOCKET_PATH: usize = 107;
 /// User-name length the default runtime directory must leave room for.
@@ -205,6 +209,8 @@ struct Inner {
     copy_tools: OnceCell<Result<Arc<restore::CopyTools>, String>>,
     /// The room copies under way hold for their images (`criu/room.rs`).
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
+    /// Whether the snapshots an earlier run left were taken (`snapshot.rs`).
+    snapshots_taken: std::sync::atomic::AtomicBool,
 }
 
 /// Per-user state.
@@ -255,6 +261,7 @@ impl DockerSandbox {
                 shutdown: CancellationToken::new(),
                 copy_tools: OnceCell::new(),
                 copy_room: Default::default(),
+                snapshots_taken: Default::default(),
             }),
         })
     }
@@ -447,6 +454,26 @@ impl Sandbox for DockerSandbox {
     ) -> Result<Launched, super::fork::ForkError> {
         self.inner.resume_kernel(image, spec).await
     }
+
+    async fn prepare_snapshot(
+        &self,
+        kernel: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.inner.prepare_snapshot(kernel, spec).await
+    }
+
+    async fn start_from_snapshot(
+        &self,
+        image: &super::pause::PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, super::fork::ForkError> {
+        self.inner.start_from_snapshot(image, spec).await
+    }
+
+    async fn snapshot_images(&self) -> Vec<super::pause::PausedImage> {
+        self.inner.snapshot_images().await
+    }
 }
 
 impl Inner {
@@ -479,59 +506,6 @@ impl Inner {
 
     fn user_run_dir(&self, user: &str) -> PathBuf {
         self.run_base.join(user)
-    }
-
-    async fn shutdown(&self) {
-        self.shutdown.cancel();
-        // Wait for launches in flight (they hold their user's lock, and give up once they
-        // get it after this point), so no container is created behind our back.
-        let slots: Vec<Arc<UserSlot>> = lock(&self.users).values().cloned().collect();
-        for slot in slots {
-            slot.container.lock().await.take();
-        }
-        if self.cfg.keep_kernels {
-            // Released, not ended: their watchers stop, and the next run adopts them.
-            let count = self.kernels.release_all();
-            self.workspace_images.keep_mounted();
-            self.own_workspaces.keep_mounted();
-            tracing::info!(
-                kernels = count,
-                "left the kernels, their containers and workspaces running for the next run \
-                 (--keep-sessions)"
-            );
-            return;
-        }
-        let kernels = self.kernels.terminate_all();
-        if let Some((docker, _)) = self.client.get() {
-            match self.our_containers(docker).await {
-                Ok(ids) => {
-                    futures::future::join_all(
-                        ids.iter().map(|id| self.remove_container(docker, id)),
-                    )
-                    .await;
-                    if !ids.is_empty() {
-                        tracing::info!(count = ids.len(), "removed the user containers");
-                    }
-                    self.parents.sweep(docker).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %self.advice(&e), "cannot list the kernel containers to remove them")
-                }
-            }
-        }
-        KernelTable::wait_all(&kernels, TERMINATE_TIMEOUT + EXEC_TIMEOUT).await;
-        // Their processes went with the containers; their leaves and directories go now.
-        self.templates.end_all(None).await;
-        // The containers are removed, so nothing holds the workspace file systems.
-        let images = self.workspace_images.clone();
-        let own = self.own_workspaces.clone();
-        let unmount = move || {
-            images.unmount_all();
-            own.unmount_all();
-        };
-        if let Err(e) = tokio::task::spawn_blocking(unmount).await {
-            tracing::warn!(error = %e, "unmounting the workspaces failed");
-        }
     }
 }
 

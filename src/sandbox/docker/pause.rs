@@ -12,14 +12,15 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::exec::DockerKernel;
 use super::exec::{connection_file, endpoints_for, SessionFiles};
 use super::running::init_pid;
 use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::criu::{copy_failed, dump_and_seal};
-use crate::sandbox::fork::{find_fork, ForkError, PreparedFork};
+use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
-use crate::sandbox::pause::{list_images, make_images_dir, open_checked, PausedImage};
+use crate::sandbox::pause::{list_images, make_images_dir, open_checked, record, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 impl Inner {
@@ -33,39 +34,19 @@ impl Inner {
         kernel: &dyn KernelProcess,
         spec: LaunchSpec,
     ) -> Result<PreparedFork, ForkError> {
-        let refused = |why: &str| ForkError::Unsupported(why.to_string());
-        if !self.privileged {
-            return Err(refused(
-                "pausing a kernel to disk is a dump made with CRIU, which the broker does only \
-                 as root",
-            ));
-        }
         if self.cfg.keep_kernels {
-            return Err(refused(
+            return Err(ForkError::Unsupported(
                 "a paused kernel is not kept across the broker's restarts yet, and \
-                 --keep-sessions keeps every kernel",
+                 --keep-sessions keeps every kernel"
+                    .into(),
             ));
         }
-        self.copy_tools().await?;
-        let origin = kernel.fork_origin().ok_or_else(|| {
-            refused("its kernel cannot be paused (it ended, or it was not started by this broker as root)")
-        })?;
-        let Some(own) = origin.own_workspace else {
-            return Err(refused(
-                "pausing a session that shares its user's container is not built yet; a \
-                 session made with \"workspace\": \"own\" can be paused",
-            ));
-        };
-        if spec.own_workspace != Some(own) || origin.uid != Some(KERNEL_UID) {
-            return Err(refused(
-                "a paused kernel resumes in its own container, as the image's kernel uid",
+        let (origin, own, _) = self.own_origin(kernel, &spec, "paused").await?;
+        if spec.own_workspace != Some(own) {
+            return Err(ForkError::Unsupported(
+                "a paused kernel resumes in its own container".into(),
             ));
         }
-        origin
-            .kernel
-            .and_then(|k| self.kernels.get(&k))
-            .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
-            .ok_or_else(|| refused("its kernel has ended"))?;
         let room = crate::sandbox::criu::reserve_room(
             &self.copy_room,
             &self.cfg.data_dir,
@@ -94,6 +75,45 @@ impl Inner {
             endpoints,
             room,
         ))
+    }
+
+    /// The held-child origin of `kernel` (a session with a container of its own, alive, the
+    /// user's, as the image's kernel uid), its own-workspace key and its kernel; or why it
+    /// cannot be `what` (paused, snapshotted). Only as root, with CRIU.
+    pub(super) async fn own_origin(
+        self: &Arc<Self>,
+        kernel: &dyn KernelProcess,
+        spec: &LaunchSpec,
+        what: &str,
+    ) -> Result<(ForkOrigin, uuid::Uuid, Arc<DockerKernel>), ForkError> {
+        let refused = |why: String| ForkError::Unsupported(why);
+        if !self.privileged {
+            return Err(refused(format!(
+                "a kernel is {what} with a dump made with CRIU, which the broker does only as \
+                 root"
+            )));
+        }
+        self.copy_tools().await?;
+        let origin = kernel.fork_origin().ok_or_else(|| {
+            refused(format!("its kernel cannot be {what} (it ended, or it was not started by this broker as root)"))
+        })?;
+        let Some(own) = origin.own_workspace else {
+            return Err(refused(format!(
+                "a session that shares its user's container cannot be {what} yet; a session \
+                 made with \"workspace\": \"own\" can be"
+            )));
+        };
+        if origin.uid != Some(KERNEL_UID) {
+            return Err(refused(format!(
+                "a kernel is {what} as the image's kernel uid"
+            )));
+        }
+        let live = origin
+            .kernel
+            .and_then(|k| self.kernels.get(&k))
+            .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
+            .ok_or_else(|| refused("its kernel has ended".into()))?;
+        Ok((origin, own, live))
     }
 
     pub(super) async fn dump_paused(
@@ -129,18 +149,17 @@ impl Inner {
                 false,
             )
             .await?;
-            let (files, _) = list_images(images).await?;
-            Ok::<_, ForkError>((files, took))
+            let (files, images) = list_images(images).await?;
+            let image = PausedImage::new(dir.clone(), pid, &spec, files, took);
+            // Its record beside the images: a snapshot outlives the broker.
+            record(images, image).await
         }
         .await;
         drop(room);
-        match dumped {
-            Ok((files, dump_time)) => Ok(PausedImage::new(dir, pid, &spec, files, dump_time)),
-            Err(e) => {
-                remove_dir_logged(dir).await;
-                Err(e)
-            }
+        if dumped.is_err() {
+            remove_dir_logged(dir).await;
         }
+        dumped
     }
 
     pub(super) async fn resume_kernel(
@@ -188,7 +207,7 @@ impl Inner {
         resumed
     }
 
-    async fn restore_paused(
+    pub(super) async fn restore_paused(
         self: &Arc<Self>,
         spec: &LaunchSpec,
         host_dir: &std::path::Path,

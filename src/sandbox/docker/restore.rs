@@ -101,31 +101,45 @@ fn unpack() -> String {
     )
 }
 
+/// `argv` in the namespaces of the container whose init is host process `init`, as the
+/// kernel's uid with no capabilities and `no_new_privs`, the host's programs by descriptor.
+fn in_container(
+    tools: &CopyTools,
+    programs: &Programs,
+    init: i32,
+    argv: &[&str],
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(&tools.criu.nsenter);
+    cmd.arg(format!("--target={init}"))
+        .args(["--all", "--"])
+        .args(&programs.setpriv)
+        .args(unprivileged((KERNEL_UID, KERNEL_GID)))
+        .args(argv)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .current_dir("/")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    inherit_in_child(&mut cmd, programs.fds.clone());
+    cmd
+}
+
+fn open_programs(tools: &CopyTools) -> Result<Programs, ForkError> {
+    tools
+        .programs()
+        .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))
+}
+
+fn spawn_failed(e: std::io::Error) -> ForkError {
+    copy_failed(format!("cannot start the copy: {e}"))
+}
+
 /// Copies container `from`'s `/home/user` and `/tmp` over container `to`'s (init host
 /// pids): `tar` in each container's namespaces as the kernel's uid with no capabilities,
 /// through a pipe, for at most [`STEP_TIMEOUT`].
 pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<(), ForkError> {
-    let programs = tools
-        .programs()
-        .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
-    let ids = (KERNEL_UID, KERNEL_GID);
-    let command = |init: i32, argv: &[&str]| {
-        let mut cmd = tokio::process::Command::new(&tools.criu.nsenter);
-        cmd.arg(format!("--target={init}"))
-            .args(["--all", "--"])
-            .args(&programs.setpriv)
-            .args(unprivileged(ids))
-            .args(argv)
-            .env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .current_dir("/")
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        inherit_in_child(&mut cmd, programs.fds.clone());
-        cmd
-    };
-    let spawn_failed = |e: std::io::Error| copy_failed(format!("cannot start the copy: {e}"));
-    let mut pack = command(from, &["sh", "-c", PACK]);
+    let programs = open_programs(tools)?;
+    let mut pack = in_container(tools, &programs, from, &["sh", "-c", PACK]);
     let mut pack = pack
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -137,7 +151,7 @@ pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<
         .ok_or_else(|| copy_failed("the copy has no pipe"))?
         .try_into()
         .map_err(spawn_failed)?;
-    let unpack = command(to, &["sh", "-c", &unpack()])
+    let unpack = in_container(tools, &programs, to, &["sh", "-c", &unpack()])
         .stdin(pipe)
         .stdout(Stdio::null())
         .spawn()
@@ -152,10 +166,72 @@ pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<
         Ok((Err(why), _)) => Err(copy_failed(format!(
             "the workspace could not be read ({why})"
         ))),
-        Err(_) => Err(copy_failed(format!(
-            "the workspace copy took more than {} s",
-            STEP_TIMEOUT.as_secs()
+        Err(_) => Err(took_too_long()),
+    }
+}
+
+fn took_too_long() -> ForkError {
+    copy_failed(format!(
+        "the workspace copy took more than {} s",
+        STEP_TIMEOUT.as_secs()
+    ))
+}
+
+/// Archives container `from`'s `/home/user` and `/tmp` into `archive` (a new file of the
+/// broker's, opened for writing, handed to `tar` as its output): as [`copy_files`] reads
+/// them, and at most `limit` bytes (`RLIMIT_FSIZE`: past it `tar` is stopped).
+pub(super) async fn pack_files(
+    tools: &CopyTools,
+    from: i32,
+    archive: std::fs::File,
+    limit: u64,
+) -> Result<(), ForkError> {
+    let programs = open_programs(tools)?;
+    let mut cmd = in_container(tools, &programs, from, &["sh", "-c", PACK]);
+    cmd.stdin(Stdio::null()).stdout(archive);
+    // SAFETY: the closure runs between fork and exec and calls only setrlimit
+    // (async-signal-safe) on a value made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let bound = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &bound) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let pack = cmd.spawn().map_err(spawn_failed)?;
+    match timeout(STEP_TIMEOUT, finished(pack)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(copy_failed(format!(
+            "the workspace could not be archived (at most {limit} bytes: its quota and /tmp; {why})"
         ))),
+        Err(_) => Err(took_too_long()),
+    }
+}
+
+/// Unpacks `archive` (the broker's file, opened for reading) over container `to`'s
+/// `/home/user` and `/tmp`, emptied first, as [`copy_files`] writes them.
+pub(super) async fn unpack_files(
+    tools: &CopyTools,
+    to: i32,
+    archive: std::fs::File,
+) -> Result<(), ForkError> {
+    let programs = open_programs(tools)?;
+    let unpack = in_container(tools, &programs, to, &["sh", "-c", &unpack()])
+        .stdin(archive)
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(spawn_failed)?;
+    match timeout(STEP_TIMEOUT, finished(unpack)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(copy_failed(format!(
+            "the workspace could not be written ({why})"
+        ))),
+        Err(_) => Err(took_too_long()),
     }
 }
 

@@ -20,11 +20,10 @@ use std::path::PathBuf;
 
 use super::files::endpoints_for;
 use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
-use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::fsutil;
 use crate::sandbox::pause::{
-    keep_recorded, list_images, make_images_dir, open_checked, write_record, PausedImage,
+    keep_recorded, list_images, make_images_dir, open_checked, record, PausedImage,
 };
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
@@ -113,12 +112,7 @@ impl LocalSandbox {
             Ok((files, images, dump_time)) => {
                 let image = PausedImage::new(dir.clone(), pid, &spec, files, dump_time);
                 // Its record beside the images: the paused kernel outlives the broker.
-                tokio::task::spawn_blocking(move || write_record(&images, &image).map(|()| image))
-                    .await
-                    .map_err(|e| copy_failed(format!("the record task failed: {e}")))
-                    .and_then(|r| {
-                        r.map_err(|e| copy_failed(format!("its record cannot be written: {e}")))
-                    })
+                record(images, image).await
             }
             Err(e) => Err(e),
         };

@@ -1,0 +1,224 @@
+//! Snapshots on the Docker sandbox (issue 37; the session layer's book is
+//! `session/snapshot.rs`): a pause's images that are kept and restored as often as asked,
+//! each time into a new container. A session with a container of its own keeps its files
+//! in two places, its workspace (`/home/user`, a host directory) and its `/tmp` (a tmpfs
+//! inside the container); a snapshot needs no container of its own, so both are archived
+//! with the images:
+//!
+//! - **Taking one** (the kernel idle): the directory `<data_dir>/snapshots-docker/<id>` is
+//!   made (beneath a root-only directory, the kernel uid's for CRIU to write in); the
+//!   container's `/home/user` and `/tmp` are archived into [`FILES`] there by `tar`, run in
+//!   the container's namespaces as the kernel's uid with no capabilities (`restore.rs`),
+//!   writing to a file the broker opened (it never reads a path of the kernel's), at most
+//!   the user's workspace quota and the `/tmp` size; then the kernel holds a child, which
+//!   CRIU dumps into the same directory as a pause's (`pause.rs`); everything is sealed
+//!   (root's, read-only), listed with CRC-32s and recorded. The kernel goes on.
+//! - **Starting a session from one**: the files checked against their list (the archive
+//!   with them: a damaged one starts nothing); a new container made as a sandbox's own is;
+//!   the archive unpacked into it by `tar` as the kernel's uid with no capabilities; the
+//!   images restored into it as the kernel's uid (never root), as a resume does. The
+//!   snapshot is only ever read.
+//!
+//! A snapshot outlives the broker (its record beside its images); a session started from
+//! one is not kept by `--keep-sessions` (a copy into a container of its own is not), so
+//! that option refuses it.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::exec::{connection_file, endpoints_for, SessionFiles};
+use super::restore::{pack_files, unpack_files};
+use super::running::init_pid;
+use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE, TMPFS_BYTES};
+use crate::sandbox::criu::copy_failed;
+use crate::sandbox::fork::{ForkError, PreparedFork};
+use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::pause::{keep_recorded, open_checked, PausedImage};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
+
+/// The archive of the container's `/home/user` and `/tmp` in a snapshot's directory.
+pub(super) const FILES: &str = "files.tar";
+
+impl Inner {
+    /// `<data_dir>/snapshots-docker`: root's, 0700; each snapshot's images in it.
+    fn snapshots_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("snapshots-docker")
+    }
+
+    /// Makes the snapshot's directory and archives the container's files into it; the
+    /// held child is then dumped there by [`Inner::dump_paused`].
+    pub(super) async fn prepare_snapshot(
+        self: &Arc<Self>,
+        kernel: &dyn KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<PreparedFork, ForkError> {
+        let (origin, _, live) = self.own_origin(kernel, &spec, "snapshotted").await?;
+        if spec.own_workspace != Some(spec.session_id) {
+            return Err(ForkError::Unsupported(
+                "a snapshot is named by its own id".into(),
+            ));
+        }
+        let tools = self.copy_tools().await?;
+        let room = crate::sandbox::criu::reserve_room(
+            &self.copy_room,
+            &self.cfg.data_dir,
+            origin.host_pid,
+            self.cfg.copy_reserve_bytes,
+        )
+        .await?;
+        // The held child reads its connection file in a session directory named by the
+        // snapshot, in whichever container it is restored into.
+        let dir_name = keep::session_dir(spec.session_id);
+        let endpoints = endpoints_for(
+            &self
+                .user_run_dir(&super::own::own_slot(spec.session_id))
+                .join(&dir_name),
+        )
+        .map_err(|e| launch_failed(&spec.user, e))?;
+        let dir = crate::sandbox::pause::make_images_dir(
+            self.snapshots_dir(),
+            spec.session_id.to_string(),
+            (KERNEL_UID, KERNEL_GID),
+        )
+        .await?;
+        let packed = async {
+            let docker = self.client().await?;
+            let init = init_pid(&docker, &live.container)
+                .await
+                .ok_or_else(|| copy_failed("the session's container does not run"))?;
+            let archive = new_archive(&dir).await?;
+            let limit = spec.user.limits.workspace_quota_bytes + TMPFS_BYTES;
+            pack_files(&tools, init, archive, limit).await
+        }
+        .await;
+        if let Err(e) = packed {
+            remove_dir_logged(dir).await;
+            return Err(e);
+        }
+        let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
+        Ok(PreparedFork::paused(
+            origin,
+            spec,
+            dir,
+            &connection,
+            endpoints,
+            room,
+        ))
+    }
+
+    /// A new kernel for `spec` in a new container of its own, from the snapshot `image`.
+    pub(super) async fn start_from_snapshot(
+        self: &Arc<Self>,
+        image: &PausedImage,
+        spec: LaunchSpec,
+    ) -> Result<Launched, ForkError> {
+        let refused = |why: &str| ForkError::Unsupported(why.to_string());
+        if !self.privileged {
+            return Err(refused(
+                "a session starts from a snapshot with CRIU, which the broker runs only as root",
+            ));
+        }
+        if self.cfg.keep_kernels {
+            return Err(refused(
+                "a kernel restored from a snapshot into a container of its own is not kept \
+                 across the broker's restarts, and --keep-sessions keeps every kernel",
+            ));
+        }
+        match (image.own_workspace, spec.own_workspace) {
+            (Some(from), Some(to)) if from != to => {}
+            _ => {
+                return Err(refused(
+                    "a session from a snapshot gets a container of its own",
+                ))
+            }
+        }
+        let tools = self.copy_tools().await?;
+        // Checked before anything is made: a damaged snapshot makes nothing.
+        let images = open_checked(image).await?;
+        let made = self.copy_container(&spec).await?;
+        let dir_name = keep::session_dir(image.kernel_id);
+        let key = spec.own_workspace.unwrap_or_default();
+        let host_dir = self
+            .user_run_dir(&super::own::own_slot(key))
+            .join(&dir_name);
+        let started = async {
+            let files = SessionFiles {
+                dir: host_dir.clone(),
+                privileged: self.privileged,
+                connection: Some(connection_file(&spec, &dir_name)),
+            };
+            let user = spec.user.clone();
+            tokio::task::spawn_blocking(move || files.write())
+                .await
+                .map_err(|e| launch_step(&user, "preparing the snapshot's files", e))??;
+            let docker = self.client().await?;
+            let init = init_pid(&docker, &made.container)
+                .await
+                .ok_or_else(|| copy_failed("the new container does not run"))?;
+            unpack_files(&tools, init, open_archive(&images).await?).await?;
+            self.restore_paused(
+                &spec,
+                &host_dir,
+                made.container.clone(),
+                init,
+                &images,
+                image,
+            )
+            .await
+        }
+        .await;
+        if started.is_err() {
+            self.undo_copy(&spec, &made, host_dir).await;
+        }
+        started
+    }
+
+    /// At startup, once: the snapshots an earlier run left with their records (anything
+    /// else in their directory, a dump cut short, goes).
+    pub(super) async fn snapshot_images(&self) -> Vec<PausedImage> {
+        if self.snapshots_taken.swap(true, Ordering::SeqCst) {
+            return Vec::new();
+        }
+        keep_recorded(self.snapshots_dir(), "snapshots").await
+    }
+}
+
+/// [`FILES`], made in the snapshot's directory `dir` (root's, beneath the root-only
+/// snapshots' directory; made just now) by descriptor: root's, 0600, never an existing file.
+async fn new_archive(dir: &std::path::Path) -> Result<std::fs::File, ForkError> {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+        use rustix::fs::{Mode, OFlags};
+        let parent = fsutil::open_tree_root(&dir)?;
+        let fd = rustix::fs::openat(
+            parent.as_fd(),
+            FILES,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        Ok(std::fs::File::from(fd))
+    })
+    .await
+    .map_err(|e| copy_failed(format!("the archive's task failed: {e}")))?
+    .map_err(|e| copy_failed(format!("cannot create the snapshot's archive: {e}")))
+}
+
+/// [`FILES`] of the checked images' directory `images`, opened for reading by descriptor.
+async fn open_archive(images: &OwnedFd) -> Result<std::fs::File, ForkError> {
+    let images = images.try_clone().map_err(|e| copy_failed(e.to_string()))?;
+    tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::openat(
+            images.as_fd(),
+            FILES,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(std::fs::File::from(fd))
+    })
+    .await
+    .map_err(|e| copy_failed(format!("the archive's task failed: {e}")))?
+    .map_err(|e| copy_failed(format!("the snapshot's archive cannot be opened: {e}")))
+}
