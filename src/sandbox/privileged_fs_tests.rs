@@ -76,7 +76,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/local/pause.rs", 1, "remove_dir_logged of a paused kernel's images in the broker's 0700 <data_dir>/paused (no kernel reaches it; CRIU, as the kernel's uid, wrote in it through a descriptor: std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),
     ("src/sandbox/local/snapshot.rs", 1, "remove_dir_logged of a snapshot's images in the broker's 0700 <data_dir>/snapshots (no kernel reaches it; CRIU, as the kernel's uid, wrote in it through a descriptor: std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),
     ("src/sandbox/pause.rs", 2, "at startup, remove_dir_all or remove_file of what a dump cut short left in the broker's 0700 <data_dir>/paused, <data_dir>/snapshots or <data_dir>/snapshots-docker (no kernel reaches them; std's remove_dir_all opens each directory O_NOFOLLOW and unlinks symlinks as themselves)"),
-    ("src/session/snapshot.rs", 6, "the broker's 0700 directory of snapshots' records in the data directory"),
+    ("src/session/snapshot.rs", 5, "the broker's 0700 directory of snapshots' records in the data directory"),
     ("src/sandbox/local/reaper.rs", 1, "remove_dir_logged of an ended kernel's runtime directory"),
     ("src/sandbox/local/template/mod.rs", 3, "remove_dir_logged of a stem's directory: its parent, the template's directory, is the kernel's, but std's remove_dir_all opens that last component O_NOFOLLOW and removes below it by descriptor; the directories above are the broker's"),
     ("src/session/kept.rs", 5, "the broker's 0700 directory of kept sessions in the data directory"),

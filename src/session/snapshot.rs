@@ -202,18 +202,7 @@ impl Snapshots {
             }
         }
         .ok_or(SessionError::SnapshotNotFound(id))?;
-        if let Some(dir) = self.dir.clone() {
-            let _ = tokio::task::spawn_blocking(move || {
-                match std::fs::remove_file(dir.join(format!("{id}.json"))) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        tracing::warn!(snapshot = %id, error = %e, "cannot remove the snapshot's record")
-                    }
-                }
-            })
-            .await;
-        }
+        self.forget_record(id).await;
         Ok(removed)
     }
 
@@ -227,11 +216,21 @@ impl Snapshots {
             .unwrap_or_default()
     }
 
-    /// Removes the record of `id` (its images are gone). Blocking.
-    pub fn forget_record(&self, id: Uuid) {
-        if let Some(dir) = &self.dir {
-            let _ = std::fs::remove_file(dir.join(format!("{id}.json")));
-        }
+    /// Removes the record of `id` (its images are gone), in a blocking task.
+    pub async fn forget_record(&self, id: Uuid) {
+        let Some(dir) = self.dir.clone() else {
+            return;
+        };
+        let _ = tokio::task::spawn_blocking(move || {
+            match std::fs::remove_file(dir.join(format!("{id}.json"))) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(snapshot = %id, error = %e, "cannot remove the snapshot's record")
+                }
+            }
+        })
+        .await;
     }
 }
 

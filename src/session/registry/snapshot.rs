@@ -234,7 +234,7 @@ impl Registry {
                 }
                 image => {
                     tracing::warn!(snapshot = %id, user = %record.user, "a snapshot's images or user are gone: it is not taken back");
-                    book.forget_record(id);
+                    book.forget_record(id).await;
                     if let Some(image) = image {
                         self.inner.sandbox.discard_snapshot(image).await;
                     }
