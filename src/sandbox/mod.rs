@@ -416,6 +416,10 @@ pub trait Sandbox: Send + Sync {
     async fn paused_images(&self) -> Vec<pause::PausedImage> {
         Vec::new()
     }
+    /// The paused kernel of a session with the own workspace `key` has ended: what the
+    /// sandbox held for that session alone may go until its resume (the Docker sandbox's
+    /// container of its own; the workspace stays).
+    async fn release_paused(&self, _user: &SandboxUser, _key: Uuid) {}
     /// Removes a paused kernel's images.
     async fn discard_paused(&self, image: pause::PausedImage) {
         fsutil::remove_dir_logged(image.dir).await;

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 on_one_backend!(
     a_session_sharing_its_users_workspace_pauses_too,
-    a_paused_session_outlives_the_broker,
     a_broker_killed_mid_pause_loses_nothing_acknowledged,
     idle_sessions_pause_by_themselves_and_paused_ones_expire,
     what_cannot_be_paused_is_refused_and_goes_on_running,
@@ -21,6 +20,7 @@ on_one_backend!(
 
 crate::on_both_backends!(
     a_paused_session_comes_back_with_its_state_on_any_use,
+    a_paused_session_outlives_the_broker,
     a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on,
     a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
     another_users_session_cannot_be_paused_or_resumed,
@@ -82,6 +82,17 @@ fn paused_images(data: &std::path::Path) -> Vec<std::path::PathBuf> {
             Err(_) => Vec::new(),
         })
         .collect()
+}
+
+/// The Docker containers of the sandbox `id` (a session with a container of its own).
+fn containers_of(id: &str) -> usize {
+    let out = docker_cli()
+        .args(["ps", "-a", "--filter"])
+        .arg(format!("label=org.kernel-broker.sandbox={id}"))
+        .args(["--format", "{{.Names}}"])
+        .output()
+        .expect("docker ps");
+    String::from_utf8_lossy(&out.stdout).lines().count()
 }
 
 fn paused_images_of(data: &std::path::Path, sandbox: &str) -> Vec<std::path::PathBuf> {
@@ -152,6 +163,13 @@ async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static
     if leaf_named {
         assert_eq!(processes_in_leaf(&a), 0, "no process of the kernel is left");
     }
+    if sandbox == "docker" {
+        assert_eq!(
+            containers_of(&a),
+            0,
+            "its container goes while it is paused"
+        );
+    }
     let images = paused_images_of(&broker.data_dir, sandbox);
     assert_eq!(images.len(), 1, "{images:?}");
     {
@@ -193,6 +211,9 @@ async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static
     );
     assert_eq!(probe["execution_count"], 3);
     assert_eq!(state_of(&api, &a).await["state"], "idle");
+    if sandbox == "docker" {
+        assert_eq!(containers_of(&a), 1, "a container of its own again");
+    }
     assert!(
         paused_images(&broker.data_dir).is_empty(),
         "its images go once it runs"
@@ -435,18 +456,25 @@ async fn a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on(
 /// session paused under the same id, and its next use resumes it with its state.
 async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
     use common::spawned::{SpawnedBroker, Stop};
-    if !criu_ready() || sandbox != "local" {
+    if !criu_ready() {
         return;
     }
-    for (args, how) in [
-        (vec![], Stop::Term),
-        (vec![], Stop::Kill),
-        (vec!["--keep-sessions"], Stop::Term),
-    ] {
+    let backend: Vec<&str> = match sandbox {
+        "docker" => vec!["--sandbox", "docker"],
+        _ => vec![],
+    };
+    let with = |extra: &[&'static str]| [backend.clone(), extra.to_vec()].concat();
+    let mut rounds = vec![(with(&[]), Stop::Term), (with(&[]), Stop::Kill)];
+    // On Docker, --keep-sessions refuses a pause (a resumed kernel is not kept there).
+    if sandbox == "local" {
+        rounds.push((with(&["--keep-sessions"]), Stop::Term));
+    }
+    for (args, how) in rounds {
+        let keeping = args.contains(&"--keep-sessions");
         let mut broker = SpawnedBroker::start(&args, None);
         let api = broker.api(ALICE);
         let a = own(&api).await;
-        out(&api, &a, "kept = [1, 2, 3]\nit = iter(kept); next(it)\nfh = open('/home/user/f.txt', 'w+'); fh.write('abc'); fh.seek(1)").await;
+        out(&api, &a, "kept = [1, 2, 3]\nit = iter(kept); next(it)\nfh = open('/home/user/f.txt', 'w+'); fh.write('abc'); fh.seek(1)\ntf = open('/tmp/t.txt', 'w+'); tf.write('in tmp'); tf.seek(3)").await;
         let (status, v) = pause(&api, &a).await;
         assert_eq!(status, 200, "{v}");
         let running = own(&api).await;
@@ -460,21 +488,21 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         assert_eq!(paused_images(&broker.data_dir()).len(), 1);
         // Its next use resumes it: the same variables, iterator and open file.
         assert_eq!(
-            out(&api, &a, "print(kept, next(it), fh.read())").await,
-            "[1, 2, 3] 2 bc",
+            out(&api, &a, "print(kept, next(it), fh.read(), tf.read())").await,
+            "[1, 2, 3] 2 bc tmp",
             "{args:?}"
         );
         assert!(paused_images(&broker.data_dir()).is_empty());
         // A session that was running: kept only with --keep-sessions (and not after a kill
         // without it: its kernel died with the broker).
         let (status, _) = api.get(&format!("/v1/sessions/{running}")).await;
-        assert_eq!(status == 200, !args.is_empty(), "{args:?}: {status}");
+        assert_eq!(status == 200, keeping, "{args:?}: {status}");
         assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
         broker.halt(Stop::Term).await;
     }
 
     // Taken back, a session pauses by itself as its user's settings say (`--pause-after`).
-    let mut broker = SpawnedBroker::start(&["--pause-after", "1"], None);
+    let mut broker = SpawnedBroker::start(&with(&["--pause-after", "1"]), None);
     let api = broker.api(ALICE);
     let a = own(&api).await;
     out(&api, &a, "z = 5").await;

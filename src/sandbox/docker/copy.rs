@@ -55,7 +55,7 @@ use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
 pub(super) struct Made {
     pub container: Arc<ContainerInfo>,
     /// The container was made for this copy (not a rewind's session container).
-    new_container: bool,
+    pub new_container: bool,
 }
 
 impl Inner {
@@ -192,7 +192,7 @@ impl Inner {
 
     /// What a failed copy made goes: its session directory, and its container with its
     /// workspace if the copy made them (never a rewind's session container).
-    pub(super) async fn undo_copy(&self, spec: &LaunchSpec, made: &Made, host_dir: PathBuf) {
+    async fn undo_copy(&self, spec: &LaunchSpec, made: &Made, host_dir: PathBuf) {
         remove_dir_logged(host_dir).await;
         if let (true, Some(key)) = (made.new_container, spec.own_workspace) {
             self.remove_own(&spec.user, key).await;

@@ -3,7 +3,7 @@
 //! containers and runtime entries (or, keeping kernels, the hand-over to `keep/`), and
 //! finding and removing this broker's containers.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use bollard::errors::Error as DockerError;
@@ -11,11 +11,13 @@ use bollard::models::ContainerSummary;
 use bollard::query_parameters::{ListContainersOptions, RemoveContainerOptions};
 use bollard::Docker;
 use tokio::time::timeout;
+use uuid::Uuid;
 
 use super::engine::Engine;
 use super::{unavailable, unavailable_by, Inner, BACKEND, LABEL_DATA_DIR_HASH, LABEL_MANAGED};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::fsutil;
+use crate::sandbox::pause::keep_recorded;
 use crate::sandbox::SandboxError;
 use crate::sync::lock;
 
@@ -111,23 +113,26 @@ impl Inner {
                     sweep,
                 )
                 .await?;
-                // Copies and paused kernels are never kept: their images hold a kernel's
-                // memory.
-                let (copies, paused) = (self.copies_dir(), self.paused_dir());
+                // Copies cut short are never kept: their images hold a kernel's memory.
+                // Paused kernels with their records are, with their workspaces.
+                let copies = self.copies_dir();
                 let _ = tokio::task::spawn_blocking(move || {
                     crate::sandbox::criu::sweep_copies(&copies);
-                    crate::sandbox::criu::sweep_copies(&paused);
                 })
                 .await;
+                let paused = keep_recorded(self.paused_dir(), "paused kernels").await;
+                let spared: HashSet<Uuid> = paused.iter().filter_map(|p| p.own_workspace).collect();
+                *lock(&self.found_paused) = paused;
                 if keep {
                     self.take_over(&docker).await?;
                     self.parents.sweep(&docker).await;
                     // The workspaces of the sandboxes whose kernels were kept stay.
-                    let kept = lock(&self.kept).values().filter_map(|t| t.own).collect();
+                    let mut kept = spared;
+                    kept.extend(lock(&self.kept).values().filter_map(|t| t.own));
                     self.sweep_own(kept).await;
                     return Ok(());
                 }
-                self.sweep_own(Default::default()).await;
+                self.sweep_own(spared).await;
                 self.forget_tickets().await;
                 let stale = self
                     .our_containers(&docker)

@@ -211,6 +211,9 @@ struct Inner {
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
     /// Whether the snapshots an earlier run left were taken (`snapshot.rs`).
     snapshots_taken: std::sync::atomic::AtomicBool,
+    /// The paused kernels an earlier run left, found at startup, until the session layer
+    /// takes them (`pause.rs`).
+    found_paused: Mutex<Vec<super::pause::PausedImage>>,
 }
 
 /// Per-user state.
@@ -262,6 +265,7 @@ impl DockerSandbox {
                 copy_tools: OnceCell::new(),
                 copy_room: Default::default(),
                 snapshots_taken: Default::default(),
+                found_paused: Default::default(),
             }),
         })
     }
@@ -453,6 +457,21 @@ impl Sandbox for DockerSandbox {
         spec: LaunchSpec,
     ) -> Result<Launched, super::fork::ForkError> {
         self.inner.resume_kernel(image, spec).await
+    }
+
+    async fn release_paused(&self, user: &SandboxUser, key: Uuid) {
+        self.inner.release_own_container(user, key).await
+    }
+
+    fn keeps_paused(&self) -> bool {
+        true
+    }
+
+    async fn paused_images(&self) -> Vec<super::pause::PausedImage> {
+        if let Err(e) = self.inner.startup().await {
+            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels found");
+        }
+        std::mem::take(&mut *lock(&self.inner.found_paused))
     }
 
     async fn prepare_snapshot(

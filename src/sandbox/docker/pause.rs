@@ -2,26 +2,35 @@
 //! `sandbox/pause.rs`): the two halves of a copy (`copy.rs`) apart in time, for a session
 //! with a container of its own. The images go in `<data_dir>/paused-docker/<kernel id>`
 //! (root's, beneath a root-only directory), made by CRIU as the kernel's uid inside the
-//! container's namespaces and sealed. The container stays while the session is paused (its
-//! `/tmp` is a tmpfs inside it, and what the kernel had open there must be found again);
-//! only the kernel ends. A resume writes the kernel's session directory and connection file
-//! in the container's runtime directory, restores the images into the container in a
-//! cgroup leaf with the session's limits (CRIU as the kernel's uid, in a pid namespace of
-//! its own: `restore.rs`), and wakes the kernel, as a copy's restore does.
+//! container's namespaces and sealed, with the container's `/tmp` (a tmpfs inside it, which
+//! the kernel may hold files in) archived beside them by an unprivileged `tar`
+//! (`snapshot.rs`, [`FILES`]). The kernel ends, and so does the container once no kernel
+//! runs in it (another context of the same E2B sandbox may): a paused session holds no
+//! memory and no process, and outlives the broker (the images' record, `broker.json`; its
+//! workspace, a host directory, is spared by the start-up sweep). A resume takes the
+//! session's container, or makes a new one and unpacks the archive into its `/tmp`; writes
+//! the kernel's session directory and connection file in its runtime directory; restores
+//! the images into it in a cgroup leaf with the session's limits (CRIU as the kernel's
+//! uid, in a pid namespace of its own: `restore.rs`); and wakes the kernel, as a copy's
+//! restore does.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::exec::DockerKernel;
-use super::exec::{connection_file, endpoints_for, SessionFiles};
-use super::running::init_pid;
-use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE};
+use uuid::Uuid;
+
+use super::exec::{endpoints_for, DockerKernel};
+use super::own::own_slot;
+use super::restore::Carried;
+use super::snapshot::{FILES, TAR_SLACK};
+use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE, TMPFS_BYTES};
 use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::criu::{copy_failed, dump_and_seal};
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
-use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::fsutil::{self, launch_failed, remove_dir_logged};
 use crate::sandbox::pause::{list_images, make_images_dir, open_checked, record, PausedImage};
-use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
+use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxUser};
+use crate::sync::lock;
 
 impl Inner {
     /// `<data_dir>/paused-docker`: root's, 0700; each paused kernel's images in it.
@@ -41,7 +50,7 @@ impl Inner {
                     .into(),
             ));
         }
-        let (origin, own, _) = self.own_origin(kernel, &spec, "paused").await?;
+        let (origin, own, live) = self.own_origin(kernel, &spec, "paused").await?;
         if spec.own_workspace != Some(own) {
             return Err(ForkError::Unsupported(
                 "a paused kernel resumes in its own container".into(),
@@ -54,18 +63,27 @@ impl Inner {
             self.cfg.copy_reserve_bytes,
         )
         .await?;
+        // The kernel id stays the session directory's name at the resume (`resume_kernel`).
+        let dir_name = keep::session_dir(spec.session_id);
+        let host_dir = self
+            .user_run_dir(&super::own::own_slot(own))
+            .join(&dir_name);
+        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
         let images = make_images_dir(
             self.paused_dir(),
             spec.session_id.to_string(),
             (KERNEL_UID, KERNEL_GID),
         )
         .await?;
-        // The kernel id stays the session directory's name at the resume (`resume_paused`).
-        let dir_name = keep::session_dir(spec.session_id);
-        let host_dir = self
-            .user_run_dir(&super::own::own_slot(own))
-            .join(&dir_name);
-        let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
+        // Its /tmp (memory of the container's) beside the images: the container goes.
+        let limit = TMPFS_BYTES + TAR_SLACK;
+        if let Err(e) = self
+            .archive_files(&live.container, &images, Carried::Tmp, limit)
+            .await
+        {
+            remove_dir_logged(images).await;
+            return Err(e);
+        }
         let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
         Ok(PreparedFork::paused(
             origin,
@@ -176,35 +194,45 @@ impl Inner {
             }
         };
         let images = open_checked(image).await?;
-        let container = self
-            .own_container(key)
-            .await
-            .ok_or_else(|| copy_failed("the session's container is gone"))?;
-        let docker = self.client().await?;
-        let init = init_pid(&docker, &container)
-            .await
-            .ok_or_else(|| copy_failed("the session's container does not run"))?;
-        // The session directory and connection file the held child reads once woken.
-        let dir_name = keep::session_dir(spec.session_id);
-        let host_dir = self
-            .user_run_dir(&super::own::own_slot(key))
-            .join(&dir_name);
-        let files = SessionFiles {
-            dir: host_dir.clone(),
-            privileged: self.privileged,
-            connection: Some(connection_file(&spec, &dir_name)),
-        };
-        let user = spec.user.clone();
-        tokio::task::spawn_blocking(move || files.write())
-            .await
-            .map_err(|e| launch_step(&user, "preparing the resume's files", e))??;
+        // The session's container, or a new one: it went when the session paused
+        // (`release_own_container`), or with the broker.
+        let made = self.copy_container(&spec).await?;
+        // A new container's /tmp is empty: the pause's archive of it is unpacked there.
+        let carried = (made.new_container && image.files.iter().any(|f| f.name == FILES))
+            .then_some(Carried::Tmp);
         let resumed = self
-            .restore_paused(&spec, &host_dir, container, init, &images, image)
+            .restore_into(&spec, image, &images, &made, carried)
             .await;
-        if resumed.is_err() {
-            remove_dir_logged(host_dir).await;
+        if resumed.is_err() && made.new_container {
+            self.release_own_container(&spec.user, key).await;
         }
         resumed
+    }
+
+    /// After the pause of a session with the own container `key`: the container goes
+    /// (its workspace stays, and the images hold its `/tmp`) unless a kernel still runs in
+    /// it (another context of the same sandbox). A launch waits for this on the slot's
+    /// lock, and then makes a new one.
+    pub(super) async fn release_own_container(&self, user: &SandboxUser, key: Uuid) {
+        let slot = lock(&self.users).get(&own_slot(key)).cloned();
+        let Some(slot) = slot else {
+            return;
+        };
+        let mut guard = slot.container.lock().await;
+        if self
+            .kernels
+            .any(|k| k.container.own == Some(key) && !k.watch.has_exited())
+        {
+            return;
+        }
+        let Some(container) = guard.take() else {
+            return;
+        };
+        if let Ok(docker) = self.client().await {
+            self.remove_container(&docker, &container.id).await;
+            self.parents.remove_if_unused(&user.name).await;
+        }
+        tracing::info!(user = %user.name, %key, "a paused sandbox's container removed (its workspace stays)");
     }
 
     pub(super) async fn restore_paused(

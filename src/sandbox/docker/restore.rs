@@ -88,17 +88,43 @@ fn unprivileged(ids: (u32, u32)) -> Vec<OsString> {
     .collect()
 }
 
-/// What the source's `sh` runs: the entries of `/home/user` and `/tmp` archived (not the two
-/// directories, whose owner and mode are the container's), symlinks as symlinks.
-const PACK: &str = "cd / && find home/user tmp -mindepth 1 -maxdepth 1 -print0 | \
-                    tar --null --files-from=- -cf -";
-/// What the destination's `sh` runs: the old files go (a rewind), all or none
-/// ([`criu::emptied_check`]), and the archive is unpacked.
-fn unpack() -> String {
-    format!(
-        "set -e; {}; find /home/user /tmp -mindepth 1 -delete; exec tar -C / -xf -",
-        criu::emptied_check(&["/home/user", "/tmp"])
-    )
+/// Which of a container's directories a copy carries: a copy's and a snapshot's, both; a
+/// pause's, `/tmp` only (its workspace stays where it is, on the host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Carried {
+    HomeAndTmp,
+    Tmp,
+}
+
+impl Carried {
+    /// The directories, relative to `/`.
+    fn dirs(self) -> &'static [&'static str] {
+        match self {
+            Carried::HomeAndTmp => &["home/user", "tmp"],
+            Carried::Tmp => &["tmp"],
+        }
+    }
+
+    /// What the source's `sh` runs: the entries of the directories archived (not the
+    /// directories, whose owner and mode are the container's), symlinks as symlinks.
+    fn pack(self) -> String {
+        format!(
+            "cd / && find {} -mindepth 1 -maxdepth 1 -print0 | tar --null --files-from=- -cf -",
+            self.dirs().join(" ")
+        )
+    }
+
+    /// What the destination's `sh` runs: the old files go (a rewind), all or none
+    /// ([`criu::emptied_check`]), and the archive is unpacked.
+    fn unpack(self) -> String {
+        let dirs: Vec<String> = self.dirs().iter().map(|d| format!("/{d}")).collect();
+        let dirs: Vec<&str> = dirs.iter().map(String::as_str).collect();
+        format!(
+            "set -e; {}; find {} -mindepth 1 -delete; exec tar -C / -xf -",
+            criu::emptied_check(&dirs),
+            dirs.join(" ")
+        )
+    }
 }
 
 /// `argv` in the namespaces of the container whose init is host process `init`, as the
@@ -139,7 +165,8 @@ fn spawn_failed(e: std::io::Error) -> ForkError {
 /// through a pipe, for at most [`STEP_TIMEOUT`].
 pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<(), ForkError> {
     let programs = open_programs(tools)?;
-    let mut pack = in_container(tools, &programs, from, &["sh", "-c", PACK]);
+    let carried = Carried::HomeAndTmp;
+    let mut pack = in_container(tools, &programs, from, &["sh", "-c", &carried.pack()]);
     let mut pack = pack
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -151,7 +178,7 @@ pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<
         .ok_or_else(|| copy_failed("the copy has no pipe"))?
         .try_into()
         .map_err(spawn_failed)?;
-    let unpack = in_container(tools, &programs, to, &["sh", "-c", &unpack()])
+    let unpack = in_container(tools, &programs, to, &["sh", "-c", &carried.unpack()])
         .stdin(pipe)
         .stdout(Stdio::null())
         .spawn()
@@ -177,17 +204,17 @@ fn took_too_long() -> ForkError {
     ))
 }
 
-/// Archives container `from`'s `/home/user` and `/tmp` into `archive` (a new file of the
+/// Archives the `carried` directories of container `from` into `archive` (a new file of the
 /// broker's, opened for writing, handed to `tar` as its output): as [`copy_files`] reads
 /// them, and at most `limit` bytes (`RLIMIT_FSIZE`: past it `tar` is stopped).
 pub(super) async fn pack_files(
     tools: &CopyTools,
-    from: i32,
+    (from, carried): (i32, Carried),
     archive: std::fs::File,
     limit: u64,
 ) -> Result<(), ForkError> {
     let programs = open_programs(tools)?;
-    let mut cmd = in_container(tools, &programs, from, &["sh", "-c", PACK]);
+    let mut cmd = in_container(tools, &programs, from, &["sh", "-c", &carried.pack()]);
     cmd.stdin(Stdio::null()).stdout(archive);
     // SAFETY: the closure runs between fork and exec and calls only setrlimit
     // (async-signal-safe) on a value made before the fork.
@@ -213,15 +240,15 @@ pub(super) async fn pack_files(
     }
 }
 
-/// Unpacks `archive` (the broker's file, opened for reading) over container `to`'s
-/// `/home/user` and `/tmp`, emptied first, as [`copy_files`] writes them.
+/// Unpacks `archive` (the broker's file, opened for reading) over the `carried`
+/// directories of container `to`, emptied first, as [`copy_files`] writes them.
 pub(super) async fn unpack_files(
     tools: &CopyTools,
-    to: i32,
+    (to, carried): (i32, Carried),
     archive: std::fs::File,
 ) -> Result<(), ForkError> {
     let programs = open_programs(tools)?;
-    let unpack = in_container(tools, &programs, to, &["sh", "-c", &unpack()])
+    let unpack = in_container(tools, &programs, to, &["sh", "-c", &carried.unpack()])
         .stdin(archive)
         .stdout(Stdio::null())
         .spawn()
@@ -397,6 +424,20 @@ pub(super) fn restored_pid(helper: i32, pid: i64, uid: u32) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pause_carries_tmp_alone_and_a_copy_both() {
+        assert_eq!(
+            Carried::HomeAndTmp.pack(),
+            "cd / && find home/user tmp -mindepth 1 -maxdepth 1 -print0 | tar --null --files-from=- -cf -"
+        );
+        let tmp = Carried::Tmp.unpack();
+        assert!(tmp.contains("find /tmp -mindepth 1 -delete"), "{tmp}");
+        assert!(!tmp.contains("/home/user"), "{tmp}");
+        assert!(Carried::HomeAndTmp
+            .unpack()
+            .contains("find /home/user /tmp -mindepth 1 -delete"));
+    }
 
     #[test]
     fn the_restore_masks_what_docker_masks_and_keeps_four_capabilities() {

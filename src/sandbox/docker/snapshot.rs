@@ -24,13 +24,15 @@
 //! that option refuses it.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::copy::Made;
 use super::exec::{connection_file, endpoints_for, SessionFiles};
-use super::restore::{pack_files, unpack_files};
-use super::running::init_pid;
+use super::own::own_slot;
+use super::restore::{pack_files, unpack_files, Carried};
+use super::running::{init_pid, ContainerInfo};
 use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE, TMPFS_BYTES};
 use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
@@ -38,8 +40,11 @@ use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged
 use crate::sandbox::pause::{keep_recorded, open_checked, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
-/// The archive of the container's `/home/user` and `/tmp` in a snapshot's directory.
+/// The archive of the container's files in a snapshot's (or a pause's) directory.
 pub(super) const FILES: &str = "files.tar";
+
+/// Room past the archived directories' own bounds for `tar`'s headers (512 bytes a file).
+pub(super) const TAR_SLACK: u64 = 64 << 20;
 
 impl Inner {
     /// `<data_dir>/snapshots-docker`: root's, 0700; each snapshot's images in it.
@@ -60,7 +65,6 @@ impl Inner {
                 "a snapshot is named by its own id".into(),
             ));
         }
-        let tools = self.copy_tools().await?;
         let room = crate::sandbox::criu::reserve_room(
             &self.copy_room,
             &self.cfg.data_dir,
@@ -83,17 +87,11 @@ impl Inner {
             (KERNEL_UID, KERNEL_GID),
         )
         .await?;
-        let packed = async {
-            let docker = self.client().await?;
-            let init = init_pid(&docker, &live.container)
-                .await
-                .ok_or_else(|| copy_failed("the session's container does not run"))?;
-            let archive = new_archive(&dir).await?;
-            let limit = spec.user.limits.workspace_quota_bytes + TMPFS_BYTES;
-            pack_files(&tools, init, archive, limit).await
-        }
-        .await;
-        if let Err(e) = packed {
+        let limit = spec.user.limits.workspace_quota_bytes + TMPFS_BYTES + TAR_SLACK;
+        if let Err(e) = self
+            .archive_files(&live.container, &dir, Carried::HomeAndTmp, limit)
+            .await
+        {
             remove_dir_logged(dir).await;
             return Err(e);
         }
@@ -134,45 +132,79 @@ impl Inner {
                 ))
             }
         }
-        let tools = self.copy_tools().await?;
         // Checked before anything is made: a damaged snapshot makes nothing.
         let images = open_checked(image).await?;
         let made = self.copy_container(&spec).await?;
+        let started = self
+            .restore_into(&spec, image, &images, &made, Some(Carried::HomeAndTmp))
+            .await;
+        if let (Err(_), true, Some(key)) = (&started, made.new_container, spec.own_workspace) {
+            self.remove_own(&spec.user, key).await;
+        }
+        started
+    }
+
+    /// The `carried` directories of `container` archived into [`FILES`] in the images'
+    /// directory `dir` (made just now), at most `limit` bytes.
+    pub(super) async fn archive_files(
+        &self,
+        container: &ContainerInfo,
+        dir: &Path,
+        carried: Carried,
+        limit: u64,
+    ) -> Result<(), ForkError> {
+        let tools = self.copy_tools().await?;
+        let docker = self.client().await?;
+        let init = init_pid(&docker, container)
+            .await
+            .ok_or_else(|| copy_failed("the session's container does not run"))?;
+        let archive = new_archive(dir).await?;
+        pack_files(&tools, (init, carried), archive, limit).await
+    }
+
+    /// Restores `image` (its checked directory `images`) into `made`'s container for
+    /// `spec`: the session directory named by the image's kernel id and its connection file
+    /// written, the image's archive of the `carried` directories unpacked (if any), the
+    /// images restored and the kernel woken. On error its session directory goes (the
+    /// container is the caller's to undo).
+    pub(super) async fn restore_into(
+        self: &Arc<Self>,
+        spec: &LaunchSpec,
+        image: &PausedImage,
+        images: &OwnedFd,
+        made: &Made,
+        carried: Option<Carried>,
+    ) -> Result<Launched, ForkError> {
         let dir_name = keep::session_dir(image.kernel_id);
         let key = spec.own_workspace.unwrap_or_default();
-        let host_dir = self
-            .user_run_dir(&super::own::own_slot(key))
-            .join(&dir_name);
-        let started = async {
+        let host_dir = self.user_run_dir(&own_slot(key)).join(&dir_name);
+        let restored = async {
             let files = SessionFiles {
                 dir: host_dir.clone(),
                 privileged: self.privileged,
-                connection: Some(connection_file(&spec, &dir_name)),
+                connection: Some(connection_file(spec, &dir_name)),
             };
             let user = spec.user.clone();
             tokio::task::spawn_blocking(move || files.write())
                 .await
-                .map_err(|e| launch_step(&user, "preparing the snapshot's files", e))??;
+                .map_err(|e| launch_step(&user, "preparing the restore's files", e))??;
             let docker = self.client().await?;
             let init = init_pid(&docker, &made.container)
                 .await
-                .ok_or_else(|| copy_failed("the new container does not run"))?;
-            unpack_files(&tools, init, open_archive(&images).await?).await?;
-            self.restore_paused(
-                &spec,
-                &host_dir,
-                made.container.clone(),
-                init,
-                &images,
-                image,
-            )
-            .await
+                .ok_or_else(|| copy_failed("the session's container does not run"))?;
+            if let Some(carried) = carried {
+                let tools = self.copy_tools().await?;
+                let archive = open_archive(images).await?;
+                unpack_files(&tools, (init, carried), archive).await?;
+            }
+            self.restore_paused(spec, &host_dir, made.container.clone(), init, images, image)
+                .await
         }
         .await;
-        if started.is_err() {
-            self.undo_copy(&spec, &made, host_dir).await;
+        if restored.is_err() {
+            remove_dir_logged(host_dir).await;
         }
-        started
+        restored
     }
 
     /// At startup, once: the snapshots an earlier run left with their records (anything
@@ -187,7 +219,7 @@ impl Inner {
 
 /// [`FILES`], made in the snapshot's directory `dir` (root's, beneath the root-only
 /// snapshots' directory; made just now) by descriptor: root's, 0600, never an existing file.
-async fn new_archive(dir: &std::path::Path) -> Result<std::fs::File, ForkError> {
+async fn new_archive(dir: &Path) -> Result<std::fs::File, ForkError> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
         use rustix::fs::{Mode, OFlags};

@@ -57,6 +57,9 @@ impl Actor {
         if let Some(old) = self.kernel.take() {
             old.process.terminate().await;
         }
+        if let Some(key) = self.session.own_workspace {
+            self.sandbox.release_paused(&self.session.user, key).await;
+        }
         self.routes.clear();
         self.session.release_memory();
         let info = PauseInfo {
