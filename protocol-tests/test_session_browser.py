@@ -667,11 +667,11 @@ def test_actions_are_disabled_while_a_request_runs(broker, browser):
     browser.execute_script("window.confirm = () => true; const f = window.fetch;"
                            "window.fetch = (...a) => new Promise((r) => setTimeout(r, 1500)).then(() => f(...a));")
     browser.find_element(By.ID, "action-restart").click()
-    # Meanwhile every action button is disabled (Interrupt, Pause, Resume (hidden), Restart,
-    # Delete).
+    # Meanwhile every action button is disabled (Interrupt, Pause, Resume (hidden), Snapshot,
+    # Restart, Delete).
     states = browser.execute_script(
         "return [...document.querySelectorAll('.session-head .actions button')].map((b) => b.disabled)")
-    assert states == [True] * 5, states
+    assert states == [True] * 6, states
     wait(browser, lambda d: "restarted" in d.find_element(By.ID, "status").text, timeout=60, what="restarted")
     assert not browser.find_element(By.ID, "action-delete").get_attribute("disabled")
     assert broker.api("DELETE", f"/v1/sessions/{sid}").status_code == 204
@@ -903,3 +903,73 @@ def test_pause_and_resume_from_the_page(broker, browser, tmp_path):
         wait(browser, lambda d: marker(d, "session_resumed"), timeout=15, what="the resume in the timeline")
     finally:
         broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
+def snapshot_items(driver):
+    return driver.find_elements(By.CSS_SELECTOR, "#snapshots li[data-snapshot]")
+
+
+@needs_criu
+def test_snapshots_from_the_page(broker, browser, tmp_path):
+    """Issue 37 in the session browser: Snapshot takes a named snapshot of the open session,
+    which the page lists under it; `start` opens a new session with the snapshot's state;
+    `delete` removes it. A refusal is shown as text; bob sees and starts none of alice's."""
+    r = broker.api("POST", "/v1/sessions", json={"workspace": "own"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    made = []
+    try:
+        execute(broker, sid, "kept = 7")
+        open_page(browser, broker, sid=sid)
+        wait(browser, lambda d: d.find_element(By.ID, "action-snapshot").is_displayed(), what="Snapshot")
+        assert not browser.find_element(By.ID, "snapshots").is_displayed(), "none yet: no panel"
+        # A bad name: the broker's refusal is shown, nothing is made.
+        browser.execute_script("window.prompt = () => 'a name with spaces';")
+        browser.find_element(By.ID, "action-snapshot").click()
+        wait(browser, lambda d: "snapshot failed" in d.find_element(By.ID, "status").text, timeout=30, what="the refusal")
+        assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
+        assert broker.api("GET", "/v1/snapshots").json() == []
+        # Cancelled: nothing asked of the broker.
+        browser.execute_script("window.prompt = () => null;")
+        browser.find_element(By.ID, "action-snapshot").click()
+        assert broker.api("GET", "/v1/snapshots").json() == []
+        # Taken, named.
+        browser.execute_script("window.prompt = () => 'after-load';")
+        browser.find_element(By.ID, "action-snapshot").click()
+        wait(browser, lambda d: "taken" in d.find_element(By.ID, "status").text, timeout=60, what="the snapshot")
+        snaps = broker.api("GET", "/v1/snapshots").json()
+        assert [(s["name"], s["session_id"]) for s in snaps] == [("after-load", sid)], snaps
+        snap = snaps[0]["snapshot_id"]
+        items = wait(browser, snapshot_items, timeout=15, what="the snapshot listed")
+        assert items[0].get_attribute("data-snapshot") == snap
+        assert items[0].find_element(By.CSS_SELECTOR, ".name").text == "after-load"
+        shoot(browser, tmp_path, "snapshots")
+        # The session runs on, changed after it.
+        execute(broker, sid, "kept = 8")
+        # Bob: the list the page asks for has none of alice's; his token cannot start from it.
+        assert broker.api("GET", "/v1/snapshots", BOB).json() == []
+        r = broker.api("POST", "/v1/sessions", BOB, json={"snapshot": snap})
+        assert r.status_code == 404, r.text
+        # Started from it: the page opens the new session, which holds the snapshot's state.
+        items[0].find_element(By.CSS_SELECTOR, "button.start-snapshot").click()
+        wait(browser, lambda d: d.find_element(By.ID, "detail").get_attribute("data-session") not in (sid, None),
+             timeout=60, what="the page showing the new session")
+        new = browser.find_element(By.ID, "detail").get_attribute("data-session")
+        made.append(new)
+        assert "started from snapshot after-load" in browser.find_element(By.ID, "status").text
+        assert execute(broker, new, "kept")["results"][0]["data"]["text/plain"] == "7"
+        assert execute(broker, sid, "kept")["results"][0]["data"]["text/plain"] == "8", "the original is its own"
+        # Back on the original: delete it (confirmed), and it is gone from the page and the broker.
+        open_page(browser, broker, sid=sid)
+        items = wait(browser, snapshot_items, timeout=15, what="the snapshot listed again")
+        browser.execute_script("window.confirm = () => true;")
+        items[0].find_element(By.CSS_SELECTOR, "button.delete-snapshot").click()
+        wait(browser, lambda d: "deleted" in d.find_element(By.ID, "status").text, timeout=30, what="deleted")
+        wait(browser, lambda d: not snapshot_items(d), timeout=15, what="the snapshot gone from the page")
+        assert broker.api("GET", "/v1/snapshots").json() == []
+        assert execute(broker, new, "kept")["results"][0]["data"]["text/plain"] == "7", "its sessions go on"
+    finally:
+        for s in made + [sid]:
+            broker.api("DELETE", f"/v1/sessions/{s}")
+        for s in broker.api("GET", "/v1/snapshots").json():
+            broker.api("DELETE", f"/v1/snapshots/{s['snapshot_id']}")

@@ -565,9 +565,15 @@
     session.labLink = el('a', { id: 'jupyterlab-link', target: '_blank', rel: 'noopener', hidden: true, text: 'notebook ↗', title: 'The notebook in JupyterLab' });
     session.pauseBtn = el('button', { type: 'button', id: 'action-pause', title: 'Pause the session to disk: its kernel ends, its state is kept and comes back on its next use', onclick: () => act('pause'), text: 'Pause' });
     session.resumeBtn = el('button', { type: 'button', id: 'action-resume', title: 'Bring the paused kernel back with its state', onclick: () => act('resume'), text: 'Resume', hidden: true });
+    session.snapshots = KB.snapshots.panel(id, api, status, (made) => {
+      live.set(made.id, made);
+      location.hash = made.id;
+      loadList();
+    }, () => [...session.actions.querySelectorAll('button')]);
     session.actions = el('div', { class: 'actions', hidden: true },
       el('button', { type: 'button', id: 'action-interrupt', title: 'Interrupt the running execution', onclick: () => act('interrupt'), text: 'Interrupt' }),
       session.pauseBtn, session.resumeBtn,
+      el('button', { type: 'button', id: 'action-snapshot', title: 'Take a snapshot: a named copy of the session\'s state that new sessions start from (it runs on)', onclick: () => session.snapshots.take(), text: 'Snapshot' }),
       el('button', { type: 'button', id: 'action-restart', title: 'Restart the kernel (its state is lost)', onclick: () => act('restart'), text: 'Restart' }),
       el('button', { type: 'button', id: 'action-delete', class: 'danger', title: 'End the session', onclick: () => act('delete'), text: 'Delete' }));
     detail.dataset.loaded = 'false';
@@ -581,7 +587,8 @@
           session.stateEl, session.liveBadge, session.doorEl, session.forkEl,
           el('span', { text: r.kernel || '' }),
           el('span', { class: 'created', text: r.created_at ? 'created ' + when(r.created_at) : '' }),
-          session.cellCount, session.memEl, session.metaEl)),
+          session.cellCount, session.memEl, session.metaEl),
+        session.snapshots.el),
       el('div', { class: 'toolbar' },
         el('button', { type: 'button', title: 'Previous cell (k)', onclick: () => move(-1), text: '◀' }),
         el('button', { type: 'button', title: 'Next cell (j)', onclick: () => move(1), text: '▶' }),
@@ -597,6 +604,7 @@
     updateHeader();
     poll(session);
     loadCheckpoints(session);
+    session.snapshots.refresh();
   }
 
   function route() {

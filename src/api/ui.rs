@@ -25,12 +25,14 @@ const INDEX: &str = include_str!("../../ui/index.html");
 const LOGIN: &str = include_str!("../../ui/login.html");
 /// The page's scripts by file name, in the order the page loads them: `common.js` (what the
 /// others use), `events.js` (broker events described), `list.js` (search, filters, the
-/// list), `timeline.js` (a session's events as cells and events), `app.js` (the page).
-const SCRIPTS: [(&str, &str); 5] = [
+/// list), `timeline.js` (a session's events as cells and events), `snapshots.js` (a
+/// session's snapshots), `app.js` (the page).
+const SCRIPTS: [(&str, &str); 6] = [
     ("common.js", include_str!("../../ui/common.js")),
     ("events.js", include_str!("../../ui/events.js")),
     ("list.js", include_str!("../../ui/list.js")),
     ("timeline.js", include_str!("../../ui/timeline.js")),
+    ("snapshots.js", include_str!("../../ui/snapshots.js")),
     ("app.js", include_str!("../../ui/app.js")),
 ];
 const STYLE: &str = include_str!("../../ui/style.css");
