@@ -2,9 +2,11 @@
 "Pause and resume".
 
     bench/.venv/bin/python bench/pause.py [--runs 15] [--mb 200] [--binary PATH] [--workspace own|shared]
+                                          [--sandbox local|docker] [--idle SECONDS]
     bench/.venv/bin/python bench/pause.py --sessions 1000 [--active 100] [--rounds 3]
 
-One broker (the local sandbox, release build, run as root with CRIU 4), sessions with a
+One broker (the local sandbox unless `--sandbox docker`, release build, run as root with
+CRIU 4; on Docker a paused session's container goes and its resume makes one), sessions with a
 workspace of their own (`--workspace shared`: sharing their user's, as REST's default
 sessions and Jupyter kernels do), driven through the agent API (REST):
 
@@ -13,6 +15,10 @@ sessions and Jupyter kernels do), driven through the agent API (REST):
     pause); resume -> first result p50/p90 (`1+1` sent to the paused session: the execution
     resumes it); the images' size on disk;
   - a bare data-stack session (pandas imported, no data): resume -> first result p50.
+
+`--idle S` waits S seconds between each pause and the resume after it (a paused session is
+used again later, not at once; on Docker the paused container's removal, about a second of
+the engine's, runs after the pause's answer and a resume waits for it).
 
 With `--sessions N` (density): N sessions are made, each importing pandas and holding a
 small DataFrame, with `--pause-after 2`, so the broker pauses each once it is idle; then
@@ -54,13 +60,17 @@ def meminfo_used():
 
 def paused_bytes(broker):
     total = 0
-    for root, _, files in os.walk(Path(broker.data_dir) / "paused"):
+    for root, _, files in os.walk(Path(broker.data_dir) / ("paused-docker" if broker.sandbox == "docker" else "paused")):
         for f in files:
             try:
                 total += (Path(root) / f).stat().st_size
             except OSError:
                 pass
     return total
+
+
+# Seconds between a pause and its resume (`--idle`).
+IDLE = 0.0
 
 
 def measure_one(api, broker, mb, runs):
@@ -79,6 +89,7 @@ def measure_one(api, broker, mb, runs):
         if charged:
             per_gib.append(took / (charged / 2**30))
         images.append(paused["image_bytes"])
+        time.sleep(IDLE)
         start = time.monotonic()
         api.run(sid, "1+1")
         resumes.append(time.monotonic() - start)
@@ -102,6 +113,7 @@ def measure_bare(api, runs):
     resumes, images = [], []
     for _ in range(runs):
         images.append(api.call("POST", f"/v1/sessions/{sid}/pause")["image_bytes"])
+        time.sleep(IDLE)
         start = time.monotonic()
         api.run(sid, "1+1")
         resumes.append(time.monotonic() - start)
@@ -172,15 +184,18 @@ def main():
     ap.add_argument("--binary", default=str(bench.REPO / "target/release/kernel-broker"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--workspace", choices=["own", "shared"], default="own")
+    ap.add_argument("--sandbox", choices=["local", "docker"], default="local")
+    ap.add_argument("--idle", type=float, default=0.0, help="seconds between a pause and its resume")
     args = ap.parse_args()
     extra = ["--session-memory-limit", str(max(1 << 30, 3 * args.mb << 20))]
     if args.sessions:
         extra = ["--pause-after", "2", "--session-memory-limit", str(256 << 20)]
-    b = bench.Broker(args.binary, pool_size=0, tag="-pause", memory_limit=20 << 30, extra_args=extra,
+    b = bench.Broker(args.binary, sandbox=args.sandbox, pool_size=0, tag="-pause", memory_limit=20 << 30, extra_args=extra,
                      max_sessions=max(200, args.sessions + 10))
-    global WORKSPACE
-    WORKSPACE = args.workspace
-    out = {"mb": args.mb, "runs": args.runs, "workspace": args.workspace}
+    global WORKSPACE, IDLE
+    WORKSPACE, IDLE = args.workspace, args.idle
+    out = {"mb": args.mb, "runs": args.runs, "workspace": args.workspace, "sandbox": args.sandbox,
+           "idle_s": args.idle}
     try:
         api = Api(b)
         if args.sessions:

@@ -223,7 +223,7 @@ struct UserSlot {
     /// that create the container and start a kernel in it, so that two concurrent launches
     /// do not both create a container, and an idle removal cannot remove the container
     /// under a launch.
-    container: tokio::sync::Mutex<Option<Arc<ContainerInfo>>>,
+    container: Arc<tokio::sync::Mutex<Option<Arc<ContainerInfo>>>>,
     /// The pending idle removal, cancelled by the next launch.
     idle: Mutex<Option<CancellationToken>>,
 }

@@ -211,14 +211,15 @@ impl Inner {
 
     /// After the pause of a session with the own container `key`: the container goes
     /// (its workspace stays, and the images hold its `/tmp`) unless a kernel still runs in
-    /// it (another context of the same sandbox). A launch waits for this on the slot's
-    /// lock, and then makes a new one.
-    pub(super) async fn release_own_container(&self, user: &SandboxUser, key: Uuid) {
+    /// it (another context of the same sandbox). Its removal (about a second of the
+    /// engine's) runs after the answer, holding the slot's lock: a launch or resume waits
+    /// for it, and then makes a new container.
+    pub(super) async fn release_own_container(self: &Arc<Self>, user: &SandboxUser, key: Uuid) {
         let slot = lock(&self.users).get(&own_slot(key)).cloned();
         let Some(slot) = slot else {
             return;
         };
-        let mut guard = slot.container.lock().await;
+        let mut guard = slot.container.clone().lock_owned().await;
         if self
             .kernels
             .any(|k| k.container.own == Some(key) && !k.watch.has_exited())
@@ -228,11 +229,15 @@ impl Inner {
         let Some(container) = guard.take() else {
             return;
         };
-        if let Ok(docker) = self.client().await {
-            self.remove_container(&docker, &container.id).await;
-            self.parents.remove_if_unused(&user.name).await;
-        }
-        tracing::info!(user = %user.name, %key, "a paused sandbox's container removed (its workspace stays)");
+        let (inner, user) = (self.clone(), user.name.clone());
+        tokio::spawn(async move {
+            if let Ok(docker) = inner.client().await {
+                inner.remove_container(&docker, &container.id).await;
+                inner.parents.remove_if_unused(&user).await;
+            }
+            drop(guard);
+            tracing::info!(%user, %key, "a paused sandbox's container removed (its workspace stays)");
+        });
     }
 
     pub(super) async fn restore_paused(
