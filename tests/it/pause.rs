@@ -452,7 +452,43 @@ async fn a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on(
     broker.stop().await;
 }
 
-/// Paused state outlives the broker (local sandbox): stopped (SIGTERM) or killed (SIGKILL)
+/// The kernel is the attacker (Docker): its container's `/tmp` is archived beside its images
+/// at a pause, and it fills `/tmp` with a sparse file of 8 GiB (its tmpfs holds 256 MiB of
+/// data, but any length). The archive stops at its bound (`RLIMIT_FSIZE`): the pause is
+/// refused saying why, nothing is left on disk, and the session runs on; once the file is
+/// gone the pause works.
+#[tokio::test]
+async fn docker_a_kernel_cannot_grow_its_paused_archive_past_its_bound() {
+    docker_ready();
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start("docker", |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(
+        &api,
+        &a,
+        "x = 5
+with open('/tmp/sparse', 'wb') as f:
+    f.truncate(8 << 30)",
+    )
+    .await;
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(status, 502, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("could not be archived"), "{message}");
+    assert!(paused_images(&broker.data_dir).is_empty(), "nothing left");
+    assert_eq!(state_of(&api, &a).await["state"], "idle");
+    assert_eq!(out(&api, &a, "print(x)").await, "5");
+    out(&api, &a, "import os; os.remove('/tmp/sparse')").await;
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(out(&api, &a, "print(x)").await, "5");
+    broker.stop().await;
+}
+
+/// Paused state outlives the broker (both sandboxes): stopped (SIGTERM) or killed (SIGKILL)
 /// once the pause was answered, with and without `--keep-sessions`, the next run has the
 /// session paused under the same id, and its next use resumes it with its state.
 async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
