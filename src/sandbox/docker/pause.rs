@@ -56,6 +56,25 @@ impl Inner {
                 "a paused kernel resumes in its own container".into(),
             ));
         }
+        // Its /tmp (memory of the container's) beside the images: the container goes.
+        let carried = (Carried::Tmp, TMPFS_BYTES + TAR_SLACK);
+        self.prepare_kept_dump(origin, &live, spec, self.paused_dir(), carried)
+            .await
+    }
+
+    /// What a pause and a snapshot share: room for the images; their directory
+    /// `<parent>/<spec.session_id>`; the `carried` directories of the kernel's container
+    /// archived into it (at most the bytes given); and the hold request, whose child reads
+    /// its connection file in the session directory named by `spec.session_id` in the
+    /// runtime directory of the container it is restored into.
+    pub(super) async fn prepare_kept_dump(
+        self: &Arc<Self>,
+        origin: ForkOrigin,
+        live: &DockerKernel,
+        spec: LaunchSpec,
+        parent: PathBuf,
+        (carried, limit): (Carried, u64),
+    ) -> Result<PreparedFork, ForkError> {
         let room = crate::sandbox::criu::reserve_room(
             &self.copy_room,
             &self.cfg.data_dir,
@@ -63,22 +82,19 @@ impl Inner {
             self.cfg.copy_reserve_bytes,
         )
         .await?;
-        // The kernel id stays the session directory's name at the resume (`resume_kernel`).
         let dir_name = keep::session_dir(spec.session_id);
         let host_dir = self
-            .user_run_dir(&super::own::own_slot(own))
+            .user_run_dir(&own_slot(spec.own_workspace.unwrap_or_default()))
             .join(&dir_name);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
         let images = make_images_dir(
-            self.paused_dir(),
+            parent,
             spec.session_id.to_string(),
             (KERNEL_UID, KERNEL_GID),
         )
         .await?;
-        // Its /tmp (memory of the container's) beside the images: the container goes.
-        let limit = TMPFS_BYTES + TAR_SLACK;
         if let Err(e) = self
-            .archive_files(&live.container, &images, Carried::Tmp, limit)
+            .archive_files(&live.container, &images, carried, limit)
             .await
         {
             remove_dir_logged(images).await;

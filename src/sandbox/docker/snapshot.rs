@@ -29,14 +29,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::copy::Made;
-use super::exec::{connection_file, endpoints_for, SessionFiles};
+use super::exec::{connection_file, SessionFiles};
 use super::own::own_slot;
 use super::restore::{pack_files, unpack_files, Carried};
 use super::running::{init_pid, ContainerInfo};
-use super::{keep, Inner, KERNEL_GID, KERNEL_UID, RUN_DIR_INSIDE, TMPFS_BYTES};
+use super::{keep, Inner, TMPFS_BYTES};
 use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
-use crate::sandbox::fsutil::{self, launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::fsutil::{self, launch_step, remove_dir_logged};
 use crate::sandbox::pause::{keep_recorded, open_checked, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
@@ -65,45 +65,10 @@ impl Inner {
                 "a snapshot is named by its own id".into(),
             ));
         }
-        let room = crate::sandbox::criu::reserve_room(
-            &self.copy_room,
-            &self.cfg.data_dir,
-            origin.host_pid,
-            self.cfg.copy_reserve_bytes,
-        )
-        .await?;
-        // The held child reads its connection file in a session directory named by the
-        // snapshot, in whichever container it is restored into.
-        let dir_name = keep::session_dir(spec.session_id);
-        let endpoints = endpoints_for(
-            &self
-                .user_run_dir(&super::own::own_slot(spec.session_id))
-                .join(&dir_name),
-        )
-        .map_err(|e| launch_failed(&spec.user, e))?;
-        let dir = crate::sandbox::pause::make_images_dir(
-            self.snapshots_dir(),
-            spec.session_id.to_string(),
-            (KERNEL_UID, KERNEL_GID),
-        )
-        .await?;
         let limit = spec.user.limits.workspace_quota_bytes + TMPFS_BYTES + TAR_SLACK;
-        if let Err(e) = self
-            .archive_files(&live.container, &dir, Carried::HomeAndTmp, limit)
+        let parent = self.snapshots_dir();
+        self.prepare_kept_dump(origin, &live, spec, parent, (Carried::HomeAndTmp, limit))
             .await
-        {
-            remove_dir_logged(dir).await;
-            return Err(e);
-        }
-        let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
-        Ok(PreparedFork::paused(
-            origin,
-            spec,
-            dir,
-            &connection,
-            endpoints,
-            room,
-        ))
     }
 
     /// A new kernel for `spec` in a new container of its own, from the snapshot `image`.
