@@ -5,7 +5,8 @@ paused, found paused, connected to again, its kernel's state and its files as th
 
 The broker pauses a sandbox's session (issue 37): its kernel is written to disk with CRIU
 (`scripts/setup-criu`) and ended; `connect` restores it over the same workspace (local: a new
-sandbox; Docker: the sandbox's own container, which stays). Both backends.
+sandbox; Docker: a new container of its own, the old one having gone with the pause, its `/tmp`
+put back). Both backends.
 """
 
 import asyncio
@@ -20,23 +21,31 @@ e2b_ci = pytest.importorskip("e2b_code_interpreter")
 
 
 def prepared(sbx):
+    """State in the sandbox's kernel (a file held open in its workspace and one in its /tmp)
+    and in a second code context; the context's id."""
     sbx.files.write("pause-note.txt", "written before the pause\n")
     ex = sbx.run_code(
         "kept = {'answer': 6 * 7}\n"
         "fh = open('/home/user/pause-note.txt')\n"
         "fh.read(8)\n"
+        "th = open('/tmp/held.txt', 'w+'); th.write('in tmp'); th.seek(3)\n"
         "g = iter(range(10)); next(g)\n"
         "kept['answer']"
     )
     assert ex.error is None, ex.error
     assert ex.text == "42"
+    ctx = sbx.create_code_context()
+    assert sbx.run_code("side = 'context'", context=ctx).error is None
+    return ctx
 
 
-def as_it_was(sbx):
-    ex = sbx.run_code("(kept['answer'], fh.read(6), next(g))")
+def as_it_was(sbx, ctx):
+    ex = sbx.run_code("(kept['answer'], fh.read(6), next(g), th.read())")
     assert ex.error is None, ex.error
-    assert ex.text == "(42, 'before', 1)"
+    assert ex.text == "(42, 'before', 1, 'tmp')"
     assert sbx.files.read("pause-note.txt") == "written before the pause\n"
+    # The context was paused with the sandbox, and resumes on its first use.
+    assert sbx.run_code("side", context=ctx).text == "context"
 
 
 @needs_criu
@@ -45,7 +54,7 @@ def test_a_paused_sandbox_is_connected_to_again_with_its_state(any_backend):
 
     sbx = Sandbox.create(timeout=120)
     try:
-        prepared(sbx)
+        ctx = prepared(sbx)
         assert sbx.pause() is True
         assert not sbx.is_running()
         # Paused, it is listed as paused (and not as running).
@@ -61,7 +70,7 @@ def test_a_paused_sandbox_is_connected_to_again_with_its_state(any_backend):
         assert same.sandbox_id == sbx.sandbox_id
         assert same.is_running()
         assert same.get_info().state == e2b.SandboxState.RUNNING
-        as_it_was(same)
+        as_it_was(same, ctx)
         # Connecting to a running sandbox changes nothing.
         again = Sandbox.connect(sbx.sandbox_id)
         assert again.run_code("kept['answer'] + 1").text == "43"
@@ -184,8 +193,7 @@ def test_a_paused_sandbox_outlives_the_broker(fresh_broker, monkeypatch):
         monkeypatch.setenv(name, value)
     sbx = Sandbox.create(timeout=120, metadata={"run": "r-7"})
     try:
-        prepared(sbx)
-        ctx = sbx.create_code_context()
+        ctx = prepared(sbx)
         assert sbx.run_code("in_ctx = 'ctx'", context=ctx).error is None
         assert sbx.pause() is True
         data = first.data_dir
@@ -197,7 +205,7 @@ def test_a_paused_sandbox_outlives_the_broker(fresh_broker, monkeypatch):
         listed = Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED])).next_items()
         assert sbx.sandbox_id in {s.sandbox_id for s in listed}
         same = Sandbox.connect(sbx.sandbox_id, timeout=90)
-        as_it_was(same)
+        as_it_was(same, ctx)
         assert same.run_code("in_ctx", context=ctx).text == "ctx"
         # Paused again, and the broker killed: it is still there.
         assert same.pause() is True
