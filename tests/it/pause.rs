@@ -12,13 +12,13 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 on_one_backend!(
-    a_session_sharing_its_users_workspace_pauses_too,
     a_broker_killed_mid_pause_loses_nothing_acknowledged,
     idle_sessions_pause_by_themselves_and_paused_ones_expire,
-    what_cannot_be_paused_is_refused_and_goes_on_running,
 );
 
 crate::on_both_backends!(
+    a_session_sharing_its_users_workspace_pauses_too,
+    what_cannot_be_paused_is_refused_and_goes_on_running,
     a_paused_session_comes_back_with_its_state_on_any_use,
     a_paused_session_outlives_the_broker,
     a_pause_without_room_for_its_images_is_refused_and_the_session_runs_on,
@@ -742,6 +742,16 @@ async fn a_session_sharing_its_users_workspace_pauses_too(sandbox: &'static str)
         "hi"
     );
     assert_eq!(out(&api, &a, WHO).await, who, "as confined as before");
+    // A resumed kernel is no longer in its user's template: a fork of it is refused saying
+    // so, and the session runs on.
+    assert_eq!(out(&api, &a, "print(x)").await, "41");
+    let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (409, &json!("fork_refused")),
+        "{v}"
+    );
+    assert_eq!(out(&api, &a, "print(x)").await, "41");
     // Paused again from where it was resumed, and through Jupyter's channels back again.
     {
         let (st, v) = pause(&api, &a).await;

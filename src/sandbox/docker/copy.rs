@@ -377,10 +377,14 @@ impl Inner {
         };
         let (watch, exit) = KernelWatch::new(session, user.name.clone(), LOST);
         let freezer = Some(cgroup.freezer(&leaf));
-        let workspace = self
-            .own_workspaces
-            .dirs(spec.own_workspace.unwrap_or_default())
-            .home;
+        // Its own workspace, or its user's (a resumed kernel that shares its user's).
+        let workspace = match self.target(user, spec.own_workspace) {
+            Ok(target) => target.workspace,
+            Err(e) => {
+                ContainerCgroup::remove_leaf(&leaf).await;
+                return Err(e.into());
+            }
+        };
         let shared = Arc::new(DockerKernel {
             watch,
             docker,

@@ -99,6 +99,16 @@ impl Inner {
             )
             .into());
         };
+        // A kernel resumed from a pause runs in a pid namespace of its own (the restore's):
+        // no longer a fork of the template, its forks could not be found. Refused, saying so.
+        if pid_namespace_of(origin.host_pid).as_ref() != Some(&namespace) {
+            return Err(ForkError::Unsupported(
+                "this session's kernel was resumed from a pause: it no longer runs in its \
+                 user's fork-server template, and only the template's kernels can be forked; \
+                 restart the session to fork it again"
+                    .into(),
+            ));
+        }
         origin.pid_namespace = Some(namespace);
         let name = keep::session_dir(spec.session_id);
         let dir = origin.dir.join(&name);

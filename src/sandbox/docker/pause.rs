@@ -32,6 +32,10 @@ use crate::sandbox::pause::{list_images, make_images_dir, open_checked, record, 
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxUser};
 use crate::sync::lock;
 
+/// What a user's container has in memory, shared by the user's kernels and gone with the
+/// container: a kernel sharing it may hold nothing there when it is paused.
+const CONTAINER_PRIVATE: [&str; 3] = ["/tmp", "/home/kernel", "/dev/shm"];
+
 impl Inner {
     /// `<data_dir>/paused-docker`: root's, 0700; each paused kernel's images in it.
     pub(super) fn paused_dir(&self) -> PathBuf {
@@ -50,15 +54,32 @@ impl Inner {
                     .into(),
             ));
         }
-        let (origin, own, live) = self.own_origin(kernel, &spec, "paused").await?;
-        if spec.own_workspace != Some(own) {
+        let (origin, live) = self.held_origin(kernel, &spec, "paused").await?;
+        if spec.own_workspace != origin.own_workspace {
             return Err(ForkError::Unsupported(
-                "a paused kernel resumes in its own container".into(),
+                "a paused kernel resumes in its own container, or its user's".into(),
             ));
+        }
+        if origin.own_workspace.is_none() {
+            if live.forked.is_none() {
+                return Err(ForkError::Unsupported(
+                    "a kernel sharing its user's container is paused when it was forked from \
+                     the user's template (fork-server starts); this one was started plainly"
+                        .into(),
+                ));
+            }
+            // Resumed in its user's container, whose /tmp, home and /dev/shm it shares with
+            // the user's other kernels for as long as the container lives: it must hold
+            // nothing there (the held child checks, and refuses saying what).
+            let mut prepared = self
+                .prepare_kept_dump(origin, &live, spec, self.paused_dir(), None)
+                .await?;
+            prepared.request["hold"]["private"] = serde_json::json!(CONTAINER_PRIVATE);
+            return Ok(prepared);
         }
         // Its /tmp (memory of the container's) beside the images: the container goes.
         let carried = (Carried::Tmp, TMPFS_BYTES + TAR_SLACK);
-        self.prepare_kept_dump(origin, &live, spec, self.paused_dir(), carried)
+        self.prepare_kept_dump(origin, &live, spec, self.paused_dir(), Some(carried))
             .await
     }
 
@@ -73,7 +94,7 @@ impl Inner {
         live: &DockerKernel,
         spec: LaunchSpec,
         parent: PathBuf,
-        (carried, limit): (Carried, u64),
+        carried: Option<(Carried, u64)>,
     ) -> Result<PreparedFork, ForkError> {
         let room = crate::sandbox::criu::reserve_room(
             &self.copy_room,
@@ -83,9 +104,7 @@ impl Inner {
         )
         .await?;
         let dir_name = keep::session_dir(spec.session_id);
-        let host_dir = self
-            .user_run_dir(&own_slot(spec.own_workspace.unwrap_or_default()))
-            .join(&dir_name);
+        let host_dir = self.user_run_dir(&self.slot_of(&spec)?).join(&dir_name);
         let endpoints = endpoints_for(&host_dir).map_err(|e| launch_failed(&spec.user, e))?;
         let images = make_images_dir(
             parent,
@@ -93,12 +112,14 @@ impl Inner {
             (KERNEL_UID, KERNEL_GID),
         )
         .await?;
-        if let Err(e) = self
-            .archive_files(&live.container, &images, carried, limit)
-            .await
-        {
-            remove_dir_logged(images).await;
-            return Err(e);
+        if let Some((carried, limit)) = carried {
+            if let Err(e) = self
+                .archive_files(&live.container, &images, carried, limit)
+                .await
+            {
+                remove_dir_logged(images).await;
+                return Err(e);
+            }
         }
         let connection = format!("{RUN_DIR_INSIDE}/{dir_name}/connection.json");
         Ok(PreparedFork::paused(
@@ -120,6 +141,24 @@ impl Inner {
         spec: &LaunchSpec,
         what: &str,
     ) -> Result<(ForkOrigin, uuid::Uuid, Arc<DockerKernel>), ForkError> {
+        let (origin, live) = self.held_origin(kernel, spec, what).await?;
+        let Some(own) = origin.own_workspace else {
+            return Err(ForkError::Unsupported(format!(
+                "a session that shares its user's container cannot be {what} yet; a session \
+                 made with \"workspace\": \"own\" can be"
+            )));
+        };
+        Ok((origin, own, live))
+    }
+
+    /// The held-child origin of `kernel` (alive, the user's, as the image's kernel uid) and
+    /// its kernel; or why it cannot be `what`. Only as root, with CRIU.
+    async fn held_origin(
+        self: &Arc<Self>,
+        kernel: &dyn KernelProcess,
+        spec: &LaunchSpec,
+        what: &str,
+    ) -> Result<(ForkOrigin, Arc<DockerKernel>), ForkError> {
         let refused = |why: String| ForkError::Unsupported(why);
         if !self.privileged {
             return Err(refused(format!(
@@ -131,12 +170,6 @@ impl Inner {
         let origin = kernel.fork_origin().ok_or_else(|| {
             refused(format!("its kernel cannot be {what} (it ended, or it was not started by this broker as root)"))
         })?;
-        let Some(own) = origin.own_workspace else {
-            return Err(refused(format!(
-                "a session that shares its user's container cannot be {what} yet; a session \
-                 made with \"workspace\": \"own\" can be"
-            )));
-        };
         if origin.uid != Some(KERNEL_UID) {
             return Err(refused(format!(
                 "a kernel is {what} as the image's kernel uid"
@@ -147,7 +180,7 @@ impl Inner {
             .and_then(|k| self.kernels.get(&k))
             .filter(|k| k.watch.user == spec.user.name && !k.watch.has_exited())
             .ok_or_else(|| refused("its kernel has ended".into()))?;
-        Ok((origin, own, live))
+        Ok((origin, live))
     }
 
     pub(super) async fn dump_paused(
@@ -173,6 +206,8 @@ impl Inner {
                 .programs()
                 .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
             let ids = (KERNEL_UID, KERNEL_GID);
+            // A kernel forked in its user's template is not dumpable (its key kept from the
+            // user's other kernels): `criu::dump_caps` says what that adds.
             let took = dump_and_seal(
                 &tools.criu,
                 &programs,
@@ -180,7 +215,7 @@ impl Inner {
                 ids,
                 Some(ids.1),
                 &images,
-                false,
+                origin.own_workspace.is_none(),
             )
             .await?;
             let (files, images) = list_images(images).await?;
@@ -201,14 +236,11 @@ impl Inner {
         image: &PausedImage,
         spec: LaunchSpec,
     ) -> Result<Launched, ForkError> {
-        let key = match (spec.own_workspace, image.own_workspace) {
-            (Some(a), Some(b)) if a == b && spec.session_id == image.kernel_id => a,
-            _ => {
-                return Err(ForkError::Unsupported(
-                    "a paused kernel resumes as itself, in its own container".into(),
-                ))
-            }
-        };
+        if spec.own_workspace != image.own_workspace || spec.session_id != image.kernel_id {
+            return Err(ForkError::Unsupported(
+                "a paused kernel resumes as itself, in its own container or its user's".into(),
+            ));
+        }
         let images = open_checked(image).await?;
         // The session's container, or a new one: it went when the session paused
         // (`release_own_container`), or with the broker.
@@ -219,7 +251,7 @@ impl Inner {
         let resumed = self
             .restore_into(&spec, image, &images, &made, carried)
             .await;
-        if resumed.is_err() && made.new_container {
+        if let (Err(_), true, Some(key)) = (&resumed, made.new_container, spec.own_workspace) {
             self.release_own_container(&spec.user, key).await;
         }
         resumed

@@ -30,7 +30,6 @@ use std::sync::Arc;
 
 use super::copy::Made;
 use super::exec::{connection_file, SessionFiles};
-use super::own::own_slot;
 use super::restore::{pack_files, unpack_files, Carried};
 use super::running::{init_pid, ContainerInfo};
 use super::{keep, Inner, TMPFS_BYTES};
@@ -67,8 +66,14 @@ impl Inner {
         }
         let limit = spec.user.limits.workspace_quota_bytes + TMPFS_BYTES + TAR_SLACK;
         let parent = self.snapshots_dir();
-        self.prepare_kept_dump(origin, &live, spec, parent, (Carried::HomeAndTmp, limit))
-            .await
+        self.prepare_kept_dump(
+            origin,
+            &live,
+            spec,
+            parent,
+            Some((Carried::HomeAndTmp, limit)),
+        )
+        .await
     }
 
     /// A new kernel for `spec` in a new container of its own, from the snapshot `image`.
@@ -141,8 +146,7 @@ impl Inner {
         carried: Option<Carried>,
     ) -> Result<Launched, ForkError> {
         let dir_name = keep::session_dir(image.kernel_id);
-        let key = spec.own_workspace.unwrap_or_default();
-        let host_dir = self.user_run_dir(&own_slot(key)).join(&dir_name);
+        let host_dir = self.user_run_dir(&self.slot_of(spec)?).join(&dir_name);
         let restored = async {
             let files = SessionFiles {
                 dir: host_dir.clone(),
@@ -170,6 +174,12 @@ impl Inner {
             remove_dir_logged(host_dir).await;
         }
         restored
+    }
+
+    /// The slot (and runtime directory name) of the container `spec` runs in: its own, or
+    /// its user's.
+    pub(super) fn slot_of(&self, spec: &LaunchSpec) -> Result<String, ForkError> {
+        Ok(self.target(&spec.user, spec.own_workspace)?.slot)
     }
 
     /// At startup, once: the snapshots an earlier run left with their records (anything
