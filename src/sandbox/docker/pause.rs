@@ -49,8 +49,9 @@ impl Inner {
     ) -> Result<PreparedFork, ForkError> {
         if self.cfg.keep_kernels {
             return Err(ForkError::Unsupported(
-                "a paused kernel is not kept across the broker's restarts yet, and \
-                 --keep-sessions keeps every kernel"
+                "a kernel resumed from a pause is restored into its container as a copy is, \
+                 and --keep-sessions keeps only the kernels the broker started there: on \
+                 Docker a pause is refused with --keep-sessions"
                     .into(),
             ));
         }
