@@ -270,6 +270,38 @@ pub(crate) async fn keep_recorded(dir: PathBuf, what: &'static str) -> Vec<Pause
     .unwrap_or_default()
 }
 
+/// Which of an earlier run's kept images: paused kernels or snapshots.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Found {
+    Paused = 0,
+    Snapshots = 1,
+}
+
+/// What a sandbox's start-up found of an earlier run's paused kernels and snapshots (with
+/// their records, `keep_recorded`), until the session layer takes each list, once
+/// (`Sandbox::paused_images`, `Sandbox::snapshot_images`).
+#[derive(Debug, Default)]
+pub(crate) struct FoundImages(std::sync::Mutex<[Vec<PausedImage>; 2]>);
+
+impl FoundImages {
+    /// Start-up's finds.
+    pub(crate) fn set(&self, paused: Vec<PausedImage>, snapshots: Vec<PausedImage>) {
+        *crate::sync::lock(&self.0) = [paused, snapshots];
+    }
+
+    /// One list, once, after `started` (the sandbox's start-up, which finds them).
+    pub(crate) async fn take_after<T>(
+        &self,
+        started: impl std::future::Future<Output = Result<T, crate::sandbox::SandboxError>>,
+        which: Found,
+    ) -> Vec<PausedImage> {
+        if let Err(e) = started.await {
+            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels or snapshots found");
+        }
+        std::mem::take(&mut crate::sync::lock(&self.0)[which as usize])
+    }
+}
+
 /// The broker's record of a paused kernel, in its images' directory (not an image: left out
 /// of the inventory).
 pub(crate) const RECORD_NAME: &str = "broker.json";

@@ -252,9 +252,7 @@ impl Inner {
             .await
             .map_err(|e| copy_failed(format!("the copy task failed: {e}")))??
         };
-        let programs = tools
-            .programs()
-            .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
+        let programs = tools.programs()?;
         let held = (host, held, pid);
         let dumped = dump_and_seal(
             &tools.criu,

@@ -120,9 +120,11 @@ impl Inner {
                     crate::sandbox::criu::sweep_copies(&copies);
                 })
                 .await;
+                // So are snapshots (they hold no workspace: their files are archived).
                 let paused = keep_recorded(self.paused_dir(), "paused kernels").await;
                 let spared: HashSet<Uuid> = paused.iter().filter_map(|p| p.own_workspace).collect();
-                *lock(&self.found_paused) = paused;
+                let snapshots = keep_recorded(self.snapshots_dir(), "snapshots").await;
+                self.found.set(paused, snapshots);
                 if keep {
                     self.take_over(&docker).await?;
                     self.parents.sweep(&docker).await;

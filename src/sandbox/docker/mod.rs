@@ -209,11 +209,8 @@ struct Inner {
     copy_tools: OnceCell<Result<Arc<restore::CopyTools>, String>>,
     /// The room copies under way hold for their images (`criu/room.rs`).
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
-    /// Whether the snapshots an earlier run left were taken (`snapshot.rs`).
-    snapshots_taken: std::sync::atomic::AtomicBool,
-    /// The paused kernels an earlier run left, found at startup, until the session layer
-    /// takes them (`pause.rs`).
-    found_paused: Mutex<Vec<super::pause::PausedImage>>,
+    /// Paused kernels and snapshots an earlier run left, found at startup.
+    found: super::pause::FoundImages,
 }
 
 /// Per-user state.
@@ -264,8 +261,7 @@ impl DockerSandbox {
                 shutdown: CancellationToken::new(),
                 copy_tools: OnceCell::new(),
                 copy_room: Default::default(),
-                snapshots_taken: Default::default(),
-                found_paused: Default::default(),
+                found: Default::default(),
             }),
         })
     }
@@ -468,10 +464,11 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn paused_images(&self) -> Vec<super::pause::PausedImage> {
-        if let Err(e) = self.inner.startup().await {
-            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels found");
-        }
-        std::mem::take(&mut *lock(&self.inner.found_paused))
+        let inner = &self.inner;
+        inner
+            .found
+            .take_after(inner.startup(), super::pause::Found::Paused)
+            .await
     }
 
     async fn prepare_snapshot(
@@ -491,7 +488,11 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn snapshot_images(&self) -> Vec<super::pause::PausedImage> {
-        self.inner.snapshot_images().await
+        let inner = &self.inner;
+        inner
+            .found
+            .take_after(inner.startup(), super::pause::Found::Snapshots)
+            .await
     }
 }
 

@@ -186,15 +186,7 @@ impl Inner {
             Some(slot) => slot.container.lock().await.take(),
             None => None,
         };
-        if let Ok(docker) = self.client().await {
-            if let Some(c) = container {
-                self.remove_container(&docker, &c.id).await;
-            }
-            // By name too: one a crashed launch left, or one never registered.
-            self.remove_container(&docker, &self.own_container_name(key))
-                .await;
-            self.parents.remove_if_unused(&user.name).await;
-        }
+        self.remove_own_container(&user.name, key, container).await;
         remove_dir_logged(self.user_run_dir(&slot_name)).await;
         let own = self.own_workspaces.clone();
         match tokio::task::spawn_blocking(move || own.remove(key)).await {
@@ -206,6 +198,26 @@ impl Inner {
             }
             Err(e) => tracing::warn!(%key, error = %e, "removing an own workspace failed"),
         }
+    }
+
+    /// Removes a sandbox's own container: `registered` (its slot's, taken by the caller, who
+    /// holds what must wait for it), and by name too (one a crashed launch left, or one never
+    /// registered); then the user's parent cgroup if no container of theirs is left.
+    pub(super) async fn remove_own_container(
+        &self,
+        user: &str,
+        key: Uuid,
+        registered: Option<std::sync::Arc<super::running::ContainerInfo>>,
+    ) {
+        let Ok(docker) = self.client().await else {
+            return;
+        };
+        if let Some(c) = registered {
+            self.remove_container(&docker, &c.id).await;
+        }
+        self.remove_container(&docker, &self.own_container_name(key))
+            .await;
+        self.parents.remove_if_unused(user).await;
     }
 
     /// Start-up: removes the own workspaces an earlier run left but those in `keep` (their

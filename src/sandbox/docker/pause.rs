@@ -203,9 +203,7 @@ impl Inner {
             let images = fsutil::open_tree_root(&dir).map_err(|e| {
                 copy_failed(format!("cannot open the paused kernel's directory: {e}"))
             })?;
-            let programs = tools
-                .programs()
-                .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
+            let programs = tools.programs()?;
             let ids = (KERNEL_UID, KERNEL_GID);
             // A kernel forked in its user's template is not dumpable (its key kept from the
             // user's other kernels): `criu::dump_caps` says what that adds.
@@ -280,10 +278,9 @@ impl Inner {
         };
         let (inner, user) = (self.clone(), user.name.clone());
         tokio::spawn(async move {
-            if let Ok(docker) = inner.client().await {
-                inner.remove_container(&docker, &container.id).await;
-                inner.parents.remove_if_unused(&user).await;
-            }
+            inner
+                .remove_own_container(&user, key, Some(container))
+                .await;
             drop(guard);
             tracing::info!(%user, %key, "a paused sandbox's container removed (its workspace stays)");
         });
@@ -299,9 +296,7 @@ impl Inner {
         image: &PausedImage,
     ) -> Result<Launched, ForkError> {
         let tools = self.copy_tools().await?;
-        let programs = tools
-            .programs()
-            .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))?;
+        let programs = tools.programs()?;
         let (cgroup, leaf) = {
             let (limits, name) = (spec.limits, spec.session_id.to_string());
             tokio::task::spawn_blocking(move || -> Result<_, ForkError> {

@@ -50,8 +50,9 @@ impl CopyTools {
     }
 
     /// The programs opened for one copy.
-    pub(super) fn programs(&self) -> std::io::Result<Programs> {
+    pub(super) fn programs(&self) -> Result<Programs, ForkError> {
         Programs::loaded(&self.loader, &self.criu.criu, &self.setpriv, &self.bwrap)
+            .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))
     }
 }
 
@@ -150,12 +151,6 @@ fn in_container(
     cmd
 }
 
-fn open_programs(tools: &CopyTools) -> Result<Programs, ForkError> {
-    tools
-        .programs()
-        .map_err(|e| copy_failed(format!("cannot open the copy's programs: {e}")))
-}
-
 fn spawn_failed(e: std::io::Error) -> ForkError {
     copy_failed(format!("cannot start the copy: {e}"))
 }
@@ -164,7 +159,7 @@ fn spawn_failed(e: std::io::Error) -> ForkError {
 /// pids): `tar` in each container's namespaces as the kernel's uid with no capabilities,
 /// through a pipe, for at most [`STEP_TIMEOUT`].
 pub(super) async fn copy_files(tools: &CopyTools, from: i32, to: i32) -> Result<(), ForkError> {
-    let programs = open_programs(tools)?;
+    let programs = tools.programs()?;
     let carried = Carried::HomeAndTmp;
     let mut pack = in_container(tools, &programs, from, &["sh", "-c", &carried.pack()]);
     let mut pack = pack
@@ -213,7 +208,7 @@ pub(super) async fn pack_files(
     archive: std::fs::File,
     limit: u64,
 ) -> Result<(), ForkError> {
-    let programs = open_programs(tools)?;
+    let programs = tools.programs()?;
     let mut cmd = in_container(tools, &programs, from, &["sh", "-c", &carried.pack()]);
     cmd.stdin(Stdio::null()).stdout(archive);
     // SAFETY: the closure runs between fork and exec and calls only setrlimit
@@ -247,7 +242,7 @@ pub(super) async fn unpack_files(
     (to, carried): (i32, Carried),
     archive: std::fs::File,
 ) -> Result<(), ForkError> {
-    let programs = open_programs(tools)?;
+    let programs = tools.programs()?;
     let unpack = in_container(tools, &programs, to, &["sh", "-c", &carried.unpack()])
         .stdin(archive)
         .stdout(Stdio::null())

@@ -25,7 +25,6 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::copy::Made;
@@ -36,7 +35,7 @@ use super::{keep, Inner, TMPFS_BYTES};
 use crate::sandbox::criu::copy_failed;
 use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_step, remove_dir_logged};
-use crate::sandbox::pause::{keep_recorded, open_checked, PausedImage};
+use crate::sandbox::pause::{open_checked, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
 /// The archive of the container's files in a snapshot's (or a pause's) directory.
@@ -47,7 +46,7 @@ pub(super) const TAR_SLACK: u64 = 64 << 20;
 
 impl Inner {
     /// `<data_dir>/snapshots-docker`: root's, 0700; each snapshot's images in it.
-    fn snapshots_dir(&self) -> PathBuf {
+    pub(super) fn snapshots_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("snapshots-docker")
     }
 
@@ -180,15 +179,6 @@ impl Inner {
     /// its user's.
     pub(super) fn slot_of(&self, spec: &LaunchSpec) -> Result<String, ForkError> {
         Ok(self.target(&spec.user, spec.own_workspace)?.slot)
-    }
-
-    /// At startup, once: the snapshots an earlier run left with their records (anything
-    /// else in their directory, a dump cut short, goes).
-    pub(super) async fn snapshot_images(&self) -> Vec<PausedImage> {
-        if self.snapshots_taken.swap(true, Ordering::SeqCst) {
-            return Vec::new();
-        }
-        keep_recorded(self.snapshots_dir(), "snapshots").await
     }
 }
 

@@ -145,9 +145,8 @@ pub struct LocalSandbox {
         OnceCell<Result<crate::sandbox::criu::CopyTools, crate::sandbox::criu::NoCopyTools>>,
     /// The room copies under way hold for their images (`criu/room.rs`).
     copy_room: Arc<crate::sandbox::criu::CopyRoom>,
-    /// Paused kernels and snapshots an earlier run left, found at startup, until the
-    /// session layer takes them (`Sandbox::paused_images`, `Sandbox::snapshot_images`).
-    found: std::sync::Mutex<[Vec<super::pause::PausedImage>; 2]>,
+    /// Paused kernels and snapshots an earlier run left, found at startup.
+    found: super::pause::FoundImages,
 }
 
 impl LocalSandbox {
@@ -438,7 +437,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn paused_images(&self) -> Vec<super::pause::PausedImage> {
-        self.take_found(0).await
+        self.found
+            .take_after(self.startup(), super::pause::Found::Paused)
+            .await
     }
 
     async fn prepare_snapshot(
@@ -458,7 +459,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn snapshot_images(&self) -> Vec<super::pause::PausedImage> {
-        self.take_found(1).await
+        self.found
+            .take_after(self.startup(), super::pause::Found::Snapshots)
+            .await
     }
 
     async fn discard_snapshot(&self, image: super::pause::PausedImage) {

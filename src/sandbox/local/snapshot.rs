@@ -129,15 +129,6 @@ impl LocalSandbox {
         }
     }
 
-    /// What startup found of an earlier run's paused kernels (`0`) or snapshots (`1`),
-    /// taken once.
-    pub(super) async fn take_found(&self, which: usize) -> Vec<PausedImage> {
-        if let Err(e) = self.startup().await {
-            tracing::warn!(error = %e, "the sandbox did not start: no paused kernels or snapshots found");
-        }
-        std::mem::take(&mut crate::sync::lock(&self.found)[which])
-    }
-
     /// At startup: the snapshots an earlier run left with their records; anything else in
     /// the snapshots' directory (one cut short) goes.
     pub(super) async fn keep_snapshots(&self) -> Vec<PausedImage> {

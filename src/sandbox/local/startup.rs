@@ -47,10 +47,11 @@ impl LocalSandbox {
 
                 // Paused kernels and snapshots with their record stay, and so do their
                 // own workspaces.
-                let found = [self.keep_paused().await, self.keep_snapshots().await];
+                let (paused, snapshots) = (self.keep_paused().await, self.keep_snapshots().await);
                 let mut spared = keep.clone();
-                spared.extend(found.iter().flatten().filter_map(|p| p.own_workspace));
-                *crate::sync::lock(&self.found) = found;
+                let own = paused.iter().chain(&snapshots).filter_map(|p| p.own_workspace);
+                spared.extend(own);
+                self.found.set(paused, snapshots);
                 self.prepare_tools_and_sweep_own(&spared).await?;
                 self.sweep_copies();
 
