@@ -316,7 +316,9 @@ pub struct ServeArgs {
     /// cannot be enforced [default: true]
     #[arg(long, env = "KERNEL_BROKER_REQUIRE_LIMITS")]
     pub require_limits: Option<bool>,
-    /// Seconds the local sandbox may take to start a kernel before the launch fails [default: 30]
+    /// Seconds a sandbox may take to start a kernel before the launch fails (a kernel's answer
+    /// to a fork, pause or snapshot request is given 10 s more) [default: 30; docker: 60, as
+    /// a cold launch creates and starts the user's container first]
     #[arg(long, env = "KERNEL_BROKER_LAUNCH_TIMEOUT")]
     pub launch_timeout: Option<u64>,
     /// Docker Engine socket [default: /var/run/docker.sock]

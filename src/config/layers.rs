@@ -120,6 +120,9 @@ pub(super) fn docker_config(
     c.image = either!(args, file, docker_image).unwrap_or(c.image);
     c.cgroup_parent = either!(args, file, docker_cgroup_parent).filter(|p| !p.is_empty());
     c.require_limits = either!(args, file, require_limits).unwrap_or(c.require_limits);
+    if let Some(secs) = either!(args, file, launch_timeout) {
+        c.launch_timeout = Duration::from_secs(secs.max(1));
+    }
     if let Some(secs) = either!(args, file, docker_api_timeout) {
         c.api_timeout = Duration::from_secs(secs.max(1));
     }

@@ -50,6 +50,8 @@ container_idle = 9
     assert!(s.local.cgroup_name.starts_with("kernel-broker-"));
     assert!(s.local.require_limits);
     assert_eq!(s.local.launch_timeout, Duration::from_secs(30));
+    // A cold Docker launch makes the user's container first.
+    assert_eq!(s.docker.launch_timeout, Duration::from_secs(60));
     assert_eq!(s.docker.image, "img:1");
     assert_eq!(s.docker.container_idle, Duration::from_secs(9));
     assert_eq!(s.docker.socket, "/var/run/docker.sock");
@@ -320,6 +322,7 @@ fn brokers_with_different_data_directories_get_their_own_cgroup_and_uids() {
         ("mine", 300_000)
     );
     assert_eq!(s.local.launch_timeout, Duration::from_secs(180));
+    assert_eq!(s.docker.launch_timeout, Duration::from_secs(180));
 }
 
 /// Network policies: the default (`--egress`), a user's own list replacing it, `[]` for

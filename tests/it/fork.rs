@@ -401,11 +401,19 @@ fn hostile_handler(reply: &str) -> String {
     )
 }
 
+/// A launch timeout short enough for the waits of a kernel that never answers a fork (it
+/// and 10 s) to stay short, long enough for a cold launch (Docker makes the user's
+/// container and template first).
+fn short_launch_timeout(sandbox: &str) -> Option<u64> {
+    let secs = if sandbox == "docker" { 20 } else { 8 };
+    Some(scaled(std::time::Duration::from_secs(secs)).as_secs())
+}
+
 async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted(sandbox: &'static str) {
     let broker = Broker::start(sandbox, |a| {
         forking(a);
         // The wait for a kernel that never answers: the launch timeout and 10 s.
-        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(8)).as_secs());
+        a.launch_timeout = short_launch_timeout(sandbox);
     })
     .await;
     let (alice, bob) = (broker.api(ALICE), broker.api(BOB));
@@ -483,7 +491,7 @@ async fn a_kernel_that_lies_about_its_fork_gets_nothing_adopted(sandbox: &'stati
 async fn symlinks_planted_at_the_forks_sockets_are_not_followed(sandbox: &'static str) {
     let broker = Broker::start(sandbox, |a| {
         forking(a);
-        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(8)).as_secs());
+        a.launch_timeout = short_launch_timeout(sandbox);
     })
     .await;
     let api = broker.api(ALICE);
@@ -556,7 +564,7 @@ async fn a_plainly_started_kernel_is_refused_with_the_reason(sandbox: &'static s
 async fn an_earlier_fork_is_not_taken_from_its_session(sandbox: &'static str) {
     let broker = Broker::start(sandbox, |a| {
         forking(a);
-        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(8)).as_secs());
+        a.launch_timeout = short_launch_timeout(sandbox);
     })
     .await;
     let api = broker.api(ALICE);

@@ -42,6 +42,9 @@ pub struct DockerSandboxConfig {
     /// A user's container whose cgroup does not enforce the limits asked for is removed and
     /// the launch fails (`require_limits`, default true); false: it runs, with a warning.
     pub require_limits: bool,
+    /// How long a kernel's start may take (`--launch-timeout`, default 60 s: a cold launch
+    /// creates and starts the user's container first).
+    pub launch_timeout: Duration,
     /// How long one request to the daemon may take, connecting included
     /// (`--docker-api-timeout`, default 60 s): more for a slow engine (an emulated host).
     pub api_timeout: Duration,
@@ -59,6 +62,7 @@ impl DockerSandboxConfig {
             data_dir: data_dir.into(),
             socket: DEFAULT_SOCKET.to_string(),
             image: DEFAULT_IMAGE.to_string(),
+            launch_timeout: Duration::from_secs(60),
             container_idle: Duration::from_secs(300),
             run_dir: None,
             keep_kernels: false,

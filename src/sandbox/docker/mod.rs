@@ -387,8 +387,7 @@ impl Sandbox for DockerSandbox {
     }
 
     fn launch_timeout(&self) -> Duration {
-        // A cold launch creates and starts a container first.
-        Duration::from_secs(60)
+        self.inner.cfg.launch_timeout
     }
 
     async fn run_command(
