@@ -22,6 +22,17 @@ pub fn open(pid: i32) -> io::Result<OwnedFd> {
     Ok(pidfd_open(pid, PidfdFlags::NONBLOCK)?)
 }
 
+/// A pidfd for `pid` if it still is the process that started at `start`
+/// (`procfs::start_time`): opened first and checked after, so the pidfd cannot refer to a
+/// process that reused the pid.
+pub fn open_started(pid: i32, start: u64) -> Option<OwnedFd> {
+    if pid <= 0 {
+        return None;
+    }
+    let fd = open(pid).ok()?;
+    super::procfs::is_same_process(pid, start).then_some(fd)
+}
+
 /// Sends `signal` to the process of `pidfd` (never to a process that reused its pid).
 pub fn signal(pidfd: impl AsFd, signal: Signal) -> io::Result<()> {
     Ok(pidfd_send_signal(pidfd, signal)?)
@@ -61,6 +72,19 @@ pub fn ended(pidfd: impl AsFd) -> io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn processes_are_known_by_pid_and_start_time() {
+        use crate::sandbox::procfs::{is_same_process, start_time};
+        let me = std::process::id() as i32;
+        let start = start_time(me).unwrap();
+        assert!(is_same_process(me, start));
+        assert!(!is_same_process(me, start + 1));
+        assert!(open_started(me, start).is_some());
+        assert!(open_started(me, start + 1).is_none());
+        assert!(start_time(-1).is_none());
+        assert!(open_started(-1, start).is_none());
+    }
 
     #[test]
     fn a_pidfd_polls_readable_once_its_process_ended() {

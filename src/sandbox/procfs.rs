@@ -37,6 +37,25 @@ fn children_by_scan(parent: i32) -> Vec<i32> {
         .collect()
 }
 
+/// The start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22); `None`
+/// when there is no such process. With the pid, it names one process for good: a kept
+/// kernel's ticket holds both.
+pub fn start_time(pid: i32) -> Option<u64> {
+    if pid <= 0 {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // pid (comm) state ...: comm may hold spaces and parentheses; fields resume after the
+    // last ')'. starttime is field 22, the 20th after comm.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` is still the process that started at `start`.
+pub fn is_same_process(pid: i32, start: u64) -> bool {
+    start_time(pid) == Some(start)
+}
+
 /// The parent pid of `pid`, from `/proc/<pid>/stat`.
 pub fn parent_of(pid: i32) -> Option<i32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -490,7 +490,9 @@ with open('/tmp/sparse', 'wb') as f:
 
 /// Paused state outlives the broker (both sandboxes): stopped (SIGTERM) or killed (SIGKILL)
 /// once the pause was answered, with and without `--keep-sessions`, the next run has the
-/// session paused under the same id, and its next use resumes it with its state.
+/// session paused under the same id, and its next use resumes it with its state. With
+/// `--keep-sessions` the resumed kernel (one CRIU restored) is kept in turn: a `kill -9`
+/// later, the next run adopts it with its state, and on Docker pauses it again.
 async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
     use common::spawned::{SpawnedBroker, Stop};
     if !criu_ready() {
@@ -501,11 +503,11 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         _ => vec![],
     };
     let with = |extra: &[&'static str]| [backend.clone(), extra.to_vec()].concat();
-    let mut rounds = vec![(with(&[]), Stop::Term), (with(&[]), Stop::Kill)];
-    // On Docker, --keep-sessions refuses a pause (a resumed kernel is not kept there).
-    if sandbox == "local" {
-        rounds.push((with(&["--keep-sessions"]), Stop::Term));
-    }
+    let rounds = [
+        (with(&[]), Stop::Term),
+        (with(&[]), Stop::Kill),
+        (with(&["--keep-sessions"]), Stop::Term),
+    ];
     for (args, how) in rounds {
         let keeping = args.contains(&"--keep-sessions");
         let mut broker = SpawnedBroker::start(&args, None);
@@ -534,6 +536,31 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         // without it: its kernel died with the broker).
         let (status, _) = api.get(&format!("/v1/sessions/{running}")).await;
         assert_eq!(status == 200, keeping, "{args:?}: {status}");
+        if keeping && sandbox == "docker" {
+            // A kernel adopted from the earlier run pauses (Docker: its exec's pid kept).
+            assert_eq!(pause(&api, &running).await.0, 200);
+            assert_eq!(out(&api, &running, "print(y)").await, "1");
+        }
+        if keeping {
+            broker.restart(Stop::Kill).await;
+            let api = broker.api(ALICE);
+            assert_eq!(state_of(&api, &a).await["state"], "idle");
+            assert_eq!(
+                out(&api, &a, "print(next(it), fh.tell(), tf.tell())").await,
+                "3 3 6",
+                "the resumed kernel, adopted"
+            );
+            // An adopted kernel of the local sandbox is not paused (its process is not
+            // this run's child); Docker's restored ones are.
+            let (status, v) = pause(&api, &a).await;
+            if sandbox == "docker" {
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(out(&api, &a, "print(kept)").await, "[1, 2, 3]");
+            } else {
+                assert_eq!(status, 409, "{v}");
+            }
+        }
+        let api = broker.api(ALICE);
         assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
         broker.halt(Stop::Term).await;
     }

@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 crate::on_both_backends!(
     a_snapshot_starts_any_number_of_sessions_with_its_state,
     a_snapshot_outlives_the_broker,
+    restored_kernels_are_kept_with_keep_sessions,
+    a_restored_kernel_that_replaced_itself_while_no_broker_watched_is_not_adopted,
     a_damaged_snapshot_starts_nothing_and_says_why,
     a_kernel_cannot_reach_its_snapshot_or_plant_anything_in_it,
     what_cannot_be_snapshotted_is_refused_and_goes_on,
@@ -333,6 +335,111 @@ async fn a_snapshot_outlives_the_broker(sandbox: &'static str) {
     broker.restart(Stop::Term).await;
     assert_eq!(broker.api(ALICE).get("/v1/snapshots").await.1, json!([]));
     assert!(snapshot_images(&broker.data_dir(), sandbox).is_empty());
+    broker.halt(Stop::Term).await;
+}
+
+/// With `--keep-sessions`, the kernels CRIU restores are kept as launched ones are: a
+/// session from a snapshot and a fork of a session with a workspace of its own (a copy)
+/// outlive a `kill -9` of the broker with their state, and fork again in the next run.
+async fn restored_kernels_are_kept_with_keep_sessions(sandbox: &'static str) {
+    use common::spawned::{SpawnedBroker, Stop};
+    if !criu_ready() {
+        return;
+    }
+    let mut args = vec!["--keep-sessions"];
+    if sandbox == "docker" {
+        args.extend(["--sandbox", "docker"]);
+    }
+    let mut broker = SpawnedBroker::start(&args, None);
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "x = 7\nit = iter('abcd'); next(it)").await;
+    let (status, snap) = snapshot(&api, &a, json!({})).await;
+    assert_eq!(status, 201, "{snap}");
+    let (status, s) = from_snapshot(&api, snap["snapshot_id"].as_str().unwrap()).await;
+    assert_eq!(status, 201, "{s}");
+    let from_snap = s["id"].as_str().unwrap().to_string();
+    let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
+    assert_eq!(status, 201, "{v}");
+    let copy = v["sessions"][0]["id"].as_str().unwrap().to_string();
+    out(&api, &copy, "x += 1").await;
+    out(&api, &from_snap, "x += 2").await;
+
+    broker.restart(Stop::Kill).await;
+    let api = broker.api(ALICE);
+    for (id, expected) in [(&a, "7 b"), (&copy, "8 b"), (&from_snap, "9 b")] {
+        assert_eq!(out(&api, id, "print(x, next(it))").await, expected, "{id}");
+    }
+    // An adopted copy forks again (Docker: its process is known; local: refused, its
+    // process is not this run's child).
+    let (status, v) = api
+        .post(&format!("/v1/sessions/{copy}/fork"), json!({}))
+        .await;
+    if sandbox == "docker" {
+        assert_eq!(status, 201, "{v}");
+        let again = v["sessions"][0]["id"].as_str().unwrap();
+        assert_eq!(out(&api, again, "print(x, next(it))").await, "8 c");
+    } else {
+        assert_eq!(status, 409, "{v}");
+    }
+    broker.halt(Stop::Term).await;
+}
+
+/// The kernel is the attacker: a kept restored kernel (a session from a snapshot) forks a
+/// child and exits while no broker runs, so that a process of its uid, in its cgroup leaf,
+/// waits where it was. The next run adopts no process but the one it kept (pid and start
+/// time): the session reads dead, and its leaf goes with the child in it.
+async fn a_restored_kernel_that_replaced_itself_while_no_broker_watched_is_not_adopted(
+    sandbox: &'static str,
+) {
+    use common::spawned::{SpawnedBroker, Stop};
+    if !criu_ready() {
+        return;
+    }
+    let mut args = vec!["--keep-sessions"];
+    if sandbox == "docker" {
+        args.extend(["--sandbox", "docker"]);
+    }
+    let mut broker = SpawnedBroker::start(&args, None);
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "x = 1").await;
+    let (status, snap) = snapshot(&api, &a, json!({})).await;
+    assert_eq!(status, 201, "{snap}");
+    let (status, s) = from_snapshot(&api, snap["snapshot_id"].as_str().unwrap()).await;
+    assert_eq!(status, 201, "{s}");
+    let b = s["id"].as_str().unwrap().to_string();
+    let leaf = match sandbox {
+        "docker" => common::forked::kernel_leaf_dir(&api, &b).await,
+        _ => pids_cgroup_base(broker.cgroup_name().unwrap())
+            .join("alice")
+            .join(&b),
+    };
+    assert!(leaf.join("cgroup.procs").exists(), "{leaf:?}");
+    out(
+        &api,
+        &b,
+        "import os, threading, time\n\
+         def _swap():\n\
+         \x20   if os.fork() == 0:\n\
+         \x20       time.sleep(600)\n\
+         \x20   os._exit(0)\n\
+         threading.Timer(1.5, _swap).start()",
+    )
+    .await;
+    broker.halt(Stop::Kill).await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    broker.resume();
+    let api = broker.api(ALICE);
+    let (status, s) = api.get(&format!("/v1/sessions/{b}")).await;
+    assert_eq!(status, 200, "{s}");
+    assert_eq!(s["state"], "dead", "{s}");
+    assert!(
+        !leaf.exists(),
+        "its leaf, and the child in it, are gone: {leaf:?}"
+    );
+    // The snapshot's original, a kernel the broker launched, is adopted as ever.
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
     broker.halt(Stop::Term).await;
 }
 

@@ -77,12 +77,6 @@ impl Inner {
                  with CRIU, which the broker does only as root",
             ));
         }
-        if self.cfg.keep_kernels {
-            return Err(refused(
-                "a copy of a kernel into a container of its own is not kept across the \
-                 broker's restarts, and --keep-sessions keeps every kernel",
-            ));
-        }
         self.copy_tools().await?;
         let origin = parent
             .fork_origin()
@@ -406,7 +400,18 @@ impl Inner {
             workspace,
             quota_bytes: user.limits.workspace_quota_bytes,
         });
-        let handle = register_forked(self, session, shared, exit, watch_fd, ForkedStatus::Zombie);
+        let zombie = ForkedStatus::Zombie;
+        let handle = register_forked(self, session, shared.clone(), exit, watch_fd, zombie);
+        if self.cfg.keep_kernels {
+            // Written before the kernel is handed over, as a launch's ticket is: a kernel
+            // that could not be kept is not made.
+            if let Err(e) = self.keep_ticket(&shared).await {
+                handle.terminate().await;
+                return Err(copy_failed(format!(
+                    "the restored kernel cannot be kept (--keep-sessions): {e}"
+                )));
+            }
+        }
         Ok(Launched {
             endpoints,
             process: Box::new(handle),

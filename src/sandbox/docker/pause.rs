@@ -47,14 +47,6 @@ impl Inner {
         kernel: &dyn KernelProcess,
         spec: LaunchSpec,
     ) -> Result<PreparedFork, ForkError> {
-        if self.cfg.keep_kernels {
-            return Err(ForkError::Unsupported(
-                "a kernel resumed from a pause is restored into its container as a copy is, \
-                 and --keep-sessions keeps only the kernels the broker started there: on \
-                 Docker a pause is refused with --keep-sessions"
-                    .into(),
-            ));
-        }
         let (origin, live) = self.held_origin(kernel, &spec, "paused").await?;
         if spec.own_workspace != origin.own_workspace {
             return Err(ForkError::Unsupported(

@@ -87,12 +87,6 @@ impl Inner {
                 "a session starts from a snapshot with CRIU, which the broker runs only as root",
             ));
         }
-        if self.cfg.keep_kernels {
-            return Err(refused(
-                "a kernel restored from a snapshot into a container of its own is not kept \
-                 across the broker's restarts, and --keep-sessions keeps every kernel",
-            ));
-        }
         match (image.own_workspace, spec.own_workspace) {
             (Some(from), Some(to)) if from != to => {}
             _ => {

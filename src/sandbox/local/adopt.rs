@@ -13,12 +13,14 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use super::files::endpoints_for;
-use super::keep::{is_same_process, open_pidfd, KeptKernels, Ticket};
+use super::keep::{KeptKernels, Ticket};
 use super::output::Tail;
 use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
 use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
+use crate::sandbox::pidfd;
+use crate::sandbox::procfs::is_same_process;
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
 
@@ -45,7 +47,7 @@ impl LocalSandbox {
             .as_ref()
             .and_then(|c| c.existing_leaf(&user.name, session));
         let status = kept.status_path(session);
-        let alive = open_pidfd(ticket.bwrap_pid, ticket.bwrap_start)
+        let alive = pidfd::open_started(ticket.bwrap_pid, ticket.bwrap_start)
             .filter(|_| is_same_process(ticket.init_pid, ticket.init_start));
         let process = match alive {
             Some(pidfd) => Watched::Adopted {

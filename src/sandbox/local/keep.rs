@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::private_file;
+use crate::sandbox::procfs;
 use crate::sync::lock;
 
 /// The largest ticket or status file read back (they are a few hundred bytes; anything
@@ -152,34 +153,6 @@ fn read_small(path: &Path) -> io::Result<Vec<u8>> {
     private_file::read_capped(path, MAX_FILE)
 }
 
-/// The start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22); `None`
-/// when there is no such process.
-pub(super) fn start_time(pid: i32) -> Option<u64> {
-    if pid <= 0 {
-        return None;
-    }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // pid (comm) state ...: comm may hold spaces and parentheses; fields resume after the
-    // last ')'. starttime is field 22, the 20th after comm.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// A pidfd for `pid` if it still is the process that started at `start`: opened first and
-/// checked after, so the pidfd cannot refer to a process that reused the pid.
-pub(super) fn open_pidfd(pid: i32, start: u64) -> Option<OwnedFd> {
-    if pid <= 0 {
-        return None;
-    }
-    let fd = crate::sandbox::pidfd::open(pid).ok()?;
-    (start_time(pid) == Some(start)).then_some(fd)
-}
-
-/// Whether `pid` is still the process that started at `start`.
-pub(super) fn is_same_process(pid: i32, start: u64) -> bool {
-    start_time(pid) == Some(start)
-}
-
 /// The exit status bwrap reported in `status` (its last `exit-code`), if it did.
 pub(super) fn reported_exit(status: &Path) -> Option<ExitStatus> {
     let bytes = read_small(status).ok()?;
@@ -203,8 +176,9 @@ pub(super) async fn write_ticket(
     init_pid: i32,
 ) -> io::Result<()> {
     let bwrap_pid = bwrap_pid.ok_or_else(|| io::Error::other("bwrap's pid is unknown"))?;
-    let started =
-        |pid| start_time(pid).ok_or_else(|| io::Error::other(format!("process {pid} is gone")));
+    let started = |pid| {
+        procfs::start_time(pid).ok_or_else(|| io::Error::other(format!("process {pid} is gone")))
+    };
     let ticket = Ticket {
         session,
         user: user.to_string(),
@@ -269,16 +243,5 @@ mod tests {
         std::fs::write(&path, "{ \"exit-code\": 99999 }\n").unwrap();
         assert_eq!(reported_exit(&path), None);
         assert_eq!(reported_exit(&dir.path().join("missing")), None);
-    }
-
-    #[test]
-    fn processes_are_known_by_pid_and_start_time() {
-        let me = std::process::id() as i32;
-        let start = start_time(me).unwrap();
-        assert!(is_same_process(me, start));
-        assert!(!is_same_process(me, start + 1));
-        assert!(open_pidfd(me, start).is_some());
-        assert!(open_pidfd(me, start + 1).is_none());
-        assert!(start_time(-1).is_none());
     }
 }

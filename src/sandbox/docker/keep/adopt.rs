@@ -2,22 +2,27 @@
 //! handle and watcher as a launch; or, if the kernel ended meanwhile, its end classified and
 //! everything it held reclaimed.
 
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
 use bollard::Docker;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 
-use super::ticket::{is_cgroup_dir, Ticket};
+use super::ticket::{is_cgroup_dir, RestoredPid, Ticket};
 use crate::sandbox::cgroup::{CgroupNotFound, ContainerCgroup, Leaf};
 use crate::sandbox::docker::daemon::{error_text, status_of};
 use crate::sandbox::docker::engine::{exec_process_gone, Engine};
-use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, LOST};
+use crate::sandbox::docker::exec::{endpoints_for, DockerKernel, ForkedPid, LOST};
 use crate::sandbox::docker::running::{container_reason, init_pid, ContainerInfo};
 use crate::sandbox::docker::watch::{
-    classify_exec_end, classify_unreported_exec_end, end_kernel, watch_kernel,
+    classify_exec_end, classify_unreported_exec_end, end_kernel, register_forked, watch_kernel,
+    ForkedStatus,
 };
-use crate::sandbox::docker::{unavailable_by, Inner, EXEC_TIMEOUT, TERMINATE_TIMEOUT};
+use crate::sandbox::docker::{unavailable_by, Inner, EXEC_TIMEOUT, KERNEL_UID, TERMINATE_TIMEOUT};
 use crate::sandbox::fsutil::{launch_failed, remove_dir_logged};
 use crate::sandbox::pidfd;
+use crate::sandbox::procfs::uids_of;
 use crate::sandbox::watched::{KernelWatch, WatchedKernel};
 use crate::sandbox::{AdoptError, AdoptSpec, ExitReason, KernelLimits, Launched, SandboxUser};
 use crate::sync::lock;
@@ -101,6 +106,16 @@ impl Inner {
             }
             _ => None,
         };
+        // A kernel CRIU restored has no exec: its process, checked.
+        let (forked, gone) = match ticket.restored {
+            None => (None, None),
+            Some(kept) => match restored_process(&docker, &container, kept, leaf.as_ref()).await {
+                Ok(forked) => (Some(forked), None),
+                Err(reason) => (None, Some(reason)),
+            },
+        };
+        let freezer = forked.as_ref().zip(leaf.as_ref());
+        let freezer = freezer.map(|(f, leaf)| f.cgroup.freezer(leaf));
         let (watch, exit) = KernelWatch::new(session, ticket.user.clone(), LOST);
         let kernel = Arc::new(DockerKernel {
             watch,
@@ -109,15 +124,47 @@ impl Inner {
             dir: ticket.session_dir.clone(),
             host_dir,
             exec_id: ticket.exec_id.clone(),
-            forked: None,
-            exec_pid: None,
+            forked,
+            // A plain kernel's in a sandbox's own container, where its copies and pauses
+            // start (checked below: the exec still runs this pid).
+            exec_pid: match (ticket.own, self.privileged) {
+                (Some(_), true) => ticket.exec_pid.and_then(|p| i32::try_from(p).ok()),
+                _ => None,
+            },
             exec_pidfd,
             leaf,
-            freezer: None,
+            freezer,
             limits,
             workspace: self.workspaces.join(&ticket.user),
             quota_bytes,
         });
+        if ticket.restored.is_some() {
+            let watched = match gone {
+                None => watch_fd(&kernel),
+                Some(reason) => Err(reason),
+            };
+            let watch_fd = match watched {
+                Ok(fd) => fd,
+                Err(reason) => {
+                    drop(guard);
+                    // Its leaf's removal ends whatever it left.
+                    end_kernel(self, &kernel, &reason, true).await;
+                    exit.publish(reason.clone());
+                    return Err(AdoptError::Ended(reason));
+                }
+            };
+            let zombie = ForkedStatus::Zombie;
+            let handle = register_forked(self, session, kernel.clone(), exit, watch_fd, zombie);
+            drop(guard);
+            if let Some(idle) = lock(&slot.idle).take() {
+                idle.cancel();
+            }
+            tracing::info!(%session, user = %ticket.user, container = %kernel.container.name, ms = started.elapsed().as_millis() as u64, "kept restored kernel adopted");
+            return Ok(Launched {
+                endpoints,
+                process: Box::new(handle),
+            });
+        }
         let ended = match docker.inspect_exec(&ticket.exec_id).await {
             Ok(e) if e.running == Some(true) => match (ticket.exec_pid, e.pid) {
                 (Some(kept), Some(now)) if kept != now => Some(ExitReason::Lost(format!(
@@ -231,6 +278,71 @@ impl Inner {
         .await;
         self.remove_ticket(ticket.session_id).await;
     }
+}
+
+/// The process of a restored kernel's ticket, if it still is that kernel: the same process
+/// (its pid and start time, through a pidfd opened first), running as the image's kernel
+/// uid, in the kernel's reopened leaf (which only the broker can move processes into);
+/// with its container's cgroup, where the leaves of its forks go. Otherwise why it is not
+/// (its own leaf's OOM kill, if that is how it ended).
+async fn restored_process(
+    docker: &Docker,
+    container: &ContainerInfo,
+    kept: RestoredPid,
+    leaf: Option<&Leaf>,
+) -> Result<ForkedPid, ExitReason> {
+    let lost = |why: &str| ExitReason::Lost(format!("the kept kernel {why}"));
+    let Some(leaf) = leaf else {
+        return Err(lost("has no cgroup leaf any more"));
+    };
+    if leaf.oom_kills().is_some_and(|k| k > 0) {
+        return Err(ExitReason::OutOfMemory {
+            limit_bytes: container.memory_limit,
+        });
+    }
+    let init = init_pid(docker, container)
+        .await
+        .ok_or_else(|| lost("is in a container that runs no more"))?;
+    let procs = leaf.dirs().first().map(|d| d.join("cgroup.procs"));
+    let checked = tokio::task::spawn_blocking(move || {
+        let pidfd = pidfd::open_started(kept.host_pid, kept.start)
+            .ok_or_else(|| lost("ended while no broker watched it"))?;
+        if uids_of(kept.host_pid) != Some([KERNEL_UID; 4]) {
+            return Err(lost("runs as another user"));
+        }
+        let pid = kept.host_pid.to_string();
+        let listed = procs
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .is_some_and(|s| s.lines().any(|l| l.trim() == pid));
+        if !listed {
+            return Err(lost("is not in its cgroup leaf"));
+        }
+        let cgroup = ContainerCgroup::of_process(init)
+            .map_err(|e| lost(&format!("is in a container without its cgroup: {e}")))?;
+        Ok(ForkedPid {
+            host_pid: kept.host_pid,
+            pidfd,
+            cgroup,
+        })
+    });
+    checked
+        .await
+        .unwrap_or_else(|e| Err(lost(&format!("could not be checked: {e}"))))
+}
+
+/// The pidfd a restored kernel's watcher waits on (a copy of its own).
+fn watch_fd(kernel: &DockerKernel) -> Result<AsyncFd<OwnedFd>, ExitReason> {
+    let lost =
+        |e: std::io::Error| ExitReason::Lost(format!("the kept kernel cannot be watched: {e}"));
+    let fd = kernel
+        .forked
+        .as_ref()
+        .ok_or_else(|| lost(std::io::Error::other("no process")))?;
+    let fd = fd.pidfd.try_clone().map_err(lost)?;
+    // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the AsyncFd
+    // that owns it drops it.
+    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+        .map_err(|e| lost(e.into_parts().1))
 }
 
 /// Why an adopted kernel's kept cgroup leaf could not be opened again.

@@ -10,7 +10,9 @@
 //!   <session>.json`, JSON, 0600 in a 0700 directory only the broker uses (never the
 //!   kernel's runtime directory, which the kernel can write), written to a temporary file
 //!   and renamed into place. It holds what the daemon cannot tell later: the exec id and
-//!   its pid, the container, the kernel's limits and whether it had a cgroup leaf. Read back
+//!   its pid (a kernel CRIU restored, which has no exec, is named by its host pid and that
+//!   process's start time instead), the container, the kernel's limits and whether it had
+//!   a cgroup leaf. Read back
 //!   with a size cap and checked against what the broker derives itself (container name,
 //!   session directory, leaf directories): a ticket is a file on disk, not a promise.
 //! - **Shutdown** releases every kernel (its watcher stops; nothing is killed), keeps the
@@ -24,7 +26,11 @@
 //!   `Running` and the same pid), reopens the kernel's leaf, and hands back the same
 //!   [`DockerKernel`] handle and watcher a launch makes. A kernel that ended meanwhile gets
 //!   the reason the watcher would have given (exit code, or the OOM kill its leaf counted)
-//!   and is reclaimed like any ended kernel (reaper, leaf, session directory, ticket).
+//!   and is reclaimed like any ended kernel (reaper, leaf, session directory, ticket). A
+//!   restored kernel is adopted only if its pid is still the process that started then
+//!   (through a pidfd opened first), of the image's kernel uid, in its reopened leaf; it is
+//!   then watched through that pidfd as a restored kernel of this run is, and a kernel that
+//!   is not (it ended, or left another process in its place) is reclaimed with its leaf.
 //! - [`Inner::discard_unadopted`]: kernels no session took are terminated, stopped kept
 //!   containers removed, and every container without a kernel goes back under the idle rule.
 //!
@@ -47,6 +53,7 @@ use bollard::models::ContainerSummaryStateEnum;
 use bollard::Docker;
 use uuid::Uuid;
 
+use self::ticket::RestoredPid;
 use self::ticket::{load_tickets, sweep_runtime, ticket_path, write_ticket, TICKET_VERSION};
 pub(crate) use self::ticket::{session_dir, Ticket};
 use super::daemon::error_text;
@@ -62,6 +69,8 @@ use crate::sync::lock;
 pub(super) enum TicketNotKept {
     #[error("cannot inspect the kernel's exec: {}", error_text(.0))]
     ExecUninspectable(#[source] bollard::errors::Error),
+    #[error("the restored kernel (host pid {0}) is gone")]
+    RestoredGone(i32),
     #[error("{0}")]
     NoDirectory(#[source] crate::sandbox::SandboxError),
     #[error("cannot write {}: {source}", path.display())]
@@ -168,11 +177,21 @@ impl Inner {
         }
     }
 
-    /// Writes the ticket of a kernel just launched (see the module comment).
+    /// Writes the ticket of a kernel just launched, or just restored by CRIU (see the
+    /// module comment).
     pub(super) async fn keep_ticket(&self, kernel: &DockerKernel) -> Result<(), TicketNotKept> {
-        let exec_pid = match kernel.docker.inspect_exec(&kernel.exec_id).await {
-            Ok(exec) => exec.pid,
-            Err(e) => return Err(TicketNotKept::ExecUninspectable(e)),
+        let (exec_pid, restored) = match &kernel.forked {
+            // A restored kernel (the only kind with no exec kept: templates are off).
+            Some(forked) => {
+                let host_pid = forked.host_pid;
+                let start = crate::sandbox::procfs::start_time(host_pid)
+                    .ok_or(TicketNotKept::RestoredGone(host_pid))?;
+                (None, Some(RestoredPid { host_pid, start }))
+            }
+            None => match kernel.docker.inspect_exec(&kernel.exec_id).await {
+                Ok(exec) => (exec.pid, None),
+                Err(e) => return Err(TicketNotKept::ExecUninspectable(e)),
+            },
         };
         let ticket = Ticket {
             version: TICKET_VERSION,
@@ -193,6 +212,7 @@ impl Inner {
             container_memory_bytes: kernel.container.memory_limit,
             quota_bytes: kernel.quota_bytes,
             own: kernel.container.own,
+            restored,
         };
         let dir = self.tickets_dir();
         tokio::task::spawn_blocking(move || {

@@ -39,6 +39,19 @@ pub(crate) struct Ticket {
     /// The own-workspace key of a sandbox's own container (`own.rs`); `None`: the user's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub own: Option<Uuid>,
+    /// A kernel CRIU restored into its container (a resume, a copy, a session from a
+    /// snapshot), which has no exec of its own (`exec_id` and `exec_pid` empty then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored: Option<RestoredPid>,
+}
+
+/// A restored kernel's process: its host pid and that process's start time
+/// (`procfs::start_time`), which together name it and no later holder of the pid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RestoredPid {
+    pub host_pid: i32,
+    pub start: u64,
 }
 
 /// Why a file in the tickets directory is not a usable ticket (it is then removed).
@@ -62,6 +75,8 @@ pub(crate) enum TicketRefused {
     NotTheSessionsDirectory(String),
     #[error("a container or exec id is not hexadecimal")]
     IdNotHexadecimal,
+    #[error("a ticket names an exec or a restored process, one of them")]
+    NotOneKernel,
     #[error("{0:?} are not the session's cgroup leaf")]
     NotTheSessionsLeaf(Vec<PathBuf>),
 }
@@ -106,13 +121,43 @@ impl Ticket {
             Err(TicketRefused::NotTheUsersContainer(
                 self.container_name.clone(),
             ))
-        } else if self.session_dir != session_dir(session) {
+        } else if !self.session_dir_ok(session) {
             Err(TicketRefused::NotTheSessionsDirectory(
                 self.session_dir.clone(),
             ))
-        } else if !id_ok(&self.container_id) || !id_ok(&self.exec_id) {
+        } else if !id_ok(&self.container_id) {
             Err(TicketRefused::IdNotHexadecimal)
-        } else if self.leaf.len() > 2 || !self.leaf.iter().all(leaf_ok) {
+        } else if let Some(restored) = self.restored {
+            if !self.exec_id.is_empty() || self.exec_pid.is_some() || restored.host_pid <= 0 {
+                Err(TicketRefused::NotOneKernel)
+            } else {
+                self.check_leaf(leaf_ok)
+            }
+        } else if !id_ok(&self.exec_id) {
+            Err(TicketRefused::IdNotHexadecimal)
+        } else {
+            self.check_leaf(leaf_ok)
+        }
+    }
+
+    /// A launched kernel's session directory is named by its session; a restored one's by
+    /// the kernel its images hold (a session from a snapshot runs in the snapshot's), a
+    /// name of the same form.
+    fn session_dir_ok(&self, session: Uuid) -> bool {
+        match self.restored {
+            Some(_) => {
+                self.session_dir.len() == SESSION_DIR_LEN
+                    && self
+                        .session_dir
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            }
+            None => self.session_dir == session_dir(session),
+        }
+    }
+
+    fn check_leaf(&self, leaf_ok: impl Fn(&PathBuf) -> bool) -> Result<(), TicketRefused> {
+        if self.leaf.len() > 2 || !self.leaf.iter().all(leaf_ok) {
             Err(TicketRefused::NotTheSessionsLeaf(self.leaf.clone()))
         } else {
             Ok(())
@@ -262,6 +307,20 @@ mod tests {
             container_memory_bytes: 5 << 30,
             quota_bytes: 1 << 30,
             own: None,
+            restored: None,
+        }
+    }
+
+    /// The ticket of a kernel CRIU restored: no exec, a process.
+    fn restored(session: Uuid) -> Ticket {
+        Ticket {
+            exec_id: String::new(),
+            exec_pid: None,
+            restored: Some(RestoredPid {
+                host_pid: 4343,
+                start: 123_456,
+            }),
+            ..ticket(session)
         }
     }
 
@@ -287,6 +346,13 @@ mod tests {
         assert_eq!(loaded[&session], t);
         // No temporary file is left.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+        // A restored kernel's ticket too; an exec's is written without the field, as the
+        // broker wrote it before there were restored ones (and reads back the same).
+        let other = Uuid::new_v4();
+        write_ticket(tmp.path(), &restored(other)).unwrap();
+        assert_eq!(load_tickets(tmp.path(), &name)[&other], restored(other));
+        let text = std::fs::read_to_string(ticket_path(tmp.path(), session)).unwrap();
+        assert!(!text.contains("restored"), "{text}");
     }
 
     #[test]
@@ -321,6 +387,49 @@ mod tests {
                 }),
             ),
         ];
+        // A restored kernel's ticket names no exec, and a process that can be one.
+        let mut of_restored: Vec<(&str, Spoil)> = vec![
+            (
+                "restored, with an exec",
+                Box::new(|t| t.exec_id = "cd34".repeat(16)),
+            ),
+            (
+                "restored, with an exec pid",
+                Box::new(|t| t.exec_pid = Some(9)),
+            ),
+            (
+                "restored, no pid",
+                Box::new(|t| t.restored.as_mut().unwrap().host_pid = 0),
+            ),
+            (
+                "restored, leaf elsewhere",
+                Box::new(|t| t.leaf = vec!["/etc/x".into()]),
+            ),
+            (
+                "restored, dir outside",
+                Box::new(|t| t.session_dir = "..".into()),
+            ),
+            (
+                "restored, dir of another form",
+                Box::new(|t| t.session_dir = "A".repeat(SESSION_DIR_LEN)),
+            ),
+        ];
+        for (what, spoil) in of_restored.drain(..) {
+            let mut t = restored(Uuid::new_v4());
+            assert!(t.check(t.session_id, &name).is_ok(), "{what}");
+            spoil(&mut t);
+            assert!(t.check(t.session_id, &name).is_err(), "{what}");
+            write_ticket(tmp.path(), &t).unwrap();
+        }
+        // A restored kernel's directory may be another session's (a snapshot's kernel's).
+        let mut t = restored(Uuid::new_v4());
+        t.session_dir = session_dir(Uuid::new_v4());
+        assert!(t.check(t.session_id, &name).is_ok());
+        // An exec's ticket without its exec id (a restored one's without its process).
+        let mut t = ticket(Uuid::new_v4());
+        t.exec_id = String::new();
+        assert!(t.check(t.session_id, &name).is_err());
+        write_ticket(tmp.path(), &t).unwrap();
         for (what, spoil) in cases.drain(..) {
             let mut t = ticket(Uuid::new_v4());
             spoil(&mut t);
