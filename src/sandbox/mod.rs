@@ -141,6 +141,9 @@ pub struct AdoptSpec {
     pub session_id: Uuid,
     pub user: SandboxUser,
     pub limits: KernelLimits,
+    /// The workspace of its own the session's kernel works in, as its record says (the
+    /// local sandbox's tickets do not say; Docker's do, by container).
+    pub own_workspace: Option<Uuid>,
 }
 
 /// Why a kept kernel was not adopted.

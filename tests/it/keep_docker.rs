@@ -172,6 +172,7 @@ fn adopt_spec(session_id: Uuid, user: &SandboxUser) -> AdoptSpec {
         session_id,
         user: user.clone(),
         limits: user.limits.kernel(None),
+        own_workspace: None,
     }
 }
 

@@ -20,7 +20,7 @@ use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
 use crate::sandbox::fsutil::{launch_failed, launch_step, remove_dir_logged};
 use crate::sandbox::pidfd;
-use crate::sandbox::procfs::is_same_process;
+use crate::sandbox::procfs::{is_same_process, parent_of};
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{AdoptError, AdoptSpec, KernelProcess as _, Launched, Sandbox as _};
 
@@ -40,7 +40,10 @@ impl LocalSandbox {
             self.end_kept(kept, cgroups.as_deref(), &ticket).await;
             return Err(AdoptError::Missing);
         }
-        let workspace = self.workspace_path(user)?;
+        let workspace = match spec.own_workspace {
+            Some(key) => self.own_workspaces.dirs(key).home,
+            None => self.workspace_path(user)?,
+        };
         let rundir = self.run_base.join(session.to_string());
         let endpoints = endpoints_for(&rundir).map_err(|e| launch_failed(user, e))?;
         let leaf = cgroups
@@ -68,7 +71,7 @@ impl LocalSandbox {
             init_pid: (!ended).then_some(ticket.init_pid),
             bwrap_pid: None,
             kernel_pid: None,
-            own_workspace: None,
+            own_workspace: spec.own_workspace,
             fork_origin: None,
             leaf,
             cgroups,
@@ -80,6 +83,16 @@ impl LocalSandbox {
             kept: Some(kept.clone()),
         }
         .spawn(&self.kernels);
+        // A kernel CRIU restored: itself (not CRIU, the sandbox's command, its parent) if
+        // it is still the process the ticket names, CRIU's child in that sandbox.
+        if let Some((pid, start)) = ticket.restored.filter(|_| !ended) {
+            let criu = super::reaper::sandbox_command_pid(ticket.init_pid);
+            if is_same_process(pid, start) && criu.is_some() && parent_of(pid) == criu {
+                let _ = kernel.restored_pid.set(pid);
+            } else {
+                tracing::warn!(%session, pid, "the kept restored kernel is not where its ticket says; its forks and pauses will fail");
+            }
+        }
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
         if ended {
             // Classified and reclaimed by the reaper, as any end.

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use super::bwrap::{copy_args, HostRoot};
 use super::files::endpoints_for;
+use super::keep;
 use super::process::{SandboxCommand, StartOptions};
 use super::reaper::sandbox_command_pid;
 use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
@@ -302,6 +303,15 @@ impl LocalSandbox {
             let _ = sandbox.kernel.restored_pid.set(woken);
             Ok(woken)
         });
+        // Kept (`--keep-sessions`): the ticket names the restored kernel too, before it is
+        // handed over; a kernel that could not be kept is not made.
+        let woken = match (woken, self.kept.clone()) {
+            (Ok(host_pid), Some(kept)) => keep::mark_restored(&kept, session, host_pid)
+                .await
+                .map(|()| host_pid)
+                .map_err(|e| copy_failed(format!("the restored kernel cannot be kept: {e}"))),
+            (woken, _) => woken,
+        };
         match woken {
             Ok(host_pid) => {
                 tracing::info!(%session, pid = host_pid, dump_ms = dumped.as_millis() as u64, restore_ms = started_restore.elapsed().as_millis() as u64, "kernel restored into a sandbox of its own");

@@ -45,6 +45,15 @@ pub(super) struct Ticket {
     /// Host pid of the sandbox's init (pid 1 inside) and its start time.
     pub init_pid: i32,
     pub init_start: u64,
+    /// A kernel CRIU restored in the sandbox (a resume, a copy, a session from a
+    /// snapshot): its host pid and start time. The sandbox's command is CRIU then, which
+    /// waits for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored: Option<(i32, u64)>,
+    /// The workspace of its own the kernel works in: the start-up sweep spares it (a
+    /// resumed kernel is kept under a kernel id of its own, not its session's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_workspace: Option<Uuid>,
 }
 
 /// The kept kernels' files, and the tickets found at start-up not yet adopted.
@@ -143,6 +152,17 @@ impl KeptKernels {
         lock(&self.found).remove(&session)
     }
 
+    /// The workspaces of their own the kernels found at start-up work in (an earlier run's
+    /// tickets, which did not say, name none: a kernel kept under its session's id works in
+    /// the workspace of that key, if any).
+    pub fn own_workspaces(&self) -> HashSet<Uuid> {
+        lock(&self.found)
+            .values()
+            .flat_map(|t| [t.own_workspace, Some(t.session)])
+            .flatten()
+            .collect()
+    }
+
     /// The tickets no session adopted.
     pub fn take_all(&self) -> Vec<Ticket> {
         lock(&self.found).drain().map(|(_, t)| t).collect()
@@ -174,6 +194,7 @@ pub(super) async fn write_ticket(
     user: &str,
     bwrap_pid: Option<i32>,
     init_pid: i32,
+    own_workspace: Option<Uuid>,
 ) -> io::Result<()> {
     let bwrap_pid = bwrap_pid.ok_or_else(|| io::Error::other("bwrap's pid is unknown"))?;
     let started = |pid| {
@@ -186,11 +207,34 @@ pub(super) async fn write_ticket(
         bwrap_start: started(bwrap_pid)?,
         init_pid,
         init_start: started(init_pid)?,
+        restored: None,
+        own_workspace,
     };
     let kept = kept.clone();
     tokio::task::spawn_blocking(move || kept.write(&ticket))
         .await
         .map_err(io::Error::other)?
+}
+
+/// Adds to `session`'s ticket the kernel CRIU restored in its sandbox (host pid `pid`, its
+/// start time read now): what adoption takes for the kernel, not CRIU.
+pub(super) async fn mark_restored(
+    kept: &std::sync::Arc<KeptKernels>,
+    session: uuid::Uuid,
+    pid: i32,
+) -> io::Result<()> {
+    let start = procfs::start_time(pid)
+        .ok_or_else(|| io::Error::other(format!("the restored kernel {pid} is gone")))?;
+    let kept = kept.clone();
+    tokio::task::spawn_blocking(move || {
+        let path = kept.dir.join(format!("{session}.json"));
+        let mut ticket: Ticket =
+            serde_json::from_slice(&read_small(&path)?).map_err(io::Error::other)?;
+        ticket.restored = Some((pid, start));
+        kept.write(&ticket)
+    })
+    .await
+    .map_err(io::Error::other)?
 }
 
 #[cfg(test)]
@@ -209,8 +253,27 @@ mod tests {
             bwrap_start: 20,
             init_pid: 11,
             init_start: 21,
+            restored: None,
+            own_workspace: None,
         };
         kept.write(&ticket).unwrap();
+        // A restored kernel's ticket: its process marked on the ticket written at launch.
+        let restored = Ticket {
+            session: Uuid::new_v4(),
+            own_workspace: Some(Uuid::new_v4()),
+            ..ticket.clone()
+        };
+        kept.write(&restored).unwrap();
+        let me = std::process::id() as i32;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(mark_restored(
+            &std::sync::Arc::new(kept),
+            restored.session,
+            me,
+        ))
+        .unwrap();
         let junk = dir
             .path()
             .join("kept-local")
@@ -224,11 +287,19 @@ mod tests {
         std::fs::write(&renamed, serde_json::to_vec(&ticket).unwrap()).unwrap();
 
         let again = KeptKernels::new(dir.path());
-        assert_eq!(again.load().unwrap(), HashSet::from([ticket.session]));
+        let sessions = HashSet::from([ticket.session, restored.session]);
+        assert_eq!(again.load().unwrap(), sessions);
+        // The sweep spares the workspaces of their own, and those a session's id names.
+        let own = restored.own_workspace.unwrap();
+        let spared = HashSet::from([ticket.session, restored.session, own]);
+        assert_eq!(again.own_workspaces(), spared);
         assert!(!junk.exists() && !renamed.exists());
+        let marked = again.take(restored.session).unwrap();
+        assert_eq!(marked.restored, Some((me, procfs::start_time(me).unwrap())));
         assert_eq!(again.take(ticket.session), Some(ticket.clone()));
         assert_eq!(again.take(ticket.session), None);
         again.forget(ticket.session);
+        again.forget(restored.session);
         assert!(KeptKernels::new(dir.path()).load().unwrap().is_empty());
     }
 

@@ -208,12 +208,13 @@ impl LocalSandbox {
         .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel.clone(), TERMINATE_TIMEOUT);
 
+        let own = spec.own_workspace;
         match read_init_pid(info).await {
             Ok(pid) => {
                 let _ = kernel.init_pid.set(pid);
                 if let Some(kept) = &self.kept {
                     if let Err(e) =
-                        keep::write_ticket(kept, session, &user.name, bwrap_pid, pid).await
+                        keep::write_ticket(kept, session, &user.name, bwrap_pid, pid, own).await
                     {
                         handle.terminate().await;
                         return Err(launch_failed(&user, NotRecorded(e)));

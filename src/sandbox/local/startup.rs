@@ -51,6 +51,11 @@ impl LocalSandbox {
                 let mut spared = keep.clone();
                 let own = paused.iter().chain(&snapshots).filter_map(|p| p.own_workspace);
                 spared.extend(own);
+                // Kept kernels' own workspaces, by their key (a resumed kernel's ticket is
+                // under its kernel id).
+                if let Some(kept) = &self.kept {
+                    spared.extend(kept.own_workspaces());
+                }
                 self.found.set(paused, snapshots);
                 self.prepare_tools_and_sweep_own(&spared).await?;
                 self.sweep_copies();

@@ -152,6 +152,7 @@ impl Registry {
             session_id: record.kernel_id.unwrap_or(record.id),
             user: user.clone(),
             limits: limits_of(record),
+            own_workspace: record.own_workspace,
         };
         let launched = match self.inner.sandbox.adopt(spec).await {
             Ok(l) => l,
