@@ -338,27 +338,39 @@ async fn a_snapshot_outlives_the_broker(sandbox: &'static str) {
     broker.halt(Stop::Term).await;
 }
 
-/// With `--keep-sessions`, the kernels CRIU restores are kept as launched ones are: a
-/// session from a snapshot and a fork of a session with a workspace of its own (a copy)
-/// outlive a `kill -9` of the broker with their state, and fork again in the next run.
-async fn restored_kernels_are_kept_with_keep_sessions(sandbox: &'static str) {
-    use common::spawned::{SpawnedBroker, Stop};
-    if !criu_ready() {
-        return;
-    }
+/// A broker with `--keep-sessions` on `sandbox`, a session with a workspace of its own that
+/// ran `code`, and a session from a snapshot of it: the broker and the two ids.
+async fn kept_with_a_snapshot_session(
+    sandbox: &str,
+    code: &str,
+) -> (common::spawned::SpawnedBroker, String, String) {
     let mut args = vec!["--keep-sessions"];
     if sandbox == "docker" {
         args.extend(["--sandbox", "docker"]);
     }
-    let mut broker = SpawnedBroker::start(&args, None);
+    let broker = common::spawned::SpawnedBroker::start(&args, None);
     let api = broker.api(ALICE);
     let a = own(&api).await;
-    out(&api, &a, "x = 7\nit = iter('abcd'); next(it)").await;
+    out(&api, &a, code).await;
     let (status, snap) = snapshot(&api, &a, json!({})).await;
     assert_eq!(status, 201, "{snap}");
     let (status, s) = from_snapshot(&api, snap["snapshot_id"].as_str().unwrap()).await;
     assert_eq!(status, 201, "{s}");
-    let from_snap = s["id"].as_str().unwrap().to_string();
+    let b = s["id"].as_str().unwrap().to_string();
+    (broker, a, b)
+}
+
+/// With `--keep-sessions`, the kernels CRIU restores are kept as launched ones are: a
+/// session from a snapshot and a fork of a session with a workspace of its own (a copy)
+/// outlive a `kill -9` of the broker with their state, and fork again in the next run.
+async fn restored_kernels_are_kept_with_keep_sessions(sandbox: &'static str) {
+    use common::spawned::Stop;
+    if !criu_ready() {
+        return;
+    }
+    let code = "x = 7\nit = iter('abcd'); next(it)";
+    let (mut broker, a, from_snap) = kept_with_a_snapshot_session(sandbox, code).await;
+    let api = broker.api(ALICE);
     let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
     assert_eq!(status, 201, "{v}");
     let copy = v["sessions"][0]["id"].as_str().unwrap().to_string();
@@ -387,23 +399,12 @@ async fn restored_kernels_are_kept_with_keep_sessions(sandbox: &'static str) {
 async fn a_restored_kernel_that_replaced_itself_while_no_broker_watched_is_not_adopted(
     sandbox: &'static str,
 ) {
-    use common::spawned::{SpawnedBroker, Stop};
+    use common::spawned::Stop;
     if !criu_ready() {
         return;
     }
-    let mut args = vec!["--keep-sessions"];
-    if sandbox == "docker" {
-        args.extend(["--sandbox", "docker"]);
-    }
-    let mut broker = SpawnedBroker::start(&args, None);
+    let (mut broker, a, b) = kept_with_a_snapshot_session(sandbox, "x = 1").await;
     let api = broker.api(ALICE);
-    let a = own(&api).await;
-    out(&api, &a, "x = 1").await;
-    let (status, snap) = snapshot(&api, &a, json!({})).await;
-    assert_eq!(status, 201, "{snap}");
-    let (status, s) = from_snapshot(&api, snap["snapshot_id"].as_str().unwrap()).await;
-    assert_eq!(status, 201, "{s}");
-    let b = s["id"].as_str().unwrap().to_string();
     let leaf = match sandbox {
         "docker" => common::forked::kernel_leaf_dir(&api, &b).await,
         _ => pids_cgroup_base(broker.cgroup_name().unwrap())
