@@ -120,7 +120,12 @@ MSG_TYPE = "kb_fork_request"
 WAKE_SIGNAL = 40
 # How long a held child waits to be dumped and woken: one the broker never comes back to (it
 # died mid-copy) ends by itself rather than holding its memory for as long as its parent.
+# The time it spends stopped does not count: a held child dumped for a pause or a snapshot
+# is restored minutes or months later, its clock then far past any deadline it had.
 HOLD_TIMEOUT = 600.0
+# How long one wait of a held child lasts: a wait that took longer than this and HOLD_STEP
+# again was stopped meanwhile (dumped and restored, or frozen), and the timeout starts anew.
+HOLD_STEP = 1.0
 # The most a connection file read at waking may hold.
 MAX_CONNECTION_FILE = 64 * 1024
 REPLY_TYPE = "kb_fork_reply"
@@ -558,17 +563,35 @@ def be_held(ready_fd, private=()):
                        "back: close it (or use a session with a workspace of its own)"
                        % (shown, " or ".join(private))})
         os._exit(1)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
+    # Its waits are timed by SIGALRM (`ITIMER_REAL`), waited for beside the wake signal:
+    # `signal.sigtimedwait` answers a wait that a stop interrupted past its timeout (as a
+    # dump and a restore interrupt it) with a siginfo it never filled, which could pass for
+    # the broker's. `sigwaitinfo` has no timeout, and returns only signals it took.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL, signal.SIGALRM])
     say(ready_fd, {"pid": os.getpid()})
     os.close(ready_fd)
     deadline = time.monotonic() + HOLD_TIMEOUT
     while True:
-        left = deadline - time.monotonic()
-        got = signal.sigtimedwait([WAKE_SIGNAL], max(left, 0)) if left > 0 else None
-        if got is None:
+        before = time.monotonic()
+        left = deadline - before
+        if left <= 0:
             os._exit(0)  # never woken: nobody will be
+        step = min(left, HOLD_STEP)
+        signal.setitimer(signal.ITIMER_REAL, step)
+        got = signal.sigwaitinfo([WAKE_SIGNAL, signal.SIGALRM])
+        if got.si_signo != WAKE_SIGNAL:
+            if time.monotonic() - before > step + HOLD_STEP:
+                # Stopped meanwhile: restored from a dump (the broker wakes it now; its
+                # signal waits, blocked, for the next wait) or frozen. Its time starts anew.
+                deadline = time.monotonic() + HOLD_TIMEOUT
+            continue
         # SI_USER from a process outside the pid namespace (the broker): si_pid is 0.
         if got.si_code == 0 and got.si_pid == 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            # A tick that came meanwhile goes before SIGALRM is let through again (its
+            # default action, which the kernel's shutdown counts on, ends the process).
+            signal.sigtimedwait([signal.SIGALRM], 0)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set(old) | {WAKE_SIGNAL})
             return
 
 

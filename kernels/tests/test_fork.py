@@ -713,6 +713,33 @@ def test_a_held_child_keeps_only_its_files_and_wakes_only_for_the_broker(kernel,
     assert value(kc, "held_file.readline()") == repr("two\n")
 
 
+def test_a_held_child_stopped_longer_than_its_timeout_still_waits_to_be_woken(kernel, tmp_path):
+    """A held child is dumped for a pause or a snapshot and restored any time later, its
+    clock then past any deadline it had: the time it spends stopped must not count. Here it
+    waits at most 2 s, is stopped for 4 s (as a dump and a restore stop it), and still waits
+    to be woken after; left alone, it ends by itself once 2 s have passed."""
+    kc = kernel.client
+    run(kc, "import kernel_broker_fork as _kbf\n_kbf.HOLD_TIMEOUT = 2.0\n_kbf.HOLD_STEP = 0.2")
+    reply = fork_request(kc, {"hold": {"connection_file": str(tmp_path / "c.json")}})
+    assert reply["status"] == "ok", reply
+    pid = reply["pid"]
+    try:
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(1)
+        assert alive(pid), "a held child stopped past its timeout ended on waking"
+        # Its timeout runs again from there: it ends by itself, never woken.
+        deadline = time.monotonic() + TIMEOUT
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), "a held child never woken ends by itself"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_held_child_holding_what_would_not_come_back_refuses(kernel, tmp_path):
     """A kernel sharing its user's workspace is paused with `"private"`: the directories of
     its sandbox that the one it resumes in will not have. A held child holding a file there

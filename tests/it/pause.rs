@@ -25,6 +25,7 @@ crate::on_both_backends!(
     a_damaged_paused_kernel_leaves_the_session_dead_saying_why,
     another_users_session_cannot_be_paused_or_resumed,
     a_jupyter_client_on_a_paused_session_resumes_it,
+    a_session_paused_longer_than_its_held_child_would_wait_comes_back,
 );
 
 async fn own(api: &Api) -> String {
@@ -582,6 +583,31 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
         "paused by itself again after the restart"
     );
     broker.halt(Stop::Term).await;
+}
+
+/// A paused session is resumed any time later: the held child in its images waits to be
+/// woken for at most `HOLD_TIMEOUT` (a copy the broker never came back for ends), and its
+/// clock is far past that at a resume; the time it spent dumped must not count. Here the
+/// kernel's timeout is 2 s and the session stays paused for 4 s (once, a session paused for
+/// more than ten minutes could not be resumed).
+async fn a_session_paused_longer_than_its_held_child_would_wait_comes_back(
+    sandbox: &'static str,
+) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    let short = "import sys\n\
+                 _kbf = sys.modules['kernel_broker_fork']\n\
+                 _kbf.HOLD_TIMEOUT, _kbf.HOLD_STEP = 2.0, 0.2\n\
+                 x = 42";
+    out(&api, &a, short).await;
+    assert_eq!(pause(&api, &a).await.0, 200);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(out(&api, &a, "print(x)").await, "42");
+    broker.stop().await;
 }
 
 /// JupyterLab (or any Jupyter client) on a paused session's channels: its first message
