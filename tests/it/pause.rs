@@ -590,9 +590,7 @@ async fn a_paused_session_outlives_the_broker(sandbox: &'static str) {
 /// clock is far past that at a resume; the time it spent dumped must not count. Here the
 /// kernel's timeout is 2 s and the session stays paused for 4 s (once, a session paused for
 /// more than ten minutes could not be resumed).
-async fn a_session_paused_longer_than_its_held_child_would_wait_comes_back(
-    sandbox: &'static str,
-) {
+async fn a_session_paused_longer_than_its_held_child_would_wait_comes_back(sandbox: &'static str) {
     if !criu_ready() {
         return;
     }
