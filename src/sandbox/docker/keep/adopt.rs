@@ -109,10 +109,12 @@ impl Inner {
         // A kernel CRIU restored has no exec: its process, checked.
         let (forked, gone) = match ticket.restored {
             None => (None, None),
-            Some(kept) => match restored_process(&docker, &container, kept, leaf.as_ref()).await {
-                Ok(forked) => (Some(forked), None),
-                Err(reason) => (None, Some(reason)),
-            },
+            Some(kept) => {
+                match restored_process(&docker, &container, kept, leaf.as_ref(), &limits).await {
+                    Ok(forked) => (Some(forked), None),
+                    Err(reason) => (None, Some(reason)),
+                }
+            }
         };
         let freezer = forked.as_ref().zip(leaf.as_ref());
         let freezer = freezer.map(|(f, leaf)| f.cgroup.freezer(leaf));
@@ -290,6 +292,7 @@ async fn restored_process(
     container: &ContainerInfo,
     kept: RestoredPid,
     leaf: Option<&Leaf>,
+    limits: &KernelLimits,
 ) -> Result<ForkedPid, ExitReason> {
     let lost = |why: &str| ExitReason::Lost(format!("the kept kernel {why}"));
     let Some(leaf) = leaf else {
@@ -297,7 +300,7 @@ async fn restored_process(
     };
     if leaf.oom_kills().is_some_and(|k| k > 0) {
         return Err(ExitReason::OutOfMemory {
-            limit_bytes: container.memory_limit,
+            limit_bytes: limits.memory_bytes,
         });
     }
     let init = init_pid(docker, container)
