@@ -37,7 +37,26 @@ fn bind_in(ns: &File, port: u16) -> io::Result<TcpListener> {
     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))?;
+    // A sandbox's network namespace is new: bwrap sets its loopback up in the sandbox's
+    // first process, which may still be at it when the broker learns its pid. A bind seen
+    // once to fail there with EADDRNOTAVAIL (under load, in CI) is tried again, for a
+    // bounded time.
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let deadline = std::time::Instant::now() + LOOPBACK_WAIT;
+    let listener = loop {
+        match TcpListener::bind(addr) {
+            Err(e)
+                if e.kind() == io::ErrorKind::AddrNotAvailable
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            bound => break bound?,
+        }
+    };
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
+
+/// How long a new namespace's loopback is waited for.
+const LOOPBACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
