@@ -253,9 +253,12 @@ const MAX_LIMIT: usize = 10_000;
         (status = 400, response = ErrorResponse), (status = 401, response = ErrorResponse),
         (status = 404, description = "no such recording of the caller's, or recording is off", body = ErrorBody)))]
 async fn events(
-    OwnedRecording { store, info, .. }: OwnedRecording,
+    recording: OwnedRecording,
     RawQuery(query): RawQuery,
 ) -> ApiResult<Json<EventsJson>> {
+    // What the API has answered is in the page: an event reported before this read (a
+    // fork's `session_forked`, an execution's output) may still be queued for the writer.
+    let OwnedRecording { store, info, .. } = recording.settled().await;
     let query = query.unwrap_or_default();
     let q = EventQuery {
         after: number_param::<u64>(&query, "after")?
