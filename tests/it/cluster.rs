@@ -13,10 +13,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 
 fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    common::spawned::restartable_addr()
 }
 
 /// `n` nodes of one cluster, and its database.

@@ -32,8 +32,8 @@ pub enum Stop {
 }
 
 impl SpawnedBroker {
-    /// Start the binary with `args` added to the defaults (port 0, no pool, a cgroup name of
-    /// its own), and at most `nofile` descriptors when given.
+    /// Start the binary with `args` added to the defaults (a [`restartable_addr`], no pool,
+    /// a cgroup name of its own), and at most `nofile` descriptors when given.
     pub fn start(args: &[&str], nofile: Option<u64>) -> Self {
         let cgroup = format!("kernel-broker-test-{}", uuid::Uuid::new_v4().simple());
         Self::spawn(args, nofile, Some(cgroup))
@@ -66,7 +66,10 @@ impl SpawnedBroker {
         let users = tmp.path().join("users.toml");
         std::fs::write(&users, super::users_toml()).unwrap();
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let (child, addr, log) = launch(tmp.path(), &args, nofile, cgroup.as_deref(), at);
+        let (child, addr, log) = match at {
+            Some(addr) => launch_at(tmp.path(), &args, nofile, cgroup.as_deref(), addr),
+            None => launch_anywhere(tmp.path(), &args, nofile, cgroup.as_deref()),
+        };
         SpawnedBroker {
             addr,
             child,
@@ -112,12 +115,12 @@ impl SpawnedBroker {
 
     /// Starts the broker again after [`Self::halt`], as it was started, on the same address.
     pub fn resume(&mut self) {
-        let (child, addr, log) = launch(
+        let (child, addr, log) = launch_at(
             self._tmp.path(),
             &self.args,
             self.nofile,
             self.cgroup.as_deref(),
-            Some(self.addr),
+            self.addr,
         );
         self.child = child;
         self.addr = addr;
@@ -225,17 +228,81 @@ impl SpawnedBroker {
     }
 }
 
-/// Starts the binary on `dir` (its `users.toml` and `data/`), on `addr` if given (else port
-/// 0); returns the child, the address it listens on and its log (read to the end, so the
-/// broker never blocks on a full pipe).
+/// An address for a broker that may be started again on it: a port below the machine's
+/// ephemeral range (`net.ipv4.ip_local_port_range`), which no outgoing connection and no
+/// bind to port 0 of any process is given, so nothing takes it while the broker is down
+/// (with port 0, a restart after a kill found its port taken under CI's load). Free when
+/// chosen; another test's random choice of the same one is met by choosing again.
+pub fn restartable_addr() -> SocketAddr {
+    let first_ephemeral: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let low = 10_000.min(first_ephemeral / 2);
+    for _ in 0..100 {
+        if first_ephemeral <= low + 1_000 {
+            break;
+        }
+        let span = u128::from(first_ephemeral - low);
+        let port = low + (uuid::Uuid::new_v4().as_u128() % span) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().unwrap();
+        }
+    }
+    // No room below the range: a port the system picks.
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// The broker's log, its stderr read to the end (so it never blocks on a full pipe).
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// [`launch`] on a [`restartable_addr`], another one while the chosen port turns out taken.
+fn launch_anywhere(
+    dir: &std::path::Path,
+    args: &[String],
+    nofile: Option<u64>,
+    cgroup: Option<&str>,
+) -> (Child, SocketAddr, Log) {
+    for _ in 0..20 {
+        if let Some(up) = launch(dir, args, nofile, cgroup, restartable_addr()) {
+            return up;
+        }
+    }
+    panic!("no free port for the broker in 20 tries");
+}
+
+/// [`launch`] on `addr`, again for up to 10 s while the address is in use (a port taken for
+/// a moment, or the killed broker's socket not yet gone).
+fn launch_at(
+    dir: &std::path::Path,
+    args: &[String],
+    nofile: Option<u64>,
+    cgroup: Option<&str>,
+    addr: SocketAddr,
+) -> (Child, SocketAddr, Log) {
+    for _ in 0..20 {
+        if let Some(up) = launch(dir, args, nofile, cgroup, addr) {
+            return up;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    panic!("{addr} stayed in use for 10 s: the broker cannot start on it again");
+}
+
+/// Starts the binary on `dir` (its `users.toml` and `data/`) listening on `addr`; returns
+/// the child, the address it listens on and its log, or None when it exited because the
+/// address is in use.
 fn launch(
     dir: &std::path::Path,
     args: &[String],
     nofile: Option<u64>,
     cgroup: Option<&str>,
-    addr: Option<SocketAddr>,
-) -> (Child, SocketAddr, Arc<Mutex<Vec<String>>>) {
-    let listen = addr.map_or("127.0.0.1:0".to_string(), |a| a.to_string());
+    addr: SocketAddr,
+) -> Option<(Child, SocketAddr, Log)> {
+    let listen = addr.to_string();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
     cmd.arg("serve")
         .args(["--listen", &listen, "--pool-size", "0"])
@@ -289,14 +356,34 @@ fn launch(
             }
         });
     }
-    let Ok(addr) = addr_rx.recv_timeout(super::scaled(Duration::from_secs(60))) else {
-        let _ = child.kill();
-        panic!(
-            "the broker did not start:\n{}",
-            log.lock().unwrap().join("\n")
-        );
-    };
-    (child, addr, log)
+    let deadline = std::time::Instant::now() + super::scaled(Duration::from_secs(60));
+    let mut exited_at = None;
+    while std::time::Instant::now() < deadline {
+        if let Ok(addr) = addr_rx.recv_timeout(Duration::from_millis(100)) {
+            return Some((child, addr, log));
+        }
+        let in_use = || {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("Address already in use"))
+        };
+        if exited_at.is_none() && !matches!(child.try_wait(), Ok(None)) {
+            exited_at = Some(std::time::Instant::now());
+        }
+        // Its last lines may still be on their way from the pipe.
+        match exited_at {
+            Some(_) if in_use() => return None,
+            Some(at) if at.elapsed() > Duration::from_secs(2) => break,
+            _ => {}
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "the broker did not start:\n{}",
+        log.lock().unwrap().join("\n")
+    );
 }
 
 impl Drop for SpawnedBroker {
@@ -314,7 +401,7 @@ impl Drop for SpawnedBroker {
                 .cloned()
                 .collect();
             let (mut child, _, _) =
-                launch(self._tmp.path(), &args, None, self.cgroup.as_deref(), None);
+                launch_anywhere(self._tmp.path(), &args, None, self.cgroup.as_deref());
             stop_child(&mut child);
         }
         // Workspace file systems a killed broker left mounted below the directory.
