@@ -14,8 +14,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO, Broker, wait_for
-from test_gateway import free_port
+from conftest import REPO, Broker, restartable_port, wait_for
 
 LEASE = "3"
 
@@ -74,7 +73,7 @@ def database(pg_server):
 
 def node(database, *extra):
     """A broker of the cluster of `database` on a port of its own, advertised as such."""
-    port = free_port()
+    port = restartable_port()
     return Broker(
         extra_args=["--database-url", database,
                     "--advertise-url", f"http://127.0.0.1:{port}",

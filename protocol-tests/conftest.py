@@ -7,9 +7,11 @@ KERNEL_BROKER_BIN to use another build.
 import glob
 import hashlib
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -30,6 +32,31 @@ TMP_PREFIX = f"kb-proto-{WORKER}-"
 RUN_BASES = set()
 ALICE = "alice-token-0001"
 BOB = "bob-token-0002"
+
+
+def restartable_port():
+    """A free port for a broker that is started again on it: below the machine's ephemeral
+    range (net.ipv4.ip_local_port_range), which no outgoing connection and no bind to port 0
+    is given, so nothing takes it while the broker is down (a port-0 port can be)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    low = min(10_000, first // 2)
+    for _ in range(100):
+        if first <= low + 1_000:
+            break
+        port = random.randrange(low, first)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Broker:
@@ -66,8 +93,20 @@ class Broker:
         full_env.setdefault("KERNEL_BROKER_LOG", "info")
         full_env.pop("KERNEL_BROKER_TOKEN", None)
         full_env.update(env or {})
+        # An address given is tried again for 10 s while it is in use (a broker restarted on
+        # its port: something may hold it for a moment).
+        for _ in range(20):
+            if self._launch(args, full_env):
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{listen} stayed in use for 10 s:\n" + "".join(self.log))
+        self.host = self.url.removeprefix("http://")
+
+    def _launch(self, args, env):
+        """Starts the process; False when it exited because its address is in use."""
         self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     env=full_env, text=True)
+                                     env=env, text=True)
         self.log = []
         ready = threading.Event()
         self.url = None
@@ -84,8 +123,10 @@ class Broker:
         threading.Thread(target=pump, daemon=True).start()
         if not ready.wait(60) or self.url is None:
             self.stop()
+            if any("Address already in use" in line for line in self.log):
+                return False
             raise RuntimeError("broker did not start:\n" + "".join(self.log))
-        self.host = self.url.removeprefix("http://")
+        return True
 
     def headers(self, token=ALICE):
         return {"Authorization": f"token {token}"}

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ALICE, BOB, criu_ready, needs_criu
+from conftest import ALICE, BOB, criu_ready, needs_criu, restartable_port
 
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
@@ -181,13 +181,9 @@ def test_a_paused_sandbox_outlives_the_broker(fresh_broker, monkeypatch):
     """An E2B user pauses a sandbox (or lets `autoPause` do it) and comes back after the
     broker was restarted (SIGTERM, then kill -9): `Sandbox.connect` finds it paused, with its
     metadata, and resumes it with its state; its contexts come back too."""
-    import socket
-
     from e2b_code_interpreter import Sandbox
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = restartable_port()
     first = fresh_broker(listen=f"127.0.0.1:{port}")
     for name, value in (("E2B_API_URL", first.url + "/e2b"), ("E2B_SANDBOX_URL", first.url + "/e2b/sandbox"), ("E2B_API_KEY", ALICE)):
         monkeypatch.setenv(name, value)

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ALICE, REPO
-from test_gateway import JupyterServer, clients, free_port, start_through_gateway  # noqa: F401 (fixture)
+from conftest import ALICE, REPO, restartable_port
+from test_gateway import JupyterServer, clients, start_through_gateway  # noqa: F401 (fixture)
 
 
 def run_until_answered(c, code, timeout=60):
@@ -28,7 +28,7 @@ def run_until_answered(c, code, timeout=60):
 
 
 def test_a_notebook_keeps_its_kernel_across_broker_restarts(fresh_broker, clients):
-    port = free_port()
+    port = restartable_port()
     first = fresh_broker(["--keep-sessions"], listen=f"127.0.0.1:{port}")
     data = first.data_dir
     js = JupyterServer(first.url, ALICE)
