@@ -122,9 +122,13 @@ class Broker:
 
         threading.Thread(target=pump, daemon=True).start()
         if not ready.wait(60) or self.url is None:
-            self.stop()
-            if any("Address already in use" in line for line in self.log):
+            if self.proc.poll() is not None and any("Address already in use" in line for line in self.log):
+                # It bound nothing and made nothing: only the process to reap. (stop() would
+                # also sweep the cgroups and runtime directory of this data directory, which
+                # a restart under --keep-sessions finds its kept kernels in.)
+                self.proc.wait(10)
                 return False
+            self.stop()
             raise RuntimeError("broker did not start:\n" + "".join(self.log))
         return True
 

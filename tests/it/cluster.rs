@@ -12,10 +12,6 @@ use common::*;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 
-fn free_addr() -> SocketAddr {
-    common::spawned::restartable_addr()
-}
-
 /// `n` nodes of one cluster, and its database.
 async fn cluster_on(n: usize, extra: &[&str]) -> (Vec<SpawnedBroker>, String) {
     let url = pg::fresh_database().await;
@@ -29,7 +25,7 @@ async fn cluster(n: usize) -> Vec<SpawnedBroker> {
 
 /// A node joining the cluster of database `url`.
 fn node(url: &str, extra: &[&str]) -> SpawnedBroker {
-    let addr = free_addr();
+    let addr = common::spawned::restartable_addr();
     let advertise = format!("http://{addr}");
     let mut args = vec!["--database-url", url, "--advertise-url", &advertise];
     args.extend(extra);

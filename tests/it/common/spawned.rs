@@ -66,10 +66,7 @@ impl SpawnedBroker {
         let users = tmp.path().join("users.toml");
         std::fs::write(&users, super::users_toml()).unwrap();
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let (child, addr, log) = match at {
-            Some(addr) => launch_at(tmp.path(), &args, nofile, cgroup.as_deref(), addr),
-            None => launch_anywhere(tmp.path(), &args, nofile, cgroup.as_deref()),
-        };
+        let (child, addr, log) = launch_retrying(tmp.path(), &args, nofile, cgroup.as_deref(), at);
         SpawnedBroker {
             addr,
             child,
@@ -115,12 +112,12 @@ impl SpawnedBroker {
 
     /// Starts the broker again after [`Self::halt`], as it was started, on the same address.
     pub fn resume(&mut self) {
-        let (child, addr, log) = launch_at(
+        let (child, addr, log) = launch_retrying(
             self._tmp.path(),
             &self.args,
             self.nofile,
             self.cgroup.as_deref(),
-            self.addr,
+            Some(self.addr),
         );
         self.child = child;
         self.addr = addr;
@@ -259,37 +256,34 @@ pub fn restartable_addr() -> SocketAddr {
 /// The broker's log, its stderr read to the end (so it never blocks on a full pipe).
 type Log = Arc<Mutex<Vec<String>>>;
 
-/// [`launch`] on a [`restartable_addr`], another one while the chosen port turns out taken.
-fn launch_anywhere(
+/// [`launch`] on `at`, again for up to 10 s while it is in use (a port taken for a moment,
+/// or the killed broker's socket not yet gone); without `at`, on a [`restartable_addr`],
+/// another one while the chosen port turns out taken.
+fn launch_retrying(
     dir: &std::path::Path,
     args: &[String],
     nofile: Option<u64>,
     cgroup: Option<&str>,
+    at: Option<SocketAddr>,
 ) -> (Child, SocketAddr, Log) {
     for _ in 0..20 {
-        if let Some(up) = launch(dir, args, nofile, cgroup, restartable_addr()) {
+        if let Some(up) = launch(
+            dir,
+            args,
+            nofile,
+            cgroup,
+            at.unwrap_or_else(restartable_addr),
+        ) {
             return up;
         }
-    }
-    panic!("no free port for the broker in 20 tries");
-}
-
-/// [`launch`] on `addr`, again for up to 10 s while the address is in use (a port taken for
-/// a moment, or the killed broker's socket not yet gone).
-fn launch_at(
-    dir: &std::path::Path,
-    args: &[String],
-    nofile: Option<u64>,
-    cgroup: Option<&str>,
-    addr: SocketAddr,
-) -> (Child, SocketAddr, Log) {
-    for _ in 0..20 {
-        if let Some(up) = launch(dir, args, nofile, cgroup, addr) {
-            return up;
+        if at.is_some() {
+            std::thread::sleep(Duration::from_millis(500));
         }
-        std::thread::sleep(Duration::from_millis(500));
     }
-    panic!("{addr} stayed in use for 10 s: the broker cannot start on it again");
+    match at {
+        Some(addr) => panic!("{addr} stayed in use for 10 s: the broker cannot start on it again"),
+        None => panic!("no free port for the broker in 20 tries"),
+    }
 }
 
 /// Starts the binary on `dir` (its `users.toml` and `data/`) listening on `addr`; returns
@@ -401,7 +395,7 @@ impl Drop for SpawnedBroker {
                 .cloned()
                 .collect();
             let (mut child, _, _) =
-                launch_anywhere(self._tmp.path(), &args, None, self.cgroup.as_deref());
+                launch_retrying(self._tmp.path(), &args, None, self.cgroup.as_deref(), None);
             stop_child(&mut child);
         }
         // Workspace file systems a killed broker left mounted below the directory.
