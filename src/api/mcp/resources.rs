@@ -111,11 +111,8 @@ impl McpServer {
             .clone()
             .ok_or_else(|| not_found(uri, "this broker does not record sessions"))?;
         let user = &call.caller.0.name;
-        let live = call.state.registry.get(user, id).is_ok();
-        if live {
-            // Everything reported so far is in the notebook.
-            store.flush().await;
-        }
+        // Everything reported so far is in the notebook, a just-closed session's end too.
+        store.flush().await;
         let info = store
             .info(id)
             .await

@@ -70,8 +70,6 @@ struct OwnedRecording {
     caller: Caller,
     store: Arc<RecordingStore>,
     info: RecordingInfo,
-    /// The session is live, so its recording may still grow.
-    live: bool,
 }
 
 impl FromRequestParts<AppState> for OwnedRecording {
@@ -95,7 +93,6 @@ impl FromRequestParts<AppState> for OwnedRecording {
                 caller,
                 store,
                 info,
-                live,
             }),
             _ => Err(not_found(id)),
         }
@@ -103,12 +100,12 @@ impl FromRequestParts<AppState> for OwnedRecording {
 }
 
 impl OwnedRecording {
-    /// Waits until everything reported so far is written, when the session is live, so a
-    /// read that wants all of it (a notebook, a replay) sees all of it.
+    /// Waits until everything reported so far is written, so a read that wants all of it
+    /// (an events page, a notebook, a replay) sees all of it. A session closed a moment ago
+    /// counts too: its last events (`session_closed`, the `shutdown_request`) may still be
+    /// queued for the writer when the delete has been answered.
     async fn settled(self) -> Self {
-        if self.live {
-            self.store.flush().await;
-        }
+        self.store.flush().await;
         self
     }
 }
