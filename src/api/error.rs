@@ -77,6 +77,11 @@ impl From<SessionError> for ApiError {
             | SessionError::RequestsWaiting { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
             }
+            SessionError::ClusterUnavailable => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "cluster_unavailable",
+                message,
+            ),
             SessionError::ShuttingDown
             | SessionError::LaunchTimedOut { .. }
             | SessionError::LaunchFailed { .. }

@@ -291,17 +291,19 @@ async fn fork(
     let session = session_id(&id)?;
     let count = req.count.unwrap_or(1);
     let base = caller.0.create_request(CreateOptions::default());
+    let room = super::cluster::room(&state, &caller.0).await?;
     let forks = state
         .registry
         .fork(ForkRequest {
             checkpoint: None,
             user: base.user,
-            max_sessions: base.max_sessions,
+            max_sessions: room.max_sessions(),
             session,
             count,
             provenance: Provenance::new(FrontDoor::Rest),
         })
-        .await?;
+        .await
+        .map_err(|e| room.explain(e))?;
     let sessions = forks.iter().map(|s| SessionJson::from(s.info())).collect();
     Ok((StatusCode::CREATED, Json(ForkedJson { sessions })).into_response())
 }

@@ -36,7 +36,7 @@ use uuid::Uuid;
 use crate::recording::notebook;
 use crate::recording::{RecordingError, RecordingStore};
 use crate::session::SandboxUser;
-use crate::session::{CreateOptions, ExecutionStatus, Registry, Session, WorkspaceChoice};
+use crate::session::{CreateOptions, ExecutionStatus, Registry, Room, Session, WorkspaceChoice};
 
 pub use compare::{compare, compare_cell, render, Observed};
 pub use normalise::normalise;
@@ -65,13 +65,13 @@ pub struct Replay {
     pub files_not_replayed: Vec<String>,
 }
 
-/// Run session `id`'s recorded cells again in a new session of `user`. The caller has
-/// checked that the recording is `user`'s.
+/// Run session `id`'s recorded cells again in a new session of `user`, made within `room`.
+/// The caller has checked that the recording is `user`'s.
 pub async fn replay(
     store: &RecordingStore,
     registry: &Registry,
     user: &SandboxUser,
-    max_sessions: usize,
+    room: Room,
     id: Uuid,
 ) -> Result<Replay, RecordingError> {
     let info = store.info(id).await?.ok_or(RecordingError::NotFound(id))?;
@@ -81,7 +81,7 @@ pub async fn replay(
     let session = registry
         .create(
             user,
-            max_sessions,
+            room.max_sessions(),
             CreateOptions {
                 kernel: Some(info.kernel.clone()),
                 workspace: match own {
@@ -91,7 +91,11 @@ pub async fn replay(
                 ..Default::default()
             },
         )
-        .await?;
+        .await
+        .map_err(|e| room.explain(e))?;
+    // Made: the room is let go before the cells run, so the user's other creations wait
+    // for no replay.
+    drop(room);
     tracing::info!(source = %id, session = %session.id, cells = cells.len(), own, "replaying a recording");
     let config = registry.config();
     let mut ops = match own {

@@ -27,6 +27,62 @@ pub struct CreateRequest {
     pub pause: super::pause::PausePolicy,
 }
 
+/// The room a user has on this broker for new sessions, while it is held: her session
+/// quota, less what other nodes of a cluster hold of hers, counted under a lock that this
+/// holds until the new sessions are made (so two nodes cannot both fill the last place).
+/// Without a cluster, the whole quota and no lock.
+pub struct Room {
+    max_sessions: usize,
+    /// The user's sessions on the other nodes.
+    elsewhere: usize,
+    _held: Option<Box<dyn Send + Sync>>,
+}
+
+impl Room {
+    /// The whole quota, for a broker alone.
+    pub fn alone(max_sessions: usize) -> Self {
+        Self {
+            max_sessions,
+            elsewhere: 0,
+            _held: None,
+        }
+    }
+
+    /// `max_sessions` less the `elsewhere` sessions other nodes hold, while `held` is.
+    pub fn shared(max_sessions: usize, elsewhere: usize, held: Box<dyn Send + Sync>) -> Self {
+        Self {
+            max_sessions: max_sessions.saturating_sub(elsewhere),
+            elsewhere,
+            _held: Some(held),
+        }
+    }
+
+    /// The quota the local check applies.
+    pub fn max_sessions(&self) -> usize {
+        self.max_sessions
+    }
+
+    /// `request` held to this room.
+    pub fn request(&self, mut request: CreateRequest) -> CreateRequest {
+        request.max_sessions = request.max_sessions.min(self.max_sessions);
+        request
+    }
+
+    /// A refusal of the local check, said in the cluster's terms when other nodes hold some
+    /// of the user's sessions.
+    pub fn explain(&self, e: SessionError) -> SessionError {
+        match e {
+            SessionError::TooManySessions { user, live } if self.elsewhere > 0 => {
+                SessionError::TooManySessionsInCluster {
+                    user,
+                    live: live + self.elsewhere,
+                }
+            }
+            e => e,
+        }
+    }
+}
+
 impl Registry {
     /// Makes the session `request` asks for and waits until its kernel is ready.
     pub async fn create_session(

@@ -34,6 +34,10 @@ pub enum SessionError {
         "user {user} already has {live} sessions across the cluster (the limit); delete one first"
     )]
     TooManySessionsInCluster { user: String, live: usize },
+    /// Cluster mode: the user's sessions on the other nodes could not be counted (the
+    /// cluster's database did not answer), so no session is made.
+    #[error("the cluster's database does not answer, so your sessions on the other nodes cannot be counted against your quota; try again")]
+    ClusterUnavailable,
     /// The user's memory total has no room for the new session's limit.
     #[error(
         "not enough memory left for a new session: {user}'s {sessions} sessions use {} of {} \

@@ -88,7 +88,7 @@ pub use checkpoint::{
 };
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig, WorkspaceChoice};
-pub use create::CreateRequest;
+pub use create::{CreateRequest, Room};
 pub use error::{BoxError, SessionError};
 pub use event::SessionEvent;
 pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};

@@ -408,6 +408,110 @@ async fn sessions_spread_over_the_nodes_and_the_quota_holds_cluster_wide() {
     }
 }
 
+/// A fork, a checkpoint's fork and a replay make sessions on the node holding the original,
+/// not through a new session's placement: they count against the user's quota across the
+/// cluster all the same (her sessions on the other nodes counted under her creation lock),
+/// and a refusal says so.
+#[tokio::test]
+async fn forks_and_replays_count_against_the_quota_across_the_cluster() {
+    let (nodes, url) = cluster_on(
+        2,
+        &[
+            "--node-lease",
+            "60",
+            "--max-sessions-per-user",
+            "3",
+            "--fork-server",
+            "true",
+            "--preload",
+            "numpy",
+        ],
+    )
+    .await;
+    let client = connect(&url).await;
+    // Two sessions asked of one node: one on each node.
+    let a = nodes[0].api(ALICE).create().await;
+    let b = nodes[0].api(ALICE).create().await;
+    let (held_a, held_b) = (
+        recorded_node(&client, &a).await,
+        recorded_node(&client, &b).await,
+    );
+    assert_ne!(held_a, held_b, "one session on each node");
+    // Asked of both nodes: one forwards to the other, which holds `a`.
+    let x = nodes[1].api(ALICE).execute(&a, "x = 41").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let (status, cp) = nodes[1]
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{cp}");
+    let cp = cp["id"].as_str().unwrap().to_string();
+
+    // Two forks would make four sessions of three: refused whole, through either node,
+    // though the node holding `a` holds one session of hers.
+    for node in &nodes {
+        let (status, body) = node
+            .api(ALICE)
+            .post(&format!("/v1/sessions/{a}/fork"), json!({"count": 2}))
+            .await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["error"]["code"], "quota_exceeded", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("across the cluster"), "{body}");
+    }
+    // One fits, and holds what `a` held.
+    let (status, body) = nodes[0]
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{a}/fork"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let fork = body["sessions"][0]["id"].as_str().unwrap().to_string();
+    let x = nodes[1].api(ALICE).execute(&fork, "x + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "42", "{x}");
+
+    // Three of three: the checkpoint's fork, a replay and another fork are refused.
+    for (path, what) in [
+        (
+            format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            "a checkpoint's fork",
+        ),
+        (format!("/v1/sessions/{a}/replay"), "a replay"),
+        (format!("/v1/sessions/{fork}/fork"), "a fork of a fork"),
+    ] {
+        let (status, body) = nodes[0].api(ALICE).post(&path, json!({})).await;
+        assert_eq!(status, 429, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "quota_exceeded", "{what}: {body}");
+    }
+    // Another user's sessions are not counted against hers, nor hers against his.
+    let bob = nodes[1].api(BOB).create().await;
+    let (status, body) = nodes[1]
+        .api(BOB)
+        .post(&format!("/v1/sessions/{bob}/fork"), json!({"count": 2}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+
+    // The session on the other node ends: room for one again, counted, not remembered.
+    let (status, _) = nodes[0]
+        .api(ALICE)
+        .delete(&format!("/v1/sessions/{b}"))
+        .await;
+    assert_eq!(status, 204);
+    let (status, body) = nodes[1]
+        .api(ALICE)
+        .post(
+            &format!("/v1/sessions/{a}/checkpoints/{cp}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let from_cp = body["sessions"][0]["id"].as_str().unwrap().to_string();
+    let x = nodes[0].api(ALICE).execute(&from_cp, "x").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "41", "{x}");
+    for n in nodes {
+        n.stop().await;
+    }
+}
+
 /// The cost of forwarding: `1+1` over REST through the session's own node and through
 /// another node, alternating. A measurement (BENCHMARKS.md), not a test of speed:
 /// `KB_TEST_POSTGRES_URL=... cargo nextest run --release --test cluster forward_cost --run-ignored only --no-capture`

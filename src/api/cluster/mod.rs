@@ -13,6 +13,7 @@ mod lost;
 mod mcp;
 mod owner;
 mod peer;
+mod quota;
 mod session;
 
 use std::sync::Arc;
@@ -31,6 +32,7 @@ use super::AppState;
 pub use mcp::{mcp_local_id, mcp_session_id};
 pub use peer::NODE_HEADER;
 use peer::{Node, PeerClient};
+pub use quota::room;
 
 /// What a request is, for routing.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -95,18 +95,21 @@ async fn fork(
     };
     let user = caller.0 .0.clone();
     let base = user.create_request(Default::default());
+    let room = crate::api::cluster::room(&state, &user).await?;
     let forked = state
         .registry
         .fork(ForkRequest {
             user: base.user,
-            max_sessions: base.max_sessions,
+            max_sessions: room.max_sessions(),
             session: parent.id,
             count,
             checkpoint: None,
             provenance: Provenance::new(FrontDoor::E2b)
                 .with_metadata(metadata_of(Some(&metadata))?),
         })
-        .await;
+        .await
+        .map_err(|e| room.explain(e));
+    drop(room);
     let forks = match forked {
         Ok(forks) => forks,
         Err(e) if failed_while_forking(&e) => {

@@ -98,17 +98,21 @@ impl McpServer {
         if !create {
             return Err("this connection has no session yet (run_python makes one)".into());
         }
+        let room = crate::api::cluster::room(&call.state, &call.caller.0)
+            .await
+            .map_err(session_error)?;
         let session = call
             .state
             .registry
-            .create_session(call.caller.0.create_request(CreateOptions {
+            .create_session(room.request(call.caller.0.create_request(CreateOptions {
                 provenance: call.provenance(),
                 // An MCP session is a sandbox, as E2B's: files of its own (issue 36).
                 workspace: WorkspaceChoice::Own,
                 ..CreateOptions::default()
-            }))
+            })))
             .await
-            .map_err(session_error)?;
+            .map_err(|e| session_error(room.explain(e)))?;
+        drop(room);
         tracing::info!(session = %session.id, user = %user, "MCP session made its session");
         *slot = Some(Made {
             id: session.id,
@@ -310,10 +314,14 @@ impl McpServer {
                 None => return Ok(tool_error(format!("no snapshot {s:?} of yours"))),
             },
         };
+        let room = match crate::api::cluster::room(&call.state, &call.caller.0).await {
+            Ok(room) => room,
+            Err(e) => return Ok(tool_error(session_error(e))),
+        };
         let created = call
             .state
             .registry
-            .create_session(call.caller.0.create_request(CreateOptions {
+            .create_session(room.request(call.caller.0.create_request(CreateOptions {
                 kernel: args.kernel,
                 idle_timeout_seconds: args.idle_timeout_seconds,
                 id: None,
@@ -321,8 +329,10 @@ impl McpServer {
                 provenance: call.provenance(),
                 workspace: args.workspace.unwrap_or_default().into(),
                 snapshot,
-            }))
-            .await;
+            })))
+            .await
+            .map_err(|e| room.explain(e));
+        drop(room);
         match created {
             Ok(session) => json_text(&SessionJson::from(session.info())),
             Err(e) => Ok(tool_error(session_error(e))),
@@ -368,18 +378,24 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         let base = call.caller.0.create_request(CreateOptions::default());
+        let room = match crate::api::cluster::room(&call.state, &call.caller.0).await {
+            Ok(room) => room,
+            Err(e) => return Ok(tool_error(session_error(e))),
+        };
         let forked = call
             .state
             .registry
             .fork(ForkRequest {
                 user: base.user,
-                max_sessions: base.max_sessions,
+                max_sessions: room.max_sessions(),
                 session: session.id,
                 count,
                 checkpoint,
                 provenance: call.provenance(),
             })
-            .await;
+            .await
+            .map_err(|e| room.explain(e));
+        drop(room);
         match forked {
             Ok(forks) => {
                 let sessions: Vec<SessionJson> =

@@ -356,11 +356,12 @@ async fn replay_of(
         info,
         ..
     } = recording.settled().await;
+    let room = crate::api::cluster::room(&state, &caller.0).await?;
     let outcome = replay::replay(
         &store,
         &state.registry,
         &caller.0.sandbox_user(),
-        caller.0.max_sessions,
+        room,
         info.id,
     )
     .await?;

@@ -117,17 +117,19 @@ async fn run(
         Branch::Fork { count, checkpoint } => {
             let checkpoint = checkpoint.as_deref().map(checkpoint_id).transpose()?;
             let base = caller.0.create_request(CreateOptions::default());
+            let room = crate::api::cluster::room(state, &caller.0).await?;
             let forks = state
                 .registry
                 .fork(ForkRequest {
                     user: base.user,
-                    max_sessions: base.max_sessions,
+                    max_sessions: room.max_sessions(),
                     session: session.id,
                     count: count.unwrap_or(1),
                     checkpoint,
                     provenance: Provenance::new(FrontDoor::Rest),
                 })
-                .await?;
+                .await
+                .map_err(|e| room.explain(e))?;
             let sessions: Vec<SessionJson> = forks.iter().map(|s| s.info().into()).collect();
             json!({"type": "forked", "sessions": sessions})
         }
