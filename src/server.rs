@@ -225,21 +225,31 @@ pub async fn serve(
                         user: s.user.name.clone(),
                         kernel: s.kernel_name.clone(),
                         created_at: s.created_at.timestamp_micros(),
+                        paused: s.state() == crate::session::SessionState::Paused,
                     })
                     .collect()
             });
-            cluster.on_node_lost(Box::new(|client, node| {
+            cluster.on_node_lost(Box::new(|client, node, kept| {
                 Box::pin(async move {
-                    crate::recording::close_lost_node(client, node)
+                    crate::recording::close_lost_node(client, node, kept)
                         .await
                         .map_err(Into::into)
                 })
             }));
             let r = registry.clone();
-            cluster.on_lost(move || {
+            cluster.on_lost(move |kept| {
                 let r = r.clone();
                 Box::pin(async move {
-                    let sessions = r.all();
+                    // A paused session the cluster kept (away meanwhile) is on this
+                    // node's disk: it goes on. One resumed since is not what was kept.
+                    let sessions: Vec<_> = r
+                        .all()
+                        .into_iter()
+                        .filter(|s| {
+                            !(kept.contains(&s.id)
+                                && s.state() == crate::session::SessionState::Paused)
+                        })
+                        .collect();
                     let n = sessions.len();
                     futures::future::join_all(
                         sessions
@@ -253,6 +263,27 @@ pub async fn serve(
                     );
                 })
             });
+            // Back after the cluster declared this node lost: what it answered dead while
+            // this node was away, and a restart took back (a kept kernel, a session paused
+            // too late for the directory to know), ends here too.
+            match cluster.declared_dead_here().await {
+                Ok(dead) => {
+                    let ending: Vec<_> = registry
+                        .all()
+                        .into_iter()
+                        .filter(|s| dead.contains(&s.id))
+                        .collect();
+                    if !ending.is_empty() {
+                        tracing::warn!(sessions = ending.len(), "cluster: sessions taken back that the cluster declared dead while this node was lost: ending them");
+                    }
+                    for s in ending {
+                        let _ = registry.delete(&s.user.name, s.id, EndedBy::NodeLost).await;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cluster: could not read which sessions of this node the cluster declared dead")
+                }
+            }
             Some(cluster)
         }
         None => None,

@@ -1,6 +1,9 @@
 //! The session directory (`cluster_sessions`): which node holds each session. Each node
 //! writes the sessions it holds at every renewal of its lease; a lost node's are marked
-//! lost (and kept a week, answered dead). Answers are cached per session.
+//! lost (and kept a week, answered dead), but for its paused sessions: their state is on
+//! the node's disk, so they are away until the node is back (a week at most). Lost is
+//! final: a node never lists a session of its again once the cluster declared it dead.
+//! Answers are cached per session.
 
 use uuid::Uuid;
 
@@ -18,6 +21,8 @@ pub struct Listed {
     pub kernel: String,
     /// Microseconds since the epoch.
     pub created_at: i64,
+    /// Paused to disk: it outlives the loss of its node.
+    pub paused: bool,
 }
 
 /// What the session directory says of a session of a user's.
@@ -25,6 +30,9 @@ pub struct Listed {
 pub enum Directory {
     /// Held by the live peer at this URL.
     At(String),
+    /// Paused on a node that is not live now (lost, stopped, cut off): its state is on
+    /// that node's disk, and it resumes when that node is back.
+    Away { node: String },
     /// Held by a node that was lost: dead.
     Lost {
         kernel: String,
@@ -39,13 +47,15 @@ pub enum Directory {
 impl Cluster {
     /// Writes this node's sessions to the directory: the ones it holds now are listed
     /// (under this node), the ones that ended are removed. Nothing is written once this
-    /// node was declared lost (its sessions stay listed as lost).
+    /// node was declared lost (its sessions stay listed as lost), and a session listed as
+    /// lost stays so (the cluster answered it dead: its end is on its way here).
     pub(super) async fn write_directory(&self) -> Result<(), ClusterError> {
         let sessions = self.listed.get().map(|f| f()).unwrap_or_default();
         let ids: Vec<String> = sessions.iter().map(|s| s.id.to_string()).collect();
         let users: Vec<String> = sessions.iter().map(|s| s.user.clone()).collect();
         let kernels: Vec<String> = sessions.iter().map(|s| s.kernel.clone()).collect();
         let created: Vec<i64> = sessions.iter().map(|s| s.created_at).collect();
+        let paused: Vec<bool> = sessions.iter().map(|s| s.paused).collect();
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         let live = tx
@@ -64,12 +74,13 @@ impl Cluster {
         )
         .await?;
         tx.execute(
-            "INSERT INTO cluster_sessions (id, node, user_name, kernel, created_at, seen_at)
-             SELECT u.id, $1, u.user_name, u.kernel, u.created_at, $6
-             FROM unnest($2::text[], $3::text[], $4::text[], $5::int8[])
-               AS u(id, user_name, kernel, created_at)
+            "INSERT INTO cluster_sessions (id, node, user_name, kernel, created_at, seen_at, paused)
+             SELECT u.id, $1, u.user_name, u.kernel, u.created_at, $6, u.paused
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::int8[], $7::bool[])
+               AS u(id, user_name, kernel, created_at, paused)
              ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, seen_at = EXCLUDED.seen_at,
-               lost_at = NULL",
+               paused = EXCLUDED.paused
+             WHERE cluster_sessions.lost_at IS NULL",
             &[
                 &self.config.node_id,
                 &ids,
@@ -77,6 +88,7 @@ impl Cluster {
                 &kernels,
                 &created,
                 &now_micros(),
+                &paused,
             ],
         )
         .await?;
@@ -84,19 +96,51 @@ impl Cluster {
         Ok(())
     }
 
-    /// Marks the sessions of `node`, found lost at `now`, lost in the directory.
+    /// Marks the sessions of `node`, found lost at `now`, lost in the directory, but for
+    /// its paused ones (away until it is back); the ids of those.
     pub(super) async fn mark_lost(
         &self,
         c: &deadpool_postgres::Client,
         node: &str,
         now: i64,
-    ) -> Result<(), ClusterError> {
+    ) -> Result<Vec<String>, ClusterError> {
         c.execute(
-            "UPDATE cluster_sessions SET lost_at = $2 WHERE node = $1 AND lost_at IS NULL",
+            "UPDATE cluster_sessions SET lost_at = $2
+             WHERE node = $1 AND lost_at IS NULL AND NOT paused",
             &[&node, &now],
         )
         .await?;
-        Ok(())
+        self.paused_of(c, node).await
+    }
+
+    /// The sessions of `node` the directory holds paused (not lost).
+    pub(super) async fn paused_of(
+        &self,
+        c: &deadpool_postgres::Client,
+        node: &str,
+    ) -> Result<Vec<String>, ClusterError> {
+        Ok(c.query(
+            "SELECT id FROM cluster_sessions WHERE node = $1 AND paused AND lost_at IS NULL",
+            &[&node],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+    }
+
+    /// This node's sessions the cluster declared dead (while it was lost): whatever of
+    /// them a restart brought back ends.
+    pub async fn declared_dead_here(&self) -> Result<Vec<Uuid>, ClusterError> {
+        let c = self.client().await?;
+        Ok(c.query(
+            "SELECT id FROM cluster_sessions WHERE node = $1 AND lost_at IS NOT NULL",
+            &[&self.config.node_id],
+        )
+        .await?
+        .iter()
+        .filter_map(|r| Uuid::parse_str(r.get(0)).ok())
+        .collect())
     }
 
     /// What the session directory says of session `id` of `user`.
@@ -105,7 +149,7 @@ impl Cluster {
         let row = c
             .query_opt(
                 "SELECT s.kernel, s.created_at, s.lost_at, n.advertise_url,
-                   n.lease_until > $3 AND n.lost_at IS NULL AND n.id <> $4
+                   n.lease_until > $3 AND n.lost_at IS NULL AND n.id <> $4, s.paused, s.node
                  FROM cluster_sessions s LEFT JOIN nodes n ON n.id = s.node
                  WHERE s.id = $1 AND s.user_name = $2",
                 &[&id.to_string(), &user, &now_micros(), &self.config.node_id],
@@ -124,8 +168,11 @@ impl Cluster {
         }
         let url: Option<String> = row.get(3);
         let live: Option<bool> = row.get(4);
+        let paused: bool = row.get(5);
+        let node: String = row.get(6);
         Ok(match (url, live) {
             (Some(url), Some(true)) => Directory::At(url),
+            _ if paused && node != self.config.node_id => Directory::Away { node },
             _ => Directory::Unknown,
         })
     }

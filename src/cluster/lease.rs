@@ -1,6 +1,7 @@
 //! The node's lease: its row in `nodes`, renewed every third of the lease with its load; a
-//! node that finds it was declared lost ends its sessions and joins again; a node whose
-//! renewals are healthy looks for the others' lapsed leases and declares those nodes lost.
+//! node that finds it was declared lost ends its sessions (but the paused ones the
+//! directory kept) and joins again; a node whose renewals are healthy looks for the others'
+//! lapsed leases and declares those nodes lost.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +12,8 @@ use crate::sync::lock;
 /// How long a node's registration lasts without renewal, by default.
 pub const LEASE: Duration = Duration::from_secs(15);
 
-/// The directory keeps a lost node's sessions (answered dead) for a week.
+/// The directory keeps a lost node's sessions (answered dead) for a week, and its paused
+/// sessions (away) a week before they are given up.
 const KEEP_LOST: i64 = 7 * 24 * 3600 * 1_000_000;
 
 /// When this node last renewed its lease, and since when without a failure.
@@ -83,9 +85,21 @@ impl Cluster {
                 h.healthy_since.get_or_insert_with(Instant::now);
             }
             Ok(false) => {
-                tracing::error!(node = %self.config.node_id, "cluster: this node was declared lost (its lease lapsed); its sessions are dead: ending them, then joining again");
+                tracing::error!(node = %self.config.node_id, "cluster: this node was declared lost (its lease lapsed); its sessions are dead but the paused ones: ending them, then joining again");
+                let kept = match self.client().await {
+                    Ok(c) => self.paused_of(&c, &self.config.node_id).await,
+                    Err(e) => Err(e),
+                };
+                let kept = kept
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "cluster: could not read which paused sessions the cluster kept: ending them all");
+                        Vec::new()
+                    })
+                    .iter()
+                    .filter_map(|id| uuid::Uuid::parse_str(id).ok())
+                    .collect();
                 if let Some(end) = self.on_lost.get() {
-                    end().await;
+                    end(kept).await;
                 }
                 lock(&self.owners).clear();
                 match self.register().await {
@@ -122,7 +136,7 @@ impl Cluster {
     }
 
     /// Registers this node (again): live, not lost, not draining.
-    async fn register(&self) -> Result<(), ClusterError> {
+    pub(super) async fn register(&self) -> Result<(), ClusterError> {
         register(&self.client().await?, &self.config).await
     }
 
@@ -159,8 +173,9 @@ impl Cluster {
 
     /// Nodes whose lease lapsed are lost: the first node to notice claims each (so it is
     /// done once) and ends its sessions' recordings with `node_lost` (through
-    /// [`Cluster::on_node_lost`]); their kernels went with the node, their recordings stay
-    /// readable.
+    /// [`Cluster::on_node_lost`]), but for its paused sessions (on its disk, away until it
+    /// is back); their kernels went with the node, their recordings stay readable. Paused
+    /// sessions of a node lost a week ago are given up the same way.
     pub(super) async fn sweep_lost(&self) -> Result<(), ClusterError> {
         let c = self.client().await?;
         let now = now_micros();
@@ -176,16 +191,40 @@ impl Cluster {
             &[&(now - KEEP_LOST)],
         )
         .await?;
-        for row in lost {
+        let given_up = c
+            .query(
+                "UPDATE cluster_sessions s SET lost_at = $1 FROM nodes n
+                 WHERE s.node = n.id AND s.paused AND s.lost_at IS NULL AND n.lost_at < $2
+                 RETURNING s.node",
+                &[&now, &(now - KEEP_LOST)],
+            )
+            .await?;
+        let mut nodes: Vec<(String, Option<Vec<String>>)> = lost
+            .iter()
+            .map(|row| (row.get::<_, String>(0), None))
+            .collect();
+        for row in given_up {
             let node: String = row.get(0);
-            if let Err(e) = self.mark_lost(&c, &node, now).await {
-                tracing::error!(node = %node, error = %e, "cluster: could not mark a lost node's sessions in the directory");
+            if !nodes.iter().any(|(n, _)| *n == node) {
+                nodes.push((node, Some(Vec::new())));
             }
+        }
+        for (node, kept) in nodes {
+            let kept = match kept {
+                Some(k) => k,
+                None => match self.mark_lost(&c, &node, now).await {
+                    Ok(paused) => paused,
+                    Err(e) => {
+                        tracing::error!(node = %node, error = %e, "cluster: could not mark a lost node's sessions in the directory");
+                        continue;
+                    }
+                },
+            };
             let Some(close) = self.on_node_lost.get() else {
                 tracing::warn!(node = %node, "cluster: a node was lost (its lease lapsed); its sessions are dead");
                 continue;
             };
-            match close(&c, &node).await {
+            match close(&c, &node, &kept).await {
                 Ok(n) => {
                     tracing::warn!(node = %node, sessions = n, "cluster: a node was lost (its lease lapsed); its sessions are dead")
                 }

@@ -78,16 +78,21 @@ pub enum ClusterError {
     Schema(#[from] pg::MigrateError),
 }
 
-/// What closes the recordings of a lost node (given the cluster's connection and the
-/// node's id); how many it closed.
+/// What closes the recordings of a lost node (given the cluster's connection, the node's
+/// id, and the ids of its paused sessions, which stay open); how many it closed.
 pub type CloseLostNode = Box<
     dyn for<'a> Fn(
             &'a tokio_postgres::Client,
             &'a str,
+            &'a [String],
         ) -> BoxFuture<'a, Result<u64, Box<dyn std::error::Error + Send + Sync>>>
         + Send
         + Sync,
 >;
+
+/// What ends this node's sessions once it learns it was declared lost (given the ids of the
+/// paused ones the cluster kept).
+type EndDeclaredDead = Box<dyn Fn(Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// This node's view of the cluster.
 pub struct Cluster {
@@ -107,8 +112,9 @@ pub struct Cluster {
     health: Mutex<lease::Health>,
     /// This node's sessions now, for the session directory (set once the registry exists).
     listed: OnceLock<Box<dyn Fn() -> Vec<Listed> + Send + Sync>>,
-    /// What ends this node's sessions when it learns it was declared lost.
-    on_lost: OnceLock<Box<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>>,
+    /// What ends this node's sessions when it learns it was declared lost (given the paused
+    /// ones the cluster kept).
+    on_lost: OnceLock<EndDeclaredDead>,
     /// What closes the recordings of another node found lost.
     on_node_lost: OnceLock<CloseLostNode>,
 }
@@ -170,8 +176,9 @@ impl Cluster {
         let _ = self.listed.set(Box::new(f));
     }
 
-    /// What ends this node's sessions when it learns it was declared lost.
-    pub fn on_lost(&self, f: impl Fn() -> BoxFuture<'static, ()> + Send + Sync + 'static) {
+    /// What ends this node's sessions when it learns it was declared lost: all but the
+    /// paused ones the cluster kept (given), whose state is on this node's disk.
+    pub fn on_lost(&self, f: impl Fn(Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync + 'static) {
         let _ = self.on_lost.set(Box::new(f));
     }
 

@@ -1,6 +1,6 @@
 //! Cluster mode's tables in PostgreSQL, as migrations the database layer applies
 //! ([`crate::db::postgres::migrate`]): the nodes and their leases, the cluster's key, the
-//! session directory. Their versions are 2 and 3 of the sequence every owner shares.
+//! session directory. Their versions are 2, 3 and 6 of the sequence every owner shares.
 
 use crate::db::postgres::Migration;
 
@@ -46,6 +46,14 @@ CREATE TABLE cluster_sessions (
     lost_at BIGINT
 );
 CREATE INDEX cluster_sessions_by_node ON cluster_sessions (node);
+"#,
+    },
+    // Paused sessions: their state is on their node's disk, so the loss of the node does not
+    // end them; they are away until it is back.
+    Migration {
+        version: 6,
+        sql: r#"
+ALTER TABLE cluster_sessions ADD COLUMN paused BOOLEAN NOT NULL DEFAULT false;
 "#,
     },
 ];

@@ -33,6 +33,7 @@ fn alices(id: Uuid) -> Vec<Listed> {
         user: "alice".into(),
         kernel: "python3".into(),
         created_at: 1,
+        paused: false,
     }]
 }
 
@@ -41,7 +42,16 @@ async fn the_directory_names_the_node_that_holds_a_session_until_it_is_lost() {
     let (a, b) = two_nodes().await;
     assert_eq!(a.key(), b.key(), "one key for the cluster");
     let id = Uuid::new_v4();
-    a.set_listed(move || alices(id));
+    let paused = Uuid::new_v4();
+    a.set_listed(move || {
+        let mut l = alices(id);
+        l.push(Listed {
+            id: paused,
+            paused: true,
+            ..l[0].clone()
+        });
+        l
+    });
     a.write_directory().await.unwrap();
     assert_eq!(
         b.directory(id, "alice").await.unwrap(),
@@ -65,8 +75,8 @@ async fn the_directory_names_the_node_that_holds_a_session_until_it_is_lost() {
     // `a` stops renewing: `b` declares it lost and has its recordings closed.
     let closed = Arc::new(Mutex::new(Vec::new()));
     let seen = closed.clone();
-    b.on_node_lost(Box::new(move |_client, node| {
-        seen.lock().unwrap().push(node.to_string());
+    b.on_node_lost(Box::new(move |_client, node, kept| {
+        seen.lock().unwrap().push((node.to_string(), kept.to_vec()));
         Box::pin(async { Ok(1) })
     }));
     b.client()
@@ -76,7 +86,11 @@ async fn the_directory_names_the_node_that_holds_a_session_until_it_is_lost() {
         .await
         .unwrap();
     b.sweep_lost().await.unwrap();
-    assert_eq!(*closed.lock().unwrap(), ["a"]);
+    assert_eq!(
+        *closed.lock().unwrap(),
+        [("a".to_string(), vec![paused.to_string()])],
+        "its recordings closed, but the paused session's"
+    );
     assert!(matches!(
         b.directory(id, "alice").await.unwrap(),
         Directory::Lost {
@@ -85,8 +99,27 @@ async fn the_directory_names_the_node_that_holds_a_session_until_it_is_lost() {
             ..
         } if kernel == "python3"
     ));
+    // The paused session's state is on a's disk: away, not dead.
+    assert_eq!(
+        b.directory(paused, "alice").await.unwrap(),
+        Directory::Away { node: "a".into() }
+    );
     assert!(b.fresh_peers().await.is_empty());
     assert!(!a.renew().await.unwrap(), "a learns it was declared lost");
+    assert_eq!(a.declared_dead_here().await.unwrap(), [id]);
+
+    // a joins again: lost is final (its directory write does not bring `id` back), and the
+    // paused session is served by a again.
+    a.register().await.unwrap();
+    a.write_directory().await.unwrap();
+    assert!(matches!(
+        b.directory(id, "alice").await.unwrap(),
+        Directory::Lost { .. }
+    ));
+    assert_eq!(
+        b.directory(paused, "alice").await.unwrap(),
+        Directory::At("http://a.invalid:8080".into())
+    );
 }
 
 #[tokio::test]

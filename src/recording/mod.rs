@@ -185,13 +185,14 @@ pub enum RecordingError {
 /// The recording's tables in PostgreSQL (the database layer applies them).
 pub use postgres::MIGRATIONS as POSTGRES_MIGRATIONS;
 
-/// Cluster mode: ends the open recordings of a lost node with a `node_lost` marker; how
-/// many.
+/// Cluster mode: ends the open recordings of a lost node with a `node_lost` marker, but
+/// those of sessions `kept` (paused, away until the node is back); how many.
 pub async fn close_lost_node(
     client: &tokio_postgres::Client,
     node: &str,
+    kept: &[String],
 ) -> Result<u64, RecordingError> {
-    postgres::close_node(client, node, micros(Utc::now()))
+    postgres::close_node(client, node, kept, micros(Utc::now()))
         .await
         .map_err(|source| RecordingError::Db {
             context: "close a lost node's sessions",

@@ -833,12 +833,26 @@ async fn an_mcp_session_is_served_through_any_node() {
 /// recordings keep the loss as their end.
 #[tokio::test]
 async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
-    let (nodes, url) = cluster_on(2, &["--node-lease", "2"]).await;
-    let (a, b) = (&nodes[0], &nodes[1]);
-    let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
+    let url = pg::fresh_database().await;
     let client = connect(&url).await;
+    // B alone first, so that it holds the sessions made below.
+    let b_node = node(&url, &["--node-lease", "2"]);
+    let b = &b_node;
+    let b_id = std::fs::read_to_string(b.data_dir().join("node-id")).unwrap();
     let id = b.api(ALICE).create().await;
     assert_eq!(recorded_node(&client, &id).await, b_id.trim());
+    // A session paused to B's disk is not dead with B: away, then back.
+    let paused = match criu_ready() {
+        true => {
+            let p = own_session(b).await;
+            assert_eq!(recorded_node(&client, &p).await, b_id.trim());
+            pause_known(b, &client, &p, "v = [1, 2, 3]; it = iter(v); next(it)").await;
+            Some(p)
+        }
+        false => None,
+    };
+    let a_node = node(&url, &["--node-lease", "2"]);
+    let a = &a_node;
     let x = a.api(ALICE).execute(&id, "x = 'on b'").await;
     assert_eq!(x["status"], "ok", "{x}");
 
@@ -848,12 +862,23 @@ async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
         s["dead_reason"].as_str().unwrap().starts_with("node lost"),
         "{s}"
     );
+    if let Some(p) = &paused {
+        assert_away(a, &client, p).await;
+    }
     b.signal(libc::SIGCONT);
 
     // B learns it was lost at its next renewal: the session ends there too, and B is a
     // live node again.
     until_rejoined_with_dead(b, &id, 30).await;
     assert_ended_as_lost(b, &client, &id).await;
+    // The paused session went on: it resumes, through either node, with its state.
+    if let Some(p) = &paused {
+        let x = a.api(ALICE).execute(p, "print(v, next(it))").await;
+        assert_eq!(x["stdout"], "[1, 2, 3] 2\n", "{x}");
+        assert_eq!(pg_end_reason(&client, p).await, None);
+        let (status, _) = a.api(ALICE).delete(&format!("/v1/sessions/{p}")).await;
+        assert_eq!(status, 204);
+    }
 
     // B takes sessions again, and its recordings go on.
     let fresh = within(30, "a session made on B again", async {
@@ -872,9 +897,125 @@ async fn a_node_paused_past_its_lease_ends_its_dead_sessions_and_rejoins() {
     .await;
     let x = a.api(ALICE).execute(&fresh, "1 + 1").await;
     assert_eq!(x["results"][0]["data"]["text/plain"], "2", "{x}");
-    for n in nodes {
-        n.stop().await;
+    a_node.stop().await;
+    b_node.stop().await;
+}
+
+/// A session of alice's with a workspace of its own, made through `node` (placed wherever).
+async fn own_session(node: &SpawnedBroker) -> String {
+    let (status, v) = node
+        .api(ALICE)
+        .post("/v1/sessions", json!({"workspace": "own"}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    v["id"].as_str().unwrap().to_string()
+}
+
+/// Runs `code` in session `id` (through `node`), pauses it, and waits until the session
+/// directory knows it paused (written at the node's next renewal).
+async fn pause_known(node: &SpawnedBroker, client: &tokio_postgres::Client, id: &str, code: &str) {
+    let x = node.api(ALICE).execute(id, code).await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let (status, v) = node
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{id}/pause"), json!({}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    within(20, "the directory to know the session paused", async {
+        loop {
+            let row = client
+                .query_opt("SELECT paused FROM cluster_sessions WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+            if row.is_some_and(|r| r.get::<_, bool>(0)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+}
+
+/// Session `id`, paused on a node that is not live, is away as `node` answers: `503
+/// session_away` to anything, its recording still open.
+async fn assert_away(node: &SpawnedBroker, client: &tokio_postgres::Client, id: &str) {
+    let (status, r) = node.api(ALICE).get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (503, &json!("session_away")),
+        "{r}"
+    );
+    let (status, r) = node
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+        .await;
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (503, &json!("session_away")),
+        "{r}"
+    );
+    let (status, _) = node.api(BOB).get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(status, 404, "another user's session is nobody's business");
+    assert_eq!(
+        pg_end_reason(client, id).await,
+        None,
+        "its recording goes on"
+    );
+}
+
+/// `kill -9` of a node holding a paused session and a running one: the running one is dead
+/// as every node answers (and stays so when the node is back: lost is final); the paused
+/// one, whose state is on the node's disk, is away while the node is, and resumes with its
+/// state, through any node, once the node restarts in place (the deployments' case: a pod
+/// rescheduled with its volume).
+#[tokio::test]
+async fn a_paused_session_outlives_the_loss_of_its_node() {
+    if !criu_ready() {
+        return;
     }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    // The node alone first, so that it holds both sessions.
+    let mut a = node(&url, &["--node-lease", "2"]);
+    let p = own_session(&a).await;
+    let running = a.api(ALICE).create().await;
+    let x = a.api(ALICE).execute(&running, "y = 1").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    pause_known(&a, &client, &p, "v = [1, 2, 3]; it = iter(v); next(it)").await;
+    let b = node(&url, &["--node-lease", "2"]);
+
+    a.halt(Stop::Kill).await;
+    until_dead(&b, &running, "the lost node's running session dead").await;
+    assert_away(&b, &client, &p).await;
+    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
+    assert!(!list.to_string().contains(&p), "{list}");
+
+    // The node restarts in place: the paused session is back, through either node.
+    a.resume();
+    let x = within(30, "the paused session served again", async {
+        loop {
+            let (status, x) = b
+                .api(ALICE)
+                .post(
+                    &format!("/v1/sessions/{p}/execute"),
+                    json!({"code": "print(v, next(it))"}),
+                )
+                .await;
+            if status != 503 {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert_eq!(x["stdout"], "[1, 2, 3] 2\n", "{x}");
+    assert_eq!(pg_end_reason(&client, &p).await, None);
+    // The running session stays dead, on both nodes.
+    for n in [&a, &b] {
+        assert_ended_as_lost(n, &client, &running).await;
+    }
+    a.stop().await;
+    b.stop().await;
 }
 
 /// A TCP relay to PostgreSQL that can be cut (every connection through it broken, new ones

@@ -1,11 +1,12 @@
 //! A request about one session (or one E2B sandbox) of the caller's: served here if it is
 //! here, else forwarded to the node that holds it (the session directory says which, else
-//! the peers themselves); a session of a lost node is answered so.
+//! the peers themselves); a session of a lost node is answered so, and a paused one whose
+//! node is not live is away.
 
 use std::sync::Arc;
 
 use axum::extract::Request;
-use axum::http::Method;
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use uuid::Uuid;
@@ -62,11 +63,22 @@ pub(super) async fn session(
             cluster.remember_owner(id, url.clone());
             Some(url.clone())
         }
-        Directory::Lost { .. } => None,
+        Directory::Lost { .. } | Directory::Away { .. } => None,
         Directory::Unknown => find_owner(cluster, id, &caller.user).await,
     };
     if let Some(url) = owner {
         return forward(state, cluster, Some(id), &url, caller.e2b, req).await;
+    }
+    if let Directory::Away { node } = &listed {
+        return super::refuse(
+            caller.e2b,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "session_away",
+            format!(
+                "session {id} is paused on node {node}, which is not running now: its state is \
+                 on that node's disk, and it resumes once that node is back (try again later)"
+            ),
+        );
     }
     if caller.e2b {
         // E2B has no dead sandboxes: one that is gone is not found (answered here).

@@ -1,6 +1,6 @@
 //! The schema's versions. `schema_migrations` holds one row per version applied; the
 //! versions are one sequence shared by every owner of tables (the recording has 1, 4 and 5,
-//! cluster mode 2 and 3), each migration is its owner's. An owner applies what is missing of its own
+//! cluster mode 2, 3 and 6), each migration is its owner's. An owner applies what is missing of its own
 //! at start, all of it in one transaction under an advisory lock (brokers of a cluster start
 //! together; the first migrates, the others wait and find nothing to do), and a database
 //! whose version is newer than this broker knows ([`SCHEMA_VERSION`]) is refused rather
@@ -13,7 +13,7 @@ const MIGRATION_LOCK: i64 = 0x6b62_6d69_6772; // "kbmigr"
 
 /// The highest version of any owner's migrations: the newest schema this broker knows.
 /// Every version up to it belongs to exactly one owner (checked by the crate's tests).
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// One step of an owner's tables: it brings the database to `version`.
 #[derive(Debug, Clone, Copy)]

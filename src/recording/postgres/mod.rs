@@ -480,12 +480,14 @@ impl WriteDb for PgDb {
     fn stop(&mut self) {}
 }
 
-/// Closes the open recordings of `node`, a lost node of the cluster: a `node_lost` marker
-/// ends each. In one transaction; how many. Several nodes may notice the same loss: the
-/// caller has claimed it first (`nodes.lost_at`), so it is done once.
+/// Closes the open recordings of `node`, a lost node of the cluster, but those of sessions
+/// `kept`: a `node_lost` marker ends each. In one transaction; how many. Several nodes may
+/// notice the same loss: the caller has claimed it first (`nodes.lost_at`), so it is done
+/// once.
 pub(in crate::recording) async fn close_node(
     client: &Client,
     node: &str,
+    kept: &[String],
     now: i64,
 ) -> Result<u64, DbError> {
     let marker = super::event::RecordingMarker::NodeLost {
@@ -502,15 +504,15 @@ pub(in crate::recording) async fn close_node(
                 "INSERT INTO events (sid, seq, time, direction, kind, content)
                  SELECT s.sid, coalesce((SELECT max(seq) FROM events e WHERE e.sid = s.sid), 0) + 1,
                         $2, 'broker', $3, $4
-                 FROM sessions s WHERE s.node = $1 AND s.ended_at IS NULL",
-                &[&node, &now, &marker.kind(), &detail],
+                 FROM sessions s WHERE s.node = $1 AND s.ended_at IS NULL AND NOT (s.id = ANY($5))",
+                &[&node, &now, &marker.kind(), &detail, &kept],
             )
             .await?;
         client
             .execute(
                 "UPDATE sessions SET ended_at = $2, end_reason = 'node_lost', events = events + 1
-                 WHERE node = $1 AND ended_at IS NULL",
-                &[&node, &now],
+                 WHERE node = $1 AND ended_at IS NULL AND NOT (id = ANY($3))",
+                &[&node, &now, &kept],
             )
             .await
     }
