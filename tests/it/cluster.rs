@@ -1018,6 +1018,132 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
     b.stop().await;
 }
 
+/// A snapshot is on the disk of the node that took it: through any node it is listed, read,
+/// started from (the new sessions made on that node, whichever node is asked and though the
+/// other has more room; E2B's `Sandbox.create` by its name too) and deleted; another user's
+/// request finds nothing anywhere.
+#[tokio::test]
+async fn snapshots_are_served_by_the_node_that_has_them() {
+    use reqwest::Method as M;
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    // A alone first, so that it holds the session.
+    let a = node(&url, &[]);
+    let a_id = std::fs::read_to_string(a.data_dir().join("node-id")).unwrap();
+    let s = own_session(&a).await;
+    let x = a.api(ALICE).execute(&s, "x = 41").await;
+    assert_eq!(x["status"], "ok", "{x}");
+    let b = node(&url, &[]);
+
+    // Taken through B (the session's node makes it).
+    let (status, snap) = b
+        .api(ALICE)
+        .post(
+            &format!("/v1/sessions/{s}/snapshots"),
+            json!({"name": "after-x"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{snap}");
+    let sid = snap["snapshot_id"].as_str().unwrap().to_string();
+    for n in [&a, &b] {
+        let (status, list) = n.api(ALICE).get("/v1/snapshots").await;
+        assert_eq!(status, 200, "{list}");
+        let ids: Vec<&str> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| s["snapshot_id"].as_str())
+            .collect();
+        assert_eq!(ids, [sid.as_str()], "listed once, through either node");
+        let (status, one) = n.api(ALICE).get(&format!("/v1/snapshots/{sid}")).await;
+        assert_eq!((status, &one["name"]), (200, &json!("after-x")), "{one}");
+        let (status, _) = n.api(BOB).get(&format!("/v1/snapshots/{sid}")).await;
+        assert_eq!(status, 404, "another user's snapshot is nobody's business");
+        let (_, list) = n.api(BOB).get("/v1/snapshots").await;
+        assert_eq!(list, json!([]));
+    }
+
+    // Started from through B, which has more room: made on A, with the snapshot's state.
+    let (status, v) = b
+        .api(ALICE)
+        .post("/v1/sessions", json!({"snapshot": sid}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let from = v["id"].as_str().unwrap().to_string();
+    assert_eq!(recorded_node(&client, &from).await, a_id.trim());
+    let x = b.api(ALICE).execute(&from, "x + 1").await;
+    assert_eq!(x["results"][0]["data"]["text/plain"], "42", "{x}");
+    // Another user cannot start from it, through any node.
+    let (status, v) = b
+        .api(BOB)
+        .post("/v1/sessions", json!({"snapshot": sid}))
+        .await;
+    assert_eq!(status, 404, "{v}");
+    // The routing reads a new session's body for its snapshot: a body too large for it, or
+    // not JSON, is refused clearly and makes nothing.
+    let auth = format!("Bearer {ALICE}");
+    let alice = [("authorization", auth.as_str())];
+    let huge = json!({"snapshot": sid, "metadata": {"pad": "x".repeat(2 << 20)}});
+    let (status, _, body) = raw(&b, M::POST, "/v1/sessions", &alice, Some(huge)).await;
+    assert_eq!(status, 413, "{body}");
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/sessions", b.addr))
+        .header("authorization", &auth)
+        .header("content-type", "application/json")
+        .body("{\"snapshot\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let (_, list) = b.api(ALICE).get("/v1/sessions").await;
+    assert_eq!(list.as_array().unwrap().len(), 2, "{list}");
+    // E2B's `Sandbox.create("after-x")`, through B: on A too.
+    let (status, _, created) = raw(
+        &b,
+        M::POST,
+        "/e2b/v2/sandboxes",
+        &[("x-api-key", ALICE)],
+        Some(json!({"templateID": "after-x"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let created: Value = serde_json::from_str(&created).unwrap();
+    let sandbox = created["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(recorded_node(&client, &sandbox).await, a_id.trim());
+    let (status, _, list) = raw(&b, M::GET, "/e2b/snapshots", &[("x-api-key", ALICE)], None).await;
+    assert_eq!(status, 200, "{list}");
+    assert!(list.contains(&sid), "{list}");
+
+    // Deleted through B, by E2B's name for it: gone everywhere.
+    let (status, _, body) = raw(
+        &b,
+        M::DELETE,
+        "/e2b/templates/after-x",
+        &[("x-api-key", BOB)],
+        None,
+    )
+    .await;
+    assert_eq!(status, 404, "not bob's: {body}");
+    let (status, _, body) = raw(
+        &b,
+        M::DELETE,
+        "/e2b/templates/after-x",
+        &[("x-api-key", ALICE)],
+        None,
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+    for n in [&a, &b] {
+        let (status, _) = n.api(ALICE).get(&format!("/v1/snapshots/{sid}")).await;
+        assert_eq!(status, 404);
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
 /// A TCP relay to PostgreSQL that can be cut (every connection through it broken, new ones
 /// refused) and restored: a node's network partition from the database.
 struct Cuttable {

@@ -1,5 +1,6 @@
 //! A new session in cluster mode: the user's quota counted across the nodes (under the
-//! user's creation lock), then placed on the node with the most headroom.
+//! user's creation lock), then placed on the node with the most headroom, or made on the
+//! node that has the snapshot it starts from.
 
 use axum::extract::Request;
 use axum::http::StatusCode;
@@ -17,7 +18,7 @@ use crate::session::SessionError;
 
 /// A new session: the user's sessions are counted on every node (one creation of a user at
 /// a time in the cluster, under its lock), then it is made on the node with the most
-/// headroom.
+/// headroom; one that starts from a snapshot of the user's, on the node that has it.
 pub(super) async fn create(
     state: &AppState,
     cluster: &Node,
@@ -54,6 +55,26 @@ pub(super) async fn create(
         } else {
             ApiError::from(e).into_response()
         };
+    }
+    let (snapshot, req) = match super::snapshots::snapshot_of(caller, req).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
+    };
+    if let Some(name_or_id) = snapshot {
+        if let Some(url) = super::snapshots::holder(state, cluster, user, &name_or_id).await {
+            let resp = forward(state, cluster, None, &url, caller.e2b, req).await;
+            drop(lock);
+            return resp;
+        }
+        if state
+            .registry
+            .find_snapshot(&user.name, &name_or_id)
+            .is_some()
+        {
+            let resp = next.run(req).await;
+            drop(lock);
+            return resp;
+        }
     }
     let resp = match cluster.place(user.limits.session_memory_bytes).await {
         Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,

@@ -34,6 +34,10 @@ pub(super) async fn gather(cluster: &Node, caller: &Routed, req: Request, next: 
     for list in peer_arrays(cluster, &caller.user, path).await {
         all.extend(list);
     }
+    if parts.uri.path() == "/v1/snapshots" {
+        // Oldest first, as each node lists its own (the times are all RFC 3339 in UTC).
+        all.sort_by(|a, b| a["created_at"].as_str().cmp(&b["created_at"].as_str()));
+    }
     let mut resp = Response::from_parts(
         lparts,
         Body::from(serde_json::Value::Array(all).to_string()),
@@ -49,6 +53,20 @@ pub(super) async fn peer_arrays(
     user: &User,
     path: &str,
 ) -> Vec<Vec<serde_json::Value>> {
+    peer_lists(cluster, user, path)
+        .await
+        .into_iter()
+        .map(|(_, list)| list)
+        .collect()
+}
+
+/// `GET path` of every peer with the caller's credentials: each peer's URL with the JSON
+/// array it answers. A peer that does not answer is left out (and logged).
+pub(super) async fn peer_lists(
+    cluster: &Node,
+    user: &User,
+    path: &str,
+) -> Vec<(String, Vec<serde_json::Value>)> {
     let Some(creds) = credentials(user) else {
         return Vec::new();
     };
@@ -60,7 +78,9 @@ pub(super) async fn peer_arrays(
         *r.headers_mut() = creds.clone();
         async move {
             match cluster.send(&peer.url, r).await {
-                Ok(resp) if resp.status() == StatusCode::OK => json_array(resp.into_body()).await,
+                Ok(resp) if resp.status() == StatusCode::OK => json_array(resp.into_body())
+                    .await
+                    .map(|list| (peer.url.clone(), list)),
                 Ok(resp) => {
                     tracing::warn!(node = %peer.id, status = %resp.status(), "cluster: a node's list failed");
                     None

@@ -15,6 +15,7 @@ mod owner;
 mod peer;
 mod quota;
 mod session;
+mod snapshots;
 
 use std::sync::Arc;
 
@@ -48,9 +49,11 @@ enum Target {
     Mcp,
     /// A list gathered from every node.
     List,
-    /// A new session: placed on the node with the most headroom, within the user's quota
-    /// counted across the cluster.
+    /// A new session: placed on the node with the most headroom (or on the node that has
+    /// the snapshot it starts from), within the user's quota counted across the cluster.
     Create,
+    /// About one snapshot: served by the node that has it.
+    Snapshot,
 }
 
 fn target(method: &Method, path: &str) -> Target {
@@ -64,6 +67,9 @@ fn target(method: &Method, path: &str) -> Target {
     match parts.as_slice() {
         _ if collection && method == Method::GET => Target::List,
         _ if collection && method == Method::POST => Target::Create,
+        ["v1", "snapshots"] | ["e2b", "snapshots"] if method == Method::GET => Target::List,
+        ["v1", "snapshots", _] => Target::Snapshot,
+        ["e2b", "templates", _] if method == Method::DELETE => Target::Snapshot,
         ["v1", "sessions", id, rest @ ..]
             if !matches!(rest.first(), Some(&("events" | "notebook" | "replay"))) =>
         {
@@ -178,6 +184,7 @@ pub async fn route(State(routing): State<Routing>, req: Request, next: Next) -> 
         Target::Here => next.run(req).await,
         Target::List => lists::gather(&cluster, &caller, req, next).await,
         Target::Create => create::create(&state, &cluster, &caller, req, next).await,
+        Target::Snapshot => snapshots::snapshot(&state, &cluster, &caller, req, next).await,
         Target::Mcp => mcp::mcp(&state, &cluster, req, next).await,
         Target::Sandbox => match sandbox {
             Some(id) => session::session(&state, &cluster, &caller, id, req, next).await,
@@ -239,6 +246,13 @@ mod tests {
                 Target::Sandbox,
             ),
             (Method::POST, "/mcp", Target::Mcp),
+            (Method::GET, "/v1/snapshots", Target::List),
+            (Method::GET, "/e2b/snapshots", Target::List),
+            (Method::GET, "/v1/snapshots/ID", Target::Snapshot),
+            (Method::DELETE, "/v1/snapshots/ID", Target::Snapshot),
+            (Method::DELETE, "/e2b/templates/my-name", Target::Snapshot),
+            (Method::GET, "/e2b/templates/base", Target::Here),
+            (Method::POST, "/v1/sessions/ID/snapshots", session),
             (Method::DELETE, "/mcp", Target::Mcp),
         ];
         for (m, p, want) in cases {
