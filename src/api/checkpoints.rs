@@ -276,7 +276,7 @@ async fn fork(
     let session = session_id(&id)?;
     let checkpoint = checkpoint_id(&cp)?;
     let base = caller.0.create_request(CreateOptions::default());
-    let room = super::cluster::room(&state, &caller.0).await?;
+    let room = super::cluster::quota::room(&state, &caller.0).await?;
     let forks = state
         .registry
         .fork(ForkRequest {

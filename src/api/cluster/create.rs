@@ -8,7 +8,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::forward::forward;
-use super::lists::peer_arrays;
+use super::peer::peer_arrays;
 use super::peer::Node;
 use super::{refuse, Routed};
 use crate::api::e2b::E2bError;

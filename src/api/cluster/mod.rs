@@ -13,7 +13,7 @@ mod lost;
 mod mcp;
 mod owner;
 mod peer;
-mod quota;
+pub(super) mod quota;
 mod session;
 mod snapshots;
 
@@ -33,7 +33,6 @@ use super::AppState;
 pub use mcp::{mcp_local_id, mcp_session_id};
 pub use peer::NODE_HEADER;
 use peer::{Node, PeerClient};
-pub use quota::room;
 
 /// What a request is, for routing.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,12 +1,14 @@
 //! The HTTP client of node-to-node requests: a request sent to a peer carries the
 //! cluster's key in [`NODE_HEADER`] (a request with it is served where it lands, never
-//! forwarded again) and, for a request of this node's own, the caller's credentials.
+//! forwarded again) and, for a request of this node's own, the caller's credentials; and
+//! the JSON lists every peer answers to one (sessions, snapshots), which the gathered
+//! lists, the quota counts and the search for a snapshot's node read.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{header, HeaderMap, HeaderValue, Request, Response, Uri};
+use axum::http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
@@ -127,4 +129,72 @@ pub(super) fn credentials(user: &User) -> Option<HeaderMap> {
     );
     h.insert("x-api-key", HeaderValue::from_str(&user.token).ok()?);
     Some(h)
+}
+
+/// `GET path` of every peer with the caller's credentials: the JSON arrays they answer. A
+/// peer that does not answer is left out (and logged).
+pub(super) async fn peer_arrays(
+    cluster: &Node,
+    user: &User,
+    path: &str,
+) -> Vec<Vec<serde_json::Value>> {
+    peer_lists(cluster, user, path)
+        .await
+        .into_iter()
+        .map(|(_, list)| list)
+        .collect()
+}
+
+/// `GET path` of every peer with the caller's credentials: each peer's URL with the JSON
+/// array it answers. A peer that does not answer is left out (and logged).
+pub(super) async fn peer_lists(
+    cluster: &Node,
+    user: &User,
+    path: &str,
+) -> Vec<(String, Vec<serde_json::Value>)> {
+    let Some(creds) = credentials(user) else {
+        return Vec::new();
+    };
+    let peers = cluster.peers().await;
+    let asks = peers.iter().map(|peer| {
+        let mut r = axum::http::Request::get(path)
+            .body(Body::empty())
+            .unwrap_or_default();
+        *r.headers_mut() = creds.clone();
+        async move {
+            match cluster.send(&peer.url, r).await {
+                Ok(resp) if resp.status() == StatusCode::OK => json_array(resp.into_body())
+                    .await
+                    .map(|list| (peer.url.clone(), list)),
+                Ok(resp) => {
+                    tracing::warn!(node = %peer.id, status = %resp.status(), "cluster: a node's list failed");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(node = %peer.id, error = %e, "cluster: a node's list failed");
+                    None
+                }
+            }
+        }
+    });
+    futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// The most a node's list may hold.
+const MAX_LIST_BYTES: usize = 64 << 20;
+
+pub(super) async fn json_array(body: Body) -> Option<Vec<serde_json::Value>> {
+    let bytes = http_body_util::Limited::new(body, MAX_LIST_BYTES)
+        .collect()
+        .await
+        .ok()?
+        .to_bytes();
+    match serde_json::from_slice(&bytes).ok()? {
+        serde_json::Value::Array(v) => Some(v),
+        _ => None,
+    }
 }

@@ -4,8 +4,7 @@
 //! holds across the nodes for these too: her sessions on the other nodes are counted under
 //! her creation lock, held by the [`Room`] until the new sessions are made.
 
-use super::lists::peer_arrays;
-use super::peer::{Node, PeerClient};
+use super::peer::{peer_arrays, Node, PeerClient};
 use crate::api::auth::User;
 use crate::api::AppState;
 use crate::session::{Room, SessionError};

@@ -11,7 +11,7 @@ use axum::response::Response;
 use chrono::{DateTime, Utc};
 
 use super::forward::forward;
-use super::lists::peer_lists;
+use super::peer::peer_lists;
 use super::peer::Node;
 use super::{refuse, Routed};
 use crate::api::auth::User;

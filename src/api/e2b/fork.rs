@@ -95,7 +95,7 @@ async fn fork(
     };
     let user = caller.0 .0.clone();
     let base = user.create_request(Default::default());
-    let room = crate::api::cluster::room(&state, &user).await?;
+    let room = crate::api::cluster::quota::room(&state, &user).await?;
     let forked = state
         .registry
         .fork(ForkRequest {

@@ -369,7 +369,7 @@ async fn create_context(
     let sandbox = Metadata::lenient([("sandbox".to_string(), caller.session.id.to_string())]);
     let options =
         super::control::session_options(&state, sandbox, WorkspaceChoice::OwnOf(caller.session.id));
-    let room = crate::api::cluster::room(&state, &caller.user).await?;
+    let room = crate::api::cluster::quota::room(&state, &caller.user).await?;
     let session = state
         .registry
         .create_session(room.request(caller.user.create_request(options)))

@@ -98,7 +98,7 @@ impl McpServer {
         if !create {
             return Err("this connection has no session yet (run_python makes one)".into());
         }
-        let room = crate::api::cluster::room(&call.state, &call.caller.0)
+        let room = crate::api::cluster::quota::room(&call.state, &call.caller.0)
             .await
             .map_err(session_error)?;
         let session = call
@@ -314,7 +314,7 @@ impl McpServer {
                 None => return Ok(tool_error(format!("no snapshot {s:?} of yours"))),
             },
         };
-        let room = match crate::api::cluster::room(&call.state, &call.caller.0).await {
+        let room = match crate::api::cluster::quota::room(&call.state, &call.caller.0).await {
             Ok(room) => room,
             Err(e) => return Ok(tool_error(session_error(e))),
         };
@@ -378,7 +378,7 @@ impl McpServer {
             Err(m) => return Ok(tool_error(m)),
         };
         let base = call.caller.0.create_request(CreateOptions::default());
-        let room = match crate::api::cluster::room(&call.state, &call.caller.0).await {
+        let room = match crate::api::cluster::quota::room(&call.state, &call.caller.0).await {
             Ok(room) => room,
             Err(e) => return Ok(tool_error(session_error(e))),
         };

@@ -356,7 +356,7 @@ async fn replay_of(
         info,
         ..
     } = recording.settled().await;
-    let room = crate::api::cluster::room(&state, &caller.0).await?;
+    let room = crate::api::cluster::quota::room(&state, &caller.0).await?;
     let outcome = replay::replay(
         &store,
         &state.registry,

@@ -117,7 +117,7 @@ async fn run(
         Branch::Fork { count, checkpoint } => {
             let checkpoint = checkpoint.as_deref().map(checkpoint_id).transpose()?;
             let base = caller.0.create_request(CreateOptions::default());
-            let room = crate::api::cluster::room(state, &caller.0).await?;
+            let room = crate::api::cluster::quota::room(state, &caller.0).await?;
             let forks = state
                 .registry
                 .fork(ForkRequest {
