@@ -94,10 +94,16 @@ pub type CloseLostNode = Box<
 /// paused ones the cluster kept).
 type EndDeclaredDead = Box<dyn Fn(Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync>;
 
+/// The most users' creation locks one node holds at once (more wait for a connection).
+const LOCK_CONNECTIONS: usize = 32;
+
 /// This node's view of the cluster.
 pub struct Cluster {
     config: ClusterConfig,
     pool: deadpool_postgres::Pool,
+    /// The connections users' creation locks are held on ([`Cluster::lock_user`]): apart,
+    /// so that many creations at once never keep the lease from being renewed.
+    lock_pool: deadpool_postgres::Pool,
     key: String,
     /// Session → the advertise URL of the peer that holds it.
     owners: Mutex<HashMap<Uuid, String>>,
@@ -128,6 +134,12 @@ impl Cluster {
             location: location.clone(),
             source,
         })?;
+        let lock_pool = pg::pool(&config.database_url, LOCK_CONNECTIONS).map_err(|source| {
+            ClusterError::Pool {
+                location: location.clone(),
+                source,
+            }
+        })?;
         let client = pool.get().await.map_err(ClusterError::Connect)?;
         pg::migrate(&client, &location, "cluster", schema::MIGRATIONS).await?;
         let mut fresh = [0u8; 32];
@@ -153,6 +165,7 @@ impl Cluster {
             draining: AtomicBool::new(false),
             config,
             pool,
+            lock_pool,
             key,
             owners: Mutex::new(HashMap::new()),
             peers: Mutex::new((Instant::now() - Duration::from_secs(60), Vec::new())),

@@ -2,8 +2,6 @@
 //! shares of memory and of sessions), and the per-user creation lock that keeps a user's
 //! quota, counted across the nodes, whole.
 
-use tokio_postgres::NoTls;
-
 use super::{now_micros, Cluster, ClusterError, Peer};
 
 /// A node's load, as placement weighs it.
@@ -113,34 +111,53 @@ impl Cluster {
 
     /// Holds `user`'s creation lock for the cluster until the guard is dropped: one
     /// session creation of a user at a time, cluster-wide, so the quota counted across nodes
-    /// holds. On a connection of its own: if this request is dropped half-way, the
-    /// connection closes and PostgreSQL releases the lock.
+    /// holds. On a connection of the locks' own pool (never the one the lease is renewed
+    /// on), which goes back to it only once the lock is let go (see [`UserLock`]).
     pub async fn lock_user(&self, user: &str) -> Result<UserLock, ClusterError> {
-        let (client, conn) = tokio_postgres::connect(&self.config.database_url, NoTls).await?;
-        let task = tokio::spawn(conn);
-        client
-            .execute(
+        let client = self.lock_pool.get().await.map_err(ClusterError::Connect)?;
+        // The guard first: a request dropped while it waits for the lock still lets it go.
+        let lock = UserLock {
+            client: Some(client),
+        };
+        if let Some(c) = &lock.client {
+            c.execute(
                 "SELECT pg_advisory_lock(hashtext('kernel-broker user ' || $1))",
                 &[&user],
             )
             .await?;
-        Ok(UserLock {
-            _client: client,
-            task,
-        })
+        }
+        Ok(lock)
     }
 }
 
 /// A user's creation lock (see [`Cluster::lock_user`]); released when dropped.
 pub struct UserLock {
-    _client: tokio_postgres::Client,
-    task: tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+    client: Option<deadpool_postgres::Object>,
 }
 
 impl Drop for UserLock {
     fn drop(&mut self) {
-        // Closing the connection releases the lock.
-        self.task.abort();
+        let Some(client) = self.client.take() else {
+            return;
+        };
+        // Let go of every advisory lock of the connection, then give it back to the pool.
+        // Queued behind a lock query still waiting on this connection (a request dropped
+        // half-way), so that one is let go too once granted. If the unlock fails, or there
+        // is no runtime to run it on, the connection is closed instead: PostgreSQL lets go
+        // of a closed session's locks.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            drop(deadpool_postgres::Object::take(client));
+            return;
+        };
+        runtime.spawn(async move {
+            if client
+                .execute("SELECT pg_advisory_unlock_all()", &[])
+                .await
+                .is_err()
+            {
+                drop(deadpool_postgres::Object::take(client));
+            }
+        });
     }
 }
 

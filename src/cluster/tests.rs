@@ -150,3 +150,22 @@ async fn a_new_session_goes_to_the_node_with_the_most_headroom() {
         "a draining node places elsewhere"
     );
 }
+
+#[tokio::test]
+async fn a_users_creation_lock_is_let_go_when_dropped_even_while_it_waits() {
+    let (a, b) = two_nodes().await;
+    let held = a.lock_user("alice").await.unwrap();
+    // Another user's lock is not held up.
+    let bobs = tokio::time::timeout(Duration::from_secs(10), b.lock_user("bob")).await;
+    drop(bobs.expect("bob's lock is his own").unwrap());
+    // A creation that gives up waiting (its request dropped) ...
+    let waited = tokio::time::timeout(Duration::from_millis(300), b.lock_user("alice")).await;
+    assert!(waited.is_err(), "alice's lock is held");
+    drop(held);
+    // ... holds nothing once the lock it waited for is granted; and each lock is let go
+    // before its connection is used again (a connection keeps advisory locks).
+    for node in [&b, &b, &a, &b] {
+        let again = tokio::time::timeout(Duration::from_secs(10), node.lock_user("alice")).await;
+        drop(again.expect("alice's lock was left held").unwrap());
+    }
+}

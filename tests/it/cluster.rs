@@ -554,6 +554,50 @@ async fn forward_cost() {
     }
 }
 
+/// What cluster mode adds to a fork (its user's creation lock and the count of her
+/// sessions on the other node): a fork and its delete, alternately on a broker alone and on
+/// a node of a cluster of two. A measurement (BENCHMARKS.md), not a test of speed:
+/// `cargo nextest run --test it fork_cost --run-ignored only --no-capture`
+#[tokio::test]
+#[ignore = "a measurement"]
+async fn fork_cost() {
+    let forking = ["--fork-server", "true", "--preload", "numpy"];
+    let url = pg::fresh_database().await;
+    let mut clustered: Vec<&str> = vec!["--node-lease", "60"];
+    clustered.extend(forking);
+    let a = node(&url, &clustered);
+    let b = node(&url, &clustered);
+    let alone = SpawnedBroker::start(&forking, None);
+    let mut times = Vec::new();
+    for broker in [&alone, &a] {
+        let api = broker.api(ALICE);
+        let id = api.create().await;
+        let mut v = Vec::new();
+        for i in 0..60 {
+            let t = std::time::Instant::now();
+            let (status, f) = api
+                .post(&format!("/v1/sessions/{id}/fork"), json!({}))
+                .await;
+            let took = t.elapsed();
+            assert_eq!(status, 201, "{f}");
+            let fork = f["sessions"][0]["id"].as_str().unwrap();
+            api.delete(&format!("/v1/sessions/{fork}")).await;
+            if i >= 10 {
+                v.push(took);
+            }
+        }
+        v.sort();
+        times.push(v);
+    }
+    for (what, v) in ["alone", "in a cluster of two"].iter().zip(times) {
+        let p = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
+        eprintln!("fork, {what}: p50 {:?} p90 {:?}", p(0.5), p(0.9));
+    }
+    for n in [a, b, alone] {
+        n.stop().await;
+    }
+}
+
 /// SIGUSR1 drains a node: `/healthz` says so (503), new sessions asked of it are made on the
 /// others, its sessions keep working (through any node), and it stops by itself once they
 /// have ended.
