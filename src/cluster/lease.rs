@@ -215,8 +215,9 @@ impl Cluster {
                 None => match self.mark_lost(&c, &node, now).await {
                     Ok(paused) => paused,
                     Err(e) => {
-                        tracing::error!(node = %node, error = %e, "cluster: could not mark a lost node's sessions in the directory");
-                        continue;
+                        // The loss is claimed (no other node will close them): closed all.
+                        tracing::error!(node = %node, error = %e, "cluster: could not mark a lost node's sessions in the directory; its recordings are closed, its paused sessions' too");
+                        Vec::new()
                     }
                 },
             };
