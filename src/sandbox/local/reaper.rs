@@ -144,9 +144,13 @@ impl BackendKernel for LocalKernel {
             }
         };
         // Only the kernel: its process group also holds the sandbox's init, which must not
-        // see the signal.
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
+        // see the signal. And to its main thread (tgkill): a signal sent to the process goes
+        // to any thread that does not block it, and one handled by another thread (a thread
+        // just starting, before it blocks SIGINT) sets Python's flag without waking the main
+        // thread from the system call a cell sleeps in: the cell would sleep on (seen once in
+        // CI, `interrupt_stops_a_long_sleep`). The main thread's id is the process's.
+        // SAFETY: tgkill(2) has no memory-safety preconditions.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT) } != 0 {
             return Err(SandboxError::Io {
                 what: "cannot send SIGINT to the kernel",
                 path: PathBuf::from(format!("/proc/{pid}")),
