@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use super::forward::forward;
 use super::peer::peer_arrays;
 use super::peer::Node;
+use super::snapshots::Holder;
 use super::{refuse, Routed};
 use crate::api::e2b::E2bError;
 use crate::api::error::ApiError;
@@ -60,31 +61,23 @@ pub(super) async fn create(
         Ok(read) => read,
         Err(refused) => return refused,
     };
-    if let Some(name_or_id) = snapshot {
-        if let Some(url) = super::snapshots::holder(state, cluster, user, &name_or_id).await {
-            let resp = forward(state, cluster, None, &url, caller.e2b, req).await;
-            drop(lock);
-            return resp;
-        }
-        if state
-            .registry
-            .find_snapshot(&user.name, &name_or_id)
-            .is_some()
-        {
-            let resp = next.run(req).await;
-            drop(lock);
-            return resp;
-        }
-    }
-    let resp = match cluster.place(user.limits.session_memory_bytes).await {
-        Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,
-        None if cluster.is_draining() => refuse(
-            caller.e2b,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "node_draining",
-            "this node is draining and no other node can take the session",
-        ),
-        None => next.run(req).await,
+    let holder = match snapshot {
+        Some(name_or_id) => super::snapshots::holder(state, cluster, user, &name_or_id).await,
+        None => Holder::Nowhere,
+    };
+    let resp = match holder {
+        Holder::Peer(url) => forward(state, cluster, None, &url, caller.e2b, req).await,
+        Holder::Here => next.run(req).await,
+        Holder::Nowhere => match cluster.place(user.limits.session_memory_bytes).await {
+            Some(peer) => forward(state, cluster, None, &peer.url, caller.e2b, req).await,
+            None if cluster.is_draining() => refuse(
+                caller.e2b,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "node_draining",
+                "this node is draining and no other node can take the session",
+            ),
+            None => next.run(req).await,
+        },
     };
     drop(lock);
     resp

@@ -20,19 +20,27 @@ use crate::api::AppState;
 /// The most a new session's body may be when the routing reads it for a snapshot.
 const MAX_CREATE_BODY: usize = 1 << 20;
 
-/// Where the caller's snapshot `name_or_id` is: `None` when this node has it, or when none
-/// has (served here, which answers it missing); else the URL of the peer that has it. A
-/// name is the newest snapshot of that name on any node, as on one node.
+/// Which node has a snapshot of the caller's.
+pub(super) enum Holder {
+    Here,
+    /// The peer at this URL.
+    Peer(String),
+    /// None (a request about it is answered here, which finds it missing).
+    Nowhere,
+}
+
+/// Which node has the caller's snapshot `name_or_id`. A name is the newest snapshot of
+/// that name on any node, as on one node.
 pub(super) async fn holder(
     state: &AppState,
     cluster: &Node,
     user: &User,
     name_or_id: &str,
-) -> Option<String> {
+) -> Holder {
     let here = state.registry.find_snapshot(&user.name, name_or_id);
     let want = uuid::Uuid::parse_str(name_or_id).ok();
     if here.is_some() && want.is_some() {
-        return None;
+        return Holder::Here;
     }
     let mut best: Option<(DateTime<Utc>, Option<String>)> = here.map(|s| (s.created_at, None));
     for (url, list) in peer_lists(cluster, user, "/v1/snapshots").await {
@@ -57,7 +65,11 @@ pub(super) async fn holder(
             }
         }
     }
-    best.and_then(|(_, url)| url)
+    match best {
+        Some((_, Some(url))) => Holder::Peer(url),
+        Some((_, None)) => Holder::Here,
+        None => Holder::Nowhere,
+    }
 }
 
 fn parse_time(t: &str) -> Option<DateTime<Utc>> {
@@ -84,8 +96,8 @@ pub(super) async fn snapshot(
         .unwrap_or_default()
         .to_string();
     match holder(state, cluster, &caller.user, &name_or_id).await {
-        Some(url) => forward(state, cluster, None, &url, caller.e2b, req).await,
-        None => next.run(req).await,
+        Holder::Peer(url) => forward(state, cluster, None, &url, caller.e2b, req).await,
+        Holder::Here | Holder::Nowhere => next.run(req).await,
     }
 }
 
