@@ -62,6 +62,11 @@ impl Room {
         self.max_sessions
     }
 
+    /// The user's sessions on the other nodes, as counted.
+    pub fn elsewhere(&self) -> usize {
+        self.elsewhere
+    }
+
     /// `request` held to this room.
     pub fn request(&self, mut request: CreateRequest) -> CreateRequest {
         request.max_sessions = request.max_sessions.min(self.max_sessions);

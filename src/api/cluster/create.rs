@@ -8,7 +8,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::forward::forward;
-use super::peer::peer_arrays;
 use super::peer::Node;
 use super::snapshots::Holder;
 use super::{refuse, Routed};
@@ -28,28 +27,19 @@ pub(super) async fn create(
     next: Next,
 ) -> Response {
     let user = &caller.user;
-    let lock = match cluster.lock_user(&user.name).await {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(error = %e, "cluster: no creation lock");
-            return refuse(
-                caller.e2b,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "cluster_unavailable",
-                "the cluster's database does not answer; try again",
-            );
-        }
+    let Ok(room) = super::quota::room_on(cluster, user).await else {
+        return refuse(
+            caller.e2b,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cluster_unavailable",
+            "the cluster's database does not answer; try again",
+        );
     };
-    let elsewhere: usize = peer_arrays(cluster, user, "/v1/sessions")
-        .await
-        .iter()
-        .map(Vec::len)
-        .sum();
     let here = state.registry.list(&user.name).len();
-    if here + elsewhere >= user.max_sessions {
+    if here >= room.max_sessions() {
         let e = SessionError::TooManySessionsInCluster {
             user: user.name.clone(),
-            live: here + elsewhere,
+            live: here + room.elsewhere(),
         };
         return if caller.e2b {
             E2bError::from(e).into_response()
@@ -79,6 +69,6 @@ pub(super) async fn create(
             None => next.run(req).await,
         },
     };
-    drop(lock);
+    drop(room);
     resp
 }

@@ -14,15 +14,19 @@ use crate::session::{Room, SessionError};
 /// creation lock until the returned [`Room`] is dropped. A node that does not answer is
 /// not counted (as for a new session's placement).
 pub async fn room(state: &AppState, user: &User) -> Result<Room, SessionError> {
-    let Some(cluster) = state.cluster.clone() else {
-        return Ok(Room::alone(user.max_sessions));
-    };
+    match state.cluster.clone() {
+        None => Ok(Room::alone(user.max_sessions)),
+        Some(cluster) => room_on(&Node::new(cluster, PeerClient::new()), user).await,
+    }
+}
+
+/// The room `user` has on node `cluster` (a new session's placement counts with it too).
+pub(super) async fn room_on(cluster: &Node, user: &User) -> Result<Room, SessionError> {
     let lock = cluster.lock_user(&user.name).await.map_err(|e| {
         tracing::error!(error = %e, "cluster: no creation lock");
         SessionError::ClusterUnavailable
     })?;
-    let node = Node::new(cluster, PeerClient::new());
-    let elsewhere: usize = peer_arrays(&node, user, "/v1/sessions")
+    let elsewhere: usize = peer_arrays(cluster, user, "/v1/sessions")
         .await
         .iter()
         .map(Vec::len)
