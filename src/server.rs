@@ -2,6 +2,7 @@
 //! the HTTP router, and serves until the shutdown signal; then drains every session.
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
@@ -50,6 +51,20 @@ pub enum ServerError {
 /// `python3` kernel, so without a kernels directory it offers that one.
 pub fn load_kernel_specs(settings: &Settings) -> Result<Arc<KernelSpecs>, ServerError> {
     match KernelSpecs::load(&settings.kernels_dir) {
+        Ok(specs) if settings.sandbox == SandboxKind::Local => {
+            // A spec whose program this host lacks (R, a JDK: `scripts/setup` installs
+            // them) is not offered, rather than failing at every launch.
+            let venv_bin = settings.local.python.parent().map(Path::to_path_buf);
+            let (found, missing) = specs.retained(|s| local_program_found(s, venv_bin.as_deref()));
+            for name in &missing {
+                let program = specs.get(name).and_then(|s| s.argv.first()).cloned();
+                tracing::warn!(kernel = %name, program = ?program, "kernel spec left out: its program is not installed on this host (scripts/setup installs the runtimes of the shipped kernels)");
+            }
+            if found.iter().next().is_none() {
+                return Ok(Arc::new(specs));
+            }
+            Ok(Arc::new(found))
+        }
         Ok(specs) => Ok(Arc::new(specs)),
         Err(e) if settings.sandbox == SandboxKind::Docker => {
             tracing::info!(error = %e, "no kernel specs; offering the image's python3");
@@ -59,6 +74,26 @@ pub fn load_kernel_specs(settings: &Settings) -> Result<Arc<KernelSpecs>, Server
         }
         Err(e) => Err(ServerError::KernelSpecs(e)),
     }
+}
+
+/// Whether a spec's program is on this host, where the local sandbox would find it: the
+/// kernels' Python and what is placed by substitution always are; a bare name is looked up
+/// in the kernels' environment's `bin` and the sandbox's `PATH` (`/usr/local/bin`,
+/// `/usr/bin`, `/bin`); an absolute path must exist.
+fn local_program_found(spec: &crate::kernel::spec::KernelSpec, venv_bin: Option<&Path>) -> bool {
+    let Some(program) = spec.argv.first() else {
+        return false;
+    };
+    if matches!(program.as_str(), "python" | "python3") || program.contains('{') {
+        return true;
+    }
+    if program.starts_with('/') {
+        return Path::new(program).is_file();
+    }
+    venv_bin
+        .into_iter()
+        .chain(["/usr/local/bin", "/usr/bin", "/bin"].map(Path::new))
+        .any(|dir| dir.join(program).is_file())
 }
 
 pub async fn build_sandbox(
@@ -499,5 +534,33 @@ impl Settings {
             SandboxKind::Local => "local",
             SandboxKind::Docker => "docker",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::spec::KernelSpecs;
+
+    #[test]
+    fn a_spec_is_offered_only_when_its_program_is_on_the_host() {
+        let specs = KernelSpecs::load(Path::new("kernels")).unwrap();
+        let venv = tempfile::tempdir().unwrap();
+        let python3 = specs.get("python3").unwrap();
+        let sql = specs.get("sql").unwrap();
+        assert!(local_program_found(python3, None));
+        assert!(local_program_found(sql, None));
+        let deno = specs.get("javascript").unwrap();
+        // Deno comes with the kernels' environment: found in its bin only.
+        assert!(!local_program_found(deno, Some(venv.path())));
+        std::fs::write(venv.path().join("deno"), b"").unwrap();
+        assert!(local_program_found(deno, Some(venv.path())));
+        let mut absent = deno.clone();
+        absent.argv[0] = "/nonexistent/bin/deno".into();
+        assert!(!local_program_found(&absent, None));
+        absent.argv[0] = "no-such-program-anywhere".into();
+        assert!(!local_program_found(&absent, Some(venv.path())));
+        absent.argv[0] = "sh".into();
+        assert!(local_program_found(&absent, None));
     }
 }

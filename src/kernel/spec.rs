@@ -71,6 +71,9 @@ impl KernelSpecs {
             path: dir.to_path_buf(),
             source,
         };
+        // Absolute: a spec's directory is shown to kernels (`{resource_dir}`), and sandboxes
+        // start elsewhere than the broker's working directory.
+        let dir = &std::path::absolute(dir).map_err(io)?;
         let mut specs = Vec::new();
         for entry in std::fs::read_dir(dir).map_err(io)?.filter_map(Result::ok) {
             let file = entry.path().join("kernel.json");
@@ -158,6 +161,19 @@ impl KernelSpecs {
         }
     }
 
+    /// These specs but those `keep` refuses, and the names of those left out.
+    pub fn retained(&self, mut keep: impl FnMut(&KernelSpec) -> bool) -> (Self, Vec<String>) {
+        let (kept, left): (Vec<KernelSpec>, Vec<KernelSpec>) =
+            self.specs.iter().cloned().partition(|s| keep(s));
+        (
+            Self {
+                specs: kept,
+                dir: self.dir.clone(),
+            },
+            left.into_iter().map(|s| s.name).collect(),
+        )
+    }
+
     /// The directory the specs were read from.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -223,6 +239,32 @@ mod tests {
         assert_eq!(py.raw["display_name"], "Py");
         assert_eq!(specs.get("a-kernel").unwrap().display_name, "a-kernel");
         assert!(specs.get("nope").is_none());
+    }
+
+    #[test]
+    fn the_shipped_specs_load_with_absolute_directories() {
+        // Relative to the crate (the broker's default `--kernels-dir kernels`): a spec's
+        // directory is shown to kernels, whose sandboxes start elsewhere.
+        let specs = KernelSpecs::load(Path::new("kernels")).unwrap();
+        assert_eq!(
+            specs.names(),
+            vec!["python3", "bash", "java", "javascript", "r", "sql"]
+        );
+        for spec in specs.iter() {
+            assert!(spec.resource_dir.is_absolute(), "{:?}", spec.resource_dir);
+        }
+        assert!(specs.dir().is_absolute());
+        assert_eq!(specs.get("javascript").unwrap().language, "typescript");
+        assert_eq!(specs.get("r").unwrap().language, "R");
+    }
+
+    #[test]
+    fn specs_can_be_left_out_by_name() {
+        let specs = KernelSpecs::load(Path::new("kernels")).unwrap();
+        let (kept, left) = specs.retained(|s| s.name != "r" && s.name != "java");
+        assert_eq!(left, vec!["java", "r"]);
+        assert_eq!(kept.names(), vec!["python3", "bash", "javascript", "sql"]);
+        assert_eq!(kept.dir(), specs.dir());
     }
 
     #[test]

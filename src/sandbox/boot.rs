@@ -41,14 +41,69 @@ pub const FORK_MODULE_NAME: &str = "kernel_broker_fork.py";
 /// The environment variable naming a kernel's fork directory (inside the sandbox).
 pub const FORK_ROOT_ENV: &str = "KERNEL_BROKER_FORK_ROOT";
 
+/// The script that puts a kernel speaking ZeroMQ over TCP only (Deno's, jjava's, IRkernel's)
+/// behind the `ipc` sockets the broker connects to, splicing bytes in the kernel's sandbox
+/// (`kernels/kernel_broker_relay.py`); started for specs whose
+/// `metadata.kernel_broker.transport` is `"tcp"` ([`relay_argv`]).
+pub const RELAY_SCRIPT: &str = include_str!("../../kernels/kernel_broker_relay.py");
+/// Its file name.
+pub const RELAY_SCRIPT_NAME: &str = "kernel_broker_relay.py";
+
 /// What [`install_script`] writes, modules first: the script must never find a module
 /// missing.
-const INSTALLED: [(&str, &str); 4] = [
+const INSTALLED: [(&str, &str); 5] = [
     (E2B_MODULE_NAME, E2B_MODULE),
     (NETWORK_MODULE_NAME, NETWORK_MODULE),
     (FORK_MODULE_NAME, FORK_MODULE),
+    (RELAY_SCRIPT_NAME, RELAY_SCRIPT),
     (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
 ];
+
+/// Whether a launch's argv runs one of the broker's scripts, so that their directory must
+/// be shown to it.
+pub fn runs_broker_script(argv: &[String]) -> bool {
+    argv.iter()
+        .any(|a| a.ends_with(BOOT_SCRIPT_NAME) || a.ends_with(RELAY_SCRIPT_NAME))
+}
+
+/// Whether the spec's kernel binds TCP only (`metadata.kernel_broker.transport: "tcp"`), so
+/// it is started behind the relay.
+pub fn spec_wants_tcp(raw: &Value) -> bool {
+    raw.get("metadata")
+        .and_then(|m| m.get("kernel_broker"))
+        .and_then(|k| k.get("transport"))
+        .and_then(Value::as_str)
+        == Some("tcp")
+}
+
+/// Where the relay writes the kernel's TCP connection file: beside the `ipc` one.
+pub fn tcp_connection_file(ipc_file: &str) -> String {
+    match ipc_file.strip_suffix(".json") {
+        Some(stem) => format!("{stem}-tcp.json"),
+        None => format!("{ipc_file}-tcp"),
+    }
+}
+
+/// `python -I <relay> IPC TCP -- ARGV`: the kernel's argv (whose `{connection_file}` must
+/// already name `tcp_file`) started by the relay, isolated as the bootstrap script is.
+pub fn relay_argv(
+    python: &str,
+    script: &str,
+    ipc_file: &str,
+    tcp_file: &str,
+    argv: &[String],
+) -> Vec<String> {
+    let mut out = vec![
+        python.to_string(),
+        "-I".to_string(),
+        script.to_string(),
+        ipc_file.to_string(),
+        tcp_file.to_string(),
+        "--".to_string(),
+    ];
+    out.extend(argv.iter().cloned());
+    out
+}
 
 /// Puts the script into `dir`, a directory only the broker can write (never one a kernel
 /// can: the script's directory must hold nothing a kernel planted), as a root-owned 0644
@@ -188,6 +243,46 @@ mod tests {
     }
 
     #[test]
+    fn tcp_only_specs_start_behind_the_relay() {
+        assert!(spec_wants_tcp(
+            &json!({"metadata": {"kernel_broker": {"transport": "tcp"}}})
+        ));
+        assert!(!spec_wants_tcp(
+            &json!({"metadata": {"kernel_broker": {"transport": "ipc"}}})
+        ));
+        assert!(!spec_wants_tcp(&json!({"metadata": {}})));
+        assert!(!spec_wants_tcp(&json!({"argv": ["x"]})));
+        assert_eq!(
+            tcp_connection_file("/run/kernel/connection.json"),
+            "/run/kernel/connection-tcp.json"
+        );
+        let argv = relay_argv(
+            "/py",
+            "/opt/kb/kernel_broker_relay.py",
+            "/run/k.json",
+            "/run/k-tcp.json",
+            &strings(&["deno", "jupyter", "--conn", "/run/k-tcp.json"]),
+        );
+        assert_eq!(
+            argv,
+            strings(&[
+                "/py",
+                "-I",
+                "/opt/kb/kernel_broker_relay.py",
+                "/run/k.json",
+                "/run/k-tcp.json",
+                "--",
+                "deno",
+                "jupyter",
+                "--conn",
+                "/run/k-tcp.json"
+            ])
+        );
+        assert!(runs_broker_script(&argv));
+        assert!(!runs_broker_script(&strings(&["deno", "jupyter"])));
+    }
+
+    #[test]
     fn only_ipykernel_launches_are_bootable() {
         let argv = strings(&["/py", "-m", "ipykernel_launcher", "-f", "{connection_file}"]);
         let (py, args) = ipykernel_args(&argv).unwrap();
@@ -233,7 +328,8 @@ mod tests {
                 BOOT_SCRIPT_NAME,
                 E2B_MODULE_NAME,
                 FORK_MODULE_NAME,
-                NETWORK_MODULE_NAME
+                NETWORK_MODULE_NAME,
+                RELAY_SCRIPT_NAME
             ]
         );
         // The boot script names the modules by these file names.

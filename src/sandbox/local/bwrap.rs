@@ -29,7 +29,18 @@ const ETC_RO_FILES: &[&str] = &[
     "/etc/ssl/certs",
     "/etc/alternatives",
     "/etc/mime.types",
+    // R's configuration (`/usr/lib/R/etc` links here): the kernel `r`.
+    "/etc/R",
 ];
+
+/// Whether a name in the host's `/etc` is a JDK's configuration (`java-17-openjdk`: its
+/// security policy and properties, which the JDK's `conf` links to), shown like
+/// [`ETC_RO_FILES`] for the kernel `java`.
+fn is_jdk_config(name: &str) -> bool {
+    name.strip_prefix("java-")
+        .and_then(|rest| rest.strip_suffix("-openjdk"))
+        .is_some_and(|version| !version.is_empty() && version.bytes().all(|b| b.is_ascii_digit()))
+}
 /// Top-level host directories mirrored (as the symlink they are, or read-only).
 const ROOT_TOPS: &[&str] = &["bin", "sbin", "lib", "lib64", "lib32", "libx32"];
 
@@ -81,6 +92,21 @@ pub(super) struct HostRoot {
     pub ca_file: Option<PathBuf>,
 }
 
+/// The JDK configurations in the host's `/etc`, in order.
+fn jdk_configs() -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/etc")
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_str().is_some_and(is_jdk_config))
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found
+}
+
 impl HostRoot {
     /// Looks at the host.
     pub fn probe(extra_ro_binds: &[PathBuf]) -> Self {
@@ -99,6 +125,7 @@ impl HostRoot {
                 .iter()
                 .map(PathBuf::from)
                 .filter(|p| p.exists())
+                .chain(jdk_configs())
                 .collect(),
             extra_ro_binds: extra_ro_binds
                 .iter()

@@ -388,6 +388,7 @@ fn the_kernel_environment_is_built_not_inherited() {
         venv: PathBuf::from("/work/kb/kernels/.venv"),
         base: PathBuf::from("/root/.pyenv/versions/3.11.7"),
         interpreter: PathBuf::from("bin/python3.11"),
+        programs: Vec::new(),
     };
     let env: HashMap<String, String> = kernel_env(&python, "a").into_iter().collect();
     assert!(env["PATH"].starts_with("/opt/kernel-venv/bin:"));
@@ -404,6 +405,7 @@ fn the_venv_and_the_home_are_at_neutral_paths() {
             venv: PathBuf::from("/work/kb/kernels/.venv"),
             base: PathBuf::from("/root/.pyenv/versions/3.11.7"),
             interpreter: PathBuf::from("bin/python3.11"),
+            programs: Vec::new(),
         },
         ..root()
     };
@@ -443,4 +445,20 @@ fn the_venv_and_the_home_are_at_neutral_paths() {
     assert!(!args
         .iter()
         .any(|a| a == "/root" || a.starts_with("/root/.pyenv/versions/3.11.7/")));
+}
+
+#[test]
+fn only_jdk_configurations_of_etc_are_shown_for_java() {
+    assert!(is_jdk_config("java-17-openjdk"));
+    assert!(is_jdk_config("java-21-openjdk"));
+    for name in [
+        "java-openjdk",
+        "java--openjdk",
+        "java-17-openjdk-x",
+        "java-../-openjdk",
+        "shadow",
+        "java-17",
+    ] {
+        assert!(!is_jdk_config(name), "{name}");
+    }
 }

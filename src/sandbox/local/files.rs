@@ -257,8 +257,8 @@ pub(super) fn workspace_owner(ids: Option<(u32, u32)>) -> WorkspaceOwner {
 }
 
 impl super::LocalSandbox {
-    /// Replaces `python`/`python3` as the program and `{python}`, `{connection_file}` and
-    /// `{resource_dir}` anywhere.
+    /// Replaces `python`/`python3` as the program and `{python}`, `{prefix}` (the kernels'
+    /// environment), `{connection_file}` and `{resource_dir}` anywhere.
     pub(super) fn substitute_argv(
         &self,
         argv: &[String],
@@ -266,6 +266,8 @@ impl super::LocalSandbox {
     ) -> Vec<String> {
         let python = self.venv.interpreter_inside(&self.cfg.python);
         let python = python.to_string_lossy();
+        let prefix = self.venv.prefix_inside();
+        let prefix = prefix.to_string_lossy();
         argv.iter()
             .enumerate()
             .map(|(i, arg)| {
@@ -274,6 +276,7 @@ impl super::LocalSandbox {
                 }
                 let mut arg = arg
                     .replace("{python}", &python)
+                    .replace("{prefix}", &prefix)
                     .replace("{connection_file}", CONNECTION_FILE_INSIDE);
                 if let Some(dir) = resource_dir {
                     arg = arg.replace("{resource_dir}", &dir.to_string_lossy());

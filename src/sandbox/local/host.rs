@@ -45,7 +45,8 @@ pub(super) fn discover_python(python: &Path) -> Result<KernelPython, SandboxErro
         Path::new(prefix),
         Path::new(base_prefix),
         Path::new(executable),
-    );
+    )
+    .with_programs_found();
     if found.host_dirs().iter().any(|d| d == Path::new("/")) {
         return Err(unavailable(format!(
             "the kernels' Python {} is installed at /, which cannot be shown to kernels alone",

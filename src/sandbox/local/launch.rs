@@ -2,7 +2,7 @@
 //! started plainly (through the bootstrap script when its spec is bootable).
 
 use super::process::SandboxCommand;
-use super::{boot, template, LocalSandbox, BOOT_DIR_INSIDE};
+use super::{boot, template, LocalSandbox, BOOT_DIR_INSIDE, CONNECTION_FILE_INSIDE};
 use crate::sandbox::fsutil::launch_err;
 use crate::sandbox::launch_error::LaunchRefusal;
 use crate::sandbox::{LaunchSpec, Launched, SandboxError};
@@ -23,6 +23,28 @@ impl LocalSandbox {
         })?;
         let uses_resource_dir = kspec.argv.iter().any(|a| a.contains("{resource_dir}"));
         let resource_dir = uses_resource_dir.then(|| kspec.resource_dir.clone());
+        if boot::spec_wants_tcp(&kspec.raw) {
+            // Behind the relay, which reads the `ipc` connection file and writes the TCP one
+            // the kernel's own argv names (see `boot::relay_argv`).
+            let tcp_file = boot::tcp_connection_file(CONNECTION_FILE_INSIDE);
+            let own: Vec<String> = kspec
+                .argv
+                .iter()
+                .map(|a| a.replace("{connection_file}", &tcp_file))
+                .collect();
+            let own = self.substitute_argv(&own, resource_dir.as_deref());
+            let python = self.substitute_argv(&["python".to_string()], None);
+            let script = format!("{BOOT_DIR_INSIDE}/{}", boot::RELAY_SCRIPT_NAME);
+            let argv =
+                boot::relay_argv(&python[0], &script, CONNECTION_FILE_INSIDE, &tcp_file, &own);
+            tracing::debug!(kernel = %spec.kernel_name, ?argv, "launching kernel behind the relay");
+            let command = SandboxCommand {
+                argv,
+                env: kspec.env.clone(),
+                resource_dir,
+            };
+            return self.launch_argv(spec, command, cgroups).await;
+        }
         let argv = self.substitute_argv(&kspec.argv, resource_dir.as_deref());
         let preload = boot::resolve_preload(
             self.cfg.user_preload.get(&spec.user.name),

@@ -32,7 +32,7 @@ use super::own::{own_env, Placement};
 use super::reaper::{LocalKernel, Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use super::{BOOT_DIR_NAME, HOME_INSIDE};
-use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
+use crate::sandbox::boot;
 use crate::sandbox::cgroup::{Cgroups, Leaf};
 use crate::sandbox::fsutil::{self, launch_err, launch_failed, launch_step};
 use crate::sandbox::own_workspace::{self, OwnDirs};
@@ -95,7 +95,7 @@ impl LocalSandbox {
         cgroups: Option<Arc<Cgroups>>,
     ) -> Result<Launched, SandboxError> {
         let options = StartOptions {
-            boot_script: command.argv.iter().any(|a| a.ends_with(BOOT_SCRIPT_NAME)),
+            boot_script: boot::runs_broker_script(&command.argv),
             control: false,
             restore: None,
         };

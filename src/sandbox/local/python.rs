@@ -40,6 +40,9 @@ pub(super) enum KernelPython {
         base: PathBuf,
         /// The real interpreter, relative to `base` (`bin/python3.11`).
         interpreter: PathBuf,
+        /// The native programs of the venv's `bin` (executables, not `#!` scripts: Deno's
+        /// `deno`, installed from PyPI), shown beside the interpreter's links.
+        programs: Vec<String>,
     },
     /// An interpreter that is not in a venv (or whose binary lies outside its prefix):
     /// its directories are shown at their host paths, as they are.
@@ -76,6 +79,15 @@ pub(super) enum PythonMount {
     RemountRo(PathBuf),
 }
 
+/// Whether `path` starts like an executable (ELF), not a script.
+fn is_elf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok_and(|()| head == *b"\x7fELF")
+}
+
 impl KernelPython {
     /// What `host.rs` learned: `sys.prefix`, `sys.base_prefix` and the real executable.
     pub fn from_host(prefix: &Path, base: &Path, executable: &Path) -> Self {
@@ -85,6 +97,7 @@ impl KernelPython {
                 venv: prefix.to_path_buf(),
                 base: base.to_path_buf(),
                 interpreter,
+                programs: Vec::new(),
             },
             _ => {
                 let mut dirs: Vec<PathBuf> = Vec::new();
@@ -106,6 +119,45 @@ impl KernelPython {
                     dirs,
                 }
             }
+        }
+    }
+
+    /// The venv's native programs in `bin` (ELF executables; scripts name host paths in
+    /// their `#!` line and are left out), read from the host. Nothing for a `Host`.
+    pub fn with_programs_found(self) -> Self {
+        let Self::Venv {
+            venv,
+            base,
+            interpreter,
+            ..
+        } = self
+        else {
+            return self;
+        };
+        let mut programs: Vec<String> = std::fs::read_dir(venv.join("bin"))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                    .filter(|e| is_elf(&e.path()))
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        programs.sort();
+        Self::Venv {
+            venv,
+            base,
+            interpreter,
+            programs,
+        }
+    }
+
+    /// The environment's prefix inside the sandbox (`{prefix}` in a spec's argv: where pip
+    /// put a kernel's own files, as jjava's jars under `share/jupyter/kernels/java`).
+    pub fn prefix_inside(&self) -> PathBuf {
+        match self {
+            Self::Venv { .. } => PathBuf::from(VENV_INSIDE),
+            Self::Host { bin, .. } => bin.parent().map_or_else(|| bin.clone(), Path::to_path_buf),
         }
     }
 
@@ -152,6 +204,7 @@ impl KernelPython {
             venv,
             base,
             interpreter,
+            programs,
         } = self
         else {
             let Self::Host { dirs, .. } = self else {
@@ -196,10 +249,19 @@ impl KernelPython {
                 names.push(name.to_string());
             }
         }
-        for name in names {
+        for name in &names {
             out.push(PythonMount::Symlink {
                 target: base_inside.join(interpreter),
                 link: bin.join(name),
+            });
+        }
+        for name in programs {
+            if names.iter().any(|n| n == name) || name.contains('/') {
+                continue;
+            }
+            out.push(PythonMount::RoBind {
+                src: venv.join("bin").join(name),
+                dest: bin.join(name),
             });
         }
         out.push(PythonMount::RemountRo(bin));
@@ -229,9 +291,11 @@ mod tests {
                 venv: p("/work/kb/kernels/.venv"),
                 base: p("/root/.pyenv/versions/3.11.7"),
                 interpreter: p("bin/python3.11"),
+                programs: Vec::new(),
             }
         );
         assert_eq!(pyenv.bin_inside(), p("/opt/kernel-venv/bin"));
+        assert_eq!(pyenv.prefix_inside(), p("/opt/kernel-venv"));
         assert_eq!(
             pyenv.library_path().as_deref(),
             Some("/opt/kernel-python/lib")
@@ -256,6 +320,7 @@ mod tests {
             }
         );
         assert_eq!(plain.bin_inside(), p("/opt/py/bin"));
+        assert_eq!(plain.prefix_inside(), p("/opt/py"));
         assert_eq!(plain.library_path(), None);
     }
 
@@ -266,6 +331,9 @@ mod tests {
             venv: p("/work/kb/kernels/.venv"),
             base: p("/root/.pyenv/versions/3.11.7"),
             interpreter: p("bin/python3.11"),
+            // A native program (Deno) is shown; a name that is the interpreter's, or not a
+            // plain name, never is.
+            programs: vec!["deno".into(), "python".into(), "../x".into()],
         };
         let link = |name: &str| PythonMount::Symlink {
             target: p("/opt/kernel-python/bin/python3.11"),
@@ -290,6 +358,10 @@ mod tests {
                 link("python"),
                 link("python3"),
                 link("python3.11"),
+                PythonMount::RoBind {
+                    src: p("/work/kb/kernels/.venv/bin/deno"),
+                    dest: p("/opt/kernel-venv/bin/deno"),
+                },
                 PythonMount::RemountRo(p("/opt/kernel-venv/bin")),
             ]
         );
@@ -297,6 +369,7 @@ mod tests {
             venv: p("/srv/venv"),
             base: p("/usr"),
             interpreter: p("bin/python3"),
+            programs: Vec::new(),
         };
         let mounts = debian.mounts(&rundir);
         assert_eq!(
@@ -309,5 +382,27 @@ mod tests {
         // python3 is the interpreter's own name: linked once.
         assert_eq!(mounts.len(), 7);
         assert!(PYVENV_CFG.starts_with(&format!("home = {BASE_INSIDE}/bin\n")));
+    }
+
+    #[test]
+    fn only_the_venvs_native_programs_are_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("deno"), b"\x7fELF\x02\x01\x01rest").unwrap();
+        std::fs::write(bin.join("pip"), b"#!/host/path/python\n").unwrap();
+        std::fs::write(bin.join("short"), b"\x7f").unwrap();
+        std::os::unix::fs::symlink("/usr/bin/python3", bin.join("python")).unwrap();
+        let found = KernelPython::Venv {
+            venv: dir.path().to_path_buf(),
+            base: p("/usr"),
+            interpreter: p("bin/python3"),
+            programs: Vec::new(),
+        }
+        .with_programs_found();
+        let KernelPython::Venv { programs, .. } = found else {
+            panic!("still a venv")
+        };
+        assert_eq!(programs, ["deno"]);
     }
 }
