@@ -6,7 +6,9 @@ the session's files. A cell may hold several statements: all run, and the last o
 come back as the cell's result, as a table in three forms (``text/plain``, ``text/html`` and
 ``application/vnd.dataresource+json``, the machine-readable one). An error is the kernel's
 ``error`` with DuckDB's message. An interrupt (``interrupt_request`` or SIGINT) interrupts the
-running query.
+running query. An execution's environment variables (``metadata.kernel_broker.env``, E2B's
+``envs``) are set for it alone and put back after, acknowledged in its reply as the Python
+kernels' hooks do.
 
 Run as ``python -I kernel_broker_sql.py -f CONNECTION_FILE`` (``kernels/sql/kernel.json``).
 """
@@ -117,6 +119,35 @@ class DuckDBKernel(Kernel):
     async def do_execute(
         self, code, silent, store_history=True, user_expressions=None, allow_stdin=False, **kwargs
     ):
+        env = self._asked_env()
+        if env is None:
+            return await self._execute(code, silent)
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            reply = await self._execute(code, silent)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        reply["kernel_broker_env"] = "restored"
+        return reply
+
+    def _asked_env(self):
+        """The execution's variables (``metadata.kernel_broker.env``), if it asks for any."""
+        try:
+            env = self.get_parent("shell").get("metadata", {}).get("kernel_broker", {}).get("env")
+        except (AttributeError, TypeError):
+            return None
+        if not isinstance(env, dict) or not env:
+            return None
+        if not all(isinstance(k, str) and isinstance(v, str) and "\0" not in k + v for k, v in env.items()):
+            return None
+        return env
+
+    async def _execute(self, code, silent):
         if not code.strip():
             return self._ok()
         previous = signal.signal(signal.SIGINT, lambda *_: self.con.interrupt())

@@ -33,6 +33,7 @@ pub mod error;
 pub mod extract;
 mod files;
 pub mod jupyter;
+pub(crate) mod kernels;
 pub mod listener;
 /// MCP over Streamable HTTP at `/mcp` (issue 14).
 pub mod mcp;
@@ -121,6 +122,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(checkpoints::routes())
         .merge(pause::routes())
         .merge(snapshots::routes())
+        .merge(kernels::routes())
         .merge(files::routes())
         .merge(stream::routes())
         .merge(ops::routes())

@@ -10,6 +10,31 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
+/// Other names of the shipped kernels, as E2B's SDK and its users send them (a spec of that
+/// exact name, if a broker has one, goes first).
+pub const ALIASES: &[(&str, &str)] = &[
+    ("python", "python3"),
+    ("ir", "r"),
+    ("R", "r"),
+    ("js", "javascript"),
+    ("ts", "javascript"),
+    ("typescript", "javascript"),
+    ("deno", "javascript"),
+    ("sh", "bash"),
+    ("duckdb", "sql"),
+];
+
+/// The name among `names` that `name` is, or that it is an alias of.
+pub fn resolve_name<'a>(
+    name: &str,
+    names: impl Iterator<Item = &'a str> + Clone,
+) -> Option<&'a str> {
+    names.clone().find(|n| *n == name).or_else(|| {
+        let (_, to) = ALIASES.iter().find(|(alias, _)| *alias == name)?;
+        names.clone().find(|n| n == to)
+    })
+}
+
 /// Errors reading the kernel specs, with the path concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
@@ -183,6 +208,20 @@ impl KernelSpecs {
         self.specs.iter().find(|s| s.name == name)
     }
 
+    /// The spec a name or one of its [`ALIASES`] names.
+    pub fn resolve(&self, name: &str) -> Option<&KernelSpec> {
+        resolve_name(name, self.specs.iter().map(|s| s.name.as_str())).and_then(|n| self.get(n))
+    }
+
+    /// The aliases that name `spec` here (none that a spec of its own answers to).
+    pub fn aliases_of(&self, spec: &str) -> Vec<&'static str> {
+        ALIASES
+            .iter()
+            .filter(|(alias, to)| *to == spec && self.get(alias).is_none())
+            .map(|(alias, _)| *alias)
+            .collect()
+    }
+
     /// All specs, the default (`python3` if present) first.
     pub fn iter(&self) -> impl Iterator<Item = &KernelSpec> {
         self.specs.iter()
@@ -256,6 +295,37 @@ mod tests {
         assert!(specs.dir().is_absolute());
         assert_eq!(specs.get("javascript").unwrap().language, "typescript");
         assert_eq!(specs.get("r").unwrap().language, "R");
+    }
+
+    #[test]
+    fn names_and_e2bs_aliases_resolve_to_the_specs() {
+        let specs = KernelSpecs::load(Path::new("kernels")).unwrap();
+        for (name, spec) in [
+            ("python3", "python3"),
+            ("python", "python3"),
+            ("r", "r"),
+            ("ir", "r"),
+            ("js", "javascript"),
+            ("ts", "javascript"),
+            ("typescript", "javascript"),
+            ("deno", "javascript"),
+            ("javascript", "javascript"),
+            ("bash", "bash"),
+            ("java", "java"),
+            ("sql", "sql"),
+        ] {
+            assert_eq!(
+                specs.resolve(name).map(|s| s.name.as_str()),
+                Some(spec),
+                "{name}"
+            );
+        }
+        assert!(specs.resolve("cobol").is_none());
+        assert!(specs.resolve("").is_none());
+        assert_eq!(specs.aliases_of("r"), vec!["ir", "R"]);
+        // Without its spec, an alias names nothing.
+        let (no_r, _) = specs.retained(|s| s.name != "r");
+        assert!(no_r.resolve("ir").is_none());
     }
 
     #[test]

@@ -117,6 +117,36 @@ pub fn thread_env(limits: &UserLimits) -> Vec<(String, String)> {
     .collect()
 }
 
+/// What the language runtimes read to stay within a kernel's memory instead of meeting the
+/// OOM killer: a JVM's heap (half of the limit: `-XX:MaxRAM` makes it size itself from the
+/// kernel's limit, not the host's memory, which it cannot see through a v1 cgroup; past it
+/// Java answers `OutOfMemoryError` and the kernel lives), R's vector heap (three quarters:
+/// past it R answers "vector memory exhausted" as an error), and the limit itself for
+/// kernels that size their own budgets (`KERNEL_BROKER_MEMORY_LIMIT`, read by the SQL
+/// kernel's DuckDB). V8 (Deno) is left alone: it cannot survive its heap's exhaustion
+/// either way, and the OOM killer's end is the one the broker explains. Nothing without a
+/// limit.
+pub fn runtime_env(kernel: &KernelLimits, user: &UserLimits) -> Vec<(String, String)> {
+    let bytes = kernel.memory_bytes;
+    if bytes == 0 {
+        return Vec::new();
+    }
+    let mib = (bytes >> 20).max(1);
+    let cpus = if user.cpus.is_finite() && user.cpus >= 1.0 {
+        (user.cpus.ceil() as u64).min(64)
+    } else {
+        1
+    };
+    vec![
+        ("KERNEL_BROKER_MEMORY_LIMIT".into(), bytes.to_string()),
+        (
+            "JAVA_TOOL_OPTIONS".into(),
+            format!("-XX:MaxRAM={bytes} -XX:MaxRAMPercentage=50 -XX:ActiveProcessorCount={cpus}"),
+        ),
+        ("R_MAX_VSIZE".into(), format!("{}Mb", (mib * 3 / 4).max(16))),
+    ]
+}
+
 /// The `oom_score_adj` of every kernel process. When the host as a whole runs out of memory
 /// (more is admitted across users than the host has), its OOM killer picks by this score
 /// plus each process's share of RAM: with +500 it kills kernels, the biggest first, before
@@ -137,6 +167,41 @@ pub struct KernelLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runtimes_are_sized_from_the_kernels_limit() {
+        let user = UserLimits {
+            cpus: 1.5,
+            ..UserLimits::default()
+        };
+        let env: std::collections::HashMap<String, String> = runtime_env(
+            &KernelLimits {
+                memory_bytes: 256 << 20,
+                pids: 64,
+            },
+            &user,
+        )
+        .into_iter()
+        .collect();
+        assert_eq!(
+            env["KERNEL_BROKER_MEMORY_LIMIT"],
+            (256u64 << 20).to_string()
+        );
+        assert_eq!(
+            env["JAVA_TOOL_OPTIONS"],
+            "-XX:MaxRAM=268435456 -XX:MaxRAMPercentage=50 -XX:ActiveProcessorCount=2"
+        );
+        assert!(!env.contains_key("DENO_V8_FLAGS"));
+        assert_eq!(env["R_MAX_VSIZE"], "192Mb");
+        assert!(runtime_env(
+            &KernelLimits {
+                memory_bytes: 0,
+                pids: 64
+            },
+            &user
+        )
+        .is_empty());
+    }
 
     #[test]
     fn the_pids_limit_acts_before_the_memory_limit_by_default() {

@@ -75,8 +75,9 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 pub use limits::{
-    thread_env, KernelLimits, UserLimits, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MEMORY,
-    DEFAULT_SESSION_PIDS, KERNEL_BASE_MEMORY, KERNEL_OOM_SCORE_ADJ, PROCESS_MEMORY,
+    runtime_env, thread_env, KernelLimits, UserLimits, DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_MEMORY, DEFAULT_SESSION_PIDS, KERNEL_BASE_MEMORY, KERNEL_OOM_SCORE_ADJ,
+    PROCESS_MEMORY,
 };
 
 /// Who a kernel runs for.

@@ -29,6 +29,9 @@ pub struct ExecRequest {
     pub stream: Option<mpsc::Sender<OutputEvent>>,
     /// What the kernel's own hooks apply to this execution (none: plain IPython).
     pub hooks: Option<super::hooks::KernelHooks>,
+    /// The variables of `hooks` set and put back by code of the kernel's own language
+    /// (kernels without the hooks: `env_code.rs`).
+    pub env_code: Option<super::env_code::EnvCode>,
     pub done: oneshot::Sender<Execution>,
 }
 

@@ -57,6 +57,7 @@ pub struct ExecuteRequest {
     allow_stdin: bool,
     stream: Option<mpsc::Sender<OutputEvent>>,
     hooks: Option<KernelHooks>,
+    env_code: Option<super::env_code::EnvCode>,
 }
 
 impl ExecuteRequest {
@@ -90,6 +91,7 @@ impl ExecuteRequest {
             allow_stdin: false,
             stream: None,
             hooks: None,
+            env_code: None,
         })
     }
 
@@ -101,6 +103,18 @@ impl ExecuteRequest {
             .map_err(|source| SessionError::InvalidEnv { source })?;
         self.hooks = Some(KernelHooks { e2b: true, env });
         Ok(self)
+    }
+
+    /// For a kernel of `language` (its spec's): its variables ([`Self::e2b`]) are set and
+    /// put back by code of that language when the kernel has no hooks to apply them
+    /// ([`super::env_code`]).
+    pub fn in_language(mut self, language: &str) -> Self {
+        if let Some(hooks) = &self.hooks {
+            if !super::env_code::applied_by_kernel(language) {
+                self.env_code = super::env_code::for_language(language, &hooks.env);
+            }
+        }
+        self
     }
 
     /// Output events as they happen go to `sink`; dropped (never awaited) when the client
@@ -137,6 +151,7 @@ impl Session {
             allow_stdin: request.allow_stdin,
             stream: request.stream,
             hooks: request.hooks,
+            env_code: request.env_code,
             done,
         })?;
         Ok(result)

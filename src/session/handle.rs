@@ -504,6 +504,7 @@ impl Session {
             allow_stdin: false,
             stream: None,
             hooks: None,
+            env_code: None,
             done,
         })?;
         rx.await.map_err(|_| SessionError::Closed(self.id))

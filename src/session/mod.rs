@@ -57,6 +57,7 @@ mod command;
 mod config;
 mod create;
 mod egress;
+pub mod env_code;
 mod error;
 mod event;
 mod execute;

@@ -221,6 +221,7 @@ async fn create(
             started_at: session.created_at,
             contexts: Vec::new(),
             context_cwds: std::collections::HashMap::new(),
+            default_contexts: Default::default(),
             commands: Default::default(),
         },
     );

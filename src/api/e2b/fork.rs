@@ -138,6 +138,7 @@ async fn fork(
                 started_at: fork.created_at,
                 contexts: Vec::new(),
                 context_cwds: Default::default(),
+                default_contexts: Default::default(),
                 commands: Default::default(),
             },
         );

@@ -12,6 +12,7 @@
 //! hooks, with `env_vars` as the execution's own variables (`ExecuteRequest::e2b`); the
 //! bundles are forwarded as the kernel made them, never parsed beyond that mapping.
 
+use crate::kernel::spec::KernelSpecs;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -71,12 +72,35 @@ fn env_vars(given: Option<Map<String, Value>>) -> E2bResult<BTreeMap<String, Str
         .collect()
 }
 
-fn check_language(language: Option<&str>) -> E2bResult<()> {
-    match language {
-        None | Some("python" | "python3" | "") => Ok(()),
-        Some(other) => Err(E2bError::bad_request(format!(
-            "language {other:?} is not available: kernel-broker's sandboxes run Python only"
+/// The kernel a `language` names (E2B's names and aliases: `python`, `r`, `js`/`javascript`,
+/// `ts`/`typescript`, `bash`, `java`; and this broker's `sql`); `None` for none given.
+fn kernel_for(specs: &KernelSpecs, language: Option<&str>) -> E2bResult<Option<String>> {
+    let Some(language) = language.filter(|l| !l.is_empty()) else {
+        return Ok(None);
+    };
+    match specs.resolve(language) {
+        Some(spec) => Ok(Some(spec.name.clone())),
+        None => Err(E2bError::bad_request(format!(
+            "language {:?} is not available: this broker's kernels are {}",
+            language.chars().take(64).collect::<String>(),
+            specs.names().join(", ")
         ))),
+    }
+}
+
+/// The language of a session's kernel, as its spec names it.
+fn language_of(specs: &KernelSpecs, session: &Session) -> String {
+    specs
+        .get(&session.kernel_name)
+        .map_or_else(|| "python".into(), |s| s.language.clone())
+}
+
+/// E2B's name for the language of a kernel (`python`, `r`, `javascript`, ...).
+fn e2b_language(specs: &KernelSpecs, kernel: &str) -> String {
+    match specs.get(kernel).map(|s| s.language.to_ascii_lowercase()) {
+        Some(l) if l == "typescript" => "javascript".into(),
+        Some(l) => l,
+        None => kernel.to_string(),
     }
 }
 
@@ -226,7 +250,7 @@ async fn execute(
     )
     .await?;
     let req: ExecuteBody = parse_json(&bytes, "request body")?;
-    check_language(req.language.as_deref())?;
+    let kernel = kernel_for(&state.kernelspecs, req.language.as_deref())?;
     if req.context_id.is_some() && req.language.is_some() {
         return Err(E2bError::bad_request(
             "give a context or a language, not both",
@@ -243,7 +267,14 @@ async fn execute(
         &state.execution_limits(),
     )?
     .e2b(env)?;
-    let session = context_session(&state, &caller, req.context_id.as_deref())?;
+    // A language runs in its default context: the sandbox's own for its kernel (Python),
+    // else one made for that language at its first use, as E2B's code interpreter has one
+    // per language.
+    let session = match kernel {
+        Some(k) if k != caller.session.kernel_name => default_context(&state, &caller, &k).await?,
+        _ => context_session(&state, &caller, req.context_id.as_deref())?,
+    };
+    let request = request.in_language(&language_of(&state.kernelspecs, &session));
     let (out_tx, mut out_rx) = mpsc::channel::<OutputEvent>(256);
     let mut done_rx = session.submit(request.streaming(out_tx))?;
     // The lines wait for the client in a queue under the user's execution-output budget,
@@ -350,26 +381,78 @@ struct ContextBody {
     cwd: Option<String>,
 }
 
-fn context_json(id: Uuid, cwd: Option<&str>) -> Value {
-    json!({"id": id.to_string(), "language": "python", "cwd": cwd.unwrap_or(WORKDIR)})
+fn context_json(id: Uuid, language: &str, cwd: Option<&str>) -> Value {
+    json!({"id": id.to_string(), "language": language, "cwd": cwd.unwrap_or(WORKDIR)})
 }
 
-/// Create a context: another kernel in the same sandbox
-#[utoipa::path(post, operation_id = "e2b_create_context", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
-    responses((status = 200, description = "`{id, language, cwd}`", body = serde_json::Value), SandboxErrors))]
-async fn create_context(
-    State(state): State<AppState>,
-    caller: SandboxCaller,
-    body: Body,
-) -> E2bResult<Json<Value>> {
-    let bytes = read_limited(body, 64 << 10, "request body").await?;
-    let req: ContextBody = parse_json(&bytes, "request body")?;
-    check_language(req.language.as_deref())?;
-    let cwd = super::context_cwd::asked(req.cwd.as_deref())?;
-    let sandbox = Metadata::lenient([("sandbox".to_string(), caller.session.id.to_string())]);
-    let options =
-        super::control::session_options(&state, sandbox, WorkspaceChoice::OwnOf(caller.session.id));
-    let room = crate::api::cluster::quota::room(&state, &caller.user).await?;
+/// The sandbox's default context for `kernel`, made at its first use.
+async fn default_context(
+    state: &AppState,
+    caller: &SandboxCaller,
+    kernel: &str,
+) -> E2bResult<Arc<Session>> {
+    let known = caller
+        .e2b
+        .with(caller.session.id, |m| {
+            m.default_contexts.get(kernel).copied()
+        })
+        .flatten();
+    if let Some(id) = known {
+        if let Ok(s) = state.registry.get(&caller.user.name, id) {
+            return Ok(s);
+        }
+    }
+    let session = make_context(state, caller, Some(kernel), None, true).await?;
+    // Two first uses at once: the first one recorded is the default, the other goes.
+    let chosen = caller
+        .e2b
+        .with(caller.session.id, |m| {
+            let id = *m
+                .default_contexts
+                .entry(kernel.to_string())
+                .or_insert(session.id);
+            if id != session.id {
+                m.contexts.retain(|c| *c != session.id);
+            }
+            id
+        })
+        .unwrap_or(session.id);
+    if chosen != session.id {
+        let _ = state
+            .registry
+            .delete(&caller.user.name, session.id, EndedBy::SandboxEnded)
+            .await;
+        return state
+            .registry
+            .get(&caller.user.name, chosen)
+            .map_err(|_| E2bError::not_found("the sandbox has ended"));
+    }
+    Ok(session)
+}
+
+/// The session metadata that marks a language's default context (its kernel's name), so
+/// that a broker taking the sandbox back from an earlier run knows it again.
+pub(super) const DEFAULT_CONTEXT_KEY: &str = "default_context";
+
+/// A new context session of the sandbox: its kernel (`None`: the default), in the
+/// sandbox's workspace, at `cwd` if given; `language_default`: a language's default
+/// context, marked so in its metadata ([`DEFAULT_CONTEXT_KEY`]).
+async fn make_context(
+    state: &AppState,
+    caller: &SandboxCaller,
+    kernel: Option<&str>,
+    cwd: Option<String>,
+    language_default: bool,
+) -> E2bResult<Arc<Session>> {
+    let mut entries = vec![("sandbox".to_string(), caller.session.id.to_string())];
+    if let Some(k) = kernel.filter(|_| language_default) {
+        entries.push((DEFAULT_CONTEXT_KEY.to_string(), k.to_string()));
+    }
+    let sandbox = Metadata::lenient(entries);
+    let mut options =
+        super::control::session_options(state, sandbox, WorkspaceChoice::OwnOf(caller.session.id));
+    options.kernel = kernel.map(str::to_string);
+    let room = crate::api::cluster::quota::room(state, &caller.user).await?;
     let session = state
         .registry
         .create_session(room.request(caller.user.create_request(options)))
@@ -385,7 +468,7 @@ async fn create_context(
     }
     session.set_pause_at_deadline(caller.session.pauses_at_deadline());
     if let Some(dir) = &cwd {
-        if let Err(e) = super::context_cwd::apply(&state, &session, dir).await {
+        if let Err(e) = super::context_cwd::apply(state, &session, dir).await {
             let _ = state
                 .registry
                 .delete(&caller.user.name, session.id, EndedBy::SetupFailed)
@@ -409,21 +492,60 @@ async fn create_context(
             .await;
         return Err(E2bError::not_found("the sandbox has ended"));
     }
-    Ok(Json(context_json(session.id, cwd.as_deref())))
+    Ok(session)
+}
+
+/// Create a context: another kernel in the same sandbox
+#[utoipa::path(post, operation_id = "e2b_create_context", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
+    responses((status = 200, description = "`{id, language, cwd}`", body = serde_json::Value), SandboxErrors))]
+async fn create_context(
+    State(state): State<AppState>,
+    caller: SandboxCaller,
+    body: Body,
+) -> E2bResult<Json<Value>> {
+    let bytes = read_limited(body, 64 << 10, "request body").await?;
+    let req: ContextBody = parse_json(&bytes, "request body")?;
+    let kernel = kernel_for(&state.kernelspecs, req.language.as_deref())?;
+    let cwd = super::context_cwd::asked(req.cwd.as_deref())?;
+    let session = make_context(&state, &caller, kernel.as_deref(), cwd.clone(), false).await?;
+    Ok(Json(context_json(
+        session.id,
+        &e2b_language(&state.kernelspecs, &session.kernel_name),
+        cwd.as_deref(),
+    )))
 }
 
 /// The sandbox's contexts
 #[utoipa::path(get, operation_id = "e2b_list_contexts", path = "/e2b/sandbox/contexts", tag = "e2b", security(()),
     responses((status = 200, description = "`[{id, language, cwd}]`", body = serde_json::Value), SandboxErrors))]
-async fn list_contexts(caller: SandboxCaller) -> Json<Vec<Value>> {
-    let mut list = vec![context_json(caller.session.id, None)];
-    caller.e2b.with(caller.session.id, |m| {
-        list.extend(
+async fn list_contexts(State(state): State<AppState>, caller: SandboxCaller) -> Json<Vec<Value>> {
+    let specs = &state.kernelspecs;
+    let mut list = vec![context_json(
+        caller.session.id,
+        &e2b_language(specs, &caller.session.kernel_name),
+        None,
+    )];
+    let contexts = caller
+        .e2b
+        .with(caller.session.id, |m| {
             m.contexts
                 .iter()
-                .map(|id| context_json(*id, m.context_cwds.get(id).map(String::as_str))),
-        )
-    });
+                .map(|id| (*id, m.context_cwds.get(id).cloned()))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for (id, cwd) in contexts {
+        let kernel = state
+            .registry
+            .get(&caller.user.name, id)
+            .map(|s| s.kernel_name.clone())
+            .unwrap_or_default();
+        list.push(context_json(
+            id,
+            &e2b_language(specs, &kernel),
+            cwd.as_deref(),
+        ));
+    }
     Json(list)
 }
 
@@ -444,6 +566,7 @@ async fn delete_context(
     caller.e2b.with(caller.session.id, |m| {
         m.contexts.retain(|c| *c != session.id);
         m.context_cwds.remove(&session.id);
+        m.default_contexts.retain(|_, c| *c != session.id);
     });
     state
         .registry
@@ -495,8 +618,21 @@ mod tests {
         .unwrap();
         assert_eq!(e["traceback"], "a\nb");
         assert_eq!(e["name"], "KeyError");
-        assert!(check_language(Some("r")).is_err());
-        assert!(check_language(None).is_ok());
+        let specs = KernelSpecs::load(std::path::Path::new("kernels")).unwrap();
+        assert_eq!(
+            kernel_for(&specs, Some("js")).unwrap().as_deref(),
+            Some("javascript")
+        );
+        assert_eq!(
+            kernel_for(&specs, Some("python")).unwrap().as_deref(),
+            Some("python3")
+        );
+        assert_eq!(kernel_for(&specs, None).unwrap(), None);
+        assert_eq!(kernel_for(&specs, Some("")).unwrap(), None);
+        assert!(kernel_for(&specs, Some("cobol")).is_err());
+        assert_eq!(e2b_language(&specs, "javascript"), "javascript");
+        assert_eq!(e2b_language(&specs, "r"), "r");
+        assert_eq!(e2b_language(&specs, "python3"), "python");
     }
 
     #[test]

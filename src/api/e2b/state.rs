@@ -33,6 +33,9 @@ pub struct SandboxMeta {
     /// The working directory each context was created with, when not the home directory
     /// (`GET /contexts` lists it as E2B does).
     pub context_cwds: HashMap<Uuid, String>,
+    /// Each language's default context (by its kernel's name): where `run_code(language=...)`
+    /// without a context runs, made at its first use.
+    pub default_contexts: HashMap<String, Uuid>,
     pub commands: HashMap<u32, Arc<Command>>,
 }
 
@@ -128,10 +131,21 @@ impl E2bState {
             if self.with(sandbox.id, |_| ()).is_some() {
                 continue;
             }
-            let contexts = all
+            let context_sessions: Vec<_> = all
                 .iter()
                 .filter(|c| e2b(c) && c.id != sandbox.id && c.own_workspace == Some(sandbox.id))
-                .map(|c| c.id)
+                .collect();
+            let contexts = context_sessions.iter().map(|c| c.id).collect();
+            let default_contexts = context_sessions
+                .iter()
+                .filter_map(|c| {
+                    let kernel = c
+                        .provenance
+                        .metadata
+                        .entries()
+                        .get(super::interpreter::DEFAULT_CONTEXT_KEY)?;
+                    (*kernel == c.kernel_name).then(|| (kernel.clone(), c.id))
+                })
                 .collect();
             let metadata = sandbox
                 .provenance
@@ -149,6 +163,7 @@ impl E2bState {
                     started_at: sandbox.created_at,
                     contexts,
                     context_cwds: HashMap::new(),
+                    default_contexts,
                     commands: HashMap::new(),
                 },
             );

@@ -21,6 +21,24 @@ pub struct RunPythonArgs {
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+pub struct RunCodeArgs {
+    /// Source to run, as in a notebook cell of that language.
+    pub code: String,
+    /// The language (a kernel's name or alias): `python` (the default), `r`, `javascript`
+    /// (or `js`, `typescript`, `ts`: Deno), `bash`, `java`, `sql` (DuckDB over the
+    /// workspace's files), as this broker has them (see the tool's description).
+    pub language: Option<String>,
+    /// A session id from create_session or list_sessions (its kernel must be of that
+    /// language); leave it out to use this connection's own session of that language
+    /// (created on first use, sharing the workspace of the connection's other sessions).
+    pub session_id: Option<String>,
+    /// Seconds before the run is interrupted (default and maximum: the broker's).
+    #[schemars(range(min = 0.001))]
+    pub timeout_seconds: Option<f64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct UploadFileArgs {
     /// Where to write, relative to the workspace (e.g. `data/sales.csv`); no `..`.
     pub path: String,

@@ -57,9 +57,13 @@ impl Call {
     }
 }
 
-/// The broker session of an MCP session (for calls without `session_id`).
+/// The broker session of an MCP session (for calls without `session_id`), and its sessions
+/// of other languages (`run_code`), which share its workspace.
 #[derive(Default)]
-pub struct OwnSession(tokio::sync::Mutex<Option<Made>>);
+pub struct OwnSession(
+    tokio::sync::Mutex<Option<Made>>,
+    tokio::sync::Mutex<std::collections::HashMap<String, Made>>,
+);
 
 /// A session this MCP session made, and what deleting it needs.
 pub struct Made {
@@ -74,30 +78,45 @@ impl OwnSession {
     pub fn slot(&self) -> &tokio::sync::Mutex<Option<Made>> {
         &self.0
     }
+
+    /// This MCP session's sessions of other languages, by kernel name (the same rule: the
+    /// lock is held across a create).
+    pub fn languages(&self) -> &tokio::sync::Mutex<std::collections::HashMap<String, Made>> {
+        &self.1
+    }
 }
 
 impl Drop for OwnSession {
-    /// The MCP session ended (DELETE /mcp, or idle past its keep-alive): its broker session
-    /// goes too, so it stops holding the user's quota. The recording stays.
+    /// The MCP session ended (DELETE /mcp, or idle past its keep-alive): its broker
+    /// sessions go too, so they stop holding the user's quota; those of other languages
+    /// first, then the one whose workspace they share. The recordings stay.
     fn drop(&mut self) {
-        let Some(made) = self.0.get_mut().take() else {
+        let mut all: Vec<Made> = self.1.get_mut().drain().map(|(_, m)| m).collect();
+        all.extend(self.0.get_mut().take());
+        if all.is_empty() {
             return;
-        };
+        }
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
-                    if let Err(e) = made
-                        .state
-                        .registry
-                        .delete(&made.user, made.id, EndedBy::McpSessionEnded)
-                        .await {
-                        tracing::debug!(session = %made.id, error = %e, "MCP session's own session already gone");
+                    for made in all {
+                        if let Err(e) = made
+                            .state
+                            .registry
+                            .delete(&made.user, made.id, EndedBy::McpSessionEnded)
+                            .await
+                        {
+                            tracing::debug!(session = %made.id, error = %e, "MCP session's own session already gone");
+                        }
                     }
                 });
             }
             // Only at process exit, when the registry's shutdown ends every session anyway.
             Err(_) => {
-                tracing::debug!(session = %made.id, "no runtime to delete the MCP session's own session")
+                tracing::debug!(
+                    sessions = all.len(),
+                    "no runtime to delete the MCP session's own sessions"
+                )
             }
         }
     }

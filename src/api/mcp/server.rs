@@ -20,13 +20,14 @@ use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler
 
 use super::args::{
     CreateSessionArgs, DeleteSessionArgs, DeleteSnapshotArgs, ForkSessionArgs, ReadFileArgs,
-    RewindArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
+    RewindArgs, RunCodeArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
 };
 use super::call::{Call, OwnSession};
 
 /// What the server tells a model about itself at `initialize`.
-const INSTRUCTIONS: &str = "Runs Python in persistent, sandboxed Jupyter (IPython) kernels. \
-State (variables, imports, files) persists across run_python calls of the same session. \
+const INSTRUCTIONS: &str = "Runs Python in persistent, sandboxed Jupyter (IPython) kernels, \
+and other languages (R, JavaScript/TypeScript, bash, Java, SQL over the workspace's files) \
+with run_code. State (variables, imports, files) persists across calls of the same session. \
 Without session_id, calls use this connection's own session, created on first use. \
 Files live in the user's workspace (the kernel's working directory, /workspace): upload with \
 upload_file, read with read_file or list_files. Charts from matplotlib come back as PNG \
@@ -72,6 +73,25 @@ impl McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.run_python_call(Call::of(context)?, args).await
+    }
+
+    #[tool(
+        name = "run_code",
+        description = RUN_CODE,
+        annotations(
+            title = "Run code",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn run_code(
+        &self,
+        Parameters(args): Parameters<RunCodeArgs>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.run_code_call(Call::of(context)?, args).await
     }
 
     #[tool(
@@ -343,8 +363,58 @@ impl McpServer {
     }
 }
 
+/// `run_code`'s description; `list_tools` adds the languages this broker has.
+const RUN_CODE: &str = "Run code in a persistent Jupyter kernel of the given language and return what it printed, its result (tables, text), and any charts (PNG images). `language` defaults to python; without session_id each language has this connection's own session, all sharing one workspace (so a CSV uploaded once is read from Python, R and SQL alike). Variables persist across calls of the same session. On an error the result is an error with the language's message: fix the code and call again.";
+
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for McpServer {
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
+        let supports_cache_hints = context
+            .protocol_version()
+            .is_some_and(|version| version >= rmcp::model::ProtocolVersion::V_2026_07_28);
+        let mut tools = self.tool_router.list_all();
+        // The languages are this broker's (its kernels): named in run_code's description
+        // and as its `language` argument's choices.
+        let call = Call::of(context)?;
+        let specs = &call.state.kernelspecs;
+        for tool in tools.iter_mut().filter(|t| t.name == "run_code") {
+            tool.description = Some(
+                format!(
+                    "{RUN_CODE} Languages here: {}.",
+                    super::tools::languages_here(specs)
+                )
+                .into(),
+            );
+            let mut schema = (*tool.input_schema).clone();
+            if let Some(language) = schema
+                .get_mut("properties")
+                .and_then(|p| p.get_mut("language"))
+                .and_then(|l| l.as_object_mut())
+            {
+                let mut names: Vec<serde_json::Value> = Vec::new();
+                for spec in specs.iter() {
+                    names.push(spec.name.clone().into());
+                    names.extend(specs.aliases_of(&spec.name).into_iter().map(Into::into));
+                }
+                language.insert("enum".into(), serde_json::Value::Array(names));
+                language.insert("type".into(), "string".into());
+            }
+            tool.input_schema = std::sync::Arc::new(schema);
+        }
+        Ok(rmcp::model::ListToolsResult {
+            result_type: Some(rmcp::model::ResultType::COMPLETE),
+            tools,
+            meta: None,
+            next_cursor: None,
+            ttl_ms: supports_cache_hints.then_some(0),
+            cache_scope: supports_cache_hints.then_some(rmcp::model::CacheScope::Public),
+        })
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(
             ServerCapabilities::builder()

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use super::args::{
     CreateSessionArgs, DeleteSessionArgs, DeleteSnapshotArgs, ForkSessionArgs, ReadFileArgs,
-    RewindArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
+    RewindArgs, RunCodeArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
 };
 use super::call::{internal_or, workspace, Call, Made};
 use super::content;
@@ -128,9 +128,104 @@ impl McpServer {
     }
 
     pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
-        let timeout = Timeout::Asked(args.timeout_seconds);
+        let session = self.session(&call, args.session_id.as_deref(), true).await;
+        self.execute_call(call, session, args.code, args.timeout_seconds)
+            .await
+    }
+
+    /// `run_code`: the session of the language asked (a named one must run that language;
+    /// otherwise this connection's own of that language), then as `run_python`.
+    pub(super) async fn run_code_call(&self, call: Call, args: RunCodeArgs) -> Outcome {
+        let specs = call.state.kernelspecs.clone();
+        let kernel = match args
+            .language
+            .as_deref()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+        {
+            None => None,
+            Some(language) => match specs.resolve(language) {
+                Some(spec) => Some(spec.name.clone()),
+                None => {
+                    return Ok(tool_error(format!(
+                        "language {:?} is not available here; the languages are: {}",
+                        language.chars().take(64).collect::<String>(),
+                        languages_here(&specs)
+                    )))
+                }
+            },
+        };
+        let session = match (args.session_id.as_deref(), kernel) {
+            (Some(id), kernel) => match self.session(&call, Some(id), false).await {
+                Ok(s) => match kernel {
+                    Some(k) if k != s.kernel_name => {
+                        return Ok(tool_error(format!(
+                            "session {} runs {}, not {k}: leave session_id out to use this connection's own {k} session, or create one with create_session",
+                            s.id, s.kernel_name
+                        )))
+                    }
+                    _ => Ok(s),
+                },
+                Err(m) => Err(m),
+            },
+            (None, Some(k)) if k != specs.default_name() => self.language_session(&call, &k).await,
+            (None, _) => self.session(&call, None, true).await,
+        };
+        self.execute_call(call, session, args.code, args.timeout_seconds)
+            .await
+    }
+
+    /// This connection's own session of `kernel`, made on first use in the workspace of its
+    /// own (Python) session, which is made first if need be.
+    async fn language_session(&self, call: &Call, kernel: &str) -> Result<Arc<Session>, String> {
+        let owner = self.session(call, None, true).await?;
+        let user = &call.caller.0.name;
+        let mut made = self.own.languages().lock().await;
+        if let Some(m) = made.get(kernel) {
+            match call.state.registry.get(user, m.id) {
+                Ok(s) => return Ok(s),
+                Err(_) => {
+                    made.remove(kernel);
+                }
+            }
+        }
+        let room = crate::api::cluster::quota::room(&call.state, &call.caller.0)
+            .await
+            .map_err(session_error)?;
+        let session = call
+            .state
+            .registry
+            .create_session(room.request(call.caller.0.create_request(CreateOptions {
+                provenance: call.provenance(),
+                kernel: Some(kernel.to_string()),
+                workspace: WorkspaceChoice::OwnOf(owner.id),
+                ..CreateOptions::default()
+            })))
+            .await
+            .map_err(|e| session_error(room.explain(e)))?;
+        drop(room);
+        tracing::info!(session = %session.id, user = %user, kernel, "MCP session made a session of another language");
+        made.insert(
+            kernel.to_string(),
+            Made {
+                id: session.id,
+                user: user.clone(),
+                state: call.state.clone(),
+            },
+        );
+        Ok(session)
+    }
+
+    async fn execute_call(
+        &self,
+        call: Call,
+        session: Result<Arc<Session>, String>,
+        code: String,
+        timeout_seconds: Option<f64>,
+    ) -> Outcome {
+        let timeout = Timeout::Asked(timeout_seconds);
         let limits = call.state.execution_limits();
-        let request = match ExecuteRequest::new(args.code, timeout, Origin::Mcp, &limits) {
+        let request = match ExecuteRequest::new(code, timeout, Origin::Mcp, &limits) {
             Ok(r) => r,
             Err(e @ SessionError::CodeTooLarge { .. }) => {
                 return Ok(tool_error(format!(
@@ -139,7 +234,7 @@ impl McpServer {
             }
             Err(e) => return Ok(tool_error(session_error(e))),
         };
-        let session = match self.session(&call, args.session_id.as_deref(), true).await {
+        let session = match session {
             Ok(s) => s,
             Err(m) => return Ok(tool_error(m)),
         };
@@ -558,4 +653,26 @@ impl McpServer {
             Err(e) => Ok(tool_error(e.to_string())),
         }
     }
+}
+
+/// The languages this broker has, as `run_code` takes them: each kernel's name, its
+/// language and aliases (`r (R; also ir)`).
+pub(super) fn languages_here(specs: &crate::kernel::spec::KernelSpecs) -> String {
+    specs
+        .iter()
+        .map(|s| {
+            let aliases = specs.aliases_of(&s.name);
+            if aliases.is_empty() {
+                format!("{} ({})", s.name, s.display_name)
+            } else {
+                format!(
+                    "{} ({}; also {})",
+                    s.name,
+                    s.display_name,
+                    aliases.join(", ")
+                )
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }

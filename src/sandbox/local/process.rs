@@ -40,8 +40,8 @@ use crate::sandbox::seccomp::SyscallFilter;
 use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::LaunchRefusal;
 use crate::sandbox::{
-    environ, thread_env, KernelLimits, KernelProcess, LaunchSpec, Launched, SandboxError,
-    SandboxUser, KERNEL_OOM_SCORE_ADJ,
+    environ, runtime_env, thread_env, KernelLimits, KernelProcess, LaunchSpec, Launched,
+    SandboxError, SandboxUser, KERNEL_OOM_SCORE_ADJ,
 };
 
 /// How long bwrap may take to report the sandbox's init pid.
@@ -153,6 +153,8 @@ impl LocalSandbox {
         if own.is_some() {
             env.extend(own_env());
         }
+        // The runtimes' own memory bounds (a JVM's heap, V8's), then the tenant's.
+        env.extend(runtime_env(&spec.limits, &user.limits));
         env.extend(spec.env.iter().cloned());
         let environment = self.environment_memfd(&user, &env, &argv)?;
         let request = BwrapRequest {

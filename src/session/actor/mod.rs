@@ -55,6 +55,8 @@ pub(crate) struct Actor {
     pool: Arc<Pool>,
     /// The last few agent executions' msg_ids: their late iopub is still theirs.
     recent_agent_ids: VecDeque<String>,
+    /// The code that puts an execution's variables back, due now (`running.rs`).
+    env_restore_due: Option<String>,
     checkpoints: checkpoint::Checkpoints,
     /// The session's kernel on disk while it is paused (`pause.rs`).
     paused: Option<crate::sandbox::pause::PausedImage>,
@@ -115,6 +117,7 @@ impl Actor {
             recorder,
             pool,
             recent_agent_ids: VecDeque::new(),
+            env_restore_due: None,
             checkpoints: Default::default(),
             paused: None,
         }
@@ -347,7 +350,10 @@ impl Actor {
         }
         match ev {
             KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
-            KernelEvent::Message(channel, m) => self.on_reply(channel, m),
+            KernelEvent::Message(channel, m) => {
+                self.on_reply(channel, m);
+                self.restore_env_if_due().await;
+            }
             KernelEvent::OutputCut { message, bytes } => self.on_output_cut(message, bytes),
             KernelEvent::HeartbeatLost { misses } => {
                 self.on_death(format!(

@@ -45,6 +45,24 @@ pub(super) struct Running {
     pub(super) done: tokio::sync::oneshot::Sender<Execution>,
     /// Variables were asked for this execution: its reply must acknowledge them.
     pub(super) env_asked: bool,
+    /// The code that puts the variables back, sent once the reply has come.
+    pub(super) env_restore: Option<String>,
+}
+
+/// A silent execution of `code` (no output, no history, no count): the code that sets
+/// and puts back an execution's variables in a kernel without the hooks.
+fn silent_request(client: &crate::kernel::KernelClient, code: &str) -> Message {
+    client.request(
+        "execute_request",
+        &serde_json::json!({
+            "code": code,
+            "silent": true,
+            "store_history": false,
+            "user_expressions": {},
+            "allow_stdin": false,
+            "stop_on_error": false,
+        }),
+    )
 }
 
 /// How long to wait for the closing idle status after the execute_reply arrived. Output
@@ -96,7 +114,36 @@ impl Actor {
         if let Some(hooks) = &req.hooks {
             m.metadata = hooks.metadata();
         }
-        let env_asked = req.hooks.as_ref().is_some_and(|h| !h.env.is_empty());
+        // Without the hooks, code of the kernel's language sets the variables first (the
+        // kernel runs requests in order) and puts them back after the reply.
+        let env_restore = match &req.env_code {
+            Some(code) => {
+                let set = silent_request(&k.client, &code.set);
+                let set_id = set.msg_id.clone();
+                if let Err(e) = record_send(
+                    &*self.recorder,
+                    &self.session,
+                    &k.client,
+                    Channel::Shell,
+                    &set,
+                )
+                .await
+                {
+                    let _ = req.done.send(failed(
+                        ExecutionStatus::Dead,
+                        "KernelDied",
+                        format!("could not send the code to the kernel: {e}"),
+                    ));
+                    return;
+                }
+                self.remember_agent_id(set_id);
+                Some(code.restore.clone())
+            }
+            None => None,
+        };
+        let Some(k) = &self.kernel else { return };
+        let env_asked =
+            env_restore.is_none() && req.hooks.as_ref().is_some_and(|h| !h.env.is_empty());
         let now = Instant::now();
         let running = Running {
             msg_id: m.msg_id.clone(),
@@ -113,6 +160,7 @@ impl Actor {
             stream: req.stream,
             done: req.done,
             env_asked,
+            env_restore,
         };
         if let Err(e) = record_send(
             &*self.recorder,
@@ -145,10 +193,7 @@ impl Actor {
 
     pub(super) fn finish(&mut self, status: ExecutionStatus, note: Option<ExecutionError>) {
         let Some(r) = self.running.take() else { return };
-        if self.recent_agent_ids.len() >= 16 {
-            self.recent_agent_ids.pop_front();
-        }
-        self.recent_agent_ids.push_back(r.msg_id.clone());
+        self.remember_agent_id(r.msg_id.clone());
         let ms = r.started.elapsed().as_secs_f64() * 1000.0;
         let exec = r.collector.finish(status, note, ms);
         if exec.status == ExecutionStatus::Ok {
@@ -256,6 +301,37 @@ impl Actor {
         self.on_iopub(m);
     }
 
+    /// An agent execution's msg_id (its late iopub is still the agent's).
+    fn remember_agent_id(&mut self, msg_id: String) {
+        if self.recent_agent_ids.len() >= 16 {
+            self.recent_agent_ids.pop_front();
+        }
+        self.recent_agent_ids.push_back(msg_id);
+    }
+
+    /// After the reply of an execution whose variables code set: the code that puts them
+    /// back, sent silently (a kernel that has gone is restarted without them anyway).
+    pub(super) async fn restore_env_if_due(&mut self) {
+        let Some(code) = self.env_restore_due.take() else {
+            return;
+        };
+        let Some(k) = &self.kernel else { return };
+        let m = silent_request(&k.client, &code);
+        let id = m.msg_id.clone();
+        if let Err(e) = record_send(
+            &*self.recorder,
+            &self.session,
+            &k.client,
+            Channel::Shell,
+            &m,
+        )
+        .await
+        {
+            tracing::warn!(session = %self.session.id, error = %e, "could not put an execution's variables back");
+        }
+        self.remember_agent_id(id);
+    }
+
     pub(super) fn on_reply(&mut self, channel: Channel, m: Message) {
         let parent = m.parent_msg_id.clone();
         if let Some(r) = self.running.as_mut() {
@@ -272,6 +348,10 @@ impl Actor {
                             }
                         }
                     }
+                    if let Some(code) = r.env_restore.take() {
+                        self.env_restore_due = Some(code);
+                    }
+                    let r = self.running.as_mut().expect("running, checked above");
                     r.reply_status = Some(r.collector.on_reply(&m.content));
                     r.idle_by = Some(Instant::now() + IDLE_AFTER_REPLY);
                     self.check_complete();
@@ -409,7 +489,7 @@ impl Actor {
 }
 
 /// What an execution's output says when its kernel ran it without the variables asked.
-const ENV_NOT_APPLIED: &str = "[kernel-broker: the environment variables for this execution were not applied: this kernel runs without kernel-broker's execution hooks (started without the fork server, or its code removed them)]\n";
+const ENV_NOT_APPLIED: &str = "[kernel-broker: the environment variables for this execution were not applied: this kernel cannot take them (a Java kernel's environment is fixed once the JVM runs; a Python kernel without kernel-broker's execution hooks, or whose code removed them, ignores them)]\n";
 
 /// Whether a message answers an `execute_request`.
 fn parent_is_execution(m: &Message) -> bool {

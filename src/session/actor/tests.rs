@@ -110,6 +110,7 @@ impl Harness {
                 allow_stdin: false,
                 stream: None,
                 hooks: None,
+                env_code: None,
                 done,
             })
             .expect("the queue takes it");

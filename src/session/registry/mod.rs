@@ -214,10 +214,14 @@ impl Registry {
         }
         let snapshot = self.snapshot_to_start(&user.name, &mut opts)?;
         let kernel_name = match opts.kernel {
-            Some(k) if !self.inner.kernels.contains(&k) => {
-                return Err(SessionError::UnknownKernel(k))
-            }
-            Some(k) => k,
+            // A name or an alias of one (`ir`, `js`, `ts`: E2B's names).
+            Some(k) => match crate::kernel::spec::resolve_name(
+                &k,
+                self.inner.kernels.iter().map(String::as_str),
+            ) {
+                Some(name) => name.to_string(),
+                None => return Err(SessionError::UnknownKernel(k)),
+            },
             None => self
                 .inner
                 .kernels
