@@ -47,12 +47,14 @@ esac
 log() { printf '[build-offline] %s\n' "$*" >&2; }
 
 # Hash of everything that determines the image: docker/* (docs and docker/broker/, the
-# broker image built on this one, excluded) and kernels/requirements.txt.
+# broker image built on this one, excluded), kernels/requirements.txt and the kernel specs'
+# own files the image holds (kernels/<name>/ but python3's).
 # .ci/docker-setup.sh compares it with the image label.
 inputs_hash() {
     (
         cd "$repo"
-        { find docker -path docker/broker -prune -o -type f ! -name '*.md' -print; echo kernels/requirements.txt; } \
+        { find docker -path docker/broker -prune -o -type f ! -name '*.md' -print; echo kernels/requirements.txt;
+          find kernels/bash kernels/sql kernels/javascript kernels/java kernels/r -type f ! -path '*/__pycache__/*'; } \
             | LC_ALL=C sort | xargs sha256sum
     ) | sha256sum | cut -c1-64
 }
@@ -182,6 +184,10 @@ trap 'rm -rf "$ctx"' EXIT
 mkdir -p "$ctx/docker" "$ctx/kernels"
 cp "$repo/docker/Dockerfile" "$ctx/docker/"
 cp "$repo/kernels/requirements.txt" "$ctx/kernels/"
+for k in bash sql javascript java r; do
+    mkdir -p "$ctx/kernels/$k"
+    find "$repo/kernels/$k" -maxdepth 1 -type f -exec cp {} "$ctx/kernels/$k/" \;
+done
 # CA bundle for pip inside the build (networks that intercept TLS need the
 # host's extra CA; on others this is just the stock Mozilla bundle).
 ca="${KB_BUILD_CA_FILE:-}"

@@ -421,3 +421,49 @@ def test_mcp_run_code_in_every_language(broker):
             break
         asyncio.run(asyncio.sleep(0.1))
     assert not left, left
+
+
+def test_deno_results_are_never_lost_to_its_late_publishing(broker, sessions):
+    # Deno publishes about one execution's result in twenty after its idle status; the relay
+    # puts it back before the idle (kernel_broker_relay.py --idle-last). Without it, some of
+    # these lose their result.
+    sid = sessions["javascript"]
+    for i in range(150):
+        ex = run(broker, sid, f"{i} * 2")
+        assert [r["data"].get("text/plain") for r in ex["results"]] == [str(i * 2)], (i, ex)
+
+
+# --- the Docker sandbox ------------------------------------------------------------------
+
+
+def test_every_language_runs_in_the_docker_sandbox(docker_broker):
+    # The image holds the runtimes and the specs' files (docker/Dockerfile); the broker
+    # runs each spec's argv in the user's container, behind the relay where it must.
+    made = []
+    try:
+        for kernel in LANGUAGES:
+            sid = create(docker_broker, kernel)["id"]
+            made.append(sid)
+            setup, read, want = STATE[kernel]
+            assert run(docker_broker, sid, setup, timeout=60)["status"] == "ok", kernel
+            ex = run(docker_broker, sid, read, timeout=60)
+            assert ex["status"] == "ok" and want in text_of(ex), (kernel, ex)
+        by_kernel = dict(zip(LANGUAGES, made))
+        ex = run(docker_broker, by_kernel["r"], "plot(1:10)")
+        assert any("image/png" in r["data"] for r in ex["results"]), ex
+        ex = run(docker_broker, by_kernel["bash"], NETWORK["bash"])
+        assert "NET-CLOSED" in ex["stdout"], ex
+        ex = run(docker_broker, by_kernel["java"], NETWORK["java"], timeout=60)
+        assert "NET-CLOSED" in ex["stdout"], ex
+        r = docker_broker.api("PUT", f"/v1/sessions/{by_kernel['sql']}/files/d.csv", data=b"a\n1\n2\n")
+        assert r.status_code == 201, r.text
+        ex = run(docker_broker, by_kernel["sql"], "SELECT sum(a) AS s FROM 'd.csv'")
+        assert ex["results"][0]["data"]["application/vnd.dataresource+json"]["data"] == [{"s": 3}], ex
+        ex = run(docker_broker, by_kernel["java"], "long[] big = new long[1_000_000_000];", timeout=60)
+        assert "OutOfMemoryError" in json.dumps(ex["error"]), ex
+        ex = run(docker_broker, by_kernel["javascript"], LOOP["javascript"], timeout=3)
+        assert ex["status"] == "timeout", ex
+        assert "21" in text_of(run(docker_broker, by_kernel["javascript"], "20 + 1", timeout=60))
+    finally:
+        for sid in made:
+            docker_broker.api("DELETE", f"/v1/sessions/{sid}")

@@ -11,7 +11,7 @@ use crate::api::{self, ApiLimits, AppState};
 use crate::config::{SandboxKind, Settings, TokenSource};
 use crate::egress::Egress;
 use crate::kernel::spec::KernelSpecs;
-use crate::sandbox::docker::DockerSandbox;
+use crate::sandbox::docker::{DockerSandbox, DockerSandboxConfig};
 use crate::sandbox::egress::EgressSandbox;
 use crate::sandbox::local::{LocalSandbox, LocalSandboxConfig};
 use crate::sandbox::Sandbox;
@@ -105,7 +105,10 @@ pub async fn build_sandbox(
             kernel_specs: Some(specs),
             ..settings.local.clone()
         })?),
-        SandboxKind::Docker => Arc::new(DockerSandbox::new(settings.docker.clone())?),
+        SandboxKind::Docker => Arc::new(DockerSandbox::new(DockerSandboxConfig {
+            kernel_specs: Some(specs),
+            ..settings.docker.clone()
+        })?),
     };
     sandbox.check().await?;
     Ok(sandbox)

@@ -37,7 +37,7 @@ pub struct KernelsJson {
 }
 
 /// The kernels this broker offers
-#[utoipa::path(get, operation_id = "list_kernels", path = "/v1/kernels", tag = "sessions",
+#[utoipa::path(get, operation_id = "list_kernel_specs", path = "/v1/kernels", tag = "sessions",
     responses((status = 200, description = "ok", body = KernelsJson), (status = 401, response = ErrorResponse)))]
 async fn list(State(state): State<AppState>, _caller: Caller) -> Json<KernelsJson> {
     let specs = &state.kernelspecs;

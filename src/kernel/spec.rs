@@ -222,6 +222,28 @@ impl KernelSpecs {
             .collect()
     }
 
+    /// Each kernel's name, display name and aliases, as a model reads them (`r (R; also
+    /// ir, R)`): MCP's `run_code` lists them.
+    pub fn summary(&self) -> String {
+        self.specs
+            .iter()
+            .map(|s| {
+                let aliases = self.aliases_of(&s.name);
+                if aliases.is_empty() {
+                    format!("{} ({})", s.name, s.display_name)
+                } else {
+                    format!(
+                        "{} ({}; also {})",
+                        s.name,
+                        s.display_name,
+                        aliases.join(", ")
+                    )
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// All specs, the default (`python3` if present) first.
     pub fn iter(&self) -> impl Iterator<Item = &KernelSpec> {
         self.specs.iter()
@@ -323,6 +345,12 @@ mod tests {
         assert!(specs.resolve("cobol").is_none());
         assert!(specs.resolve("").is_none());
         assert_eq!(specs.aliases_of("r"), vec!["ir", "R"]);
+        let summary = specs.summary();
+        assert!(
+            summary.starts_with("python3 (Python 3 (ipykernel); also python), "),
+            "{summary}"
+        );
+        assert!(summary.contains("r (R; also ir, R)"), "{summary}");
         // Without its spec, an alias names nothing.
         let (no_r, _) = specs.retained(|s| s.name != "r");
         assert!(no_r.resolve("ir").is_none());

@@ -76,6 +76,17 @@ pub fn spec_wants_tcp(raw: &Value) -> bool {
         == Some("tcp")
 }
 
+/// Whether the spec's kernel publishes results after its idle status
+/// (`metadata.kernel_broker.idle_last`: Deno's), which the relay then puts back in order
+/// (`--idle-last`).
+pub fn spec_idle_last(raw: &Value) -> bool {
+    raw.get("metadata")
+        .and_then(|m| m.get("kernel_broker"))
+        .and_then(|k| k.get("idle_last"))
+        .and_then(Value::as_bool)
+        == Some(true)
+}
+
 /// Where the relay writes the kernel's TCP connection file: beside the `ipc` one.
 pub fn tcp_connection_file(ipc_file: &str) -> String {
     match ipc_file.strip_suffix(".json") {
@@ -84,23 +95,22 @@ pub fn tcp_connection_file(ipc_file: &str) -> String {
     }
 }
 
-/// `python -I <relay> IPC TCP -- ARGV`: the kernel's argv (whose `{connection_file}` must
-/// already name `tcp_file`) started by the relay, isolated as the bootstrap script is.
+/// `python -I <relay> [--idle-last] IPC TCP -- ARGV`: the kernel's argv (whose
+/// `{connection_file}` must already name `tcp_file`) started by the relay, isolated as the
+/// bootstrap script is; `spec_raw` says whether its idle statuses need putting in order
+/// ([`spec_idle_last`]).
 pub fn relay_argv(
     python: &str,
     script: &str,
-    ipc_file: &str,
-    tcp_file: &str,
+    spec_raw: &Value,
+    (ipc_file, tcp_file): (&str, &str),
     argv: &[String],
 ) -> Vec<String> {
-    let mut out = vec![
-        python.to_string(),
-        "-I".to_string(),
-        script.to_string(),
-        ipc_file.to_string(),
-        tcp_file.to_string(),
-        "--".to_string(),
-    ];
+    let mut out = vec![python.to_string(), "-I".to_string(), script.to_string()];
+    if spec_idle_last(spec_raw) {
+        out.push("--idle-last".to_string());
+    }
+    out.extend([ipc_file.to_string(), tcp_file.to_string(), "--".to_string()]);
     out.extend(argv.iter().cloned());
     out
 }
@@ -259,8 +269,8 @@ mod tests {
         let argv = relay_argv(
             "/py",
             "/opt/kb/kernel_broker_relay.py",
-            "/run/k.json",
-            "/run/k-tcp.json",
+            &json!({"metadata": {"kernel_broker": {"transport": "tcp"}}}),
+            ("/run/k.json", "/run/k-tcp.json"),
             &strings(&["deno", "jupyter", "--conn", "/run/k-tcp.json"]),
         );
         assert_eq!(
@@ -279,6 +289,17 @@ mod tests {
             ])
         );
         assert!(runs_broker_script(&argv));
+        let deno = relay_argv(
+            "/py",
+            "/r.py",
+            &json!({"metadata": {"kernel_broker": {"transport": "tcp", "idle_last": true}}}),
+            ("/i", "/t"),
+            &[],
+        );
+        assert_eq!(
+            deno,
+            strings(&["/py", "-I", "/r.py", "--idle-last", "/i", "/t", "--"])
+        );
         assert!(!runs_broker_script(&strings(&["deno", "jupyter"])));
     }
 

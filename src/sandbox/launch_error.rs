@@ -30,7 +30,7 @@ pub enum LaunchRefusal {
         /// The specs that are there, comma-separated.
         found: String,
     },
-    #[error("the docker image provides only the python3 kernel, not {0:?}")]
+    #[error("the docker sandbox offers no kernel {0:?} (its kernels are python3 and the specs of the kernels directory)")]
     KernelNotInImage(String),
     #[error("the broker is shutting down")]
     ShuttingDown,

@@ -124,7 +124,8 @@ const ALLOWED_READS: &[(&str, usize, &str)] = &[
     ("src/sandbox/docker/keep/mod.rs", 1, "the broker's 0700 ticket directory (whether it exists)"),
     ("src/sandbox/docker/keep/ticket.rs", 2, "the broker's 0700 ticket directory; the user's 0711 runtime directory (the broker's; /run/kernel in the container, which kernels cannot write), names only"),
     ("src/sandbox/criu/programs.rs", 1, "CRIU's binary at the path the operator configured (a host file, root's)"),
-    ("src/sandbox/local/bwrap.rs", 1, "the host's root directory's entries (/lib, /bin, ...: root's)"),
+    ("src/sandbox/local/bwrap.rs", 2, "the host's root directory's entries (/lib, /bin, ...: root's) and /etc's names (the JDKs' configurations: root's)"),
+    ("src/sandbox/local/python.rs", 2, "the kernels' environment's bin (the operator's venv, shown read-only to kernels): its names and four bytes of each file"),
     ("src/sandbox/local/files.rs", 1, "the broker's runtime base (names only)"),
     ("src/session/kept.rs", 1, "the broker's 0700 directory of kept sessions"),
 ];

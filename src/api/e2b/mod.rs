@@ -28,6 +28,7 @@ mod auth;
 mod command;
 mod connect;
 mod context_cwd;
+mod contexts;
 mod control;
 mod documented;
 mod entry;
@@ -65,6 +66,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(pause::routes())
         .merge(snapshots::routes())
         .merge(interpreter::routes())
+        .merge(contexts::routes())
         .merge(envd::routes())
         .merge(uploads::routes())
         .merge(process::routes())

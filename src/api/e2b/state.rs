@@ -22,6 +22,10 @@ use crate::api::output_budget::ByteBudgets;
 use crate::session::{EndedBy, Registry, Session};
 use crate::sync::lock;
 
+/// The session metadata that marks a language's default context (its kernel's name), so
+/// that a broker taking the sandbox back from an earlier run knows it again.
+pub(super) const DEFAULT_CONTEXT_KEY: &str = "default_context";
+
 /// One sandbox's E2B side.
 pub struct SandboxMeta {
     pub template: String,
@@ -139,11 +143,7 @@ impl E2bState {
             let default_contexts = context_sessions
                 .iter()
                 .filter_map(|c| {
-                    let kernel = c
-                        .provenance
-                        .metadata
-                        .entries()
-                        .get(super::interpreter::DEFAULT_CONTEXT_KEY)?;
+                    let kernel = c.provenance.metadata.entries().get(DEFAULT_CONTEXT_KEY)?;
                     (*kernel == c.kernel_name).then(|| (kernel.clone(), c.id))
                 })
                 .collect();

@@ -24,6 +24,7 @@ mod args;
 mod call;
 mod content;
 mod resources;
+mod run;
 mod server;
 mod tools;
 

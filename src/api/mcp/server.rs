@@ -382,13 +382,8 @@ impl ServerHandler for McpServer {
         let call = Call::of(context)?;
         let specs = &call.state.kernelspecs;
         for tool in tools.iter_mut().filter(|t| t.name == "run_code") {
-            tool.description = Some(
-                format!(
-                    "{RUN_CODE} Languages here: {}.",
-                    super::tools::languages_here(specs)
-                )
-                .into(),
-            );
+            tool.description =
+                Some(format!("{RUN_CODE} Languages here: {}.", specs.summary()).into());
             let mut schema = (*tool.input_schema).clone();
             if let Some(language) = schema
                 .get_mut("properties")

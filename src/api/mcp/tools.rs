@@ -9,13 +9,12 @@
 use std::sync::Arc;
 
 use base64::Engine;
-use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam};
+use rmcp::model::{CallToolResult, ContentBlock};
 use rmcp::ErrorData;
-use tokio::sync::mpsc;
 
 use super::args::{
     CreateSessionArgs, DeleteSessionArgs, DeleteSnapshotArgs, ForkSessionArgs, ReadFileArgs,
-    RewindArgs, RunCodeArgs, RunPythonArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
+    RewindArgs, SessionArgs, SnapshotArgs, UploadFileArgs,
 };
 use super::call::{internal_or, workspace, Call, Made};
 use super::content;
@@ -25,15 +24,18 @@ use crate::api::pause::PausedJson;
 use crate::api::shapes::{FileJson, SessionJson};
 use crate::api::snapshots::SnapshotJson;
 use crate::session::{
-    files, CreateOptions, EndedBy, ExecuteRequest, ForkRequest, FrontDoor, Origin, Session,
-    SessionError, Timeout, WorkspaceChoice,
+    files, CreateOptions, EndedBy, ForkRequest, FrontDoor, Session, SessionError, WorkspaceChoice,
 };
 
+/// Why a tool cannot do what it was asked, in words for the model (its error result).
+#[derive(Debug)]
+pub(super) struct Refusal(pub String);
+
 /// What a tool answers: a result (maybe an error result) or a protocol error.
-type Outcome = Result<CallToolResult, ErrorData>;
+pub(super) type Outcome = Result<CallToolResult, ErrorData>;
 
 /// A message for the model, as a tool error.
-fn tool_error(message: impl Into<String>) -> CallToolResult {
+pub(super) fn tool_error(message: impl Into<String>) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(message.into())])
 }
 
@@ -49,7 +51,7 @@ fn json_text(value: &impl serde::Serialize) -> Outcome {
 
 /// How a session error reads to a model; a foreign session reads as a missing one (the
 /// registry answers both as `NotFound`).
-fn session_error(e: SessionError) -> String {
+pub(super) fn session_error(e: SessionError) -> String {
     e.to_string()
 }
 
@@ -122,167 +124,20 @@ impl McpServer {
         Ok(session)
     }
 
+    /// [`Self::session`] for the other files of this module: what the model is told when
+    /// there is none, as a [`Refusal`].
+    pub(super) async fn session_or_refusal(
+        &self,
+        call: &Call,
+        id: Option<&str>,
+        create: bool,
+    ) -> Result<Arc<Session>, Refusal> {
+        self.session(call, id, create).await.map_err(Refusal)
+    }
+
     /// The id of this MCP session's own session, if it has one.
     async fn own_id(&self) -> Option<uuid::Uuid> {
         self.own.slot().lock().await.as_ref().map(|m| m.id)
-    }
-
-    pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
-        let session = self.session(&call, args.session_id.as_deref(), true).await;
-        self.execute_call(call, session, args.code, args.timeout_seconds)
-            .await
-    }
-
-    /// `run_code`: the session of the language asked (a named one must run that language;
-    /// otherwise this connection's own of that language), then as `run_python`.
-    pub(super) async fn run_code_call(&self, call: Call, args: RunCodeArgs) -> Outcome {
-        let specs = call.state.kernelspecs.clone();
-        let kernel = match args
-            .language
-            .as_deref()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-        {
-            None => None,
-            Some(language) => match specs.resolve(language) {
-                Some(spec) => Some(spec.name.clone()),
-                None => {
-                    return Ok(tool_error(format!(
-                        "language {:?} is not available here; the languages are: {}",
-                        language.chars().take(64).collect::<String>(),
-                        languages_here(&specs)
-                    )))
-                }
-            },
-        };
-        let session = match (args.session_id.as_deref(), kernel) {
-            (Some(id), kernel) => match self.session(&call, Some(id), false).await {
-                Ok(s) => match kernel {
-                    Some(k) if k != s.kernel_name => {
-                        return Ok(tool_error(format!(
-                            "session {} runs {}, not {k}: leave session_id out to use this connection's own {k} session, or create one with create_session",
-                            s.id, s.kernel_name
-                        )))
-                    }
-                    _ => Ok(s),
-                },
-                Err(m) => Err(m),
-            },
-            (None, Some(k)) if k != specs.default_name() => self.language_session(&call, &k).await,
-            (None, _) => self.session(&call, None, true).await,
-        };
-        self.execute_call(call, session, args.code, args.timeout_seconds)
-            .await
-    }
-
-    /// This connection's own session of `kernel`, made on first use in the workspace of its
-    /// own (Python) session, which is made first if need be.
-    async fn language_session(&self, call: &Call, kernel: &str) -> Result<Arc<Session>, String> {
-        let owner = self.session(call, None, true).await?;
-        let user = &call.caller.0.name;
-        let mut made = self.own.languages().lock().await;
-        if let Some(m) = made.get(kernel) {
-            match call.state.registry.get(user, m.id) {
-                Ok(s) => return Ok(s),
-                Err(_) => {
-                    made.remove(kernel);
-                }
-            }
-        }
-        let room = crate::api::cluster::quota::room(&call.state, &call.caller.0)
-            .await
-            .map_err(session_error)?;
-        let session = call
-            .state
-            .registry
-            .create_session(room.request(call.caller.0.create_request(CreateOptions {
-                provenance: call.provenance(),
-                kernel: Some(kernel.to_string()),
-                workspace: WorkspaceChoice::OwnOf(owner.id),
-                ..CreateOptions::default()
-            })))
-            .await
-            .map_err(|e| session_error(room.explain(e)))?;
-        drop(room);
-        tracing::info!(session = %session.id, user = %user, kernel, "MCP session made a session of another language");
-        made.insert(
-            kernel.to_string(),
-            Made {
-                id: session.id,
-                user: user.clone(),
-                state: call.state.clone(),
-            },
-        );
-        Ok(session)
-    }
-
-    async fn execute_call(
-        &self,
-        call: Call,
-        session: Result<Arc<Session>, String>,
-        code: String,
-        timeout_seconds: Option<f64>,
-    ) -> Outcome {
-        let timeout = Timeout::Asked(timeout_seconds);
-        let limits = call.state.execution_limits();
-        let request = match ExecuteRequest::new(code, timeout, Origin::Mcp, &limits) {
-            Ok(r) => r,
-            Err(e @ SessionError::CodeTooLarge { .. }) => {
-                return Ok(tool_error(format!(
-                    "{e}: run it in smaller parts, or upload it as a file and exec it"
-                )))
-            }
-            Err(e) => return Ok(tool_error(session_error(e))),
-        };
-        let session = match session {
-            Ok(s) => s,
-            Err(m) => return Ok(tool_error(m)),
-        };
-        let progress = call.context.meta.get_progress_token();
-        // Output is streamed only to a client that asked for progress; the actor drops
-        // what does not fit the queue (it never waits for us), the result still has it all.
-        let (out_tx, mut out_rx) = mpsc::channel(256);
-        let request = match progress {
-            Some(_) => request.streaming(out_tx),
-            None => request,
-        };
-        let mut finished = match session.submit(request) {
-            Ok(done) => done,
-            Err(e) => return Ok(tool_error(session_error(e))),
-        };
-        let mut streaming = progress.is_some();
-        let mut interrupted = false;
-        let mut count = 0u32;
-        let execution = loop {
-            tokio::select! {
-                result = &mut finished => break result,
-                event = out_rx.recv(), if streaming => match (event, &progress) {
-                    (Some(event), Some(token)) => {
-                        if let Some(message) = content::progress_message(&event) {
-                            count += 1;
-                            let note = ProgressNotificationParam::new(token.clone(), f64::from(count))
-                                .with_message(message);
-                            // A client gone away is the cancellation's business, below.
-                            let _ = call.context.peer.notify_progress(note).await;
-                        }
-                    }
-                    _ => streaming = false,
-                },
-                // The client cancelled the call (or went away): stop the code, as Ctrl-C
-                // would, and answer with what it produced.
-                () = call.context.ct.cancelled(), if !interrupted => {
-                    interrupted = true;
-                    let _ = session.interrupt().await;
-                }
-            }
-        };
-        match execution {
-            Ok(execution) => Ok(content::execution_result(
-                &execution,
-                call.state.registry.config().output_limit,
-            )),
-            Err(_) => Ok(tool_error(session_error(SessionError::Closed(session.id)))),
-        }
     }
 
     pub(super) async fn upload_file_call(&self, call: Call, args: UploadFileArgs) -> Outcome {
@@ -653,26 +508,4 @@ impl McpServer {
             Err(e) => Ok(tool_error(e.to_string())),
         }
     }
-}
-
-/// The languages this broker has, as `run_code` takes them: each kernel's name, its
-/// language and aliases (`r (R; also ir)`).
-pub(super) fn languages_here(specs: &crate::kernel::spec::KernelSpecs) -> String {
-    specs
-        .iter()
-        .map(|s| {
-            let aliases = specs.aliases_of(&s.name);
-            if aliases.is_empty() {
-                format!("{} ({})", s.name, s.display_name)
-            } else {
-                format!(
-                    "{} ({}; also {})",
-                    s.name,
-                    s.display_name,
-                    aliases.join(", ")
-                )
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }

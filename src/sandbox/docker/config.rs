@@ -35,6 +35,10 @@ pub struct DockerSandboxConfig {
     pub user_preload: std::collections::HashMap<String, Vec<String>>,
     /// A CA bundle to show read-only at `egress::CA_FILE_INSIDE` (`--egress-ca-file`).
     pub ca_file: Option<PathBuf>,
+    /// The kernel specs the broker offers (`kernels/`): kernels other than `python3` run
+    /// their spec's argv in the image, which holds their runtimes and files
+    /// (`docker/Dockerfile`). None: `python3` only.
+    pub kernel_specs: Option<std::sync::Arc<crate::kernel::spec::KernelSpecs>>,
     /// The cgroup the engine puts users' containers under (`HostConfig.CgroupParent`,
     /// `--docker-cgroup-parent`); None: the engine's default. A rootless Podman without a
     /// systemd user session can only apply limits in a cgroup its user owns.
@@ -74,6 +78,7 @@ impl DockerSandboxConfig {
             fork_server: true,
             user_preload: std::collections::HashMap::new(),
             ca_file: None,
+            kernel_specs: None,
             cgroup_parent: None,
             require_limits: true,
             api_timeout: Duration::from_secs(60),

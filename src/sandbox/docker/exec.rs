@@ -28,9 +28,10 @@ use super::place::{exec_pid, wait_for_go};
 use super::running::{exec_output, start_exec, ContainerInfo};
 use super::{
     Inner, EXEC_TIMEOUT, KERNEL_GID, KERNEL_UID, MAX_SOCKET_PATH, PYTHON_INSIDE, RUN_DIR_INSIDE,
-    TINI_INSIDE, WORKSPACE_INSIDE,
+    TINI_INSIDE, VENV_INSIDE, WORKSPACE_INSIDE,
 };
-use crate::sandbox::boot::BOOT_SCRIPT_NAME;
+use crate::kernel::spec::KernelSpec;
+use crate::sandbox::boot::{self, BOOT_SCRIPT_NAME};
 use crate::sandbox::cgroup::{ContainerCgroup, CpuClock, Freezer, Leaf};
 use crate::sandbox::fork::ForkOrigin;
 use crate::sandbox::fsutil::{self, io_err, FileMode, SocketPathError};
@@ -38,7 +39,7 @@ use crate::sandbox::pidfd;
 use crate::sandbox::procfs::{children_of, uids_of};
 use crate::sandbox::watched::{BackendKernel, KernelWatch};
 use crate::sandbox::{
-    thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
+    runtime_env, thread_env, KernelEndpoints, KernelLimits, LaunchSpec, SandboxError, UserLimits,
 };
 
 /// What waiters hear if the watcher went away without a word.
@@ -236,6 +237,12 @@ impl Inner {
         dir: &str,
     ) -> Result<String, ExecError> {
         let mut env = base_env(&spec.user.limits);
+        // The runtimes' own memory bounds (a JVM's heap, R's vectors: `runtime_env`).
+        env.extend(
+            runtime_env(&spec.limits, &spec.user.limits)
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}")),
+        );
         // A sandbox's own container: E2B's user and home (`own.rs`).
         let cwd = match spec.own_workspace {
             Some(_) => {
@@ -274,7 +281,11 @@ impl Inner {
                 })
             }
         };
-        let cmd = kernel_command(dir, self.privileged);
+        let argv = match self.other_kernel(&spec.kernel_name) {
+            Some(kernel) => spec_argv(kernel, dir),
+            None => python_argv(dir),
+        };
+        let cmd = kernel_command(dir, self.privileged, &argv);
         let exec_id = create_exec_in(docker, &container.id, cmd, env, false, cwd)
             .await
             .map_err(|source| ExecError::Create {
@@ -379,26 +390,92 @@ pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
 /// runtime directory) so that it gets what a forked kernel gets (the inline backend, E2B's
 /// hooks), and preloads nothing: the data stack is preloaded in the user's template
 /// (`template.rs`), and a fallback stays about as quick as a kernel without it.
-pub(super) fn kernel_command(dir: &str, privileged: bool) -> Vec<String> {
+pub(super) fn kernel_command(dir: &str, privileged: bool, argv: &[String]) -> Vec<String> {
     // Without root, the broker connects to the kernel's sockets as "other".
     let umask = if privileged { "" } else { "umask 000; " };
     let d = format!("{RUN_DIR_INSIDE}/{dir}");
+    // The kernel's argv reaches the shells as their positional parameters ("$@"), never as
+    // text of a script.
     let script = format!(
-        "{umask}{wait}{TINI_INSIDE} -s -- sh -c 'echo $$ > {d}/pid; \
-         exec {PYTHON_INSIDE} -I {RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME} kernel --preload \"\" -- \
-         -f {d}/connection.json {HISTORY}' \
+        "{umask}{wait}{TINI_INSIDE} -s -- sh -c 'echo $$ > {d}/pid; exec \"$@\"' kernel \"$@\" \
          >/dev/null 2>{log}; s=$?; echo $s > {d}/{STATUS_FILE}; exit $s",
         wait = wait_for_go(dir),
         log = kernel_log(dir)
     );
     // The connection file as an argument of its own (the script's `$0`, unused): the exec's
     // process is how the reaper (`REAPER`) recognises this kernel's subtree.
-    vec![
+    let mut cmd = vec![
         "sh".to_string(),
         "-c".to_string(),
         script,
         format!("{d}/connection.json"),
+    ];
+    cmd.extend(argv.iter().cloned());
+    cmd
+}
+
+/// A plain Python kernel's argv: the bootstrap script, preloading nothing (see
+/// [`kernel_command`]).
+pub(super) fn python_argv(dir: &str) -> Vec<String> {
+    let d = format!("{RUN_DIR_INSIDE}/{dir}");
+    [
+        PYTHON_INSIDE,
+        "-I",
+        &format!("{RUN_DIR_INSIDE}/{BOOT_SCRIPT_NAME}"),
+        "kernel",
+        "--preload",
+        "",
+        "--",
+        "-f",
+        &format!("{d}/connection.json"),
+        HISTORY,
     ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Where the image holds the kernel specs' own files (`{resource_dir}`: docker/Dockerfile).
+pub(super) const KERNELS_INSIDE: &str = "/opt/kernel-broker-kernels";
+
+/// Another kernel's argv in the container: its spec's, `python` the image's interpreter,
+/// `{prefix}` the image's environment, `{resource_dir}` the spec's files in the image, the
+/// connection file the session directory's; a kernel that binds TCP only behind the relay
+/// (`boot::relay_argv`), installed beside the bootstrap script.
+pub(super) fn spec_argv(spec: &KernelSpec, dir: &str) -> Vec<String> {
+    let d = format!("{RUN_DIR_INSIDE}/{dir}");
+    let ipc_file = format!("{d}/connection.json");
+    let tcp = boot::spec_wants_tcp(&spec.raw);
+    let connection = if tcp {
+        boot::tcp_connection_file(&ipc_file)
+    } else {
+        ipc_file.clone()
+    };
+    let resource_dir = format!("{KERNELS_INSIDE}/{}", spec.name);
+    let argv: Vec<String> = spec
+        .argv
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            if i == 0 && (a == "python" || a == "python3") {
+                return PYTHON_INSIDE.to_string();
+            }
+            a.replace("{python}", PYTHON_INSIDE)
+                .replace("{prefix}", VENV_INSIDE)
+                .replace("{resource_dir}", &resource_dir)
+                .replace("{connection_file}", &connection)
+        })
+        .collect();
+    if !tcp {
+        return argv;
+    }
+    boot::relay_argv(
+        PYTHON_INSIDE,
+        &format!("{RUN_DIR_INSIDE}/{}", boot::RELAY_SCRIPT_NAME),
+        &spec.raw,
+        (&ipc_file, &connection),
+        &argv,
+    )
 }
 
 /// The file of a kernel's session directory its command writes the kernel's exit status to
@@ -515,7 +592,7 @@ mod tests {
         assert_eq!(c["ip"], "/run/kernel/0123456789ab/k");
         assert_eq!(c["key"], "abc");
         assert_eq!(c["signature_scheme"], "hmac-sha256");
-        let cmd = kernel_command("0123456789ab", true);
+        let cmd = kernel_command("0123456789ab", true, &python_argv("0123456789ab"));
         assert_eq!(cmd[..2], ["sh", "-c"]);
         // The kernel starts only once the broker has placed it in its cgroup leaf.
         assert!(
@@ -528,9 +605,7 @@ mod tests {
         assert!(
             cmd[2].contains(
                 "; done; /usr/bin/tini -s -- sh -c 'echo $$ > /run/kernel/0123456789ab/pid; \
-                 exec /opt/kernel-venv/bin/python -I /run/kernel/kernel_broker_boot.py \
-                 kernel --preload \"\" -- -f /run/kernel/0123456789ab/connection.json \
-                 --HistoryManager.hist_file=:memory:' >/dev/null 2>/tmp/kernel-0123456789ab.log; "
+                 exec \"$@\"' kernel \"$@\" >/dev/null 2>/tmp/kernel-0123456789ab.log; "
             ),
             "{}",
             cmd[2]
@@ -541,10 +616,71 @@ mod tests {
             "{}",
             cmd[2]
         );
-        assert!(kernel_command("d", false)[2].starts_with("umask 000; "));
-        // The reaper's key: the connection file, an argument of the exec's own process.
+        assert!(kernel_command("d", false, &[])[2].starts_with("umask 000; "));
+        // The reaper's key: the connection file, an argument of the exec's own process;
+        // then the kernel's argv, as arguments.
         assert_eq!(cmd[3], "/run/kernel/0123456789ab/connection.json");
-        assert_eq!(cmd.len(), 4);
+        assert_eq!(
+            cmd[4..],
+            [
+                "/opt/kernel-venv/bin/python",
+                "-I",
+                "/run/kernel/kernel_broker_boot.py",
+                "kernel",
+                "--preload",
+                "",
+                "--",
+                "-f",
+                "/run/kernel/0123456789ab/connection.json",
+                "--HistoryManager.hist_file=:memory:"
+            ]
+        );
+    }
+
+    #[test]
+    fn other_kernels_run_their_specs_argv_in_the_image() {
+        let specs = crate::kernel::spec::KernelSpecs::load(Path::new("kernels")).unwrap();
+        let sql = spec_argv(specs.get("sql").unwrap(), "d1");
+        assert_eq!(
+            sql,
+            [
+                "/opt/kernel-venv/bin/python",
+                "-I",
+                "/opt/kernel-broker-kernels/sql/kernel_broker_sql.py",
+                "-f",
+                "/run/kernel/d1/connection.json"
+            ]
+        );
+        // Deno binds TCP only: behind the relay, which writes the TCP file it reads (and
+        // puts Deno's late results before their idle).
+        let deno = spec_argv(specs.get("javascript").unwrap(), "d1");
+        assert_eq!(
+            deno[..7],
+            [
+                "/opt/kernel-venv/bin/python",
+                "-I",
+                "/run/kernel/kernel_broker_relay.py",
+                "--idle-last",
+                "/run/kernel/d1/connection.json",
+                "/run/kernel/d1/connection-tcp.json",
+                "--"
+            ]
+        );
+        assert_eq!(
+            deno[7..],
+            [
+                "deno",
+                "jupyter",
+                "--kernel",
+                "--conn",
+                "/run/kernel/d1/connection-tcp.json"
+            ]
+        );
+        let java = spec_argv(specs.get("java").unwrap(), "d1");
+        assert!(
+            java.contains(&"/opt/kernel-venv/share/jupyter/kernels/java/jjava.jar".to_string()),
+            "{java:?}"
+        );
     }
 
     #[test]

@@ -22,7 +22,8 @@ impl Inner {
         spec: LaunchSpec,
     ) -> Result<Launched, SandboxError> {
         let user = spec.user.clone();
-        if spec.kernel_name != "python3" {
+        let other = spec.kernel_name != "python3";
+        if other && self.other_kernel(&spec.kernel_name).is_none() {
             return Err(launch_err(
                 &user,
                 LaunchRefusal::KernelNotInImage(spec.kernel_name.clone()),
@@ -54,7 +55,8 @@ impl Inner {
         // Forked from the user's template when one works (`template.rs`); registered as a
         // kernel before the lock goes, as a plain start is below.
         // A sandbox's own container starts its kernels plainly (`own.rs`).
-        if target.own.is_none() {
+        // Other languages start plainly: the fork server is Python's.
+        if target.own.is_none() && !other {
             if let Some(launched) = self.launch_forked(&docker, &container, &spec).await {
                 return Ok(launched);
             }

@@ -140,6 +140,8 @@ pub const LABEL_DATA_DIR: &str = "org.kernel-broker.data-dir";
 const KERNEL_UID: u32 = 1000;
 const KERNEL_GID: u32 = 1000;
 const PYTHON_INSIDE: &str = "/opt/kernel-venv/bin/python";
+/// The image's Python environment (`{prefix}` in a spec's argv).
+const VENV_INSIDE: &str = "/opt/kernel-venv";
 /// The image's tini (Debian's package), also the container's PID 1.
 const TINI_INSIDE: &str = "/usr/bin/tini";
 /// How long the reaper inside the container may keep killing before it gives up.
@@ -492,6 +494,16 @@ impl Sandbox for DockerSandbox {
             .found
             .take_after(inner.startup(), super::pause::Found::Snapshots)
             .await
+    }
+}
+
+impl Inner {
+    /// The spec of a kernel other than `python3` that this sandbox offers.
+    fn other_kernel(&self, name: &str) -> Option<&crate::kernel::spec::KernelSpec> {
+        if name == "python3" {
+            return None;
+        }
+        self.cfg.kernel_specs.as_ref()?.get(name)
     }
 }
 

@@ -35,8 +35,13 @@ impl LocalSandbox {
             let own = self.substitute_argv(&own, resource_dir.as_deref());
             let python = self.substitute_argv(&["python".to_string()], None);
             let script = format!("{BOOT_DIR_INSIDE}/{}", boot::RELAY_SCRIPT_NAME);
-            let argv =
-                boot::relay_argv(&python[0], &script, CONNECTION_FILE_INSIDE, &tcp_file, &own);
+            let argv = boot::relay_argv(
+                &python[0],
+                &script,
+                &kspec.raw,
+                (CONNECTION_FILE_INSIDE, &tcp_file),
+                &own,
+            );
             tracing::debug!(kernel = %spec.kernel_name, ?argv, "launching kernel behind the relay");
             let command = SandboxCommand {
                 argv,

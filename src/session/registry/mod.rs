@@ -14,6 +14,7 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
+use crate::kernel::spec::resolve_name;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -215,10 +216,7 @@ impl Registry {
         let snapshot = self.snapshot_to_start(&user.name, &mut opts)?;
         let kernel_name = match opts.kernel {
             // A name or an alias of one (`ir`, `js`, `ts`: E2B's names).
-            Some(k) => match crate::kernel::spec::resolve_name(
-                &k,
-                self.inner.kernels.iter().map(String::as_str),
-            ) {
+            Some(k) => match resolve_name(&k, self.inner.kernels.iter().map(String::as_str)) {
                 Some(name) => name.to_string(),
                 None => return Err(SessionError::UnknownKernel(k)),
             },
