@@ -211,12 +211,20 @@ pub async fn serve(
     }
     let recorder: Arc<dyn crate::session::Recorder> =
         Arc::new(crate::session::Recorders(recorders));
-    let registry = Registry::new(
-        sandbox,
-        settings.session.clone(),
-        kernelspecs.names(),
-        recorder,
+    // Specs that keep fewer pooled kernels (`metadata.kernel_broker.pool_size`).
+    let mut session_config = settings.session.clone();
+    session_config.pool.per_kernel = Arc::new(
+        kernelspecs
+            .iter()
+            .filter_map(|s| {
+                Some((
+                    s.name.clone(),
+                    crate::sandbox::boot::spec_pool_size(&s.raw)?,
+                ))
+            })
+            .collect(),
     );
+    let registry = Registry::new(sandbox, session_config, kernelspecs.names(), recorder);
     if let Some(egress) = &egress {
         // The proxy's reports reach the recording through the session layer, as the rest.
         egress.observe(Arc::new(registry.clone()));

@@ -87,6 +87,17 @@ pub fn spec_idle_last(raw: &Value) -> bool {
         == Some(true)
 }
 
+/// The spec's own warm-pool size (`metadata.kernel_broker.pool_size`), if it sets one: at
+/// most `--pool-size` ready kernels of it per user (Java's is 0: an idle JVM holds more of
+/// the user's memory than its start costs in time).
+pub fn spec_pool_size(raw: &Value) -> Option<usize> {
+    raw.get("metadata")?
+        .get("kernel_broker")?
+        .get("pool_size")?
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+}
+
 /// Where the relay writes the kernel's TCP connection file: beside the `ipc` one.
 pub fn tcp_connection_file(ipc_file: &str) -> String {
     match ipc_file.strip_suffix(".json") {
@@ -262,6 +273,15 @@ mod tests {
         ));
         assert!(!spec_wants_tcp(&json!({"metadata": {}})));
         assert!(!spec_wants_tcp(&json!({"argv": ["x"]})));
+        assert_eq!(
+            spec_pool_size(&json!({"metadata": {"kernel_broker": {"pool_size": 0}}})),
+            Some(0)
+        );
+        assert_eq!(spec_pool_size(&json!({"metadata": {}})), None);
+        assert_eq!(
+            spec_pool_size(&json!({"metadata": {"kernel_broker": {"pool_size": -1}}})),
+            None
+        );
         assert_eq!(
             tcp_connection_file("/run/kernel/connection.json"),
             "/run/kernel/connection-tcp.json"

@@ -55,12 +55,25 @@ impl Default for SessionConfig {
 }
 
 /// Pool settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PoolConfig {
     /// Ready kernels kept per user and kernel spec; 0 disables the pool.
     pub size: usize,
     /// A user's pooled kernels are shut down after this long without a take.
     pub idle: Duration,
+    /// Kernel specs that keep fewer ready kernels than `size` (their spec's
+    /// `metadata.kernel_broker.pool_size`: 0 for Java, whose idle JVM holds the user's
+    /// memory), by name.
+    pub per_kernel: std::sync::Arc<std::collections::BTreeMap<String, usize>>,
+}
+
+impl PoolConfig {
+    /// Ready kernels kept per user of `kernel`.
+    pub fn size_for(&self, kernel: &str) -> usize {
+        self.per_kernel
+            .get(kernel)
+            .map_or(self.size, |n| (*n).min(self.size))
+    }
 }
 
 impl Default for PoolConfig {
@@ -68,6 +81,7 @@ impl Default for PoolConfig {
         Self {
             size: 1,
             idle: Duration::from_secs(600),
+            per_kernel: Default::default(),
         }
     }
 }
@@ -84,4 +98,22 @@ pub enum WorkspaceChoice {
     /// The own workspace of the live session `of` (an E2B sandbox's contexts work in their
     /// sandbox's); removed when the last session working in it ends.
     OwnOf(uuid::Uuid),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_keeps_at_most_its_own_pool_size() {
+        let config = PoolConfig {
+            size: 2,
+            idle: Duration::from_secs(60),
+            per_kernel: std::sync::Arc::new([("java".to_string(), 0), ("r".to_string(), 5)].into()),
+        };
+        assert_eq!(config.size_for("java"), 0);
+        assert_eq!(config.size_for("python3"), 2);
+        // Never more than the broker's own size (`--pool-size 0` turns every pool off).
+        assert_eq!(config.size_for("r"), 2);
+    }
 }

@@ -68,6 +68,7 @@ impl Pool {
         kernel: ConnectOptions,
         ledger: Arc<Ledger>,
     ) -> Arc<Self> {
+        let any = config.size > 0;
         let pool = Arc::new(Self {
             config,
             sandbox,
@@ -76,7 +77,7 @@ impl Pool {
             slots: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
         });
-        if config.size > 0 {
+        if any {
             tokio::spawn(pool.clone().idle_task());
         }
         pool
@@ -88,7 +89,7 @@ impl Pool {
 
     /// A ready kernel for `user` running `kernel`, if the pool has one. Starts a refill.
     pub fn take(self: &Arc<Self>, user: &SandboxUser, kernel: &str) -> Option<Taken> {
-        if self.config.size == 0 || self.shutdown.is_cancelled() {
+        if self.config.size_for(kernel) == 0 || self.shutdown.is_cancelled() {
             return None;
         }
         let key = (user.name.clone(), kernel.to_string());
@@ -118,7 +119,8 @@ impl Pool {
 
     /// Launch kernels in the background until the pool holds `size` for this user.
     pub fn refill(self: &Arc<Self>, user: &SandboxUser, kernel: &str) {
-        if self.config.size == 0 || self.shutdown.is_cancelled() {
+        let size = self.config.size_for(kernel);
+        if size == 0 || self.shutdown.is_cancelled() {
             return;
         }
         let key = (user.name.clone(), kernel.to_string());
@@ -127,10 +129,7 @@ impl Pool {
             let mut slots = self.slots();
             let slot = slots.entry(key.clone()).or_default();
             slot.last_take.get_or_insert_with(Instant::now);
-            let missing = self
-                .config
-                .size
-                .saturating_sub(slot.ready.len() + slot.launching);
+            let missing = size.saturating_sub(slot.ready.len() + slot.launching);
             // Only room no one holds: a pooled kernel never pushes a session out.
             let reserved: Vec<Reservation> = (0..missing)
                 .map_while(|_| {
@@ -330,7 +329,11 @@ mod tests {
     fn pool(size: usize, idle: Duration) -> (Arc<Pool>, Arc<FakeSandbox>) {
         let sandbox = FakeSandbox::new();
         let dyn_sandbox: Arc<dyn Sandbox> = sandbox.clone();
-        let config = PoolConfig { size, idle };
+        let config = PoolConfig {
+            size,
+            idle,
+            per_kernel: Default::default(),
+        };
         (
             Pool::new(config, dyn_sandbox, test_config().kernel, Ledger::new()),
             sandbox,

@@ -14,7 +14,7 @@
 //! storage, and records it only when its exit command runs, 5 minutes later by default).
 //! So under Podman a kernel's watcher holds a pidfd on the exec's process (a host pid) and
 //! sees its end there, and the kernel's command writes the kernel's exit status to its
-//! session directory (`exec::STATUS_FILE`); a kernel that ended while no broker watched it
+//! session directory (`kernel_argv::STATUS_FILE`); a kernel that ended while no broker watched it
 //! (`--keep-sessions`) is found dead by its pid ([`exec_process_gone`]) and its status read
 //! the same way. Without a status file how it ended is not known
 //! (see `watch::classify_unreported_end`).

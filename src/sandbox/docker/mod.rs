@@ -26,7 +26,7 @@
 //! A kernel, forked from the user's fork-server template when there is one (`template.rs`),
 //! else `docker exec -d` of `sh -c '<wait for go>; tini -s -- sh -c "echo $$ >
 //! /run/kernel/<dir>/pid; exec python -m ipykernel_launcher -f ..."; echo $? > status'`
-//! (`exec::kernel_command`) with an `ipc` connection file in `/run/kernel/<dir>/`; the
+//! (`kernel_argv::kernel_command`) with an `ipc` connection file in `/run/kernel/<dir>/`; the
 //! broker connects to the sockets on the host side of the bind mount. A watcher task per
 //! kernel polls the exec (`inspect_exec`, every 500 ms; under Podman also a pidfd on the
 //! exec's process, with the status file for how it ended) and classifies its end (the
@@ -80,6 +80,7 @@ mod engine;
 mod exec;
 mod fork;
 mod keep;
+mod kernel_argv;
 mod launch;
 mod limits;
 mod own;

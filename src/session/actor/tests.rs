@@ -74,7 +74,12 @@ async fn start(config: SessionConfig) -> Harness {
     let live = within(start_kernel(&dyn_sandbox, spec, config.kernel))
         .await
         .expect("the scripted kernel starts");
-    let pool = Pool::new(config.pool, dyn_sandbox.clone(), config.kernel, ledger);
+    let pool = Pool::new(
+        config.pool.clone(),
+        dyn_sandbox.clone(),
+        config.kernel,
+        ledger,
+    );
     let actor = Actor::new(
         session.clone(),
         dyn_sandbox,

@@ -133,7 +133,8 @@ impl Registry {
         recorder: Arc<dyn Recorder>,
     ) -> Self {
         let ledger = Ledger::new();
-        let pool = Pool::new(config.pool, sandbox.clone(), config.kernel, ledger.clone());
+        let (pool, kernel) = (config.pool.clone(), config.kernel);
+        let pool = Pool::new(pool, sandbox.clone(), kernel, ledger.clone());
         let paused_records = config.paused_dir.as_deref().and_then(|dir| {
             super::kept::KeptSessions::open(dir)
                 .inspect_err(|e| {
