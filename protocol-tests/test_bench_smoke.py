@@ -111,3 +111,23 @@ def test_concurrency_and_memory_sections(results):
             if name != "floor":
                 assert positive(mem["server_rss_kib_0"]) and positive(mem["server_rss_kib_n"]), (name, mem)
                 assert isinstance(mem["server_rss_per_session_kib"], (int, float)), (name, mem)
+
+
+@pytest.mark.timeout(900)
+def test_the_languages_benchmark_runs(tmp_path):
+    """bench/languages.py, bounded (two light kernels, one run each): every figure lands."""
+    subprocess.run([str(REPO / "bench/setup")], check=True, timeout=1200)
+    binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
+    out = tmp_path / "languages.json"
+    proc = subprocess.run(
+        [str(BENCH_PY), str(REPO / "bench/languages.py"), "--runs", "1", "--trips", "3",
+         "--refill", "2", "--only", "python3,bash,sql", "--binary", binary, "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(out.read_text())
+    for kernel in ("python3", "bash", "sql"):
+        row = got[kernel]
+        for key in ("cold_ms_p50", "pooled_ms_p50", "round_trip_ms_p50", "idle_mib"):
+            assert positive(row[key]), (kernel, key, row)
+    assert got["python3"]["round_trip_vs_python"] == 1.0

@@ -9,6 +9,7 @@ output cut).
 import asyncio
 import base64
 import json
+import time
 
 import httpx2
 import pytest
@@ -467,3 +468,17 @@ def test_every_language_runs_in_the_docker_sandbox(docker_broker):
     finally:
         for sid in made:
             docker_broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
+def test_copies_of_other_kernels_are_refused_at_once(broker, sessions):
+    # Forks, checkpoints, pause and snapshots copy an ipykernel process from inside it:
+    # another kernel's session answers 409 saying so, without asking its kernel (which
+    # would not answer), and goes on.
+    sid = sessions["r"]
+    for path, body in [("fork", {}), ("checkpoints", {}), ("pause", {}), ("snapshots", {})]:
+        started = time.monotonic()
+        r = broker.api("POST", f"/v1/sessions/{sid}/{path}", json=body)
+        assert r.status_code == 409, (path, r.status_code, r.text)
+        assert '\\"r\\"' in r.text and "Python" in r.text, (path, r.text)
+        assert time.monotonic() - started < 5, path
+    assert "[1] 2" in text_of(run(broker, sid, "1 + 1"))

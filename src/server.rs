@@ -213,6 +213,15 @@ pub async fn serve(
         Arc::new(crate::session::Recorders(recorders));
     // Specs that keep fewer pooled kernels (`metadata.kernel_broker.pool_size`).
     let mut session_config = settings.session.clone();
+    // Kernels that cannot be copied (forks, checkpoints, pause): those not started as
+    // ipykernel (`boot.rs`).
+    session_config.not_copyable = Arc::new(
+        kernelspecs
+            .iter()
+            .filter(|s| crate::sandbox::boot::ipykernel_args(&s.argv).is_none())
+            .map(|s| s.name.clone())
+            .collect(),
+    );
     session_config.pool.per_kernel = Arc::new(
         kernelspecs
             .iter()

@@ -78,6 +78,12 @@ impl Session {
         lock(&self.pause).at_deadline
     }
 
+    /// A session whose kernel cannot be paused (not Python's): never paused by itself, it
+    /// expires as it would without `--pause-after`.
+    pub(super) fn never_pauses(&self) {
+        lock(&self.pause).cannot = true;
+    }
+
     /// Marks an automatic pause under way; `false` if one already is.
     pub(super) fn begin_auto_pause(&self) -> bool {
         !std::mem::replace(&mut lock(&self.pause).pausing, true)

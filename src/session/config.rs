@@ -30,6 +30,22 @@ pub struct SessionConfig {
     /// Where snapshots' records are kept (`<data dir>/snapshot-records`), so that a
     /// snapshot outlives the broker; `None`: snapshots end with it.
     pub snapshots_dir: Option<std::path::PathBuf>,
+    /// Kernel specs whose kernels cannot be copied (forks, checkpoints, pause, snapshots
+    /// are ipykernel's: the in-kernel fork), by name: R, Deno, bash, Java, SQL.
+    pub not_copyable: std::sync::Arc<std::collections::BTreeSet<String>>,
+}
+
+impl SessionConfig {
+    /// Why a kernel of `kernel` cannot be copied, if it cannot.
+    pub fn copy_refusal(&self, kernel: &str) -> Option<String> {
+        self.not_copyable.contains(kernel).then(|| {
+            format!(
+                "its kernel is {kernel:?}: forks, checkpoints, pause and snapshots copy a \
+                 Python (ipykernel) kernel's process from inside it, and only Python \
+                 kernels can do that"
+            )
+        })
+    }
 }
 
 impl Default for SessionConfig {
@@ -50,6 +66,7 @@ impl Default for SessionConfig {
             keep_dir: None,
             paused_dir: None,
             snapshots_dir: None,
+            not_copyable: Default::default(),
         }
     }
 }
@@ -103,6 +120,17 @@ pub enum WorkspaceChoice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_kernels_listed_as_not_copyable_are_refused() {
+        let config = SessionConfig {
+            not_copyable: std::sync::Arc::new(["r".to_string()].into()),
+            ..SessionConfig::default()
+        };
+        assert!(config.copy_refusal("python3").is_none());
+        let why = config.copy_refusal("r").unwrap();
+        assert!(why.contains("\"r\"") && why.contains("Python"), "{why}");
+    }
 
     #[test]
     fn a_spec_keeps_at_most_its_own_pool_size() {

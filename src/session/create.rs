@@ -99,6 +99,9 @@ impl Registry {
             .await?;
         self.set_checkpoint_policy(&session, request.checkpoints)?;
         session.set_pause_policy(request.pause);
+        if self.config().copy_refusal(&session.kernel_name).is_some() {
+            session.never_pauses();
+        }
         Ok(session)
     }
 }

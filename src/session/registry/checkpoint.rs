@@ -45,6 +45,9 @@ impl Registry {
         policy: CheckpointPolicy,
     ) -> Result<CheckpointInfo, SessionError> {
         let session = self.get(user, id)?;
+        if let Some(why) = self.config().copy_refusal(&session.kernel_name) {
+            return Err(SessionError::ForkRefused { session: id, why });
+        }
         // The bounds only: the session keeps its every-execution mode.
         session.send(Command::CheckpointPolicy {
             policy,

@@ -67,6 +67,12 @@ impl Registry {
         }
         let user = &request.user;
         let parent = self.get(&user.name, request.session)?;
+        if let Some(why) = self.config().copy_refusal(&parent.kernel_name) {
+            return Err(SessionError::ForkRefused {
+                session: parent.id,
+                why,
+            });
+        }
         match parent.state() {
             _ if request.checkpoint.is_some() => {}
             SessionState::Idle => {}

@@ -23,6 +23,9 @@ impl Registry {
     /// Pauses the caller's session `id` to disk (a paused one stays as it is).
     pub async fn pause(&self, user: &str, id: Uuid) -> Result<PauseInfo, SessionError> {
         let session = self.get(user, id)?;
+        if let Some(why) = self.config().copy_refusal(&session.kernel_name) {
+            return Err(SessionError::PauseRefused { session: id, why });
+        }
         Self::ask(&session, |done| Command::Pause { done }).await?
     }
 

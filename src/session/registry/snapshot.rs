@@ -32,6 +32,9 @@ impl Registry {
             check_name(name)?;
         }
         let session = self.get(user, id)?;
+        if let Some(why) = self.config().copy_refusal(&session.kernel_name) {
+            return Err(SessionError::SnapshotRefused { session: id, why });
+        }
         if session.own_workspace.is_none() {
             return Err(SessionError::SnapshotRefused {
                 session: id,
