@@ -184,3 +184,36 @@ def test_open_live_here_then_open_in_jupyterlab_attaches_to_the_fork(broker, lab
     lab.stop()
     for s in (fork, sid):
         requests.delete(f"{broker.url}/v1/sessions/{s}", headers=AUTH, timeout=60)
+
+
+@pytest.mark.timeout(600)
+def test_jupyterlabs_launcher_offers_every_language_and_runs_one(broker, lab, browser):
+    # JupyterLab through the broker (--gateway-url): its launcher lists the broker's kernel
+    # specs (issue 38), and a notebook of another language runs in a broker session.
+    browser.get(f"{lab.url}/lab?token={lab.token}")
+    want = {"Python 3 (ipykernel)", "R", "JavaScript and TypeScript (Deno)", "Bash",
+            "Java (jjava)", "SQL (DuckDB)"}
+
+    def cards(d):
+        labels = {c.get_attribute("title") or c.text for c in d.find_elements(
+            By.CSS_SELECTOR, ".jp-Launcher-section .jp-LauncherCard")}
+        labels = {label.strip() for label in labels}
+        return labels if want <= {label for label in labels if label} else None
+
+    wait(browser, cards, timeout=120, what="the launcher's cards for every language")
+    card = [c for c in browser.find_elements(By.CSS_SELECTOR, ".jp-LauncherCard")
+            if (c.get_attribute("title") or c.text).strip() == "R"][0]
+    before = {s["id"] for s in requests.get(f"{broker.url}/v1/sessions", headers=AUTH, timeout=30).json()}
+    card.click()
+    # The new notebook's kernel is started through the broker: code typed before JupyterLab
+    # says the kernel is idle would not run.
+    wait(browser, lambda d: any("R | Idle" in e.text for e in d.find_elements(
+        By.CSS_SELECTOR, ".jp-StatusBar-Item")), timeout=120, what="JupyterLab's R kernel idle")
+    try:
+        run_in_jupyterlab(browser, "cat(sprintf('from R %d', 6L * 7L))", "from R 42")
+    except Exception:
+        browser.save_screenshot("/tmp/lt/lab.png")
+        raise
+    made = [s for s in requests.get(f"{broker.url}/v1/sessions", headers=AUTH, timeout=30).json()
+            if s["id"] not in before]
+    assert [s["kernel"] for s in made] == ["r"], made
