@@ -492,7 +492,7 @@ class Broker:
     label = "kernel-broker"
 
     def __init__(self, binary, sandbox="local", pool_size=1, tag="", extra_args=(), data_dir=None,
-                 memory_limit=16 << 30, max_sessions=200):
+                 memory_limit=16 << 30, max_sessions=200, kernels_dir=None):
         self.sandbox = sandbox
         self.tmp = tempfile.mkdtemp(prefix=f"kb-bench-{sandbox}{tag}-")
         on_exit(lambda: shutil.rmtree(self.tmp, ignore_errors=True))
@@ -502,7 +502,7 @@ class Broker:
         users = Path(self.tmp, "users.toml")
         users.write_text("".join(f'[[user]]\nname = "bench{i}"\ntoken = "{t}"\n\n' for i, t in enumerate(self.tokens)))
         args = [str(binary), "serve", "--listen", "127.0.0.1:0", "--users-file", str(users),
-                "--data-dir", self.data_dir, "--kernels-dir", str(REPO / "kernels"),
+                "--data-dir", self.data_dir, "--kernels-dir", str(kernels_dir or REPO / "kernels"),
                 "--cgroup-name", self.cgroup_name,
                 "--sandbox", sandbox, "--pool-size", str(pool_size),
                 # one user's limits cover all its kernels: room for 100 sessions over 4 users

@@ -110,9 +110,8 @@ def cold(args, kernels):
 def pooled(args, kernels):
     specs = kernels_without_pool_sizes()
     b = bench.Broker(args.binary, sandbox=args.sandbox, pool_size=1, tag="-lang-pool",
-                     memory_limit=20 << 30,
-                     extra_args=["--kernels-dir", str(specs),
-                                 "--python", str(bench.REPO / "kernels/.venv/bin/python")])
+                     memory_limit=20 << 30, kernels_dir=specs,
+                     extra_args=["--python", str(bench.REPO / "kernels/.venv/bin/python")])
     out = {}
     try:
         api = Api(b)
@@ -152,9 +151,10 @@ def main():
     args = ap.parse_args()
     kernels = [k for k in args.only.split(",") if k]
     result = {k: {} for k in kernels}
-    for part in (cold(args, kernels), pooled(args, kernels)):
-        for k, v in part.items():
+    for measure in (cold, pooled):
+        for k, v in measure(args, kernels).items():
             result[k].update(v)
+        print(json.dumps(result), file=sys.stderr, flush=True)
     python = result.get("python3", {}).get("round_trip_ms_p50")
     if python:
         for v in result.values():

@@ -298,7 +298,9 @@ def test_memory_limits_hold_and_runtimes_are_sized_to_them(broker):
 # --- E2B's SDK ---------------------------------------------------------------------------
 
 
-def test_e2b_run_code_in_every_language(e2b_env):
+def test_e2b_run_code_in_every_language(any_backend):
+    # Both sandboxes: on Docker the sandbox is a container of its own and each language's
+    # default context a kernel in it.
     from e2b_code_interpreter import Sandbox
 
     with Sandbox.create(timeout=300) as sbx:

@@ -116,6 +116,13 @@ pub(super) async fn default_context(
         if let Ok(s) = state.registry.get(&caller.user.name, id) {
             return Ok(s);
         }
+        // Gone (expired, deleted through another front door): a new one takes its place.
+        caller.e2b.with(caller.session.id, |m| {
+            if m.default_contexts.get(kernel) == Some(&id) {
+                m.default_contexts.remove(kernel);
+                m.contexts.retain(|c| *c != id);
+            }
+        });
     }
     let session = make_context(state, caller, Some(kernel), None, true).await?;
     // Two first uses at once: the first one recorded is the default, the other goes.

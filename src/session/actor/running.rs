@@ -348,12 +348,10 @@ impl Actor {
                             }
                         }
                     }
-                    if let Some(code) = r.env_restore.take() {
-                        self.env_restore_due = Some(code);
-                    }
-                    let r = self.running.as_mut().expect("running, checked above");
+                    let restore = r.env_restore.take();
                     r.reply_status = Some(r.collector.on_reply(&m.content));
                     r.idle_by = Some(Instant::now() + IDLE_AFTER_REPLY);
+                    self.env_restore_due = restore;
                     self.check_complete();
                     return;
                 }
