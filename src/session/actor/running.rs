@@ -49,6 +49,15 @@ pub(super) struct Running {
     pub(super) env_restore: Option<String>,
 }
 
+/// What an execution answers when its code could not reach the kernel.
+fn not_sent(e: crate::kernel::KernelError) -> Execution {
+    failed(
+        ExecutionStatus::Dead,
+        "KernelDied",
+        format!("could not send the code to the kernel: {e}"),
+    )
+}
+
 /// A silent execution of `code` (no output, no history, no count): the code that sets
 /// and puts back an execution's variables in a kernel without the hooks.
 fn silent_request(client: &crate::kernel::KernelClient, code: &str) -> Message {
@@ -120,20 +129,8 @@ impl Actor {
             Some(code) => {
                 let set = silent_request(&k.client, &code.set);
                 let set_id = set.msg_id.clone();
-                if let Err(e) = record_send(
-                    &*self.recorder,
-                    &self.session,
-                    &k.client,
-                    Channel::Shell,
-                    &set,
-                )
-                .await
-                {
-                    let _ = req.done.send(failed(
-                        ExecutionStatus::Dead,
-                        "KernelDied",
-                        format!("could not send the code to the kernel: {e}"),
-                    ));
+                if let Err(e) = self.to_shell(&k.client, &set).await {
+                    let _ = req.done.send(not_sent(e));
                     return;
                 }
                 self.remember_agent_id(set_id);
@@ -162,20 +159,8 @@ impl Actor {
             env_asked,
             env_restore,
         };
-        if let Err(e) = record_send(
-            &*self.recorder,
-            &self.session,
-            &k.client,
-            Channel::Shell,
-            &m,
-        )
-        .await
-        {
-            let _ = running.done.send(failed(
-                ExecutionStatus::Dead,
-                "KernelDied",
-                format!("could not send the code to the kernel: {e}"),
-            ));
+        if let Err(e) = self.to_shell(&k.client, &m).await {
+            let _ = running.done.send(not_sent(e));
             return;
         }
         self.recorder.event(
@@ -301,6 +286,15 @@ impl Actor {
         self.on_iopub(m);
     }
 
+    /// Sends `m` to the kernel's shell, recorded.
+    async fn to_shell(
+        &self,
+        client: &crate::kernel::KernelClient,
+        m: &Message,
+    ) -> Result<(), crate::kernel::KernelError> {
+        record_send(&*self.recorder, &self.session, client, Channel::Shell, m).await
+    }
+
     /// An agent execution's msg_id (its late iopub is still the agent's).
     fn remember_agent_id(&mut self, msg_id: String) {
         if self.recent_agent_ids.len() >= 16 {
@@ -318,15 +312,7 @@ impl Actor {
         let Some(k) = &self.kernel else { return };
         let m = silent_request(&k.client, &code);
         let id = m.msg_id.clone();
-        if let Err(e) = record_send(
-            &*self.recorder,
-            &self.session,
-            &k.client,
-            Channel::Shell,
-            &m,
-        )
-        .await
-        {
+        if let Err(e) = self.to_shell(&k.client, &m).await {
             tracing::warn!(session = %self.session.id, error = %e, "could not put an execution's variables back");
         }
         self.remember_agent_id(id);
