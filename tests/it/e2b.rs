@@ -396,10 +396,16 @@ async fn sandbox_route_errors_say_what_is_wrong(sandbox: &'static str) {
     use reqwest::Method as M;
     let json_err = |body: &[u8]| -> Value { serde_json::from_slice(body).unwrap() };
     for (body, status, needle) in [
+        // A language this broker has no kernel of (R, JavaScript, bash, Java and SQL it has).
         (
-            &br#"{"code": "1", "language": "r"}"#[..],
+            &br#"{"code": "1", "language": "cobol"}"#[..],
             400,
-            "Python only",
+            "language \"cobol\" is not available",
+        ),
+        (
+            &br#"{"code": "1", "language": "r", "context_id": "x"}"#[..],
+            400,
+            "not both",
         ),
         // An execution's own variables are checked as create's envVars are.
         (

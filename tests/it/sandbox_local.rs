@@ -498,6 +498,9 @@ with open('/workspace/report.json', 'w') as f:
             "mime.types",
             // The kernel's own environment, read after the drop (sandbox/environ.rs).
             "kernel-broker.env",
+            // The R and Java kernels' configuration (read-only, bwrap.rs), where installed.
+            "R",
+            "java-17-openjdk",
         ]
         .into();
         assert!(etc.iter().all(|e| allowed.contains(e.as_str())), "{etc:?}");
@@ -738,7 +741,9 @@ async fn unknown_kernels_and_bad_user_names_are_refused() {
         let evil = user("../evil", 12, limits(256, 64));
         assert!(h.sandbox.workspace(&evil).is_err());
         assert!(h.sandbox.launch(spec(&evil)).await.is_err());
-        assert_eq!(h.sandbox.kernel_names(), vec!["python3".to_string()]);
+        // The shipped specs (kernels/), Python's first.
+        assert_eq!(h.sandbox.kernel_names()[0], "python3");
+        assert!(!h.sandbox.kernel_names().contains(&"julia".to_string()));
 
         // A second launch for a live session is refused and leaves the first kernel alone.
         let first = spec(&leo);

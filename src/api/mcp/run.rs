@@ -19,16 +19,24 @@ use crate::session::{
 
 impl McpServer {
     pub(super) async fn run_python_call(&self, call: Call, args: RunPythonArgs) -> Outcome {
+        // The request is checked before a session is made for it.
+        let request = match request(&call, args.code, args.timeout_seconds) {
+            Ok(r) => r,
+            Err(refused) => return Ok(refused),
+        };
         let session = self
             .session_or_refusal(&call, args.session_id.as_deref(), true)
             .await;
-        self.execute_call(call, session, args.code, args.timeout_seconds)
-            .await
+        self.execute_call(call, session, request).await
     }
 
     /// `run_code`: the session of the language asked (a named one must run that language;
     /// otherwise this connection's own of that language), then as `run_python`.
     pub(super) async fn run_code_call(&self, call: Call, args: RunCodeArgs) -> Outcome {
+        let request = match request(&call, args.code, args.timeout_seconds) {
+            Ok(r) => r,
+            Err(refused) => return Ok(refused),
+        };
         let specs = call.state.kernelspecs.clone();
         let kernel = match args
             .language
@@ -64,8 +72,7 @@ impl McpServer {
             (None, Some(k)) if k != specs.default_name() => self.language_session(&call, &k).await,
             (None, _) => self.session_or_refusal(&call, None, true).await,
         };
-        self.execute_call(call, session, args.code, args.timeout_seconds)
-            .await
+        self.execute_call(call, session, request).await
     }
 
     /// This connection's own session of `kernel`, made on first use in the workspace of its
@@ -113,20 +120,8 @@ impl McpServer {
         &self,
         call: Call,
         session: Result<Arc<Session>, Refusal>,
-        code: String,
-        timeout_seconds: Option<f64>,
+        request: ExecuteRequest,
     ) -> Outcome {
-        let timeout = Timeout::Asked(timeout_seconds);
-        let limits = call.state.execution_limits();
-        let request = match ExecuteRequest::new(code, timeout, Origin::Mcp, &limits) {
-            Ok(r) => r,
-            Err(e @ SessionError::CodeTooLarge { .. }) => {
-                return Ok(tool_error(format!(
-                    "{e}: run it in smaller parts, or upload it as a file and exec it"
-                )))
-            }
-            Err(e) => return Ok(tool_error(session_error(e))),
-        };
         let session = match session {
             Ok(s) => s,
             Err(m) => return Ok(tool_error(m.0)),
@@ -177,4 +172,21 @@ impl McpServer {
             Err(_) => Ok(tool_error(session_error(SessionError::Closed(session.id)))),
         }
     }
+}
+
+/// The execution asked, checked against the limits; a refusal is the tool's error result.
+fn request(
+    call: &Call,
+    code: String,
+    timeout_seconds: Option<f64>,
+) -> Result<ExecuteRequest, rmcp::model::CallToolResult> {
+    let limits = call.state.execution_limits();
+    ExecuteRequest::new(code, Timeout::Asked(timeout_seconds), Origin::Mcp, &limits).map_err(|e| {
+        match e {
+            SessionError::CodeTooLarge { .. } => tool_error(format!(
+                "{e}: run it in smaller parts, or upload it as a file and exec it"
+            )),
+            e => tool_error(session_error(e)),
+        }
+    })
 }
