@@ -20,9 +20,11 @@ execution in twenty has its result published just after its idle (measured: 0.1 
 and a client that ends an execution at its idle, as the protocol says it may, loses the
 result. On the IOPub stream from the kernel the relay reads the ZMTP frames (never their
 signatures or contents beyond the header's type and parent) and holds an idle whose
-execution has shown no result yet until its result comes or ``IDLE_HOLD`` passes, then
-sends both in order: an execution that has a result never loses it, one without pays the
-hold.
+execution has shown no result yet until its result comes or ``IDLE_HOLD`` passes without
+a message of that execution (its printed output comes late the same way, through Deno's
+stdio task: each of its messages restarts the wait, up to ``IDLE_HOLD_MAX``), then sends
+the idle after them: an execution that has a result never loses it, nor its output; one
+without a result pays the hold.
 
 Nothing here is trusted more than the kernel: the relay runs in the kernel's sandbox, with
 its uid, limits and syscall filter, and the broker treats what it relays as the kernel's.
@@ -40,8 +42,10 @@ CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 # start-up: a JVM takes seconds).
 CONNECT_PATIENCE = 120.0
 CHUNK = 256 * 1024
-# How long an idle may wait for its execution's late result (--idle-last).
+# How long an idle waits for its execution's late result or output after the last message
+# of it (--idle-last), and at most in all.
 IDLE_HOLD = 0.010
+IDLE_HOLD_MAX = 2.0
 # The ZMTP greeting's length (ZMTP 3), passed on as it is.
 GREETING = 64
 
@@ -148,7 +152,7 @@ async def pump_idle_last(reader, writer):
     loop = asyncio.get_running_loop()
     queue = asyncio.Queue(maxsize=64)
     results = set()  # executions whose result has been seen
-    held = None  # (raw bytes of an idle, its parent, when it goes anyway)
+    held = None  # [raw bytes of an idle, its parent, when it goes, when it goes at the latest]
     reading = None
     try:
         writer.write(await reader.readexactly(GREETING))
@@ -170,10 +174,14 @@ async def pump_idle_last(reader, writer):
             if kind in ("execute_result", "error"):
                 results.add(parent)
             if kind == "status" and state == "idle" and parent not in results and held is None:
-                held = (message, parent, loop.time() + IDLE_HOLD)
+                now = loop.time()
+                held = [message, parent, now + IDLE_HOLD, now + IDLE_HOLD_MAX]
                 continue
             writer.write(message)
-            if held is not None and (parent == held[1] or kind == "status"):
+            if held is not None and parent == held[1] and kind not in ("execute_result", "error"):
+                # Its output, late: the idle waits on after it.
+                held[2] = min(loop.time() + IDLE_HOLD, held[3])
+            elif held is not None and (parent == held[1] or kind == "status"):
                 writer.write(held[0])
                 results.discard(held[1])
                 held = None

@@ -249,6 +249,10 @@ def test_kernel_image_hash_ignores_docker_broker(tmp_path):
     (tmp_path / "kernels").mkdir()
     shutil.copytree(REPO / "docker", tmp_path / "docker")
     shutil.copy(REPO / "kernels/requirements.txt", tmp_path / "kernels")
+    # The kernel specs whose files the image holds (issue 38).
+    for name in ("bash", "sql", "javascript", "java", "r"):
+        shutil.copytree(REPO / "kernels" / name, tmp_path / "kernels" / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     script = tmp_path / "docker/build-offline.sh"
 
     def inputs_hash():
@@ -261,3 +265,6 @@ def test_kernel_image_hash_ignores_docker_broker(tmp_path):
     assert inputs_hash() == before
     (tmp_path / "docker/extra").write_text("an input of the kernel image\n")
     assert inputs_hash() != before
+    changed = inputs_hash()
+    (tmp_path / "kernels/sql/kernel.json").write_text("{}\n")
+    assert inputs_hash() != changed

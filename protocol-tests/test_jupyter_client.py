@@ -317,7 +317,12 @@ def test_kernelspecs_as_jupyter_parses_them(broker):
         assert isinstance(model["resources"], dict)
         # jupyter_client's own KernelSpec accepts it.
         spec = KernelSpec(**model["spec"])
-        assert spec.display_name and spec.language == "python"
+        assert spec.display_name and spec.language
+    assert body["kernelspecs"]["python3"]["spec"]["language"] == "python"
+    # The other languages' specs (issue 38), each as its kernel.json says.
+    languages = {n: m["spec"]["language"] for n, m in body["kernelspecs"].items()}
+    assert languages == {"python3": "python", "r": "R", "javascript": "typescript",
+                         "bash": "bash", "java": "java", "sql": "sql"}, languages
     one = broker.api("GET", "/api/kernelspecs/python3")
     assert one.status_code == 200
     assert one.json() == body["kernelspecs"]["python3"]
