@@ -59,6 +59,35 @@ const INSTALLED: [(&str, &str); 5] = [
     (BOOT_SCRIPT_NAME, BOOT_SCRIPT),
 ];
 
+/// A spec's argv with the sandbox's paths in place of its words: `python`/`python3` as the
+/// program and `{python}` anywhere are `python`; `{prefix}` the kernels' environment;
+/// `{resource_dir}` the spec's files (left as written when `None`); `{connection_file}`
+/// the kernel's connection file. Both sandboxes lay their kernels' argv out through here.
+pub fn substitute_argv(
+    argv: &[String],
+    python: &str,
+    prefix: &str,
+    resource_dir: Option<&str>,
+    connection_file: &str,
+) -> Vec<String> {
+    argv.iter()
+        .enumerate()
+        .map(|(i, arg)| {
+            if i == 0 && (arg == "python" || arg == "python3") {
+                return python.to_string();
+            }
+            let arg = arg
+                .replace("{python}", python)
+                .replace("{prefix}", prefix)
+                .replace("{connection_file}", connection_file);
+            match resource_dir {
+                Some(dir) => arg.replace("{resource_dir}", dir),
+                None => arg,
+            }
+        })
+        .collect()
+}
+
 /// Whether a launch's argv runs one of the broker's scripts, so that their directory must
 /// be shown to it.
 pub fn runs_broker_script(argv: &[String]) -> bool {

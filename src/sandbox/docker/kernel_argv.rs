@@ -100,20 +100,13 @@ pub(super) fn spec_argv(spec: &KernelSpec, dir: &str) -> Vec<String> {
         ipc_file.clone()
     };
     let resource_dir = format!("{KERNELS_INSIDE}/{}", spec.name);
-    let argv: Vec<String> = spec
-        .argv
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            if i == 0 && (a == "python" || a == "python3") {
-                return PYTHON_INSIDE.to_string();
-            }
-            a.replace("{python}", PYTHON_INSIDE)
-                .replace("{prefix}", VENV_INSIDE)
-                .replace("{resource_dir}", &resource_dir)
-                .replace("{connection_file}", &connection)
-        })
-        .collect();
+    let argv = boot::substitute_argv(
+        &spec.argv,
+        PYTHON_INSIDE,
+        VENV_INSIDE,
+        Some(&resource_dir),
+        &connection,
+    );
     if !tcp {
         return argv;
     }

@@ -267,23 +267,14 @@ impl super::LocalSandbox {
         let python = self.venv.interpreter_inside(&self.cfg.python);
         let python = python.to_string_lossy();
         let prefix = self.venv.prefix_inside();
-        let prefix = prefix.to_string_lossy();
-        argv.iter()
-            .enumerate()
-            .map(|(i, arg)| {
-                if i == 0 && (arg == "python" || arg == "python3") {
-                    return python.to_string();
-                }
-                let mut arg = arg
-                    .replace("{python}", &python)
-                    .replace("{prefix}", &prefix)
-                    .replace("{connection_file}", CONNECTION_FILE_INSIDE);
-                if let Some(dir) = resource_dir {
-                    arg = arg.replace("{resource_dir}", &dir.to_string_lossy());
-                }
-                arg
-            })
-            .collect()
+        let resource_dir = resource_dir.map(|d| d.to_string_lossy());
+        crate::sandbox::boot::substitute_argv(
+            argv,
+            &python,
+            &prefix.to_string_lossy(),
+            resource_dir.as_deref(),
+            CONNECTION_FILE_INSIDE,
+        )
     }
 }
 
