@@ -14,6 +14,9 @@
 //!   their allowed hosts through (policy, address filter, limits); knows no sandbox.
 //! - [`sandbox`]: where kernels run: `trait Sandbox` and its backends (local namespaces +
 //!   cgroups, Docker).
+//! - [`secrets`]: a session's secrets, and the masking of them, the broker's credentials
+//!   and credential patterns in whatever a kernel sends ([`policy`]: the operator's
+//!   pre-execution rules over Python's syntax tree; neither names a layer above).
 //! - [`session`]: sessions, their registry, ownership, the execute queue, timeouts, expiry;
 //!   it reports a typed `LifecycleEvent` to whoever listens (the recording, the metrics).
 //! - [`recording`]: every message and lifecycle event of every session, in SQLite (WAL) or
@@ -46,10 +49,12 @@ pub mod instance_lock;
 pub mod kept_token;
 pub mod kernel;
 pub mod mcp_stdio;
+pub mod policy;
 pub mod private_file;
 pub mod recording;
 pub mod replay;
 pub mod sandbox;
+pub mod secrets;
 pub mod server;
 pub mod session;
 pub mod sync;

@@ -187,6 +187,9 @@ pub async fn serve(
     }
     let kernelspecs = load_kernel_specs(&settings)?;
     let clients = budget_descriptors(&settings, kernelspecs.names().len());
+    // The kernels' own output lines are masked before the log (`secrets::book`).
+    let secret_book = Arc::new(crate::secrets::SecretBook::new(settings.credentials()));
+    settings.local.log_filter = Some(secret_book.log_filter());
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
     let (sandbox, egress) = with_egress(sandbox, &settings);
     if !settings.keep_sessions {
@@ -233,6 +236,14 @@ pub async fn serve(
             })
             .collect(),
     );
+    session_config.secret_book = secret_book;
+    let sealer = crate::secrets::seal::Sealer::open(&settings.data_dir);
+    session_config.sealer = Some(sealer.map_err(|source| ServerError::DataDir {
+        path: settings.data_dir.join(crate::secrets::seal::KEY_FILE),
+        source,
+    })?);
+    session_config.policy = settings.policy.clone();
+    session_config.languages = Arc::new(kernelspecs.languages());
     let registry = Registry::new(sandbox, session_config, kernelspecs.names(), recorder);
     if let Some(egress) = &egress {
         // The proxy's reports reach the recording through the session layer, as the rest.

@@ -68,6 +68,7 @@ KB.events = (function () {
       case 'recording_gap': return { what: 'gap in the recording', detail: [d.dropped !== undefined ? str(d.dropped) + ' events not recorded' : ''], tone: 'warn' };
       case 'recording_truncated':
         return { what: 'recording cut', detail: [d.scope === 'session' ? 'the session\'s cap was reached' : 'an execution\'s cap was reached', d.limit_bytes ? 'limit ' + bytes(d.limit_bytes) : ''], tone: 'warn' };
+      case 'execution_refused': return { what: 'execution refused by the policy', detail: ['rule ' + clip(str(d.rule), 80), clip(str(d.what), 300)], tone: 'bad' };
       case 'output_cut': return { what: 'output cut', detail: [str(d.msg_type) + (d.bytes ? ' of ' + bytes(d.bytes) : '')], tone: 'warn' };
       case 'egress_refused':
         return { what: 'network request refused', detail: [clip(str(d.method) + ' ' + hostPort(d), 200), clip(d.reason, 300)], tone: 'bad' };

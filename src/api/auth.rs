@@ -48,6 +48,9 @@ pub struct User {
     pub checkpoints: CheckpointPolicy,
     /// When the user's idle sessions pause by themselves, and how long they stay paused.
     pub pause: PausePolicy,
+    /// Secrets every session of the user gets (the users file's `secrets`); a session's
+    /// own of the same name win.
+    pub secrets: std::collections::BTreeMap<String, String>,
 }
 
 impl User {
@@ -61,7 +64,12 @@ impl User {
     }
 
     /// A session for this user, with what the client asked for.
-    pub fn create_request(&self, options: CreateOptions) -> CreateRequest {
+    pub fn create_request(&self, mut options: CreateOptions) -> CreateRequest {
+        if !self.secrets.is_empty() && options.snapshot.is_none() {
+            let own = std::mem::take(&mut options.secrets);
+            options.secrets = self.secrets.clone();
+            options.secrets.extend(own);
+        }
         CreateRequest {
             user: self.sandbox_user(),
             max_sessions: self.max_sessions,
@@ -275,5 +283,38 @@ mod tests {
         assert_eq!(url_query("token=x+y", "token").as_deref(), Some("x y"));
         assert_eq!(url_query("tok=1", "token"), None);
         assert_eq!(url_query("token=%zz%", "token").as_deref(), Some("%zz%"));
+    }
+
+    #[test]
+    fn a_users_secrets_reach_her_sessions_and_the_sessions_own_win() {
+        let user = User {
+            name: "alice".into(),
+            token: "alice-token".into(),
+            index: 0,
+            limits: Default::default(),
+            max_sessions: 2,
+            checkpoints: Default::default(),
+            pause: Default::default(),
+            secrets: [("A", "users-a"), ("B", "users-b")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into(),
+        };
+        let own = CreateOptions {
+            secrets: [("B".to_string(), "own-b".to_string())].into(),
+            ..Default::default()
+        };
+        let got = user.create_request(own).options.secrets;
+        assert_eq!(got["A"], "users-a");
+        assert_eq!(got["B"], "own-b");
+        // A session from a snapshot takes none (its kernel is the snapshot's).
+        let from_snapshot = CreateOptions {
+            snapshot: Some(uuid::Uuid::nil()),
+            ..Default::default()
+        };
+        assert!(user
+            .create_request(from_snapshot)
+            .options
+            .secrets
+            .is_empty());
     }
 }

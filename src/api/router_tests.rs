@@ -30,6 +30,7 @@ fn user(name: &str, token: &str, index: u32) -> Arc<User> {
         max_sessions: 2,
         checkpoints: Default::default(),
         pause: Default::default(),
+        secrets: Default::default(),
     })
 }
 

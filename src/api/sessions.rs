@@ -68,6 +68,14 @@ pub struct CreateBody {
     /// the snapshot's (or absent); the memory limit is the snapshot's session's unless
     /// another is asked. 404 `snapshot_not_found` for another user's.
     snapshot: Option<Uuid>,
+    /// Secret values, by environment variable name: the kernel gets them as environment
+    /// variables; no answer, stream, recording, log or export holds a value verbatim, nor
+    /// its base64, hex, URL- or HTML-encoded forms: `[secret:NAME]` stands in their place.
+    /// Names as environment variables (not the loader's); values of 4 to 4,096 bytes, at
+    /// most 8,192 together; at most 32. Not with `snapshot` (its kernel's environment is the
+    /// snapshot's).
+    #[serde(default)]
+    secrets: BTreeMap<String, String>,
 }
 
 /// The `workspace` of `POST /v1/sessions`.
@@ -109,6 +117,13 @@ async fn create(
              set it to \"own\"",
         ));
     }
+    crate::secrets::check(&req.secrets).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if req.snapshot.is_some() && !req.secrets.is_empty() {
+        return Err(ApiError::bad_request(
+            "a session from a snapshot runs the snapshot's kernel, whose environment cannot \
+             take new secrets: leave `secrets` out",
+        ));
+    }
     let mut request = caller.0.create_request(CreateOptions {
         kernel: req.kernel,
         idle_timeout_seconds: req.idle_timeout_seconds,
@@ -120,6 +135,7 @@ async fn create(
             Some(WorkspaceOption::Own) => WorkspaceChoice::Own,
         },
         snapshot: req.snapshot,
+        secrets: req.secrets,
     });
     if let Some(every) = req.checkpoint_every_execution {
         request.checkpoints.every_execution = every;

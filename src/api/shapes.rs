@@ -62,6 +62,9 @@ pub struct SessionJson {
     /// What the client said about the session at creation (the agent API's `metadata`,
     /// E2B's sandbox metadata, the MCP client's name and version), text to text.
     pub metadata: BTreeMap<String, String>,
+    /// The names of the session's secrets (`secrets` at create, the user's own, E2B's
+    /// declared ones); their values are never shown.
+    pub secrets: Vec<String>,
 }
 
 impl From<SessionInfo> for SessionJson {
@@ -81,6 +84,7 @@ impl From<SessionInfo> for SessionJson {
             dead_reason: i.dead_reason,
             front_door: Some(i.provenance.front_door.as_str()),
             metadata: i.provenance.metadata.entries().clone(),
+            secrets: i.secrets,
         }
     }
 }
@@ -403,6 +407,7 @@ mod tests {
             memory_used_bytes: Some(52 << 20),
             dead_reason: None,
             provenance: Default::default(),
+            secrets: vec!["API_KEY".into()],
         };
         assert_eq!(
             serde_json::to_string(&SessionJson::from(info)).unwrap(),
@@ -410,7 +415,8 @@ mod tests {
              \"state\":\"idle\",\"created_at\":\"2024-05-01T12:00:00.000000Z\",\
              \"last_activity\":\"2024-05-01T12:00:00.000000Z\",\"expires_at\":null,\
              \"execution_count\":0,\"connections\":1,\"memory_limit_bytes\":268435456,\
-             \"memory_used_bytes\":54525952,\"dead_reason\":null,\"front_door\":\"rest\",\"metadata\":{}}"
+             \"memory_used_bytes\":54525952,\"dead_reason\":null,\"front_door\":\"rest\",\"metadata\":{},\
+             \"secrets\":[\"API_KEY\"]}"
         );
     }
 }

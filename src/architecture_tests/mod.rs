@@ -36,9 +36,13 @@ const LAYERS: &[(&str, &[&str])] = &[
             "private_file",
         ],
     ),
+    ("policy", &[]),
+    ("secrets", &["sandbox", "wire", "private_file", "sync"]),
     (
         "session",
         &[
+            "policy",
+            "secrets",
             "sandbox",
             "kernel",
             "egress",
@@ -55,6 +59,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "api",
         &[
+            "policy",
+            "secrets",
             "cluster",
             "replay",
             "recording",
@@ -69,6 +75,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "config",
         &[
+            "policy",
+            "secrets",
             "cli",
             "api",
             "cluster",
@@ -82,6 +90,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "server",
         &[
+            "policy",
+            "secrets",
             "config",
             "api",
             "cluster",

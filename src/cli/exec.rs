@@ -25,6 +25,28 @@ pub struct ExecArgs {
     /// Where charts are saved.
     #[arg(long, default_value = ".")]
     pub charts: PathBuf,
+    /// With `new`: give the new session the secret NAME, its value read from this
+    /// command's own environment variable NAME (never from the command line, which other
+    /// users can see); repeat for more. Its output shows `[secret:NAME]` for the value.
+    #[arg(long = "secret", value_name = "NAME")]
+    pub secrets: Vec<String>,
+}
+
+/// The secrets `names` asks for, each valued from the environment (`env`).
+fn secrets_from(
+    names: &[String],
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<serde_json::Map<String, serde_json::Value>, CliError> {
+    names
+        .iter()
+        .map(|n| match env(n) {
+            Some(v) => Ok((n.clone(), serde_json::Value::String(v))),
+            None => Err(CliError::Local(format!(
+                "--secret {n}: set the environment variable {n} to its value (it is read \
+                 from there, never from the command line)"
+            ))),
+        })
+        .collect()
 }
 
 pub async fn exec(args: &ExecArgs) -> Result<(), CliError> {
@@ -38,9 +60,20 @@ pub async fn exec(args: &ExecArgs) -> Result<(), CliError> {
     } else {
         args.code.clone()
     };
+    if !args.secrets.is_empty() && args.session != "new" {
+        return Err(CliError::Local(
+            "--secret gives a new session its secrets: use it with `new`".into(),
+        ));
+    }
+    let secrets = secrets_from(&args.secrets, |n| std::env::var(n).ok())?;
     let id = if args.session == "new" {
+        let body = if secrets.is_empty() {
+            json!({})
+        } else {
+            json!({ "secrets": secrets })
+        };
         let made = client
-            .json(reqwest::Method::POST, "/v1/sessions", Some(json!({})))
+            .json(reqwest::Method::POST, "/v1/sessions", Some(body))
             .await?;
         let id = made["id"].as_str().unwrap_or_default().to_string();
         eprintln!("session {id}");
@@ -94,4 +127,23 @@ pub(crate) fn print_execution(x: &Value, charts: &Path) -> Result<(), CliError> 
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_come_from_the_environment_never_the_command_line() {
+        let env = |n: &str| (n == "API_KEY").then(|| "value-123".to_string());
+        let got = secrets_from(&["API_KEY".into()], env).unwrap();
+        assert_eq!(got["API_KEY"], "value-123");
+        let e = secrets_from(&["MISSING".into()], env).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("set the environment variable MISSING"),
+            "{e}"
+        );
+        assert!(secrets_from(&[], env).unwrap().is_empty());
+    }
 }

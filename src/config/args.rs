@@ -379,4 +379,21 @@ pub struct ServeArgs {
     /// Bytes of messages recorded per session in all [default: 1073741824]
     #[arg(long, env = "KERNEL_BROKER_RECORD_MAX_SESSION_BYTES")]
     pub record_max_session_bytes: Option<u64>,
+    /// A credential format masked in every session's output as `[secret:NAME]`, as
+    /// NAME=REGEX; repeat for more. Added to the default set (AWS, GitHub, Slack, Google,
+    /// Stripe keys, `sk-` API keys, PEM private keys) unless that is turned off
+    #[arg(
+        long = "secret-pattern",
+        env = "KERNEL_BROKER_SECRET_PATTERNS",
+        value_delimiter = '\n'
+    )]
+    pub secret_patterns: Option<Vec<String>>,
+    /// Mask the default credential formats in every session's output [default: true]
+    #[arg(long, env = "KERNEL_BROKER_DEFAULT_SECRET_PATTERNS")]
+    pub default_secret_patterns: Option<bool>,
+    /// The pre-execution policy (TOML, docs/SECURITY.md "Pre-execution policy"): rules over
+    /// Python code's syntax tree that refuse an execution before it reaches the kernel
+    /// [default: none]
+    #[arg(long, env = "KERNEL_BROKER_POLICY")]
+    pub policy: Option<PathBuf>,
 }

@@ -91,6 +91,8 @@ struct UserEntry {
     egress_ports: Option<Vec<u16>>,
     egress_max_bytes: Option<u64>,
     egress_max_connections: Option<usize>,
+    /// Secrets every session of this user gets (names to values).
+    secrets: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// Where the users came from, for the start-up message.
@@ -135,6 +137,10 @@ pub struct Settings {
     pub token_source: TokenSource,
     /// Network policies: who may reach which hosts through the egress proxy.
     pub egress: crate::egress::EgressConfig,
+    /// The credential formats masked in every session's output.
+    pub secret_patterns: std::sync::Arc<crate::secrets::Patterns>,
+    /// The pre-execution policy (empty: none).
+    pub policy: std::sync::Arc<crate::policy::Policy>,
 }
 
 fn read_toml<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError> {
@@ -225,6 +231,22 @@ fn valid_user_name(name: &str) -> bool {
 }
 
 impl Settings {
+    /// What every session's output is masked of besides its own secrets: every user's
+    /// token (a kernel has no business printing any) and the credential patterns.
+    pub fn credentials(&self) -> crate::secrets::Credentials {
+        crate::secrets::Credentials {
+            values: self
+                .users
+                .iter()
+                .map(|u| crate::secrets::Named {
+                    name: "broker-token".into(),
+                    value: u.token.clone(),
+                })
+                .collect(),
+            patterns: self.secret_patterns.clone(),
+        }
+    }
+
     /// Merge flags/environment (already in `args`), the config file, and defaults.
     /// `env_token` is `KERNEL_BROKER_TOKEN`.
     pub fn resolve(args: ServeArgs, env_token: Option<String>) -> Result<Self, ConfigError> {
@@ -325,7 +347,11 @@ impl Settings {
                     if let Some(e) = egress_default.for_user(&u.name, &user_egress)? {
                         egress.users.insert(u.name.clone(), e);
                     }
+                    let secrets = u.secrets.unwrap_or_default();
+                    crate::secrets::check(&secrets)
+                        .map_err(|e| ConfigError::Invalid(format!("user {}: {e}", u.name)))?;
                     users.push(User {
+                        secrets,
                         index: i as u32,
                         limits: UserLimits {
                             memory_bytes: u.memory_bytes.unwrap_or(defaults.memory_bytes),
@@ -390,6 +416,7 @@ impl Settings {
                     max_sessions,
                     checkpoints,
                     pause,
+                    secrets: Default::default(),
                 };
                 if let Some(e) =
                     egress_default.for_user(&user.name, &egress::UserEgressEntry::default())?
@@ -440,7 +467,19 @@ impl Settings {
         }
         local.user_preload = user_preload.clone();
         docker.user_preload = user_preload;
+        let secret_patterns = crate::secrets::Patterns::new(
+            &either!(args, file, secret_patterns).unwrap_or_default(),
+            pick!(default_secret_patterns, true),
+        )
+        .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let policy = match either!(args, file, policy) {
+            Some(path) => crate::policy::Policy::load(&path)
+                .map_err(|e| ConfigError::Invalid(format!("--policy {}: {e}", path.display())))?,
+            None => crate::policy::Policy::default(),
+        };
         Ok(Settings {
+            secret_patterns: std::sync::Arc::new(secret_patterns),
+            policy: std::sync::Arc::new(policy),
             listen: pick!(listen, SocketAddr::from(([127, 0, 0, 1], 8888))),
             sandbox: pick!(sandbox, SandboxKind::Local),
             session,

@@ -430,3 +430,63 @@ fn egress_policies_resolve_per_user_and_bad_ones_are_refused() {
         "{err}"
     );
 }
+
+/// Secrets and the policy (issue 39): a user's secrets, the credential patterns (default set
+/// on, operator patterns added, the defaults turned off), the policy file; bad ones are
+/// refused at start with the setting named.
+#[test]
+fn secrets_patterns_and_the_policy_resolve_and_bad_ones_are_refused() {
+    let users = write(
+        "[[user]]\nname = \"alice\"\ntoken = \"alice-token\"\nsecrets = { API_KEY = \"alice-api-key\" }\n\n\
+         [[user]]\nname = \"bob\"\ntoken = \"bob-token-1\"\n",
+    );
+    let policy = write("[[rule]]\nname = \"no-sockets\"\ndeny_imports = [\"socket\"]\n");
+    let resolve = |tweak: &dyn Fn(&mut ServeArgs)| {
+        let mut args = ServeArgs {
+            users_file: Some(users.path().to_path_buf()),
+            ..Default::default()
+        };
+        tweak(&mut args);
+        Settings::resolve(args, None)
+    };
+    let s = resolve(&|_| {}).unwrap();
+    assert_eq!(s.users[0].secrets["API_KEY"], "alice-api-key");
+    assert!(s.users[1].secrets.is_empty());
+    assert!(s.policy.is_empty());
+    let creds = s.credentials();
+    let masker = creds.masker(&Default::default(), &[]);
+    assert_eq!(
+        masker.mask_str("bob-token-1 AKIAIOSFODNN7EXAMPLE"),
+        "[secret:broker-token] [secret:aws-access-key]"
+    );
+    let s = resolve(&|a| {
+        a.default_secret_patterns = Some(false);
+        a.secret_patterns = Some(vec!["corp=CORP-[0-9]{6}".into()]);
+        a.policy = Some(policy.path().to_path_buf());
+    })
+    .unwrap();
+    let masker = s.credentials().masker(&Default::default(), &[]);
+    assert_eq!(
+        masker.mask_str("AKIAIOSFODNN7EXAMPLE CORP-123456"),
+        "AKIAIOSFODNN7EXAMPLE [secret:corp]"
+    );
+    assert_eq!(s.policy.rule_names(), ["no-sockets"]);
+    let e = resolve(&|a| a.secret_patterns = Some(vec!["bad".into()])).unwrap_err();
+    assert!(e.to_string().contains("secret pattern"), "{e}");
+    let bad_policy = write("[[rule]]\nname = \"empty\"\n");
+    let e = resolve(&|a| a.policy = Some(bad_policy.path().to_path_buf())).unwrap_err();
+    assert!(e.to_string().contains("--policy"), "{e}");
+    let bad_users = write("[[user]]\nname = \"carol\"\ntoken = \"carol-token\"\nsecrets = { LD_PRELOAD = \"/x.so\" }\n");
+    let e = Settings::resolve(
+        ServeArgs {
+            users_file: Some(bad_users.path().to_path_buf()),
+            ..Default::default()
+        },
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("user carol") && e.to_string().contains("LD_PRELOAD"),
+        "{e}"
+    );
+}

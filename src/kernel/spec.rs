@@ -254,6 +254,12 @@ impl KernelSpecs {
         self.specs.iter().map(|s| s.name.clone()).collect()
     }
 
+    /// Each spec's language, by name.
+    pub fn languages(&self) -> std::collections::BTreeMap<String, String> {
+        let each = self.specs.iter();
+        each.map(|s| (s.name.clone(), s.language.clone())).collect()
+    }
+
     /// The default spec's name.
     pub fn default_name(&self) -> &str {
         // `load` refuses an empty directory and `builtin_python3` has one spec.

@@ -118,6 +118,13 @@ pub enum StoredEvent {
         bytes: u64,
     },
     Interrupt,
+    /// The pre-execution policy refused an execution (issue 39).
+    ExecutionRefused {
+        #[serde(default)]
+        msg_id: Option<String>,
+        rule: String,
+        what: String,
+    },
     KernelRestarted {
         reason: String,
     },
@@ -283,6 +290,7 @@ impl StoredEvent {
         matches!(
             self,
             StoredEvent::Interrupt
+                | StoredEvent::ExecutionRefused { .. }
                 | StoredEvent::OutputCut { .. }
                 | StoredEvent::EgressAllowed { .. }
                 | StoredEvent::EgressRefused { .. }
@@ -311,6 +319,7 @@ impl StoredEvent {
             StoredEvent::ExecutionTimeout { .. } => "execution_timeout",
             StoredEvent::OutputCut { .. } => "output_cut",
             StoredEvent::Interrupt => "interrupt",
+            StoredEvent::ExecutionRefused { .. } => "execution_refused",
             StoredEvent::KernelRestarted { .. } => "kernel_restarted",
             StoredEvent::KernelDied { .. } => "kernel_died",
             StoredEvent::SessionExpired => "session_expired",

@@ -32,6 +32,8 @@ pub struct ExecRequest {
     /// The variables of `hooks` set and put back by code of the kernel's own language
     /// (kernels without the hooks: `env_code.rs`).
     pub env_code: Option<super::env_code::EnvCode>,
+    /// A client's code, checked against the pre-execution policy (not the broker's own).
+    pub checked: bool,
     pub done: oneshot::Sender<Execution>,
 }
 

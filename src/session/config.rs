@@ -33,6 +33,15 @@ pub struct SessionConfig {
     /// Kernel specs whose kernels cannot be copied (forks, checkpoints, pause, snapshots
     /// are ipykernel's: the in-kernel fork), by name: R, Deno, bash, Java, SQL.
     pub not_copyable: std::sync::Arc<std::collections::BTreeSet<String>>,
+    /// The broker's credentials, masked in every session's output besides its own secrets,
+    /// and every live session's secrets (issue 39).
+    pub secret_book: std::sync::Arc<crate::secrets::SecretBook>,
+    /// Seals kept records' secrets (`None`: records are not kept).
+    pub sealer: Option<crate::secrets::seal::Sealer>,
+    /// The operator's pre-execution policy (issue 39; empty: none).
+    pub policy: std::sync::Arc<crate::policy::Policy>,
+    /// Each kernel spec's language, by name (what the policy checks: Python's code only).
+    pub languages: std::sync::Arc<std::collections::BTreeMap<String, String>>,
 }
 
 impl SessionConfig {
@@ -67,6 +76,10 @@ impl Default for SessionConfig {
             paused_dir: None,
             snapshots_dir: None,
             not_copyable: Default::default(),
+            secret_book: Default::default(),
+            sealer: None,
+            policy: Default::default(),
+            languages: Default::default(),
         }
     }
 }

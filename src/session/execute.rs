@@ -152,6 +152,7 @@ impl Session {
             stream: request.stream,
             hooks: request.hooks,
             env_code: request.env_code,
+            checked: true,
             done,
         })?;
         Ok(result)

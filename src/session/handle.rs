@@ -64,6 +64,8 @@ pub struct Session {
     /// The own workspace its kernels and commands work in (the key of
     /// [`LaunchSpec::own_workspace`]); `None`: the user's shared workspace.
     pub own_workspace: Option<Uuid>,
+    /// Its secrets and the masker of its kernel's output (`secrets.rs`).
+    pub secrets: super::secrets::SessionSecrets,
     state: Mutex<State>,
     /// When it pauses by itself (`pause.rs`).
     pub(super) pause: Mutex<PauseState>,
@@ -87,8 +89,8 @@ pub struct Session {
     /// Executions queued and not yet started: taken and checked in one step, so two
     /// requests at once cannot both take the last place.
     pending: AtomicUsize,
-    /// WebSocket clients attached (counted by [`ConnectionGuard`]s).
-    connections: AtomicUsize,
+    /// WebSocket clients attached (counted by `clients::ConnectionGuard`s).
+    pub(super) connections: AtomicUsize,
     max_queue: usize,
     pub(super) notify_registry: Arc<Notify>,
 }
@@ -114,6 +116,7 @@ pub(super) struct HandleParts {
     pub own_workspace: Option<Uuid>,
     /// Where its record goes while it is paused.
     pub paused_records: Option<Arc<KeptSessions>>,
+    pub secrets: super::secrets::SessionSecrets,
 }
 
 /// The state an adopted session resumes with.
@@ -147,6 +150,7 @@ impl Session {
             limits: parts.limits,
             provenance: parts.provenance,
             own_workspace: parts.own_workspace,
+            secrets: parts.secrets,
             state: Mutex::new(State {
                 memory: Some(parts.memory),
                 process: None,
@@ -249,6 +253,7 @@ impl Session {
             },
             dead_reason: s.dead_reason.clone(),
             provenance: self.provenance.clone(),
+            secrets: self.secrets.names(),
         }
     }
 
@@ -274,6 +279,7 @@ impl Session {
             state.process = Some(process);
             state.kernel_key = key.to_string();
         }
+        self.secrets.kernel_key(key);
         self.persist(false).await;
     }
 
@@ -307,6 +313,7 @@ impl Session {
             own_workspace: self.own_workspace,
             paused_kernel: None,
             kernel_id,
+            secrets: self.secrets.sealed(),
         }
     }
 
@@ -442,7 +449,14 @@ impl Session {
             user: self.user.clone(),
             kernel_name: self.kernel_name.clone(),
             key,
-            env: Vec::new(),
+            // Secrets reach the kernel as its environment, applied after the drop as every
+            // tenant variable is (`sandbox/environ.rs`).
+            env: self
+                .secrets
+                .values()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             limits: self.limits,
             own_workspace: self.own_workspace,
         }
@@ -451,20 +465,6 @@ impl Session {
     /// Attach to the session's events (state changes, iopub).
     pub fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
         self.events.subscribe()
-    }
-
-    /// Count a WebSocket client while the guard lives.
-    pub fn connect_client(self: &Arc<Self>) -> ConnectionGuard {
-        self.connections.fetch_add(1, Ordering::Relaxed);
-        ConnectionGuard(self.clone())
-    }
-
-    /// Count a WebSocket client while the guard lives, unless `max` are connected already
-    /// (0: no cap). Counted before the check, so two at once cannot both take the last place.
-    pub fn try_connect_client(self: &Arc<Self>, max: usize) -> Option<ConnectionGuard> {
-        let before = self.connections.fetch_add(1, Ordering::AcqRel);
-        let guard = ConnectionGuard(self.clone());
-        (max == 0 || before < max).then_some(guard)
     }
 
     pub(super) fn send(&self, cmd: Command) -> Result<(), SessionError> {
@@ -505,6 +505,7 @@ impl Session {
             stream: None,
             hooks: None,
             env_code: None,
+            checked: false,
             done,
         })?;
         rx.await.map_err(|_| SessionError::Closed(self.id))
@@ -587,14 +588,5 @@ impl Session {
     /// The fixed end set by [`Self::set_deadline`], if any.
     pub fn deadline(&self) -> Option<DateTime<Utc>> {
         self.status.borrow().deadline.map(|(_, wall)| wall)
-    }
-}
-
-/// Decrements the session's connection count when dropped.
-pub struct ConnectionGuard(Arc<Session>);
-
-impl Drop for ConnectionGuard {
-    fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::Relaxed);
     }
 }

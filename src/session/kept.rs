@@ -66,6 +66,9 @@ pub struct SessionRecord {
     /// (a kernel a resume or a rewind made): what the next run adopts.
     #[serde(default)]
     pub kernel_id: Option<Uuid>,
+    /// Its secrets, sealed (`secrets::seal`): never verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<String>,
 }
 
 /// The records' directory.
@@ -252,6 +255,7 @@ mod tests {
             own_workspace: None,
             paused_kernel: None,
             kernel_id: None,
+            secrets: None,
         }
     }
 

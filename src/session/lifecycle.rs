@@ -20,6 +20,13 @@ pub struct ForkedFrom {
 /// Something that happened to a session, in the order it happened.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LifecycleEvent {
+    /// The pre-execution policy refused an execution before it reached the kernel
+    /// (`msg_id`: the Jupyter client's request, or none for an agent's).
+    ExecutionRefused {
+        msg_id: Option<String>,
+        rule: String,
+        what: String,
+    },
     /// The session exists and its first kernel is ready.
     SessionCreated {
         kernel: String,

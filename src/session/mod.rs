@@ -53,6 +53,7 @@
 mod actor;
 mod auto_pause;
 mod checkpoint;
+mod clients;
 mod command;
 mod config;
 mod create;
@@ -76,6 +77,7 @@ mod pool;
 mod recorder;
 mod registry;
 mod run_command;
+pub mod secrets;
 pub mod snapshot;
 mod state;
 #[cfg(test)]
@@ -87,6 +89,7 @@ pub use crate::sandbox::{KernelLimits, SandboxUser, UserLimits};
 pub use checkpoint::{
     CheckpointInfo, CheckpointList, CheckpointPolicy, CheckpointUse, DroppedCheckpoint,
 };
+pub use clients::ConnectionGuard;
 pub use command::{ExecRequest, ReplyRoute};
 pub use config::{PoolConfig, SessionConfig, WorkspaceChoice};
 pub use create::{CreateRequest, Room};
@@ -95,7 +98,7 @@ pub use event::SessionEvent;
 pub use execute::{ExecuteRequest, ExecutionLimits, Origin, Timeout};
 pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use front_door::{EndedBy, FrontDoor, Metadata, Provenance, SessionEnd};
-pub use handle::{ConnectionGuard, Session};
+pub use handle::Session;
 pub use hooks::KernelHooks;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};

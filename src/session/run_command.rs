@@ -19,6 +19,7 @@ use super::handle::Session;
 use super::lifecycle::{CommandOutput, LifecycleEvent};
 use super::registry::Registry;
 use crate::sandbox::command::CommandSpec;
+use crate::secrets::stream::MaskedRead;
 use crate::sync::lock;
 
 pub use crate::sandbox::command::{
@@ -46,10 +47,18 @@ impl Registry {
         request: CommandRequest,
     ) -> Result<RunningCommand, SessionError> {
         let (argv, cwd) = (request.argv.clone(), request.cwd.clone());
+        // The session's secrets are the command's environment too, under the request's.
+        let mut env: Vec<(String, String)> = session
+            .secrets
+            .values()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        env.extend(request.env);
         let spec = CommandSpec {
             user: session.user.clone(),
             argv: request.argv,
-            env: request.env,
+            env,
             cwd: request.cwd,
             limits: session.limits,
             pty: request.pty,
@@ -62,6 +71,11 @@ impl Registry {
             }
         })?;
         let pid = running.pid;
+        let masker = session.secrets.masker();
+        let argv = argv
+            .iter()
+            .map(|a| masker.mask_str(a).into_owned())
+            .collect();
         self.report(session, &LifecycleEvent::CommandStarted { pid, argv, cwd });
         let (registry, reported_session) = (self.clone(), session.clone());
         let ending = Arc::new(Ending {
@@ -70,8 +84,13 @@ impl Registry {
             started: Instant::now(),
             state: Mutex::default(),
         });
-        running.stdout = Box::new(Tee::new(running.stdout, &ending, 0));
-        running.stderr = Box::new(Tee::new(running.stderr, &ending, 1));
+        // Masked before anything reads or records it (issue 39).
+        let (out, err) = (
+            MaskedRead::new(running.stdout, masker.clone()),
+            MaskedRead::new(running.stderr, masker),
+        );
+        running.stdout = Box::new(Tee::new(Box::new(out), &ending, 0));
+        running.stderr = Box::new(Tee::new(Box::new(err), &ending, 1));
         running.control = Arc::new(Reported {
             inner: running.control,
             ending,

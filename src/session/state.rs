@@ -146,6 +146,8 @@ pub struct SessionInfo {
     pub dead_reason: Option<String>,
     /// The front door that made it, and what its client said about it.
     pub provenance: Provenance,
+    /// The names of its secrets (never their values).
+    pub secrets: Vec<String>,
 }
 
 #[cfg(test)]

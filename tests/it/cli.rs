@@ -392,3 +392,37 @@ async fn console_on_a_terminal() {
     assert_eq!(v["results"][0]["data"]["text/plain"], "41", "{v}");
     broker.stop().await;
 }
+
+/// `exec new --secret NAME` gives the new session the secret NAME from the command's own
+/// environment (never its command line); the output shows the marker, the kernel the value.
+#[tokio::test]
+async fn exec_new_takes_secrets_from_its_environment() {
+    let broker = SpawnedBroker::start(&[], None);
+    let url = format!("http://{}", broker.addr);
+    let exec = |with_value: bool| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            let code = "import os\nprint(os.environ['CLI_SECRET'])\nlen(os.environ['CLI_SECRET'])";
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kernel-broker"));
+            cmd.args(["exec", "new", "--secret", "CLI_SECRET", code])
+                .env("KERNEL_BROKER_URL", &url)
+                .env("KERNEL_BROKER_TOKEN", ALICE)
+                .env_remove("KERNEL_BROKER_DATA_DIR")
+                .env_remove("CLI_SECRET");
+            if with_value {
+                cmd.env("CLI_SECRET", "cli-secret-value-1234");
+            }
+            cmd.output().unwrap()
+        })
+    };
+    let o = within(120, "the command", exec(true)).await.unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), "[secret:CLI_SECRET]\n21\n");
+    let o = within(120, "the command", exec(false)).await.unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("set the environment variable CLI_SECRET"),
+        "{}",
+        text(&o.stderr)
+    );
+}

@@ -64,6 +64,7 @@ pub(super) fn lost_answer(
             dead_reason: Some(NODE_LOST.into()),
             front_door: None,
             metadata: Default::default(),
+            secrets: Vec::new(),
         };
         return axum::Json(json).into_response();
     }

@@ -170,6 +170,8 @@ async fn make_context(
     let mut options =
         super::control::session_options(state, sandbox, WorkspaceChoice::OwnOf(caller.session.id));
     options.kernel = kernel.map(str::to_string);
+    // A context is the sandbox's: its kernel gets the sandbox's secrets.
+    options.secrets = (*caller.session.secrets.values()).clone();
     let room = crate::api::cluster::quota::room(state, &caller.user).await?;
     let session = state
         .registry

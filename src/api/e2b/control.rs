@@ -91,6 +91,27 @@ pub(super) fn session_options(
     }
 }
 
+/// The metadata key naming the envVars (and later `envs`) that are secrets, comma- or
+/// space-separated: E2B's SDKs have no way to mark a variable secret, and metadata passes
+/// through every SDK unchanged.
+pub(super) const SECRETS_KEY: &str = "kernel_broker_secrets";
+
+/// The names the sandbox metadata declares secret.
+pub(super) fn declared_secrets(
+    metadata: Option<&serde_json::Map<String, Value>>,
+) -> std::collections::BTreeSet<String> {
+    metadata
+        .and_then(|m| m.get(SECRETS_KEY))
+        .and_then(Value::as_str)
+        .map(|s| {
+            s.split([',', ' '])
+                .filter(|n| !n.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// E2B's sandbox metadata as the session's: values as text (a string as it is, anything
 /// else as its JSON), within the session metadata's bounds (a 400 beyond them).
 pub(super) fn metadata_of(given: Option<&serde_json::Map<String, Value>>) -> E2bResult<Metadata> {
@@ -170,9 +191,16 @@ async fn create(
     // sandbox after the drop (sandbox/environ.rs).
     check_user_env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .map_err(|e| E2bError::bad_request(format!("envVars: {e}")))?;
+    // The envVars the metadata declares secret are the session's secrets: its kernels'
+    // environment from their start, masked everywhere, and not shown back.
+    let declared = declared_secrets(req.metadata.as_ref());
+    let (secrets, env): (Vec<_>, Vec<_>) = env.into_iter().partition(|(k, _)| declared.contains(k));
+    let secrets: std::collections::BTreeMap<String, String> = secrets.into_iter().collect();
+    crate::secrets::check(&secrets).map_err(|e| E2bError::bad_request(format!("envVars: {e}")))?;
     let metadata = metadata_of(req.metadata.as_ref())?;
     let user = caller.0 .0.clone();
     let mut options = session_options(&state, metadata, WorkspaceChoice::Own);
+    options.secrets = secrets;
     // `Sandbox.create(snapshot_id)`: a template that is one of the caller's snapshots.
     options.snapshot = req
         .template_id

@@ -188,6 +188,20 @@ async fn execute(
         ));
     }
     let env = env_vars(req.env_vars)?;
+    // `envs` of names the sandbox declared secret are masked from now on (the kernel gets
+    // them for this execution, as any).
+    let secret: std::collections::BTreeMap<String, String> = caller
+        .e2b
+        .with(caller.session.id, |m| {
+            super::control::declared_secrets(Some(&m.metadata))
+        })
+        .map(|declared| {
+            env.iter()
+                .filter(|(k, _)| declared.contains(*k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
     // The SDK sends no execution timeout (it enforces its own by closing the
     // connection); the broker's maximum is the backstop. E2B's result formats and the
     // execution's own variables are the kernel's hooks' (kernels/kernel_broker_e2b.py).
@@ -205,6 +219,10 @@ async fn execute(
         Some(k) if k != caller.session.kernel_name => default_context(&state, &caller, &k).await?,
         _ => context_session(&state, &caller, req.context_id.as_deref())?,
     };
+    session
+        .secrets
+        .add(&secret)
+        .map_err(|e| E2bError::bad_request(format!("envs: {e}")))?;
     let request = request.in_language(&language_of(&state.kernelspecs, &session));
     let (out_tx, mut out_rx) = mpsc::channel::<OutputEvent>(256);
     let mut done_rx = session.submit(request.streaming(out_tx))?;

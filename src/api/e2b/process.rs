@@ -153,10 +153,25 @@ async fn start(
     }
     let mut argv = vec![config.cmd.clone()];
     argv.extend(config.args.iter().cloned());
-    let mut env = caller
+    let (mut env, declared) = caller
         .e2b
-        .with(caller.session.id, |m| m.env.clone())
+        .with(caller.session.id, |m| {
+            (
+                m.env.clone(),
+                super::control::declared_secrets(Some(&m.metadata)),
+            )
+        })
         .unwrap_or_default();
+    // `envs` the sandbox declared secret are masked from now on.
+    let secret: std::collections::BTreeMap<String, String> = config
+        .envs
+        .iter()
+        .filter(|(k, _)| declared.contains(*k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if let Err(e) = caller.session.secrets.add(&secret) {
+        return stream_error(ConnectError::invalid(format!("process.envs: {e}")));
+    }
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
     let cwd = config.cwd.clone().filter(|c| !c.is_empty());
     if let Some(dir) = &cwd {

@@ -303,6 +303,7 @@ mod tests {
                 memory_used_bytes: None,
                 dead_reason: None,
                 provenance: Default::default(),
+                secrets: vec![],
             };
             let before = json!({
                 "id": info.id,

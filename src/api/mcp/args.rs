@@ -82,6 +82,11 @@ pub struct CreateSessionArgs {
     /// list_snapshots): its variables, imports and a copy of its files. The session then
     /// has a workspace of its own.
     pub snapshot: Option<String>,
+    /// Secret values by environment variable name: the session's kernel gets them as
+    /// environment variables, and every output, recording and export shows
+    /// `[secret:NAME]` in a value's place (4 to 4,096 bytes each, at most 8,192 together, at most 32).
+    #[serde(default)]
+    pub secrets: std::collections::BTreeMap<String, String>,
 }
 
 /// Which workspace a session made through MCP works in.

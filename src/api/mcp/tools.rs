@@ -257,6 +257,14 @@ impl McpServer {
     }
 
     pub(super) async fn create_session_call(&self, call: Call, args: CreateSessionArgs) -> Outcome {
+        if let Err(e) = crate::secrets::check(&args.secrets) {
+            return Ok(tool_error(e.to_string()));
+        }
+        if args.snapshot.is_some() && !args.secrets.is_empty() {
+            return Ok(tool_error(
+                "a session from a snapshot runs the snapshot's kernel: it cannot take secrets",
+            ));
+        }
         let snapshot = match args.snapshot.as_deref() {
             None => None,
             Some(s) => match call.state.registry.find_snapshot(&call.caller.0.name, s) {
@@ -279,6 +287,7 @@ impl McpServer {
                 provenance: call.provenance(),
                 workspace: args.workspace.unwrap_or_default().into(),
                 snapshot,
+                secrets: args.secrets,
             })))
             .await
             .map_err(|e| room.explain(e));

@@ -421,6 +421,7 @@ impl Metrics {
             | LifecycleEvent::SessionPaused { .. }
             | LifecycleEvent::SessionResumed { .. }
             | LifecycleEvent::Interrupt
+            | LifecycleEvent::ExecutionRefused { .. }
             | LifecycleEvent::OutputCut { .. }
             | LifecycleEvent::SessionClosed { .. }
             | LifecycleEvent::SessionDetached { .. }

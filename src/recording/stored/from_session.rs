@@ -108,6 +108,9 @@ impl From<LifecycleEvent> for StoredEvent {
                 bytes,
             },
             L::Interrupt => StoredEvent::Interrupt,
+            L::ExecutionRefused { msg_id, rule, what } => {
+                StoredEvent::ExecutionRefused { msg_id, rule, what }
+            }
             L::KernelRestarted { reason } => StoredEvent::KernelRestarted { reason },
             L::KernelDied { reason } => StoredEvent::KernelDied { reason },
             L::SessionExpired => StoredEvent::SessionExpired,

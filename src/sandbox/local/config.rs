@@ -62,6 +62,9 @@ pub struct LocalSandboxConfig {
     pub criu: Option<PathBuf>,
     /// Bytes of the data directory's file system a copy leaves free (`criu/room.rs`).
     pub copy_reserve_bytes: u64,
+    /// What each line of the kernels' own stdout and stderr passes through before the log
+    /// and a failed launch's message (the broker masks secrets and credentials with it).
+    pub log_filter: Option<super::output::LogFilter>,
 }
 
 impl LocalSandboxConfig {
@@ -94,6 +97,7 @@ impl LocalSandboxConfig {
             template_idle: Duration::from_secs(300),
             criu: None,
             copy_reserve_bytes: crate::sandbox::criu::DEFAULT_COPY_RESERVE,
+            log_filter: None,
         }
     }
 

@@ -35,6 +35,16 @@ impl Tail {
     }
 }
 
+/// What a kernel's output line becomes before it is logged or kept (secrets masked).
+#[derive(Clone)]
+pub struct LogFilter(pub Arc<dyn Fn(&str) -> String + Send + Sync>);
+
+impl std::fmt::Debug for LogFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LogFilter")
+    }
+}
+
 /// Which stream of the kernel a line came from.
 #[derive(Clone, Copy)]
 pub(super) enum Stream {
@@ -49,7 +59,18 @@ pub(super) async fn forward_output<R: AsyncRead + Unpin>(
     session: Uuid,
     which: Stream,
     tail: Option<Tail>,
+    filter: Option<LogFilter>,
 ) {
+    let emit_line = |line: &[u8], cut: bool, count: &mut usize| {
+        emit_line(
+            line,
+            cut,
+            (session, which),
+            count,
+            tail.as_ref(),
+            filter.as_ref(),
+        )
+    };
     let mut reader = BufReader::new(stream);
     let mut line: Vec<u8> = Vec::new();
     let mut cut = false;
@@ -58,7 +79,7 @@ pub(super) async fn forward_output<R: AsyncRead + Unpin>(
         let (consumed, complete) = match reader.fill_buf().await {
             Ok([]) | Err(_) => {
                 if !line.is_empty() {
-                    emit_line(&line, cut, session, which, &mut count, tail.as_ref());
+                    emit_line(&line, cut, &mut count);
                 }
                 return;
             }
@@ -77,7 +98,7 @@ pub(super) async fn forward_output<R: AsyncRead + Unpin>(
         };
         reader.consume(consumed);
         if complete {
-            emit_line(&line, cut, session, which, &mut count, tail.as_ref());
+            emit_line(&line, cut, &mut count);
             line.clear();
             cut = false;
         }
@@ -87,13 +108,21 @@ pub(super) async fn forward_output<R: AsyncRead + Unpin>(
 fn emit_line(
     line: &[u8],
     cut: bool,
-    session: Uuid,
-    which: Stream,
+    (session, which): (Uuid, Stream),
     count: &mut usize,
     tail: Option<&Tail>,
+    filter: Option<&LogFilter>,
 ) {
     let text = String::from_utf8_lossy(line);
     let text = text.trim_end_matches('\r');
+    let filtered;
+    let text = match filter {
+        Some(f) => {
+            filtered = (f.0)(text);
+            filtered.as_str()
+        }
+        None => text,
+    };
     let marker = if cut { " [cut]" } else { "" };
     match which {
         Stream::Stdout => tracing::debug!(%session, "kernel stdout: {text}{marker}"),
@@ -132,6 +161,7 @@ mod tests {
             Uuid::nil(),
             Stream::Stderr,
             Some(tail.clone()),
+            None,
         )
         .await;
         let lines = tail.lines();
@@ -142,5 +172,20 @@ mod tests {
             format!("{} [cut]", "x".repeat(MAX_LOG_LINE))
         );
         assert_eq!(lines[STDERR_TAIL_LINES - 1], "last");
+    }
+
+    #[tokio::test]
+    async fn lines_pass_the_filter_before_the_tail_and_the_log() {
+        let tail = Tail::default();
+        let filter = LogFilter(Arc::new(|l: &str| l.replace("s3cret", "[secret:K]")));
+        forward_output(
+            &b"key s3cret\n"[..],
+            Uuid::nil(),
+            Stream::Stderr,
+            Some(tail.clone()),
+            Some(filter),
+        )
+        .await;
+        assert_eq!(tail.lines(), ["key [secret:K]"]);
     }
 }

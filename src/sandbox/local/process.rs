@@ -320,6 +320,7 @@ impl LocalSandbox {
                 spec.session_id,
                 Stream::Stdout,
                 None,
+                self.cfg.log_filter.clone(),
             ));
         }
         let stderr_task = match child.stderr.take() {
@@ -328,6 +329,7 @@ impl LocalSandbox {
                 spec.session_id,
                 Stream::Stderr,
                 Some(tail.clone()),
+                self.cfg.log_filter.clone(),
             )),
             None => tokio::spawn(async {}),
         };

@@ -10,6 +10,7 @@
 
 mod checkpoint;
 mod fork;
+mod guard;
 mod pause;
 mod running;
 #[cfg(test)]
@@ -60,6 +61,8 @@ pub(crate) struct Actor {
     checkpoints: checkpoint::Checkpoints,
     /// The session's kernel on disk while it is paused (`pause.rs`).
     paused: Option<crate::sandbox::pause::PausedImage>,
+    /// The ends of the kernel's streams held back for masking (`guard.rs`).
+    hold: crate::secrets::stream::StreamHold,
 }
 
 /// Record a message, then send it.
@@ -70,7 +73,8 @@ async fn record_send(
     channel: Channel,
     msg: &Message,
 ) -> Result<(), crate::kernel::KernelError> {
-    recorder.message(session, Direction::ToKernel, channel, msg);
+    let masked = crate::secrets::stream::mask_message(&session.secrets.masker(), msg.clone());
+    recorder.message(session, Direction::ToKernel, channel, &masked);
     client.send(channel, msg).await
 }
 
@@ -120,6 +124,7 @@ impl Actor {
             env_restore_due: None,
             checkpoints: Default::default(),
             paused: None,
+            hold: Default::default(),
         }
     }
 
@@ -254,6 +259,10 @@ impl Actor {
                 route,
             } => {
                 self.session.touch();
+                if let Some(refusal) = guard::code_of(channel, &msg).and_then(|c| self.refusal(&c))
+                {
+                    return self.refuse_forward(&msg, &route, &refusal);
+                }
                 let Some(k) = &self.kernel else { return };
                 if self.routes.len() > 10_000 {
                     // Requests whose replies never came; forget the oldest half at random.
@@ -344,17 +353,20 @@ impl Actor {
     }
 
     async fn on_kernel_event(&mut self, ev: KernelEvent) {
-        if let KernelEvent::Message(channel, m) = &ev {
-            self.recorder
-                .message(&self.session, Direction::FromKernel, *channel, m);
-        }
         match ev {
-            KernelEvent::Message(Channel::Iopub, m) => self.on_iopub(m),
             KernelEvent::Message(channel, m) => {
-                self.on_reply(channel, m);
-                self.restore_env_if_due().await;
+                for (channel, m) in self.masked(channel, m) {
+                    self.recorder
+                        .message(&self.session, Direction::FromKernel, channel, &m);
+                    if channel == Channel::Iopub {
+                        self.on_iopub(m);
+                    } else {
+                        self.on_reply(channel, m);
+                        self.restore_env_if_due().await;
+                    }
+                }
             }
-            KernelEvent::OutputCut { message, bytes } => self.on_output_cut(message, bytes),
+            KernelEvent::OutputCut { message, bytes } => self.on_cut(message, bytes),
             KernelEvent::HeartbeatLost { misses } => {
                 self.on_death(format!(
                     "the kernel stopped answering its heartbeat ({misses} misses)"
@@ -489,6 +501,8 @@ impl Actor {
 
     async fn on_death(&mut self, reason: String) {
         let Some(k) = self.kernel.take() else { return };
+        // A death's reason can quote the kernel's last stderr lines (the Docker sandbox's).
+        let reason = self.session.secrets.masker().mask_str(&reason).into_owned();
         k.process.terminate().await;
         self.finish(
             ExecutionStatus::Dead,

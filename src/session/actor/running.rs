@@ -96,10 +96,25 @@ impl Actor {
         if self.running.is_some() {
             return;
         }
-        let Some((queued_at, req)) = self.queue.pop_front() else {
-            return;
+        // Executions the policy refuses are answered here, and the next one taken.
+        let (queued_at, req) = loop {
+            let Some((queued_at, req)) = self.queue.pop_front() else {
+                return;
+            };
+            self.session.pending_dec();
+            match self.refusal_of(&req) {
+                Some(refusal) => {
+                    self.record_refusal(None, &refusal);
+                    let refused = super::guard::refused_execution(&refusal);
+                    // A streaming client sees it as a kernel's error is seen, then the end.
+                    if let (Some(tx), Some(e)) = (&req.stream, &refused.error) {
+                        let _ = tx.try_send(OutputEvent::Error(e.clone()));
+                    }
+                    let _ = req.done.send(refused);
+                }
+                None => break (queued_at, req),
+            }
         };
-        self.session.pending_dec();
         let Some(k) = &self.kernel else {
             let reason = self
                 .dead_reason
@@ -110,7 +125,12 @@ impl Actor {
                 .send(failed(ExecutionStatus::Dead, "KernelDied", reason));
             return;
         };
-        let req_code = req.code.clone();
+        let req_code = self
+            .session
+            .secrets
+            .masker()
+            .mask_str(&req.code)
+            .into_owned();
         let content = serde_json::json!({
             "code": req.code,
             "silent": false,

@@ -68,6 +68,12 @@ async fn start(config: SessionConfig) -> Harness {
             restored: None,
             own_workspace: None,
             paused_records: None,
+            secrets: crate::session::secrets::SessionSecrets::new(
+                Default::default(),
+                None,
+                Uuid::new_v4(),
+                Default::default(),
+            ),
         },
     ));
     let spec = session.launch_spec(Signer::random_key());
@@ -116,6 +122,7 @@ impl Harness {
                 stream: None,
                 hooks: None,
                 env_code: None,
+                checked: true,
                 done,
             })
             .expect("the queue takes it");

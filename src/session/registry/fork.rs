@@ -282,5 +282,7 @@ fn fork_shape(parent: &Session, memory: Reservation, provenance: Provenance, id:
         memory,
         provenance,
         own_workspace: parent.own_workspace.map(|_| id),
+        // A fork's kernel is a copy of the parent's, environment and all.
+        secrets: parent.secrets.values(),
     }
 }

@@ -245,6 +245,11 @@ impl Registry {
                     metadata: record.metadata.clone(),
                 },
                 own_workspace: record.own_workspace,
+                secrets: Arc::new(super::super::secrets::SessionSecrets::unseal(
+                    cfg.sealer.as_ref(),
+                    record.id,
+                    record.secrets.as_deref(),
+                )),
             },
             Some(Restored {
                 created_at: record.created_at,

@@ -10,6 +10,7 @@ mod fork;
 mod keep;
 mod own;
 mod pause;
+mod shape;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -27,9 +28,8 @@ use uuid::Uuid;
 use super::actor::Actor;
 use super::command::Command;
 use super::config::SessionConfig;
-use super::config::WorkspaceChoice;
 use super::error::SessionError;
-use super::front_door::{EndedBy, FrontDoor, Provenance, SessionEnd};
+use super::front_door::{EndedBy, FrontDoor, SessionEnd};
 use super::handle::{HandleParts, Restored, Session};
 use super::launch::{start_kernel, Live};
 use super::lifecycle::{ForkedFrom, LifecycleEvent};
@@ -44,6 +44,8 @@ use crate::wire::Signer;
 use expiry::Tombstone;
 pub use fork::{ForkRequest, MAX_FORKS};
 pub use keep::Adopted;
+pub use shape::CreateOptions;
+use shape::Shape;
 
 #[derive(Default)]
 struct Table {
@@ -87,38 +89,6 @@ pub enum Closing {
     Ended,
     /// Another front door made it: this one let go of it, and it goes on.
     Detached,
-}
-
-/// What a new session asks for.
-#[derive(Debug, Clone, Default)]
-pub struct CreateOptions {
-    pub kernel: Option<String>,
-    /// Seconds; 0 means never (capped by the configured maximum).
-    pub idle_timeout_seconds: Option<u64>,
-    /// Use this id (the Jupyter API lets clients propose one).
-    pub id: Option<Uuid>,
-    /// The kernel's memory limit in bytes (`None`: the user's default session limit); at
-    /// least 16 MiB and at most the user's total.
-    pub memory_limit_bytes: Option<u64>,
-    /// The front door asking (it owns the session's life) and its client's metadata.
-    pub provenance: Provenance,
-    /// The user's shared workspace, or one of the session's own.
-    pub workspace: WorkspaceChoice,
-    /// Start from this snapshot of the user's (its kernel, state and a copy of its
-    /// workspace; the session has a workspace of its own).
-    pub snapshot: Option<Uuid>,
-}
-
-/// What a new session is: its kernel spec, idle timeout, limits, memory reservation and
-/// provenance.
-struct Shape {
-    kernel_name: String,
-    idle_timeout: Option<Duration>,
-    limits: KernelLimits,
-    memory: Reservation,
-    provenance: Provenance,
-    /// The key of the own workspace its kernels work in (`None`: the shared one).
-    own_workspace: Option<Uuid>,
 }
 
 /// The smallest memory limit a session may ask for.
@@ -286,7 +256,11 @@ impl Registry {
         // limits than the pool's.
         // Pooled kernels work in the shared workspace.
         let pooled = match proposed {
-            None if limits == user.limits.kernel(None) && own_workspace.is_none() => {
+            // A pooled kernel was started without the session's secrets in its environment.
+            None if limits == user.limits.kernel(None)
+                && own_workspace.is_none()
+                && opts.secrets.is_empty() =>
+            {
                 self.inner.pool.take(user, &kernel_name)
             }
             _ => {
@@ -310,6 +284,7 @@ impl Registry {
                     memory,
                     provenance: opts.provenance,
                     own_workspace,
+                    secrets: Arc::new(opts.secrets),
                 };
                 self.launch(id, user, shape, pooled, snapshot).await
             }
@@ -454,6 +429,12 @@ impl Registry {
                 restored,
                 own_workspace: shape.own_workspace,
                 paused_records: self.inner.paused_records.clone(),
+                secrets: super::secrets::SessionSecrets::new(
+                    cfg.secret_book.clone(),
+                    cfg.sealer.clone(),
+                    id,
+                    shape.secrets,
+                ),
             },
         ));
         (session, commands_rx)

@@ -35,6 +35,14 @@ impl Registry {
         if let Some(why) = self.config().copy_refusal(&session.kernel_name) {
             return Err(SessionError::SnapshotRefused { session: id, why });
         }
+        if !session.secrets.is_empty() {
+            return Err(SessionError::SnapshotRefused {
+                session: id,
+                why: "the session has secrets, and a snapshot (kept for any later session to \
+                      start from) would hold them in its kernel's memory image"
+                    .into(),
+            });
+        }
         if session.own_workspace.is_none() {
             return Err(SessionError::SnapshotRefused {
                 session: id,
