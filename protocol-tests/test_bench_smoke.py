@@ -131,3 +131,24 @@ def test_the_languages_benchmark_runs(tmp_path):
         for key in ("cold_ms_p50", "pooled_ms_p50", "round_trip_ms_p50", "idle_mib"):
             assert positive(row[key]), (kernel, key, row)
     assert got["python3"]["round_trip_vs_python"] == 1.0
+
+
+@pytest.mark.timeout(600)
+def test_the_masking_benchmark_runs(tmp_path):
+    """bench/masking.py, bounded (a few trips, one create each): every figure lands."""
+    subprocess.run([str(REPO / "bench/setup")], check=True, timeout=1200)
+    binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
+    out = tmp_path / "masking.json"
+    proc = subprocess.run(
+        [str(BENCH_PY), str(REPO / "bench/masking.py"), "--trips", "10", "--runs", "1",
+         "--refill", "2", "--binary", binary, "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(out.read_text())
+    for side in ("baseline", "masking"):
+        for code in ("one_plus_one", "print_10kb", "leak"):
+            assert positive(got[side][code]["p50_ms"]), (side, code, got)
+    for create in ("create_pooled", "create_with_secrets"):
+        assert positive(got["masking"][create]["p50_ms"]), got
+    assert isinstance(got["one_plus_one_cost_pct"], float)
