@@ -60,22 +60,10 @@ pub(super) struct Ctx<'r, 'p> {
     /// Bytes that may still be parsed.
     budget: usize,
     /// The tree depth, in the code that contains it, of the code being checked.
-    pub(super) depth: u32,
+    depth: u32,
 }
 
 impl Ctx<'_, '_> {
-    pub(super) fn deny(&self, finding: Finding<'_>, line: u32) -> Result<(), Refusal> {
-        match self.rules.iter().find(|rule| rule.denies(&finding)) {
-            None => Ok(()),
-            Some(rule) => Err(Refusal {
-                rule: rule.name.clone(),
-                message: rule.message.clone(),
-                what: finding.describe(),
-                line,
-            }),
-        }
-    }
-
     /// Takes `bytes` from what may still be parsed.
     fn spend(&mut self, bytes: usize) -> Result<(), Refusal> {
         let Some(left) = self.budget.checked_sub(bytes) else {
@@ -84,13 +72,6 @@ impl Ctx<'_, '_> {
         };
         self.budget = left;
         Ok(())
-    }
-
-    /// Whether `code` parses (within the depth bound): a reading of it worth checking.
-    pub(super) fn parses(&mut self, code: &str, mode: Mode) -> Result<bool, Refusal> {
-        self.spend(code.len())?;
-        let room = bound::MAX_DEPTH.saturating_sub(self.depth);
-        Ok(bound::within(code, mode, room) && parse(code, ParseOptions::from(mode)).is_ok())
     }
 
     /// Checks code; a refusal's line is one of `code`'s.
@@ -159,10 +140,39 @@ impl Ctx<'_, '_> {
         self.depth = base;
         result
     }
+}
+
+impl Checker for Ctx<'_, '_> {
+    fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    fn set_depth(&mut self, depth: u32) {
+        self.depth = depth;
+    }
+
+    fn deny(&self, finding: Finding<'_>, line: u32) -> Result<(), Refusal> {
+        match self.rules.iter().find(|rule| rule.denies(&finding)) {
+            None => Ok(()),
+            Some(rule) => Err(Refusal {
+                rule: rule.name.clone(),
+                message: rule.message.clone(),
+                what: finding.describe(),
+                line,
+            }),
+        }
+    }
+
+    /// Whether `code` parses (within the depth bound): a reading of it worth checking.
+    fn parses(&mut self, code: &str, mode: Mode) -> Result<bool, Refusal> {
+        self.spend(code.len())?;
+        let room = bound::MAX_DEPTH.saturating_sub(self.depth);
+        Ok(bound::within(code, mode, room) && parse(code, ParseOptions::from(mode)).is_ok())
+    }
 
     /// Checks code in code: a refusal is placed at `line` (of the outer code), or, with
     /// `offset`, at its own line counted from `line` (a cell magic's body).
-    pub(super) fn nested(
+    fn nested(
         &mut self,
         code: &str,
         lang: Lang,
@@ -183,7 +193,7 @@ impl Ctx<'_, '_> {
     }
 
     /// The arguments of the line magic `name`: the modules it imports, the code it runs.
-    pub(super) fn magic_args(
+    fn magic_args(
         &mut self,
         name: &str,
         args: &str,
@@ -248,12 +258,7 @@ impl Ctx<'_, '_> {
     }
 
     /// The `{expr}` and `$name` IPython evaluates in a magic's arguments or a shell command.
-    pub(super) fn expansions(
-        &mut self,
-        text: &str,
-        line: u32,
-        nesting: u32,
-    ) -> Result<(), Refusal> {
+    fn expansions(&mut self, text: &str, line: u32, nesting: u32) -> Result<(), Refusal> {
         for expr in ipython::expansions(text) {
             if self.parses(expr, Mode::Module)? {
                 let via = "an expansion IPython evaluates ({…} or $name)";
@@ -263,7 +268,7 @@ impl Ctx<'_, '_> {
         Ok(())
     }
 
-    pub(super) fn cell_magic(
+    fn cell_magic(
         &mut self,
         name: &str,
         args: &str,
@@ -291,59 +296,5 @@ impl Ctx<'_, '_> {
             self.nested(body, Lang::Python, nesting, (line, true), &via)?;
         }
         Ok(())
-    }
-}
-
-impl Checker for Ctx<'_, '_> {
-    fn depth(&self) -> u32 {
-        self.depth
-    }
-
-    fn set_depth(&mut self, depth: u32) {
-        self.depth = depth;
-    }
-
-    fn deny(&self, finding: Finding<'_>, line: u32) -> Result<(), Refusal> {
-        Ctx::deny(self, finding, line)
-    }
-
-    fn parses(&mut self, code: &str, mode: Mode) -> Result<bool, Refusal> {
-        Ctx::parses(self, code, mode)
-    }
-
-    fn nested(
-        &mut self,
-        code: &str,
-        lang: Lang,
-        nesting: u32,
-        at: (u32, bool),
-        via: &str,
-    ) -> Result<(), Refusal> {
-        Ctx::nested(self, code, lang, nesting, at, via)
-    }
-
-    fn magic_args(
-        &mut self,
-        name: &str,
-        args: &str,
-        line: u32,
-        nesting: u32,
-    ) -> Result<(), Refusal> {
-        Ctx::magic_args(self, name, args, line, nesting)
-    }
-
-    fn expansions(&mut self, text: &str, line: u32, nesting: u32) -> Result<(), Refusal> {
-        Ctx::expansions(self, text, line, nesting)
-    }
-
-    fn cell_magic(
-        &mut self,
-        name: &str,
-        args: &str,
-        body: &str,
-        line: u32,
-        nesting: u32,
-    ) -> Result<(), Refusal> {
-        Ctx::cell_magic(self, name, args, body, line, nesting)
     }
 }
