@@ -39,6 +39,9 @@ LEAKS = {
     "plain": "import os\nk = os.environ['API_KEY']\nprint(k)",
     "split": "import sys, time\nprint(k[:7], end='', flush=True)\ntime.sleep(0.3)\nprint(k[7:], flush=True)",
     "base64": "import base64\nprint(base64.b64encode(k.encode()).decode())",
+    # Split around a display: the execution's stdout is read as one text.
+    "split_display": "import time\nprint(k[:9], end='', flush=True)\ndisplay('between')\n"
+                     "time.sleep(0.2)\nprint(k[9:], flush=True)",
     "hex": "k.encode().hex()",
     "traceback": "def f(x):\n    raise KeyError(x)\nf(k)",
     "dataframe": "import pandas as pd\npd.DataFrame({'key': [k], 'n': [1]})",
@@ -112,7 +115,9 @@ def test_a_secret_never_leaves_the_broker_verbatim(any_backend, request):
         # Split across two stream messages, it still arrives masked whole and in order.
         split = json.loads(answers[1])
         assert split["stdout"] == "[secret:API_KEY]\n", split
-        err = json.loads(answers[4])["error"]
+        around = json.loads(answers[3])
+        assert around["stdout"] == "[secret:API_KEY]\n", around
+        err = json.loads(answers[5])["error"]
         assert err["ename"] == "KeyError" and "[secret:API_KEY]" in err["evalue"], err
         # The agent stream's frames.
         stream = AgentStream(broker, sid)

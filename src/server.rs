@@ -190,6 +190,7 @@ pub async fn serve(
     // The kernels' own output lines are masked before the log (`secrets::book`).
     let secret_book = Arc::new(crate::secrets::SecretBook::new(settings.credentials()));
     settings.local.log_filter = Some(secret_book.log_filter());
+    settings.docker.log_filter = settings.local.log_filter.clone();
     let sandbox = build_sandbox(&settings, kernelspecs.clone()).await?;
     let (sandbox, egress) = with_egress(sandbox, &settings);
     if !settings.keep_sessions {

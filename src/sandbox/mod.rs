@@ -55,6 +55,7 @@ pub(crate) mod fsutil;
 pub mod launch_error;
 mod limits;
 pub mod local;
+mod log_filter;
 pub(crate) mod netns;
 pub(crate) mod own_workspace;
 pub mod pause;
@@ -79,6 +80,7 @@ pub use limits::{
     DEFAULT_SESSION_MEMORY, DEFAULT_SESSION_PIDS, KERNEL_BASE_MEMORY, KERNEL_OOM_SCORE_ADJ,
     PROCESS_MEMORY,
 };
+pub use log_filter::LogFilter;
 
 /// Who a kernel runs for.
 #[derive(Debug, Clone)]

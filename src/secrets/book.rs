@@ -85,9 +85,9 @@ impl SecretBook {
     }
 
     /// [`Self::mask_line`] as the local sandbox's filter of kernel output lines.
-    pub fn log_filter(self: &Arc<Self>) -> crate::sandbox::local::LogFilter {
+    pub fn log_filter(self: &Arc<Self>) -> crate::sandbox::LogFilter {
         let book = self.clone();
-        crate::sandbox::local::LogFilter(Arc::new(move |line| book.mask_line(line)))
+        crate::sandbox::LogFilter(Arc::new(move |line| book.mask_line(line)))
     }
 }
 

@@ -4,9 +4,12 @@
 //!
 //! What is held is at most one form's length less one, per stream name; it goes out with
 //! the next chunk of the same stream, or on its own (a `stream` message of the held text)
-//! before any other message of the same execution: its `error`, its `status: idle`, its
-//! reply. So streams stay streams: nothing waits for the end of an execution but those few
-//! characters, and only when they could begin a secret.
+//! at the end of its execution: before its reply, an `input()` prompt, or its `status:
+//! idle`. Other messages of the execution (a display, the other stream) do not release it:
+//! the execution's text output is read as one (an execution's `stdout`), so a value printed
+//! in two pieces with a display between them is still one value, and the few held
+//! characters go out after that display instead of before it. So streams stay streams:
+//! nothing waits but those few characters, and only when they could begin a secret.
 
 use bytes::Bytes;
 use serde_json::Value;
@@ -46,32 +49,35 @@ impl StreamHold {
                 return self.on_stream(masker, m, c);
             }
         }
-        let mut out = self.flush(masker, m.parent_msg_id.as_deref());
+        let mut out = if ends_execution(&m) {
+            self.flush(m.parent_msg_id.as_deref())
+        } else {
+            Vec::new()
+        };
         out.push(mask_message(masker, m));
         out
     }
 
     fn on_stream(&mut self, masker: &Masker, m: Message, c: StreamContent) -> Vec<Message> {
-        // Another execution's held text goes first; this stream's joins the new chunk.
+        // This stream's held text joins the new chunk. Another execution's stays held until
+        // that one ends: late output of an earlier execution (a subprocess's, which
+        // ipykernel forwards from its own thread) can arrive while a later one prints.
         let mut out = Vec::new();
-        let mut before = String::new();
-        let mut i = 0;
-        while i < self.held.len() {
-            let h = &self.held[i];
-            if h.from.parent_msg_id != m.parent_msg_id {
-                let h = self.held.remove(i);
-                out.push(self.held_message(h));
-            } else if h.name == c.name {
-                before = self.held.remove(i).text;
-            } else {
-                i += 1;
-            }
-        }
+        let same = |h: &Held| h.from.parent_msg_id == m.parent_msg_id && h.name == c.name;
+        let before = match self.held.iter().position(same) {
+            Some(i) => self.held.remove(i).text,
+            None => String::new(),
+        };
         let whole = before + &c.text;
         let masked = masker.mask_str(&whole).into_owned();
         let keep = masker.held_suffix(&masked);
         let (send, hold) = masked.split_at(masked.len() - keep);
         if !hold.is_empty() {
+            if self.held.len() >= MAX_HELD {
+                // Executions whose end never came (a kernel that died): the oldest goes.
+                let h = self.held.remove(0);
+                out.insert(0, self.held_message(h));
+            }
             self.held.push(Held {
                 from: m.clone(),
                 name: c.name.clone(),
@@ -88,14 +94,18 @@ impl StreamHold {
         out
     }
 
-    /// The held text of `parent`'s streams (every stream's, for `None`), as messages.
-    pub fn flush(&mut self, _masker: &Masker, parent: Option<&str>) -> Vec<Message> {
+    /// The held text of the streams of the execution `parent` (none for a message of no
+    /// execution), as messages: it has ended.
+    pub fn flush(&mut self, parent: Option<&str>) -> Vec<Message> {
+        let Some(parent) = parent else {
+            return Vec::new();
+        };
         if self.held.is_empty() {
             return Vec::new();
         }
         let (go, stay): (Vec<Held>, Vec<Held>) = std::mem::take(&mut self.held)
             .into_iter()
-            .partition(|h| parent.is_none() || h.from.parent_msg_id.as_deref() == parent);
+            .partition(|h| h.from.parent_msg_id.as_deref() == Some(parent));
         self.held = stay;
         go.into_iter().map(|h| self.held_message(h)).collect()
     }
@@ -120,6 +130,19 @@ impl StreamHold {
         m.buffers.clear();
         m
     }
+}
+
+/// Held texts at most (streams of executions whose end has not come).
+const MAX_HELD: usize = 16;
+
+/// Whether `m` is its execution's last iopub message (`status: idle`).
+fn ends_execution(m: &Message) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Status<'a> {
+        execution_state: &'a str,
+    }
+    m.msg_type == "status"
+        && serde_json::from_slice::<Status>(&m.content).is_ok_and(|s| s.execution_state == "idle")
 }
 
 fn stream_content(name: &str, text: &str) -> Bytes {
@@ -212,10 +235,28 @@ mod tests {
     }
 
     #[test]
-    fn a_held_start_that_was_not_the_value_goes_out_before_the_next_message() {
+    fn a_held_start_that_was_not_the_value_goes_out_at_the_executions_end() {
         let (m, p) = (masker(), parent());
         let mut h = StreamHold::default();
         assert!(h.on_message(&m, stream(&p, "stdout", "ab")).is_empty());
+        // A display, or a message of no execution, does not release it.
+        let display = Message::new(
+            "display_data",
+            &serde_json::json!({"data": {"text/plain": "x"}, "metadata": {}}),
+            Some(&p.header),
+            "s",
+            "u",
+        );
+        assert_eq!(h.on_message(&m, display).len(), 1);
+        let orphan = Message::new(
+            "status",
+            &serde_json::json!({"execution_state": "idle"}),
+            None,
+            "s",
+            "u",
+        );
+        assert_eq!(h.on_message(&m, orphan).len(), 1);
+        assert!(!h.is_empty());
         let idle = Message::new(
             "status",
             &serde_json::json!({"execution_state": "idle"}),
@@ -231,7 +272,7 @@ mod tests {
     }
 
     #[test]
-    fn streams_are_held_apart_and_other_executions_flush_first() {
+    fn streams_and_executions_are_held_apart() {
         let (m, p, q) = (masker(), parent(), parent());
         let mut h = StreamHold::default();
         h.on_message(&m, stream(&p, "stdout", "x abcd"));
@@ -243,8 +284,15 @@ mod tests {
             texts(&h.on_message(&m, stream(&p, "stderr", "defgh"))),
             ["[secret:K]"]
         );
-        let out = h.on_message(&m, stream(&q, "stdout", "new"));
-        assert_eq!(texts(&out), ["abcd", "new"]);
+        // Another execution's output does not release p's held text, nor join it.
+        assert_eq!(
+            texts(&h.on_message(&m, stream(&q, "stdout", "efgh!"))),
+            ["efgh!"]
+        );
+        assert_eq!(
+            texts(&h.on_message(&m, stream(&p, "stdout", "efgh"))),
+            ["[secret:K]"]
+        );
         assert!(h.is_empty());
     }
 

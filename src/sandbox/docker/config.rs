@@ -57,6 +57,9 @@ pub struct DockerSandboxConfig {
     pub criu: Option<PathBuf>,
     /// Bytes of the data directory's file system a copy leaves free (`criu/room.rs`).
     pub copy_reserve_bytes: u64,
+    /// What each line of a template's (and so its forked kernels') stderr passes through
+    /// before the log (the broker masks secrets and credentials with it).
+    pub log_filter: Option<crate::sandbox::LogFilter>,
 }
 
 impl DockerSandboxConfig {
@@ -84,6 +87,7 @@ impl DockerSandboxConfig {
             api_timeout: Duration::from_secs(60),
             criu: None,
             copy_reserve_bytes: crate::sandbox::criu::DEFAULT_COPY_RESERVE,
+            log_filter: None,
         }
     }
 }

@@ -324,13 +324,17 @@ impl Inner {
         }
         let name = format!("{}/{}", user.name, spec.kernel_name);
         let log_name = name.clone();
-        // stdout frames are the answers; stderr frames go to the log (cut short).
+        let filter = self.cfg.log_filter.clone();
+        // stdout frames are the answers; stderr frames go to the log (cut short, and
+        // through the broker's filter: forked kernels write their stderr here).
         let stdout = output.filter_map(move |frame| {
             let out = match frame {
                 Ok(LogOutput::StdOut { message }) => Some(Ok(message)),
                 Ok(LogOutput::StdErr { message }) => {
                     let text = &message[..message.len().min(MAX_LOG_FRAME)];
-                    tracing::debug!(template = %log_name, stderr = %String::from_utf8_lossy(text).trim_end(), "template output");
+                    let text = String::from_utf8_lossy(text);
+                    let text = filter.as_ref().map_or(text.to_string(), |f| f.apply(&text));
+                    tracing::debug!(template = %log_name, stderr = %text.trim_end(), "template output");
                     None
                 }
                 Ok(_) => None,

@@ -64,7 +64,7 @@ pub struct LocalSandboxConfig {
     pub copy_reserve_bytes: u64,
     /// What each line of the kernels' own stdout and stderr passes through before the log
     /// and a failed launch's message (the broker masks secrets and credentials with it).
-    pub log_filter: Option<super::output::LogFilter>,
+    pub log_filter: Option<crate::sandbox::LogFilter>,
 }
 
 impl LocalSandboxConfig {

@@ -71,7 +71,6 @@ use self::bwrap::BwrapOptions;
 pub use self::config::{instance_defaults, LocalSandboxConfig};
 use self::files::{choose_run_base, is_safe_component, sweep_run_base, workspace_owner};
 use self::host::{discover_python, find_program, unavailable, unavailable_by};
-pub use self::output::LogFilter;
 use self::process::SandboxCommand;
 use self::reaper::LocalKernel;
 use super::boot;

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use uuid::Uuid;
 
+use crate::sandbox::LogFilter;
 use crate::sync::lock;
 
 /// Longest line of kernel output forwarded to the log; the rest is cut.
@@ -32,16 +33,6 @@ impl Tail {
             tail.pop_front();
         }
         tail.push_back(line);
-    }
-}
-
-/// What a kernel's output line becomes before it is logged or kept (secrets masked).
-#[derive(Clone)]
-pub struct LogFilter(pub Arc<dyn Fn(&str) -> String + Send + Sync>);
-
-impl std::fmt::Debug for LogFilter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LogFilter")
     }
 }
 
@@ -118,7 +109,7 @@ fn emit_line(
     let filtered;
     let text = match filter {
         Some(f) => {
-            filtered = (f.0)(text);
+            filtered = f.apply(text);
             filtered.as_str()
         }
         None => text,

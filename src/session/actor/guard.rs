@@ -33,21 +33,27 @@ impl Actor {
                 .map(|m| (Channel::Iopub, m))
                 .collect();
         }
-        let mut out: Vec<(Channel, Message)> = self
-            .hold
-            .flush(&masker, m.parent_msg_id.as_deref())
-            .into_iter()
-            .map(|m| (Channel::Iopub, m))
-            .collect();
+        // An execution's reply, or its `input()` prompt, shows what it printed before.
+        let ends = matches!(m.msg_type.as_str(), "execute_reply" | "input_request");
+        let held = match ends {
+            true => self.hold.flush(m.parent_msg_id.as_deref()),
+            false => Vec::new(),
+        };
+        let mut out: Vec<(Channel, Message)> =
+            held.into_iter().map(|m| (Channel::Iopub, m)).collect();
         out.push((channel, mask_message(&masker, m)));
         out
     }
 
-    /// An output message the kernel client cut (`bytes` long), masked, after what was held
-    /// of its execution's streams.
+    /// An output message the kernel client cut (`bytes` long), masked; a cut stream after
+    /// what was held of its execution's streams.
     pub(super) fn on_cut(&mut self, m: Message, bytes: u64) {
         let masker = self.session.secrets.masker();
-        for held in self.hold.flush(&masker, m.parent_msg_id.as_deref()) {
+        let held = match m.msg_type == "stream" {
+            true => self.hold.flush(m.parent_msg_id.as_deref()),
+            false => Vec::new(),
+        };
+        for held in held {
             self.recorder
                 .message(&self.session, Direction::FromKernel, Channel::Iopub, &held);
             self.on_iopub(held);
