@@ -101,11 +101,6 @@ impl Masker {
         }
     }
 
-    /// Masks nothing.
-    pub fn empty() -> Self {
-        Self::new(&[], Arc::new(Patterns::none()))
-    }
-
     /// Whether this masker can change anything.
     pub fn is_empty(&self) -> bool {
         self.text.is_none() && self.patterns.is_empty()
