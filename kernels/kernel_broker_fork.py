@@ -241,6 +241,8 @@ def validate_hold(hold, root):
     """Checks a hold request's content; returns it, or raises ForkRefused."""
     if not isinstance(hold, dict):
         raise ForkRefused("'hold' is not an object")
+    if "control" in hold:
+        return {"control": validate_control(hold.get("control"), root)}
     path = hold.get("connection_file")
     if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096:
         raise ForkRefused("'hold.connection_file' is missing or not a path")
@@ -261,6 +263,19 @@ def validate_hold(hold, root):
     ):
         raise ForkRefused("'hold.private' must be a list of at most 8 absolute paths")
     return {"connection_file": path, "private": [os.path.normpath(p) for p in private]}
+
+
+def validate_control(path, root):
+    """Checks a checkpoint's control socket path (under the fork directory); returns it."""
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > MAX_IP_LENGTH:
+        raise ForkRefused("'hold.control' is missing, too long or not a path")
+    if root is None:
+        raise ForkRefused("this kernel has no fork directory (%s is not set)" % ROOT_ENV)
+    if not os.path.isabs(path) or os.path.normpath(path) != path:
+        raise ForkRefused("'hold.control' must be an absolute, normalised path")
+    if os.path.commonpath([root, os.path.realpath(os.path.dirname(path))]) != root:
+        raise ForkRefused("'hold.control' is outside the fork directory")
+    return path
 
 
 def private_files(prefixes):
@@ -493,7 +508,11 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         global _MACHINERY, _BEFORE_BUILD
         close_machinery(_MACHINERY or {}, keep={ready_fd})
         _MACHINERY = None
-        if hold is not None:
+        if hold is not None and "control" in hold:
+            # A checkpoint: held, and forks a child for each wake; returns in that child.
+            info = held_checkpoint(ready_fd, hold["control"], fork_root(old_app))
+            ready_fd = None
+        elif hold is not None:
             be_held(ready_fd, hold.get("private") or [])
             ready_fd = None
             info = woken(hold, fork_root(old_app))
@@ -525,11 +544,9 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         os._exit(code)
 
 
-def be_held(ready_fd, private=()):
-    """In a held child: keeps only its regular files (0-2 on ``/dev/null``), answers on
-    `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace.
-    Refuses (says why on `ready_fd` and exits) when it holds anything under `private`:
-    directories of its sandbox that the sandbox it will be restored in does not have."""
+def keep_only_files(ready_fd):
+    """In a held child: closes every descriptor but its regular files and `ready_fd`, and
+    points 0-2 at ``/dev/null``."""
     global _STD_TARGETS
     # The kernel's own output (what 1 and 2 went to, and the streams' copies of them) is
     # not carried, even where it is a file (a log in the sandbox's /tmp that the sandbox
@@ -556,6 +573,14 @@ def be_held(ready_fd, private=()):
     for fd in (0, 1, 2):
         os.dup2(null, fd, inheritable=True)
     os.close(null)
+
+
+def be_held(ready_fd, private=()):
+    """In a held child: keeps only its regular files (0-2 on ``/dev/null``), answers on
+    `ready_fd` (closed), and waits for ``WAKE_SIGNAL`` from outside its pid namespace.
+    Refuses (says why on `ready_fd` and exits) when it holds anything under `private`:
+    directories of its sandbox that the sandbox it will be restored in does not have."""
+    keep_only_files(ready_fd)
     held = private_files(private)
     if held:
         shown = ", ".join(held[:5]) + (" and %d more" % (len(held) - 5) if len(held) > 5 else "")
@@ -593,6 +618,75 @@ def be_held(ready_fd, private=()):
             signal.sigtimedwait([signal.SIGALRM], 0)
             signal.pthread_sigmask(signal.SIG_SETMASK, set(old) | {WAKE_SIGNAL})
             return
+
+
+def held_checkpoint(ready_fd, control, root):
+    """In a checkpoint's held child: keeps only its regular files, connects to the
+    broker's control socket `control` (the broker checks the connecting pid, so no other
+    process of the sandbox can take its place), answers on `ready_fd` (closed), and then
+    waits. Each line the broker sends holds a connection (``{"connection": ...}``, checked
+    as a request's): it forks, the child returns that connection (and is built into a
+    kernel by the caller), and this process answers with the child's pid, as a
+    ``kb_fork_reply``'s content, and waits for the next. It ends when the broker closes
+    the socket (the checkpoint dropped, its session ended, the broker gone): a checkpoint
+    never outlives the broker that holds it. The connection's key travels over that socket
+    alone, never through a file another kernel of the sandbox could read."""
+    import socket
+
+    keep_only_files(ready_fd)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(control)
+    except OSError as e:
+        say(ready_fd, {"error": "cannot reach the broker at %s: %s" % (control, e.strerror)})
+        os._exit(1)
+    say(ready_fd, {"pid": os.getpid()})
+    os.close(ready_fd)
+    children = set()
+    pending = b""
+
+    def answer(content):
+        sock.sendall((json.dumps(content) + "\n").encode())
+
+    while True:
+        for pid in list(children):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                children.discard(pid)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        # Woken each second while a child may end (to reap it); else only by the broker.
+        if not poller.poll(1000 if children else None):
+            continue
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            os._exit(0)
+        pending += chunk
+        if len(pending) > MAX_CONNECTION_FILE:
+            os._exit(1)
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            try:
+                try:
+                    request = json.loads(line)
+                except ValueError:
+                    raise ForkRefused("the request is not JSON")
+                info = validate(request, root)
+            except ForkRefused as e:
+                answer({"status": "error", "ename": "ForkRefused", "evalue": str(e)})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                return info
+            children.add(pid)
+            answer({"status": "ok", "pid": pid})
 
 
 def woken(hold, root):

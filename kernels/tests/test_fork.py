@@ -768,3 +768,95 @@ def test_a_held_child_holding_what_would_not_come_back_refuses(kernel, tmp_path)
         os.kill(reply["pid"], signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def read_line(sock, timeout=TIMEOUT):
+    """One line from `sock`, parsed as JSON."""
+    sock.settimeout(timeout)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        assert chunk, "the held checkpoint closed its control socket"
+        data += chunk
+    return json.loads(data)
+
+
+def test_a_held_checkpoint_forks_a_kernel_at_each_wake_and_ends_with_its_control(kernel, forks, tmp_path):
+    """A checkpoint's held child (``{"hold": {"control": ...}}``) connects to the broker's
+    control socket before it answers, holds no socket but that one and runs no thread
+    (the live kernel's thread is not carried), and forks a kernel with the state of the
+    moment it was taken for each connection sent to it, however the live kernel went on;
+    a bad connection is refused without ending it; closing the socket ends it."""
+    import socket
+    import struct
+
+    kc = kernel.client
+    run(
+        kc,
+        "import threading, time, random\n"
+        "x = 41\n"
+        "random.seed(5)\n"
+        "threading.Thread(target=time.sleep, args=(600,), name='ticker', daemon=True).start()\n",
+    )
+    path = str(tmp_path / "ctl")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(TIMEOUT)
+    reply = fork_request(kc, {"hold": {"control": path}})
+    assert reply["status"] == "ok", reply
+    held = reply["pid"]
+    try:
+        control, _ = listener.accept()
+        creds = control.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        assert struct.unpack("3i", creds)[0] == held
+        run(kc, "x = 100; random.random()")
+        assert os.listdir("/proc/%d/task" % held) == [str(held)]
+        assert unix_socket_paths(held) <= {path, ""}, unix_socket_paths(held)
+        expected = value(kc, "random.seed(5) or random.random()")
+        for i in range(2):
+            info = connection(os.path.join(str(tmp_path), "w%d" % i))
+            control.sendall((json.dumps({"connection": info}) + "\n").encode())
+            answer = read_line(control)
+            assert answer["status"] == "ok", answer
+            child = connect(info)
+            f = Fork.__new__(Fork)
+            f.info, f.pid, f.client = info, answer["pid"], child
+            forks.append(f)
+            assert value(child, "x") == "41"
+            assert value(child, "random.random()") == expected
+            assert value(child, "'ticker' in [t.name for t in threading.enumerate()]") == "False"
+            run(child, "x = 7")
+            # The child holds no control socket of the checkpoint's.
+            assert path not in unix_socket_paths(answer["pid"])
+        assert value(kc, "x") == "100"
+        bad = connection("/etc/kb")
+        control.sendall((json.dumps({"connection": bad}) + "\n").encode())
+        answer = read_line(control)
+        assert answer["status"] == "error" and "outside" in answer["evalue"], answer
+        control.sendall(b"not json\n")
+        assert read_line(control)["status"] == "error"
+        assert alive(held)
+        control.close()
+        deadline = time.monotonic() + TIMEOUT
+        while alive(held):
+            assert time.monotonic() < deadline, "the checkpoint outlived its control socket"
+            time.sleep(0.01)
+        # Its children are kernels of their own and go on.
+        assert value(forks[0].client, "x") == "7"
+    finally:
+        try:
+            os.kill(held, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_held_checkpoint_without_its_control_refuses(kernel, tmp_path):
+    """No broker listening: the hold is refused, saying why, and the kernel goes on."""
+    kc = kernel.client
+    reply = fork_request(kc, {"hold": {"control": str(tmp_path / "nobody")}})
+    assert reply["status"] == "error" and "cannot reach the broker" in reply["evalue"], reply
+    for bad in [{"control": "/etc/ctl"}, {"control": 5}, {"control": str(tmp_path) + "/../x"}]:
+        reply = fork_request(kc, {"hold": bad})
+        assert reply["status"] == "error", (bad, reply)
+    assert value(kc, "1 + 1") == "2"

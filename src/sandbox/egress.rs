@@ -209,6 +209,9 @@ impl KernelProcess for EgressKernel {
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         self.inner.set_live_oom_score()
     }
+    async fn settle(&self) {
+        self.inner.settle().await
+    }
     fn serves(&self, session: Uuid) {
         self.guard.attribute(session);
         self.inner.serves(session)

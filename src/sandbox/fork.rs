@@ -72,6 +72,15 @@ pub struct PreparedFork {
     /// A pause's (`pause.rs`): its held child is dumped into `dir` and kept there, not
     /// restored; given up, only `dir` goes.
     pub(crate) pause: bool,
+    /// A held checkpoint's (`held.rs`): the control socket its child connects to.
+    pub(crate) control: Option<super::held::ControlListener>,
+}
+
+/// A held checkpoint (`held.rs`): the held child, watched, and the broker's end of its
+/// control socket (dropping it ends the checkpoint).
+pub struct HeldCheckpoint {
+    pub process: Box<dyn super::KernelProcess>,
+    pub control: super::held::HeldControl,
 }
 
 impl PreparedFork {
@@ -98,6 +107,7 @@ impl PreparedFork {
             endpoints,
             room: None,
             pause: false,
+            control: None,
         }
     }
 
@@ -122,6 +132,7 @@ impl PreparedFork {
             endpoints,
             room: Some(room),
             pause: false,
+            control: None,
         }
     }
 

@@ -52,6 +52,7 @@ pub mod exhaustion;
 pub mod fork;
 pub(crate) mod fork_server;
 pub(crate) mod fsutil;
+pub mod held;
 pub mod launch_error;
 mod limits;
 pub mod local;
@@ -279,6 +280,10 @@ pub trait KernelProcess: Send + Sync {
     fn can_hold_as_checkpoint(&self) -> bool {
         false
     }
+    /// Waits until nothing of the sandbox's is still moving this kernel between cgroup
+    /// leaves (a held checkpoint's, `held.rs`, gives its leaf to the checkpoint in the
+    /// background): asked before the kernel is forked, so a fork starts where it belongs.
+    async fn settle(&self) {}
     /// Makes the kernel an ordinary live one for the OOM killer again (`oom_score_adj`
     /// [`KERNEL_OOM_SCORE_ADJ`]): a kernel forked from a checkpoint inherits the
     /// checkpoint's 1000.
@@ -366,6 +371,36 @@ pub trait Sandbox: Send + Sync {
         Err(fork::ForkError::NotItsChild {
             pid,
             why: "this sandbox does not fork kernels",
+        })
+    }
+    /// Prepares a held checkpoint of the live kernel `parent` (`held.rs`): the kernel's
+    /// child will be held, waiting on a control socket of the broker's, which the request
+    /// (`{"hold": {"control": ...}}`) names. [`fork::ForkError::Unsupported`] where the
+    /// backend keeps frozen copies instead (the session layer then takes one of those).
+    async fn prepare_checkpoint(
+        &self,
+        _parent: &dyn KernelProcess,
+        _spec: LaunchSpec,
+    ) -> Result<fork::PreparedFork, fork::ForkError> {
+        Err(fork::ForkError::Unsupported(format!(
+            "the {} sandbox keeps no held checkpoints",
+            self.name()
+        )))
+    }
+    /// Adopts the held child the parent kernel reported (`pid`, untrusted, checked as a
+    /// fork's), once it is connected to its control socket: watched, the OOM killer's first
+    /// choice, and given the leaf its parent had (the parent moves to a new one, so the
+    /// pages the parent rewrites later stay charged to the checkpoint). On error nothing
+    /// of it is left.
+    async fn adopt_checkpoint(
+        &self,
+        prepared: fork::PreparedFork,
+        pid: i64,
+    ) -> Result<fork::HeldCheckpoint, fork::ForkError> {
+        self.discard_fork(prepared).await;
+        Err(fork::ForkError::NotItsChild {
+            pid,
+            why: "this sandbox keeps no held checkpoints",
         })
     }
     /// Gives a prepared fork up (the kernel refused it or never answered): its runtime

@@ -178,6 +178,8 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn fork_origin(&self) -> Option<super::fork::ForkOrigin> {
         None
     }
+    /// See [`KernelProcess::settle`].
+    async fn settle(&self) {}
     /// What freezes the kernel's leaf (see [`KernelProcess::hold_as_checkpoint`]).
     fn freezer(&self) -> Option<&super::cgroup::Freezer> {
         None
@@ -248,6 +250,10 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     fn can_hold_as_checkpoint(&self) -> bool {
         self.kernel.freezer().is_some()
+    }
+
+    async fn settle(&self) {
+        self.kernel.settle().await
     }
 
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {

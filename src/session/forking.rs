@@ -38,6 +38,9 @@ pub(super) async fn fork_connected(
 ) -> Result<Live, SessionError> {
     let key = spec.key.clone();
     let user = spec.user.name.clone();
+    // A held checkpoint's leaf move done first (`sandbox/held.rs`): the child is checked
+    // to start in its parent's cgroup.
+    source.process.settle().await;
     let prepared = sandbox
         .prepare_fork(&*source.process, spec)
         .await

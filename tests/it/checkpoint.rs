@@ -197,9 +197,11 @@ async fn a_fork_of_a_checkpoint_is_a_new_session_with_its_state(sandbox: &'stati
     broker.stop().await;
 }
 
-/// A thread started before the checkpoint appends to a file every 50 ms: the live kernel
-/// (the fork) has no thread, the checkpoint (the former live kernel) has it; the file
-/// grows only if the checkpoint runs.
+/// A thread started before the checkpoint appends to a file every 50 ms. Local sandbox
+/// (held checkpoints): the checkpoint is the live kernel's child, held, one thread, the OOM
+/// killer's first choice, in the leaf the live kernel had (which moves to a new one); the
+/// live kernel goes on untouched, its thread too. Docker (frozen copies): the live kernel
+/// becomes the fork (no thread), the former one is frozen, so the file stops growing.
 async fn a_checkpoints_processes_do_not_run(sandbox: &'static str) {
     let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
@@ -226,49 +228,77 @@ async fn a_checkpoints_processes_do_not_run(sandbox: &'static str) {
     )
     .await;
     assert_ne!(live_adj, "1000");
+    let leaf_before = leaf_name(&api, &a).await;
     take(&api, &a).await;
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let first: u64 = out(&api, &a, size).await.parse().unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(700)).await;
     let later: u64 = out(&api, &a, size).await.parse().unwrap();
-    assert_eq!(
-        first, later,
-        "the checkpoint's thread ran while it was frozen"
-    );
     let l = list(&api, &a).await;
     assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
-    // The live kernel is the checkpoint's child, in a leaf of its own; the checkpoint is
-    // the OOM killer's first choice, the live kernel an ordinary one.
-    let seen = out(
-        &api,
-        &a,
-        "p = os.getppid()\n\
-         print(open(f'/proc/{p}/oom_score_adj').read().strip(), open('/proc/self/oom_score_adj').read().strip(),\n\
-         \x20     open(f'/proc/{p}/cgroup').read() != open('/proc/self/cgroup').read())",
-    )
-    .await;
     // An unprivileged broker cannot set a kernel's (docs/HOSTS.md): only the leaves differ.
     let root = rustix::process::geteuid().is_root();
     let checkpoint_adj = if root { "1000" } else { live_adj.as_str() };
-    assert_eq!(
-        seen,
-        format!("{checkpoint_adj} {live_adj} True"),
-        "the checkpoint's and the live kernel's"
-    );
-    if sandbox == "local" && root {
-        let live_leaf = out(&api, &a, "print(open('/proc/self/cgroup').read())").await;
-        let checkpoint_leaf = leaves(&broker, "alice")
-            .into_iter()
-            .find(|l| l.as_str() == a.as_str())
-            .expect("the session's first leaf is the checkpoint's");
-        assert!(!live_leaf.contains(&checkpoint_leaf), "{live_leaf}");
-        for pid in leaf_pids(&broker, "alice", &checkpoint_leaf) {
-            let adj = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj")).unwrap();
-            assert_eq!(adj.trim(), "1000", "pid {pid}");
+    if sandbox == "local" {
+        assert!(
+            later > first,
+            "the live kernel's thread stopped at a checkpoint"
+        );
+        // The held child: one thread, sleeping, the OOM killer's first choice; the live
+        // kernel an ordinary one, moved to a new leaf (in the background: awaited here).
+        let seen = out(
+            &api,
+            &a,
+            "me = os.getpid()\n\
+             kids = [int(c) for t in os.listdir(f'/proc/{me}/task') for c in open(f'/proc/{me}/task/{t}/children').read().split()]\n\
+             held = [c for c in kids if open(f'/proc/{c}/status').read().count('Threads:\\t1\\n')]\n\
+             c = held[0]\n\
+             st = open(f'/proc/{c}/stat').read().rsplit(') ', 1)[1].split()[0]\n\
+             print(len(held), st, open(f'/proc/{c}/oom_score_adj').read().strip(), open('/proc/self/oom_score_adj').read().strip())",
+        )
+        .await;
+        assert_eq!(
+            seen,
+            format!("1 S {checkpoint_adj} {live_adj}"),
+            "the checkpoint's and the live kernel's"
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while leaf_name(&api, &a).await == leaf_before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the live kernel never moved"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+        if root {
+            let pids = leaf_pids(&broker, "alice", &leaf_before);
+            assert_eq!(pids.len(), 1, "the checkpoint alone in its leaf: {pids:?}");
+            let adj = std::fs::read_to_string(format!("/proc/{}/oom_score_adj", pids[0])).unwrap();
+            assert_eq!(adj.trim(), "1000");
+        }
+    } else {
+        assert_eq!(
+            first, later,
+            "the checkpoint's thread ran while it was frozen"
+        );
+        // The live kernel is the checkpoint's child, in a leaf of its own; the checkpoint
+        // is the OOM killer's first choice, the live kernel an ordinary one.
+        let seen = out(
+            &api,
+            &a,
+            "p = os.getppid()\n\
+             print(open(f'/proc/{p}/oom_score_adj').read().strip(), open('/proc/self/oom_score_adj').read().strip(),\n\
+             \x20     open(f'/proc/{p}/cgroup').read() != open('/proc/self/cgroup').read())",
+        )
+        .await;
+        assert_eq!(
+            seen,
+            format!("{checkpoint_adj} {live_adj} True"),
+            "the checkpoint's and the live kernel's"
+        );
     }
-    // Rewound: the rewound kernel is a fork of the checkpoint (no thread), and the
-    // checkpoint, thawed only while it forked, is frozen again: the file stays as it is.
+    // Rewound: the rewound kernel is a fork of the checkpoint (no thread), the kernel it
+    // replaced ended, and the checkpoint does not run: the file stays as it is.
     let cp = l["checkpoints"][0]["id"].as_str().unwrap().to_string();
     let (status, v) = rewind(&api, &a, &cp).await;
     assert_eq!(status, 200, "{v}");
@@ -299,10 +329,10 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
     let mut theirs = vec![live_leaf().await];
     out(&api, &a, "x = 1").await;
     let first = take(&api, &a).await;
-    theirs.push(live_leaf().await);
+    theirs.push(moved_leaf(&api, &a, &theirs[0]).await);
     out(&api, &a, "x = 2").await;
     take(&api, &a).await;
-    theirs.push(live_leaf().await);
+    theirs.push(moved_leaf(&api, &a, &theirs[1]).await);
     assert_eq!(theirs[0], a);
     // A rewind replaces the live kernel, which ends in the background: it is gone soon
     // after, leaf and all, while the session goes on. (Its parent, the frozen checkpoint
@@ -339,11 +369,8 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
         .flat_map(|l| leaf_pids(&broker, "alice", l))
         .collect();
     assert!(pids.len() >= 3, "{pids:?}");
+    // Held checkpoints wait on their control socket: nothing is frozen.
     let freezer = std::path::Path::new("/sys/fs/cgroup/freezer").join(broker.cgroup_name());
-    if freezer.parent().unwrap().is_dir() {
-        // cgroup v1 with a freezer: the checkpoints are frozen there.
-        assert!(freezer.is_dir(), "{}", freezer.display());
-    }
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     let after = leaves(&broker, "alice");
     assert!(
@@ -679,9 +706,10 @@ async fn a_plainly_started_kernel_has_no_checkpoints() {
     broker.stop().await;
 }
 
-/// The checkpoint carries a `kb_fork_request` handler that forks honestly the first time
-/// (the checkpoint itself) and lies afterwards (when asked to rewind): the rewind fails
-/// clearly, the session keeps its live kernel and state, nothing is adopted or left.
+/// The kernel's `os.fork` forks honestly in the kernel itself (the checkpoint is made) and
+/// lies in the checkpoint (the pid it answers a rewind with, a forged one, no child made):
+/// the rewind fails clearly, the session keeps its live kernel and state, nothing is
+/// adopted or left, and the checkpoint stays.
 #[tokio::test]
 async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
     let broker = Broker::start("local", |a| {
@@ -695,17 +723,14 @@ async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
         &api,
         &a,
         "import os\n\
-         _k = get_ipython().kernel\n\
-         _honest = _k.shell_handlers['kb_fork_request']\n\
-         _calls = [0]\n\
-         def _liar(stream, ident, parent):\n\
-         \x20   _calls[0] += 1\n\
-         \x20   if _calls[0] == 1:\n\
-         \x20       return _honest(stream, ident, parent)\n\
+         _kernel_pid = os.getpid()\n\
+         _real_fork = os.fork\n\
+         def _liar():\n\
+         \x20   if os.getpid() == _kernel_pid:\n\
+         \x20       return _real_fork()\n\
          \x20   lie = open('/workspace/lie.txt').read().strip()\n\
-         \x20   pid = int(open('/workspace/live.pid').read()) if lie == 'live' else int(lie)\n\
-         \x20   _k.session.send(stream, 'kb_fork_reply', {'status': 'ok', 'pid': pid}, parent, ident=ident)\n\
-         _k.shell_handlers['kb_fork_request'] = _liar\n\
+         \x20   return int(open('/workspace/live.pid').read()) if lie == 'live' else int(lie)\n\
+         os.fork = _liar\n\
          x = 1",
     )
     .await;
@@ -746,7 +771,7 @@ async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
         assert_eq!(out(&api, &a, fork_dirs).await, dirs, "{lie}");
         let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
         assert_eq!(s["state"], "idle", "{s}");
-        // The checkpoint is still there (frozen again).
+        // The checkpoint is still there.
         let l = list(&api, &a).await;
         assert_eq!(l["checkpoints"].as_array().unwrap().len(), 1, "{l}");
     }
@@ -799,7 +824,7 @@ async fn a_rewind_brings_a_dead_session_back() {
     let a = api.create().await;
     out(&api, &a, "x = 1; import os").await;
     let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
-    let dead_leaf = leaf_name(&api, &a).await;
+    let dead_leaf = moved_leaf(&api, &a, &a).await;
     let v = api.execute(&a, "os._exit(3)").await;
     assert_ne!(v["status"], "ok", "{v}");
     let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
@@ -841,6 +866,23 @@ async fn a_fork_asked_right_after_an_execution_forks_the_live_kernel() {
 }
 
 /// The name of the cgroup leaf of session `id`'s live kernel (v1 or v2), as the kernel sees it.
+/// The live kernel's leaf once it is not `before` any more: a held checkpoint takes the
+/// leaf its kernel had, which moves to a new one in the background.
+async fn moved_leaf(api: &Api, id: &str, before: &str) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = leaf_name(api, id).await;
+        if now != before {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the live kernel stayed in {before}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 async fn leaf_name(api: &Api, id: &str) -> String {
     let dir = kernel_leaf_dir(api, id).await;
     dir.file_name().unwrap().to_string_lossy().into_owned()

@@ -34,7 +34,8 @@ use crate::sandbox::watched::WatchedKernel;
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxError};
 
 /// Why a kernel started plainly cannot be forked.
-const PLAIN_START: &str = "this session's kernel was started plainly, not forked from its \
+pub(super) const PLAIN_START: &str =
+    "this session's kernel was started plainly, not forked from its \
     user's template, and only those can be forked (a plain kernel's forks would end with it); \
     kernels are forked from templates when the broker runs with cgroups (as root, or with a \
     delegated cgroup v2 subtree), without --keep-sessions, with fork_server on and a kernel \

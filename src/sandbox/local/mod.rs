@@ -40,6 +40,7 @@
 mod adopt;
 mod bwrap;
 mod check;
+mod checkpoint;
 mod command;
 mod config;
 mod copy;
@@ -396,6 +397,22 @@ impl Sandbox for LocalSandbox {
         pid: i64,
     ) -> Result<Launched, super::fork::ForkError> {
         self.adopt_kernel_fork(prepared, pid).await
+    }
+
+    async fn prepare_checkpoint(
+        &self,
+        parent: &dyn super::KernelProcess,
+        spec: LaunchSpec,
+    ) -> Result<super::fork::PreparedFork, super::fork::ForkError> {
+        self.prepare_held_checkpoint(parent, spec).await
+    }
+
+    async fn adopt_checkpoint(
+        &self,
+        prepared: super::fork::PreparedFork,
+        pid: i64,
+    ) -> Result<super::fork::HeldCheckpoint, super::fork::ForkError> {
+        self.adopt_held_checkpoint(prepared, pid).await
     }
 
     async fn discard_fork(&self, prepared: super::fork::PreparedFork) {

@@ -8,7 +8,7 @@ use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use tokio::io::unix::AsyncFd;
@@ -26,6 +26,7 @@ use crate::sandbox::pidfd;
 use crate::sandbox::procfs::{children_of, namespace_pid, zombie_status};
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
 use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
+use crate::sync::lock;
 
 /// What waiters hear if the reaper went away without a word.
 pub(super) const LOST: &str = "the broker stopped watching the kernel process (runtime shut down)";
@@ -41,10 +42,16 @@ pub(super) struct LocalKernel {
     /// Host pid of a kernel forked from a template (`template.rs`): it has no sandbox of
     /// its own, so it is signalled directly.
     pub kernel_pid: Option<i32>,
-    /// The leaf's memory use file (none without cgroups).
-    pub memory_usage: Option<PathBuf>,
+    /// The leaf's memory use file (none without cgroups); another leaf's once a held
+    /// checkpoint took this one (`checkpoint.rs`).
+    pub memory_usage: Mutex<Option<PathBuf>>,
     /// What reads the leaf's CPU time (none without cgroups).
-    pub cpu: Option<CpuClock>,
+    pub cpu: Mutex<Option<CpuClock>>,
+    /// The kernel's leaf, which its reaper removes at its end. A held checkpoint's
+    /// (`checkpoint.rs`) is the leaf its parent kernel had when it was taken, given to it
+    /// once the parent moved to a new one; the two change under this lock, and a reaper
+    /// marks its kernel's slot ended under it before it kills the leaf.
+    pub leaf: Arc<tokio::sync::Mutex<LeafSlot>>,
     /// Where this kernel can be forked (a kernel forked from a template, or from a kernel).
     pub fork_origin: Option<ForkOrigin>,
     /// What freezes the leaf (a checkpoint's kernel; none without cgroups).
@@ -79,11 +86,11 @@ impl BackendKernel for LocalKernel {
     }
 
     fn memory_usage_file(&self) -> Option<PathBuf> {
-        self.memory_usage.clone()
+        lock(&self.memory_usage).clone()
     }
 
     fn cpu_clock(&self) -> Option<CpuClock> {
-        self.cpu.clone()
+        lock(&self.cpu).clone()
     }
 
     fn fork_origin(&self) -> Option<ForkOrigin> {
@@ -109,6 +116,11 @@ impl BackendKernel for LocalKernel {
 
     fn freezer(&self) -> Option<&Freezer> {
         self.freezer.as_ref()
+    }
+
+    /// Waits for a held checkpoint's leaf move (`checkpoint.rs`), which holds the lock.
+    async fn settle(&self) {
+        drop(self.leaf.lock().await);
     }
 
     /// The sandbox's init (a plain start: one network namespace per kernel) or the forked
@@ -257,18 +269,21 @@ impl Reaped {
             init_pid,
             bwrap_pid: self.bwrap_pid,
             kernel_pid: self.kernel_pid,
-            memory_usage: self.leaf.as_ref().and_then(Leaf::memory_usage_file),
-            cpu: self.leaf.as_ref().map(Leaf::cpu_clock),
+            memory_usage: Mutex::new(self.leaf.as_ref().and_then(Leaf::memory_usage_file)),
+            cpu: Mutex::new(self.leaf.as_ref().map(Leaf::cpu_clock)),
             fork_origin: self.fork_origin,
             freezer: self.leaf.as_ref().map(Leaf::freezer),
             own_workspace: self.own_workspace,
             restored_pid: OnceLock::new(),
+            leaf: Arc::new(tokio::sync::Mutex::new(LeafSlot {
+                leaf: self.leaf,
+                ended: false,
+            })),
         });
         let reaper = Reaper {
             process: self.process,
             kernel: kernel.clone(),
             exit,
-            leaf: self.leaf,
             cgroups: self.cgroups,
             rundir: self.rundir,
             limits: self.limits,
@@ -289,7 +304,6 @@ struct Reaper {
     pub process: Watched,
     pub kernel: Arc<LocalKernel>,
     pub exit: ExitPublisher,
-    pub leaf: Option<Leaf>,
     pub cgroups: Option<Arc<Cgroups>>,
     pub rundir: PathBuf,
     /// The kernel's own limits (its leaf's).
@@ -308,11 +322,15 @@ impl Reaper {
         let status = tokio::select! {
             status = self.process.wait() => status,
             () = self.kernel.watch.kill_requested() => {
+                let slot = self.kernel.leaf.clone();
+                let mut slot = slot.lock().await;
+                slot.ended = true;
                 kill_sandbox(
-                    self.leaf.as_ref(),
+                    slot.leaf.as_ref(),
                     [self.kernel.init_pid.get().copied(), self.kernel.bwrap_pid, self.kernel.own_pid()],
                 )
                 .await;
+                drop(slot);
                 self.process.wait().await
             }
             () = self.kernel.watch.release_requested() => {
@@ -322,7 +340,13 @@ impl Reaper {
                 return;
             }
         };
-        let oom_kills = self.leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
+        // From here the leaf is this reaper's alone: no checkpoint takes it any more.
+        let leaf = {
+            let mut slot = self.kernel.leaf.lock().await;
+            slot.ended = true;
+            slot.leaf.take()
+        };
+        let oom_kills = leaf.as_ref().and_then(Leaf::oom_kills).unwrap_or(0);
         // A fork of a kernel whose status is unknown: its leaf's OOM kill tells one end.
         let status = match status {
             Err(_) if oom_kills > 0 => Ok(ExitStatus::from_raw(libc::SIGKILL)),
@@ -331,8 +355,8 @@ impl Reaper {
         let terminating = self.kernel.watch.terminating();
         let reason = classify_exit(status, terminating, oom_kills, self.limits.memory_bytes);
         let evidence = Evidence {
-            reached_memory_limit: self.leaf.as_ref().is_none_or(|l| l.reached_memory_limit()),
-            pids_refused: self.leaf.as_ref().map_or(0, Leaf::pids_refused),
+            reached_memory_limit: leaf.as_ref().is_none_or(|l| l.reached_memory_limit()),
+            pids_refused: leaf.as_ref().map_or(0, Leaf::pids_refused),
             disk_full: self.quota_bytes > 0 && disk_full(&self.workspace),
         };
         let reason = explain(reason, evidence, &self.limits, self.quota_bytes);
@@ -351,7 +375,7 @@ impl Reaper {
             }
         }
 
-        if let (Some(cgroups), Some(leaf)) = (&self.cgroups, &self.leaf) {
+        if let (Some(cgroups), Some(leaf)) = (&self.cgroups, &leaf) {
             cgroups.remove_leaf(leaf).await;
         }
         remove_dir_logged(self.rundir.clone()).await;
@@ -361,6 +385,13 @@ impl Reaper {
         self.table.remove(&session);
         self.exit.publish(reason);
     }
+}
+
+/// A kernel's leaf, and whether its reaper has begun its end (then nothing else may
+/// change it).
+pub(super) struct LeafSlot {
+    pub leaf: Option<Leaf>,
+    pub ended: bool,
 }
 
 /// SIGKILLs everything of one kernel: the whole leaf when there is one; otherwise the

@@ -10,28 +10,63 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use chrono::Utc;
+use futures::FutureExt;
 use uuid::Uuid;
 
 use super::Actor;
-use crate::sandbox::LaunchSpec;
+use crate::sandbox::fork::ForkError;
+use crate::sandbox::held::HeldControl;
+use crate::sandbox::{KernelProcess, LaunchSpec};
 use crate::session::checkpoint::{
     CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint, Dropper,
 };
 use crate::session::command::Command;
 use crate::session::error::SessionError;
-use crate::session::forking::fork_connected;
+use crate::session::forking::{
+    adopt_connected, bounded_reply, fork_connected, fork_error, pid_of_reply, send_fork_request,
+    shell_reply, FORK_REPLY_GRACE,
+};
 use crate::session::launch::Live;
 use crate::session::lifecycle::LifecycleEvent;
 use crate::session::state::SessionState;
-use crate::wire::Signer;
+use crate::wire::{Message, Signer};
 
 /// How many dropped checkpoints a session remembers for its list.
 const DROPPED_KEPT: usize = 64;
 
-/// A checkpoint's kernel, frozen, with the connection the broker keeps to it.
+/// A checkpoint's kernel.
+enum HeldKernel {
+    /// The live kernel's child, held (`sandbox/held.rs`): it forks a kernel for each
+    /// connection sent on its control socket, and ends when the socket is dropped.
+    Waiting {
+        process: Arc<dyn KernelProcess>,
+        control: HeldControl,
+    },
+    /// A whole kernel, frozen, with the connection the broker keeps to it (a copy into a
+    /// sandbox of its own, or a backend without held checkpoints).
+    Frozen(Box<Live>),
+}
+
+impl HeldKernel {
+    fn process(&self) -> &Arc<dyn KernelProcess> {
+        match self {
+            Self::Waiting { process, .. } => process,
+            Self::Frozen(live) => &live.process,
+        }
+    }
+
+    fn exited(&mut self) -> bool {
+        match self {
+            Self::Waiting { process, .. } => process.wait().now_or_never().is_some(),
+            Self::Frozen(live) => live.exited(),
+        }
+    }
+}
+
+/// A checkpoint: its kernel, and what it is.
 struct Held {
     info: CheckpointInfo,
-    kernel: Live,
+    kernel: HeldKernel,
     /// The checkpoint's copy of the session's own workspace (named by the checkpoint's
     /// id), for a session with one; removed with the checkpoint.
     workspace: Option<Uuid>,
@@ -149,6 +184,20 @@ impl Actor {
         let Some(live) = self.kernel.as_mut() else {
             return Err(SessionError::KernelNotRunning);
         };
+        // A held checkpoint where the sandbox keeps them; else a frozen copy (below).
+        live.process.settle().await;
+        match self
+            .sandbox
+            .prepare_checkpoint(&*live.process, spec.clone())
+            .await
+        {
+            Ok(prepared) => return self.take_held_checkpoint(prepared).await,
+            Err(ForkError::Unsupported(_)) => {}
+            Err(e) => return Err(failed("checkpoint", fork_error(session, e))),
+        }
+        let Some(live) = self.kernel.as_mut() else {
+            return Err(SessionError::KernelNotRunning);
+        };
         if !live.process.can_hold_as_checkpoint() {
             // Asked first: forked, the session would have gone on with the copy and lost
             // the kernel it had, for a checkpoint that could not be kept.
@@ -181,7 +230,50 @@ impl Actor {
                 source: None,
             });
         }
-        Ok(self.keep_checkpoint(Uuid::new_v4(), parent, None).await)
+        Ok(self
+            .keep_checkpoint(Uuid::new_v4(), HeldKernel::Frozen(Box::new(parent)), None)
+            .await)
+    }
+
+    /// A held checkpoint (`sandbox/held.rs`): the live kernel forks a held child and goes
+    /// on as it was; only the request and the adoption are on this path.
+    async fn take_held_checkpoint(
+        &mut self,
+        prepared: crate::sandbox::fork::PreparedFork,
+    ) -> Result<CheckpointInfo, SessionError> {
+        let session = self.session.id;
+        let Some(live) = self.kernel.as_mut() else {
+            self.sandbox.discard_fork(prepared).await;
+            return Err(SessionError::KernelNotRunning);
+        };
+        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
+            .await
+            .map_err(|e| failed("checkpoint", e))?;
+        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
+        let ended = "the kernel ended before it answered";
+        let reply = bounded_reply(
+            session,
+            limit,
+            shell_reply(&mut live.events, &msg_id),
+            ended,
+        );
+        let pid = match reply.await.and_then(|r| pid_of_reply(session, &r)) {
+            Ok(pid) => pid,
+            Err(e) => {
+                self.sandbox.discard_fork(prepared).await;
+                return Err(failed("checkpoint", e));
+            }
+        };
+        let held = self
+            .sandbox
+            .adopt_checkpoint(prepared, pid)
+            .await
+            .map_err(|e| failed("checkpoint", fork_error(session, e)))?;
+        let kernel = HeldKernel::Waiting {
+            process: Arc::from(held.process),
+            control: held.control,
+        };
+        Ok(self.keep_checkpoint(Uuid::new_v4(), kernel, None).await)
     }
 
     /// A checkpoint of a session with a workspace of its own: the live kernel copied into
@@ -224,7 +316,9 @@ impl Actor {
                 source: None,
             });
         }
-        Ok(self.keep_checkpoint(id, copy, Some(id)).await)
+        Ok(self
+            .keep_checkpoint(id, HeldKernel::Frozen(Box::new(copy)), Some(id))
+            .await)
     }
 
     /// Keeps `kernel` (frozen) as checkpoint `id` of the session's state now, within the
@@ -232,7 +326,7 @@ impl Actor {
     async fn keep_checkpoint(
         &mut self,
         id: Uuid,
-        kernel: Live,
+        kernel: HeldKernel,
         workspace: Option<Uuid>,
     ) -> CheckpointInfo {
         let session = self.session.id;
@@ -241,7 +335,7 @@ impl Actor {
             session,
             execution_count: self.session.status().execution_count,
             created_at: Utc::now(),
-            memory_bytes: kernel.process.memory_used(),
+            memory_bytes: kernel.process().memory_used(),
         };
         self.recorder.event(
             &self.session,
@@ -250,7 +344,7 @@ impl Actor {
                 execution_count: info.execution_count,
             },
         );
-        let process = kernel.process.clone();
+        let process = kernel.process().clone();
         self.checkpoints.held.push(Held {
             info: info.clone(),
             kernel,
@@ -306,7 +400,42 @@ impl Actor {
                 checkpoint: id,
             });
         }
-        let process = self.checkpoints.held[i].kernel.process.clone();
+        let count = self.checkpoints.held[i].info.execution_count;
+        if let HeldKernel::Waiting { process, control } = &mut self.checkpoints.held[i].kernel {
+            let (key, user) = (spec.key.clone(), spec.user.name.clone());
+            let prepared = self
+                .sandbox
+                .prepare_fork(&**process, spec)
+                .await
+                .map_err(|e| failed(action, fork_error(session, e)))?;
+            let request = prepared.request.clone();
+            let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
+            let reply = async move { Some(wake_reply(control.wake(&request, limit).await)) };
+            let ended = "the checkpoint ended before it answered";
+            let child = adopt_connected(
+                &self.sandbox,
+                self.config.kernel,
+                session,
+                prepared,
+                key,
+                &user,
+                reply,
+                ended,
+            )
+            .await
+            .map_err(|e| failed(action, e))?;
+            let c = child.process.clone();
+            if let Err(e) =
+                flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await)
+            {
+                tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
+            }
+            return Ok((child, count));
+        }
+        let HeldKernel::Frozen(frozen) = &mut self.checkpoints.held[i].kernel else {
+            unreachable!("a checkpoint is held or frozen");
+        };
+        let process = frozen.process.clone();
         let p = process.clone();
         flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await).map_err(
             |why| SessionError::CheckpointFailed {
@@ -318,14 +447,10 @@ impl Actor {
         )?;
         let held = &mut self.checkpoints.held[i];
         let count = held.info.execution_count;
-        let child = fork_connected(
-            &self.sandbox,
-            self.config.kernel,
-            session,
-            &mut held.kernel,
-            spec,
-        )
-        .await;
+        let HeldKernel::Frozen(frozen) = &mut held.kernel else {
+            unreachable!("a checkpoint is held or frozen");
+        };
+        let child = fork_connected(&self.sandbox, self.config.kernel, session, frozen, spec).await;
         let p = process.clone();
         let refrozen =
             flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(true)).await);
@@ -385,7 +510,7 @@ impl Actor {
                 .held
                 .iter()
                 .map(|h| CheckpointInfo {
-                    memory_bytes: h.kernel.process.memory_used(),
+                    memory_bytes: h.kernel.process().memory_used(),
                     ..h.info.clone()
                 })
                 .collect(),
@@ -430,13 +555,15 @@ impl Actor {
         if let Some((_, book)) = &self.checkpoints.policy {
             book.remove(&self.session.user.name, held.info.id);
         }
-        let p = held.kernel.process.clone();
-        if let Err(e) =
-            flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await)
-        {
-            tracing::warn!(session = %self.session.id, error = %e, "a checkpoint could not be thawed before its end");
+        let p = held.kernel.process().clone();
+        if let HeldKernel::Frozen(_) = held.kernel {
+            if let Err(e) =
+                flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await)
+            {
+                tracing::warn!(session = %self.session.id, error = %e, "a checkpoint could not be thawed before its end");
+            }
         }
-        held.kernel.process.terminate().await;
+        held.kernel.process().terminate().await;
         if let Some(key) = held.workspace {
             self.sandbox
                 .remove_own_workspace(&self.session.user, key)
@@ -461,6 +588,21 @@ fn flatten(
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// A held checkpoint's answer to a wake as a `kb_fork_reply` (its content the answer, or an
+/// error saying why there was none), checked as any kernel's reply is.
+fn wake_reply(answer: Result<Vec<u8>, String>) -> Message {
+    let mut m = Message::new("kb_fork_reply", &serde_json::json!({}), None, "", "");
+    m.content = match answer {
+        Ok(content) => content.into(),
+        Err(why) => serde_json::to_vec(
+            &serde_json::json!({"status": "error", "ename": "HeldCheckpoint", "evalue": why}),
+        )
+        .unwrap_or_default()
+        .into(),
+    };
+    m
 }
 
 /// A fork's error as the checkpoint operation's (a refusal stays a refusal: 409).

@@ -25,6 +25,8 @@ impl Actor {
         if self.running.is_some() || !self.queue.is_empty() {
             return Err(SessionError::ForkBusy { session });
         }
+        // A held checkpoint's leaf move done first: the child starts where its parent is.
+        k.process.settle().await;
         let prepared = self
             .sandbox
             .prepare_fork(&*k.process, spec)

@@ -42,6 +42,7 @@ impl Actor {
         let Some(live) = self.kernel.as_ref() else {
             return Err(SessionError::KernelNotRunning);
         };
+        live.process.settle().await;
         let prepared = self
             .sandbox
             .prepare_pause(&*live.process, spec)
@@ -94,6 +95,7 @@ impl Actor {
             return Err(SessionError::KernelNotRunning);
         };
         let execution_count = self.session.status().execution_count;
+        live.process.settle().await;
         let prepared = self
             .sandbox
             .prepare_snapshot(&*live.process, spec)
