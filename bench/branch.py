@@ -11,7 +11,8 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
   - the original's next `1+1` right after each fork, against its `1+1` before any fork;
   - the fork's private memory right after forking: its kernel's USS, and the memory its
     cgroup leaf is charged;
-  - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50,
+  - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50
+    (back to back, and each after 200 ms idle),
     rewind -> next result p50, and 100 checkpoints of a session that changes 1 MB a step
     (the memory the checkpoints hold in all), and `1+1` round trips back to back with
     `checkpoint_every_execution` against without.
@@ -141,6 +142,14 @@ def measure_checkpoints(api, sid, runs):
         start = time.monotonic()
         api.call("POST", f"/v1/sessions/{sid}/checkpoints")
         takes.append(time.monotonic() - start)
+    # The same after a pause: a take back to back with the one before first waits for
+    # that one's leaf move (a held checkpoint's, in the background otherwise).
+    idle_takes = []
+    for _ in range(runs):
+        time.sleep(0.2)
+        start = time.monotonic()
+        api.call("POST", f"/v1/sessions/{sid}/checkpoints")
+        idle_takes.append(time.monotonic() - start)
     for _ in range(runs):
         api.run(sid, "x_after = 1")
         start = time.monotonic()
@@ -157,6 +166,7 @@ def measure_checkpoints(api, sid, runs):
     res["roundtrip_1plus1_p50_ms"] = ms(plain, 0.5)
     res["roundtrip_1plus1_every_execution_p50_ms"] = ms(each, 0.5)
     res["checkpoint_take_p50_ms"] = ms(takes, 0.5)
+    res["checkpoint_take_after_200ms_idle_p50_ms"] = ms(idle_takes, 0.5)
     res["rewind_to_next_result_p50_ms"] = ms(rewinds, 0.5)
     listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")
     for cp in listed.get("checkpoints", []):

@@ -34,6 +34,16 @@ shell message type:
     a request's, and builds its kernel on it as a fork's child does. ``PATH`` is read only
     then: at the request it is the parent's sandbox's.
 
+``kb_fork_request`` with ``{"hold": {"control": PATH}}`` makes a *checkpoint*: a held child
+    (its files kept as above, nothing else) that connects to the broker's unix socket PATH
+    (inside the fork directory) before it answers, and then waits on it. Each line the
+    broker sends is a fork request's content (``{"connection": ...}``, checked as one): the
+    held child forks, its child builds a kernel on that connection as a fork's child does,
+    and the held child answers on the socket with the content of a ``kb_fork_reply`` and
+    waits for the next. It ends when the broker closes the socket. The broker keeps only the
+    connection whose peer is the held child's pid, so the key it sends there reaches no
+    other process of the sandbox.
+
 How. Shell messages are dispatched one at a time on the kernel's main thread, so the
 request is handled between two executions with the user's state at rest. (A busy kernel
 receives it only when its running execution ends: shell messages queue behind it. A broker
@@ -496,11 +506,12 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         if _STD_TARGETS is None:
             _STD_TARGETS = (os.dup(1), os.dup(2))
         separate_files()
-        if hold is None:
+        if hold is None or "control" in hold:
             # The parent goes on (and may move the shared offsets) once it has this answer;
             # what follows concerns this process alone. The broker meanwhile connects,
             # retrying until the sockets are bound, and moves this process into a cgroup of
-            # its own.
+            # its own. (A checkpoint's held child connects to the broker's control socket
+            # after this answer: the broker waits for it there.)
             say(ready_fd, {"pid": os.getpid()})
             os.close(ready_fd)
             ready_fd = None
@@ -510,8 +521,7 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         _MACHINERY = None
         if hold is not None and "control" in hold:
             # A checkpoint: held, and forks a child for each wake; returns in that child.
-            info = held_checkpoint(ready_fd, hold["control"], fork_root(old_app))
-            ready_fd = None
+            info = held_checkpoint(hold["control"], fork_root(old_app))
         elif hold is not None:
             be_held(ready_fd, hold.get("private") or [])
             ready_fd = None
@@ -620,11 +630,11 @@ def be_held(ready_fd, private=()):
             return
 
 
-def held_checkpoint(ready_fd, control, root):
-    """In a checkpoint's held child: keeps only its regular files, connects to the
-    broker's control socket `control` (the broker checks the connecting pid, so no other
-    process of the sandbox can take its place), answers on `ready_fd` (closed), and then
-    waits. Each line the broker sends holds a connection (``{"connection": ...}``, checked
+def held_checkpoint(control, root):
+    """In a checkpoint's held child, which has answered (once its files were its own):
+    keeps only its regular files, connects to the broker's control socket `control` (the
+    broker checks the connecting pid, so no other process of the sandbox can take its
+    place; one that cannot connect ends), and waits. Each line the broker sends holds a connection (``{"connection": ...}``, checked
     as a request's): it forks, the child returns that connection (and is built into a
     kernel by the caller), and this process answers with the child's pid, as a
     ``kb_fork_reply``'s content, and waits for the next. It ends when the broker closes
@@ -633,15 +643,13 @@ def held_checkpoint(ready_fd, control, root):
     alone, never through a file another kernel of the sandbox could read."""
     import socket
 
-    keep_only_files(ready_fd)
+    keep_only_files(None)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(control)
     except OSError as e:
-        say(ready_fd, {"error": "cannot reach the broker at %s: %s" % (control, e.strerror)})
+        log("a checkpoint cannot reach the broker at %s: %s" % (control, e.strerror))
         os._exit(1)
-    say(ready_fd, {"pid": os.getpid()})
-    os.close(ready_fd)
     children = set()
     pending = b""
 

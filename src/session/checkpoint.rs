@@ -1,16 +1,19 @@
 //! Checkpoints of a session (issue 36): what they are to the rest of the broker, and the
 //! book that bounds them per user.
 //!
-//! A checkpoint is a frozen copy of a session's kernel, made by forking it. The copy that
-//! is frozen is the *parent*, the kernel that was live: after a fork every page is charged
-//! to the cgroup leaf that first touched it, the parent's, so if the child were frozen
-//! each page the live parent rewrote would leave the old copy charged to the live
-//! kernel's leaf, and checkpoints could push the live kernel into the OOM killer. The child
-//! becomes the session's live kernel (the session, its id, recording and execution count
-//! stay); the parent keeps its leaf, its charges and its sockets, is frozen, and gets
-//! `oom_score_adj` 1000 so that if its user's memory runs out the OOM killer takes a
-//! checkpoint before any live kernel. A rewind forks the checkpoint again and makes that
-//! child the live kernel; the checkpoint stays, frozen, for the next rewind.
+//! A checkpoint is a copy of a session's kernel made by forking it. Where the sandbox keeps
+//! *held* checkpoints (the local sandbox, `sandbox/held.rs`) the copy is the live kernel's
+//! child, held on a control socket of the broker's: the live kernel goes on untouched and
+//! moves to a new cgroup leaf, the checkpoint keeping the old one, so each page the live
+//! kernel rewrites leaves its old copy charged to the checkpoint, never to the live kernel's
+//! leaf; a rewind has the checkpoint fork a kernel that becomes the live one. Elsewhere
+//! (Docker, and copies into sandboxes of their own) the copy that is *frozen* is the parent,
+//! the kernel that was live, which keeps its leaf for the same reason: the child becomes the
+//! session's live kernel (the session, its id, recording and execution count stay); the
+//! parent keeps its leaf, its charges and its sockets and is frozen, and a rewind forks it
+//! again. Either way a checkpoint gets `oom_score_adj` 1000, so that if its user's memory
+//! runs out the OOM killer takes a checkpoint before any live kernel, and it stays for the
+//! next rewind.
 //!
 //! Memory: a checkpoint reserves nothing from its user's memory total up front (the
 //! session's reservation covers its live kernel only); what its leaf is charged (its

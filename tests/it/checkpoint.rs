@@ -887,3 +887,68 @@ async fn leaf_name(api: &Api, id: &str) -> String {
     let dir = kernel_leaf_dir(api, id).await;
     dir.file_name().unwrap().to_string_lossy().into_owned()
 }
+
+/// A held checkpoint's control socket is the broker's: its directory in the template's
+/// fork directory is one the kernels may enter, not list or write, and the socket is gone
+/// once the checkpoint connected. A checkpoint whose held child does not connect itself
+/// (a grandchild connects in its place, as a kernel that patched its own `connect` can
+/// arrange) is refused, saying why: the socket takes the held child's pid alone.
+#[tokio::test]
+async fn a_checkpoints_control_socket_takes_the_held_child_alone() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import os, socket, time").await;
+    take(&api, &a).await;
+    let seen = out(
+        &api,
+        &a,
+        "import re\n\
+         d = [n for n in os.listdir('/run/kernel') if re.fullmatch('c[0-9a-f]{12}', n)]\n\
+         p = '/run/kernel/' + d[0]\n\
+         def tried(f):\n\
+         \x20   try:\n\
+         \x20       f(); return 'done'\n\
+         \x20   except OSError as e:\n\
+         \x20       return type(e).__name__\n\
+         print(len(d), tried(lambda: os.listdir(p)), tried(lambda: open(p + '/x', 'w')), os.path.lexists(p + '/c'))",
+    )
+    .await;
+    assert_eq!(seen, "1 PermissionError PermissionError False");
+    // The held child lets a child of its own connect, and never connects itself.
+    // (The broker's end of the wait is 5 s.)
+    out(
+        &api,
+        &a,
+        "_kernel_pid = os.getpid()\n\
+         _real_connect = socket.socket.connect\n\
+         def _proxy(self, addr):\n\
+         \x20   if os.getpid() != _kernel_pid and isinstance(addr, str):\n\
+         \x20       if os.fork() == 0:\n\
+         \x20           _real_connect(self, addr); time.sleep(30); os._exit(0)\n\
+         \x20       time.sleep(30)\n\
+         \x20   return _real_connect(self, addr)\n\
+         socket.socket.connect = _proxy",
+    )
+    .await;
+    let before = list(&api, &a).await["checkpoints"]
+        .as_array()
+        .unwrap()
+        .len();
+    let (status, v) = api
+        .post(&format!("/v1/sessions/{a}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(status, 502, "{v}");
+    assert_eq!(v["error"]["code"], "checkpoint_failed", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not connect to its control socket"),
+        "{v}"
+    );
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    let l = list(&api, &a).await;
+    assert_eq!(l["checkpoints"].as_array().unwrap().len(), before, "{l}");
+    broker.stop().await;
+}

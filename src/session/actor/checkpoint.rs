@@ -1,8 +1,9 @@
 //! The actor's side of checkpoints (`session/checkpoint.rs` says what they are): taking one
-//! (the live kernel forks; its child becomes the live kernel, the parent is frozen and
-//! kept; a session with a workspace of its own: a frozen copy of the kernel and the
-//! workspace, `take_copy_checkpoint`), rewinding (a checkpoint forks; its child becomes the live kernel, the previous
-//! one ends), forking a checkpoint into a new session's kernel, dropping one, and ending
+//! (held: the live kernel forks a held child and goes on, `take_held_checkpoint`; frozen,
+//! where the sandbox keeps no held ones: the live kernel forks, its child becomes the live
+//! kernel, the parent is frozen and kept; a session with a workspace of its own: a frozen
+//! copy of the kernel and the workspace, `take_copy_checkpoint`), rewinding (a checkpoint
+//! forks; its child becomes the live kernel, the previous one ends), forking a checkpoint into a new session's kernel, dropping one, and ending
 //! them all with the session. Each runs between executions, in the actor, so nothing else
 //! touches the kernels meanwhile; a failure leaves the session's live kernel as it was.
 
@@ -242,6 +243,7 @@ impl Actor {
         prepared: crate::sandbox::fork::PreparedFork,
     ) -> Result<CheckpointInfo, SessionError> {
         let session = self.session.id;
+        let started = std::time::Instant::now();
         let Some(live) = self.kernel.as_mut() else {
             self.sandbox.discard_fork(prepared).await;
             return Err(SessionError::KernelNotRunning);
@@ -264,16 +266,26 @@ impl Actor {
                 return Err(failed("checkpoint", e));
             }
         };
+        let replied = started.elapsed();
         let held = self
             .sandbox
             .adopt_checkpoint(prepared, pid)
             .await
             .map_err(|e| failed("checkpoint", fork_error(session, e)))?;
+        let adopted = started.elapsed();
         let kernel = HeldKernel::Waiting {
             process: Arc::from(held.process),
             control: held.control,
         };
-        Ok(self.keep_checkpoint(Uuid::new_v4(), kernel, None).await)
+        let info = self.keep_checkpoint(Uuid::new_v4(), kernel, None).await;
+        tracing::debug!(
+            %session,
+            replied_us = replied.as_micros() as u64,
+            adopted_us = adopted.as_micros() as u64,
+            kept_us = started.elapsed().as_micros() as u64,
+            "held checkpoint taken"
+        );
+        Ok(info)
     }
 
     /// A checkpoint of a session with a workspace of its own: the live kernel copied into
