@@ -31,6 +31,27 @@ const MAX_STRANGERS: usize = 16;
 /// The longest answer the held child may send (a good one is about 30 bytes).
 pub(crate) const MAX_ANSWER: usize = 4096;
 
+/// Why a held checkpoint's control socket did not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum HeldError {
+    #[error("its control socket failed: {0}")]
+    Socket(#[source] std::io::Error),
+    #[error("it did not connect to its control socket within {0:?}")]
+    NotConnected(Duration),
+    #[error("{MAX_STRANGERS} other processes connected to its control socket first")]
+    Strangers,
+    #[error("the checkpoint could not be reached: {0}")]
+    Unreachable(#[source] std::io::Error),
+    #[error("the checkpoint ended before it answered")]
+    Ended,
+    #[error("the checkpoint answered more than it was asked")]
+    TooMuch,
+    #[error("the checkpoint's answer is longer than {MAX_ANSWER} bytes")]
+    TooLong,
+    #[error("the checkpoint did not answer within {0:?}")]
+    Silent(Duration),
+}
+
 /// The broker's end, listening, until the held child connects.
 #[derive(Debug)]
 pub(crate) struct ControlListener {
@@ -62,7 +83,7 @@ impl ControlListener {
 
     /// The held child's connection: the first whose peer is host process `pid`, within
     /// `limit`; every other is closed. The socket's name is removed either way.
-    pub async fn accept_from(self, pid: i32, limit: Duration) -> Result<HeldControl, String> {
+    pub async fn accept_from(self, pid: i32, limit: Duration) -> Result<HeldControl, HeldError> {
         let deadline = Instant::now() + limit;
         let mut strangers = 0;
         let found = loop {
@@ -73,21 +94,15 @@ impl ControlListener {
             .await
             {
                 Ok(Ok((stream, _))) => stream,
-                Ok(Err(e)) => break Err(format!("its control socket failed: {e}")),
-                Err(_) => {
-                    break Err(format!(
-                        "it did not connect to its control socket within {limit:?}"
-                    ))
-                }
+                Ok(Err(e)) => break Err(HeldError::Socket(e)),
+                Err(_) => break Err(HeldError::NotConnected(limit)),
             };
             match accepted.peer_cred().ok().and_then(|c| c.pid()) {
                 Some(peer) if peer == pid => break Ok(HeldControl { stream: accepted }),
                 _ => {
                     strangers += 1;
                     if strangers > MAX_STRANGERS {
-                        break Err(format!(
-                            "{MAX_STRANGERS} other processes connected to its control socket first"
-                        ));
+                        break Err(HeldError::Strangers);
                     }
                 }
             }
@@ -110,14 +125,14 @@ impl HeldControl {
         &mut self,
         request: &serde_json::Value,
         limit: Duration,
-    ) -> Result<Vec<u8>, String> {
-        let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+    ) -> Result<Vec<u8>, HeldError> {
+        let mut line = request.to_string().into_bytes();
         line.push(b'\n');
         let exchange = async {
             self.stream
                 .write_all(&line)
                 .await
-                .map_err(|e| format!("the checkpoint could not be reached: {e}"))?;
+                .map_err(HeldError::Unreachable)?;
             let mut answer = Vec::new();
             let mut buf = [0u8; 512];
             loop {
@@ -125,28 +140,26 @@ impl HeldControl {
                     .stream
                     .read(&mut buf)
                     .await
-                    .map_err(|e| format!("the checkpoint's answer could not be read: {e}"))?;
+                    .map_err(HeldError::Unreachable)?;
                 if n == 0 {
-                    return Err("the checkpoint ended before it answered".to_string());
+                    return Err(HeldError::Ended);
                 }
                 answer.extend_from_slice(&buf[..n]);
                 if let Some(end) = answer.iter().position(|b| *b == b'\n') {
                     if end + 1 != answer.len() {
-                        return Err("the checkpoint answered more than it was asked".into());
+                        return Err(HeldError::TooMuch);
                     }
                     answer.truncate(end);
                     return Ok(answer);
                 }
                 if answer.len() > MAX_ANSWER {
-                    return Err(format!(
-                        "the checkpoint's answer is longer than {MAX_ANSWER} bytes"
-                    ));
+                    return Err(HeldError::TooLong);
                 }
             }
         };
         timeout(limit, exchange)
             .await
-            .map_err(|_| format!("the checkpoint did not answer within {limit:?}"))?
+            .map_err(|_| HeldError::Silent(limit))?
     }
 }
 
@@ -212,7 +225,7 @@ mod tests {
             .wake(&request, Duration::from_secs(10))
             .await
             .unwrap_err();
-        assert!(err.contains("longer than"), "{err}");
+        assert!(matches!(err, HeldError::TooLong), "{err}");
         ours.join().unwrap();
     }
 
@@ -224,13 +237,13 @@ mod tests {
             .accept_from(1, Duration::from_millis(200))
             .await
             .unwrap_err();
-        assert!(err.contains("did not connect"), "{err}");
+        assert!(matches!(err, HeldError::NotConnected(_)), "{err}");
         let (a, _b) = UnixStream::pair().unwrap();
         let mut control = HeldControl { stream: a };
         let err = control
             .wake(&serde_json::json!({}), Duration::from_millis(200))
             .await
             .unwrap_err();
-        assert!(err.contains("did not answer"), "{err}");
+        assert!(matches!(err, HeldError::Silent(_)), "{err}");
     }
 }

@@ -59,6 +59,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("src/sandbox/cgroup/fs.rs", 7, "cgroupfs: the broker's hierarchy, which no kernel can write"),
     ("src/sandbox/cgroup/limits.rs", 1, "cgroupfs"),
     ("src/sandbox/cgroup/freezer.rs", 1, "procfs: /proc/<pid>/oom_score_adj of a pid listed in the broker's own leaf (a kernel cannot make a path there a symlink)"),
+    ("src/sandbox/local/checkpoint.rs", 1, "procfs: /proc/<pid>/oom_score_adj of a held checkpoint's pid, checked as a fork's and held by a pidfd (a kernel cannot make a path there a symlink)"),
     ("src/sandbox/cgroup/nested.rs", 3, "cgroupfs"),
     ("src/sandbox/local/adopt.rs", 1, "remove_dir_logged of a runtime directory in the broker's runtime base"),
     ("src/sandbox/local/check.rs", 1, "remove_dir_logged of the check's runtime directory"),

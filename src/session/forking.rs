@@ -241,6 +241,24 @@ pub(super) fn fork_error(session: Uuid, e: ForkError) -> SessionError {
     }
 }
 
+/// A fork's error as the checkpoint operation's (a refusal stays a refusal: 409).
+pub(super) fn checkpoint_failed(action: &'static str, e: SessionError) -> SessionError {
+    match e {
+        e @ (SessionError::ForkRefused { .. } | SessionError::KernelNotRunning) => e,
+        SessionError::ForkFailed {
+            session,
+            why,
+            source,
+        } => SessionError::CheckpointFailed {
+            session,
+            action,
+            why,
+            source,
+        },
+        e => e,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

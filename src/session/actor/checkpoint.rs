@@ -11,63 +11,30 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use chrono::Utc;
-use futures::FutureExt;
 use uuid::Uuid;
 
+use super::held::HeldKernel;
 use super::Actor;
 use crate::sandbox::fork::ForkError;
-use crate::sandbox::held::HeldControl;
-use crate::sandbox::{KernelProcess, LaunchSpec};
+use crate::sandbox::LaunchSpec;
 use crate::session::checkpoint::{
     CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint, Dropper,
 };
 use crate::session::command::Command;
 use crate::session::error::SessionError;
-use crate::session::forking::{
-    adopt_connected, bounded_reply, fork_connected, fork_error, pid_of_reply, send_fork_request,
-    shell_reply, FORK_REPLY_GRACE,
-};
+use crate::session::forking::{checkpoint_failed as failed, fork_connected, fork_error};
 use crate::session::launch::Live;
 use crate::session::lifecycle::LifecycleEvent;
 use crate::session::state::SessionState;
-use crate::wire::{Message, Signer};
+use crate::wire::Signer;
 
 /// How many dropped checkpoints a session remembers for its list.
 const DROPPED_KEPT: usize = 64;
 
-/// A checkpoint's kernel.
-enum HeldKernel {
-    /// The live kernel's child, held (`sandbox/held.rs`): it forks a kernel for each
-    /// connection sent on its control socket, and ends when the socket is dropped.
-    Waiting {
-        process: Arc<dyn KernelProcess>,
-        control: HeldControl,
-    },
-    /// A whole kernel, frozen, with the connection the broker keeps to it (a copy into a
-    /// sandbox of its own, or a backend without held checkpoints).
-    Frozen(Box<Live>),
-}
-
-impl HeldKernel {
-    fn process(&self) -> &Arc<dyn KernelProcess> {
-        match self {
-            Self::Waiting { process, .. } => process,
-            Self::Frozen(live) => &live.process,
-        }
-    }
-
-    fn exited(&mut self) -> bool {
-        match self {
-            Self::Waiting { process, .. } => process.wait().now_or_never().is_some(),
-            Self::Frozen(live) => live.exited(),
-        }
-    }
-}
-
 /// A checkpoint: its kernel, and what it is.
-struct Held {
-    info: CheckpointInfo,
-    kernel: HeldKernel,
+pub(super) struct Held {
+    pub(super) info: CheckpointInfo,
+    pub(super) kernel: HeldKernel,
     /// The checkpoint's copy of the session's own workspace (named by the checkpoint's
     /// id), for a session with one; removed with the checkpoint.
     workspace: Option<Uuid>,
@@ -76,7 +43,7 @@ struct Held {
 /// The checkpoints an actor holds.
 #[derive(Default)]
 pub(crate) struct Checkpoints {
-    held: Vec<Held>,
+    pub(super) held: Vec<Held>,
     dropped: VecDeque<DroppedCheckpoint>,
     /// The user's bounds and book, once a front door set them.
     policy: Option<(CheckpointPolicy, Arc<CheckpointBook>)>,
@@ -236,58 +203,6 @@ impl Actor {
             .await)
     }
 
-    /// A held checkpoint (`sandbox/held.rs`): the live kernel forks a held child and goes
-    /// on as it was; only the request and the adoption are on this path.
-    async fn take_held_checkpoint(
-        &mut self,
-        prepared: crate::sandbox::fork::PreparedFork,
-    ) -> Result<CheckpointInfo, SessionError> {
-        let session = self.session.id;
-        let started = std::time::Instant::now();
-        let Some(live) = self.kernel.as_mut() else {
-            self.sandbox.discard_fork(prepared).await;
-            return Err(SessionError::KernelNotRunning);
-        };
-        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
-            .await
-            .map_err(|e| failed("checkpoint", e))?;
-        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let ended = "the kernel ended before it answered";
-        let reply = bounded_reply(
-            session,
-            limit,
-            shell_reply(&mut live.events, &msg_id),
-            ended,
-        );
-        let pid = match reply.await.and_then(|r| pid_of_reply(session, &r)) {
-            Ok(pid) => pid,
-            Err(e) => {
-                self.sandbox.discard_fork(prepared).await;
-                return Err(failed("checkpoint", e));
-            }
-        };
-        let replied = started.elapsed();
-        let held = self
-            .sandbox
-            .adopt_checkpoint(prepared, pid)
-            .await
-            .map_err(|e| failed("checkpoint", fork_error(session, e)))?;
-        let adopted = started.elapsed();
-        let kernel = HeldKernel::Waiting {
-            process: Arc::from(held.process),
-            control: held.control,
-        };
-        let info = self.keep_checkpoint(Uuid::new_v4(), kernel, None).await;
-        tracing::debug!(
-            %session,
-            replied_us = replied.as_micros() as u64,
-            adopted_us = adopted.as_micros() as u64,
-            kept_us = started.elapsed().as_micros() as u64,
-            "held checkpoint taken"
-        );
-        Ok(info)
-    }
-
     /// A checkpoint of a session with a workspace of its own: the live kernel copied into
     /// a sandbox of its own (`sandbox/local/copy.rs`) with a copy of the workspace named by
     /// the checkpoint's id, and frozen there; the live kernel goes on as it was. A rewind
@@ -335,7 +250,7 @@ impl Actor {
 
     /// Keeps `kernel` (frozen) as checkpoint `id` of the session's state now, within the
     /// user's bounds (the oldest dropped first).
-    async fn keep_checkpoint(
+    pub(super) async fn keep_checkpoint(
         &mut self,
         id: Uuid,
         kernel: HeldKernel,
@@ -412,37 +327,8 @@ impl Actor {
                 checkpoint: id,
             });
         }
-        let count = self.checkpoints.held[i].info.execution_count;
-        if let HeldKernel::Waiting { process, control } = &mut self.checkpoints.held[i].kernel {
-            let (key, user) = (spec.key.clone(), spec.user.name.clone());
-            let prepared = self
-                .sandbox
-                .prepare_fork(&**process, spec)
-                .await
-                .map_err(|e| failed(action, fork_error(session, e)))?;
-            let request = prepared.request.clone();
-            let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-            let reply = async move { Some(wake_reply(control.wake(&request, limit).await)) };
-            let ended = "the checkpoint ended before it answered";
-            let child = adopt_connected(
-                &self.sandbox,
-                self.config.kernel,
-                session,
-                prepared,
-                key,
-                &user,
-                reply,
-                ended,
-            )
-            .await
-            .map_err(|e| failed(action, e))?;
-            let c = child.process.clone();
-            if let Err(e) =
-                flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await)
-            {
-                tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
-            }
-            return Ok((child, count));
+        if let HeldKernel::Waiting { .. } = self.checkpoints.held[i].kernel {
+            return self.fork_held(i, spec, action).await;
         }
         let HeldKernel::Frozen(frozen) = &mut self.checkpoints.held[i].kernel else {
             unreachable!("a checkpoint is held or frozen");
@@ -599,38 +485,5 @@ fn flatten(
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(e.to_string()),
-    }
-}
-
-/// A held checkpoint's answer to a wake as a `kb_fork_reply` (its content the answer, or an
-/// error saying why there was none), checked as any kernel's reply is.
-fn wake_reply(answer: Result<Vec<u8>, String>) -> Message {
-    let mut m = Message::new("kb_fork_reply", &serde_json::json!({}), None, "", "");
-    m.content = match answer {
-        Ok(content) => content.into(),
-        Err(why) => serde_json::to_vec(
-            &serde_json::json!({"status": "error", "ename": "HeldCheckpoint", "evalue": why}),
-        )
-        .unwrap_or_default()
-        .into(),
-    };
-    m
-}
-
-/// A fork's error as the checkpoint operation's (a refusal stays a refusal: 409).
-fn failed(action: &'static str, e: SessionError) -> SessionError {
-    match e {
-        e @ (SessionError::ForkRefused { .. } | SessionError::KernelNotRunning) => e,
-        SessionError::ForkFailed {
-            session,
-            why,
-            source,
-        } => SessionError::CheckpointFailed {
-            session,
-            action,
-            why,
-            source,
-        },
-        e => e,
     }
 }

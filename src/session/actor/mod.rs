@@ -11,6 +11,7 @@
 mod checkpoint;
 mod fork;
 mod guard;
+mod held;
 mod pause;
 mod running;
 #[cfg(test)]
