@@ -444,17 +444,19 @@ def close_machinery(machinery, keep=()):
     return closed
 
 
-def reap():
+def reap(forks=None):
     """Collects the exit status of forks that ended (only those: a subprocess a cell
-    started is left to whoever waits for it). Called at each request and after each
-    execution, so an ended fork stays a zombie at most until then."""
-    for pid in list(_FORKS):
+    started is left to whoever waits for it), and takes them out of `forks` (this kernel's,
+    ``_FORKS``, unless a held checkpoint names its own). Called at each request and after
+    each execution, so an ended fork stays a zombie at most until then."""
+    forks = _FORKS if forks is None else forks
+    for pid in list(forks):
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             done = pid
         if done:
-            _FORKS.discard(pid)
+            forks.discard(pid)
 
 
 def read_answer(fd):
@@ -657,13 +659,7 @@ def held_checkpoint(control, root):
         sock.sendall((json.dumps(content) + "\n").encode())
 
     while True:
-        for pid in list(children):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                children.discard(pid)
+        reap(children)
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
         # Woken each second while a child may end (to reap it); else only by the broker.
