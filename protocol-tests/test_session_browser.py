@@ -609,9 +609,12 @@ def test_interrupt_restart_and_delete_from_the_page(broker, browser, tmp_path):
     open_page(browser, broker, sid=sid)
     wait(browser, lambda d: d.find_element(By.ID, "action-interrupt").is_displayed(), what="the actions")
 
-    # Interrupt stops a long sleep.
-    t, out = run_in_thread(lambda: execute(broker, sid, "import time\ntime.sleep(600)"))
-    wait_for(lambda: broker.api("GET", f"/v1/sessions/{sid}").json()["state"] == "busy", what="busy")
+    # Interrupt stops a long sleep. Clicked once the cell runs (it writes a file first): an
+    # interrupt that reaches ipykernel before the cell begins is not the cell's.
+    t, out = run_in_thread(lambda: execute(
+        broker, sid, "import time\nopen('sleeping.txt', 'w').close()\ntime.sleep(600)"))
+    wait_for(lambda: broker.api("GET", f"/v1/sessions/{sid}/files/sleeping.txt").status_code == 200,
+             what="the cell to run")
     browser.find_element(By.ID, "action-interrupt").click()
     t.join(30)
     assert not t.is_alive(), "the interrupt did not stop time.sleep(600)"
