@@ -75,6 +75,32 @@ pub(super) async fn send_fork_request(
     Ok((prepared, m.msg_id))
 }
 
+/// Sends `prepared`'s `kb_fork_request` to `source` and waits (within the sandbox's launch
+/// timeout and [`FORK_REPLY_GRACE`]) for the pid its answer names, checked as a reply; on
+/// any failure the prepared fork is given up. For a child the sandbox adopts whole, not
+/// connected (a held one).
+pub(super) async fn requested_pid(
+    sandbox: &Arc<dyn Sandbox>,
+    session: Uuid,
+    source: &mut Live,
+    prepared: PreparedFork,
+) -> Result<(PreparedFork, i64), SessionError> {
+    let (prepared, msg_id) = send_fork_request(sandbox, session, source, prepared).await?;
+    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+    let reply = shell_reply(&mut source.events, &msg_id);
+    let ended = "the kernel ended before it answered";
+    match bounded_reply(session, limit, reply, ended)
+        .await
+        .and_then(|r| pid_of_reply(session, &r))
+    {
+        Ok(pid) => Ok((prepared, pid)),
+        Err(e) => {
+            sandbox.discard_fork(prepared).await;
+            Err(e)
+        }
+    }
+}
+
 /// The kernel's shell answer to the request `msg_id` among its `events`; `None` once it
 /// can no longer come (the kernel ended).
 pub(super) async fn shell_reply(events: &mut KernelEvents, msg_id: &str) -> Option<Message> {

@@ -102,28 +102,7 @@ impl Freezer {
     /// cgroup stays the backstop, and its OOM killer weighs a checkpoint like a kernel.
     pub fn set_oom_score_adj(&self, adj: i32) -> Result<(), SandboxError> {
         for pid in self.pids() {
-            let file = PathBuf::from(format!("/proc/{pid}/oom_score_adj"));
-            if let Err(e) = std::fs::write(&file, adj.to_string()) {
-                if e.kind() == std::io::ErrorKind::PermissionDenied
-                    && crate::sandbox::fsutil::current_ids().0 != 0
-                {
-                    if !UNPRIVILEGED_OOM_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                        tracing::warn!(
-                            "checkpoints are not made the OOM killer's first choice: an \
-                             unprivileged broker cannot set a kernel's oom_score_adj"
-                        );
-                    }
-                    return Ok(());
-                }
-                // A process that ended meanwhile is no failure.
-                if Path::new(&format!("/proc/{pid}")).exists() {
-                    return Err(SandboxError::Io {
-                        what: "cannot set a checkpoint's oom_score_adj",
-                        path: file,
-                        source: e,
-                    });
-                }
-            }
+            set_oom_score_adj(pid, adj)?;
         }
         Ok(())
     }
@@ -226,6 +205,34 @@ fn settle(dir: &Path, done: impl Fn(&Path) -> bool) -> Result<(), SandboxError> 
             ));
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+/// Sets `oom_score_adj` of host process `pid` (see [`Freezer::set_oom_score_adj`]: an
+/// unprivileged broker cannot, said once, and that is no failure; neither is a process
+/// that ended meanwhile).
+pub fn set_oom_score_adj(pid: i32, adj: i32) -> Result<(), SandboxError> {
+    let file = PathBuf::from(format!("/proc/{pid}/oom_score_adj"));
+    if let Err(e) = std::fs::write(&file, adj.to_string()) {
+        if e.kind() == std::io::ErrorKind::PermissionDenied
+            && crate::sandbox::fsutil::current_ids().0 != 0
+        {
+            if !UNPRIVILEGED_OOM_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    "checkpoints are not made the OOM killer's first choice: an \
+                     unprivileged broker cannot set a kernel's oom_score_adj"
+                );
+            }
+            return Ok(());
+        }
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            return Err(SandboxError::Io {
+                what: "cannot set a checkpoint's oom_score_adj",
+                path: file,
+                source: e,
+            });
+        }
     }
     Ok(())
 }

@@ -57,7 +57,7 @@ mod nested;
 mod tests;
 mod user_dir;
 
-pub use freezer::Freezer;
+pub use freezer::{set_oom_score_adj, Freezer};
 pub use leaf::CpuClock;
 pub use nested::{CgroupNotFound, ContainerCgroup};
 

@@ -34,7 +34,7 @@ use super::fork::{remove_fork_dir, PLAIN_START};
 use super::output::Tail;
 use super::reaper::{LeafSlot, LocalKernel, Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
-use crate::sandbox::cgroup::Cgroups;
+use crate::sandbox::cgroup::{set_oom_score_adj, Cgroups};
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, HeldCheckpoint, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, launch_step};
 use crate::sandbox::held::{ControlListener, CONTROL_NAME};
@@ -129,28 +129,21 @@ impl LocalSandbox {
         let give_up = |fd: &std::os::fd::OwnedFd| {
             let _ = pidfd::signal(fd, pidfd::Signal::KILL);
         };
-        let control = match listener.accept_from(host_pid, CONNECT_LIMIT).await {
-            Ok(control) => control,
-            Err(why) => {
-                give_up(&fd);
-                remove_fork_dir(dir).await;
-                return Err(ForkError::Copy(format!(
-                    "the checkpoint was not held: {why}"
-                )));
-            }
-        };
-        if let Err(e) = set_oom_score_adj(host_pid, 1000) {
-            give_up(&fd);
-            remove_fork_dir(dir).await;
-            return Err(e.into());
-        }
         let user = &spec.user;
-        let workspace = match self.workspace_path(user) {
-            Ok(w) => w,
+        let held = async {
+            let control = listener
+                .accept_from(host_pid, CONNECT_LIMIT)
+                .await
+                .map_err(|why| ForkError::Copy(format!("the checkpoint was not held: {why}")))?;
+            set_oom_score_adj(host_pid, 1000)?;
+            Ok::<_, ForkError>((control, self.workspace_path(user)?))
+        };
+        let (control, workspace) = match held.await {
+            Ok(held) => held,
             Err(e) => {
                 give_up(&fd);
                 remove_fork_dir(dir).await;
-                return Err(e.into());
+                return Err(e);
             }
         };
         // SAFETY: an OwnedFd is a valid open descriptor that stays the same until the
@@ -287,23 +280,4 @@ struct Leaves {
     held: Arc<LocalKernel>,
     theirs: OwnedMutexGuard<LeafSlot>,
     ours: OwnedMutexGuard<LeafSlot>,
-}
-
-/// Makes host process `pid` the OOM killer's first choice (an unprivileged broker cannot:
-/// said once by the freezer's twin, `cgroup/freezer.rs`, and no failure).
-fn set_oom_score_adj(pid: i32, adj: i32) -> Result<(), SandboxError> {
-    let file = std::path::PathBuf::from(format!("/proc/{pid}/oom_score_adj"));
-    match std::fs::write(&file, adj.to_string()) {
-        Ok(()) => Ok(()),
-        Err(e)
-            if e.kind() == std::io::ErrorKind::PermissionDenied && fsutil::current_ids().0 != 0 =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(SandboxError::Io {
-            what: "cannot set a checkpoint's oom_score_adj",
-            path: file,
-            source: e,
-        }),
-    }
 }

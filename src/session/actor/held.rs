@@ -14,8 +14,7 @@ use crate::sandbox::{KernelProcess, LaunchSpec};
 use crate::session::checkpoint::CheckpointInfo;
 use crate::session::error::SessionError;
 use crate::session::forking::{
-    adopt_connected, bounded_reply, checkpoint_failed as failed, fork_error, pid_of_reply,
-    send_fork_request, shell_reply, FORK_REPLY_GRACE,
+    adopt_connected, checkpoint_failed as failed, fork_error, requested_pid, FORK_REPLY_GRACE,
 };
 use crate::session::launch::Live;
 use crate::wire::Message;
@@ -62,24 +61,9 @@ impl Actor {
             self.sandbox.discard_fork(prepared).await;
             return Err(SessionError::KernelNotRunning);
         };
-        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
+        let (prepared, pid) = requested_pid(&self.sandbox, session, live, prepared)
             .await
             .map_err(|e| failed("checkpoint", e))?;
-        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let ended = "the kernel ended before it answered";
-        let reply = bounded_reply(
-            session,
-            limit,
-            shell_reply(&mut live.events, &msg_id),
-            ended,
-        );
-        let pid = match reply.await.and_then(|r| pid_of_reply(session, &r)) {
-            Ok(pid) => pid,
-            Err(e) => {
-                self.sandbox.discard_fork(prepared).await;
-                return Err(failed("checkpoint", e));
-            }
-        };
         let replied = started.elapsed();
         let held = self
             .sandbox

@@ -14,9 +14,7 @@ use crate::sandbox::pause::PausedImage;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
 use crate::session::execution::{failed, ExecutionStatus};
-use crate::session::forking::{
-    bounded_reply, fork_error, pid_of_reply, send_fork_request, shell_reply, FORK_REPLY_GRACE,
-};
+use crate::session::forking::{fork_error, requested_pid};
 use crate::session::launch::connect_kernel;
 use crate::session::lifecycle::LifecycleEvent;
 use crate::session::pause::PauseInfo;
@@ -113,20 +111,7 @@ impl Actor {
             self.sandbox.discard_fork(prepared).await;
             return Err(SessionError::KernelNotRunning);
         };
-        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared).await?;
-        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let reply = shell_reply(&mut live.events, &msg_id);
-        let ended = "the kernel ended before it answered";
-        let pid = match bounded_reply(session, limit, reply, ended)
-            .await
-            .and_then(|r| pid_of_reply(session, &r))
-        {
-            Ok(pid) => pid,
-            Err(e) => {
-                self.sandbox.discard_fork(prepared).await;
-                return Err(e);
-            }
-        };
+        let (prepared, pid) = requested_pid(&self.sandbox, session, live, prepared).await?;
         self.sandbox
             .dump_paused(prepared, pid)
             .await
