@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,19 +114,25 @@ def test_concurrency_and_memory_sections(results):
                 assert isinstance(mem["server_rss_per_session_kib"], (int, float)), (name, mem)
 
 
+def run_bench(tmp_path, script, *args, timeout):
+    """Runs bench `script` (a path under the repository) with `args` against the broker
+    under test; returns the JSON it wrote."""
+    subprocess.run([str(REPO / "bench/setup")], check=True, timeout=1200)
+    binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
+    out = tmp_path / (Path(script).stem + ".json")
+    proc = subprocess.run(
+        [str(BENCH_PY), str(REPO / script), *args, "--binary", binary, "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.timeout(900)
 def test_the_languages_benchmark_runs(tmp_path):
     """bench/languages.py, bounded (two light kernels, one run each): every figure lands."""
-    subprocess.run([str(REPO / "bench/setup")], check=True, timeout=1200)
-    binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
-    out = tmp_path / "languages.json"
-    proc = subprocess.run(
-        [str(BENCH_PY), str(REPO / "bench/languages.py"), "--runs", "1", "--trips", "3",
-         "--refill", "2", "--only", "python3,bash,sql", "--binary", binary, "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=800,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    got = json.loads(out.read_text())
+    got = run_bench(tmp_path, "bench/languages.py", "--runs", "1", "--trips", "3",
+                    "--refill", "2", "--only", "python3,bash,sql", timeout=800)
     for kernel in ("python3", "bash", "sql"):
         row = got[kernel]
         for key in ("cold_ms_p50", "pooled_ms_p50", "round_trip_ms_p50", "idle_mib"):
@@ -136,16 +143,8 @@ def test_the_languages_benchmark_runs(tmp_path):
 @pytest.mark.timeout(600)
 def test_the_masking_benchmark_runs(tmp_path):
     """bench/masking.py, bounded (a few trips, one create each): every figure lands."""
-    subprocess.run([str(REPO / "bench/setup")], check=True, timeout=1200)
-    binary = os.environ.get("KERNEL_BROKER_BIN", str(REPO / "target/debug/kernel-broker"))
-    out = tmp_path / "masking.json"
-    proc = subprocess.run(
-        [str(BENCH_PY), str(REPO / "bench/masking.py"), "--trips", "10", "--runs", "1",
-         "--refill", "2", "--binary", binary, "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=500,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    got = json.loads(out.read_text())
+    got = run_bench(tmp_path, "bench/masking.py", "--trips", "10", "--runs", "1", "--refill", "2",
+                    timeout=500)
     for side in ("baseline", "masking"):
         for code in ("one_plus_one", "print_10kb", "leak"):
             assert positive(got[side][code]["p50_ms"]), (side, code, got)
