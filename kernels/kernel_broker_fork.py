@@ -11,13 +11,13 @@ shell message type:
     "hmac-sha256"}}``: the child kernel's sockets are ``ipc://PREFIX-PORT``, PREFIX inside
     the fork directory (``KERNEL_BROKER_FORK_ROOT``, else the directory of the kernel's own
     ipc sockets). The answer is ``kb_fork_reply`` ``{"status": "ok", "pid": PID}`` (PID as
-    seen in the kernel's pid namespace) as soon as the child exists with its own copies of
-    the open files (about a millisecond after the fork), or ``{"status": "error", "ename":
-    ..., "evalue": ...}`` and no child. The child then builds its kernel and binds its
-    sockets (10 to 20 ms): a client connects as to any starting kernel, retrying until they
-    are bound, and a child that fails to build says why on its stderr and exits. (The
-    broker moves the child into a cgroup of its own meanwhile, which costs about as long
-    again on cgroup v1: answering early runs the two side by side.)
+    seen in the kernel's pid namespace) as soon as ``fork()`` returns, or ``{"status":
+    "error", "ename": ..., "evalue": ...}`` and no child. The child then reopens its files,
+    builds its kernel and binds its sockets (10 to 20 ms): a client connects as to any
+    starting kernel, retrying until they are bound, and a child that fails to build says
+    why on its stderr and exits. (The broker moves the child into a cgroup of its own
+    meanwhile, which costs about as long again on cgroup v1: answering at once runs the two
+    side by side.)
 
 ``kb_fork_request`` with ``{"hold": {"connection_file": PATH}}`` instead of a connection
     makes a *held* child, for a copy of the kernel into another sandbox (a session with a
@@ -36,7 +36,8 @@ shell message type:
 
 ``kb_fork_request`` with ``{"hold": {"control": PATH}}`` makes a *checkpoint*: a held child
     (its files kept as above, nothing else) that connects to the broker's unix socket PATH
-    (inside the fork directory) before it answers, and then waits on it. Each line the
+    (inside the fork directory; the kernel answers at once, as for a fork, and the broker
+    waits for the connection), and then waits on it. Each line the
     broker sends is a fork request's content (``{"connection": ...}``, checked as one): the
     held child forks, its child builds a kernel on that connection as a fork's child does,
     and the held child answers on the socket with the content of a ``kb_fork_reply`` and
@@ -48,7 +49,11 @@ How. Shell messages are dispatched one at a time on the kernel's main thread, so
 request is handled between two executions with the user's state at rest. (A busy kernel
 receives it only when its running execution ends: shell messages queue behind it. A broker
 that wants the fork now should interrupt first, or refuse.) The handler forks once and
-waits on a pipe for the child to say it has its own files. The child starts a session of its
+answers at once: it notes its regular files' offsets before the fork, and the child
+reopens them at those offsets, so the parent may move its own straight away (waiting for
+the child to run, 3 to 6 ms after ``fork()`` returns with a 200 MB DataFrame, was most of a
+checkpoint's time). SIGINT is blocked across the fork, so an interrupt of the parent's
+process group waits in the child until it ignores it. The child starts a session of its
 own (``setsid``), so ipykernel's habit of terminating the children in its process group at
 shutdown, and an interrupt sent to the parent's group, leave it alone. The parent reaps
 its forks that ended (``waitpid`` on their pids only) at each request and after each
@@ -82,10 +87,12 @@ What is and is not carried (tested in ``tests/test_fork.py``):
 - Python's ``random`` module reseeds itself in a forked child; the generator's state is put
   back, so the fork draws the same numbers as the original. numpy's global state and every
   generator object are plain memory and carry over.
-- Regular files a cell opened are reopened in the child with the same flags and offset and
-  put at the same descriptor number, so reading or seeking in one process does not move
-  the other. A file deleted or replaced since it was opened cannot be reopened: it keeps
-  sharing its offset. Locks taken with ``flock`` belong to the old open file and are not
+- Regular files a cell opened are reopened in the child with the same flags and the
+  offset they had at the fork, and put at the same descriptor number, so reading or
+  seeking in one process does not move the other. A file deleted or replaced since it was
+  opened (or renamed in the moment after the fork) cannot be reopened: it keeps sharing
+  its offset. Each kernel forked from a checkpoint reopens them again, so two of them (or
+  one and the checkpoint) do not share offsets either. Locks taken with ``flock`` belong to the old open file and are not
   held by the child's copy. Pipes, sockets, terminals and devices stay shared (there is
   nothing to reopen): a network connection a cell opened is the same connection in both.
 - Threads a cell started do not exist in the child (only the forking thread survives a
@@ -353,24 +360,35 @@ def handle(app, kernel, stream, ident, parent):
 
 
 def fork(app, kernel, info, hold=None):
-    """Forks the kernel; returns the new kernel's pid once the child has its own files
-    (from then on this process may read and seek in them again; with `hold`, once it is
-    held)."""
+    """Forks the kernel; returns the new kernel's pid at once (a held child for another
+    sandbox's copy, ``{"hold": {"connection_file": ...}}``, may refuse: its pid once it is
+    held). The child reopens its files at the offsets they had at the fork (noted here,
+    before it), so this process may read and seek in them again straight away: the child
+    takes a few milliseconds to be scheduled, and nothing waits for it."""
     reap()
     note_machinery()
-    read_fd, write_fd = os.pipe()
+    files = file_table()
+    waits = hold is not None and "control" not in hold
+    read_fd, write_fd = os.pipe() if waits else (None, None)
     # `random` reseeds its generator in every forked child; the fork keeps this one's: the
     # state its next execution starts from (a kernel that has not run since it was built
     # itself holds one, `restore_random`, which its start-up's draws have not touched).
     random_state = _PENDING_RANDOM if _PENDING_RANDOM is not None else random.getstate()
+    # An interrupt of this kernel's process group before the child has a session of its
+    # own (and ignores SIGINT) waits in the child until then, and is dropped there.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(read_fd)
-            become(app, kernel, info, write_fd, random_state, hold)  # never returns
+            if read_fd is not None:
+                os.close(read_fd)
+            become(app, kernel, info, write_fd, random_state, hold, files, mask)  # never returns
         finally:
             os._exit(1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _FORKS.add(pid)
+    if not waits:
+        return pid
     os.close(write_fd)
     try:
         answer = read_answer(read_fd)
@@ -384,7 +402,7 @@ def fork(app, kernel, info, hold=None):
         except OSError:
             pass
         _FORKS.discard(pid)
-        raise ForkRefused(answer.get("error") or "the child ended before it listened")
+        raise ForkRefused(answer.get("error") or "the child ended before it was held")
     return pid
 
 
@@ -488,15 +506,17 @@ def say(fd, obj):
         data = data[os.write(fd, data):]
 
 
-def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
-    """In the forked child: answers on `ready_fd` once it has its own files, rebuilds the
-    kernel around the same shell, serves until shut down (with `hold`: answers, is held,
-    and builds once woken). Never returns."""
+def become(old_app, old_kernel, info, ready_fd, random_state, hold, files, mask):
+    """In the forked child: reopens its files (`files`, the parent's table at the fork),
+    rebuilds the kernel around the same shell, serves until shut down (with a `hold` for
+    another sandbox: answers on `ready_fd`, is held, and builds once woken; with a
+    checkpoint's: held on the broker's control socket). Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # the parent's loop's wake-up socket is shared
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.setsid()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # The new kernel runs nested in the stack of the handler that forked (about a dozen
         # frames a generation): room for them, so a lineage of forks is not cut short.
         sys.setrecursionlimit(sys.getrecursionlimit() + GENERATION_FRAMES)
@@ -507,16 +527,11 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         global _STD_TARGETS
         if _STD_TARGETS is None:
             _STD_TARGETS = (os.dup(1), os.dup(2))
-        separate_files()
-        if hold is None or "control" in hold:
-            # The parent goes on (and may move the shared offsets) once it has this answer;
-            # what follows concerns this process alone. The broker meanwhile connects,
-            # retrying until the sockets are bound, and moves this process into a cgroup of
-            # its own. (A checkpoint's held child connects to the broker's control socket
-            # after this answer: the broker waits for it there.)
-            say(ready_fd, {"pid": os.getpid()})
-            os.close(ready_fd)
-            ready_fd = None
+        # The parent went on at once (and may have moved the shared offsets since: the
+        # table holds those of the fork). The broker meanwhile connects, retrying until the
+        # sockets are bound, and moves this process into a cgroup of its own (a
+        # checkpoint's held child it waits for on its control socket).
+        separate_files(files)
         close_parent_sockets(old_app)
         global _MACHINERY, _BEFORE_BUILD
         close_machinery(_MACHINERY or {}, keep={ready_fd})
@@ -531,10 +546,6 @@ def become(old_app, old_kernel, info, ready_fd, random_state, hold=None):
         _BEFORE_BUILD = frozenset(open_fds())
         app = rebuild(old_app, old_kernel, info)
         restore_random(app.shell, random_state)
-        if ready_fd is not None:
-            say(ready_fd, {"pid": os.getpid()})
-            os.close(ready_fd)
-            ready_fd = None
         app.start()
         code = 0
         # Shut down (or `exit()` in a cell): close what the child made, as ipykernel does
@@ -688,6 +699,11 @@ def held_checkpoint(control, root):
             pid = os.fork()
             if pid == 0:
                 sock.close()
+                # Its files' descriptions are this process's, shared with every kernel
+                # forked from it: its own before any code of it runs, so no kernel of the
+                # checkpoint moves another's offsets (or the checkpoint's, where the next
+                # one starts from).
+                separate_files()
                 return info
             children.add(pid)
             answer({"status": "ok", "pid": pid})
@@ -790,11 +806,10 @@ def abandon(old_app, old_kernel):
     return kept
 
 
-def separate_files(proc="/proc/self/fd"):
-    """Reopens each regular file the process has open at the same descriptor, with the
-    same flags and offset: after a fork both processes share one open file (one offset);
-    after this the child has its own. The kernel's own output files (what descriptors 0-2
-    point at) stay shared, as a log should be. Returns the descriptors reopened."""
+def file_table(proc="/proc/self/fd"):
+    """The regular files the process has open, each as (descriptor, path, flags, offset,
+    (device, inode)); the kernel's own output files (what descriptors 0-2 point at) are
+    left out: they stay shared, as a log should be."""
     import fcntl
 
     own = set()
@@ -804,7 +819,7 @@ def separate_files(proc="/proc/self/fd"):
             own.add((st.st_dev, st.st_ino))
         except OSError:
             pass
-    reopened = []
+    table = []
     for name in os.listdir(proc):
         fd = int(name)
         try:
@@ -817,13 +832,27 @@ def separate_files(proc="/proc/self/fd"):
             path = os.readlink("%s/%d" % (proc, fd))
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             offset = os.lseek(fd, 0, os.SEEK_CUR)
-            access = flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_SYNC | os.O_DSYNC)
+        except OSError:
+            continue  # an O_PATH descriptor: nothing to read, nothing shared to move
+        access = flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_SYNC | os.O_DSYNC)
+        table.append((fd, path, access, offset, (st.st_dev, st.st_ino)))
+    return table
+
+
+def separate_files(table=None, proc="/proc/self/fd"):
+    """Reopens each regular file of `table` (``file_table``'s; now's if None) at the same
+    descriptor, with the same flags and the offset of the table: after a fork both
+    processes share one open file (one offset); after this the child has its own. Returns
+    the descriptors reopened."""
+    reopened = []
+    for fd, path, access, offset, ident in file_table(proc) if table is None else table:
+        try:
             new = os.open(path, access | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue  # deleted, renamed or unreadable now: stays shared
         try:
             nst = os.fstat(new)
-            if (nst.st_dev, nst.st_ino) != (st.st_dev, st.st_ino):
+            if (nst.st_dev, nst.st_ino) != ident or identity(fd) != ident:
                 continue  # the path names another file now
             os.lseek(new, offset, os.SEEK_SET)
             os.dup2(new, fd, inheritable=os.get_inheritable(fd))

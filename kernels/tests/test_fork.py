@@ -147,6 +147,27 @@ def test_every_kind_of_state_is_carried(kernel, forks, tmp_path):
     assert value(child, "os.environ['KB_FORK_TEST']") == repr("carried")
 
 
+def test_the_parent_moving_its_files_straight_after_the_fork_does_not_move_the_childs(kernel, forks, tmp_path):
+    """The parent goes on as soon as ``fork()`` returns, before the child has reopened its
+    files (it runs a few milliseconds later): here a cell's at-fork hook reads on in the
+    parent at once, through the offsets the two still share. The child starts from the
+    offsets of the fork all the same."""
+    path = write_data_file(tmp_path)
+    kc = kernel.client
+    run(
+        kc,
+        "import os\n"
+        "raw = os.open(%r, os.O_RDONLY)\n"
+        "os.read(raw, 3)\n"
+        "os.register_at_fork(after_in_parent=lambda: os.read(raw, 4000))\n" % path,
+    )
+    for i in range(3):
+        child = make_fork(kc, tmp_path, "q%d" % i, forks).client
+        assert value(child, "os.lseek(raw, 0, os.SEEK_CUR)") == str(3 + 4000 * i)
+        assert value(child, "os.read(raw, 3)") == repr(open(path, "rb").read()[3 + 4000 * i :][:3])
+    assert value(kc, "os.lseek(raw, 0, os.SEEK_CUR)") == str(3 + 4000 * 3)
+
+
 def test_a_kernel_born_of_the_template_forks(tmp_path, forks):
     """The broker's kernels are forked from a template (non-dumpable, descriptors closed,
     the template's objects frozen): such a kernel forks as well."""
@@ -791,12 +812,15 @@ def test_a_held_checkpoint_forks_a_kernel_at_each_wake_and_ends_with_its_control
     import struct
 
     kc = kernel.client
+    data = write_data_file(tmp_path)
     run(
         kc,
-        "import threading, time, random\n"
+        "import os, threading, time, random\n"
         "x = 41\n"
         "random.seed(5)\n"
-        "threading.Thread(target=time.sleep, args=(600,), name='ticker', daemon=True).start()\n",
+        "threading.Thread(target=time.sleep, args=(600,), name='ticker', daemon=True).start()\n"
+        "data = os.open(%r, os.O_RDONLY)\n"
+        "os.read(data, 3)\n" % data,
     )
     path = str(tmp_path / "ctl")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -810,7 +834,7 @@ def test_a_held_checkpoint_forks_a_kernel_at_each_wake_and_ends_with_its_control
         control, _ = listener.accept()
         creds = control.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         assert struct.unpack("3i", creds)[0] == held
-        run(kc, "x = 100; random.random()")
+        run(kc, "x = 100; random.random(); os.read(data, 3)")
         assert os.listdir("/proc/%d/task" % held) == [str(held)]
         assert unix_socket_paths(held) <= {path, ""}, unix_socket_paths(held)
         expected = value(kc, "random.seed(5) or random.random()")
@@ -826,7 +850,10 @@ def test_a_held_checkpoint_forks_a_kernel_at_each_wake_and_ends_with_its_control
             assert value(child, "x") == "41"
             assert value(child, "random.random()") == expected
             assert value(child, "'ticker' in [t.name for t in threading.enumerate()]") == "False"
-            run(child, "x = 7")
+            # Each starts at the checkpoint's offsets: neither the live kernel's reading
+            # since, nor the kernel forked from it before, moved them.
+            assert value(child, "os.read(data, 3)") == "b'def'"
+            run(child, "x = 7; os.read(data, 3)")
             # The child holds no control socket of the checkpoint's.
             assert path not in unix_socket_paths(answer["pid"])
         assert value(kc, "x") == "100"

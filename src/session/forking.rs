@@ -163,6 +163,7 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
     reply: impl Future<Output = Option<R>>,
     ended: &str,
 ) -> Result<Live, SessionError> {
+    let started = std::time::Instant::now();
     let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
     let reply = bounded_reply(session, limit, reply, ended);
     let (endpoints, k, u) = (prepared.endpoints.clone(), key.clone(), user.to_string());
@@ -182,24 +183,34 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
             return Err(e);
         }
     };
+    let replied = started.elapsed();
     let launched = sandbox
         .adopt_fork(prepared, pid)
         .await
         .map_err(|e| fork_error(session, e))?;
+    let adopted = started.elapsed();
     let connected = async move {
         match early {
             Some(connected) => connected,
             None => connect.await,
         }
     };
-    ready_kernel(launched.process, key, connected)
+    let live = ready_kernel(launched.process, key, connected)
         .await
         .map_err(|e| SessionError::ForkFailed {
             session,
             // What ended it (the child died, a channel failed) is the caller's to see.
             why: format!("the fork did not become ready: {e}"),
             source: Some(Box::new(e)),
-        })
+        })?;
+    tracing::debug!(
+        %session,
+        replied_us = replied.as_micros() as u64,
+        adopted_us = adopted.as_micros() as u64,
+        ready_us = started.elapsed().as_micros() as u64,
+        "forked kernel ready"
+    );
+    Ok(live)
 }
 
 /// The pid a `kb_fork_reply` of session `session`'s kernel names, or why it is refused.
