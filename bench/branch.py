@@ -13,7 +13,8 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
     cgroup leaf is charged;
   - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50
     (back to back, and each after 200 ms idle),
-    rewind -> next result p50, and 100 checkpoints of a session that changes 1 MB a step
+    rewind -> next result p50 (back to back, and each after 200 ms idle: a second rewind to
+    a checkpoint takes the kernel the first made for it meanwhile), and 100 checkpoints of a session that changes 1 MB a step
     (the memory the checkpoints hold in all), and `1+1` round trips back to back with
     `checkpoint_every_execution` against without.
 
@@ -156,6 +157,16 @@ def measure_checkpoints(api, sid, runs):
         api.call("POST", f"/v1/sessions/{sid}/rewind", {"checkpoint": first})
         api.run(sid, "1+1")
         rewinds.append(time.monotonic() - start)
+    # The same with 200 ms between the steps (an agent's pace, and time for the kernel a
+    # rewind makes for the next rewind to the same checkpoint, where the sandbox makes one).
+    idle_rewinds = []
+    for _ in range(runs):
+        api.run(sid, "x_after = 1")
+        time.sleep(0.2)
+        start = time.monotonic()
+        api.call("POST", f"/v1/sessions/{sid}/rewind", {"checkpoint": first})
+        api.run(sid, "1+1")
+        idle_rewinds.append(time.monotonic() - start)
     # Every execution: back-to-back `1+1` round trips in a session that takes a checkpoint
     # after each, against the same in this session without.
     plain = [api.timed(sid, "1+1") for _ in range(runs)]
@@ -168,6 +179,7 @@ def measure_checkpoints(api, sid, runs):
     res["checkpoint_take_p50_ms"] = ms(takes, 0.5)
     res["checkpoint_take_after_200ms_idle_p50_ms"] = ms(idle_takes, 0.5)
     res["rewind_to_next_result_p50_ms"] = ms(rewinds, 0.5)
+    res["rewind_to_next_result_after_200ms_idle_p50_ms"] = ms(idle_rewinds, 0.5)
     listed = api.call("GET", f"/v1/sessions/{sid}/checkpoints")
     for cp in listed.get("checkpoints", []):
         api.call("DELETE", f"/v1/sessions/{sid}/checkpoints/{cp['id']}")

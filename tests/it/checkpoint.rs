@@ -952,3 +952,115 @@ async fn a_checkpoints_control_socket_takes_the_held_child_alone() {
     assert_eq!(l["checkpoints"].as_array().unwrap().len(), before, "{l}");
     broker.stop().await;
 }
+
+/// The kernels of the checkpoint the live kernel was forked from, other than itself, as
+/// the live kernel sees them (its parent is that checkpoint's held child): after a
+/// rewind, the spare made for the next one.
+const SPARES: &str = "import os\n\
+held = os.getppid()\n\
+kids = open(f'/proc/{held}/task/{held}/children').read().split()\n\
+print(' '.join(k for k in kids if int(k) != os.getpid()))";
+
+async fn spares(api: &Api, id: &str, want: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let found: Vec<String> = out(api, id, SPARES)
+            .await
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        if found.len() == want {
+            return found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the checkpoint's other kernels are {found:?}, not {want}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_second_rewind_to_a_checkpoint_takes_the_kernel_made_for_it_meanwhile() {
+    let broker = Broker::start("local", forking).await;
+    let api = broker.api(ALICE);
+    // Another session first: the user's template and its leaves are there before.
+    let keep = api.create().await;
+    out(&api, &keep, "pass").await;
+    let before = leaves(&broker, "alice");
+    let a = api.create().await;
+    out(&api, &a, "x = 1; import random; random.seed(5)").await;
+    let cp = take(&api, &a).await;
+    let cp = cp["id"].as_str().unwrap().to_string();
+    let draw = out(&api, &a, "print(random.random())").await;
+    out(&api, &a, "x = 2").await;
+    let check = "print(x, random.random(), os.getpid())";
+
+    // The first rewind forks the checkpoint, then makes a spare from it.
+    assert_eq!(rewind(&api, &a, &cp).await.0, 200);
+    let first = out(&api, &a, &format!("import os\n{check}")).await;
+    let first: Vec<&str> = first.split(' ').collect();
+    assert_eq!(first[..2], ["1", draw.as_str()], "{first:?}");
+    let spare = spares(&api, &a, 1).await;
+    let listed = list(&api, &a).await;
+    assert!(
+        listed["checkpoints"][0]["memory_bytes"].as_u64().unwrap() > 0,
+        "{listed}"
+    );
+    out(&api, &a, "x = 3").await;
+
+    // The second is that spare, with the checkpoint's state as a fork would have it; the
+    // kernel it replaced ends, and another spare is made.
+    assert_eq!(rewind(&api, &a, &cp).await.0, 200);
+    let second = out(&api, &a, &format!("import os\n{check}")).await;
+    assert_eq!(second, format!("1 {draw} {}", spare[0]));
+    let next = spares(&api, &a, 1).await;
+    assert_ne!(next, spare);
+
+    // A kernel of the session that kills the spare gets a fork of the checkpoint instead.
+    out(
+        &api,
+        &a,
+        &format!("import signal; os.kill({}, signal.SIGKILL)", next[0]),
+    )
+    .await;
+    spares(&api, &a, 0).await;
+    assert_eq!(rewind(&api, &a, &cp).await.0, 200);
+    let third = out(&api, &a, &format!("import os\n{check}")).await;
+    let third: Vec<&str> = third.split(' ').collect();
+    assert_eq!(third[..2], ["1", draw.as_str()], "{third:?}");
+    assert_ne!(third[2], next[0]);
+    spares(&api, &a, 1).await;
+
+    // The session's leaves: its live kernel's, the checkpoint's and the spare's (once the
+    // kernels the rewinds replaced have ended). A pause ends the spare with the live
+    // kernel (the session gives its memory back), leaving the checkpoint; the session's
+    // end ends everything: no leaf of the session's is left.
+    let count_is = |want: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        loop {
+            let now = leaves(&broker, "alice");
+            if now.len() == want {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{now:?}, not {want} leaves"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    count_is(before.len() + 3);
+    if criu_ready() {
+        let (status, v) = api
+            .post(&format!("/v1/sessions/{a}/pause"), json!({}))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        count_is(before.len() + 1);
+        assert_eq!(out(&api, &a, "print(x)").await, "1");
+    }
+    assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
+    // (The pool's kernel that became the session's was replaced by another: as many.)
+    assert_eq!(leaves(&broker, "alice").len(), before.len());
+    broker.stop().await;
+}

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use uuid::Uuid;
 
-use super::held::HeldKernel;
+use super::held::{end_spare, HeldKernel, Spare};
 use super::Actor;
 use crate::sandbox::fork::ForkError;
 use crate::sandbox::LaunchSpec;
@@ -38,6 +38,8 @@ pub(super) struct Held {
     /// The checkpoint's copy of the session's own workspace (named by the checkpoint's
     /// id), for a session with one; removed with the checkpoint.
     workspace: Option<Uuid>,
+    /// A kernel forked from it ahead of the next rewind to it (`held.rs`).
+    pub(super) spare: Option<Spare>,
 }
 
 /// The checkpoints an actor holds.
@@ -51,7 +53,7 @@ pub(crate) struct Checkpoints {
     due: bool,
     /// Kernels a rewind replaced, ending in the background (the rewound session does not
     /// wait for them); awaited when the session ends.
-    ending: tokio::task::JoinSet<()>,
+    pub(super) ending: tokio::task::JoinSet<()>,
 }
 
 impl Checkpoints {
@@ -276,6 +278,7 @@ impl Actor {
             info: info.clone(),
             kernel,
             workspace,
+            spare: None,
         });
         if let Some((policy, book)) = self.checkpoints.policy.clone() {
             let owner = std::sync::Arc::downgrade(&self.session);
@@ -367,8 +370,21 @@ impl Actor {
     /// Makes a fork of checkpoint `id` the live kernel; a dead session lives again.
     pub(super) async fn rewind(&mut self, id: Uuid) -> Result<(), SessionError> {
         self.idle()?;
-        let spec = self.child_spec();
-        let (child, count) = self.fork_checkpoint_kernel(id, spec, "rewind").await?;
+        let i = self.checkpoints.held.iter().position(|h| h.info.id == id);
+        let spare = match i {
+            Some(i) => self
+                .take_spare(i)
+                .await
+                .map(|live| (live, self.checkpoints.held[i].info.execution_count)),
+            None => None,
+        };
+        let (child, count) = match spare {
+            Some(spare) => spare,
+            None => {
+                let spec = self.child_spec();
+                self.fork_checkpoint_kernel(id, spec, "rewind").await?
+            }
+        };
         self.session.set_state(SessionState::Starting);
         if let Some(old) = self.swap_live(child).await {
             // Its end (SIGTERM, its leaf emptied and removed: ~12 ms) is not the rewound
@@ -388,6 +404,8 @@ impl Actor {
                 execution_count: count,
             },
         );
+        // The next rewind here starts from a kernel made meanwhile.
+        self.spare_for(id);
         Ok(())
     }
 
@@ -406,9 +424,13 @@ impl Actor {
             checkpoints: self
                 .checkpoints
                 .held
-                .iter()
+                .iter_mut()
                 .map(|h| CheckpointInfo {
-                    memory_bytes: h.kernel.process().memory_used(),
+                    // Its spare's kernel, if it has one, is its memory too.
+                    memory_bytes: match h.spare.as_mut().and_then(Spare::memory_used) {
+                        Some(spare) => h.kernel.process().memory_used().map(|m| m + spare),
+                        None => h.kernel.process().memory_used(),
+                    },
                     ..h.info.clone()
                 })
                 .collect(),
@@ -427,7 +449,10 @@ impl Actor {
         let Some(i) = self.checkpoints.held.iter().position(|h| h.info.id == id) else {
             return false;
         };
-        let held = self.checkpoints.held.remove(i);
+        let mut held = self.checkpoints.held.remove(i);
+        if let Some(spare) = held.spare.take() {
+            end_spare(&mut self.checkpoints.ending, spare);
+        }
         self.end_checkpoint(&held).await;
         self.recorder.event(
             &self.session,
@@ -471,6 +496,7 @@ impl Actor {
 
     /// The session ends: so do its checkpoints (never kept across broker restarts).
     pub(super) async fn end_checkpoints(&mut self) {
+        self.end_spares();
         for held in std::mem::take(&mut self.checkpoints.held) {
             self.end_checkpoint(&held).await;
         }

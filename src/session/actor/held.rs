@@ -1,16 +1,23 @@
 //! Held checkpoints in the actor (`sandbox/held.rs` says what they are): taking one (the
-//! live kernel forks a held child and goes on as it was) and forking one (its control
+//! live kernel forks a held child and goes on as it was), forking one (its control
 //! socket is sent the new kernel's connection; the child it forks is adopted and
-//! connected as any fork is).
+//! connected as any fork is), and the *spare*: after a rewind to a held checkpoint, a
+//! kernel forked from it in the background, which the next rewind to it makes the live
+//! kernel at once (an agent trying fixes from the same point rewinds there again and
+//! again). One a session; ended with its checkpoint, with the session, at a pause, and
+//! when a rewind goes to another checkpoint.
 
 use std::sync::Arc;
 
 use futures::FutureExt;
+use tokio::sync::Mutex;
+use tokio::task::{JoinHandle, JoinSet};
 use uuid::Uuid;
 
 use super::Actor;
+use crate::kernel::ConnectOptions;
 use crate::sandbox::held::{HeldControl, HeldError};
-use crate::sandbox::{KernelProcess, LaunchSpec};
+use crate::sandbox::{KernelProcess, LaunchSpec, Sandbox};
 use crate::session::checkpoint::CheckpointInfo;
 use crate::session::error::SessionError;
 use crate::session::forking::{
@@ -25,7 +32,8 @@ pub(super) enum HeldKernel {
     /// connection sent on its control socket, and ends when the socket is dropped.
     Waiting {
         process: Arc<dyn KernelProcess>,
-        control: HeldControl,
+        /// Shared with the task making a spare (one exchange at a time).
+        control: Arc<Mutex<HeldControl>>,
     },
     /// A whole kernel, frozen, with the connection the broker keeps to it (a copy into a
     /// sandbox of its own, or a backend without held checkpoints).
@@ -73,7 +81,7 @@ impl Actor {
         let adopted = started.elapsed();
         let kernel = HeldKernel::Waiting {
             process: Arc::from(held.process),
-            control: held.control,
+            control: Arc::new(Mutex::new(held.control)),
         };
         let info = self.keep_checkpoint(Uuid::new_v4(), kernel, None).await;
         tracing::debug!(
@@ -94,34 +102,29 @@ impl Actor {
         spec: LaunchSpec,
         action: &'static str,
     ) -> Result<(Live, u64), SessionError> {
-        let session = self.session.id;
         let count = self.checkpoints.held[i].info.execution_count;
-        let HeldKernel::Waiting { process, control } = &mut self.checkpoints.held[i].kernel else {
+        let HeldKernel::Waiting { process, control } = &self.checkpoints.held[i].kernel else {
             unreachable!("fork_held is asked for held checkpoints");
         };
-        let (key, user) = (spec.key.clone(), spec.user.name.clone());
-        let prepared = self
-            .sandbox
-            .prepare_fork(&**process, spec)
-            .await
-            .map_err(|e| failed(action, fork_error(session, e)))?;
-        let request = prepared.request.clone();
-        let limit = self.sandbox.launch_timeout() + FORK_REPLY_GRACE;
-        let reply = async move { Some(wake_reply(control.wake(&request, limit).await)) };
-        let ended = "the checkpoint ended before it answered";
-        let child = adopt_connected(
-            &self.sandbox,
+        let child = fork_held_kernel(
+            self.sandbox.clone(),
             self.config.kernel,
-            session,
-            prepared,
-            key,
-            &user,
-            reply,
-            ended,
+            self.session.id,
+            process.clone(),
+            control.clone(),
+            spec,
+            action,
         )
-        .await
-        .map_err(|e| failed(action, e))?;
+        .await?;
+        self.make_live_score(&child).await;
+        Ok((child, count))
+    }
+
+    /// A kernel forked from a checkpoint is the OOM killer's first choice as the
+    /// checkpoint is, until it is made live (here).
+    async fn make_live_score(&self, child: &Live) {
         let c = child.process.clone();
+        let session = self.session.id;
         match tokio::task::spawn_blocking(move || c.set_live_oom_score()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -131,8 +134,145 @@ impl Actor {
                 tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
             }
         }
-        Ok((child, count))
     }
+
+    /// Starts making a spare for held checkpoint `id` in the background, and ends any
+    /// other checkpoint's: one a session.
+    pub(super) fn spare_for(&mut self, id: Uuid) {
+        let spec = self.child_spec();
+        let checkpoints = &mut self.checkpoints;
+        for held in checkpoints.held.iter_mut().filter(|h| h.info.id != id) {
+            if let Some(spare) = held.spare.take() {
+                end_spare(&mut checkpoints.ending, spare);
+            }
+        }
+        let Some(held) = checkpoints.held.iter_mut().find(|h| h.info.id == id) else {
+            return;
+        };
+        let HeldKernel::Waiting { process, control } = &held.kernel else {
+            return;
+        };
+        if held.spare.is_some() {
+            return;
+        }
+        let task = tokio::spawn(fork_held_kernel(
+            self.sandbox.clone(),
+            self.config.kernel,
+            self.session.id,
+            process.clone(),
+            control.clone(),
+            spec,
+            "spare",
+        ));
+        held.spare = Some(Spare::Making(task));
+    }
+
+    /// Checkpoint `i`'s spare, made live (waited for if still being made), if it is alive;
+    /// `None` otherwise (and a rewind forks the checkpoint as without one).
+    pub(super) async fn take_spare(&mut self, i: usize) -> Option<Live> {
+        let session = self.session.id;
+        let mut live = match self.checkpoints.held[i].spare.take()? {
+            Spare::Ready(live) => *live,
+            Spare::Making(task) => match task.await {
+                Ok(Ok(live)) => live,
+                Ok(Err(e)) => {
+                    tracing::info!(%session, error = %e, "the rewind's spare kernel was not made; forking the checkpoint");
+                    return None;
+                }
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "the rewind's spare kernel was not made; forking the checkpoint");
+                    return None;
+                }
+            },
+        };
+        if live.exited() {
+            tracing::info!(%session, "the rewind's spare kernel ended; forking the checkpoint");
+            end_spare(&mut self.checkpoints.ending, Spare::Ready(Box::new(live)));
+            return None;
+        }
+        self.make_live_score(&live).await;
+        Some(live)
+    }
+
+    /// Ends every spare (a pause gives the session's memory back).
+    pub(super) fn end_spares(&mut self) {
+        let checkpoints = &mut self.checkpoints;
+        for held in checkpoints.held.iter_mut() {
+            if let Some(spare) = held.spare.take() {
+                end_spare(&mut checkpoints.ending, spare);
+            }
+        }
+    }
+}
+
+/// A kernel forked from a held checkpoint ahead of the next rewind to it.
+pub(super) enum Spare {
+    Making(JoinHandle<Result<Live, SessionError>>),
+    Ready(Box<Live>),
+}
+
+impl Spare {
+    /// The memory its kernel's leaf is charged, once made.
+    pub(super) fn memory_used(&mut self) -> Option<u64> {
+        if let Spare::Making(task) = self {
+            if !task.is_finished() {
+                return None;
+            }
+            match task.now_or_never() {
+                Some(Ok(Ok(live))) => *self = Spare::Ready(Box::new(live)),
+                _ => return None,
+            }
+        }
+        match self {
+            Spare::Ready(live) => live.process.memory_used(),
+            Spare::Making(_) => None,
+        }
+    }
+}
+
+/// Ends `spare` in the background (in `ending`, which the session's end awaits): once
+/// made, if it is being made.
+pub(super) fn end_spare(ending: &mut JoinSet<()>, spare: Spare) {
+    ending.spawn(async move {
+        let live = match spare {
+            Spare::Ready(live) => *live,
+            Spare::Making(task) => match task.await {
+                Ok(Ok(live)) => live,
+                _ => return,
+            },
+        };
+        live.process.terminate().await;
+    });
+}
+
+/// Forks a held checkpoint (`process`, reached on `control`) into a kernel for `spec`,
+/// adopted and connected as any fork is.
+async fn fork_held_kernel(
+    sandbox: Arc<dyn Sandbox>,
+    options: ConnectOptions,
+    session: Uuid,
+    process: Arc<dyn KernelProcess>,
+    control: Arc<Mutex<HeldControl>>,
+    spec: LaunchSpec,
+    action: &'static str,
+) -> Result<Live, SessionError> {
+    let (key, user) = (spec.key.clone(), spec.user.name.clone());
+    let prepared = sandbox
+        .prepare_fork(&*process, spec)
+        .await
+        .map_err(|e| failed(action, fork_error(session, e)))?;
+    let request = prepared.request.clone();
+    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+    let reply = async move {
+        let answer = control.lock().await.wake(&request, limit).await;
+        Some(wake_reply(answer))
+    };
+    let ended = "the checkpoint ended before it answered";
+    adopt_connected(
+        &sandbox, options, session, prepared, key, &user, reply, ended,
+    )
+    .await
+    .map_err(|e| failed(action, e))
 }
 
 /// A held checkpoint's answer to a wake as a `kb_fork_reply` (its content the answer, or an

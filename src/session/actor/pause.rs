@@ -37,6 +37,11 @@ impl Actor {
         }
         let started = Instant::now();
         let spec = self.child_spec();
+        if self.kernel.is_none() {
+            return Err(SessionError::KernelNotRunning);
+        }
+        // A paused session holds no kernel: a rewind's spare goes too.
+        self.end_spares();
         let Some(live) = self.kernel.as_ref() else {
             return Err(SessionError::KernelNotRunning);
         };
