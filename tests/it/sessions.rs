@@ -8,6 +8,7 @@ on_both_backends!(
     state_persists_and_outputs_are_returned,
     matplotlib_charts_arrive_as_png,
     interrupt_stops_running_code_and_keeps_state,
+    an_interrupt_asked_before_the_code_begins_still_stops_it,
     timeout_interrupts_then_restarts_a_stubborn_kernel,
     restart_clears_state,
     kernel_death_marks_the_session_dead_until_restart,
@@ -260,6 +261,46 @@ async fn interrupt_stops_running_code_and_keeps_state(sb: &'static str) {
     assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0);
     let x = api.execute(&id, "kept").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "'yes'");
+    broker.stop().await;
+}
+
+/// ipykernel ignores SIGINT between messages and puts its handler in place only as it
+/// begins an execution: an interrupt that reaches it in between was lost, and the code ran
+/// on to its timeout. The broker holds a client's interrupt until the kernel announces the
+/// execution (`execute_input`). Here the kernel takes half a second between taking the
+/// execution (its busy status) and beginning it.
+async fn an_interrupt_asked_before_the_code_begins_still_stops_it(sb: &'static str) {
+    let broker = Broker::start(sb, |_| {}).await;
+    let api = broker.api(ALICE);
+    let id = api.create().await;
+    let v = api
+        .execute(
+            &id,
+            "import time\nk = get_ipython().kernel\nbegin = k.pre_handler_hook\n\
+             k.pre_handler_hook = lambda: (time.sleep(0.5), begin())",
+        )
+        .await;
+    assert_eq!(v["status"], "ok", "{v}");
+    let mut ws = ws_connect(&broker, &id, ALICE).await;
+    ws_send(
+        &mut ws,
+        json!({"type": "execute", "id": "late", "code": "time.sleep(60)"}),
+    )
+    .await;
+    loop {
+        let f = ws_next(&mut ws).await;
+        if f["type"] == "status" && f["state"] == "busy" {
+            break;
+        }
+    }
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+        .await;
+    assert_eq!(status, 204);
+    let frames = ws_until_done(&mut ws, "late").await;
+    let exec = &frames.last().unwrap()["execution"];
+    assert_eq!(exec["status"], "interrupted", "{exec}");
+    assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0, "{exec}");
     broker.stop().await;
 }
 

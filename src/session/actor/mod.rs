@@ -238,7 +238,7 @@ impl Actor {
                 self.session.touch();
                 self.recorder
                     .event(&self.session, &LifecycleEvent::Interrupt);
-                let result = self.interrupt().await;
+                let result = self.interrupt_execution().await;
                 if let Some(r) = self.running.as_mut() {
                     r.user_interrupted = true;
                 }
@@ -366,6 +366,7 @@ impl Actor {
                         self.restore_env_if_due().await;
                     }
                 }
+                self.interrupt_if_due().await;
             }
             KernelEvent::OutputCut { message, bytes } => self.on_cut(message, bytes),
             KernelEvent::HeartbeatLost { misses } => {

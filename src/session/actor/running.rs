@@ -47,7 +47,18 @@ pub(super) struct Running {
     pub(super) env_asked: bool,
     /// The code that puts the variables back, sent once the reply has come.
     pub(super) env_restore: Option<String>,
+    /// The kernel announced this execution (`execute_input`): ipykernel has put its SIGINT
+    /// handler in place by then, and ignores SIGINT before (between messages).
+    pub(super) announced: bool,
+    /// An interrupt asked before the announcement: sent with it, or at this instant for a
+    /// kernel that does not announce it (a silent execution, one waiting in the kernel
+    /// behind another client's).
+    pub(super) interrupt_by: Option<Instant>,
 }
+
+/// How long an interrupt asked before its execution began waits for the kernel to announce
+/// it (`Running::interrupt_by`).
+pub(super) const INTERRUPT_UNANNOUNCED: Duration = Duration::from_secs(2);
 
 /// What an execution answers when its code could not reach the kernel.
 fn not_sent(e: crate::kernel::KernelError) -> Execution {
@@ -85,10 +96,12 @@ impl Actor {
             Phase::Running => r.deadline,
             Phase::TimedOut { restart_at } => restart_at,
         };
-        Some(match r.idle_by {
-            Some(idle_by) => idle_by.min(phase_deadline),
-            None => phase_deadline,
-        })
+        Some(
+            [r.idle_by, r.interrupt_by]
+                .into_iter()
+                .flatten()
+                .fold(phase_deadline, Instant::min),
+        )
     }
 
     /// Start the next queued execution if the kernel is free.
@@ -178,6 +191,8 @@ impl Actor {
             done: req.done,
             env_asked,
             env_restore,
+            announced: false,
+            interrupt_by: None,
         };
         if let Err(e) = self.to_shell(&k.client, &m).await {
             let _ = running.done.send(not_sent(e));
@@ -263,6 +278,11 @@ impl Actor {
             }) = serde_json::from_slice(&m.content)
             {
                 self.session.set_execution_count(n);
+            }
+            if let Some(r) = self.running.as_mut() {
+                if m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()) {
+                    r.announced = true;
+                }
             }
         } else if let Some(r) = self.running.as_mut() {
             if m.parent_msg_id.as_deref() == Some(r.msg_id.as_str()) {
@@ -446,7 +466,41 @@ impl Actor {
         self.finish(status, note);
     }
 
+    /// Interrupts the running execution for a client: at once once the kernel has
+    /// announced it, else when it does (`Running::interrupt_by`): an interrupt that reaches
+    /// ipykernel before the execution begins is ignored, and the code would run on.
+    pub(super) async fn interrupt_execution(
+        &mut self,
+    ) -> Result<(), crate::session::error::SessionError> {
+        if self.kernel.is_some() {
+            if let Some(r) = self.running.as_mut().filter(|r| !r.announced) {
+                r.interrupt_by
+                    .get_or_insert(Instant::now() + INTERRUPT_UNANNOUNCED);
+                return Ok(());
+            }
+        }
+        self.interrupt().await
+    }
+
+    /// Sends an interrupt held for the execution's announcement, once it has come (or its
+    /// wait is over).
+    pub(super) async fn interrupt_if_due(&mut self) {
+        let due = self.running.as_mut().is_some_and(|r| {
+            r.interrupt_by
+                .is_some_and(|by| r.announced || Instant::now() >= by)
+        });
+        if due {
+            if let Some(r) = self.running.as_mut() {
+                r.interrupt_by = None;
+            }
+            if let Err(e) = self.interrupt().await {
+                tracing::warn!(session = %self.session.id, error = %e, "interrupt failed");
+            }
+        }
+    }
+
     pub(super) async fn on_deadline(&mut self) {
+        self.interrupt_if_due().await;
         let now = Instant::now();
         let Some(r) = self.running.as_mut() else {
             return;

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::running::IDLE_AFTER_REPLY;
+use super::running::{IDLE_AFTER_REPLY, INTERRUPT_UNANNOUNCED};
 use super::Actor;
 use crate::sandbox::{ExitReason, Sandbox};
 use crate::session::handle::{HandleParts, Session};
@@ -395,6 +395,27 @@ async fn a_user_interrupt_ends_the_execution_as_interrupted() {
     let x = done(rx).await;
     assert_eq!(x.status, ExecutionStatus::Interrupted, "{x:?}");
     assert_eq!(h.sandbox.launched().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_interrupt_waits_for_its_execution_to_be_announced_at_most_a_while() {
+    // A kernel that never announces the execution (no `execute_input`) is interrupted
+    // once the wait is over, not never.
+    let h = start(config()).await;
+    let rx = h.submit("unannounced", Duration::from_secs(60));
+    within(h.sandbox.kernel(0).kernel.wait_received(1)).await;
+    let asked = Instant::now();
+    within(h.session.interrupt())
+        .await
+        .expect("the interrupt is taken");
+    let x = done(rx).await;
+    let waited = asked.elapsed();
+    assert_eq!(x.status, ExecutionStatus::Interrupted, "{x:?}");
+    assert!(
+        waited >= INTERRUPT_UNANNOUNCED && waited < INTERRUPT_UNANNOUNCED + Duration::from_secs(1),
+        "waited {waited:?}"
+    );
+    assert_eq!(h.sandbox.kernel(0).kernel.interrupts(), 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -9,7 +9,8 @@
 //! - `set NAME VALUE`: remember a variable (the state a restart loses); `get NAME`: print
 //!   it, or fail with `NameError`; `print TEXT`: `TEXT` on stdout.
 //! - `sleep`: run until interrupted (an `interrupt_request` or the signal), then fail with
-//!   `KeyboardInterrupt`; `hang`: run forever, deaf to interrupts.
+//!   `KeyboardInterrupt`; `hang`: run forever, deaf to interrupts; `unannounced`: as
+//!   `sleep`, without the `execute_input` that announces an execution.
 //! - `die CODE`: the process exits with `CODE` (see [`ScriptedKernel::exited`]).
 //! - `gate TEXT`: reply at once, then wait for [`ScriptedKernel::release`] before `TEXT` on
 //!   stdout and the closing `status: idle`; `noidle`: reply and never send the idle status.
@@ -371,8 +372,10 @@ impl Kernel {
         }
         self.count += 1;
         self.status(&req, "busy").await;
-        let input = json!({"code": code, "execution_count": self.count});
-        self.publish(&req, "execute_input", input).await;
+        if command != "unannounced" {
+            let input = json!({"code": code, "execution_count": self.count});
+            self.publish(&req, "execute_input", input).await;
+        }
         match command {
             "set" => {
                 let (name, value) = arg.split_once(' ').unwrap_or((arg, ""));
@@ -399,7 +402,7 @@ impl Kernel {
                 let _ = self.iopub.send(zmq(frames)).await;
                 self.stream(&req, "done").await;
             }
-            "sleep" => {
+            "sleep" | "unannounced" => {
                 self.running = Some((req, Wait::Interrupt));
                 return Step::Continue;
             }
