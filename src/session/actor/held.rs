@@ -106,18 +106,20 @@ impl Actor {
         let HeldKernel::Waiting { process, control } = &self.checkpoints.held[i].kernel else {
             unreachable!("fork_held is asked for held checkpoints");
         };
-        let child = fork_held_kernel(
-            self.sandbox.clone(),
-            self.config.kernel,
-            self.session.id,
-            process.clone(),
-            control.clone(),
-            spec,
-            action,
-        )
-        .await?;
+        let child = self
+            .held_forks()
+            .fork(process.clone(), control.clone(), spec, action)
+            .await?;
         self.make_live_score(&child).await;
         Ok((child, count))
+    }
+
+    fn held_forks(&self) -> HeldForks {
+        HeldForks {
+            sandbox: self.sandbox.clone(),
+            options: self.config.kernel,
+            session: self.session.id,
+        }
     }
 
     /// A kernel forked from a checkpoint is the OOM killer's first choice as the
@@ -140,6 +142,7 @@ impl Actor {
     /// other checkpoint's: one a session.
     pub(super) fn spare_for(&mut self, id: Uuid) {
         let spec = self.child_spec();
+        let forks = self.held_forks();
         let checkpoints = &mut self.checkpoints;
         for held in checkpoints.held.iter_mut().filter(|h| h.info.id != id) {
             if let Some(spare) = held.spare.take() {
@@ -155,16 +158,8 @@ impl Actor {
         if held.spare.is_some() {
             return;
         }
-        let task = tokio::spawn(fork_held_kernel(
-            self.sandbox.clone(),
-            self.config.kernel,
-            self.session.id,
-            process.clone(),
-            control.clone(),
-            spec,
-            "spare",
-        ));
-        held.spare = Some(Spare::Making(task));
+        let fork = forks.fork(process.clone(), control.clone(), spec, "spare");
+        held.spare = Some(Spare::Making(tokio::spawn(fork)));
     }
 
     /// Checkpoint `i`'s spare, made live (waited for if still being made), if it is alive;
@@ -245,34 +240,47 @@ pub(super) fn end_spare(ending: &mut JoinSet<()>, spare: Spare) {
     });
 }
 
-/// Forks a held checkpoint (`process`, reached on `control`) into a kernel for `spec`,
-/// adopted and connected as any fork is.
-async fn fork_held_kernel(
+/// What forking a session's held checkpoints needs of its actor (owned: a spare's fork
+/// runs in a task of its own).
+pub(super) struct HeldForks {
     sandbox: Arc<dyn Sandbox>,
     options: ConnectOptions,
     session: Uuid,
-    process: Arc<dyn KernelProcess>,
-    control: Arc<Mutex<HeldControl>>,
-    spec: LaunchSpec,
-    action: &'static str,
-) -> Result<Live, SessionError> {
-    let (key, user) = (spec.key.clone(), spec.user.name.clone());
-    let prepared = sandbox
-        .prepare_fork(&*process, spec)
+}
+
+impl HeldForks {
+    /// Forks a held checkpoint (`process`, reached on `control`) into a kernel for `spec`,
+    /// adopted and connected as any fork is.
+    async fn fork(
+        self,
+        process: Arc<dyn KernelProcess>,
+        control: Arc<Mutex<HeldControl>>,
+        spec: LaunchSpec,
+        action: &'static str,
+    ) -> Result<Live, SessionError> {
+        let Self {
+            sandbox,
+            options,
+            session,
+        } = self;
+        let (key, user) = (spec.key.clone(), spec.user.name.clone());
+        let prepared = sandbox
+            .prepare_fork(&*process, spec)
+            .await
+            .map_err(|e| failed(action, fork_error(session, e)))?;
+        let request = prepared.request.clone();
+        let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
+        let reply = async move {
+            let answer = control.lock().await.wake(&request, limit).await;
+            Some(wake_reply(answer))
+        };
+        let ended = "the checkpoint ended before it answered";
+        adopt_connected(
+            &sandbox, options, session, prepared, key, &user, reply, ended,
+        )
         .await
-        .map_err(|e| failed(action, fork_error(session, e)))?;
-    let request = prepared.request.clone();
-    let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
-    let reply = async move {
-        let answer = control.lock().await.wake(&request, limit).await;
-        Some(wake_reply(answer))
-    };
-    let ended = "the checkpoint ended before it answered";
-    adopt_connected(
-        &sandbox, options, session, prepared, key, &user, reply, ended,
-    )
-    .await
-    .map_err(|e| failed(action, e))
+        .map_err(|e| failed(action, e))
+    }
 }
 
 /// A held checkpoint's answer to a wake as a `kb_fork_reply` (its content the answer, or an
