@@ -811,17 +811,22 @@ def abandon(old_app, old_kernel):
 
 def file_table(proc="/proc/self/fd"):
     """The regular files the process has open, each as (descriptor, path, flags, offset,
-    (device, inode)); the kernel's own output files (what descriptors 0-2 point at) are
-    left out: they stay shared, as a log should be."""
+    (device, inode)); the kernel's own output files are left out: what descriptors 0-2
+    point at, and what they pointed at before ipykernel put pipes there (the copies its
+    streams and a fork keep, which a child points 1 and 2 back at): they stay shared, as a
+    log should be."""
     import fcntl
 
     own = set()
-    for fd in (0, 1, 2):
-        try:
-            st = os.fstat(fd)
-            own.add((st.st_dev, st.st_ino))
-        except OSError:
-            pass
+    targets = [0, 1, 2] + list(_STD_TARGETS or ())
+    for stream in (sys.stdout, sys.stderr):
+        copy = getattr(stream, "_original_stdstream_copy", None)
+        if isinstance(copy, int):
+            targets.append(copy)
+    for fd in targets:
+        ident = identity(fd)
+        if ident is not None:
+            own.add(ident)
     table = []
     for name in os.listdir(proc):
         fd = int(name)
