@@ -360,10 +360,7 @@ impl Actor {
                 .await;
         }
         let child = child.map_err(|e| failed(action, e))?;
-        let c = child.process.clone();
-        if let Err(e) = flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await) {
-            tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
-        }
+        self.make_live_score(&child).await;
         Ok((child, count))
     }
 
@@ -504,7 +501,7 @@ impl Actor {
     }
 }
 
-fn flatten(
+pub(super) fn flatten(
     r: Result<Result<(), crate::sandbox::SandboxError>, tokio::task::JoinError>,
 ) -> Result<(), String> {
     match r {

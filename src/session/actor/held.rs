@@ -14,6 +14,7 @@ use tokio::sync::Mutex;
 use tokio::task::{JoinHandle, JoinSet};
 use uuid::Uuid;
 
+use super::checkpoint::flatten;
 use super::Actor;
 use crate::kernel::ConnectOptions;
 use crate::sandbox::held::{HeldControl, HeldError};
@@ -124,17 +125,10 @@ impl Actor {
 
     /// A kernel forked from a checkpoint is the OOM killer's first choice as the
     /// checkpoint is, until it is made live (here).
-    async fn make_live_score(&self, child: &Live) {
+    pub(super) async fn make_live_score(&self, child: &Live) {
         let c = child.process.clone();
-        let session = self.session.id;
-        match tokio::task::spawn_blocking(move || c.set_live_oom_score()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
-            }
-            Err(e) => {
-                tracing::warn!(%session, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
-            }
+        if let Err(e) = flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await) {
+            tracing::warn!(session = %self.session.id, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
         }
     }
 

@@ -485,14 +485,14 @@ impl Actor {
     /// Sends an interrupt held for the execution's announcement, once it has come (or its
     /// wait is over).
     pub(super) async fn interrupt_if_due(&mut self) {
-        let due = self.running.as_mut().is_some_and(|r| {
-            r.interrupt_by
-                .is_some_and(|by| r.announced || Instant::now() >= by)
-        });
+        let Some(r) = self.running.as_mut() else {
+            return;
+        };
+        let due = r
+            .interrupt_by
+            .is_some_and(|by| r.announced || Instant::now() >= by);
         if due {
-            if let Some(r) = self.running.as_mut() {
-                r.interrupt_by = None;
-            }
+            r.interrupt_by = None;
             if let Err(e) = self.interrupt().await {
                 tracing::warn!(session = %self.session.id, error = %e, "interrupt failed");
             }
