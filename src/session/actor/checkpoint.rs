@@ -13,6 +13,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use uuid::Uuid;
 
+use super::blocking::run_blocking;
 use super::held::{end_spare, HeldKernel, Spare};
 use super::Actor;
 use crate::sandbox::fork::ForkError;
@@ -189,8 +190,8 @@ impl Actor {
             return Err(SessionError::KernelNotRunning);
         };
         let process = parent.process.clone();
-        let held = tokio::task::spawn_blocking(move || process.hold_as_checkpoint(true)).await;
-        if let Err(why) = flatten(held) {
+        let held = run_blocking(move || process.hold_as_checkpoint(true)).await;
+        if let Err(why) = held {
             // The child has everything: the session goes on with it; the parent goes.
             parent.process.terminate().await;
             return Err(SessionError::CheckpointFailed {
@@ -225,9 +226,9 @@ impl Actor {
             .map_err(|e| failed("checkpoint", e))?;
         let process = copy.process.clone();
         let held = match process.can_hold_as_checkpoint() {
-            true => {
-                flatten(tokio::task::spawn_blocking(move || process.hold_as_checkpoint(true)).await)
-            }
+            true => run_blocking(move || process.hold_as_checkpoint(true))
+                .await
+                .map_err(|e| e.to_string()),
             false => Err(format!(
                 "the {} sandbox has no freezer for this kernel (a cgroup leaf of its own)",
                 self.sandbox.name()
@@ -338,14 +339,14 @@ impl Actor {
         };
         let process = frozen.process.clone();
         let p = process.clone();
-        flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await).map_err(
-            |why| SessionError::CheckpointFailed {
+        run_blocking(move || p.hold_as_checkpoint(false))
+            .await
+            .map_err(|why| SessionError::CheckpointFailed {
                 session,
                 action,
                 why: format!("the checkpoint could not be thawed: {why}"),
                 source: None,
-            },
-        )?;
+            })?;
         let held = &mut self.checkpoints.held[i];
         let count = held.info.execution_count;
         let HeldKernel::Frozen(frozen) = &mut held.kernel else {
@@ -353,8 +354,7 @@ impl Actor {
         };
         let child = fork_connected(&self.sandbox, self.config.kernel, session, frozen, spec).await;
         let p = process.clone();
-        let refrozen =
-            flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(true)).await);
+        let refrozen = run_blocking(move || p.hold_as_checkpoint(true)).await;
         if let Err(why) = refrozen {
             self.drop_checkpoint(id, format!("it could not be frozen again: {why}"))
                 .await;
@@ -477,9 +477,7 @@ impl Actor {
         }
         let p = held.kernel.process().clone();
         if let HeldKernel::Frozen(_) = held.kernel {
-            if let Err(e) =
-                flatten(tokio::task::spawn_blocking(move || p.hold_as_checkpoint(false)).await)
-            {
+            if let Err(e) = run_blocking(move || p.hold_as_checkpoint(false)).await {
                 tracing::warn!(session = %self.session.id, error = %e, "a checkpoint could not be thawed before its end");
             }
         }
@@ -498,15 +496,5 @@ impl Actor {
             self.end_checkpoint(&held).await;
         }
         while self.checkpoints.ending.join_next().await.is_some() {}
-    }
-}
-
-pub(super) fn flatten(
-    r: Result<Result<(), crate::sandbox::SandboxError>, tokio::task::JoinError>,
-) -> Result<(), String> {
-    match r {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(e) => Err(e.to_string()),
     }
 }

@@ -14,7 +14,7 @@ use tokio::sync::Mutex;
 use tokio::task::{JoinHandle, JoinSet};
 use uuid::Uuid;
 
-use super::checkpoint::flatten;
+use super::blocking::run_blocking;
 use super::Actor;
 use crate::kernel::ConnectOptions;
 use crate::sandbox::held::{HeldControl, HeldError};
@@ -127,7 +127,7 @@ impl Actor {
     /// checkpoint is, until it is made live (here).
     pub(super) async fn make_live_score(&self, child: &Live) {
         let c = child.process.clone();
-        if let Err(e) = flatten(tokio::task::spawn_blocking(move || c.set_live_oom_score()).await) {
+        if let Err(e) = run_blocking(move || c.set_live_oom_score()).await {
             tracing::warn!(session = %self.session.id, error = %e, "a kernel forked from a checkpoint keeps the checkpoint's oom_score_adj");
         }
     }

@@ -8,6 +8,7 @@
 //! shutdown. The execution in flight (sending, output, deadlines, completion) is in
 //! `running.rs`.
 
+mod blocking;
 mod checkpoint;
 mod fork;
 mod guard;
