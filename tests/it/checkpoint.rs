@@ -16,6 +16,7 @@ on_both_backends!(
     a_rewind_brings_back_the_checkpoints_state_again_and_again,
     a_fork_of_a_checkpoint_is_a_new_session_with_its_state,
     a_checkpoints_processes_do_not_run,
+    executions_sent_together_each_get_their_checkpoint,
 );
 
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
@@ -492,6 +493,51 @@ async fn every_execution_mode_takes_one_per_successful_execution() {
     broker.stop().await;
 }
 
+/// In every-execution mode, executions an agent sends together (queued in the broker
+/// behind one another) each get their checkpoint, holding the state between them: the
+/// kernel is between executions when it is taken, whatever waits in the broker. (Before,
+/// one with another queued behind it got none.)
+async fn executions_sent_together_each_get_their_checkpoint(sandbox: &'static str) {
+    let broker = Broker::start(sandbox, forking).await;
+    let api = broker.api(ALICE);
+    let (status, s) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let a = s["id"].as_str().unwrap().to_string();
+    out(&api, &a, "import time\nxs = []").await;
+    let step = "time.sleep(0.3)\nxs.append(len(xs))";
+    let (r1, r2, r3) = tokio::join!(
+        api.execute(&a, step),
+        api.execute(&a, step),
+        api.execute(&a, step)
+    );
+    for r in [&r1, &r2, &r3] {
+        assert_eq!(r["status"], "ok", "{r}");
+    }
+    let l = list(&api, &a).await;
+    let taken: Vec<(u64, String)> = l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let count = c["execution_count"].as_u64().unwrap();
+            (count, c["id"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let counts: Vec<u64> = taken.iter().map(|(c, _)| *c).collect();
+    assert_eq!(counts, vec![1, 2, 3, 4], "{l}");
+    for (count, id) in taken.iter().rev() {
+        let (status, v) = rewind(&api, &a, id).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            out(&api, &a, "print(xs)").await,
+            format!("{:?}", (0..count - 1).collect::<Vec<_>>())
+        );
+    }
+    broker.stop().await;
+}
+
 /// Session memory limit M: the live kernel holds ~0.6 M, a checkpoint is taken, and the
 /// live kernel rewrites all of it. The old pages stay charged to the checkpoint's leaf,
 /// the new ones to the live kernel's: it survives. (Were the fork the frozen copy, the
@@ -837,6 +883,97 @@ async fn a_rewind_brings_a_dead_session_back() {
     assert!(!leaves(&broker, "alice").contains(&dead_leaf));
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     assert!(!leaves(&broker, "alice").contains(&a));
+    broker.stop().await;
+}
+
+/// In every-execution mode a checkpoint's reply is awaited off the next execution's path.
+/// A kernel that answers with a pid that is not its held child (its own, the sandbox's
+/// init, one that does not exist), or never answers, gets nothing adopted, no cgroup leaf
+/// and no checkpoint, and leaves no directory; its executions go on, their results its
+/// own.
+#[tokio::test]
+async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
+    let broker = Broker::start("local", |a| {
+        forking(a);
+        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(4)).as_secs());
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let (status, v) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let a = v["id"].as_str().unwrap().to_string();
+    out(
+        &api,
+        &a,
+        "import os\n\
+         open('/workspace/lie.txt', 'w').write('honest')\n\
+         _k = get_ipython().kernel\n\
+         _honest = _k.shell_handlers['kb_fork_request']\n\
+         def _liar(stream, ident, parent):\n\
+         \x20   lie = open('/workspace/lie.txt').read().strip()\n\
+         \x20   if lie == 'honest':\n\
+         \x20       return _honest(stream, ident, parent)\n\
+         \x20   if lie == 'silent':\n\
+         \x20       return\n\
+         \x20   pid = os.getpid() if lie == 'self' else int(lie)\n\
+         \x20   _k.session.send(stream, 'kb_fork_reply', {'status': 'ok', 'pid': pid}, parent, ident=ident)\n\
+         _k.shell_handlers['kb_fork_request'] = _liar",
+    )
+    .await;
+    let only_the_first = |l: &Value| {
+        let counts: Vec<u64> = l["checkpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["execution_count"].as_u64().unwrap())
+            .collect();
+        assert_eq!(counts, vec![1], "{l}");
+    };
+    only_the_first(&list(&api, &a).await);
+    let dirs = "print(sorted(d for d in os.listdir('/run/kernel') if d.startswith('c')))";
+    for (i, lie) in ["self", "1", "99999"].iter().enumerate() {
+        // From the checkpoint after this execution on, each is lied about.
+        out(
+            &api,
+            &a,
+            &format!("open('/workspace/lie.txt', 'w').write('{lie}')"),
+        )
+        .await;
+        only_the_first(&list(&api, &a).await);
+        let before = leaves(&broker, "alice");
+        let listed = out(&api, &a, dirs).await;
+        out(&api, &a, &format!("x = {i}")).await;
+        assert_eq!(out(&api, &a, "print(x)").await, i.to_string(), "{lie}");
+        only_the_first(&list(&api, &a).await);
+        assert_eq!(out(&api, &a, dirs).await, listed, "{lie}");
+        let _ = list(&api, &a).await;
+        assert_eq!(leaves(&broker, "alice"), before, "{lie}");
+        let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
+        assert_eq!(s["state"], "idle", "{lie}: {s}");
+    }
+    // One never answered: the next execution is not held up; the session's next command
+    // waits for the answer at most the launch timeout and its grace, then goes on.
+    out(&api, &a, "open('/workspace/lie.txt', 'w').write('silent')").await;
+    let v = api
+        .execute(
+            &a,
+            "x = 'after'; open('/workspace/lie.txt', 'w').write('honest')",
+        )
+        .await;
+    assert_eq!(v["status"], "ok", "{v}");
+    let l = list(&api, &a).await;
+    let counts: Vec<u64> = l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["execution_count"].as_u64().unwrap())
+        .collect();
+    // The silent one has none; the execution after it (honest again) has its own.
+    assert_eq!(counts.len(), 2, "{l}");
+    assert_eq!(counts[0], 1, "{l}");
+    assert_eq!(out(&api, &a, "print(x)").await, "after");
     broker.stop().await;
 }
 

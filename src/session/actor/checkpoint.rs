@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use super::blocking::run_blocking;
 use super::held::{end_spare, HeldKernel, Spare};
+use super::pending::PendingCheckpoint;
 use super::Actor;
 use crate::sandbox::fork::ForkError;
 use crate::sandbox::LaunchSpec;
@@ -49,9 +50,11 @@ pub(crate) struct Checkpoints {
     pub(super) held: Vec<Held>,
     dropped: VecDeque<DroppedCheckpoint>,
     /// The user's bounds and book, once a front door set them.
-    policy: Option<(CheckpointPolicy, Arc<CheckpointBook>)>,
+    pub(super) policy: Option<(CheckpointPolicy, Arc<CheckpointBook>)>,
     /// An execution ended ok in every-execution mode: take one before the next request.
-    due: bool,
+    pub(super) due: bool,
+    /// The one asked for after the last execution, being adopted (`pending.rs`).
+    pub(super) pending: Option<PendingCheckpoint>,
     /// Kernels a rewind replaced, ending in the background (the rewound session does not
     /// wait for them); awaited when the session ends.
     pub(super) ending: tokio::task::JoinSet<()>,
@@ -96,27 +99,6 @@ impl Actor {
         }
     }
 
-    /// Takes the checkpoint an execution made due (every-execution mode), before the next
-    /// request is served; a failure is logged and recorded, the session goes on.
-    pub(super) async fn checkpoint_if_due(&mut self) {
-        if !std::mem::take(&mut self.checkpoints.due) || self.kernel.is_none() {
-            return;
-        }
-        match self.take_checkpoint().await {
-            Ok(_) => {}
-            // This session can have none (a plain kernel, the Docker sandbox): stop trying.
-            Err(e @ SessionError::ForkRefused { .. }) => {
-                tracing::info!(session = %self.session.id, reason = %e, "no checkpoints after executions for this session");
-                if let Some((policy, _)) = self.checkpoints.policy.as_mut() {
-                    policy.every_execution = false;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(session = %self.session.id, error = %e, "checkpoint after an execution not taken");
-            }
-        }
-    }
-
     /// Nothing runs or waits (a dead session, with no kernel, is idle too).
     fn idle(&self) -> Result<(), SessionError> {
         if self.running.is_some() || !self.queue.is_empty() {
@@ -147,6 +129,12 @@ impl Actor {
 
     pub(super) async fn take_checkpoint(&mut self) -> Result<CheckpointInfo, SessionError> {
         self.idle()?;
+        self.checkpoint_now().await
+    }
+
+    /// Takes a checkpoint of the live kernel, which is between executions (those queued
+    /// in the broker wait for it).
+    pub(super) async fn checkpoint_now(&mut self) -> Result<CheckpointInfo, SessionError> {
         if self.session.own_workspace.is_some() {
             return self.take_copy_checkpoint().await;
         }
@@ -156,7 +144,9 @@ impl Actor {
             return Err(SessionError::KernelNotRunning);
         };
         // A held checkpoint where the sandbox keeps them; else a frozen copy (below).
+        let settling = std::time::Instant::now();
         live.process.settle().await;
+        tracing::debug!(%session, settled_us = settling.elapsed().as_micros() as u64, "the last checkpoint's leaf move awaited");
         match self
             .sandbox
             .prepare_checkpoint(&*live.process, spec.clone())
@@ -259,11 +249,23 @@ impl Actor {
         kernel: HeldKernel,
         workspace: Option<Uuid>,
     ) -> CheckpointInfo {
+        let count = self.session.status().execution_count;
+        self.keep_checkpoint_of(id, kernel, workspace, count).await
+    }
+
+    /// Keeps `kernel` as checkpoint `id` of the state after execution `execution_count`.
+    pub(super) async fn keep_checkpoint_of(
+        &mut self,
+        id: Uuid,
+        kernel: HeldKernel,
+        workspace: Option<Uuid>,
+        execution_count: u64,
+    ) -> CheckpointInfo {
         let session = self.session.id;
         let info = CheckpointInfo {
             id,
             session,
-            execution_count: self.session.status().execution_count,
+            execution_count,
             created_at: Utc::now(),
             memory_bytes: kernel.process().memory_used(),
         };
@@ -491,6 +493,7 @@ impl Actor {
 
     /// The session ends: so do its checkpoints (never kept across broker restarts).
     pub(super) async fn end_checkpoints(&mut self) {
+        self.keep_pending().await;
         self.end_spares();
         for held in std::mem::take(&mut self.checkpoints.held) {
             self.end_checkpoint(&held).await;

@@ -4,8 +4,8 @@
 //! held across an await.
 //!
 //! This file holds the task's loop and what it does with commands and with the kernel's
-//! fate: interrupt, restart (a fresh kernel from the pool or the sandbox), death and
-//! shutdown. The execution in flight (sending, output, deadlines, completion) is in
+//! fate: interrupt, death and shutdown (restart, a fresh kernel from the pool or the
+//! sandbox, is in `restart.rs`). The execution in flight (sending, output, deadlines, completion) is in
 //! `running.rs`.
 
 mod blocking;
@@ -14,6 +14,8 @@ mod fork;
 mod guard;
 mod held;
 mod pause;
+mod pending;
+mod restart;
 mod running;
 #[cfg(test)]
 mod tests;
@@ -28,18 +30,17 @@ use tokio::time::{sleep_until, timeout, Instant};
 use super::command::{Command, ExecRequest, ReplyRoute};
 use super::config::SessionConfig;
 use super::error::SessionError;
-use super::event::SessionEvent;
 use super::execution::{failed, ExecutionError, ExecutionStatus};
 use super::front_door::{EndedBy, SessionEnd};
 use super::handle::Session;
-use super::launch::{start_kernel, Live};
+use super::launch::Live;
 use super::lifecycle::LifecycleEvent;
 use super::pool::Pool;
 use super::recorder::{Direction, Recorder};
 use super::state::SessionState;
 use crate::kernel::{KernelClient, KernelEvent};
 use crate::sandbox::{ExitReason, Sandbox};
-use crate::wire::{Channel, Message, Signer};
+use crate::wire::{Channel, Message};
 
 use running::Running;
 
@@ -82,13 +83,13 @@ async fn record_send(
 
 // Kernel events are nearly every value; boxing them would cost an allocation each.
 #[allow(clippy::large_enum_variant)]
-enum FromKernel {
+pub(super) enum FromKernel {
     Event(Option<KernelEvent>),
     Exited(ExitReason),
 }
 
 /// The next thing the kernel says or does; pending forever when there is no kernel.
-async fn from_kernel(kernel: &mut Option<Live>) -> FromKernel {
+pub(super) async fn from_kernel(kernel: &mut Option<Live>) -> FromKernel {
     match kernel {
         Some(k) => tokio::select! {
             ev = k.events.recv() => FromKernel::Event(ev),
@@ -176,11 +177,7 @@ impl Actor {
                         }
                     }
                 }
-                k = from_kernel(&mut self.kernel) => match k {
-                    FromKernel::Event(Some(ev)) => self.on_kernel_event(ev).await,
-                    FromKernel::Event(None) => self.on_death("the connection to the kernel closed".into()).await,
-                    FromKernel::Exited(reason) => self.on_death(reason.to_string()).await,
-                },
+                k = from_kernel(&mut self.kernel) => self.on_kernel(k).await,
                 _ = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                     self.on_deadline().await;
                 }
@@ -191,7 +188,7 @@ impl Actor {
     }
 
     async fn on_command(&mut self, cmd: Command) {
-        let Some(cmd) = self.resumed_for(cmd).await else {
+        let Some(cmd) = self.before_command(cmd).await else {
             return;
         };
         match cmd {
@@ -354,6 +351,18 @@ impl Actor {
         Ok(())
     }
 
+    /// What the kernel said or did.
+    async fn on_kernel(&mut self, k: FromKernel) {
+        match k {
+            FromKernel::Event(Some(ev)) => self.on_kernel_event(ev).await,
+            FromKernel::Event(None) => {
+                self.on_death("the connection to the kernel closed".into())
+                    .await
+            }
+            FromKernel::Exited(reason) => self.on_death(reason.to_string()).await,
+        }
+    }
+
     async fn on_kernel_event(&mut self, ev: KernelEvent) {
         match ev {
             KernelEvent::Message(channel, m) => {
@@ -390,94 +399,6 @@ impl Actor {
                     _ => format!("the kernel's {} channel failed: {why}", ch.as_str()),
                 };
                 self.on_death(reason).await
-            }
-        }
-    }
-
-    /// Replace the kernel with a fresh one; the running execution ends with `status`.
-    async fn restart(&mut self, status: ExecutionStatus, why: &str) -> Result<(), SessionError> {
-        let ename = if status == ExecutionStatus::Timeout {
-            "TimeoutError"
-        } else {
-            "KernelRestarted"
-        };
-        self.finish(
-            status,
-            Some(ExecutionError {
-                ename: ename.into(),
-                evalue: why.to_string(),
-                traceback: Vec::new(),
-            }),
-        );
-        self.recorder.event(
-            &self.session,
-            &LifecycleEvent::KernelRestarted {
-                reason: why.to_string(),
-            },
-        );
-        self.session.set_state(SessionState::Starting);
-        self.session.publish(SessionEvent::Restarted);
-        if let Some(old) = self.kernel.take() {
-            old.process.terminate().await;
-        }
-        self.routes.clear();
-        let asked = Instant::now();
-        // A pooled kernel has the user's default limits: only for a session that has them.
-        // Its own reservation is dropped at once: the session's covers it, and the old
-        // kernel is gone.
-        let pooled = (self.session.limits == self.session.user.limits.kernel(None))
-            .then(|| {
-                self.pool
-                    .take(&self.session.user, &self.session.kernel_name)
-            })
-            .flatten();
-        let started = match pooled {
-            Some((_, live, _memory)) => {
-                // Launched for the pool under an id of its own: what the kernel does from
-                // now on is this session's (its egress requests, for one).
-                live.process.serves(self.session.id);
-                Ok((live, true))
-            }
-            None => {
-                // With checkpoints held, one of them is the sandbox's kernel under the
-                // session's id: the new kernel gets an id of its own and serves the session.
-                let fresh = self.checkpoints.any_held();
-                let spec = if fresh {
-                    self.child_spec()
-                } else {
-                    self.session.launch_spec(Signer::random_key())
-                };
-                start_kernel(&self.sandbox, spec, self.config.kernel)
-                    .await
-                    .inspect(|live| {
-                        if fresh {
-                            live.process.serves(self.session.id);
-                        }
-                    })
-                    .map(|live| (live, false))
-            }
-        };
-        match started {
-            Ok((live, pooled)) => {
-                self.recorder.event(
-                    &self.session,
-                    &LifecycleEvent::KernelStarted {
-                        startup_seconds: asked.elapsed().as_secs_f64(),
-                        pooled,
-                    },
-                );
-                let (process, key) = (live.process.clone(), live.key.clone());
-                self.kernel = Some(live);
-                self.dead_reason = None;
-                self.session.reset_execution_count();
-                self.session.set_state(SessionState::Idle);
-                self.session.set_kernel(process, &key).await;
-                Ok(())
-            }
-            Err(e) => {
-                let reason = format!("the restart failed: {e}");
-                self.mark_dead(reason);
-                Err(e)
             }
         }
     }
