@@ -15,8 +15,8 @@ holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST)
     (back to back, and each after 200 ms idle),
     rewind -> next result p50 (back to back, and each after 200 ms idle: a second rewind to
     a checkpoint takes the kernel the first made for it meanwhile), and 100 checkpoints of a session that changes 1 MB a step
-    (the memory the checkpoints hold in all), and `1+1` round trips back to back with
-    `checkpoint_every_execution` against without.
+    (the memory the checkpoints hold in all), and `1+1` round trips with
+    `checkpoint_every_execution` against without (back to back, and 200 ms apart).
 
 With `--own` the session has a workspace of its own (`"workspace": "own"`, an E2B sandbox's
 shape) and only the fork is measured: each fork is a copy of the kernel made with CRIU in a
@@ -130,7 +130,7 @@ def measure_fork(api, broker, sid, runs):
     return res
 
 
-def measure_checkpoints(api, sid, runs):
+def measure_checkpoints(api, sid, runs, rows):
     r = requests.post(f"{api.b.url}/v1/sessions/{sid}/checkpoints", headers=api.b.h(0), timeout=TIMEOUT)
     if r.status_code == 404 and "checkpoint" not in r.text:
         return {"checkpoints": "not built"}
@@ -167,15 +167,29 @@ def measure_checkpoints(api, sid, runs):
         api.call("POST", f"/v1/sessions/{sid}/rewind", {"checkpoint": first})
         api.run(sid, "1+1")
         idle_rewinds.append(time.monotonic() - start)
-    # Every execution: back-to-back `1+1` round trips in a session that takes a checkpoint
-    # after each, against the same in this session without.
+    # Every execution: `1+1` round trips in a session holding the same DataFrame that
+    # takes a checkpoint after each, against the same in this session without; back to
+    # back, and with 200 ms between them (an agent's pace: the checkpoint is taken
+    # meanwhile, and what is left is the cost of the first writes after a fork).
+    def paced(s):
+        out = []
+        for _ in range(runs):
+            time.sleep(0.2)
+            out.append(api.timed(s, "1+1"))
+        return out
     plain = [api.timed(sid, "1+1") for _ in range(runs)]
+    plain_paced = paced(sid)
     every = api.call("POST", "/v1/sessions", {"checkpoint_every_execution": True})["id"]
-    api.run(every, "1")
+    api.run(every, f"import pandas as pd, numpy as np\ndf = pd.DataFrame(np.random.rand({rows}, 10))")
     each = [api.timed(every, "1+1") for _ in range(runs)]
+    each_paced = paced(every)
+    kept = len(api.call("GET", f"/v1/sessions/{every}/checkpoints").get("checkpoints", []))
     api.call("DELETE", f"/v1/sessions/{every}")
     res["roundtrip_1plus1_p50_ms"] = ms(plain, 0.5)
+    res["roundtrip_1plus1_after_200ms_idle_p50_ms"] = ms(plain_paced, 0.5)
     res["roundtrip_1plus1_every_execution_p50_ms"] = ms(each, 0.5)
+    res["roundtrip_1plus1_every_execution_after_200ms_idle_p50_ms"] = ms(each_paced, 0.5)
+    res["every_execution_checkpoints_kept"] = kept
     res["checkpoint_take_p50_ms"] = ms(takes, 0.5)
     res["checkpoint_take_after_200ms_idle_p50_ms"] = ms(idle_takes, 0.5)
     res["rewind_to_next_result_p50_ms"] = ms(rewinds, 0.5)
@@ -240,7 +254,7 @@ def main():
             out.update(measure_fork(api, b, sid, args.runs))
         else:
             out.update(measure_fork(api, b, sid, args.runs))
-            out.update(measure_checkpoints(api, sid, args.runs))
+            out.update(measure_checkpoints(api, sid, args.runs, rows))
             out.update(measure_hundred(api, b, sid))
     finally:
         b.stop()

@@ -151,3 +151,22 @@ def test_the_masking_benchmark_runs(tmp_path):
     for create in ("create_pooled", "create_with_secrets"):
         assert positive(got["masking"][create]["p50_ms"]), got
     assert isinstance(got["one_plus_one_cost_pct"], float)
+
+
+@pytest.mark.timeout(600)
+def test_the_branch_benchmark_runs(tmp_path):
+    """bench/branch.py, bounded (a 20 MB DataFrame, two runs each): every figure lands, the
+    hundred checkpoints are all kept, and every execution of the every-execution session
+    got its checkpoint."""
+    got = run_bench(tmp_path, "bench/branch.py", "--runs", "2", "--mb", "20", timeout=500)
+    for key in ("fork_to_first_result_p50_ms", "original_1plus1_after_fork_p50_ms",
+                "fork_private_uss_mib_p50", "checkpoint_take_p50_ms",
+                "checkpoint_take_after_200ms_idle_p50_ms", "rewind_to_next_result_p50_ms",
+                "rewind_to_next_result_after_200ms_idle_p50_ms", "roundtrip_1plus1_p50_ms",
+                "roundtrip_1plus1_every_execution_p50_ms",
+                "roundtrip_1plus1_every_execution_after_200ms_idle_p50_ms",
+                "hundred_checkpoints_after_the_first_mib"):
+        assert positive(got[key]), (key, got)
+    assert got["hundred_checkpoints_kept"] >= 100, got
+    # The DataFrame's cell and four `1+1`s.
+    assert got["every_execution_checkpoints_kept"] == 5, got
