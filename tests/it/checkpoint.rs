@@ -32,6 +32,34 @@ async fn take(api: &Api, id: &str) -> Value {
     v
 }
 
+/// A broker forking kernels whose launch timeout (hence a fork reply's bound) is `secs`.
+async fn short_launch_broker(secs: u64) -> Broker {
+    Broker::start("local", |a| {
+        forking(a);
+        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(secs)).as_secs());
+    })
+    .await
+}
+
+/// A new session of `api`'s user taking a checkpoint after every execution.
+async fn every_execution_session(api: &Api) -> String {
+    let (status, v) = api
+        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    v["id"].as_str().unwrap().to_string()
+}
+
+/// The execution counts of listing `l`'s checkpoints, oldest first.
+fn counts(l: &Value) -> Vec<u64> {
+    l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["execution_count"].as_u64().unwrap())
+        .collect()
+}
+
 async fn list(api: &Api, id: &str) -> Value {
     let (status, v) = api.get(&format!("/v1/sessions/{id}/checkpoints")).await;
     assert_eq!(status, 200, "{v}");
@@ -460,11 +488,7 @@ async fn over_the_count_the_oldest_checkpoint_is_dropped() {
 async fn every_execution_mode_takes_one_per_successful_execution() {
     let broker = Broker::start("local", forking).await;
     let api = broker.api(ALICE);
-    let (status, s) = api
-        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
-        .await;
-    assert_eq!(status, 201, "{s}");
-    let a = s["id"].as_str().unwrap().to_string();
+    let a = every_execution_session(&api).await;
     out(&api, &a, "x = 1").await;
     out(&api, &a, "x = 2").await;
     let v = api.execute(&a, "raise ValueError('no')").await;
@@ -474,12 +498,7 @@ async fn every_execution_mode_takes_one_per_successful_execution() {
     take(&api, &a).await;
     out(&api, &a, "x = 3").await;
     let l = list(&api, &a).await;
-    let counts: Vec<u64> = l["checkpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["execution_count"].as_u64().unwrap())
-        .collect();
+    let counts = counts(&l);
     assert_eq!(counts, vec![1, 2, 4, 4, 5], "{l}");
     let second = l["checkpoints"][1]["id"].as_str().unwrap().to_string();
     let (status, v) = rewind(&api, &a, &second).await;
@@ -500,11 +519,7 @@ async fn every_execution_mode_takes_one_per_successful_execution() {
 async fn executions_sent_together_each_get_their_checkpoint(sandbox: &'static str) {
     let broker = Broker::start(sandbox, forking).await;
     let api = broker.api(ALICE);
-    let (status, s) = api
-        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
-        .await;
-    assert_eq!(status, 201, "{s}");
-    let a = s["id"].as_str().unwrap().to_string();
+    let a = every_execution_session(&api).await;
     out(&api, &a, "import time\nxs = []").await;
     let step = "time.sleep(0.3)\nxs.append(len(xs))";
     let (r1, r2, r3) = tokio::join!(
@@ -758,11 +773,7 @@ async fn a_plainly_started_kernel_has_no_checkpoints() {
 /// adopted or left, and the checkpoint stays.
 #[tokio::test]
 async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
-    let broker = Broker::start("local", |a| {
-        forking(a);
-        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(8)).as_secs());
-    })
-    .await;
+    let broker = short_launch_broker(8).await;
     let api = broker.api(ALICE);
     let a = api.create().await;
     out(
@@ -893,17 +904,9 @@ async fn a_rewind_brings_a_dead_session_back() {
 /// own.
 #[tokio::test]
 async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
-    let broker = Broker::start("local", |a| {
-        forking(a);
-        a.launch_timeout = Some(scaled(std::time::Duration::from_secs(4)).as_secs());
-    })
-    .await;
+    let broker = short_launch_broker(4).await;
     let api = broker.api(ALICE);
-    let (status, v) = api
-        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
-        .await;
-    assert_eq!(status, 201, "{v}");
-    let a = v["id"].as_str().unwrap().to_string();
+    let a = every_execution_session(&api).await;
     out(
         &api,
         &a,
@@ -922,15 +925,7 @@ async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
          _k.shell_handlers['kb_fork_request'] = _liar",
     )
     .await;
-    let only_the_first = |l: &Value| {
-        let counts: Vec<u64> = l["checkpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["execution_count"].as_u64().unwrap())
-            .collect();
-        assert_eq!(counts, vec![1], "{l}");
-    };
+    let only_the_first = |l: &Value| assert_eq!(counts(l), vec![1], "{l}");
     only_the_first(&list(&api, &a).await);
     let dirs = "print(sorted(d for d in os.listdir('/run/kernel') if d.startswith('c')))";
     for (i, lie) in ["self", "1", "99999"].iter().enumerate() {
@@ -964,15 +959,9 @@ async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
         .await;
     assert_eq!(v["status"], "ok", "{v}");
     let l = list(&api, &a).await;
-    let counts: Vec<u64> = l["checkpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["execution_count"].as_u64().unwrap())
-        .collect();
     // The silent one has none; the execution after it (honest again) has its own.
-    assert_eq!(counts.len(), 2, "{l}");
-    assert_eq!(counts[0], 1, "{l}");
+    let after = v["execution_count"].as_u64().unwrap();
+    assert_eq!(counts(&l), vec![1, after], "{l}");
     assert_eq!(out(&api, &a, "print(x)").await, "after");
     broker.stop().await;
 }
@@ -985,11 +974,7 @@ async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
 async fn a_fork_asked_right_after_an_execution_forks_the_live_kernel() {
     let broker = Broker::start("local", forking).await;
     let api = broker.api(ALICE);
-    let (status, v) = api
-        .post("/v1/sessions", json!({"checkpoint_every_execution": true}))
-        .await;
-    assert_eq!(status, 201, "{v}");
-    let a = v["id"].as_str().unwrap().to_string();
+    let a = every_execution_session(&api).await;
     for i in 0..5 {
         out(&api, &a, &format!("x = {i}")).await;
         let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
