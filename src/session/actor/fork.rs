@@ -4,7 +4,7 @@
 use super::Actor;
 use crate::session::command::ReplyRoute;
 use crate::session::error::SessionError;
-use crate::wire::Channel;
+use crate::session::forking::send_fork_request;
 
 impl Actor {
     /// Prepares a fork of the live kernel for `spec` and sends it the fork request, if it
@@ -19,7 +19,7 @@ impl Actor {
         route: ReplyRoute,
     ) -> Result<(crate::sandbox::fork::PreparedFork, u64), SessionError> {
         let session = self.session.id;
-        let Some(k) = &self.kernel else {
+        let Some(k) = self.kernel.as_mut() else {
             return Err(SessionError::KernelNotRunning);
         };
         if self.running.is_some() || !self.queue.is_empty() {
@@ -32,17 +32,9 @@ impl Actor {
             .prepare_fork(&*k.process, spec)
             .await
             .map_err(|e| crate::session::forking::fork_error(session, e))?;
-        let m = k.client.request("kb_fork_request", &prepared.request);
-        self.routes.insert(m.msg_id.clone(), route);
-        if let Err(e) = k.client.send(Channel::Shell, &m).await {
-            self.routes.remove(&m.msg_id);
-            self.sandbox.discard_fork(prepared).await;
-            return Err(SessionError::ForkFailed {
-                session,
-                why: "the request could not be sent to the kernel".into(),
-                source: Some(Box::new(e)),
-            });
-        }
+        let (prepared, msg_id) = send_fork_request(&self.sandbox, session, k, prepared).await?;
+        // Routed from here on: the reply is read in this actor's loop, after this returns.
+        self.routes.insert(msg_id, route);
         Ok((prepared, self.session.status().execution_count))
     }
 }
