@@ -5,8 +5,9 @@
 //!
 //! This file holds the task's loop and what it does with commands and with the kernel's
 //! fate: interrupt, death and shutdown (restart, a fresh kernel from the pool or the
-//! sandbox, is in `restart.rs`). The execution in flight (sending, output, deadlines, completion) is in
-//! `running.rs`.
+//! sandbox, is in `restart.rs`). The execution in flight (sending, output, deadlines,
+//! completion) is in `running.rs`; checkpoints in `checkpoint.rs`, `held.rs` and
+//! `pending.rs` (after every execution).
 
 mod blocking;
 mod checkpoint;
