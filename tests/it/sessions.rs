@@ -238,6 +238,19 @@ async fn ws_until_done_any(ws: &mut Ws, id: Value) -> Vec<Value> {
     }
 }
 
+/// Interrupts session `id`'s running execution `exec_id` (watched on `ws`): asked with
+/// 204, it ends `interrupted`, well before its code would have.
+async fn interrupt_and_see_it_end(api: &Api, id: &str, ws: &mut Ws, exec_id: &str) {
+    let (status, _) = api
+        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+        .await;
+    assert_eq!(status, 204);
+    let frames = ws_until_done(ws, exec_id).await;
+    let exec = &frames.last().unwrap()["execution"];
+    assert_eq!(exec["status"], "interrupted", "{exec}");
+    assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0, "{exec}");
+}
+
 async fn interrupt_stops_running_code_and_keeps_state(sb: &'static str) {
     let broker = Broker::start(sb, |_| {}).await;
     let api = broker.api(ALICE);
@@ -251,14 +264,7 @@ async fn interrupt_stops_running_code_and_keeps_state(sb: &'static str) {
             break;
         }
     }
-    let (status, _) = api
-        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
-        .await;
-    assert_eq!(status, 204);
-    let frames = ws_until_done(&mut ws, "long").await;
-    let exec = &frames.last().unwrap()["execution"];
-    assert_eq!(exec["status"], "interrupted", "{exec}");
-    assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0);
+    interrupt_and_see_it_end(&api, &id, &mut ws, "long").await;
     let x = api.execute(&id, "kept").await;
     assert_eq!(main_result(&x)["data"]["text/plain"], "'yes'");
     broker.stop().await;
@@ -293,14 +299,7 @@ async fn an_interrupt_asked_before_the_code_begins_still_stops_it(sb: &'static s
             break;
         }
     }
-    let (status, _) = api
-        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
-        .await;
-    assert_eq!(status, 204);
-    let frames = ws_until_done(&mut ws, "late").await;
-    let exec = &frames.last().unwrap()["execution"];
-    assert_eq!(exec["status"], "interrupted", "{exec}");
-    assert!(exec["duration_ms"].as_f64().unwrap() < 30_000.0, "{exec}");
+    interrupt_and_see_it_end(&api, &id, &mut ws, "late").await;
     broker.stop().await;
 }
 

@@ -17,7 +17,7 @@ use super::blocking::run_blocking;
 use super::held::{end_spare, HeldKernel, Spare};
 use super::pending::PendingCheckpoint;
 use super::Actor;
-use crate::sandbox::fork::ForkError;
+use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::LaunchSpec;
 use crate::session::checkpoint::{
     CheckpointBook, CheckpointInfo, CheckpointList, CheckpointPolicy, DroppedCheckpoint, Dropper,
@@ -135,27 +135,41 @@ impl Actor {
     /// Takes a checkpoint of the live kernel, which is between executions (those queued
     /// in the broker wait for it).
     pub(super) async fn checkpoint_now(&mut self) -> Result<CheckpointInfo, SessionError> {
+        match self.prepare_held().await? {
+            Some(prepared) => self.take_held_checkpoint(prepared).await,
+            None => self.checkpoint_unheld().await,
+        }
+    }
+
+    /// A held checkpoint of the live kernel prepared with the sandbox, or `None` where the
+    /// sandbox holds none for it (`checkpoint_unheld` takes one).
+    pub(super) async fn prepare_held(&mut self) -> Result<Option<PreparedFork>, SessionError> {
         if self.session.own_workspace.is_some() {
-            return self.take_copy_checkpoint().await;
+            return Ok(None);
         }
         let spec = self.child_spec();
         let session = self.session.id;
         let Some(live) = self.kernel.as_mut() else {
             return Err(SessionError::KernelNotRunning);
         };
-        // A held checkpoint where the sandbox keeps them; else a frozen copy (below).
         let settling = std::time::Instant::now();
         live.process.settle().await;
         tracing::debug!(%session, settled_us = settling.elapsed().as_micros() as u64, "the last checkpoint's leaf move awaited");
-        match self
-            .sandbox
-            .prepare_checkpoint(&*live.process, spec.clone())
-            .await
-        {
-            Ok(prepared) => return self.take_held_checkpoint(prepared).await,
-            Err(ForkError::Unsupported(_)) => {}
-            Err(e) => return Err(failed("checkpoint", fork_error(session, e))),
+        match self.sandbox.prepare_checkpoint(&*live.process, spec).await {
+            Ok(prepared) => Ok(Some(prepared)),
+            Err(ForkError::Unsupported(_)) => Ok(None),
+            Err(e) => Err(failed("checkpoint", fork_error(session, e))),
         }
+    }
+
+    /// A checkpoint where the sandbox holds none for the live kernel: a copy with the
+    /// workspace for a session with its own, else the live kernel's frozen former self.
+    pub(super) async fn checkpoint_unheld(&mut self) -> Result<CheckpointInfo, SessionError> {
+        if self.session.own_workspace.is_some() {
+            return self.take_copy_checkpoint().await;
+        }
+        let spec = self.child_spec();
+        let session = self.session.id;
         let Some(live) = self.kernel.as_mut() else {
             return Err(SessionError::KernelNotRunning);
         };

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use super::held::HeldKernel;
 use super::{from_kernel, Actor};
-use crate::sandbox::fork::{ForkError, HeldCheckpoint};
+use crate::sandbox::fork::HeldCheckpoint;
 use crate::session::command::Command;
 use crate::session::error::SessionError;
 use crate::session::forking::{
@@ -57,7 +57,7 @@ impl Actor {
         }
         let taken = match self.ask_checkpoint().await {
             Ok(Asked::Sent) => Ok(()),
-            Ok(Asked::NotHeld) => self.checkpoint_now().await.map(|_| ()),
+            Ok(Asked::NotHeld) => self.checkpoint_unheld().await.map(|_| ()),
             Err(e) => Err(e),
         };
         if let Err(e) = taken {
@@ -84,19 +84,13 @@ impl Actor {
     /// adopts the held child; or says the sandbox holds none for this kernel.
     async fn ask_checkpoint(&mut self) -> Result<Asked, SessionError> {
         self.keep_pending().await;
-        if self.session.own_workspace.is_some() {
+        let Some(prepared) = self.prepare_held().await? else {
             return Ok(Asked::NotHeld);
-        }
-        let spec = self.child_spec();
+        };
         let session = self.session.id;
         let Some(live) = self.kernel.as_mut() else {
+            self.sandbox.discard_fork(prepared).await;
             return Err(SessionError::KernelNotRunning);
-        };
-        live.process.settle().await;
-        let prepared = match self.sandbox.prepare_checkpoint(&*live.process, spec).await {
-            Ok(prepared) => prepared,
-            Err(ForkError::Unsupported(_)) => return Ok(Asked::NotHeld),
-            Err(e) => return Err(failed("checkpoint", fork_error(session, e))),
         };
         let started = Instant::now();
         let (prepared, msg_id) = send_fork_request(&self.sandbox, session, live, prepared)
