@@ -33,8 +33,12 @@ impl Actor {
                 .map(|m| (Channel::Iopub, m))
                 .collect();
         }
-        // An execution's reply, or its `input()` prompt, shows what it printed before.
-        let ends = matches!(m.msg_type.as_str(), "execute_reply" | "input_request");
+        // An `input()` prompt shows what the execution printed before. Not its reply: that
+        // comes on the shell socket and can overtake the execution's last output on IOPub
+        // (ipykernel's IOPub thread sends it), and released there, a held start of a value
+        // would go out before the rest of it, each piece masked alone. Held text goes out
+        // at the IOPub `status: idle`, which follows all of the execution's output.
+        let ends = m.msg_type == "input_request";
         let held = match ends {
             true => self.hold.flush(m.parent_msg_id.as_deref()),
             false => Vec::new(),
