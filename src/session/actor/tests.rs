@@ -37,6 +37,14 @@ struct Harness {
 
 /// A session whose actor runs on a scripted kernel (the fake sandbox's kernel 0).
 async fn start(config: SessionConfig) -> Harness {
+    start_with_secrets(config, Default::default()).await
+}
+
+/// As [`start`], the session holding these secrets (name to value).
+async fn start_with_secrets(
+    config: SessionConfig,
+    secrets: std::collections::BTreeMap<String, String>,
+) -> Harness {
     let sandbox = FakeSandbox::new();
     let dyn_sandbox: Arc<dyn Sandbox> = sandbox.clone();
     let recorder = TestRecorder::new();
@@ -72,7 +80,7 @@ async fn start(config: SessionConfig) -> Harness {
                 Default::default(),
                 None,
                 Uuid::new_v4(),
-                Default::default(),
+                Arc::new(secrets),
             ),
         },
     ));
@@ -365,6 +373,33 @@ async fn an_execution_completes_only_after_the_idle_status_for_it() {
         x.stdout, "late output",
         "output after the reply belongs to it"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_secret_split_around_the_reply_is_masked_whole() {
+    // The secret's start is printed before the reply, its rest only after it (the reply
+    // overtook the last output): the start is held until the rest comes and the whole is
+    // masked, not released at the reply and masked piece by piece.
+    let secret = "kb-test-0123456789abcdef";
+    let values = [("API_TOKEN".to_string(), secret.to_string())].into();
+    let h = start_with_secrets(config(), values).await;
+    let rx = h.submit("split kb-test-01 23456789abcdef", Duration::from_secs(60));
+    let kernel = h.sandbox.kernel(0);
+    within(kernel.kernel.wait_received(1)).await;
+    // The start is printed and the actor has taken it in (and held it) before the reply.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    kernel.kernel.release();
+    within(h.recorder.wait_replies(1)).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    kernel.kernel.release();
+    let x = done(rx).await;
+    assert_eq!(x.status, ExecutionStatus::Ok, "{x:?}");
+    assert!(!x.stdout.contains(secret), "{x:?}");
+    assert!(
+        !x.stdout.contains("kb-test-01"),
+        "the held start leaked: {x:?}"
+    );
+    assert_eq!(x.stdout, "[secret:API_TOKEN]");
 }
 
 #[tokio::test(start_paused = true)]

@@ -14,6 +14,8 @@
 //! - `die CODE`: the process exits with `CODE` (see [`ScriptedKernel::exited`]).
 //! - `gate TEXT`: reply at once, then wait for [`ScriptedKernel::release`] before `TEXT` on
 //!   stdout and the closing `status: idle`; `noidle`: reply and never send the idle status.
+//! - `split FIRST REST`: `FIRST` on stdout, then at a release the reply, then as `gate
+//!   REST` (output that the reply overtakes, as ipykernel's IOPub thread lets it).
 //! - `forge`: three `execute_reply`s on shell only: under a wrong key, with tampered
 //!   content, then the genuine one.
 //! - `big N`: on iopub, a stdout `stream` of `N` times `y`, a `display_data` whose text is
@@ -237,6 +239,8 @@ enum Wait {
     Forever,
     /// `gate`: a release, then this text on stdout.
     Release(String),
+    /// `split`: a release, then the reply, then as `gate` with this text.
+    Reply(String),
 }
 
 struct Kernel {
@@ -276,9 +280,17 @@ impl Kernel {
                 Some(m) = control.recv() => self.on_control(m).await,
                 Some(p) = pokes.recv() => match p {
                     Poke::Release => {
-                        if let Some((req, Wait::Release(text))) = self.running.take() {
-                            self.stream(&req, &text).await;
-                            self.status(&req, "idle").await;
+                        match self.running.take() {
+                            Some((req, Wait::Release(text))) => {
+                                self.stream(&req, &text).await;
+                                self.status(&req, "idle").await;
+                            }
+                            Some((req, Wait::Reply(text))) => {
+                                self.ok(&req).await;
+                                self.running = Some((req, Wait::Release(text)));
+                                continue;
+                            }
+                            running => self.running = running,
                         }
                         self.drain().await
                     }
@@ -417,6 +429,12 @@ impl Kernel {
             "gate" => {
                 self.ok(&req).await;
                 self.running = Some((req, Wait::Release(arg.to_string())));
+                return Step::Continue;
+            }
+            "split" => {
+                let (first, rest) = arg.split_once(' ').unwrap_or((arg, ""));
+                self.stream(&req, first).await;
+                self.running = Some((req, Wait::Reply(rest.to_string())));
                 return Step::Continue;
             }
             "noidle" => {
