@@ -4,8 +4,9 @@
 //!
 //! What is held is at most one form's length less one, per stream name; it goes out with
 //! the next chunk of the same stream, or on its own (a `stream` message of the held text)
-//! at the end of its execution: before its reply, an `input()` prompt, or its `status:
-//! idle`. Other messages of the execution (a display, the other stream) do not release it:
+//! at the end of its execution: before its `status: idle` on IOPub or its `input()` prompt
+//! (not its reply, which comes on the shell socket and can overtake its last output).
+//! Other messages of the execution (a display, the other stream) do not release it:
 //! the execution's text output is read as one (an execution's `stdout`), so a value printed
 //! in two pieces with a display between them is still one value, and the few held
 //! characters go out after that display instead of before it. So streams stay streams:
