@@ -8,7 +8,9 @@ the default), one session
 holding pandas and a DataFrame of `--mb` MB, driven through the agent API (REST):
 
   - fork -> first result: POST /v1/sessions/{id}/fork, then `1+1` in the fork, p50/p90;
-  - the original's next `1+1` right after each fork, against its `1+1` before any fork;
+  - the original's next `1+1` right after each fork, against its `1+1` before any fork
+    (back to back) and against its `1+1` after the same pause without a fork (the pause
+    alone slows a `1+1`: caches gone cold, the CPU clocked down);
   - the fork's private memory right after forking: its kernel's USS, and the memory its
     cgroup leaf is charged;
   - checkpoints, where the broker has them (POST /v1/sessions/{id}/checkpoints): take p50
@@ -107,7 +109,7 @@ def leaf_charged(pid):
 def measure_fork(api, broker, sid, runs):
     res = {}
     base = [api.timed(sid, "1+1") for _ in range(runs)]
-    firsts, afters, uss, charged = [], [], [], []
+    firsts, afters, idles, uss, charged = [], [], [], [], []
     for _ in range(runs):
         start = time.monotonic()
         made = api.call("POST", f"/v1/sessions/{sid}/fork", {})
@@ -118,12 +120,20 @@ def measure_fork(api, broker, sid, runs):
         if pid is not None:
             uss.append(psutil.Process(pid).memory_full_info().uss)
             charged.append(leaf_charged(pid) or 0)
+        gap = time.monotonic() - start
         afters.append(api.timed(sid, "1+1"))
         api.call("DELETE", f"/v1/sessions/{fork}")
+        # The same `1+1` after the same time without a fork: what the original's next
+        # execution costs after that pause anyway (caches gone cold, the CPU clocked down).
+        time.sleep(0.2)
+        api.timed(sid, "1+1")
+        time.sleep(gap)
+        idles.append(api.timed(sid, "1+1"))
     res["fork_to_first_result_p50_ms"] = ms(firsts, 0.5)
     res["fork_to_first_result_p90_ms"] = ms(firsts, 0.9)
     res["original_1plus1_before_p50_ms"] = ms(base, 0.5)
     res["original_1plus1_after_fork_p50_ms"] = ms(afters, 0.5)
+    res["original_1plus1_after_the_same_pause_without_a_fork_p50_ms"] = ms(idles, 0.5)
     if uss:
         res["fork_private_uss_mib_p50"] = round(statistics.median(uss) / 2**20, 1)
         res["fork_leaf_charged_mib_p50"] = round(statistics.median(charged) / 2**20, 1)
