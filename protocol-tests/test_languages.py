@@ -87,6 +87,24 @@ def test_state_persists_across_executions(broker, sessions, kernel):
     assert broker.api("GET", f"/v1/sessions/{sid}").json()["kernel"] == kernel
 
 
+def test_a_java_kernels_warm_up_leaves_no_trace(broker):
+    # The spec's startup statement (JJAVA_STARTUP_SCRIPT: JShell's first compile as the
+    # kernel starts) declares nothing and prints nothing: a new session's first cell is
+    # execution 1, its value JShell's `$1`, and nothing else was shown.
+    sid = create(broker, "java")["id"]
+    try:
+        first = run(broker, sid, "1 + 1", timeout=60)
+        assert first["status"] == "ok" and first["execution_count"] == 1, first
+        assert first["stdout"] == "" and first["stderr"] == "", first
+        again = run(broker, sid, "$1 * 10", timeout=60)
+        assert again["execution_count"] == 2 and "20" in text_of(again), again
+        # The startup statement ran in this kernel (it is the spec's, not a default).
+        env = run(broker, sid, 'System.getenv("JJAVA_STARTUP_SCRIPT")', timeout=60)
+        assert "System.out.flush()" in text_of(env), env
+    finally:
+        broker.api("DELETE", f"/v1/sessions/{sid}")
+
+
 def test_aliases_name_the_kernels_and_an_unknown_one_is_refused(broker):
     s = create(broker, "ir")
     try:
