@@ -14,7 +14,6 @@ use tokio::io::Interest;
 
 use super::files::endpoints_for;
 use super::keep::{KeptKernels, Ticket};
-use super::output::Tail;
 use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::Cgroups;
@@ -65,22 +64,19 @@ impl LocalSandbox {
         let ended = matches!(process, Watched::Gone { .. });
 
         let kernel = Reaped {
-            session,
-            user: user.name.clone(),
-            process,
             init_pid: (!ended).then_some(ticket.init_pid),
-            bwrap_pid: None,
-            kernel_pid: None,
             own_workspace: spec.own_workspace,
-            fork_origin: None,
             leaf,
             cgroups,
-            rundir,
-            limits: spec.limits,
-            workspace: workspace.clone(),
-            quota_bytes: user.limits.workspace_quota_bytes,
-            tail: Tail::default(),
             kept: Some(kept.clone()),
+            ..Reaped::new(
+                session,
+                user,
+                process,
+                rundir,
+                spec.limits,
+                workspace.clone(),
+            )
         }
         .spawn(&self.kernels);
         // A kernel CRIU restored: itself (not CRIU, the sandbox's command, its parent) if

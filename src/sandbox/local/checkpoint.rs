@@ -31,7 +31,6 @@ use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
 
 use super::fork::{remove_fork_dir, PLAIN_START};
-use super::output::Tail;
 use super::reaper::{LeafSlot, LocalKernel, Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::cgroup::{set_oom_score_adj, Cgroups};
@@ -157,32 +156,21 @@ impl LocalSandbox {
                 return Err(launch_step(user, "cannot watch the checkpoint", e).into());
             }
         };
+        let process = Watched::ForkOfKernel {
+            pidfd,
+            pid: host_pid,
+        };
+        // No leaf yet: its parent's, given once the parent moved out (below).
         let held = Reaped {
-            session: spec.session_id,
-            user: user.name.clone(),
-            process: Watched::ForkOfKernel {
-                pidfd,
-                pid: host_pid,
-            },
-            init_pid: None,
-            bwrap_pid: None,
             kernel_pid: Some(host_pid),
-            own_workspace: None,
-            // Its parent's leaf, given once the parent moved out (below).
-            leaf: None,
             cgroups: Some(cgroups.clone()),
-            rundir: dir,
-            limits: spec.limits,
-            workspace,
-            quota_bytes: user.limits.workspace_quota_bytes,
-            tail: Tail::default(),
-            kept: None,
             // Its kernels are forked from it in the same directory.
             fork_origin: Some(ForkOrigin {
                 host_pid,
                 kernel: None,
                 ..origin
             }),
+            ..Reaped::new(spec.session_id, user, process, dir, spec.limits, workspace)
         }
         .spawn(&self.kernels);
         // Until the move, the leaf it will have counts what it holds.

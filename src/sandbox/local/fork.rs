@@ -24,7 +24,6 @@ use tokio::io::Interest;
 use uuid::Uuid;
 
 use super::files::endpoints_for;
-use super::output::Tail;
 use super::reaper::{Reaped, Watched};
 use super::{LocalSandbox, TERMINATE_TIMEOUT};
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
@@ -181,27 +180,17 @@ impl LocalSandbox {
             }
         };
         let workspace = self.workspace_path(user)?;
+        let process = Watched::ForkOfKernel {
+            pidfd,
+            pid: host_pid,
+        };
         let kernel = Reaped {
-            session,
-            user: user.name.clone(),
-            process: Watched::ForkOfKernel {
-                pidfd,
-                pid: host_pid,
-            },
-            init_pid: None,
-            bwrap_pid: None,
             kernel_pid: Some(host_pid),
-            own_workspace: None,
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
-            rundir: dir,
-            limits: spec.limits,
-            workspace,
-            quota_bytes: user.limits.workspace_quota_bytes,
-            tail: Tail::default(),
-            kept: None,
             // A fork can be forked in turn, in the same directory.
             fork_origin: Some(ForkOrigin { host_pid, ..origin }),
+            ..Reaped::new(session, user, process, dir, spec.limits, workspace)
         }
         .spawn(&self.kernels);
         tracing::info!(%session, user = %user.name, pid = host_pid, "kernel forked from a live kernel");

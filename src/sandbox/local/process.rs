@@ -189,23 +189,22 @@ impl LocalSandbox {
         // From here the reaper owns the leaf and the runtime directory, and the handle's
         // drop (also when this future is dropped half-way) kills the kernel.
         let (cgroups, leaf) = guard.disarm();
+        let process = Watched::Child(child);
         let kernel = Reaped {
-            session,
-            user: user.name.clone(),
-            process: Watched::Child(child),
-            init_pid: None,
             bwrap_pid,
-            kernel_pid: None,
             own_workspace: spec.own_workspace,
-            fork_origin: None,
             leaf,
             cgroups,
-            rundir,
-            limits: spec.limits,
-            workspace: workspace.clone(),
-            quota_bytes: user.limits.workspace_quota_bytes,
             tail: tail.clone(),
             kept: self.kept.clone(),
+            ..Reaped::new(
+                session,
+                &user,
+                process,
+                rundir,
+                spec.limits,
+                workspace.clone(),
+            )
         }
         .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel.clone(), TERMINATE_TIMEOUT);

@@ -25,7 +25,7 @@ use crate::sandbox::fsutil::remove_dir_logged;
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::{children_of, namespace_pid, zombie_status};
 use crate::sandbox::watched::{BackendKernel, ExitPublisher, KernelTable, KernelWatch};
-use crate::sandbox::{ExitReason, KernelLimits, SandboxError};
+use crate::sandbox::{ExitReason, KernelLimits, SandboxError, SandboxUser};
 use crate::sync::lock;
 
 /// What waiters hear if the reaper went away without a word.
@@ -256,6 +256,37 @@ pub(super) struct Reaped {
 }
 
 impl Reaped {
+    /// A kernel of `user`'s for `session`, watched through `process`, its runtime directory
+    /// `rundir`, working in `workspace`: nothing else known of it yet (no pids, leaf,
+    /// cgroups, kept record or fork origin; an empty tail).
+    pub fn new(
+        session: Uuid,
+        user: &SandboxUser,
+        process: Watched,
+        rundir: PathBuf,
+        limits: KernelLimits,
+        workspace: PathBuf,
+    ) -> Self {
+        Self {
+            session,
+            user: user.name.clone(),
+            process,
+            init_pid: None,
+            bwrap_pid: None,
+            kernel_pid: None,
+            leaf: None,
+            cgroups: None,
+            rundir,
+            limits,
+            workspace,
+            quota_bytes: user.limits.workspace_quota_bytes,
+            tail: Tail::default(),
+            kept: None,
+            fork_origin: None,
+            own_workspace: None,
+        }
+    }
+
     /// Registers the kernel in `table` and spawns its reaper, which owns the leaf and the
     /// runtime directory from now on. Returns what a handle and the launch share.
     pub fn spawn(self, table: &KernelTable<LocalKernel>) -> Arc<LocalKernel> {

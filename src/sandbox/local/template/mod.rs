@@ -48,7 +48,6 @@ use tokio::io::{BufReader, Interest};
 use uuid::Uuid;
 
 use super::files::endpoints_for;
-use super::output::Tail;
 use super::process::{SandboxCommand, StartOptions};
 use super::reaper::{sandbox_command_pid, Reaped, Watched};
 use super::{LocalSandbox, BOOT_DIR_INSIDE, RUN_DIR_INSIDE, TERMINATE_TIMEOUT};
@@ -419,14 +418,9 @@ impl LocalSandbox {
                 return Err(ForkError::Unwatchable(e.into_parts().1));
             }
         };
+        let process = Watched::Forked { pidfd, status };
         let kernel = Reaped {
-            session,
-            user: user.name.clone(),
-            process: Watched::Forked { pidfd, status },
-            init_pid: None,
-            bwrap_pid: None,
             kernel_pid: Some(host_pid),
-            own_workspace: None,
             fork_origin: Some(ForkOrigin {
                 host_pid,
                 uid: self.kernel_ids(user).ok().flatten().map(|(uid, _)| uid),
@@ -438,12 +432,7 @@ impl LocalSandbox {
             }),
             leaf: Some(leaf),
             cgroups: Some(cgroups.clone()),
-            rundir: dir,
-            limits: spec.limits,
-            workspace,
-            quota_bytes: user.limits.workspace_quota_bytes,
-            tail: Tail::default(),
-            kept: None,
+            ..Reaped::new(session, user, process, dir, spec.limits, workspace)
         }
         .spawn(&self.kernels);
         let handle = WatchedKernel::new(kernel, TERMINATE_TIMEOUT);
