@@ -184,17 +184,21 @@ mod tests {
             std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
             0o777
         );
-        // A stranger (a child process) connects first, then this process.
-        let stranger = std::process::Command::new("python3")
+        // A stranger (a child process) connects first, then this process: the stranger
+        // says when it is connected (a loaded machine can take seconds to start Python).
+        let mut stranger = std::process::Command::new("python3")
             .args([
                 "-c",
-                "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); print(s.recv(10) == b'', flush=True)",
+                "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); print('connected', flush=True); print(s.recv(10) == b'', flush=True)",
             ])
             .arg(&path)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut said = std::io::BufReader::new(stranger.stdout.take().unwrap());
+        let mut line = String::new();
+        said.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "connected");
         let p = path.clone();
         let ours = std::thread::spawn(move || {
             let mut s = std::os::unix::net::UnixStream::connect(&p).unwrap();
@@ -212,8 +216,10 @@ mod tests {
             .await
             .unwrap();
         // The stranger was closed; the name is gone.
-        let out = stranger.wait_with_output().unwrap();
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "True");
+        line.clear();
+        said.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "True");
+        stranger.wait().unwrap();
         assert!(!path.exists());
         let request = serde_json::json!({"connection": {}});
         let answer = control
