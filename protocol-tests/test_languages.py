@@ -479,6 +479,11 @@ def test_every_language_runs_in_the_docker_sandbox(docker_broker):
         assert "NET-CLOSED" in ex["stdout"], ex
         ex = run(docker_broker, by_kernel["java"], NETWORK["java"], timeout=60)
         assert "NET-CLOSED" in ex["stdout"], ex
+        # Each spec's own variables (its kernel.json's `env`) reach its kernel here too.
+        ex = run(docker_broker, by_kernel["java"], 'System.getenv("JJAVA_STARTUP_SCRIPT")', timeout=60)
+        assert "System.out.flush()" in text_of(ex), ex
+        ex = run(docker_broker, by_kernel["javascript"], 'Deno.env.get("NO_COLOR")', timeout=60)
+        assert text_of(ex).strip().strip("'\"") == "1", ex
         r = docker_broker.api("PUT", f"/v1/sessions/{by_kernel['sql']}/files/d.csv", data=b"a\n1\n2\n")
         assert r.status_code == 201, r.text
         ex = run(docker_broker, by_kernel["sql"], "SELECT sum(a) AS s FROM 'd.csv'")

@@ -234,6 +234,19 @@ impl Inner {
         dir: &str,
     ) -> Result<String, ExecError> {
         let mut env = base_env(&spec.user.limits);
+        // The spec's own variables (its kernel.json's `env`: Deno's `NO_COLOR`, jjava's
+        // startup statement), as the local sandbox sets them: before the runtimes' bounds
+        // and the tenant's, which win (`last_wins` below).
+        if let Some(kernel) = self
+            .cfg
+            .kernel_specs
+            .as_ref()
+            .and_then(|s| s.get(&spec.kernel_name))
+        {
+            let mut own: Vec<String> = kernel.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            own.sort();
+            env.extend(own);
+        }
         // The runtimes' own memory bounds (a JVM's heap, R's vectors: `runtime_env`).
         env.extend(
             runtime_env(&spec.limits, &spec.user.limits)
@@ -283,7 +296,7 @@ impl Inner {
             None => python_argv(dir),
         };
         let cmd = kernel_command(dir, self.privileged, &argv);
-        let exec_id = create_exec_in(docker, &container.id, cmd, env, false, cwd)
+        let exec_id = create_exec_in(docker, &container.id, cmd, last_wins(env), false, cwd)
             .await
             .map_err(|source| ExecError::Create {
                 container: container.name.clone(),
@@ -371,6 +384,20 @@ pub(super) fn base_env(limits: &UserLimits) -> Vec<String> {
     env
 }
 
+/// `env` (`NAME=value` entries) with each name once, at its last value: Docker's exec
+/// keeps every entry it is given, and a process's `getenv` reads the first.
+pub(super) fn last_wins(env: Vec<String>) -> Vec<String> {
+    let name = |e: &String| e.split_once('=').map_or(e.clone(), |(k, _)| k.to_string());
+    let mut seen = std::collections::HashSet::new();
+    let mut kept: Vec<String> = env
+        .into_iter()
+        .rev()
+        .filter(|e| seen.insert(name(e)))
+        .collect();
+    kept.reverse();
+    kept
+}
+
 /// The exit status a kernel's command wrote to [`STATUS_FILE`] in its session directory
 /// `host_dir`, if it wrote one that reads as a status (0..=255). Read without following a
 /// symlink anywhere below the directory holding the session directories: the kernel can
@@ -453,6 +480,22 @@ impl SessionFiles {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_variable_is_set_once_at_its_last_value() {
+        let env = [
+            "NO_COLOR=1",
+            "A=spec",
+            "PATH=/x",
+            "A=tenant",
+            "B",
+            "B=2",
+            "C=a=b",
+        ];
+        let env = last_wins(env.iter().map(|e| e.to_string()).collect());
+        assert_eq!(env, ["NO_COLOR=1", "PATH=/x", "A=tenant", "B=2", "C=a=b"]);
+    }
+
     #[test]
     fn connection_files_point_into_the_session_directory() {
         let spec = LaunchSpec::example();
