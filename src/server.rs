@@ -304,32 +304,13 @@ pub async fn serve(
                 })
             }));
             let r = registry.clone();
-            cluster.on_lost(move |kept| {
+            cluster.on_lost(move |kept, taken| {
                 let r = r.clone();
-                Box::pin(async move {
-                    // A paused session the cluster kept (away meanwhile) is on this
-                    // node's disk: it goes on. One resumed since is not what was kept.
-                    let sessions: Vec<_> = r
-                        .all()
-                        .into_iter()
-                        .filter(|s| {
-                            !(kept.contains(&s.id)
-                                && s.state() == crate::session::SessionState::Paused)
-                        })
-                        .collect();
-                    let n = sessions.len();
-                    futures::future::join_all(
-                        sessions
-                            .iter()
-                            .map(|s| r.delete(&s.user.name, s.id, EndedBy::NodeLost)),
-                    )
-                    .await;
-                    tracing::warn!(
-                        sessions = n,
-                        "cluster: this node's sessions ended (the cluster had declared them dead)"
-                    );
-                })
+                Box::pin(async move { r.end_declared_lost(&kept, &taken).await })
             });
+            if cluster.carries_paused() {
+                api::start_carrying_paused(&registry, &cluster, &settings.users).await;
+            }
             // Back after the cluster declared this node lost: what it answered dead while
             // this node was away, and a restart took back (a kept kernel, a session paused
             // too late for the directory to know), ends here too.

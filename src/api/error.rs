@@ -147,6 +147,9 @@ impl From<SessionError> for ApiError {
                 },
                 message,
             ),
+            SessionError::ResumeElsewhere { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "session_away", message)
+            }
             SessionError::NoRoomToPause { .. } => Self::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient_storage",

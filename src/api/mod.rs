@@ -27,6 +27,7 @@ pub mod auth_failures;
 mod checkpoints;
 pub mod clients;
 mod cluster;
+pub use cluster::carry::start as start_carrying_paused;
 /// E2B compatibility (`/e2b`): E2B's SDKs work unmodified against the broker.
 mod e2b;
 pub mod error;

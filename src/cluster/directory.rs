@@ -31,8 +31,9 @@ pub enum Directory {
     /// Held by the live peer at this URL.
     At(String),
     /// Paused on a node that is not live now (lost, stopped, cut off): its state is on
-    /// that node's disk, and it resumes when that node is back.
-    Away { node: String },
+    /// that node's disk, and it resumes when that node is back; or, `carried` (its copy is
+    /// in the database, `copies.rs`), on the node that takes it over.
+    Away { node: String, carried: bool },
     /// Held by a node that was lost: dead.
     Lost {
         kernel: String,
@@ -46,7 +47,9 @@ pub enum Directory {
 
 impl Cluster {
     /// Writes this node's sessions to the directory: the ones it holds now are listed
-    /// (under this node), the ones that ended are removed. Nothing is written once this
+    /// (under this node), the ones that ended are removed, but one whose copy this node
+    /// holds (`copies.rs`: being taken over here, its row the fence until it resumes; it
+    /// stays paused, as its copy was stored, while the registry has not caught up). Nothing is written once this
     /// node was declared lost (its sessions stay listed as lost), and a session listed as
     /// lost stays so (the cluster answered it dead: its end is on its way here).
     pub(super) async fn write_directory(&self) -> Result<(), ClusterError> {
@@ -69,7 +72,9 @@ impl Cluster {
         }
         tx.execute(
             "DELETE FROM cluster_sessions
-             WHERE node = $1 AND lost_at IS NULL AND NOT (id = ANY($2))",
+             WHERE node = $1 AND lost_at IS NULL AND NOT (id = ANY($2))
+               AND NOT EXISTS (SELECT 1 FROM paused_copies c
+                               WHERE c.session_id = cluster_sessions.id AND c.node = $1)",
             &[&self.config.node_id, &ids],
         )
         .await?;
@@ -78,9 +83,10 @@ impl Cluster {
              SELECT u.id, $1, u.user_name, u.kernel, u.created_at, $6, u.paused
              FROM unnest($2::text[], $3::text[], $4::text[], $5::int8[], $7::bool[])
                AS u(id, user_name, kernel, created_at, paused)
-             ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, seen_at = EXCLUDED.seen_at,
-               paused = EXCLUDED.paused
-             WHERE cluster_sessions.lost_at IS NULL",
+             ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at,
+               paused = EXCLUDED.paused OR EXISTS (SELECT 1 FROM paused_copies c
+                 WHERE c.session_id = cluster_sessions.id AND c.node = EXCLUDED.node)
+             WHERE cluster_sessions.lost_at IS NULL AND cluster_sessions.node = EXCLUDED.node",
             &[
                 &self.config.node_id,
                 &ids,
@@ -149,7 +155,8 @@ impl Cluster {
         let row = c
             .query_opt(
                 "SELECT s.kernel, s.created_at, s.lost_at, n.advertise_url,
-                   n.lease_until > $3 AND n.lost_at IS NULL AND n.id <> $4, s.paused, s.node
+                   n.lease_until > $3 AND n.lost_at IS NULL AND n.id <> $4, s.paused, s.node,
+                   EXISTS (SELECT 1 FROM paused_copies c WHERE c.session_id = s.id AND c.node = s.node)
                  FROM cluster_sessions s LEFT JOIN nodes n ON n.id = s.node
                  WHERE s.id = $1 AND s.user_name = $2",
                 &[&id.to_string(), &user, &now_micros(), &self.config.node_id],
@@ -172,7 +179,10 @@ impl Cluster {
         let node: String = row.get(6);
         Ok(match (url, live) {
             (Some(url), Some(true)) => Directory::At(url),
-            _ if paused && node != self.config.node_id => Directory::Away { node },
+            _ if paused && node != self.config.node_id => Directory::Away {
+                node,
+                carried: row.get(7),
+            },
             _ => Directory::Unknown,
         })
     }

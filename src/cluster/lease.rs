@@ -98,8 +98,17 @@ impl Cluster {
                     .iter()
                     .filter_map(|id| uuid::Uuid::parse_str(id).ok())
                     .collect();
+                let here: Vec<uuid::Uuid> = self
+                    .listed
+                    .get()
+                    .map(|f| f().iter().map(|s| s.id).collect())
+                    .unwrap_or_default();
+                let taken = self.held_elsewhere(&here).await.unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cluster: could not read which sessions others took over");
+                    Vec::new()
+                });
                 if let Some(end) = self.on_lost.get() {
-                    end(kept).await;
+                    end(kept, taken).await;
                 }
                 lock(&self.owners).clear();
                 match self.register().await {

@@ -19,6 +19,7 @@
 //! them. It knows nothing of the recording: what a lost node leaves to close there is done
 //! by whoever [`Cluster::on_node_lost`] was given.
 
+mod copies;
 mod directory;
 mod lease;
 mod peers;
@@ -35,6 +36,7 @@ use uuid::Uuid;
 
 use crate::db::postgres as pg;
 
+pub use copies::{CopyFile, FoundCopy, StoredCopy};
 pub use directory::{Directory, Listed};
 pub use lease::LEASE;
 pub use peers::Peer;
@@ -54,6 +56,8 @@ pub struct ClusterConfig {
     pub session_capacity: u64,
     /// Bytes of kernel memory this node is sized for [default: the machine's memory].
     pub memory_capacity: Option<u64>,
+    /// Paused sessions are carried to the database (`copies.rs`), for any node to resume.
+    pub carry_paused: bool,
 }
 
 /// Errors of the cluster layer.
@@ -76,6 +80,9 @@ pub enum ClusterError {
     /// The cluster's tables could not be migrated.
     #[error(transparent)]
     Schema(#[from] pg::MigrateError),
+    /// A paused session's file could not be read for its copy.
+    #[error("reading a paused session's file: {0}")]
+    Copy(#[source] std::io::Error),
 }
 
 /// What closes the recordings of a lost node (given the cluster's connection, the node's
@@ -91,8 +98,8 @@ pub type CloseLostNode = Box<
 >;
 
 /// What ends this node's sessions once it learns it was declared lost (given the ids of the
-/// paused ones the cluster kept).
-type EndDeclaredDead = Box<dyn Fn(Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync>;
+/// paused ones the cluster kept, and of those another node took over).
+type EndDeclaredDead = Box<dyn Fn(Vec<Uuid>, Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// The most users' creation locks one node holds at once (more wait for a connection).
 const LOCK_CONNECTIONS: usize = 32;
@@ -190,8 +197,12 @@ impl Cluster {
     }
 
     /// What ends this node's sessions when it learns it was declared lost: all but the
-    /// paused ones the cluster kept (given), whose state is on this node's disk.
-    pub fn on_lost(&self, f: impl Fn(Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync + 'static) {
+    /// paused ones the cluster kept (given first), whose state is on this node's disk;
+    /// those another node took over (given second) are let go, not ended.
+    pub fn on_lost(
+        &self,
+        f: impl Fn(Vec<Uuid>, Vec<Uuid>) -> BoxFuture<'static, ()> + Send + Sync + 'static,
+    ) {
         let _ = self.on_lost.set(Box::new(f));
     }
 
@@ -215,6 +226,11 @@ impl Cluster {
     /// This node's id.
     pub fn node_id(&self) -> &str {
         &self.config.node_id
+    }
+
+    /// Whether this node carries paused sessions to the database (`--carry-paused`).
+    pub fn carries_paused(&self) -> bool {
+        self.config.carry_paused
     }
 
     pub fn is_draining(&self) -> bool {

@@ -1,6 +1,6 @@
 //! Cluster mode's tables in PostgreSQL, as migrations the database layer applies
 //! ([`crate::db::postgres::migrate`]): the nodes and their leases, the cluster's key, the
-//! session directory. Their versions are 2, 3 and 6 of the sequence every owner shares.
+//! session directory. Their versions are 2, 3, 6 and 7 of the sequence every owner shares.
 
 use crate::db::postgres::Migration;
 
@@ -54,6 +54,30 @@ CREATE INDEX cluster_sessions_by_node ON cluster_sessions (node);
         version: 6,
         sql: r#"
 ALTER TABLE cluster_sessions ADD COLUMN paused BOOLEAN NOT NULL DEFAULT false;
+"#,
+    },
+    // Paused sessions carried to the database (`--carry-paused`): any node takes one over
+    // once its node is not live. A copy is the node's (`node`) until a resume (which drops
+    // it) or a takeover (which makes it the taker's, until its resume).
+    Migration {
+        version: 7,
+        sql: r#"
+CREATE TABLE paused_copies (
+    session_id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    uid BIGINT NOT NULL,
+    head BYTEA NOT NULL,
+    bytes BIGINT NOT NULL,
+    made_at BIGINT NOT NULL
+);
+CREATE TABLE paused_chunks (
+    session_id TEXT NOT NULL REFERENCES paused_copies (session_id) ON DELETE CASCADE,
+    file TEXT NOT NULL,
+    at BIGINT NOT NULL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (session_id, file, at)
+);
 "#,
     },
 ];

@@ -17,6 +17,7 @@ fn config(url: &str, node: &str) -> ClusterConfig {
         lease: Duration::from_secs(60),
         session_capacity: 10,
         memory_capacity: Some(1 << 30),
+        carry_paused: false,
     }
 }
 
@@ -102,7 +103,10 @@ async fn the_directory_names_the_node_that_holds_a_session_until_it_is_lost() {
     // The paused session's state is on a's disk: away, not dead.
     assert_eq!(
         b.directory(paused, "alice").await.unwrap(),
-        Directory::Away { node: "a".into() }
+        Directory::Away {
+            node: "a".into(),
+            carried: false
+        }
     );
     assert!(b.fresh_peers().await.is_empty());
     assert!(!a.renew().await.unwrap(), "a learns it was declared lost");

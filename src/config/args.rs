@@ -366,6 +366,11 @@ pub struct ServeArgs {
     /// Cluster mode: bytes of kernel memory this node is sized for [default: the machine's memory]
     #[arg(long, env = "KERNEL_BROKER_NODE_CAPACITY_MEMORY")]
     pub node_capacity_memory: Option<u64>,
+    /// Cluster mode: store a copy of every paused session with a workspace of its own in
+    /// the database, so that any node resumes it while its own is not live (give every
+    /// node this and the same --uid-base and users file) [default: false]
+    #[arg(long, env = "KERNEL_BROKER_CARRY_PAUSED")]
+    pub carry_paused: Option<bool>,
     /// This broker's name among those sharing a database (its open sessions are its own)
     /// [default: made on first start and kept in <data-dir>/node-id]
     #[arg(long, env = "KERNEL_BROKER_NODE_ID")]

@@ -208,6 +208,7 @@ pub(super) fn cluster_config(
             .map_or(crate::cluster::LEASE, |s| Duration::from_secs(s.max(1))),
         session_capacity: either!(args, file, node_capacity_sessions).unwrap_or(1000),
         memory_capacity: either!(args, file, node_capacity_memory),
+        carry_paused: either!(args, file, carry_paused).unwrap_or(false),
     }))
 }
 

@@ -42,6 +42,7 @@
 //! holds an `Arc<dyn Sandbox>` and never names a backend.
 
 pub mod boot;
+pub mod carry;
 pub mod cgroup;
 pub mod command;
 pub(crate) mod criu;
@@ -461,6 +462,10 @@ pub trait Sandbox: Send + Sync {
     /// sandbox held for that session alone may go until its resume (the Docker sandbox's
     /// container of its own; the workspace stays).
     async fn release_paused(&self, _user: &SandboxUser, _key: Uuid) {}
+    /// How this sandbox's paused kernels are carried to other nodes (`carry.rs`), if it can.
+    fn carry(&self) -> Option<&dyn carry::SandboxCarry> {
+        None
+    }
     /// Removes a paused kernel's images.
     async fn discard_paused(&self, image: pause::PausedImage) {
         fsutil::remove_dir_logged(image.dir).await;

@@ -177,6 +177,17 @@ impl OwnWorkspaces {
         }
     }
 
+    /// The own workspace `key`'s file system image (made or not) and its directory.
+    pub(crate) fn image_of(&self, key: Uuid) -> Option<(PathBuf, PathBuf)> {
+        self.images.image_of(&self.dirs(key).root)
+    }
+
+    /// Unmounts the own workspace `key`, keeping its image (`WorkspaceImages::unmount`).
+    /// Blocking.
+    pub(crate) fn unmount(&self, key: Uuid) -> Result<(), SandboxError> {
+        self.images.unmount(&self.dirs(key).root)
+    }
+
     /// Leaves the mounted ones mounted (`--keep-sessions`: their sessions are kept).
     pub(crate) fn keep_mounted(&self) {
         self.images.keep_mounted();

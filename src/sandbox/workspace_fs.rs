@@ -298,6 +298,37 @@ impl WorkspaceImages {
         Ok(())
     }
 
+    /// The image file of the workspace at `dir` (made or not), and the directory it is in.
+    pub(crate) fn image_of(&self, dir: &Path) -> Option<(PathBuf, PathBuf)> {
+        let mut file = dir.file_name()?.to_owned();
+        file.push(".img");
+        Some((self.images.join(file), self.images.clone()))
+    }
+
+    /// Unmounts the file system at `dir`, keeping its image (a paused kernel's workspace
+    /// carried to another node: no host may hold it mounted meanwhile; its next use mounts
+    /// it again). Fails, leaving it mounted, while anything holds it. Blocking.
+    pub(crate) fn unmount(&self, dir: &Path) -> Result<(), SandboxError> {
+        let mut settled = lock(&self.settled);
+        if settled.plain.contains(dir) {
+            return Err(unavailable(
+                self.backend,
+                "this workspace is a plain directory, not a file system image",
+            ));
+        }
+        if is_mount_point(dir)? {
+            run(helper("umount").arg(dir)).map_err(|e| {
+                unavailable_by(
+                    self.backend,
+                    format!("cannot unmount the workspace {}: {e}", dir.display()),
+                    e,
+                )
+            })?;
+        }
+        settled.mounted.retain(|m| m != dir);
+        Ok(())
+    }
+
     /// The names (file stems) of the images in this set's images directory.
     pub(crate) fn image_names(&self) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(&self.images) else {

@@ -52,6 +52,17 @@ impl Sealer {
         Ok(Self::with_key(&key))
     }
 
+    /// The sealer of a key derived from `secret` for `purpose` (a cluster's copies of
+    /// paused sessions: every node of the cluster derives the same from its key).
+    pub fn derived(purpose: &str, secret: &[u8]) -> Self {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(purpose.as_bytes());
+        h.update([0u8]);
+        h.update(secret);
+        Self::with_key(&h.finalize())
+    }
+
     fn with_key(key: &[u8]) -> Self {
         Self {
             cipher: ChaCha20Poly1305::new(Key::from_slice(key)),

@@ -113,6 +113,12 @@ pub(super) enum Command {
     Detach {
         done: oneshot::Sender<()>,
     },
+    /// Cluster mode: another node took this paused session over (`--carry-paused`): its
+    /// paused state here goes, nothing is recorded (the recording goes on there), and the
+    /// actor stops.
+    TakenOver {
+        done: oneshot::Sender<()>,
+    },
 }
 
 impl Command {
@@ -151,6 +157,7 @@ impl Command {
             Command::Snapshot { .. } => "snapshot",
             Command::Shutdown { .. } => "shutdown",
             Command::Detach { .. } => "detach",
+            Command::TakenOver { .. } => "taken_over",
         }
     }
 }

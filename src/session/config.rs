@@ -42,6 +42,9 @@ pub struct SessionConfig {
     pub policy: std::sync::Arc<crate::policy::Policy>,
     /// Each kernel spec's language, by name (what the policy checks: Python's code only).
     pub languages: std::sync::Arc<std::collections::BTreeMap<String, String>>,
+    /// Cluster mode with `--carry-paused`: who carries paused sessions to the other nodes
+    /// (set once the cluster is joined; empty: paused state stays on this node).
+    pub carrier: super::carry::CarrierSlot,
 }
 
 impl SessionConfig {
@@ -80,6 +83,7 @@ impl Default for SessionConfig {
             sealer: None,
             policy: Default::default(),
             languages: Default::default(),
+            carrier: Default::default(),
         }
     }
 }

@@ -274,6 +274,10 @@ pub enum SessionError {
         #[source]
         source: Option<BoxError>,
     },
+    /// Cluster mode, paused sessions carried (`--carry-paused`): this node cannot resume
+    /// the session now (another node took it over, or the database does not answer).
+    #[error("session {session} cannot be resumed here now: {why}")]
+    ResumeElsewhere { session: Uuid, why: String },
     /// A pause's images would leave the broker's data file system too little room; the
     /// session goes on running.
     #[error("session {session} was not paused: {why}")]

@@ -52,6 +52,7 @@
 
 mod actor;
 mod auto_pause;
+pub mod carry;
 mod checkpoint;
 mod clients;
 mod command;
@@ -100,6 +101,7 @@ pub use execution::{Execution, ExecutionStatus, OutputEvent};
 pub use front_door::{EndedBy, FrontDoor, Metadata, Provenance, SessionEnd};
 pub use handle::Session;
 pub use hooks::KernelHooks;
+pub use kept::SessionRecord;
 pub use lifecycle::LifecycleEvent;
 pub use memory::{human_bytes, MemoryUse};
 pub use pause::{PauseInfo, PausePolicy, DEFAULT_PAUSED_TTL};

@@ -1062,6 +1062,240 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
     b.stop().await;
 }
 
+/// `--carry-paused`: a session with a workspace of its own, paused on a node, is stored in
+/// the database with its pause; once that node is lost, the next request through another
+/// node takes it over there and resumes it with its variables, its iterator part-way and
+/// its workspace's files. Another user finds nothing; the lost node, restarted, lets its
+/// paused state go and forwards the session to its new node; a session sharing its user's
+/// workspace is not carried (away, as without the option).
+#[tokio::test]
+async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let args = [
+        "--node-lease",
+        "2",
+        "--carry-paused",
+        "true",
+        "--uid-base",
+        "310000",
+    ];
+    let mut a = node(&url, &args);
+    let p = own_session(&a).await;
+    let shared = a.api(ALICE).create().await;
+    pause_known(
+        &a,
+        &client,
+        &p,
+        "v = [1, 2, 3]; it = iter(v); next(it); open('notes.txt', 'w').write('written on a')",
+    )
+    .await;
+    pause_known(&a, &client, &shared, "w = 7").await;
+    let a_id = recorded_node(&client, &p).await;
+    let row = client
+        .query_one(
+            "SELECT node, bytes FROM paused_copies WHERE session_id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), a_id);
+    assert!(row.get::<_, i64>(1) > 1 << 20, "its images are in the copy");
+    let copies: i64 = client
+        .query_one("SELECT count(*) FROM paused_copies", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        copies, 1,
+        "the session sharing its user's workspace is not carried"
+    );
+    let b = node(&url, &args);
+
+    a.halt(Stop::Kill).await;
+    let x = within(40, "the paused session taken over through b", async {
+        loop {
+            let (status, x) = b
+                .api(ALICE)
+                .post(
+                    &format!("/v1/sessions/{p}/execute"),
+                    json!({"code": "print(v, next(it), open('notes.txt').read())"}),
+                )
+                .await;
+            // Until its lease lapses, a is asked (502); then the session is away (503)
+            // until a node takes it over.
+            if status != 503 && status != 502 {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await;
+    assert_eq!(x["stdout"], "[1, 2, 3] 2 written on a\n", "{x}");
+    let (status, _) = b.api(BOB).get(&format!("/v1/sessions/{p}")).await;
+    assert_eq!(status, 404, "another user's session is nobody's business");
+    let row = client
+        .query_one(
+            "SELECT node, paused FROM cluster_sessions WHERE id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    assert_ne!(
+        row.get::<_, String>(0),
+        a_id,
+        "the directory says b holds it"
+    );
+    assert!(!row.get::<_, bool>(1));
+    let copies: i64 = client
+        .query_one("SELECT count(*) FROM paused_copies", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(copies, 0, "a resume drops the copy");
+    assert_away(&b, &client, &shared).await;
+
+    // a restarts on its data directory: it lets the session go, and forwards it to b.
+    a.resume();
+    let x = within(30, "the session through a, now b's", async {
+        loop {
+            let (status, x) = a
+                .api(ALICE)
+                .post(
+                    &format!("/v1/sessions/{p}/execute"),
+                    json!({"code": "print(next(it))"}),
+                )
+                .await;
+            if status == 200 {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert_eq!(x["stdout"], "3\n", "{x}");
+    let paused_here = std::fs::read_dir(a.data_dir().join("paused-sessions"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(paused_here, 1, "a keeps only the shared session's record");
+    // The shared session is a's again, with its state.
+    let x = b.api(ALICE).execute(&shared, "print(w)").await;
+    assert_eq!(x["stdout"], "7\n", "{x}");
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Requests through `node` for session `id` (of a node that is not live) until one is
+/// answered but `502`/`503 session_away` without `wanted` in its message; that answer's
+/// status and body.
+async fn until_refused_with(node: &SpawnedBroker, id: &str, wanted: &str) -> (u16, Value) {
+    within(40, "the takeover's refusal", async {
+        loop {
+            let (status, x) = node
+                .api(ALICE)
+                .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+                .await;
+            let message = x["error"]["message"].as_str().unwrap_or_default();
+            if !(status == 502 || status == 503 && !message.contains(wanted)) {
+                return (status, x);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await
+}
+
+/// A carried copy is taken over only as it was stored, by a node that runs its user's
+/// kernels as the same uid: a node with another `--uid-base` refuses and says why, and a
+/// copy altered in the database is refused with what changed, the session staying away
+/// (the claim given back, nothing left on the node that tried). While it is paused, no
+/// host holds its workspace mounted.
+#[tokio::test]
+async fn a_carried_copy_altered_in_the_database_or_for_another_uid_is_not_taken_over() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let with_uids = |base: &'static str| {
+        vec![
+            "--node-lease",
+            "2",
+            "--carry-paused",
+            "true",
+            "--uid-base",
+            base,
+        ]
+    };
+    let mut a = node(&url, &with_uids("310000"));
+    let p = own_session(&a).await;
+    pause_known(&a, &client, &p, "kept = 42").await;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&p),
+        "its workspace is unmounted while paused"
+    );
+    let a_id = recorded_node(&client, &p).await;
+    let other = node(&url, &with_uids("320000"));
+    a.halt(Stop::Kill).await;
+    let (status, x) = until_refused_with(&other, &p, "uid-base").await;
+    assert_eq!(
+        (status, &x["error"]["code"]),
+        (503, &json!("session_away")),
+        "{x}"
+    );
+    assert!(
+        x["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("uid 310001"),
+        "{x}"
+    );
+
+    let altered = client
+        .execute(
+            "UPDATE paused_chunks SET data = overlay(data placing '\\xff'::bytea from 200 for 1)
+             WHERE session_id = $1 AND file LIKE 'pages-%' AND at = 0",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    assert!(altered >= 1);
+    let b = node(&url, &with_uids("310000"));
+    let (status, x) = until_refused_with(&b, &p, "not as they were written").await;
+    assert_eq!(
+        (status, &x["error"]["code"]),
+        (503, &json!("session_away")),
+        "{x}"
+    );
+    let row = client
+        .query_one(
+            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
+             WHERE s.id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        (a_id.clone(), a_id),
+        "the claim is given back"
+    );
+    for dir in ["paused", "sandboxes-images"] {
+        let left: Vec<_> = std::fs::read_dir(b.data_dir().join(dir))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{dir}: {left:?}");
+    }
+    other.stop().await;
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}
+
 /// A snapshot is on the disk of the node that took it: through any node it is listed, read,
 /// started from (the new sessions made on that node, whichever node is asked and though the
 /// other has more room; E2B's `Sandbox.create` by its name too) and deleted; another user's

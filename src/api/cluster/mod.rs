@@ -6,6 +6,7 @@
 //! Recordings are read from the shared database by any node, so `/events`, `/notebook` and
 //! `/replay` (a new session, here) stay local.
 
+pub mod carry;
 mod create;
 mod forward;
 mod lists;

@@ -69,7 +69,23 @@ pub(super) async fn session(
     if let Some(url) = owner {
         return forward(state, cluster, Some(id), &url, caller.e2b, req).await;
     }
-    if let Directory::Away { node } = &listed {
+    if let Directory::Away { node, carried } = &listed {
+        if *carried {
+            match super::carry::take_over(&state.registry, cluster, &caller.user, id, node).await {
+                Ok(()) => return next.run(req).await,
+                Err(why) => {
+                    return super::refuse(
+                        caller.e2b,
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "session_away",
+                        format!(
+                            "session {id} is paused on node {node}, which is not running now, \
+                             and could not be taken over here: {why} (try again later)"
+                        ),
+                    )
+                }
+            }
+        }
         return super::refuse(
             caller.e2b,
             StatusCode::SERVICE_UNAVAILABLE,

@@ -13,7 +13,7 @@ const MIGRATION_LOCK: i64 = 0x6b62_6d69_6772; // "kbmigr"
 
 /// The highest version of any owner's migrations: the newest schema this broker knows.
 /// Every version up to it belongs to exactly one owner (checked by the crate's tests).
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// One step of an owner's tables: it brings the database to `version`.
 #[derive(Debug, Clone, Copy)]

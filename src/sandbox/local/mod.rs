@@ -39,6 +39,7 @@
 
 mod adopt;
 mod bwrap;
+mod carry;
 mod check;
 mod checkpoint;
 mod command;
@@ -451,6 +452,10 @@ impl Sandbox for LocalSandbox {
 
     fn keeps_paused(&self) -> bool {
         true
+    }
+
+    fn carry(&self) -> Option<&dyn super::carry::SandboxCarry> {
+        self.privileged.then_some(self as _)
     }
 
     async fn paused_images(&self) -> Vec<super::pause::PausedImage> {

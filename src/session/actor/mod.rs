@@ -171,6 +171,13 @@ impl Actor {
                             let _ = done.send(());
                             return;
                         }
+                        Some(Command::TakenOver { done }) => {
+                            self.detach();
+                            self.end_checkpoints().await;
+                            self.end_paused().await;
+                            let _ = done.send(());
+                            return;
+                        }
                         Some(cmd) => self.on_command(cmd).await,
                         None => {
                             self.shutdown(SessionEnd::Closed(EndedBy::BrokerShutdown)).await;
@@ -322,7 +329,7 @@ impl Actor {
                 self.session.touch();
                 let _ = done.send(self.resume().await);
             }
-            Command::Shutdown { .. } | Command::Detach { .. } => {}
+            Command::Shutdown { .. } | Command::Detach { .. } | Command::TakenOver { .. } => {}
         }
     }
 

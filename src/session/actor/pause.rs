@@ -64,6 +64,7 @@ impl Actor {
         if let Some(key) = self.session.own_workspace {
             self.sandbox.release_paused(&self.session.user, key).await;
         }
+        self.carry(&image).await;
         self.routes.clear();
         self.session.release_memory();
         let info = PauseInfo {
@@ -131,6 +132,18 @@ impl Actor {
         };
         let session = self.session.id;
         let started = Instant::now();
+        if let Some(carrier) = self.config.carrier.get() {
+            // Carried: resumed here only while this node holds it, and then its copy goes.
+            let why = match carrier.before_resume(session).await {
+                Ok(true) => None,
+                Ok(false) => Some("another node took it over while this one was not live".into()),
+                Err(e) => Some(format!("the cluster's database does not answer ({e})")),
+            };
+            if let Some(why) = why {
+                self.paused = Some(image);
+                return Err(SessionError::ResumeElsewhere { session, why });
+            }
+        }
         let memory = match self
             .pool
             .admit(&self.session.user, &self.session.limits)
@@ -194,11 +207,53 @@ impl Actor {
         Ok(())
     }
 
-    /// The session ends: so do its paused images and record.
+    /// The session ends: so do its paused images and record, and its copy if it was
+    /// carried (still this node's).
     pub(super) async fn end_paused(&mut self) {
         if let Some(image) = self.paused.take() {
             self.sandbox.discard_paused(image).await;
             self.session.forget_paused().await;
+            if let Some(carrier) = self.config.carrier.get() {
+                carrier.forget(self.session.id).await;
+            }
+        }
+    }
+
+    /// Cluster mode with `--carry-paused`: a copy of the session just paused, for the
+    /// other nodes, stored before the pause is acknowledged. One that cannot be made (a
+    /// workspace shared with the user's other sessions, still in use, the database) leaves
+    /// the session paused on this node only, as without the option.
+    async fn carry(&self, image: &PausedImage) {
+        let session = self.session.id;
+        let Some(carrier) = self.config.carrier.get() else {
+            return;
+        };
+        if self.session.own_workspace != Some(session) {
+            tracing::info!(%session, "paused session not carried to the other nodes: it has no workspace of its own (it shares its user's, or it is a code context of an E2B sandbox)");
+            return;
+        }
+        let Some(sandbox) = self.sandbox.carry() else {
+            tracing::info!(%session, "paused session not carried to the other nodes: this sandbox cannot carry its kernels");
+            return;
+        };
+        let carried = match sandbox.carry_out(image, &self.session.user).await {
+            Ok(carried) => carried,
+            Err(e) => {
+                tracing::info!(%session, error = %e, "paused session not carried to the other nodes");
+                return;
+            }
+        };
+        let mut record = self.session.record(true);
+        record.paused_kernel = Some(image.kernel_id);
+        let started = Instant::now();
+        let copy = crate::session::carry::CopyOut::new(record, image.clone(), carried);
+        match carrier.store(copy).await {
+            Ok(bytes) => {
+                tracing::info!(%session, bytes, ms = started.elapsed().as_millis() as u64, "paused session carried to the cluster's database")
+            }
+            Err(e) => {
+                tracing::warn!(%session, error = %e, "paused session not carried to the other nodes")
+            }
         }
     }
 

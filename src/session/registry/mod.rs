@@ -4,6 +4,7 @@
 //! in `expiry.rs`; forks of a live session in `fork.rs`; the [`Session`] handle is in
 //! `handle.rs`.
 
+mod carry;
 mod checkpoint;
 mod expiry;
 mod fork;
