@@ -1188,6 +1188,44 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
     b.stop().await;
 }
 
+/// A node stopped (`kill -9`) after it claimed a carried copy and before it took it in
+/// (the claim made here by hand, as the node would have) takes it in at its next start:
+/// the session is served there with its state.
+#[tokio::test]
+async fn a_claimed_copy_is_taken_in_at_the_claimers_next_start() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let args = [
+        "--node-lease",
+        "2",
+        "--carry-paused",
+        "true",
+        "--uid-base",
+        "310000",
+    ];
+    let mut a = node(&url, &args);
+    let p = own_session(&a).await;
+    pause_known(&a, &client, &p, "kept = 'from a'").await;
+    a.halt(Stop::Kill).await;
+    for sql in [
+        "UPDATE cluster_sessions SET node = 'claimer' WHERE id = $1",
+        "UPDATE paused_copies SET node = 'claimer' WHERE session_id = $1",
+    ] {
+        assert_eq!(client.execute(sql, &[&p]).await.unwrap(), 1, "{sql}");
+    }
+    let mut with_id = args.to_vec();
+    with_id.extend(["--node-id", "claimer"]);
+    let b = node(&url, &with_id);
+    let x = b.api(ALICE).execute(&p, "print(kept)").await;
+    assert_eq!(x["stdout"], "from a\n", "{x}");
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}
+
 /// Requests through `node` for session `id` (of a node that is not live) until one is
 /// answered but `502`/`503 session_away` without `wanted` in its message; that answer's
 /// status and body.
@@ -1524,6 +1562,85 @@ async fn a_node_cut_off_from_the_database_stops_serving_then_rejoins() {
     for n in nodes {
         n.stop().await;
     }
+}
+
+/// `--carry-paused`: a node cut off from the database while its carried paused session is
+/// taken over by another does not resume it when it reaches the database again (its
+/// resume would check first); it learns the session is the other's, lets its paused state
+/// go without ending it, and forwards it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_while_its_carried_session_is_taken_over_lets_it_go_when_back() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let relay = Cuttable::new(&url).await;
+    let args = [
+        "--node-lease",
+        "2",
+        "--carry-paused",
+        "true",
+        "--uid-base",
+        "310000",
+    ];
+    // b alone first, so that it holds the session.
+    let b = node(&relay.url, &args);
+    let p = own_session(&b).await;
+    pause_known(&b, &client, &p, "v = [1, 2, 3]; it = iter(v); next(it)").await;
+    let a = node(&url, &args);
+
+    relay.cut();
+    let x = within(60, "the session taken over through a", async {
+        loop {
+            let (status, x) = a
+                .api(ALICE)
+                .post(
+                    &format!("/v1/sessions/{p}/execute"),
+                    json!({"code": "print(v, next(it))"}),
+                )
+                .await;
+            // Until b's lease lapses, b is asked, and b cannot resume it without the
+            // database (it answers so); then it is away until a takes it over.
+            let refused = x["error"]["ename"] == "SessionPaused";
+            if status != 503 && status != 502 && !refused {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await;
+    assert_eq!(x["stdout"], "[1, 2, 3] 2\n", "{x}");
+
+    relay.restore();
+    let x = within(60, "the session through b, now a's", async {
+        loop {
+            let (status, x) = b
+                .api(ALICE)
+                .post(
+                    &format!("/v1/sessions/{p}/execute"),
+                    json!({"code": "print(next(it))"}),
+                )
+                .await;
+            if status == 200 {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await;
+    assert_eq!(x["stdout"], "3\n", "{x}");
+    let left = std::fs::read_dir(b.data_dir().join("paused-sessions"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(left, 0, "b let its paused state go");
+    assert_eq!(
+        pg_end_reason(&client, &p).await,
+        None,
+        "the session goes on"
+    );
+    b.stop().await;
+    a.stop().await;
 }
 
 /// The session directory in PostgreSQL: each node lists the sessions it holds (and takes
