@@ -1036,22 +1036,7 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
 
     // The node restarts in place: the paused session is back, through either node.
     a.resume();
-    let x = within(30, "the paused session served again", async {
-        loop {
-            let (status, x) = b
-                .api(ALICE)
-                .post(
-                    &format!("/v1/sessions/{p}/execute"),
-                    json!({"code": "print(v, next(it))"}),
-                )
-                .await;
-            if status != 503 {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    let x = served(&b, &p, "print(v, next(it))", not_yet).await;
     assert_eq!(x["stdout"], "[1, 2, 3] 2\n", "{x}");
     assert_eq!(pg_end_reason(&client, &p).await, None);
     // The running session stays dead, on both nodes.
@@ -1060,6 +1045,36 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
     }
     a.stop().await;
     b.stop().await;
+}
+
+/// Runs `code` in alice's session `id` through `node` until its answer is not one `waiting`
+/// says to wait past (a minute at most); that answer.
+async fn served(
+    node: &SpawnedBroker,
+    id: &str,
+    code: &str,
+    waiting: impl Fn(u16, &Value) -> bool,
+) -> Value {
+    within(60, "the session served", async {
+        loop {
+            let (status, x) = node
+                .api(ALICE)
+                .post(&format!("/v1/sessions/{id}/execute"), json!({"code": code}))
+                .await;
+            if !waiting(status, &x) {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await
+}
+
+/// A carried session not served yet: its node's lease has not lapsed (it is asked: `502`
+/// while it does not answer; one cut off from the database refuses to resume it, in the
+/// execution's error), or it is away until a node takes it over (`503`).
+fn not_yet(status: u16, x: &Value) -> bool {
+    matches!(status, 502 | 503) || x["error"]["ename"] == "SessionPaused"
 }
 
 /// `--carry-paused`: a session with a workspace of its own, paused on a node, is stored in
@@ -1116,23 +1131,12 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
     let b = node(&url, &args);
 
     a.halt(Stop::Kill).await;
-    let x = within(40, "the paused session taken over through b", async {
-        loop {
-            let (status, x) = b
-                .api(ALICE)
-                .post(
-                    &format!("/v1/sessions/{p}/execute"),
-                    json!({"code": "print(v, next(it), open('notes.txt').read())"}),
-                )
-                .await;
-            // Until its lease lapses, a is asked (502); then the session is away (503)
-            // until a node takes it over.
-            if status != 503 && status != 502 {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        }
-    })
+    let x = served(
+        &b,
+        &p,
+        "print(v, next(it), open('notes.txt').read())",
+        not_yet,
+    )
     .await;
     assert_eq!(x["stdout"], "[1, 2, 3] 2 written on a\n", "{x}");
     let (status, _) = b.api(BOB).get(&format!("/v1/sessions/{p}")).await;
@@ -1160,22 +1164,7 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
 
     // a restarts on its data directory: it lets the session go, and forwards it to b.
     a.resume();
-    let x = within(30, "the session through a, now b's", async {
-        loop {
-            let (status, x) = a
-                .api(ALICE)
-                .post(
-                    &format!("/v1/sessions/{p}/execute"),
-                    json!({"code": "print(next(it))"}),
-                )
-                .await;
-            if status == 200 {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    let x = served(&a, &p, "print(next(it))", |status, _| status != 200).await;
     assert_eq!(x["stdout"], "3\n", "{x}");
     let paused_here = std::fs::read_dir(a.data_dir().join("paused-sessions"))
         .map(|d| d.count())
@@ -1591,44 +1580,11 @@ async fn a_node_cut_off_while_its_carried_session_is_taken_over_lets_it_go_when_
     let a = node(&url, &args);
 
     relay.cut();
-    let x = within(60, "the session taken over through a", async {
-        loop {
-            let (status, x) = a
-                .api(ALICE)
-                .post(
-                    &format!("/v1/sessions/{p}/execute"),
-                    json!({"code": "print(v, next(it))"}),
-                )
-                .await;
-            // Until b's lease lapses, b is asked, and b cannot resume it without the
-            // database (it answers so); then it is away until a takes it over.
-            let refused = x["error"]["ename"] == "SessionPaused";
-            if status != 503 && status != 502 && !refused {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        }
-    })
-    .await;
+    let x = served(&a, &p, "print(v, next(it))", not_yet).await;
     assert_eq!(x["stdout"], "[1, 2, 3] 2\n", "{x}");
 
     relay.restore();
-    let x = within(60, "the session through b, now a's", async {
-        loop {
-            let (status, x) = b
-                .api(ALICE)
-                .post(
-                    &format!("/v1/sessions/{p}/execute"),
-                    json!({"code": "print(next(it))"}),
-                )
-                .await;
-            if status == 200 {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        }
-    })
-    .await;
+    let x = served(&b, &p, "print(next(it))", |status, _| status != 200).await;
     assert_eq!(x["stdout"], "3\n", "{x}");
     let left = std::fs::read_dir(b.data_dir().join("paused-sessions"))
         .map(|d| d.count())
