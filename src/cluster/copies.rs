@@ -22,8 +22,12 @@ use uuid::Uuid;
 
 use super::{now_micros, Cluster, ClusterError};
 
-/// The largest piece of a file stored in one row.
-const CHUNK: u64 = 4 << 20;
+/// The largest piece of a file stored in one row. A piece of zeros is not stored: the
+/// taker's file has a hole there, which reads as zeros (a workspace image's journal).
+const CHUNK: u64 = 1 << 20;
+
+/// Pieces read, then sent, together.
+const BATCH: usize = 8;
 
 /// One file of a copy to store: its data is at `extents` (offset, length) of `file`.
 #[derive(Debug)]
@@ -107,16 +111,37 @@ impl Cluster {
         let mut bytes = 0u64;
         for f in copy.files {
             let file = std::sync::Arc::new(f.file);
-            for (start, len) in f.extents {
-                let mut at = start;
-                while at < start + len {
-                    let n = CHUNK.min(start + len - at);
-                    let data = read_at(file.clone(), at, n).await?;
-                    tx.execute(&insert, &[&id, &f.name, &(at as i64), &data])
-                        .await?;
-                    bytes += n;
-                    at += n;
-                }
+            let pieces: Vec<(u64, u64)> = f
+                .extents
+                .iter()
+                .flat_map(|&(start, len)| {
+                    (start..start + len)
+                        .step_by(CHUNK as usize)
+                        .map(move |at| (at, CHUNK.min(start + len - at)))
+                })
+                .collect();
+            // A batch read at once, its rows sent together (pipelined on the connection).
+            for batch in pieces.chunks(BATCH) {
+                let read = read_pieces(file.clone(), batch.to_vec()).await?;
+                let stored: Vec<(i64, &Vec<u8>)> = read
+                    .iter()
+                    .filter(|(_, data)| data.iter().any(|b| *b != 0))
+                    .map(|(at, data)| (*at as i64, data))
+                    .collect();
+                bytes += stored.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
+                let params: Vec<[&(dyn tokio_postgres::types::ToSql + Sync); 4]> = stored
+                    .iter()
+                    .map(|(at, data)| {
+                        [
+                            &id as &(dyn tokio_postgres::types::ToSql + Sync),
+                            &f.name,
+                            at,
+                            *data,
+                        ]
+                    })
+                    .collect();
+                futures::future::try_join_all(params.iter().map(|p| tx.execute(&insert, p)))
+                    .await?;
             }
         }
         tx.execute(
@@ -213,8 +238,8 @@ impl Cluster {
             return Ok(false);
         }
         tx.execute(
-            "UPDATE cluster_sessions SET node = $2, seen_at = $3 WHERE id = $1",
-            &[&id, me, &now_micros()],
+            "UPDATE cluster_sessions SET node = $2, seen_at = $3, taken_from = $4 WHERE id = $1",
+            &[&id, me, &now_micros(), &from],
         )
         .await?;
         tx.commit().await?;
@@ -303,11 +328,19 @@ impl Cluster {
     }
 }
 
-/// `n` bytes of `file` at `at`, read on a blocking thread.
-async fn read_at(file: std::sync::Arc<File>, at: u64, n: u64) -> Result<Vec<u8>, ClusterError> {
+/// The pieces (offset, length) of `file`, read on a blocking thread: (offset, bytes).
+async fn read_pieces(
+    file: std::sync::Arc<File>,
+    pieces: Vec<(u64, u64)>,
+) -> Result<Vec<(u64, Vec<u8>)>, ClusterError> {
     tokio::task::spawn_blocking(move || {
-        let mut buf = vec![0u8; n as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, at).map(|()| buf)
+        pieces
+            .into_iter()
+            .map(|(at, n)| {
+                let mut buf = vec![0u8; n as usize];
+                std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, at).map(|()| (at, buf))
+            })
+            .collect::<std::io::Result<Vec<_>>>()
     })
     .await
     .map_err(|e| ClusterError::Copy(std::io::Error::other(e)))?

@@ -119,14 +119,16 @@ impl Cluster {
         self.paused_of(c, node).await
     }
 
-    /// The sessions of `node` the directory holds paused (not lost).
+    /// The sessions of `node` the directory holds paused (not lost), and those another
+    /// node took over from it (`copies.rs`): neither ends with it.
     pub(super) async fn paused_of(
         &self,
         c: &deadpool_postgres::Client,
         node: &str,
     ) -> Result<Vec<String>, ClusterError> {
         Ok(c.query(
-            "SELECT id FROM cluster_sessions WHERE node = $1 AND paused AND lost_at IS NULL",
+            "SELECT id FROM cluster_sessions
+             WHERE (node = $1 AND paused OR taken_from = $1) AND lost_at IS NULL",
             &[&node],
         )
         .await?

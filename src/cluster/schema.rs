@@ -78,6 +78,11 @@ CREATE TABLE paused_chunks (
     data BYTEA NOT NULL,
     PRIMARY KEY (session_id, file, at)
 );
+-- Images are stored as they are: compressing them (PostgreSQL's default for large values)
+-- cost more time than it saved room.
+ALTER TABLE paused_chunks ALTER COLUMN data SET STORAGE EXTERNAL;
+-- The node a session was taken over from: the loss of that node does not end it.
+ALTER TABLE cluster_sessions ADD COLUMN taken_from TEXT;
 "#,
     },
 ];

@@ -1160,6 +1160,11 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
         .unwrap()
         .get(0);
     assert_eq!(copies, 0, "a resume drops the copy");
+    assert_eq!(
+        pg_end_reason(&client, &p).await,
+        None,
+        "its recording goes on"
+    );
     assert_away(&b, &client, &shared).await;
 
     // a restarts on its data directory: it lets the session go, and forwards it to b.

@@ -22,7 +22,7 @@ use crate::session::{Registry, SessionRecord};
 const PURPOSE: &str = "kernel-broker: paused sessions' copies";
 
 /// Pieces of a file read from the database at once.
-const PAGE: i64 = 2;
+const PAGE: i64 = 8;
 
 /// Why a paused session could not be taken over here.
 #[derive(Debug, thiserror::Error)]

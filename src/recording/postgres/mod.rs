@@ -251,9 +251,13 @@ impl WriteDb for PgDb {
     ) -> Result<(i64, i64), DbError> {
         let id = id.to_string();
         let node = self.node.clone();
+        // A session this node took over from another (cluster mode, `--carry-paused`) is
+        // its own from its first event here: the other's loss does not end its recording.
         self.execute(
             r#"INSERT INTO sessions (id, "user", kernel, node, created_at)
-               VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING"#,
+               VALUES ($1, $2, $3, $4, $5)
+               ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node
+               WHERE sessions.ended_at IS NULL AND sessions.node IS DISTINCT FROM EXCLUDED.node"#,
             &[&id, &text(user), &text(kernel), &node, &created_at],
         )?;
         let rows = self.query(
