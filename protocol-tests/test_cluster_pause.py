@@ -39,8 +39,11 @@ def test_an_e2b_sandbox_paused_on_a_lost_node_is_connected_to_through_another(da
         )
         assert ex.error is None and ex.text == "42", (ex.error, ex.text)
         assert sbx.pause() is True
-        rows = sql(database, f"SELECT bytes FROM paused_copies WHERE session_id = '{sid}'")
-        assert rows and int(rows[0][0]) > 1 << 20, rows
+        # The copy is stored after the pause's answer.
+        rows = wait_for(
+            lambda: sql(database, f"SELECT bytes FROM paused_copies WHERE session_id = '{sid}'"),
+            timeout=60, interval=0.1, what="the sandbox's copy in the database")
+        assert int(rows[0][0]) > 1 << 20, rows
 
         a.kill9()
         monkeypatch.setenv("E2B_API_URL", b.url + "/e2b")

@@ -1,13 +1,15 @@
 //! Paused sessions carried to the database (`--carry-paused`, issue 37): the one store every
 //! node of a cluster reaches in the deployments the project ships. A node that pauses a
-//! session stores a copy of its state (`paused_copies`, its files in `paused_chunks`) before
-//! it acknowledges the pause; while that node is not live, any node asked about the session
+//! session stores a copy of its state (`paused_copies`, its files in `paused_chunks`) once
+//! it has answered the pause; while that node is not live, any node asked about the session
 //! claims the copy and resumes it.
 //!
 //! Who holds a paused session is its row in the session directory, and every change of
-//! holder is a transaction that locks that row first, so two nodes never both resume it:
-//! - a store is refused unless the row is this node's (and marks it paused at once, not at
-//!   the next renewal);
+//! holder is a transaction that takes the session's advisory lock first, so two nodes
+//! never both resume it:
+//! - a store (after the pause is answered) is refused unless the row is this node's, and
+//!   committed only if the session is still paused with those files then (it marks the
+//!   row paused at once, not at the next renewal);
 //! - a resume on the holding node ([`Cluster::fence_resume`]) drops the copy and marks the
 //!   row running, or learns the session was taken over;
 //! - a takeover ([`Cluster::claim_copy`]) moves the row and the copy to the taker only while
@@ -18,6 +20,8 @@
 
 use std::fs::File;
 
+use tokio_postgres::binary_copy::BinaryCopyInWriter;
+use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::{now_micros, Cluster, ClusterError};
@@ -26,7 +30,7 @@ use super::{now_micros, Cluster, ClusterError};
 /// taker's file has a hole there, which reads as zeros (a workspace image's journal).
 const CHUNK: u64 = 1 << 20;
 
-/// Pieces read, then sent, together.
+/// Pieces read from disk at once.
 const BATCH: usize = 8;
 
 /// One file of a copy to store: its data is at `extents` (offset, length) of `file`.
@@ -50,6 +54,22 @@ pub struct StoredCopy {
     /// What the session layer needs to take it back (opaque here).
     pub head: Vec<u8>,
     pub files: Vec<CopyFile>,
+    /// True while the session is paused with these files: checked under the session's
+    /// lock before the copy is committed, so a resume (or an end) that came meanwhile
+    /// leaves none.
+    pub current: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The transaction-scoped advisory lock of session `id`: a copy's store, a resume's check and
+/// a copy's drop of one session take it first, so they happen one after the other.
+async fn lock_session(tx: &tokio_postgres::Transaction<'_>, id: &str) -> Result<(), ClusterError> {
+    tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&id])
+        .await?;
+    Ok(())
+}
+
+fn is_current(copy: &std::sync::atomic::AtomicBool) -> bool {
+    copy.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// A copy found in the database.
@@ -70,6 +90,10 @@ impl Cluster {
         let id = copy.session.to_string();
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
+        lock_session(&tx, &id).await?;
+        if !is_current(&copy.current) {
+            return Ok(None);
+        }
         let live = tx
             .query_opt(
                 "SELECT 1 FROM nodes WHERE id = $1 AND lost_at IS NULL FOR SHARE",
@@ -103,11 +127,13 @@ impl Cluster {
             ],
         )
         .await?;
-        let insert = tx
-            .prepare(
-                "INSERT INTO paused_chunks (session_id, file, at, data) VALUES ($1, $2, $3, $4)",
-            )
+        // The rows go in by COPY (binary): one stream, no statement per row.
+        let sink = tx
+            .copy_in("COPY paused_chunks (session_id, file, at, data) FROM STDIN BINARY")
             .await?;
+        let rows =
+            BinaryCopyInWriter::new(sink, &[Type::TEXT, Type::TEXT, Type::INT8, Type::BYTEA]);
+        futures::pin_mut!(rows);
         let mut bytes = 0u64;
         for f in copy.files {
             let file = std::sync::Arc::new(f.file);
@@ -120,35 +146,27 @@ impl Cluster {
                         .map(move |at| (at, CHUNK.min(start + len - at)))
                 })
                 .collect();
-            // A batch read at once, its rows sent together (pipelined on the connection).
             for batch in pieces.chunks(BATCH) {
-                let read = read_pieces(file.clone(), batch.to_vec()).await?;
-                let stored: Vec<(i64, &Vec<u8>)> = read
-                    .iter()
-                    .filter(|(_, data)| data.iter().any(|b| *b != 0))
-                    .map(|(at, data)| (*at as i64, data))
-                    .collect();
-                bytes += stored.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
-                let params: Vec<[&(dyn tokio_postgres::types::ToSql + Sync); 4]> = stored
-                    .iter()
-                    .map(|(at, data)| {
-                        [
-                            &id as &(dyn tokio_postgres::types::ToSql + Sync),
-                            &f.name,
-                            at,
-                            *data,
-                        ]
-                    })
-                    .collect();
-                futures::future::try_join_all(params.iter().map(|p| tx.execute(&insert, p)))
-                    .await?;
+                for (at, data) in read_pieces(file.clone(), batch.to_vec()).await? {
+                    if data.iter().all(|b| *b == 0) {
+                        continue;
+                    }
+                    bytes += data.len() as u64;
+                    rows.as_mut()
+                        .write(&[&id, &f.name, &(at as i64), &data])
+                        .await?;
+                }
             }
         }
+        rows.finish().await?;
         tx.execute(
             "UPDATE paused_copies SET bytes = $2 WHERE session_id = $1",
             &[&id, &(bytes as i64)],
         )
         .await?;
+        if !is_current(&copy.current) {
+            return Ok(None);
+        }
         tx.commit().await?;
         Ok(Some(bytes))
     }
@@ -161,6 +179,7 @@ impl Cluster {
         let id = id.to_string();
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
+        lock_session(&tx, &id).await?;
         let row = tx
             .query_opt(
                 "SELECT node FROM cluster_sessions WHERE id = $1 FOR UPDATE",
@@ -208,6 +227,7 @@ impl Cluster {
         let id = id.to_string();
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
+        lock_session(&tx, &id).await?;
         let row = tx
             .query_opt(
                 "SELECT s.node FROM cluster_sessions s
@@ -318,12 +338,16 @@ impl Cluster {
 
     /// Drops this node's copy of session `id` (it ended).
     pub async fn drop_copy(&self, id: Uuid) -> Result<(), ClusterError> {
-        let c = self.client().await?;
-        c.execute(
+        let id = id.to_string();
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        lock_session(&tx, &id).await?;
+        tx.execute(
             "DELETE FROM paused_copies WHERE session_id = $1 AND node = $2",
-            &[&id.to_string(), &self.config.node_id],
+            &[&id, &self.config.node_id],
         )
         .await?;
+        tx.commit().await?;
         Ok(())
     }
 }

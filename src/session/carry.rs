@@ -1,9 +1,10 @@
 //! Paused sessions carried to storage every node of a cluster reaches (`--carry-paused`,
 //! issue 37): what the session layer asks of whoever carries them (the cluster layer,
 //! through the api layer's glue), so that a paused session resumes on any node while its
-//! own is not live. The actor stores a copy when it pauses (before it acknowledges the
-//! pause) and asks before every resume whether the session is still this node's; a copy
-//! that cannot be made leaves the session paused here only, as without the option.
+//! own is not live. The actor hands a copy over as it pauses (its workspace let go before
+//! the pause is answered, the bytes stored after, meanwhile) and asks before every resume
+//! whether the session is still this node's; a copy that cannot be made leaves the
+//! session paused here only, as without the option.
 
 use std::sync::{Arc, OnceLock};
 
@@ -44,13 +45,22 @@ pub struct CopyOut {
     /// The uid its kernel ran as.
     pub uid: u32,
     pub files: Vec<OutFile>,
+    /// True while the session is paused with these images (false once it resumes or ends:
+    /// the copy is then not stored, or dropped by the resume's check).
+    pub current: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl CopyOut {
     /// The copy of the paused session `record`, whose kernel is `image`, its files
     /// `carried`.
-    pub(crate) fn new(record: SessionRecord, image: PausedImage, carried: Carried) -> Self {
+    pub(crate) fn new(
+        record: SessionRecord,
+        image: PausedImage,
+        carried: Carried,
+        current: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
         Self {
+            current,
             head: CopyHead {
                 record,
                 image,

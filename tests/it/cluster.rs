@@ -1047,6 +1047,24 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
     b.stop().await;
 }
 
+/// Waits until the copy of paused session `id` is stored in the database (after its
+/// pause's answer, `--carry-paused`).
+async fn until_carried(client: &tokio_postgres::Client, id: &str) {
+    within(60, "the paused session's copy stored", async {
+        loop {
+            let row = client
+                .query_opt("SELECT 1 FROM paused_copies WHERE session_id = $1", &[&id])
+                .await
+                .unwrap();
+            if row.is_some() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+}
+
 /// Runs `code` in alice's session `id` through `node` until its answer is not one `waiting`
 /// says to wait past (a minute at most); that answer.
 async fn served(
@@ -1108,6 +1126,7 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
         "v = [1, 2, 3]; it = iter(v); next(it); open('notes.txt', 'w').write('written on a')",
     )
     .await;
+    until_carried(&client, &p).await;
     pause_known(&a, &client, &shared, "w = 7").await;
     let a_id = recorded_node(&client, &p).await;
     let row = client
@@ -1203,6 +1222,7 @@ async fn a_claimed_copy_is_taken_in_at_the_claimers_next_start() {
     let mut a = node(&url, &args);
     let p = own_session(&a).await;
     pause_known(&a, &client, &p, "kept = 'from a'").await;
+    until_carried(&client, &p).await;
     a.halt(Stop::Kill).await;
     for sql in [
         "UPDATE cluster_sessions SET node = 'claimer' WHERE id = $1",
@@ -1265,6 +1285,7 @@ async fn a_carried_copy_altered_in_the_database_or_for_another_uid_is_not_taken_
     let mut a = node(&url, &with_uids("310000"));
     let p = own_session(&a).await;
     pause_known(&a, &client, &p, "kept = 42").await;
+    until_carried(&client, &p).await;
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(
         !mounts.contains(&p),
@@ -1582,6 +1603,7 @@ async fn a_node_cut_off_while_its_carried_session_is_taken_over_lets_it_go_when_
     let b = node(&relay.url, &args);
     let p = own_session(&b).await;
     pause_known(&b, &client, &p, "v = [1, 2, 3]; it = iter(v); next(it)").await;
+    until_carried(&client, &p).await;
     let a = node(&url, &args);
 
     relay.cut();

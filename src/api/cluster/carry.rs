@@ -70,6 +70,7 @@ impl Carrier for DbCarrier {
             created_at: record.created_at.timestamp_micros(),
             uid: copy.uid,
             head: serde_json::to_vec(&copy.head).map_err(|e| CarryError(e.to_string()))?,
+            current: copy.current,
             files: copy
                 .files
                 .into_iter()
@@ -83,8 +84,8 @@ impl Carrier for DbCarrier {
         match self.cluster.store_copy(stored).await {
             Ok(Some(bytes)) => Ok(bytes),
             Ok(None) => Err(CarryError(
-                "the session directory says this node does not hold it (or this node was \
-                 declared lost)"
+                "it resumed or ended before its copy was stored, or the session directory says \
+                 this node does not hold it (or this node was declared lost)"
                     .into(),
             )),
             Err(e) => Err(CarryError(e.to_string())),

@@ -65,6 +65,9 @@ pub(crate) struct Actor {
     checkpoints: checkpoint::Checkpoints,
     /// The session's kernel on disk while it is paused (`pause.rs`).
     paused: Option<crate::sandbox::pause::PausedImage>,
+    /// While it is paused and carried (`--carry-paused`): true until it resumes or ends,
+    /// so that a copy still being stored then is not.
+    carrying: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// The ends of the kernel's streams held back for masking (`guard.rs`).
     hold: crate::secrets::stream::StreamHold,
 }
@@ -128,6 +131,7 @@ impl Actor {
             env_restore_due: None,
             checkpoints: Default::default(),
             paused: None,
+            carrying: None,
             hold: Default::default(),
         }
     }

@@ -132,6 +132,7 @@ impl Actor {
         };
         let session = self.session.id;
         let started = Instant::now();
+        self.stop_carrying();
         if let Some(carrier) = self.config.carrier.get() {
             // Carried: resumed here only while this node holds it, and then its copy goes.
             let why = match carrier.before_resume(session).await {
@@ -210,6 +211,7 @@ impl Actor {
     /// The session ends: so do its paused images and record, and its copy if it was
     /// carried (still this node's).
     pub(super) async fn end_paused(&mut self) {
+        self.stop_carrying();
         if let Some(image) = self.paused.take() {
             self.sandbox.discard_paused(image).await;
             self.session.forget_paused().await;
@@ -223,7 +225,7 @@ impl Actor {
     /// other nodes, stored before the pause is acknowledged. One that cannot be made (a
     /// workspace shared with the user's other sessions, still in use, the database) leaves
     /// the session paused on this node only, as without the option.
-    async fn carry(&self, image: &PausedImage) {
+    async fn carry(&mut self, image: &PausedImage) {
         let session = self.session.id;
         let Some(carrier) = self.config.carrier.get() else {
             return;
@@ -245,15 +247,29 @@ impl Actor {
         };
         let mut record = self.session.record(true);
         record.paused_kernel = Some(image.kernel_id);
-        let started = Instant::now();
-        let copy = crate::session::carry::CopyOut::new(record, image.clone(), carried);
-        match carrier.store(copy).await {
-            Ok(bytes) => {
-                tracing::info!(%session, bytes, ms = started.elapsed().as_millis() as u64, "paused session carried to the cluster's database")
+        let current = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        self.carrying = Some(current.clone());
+        let copy = crate::session::carry::CopyOut::new(record, image.clone(), carried, current);
+        // Stored after the pause is answered: until it is, the session is paused on this
+        // node only (as without the option); a resume or an end meanwhile has it dropped.
+        let carrier = carrier.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            match carrier.store(copy).await {
+                Ok(bytes) => {
+                    tracing::info!(%session, bytes, ms = started.elapsed().as_millis() as u64, "paused session carried to the cluster's database")
+                }
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "paused session not carried to the other nodes")
+                }
             }
-            Err(e) => {
-                tracing::warn!(%session, error = %e, "paused session not carried to the other nodes")
-            }
+        });
+    }
+
+    /// The session resumes or ends: a copy of it still being stored is not.
+    fn stop_carrying(&mut self) {
+        if let Some(current) = self.carrying.take() {
+            current.store(false, std::sync::atomic::Ordering::SeqCst);
         }
     }
 
@@ -270,6 +286,9 @@ impl Actor {
     /// A paused session taken back from an earlier run (`registry/pause.rs`).
     pub(crate) fn set_paused(&mut self, image: crate::sandbox::pause::PausedImage) {
         self.paused = Some(image);
+        // Paused from now on, for whoever asks before the actor runs (a request right after
+        // a takeover: E2B's `connect` resumes only a paused sandbox).
+        self.session.set_state(SessionState::Paused);
     }
 
     /// Whether the session is paused.
