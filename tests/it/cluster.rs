@@ -1047,6 +1047,16 @@ async fn a_paused_session_outlives_the_loss_of_its_node() {
     b.stop().await;
 }
 
+/// A node's flags in the tests of `--carry-paused`: every node with the same uid base.
+const CARRY: [&str; 6] = [
+    "--node-lease",
+    "2",
+    "--carry-paused",
+    "true",
+    "--uid-base",
+    "310000",
+];
+
 /// Waits until the copy of paused session `id` is stored in the database (after its
 /// pause's answer, `--carry-paused`).
 async fn until_carried(client: &tokio_postgres::Client, id: &str) {
@@ -1108,14 +1118,7 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
     }
     let url = pg::fresh_database().await;
     let client = connect(&url).await;
-    let args = [
-        "--node-lease",
-        "2",
-        "--carry-paused",
-        "true",
-        "--uid-base",
-        "310000",
-    ];
+    let args = CARRY;
     let mut a = node(&url, &args);
     let p = own_session(&a).await;
     let shared = a.api(ALICE).create().await;
@@ -1211,14 +1214,7 @@ async fn a_claimed_copy_is_taken_in_at_the_claimers_next_start() {
     }
     let url = pg::fresh_database().await;
     let client = connect(&url).await;
-    let args = [
-        "--node-lease",
-        "2",
-        "--carry-paused",
-        "true",
-        "--uid-base",
-        "310000",
-    ];
+    let args = CARRY;
     let mut a = node(&url, &args);
     let p = own_session(&a).await;
     pause_known(&a, &client, &p, "kept = 'from a'").await;
@@ -1591,14 +1587,7 @@ async fn a_node_cut_off_while_its_carried_session_is_taken_over_lets_it_go_when_
     let url = pg::fresh_database().await;
     let client = connect(&url).await;
     let relay = Cuttable::new(&url).await;
-    let args = [
-        "--node-lease",
-        "2",
-        "--carry-paused",
-        "true",
-        "--uid-base",
-        "310000",
-    ];
+    let args = CARRY;
     // b alone first, so that it holds the session.
     let b = node(&relay.url, &args);
     let p = own_session(&b).await;
