@@ -499,12 +499,14 @@ impl Sandbox for DockerSandbox {
 }
 
 impl Inner {
+    /// The spec of kernel `name` (its `kernel.json`), if this sandbox offers it.
+    fn kernel_spec(&self, name: &str) -> Option<&crate::kernel::spec::KernelSpec> {
+        self.cfg.kernel_specs.as_ref()?.get(name)
+    }
+
     /// The spec of a kernel other than `python3` that this sandbox offers.
     fn other_kernel(&self, name: &str) -> Option<&crate::kernel::spec::KernelSpec> {
-        if name == "python3" {
-            return None;
-        }
-        self.cfg.kernel_specs.as_ref()?.get(name)
+        (name != "python3").then(|| self.kernel_spec(name)).flatten()
     }
 }
 
