@@ -506,7 +506,9 @@ impl Inner {
 
     /// The spec of a kernel other than `python3` that this sandbox offers.
     fn other_kernel(&self, name: &str) -> Option<&crate::kernel::spec::KernelSpec> {
-        (name != "python3").then(|| self.kernel_spec(name)).flatten()
+        (name != "python3")
+            .then(|| self.kernel_spec(name))
+            .flatten()
     }
 }
 

@@ -222,7 +222,8 @@ impl Actor {
     }
 
     /// Cluster mode with `--carry-paused`: a copy of the session just paused, for the
-    /// other nodes, stored before the pause is acknowledged. One that cannot be made (a
+    /// other nodes: its files handed out (its workspace unmounted) before the pause is
+    /// answered, stored in the background after. One that cannot be made (a
     /// workspace shared with the user's other sessions, still in use, the database) leaves
     /// the session paused on this node only, as without the option.
     async fn carry(&mut self, image: &PausedImage) {
