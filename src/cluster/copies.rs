@@ -147,6 +147,11 @@ impl Cluster {
                 })
                 .collect();
             for batch in pieces.chunks(BATCH) {
+                if !is_current(&copy.current) {
+                    // Resumed or ended meanwhile: given up at once (the COPY is aborted
+                    // with the transaction), so that its resume does not wait for it.
+                    return Ok(None);
+                }
                 for (at, data) in read_pieces(file.clone(), batch.to_vec()).await? {
                     if data.iter().all(|b| *b == 0) {
                         continue;

@@ -179,12 +179,14 @@ impl Cluster {
         let live: Option<bool> = row.get(4);
         let paused: bool = row.get(5);
         let node: String = row.get(6);
+        let carried: bool = row.get(7);
         Ok(match (url, live) {
             (Some(url), Some(true)) => Directory::At(url),
-            _ if paused && node != self.config.node_id => Directory::Away {
-                node,
-                carried: row.get(7),
-            },
+            // This node's and carried, but not in its registry (asked there first): its
+            // takeover here is under way; the request waits for it.
+            _ if paused && (node != self.config.node_id || carried) => {
+                Directory::Away { node, carried }
+            }
             _ => Directory::Unknown,
         })
     }

@@ -1153,6 +1153,21 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
     let b = node(&url, &args);
 
     a.halt(Stop::Kill).await;
+    // Two requests at once through b: one takes the session over, the other waits for it
+    // (neither finds the session missing).
+    let path = format!("/v1/sessions/{p}");
+    let (one, two) = within(60, "the session taken over through b", async {
+        loop {
+            let (first, second) = (b.api(ALICE), b.api(ALICE));
+            let (one, two) = tokio::join!(first.get(&path), second.get(&path));
+            if !matches!(one.0, 502 | 503) && !matches!(two.0, 502 | 503) {
+                return (one, two);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    })
+    .await;
+    assert_eq!((one.0, two.0), (200, 200), "{} {}", one.1, two.1);
     let x = served(
         &b,
         &p,
@@ -1202,6 +1217,65 @@ async fn a_carried_paused_session_resumes_on_another_node_once_its_own_is_lost()
     assert_eq!(x["stdout"], "7\n", "{x}");
     a.stop().await;
     b.stop().await;
+}
+
+/// A carried session resumed right after its pause, its copy still being stored, resumes
+/// and leaves no copy behind (a copy of a running session would be taken over as stale
+/// state), and its directory row says it runs.
+#[tokio::test]
+async fn a_carried_session_resumed_at_once_leaves_no_copy() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    // A long lease: the node writes the directory every 20 s, so the session is paused
+    // before its row is there, and only the session's lock orders the store and the check.
+    let mut args = CARRY;
+    args[1] = "60";
+    let a = node(&url, &args);
+    let p = own_session(&a).await;
+    let x = a
+        .api(ALICE)
+        .execute(
+            &p,
+            "import numpy as np; big = np.random.rand(12_000_000); n = 0",
+        )
+        .await;
+    assert_eq!(x["status"], "ok", "{x}");
+    for i in 1..=3 {
+        let (status, v) = a
+            .api(ALICE)
+            .post(&format!("/v1/sessions/{p}/pause"), json!({}))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let x = a.api(ALICE).execute(&p, "n += 1; print(n)").await;
+        assert_eq!(x["stdout"], format!("{i}\n"), "{x}");
+    }
+    // Whatever was being stored is given up or dropped by now.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let copies: i64 = client
+        .query_one(
+            "SELECT count(*) FROM paused_copies WHERE session_id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(copies, 0, "no copy of a running session");
+    let row = client
+        .query_opt("SELECT paused FROM cluster_sessions WHERE id = $1", &[&p])
+        .await
+        .unwrap();
+    assert!(row.is_none_or(|r| !r.get::<_, bool>(0)), "it runs");
+    // Paused and left paused, it is carried.
+    let (status, v) = a
+        .api(ALICE)
+        .post(&format!("/v1/sessions/{p}/pause"), json!({}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    until_carried(&client, &p).await;
+    a.stop().await;
 }
 
 /// A node stopped (`kill -9`) after it claimed a carried copy and before it took it in
