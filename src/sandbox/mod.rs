@@ -58,6 +58,7 @@ pub mod launch_error;
 mod limits;
 pub mod local;
 mod log_filter;
+mod loop_release;
 pub(crate) mod netns;
 pub(crate) mod own_workspace;
 pub mod pause;

@@ -326,7 +326,8 @@ impl WorkspaceImages {
             })?;
         }
         settled.mounted.retain(|m| m != dir);
-        Ok(())
+        drop(settled);
+        super::loop_release::wait_released(self.backend, dir, self.image_of(dir).map(|i| i.0))
     }
 
     /// The names (file stems) of the images in this set's images directory.
@@ -375,7 +376,7 @@ impl Drop for WorkspaceImages {
 }
 
 /// Whether `dir` is a mount point: on another device than its parent.
-fn is_mount_point(dir: &Path) -> Result<bool, SandboxError> {
+pub(super) fn is_mount_point(dir: &Path) -> Result<bool, SandboxError> {
     let parent = dir.parent().unwrap_or(dir);
     let own =
         std::fs::symlink_metadata(dir).map_err(io_err("cannot inspect the workspace", dir))?;
