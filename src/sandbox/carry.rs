@@ -15,6 +15,7 @@
 //! uses them, so a copy altered on its way restores nothing.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
@@ -30,8 +31,13 @@ use super::SandboxUser;
 /// CRIU's end in `.img`, and the record's is `broker.json`).
 pub const WORKSPACE: &str = "workspace";
 
+/// The name an own workspace without a file system image of its own (a plain directory:
+/// no quota) travels under: an archive of its files, made and unpacked by `tar` with the
+/// kernel's rights only.
+pub const WORKSPACE_ARCHIVE: &str = "workspace.tar";
+
 /// One file of a paused kernel, open for reading: an image file by its name, or its
-/// workspace's file system image ([`WORKSPACE`]).
+/// workspace's file system image ([`WORKSPACE`]) or archive ([`WORKSPACE_ARCHIVE`]).
 #[derive(Debug)]
 pub struct CarriedFile {
     pub name: String,
@@ -81,8 +87,38 @@ pub struct Intake {
     /// The images' directory, open.
     pub(crate) dir: OwnedFd,
     pub(crate) files: BTreeMap<String, File>,
-    /// The workspace's file system image (its path, to remove it when abandoned).
-    pub(crate) workspace: (PathBuf, File),
+    pub(crate) workspace: TakenWorkspace,
+}
+
+/// The own workspace of a paused kernel being taken in, as this node keeps its users' own
+/// workspaces.
+#[derive(Debug)]
+pub(crate) enum TakenWorkspace {
+    /// A file system image (a quota): written in place at `path`.
+    Image { path: PathBuf, file: File },
+    /// A plain directory (`root`, made empty): its files come as an archive, written into
+    /// `file` (unlinked), which `unpack` (a program and its arguments, the archive on its
+    /// standard input: `tar` with the kernel's rights only) puts in place.
+    Archive {
+        root: PathBuf,
+        file: File,
+        unpack: (PathBuf, Vec<OsString>),
+    },
+}
+
+impl TakenWorkspace {
+    fn name(&self) -> &'static str {
+        match self {
+            TakenWorkspace::Image { .. } => WORKSPACE,
+            TakenWorkspace::Archive { .. } => WORKSPACE_ARCHIVE,
+        }
+    }
+
+    fn file(&self) -> &File {
+        match self {
+            TakenWorkspace::Image { file, .. } | TakenWorkspace::Archive { file, .. } => file,
+        }
+    }
 }
 
 impl Intake {
@@ -90,13 +126,36 @@ impl Intake {
     /// workspace's image.
     pub fn expected(&self) -> Vec<String> {
         let mut names: Vec<String> = self.files.keys().cloned().collect();
-        names.push(WORKSPACE.to_string());
+        names.push(self.workspace.name().to_string());
         names
     }
 
+    /// Why a copy bringing `names` does not fit this intake, when only its workspace's form
+    /// differs (nodes keeping own workspaces differently); `None` otherwise.
+    pub fn workspace_mismatch(&self, names: &[String]) -> Option<String> {
+        let theirs = [WORKSPACE, WORKSPACE_ARCHIVE]
+            .into_iter()
+            .find(|w| names.iter().any(|n| n == w))?;
+        let form = |w: &str| {
+            if w == WORKSPACE {
+                "file system images (a workspace quota)"
+            } else {
+                "plain directories (no workspace quota)"
+            }
+        };
+        (theirs != self.workspace.name()).then(|| {
+            format!(
+                "the node that paused it keeps own workspaces as {}, and this node as {}: give \
+                 every node the same --workspace-quota",
+                form(theirs),
+                form(self.workspace.name())
+            )
+        })
+    }
+
     fn target(&self, name: &str) -> io::Result<&File> {
-        if name == WORKSPACE {
-            return Ok(&self.workspace.1);
+        if name == self.workspace.name() {
+            return Ok(self.workspace.file());
         }
         self.files.get(name).ok_or_else(|| {
             io::Error::new(
@@ -116,17 +175,50 @@ impl Intake {
         std::os::unix::fs::FileExt::write_all_at(self.target(name)?, data, at)
     }
 
-    /// Everything is written: the files synced, the images sealed as a dump's are and
-    /// checked against the record's inventory, the record written beside them. The paused
-    /// kernel, as this node keeps it. Blocking; on error [`Intake::abandon`] it.
+    /// Everything is written: a workspace that came as an archive is unpacked into its
+    /// directories (by `tar`, with the kernel's rights only), for at most a copy step's
+    /// time. Nothing to do for a file system image. On error [`Intake::abandon`] it.
+    pub async fn unpack(&self) -> Result<(), ForkError> {
+        let TakenWorkspace::Archive { file, unpack, .. } = &self.workspace else {
+            return Ok(());
+        };
+        let failed = |e: io::Error| {
+            super::criu::copy_failed(format!("the carried workspace's archive: {e}"))
+        };
+        let mut archive = file.try_clone().map_err(failed)?;
+        io::Seek::rewind(&mut archive).map_err(failed)?;
+        super::criu::run_workspace_tool(
+            &unpack.0,
+            &unpack.1,
+            archive.into(),
+            std::process::Stdio::null(),
+            "unpacked",
+        )
+        .await
+    }
+
+    /// Everything is written and unpacked: the files synced, the images sealed as a dump's
+    /// are and checked against the record's inventory, the record written beside them. The
+    /// paused kernel, as this node keeps it. Blocking; on error [`Intake::abandon`] it.
     pub fn finish(&self) -> Result<PausedImage, ForkError> {
         let failed = |what: &str| {
             let what = what.to_string();
             move |e: io::Error| super::criu::copy_failed(format!("{what}: {e}"))
         };
-        for file in self.files.values().chain([&self.workspace.1]) {
+        for file in self.files.values() {
             file.sync_all()
                 .map_err(failed("cannot sync a carried file"))?;
+        }
+        match &self.workspace {
+            TakenWorkspace::Image { file, .. } => file
+                .sync_all()
+                .map_err(failed("cannot sync a carried workspace"))?,
+            TakenWorkspace::Archive { root, .. } => {
+                let dir =
+                    super::fsutil::open_tree_root(root).map_err(failed("the carried workspace"))?;
+                rustix::fs::syncfs(&dir)
+                    .map_err(|e| failed("cannot sync a carried workspace")(e.into()))?;
+            }
         }
         let dir = self.dir.try_clone().map_err(failed("the images"))?;
         super::criu::seal(dir).map_err(failed("cannot seal the carried images"))?;
@@ -147,9 +239,15 @@ impl Intake {
                 tracing::warn!(dir = %image.dir.display(), error = %e, "cannot remove a carried paused kernel's images");
             }
         }
-        if let Err(e) = std::fs::remove_file(&workspace.0) {
+        // A directory `tar` wrote into with the kernel's rights: `remove_dir_all` never
+        // follows a symlink in it.
+        let removed = match &workspace {
+            TakenWorkspace::Image { path, .. } => (path, std::fs::remove_file(path)),
+            TakenWorkspace::Archive { root, .. } => (root, std::fs::remove_dir_all(root)),
+        };
+        if let (path, Err(e)) = removed {
             if e.kind() != io::ErrorKind::NotFound {
-                tracing::warn!(path = %workspace.0.display(), error = %e, "cannot remove a carried workspace image");
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a carried workspace");
             }
         }
     }

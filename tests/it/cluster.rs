@@ -1795,3 +1795,205 @@ async fn the_session_directory_knows_each_sessions_node_and_its_loss() {
         n.stop().await;
     }
 }
+
+/// [`CARRY`] on nodes without workspace quotas (the container deployments': an own
+/// workspace is a plain directory there).
+fn carry_plain() -> Vec<&'static str> {
+    let mut args = CARRY.to_vec();
+    args.extend(["--workspace-quota", "0"]);
+    args
+}
+
+/// `--carry-paused` where own workspaces are plain directories (no quota, as in the
+/// shipped container deployments): the workspace travels as an archive made with the
+/// kernel's rights, and the session taken over on another node has its files as they
+/// were: contents, a subdirectory, a hidden file, modes, a symlink kept as a symlink (to
+/// the host's `/etc/shadow`: never followed), its `/tmp`, and a file the kernel held open
+/// at its offset. A node keeping own workspaces otherwise (a quota) refuses it and says
+/// why.
+#[tokio::test]
+async fn a_carried_session_whose_workspace_is_a_plain_directory_keeps_its_files() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let args = carry_plain();
+    let mut a = node(&url, &args);
+    let p = own_session(&a).await;
+    let setup = "import os\n\
+        os.makedirs('sub/deeper')\n\
+        open('sub/deeper/data.csv', 'w').write('a,b\\n1,2\\n')\n\
+        open('.hidden', 'w').write('h')\n\
+        open('private.txt', 'w').write('p'); os.chmod('private.txt', 0o600)\n\
+        os.symlink('/etc/shadow', 'shadow')\n\
+        open('/tmp/scratch.txt', 'w').write('in tmp')\n\
+        open('notes.txt', 'w').write('line one\\nline two\\n')\n\
+        held = open('notes.txt'); held.readline()\n\
+        kept = 42";
+    pause_known(&a, &client, &p, setup).await;
+    until_carried(&client, &p).await;
+    let files: Vec<String> = client
+        .query(
+            "SELECT DISTINCT file FROM paused_chunks WHERE session_id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(files.iter().any(|f| f == "workspace.tar"), "{files:?}");
+    assert!(!files.iter().any(|f| f == "workspace"), "{files:?}");
+
+    // A node with workspace quotas keeps own workspaces as images: it refuses, and says so.
+    let quota = node(&url, &CARRY);
+    a.halt(Stop::Kill).await;
+    let (status, x) = until_refused_with(&quota, &p, "--workspace-quota").await;
+    assert_eq!(
+        (status, &x["error"]["code"]),
+        (503, &json!("session_away")),
+        "{x}"
+    );
+    quota.stop().await;
+
+    let b = node(&url, &args);
+    let check = "import os, stat\n\
+        print(kept, held.readline().strip(), open('sub/deeper/data.csv').read().split()[1])\n\
+        print(open('.hidden').read(), oct(stat.S_IMODE(os.stat('private.txt').st_mode)))\n\
+        print(os.path.islink('shadow'), os.readlink('shadow'), open('/tmp/scratch.txt').read())";
+    let x = served(&b, &p, check, not_yet).await;
+    assert_eq!(
+        x["stdout"], "42 line two 1,2\nh 0o600\nTrue /etc/shadow in tmp\n",
+        "{x}"
+    );
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}
+
+/// A carried workspace's archive is unpacked with the kernel's rights into the session's
+/// own directories only: an archive altered in the database to write outside them (a
+/// `..` name, an absolute one, a write through a symlink to `/`, a member beside `home`
+/// and `tmp`) writes nothing anywhere else, the takeover is refused saying why, the claim
+/// is given back and the node that tried keeps nothing of it.
+#[tokio::test]
+async fn a_carried_workspace_archive_writes_only_into_its_own_directories() {
+    if !criu_ready() {
+        return;
+    }
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let args = carry_plain();
+    let mut a = node(&url, &args);
+    let p = own_session(&a).await;
+    pause_known(&a, &client, &p, "kept = 1").await;
+    until_carried(&client, &p).await;
+    let a_id = recorded_node(&client, &p).await;
+    a.halt(Stop::Kill).await;
+
+    // The archive replaced by one made to escape, its length in the copy's head to match.
+    let mark = format!("kb-escape-{}", uuid::Uuid::new_v4().simple());
+    let script = format!(
+        "import io, sys, tarfile\n\
+         b = io.BytesIO(); t = tarfile.open(fileobj=b, mode='w')\n\
+         def add(name, data=b'x', link=None, dir=False):\n\
+         \x20   i = tarfile.TarInfo(name)\n\
+         \x20   if link: i.type = tarfile.SYMTYPE; i.linkname = link; t.addfile(i)\n\
+         \x20   elif dir: i.type = tarfile.DIRTYPE; i.mode = 0o700; t.addfile(i)\n\
+         \x20   else: i.size = len(data); t.addfile(i, io.BytesIO(data))\n\
+         add('home', dir=True); add('home/kept.txt', b'fine')\n\
+         add('home/../../{mark}-dotdot'); add('/tmp/{mark}-absolute')\n\
+         add('home/up', link='/'); add('home/up/tmp/{mark}-through')\n\
+         add('other/{mark}-beside')\n\
+         t.close(); sys.stdout.buffer.write(b.getvalue())"
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let archive = out.stdout;
+    let head: Vec<u8> = client
+        .query_one(
+            "SELECT head FROM paused_copies WHERE session_id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let mut head: Value = serde_json::from_slice(&head).unwrap();
+    for f in head["files"].as_array_mut().unwrap() {
+        if f[0] == "workspace.tar" {
+            f[1] = json!(archive.len());
+        }
+    }
+    let head = serde_json::to_vec(&head).unwrap();
+    client
+        .execute(
+            "UPDATE paused_copies SET head = $2 WHERE session_id = $1",
+            &[&p, &head],
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "DELETE FROM paused_chunks WHERE session_id = $1 AND file = 'workspace.tar'",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO paused_chunks (session_id, file, at, data) VALUES ($1, 'workspace.tar', 0, $2)",
+            &[&p, &archive],
+        )
+        .await
+        .unwrap();
+
+    let b = node(&url, &args);
+    let (status, x) = until_refused_with(&b, &p, "unpacked").await;
+    assert_eq!(
+        (status, &x["error"]["code"]),
+        (503, &json!("session_away")),
+        "{x}"
+    );
+    let message = x["error"]["message"].as_str().unwrap();
+    assert!(message.contains("contains '..'"), "tar's own refusal: {x}");
+    let row = client
+        .query_one(
+            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
+             WHERE s.id = $1",
+            &[&p],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        (a_id.clone(), a_id),
+        "the claim is given back"
+    );
+    // Nothing of it anywhere: not in the host's / or /tmp, not in either node's data
+    // directory.
+    let found = std::process::Command::new("find")
+        .arg("/tmp")
+        .args([a.data_dir(), b.data_dir()])
+        .args(["-name", &format!("{mark}*"), "-print"])
+        .output()
+        .unwrap();
+    let found = String::from_utf8_lossy(&found.stdout);
+    assert!(found.trim().is_empty(), "{found}");
+    for name in ["dotdot", "absolute", "through", "beside"] {
+        let path = std::path::Path::new("/").join(format!("{mark}-{name}"));
+        assert!(!path.exists(), "{}", path.display());
+    }
+    for dir in ["paused", "sandboxes"] {
+        let left: Vec<_> = std::fs::read_dir(b.data_dir().join(dir))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{dir}: {left:?}");
+    }
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}

@@ -151,24 +151,37 @@ pub(crate) fn copy_failed(why: impl Into<String>) -> ForkError {
 /// Runs the workspace copy (`program` with `args`: the local sandbox's bwrap with
 /// `copy_args`), for at most [`STEP_TIMEOUT`].
 pub(crate) async fn copy_workspace(program: &Path, args: &[OsString]) -> Result<(), ForkError> {
+    run_workspace_tool(program, args, Stdio::null(), Stdio::null(), "copied").await
+}
+
+/// Runs a tool over a workspace (`program` with `args`: the local sandbox's bwrap around
+/// it), its standard input and output `stdin` and `stdout`, for at most [`STEP_TIMEOUT`];
+/// `what` the workspace is being (said in the error).
+pub(crate) async fn run_workspace_tool(
+    program: &Path,
+    args: &[OsString],
+    stdin: Stdio,
+    stdout: Stdio,
+    what: &str,
+) -> Result<(), ForkError> {
     let child = tokio::process::Command::new(program)
         .args(args)
         .env_clear()
         .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdin(stdin)
+        .stdout(stdout)
         .stderr(Stdio::piped())
-        // bwrap's --die-with-parent takes cp along.
+        // bwrap's --die-with-parent takes the tool along.
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| copy_failed(format!("cannot start the workspace copy: {e}")))?;
+        .map_err(|e| copy_failed(format!("the workspace cannot be {what}: {e}")))?;
     match timeout(STEP_TIMEOUT, finished(child)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(why)) => Err(copy_failed(format!(
-            "the workspace could not be copied ({why})"
+            "the workspace could not be {what} ({why})"
         ))),
         Err(_) => Err(copy_failed(format!(
-            "the workspace copy took more than {} s",
+            "the workspace took more than {} s to be {what}",
             STEP_TIMEOUT.as_secs()
         ))),
     }

@@ -450,16 +450,49 @@ pub(super) const COPY_TO: &str = "/copy/to";
 
 /// bwrap's arguments for copying an own workspace (`copy.rs`): `from`'s `home` and
 /// `tmp` shown read-only at [`COPY_FROM`], `to`'s writable at [`COPY_TO`] (emptied first),
-/// in namespaces
-/// of their own with nothing else of the host but `/usr`, the copy run by `cp` as the
-/// kernel's uid `ids` with no capabilities: a tenant's files are read only with its own
-/// rights, and a symlink among them is copied, never followed.
+/// the copy run by `cp` in a [`workspace_tool_args`] sandbox: a tenant's files are read
+/// only with its own rights, and a symlink among them is copied, never followed.
 pub(super) fn copy_args(
     opts: &BwrapOptions,
     host: &HostRoot,
     from: &OwnDirs,
     to: &OwnDirs,
     ids: (u32, u32),
+) -> Option<Vec<OsString>> {
+    let mut binds = Vec::new();
+    for (dirs, inside, writable) in [(from, COPY_FROM, false), (to, COPY_TO, true)] {
+        for (dir, name) in [(&dirs.home, "home"), (&dirs.tmp, "tmp")] {
+            binds.push((dir.as_path(), Path::new(inside).join(name), writable));
+        }
+    }
+    // What the destination held goes first (a rewind puts a checkpoint's files in place of
+    // the session's; a fork's workspace is new and empty), unless some of it cannot go
+    // (`EMPTIED_CHECK`): then nothing is touched. `dir/.`: the directory's entries, hidden
+    // ones too, into the existing directory.
+    let script = format!(
+        "{} && \
+         find {COPY_TO}/home {COPY_TO}/tmp -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && \
+         cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
+         cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/",
+        crate::sandbox::criu::emptied_check(&[
+            &format!("{COPY_TO}/home"),
+            &format!("{COPY_TO}/tmp")
+        ])
+    );
+    let command = ["/bin/sh", "-c", script.as_str()].map(OsString::from);
+    workspace_tool_args(opts, host, &binds, ids, &command)
+}
+
+/// bwrap's arguments for running `command` over an own workspace's directories (`binds`:
+/// each host directory, where it is shown, writable or not), in namespaces of its own with
+/// nothing else of the host but `/usr`, as the kernel's uid `ids` with no capabilities and
+/// `no_new_privs`: what a tenant's files hold is read or written only with its own rights.
+pub(super) fn workspace_tool_args(
+    opts: &BwrapOptions,
+    host: &HostRoot,
+    binds: &[(&Path, PathBuf, bool)],
+    ids: (u32, u32),
+    command: &[OsString],
 ) -> Option<Vec<OsString>> {
     let setpriv = opts.setpriv.as_ref()?;
     let mut fs = MountPlan::default();
@@ -480,14 +513,11 @@ pub(super) fn copy_args(
     }
     fs.host_system(host);
     fs.push(["--proc", "/proc", "--dev", "/dev"]);
-    for (dirs, inside, writable) in [(from, COPY_FROM, false), (to, COPY_TO, true)] {
-        for (dir, name) in [(&dirs.home, "home"), (&dirs.tmp, "tmp")] {
-            let dest = Path::new(inside).join(name);
-            if writable {
-                fs.bind(dir, &dest);
-            } else {
-                fs.ro_bind(dir, &dest);
-            }
+    for (dir, inside, writable) in binds {
+        if *writable {
+            fs.bind(dir, inside);
+        } else {
+            fs.ro_bind(dir, inside);
         }
     }
     let mut args = fs.args;
@@ -501,28 +531,10 @@ pub(super) fn copy_args(
         "--bounding-set=-all",
         "--no-new-privs",
         "--",
-        "/bin/sh",
-        "-c",
     ] {
         args.push(a.into());
     }
-    // What the destination held goes first (a rewind puts a checkpoint's files in place of
-    // the session's; a fork's workspace is new and empty), unless some of it cannot go
-    // (`EMPTIED_CHECK`): then nothing is touched. `dir/.`: the directory's entries, hidden
-    // ones too, into the existing directory.
-    args.push(
-        format!(
-            "{} && \
-             find {COPY_TO}/home {COPY_TO}/tmp -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && \
-             cp -a --reflink=auto {COPY_FROM}/home/. {COPY_TO}/home/ && \
-             cp -a --reflink=auto {COPY_FROM}/tmp/. {COPY_TO}/tmp/",
-            crate::sandbox::criu::emptied_check(&[
-                &format!("{COPY_TO}/home"),
-                &format!("{COPY_TO}/tmp")
-            ])
-        )
-        .into(),
-    );
+    args.extend(command.iter().cloned());
     Some(args)
 }
 

@@ -24,7 +24,7 @@ impl Registry {
     /// Takes over the paused session of `user` whose copy is `copy` (`head` read from it,
     /// its record's secrets sealed by this node; its kernel ran as `uid`): this node's
     /// sandbox makes room for its files, the copy is claimed (the fence), its files are
-    /// written, sealed and checked, and it becomes a paused session here whose next use
+    /// written (a workspace that came as an archive unpacked), sealed and checked, and it becomes a paused session here whose next use
     /// resumes it. On any failure after the claim, what was written goes and the claim is
     /// given back. `None` if a session of that id is here already.
     pub async fn take_over_copy(
@@ -50,7 +50,11 @@ impl Registry {
             }));
         }
         let intake = Arc::new(intake);
-        let taken = match fill(&intake, &head, copy).await {
+        let filled = match fill(&intake, &head, copy).await {
+            Ok(()) => intake.unpack().await.map_err(|e| failed(&e)),
+            Err(e) => Err(e),
+        };
+        let taken = match filled {
             Ok(()) => {
                 let i = intake.clone();
                 tokio::task::spawn_blocking(move || i.finish())
@@ -158,8 +162,11 @@ async fn fill(
     let failed = |e: &dyn std::fmt::Display| CarryError(e.to_string());
     let expected = intake.expected();
     if expected.len() != head.files.len() || !head.files.iter().all(|(n, _)| expected.contains(n)) {
+        let names: Vec<String> = head.files.iter().map(|(n, _)| n.clone()).collect();
         return Err(CarryError(
-            "its copy's files are not those of its record".into(),
+            intake
+                .workspace_mismatch(&names)
+                .unwrap_or_else(|| "its copy's files are not those of its record".into()),
         ));
     }
     for (name, len) in &head.files {
