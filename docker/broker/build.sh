@@ -13,6 +13,8 @@
 #   KB_BROKER_IMAGE   image to build (default kernel-broker/broker:latest)
 #   KB_KERNEL_IMAGE   base image (default kernel-broker/python-kernel:latest)
 #   KB_BROKER_BIN     use this broker binary instead of building target/release/kernel-broker
+#   KB_CRIU_BIN       CRIU 4.x to put in the image (default /usr/local/sbin/criu, made by
+#                     scripts/setup-criu when missing)
 #   KB_ENGINE         docker (default) or podman
 #
 # Needs cargo (unless KB_BROKER_BIN), a running docker daemon (.ci/docker-setup.sh) and the
@@ -69,6 +71,15 @@ else
     cp "$bin" "$ctx/kernel-broker"
 fi
 chmod 0755 "$ctx/kernel-broker"
+# CRIU (pause and resume, forks of sessions with a workspace of their own, snapshots,
+# --carry-paused): the host's, built by scripts/setup-criu (Debian 12's 3.17 cannot dump on
+# current kernels); its libraries come from Debian in the image.
+criu="${KB_CRIU_BIN:-/usr/local/sbin/criu}"
+if [[ ! -x "$criu" ]]; then
+    log "no CRIU at $criu: scripts/setup-criu"
+    "$repo/scripts/setup-criu"
+fi
+install -m 0755 "$criu" "$ctx/criu"
 version="$("$ctx/kernel-broker" --version 2>/dev/null | awk '{ print $NF }' || true)"
 commit="$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [[ -n "$(git -C "$repo" status --porcelain -- src Cargo.toml Cargo.lock 2>/dev/null)" ]]; then

@@ -105,6 +105,7 @@ const CGROUPFS: &str = "cgroupfs: the broker's hierarchy (leaves it made), which
 
 /// Where path-based reads stand, how many, and why each is safe.
 const ALLOWED_READS: &[(&str, usize, &str)] = &[
+    ("src/sandbox/criu/caps.rs", 1, "procfs: /proc/self/status, the broker's own capabilities"),
     ("src/sandbox/loop_release.rs", 3, "the kernel's /sys/block listing and its loop devices' backing_file (the kernel writes them), and the canonical path of a workspace image in the broker's 0700 images directory"),
     ("src/sandbox/procfs.rs", 10, PROCFS),
     ("src/sandbox/fork.rs", 2, PROCFS),

@@ -26,6 +26,7 @@ use crate::sandbox::fsutil::{find_program, inherit_in_child};
 use crate::sandbox::pidfd;
 use crate::sandbox::procfs::uids_of;
 
+mod caps;
 mod programs;
 pub(crate) mod room;
 
@@ -85,7 +86,7 @@ impl From<String> for NoCopyTools {
 }
 
 /// CRIU (`configured`, else the first of [`CRIU_PLACES`] that is 4.0 or later) and
-/// `nsenter`; or why a copy cannot be made here. Blocking (runs `criu --version`).
+/// `nsenter`, with the capabilities to hand CRIU; or why a copy cannot be made here. Blocking (runs `criu --version`).
 pub(crate) fn find_tools(configured: Option<&Path>) -> Result<CopyTools, NoCopyTools> {
     let candidates: Vec<PathBuf> = match configured {
         Some(path) => vec![path.to_path_buf()],
@@ -117,6 +118,9 @@ pub(crate) fn find_tools(configured: Option<&Path>) -> Result<CopyTools, NoCopyT
     })?;
     let nsenter = find_program("nsenter")
         .ok_or_else(|| NoCopyTools("nsenter (util-linux) is not installed".into()))?;
+    if let Some(why) = caps::missing(caps::permitted()) {
+        return Err(NoCopyTools(why));
+    }
     Ok(CopyTools { criu, nsenter })
 }
 
