@@ -1075,6 +1075,40 @@ async fn until_carried(client: &tokio_postgres::Client, id: &str) {
     .await;
 }
 
+/// A fresh database, a node with `args` on it, and a session of alice's with a workspace
+/// of its own made there, `code` run in it, paused, and its copy stored (`--carry-paused`
+/// in `args`): the database's URL and a client of it, the node, the session.
+async fn carried_on_a_node(
+    args: &[&str],
+    code: &str,
+) -> (String, tokio_postgres::Client, SpawnedBroker, String) {
+    let url = pg::fresh_database().await;
+    let client = connect(&url).await;
+    let a = node(&url, args);
+    let p = own_session(&a).await;
+    pause_known(&a, &client, &p, code).await;
+    until_carried(&client, &p).await;
+    (url, client, a, p)
+}
+
+/// The copy of session `id` and its directory row are still `node`'s: a takeover that
+/// failed gave its claim back.
+async fn assert_claim_given_back(client: &tokio_postgres::Client, id: &str, node: &str) {
+    let row = client
+        .query_one(
+            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
+             WHERE s.id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        (node.to_string(), node.to_string()),
+        "the claim is given back"
+    );
+}
+
 /// Runs `code` in alice's session `id` through `node` until its answer is not one `waiting`
 /// says to wait past (a minute at most); that answer.
 async fn served(
@@ -1286,13 +1320,8 @@ async fn a_claimed_copy_is_taken_in_at_the_claimers_next_start() {
     if !criu_ready() {
         return;
     }
-    let url = pg::fresh_database().await;
-    let client = connect(&url).await;
     let args = CARRY;
-    let mut a = node(&url, &args);
-    let p = own_session(&a).await;
-    pause_known(&a, &client, &p, "kept = 'from a'").await;
-    until_carried(&client, &p).await;
+    let (url, client, mut a, p) = carried_on_a_node(&args, "kept = 'from a'").await;
     a.halt(Stop::Kill).await;
     for sql in [
         "UPDATE cluster_sessions SET node = 'claimer' WHERE id = $1",
@@ -1394,19 +1423,7 @@ async fn a_carried_copy_altered_in_the_database_or_for_another_uid_is_not_taken_
         (503, &json!("session_away")),
         "{x}"
     );
-    let row = client
-        .query_one(
-            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
-             WHERE s.id = $1",
-            &[&p],
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (row.get::<_, String>(0), row.get::<_, String>(1)),
-        (a_id.clone(), a_id),
-        "the claim is given back"
-    );
+    assert_claim_given_back(&client, &p, &a_id).await;
     for dir in ["paused", "sandboxes-images"] {
         let left: Vec<_> = std::fs::read_dir(b.data_dir().join(dir))
             .map(|d| d.flatten().map(|e| e.file_name()).collect())
@@ -1816,11 +1833,7 @@ async fn a_carried_session_whose_workspace_is_a_plain_directory_keeps_its_files(
     if !criu_ready() {
         return;
     }
-    let url = pg::fresh_database().await;
-    let client = connect(&url).await;
     let args = carry_plain();
-    let mut a = node(&url, &args);
-    let p = own_session(&a).await;
     let setup = "import os\n\
         os.makedirs('sub/deeper')\n\
         open('sub/deeper/data.csv', 'w').write('a,b\\n1,2\\n')\n\
@@ -1831,8 +1844,7 @@ async fn a_carried_session_whose_workspace_is_a_plain_directory_keeps_its_files(
         open('notes.txt', 'w').write('line one\\nline two\\n')\n\
         held = open('notes.txt'); held.readline()\n\
         kept = 42";
-    pause_known(&a, &client, &p, setup).await;
-    until_carried(&client, &p).await;
+    let (url, client, mut a, p) = carried_on_a_node(&args, setup).await;
     let files: Vec<String> = client
         .query(
             "SELECT DISTINCT file FROM paused_chunks WHERE session_id = $1",
@@ -1882,13 +1894,8 @@ async fn a_carried_workspace_archive_writes_only_into_its_own_directories() {
     if !criu_ready() {
         return;
     }
-    let url = pg::fresh_database().await;
-    let client = connect(&url).await;
     let args = carry_plain();
-    let mut a = node(&url, &args);
-    let p = own_session(&a).await;
-    pause_known(&a, &client, &p, "kept = 1").await;
-    until_carried(&client, &p).await;
+    let (url, client, mut a, p) = carried_on_a_node(&args, "kept = 1").await;
     let a_id = recorded_node(&client, &p).await;
     a.halt(Stop::Kill).await;
 
@@ -1960,19 +1967,7 @@ async fn a_carried_workspace_archive_writes_only_into_its_own_directories() {
     );
     let message = x["error"]["message"].as_str().unwrap();
     assert!(message.contains("contains '..'"), "tar's own refusal: {x}");
-    let row = client
-        .query_one(
-            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
-             WHERE s.id = $1",
-            &[&p],
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (row.get::<_, String>(0), row.get::<_, String>(1)),
-        (a_id.clone(), a_id),
-        "the claim is given back"
-    );
+    assert_claim_given_back(&client, &p, &a_id).await;
     // Nothing of it anywhere: not in the host's / or /tmp, not in either node's data
     // directory.
     let found = std::process::Command::new("find")
