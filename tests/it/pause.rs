@@ -827,3 +827,51 @@ async fn a_session_sharing_its_users_workspace_pauses_too(sandbox: &'static str)
     assert!(paused_images(&broker.data_dir).is_empty());
     broker.stop().await;
 }
+
+/// A broker without a capability it hands CRIU (a container started without
+/// `CAP_CHECKPOINT_RESTORE`, as Docker Engine before 23.0 must be): a pause and a fork of a
+/// session with a workspace of its own are refused with `409`, naming what is missing and
+/// how to add it, and the session runs on with its state.
+#[tokio::test]
+async fn a_broker_without_checkpoint_restore_refuses_pauses_saying_why() {
+    if !criu_ready() {
+        return;
+    }
+    // nextest runs each test in a process of its own: the capability dropped from this
+    // process's bounding set is missing in the broker it starts (root's permitted set at
+    // exec is the bounding set), and in no other test's.
+    if std::env::var("NEXTEST_EXECUTION_MODE").as_deref() != Ok("process-per-test") {
+        eprintln!("skipped: needs nextest's process per test");
+        return;
+    }
+    const CAP_CHECKPOINT_RESTORE: libc::c_ulong = 40;
+    // SAFETY: prctl with integer arguments only.
+    let dropped = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, CAP_CHECKPOINT_RESTORE, 0, 0, 0) };
+    assert_eq!(dropped, 0, "{}", std::io::Error::last_os_error());
+    let broker = common::spawned::SpawnedBroker::start(&[], None);
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "kept = 5").await;
+    let (status, v) = pause(&api, &a).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (409, Some("pause_refused")),
+        "{v}"
+    );
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("CAP_CHECKPOINT_RESTORE")
+            && message.contains("--cap-add CHECKPOINT_RESTORE"),
+        "{v}"
+    );
+    assert!(
+        !message.contains("CAP_SYS_PTRACE ("),
+        "only what is missing is named: {v}"
+    );
+    let (status, v) = api.post(&format!("/v1/sessions/{a}/fork"), json!({})).await;
+    assert_eq!(status, 409, "{v}");
+    assert!(v.to_string().contains("CAP_CHECKPOINT_RESTORE"), "{v}");
+    assert_eq!(out(&api, &a, "print(kept)").await, "5");
+    assert_eq!(state_of(&api, &a).await["state"], "idle");
+    broker.stop().await;
+}
