@@ -273,14 +273,15 @@ impl Cluster {
     }
 
     /// Gives a claimed session back to `from` (its copy could not be taken in here), so
-    /// that it is away again, as before the claim.
+    /// that it is away again, as before the claim; it was taken from nowhere (a session of
+    /// `from` that later runs there again must end with `from`'s loss).
     pub async fn unclaim_copy(&self, id: Uuid, from: &str) -> Result<(), ClusterError> {
         let me = &self.config.node_id;
         let id = id.to_string();
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         tx.execute(
-            "UPDATE cluster_sessions SET node = $3 WHERE id = $1 AND node = $2",
+            "UPDATE cluster_sessions SET node = $3, taken_from = NULL WHERE id = $1 AND node = $2",
             &[&id, me, &from],
         )
         .await?;

@@ -133,3 +133,13 @@ impl CarrierSlot {
         self.0.get()
     }
 }
+
+impl super::handle::Session {
+    /// Cluster mode with `--carry-paused`, at start: this paused session is carried to the
+    /// other nodes, as at its pause (its copy was cut short by this node's stop, or the
+    /// option is new). One that is not paused, or not to be carried, stays as it is.
+    pub async fn carry_paused(&self) {
+        self.tell_actor(|done| super::command::Command::CarryPaused { done })
+            .await;
+    }
+}

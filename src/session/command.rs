@@ -113,6 +113,12 @@ pub(super) enum Command {
     Detach {
         done: oneshot::Sender<()>,
     },
+    /// Cluster mode with `--carry-paused`, at start: carry this paused session to the
+    /// other nodes (its copy was cut short by the node's stop, or the option is new). One
+    /// that is not paused, or is being carried, stays as it is.
+    CarryPaused {
+        done: oneshot::Sender<()>,
+    },
     /// Cluster mode: another node took this paused session over (`--carry-paused`): its
     /// paused state here goes, nothing is recorded (the recording goes on there), and the
     /// actor stops.
@@ -158,6 +164,7 @@ impl Command {
             Command::Shutdown { .. } => "shutdown",
             Command::Detach { .. } => "detach",
             Command::TakenOver { .. } => "taken_over",
+            Command::CarryPaused { .. } => "carry_paused",
         }
     }
 }

@@ -559,15 +559,16 @@ impl Session {
     /// Ask the actor to let go of the kernel, alive, and stop (`--keep-sessions`); waits
     /// until it has. The state stays as it is: the record keeps it for the next run.
     pub(super) async fn detach(&self) {
-        self.stop_actor(|done| Command::Detach { done }).await;
+        self.tell_actor(|done| Command::Detach { done }).await;
     }
 
     /// Another node took this paused session over: its actor lets its paused state go.
     pub(super) async fn taken_over(&self) {
-        self.stop_actor(|done| Command::TakenOver { done }).await;
+        self.tell_actor(|done| Command::TakenOver { done }).await;
     }
 
-    async fn stop_actor(&self, cmd: impl FnOnce(oneshot::Sender<()>) -> Command) {
+    /// Sends `cmd` to the actor and waits until it is done (at once if the actor is gone).
+    pub(super) async fn tell_actor(&self, cmd: impl FnOnce(oneshot::Sender<()>) -> Command) {
         let (tx, rx) = oneshot::channel();
         if self.commands.send(cmd(tx)).await.is_ok() {
             let _ = rx.await;

@@ -1091,20 +1091,24 @@ async fn carried_on_a_node(
     (url, client, a, p)
 }
 
-/// The copy of session `id` and its directory row are still `node`'s: a takeover that
-/// failed gave its claim back.
+/// The copy of session `id` and its directory row are still `node`'s, taken from no other
+/// node: a takeover that failed gave its claim back.
 async fn assert_claim_given_back(client: &tokio_postgres::Client, id: &str, node: &str) {
     let row = client
         .query_one(
-            "SELECT s.node, c.node FROM cluster_sessions s JOIN paused_copies c ON c.session_id = s.id
-             WHERE s.id = $1",
+            "SELECT s.node, c.node, s.taken_from FROM cluster_sessions s
+             JOIN paused_copies c ON c.session_id = s.id WHERE s.id = $1",
             &[&id],
         )
         .await
         .unwrap();
     assert_eq!(
-        (row.get::<_, String>(0), row.get::<_, String>(1)),
-        (node.to_string(), node.to_string()),
+        (
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, Option<String>>(2)
+        ),
+        (node.to_string(), node.to_string(), None),
         "the claim is given back"
     );
 }
@@ -1988,6 +1992,37 @@ async fn a_carried_workspace_archive_writes_only_into_its_own_directories() {
             .unwrap_or_default();
         assert!(left.is_empty(), "{dir}: {left:?}");
     }
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}
+
+/// A paused session whose copy is not in the database when its node starts (the store cut
+/// short by the node's stop, or the session paused before `--carry-paused`) is carried at
+/// that start, so that another node can still take it over once this one is gone.
+#[tokio::test]
+async fn a_copy_cut_short_by_its_nodes_stop_is_made_at_its_next_start() {
+    if !criu_ready() {
+        return;
+    }
+    let args = carry_plain();
+    let (url, client, mut a, p) = carried_on_a_node(
+        &args,
+        "kept = 'made again'; open('f.txt', 'w').write('file')",
+    )
+    .await;
+    a.halt(Stop::Kill).await;
+    let gone = client
+        .execute("DELETE FROM paused_copies WHERE session_id = $1", &[&p])
+        .await
+        .unwrap();
+    assert_eq!(gone, 1, "the copy, as if its store had been cut short");
+    a.resume();
+    until_carried(&client, &p).await;
+    a.halt(Stop::Kill).await;
+    let b = node(&url, &args);
+    let x = served(&b, &p, "print(kept, open('f.txt').read())", not_yet).await;
+    assert_eq!(x["stdout"], "made again file\n", "{x}");
     b.stop().await;
     a.resume();
     a.stop().await;

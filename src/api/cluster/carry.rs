@@ -108,7 +108,9 @@ impl Carrier for DbCarrier {
 
 /// Start-up in cluster mode with `--carry-paused`: this node carries its paused sessions
 /// from now on; the paused sessions of its own another node took over while it was away
-/// go; the copies it claimed before it stopped, and had not taken in, are taken in.
+/// go; those without a copy (cut short by its stop) are carried; the copies it claimed
+/// before it stopped, and had not taken in, are taken in. Without the database, none of
+/// it (the fence still holds: a resume asks the database first).
 pub async fn start(registry: &Registry, cluster: &Arc<Cluster>, users: &[User]) {
     let Some(node) = registry.config().sealer.clone() else {
         tracing::warn!("cluster: paused sessions are not carried: this node keeps no records");
@@ -125,17 +127,38 @@ pub async fn start(registry: &Registry, cluster: &Arc<Cluster>, users: &[User]) 
         .filter(|s| s.state() == crate::session::SessionState::Paused)
         .map(|s| s.id)
         .collect();
-    match cluster.held_elsewhere(&paused).await {
-        Ok(taken) => registry.let_go(&taken).await,
+    let taken = match cluster.held_elsewhere(&paused).await {
+        Ok(taken) => taken,
         Err(e) => {
-            tracing::warn!(error = %e, "cluster: cannot read which paused sessions others took over")
+            tracing::warn!(error = %e, "cluster: cannot read which paused sessions others took over");
+            return;
         }
-    }
-    let claimed = cluster.copies_here().await.unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "cluster: cannot read the copies this node holds");
-        Vec::new()
-    });
+    };
+    registry.let_go(&taken).await;
+    let claimed = match cluster.copies_here().await {
+        Ok(claimed) => claimed,
+        Err(e) => {
+            tracing::warn!(error = %e, "cluster: cannot read the copies this node holds");
+            return;
+        }
+    };
     let all = registry.all();
+    // This node's paused sessions without a copy (cut short by its stop, or paused before
+    // the option): carried now, in the background, each as at its pause.
+    let uncarried: Vec<_> = all
+        .iter()
+        .filter(|s| {
+            s.state() == crate::session::SessionState::Paused
+                && !taken.contains(&s.id)
+                && !claimed.iter().any(|(id, _)| *id == s.id)
+        })
+        .cloned()
+        .collect();
+    tokio::spawn(async move {
+        for session in uncarried {
+            session.carry_paused().await;
+        }
+    });
     for (id, name) in claimed {
         if all.iter().any(|s| s.id == id) {
             continue;

@@ -333,6 +333,12 @@ impl Actor {
                 self.session.touch();
                 let _ = done.send(self.resume().await);
             }
+            Command::CarryPaused { done } => {
+                if let (Some(image), None) = (self.paused.clone(), &self.carrying) {
+                    self.carry(&image).await;
+                }
+                let _ = done.send(());
+            }
             Command::Shutdown { .. } | Command::Detach { .. } | Command::TakenOver { .. } => {}
         }
     }

@@ -226,7 +226,7 @@ impl Actor {
     /// answered, stored in the background after. One that cannot be made (a
     /// workspace shared with the user's other sessions, still in use, the database) leaves
     /// the session paused on this node only, as without the option.
-    async fn carry(&mut self, image: &PausedImage) {
+    pub(super) async fn carry(&mut self, image: &PausedImage) {
         let session = self.session.id;
         let Some(carrier) = self.config.carrier.get() else {
             return;
