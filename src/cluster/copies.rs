@@ -16,7 +16,9 @@
 //!   the row is paused, the copy is its holder's, and that holder is not live.
 //!
 //! The copy's bytes are opaque here: what they hold is the session layer's and the
-//! sandbox's.
+//! sandbox's, and each piece is sealed by the caller's [`StoredCopy::seal`] before it is
+//! written. After a copy's files, one more row ([`MANIFEST`]) holds, sealed the same way,
+//! how many pieces of each file were stored, so that a piece taken out is missed too.
 
 use std::fs::File;
 
@@ -32,6 +34,22 @@ const CHUNK: u64 = 1 << 20;
 
 /// Pieces read from disk at once.
 const BATCH: usize = 8;
+
+/// The file name of a copy's manifest row (at offset 0): a JSON object of each file's
+/// number of stored pieces, sealed. No file of a copy has an empty name.
+pub const MANIFEST: &str = "";
+
+/// Seals piece `at` of file `name` (its bytes) for the database, with the caller's key and
+/// binding (`StoredCopy::seal`).
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct PieceSeal(pub std::sync::Arc<dyn Fn(&str, u64, &[u8]) -> Vec<u8> + Send + Sync>);
+
+impl std::fmt::Debug for PieceSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PieceSeal")
+    }
+}
 
 /// One file of a copy to store: its data is at `extents` (offset, length) of `file`.
 #[derive(Debug)]
@@ -54,6 +72,8 @@ pub struct StoredCopy {
     /// What the session layer needs to take it back (opaque here).
     pub head: Vec<u8>,
     pub files: Vec<CopyFile>,
+    /// Seals each piece (and the manifest) before it is written.
+    pub seal: PieceSeal,
     /// True while the session is paused with these files: checked under the session's
     /// lock before the copy is committed, so a resume (or an end) that came meanwhile
     /// leaves none.
@@ -135,7 +155,9 @@ impl Cluster {
             BinaryCopyInWriter::new(sink, &[Type::TEXT, Type::TEXT, Type::INT8, Type::BYTEA]);
         futures::pin_mut!(rows);
         let mut bytes = 0u64;
+        let mut pieces_of = std::collections::BTreeMap::new();
         for f in copy.files {
+            let stored = pieces_of.entry(f.name.clone()).or_insert(0u64);
             let file = std::sync::Arc::new(f.file);
             let pieces: Vec<(u64, u64)> = f
                 .extents
@@ -152,17 +174,22 @@ impl Cluster {
                     // with the transaction), so that its resume does not wait for it.
                     return Ok(None);
                 }
-                for (at, data) in read_pieces(file.clone(), batch.to_vec()).await? {
-                    if data.iter().all(|b| *b == 0) {
-                        continue;
-                    }
-                    bytes += data.len() as u64;
+                let sealed = read_pieces(file.clone(), &f.name, batch.to_vec(), &copy.seal).await?;
+                for (at, len, data) in sealed {
+                    bytes += len;
+                    *stored += 1;
                     rows.as_mut()
                         .write(&[&id, &f.name, &(at as i64), &data])
                         .await?;
                 }
             }
         }
+        let manifest = serde_json::to_vec(&pieces_of)
+            .map_err(|e| ClusterError::Copy(std::io::Error::other(e)))?;
+        let manifest = (copy.seal.0)(MANIFEST, 0, &manifest);
+        rows.as_mut()
+            .write(&[&id, &MANIFEST, &0i64, &manifest])
+            .await?;
         rows.finish().await?;
         tx.execute(
             "UPDATE paused_copies SET bytes = $2 WHERE session_id = $1",
@@ -315,16 +342,16 @@ impl Cluster {
         .collect())
     }
 
-    /// The sessions whose copies this node holds, with their users.
-    pub async fn copies_here(&self) -> Result<Vec<(Uuid, String)>, ClusterError> {
+    /// The sessions whose copies this node holds, with their users and heads.
+    pub async fn copies_here(&self) -> Result<Vec<(Uuid, String, Vec<u8>)>, ClusterError> {
         let c = self.client().await?;
         Ok(c.query(
-            "SELECT session_id, user_name FROM paused_copies WHERE node = $1",
+            "SELECT session_id, user_name, head FROM paused_copies WHERE node = $1",
             &[&self.config.node_id],
         )
         .await?
         .iter()
-        .filter_map(|r| Some((Uuid::parse_str(r.get(0)).ok()?, r.get(1))))
+        .filter_map(|r| Some((Uuid::parse_str(r.get(0)).ok()?, r.get(1), r.get(2))))
         .collect())
     }
 
@@ -358,19 +385,26 @@ impl Cluster {
     }
 }
 
-/// The pieces (offset, length) of `file`, read on a blocking thread: (offset, bytes).
+/// The pieces (offset, length) of `file` (named `name`) that are not all zeros, read and
+/// sealed on a blocking thread: (offset, length, sealed bytes).
 async fn read_pieces(
     file: std::sync::Arc<File>,
+    name: &str,
     pieces: Vec<(u64, u64)>,
-) -> Result<Vec<(u64, Vec<u8>)>, ClusterError> {
+    seal: &PieceSeal,
+) -> Result<Vec<(u64, u64, Vec<u8>)>, ClusterError> {
+    let (name, seal) = (name.to_string(), seal.clone());
     tokio::task::spawn_blocking(move || {
-        pieces
-            .into_iter()
-            .map(|(at, n)| {
-                let mut buf = vec![0u8; n as usize];
-                std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, at).map(|()| (at, buf))
-            })
-            .collect::<std::io::Result<Vec<_>>>()
+        let mut out = Vec::with_capacity(pieces.len());
+        for (at, n) in pieces {
+            let mut buf = vec![0u8; n as usize];
+            std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, at)?;
+            if buf.iter().all(|b| *b == 0) {
+                continue;
+            }
+            out.push((at, n, (seal.0)(&name, at, &buf)));
+        }
+        Ok::<_, std::io::Error>(out)
     })
     .await
     .map_err(|e| ClusterError::Copy(std::io::Error::other(e)))?

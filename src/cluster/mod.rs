@@ -36,7 +36,7 @@ use uuid::Uuid;
 
 use crate::db::postgres as pg;
 
-pub use copies::{CopyFile, FoundCopy, StoredCopy};
+pub use copies::{CopyFile, FoundCopy, PieceSeal, StoredCopy, MANIFEST};
 pub use directory::{Directory, Listed};
 pub use lease::LEASE;
 pub use peers::Peer;
@@ -58,6 +58,18 @@ pub struct ClusterConfig {
     pub memory_capacity: Option<u64>,
     /// Paused sessions are carried to the database (`copies.rs`), for any node to resume.
     pub carry_paused: bool,
+    /// What the copies are sealed with (`--carry-key-file`), if not the cluster's key.
+    pub carry_key: Option<CarryKey>,
+}
+
+/// A key kept out of the database that carried copies are sealed with (never printed).
+#[derive(Clone)]
+pub struct CarryKey(pub Vec<u8>);
+
+impl std::fmt::Debug for CarryKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CarryKey(..)")
+    }
 }
 
 /// Errors of the cluster layer.
@@ -231,6 +243,15 @@ impl Cluster {
     /// Whether this node carries paused sessions to the database (`--carry-paused`).
     pub fn carries_paused(&self) -> bool {
         self.config.carry_paused
+    }
+
+    /// What carried copies are sealed with: `--carry-key-file`'s key, else the cluster's
+    /// (which the database holds).
+    pub fn carry_secret(&self) -> &[u8] {
+        match &self.config.carry_key {
+            Some(key) => &key.0,
+            None => self.key.as_bytes(),
+        }
     }
 
     pub fn is_draining(&self) -> bool {

@@ -18,6 +18,7 @@ fn config(url: &str, node: &str) -> ClusterConfig {
         session_capacity: 10,
         memory_capacity: Some(1 << 30),
         carry_paused: false,
+        carry_key: None,
     }
 }
 

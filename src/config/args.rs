@@ -371,6 +371,11 @@ pub struct ServeArgs {
     /// node this and the same --uid-base and users file) [default: false]
     #[arg(long, env = "KERNEL_BROKER_CARRY_PAUSED")]
     pub carry_paused: Option<bool>,
+    /// Cluster mode, --carry-paused: a file of at least 32 bytes (the same on every node,
+    /// kept out of the database) the copies are sealed with; without it, with the cluster's
+    /// key, which the database holds [default: none]
+    #[arg(long, env = "KERNEL_BROKER_CARRY_KEY_FILE")]
+    pub carry_key_file: Option<PathBuf>,
     /// This broker's name among those sharing a database (its open sessions are its own)
     /// [default: made on first start and kept in <data-dir>/node-id]
     #[arg(long, env = "KERNEL_BROKER_NODE_ID")]

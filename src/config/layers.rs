@@ -209,7 +209,34 @@ pub(super) fn cluster_config(
         session_capacity: either!(args, file, node_capacity_sessions).unwrap_or(1000),
         memory_capacity: either!(args, file, node_capacity_memory),
         carry_paused: either!(args, file, carry_paused).unwrap_or(false),
+        carry_key: either!(args, file, carry_key_file)
+            .map(|p| carry_key(&p))
+            .transpose()?,
     }))
+}
+
+/// The key in `--carry-key-file`: its contents, surrounding whitespace left out; at least
+/// 32 bytes.
+fn carry_key(path: &Path) -> Result<crate::cluster::CarryKey, ConfigError> {
+    let invalid =
+        |why: String| ConfigError::Invalid(format!("--carry-key-file {}: {why}", path.display()));
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(
+            std::fs::File::open(path).map_err(|e| invalid(e.to_string()))?,
+            4096,
+        ),
+        &mut bytes,
+    )
+    .map_err(|e| invalid(e.to_string()))?;
+    let key = String::from_utf8_lossy(&bytes).trim().as_bytes().to_vec();
+    if key.len() < 32 {
+        return Err(invalid(format!(
+            "{} bytes; it needs at least 32 (`openssl rand -hex 32`)",
+            key.len()
+        )));
+    }
+    Ok(crate::cluster::CarryKey(key))
 }
 
 /// This broker's node id, kept in `<data-dir>/node-id` (made on first start): stable across

@@ -490,3 +490,33 @@ fn secrets_patterns_and_the_policy_resolve_and_bad_ones_are_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn a_carry_key_file_is_read_and_a_short_one_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = |text: &str| {
+        let path = dir.path().join(format!("key-{}", text.len()));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let args = |file: PathBuf| ServeArgs {
+        data_dir: Some(dir.path().join("data")),
+        database_url: Some("postgres://kb:pw@db:5432/kb".into()),
+        advertise_url: Some("http://node-1:8080".into()),
+        carry_paused: Some(true),
+        carry_key_file: Some(file),
+        ..Default::default()
+    };
+    let resolve = |a| Settings::resolve(a, Some("tok-123456".into()));
+    let long = "k".repeat(40);
+    let cluster = resolve(args(key(&format!("{long}\n"))))
+        .unwrap()
+        .cluster
+        .unwrap();
+    assert_eq!(cluster.carry_key.as_ref().unwrap().0, long.as_bytes());
+    assert!(!format!("{cluster:?}").contains(&long), "never printed");
+    for bad in [key("short"), dir.path().join("missing")] {
+        let e = resolve(args(bad)).unwrap_err().to_string();
+        assert!(e.contains("--carry-key-file"), "{e}");
+    }
+}

@@ -72,20 +72,9 @@ impl Sealer {
     /// `secrets` sealed for `session` (base64 of nonce and ciphertext); the session id is
     /// bound in, so one session's sealed secrets do not unseal as another's.
     pub fn seal(&self, session: uuid::Uuid, secrets: &BTreeMap<String, String>) -> String {
-        let mut nonce = [0u8; 12];
-        rand::thread_rng().fill_bytes(&mut nonce);
         let plain = serde_json::to_vec(secrets).unwrap_or_default();
-        let payload = chacha20poly1305::aead::Payload {
-            msg: &plain,
-            aad: session.as_bytes(),
-        };
-        let sealed = self
-            .cipher
-            .encrypt(Nonce::from_slice(&nonce), payload)
-            .expect("sealing in memory cannot fail");
-        let mut out = nonce.to_vec();
-        out.extend_from_slice(&sealed);
-        base64::engine::general_purpose::STANDARD.encode(out)
+        base64::engine::general_purpose::STANDARD
+            .encode(self.seal_bytes(session.as_bytes(), &plain))
     }
 
     /// What [`Self::seal`] sealed for `session`, or `None`.
@@ -93,19 +82,35 @@ impl Sealer {
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(sealed)
             .ok()?;
-        if bytes.len() < 12 {
+        let plain = self.open_bytes(session.as_bytes(), &bytes)?;
+        serde_json::from_slice(&plain).ok()
+    }
+
+    /// `plain` sealed, bound to `aad` (which it does not hold): a fresh nonce, then the
+    /// ciphertext with its tag.
+    pub fn seal_bytes(&self, aad: &[u8], plain: &[u8]) -> Vec<u8> {
+        let mut nonce = [0u8; 12];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        let payload = chacha20poly1305::aead::Payload { msg: plain, aad };
+        let sealed = self
+            .cipher
+            .encrypt(Nonce::from_slice(&nonce), payload)
+            .expect("sealing in memory cannot fail");
+        let mut out = Vec::with_capacity(12 + sealed.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&sealed);
+        out
+    }
+
+    /// What [`Self::seal_bytes`] sealed with this key and `aad`, or `None` (another key,
+    /// another `aad`, or a byte changed).
+    pub fn open_bytes(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
+        if sealed.len() < 12 {
             return None;
         }
-        let (nonce, body) = bytes.split_at(12);
-        let payload = chacha20poly1305::aead::Payload {
-            msg: body,
-            aad: session.as_bytes(),
-        };
-        let plain = self
-            .cipher
-            .decrypt(Nonce::from_slice(nonce), payload)
-            .ok()?;
-        serde_json::from_slice(&plain).ok()
+        let (nonce, body) = sealed.split_at(12);
+        let payload = chacha20poly1305::aead::Payload { msg: body, aad };
+        self.cipher.decrypt(Nonce::from_slice(nonce), payload).ok()
     }
 }
 

@@ -1411,22 +1411,49 @@ async fn a_carried_copy_altered_in_the_database_or_for_another_uid_is_not_taken_
         "{x}"
     );
 
+    // A byte of a piece changed: the piece does not open.
+    let piece = "SELECT file, at, data FROM paused_chunks
+                 WHERE session_id = $1 AND file LIKE 'pages-%' ORDER BY at DESC LIMIT 1";
+    let kept = client.query_one(piece, &[&p]).await.unwrap();
+    let (file, at, data): (String, i64, Vec<u8>) = (kept.get(0), kept.get(1), kept.get(2));
     let altered = client
         .execute(
             "UPDATE paused_chunks SET data = overlay(data placing '\\xff'::bytea from 200 for 1)
-             WHERE session_id = $1 AND file LIKE 'pages-%' AND at = 0",
-            &[&p],
+             WHERE session_id = $1 AND file = $2 AND at = $3",
+            &[&p, &file, &at],
         )
         .await
         .unwrap();
-    assert!(altered >= 1);
+    assert_eq!(altered, 1);
     let b = node(&url, &with_uids("310000"));
-    let (status, x) = until_refused_with(&b, &p, "not as they were written").await;
+    let (status, x) = until_refused_with(&b, &p, "does not open").await;
     assert_eq!(
         (status, &x["error"]["code"]),
         (503, &json!("session_away")),
         "{x}"
     );
+    assert_claim_given_back(&client, &p, &a_id).await;
+    // The piece taken out (which would read as zeros): missed against the manifest.
+    client
+        .execute(
+            "DELETE FROM paused_chunks WHERE session_id = $1 AND file = $2 AND at = $3",
+            &[&p, &file, &at],
+        )
+        .await
+        .unwrap();
+    let (status, x) = until_refused_with(&b, &p, "and its node stored").await;
+    assert_eq!(status, 503, "{x}");
+    assert_claim_given_back(&client, &p, &a_id).await;
+    // Put back as it was, under another offset: it does not open there either.
+    client
+        .execute(
+            "INSERT INTO paused_chunks (session_id, file, at, data) VALUES ($1, $2, $3, $4)",
+            &[&p, &file, &(at + (1 << 20)), &data],
+        )
+        .await
+        .unwrap();
+    let (status, x) = until_refused_with(&b, &p, "does not open").await;
+    assert_eq!(status, 503, "{x}");
     assert_claim_given_back(&client, &p, &a_id).await;
     for dir in ["paused", "sandboxes-images"] {
         let left: Vec<_> = std::fs::read_dir(b.data_dir().join(dir))
@@ -1825,6 +1852,115 @@ fn carry_plain() -> Vec<&'static str> {
     args
 }
 
+/// Re-makes session `id`'s copy in the database as one who holds the cluster's key (read
+/// from the database, which keeps it) could: its head opened, file `name` given `data` as
+/// its one piece (and that length), the head sealed anew and every piece and the manifest
+/// sealed again for it, as `api/cluster/carry.rs` seals them.
+async fn forge_copy(client: &tokio_postgres::Client, id: &str, name: &str, data: &[u8]) {
+    use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+    use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+    use sha2::Digest;
+    let key: String = client
+        .query_one("SELECT key FROM cluster_key WHERE id = 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut derived = sha2::Sha256::new();
+    derived.update(b"kernel-broker: paused sessions' copies\0");
+    derived.update(key.as_bytes());
+    let cipher = ChaCha20Poly1305::new(Key::from_slice(&derived.finalize()));
+    let seal = |aad: &[u8], msg: &[u8]| {
+        let nonce: [u8; 12] = rand::random();
+        let mut out = nonce.to_vec();
+        out.extend(
+            cipher
+                .encrypt(Nonce::from_slice(&nonce), Payload { msg, aad })
+                .unwrap(),
+        );
+        out
+    };
+    let open = |aad: &[u8], sealed: &[u8]| {
+        let (nonce, msg) = sealed.split_at(12);
+        cipher
+            .decrypt(Nonce::from_slice(nonce), Payload { msg, aad })
+            .unwrap()
+    };
+    let uuid = uuid::Uuid::parse_str(id).unwrap();
+    let head_aad = [&b"kernel-broker copy head\0"[..], uuid.as_bytes()].concat();
+    let binding = |head: &[u8]| {
+        let digest = sha2::Sha256::digest(head);
+        [
+            &b"kernel-broker copy piece\0"[..],
+            uuid.as_bytes(),
+            &digest[..16],
+        ]
+        .concat()
+    };
+    let piece_aad = |binding: &[u8], file: &str, at: u64| {
+        [binding, file.as_bytes(), &[0], &at.to_be_bytes()].concat()
+    };
+    let old: Vec<u8> = client
+        .query_one(
+            "SELECT head FROM paused_copies WHERE session_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let mut head: Value = serde_json::from_slice(&open(&head_aad, &old)).unwrap();
+    for f in head["files"].as_array_mut().unwrap() {
+        if f[0] == name {
+            f[1] = json!(data.len());
+        }
+    }
+    let new = seal(&head_aad, &serde_json::to_vec(&head).unwrap());
+    let (old_binding, new_binding) = (binding(&old), binding(&new));
+    let rows = client
+        .query(
+            "SELECT file, at, data FROM paused_chunks WHERE session_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let mut pieces: Vec<(String, u64, Vec<u8>)> = vec![(name.to_string(), 0, data.to_vec())];
+    let mut manifest = serde_json::Map::new();
+    for r in &rows {
+        let (file, at, sealed): (String, i64, Vec<u8>) = (r.get(0), r.get(1), r.get(2));
+        let plain = open(&piece_aad(&old_binding, &file, at as u64), &sealed);
+        if file.is_empty() {
+            manifest = serde_json::from_slice(&plain).unwrap();
+        } else if file != name {
+            pieces.push((file, at as u64, plain));
+        }
+    }
+    for file in manifest.keys().cloned().collect::<Vec<_>>() {
+        let count = pieces.iter().filter(|p| p.0 == file).count();
+        manifest.insert(file, json!(count));
+    }
+    pieces.push((String::new(), 0, serde_json::to_vec(&manifest).unwrap()));
+    client
+        .execute("DELETE FROM paused_chunks WHERE session_id = $1", &[&id])
+        .await
+        .unwrap();
+    for (file, at, plain) in pieces {
+        let sealed = seal(&piece_aad(&new_binding, &file, at), &plain);
+        client
+            .execute(
+                "INSERT INTO paused_chunks (session_id, file, at, data) VALUES ($1, $2, $3, $4)",
+                &[&id, &file, &(at as i64), &sealed],
+            )
+            .await
+            .unwrap();
+    }
+    client
+        .execute(
+            "UPDATE paused_copies SET head = $2 WHERE session_id = $1",
+            &[&id, &new],
+        )
+        .await
+        .unwrap();
+}
+
 /// `--carry-paused` where own workspaces are plain directories (no quota, as in the
 /// shipped container deployments): the workspace travels as an archive made with the
 /// kernel's rights, and the session taken over on another node has its files as they
@@ -1847,8 +1983,23 @@ async fn a_carried_session_whose_workspace_is_a_plain_directory_keeps_its_files(
         open('/tmp/scratch.txt', 'w').write('in tmp')\n\
         open('notes.txt', 'w').write('line one\\nline two\\n')\n\
         held = open('notes.txt'); held.readline()\n\
+        open('marked.txt', 'w').write('kb-file-' + 'marker')\n\
+        marker = 'kb-memory-' + 'marker'\n\
         kept = 42";
     let (url, client, mut a, p) = carried_on_a_node(&args, setup).await;
+    // Sealed: the database holds none of its memory or files in the clear.
+    for marker in ["kb-memory-marker", "kb-file-marker"] {
+        let found: i64 = client
+            .query_one(
+                "SELECT count(*) FROM paused_chunks WHERE session_id = $1
+                 AND position($2::bytea in data) > 0",
+                &[&p, &marker.as_bytes()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(found, 0, "{marker} is in the database in the clear");
+    }
     let files: Vec<String> = client
         .query(
             "SELECT DISTINCT file FROM paused_chunks WHERE session_id = $1",
@@ -1925,42 +2076,8 @@ async fn a_carried_workspace_archive_writes_only_into_its_own_directories() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let archive = out.stdout;
-    let head: Vec<u8> = client
-        .query_one(
-            "SELECT head FROM paused_copies WHERE session_id = $1",
-            &[&p],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let mut head: Value = serde_json::from_slice(&head).unwrap();
-    for f in head["files"].as_array_mut().unwrap() {
-        if f[0] == "workspace.tar" {
-            f[1] = json!(archive.len());
-        }
-    }
-    let head = serde_json::to_vec(&head).unwrap();
-    client
-        .execute(
-            "UPDATE paused_copies SET head = $2 WHERE session_id = $1",
-            &[&p, &head],
-        )
-        .await
-        .unwrap();
-    client
-        .execute(
-            "DELETE FROM paused_chunks WHERE session_id = $1 AND file = 'workspace.tar'",
-            &[&p],
-        )
-        .await
-        .unwrap();
-    client
-        .execute(
-            "INSERT INTO paused_chunks (session_id, file, at, data) VALUES ($1, 'workspace.tar', 0, $2)",
-            &[&p, &archive],
-        )
-        .await
-        .unwrap();
+    // Made as one holding the cluster's key could: the copy opens, and tar is what stands.
+    forge_copy(&client, &p, "workspace.tar", &archive).await;
 
     let b = node(&url, &args);
     let (status, x) = until_refused_with(&b, &p, "unpacked").await;
@@ -2023,6 +2140,54 @@ async fn a_copy_cut_short_by_its_nodes_stop_is_made_at_its_next_start() {
     let b = node(&url, &args);
     let x = served(&b, &p, "print(kept, open('f.txt').read())", not_yet).await;
     assert_eq!(x["stdout"], "made again file\n", "{x}");
+    b.stop().await;
+    a.resume();
+    a.stop().await;
+}
+
+/// `args` as `&str`s.
+fn borrowed(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+/// `--carry-key-file`: copies sealed with a key kept out of the database are taken over
+/// only by a node with the same key; a node with another key (or the database's own, as
+/// one who reads the database could derive) refuses the copy and says so, and gives its
+/// claim back.
+#[tokio::test]
+async fn a_copy_sealed_with_a_key_file_opens_only_with_that_key() {
+    if !criu_ready() {
+        return;
+    }
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = |name: &str, key: &str| {
+        let path = keys.path().join(name);
+        std::fs::write(&path, key).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let (ours, theirs) = (
+        key_file("ours", &"a1".repeat(32)),
+        key_file("theirs", &"b2".repeat(32)),
+    );
+    let with_key = |key: &str| {
+        let mut args: Vec<String> = CARRY.iter().map(|a| a.to_string()).collect();
+        args.extend(["--carry-key-file".to_string(), key.to_string()]);
+        args
+    };
+    let (a_args, b_args, c_args) = (with_key(&ours), with_key(&ours), with_key(&theirs));
+    let (url, client, mut a, p) =
+        carried_on_a_node(&borrowed(&a_args), "kept = 'sealed with ours'").await;
+    let a_id = recorded_node(&client, &p).await;
+    a.halt(Stop::Kill).await;
+    for refusing in [node(&url, &borrowed(&c_args)), node(&url, &CARRY)] {
+        let (status, x) = until_refused_with(&refusing, &p, "does not open").await;
+        assert_eq!(status, 503, "{x}");
+        assert_claim_given_back(&client, &p, &a_id).await;
+        refusing.stop().await;
+    }
+    let b = node(&url, &borrowed(&b_args));
+    let x = served(&b, &p, "print(kept)", not_yet).await;
+    assert_eq!(x["stdout"], "sealed with ours\n", "{x}");
     b.stop().await;
     a.resume();
     a.stop().await;
