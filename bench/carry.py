@@ -116,6 +116,9 @@ def main():
             for sid in made["data"]:
                 ok = run(b, token, sid, "float(df.iloc[0, 0]) >= 0")
                 assert ok["results"][-1]["data"]["text/plain"] == "True", ok
+            for line in b.log:
+                if "copy taken in" in line:
+                    print("carry:", line.strip()[-160:], file=sys.stderr)
         finally:
             b.stop()
         for kind in kinds:

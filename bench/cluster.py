@@ -167,7 +167,8 @@ class Node:
                 "--memory-limit", str(16 << 30), "--pids-limit", "8192", "--cpu-limit", "2",
                 "--max-sessions-per-user", "200",
                 *[a.replace("{url}", self.url) for a in extra]]
-        env = dict(os.environ, KERNEL_BROKER_LOG="warn,kernel_broker::server=info")
+        env = dict(os.environ, KERNEL_BROKER_LOG="warn,kernel_broker::server=info,"
+                   "kernel_broker::session::registry::carry=info")
         env.pop("KERNEL_BROKER_TOKEN", None)
         self.log = collections.deque(maxlen=400)
         ready = threading.Event()

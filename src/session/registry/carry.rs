@@ -35,6 +35,7 @@ impl Registry {
         copy: &dyn CopyToTake,
     ) -> Result<Option<Arc<Session>>, CarryError> {
         let failed = |e: &dyn std::fmt::Display| CarryError(e.to_string());
+        let started = std::time::Instant::now();
         let sandbox = self.sandbox().carry().ok_or_else(|| {
             CarryError("this node's sandbox cannot take in paused kernels".into())
         })?;
@@ -50,10 +51,12 @@ impl Registry {
             }));
         }
         let intake = Arc::new(intake);
+        let claimed_ms = started.elapsed().as_millis() as u64;
         let filled = match fill(&intake, &head, copy).await {
             Ok(()) => intake.unpack().await.map_err(|e| failed(&e)),
             Err(e) => Err(e),
         };
+        let read_ms = started.elapsed().as_millis() as u64 - claimed_ms;
         let taken = match filled {
             Ok(()) => {
                 let i = intake.clone();
@@ -65,7 +68,10 @@ impl Registry {
             Err(e) => Err(e),
         };
         match taken {
-            Ok(image) => Ok(self.take_over(head.record, image, user).await),
+            Ok(image) => {
+                tracing::info!(session = %head.record.id, claimed_ms, read_ms, total_ms = started.elapsed().as_millis() as u64, "paused session's copy taken in");
+                Ok(self.take_over(head.record, image, user).await)
+            }
             Err(e) => {
                 if let Ok(intake) = Arc::try_unwrap(intake) {
                     let _ = tokio::task::spawn_blocking(move || intake.abandon()).await;
@@ -177,8 +183,8 @@ async fn fill(
             .map_err(|e| failed(&e))?;
         let mut from = 0u64;
         let mut page: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut chunks = copy.chunks(name, from).await?;
         loop {
-            let chunks = copy.chunks(name, from).await?;
             let done = chunks.is_empty();
             for (at, data) in chunks {
                 if at < from || at + data.len() as u64 > *len {
@@ -189,21 +195,39 @@ async fn fill(
                 from = at + data.len().max(1) as u64;
                 page.push((at, data));
             }
-            if done || page.iter().map(|p| p.1.len()).sum::<usize>() >= PAGE_BYTES {
-                let (i, n, written) = (intake.clone(), name.clone(), std::mem::take(&mut page));
-                tokio::task::spawn_blocking(move || {
-                    written
-                        .iter()
-                        .try_for_each(|(at, data)| i.write(&n, *at, data))
-                })
-                .await
-                .map_err(|e| failed(&e))?
-                .map_err(|e| failed(&e))?;
-            }
             if done {
+                write_page(intake, name, page).await?;
                 break;
+            }
+            // A full page is written while the next pieces are read (and opened).
+            if page.iter().map(|p| p.1.len()).sum::<usize>() >= PAGE_BYTES {
+                let written = write_page(intake, name, std::mem::take(&mut page));
+                let (written, next) = tokio::join!(written, copy.chunks(name, from));
+                written?;
+                chunks = next?;
+            } else {
+                chunks = copy.chunks(name, from).await?;
             }
         }
     }
     Ok(())
+}
+
+/// Writes `page` (pieces of file `name`: offset, bytes) into `intake`, on a blocking thread.
+async fn write_page(
+    intake: &Arc<Intake>,
+    name: &str,
+    page: Vec<(u64, Vec<u8>)>,
+) -> Result<(), CarryError> {
+    if page.is_empty() {
+        return Ok(());
+    }
+    let (i, n) = (intake.clone(), name.to_string());
+    tokio::task::spawn_blocking(move || {
+        page.iter()
+            .try_for_each(|(at, data)| i.write(&n, *at, data))
+    })
+    .await
+    .map_err(|e| CarryError(e.to_string()))?
+    .map_err(|e| CarryError(e.to_string()))
 }
