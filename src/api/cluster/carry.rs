@@ -6,20 +6,18 @@
 //! before it stopped, and lets go of what others took over meanwhile ([`start`]).
 //!
 //! A copy is sealed under a key every node derives from `--carry-key-file`, or else from
-//! the cluster's key (each node's own `secrets.key` seals its local records): its head (the record, the images' lengths and
-//! CRC-32s) bound to the session, each piece of its files bound to the session, to that
-//! head (a fresh nonce each store) and to its file and offset, and a manifest of how many
-//! pieces each file has. The database holds nothing of a paused kernel's memory or files
+//! the cluster's key (each node's own `secrets.key` seals its local records): its head
+//! (the record, the images' lengths and CRC-32s) bound to the session, each piece of its
+//! files bound to the session, to that head (a fresh nonce each store) and to its file and
+//! offset, and a manifest of how many pieces each file has. The database holds nothing of a paused kernel's memory or files
 //! in the clear, and a copy altered there (a piece changed, moved, taken out, or brought
 //! from another copy) is refused by the node that would take it over.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use uuid::Uuid;
-
-use std::collections::BTreeMap;
-
 use sha2::Digest;
+use uuid::Uuid;
 
 use crate::api::auth::User;
 use crate::cluster::{Cluster, CopyFile, PieceSeal, StoredCopy, MANIFEST};
