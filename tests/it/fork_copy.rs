@@ -347,7 +347,9 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied(sandbox: &'s
     }
     // A real child of the kernel, not held: one that keeps the kernel's sockets makes
     // CRIU refuse the dump, saying so; one that holds nothing is dumped and restored, and
-    // the wake signal ends it (its default action), so the fork never becomes ready.
+    // the wake signal ends it (its default action), so the fork never becomes ready. The
+    // kernel answers once its child has set itself up (as a real held child does): a dump
+    // begun before the child put 0-2 on the sandbox's /dev/null would find the kernel's.
     for (keep, needle) in [
         ("False", "CRIU could not dump"),
         ("True", "did not become ready"),
@@ -358,15 +360,18 @@ async fn a_kernel_that_lies_about_its_held_fork_gets_nothing_copied(sandbox: &'s
             &format!(
                 "import os, time\n\
                  def _child(stream, ident, parent):\n\
+                 \x20   r, w = os.pipe()\n\
                  \x20   pid = os.fork()\n\
                  \x20   if pid == 0:\n\
                  \x20       os.setsid()\n\
                  \x20       if {keep}:\n\
                  \x20           n = os.open('/dev/null', os.O_RDWR)\n\
                  \x20           [os.dup2(n, i) for i in (0, 1, 2)]\n\
-                 \x20           os.closerange(3, 65536)\n\
+                 \x20           os.closerange(3, w); os.closerange(w + 1, 65536)\n\
+                 \x20       os.write(w, b'x'); os.close(w)\n\
                  \x20       time.sleep(60)\n\
                  \x20       os._exit(0)\n\
+                 \x20   os.close(w); os.read(r, 1); os.close(r)\n\
                  \x20   _k.session.send(stream, 'kb_fork_reply', {{'status': 'ok', 'pid': pid}}, parent, ident=ident)\n\
                  _k.shell_handlers['kb_fork_request'] = _child\n"
             ),
