@@ -146,6 +146,12 @@ impl Carrier for DbCarrier {
     }
 }
 
+/// The key copies in the database are sealed with: derived from `--carry-key-file` when
+/// given, else from the cluster's key.
+fn copies_sealer(cluster: &Cluster) -> Sealer {
+    Sealer::derived(PURPOSE, cluster.carry_secret())
+}
+
 /// Start-up in cluster mode with `--carry-paused`: this node carries its paused sessions
 /// from now on; the paused sessions of its own another node took over while it was away
 /// go; those without a copy (cut short by its stop) are carried; the copies it claimed
@@ -159,7 +165,7 @@ pub async fn start(registry: &Registry, cluster: &Arc<Cluster>, users: &[User]) 
     registry.config().carrier.set(Arc::new(DbCarrier {
         cluster: cluster.clone(),
         node,
-        shared: Sealer::derived(PURPOSE, cluster.carry_secret()),
+        shared: copies_sealer(cluster),
     }));
     let paused: Vec<Uuid> = registry
         .all()
@@ -186,7 +192,7 @@ pub async fn start(registry: &Registry, cluster: &Arc<Cluster>, users: &[User]) 
     // This node's paused sessions without a copy (cut short by its stop, or paused before
     // the option) or with one in the clear (stored before copies were sealed): carried
     // now, in the background, each as at its pause.
-    let shared = Sealer::derived(PURPOSE, cluster.carry_secret());
+    let shared = copies_sealer(cluster);
     let sealed_copy = |id: Uuid| {
         claimed
             .iter()
@@ -361,7 +367,7 @@ pub(super) async fn take_over(
     if copy.node != from {
         return Err(NotTaken(format!("node {} holds it now", copy.node)));
     }
-    let shared = Sealer::derived(PURPOSE, cluster.carry_secret());
+    let shared = copies_sealer(cluster);
     let opened = shared
         .open_bytes(&head_aad(id), &copy.head)
         .ok_or_else(|| {
