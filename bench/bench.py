@@ -137,9 +137,17 @@ def stop_process(proc, descendants=(), grace=30):
 
 
 def drain(stream, sink, on_line=None):
+    # KB_BENCH_LOG_FILE: every line of the broker's log appended there too (with
+    # KB_BENCH_LOG=debug, the broker's own timings of each step).
+    copy = os.environ.get("KB_BENCH_LOG_FILE")
+
     def pump():
+        out = open(copy, "a") if copy else None
         for line in stream:
             sink.append(line)
+            if out:
+                out.write(line)
+                out.flush()
             if on_line:
                 on_line(line)
         if on_line:

@@ -103,23 +103,81 @@ pub(crate) fn inventory(dir: &OwnedFd) -> io::Result<Vec<ImageFile>> {
                 format!("{name:?} is not an image file"),
             ));
         }
-        let mut file = std::fs::File::from(fd);
-        let (mut crc, mut len) = (crc32fast::Hasher::new(), 0u64);
-        loop {
-            let n = file.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            crc.update(&buf[..n]);
-            len += n as u64;
-        }
-        files.push(ImageFile {
-            name,
-            len,
-            crc32: crc.finalize(),
-        });
+        let file = std::fs::File::from(fd);
+        let (crc32, len) = if st.st_size as u64 >= SPLIT_ABOVE {
+            crc_in_parts(&file, st.st_size as u64)?
+        } else {
+            crc_read(&file, &mut buf)?
+        };
+        files.push(ImageFile { name, len, crc32 });
     }
     Ok(files)
+}
+
+/// An image file at least this long is read by [`crc_in_parts`].
+const SPLIT_ABOVE: u64 = 16 << 20;
+
+/// `file`'s CRC-32 and length, read to its end.
+fn crc_read(mut file: &std::fs::File, buf: &mut [u8]) -> io::Result<(u32, u64)> {
+    let (mut crc, mut len) = (crc32fast::Hasher::new(), 0u64);
+    loop {
+        let n = file.read(buf)?;
+        if n == 0 {
+            return Ok((crc.finalize(), len));
+        }
+        crc.update(&buf[..n]);
+        len += n as u64;
+    }
+}
+
+/// `file`'s CRC-32 and length as [`crc_read`] gives them, its `size` bytes read in parts
+/// on as many threads as the machine has cores (up to 4), the parts' CRCs combined: the
+/// pages of a paused kernel are hundreds of megabytes, read on a pause's and a resume's
+/// path. A file cut short meanwhile reads shorter; one that grew, as far as `size`.
+fn crc_in_parts(file: &std::fs::File, size: u64) -> io::Result<(u32, u64)> {
+    use std::os::unix::fs::FileExt;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4)) as u64;
+    let part = size.div_ceil(threads);
+    let parts: Vec<io::Result<(crc32fast::Hasher, u64)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                let (start, end) = (i * part, ((i + 1) * part).min(size));
+                scope.spawn(move || {
+                    let mut buf = vec![0u8; 1 << 20];
+                    let (mut crc, mut at) = (crc32fast::Hasher::new(), start);
+                    while at < end {
+                        let want = ((end - at) as usize).min(buf.len());
+                        let n = file.read_at(&mut buf[..want], at)?;
+                        if n == 0 {
+                            break;
+                        }
+                        crc.update(&buf[..n]);
+                        at += n as u64;
+                    }
+                    Ok((crc, at - start))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("an image's reader panicked")))
+            })
+            .collect()
+    });
+    let (mut crc, mut len) = (crc32fast::Hasher::new(), 0u64);
+    for (i, got) in parts.into_iter().enumerate() {
+        let (part_crc, n) = got?;
+        let expected = part.min(size.saturating_sub(i as u64 * part));
+        crc.combine(&part_crc);
+        len += n;
+        if n < expected {
+            // Cut short here: what follows is not the file's.
+            break;
+        }
+    }
+    Ok((crc.finalize(), len))
 }
 
 /// A paused kernel's images are not as they were sealed; the text says how.
@@ -155,13 +213,23 @@ pub(crate) fn check_inventory(dir: &OwnedFd, sealed: &[ImageFile]) -> Result<(),
 /// The images' directory of `image`, opened, once its files are checked to be as they were
 /// sealed ([`check_inventory`]): what a resume hands CRIU.
 pub(crate) async fn open_checked(image: &PausedImage) -> Result<OwnedFd, ForkError> {
+    let (images, check) = open_checking(image)?;
+    check.passed().await?;
+    Ok(images)
+}
+
+/// The images' directory of `image`, opened, and their check ([`check_inventory`]) begun
+/// on a thread of its own: a resume restores them meanwhile (CRIU reads them as the
+/// kernel's uid, with no more than the kernel's rights) and uses the kernel it made only
+/// once [`ImagesCheck::passed`]; one made from damaged images is dropped, so ended.
+pub(crate) fn open_checking(image: &PausedImage) -> Result<(OwnedFd, ImagesCheck), ForkError> {
     let images = crate::sandbox::fsutil::open_tree_root(&image.dir)
         .map_err(|e| copy_failed(format!("its images cannot be opened: {e}")))?;
     let (checked, files) = (
         images.try_clone().map_err(|e| copy_failed(e.to_string()))?,
         image.files.clone(),
     );
-    tokio::task::spawn_blocking(move || {
+    let check = tokio::task::spawn_blocking(move || {
         let started = std::time::Instant::now();
         let checked = check_inventory(&checked, &files);
         tracing::debug!(
@@ -169,11 +237,21 @@ pub(crate) async fn open_checked(image: &PausedImage) -> Result<OwnedFd, ForkErr
             "paused images checked"
         );
         checked
-    })
-    .await
-    .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
-    .map_err(|e| copy_failed(e.to_string()))?;
-    Ok(images)
+    });
+    Ok((images, ImagesCheck(check)))
+}
+
+/// A check of a paused kernel's images under way ([`open_checking`]).
+pub(crate) struct ImagesCheck(tokio::task::JoinHandle<Result<(), ImagesDamaged>>);
+
+impl ImagesCheck {
+    /// Whether the images were as they were sealed; else why not.
+    pub(crate) async fn passed(self) -> Result<(), ForkError> {
+        self.0
+            .await
+            .map_err(|e| copy_failed(format!("the images' task failed: {e}")))?
+            .map_err(|e| copy_failed(e.to_string()))
+    }
 }
 
 /// The inventory of the sealed images in `images` ([`inventory`]), in a blocking task;
@@ -373,6 +451,35 @@ mod millis {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_image_read_in_parts_has_the_crc_of_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pages-1.img");
+        let size = SPLIT_ABOVE as usize + 4099;
+        let mut bytes: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let whole = crc32fast::hash(&bytes);
+        assert_eq!(
+            crc_in_parts(&file, size as u64).unwrap(),
+            (whole, size as u64)
+        );
+        let mut buf = vec![0u8; 1 << 20];
+        assert_eq!(crc_read(&file, &mut buf).unwrap(), (whole, size as u64));
+        // The last byte changed: told by its part.
+        bytes[size - 1] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let (crc, _) = crc_in_parts(&std::fs::File::open(&path).unwrap(), size as u64).unwrap();
+        assert_ne!(crc, whole);
+        // Cut short after its size was read: shorter, with the CRC of what is left.
+        std::fs::write(&path, &bytes[..size / 3]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        assert_eq!(
+            crc_in_parts(&file, size as u64).unwrap(),
+            (crc32fast::hash(&bytes[..size / 3]), (size / 3) as u64)
+        );
+    }
 
     #[test]
     fn a_changed_truncated_missing_or_added_image_file_is_told() {

@@ -348,12 +348,15 @@ impl Session {
 
     /// Gives the session's memory back to its user; call once the kernel is gone.
     pub(crate) fn release_memory(&self) {
-        let (process, memory) = {
-            let mut state = self.locked();
-            (state.process.take(), state.memory.take())
-        };
         // Dropped outside the lock: the reservation goes back to the ledger's own.
-        drop((process, memory));
+        drop(self.take_memory());
+    }
+
+    /// The session's memory, taken from it to be given back to its user when the value is
+    /// dropped: once a kernel ending in the background is gone.
+    pub(crate) fn take_memory(&self) -> impl Send + 'static {
+        let mut state = self.locked();
+        (state.process.take(), state.memory.take())
     }
 
     pub fn state(&self) -> SessionState {

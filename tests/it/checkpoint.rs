@@ -74,20 +74,6 @@ async fn rewind(api: &Api, id: &str, cp: &str) -> (u16, Value) {
     .await
 }
 
-/// `user`'s cgroup leaves (pids hierarchy), sorted.
-fn leaves(broker: &Broker, user: &str) -> Vec<String> {
-    let dir = pids_cgroup_base(broker.cgroup_name()).join(user);
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 /// The host pids in leaf `leaf` of `user`.
 fn leaf_pids(broker: &Broker, user: &str, leaf: &str) -> Vec<i32> {
     std::fs::read_to_string(
@@ -380,7 +366,7 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
     assert_eq!(rewind(&api, &a, cp).await.0, 200);
     assert_eq!(out(&api, &a, "print(x)").await.trim(), "1");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    while leaves(&broker, "alice").contains(&replaced) || replaced_pids.iter().any(running) {
+    while user_leaves(&broker, "alice").contains(&replaced) || replaced_pids.iter().any(running) {
         assert!(
             std::time::Instant::now() < deadline,
             "the kernel a rewind replaced is left: {replaced} {replaced_pids:?}"
@@ -388,7 +374,7 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     theirs.push(live_leaf().await);
-    let during = leaves(&broker, "alice");
+    let during = user_leaves(&broker, "alice");
     assert!(
         theirs.iter().all(|l| during.contains(l)),
         "{theirs:?} / {during:?}"
@@ -401,7 +387,7 @@ async fn deleting_the_session_ends_its_checkpoints_and_leaves_nothing() {
     // Held checkpoints wait on their control socket: nothing is frozen.
     let freezer = std::path::Path::new("/sys/fs/cgroup/freezer").join(broker.cgroup_name());
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
-    let after = leaves(&broker, "alice");
+    let after = user_leaves(&broker, "alice");
     assert!(
         theirs.iter().all(|l| !after.contains(l)),
         "{theirs:?} / {after:?}"
@@ -799,7 +785,7 @@ async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
     )
     .await;
     let live_pid = out(&api, &a, "print(os.getpid())").await;
-    let before = leaves(&broker, "alice");
+    let before = user_leaves(&broker, "alice");
     let fork_dirs = "print(sorted(d for d in os.listdir('/run/kernel') if d.startswith('f')))";
     let dirs = out(&api, &a, fork_dirs).await;
     for lie in ["1", "live", "99999", "-3"] {
@@ -824,7 +810,7 @@ async fn a_checkpoint_that_lies_about_its_fork_gets_nothing_adopted() {
             out(&api, &a, "print(x, os.getpid())").await,
             format!("2 {live_pid}")
         );
-        assert_eq!(leaves(&broker, "alice"), before, "{lie}");
+        assert_eq!(user_leaves(&broker, "alice"), before, "{lie}");
         assert_eq!(out(&api, &a, fork_dirs).await, dirs, "{lie}");
         let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
         assert_eq!(s["state"], "idle", "{s}");
@@ -891,9 +877,9 @@ async fn a_rewind_brings_a_dead_session_back() {
     assert_eq!(s["state"], "idle", "{s}");
     assert_eq!(s["dead_reason"], Value::Null, "{s}");
     assert_eq!(out(&api, &a, "print(x)").await, "1");
-    assert!(!leaves(&broker, "alice").contains(&dead_leaf));
+    assert!(!user_leaves(&broker, "alice").contains(&dead_leaf));
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
-    assert!(!leaves(&broker, "alice").contains(&a));
+    assert!(!user_leaves(&broker, "alice").contains(&a));
     broker.stop().await;
 }
 
@@ -937,14 +923,14 @@ async fn every_execution_checkpoints_a_kernel_lies_about_are_not_kept() {
         )
         .await;
         only_the_first(&list(&api, &a).await);
-        let before = leaves(&broker, "alice");
+        let before = user_leaves(&broker, "alice");
         let listed = out(&api, &a, dirs).await;
         out(&api, &a, &format!("x = {i}")).await;
         assert_eq!(out(&api, &a, "print(x)").await, i.to_string(), "{lie}");
         only_the_first(&list(&api, &a).await);
         assert_eq!(out(&api, &a, dirs).await, listed, "{lie}");
         let _ = list(&api, &a).await;
-        assert_eq!(leaves(&broker, "alice"), before, "{lie}");
+        assert_eq!(user_leaves(&broker, "alice"), before, "{lie}");
         let (_, s) = api.get(&format!("/v1/sessions/{a}")).await;
         assert_eq!(s["state"], "idle", "{lie}: {s}");
     }
@@ -1109,7 +1095,7 @@ async fn a_second_rewind_to_a_checkpoint_takes_the_kernel_made_for_it_meanwhile(
     // Another session first: the user's template and its leaves are there before.
     let keep = api.create().await;
     out(&api, &keep, "pass").await;
-    let before = leaves(&broker, "alice");
+    let before = user_leaves(&broker, "alice");
     let a = api.create().await;
     out(&api, &a, "x = 1; import random; random.seed(5)").await;
     let cp = take(&api, &a).await;
@@ -1158,31 +1144,35 @@ async fn a_second_rewind_to_a_checkpoint_takes_the_kernel_made_for_it_meanwhile(
     // kernels the rewinds replaced have ended). A pause ends the spare with the live
     // kernel (the session gives its memory back), leaving the checkpoint; the session's
     // end ends everything: no leaf of the session's is left.
+    // (Waited for on the runtime: the broker's tasks end those kernels.)
     let count_is = |want: usize| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-        loop {
-            let now = leaves(&broker, "alice");
-            if now.len() == want {
-                return;
+        let broker = &broker;
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+            loop {
+                let now = user_leaves(broker, "alice");
+                if now.len() == want {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{now:?}, not {want} leaves"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{now:?}, not {want} leaves"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     };
-    count_is(before.len() + 3);
+    count_is(before.len() + 3).await;
     if criu_ready() {
         let (status, v) = api
             .post(&format!("/v1/sessions/{a}/pause"), json!({}))
             .await;
         assert_eq!(status, 200, "{v}");
-        count_is(before.len() + 1);
+        count_is(before.len() + 1).await;
         assert_eq!(out(&api, &a, "print(x)").await, "1");
     }
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     // (The pool's kernel that became the session's was replaced by another: as many.)
-    assert_eq!(leaves(&broker, "alice").len(), before.len());
+    assert_eq!(user_leaves(&broker, "alice").len(), before.len());
     broker.stop().await;
 }

@@ -65,6 +65,17 @@ fn processes_in_leaf(id: &str) -> usize {
         .count()
 }
 
+/// Waits until no process is left in the leaf of the kernel of `id`, paused: it ends
+/// after the pause's answer (SIGKILL, its sandbox emptied: tens of milliseconds).
+async fn kernel_gone(id: &str) {
+    within(10, "no process of the paused kernel to be left", async {
+        while processes_in_leaf(id) != 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
 /// Where a backend keeps the paused kernels' images, in the data directory.
 fn paused_dir(sandbox: &str) -> &'static str {
     match sandbox {
@@ -162,7 +173,7 @@ async fn a_paused_session_comes_back_with_its_state_on_any_use(sandbox: &'static
     assert_eq!(s["state"], "paused", "{s}");
     assert!(s["memory_used_bytes"].is_null(), "{s}");
     if leaf_named {
-        assert_eq!(processes_in_leaf(&a), 0, "no process of the kernel is left");
+        kernel_gone(&a).await;
     }
     if sandbox == "docker" {
         // Removed after the answer (the engine takes about a second).
@@ -285,7 +296,62 @@ async fn a_damaged_paused_kernel_leaves_the_session_dead_saying_why(sandbox: &'s
         .await;
     assert_eq!(status, 200);
     assert_eq!(out(&api, &a, "print(1 + 1)").await, "2");
+
+    // One byte of its memory changed, the length kept: CRIU would restore it as it is; the
+    // check made beside the restore refuses it before anything connects to it.
+    let before = user_leaves(&broker, "alice");
+    let c = own(&api).await;
+    out(&api, &c, "z = 3").await;
+    assert_eq!(pause(&api, &c).await.0, 200);
+    let images = paused_images(&broker.data_dir);
+    assert_eq!(images.len(), 1, "{images:?}");
+    flip_a_page_byte(&images[0]);
+    let (status, v) = resume(&api, &c).await;
+    assert_eq!(status, 502, "{v}");
+    let s = state_of(&api, &c).await;
+    assert_eq!(s["state"], "dead", "{s}");
+    let reason = s["dead_reason"].as_str().unwrap();
+    assert!(
+        reason.contains("not as they were written") && reason.contains("pages-"),
+        "{s}"
+    );
+    assert!(paused_images(&broker.data_dir).is_empty());
+    // The kernel restored from them is gone with its sandbox.
+    if sandbox == "local" {
+        within(20, "the restored kernel's sandbox to go", async {
+            while user_leaves(&broker, "alice") != before {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+    }
+    assert_eq!(out(&api, &b, "print(y)").await, "2");
     broker.stop().await;
+}
+
+/// Changes one byte in the middle of the pages image in `dir`, as root could.
+fn flip_a_page_byte(dir: &std::path::Path) {
+    use std::os::unix::fs::FileExt;
+    let pages = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("pages-")
+        })
+        .expect("a pages image");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&pages)
+        .unwrap();
+    let at = file.metadata().unwrap().len() / 2;
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
 }
 
 async fn what_cannot_be_paused_is_refused_and_goes_on_running(sandbox: &'static str) {
@@ -392,7 +458,7 @@ async fn idle_sessions_pause_by_themselves_and_paused_ones_expire(sandbox: &'sta
     })
     .await;
     assert!(paused, "{}", state_of(&api, &a).await);
-    assert_eq!(processes_in_leaf(&a), 0);
+    kernel_gone(&a).await;
     assert_eq!(state_of(&api, &shared).await["state"], "idle");
     assert_eq!(out(&api, &shared, "print(y)").await, "2");
     // Used again, it resumes; idle again, it pauses again.

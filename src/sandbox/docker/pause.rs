@@ -28,7 +28,7 @@ use crate::sandbox::cgroup::ContainerCgroup;
 use crate::sandbox::criu::{copy_failed, dump_and_seal};
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil::{self, launch_failed, remove_dir_logged};
-use crate::sandbox::pause::{list_images, make_images_dir, open_checked, record, PausedImage};
+use crate::sandbox::pause::{list_images, make_images_dir, open_checking, record, PausedImage};
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched, SandboxUser};
 use crate::sync::lock;
 
@@ -232,10 +232,23 @@ impl Inner {
                 "a paused kernel resumes as itself, in its own container or its user's".into(),
             ));
         }
-        let images = open_checked(image).await?;
+        // Checked while its container is made: the /tmp archived with it is unpacked there
+        // only from images as they were sealed.
+        let (images, check) = open_checking(image)?;
         // The session's container, or a new one: it went when the session paused
         // (`release_own_container`), or with the broker.
-        let made = self.copy_container(&spec).await?;
+        let made = self.copy_container(&spec).await;
+        let made = match check.passed().await {
+            Ok(()) => made?,
+            Err(e) => {
+                if let (Ok(made), Some(key)) = (&made, spec.own_workspace) {
+                    if made.new_container {
+                        self.release_own_container(&spec.user, key).await;
+                    }
+                }
+                return Err(e);
+            }
+        };
         // A new container's /tmp is empty: the pause's archive of it is unpacked there.
         let carried = (made.new_container && image.files.iter().any(|f| f.name == FILES))
             .then_some(Carried::Tmp);

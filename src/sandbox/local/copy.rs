@@ -48,7 +48,7 @@ use crate::sandbox::criu::{
 };
 use crate::sandbox::fork::{find_fork, ForkError, ForkOrigin, PreparedFork};
 use crate::sandbox::fsutil;
-use crate::sandbox::pause::make_images_dir;
+use crate::sandbox::pause::{make_images_dir, ImagesCheck};
 use crate::sandbox::procfs::child_with_namespace_pid;
 use crate::sandbox::{LaunchSpec, Launched};
 
@@ -199,7 +199,8 @@ impl LocalSandbox {
         pid: i64,
     ) -> Result<Launched, ForkError> {
         let images = self.dump_held(&origin, &spec, dir, pid).await?;
-        self.restore_images(spec, &images.0, pid, images.1).await
+        self.restore_images(spec, &images.0, pid, images.1, None)
+            .await
     }
 
     /// Step 3: the held child `pid` of `origin` (checked as a fork's) dumped into `dir`
@@ -242,6 +243,7 @@ impl LocalSandbox {
         images: &OwnedFd,
         pid: i64,
         dumped: Duration,
+        check: Option<ImagesCheck>,
     ) -> Result<Launched, ForkError> {
         let tools = self.copy_tools().await?;
         let cgroups = self.startup().await?;
@@ -290,7 +292,10 @@ impl LocalSandbox {
         let sandbox = self.start_sandbox(spec, command, cgroups, options).await?;
         drop(log_write);
         drop(programs);
-        let restored = restore_result(log_read).await;
+        let restored = match check {
+            Some(check) => checked_restore(restore_result(log_read), check).await,
+            None => restore_result(log_read).await,
+        };
         let woken = restored.and_then(|()| {
             // CRIU's child, of the pid it had, in the new sandbox.
             let init = sandbox.kernel.init_pid.get().copied();
@@ -364,5 +369,26 @@ impl LocalSandbox {
     /// images hold a kernel's memory. Blocking.
     pub(super) fn sweep_copies(&self) {
         crate::sandbox::criu::sweep_copies(&self.copies_dir());
+    }
+}
+
+/// `restore` (CRIU's, reading images as the kernel's uid) beside `check` of its images:
+/// done when both are, failed as soon as either is (CRIU may wait a long time on a
+/// damaged image before it gives up); the check's failure is told first.
+async fn checked_restore(
+    restore: impl std::future::Future<Output = Result<(), ForkError>>,
+    check: ImagesCheck,
+) -> Result<(), ForkError> {
+    let check = check.passed();
+    tokio::pin!(restore, check);
+    tokio::select! {
+        checked = &mut check => {
+            checked?;
+            restore.await
+        }
+        restored = &mut restore => match restored {
+            Ok(()) => check.await,
+            Err(e) => Err(check.await.err().unwrap_or(e)),
+        },
     }
 }

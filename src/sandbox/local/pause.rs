@@ -23,7 +23,7 @@ use super::{LocalSandbox, CONNECTION_FILE_INSIDE};
 use crate::sandbox::fork::{ForkError, PreparedFork};
 use crate::sandbox::fsutil;
 use crate::sandbox::pause::{
-    keep_recorded, list_images, make_images_dir, open_checked, record, PausedImage,
+    keep_recorded, list_images, make_images_dir, open_checking, record, PausedImage,
 };
 use crate::sandbox::{KernelProcess, LaunchSpec, Launched};
 
@@ -132,8 +132,10 @@ impl LocalSandbox {
                 "a paused kernel resumes over its own workspace, not another".into(),
             ));
         }
-        let images = open_checked(image).await?;
-        self.restore_images(spec, &images, image.pid, image.dump_time)
+        // Restored while checked: a kernel made from damaged images ends before anything
+        // connects to it.
+        let (images, check) = open_checking(image)?;
+        self.restore_images(spec, &images, image.pid, image.dump_time, Some(check))
             .await
     }
 

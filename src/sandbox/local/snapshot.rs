@@ -102,7 +102,7 @@ impl LocalSandbox {
         .map_err(|e| copy_failed(format!("the task failed: {e}")))??;
         let started = match self.copy_own(&user, from, to).await {
             Ok(()) => {
-                self.restore_images(spec, &images, image.pid, image.dump_time)
+                self.restore_images(spec, &images, image.pid, image.dump_time, None)
                     .await
             }
             Err(e) => Err(e),

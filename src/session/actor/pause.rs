@@ -57,16 +57,27 @@ impl Actor {
         // it, the session's kernel (kept with --keep-sessions) runs on as it was.
         let kernel_id = image.kernel_id;
         self.session.save_paused(kernel_id).await;
-        // The state is on disk: the kernel, its memory and its reservation go.
-        if let Some(old) = self.kernel.take() {
-            old.process.terminate().await;
-        }
-        if let Some(key) = self.session.own_workspace {
-            self.sandbox.release_paused(&self.session.user, key).await;
-        }
-        self.carry(&image).await;
+        // The state is on disk: the kernel, its memory and its reservation go, after the
+        // answer (its end, SIGTERM and its sandbox emptied, is 25-35 ms); a resume, a
+        // carry and the session's end wait for it.
+        let (old, memory) = (self.kernel.take(), self.session.take_memory());
+        let (sandbox, user, own) = (
+            self.sandbox.clone(),
+            self.session.user.clone(),
+            self.session.own_workspace,
+        );
+        while self.checkpoints.ending.try_join_next().is_some() {}
+        self.checkpoints.ending.spawn(async move {
+            if let Some(old) = old {
+                old.process.terminate().await;
+            }
+            if let Some(key) = own {
+                sandbox.release_paused(&user, key).await;
+            }
+            drop(memory);
+        });
         self.routes.clear();
-        self.session.release_memory();
+        self.carry(&image).await;
         let info = PauseInfo {
             image_bytes: image.bytes,
             execution_count,
@@ -133,6 +144,12 @@ impl Actor {
         let session = self.session.id;
         let started = Instant::now();
         self.stop_carrying();
+        // The kernel it was paused from is gone first: its sandbox's files are the new one's.
+        self.kernel_ended().await;
+        tracing::debug!(
+            ms = started.elapsed().as_millis() as u64,
+            "TMP ended awaited"
+        );
         if let Some(carrier) = self.config.carrier.get() {
             // Carried: resumed here only while this node holds it, and then its copy goes.
             let why = match carrier.before_resume(session).await {
@@ -228,13 +245,15 @@ impl Actor {
     /// the session paused on this node only, as without the option.
     pub(super) async fn carry(&mut self, image: &PausedImage) {
         let session = self.session.id;
-        let Some(carrier) = self.config.carrier.get() else {
+        let Some(carrier) = self.config.carrier.get().cloned() else {
             return;
         };
         if self.session.own_workspace != Some(session) {
             tracing::info!(%session, "paused session not carried to the other nodes: it has no workspace of its own (it shares its user's, or it is a code context of an E2B sandbox)");
             return;
         }
+        // Its files go as they are once the kernel is gone.
+        self.kernel_ended().await;
         let Some(sandbox) = self.sandbox.carry() else {
             tracing::info!(%session, "paused session not carried to the other nodes: this sandbox cannot carry its kernels");
             return;
@@ -268,6 +287,12 @@ impl Actor {
     }
 
     /// The session resumes or ends: a copy of it still being stored is not.
+    /// Waits until the kernels ending in the background (a paused one, spares, those a
+    /// rewind replaced) are gone.
+    async fn kernel_ended(&mut self) {
+        while self.checkpoints.ending.join_next().await.is_some() {}
+    }
+
     fn stop_carrying(&mut self) {
         if let Some(current) = self.carrying.take() {
             current.store(false, std::sync::atomic::Ordering::SeqCst);

@@ -87,6 +87,20 @@ pub fn pids_cgroup_base(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// `user`'s kernels' cgroup leaves (pids hierarchy) on the local sandbox, sorted.
+pub fn user_leaves(broker: &Broker, user: &str) -> Vec<String> {
+    let dir = pids_cgroup_base(broker.cgroup_name()).join(user);
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Fail instead of hanging.
 pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
     match tokio::time::timeout(scaled(Duration::from_secs(secs)), fut).await {
