@@ -454,6 +454,14 @@ pub trait Sandbox: Send + Sync {
     fn keeps_paused(&self) -> bool {
         false
     }
+    /// Whether a resume must wait for the end of the kernel its session was paused from
+    /// (and for [`Sandbox::release_paused`] after it) before it restores: so where a
+    /// kernel's container is let go only once no kernel runs in it. Otherwise the two
+    /// only share the session's workspace, which the paused kernel, killed, no longer
+    /// writes, and the memory, which the resume's admission waits for when it must.
+    fn resume_waits_for_pause_end(&self) -> bool {
+        true
+    }
     /// The paused kernels an earlier run left with their records (each once: the first call
     /// takes them); whoever takes one resumes or discards it.
     async fn paused_images(&self) -> Vec<pause::PausedImage> {

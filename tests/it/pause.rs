@@ -26,6 +26,7 @@ crate::on_both_backends!(
     another_users_session_cannot_be_paused_or_resumed,
     a_jupyter_client_on_a_paused_session_resumes_it,
     a_session_paused_longer_than_its_held_child_would_wait_comes_back,
+    a_resume_right_after_the_pause_is_admitted_within_the_users_memory,
 );
 
 async fn own(api: &Api) -> String {
@@ -680,6 +681,30 @@ async fn a_session_paused_longer_than_its_held_child_would_wait_comes_back(sandb
     assert_eq!(pause(&api, &a).await.0, 200);
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(out(&api, &a, "print(x)").await, "42");
+    broker.stop().await;
+}
+
+/// The paused kernel ends after the pause's answer, holding its share of its user's memory
+/// until it has: a resume asked at once, by a user whose memory fits one session and not
+/// two, is admitted once that share is back (not refused as if two sessions ran).
+async fn a_resume_right_after_the_pause_is_admitted_within_the_users_memory(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |a| {
+        a.memory_limit = Some(400 << 20);
+        a.session_memory_limit = Some(256 << 20);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(&api, &a, "x = 0").await;
+    for i in 1..=4 {
+        assert_eq!(pause(&api, &a).await.0, 200);
+        let (status, v) = resume(&api, &a).await;
+        assert_eq!(status, 200, "resume {i}: {v}");
+        assert_eq!(out(&api, &a, "x += 1\nprint(x)").await, i.to_string());
+    }
     broker.stop().await;
 }
 

@@ -450,6 +450,11 @@ impl Sandbox for LocalSandbox {
         self.resume_kernel(image, spec).await
     }
 
+    fn resume_waits_for_pause_end(&self) -> bool {
+        // A resumed kernel has a kernel id, a runtime directory and a leaf of its own.
+        false
+    }
+
     fn keeps_paused(&self) -> bool {
         true
     }

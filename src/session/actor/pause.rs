@@ -144,8 +144,9 @@ impl Actor {
         let session = self.session.id;
         let started = Instant::now();
         self.stop_carrying();
-        // The kernel it was paused from is gone first: its sandbox's files are the new one's.
-        self.kernel_ended().await;
+        if self.sandbox.resume_waits_for_pause_end() {
+            self.kernel_ended().await;
+        }
         tracing::debug!(
             ms = started.elapsed().as_millis() as u64,
             "TMP ended awaited"
@@ -162,11 +163,20 @@ impl Actor {
                 return Err(SessionError::ResumeElsewhere { session, why });
             }
         }
-        let memory = match self
+        let mut admitted = self
             .pool
             .admit(&self.session.user, &self.session.limits)
-            .await
-        {
+            .await;
+        if admitted.is_err() && !self.checkpoints.ending.is_empty() {
+            // The kernel it was paused from may still hold its reservation: asked again
+            // once it has ended (SIGKILLed as the pause was answered: milliseconds).
+            self.kernel_ended().await;
+            admitted = self
+                .pool
+                .admit(&self.session.user, &self.session.limits)
+                .await;
+        }
+        let memory = match admitted {
             Ok(memory) => memory,
             Err(e) => {
                 // Still paused: the user may end another session and ask again.
