@@ -90,16 +90,7 @@ fn runtime_dirs(pid: i64) -> Vec<String> {
 
 /// The leaves beside `leaf` (its user's, or its container's), sorted.
 fn leaves(leaf: &std::path::Path) -> Vec<String> {
-    let dir = leaf.parent().unwrap();
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
+    subdirectories(leaf.parent().unwrap())
 }
 
 /// The broker's events in the recording of session `id`.

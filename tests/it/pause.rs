@@ -333,17 +333,7 @@ async fn a_damaged_paused_kernel_leaves_the_session_dead_saying_why(sandbox: &'s
 /// Changes one byte in the middle of the pages image in `dir`, as root could.
 fn flip_a_page_byte(dir: &std::path::Path) {
     use std::os::unix::fs::FileExt;
-    let pages = std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("pages-")
-        })
-        .expect("a pages image");
+    let pages = pages_image(dir);
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)

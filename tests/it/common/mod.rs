@@ -89,7 +89,11 @@ pub fn pids_cgroup_base(name: &str) -> PathBuf {
 
 /// `user`'s kernels' cgroup leaves (pids hierarchy) on the local sandbox, sorted.
 pub fn user_leaves(broker: &Broker, user: &str) -> Vec<String> {
-    let dir = pids_cgroup_base(broker.cgroup_name()).join(user);
+    subdirectories(&pids_cgroup_base(broker.cgroup_name()).join(user))
+}
+
+/// The names of the directories in `dir` (none when it is gone), sorted.
+pub fn subdirectories(dir: &std::path::Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -531,10 +535,9 @@ pub fn criu_ready() -> bool {
     found
 }
 
-/// Damages a CRIU image directory `dir` as root could (no kernel reaches it): its first
-/// memory pages image cut to half its length.
-pub fn truncate_pages_image(dir: &std::path::Path) {
-    let pages = std::fs::read_dir(dir)
+/// The first memory pages image in the CRIU image directory `dir`.
+pub fn pages_image(dir: &std::path::Path) -> std::path::PathBuf {
+    std::fs::read_dir(dir)
         .unwrap()
         .flatten()
         .map(|e| e.path())
@@ -544,7 +547,13 @@ pub fn truncate_pages_image(dir: &std::path::Path) {
                 .to_string_lossy()
                 .starts_with("pages-")
         })
-        .expect("a pages image");
+        .expect("a pages image")
+}
+
+/// Damages a CRIU image directory `dir` as root could (no kernel reaches it): its first
+/// memory pages image cut to half its length.
+pub fn truncate_pages_image(dir: &std::path::Path) {
+    let pages = pages_image(dir);
     let len = std::fs::metadata(&pages).unwrap().len();
     std::fs::OpenOptions::new()
         .write(true)
