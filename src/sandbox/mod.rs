@@ -454,13 +454,15 @@ pub trait Sandbox: Send + Sync {
     fn keeps_paused(&self) -> bool {
         false
     }
-    /// Whether a resume must wait for the end of the kernel its session was paused from
-    /// (and for [`Sandbox::release_paused`] after it) before it restores: so where a
-    /// kernel's container is let go only once no kernel runs in it. Otherwise the two
-    /// only share the session's workspace, which the paused kernel, killed, no longer
-    /// writes, and the memory, which the resume's admission waits for when it must.
-    fn resume_waits_for_pause_end(&self) -> bool {
-        true
+    /// Whether a paused kernel may end (and [`Sandbox::release_paused`] run) after the
+    /// pause is answered, beside a resume: where the kernel restored has a kernel id,
+    /// runtime directory and leaf of its own and shares nothing with the paused one but
+    /// the session's workspace (which the paused kernel, killed, no longer writes) and
+    /// memory (which the resume's admission waits for when it must). Not where a pause
+    /// lets a container go once no kernel runs in it (Docker: a resume of one E2B
+    /// context could take the container another context's end is removing).
+    fn paused_kernel_ends_after_answer(&self) -> bool {
+        false
     }
     /// The paused kernels an earlier run left with their records (each once: the first call
     /// takes them); whoever takes one resumes or discards it.

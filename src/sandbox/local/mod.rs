@@ -450,9 +450,9 @@ impl Sandbox for LocalSandbox {
         self.resume_kernel(image, spec).await
     }
 
-    fn resume_waits_for_pause_end(&self) -> bool {
+    fn paused_kernel_ends_after_answer(&self) -> bool {
         // A resumed kernel has a kernel id, a runtime directory and a leaf of its own.
-        false
+        true
     }
 
     fn keeps_paused(&self) -> bool {

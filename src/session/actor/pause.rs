@@ -57,17 +57,17 @@ impl Actor {
         // it, the session's kernel (kept with --keep-sessions) runs on as it was.
         let kernel_id = image.kernel_id;
         self.session.save_paused(kernel_id).await;
-        // The state is on disk: the kernel, its memory and its reservation go, after the
-        // answer (its end, SIGTERM and its sandbox emptied, is 25-35 ms); a resume, a
-        // carry and the session's end wait for it.
+        // The state is on disk: the kernel, its memory and its reservation go. Where the
+        // sandbox allows, after the answer (its end, SIGKILL and its sandbox emptied, is
+        // 15-35 ms); a carry and the session's end wait for it, a resume only when its
+        // memory needs that kernel's share back.
         let (old, memory) = (self.kernel.take(), self.session.take_memory());
         let (sandbox, user, own) = (
             self.sandbox.clone(),
             self.session.user.clone(),
             self.session.own_workspace,
         );
-        while self.checkpoints.ending.try_join_next().is_some() {}
-        self.checkpoints.ending.spawn(async move {
+        let end = async move {
             if let Some(old) = old {
                 old.process.terminate().await;
             }
@@ -75,7 +75,13 @@ impl Actor {
                 sandbox.release_paused(&user, key).await;
             }
             drop(memory);
-        });
+        };
+        if self.sandbox.paused_kernel_ends_after_answer() {
+            while self.checkpoints.ending.try_join_next().is_some() {}
+            self.checkpoints.ending.spawn(end);
+        } else {
+            end.await;
+        }
         self.routes.clear();
         self.carry(&image).await;
         let info = PauseInfo {
@@ -144,9 +150,6 @@ impl Actor {
         let session = self.session.id;
         let started = Instant::now();
         self.stop_carrying();
-        if self.sandbox.resume_waits_for_pause_end() {
-            self.kernel_ended().await;
-        }
         tracing::debug!(
             ms = started.elapsed().as_millis() as u64,
             "TMP ended awaited"
