@@ -150,10 +150,6 @@ impl Actor {
         let session = self.session.id;
         let started = Instant::now();
         self.stop_carrying();
-        tracing::debug!(
-            ms = started.elapsed().as_millis() as u64,
-            "TMP ended awaited"
-        );
         if let Some(carrier) = self.config.carrier.get() {
             // Carried: resumed here only while this node holds it, and then its copy goes.
             let why = match carrier.before_resume(session).await {
