@@ -206,6 +206,9 @@ impl KernelProcess for EgressKernel {
     fn can_hold_as_checkpoint(&self) -> bool {
         self.inner.can_hold_as_checkpoint()
     }
+    fn continue_stopped(&self) {
+        self.inner.continue_stopped()
+    }
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         self.inner.set_live_oom_score()
     }

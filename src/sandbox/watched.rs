@@ -184,6 +184,12 @@ pub(crate) trait BackendKernel: Send + Sync + 'static {
     fn freezer(&self) -> Option<&super::cgroup::Freezer> {
         None
     }
+    /// See [`KernelProcess::continue_stopped`]: every process of its leaf.
+    fn continue_stopped(&self) {
+        if let Some(freezer) = self.freezer() {
+            freezer.continue_all();
+        }
+    }
 }
 
 /// The handle the session layer holds, for any backend. Dropping it kills the kernel.
@@ -250,6 +256,12 @@ impl<K: BackendKernel> KernelProcess for WatchedKernel<K> {
 
     fn can_hold_as_checkpoint(&self) -> bool {
         self.kernel.freezer().is_some()
+    }
+
+    fn continue_stopped(&self) {
+        if !self.kernel.watch().has_exited() {
+            self.kernel.continue_stopped();
+        }
     }
 
     async fn settle(&self) {

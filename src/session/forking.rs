@@ -46,7 +46,7 @@ pub(super) async fn fork_connected(
         .await
         .map_err(|e| fork_error(session, e))?;
     let (prepared, msg_id) = send_fork_request(sandbox, session, source, prepared).await?;
-    let reply = shell_reply(&mut source.events, &msg_id);
+    let reply = reply_while_alive(source, &msg_id);
     let ended = "the kernel ended before it answered";
     adopt_connected(
         sandbox, options, session, prepared, key, &user, reply, ended,
@@ -87,7 +87,7 @@ pub(super) async fn requested_pid(
 ) -> Result<(PreparedFork, i64), SessionError> {
     let (prepared, msg_id) = send_fork_request(sandbox, session, source, prepared).await?;
     let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
-    let reply = shell_reply(&mut source.events, &msg_id);
+    let reply = reply_while_alive(source, &msg_id);
     let ended = "the kernel ended before it answered";
     match bounded_reply(session, limit, reply, ended)
         .await
@@ -116,6 +116,19 @@ pub(super) async fn shell_reply(events: &mut KernelEvents, msg_id: &str) -> Opti
             Some(_) => {}
             None => return None,
         }
+    }
+}
+
+/// [`shell_reply`], or `None` as soon as `source`'s process ends: a kernel that dies with
+/// the request unread (a checkpoint its live kernel killed while it was frozen, killed as
+/// it is thawed) does not always close its sockets' connections at once, and the answer
+/// would be waited for to its bound.
+async fn reply_while_alive(source: &mut Live, msg_id: &str) -> Option<Message> {
+    let process = source.process.clone();
+    tokio::select! {
+        biased;
+        reply = shell_reply(&mut source.events, msg_id) => reply,
+        _ = process.wait() => None,
     }
 }
 

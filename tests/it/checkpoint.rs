@@ -17,6 +17,7 @@ on_both_backends!(
     a_fork_of_a_checkpoint_is_a_new_session_with_its_state,
     a_checkpoints_processes_do_not_run,
     executions_sent_together_each_get_their_checkpoint,
+    a_checkpoint_its_kernel_stops_or_kills_fails_nothing_and_hangs_nothing,
 );
 
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
@@ -1174,5 +1175,131 @@ async fn a_second_rewind_to_a_checkpoint_takes_the_kernel_made_for_it_meanwhile(
     assert_eq!(api.delete(&format!("/v1/sessions/{a}")).await.0, 204);
     // (The pool's kernel that became the session's was replaced by another: as many.)
     assert_eq!(user_leaves(&broker, "alice").len(), before.len());
+    broker.stop().await;
+}
+
+/// The session's pid of its one checkpoint's process, found from inside the live kernel
+/// (local: the kernel's child with a single thread; Docker: the kernel's parent, the
+/// frozen former live kernel), and what `/proc` says its state is.
+const FIND_CHECKPOINT: &str = "import os, signal, time\n\
+    def checkpoint_pid():\n\
+    \x20   me = os.getpid()\n\
+    \x20   kids = [int(c) for t in os.listdir(f'/proc/{me}/task') for c in open(f'/proc/{me}/task/{t}/children').read().split()]\n\
+    \x20   held = [c for c in kids if open(f'/proc/{c}/status').read().count('Threads:\\t1\\n')]\n\
+    \x20   return held[0] if held else os.getppid()\n\
+    def state(pid):\n\
+    \x20   return open(f'/proc/{pid}/stat').read().rsplit(') ', 1)[1].split()[0]";
+
+/// The kernel is the attacker of its own checkpoints (issue 36, item 6): one it stops with
+/// SIGSTOP is still rewound to, at once (the broker continues it before it wakes it, on
+/// both sandboxes), and one it kills is refused clearly and listed as dropped, with why; the
+/// session goes on with its state.
+async fn a_checkpoint_its_kernel_stops_or_kills_fails_nothing_and_hangs_nothing(
+    sandbox: &'static str,
+) {
+    // A launch timeout of 40 s bounds a fork's reply: a wake that waited for it would show.
+    let broker = Broker::start(sandbox, |a| {
+        forking(a);
+        a.launch_timeout = Some(40);
+    })
+    .await;
+    let api = broker.api(ALICE);
+    let a = api.create().await;
+    out(&api, &a, FIND_CHECKPOINT).await;
+    out(&api, &a, "x = 1").await;
+    let cp = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    let stopped = out(
+        &api,
+        &a,
+        "x = 2\n\
+         c = checkpoint_pid()\n\
+         os.kill(c, signal.SIGSTOP)\n\
+         for _ in range(200):\n\
+         \x20   if state(c) in 'TD': break\n\
+         \x20   time.sleep(0.01)\n\
+         print(state(c))",
+    )
+    .await;
+    // (Docker's checkpoint is frozen, `D`: the stop is pending until it is thawed.)
+    assert!(
+        stopped == "T" || (sandbox == "docker" && stopped == "D"),
+        "the checkpoint was not stopped: {stopped}"
+    );
+    let started = std::time::Instant::now();
+    let (status, v) = rewind(&api, &a, &cp).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "the rewind to a stopped checkpoint took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+
+    // Killed: the rewind is refused at once, saying so; the checkpoint is listed as dropped.
+    out(&api, &a, &format!("{FIND_CHECKPOINT}\nx = 3")).await;
+    let cp2 = take(&api, &a).await["id"].as_str().unwrap().to_string();
+    out(
+        &api,
+        &a,
+        "x = 4\n\
+         c = checkpoint_pid()\n\
+         os.kill(c, signal.SIGKILL)",
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let (status, v) = rewind(&api, &a, &cp2).await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["code"], "checkpoint_not_found", "{v}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "the rewind to a killed checkpoint took {:?}",
+        started.elapsed()
+    );
+    let l = list(&api, &a).await;
+    let ids: Vec<&str> = l["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [cp.as_str()], "{l}");
+    assert_eq!(l["dropped"][0]["id"], cp2.as_str(), "{l}");
+    assert!(
+        l["dropped"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("its kernel ended"),
+        "{l}"
+    );
+    // The session goes on where it was, and its other checkpoint still works.
+    assert_eq!(out(&api, &a, "print(x)").await, "4");
+    let (status, v) = rewind(&api, &a, &cp).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(out(&api, &a, "print(x)").await, "1");
+    if sandbox == "local" {
+        // The rewind's spare (the kernel the next rewind there takes), stopped by the
+        // session's kernel, is continued as it becomes the live kernel.
+        let spare = spares(&api, &a, 1).await;
+        let stopped = out(
+            &api,
+            &a,
+            &format!(
+                "{FIND_CHECKPOINT}\nos.kill({0}, signal.SIGSTOP)\n\
+                 for _ in range(200):\n\
+                 \x20   if state({0}) == 'T': break\n\
+                 \x20   time.sleep(0.01)\n\
+                 print(state({0}))",
+                spare[0]
+            ),
+        )
+        .await;
+        assert_eq!(stopped, "T");
+        let (status, v) = rewind(&api, &a, &cp).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            out(&api, &a, "import os; print(x, os.getpid())").await,
+            format!("1 {}", spare[0])
+        );
+    }
     broker.stop().await;
 }

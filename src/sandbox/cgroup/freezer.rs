@@ -92,6 +92,18 @@ impl Freezer {
         Ok(())
     }
 
+    /// Sends SIGCONT to every process of the leaf (`KernelProcess::continue_stopped`). A
+    /// v1-frozen process stays frozen; the stop it had pending is dropped, so it runs once
+    /// thawed.
+    pub fn continue_all(&self) {
+        for pid in self.pids() {
+            if pid > 0 {
+                // SAFETY: kill(2) has no memory-safety preconditions.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            }
+        }
+    }
+
     /// Sets `oom_score_adj` of every process of the leaf (1000: a checkpoint, the OOM
     /// killer's first choice; the kernels' own value: a live kernel again).
     ///

@@ -118,6 +118,19 @@ impl BackendKernel for LocalKernel {
         self.freezer.as_ref()
     }
 
+    /// Its leaf's processes, and the kernel itself: a held checkpoint is adopted before
+    /// its leaf is its own (`checkpoint.rs`), and has no freezer of its own then.
+    fn continue_stopped(&self) {
+        if let Some(freezer) = &self.freezer {
+            freezer.continue_all();
+        }
+        if let Some(pid) = self.own_pid() {
+            // SAFETY: kill(2) has no memory-safety preconditions. The pid is the kernel's,
+            // which has not been reaped (`has_exited` is checked first by the caller).
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        }
+    }
+
     /// Waits for a held checkpoint's leaf move (`checkpoint.rs`), which holds the lock.
     async fn settle(&self) {
         drop(self.leaf.lock().await);

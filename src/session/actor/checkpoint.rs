@@ -14,7 +14,7 @@ use chrono::Utc;
 use uuid::Uuid;
 
 use super::blocking::run_blocking;
-use super::held::{end_spare, HeldKernel, Spare};
+use super::held::{end_spare, HeldKernel, Spare, CHECKPOINT_ENDED, ENDED_WAIT};
 use super::pending::PendingCheckpoint;
 use super::Actor;
 use crate::sandbox::fork::{ForkError, PreparedFork};
@@ -319,8 +319,36 @@ impl Actor {
     }
 
     /// Forks checkpoint `id` into a connected kernel for `spec`; the checkpoint is thawed
-    /// only meanwhile. A checkpoint whose kernel ended is dropped.
+    /// only meanwhile. A checkpoint whose kernel ended is dropped, found before the fork or
+    /// by it: one a kernel of its session killed (its child, or parent, of the same uid)
+    /// fails the fork at once, and is then dropped as one the OOM killer took is.
     async fn fork_checkpoint_kernel(
+        &mut self,
+        id: Uuid,
+        spec: LaunchSpec,
+        action: &'static str,
+    ) -> Result<(Live, u64), SessionError> {
+        let forked = self.fork_checkpoint_kernel_once(id, spec, action).await;
+        if forked.is_err() {
+            let i = self.checkpoints.held.iter().position(|h| h.info.id == id);
+            if let Some(i) = i {
+                if self.checkpoints.held[i]
+                    .kernel
+                    .ended_within(ENDED_WAIT)
+                    .await
+                {
+                    self.drop_checkpoint(id, CHECKPOINT_ENDED.into()).await;
+                    return Err(SessionError::CheckpointNotFound {
+                        session: self.session.id,
+                        checkpoint: id,
+                    });
+                }
+            }
+        }
+        forked
+    }
+
+    async fn fork_checkpoint_kernel_once(
         &mut self,
         id: Uuid,
         spec: LaunchSpec,
@@ -337,11 +365,7 @@ impl Actor {
                 checkpoint: id,
             })?;
         if self.checkpoints.held[i].kernel.exited() {
-            self.drop_checkpoint(
-                id,
-                "its kernel ended (the OOM killer takes checkpoints first)".into(),
-            )
-            .await;
+            self.drop_checkpoint(id, CHECKPOINT_ENDED.into()).await;
             return Err(SessionError::CheckpointNotFound {
                 session,
                 checkpoint: id,
@@ -355,14 +379,20 @@ impl Actor {
         };
         let process = frozen.process.clone();
         let p = process.clone();
-        run_blocking(move || p.hold_as_checkpoint(false))
-            .await
-            .map_err(|why| SessionError::CheckpointFailed {
-                session,
-                action,
-                why: format!("the checkpoint could not be thawed: {why}"),
-                source: None,
-            })?;
+        // Thawed, then continued: a stop its live kernel sent it (its child on this
+        // sandbox, of the same uid) was pending while it was frozen.
+        run_blocking(move || {
+            p.hold_as_checkpoint(false)?;
+            p.continue_stopped();
+            Ok(())
+        })
+        .await
+        .map_err(|why| SessionError::CheckpointFailed {
+            session,
+            action,
+            why: format!("the checkpoint could not be thawed: {why}"),
+            source: None,
+        })?;
         let held = &mut self.checkpoints.held[i];
         let count = held.info.execution_count;
         let HeldKernel::Frozen(frozen) = &mut held.kernel else {

@@ -55,7 +55,23 @@ impl HeldKernel {
             Self::Frozen(live) => live.exited(),
         }
     }
+
+    /// Whether its process has ended, or ends within `wait` (a fork that failed because it
+    /// died may be told before the process's watcher is).
+    pub(super) async fn ended_within(&mut self, wait: std::time::Duration) -> bool {
+        let process = match self {
+            Self::Waiting { process, .. } => process.clone(),
+            Self::Frozen(live) => live.process.clone(),
+        };
+        tokio::time::timeout(wait, process.wait()).await.is_ok()
+    }
 }
+
+/// Why a checkpoint whose kernel ended is dropped.
+pub(super) const CHECKPOINT_ENDED: &str = "its kernel ended (the OOM killer takes checkpoints \
+    first; a kernel of its session can kill it)";
+/// How long a failed fork of a checkpoint waits to see whether the checkpoint ended.
+pub(super) const ENDED_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Actor {
     /// A held checkpoint (`sandbox/held.rs`): the live kernel forks a held child and goes
@@ -179,6 +195,10 @@ impl Actor {
             end_spare(&mut self.checkpoints.ending, Spare::Ready(Box::new(live)));
             return None;
         }
+        // A kernel of the session may have stopped it (SIGSTOP) while it waited: as the
+        // live kernel it would take no execution.
+        let process = live.process.clone();
+        let _ = tokio::task::spawn_blocking(move || process.continue_stopped()).await;
         self.make_live_score(&live).await;
         Some(live)
     }
@@ -236,6 +256,9 @@ pub(super) fn end_spare(ending: &mut JoinSet<()>, spare: Spare) {
 
 /// What forking a session's held checkpoints needs of its actor (owned: a spare's fork
 /// runs in a task of its own).
+/// How often a checkpoint asked to fork is sent SIGCONT again until it answers.
+const CONTINUE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
 pub(super) struct HeldForks {
     sandbox: Arc<dyn Sandbox>,
     options: ConnectOptions,
@@ -265,7 +288,23 @@ impl HeldForks {
         let request = prepared.request.clone();
         let limit = sandbox.launch_timeout() + FORK_REPLY_GRACE;
         let reply = async move {
-            let answer = control.lock().await.wake(&request, limit).await;
+            let mut control = control.lock().await;
+            let wake = control.wake(&request, limit);
+            tokio::pin!(wake);
+            // Continued at once, and again until it answers: a kernel of the session may
+            // have stopped it (SIGSTOP), or stop it again meanwhile (it is that kernel's
+            // child, or parent, of the same uid). A stopped checkpoint would leave the wake
+            // to wait out its bound.
+            let mut again = tokio::time::interval(CONTINUE_EVERY);
+            let answer = loop {
+                tokio::select! {
+                    answer = &mut wake => break answer,
+                    _ = again.tick() => {
+                        let p = process.clone();
+                        let _ = tokio::task::spawn_blocking(move || p.continue_stopped()).await;
+                    }
+                }
+            };
             Some(wake_reply(answer))
         };
         let ended = "the checkpoint ended before it answered";
