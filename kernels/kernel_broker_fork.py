@@ -153,6 +153,8 @@ ROOT_ENV = "KERNEL_BROKER_FORK_ROOT"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 # A child that has not answered by then is killed and the fork refused.
 READY_TIMEOUT = 30.0
+# How often a child that has not answered yet is sent SIGCONT (``read_answer``).
+CONTINUE_EVERY = 0.05
 # sockaddr_un holds 108 bytes; the longest suffix is "-65535" and a NUL.
 MAX_IP_LENGTH = 100
 MAX_KEY_LENGTH = 1024
@@ -394,7 +396,7 @@ def fork(app, kernel, info, hold=None):
         return pid
     os.close(write_fd)
     try:
-        answer = read_answer(read_fd)
+        answer = read_answer(read_fd, pid)
     finally:
         os.close(read_fd)
     if answer.get("pid") != pid:
@@ -480,18 +482,27 @@ def reap(forks=None):
             forks.discard(pid)
 
 
-def read_answer(fd):
+def read_answer(fd, pid=None):
     """The child's one JSON line on the pipe, or {} at end of file or after the timeout
-    (a child that does not answer in time is killed)."""
+    (a child that does not answer in time is killed). The child `pid` is sent SIGCONT
+    every ``CONTINUE_EVERY`` seconds meanwhile: a thread of a cell may stop this kernel's
+    children (SIGSTOP) as they are made, and a stopped child would never answer."""
     data = b""
     deadline = time.monotonic() + READY_TIMEOUT
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
+        if left <= 0:
+            return {"error": "the child did not answer within %d s" % READY_TIMEOUT}
         # poll, not select: a kernel may hold more than FD_SETSIZE descriptors.
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        if left <= 0 or not poller.poll(left * 1000):
-            return {"error": "the child did not answer within %d s" % READY_TIMEOUT}
+        if not poller.poll(min(left, CONTINUE_EVERY) * 1000):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except OSError:
+                    pass
+            continue
         chunk = os.read(fd, 4096)
         if not chunk:
             break

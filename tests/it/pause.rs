@@ -27,6 +27,7 @@ crate::on_both_backends!(
     a_jupyter_client_on_a_paused_session_resumes_it,
     a_session_paused_longer_than_its_held_child_would_wait_comes_back,
     a_resume_right_after_the_pause_is_admitted_within_the_users_memory,
+    a_kernel_that_stops_its_own_children_never_stalls_a_pause,
 );
 
 async fn own(api: &Api) -> String {
@@ -954,5 +955,58 @@ async fn a_broker_without_checkpoint_restore_refuses_pauses_saying_why() {
     assert!(v.to_string().contains("CAP_CHECKPOINT_RESTORE"), "{v}");
     assert_eq!(out(&api, &a, "print(kept)").await, "5");
     assert_eq!(state_of(&api, &a).await["state"], "idle");
+    broker.stop().await;
+}
+
+/// A thread of the kernel that stops (SIGSTOP) every child the kernel has, over and over,
+/// stops the held child a pause forks as well, before it can say it is held and while
+/// CRIU dumps it. The kernel continues its child until it answers (it waited 30 s for a
+/// stopped one before), and CRIU, interrupted, fails: the pause is refused at once and
+/// clearly, and the session runs on with its state. (Were it to succeed, the resume must
+/// bring the state back.)
+async fn a_kernel_that_stops_its_own_children_never_stalls_a_pause(sandbox: &'static str) {
+    if !criu_ready() {
+        return;
+    }
+    let broker = Broker::start(sandbox, |_| {}).await;
+    let api = broker.api(ALICE);
+    let a = own(&api).await;
+    out(
+        &api,
+        &a,
+        "import os, signal, threading\n\
+         x = 42\n\
+         def stop_children():\n\
+         \x20   me = os.getpid()\n\
+         \x20   while True:\n\
+         \x20       for t in os.listdir(f'/proc/{me}/task'):\n\
+         \x20           try:\n\
+         \x20               for c in open(f'/proc/{me}/task/{t}/children').read().split():\n\
+         \x20                   os.kill(int(c), signal.SIGSTOP)\n\
+         \x20           except OSError:\n\
+         \x20               pass\n\
+         threading.Thread(target=stop_children, daemon=True).start()",
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let (status, v) = pause(&api, &a).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the pause took {:?}: {v}",
+        started.elapsed()
+    );
+    match status {
+        200 => {}
+        502 => {
+            assert_eq!(v["error"]["code"], "pause_failed", "{v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("CRIU"),
+                "{v}"
+            );
+            assert_eq!(state_of(&api, &a).await["state"], "idle");
+        }
+        _ => panic!("the pause answered {status}: {v}"),
+    }
+    assert_eq!(out(&api, &a, "print(x)").await, "42");
     broker.stop().await;
 }
