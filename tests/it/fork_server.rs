@@ -9,6 +9,8 @@ use common::forked::{link, links, out, parent_of, planted_modules_reach_no_later
 use common::*;
 use serde_json::{json, Value};
 
+crate::on_both_backends!(the_python3_specs_env_reaches_forked_kernels);
+
 fn forking(a: &mut kernel_broker::config::ServeArgs) {
     a.fork_server = Some(true);
     a.preload = Some("numpy,pandas,matplotlib".into());
@@ -534,4 +536,38 @@ async fn planted_modules_reach_no_later_session_of_the_user() {
     let b = api.create().await;
     planted_modules_reach_no_later_session(&api, &a, &b, true).await;
     broker.stop().await;
+}
+
+/// The python3 spec's own `env` (its `kernel.json`) reaches kernels forked from the
+/// template as it reaches started ones (the local sandbox's template has it too): the
+/// template runs with it, and its forks inherit it.
+async fn the_python3_specs_env_reaches_forked_kernels(sandbox: &'static str) {
+    let specs = tempfile::tempdir().unwrap();
+    let dir = specs.path().join("python3");
+    std::fs::create_dir(&dir).unwrap();
+    let mut spec: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("kernels/python3/kernel.json")).unwrap(),
+    )
+    .unwrap();
+    spec["env"] = json!({"KB_SPEC_MARK": "from-the-spec", "KB_SPEC_OTHER": "spec"});
+    std::fs::write(dir.join("kernel.json"), spec.to_string()).unwrap();
+    let b = Broker::start(sandbox, |a| {
+        a.kernels_dir = Some(specs.path().to_path_buf());
+        a.python = Some(repo().join("kernels/.venv/bin/python"));
+    })
+    .await;
+    let api = b.api(ALICE);
+    let id = api.create().await;
+    assert!(
+        out(&api, &id, "import sys; print('numpy' in sys.modules)").await == "True",
+        "not a fork of the template (which preloads the data stack)"
+    );
+    let seen = out(
+        &api,
+        &id,
+        "import os; print(os.environ.get('KB_SPEC_MARK'), os.environ.get('KB_SPEC_OTHER'))",
+    )
+    .await;
+    assert_eq!(seen, "from-the-spec spec");
+    b.stop().await;
 }

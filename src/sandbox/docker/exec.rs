@@ -237,11 +237,7 @@ impl Inner {
         // The spec's own variables (its kernel.json's `env`: Deno's `NO_COLOR`, jjava's
         // startup statement), as the local sandbox sets them: before the runtimes' bounds
         // and the tenant's, which win (`last_wins` below).
-        if let Some(kernel) = self.kernel_spec(&spec.kernel_name) {
-            let mut own: Vec<String> = kernel.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            own.sort();
-            env.extend(own);
-        }
+        env.extend(self.spec_env(&spec.kernel_name));
         // The runtimes' own memory bounds (a JVM's heap, R's vectors: `runtime_env`).
         env.extend(
             runtime_env(&spec.limits, &spec.user.limits)

@@ -288,7 +288,11 @@ impl Inner {
             wait = wait_for_go(dir),
         );
         let cmd = vec!["sh".to_string(), "-c".to_string(), command];
-        let exec_id = create_kernel_exec(docker, &container.id, cmd, base_env(&user.limits), true)
+        // The python3 spec's own variables (its kernel.json's `env`), which its forks
+        // inherit, as the local template has them; a session's own are set in each fork.
+        let mut env = base_env(&user.limits);
+        env.extend(self.spec_env("python3"));
+        let exec_id = create_kernel_exec(docker, &container.id, cmd, env, true)
             .await
             .map_err(|source| TemplateError::ExecNotCreated {
                 advice: self.advice(&source),
