@@ -196,9 +196,12 @@ impl Actor {
             return None;
         }
         // A kernel of the session may have stopped it (SIGSTOP) while it waited: as the
-        // live kernel it would take no execution.
+        // live kernel it would take no execution (which waits in its socket meanwhile; the
+        // rewind does not wait for the blocking thread this takes).
         let process = live.process.clone();
-        let _ = tokio::task::spawn_blocking(move || process.continue_stopped()).await;
+        drop(tokio::task::spawn_blocking(move || {
+            process.continue_stopped()
+        }));
         self.make_live_score(&live).await;
         Some(live)
     }
@@ -294,15 +297,20 @@ impl HeldForks {
             // Continued at once, and again until it answers: a kernel of the session may
             // have stopped it (SIGSTOP), or stop it again meanwhile (it is that kernel's
             // child, or parent, of the same uid). A stopped checkpoint would leave the wake
-            // to wait out its bound.
-            let mut again = tokio::time::interval(CONTINUE_EVERY);
+            // to wait out its bound. Beside the wake, never before it: each is a hop to a
+            // blocking thread, which the request does not wait for.
+            let continue_it = || {
+                let p = process.clone();
+                drop(tokio::task::spawn_blocking(move || p.continue_stopped()));
+            };
+            continue_it();
+            let start = tokio::time::Instant::now() + CONTINUE_EVERY;
+            let mut again = tokio::time::interval_at(start, CONTINUE_EVERY);
             let answer = loop {
                 tokio::select! {
+                    biased;
                     answer = &mut wake => break answer,
-                    _ = again.tick() => {
-                        let p = process.clone();
-                        let _ = tokio::task::spawn_blocking(move || p.continue_stopped()).await;
-                    }
+                    _ = again.tick() => continue_it(),
                 }
             };
             Some(wake_reply(answer))
