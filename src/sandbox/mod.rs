@@ -292,11 +292,12 @@ pub trait KernelProcess: Send + Sync {
     fn set_live_oom_score(&self) -> Result<(), SandboxError> {
         Ok(())
     }
-    /// Sends SIGCONT to every process of the kernel's leaf: a checkpoint is asked to fork
-    /// only once this has undone any SIGSTOP a kernel of its session sent it (it is the
-    /// live kernel's child, or parent, of the same uid), so a stopped checkpoint answers
-    /// instead of leaving the rewind to wait out its bound. Blocking (reads the leaf's
-    /// `cgroup.procs`); harmless to a process that is not stopped.
+    /// Sends SIGCONT to the kernel and every process of its leaf: a checkpoint asked to
+    /// fork, and a spare made live, are sent it, undoing any SIGSTOP a kernel of their
+    /// session sent them (the live kernel's child, or parent, of the same uid), so a
+    /// stopped checkpoint answers instead of leaving the rewind to wait out its bound.
+    /// Blocking (reads the leaf's `cgroup.procs`); harmless to a process that is not
+    /// stopped.
     fn continue_stopped(&self) {}
 }
 

@@ -329,7 +329,14 @@ impl Actor {
         action: &'static str,
     ) -> Result<(Live, u64), SessionError> {
         let forked = self.fork_checkpoint_kernel_once(id, spec, action).await;
-        if forked.is_err() {
+        // Only a failure of the checkpoint's own (not a refusal before it was asked, such
+        // as the user's memory) may be its death.
+        if let Err(
+            SessionError::ForkFailed { .. }
+            | SessionError::CheckpointFailed { .. }
+            | SessionError::ForkTimedOut { .. },
+        ) = &forked
+        {
             let i = self.checkpoints.held.iter().position(|h| h.info.id == id);
             if let Some(i) = i {
                 if self.checkpoints.held[i]

@@ -70,8 +70,9 @@ impl HeldKernel {
 /// Why a checkpoint whose kernel ended is dropped.
 pub(super) const CHECKPOINT_ENDED: &str = "its kernel ended (the OOM killer takes checkpoints \
     first; a kernel of its session can kill it)";
-/// How long a failed fork of a checkpoint waits to see whether the checkpoint ended.
-pub(super) const ENDED_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a failed fork of a checkpoint waits to see whether the checkpoint ended (its
+/// watcher may learn it a moment after the fork did).
+pub(super) const ENDED_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Actor {
     /// A held checkpoint (`sandbox/held.rs`): the live kernel forks a held child and goes
