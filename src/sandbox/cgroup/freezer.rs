@@ -79,15 +79,11 @@ impl Freezer {
                 v1_thaw(&home, &fdir, self.v1_home.is_none())
             };
         }
-        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
         if frozen {
             tracing::warn!(cgroup = %dir.display(), "no cgroup freezer here: the checkpoint is stopped with SIGSTOP, which another kernel of its user could undo");
-        }
-        for pid in self.pids() {
-            if pid > 0 {
-                // SAFETY: kill(2) has no memory-safety preconditions.
-                unsafe { libc::kill(pid, signal) };
-            }
+            self.signal_all(libc::SIGSTOP);
+        } else {
+            self.continue_all();
         }
         Ok(())
     }
@@ -96,10 +92,14 @@ impl Freezer {
     /// v1-frozen process stays frozen; the stop it had pending is dropped, so it runs once
     /// thawed.
     pub fn continue_all(&self) {
+        self.signal_all(libc::SIGCONT);
+    }
+
+    fn signal_all(&self, signal: i32) {
         for pid in self.pids() {
             if pid > 0 {
                 // SAFETY: kill(2) has no memory-safety preconditions.
-                unsafe { libc::kill(pid, libc::SIGCONT) };
+                unsafe { libc::kill(pid, signal) };
             }
         }
     }

@@ -199,10 +199,7 @@ impl Actor {
         // A kernel of the session may have stopped it (SIGSTOP) while it waited: as the
         // live kernel it would take no execution (which waits in its socket meanwhile; the
         // rewind does not wait for the blocking thread this takes).
-        let process = live.process.clone();
-        drop(tokio::task::spawn_blocking(move || {
-            process.continue_stopped()
-        }));
+        continue_beside(&live.process);
         self.make_live_score(&live).await;
         Some(live)
     }
@@ -260,6 +257,13 @@ pub(super) fn end_spare(ending: &mut JoinSet<()>, spare: Spare) {
 
 /// What forking a session's held checkpoints needs of its actor (owned: a spare's fork
 /// runs in a task of its own).
+/// Sends `process` SIGCONT (`KernelProcess::continue_stopped`) on a blocking thread, not
+/// waited for: whatever it is sent meanwhile waits in its socket until it runs.
+fn continue_beside(process: &Arc<dyn KernelProcess>) {
+    let p = process.clone();
+    drop(tokio::task::spawn_blocking(move || p.continue_stopped()));
+}
+
 /// How often a checkpoint asked to fork is sent SIGCONT again until it answers.
 const CONTINUE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -300,18 +304,14 @@ impl HeldForks {
             // child, or parent, of the same uid). A stopped checkpoint would leave the wake
             // to wait out its bound. Beside the wake, never before it: each is a hop to a
             // blocking thread, which the request does not wait for.
-            let continue_it = || {
-                let p = process.clone();
-                drop(tokio::task::spawn_blocking(move || p.continue_stopped()));
-            };
-            continue_it();
+            continue_beside(&process);
             let start = tokio::time::Instant::now() + CONTINUE_EVERY;
             let mut again = tokio::time::interval_at(start, CONTINUE_EVERY);
             let answer = loop {
                 tokio::select! {
                     biased;
                     answer = &mut wake => break answer,
-                    _ = again.tick() => continue_it(),
+                    _ = again.tick() => continue_beside(&process),
                 }
             };
             Some(wake_reply(answer))
