@@ -17,7 +17,7 @@ use super::launch::{ready_kernel, Connected, Live};
 use crate::kernel::{ConnectOptions, KernelClient, KernelEvent, KernelEvents};
 use crate::sandbox::fork::ForkError;
 use crate::sandbox::fork::PreparedFork;
-use crate::sandbox::{LaunchSpec, Sandbox};
+use crate::sandbox::{KernelProcess, LaunchSpec, Sandbox};
 use crate::wire::{Channel, Message};
 
 /// How long the kernel may take to answer a fork request beyond the sandbox's launch
@@ -25,6 +25,16 @@ use crate::wire::{Channel, Message};
 pub(super) const FORK_REPLY_GRACE: Duration = Duration::from_secs(10);
 /// The largest reply content accepted (a good one is about 40 bytes).
 const MAX_REPLY_BYTES: usize = 4096;
+
+/// Sends `process` SIGCONT (`KernelProcess::continue_stopped`) on a blocking thread, not
+/// waited for: whatever it is sent meanwhile waits in its socket until it runs.
+pub(crate) fn continue_beside(process: &Arc<dyn KernelProcess>) {
+    let p = process.clone();
+    drop(tokio::task::spawn_blocking(move || p.continue_stopped()));
+}
+
+/// How often a checkpoint asked to fork is sent SIGCONT again until it answers.
+pub(crate) const CONTINUE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Forks `source` (a kernel nobody else reads from now: a checkpoint, or the live kernel
 /// of an actor that waits for this) into a connected kernel for `spec`. `session` names
@@ -208,14 +218,27 @@ pub(super) async fn adopt_connected<R: Borrow<Message>>(
             None => connect.await,
         }
     };
-    let live = ready_kernel(launched.process, key, connected)
-        .await
-        .map_err(|e| SessionError::ForkFailed {
-            session,
-            // What ended it (the child died, a channel failed) is the caller's to see.
-            why: format!("the fork did not become ready: {e}"),
-            source: Some(Box::new(e)),
-        })?;
+    // Continued while it is readied, past the first moments: a kernel of its session (its
+    // parent, or its checkpoint's parent) may stop it (SIGSTOP) before it is ready, which
+    // would leave the fork to wait out its bound.
+    let process: Arc<dyn KernelProcess> = Arc::from(launched.process);
+    let ready = ready_kernel(process.clone(), key, connected);
+    tokio::pin!(ready);
+    let start = tokio::time::Instant::now() + CONTINUE_EVERY;
+    let mut again = tokio::time::interval_at(start, CONTINUE_EVERY);
+    let readied = loop {
+        tokio::select! {
+            biased;
+            readied = &mut ready => break readied,
+            _ = again.tick() => continue_beside(&process),
+        }
+    };
+    let live = readied.map_err(|e| SessionError::ForkFailed {
+        session,
+        // What ended it (the child died, a channel failed) is the caller's to see.
+        why: format!("the fork did not become ready: {e}"),
+        source: Some(Box::new(e)),
+    })?;
     tracing::debug!(
         %session,
         replied_us = replied.as_micros() as u64,

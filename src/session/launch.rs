@@ -66,7 +66,7 @@ pub(crate) async fn connect_kernel(
     let Launched { endpoints, process } = launched;
     let k = key.clone();
     let connect = async move { KernelClient::connect(&endpoints, &k, user, options, limit).await };
-    ready_kernel(process, key, connect).await
+    ready_kernel(Arc::from(process), key, connect).await
 }
 
 /// What a connection to a kernel's sockets returns once the kernel is ready.
@@ -76,11 +76,10 @@ pub(crate) type Connected = Result<(KernelClient, KernelEvents, Message), Kernel
 /// process was known, for a fork), watching the process meanwhile; a kernel that does not
 /// become ready is terminated.
 pub(crate) async fn ready_kernel(
-    process: Box<dyn KernelProcess>,
+    process: Arc<dyn KernelProcess>,
     key: String,
     connect: impl std::future::Future<Output = Connected>,
 ) -> Result<Live, SessionError> {
-    let process: Arc<dyn KernelProcess> = Arc::from(process);
     // Fail fast if the process dies while we wait for it to become ready.
     let p = process.clone();
     let before_ready = |reason: ExitReason| SessionError::DiedBeforeReady { reason };

@@ -24,6 +24,7 @@ use crate::session::error::SessionError;
 use crate::session::forking::{
     adopt_connected, checkpoint_failed as failed, fork_error, requested_pid, FORK_REPLY_GRACE,
 };
+use crate::session::forking::{continue_beside, CONTINUE_EVERY};
 use crate::session::launch::Live;
 use crate::wire::Message;
 
@@ -257,16 +258,6 @@ pub(super) fn end_spare(ending: &mut JoinSet<()>, spare: Spare) {
 
 /// What forking a session's held checkpoints needs of its actor (owned: a spare's fork
 /// runs in a task of its own).
-/// Sends `process` SIGCONT (`KernelProcess::continue_stopped`) on a blocking thread, not
-/// waited for: whatever it is sent meanwhile waits in its socket until it runs.
-fn continue_beside(process: &Arc<dyn KernelProcess>) {
-    let p = process.clone();
-    drop(tokio::task::spawn_blocking(move || p.continue_stopped()));
-}
-
-/// How often a checkpoint asked to fork is sent SIGCONT again until it answers.
-const CONTINUE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
-
 pub(super) struct HeldForks {
     sandbox: Arc<dyn Sandbox>,
     options: ConnectOptions,
